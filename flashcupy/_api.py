@@ -1,0 +1,254 @@
+"""The public interface: argument checks, degenerate shapes, and dispatch.
+
+Every call goes through here once. All validation happens before any backend
+is touched, and backends never re-validate: they receive a `Problem` that
+describes shapes and options, plus arrays that are known to be consistent.
+
+Semantics (documented once, in README.md, "Semantics"):
+- q is (batch, seqlen_q, heads_q, head_dim); k, v are (batch, seqlen_k, heads_kv, head_dim).
+- GQA/MQA: query head h reads kv head h // (heads_q // heads_kv).
+- causal is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+- a query row that sees no key gets out 0, lse -inf and zero gradients.
+- lse is the natural-log logsumexp of the scaled scores, shape (batch, heads_q, seqlen_q).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import backends
+
+SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything a backend needs to know besides the arrays themselves."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: np.dtype
+    causal: bool
+    scale: float
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head (1 for plain multi-head attention)."""
+        return self.heads_q // self.heads_kv
+
+    @property
+    def acc_dtype(self) -> np.dtype:
+        """Accumulation dtype: float64 for float64 inputs, float32 otherwise."""
+        return np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
+
+    @property
+    def lse_dtype(self) -> np.dtype:
+        return self.acc_dtype
+
+    @property
+    def lse_shape(self) -> tuple:
+        return (self.batch, self.heads_q, self.seqlen_q)
+
+    @property
+    def causal_offset(self) -> int:
+        """Query i sees key j iff j <= i + causal_offset (bottom-right alignment)."""
+        return self.seqlen_k - self.seqlen_q
+
+    def flops_forward(self) -> float:
+        """Standard count (FlashAttention papers): 4*B*H*Sq*Sk*D, halved when causal."""
+        f = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
+        return f / 2 if self.causal else f
+
+
+# ----------------------------------------------------------------------------
+# validation
+
+
+def array_library(x) -> str | None:
+    """'numpy', 'cupy' or 'numba' for arrays of those libraries, else None."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    root = type(x).__module__.split(".")[0]
+    if root == "cupy" and hasattr(x, "__cuda_array_interface__"):
+        return "cupy"
+    if root == "numba" and hasattr(x, "__cuda_array_interface__"):
+        return "numba"
+    return None
+
+
+def _describe(x) -> str:
+    t = type(x)
+    return f"{t.__module__}.{t.__qualname__}" if t.__module__ != "builtins" else t.__qualname__
+
+
+def _check_arrays(named: dict) -> str:
+    """Every argument is an array of one supported library; returns that library."""
+    libs = {}
+    for name, x in named.items():
+        lib = array_library(x)
+        if lib is None:
+            raise TypeError(
+                f"{name} must be a numpy.ndarray, cupy.ndarray or numba device array, "
+                f"got {_describe(x)}")
+        libs[name] = lib
+    if len(set(libs.values())) > 1:
+        which = ", ".join(f"{n} is {lib}" for n, lib in libs.items())
+        raise TypeError(f"q, k, v (and dout, out, lse) must come from one array library: {which}")
+    return next(iter(libs.values()))
+
+
+def _check_dtypes(named: dict) -> np.dtype:
+    dtypes = {name: np.dtype(x.dtype) for name, x in named.items()}
+    for name, dt in dtypes.items():
+        if dt not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must have dtype float16, float32 or float64, got {dt}")
+    if len(set(dtypes.values())) > 1:
+        which = ", ".join(f"{n} is {dt}" for n, dt in dtypes.items())
+        raise TypeError(f"q, k and v must share one dtype: {which}")
+    return next(iter(dtypes.values()))
+
+
+def _check_strides(name: str, x) -> None:
+    itemsize = np.dtype(x.dtype).itemsize
+    strides = x.strides if x.strides is not None else ()
+    if any(s % itemsize for s in strides):
+        raise ValueError(
+            f"{name} must have strides that are whole multiples of its itemsize {itemsize}, "
+            f"got strides {tuple(strides)} (bytes)")
+
+
+def _check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {_describe(scale)}")
+    s = float(scale)
+    if not math.isfinite(s) or s <= 0:
+        raise ValueError(f"scale must be finite and positive, got {s!r}")
+    return s
+
+
+def _check_backend_name(backend) -> str:
+    if not isinstance(backend, str) or (backend != "auto" and backend not in backends.NAMES):
+        raise ValueError(
+            f"backend must be 'auto' or one of {', '.join(map(repr, backends.NAMES))}, "
+            f"got {backend!r}")
+    return backend
+
+
+def _problem(q, k, v, causal, scale) -> Problem:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must have rank 4 ({'batch, seqlen_q, heads_q' if name == 'q' else 'batch, seqlen_k, heads_kv'}"
+                f", head_dim), got shape {tuple(x.shape)}")
+        _check_strides(name, x)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {_describe(causal)}")
+    B, Sq, Hq, D = q.shape
+    Bk, Sk, Hkv, Dk = k.shape
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape (batch, seqlen_k, heads_kv, head_dim), "
+            f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if Bk != B:
+        raise ValueError(f"k and v must have q's batch size {B}, got {Bk}")
+    if Dk != D:
+        raise ValueError(f"k and v must have q's head_dim {D}, got {Dk}")
+    if D < 1:
+        raise ValueError(f"head_dim must be at least 1, got {D}")
+    if Hq < 1 or Hkv < 1:
+        raise ValueError(f"heads_q and heads_kv must be at least 1, got heads_q={Hq}, heads_kv={Hkv}")
+    if Hq % Hkv:
+        raise ValueError(
+            f"heads_q must be a multiple of heads_kv (GQA/MQA), got heads_q={Hq}, heads_kv={Hkv}")
+    return Problem(B, Sq, Sk, Hq, Hkv, D, np.dtype(q.dtype), bool(causal), _check_scale(scale, D))
+
+
+def _select(backend: str, lib: str):
+    """The backend module for this call; TypeError if it cannot take `lib` arrays."""
+    name = backends.DEFAULT_FOR_LIBRARY[lib] if backend == "auto" else backend
+    mod = backends.load(name)
+    if lib not in mod.ARRAY_LIBRARIES:
+        takes = " or ".join(mod.ARRAY_LIBRARIES)
+        raise TypeError(
+            f"backend {name!r} takes {takes} arrays, got {lib} arrays "
+            f"(flashcupy never copies between host and device behind your back)")
+    return mod
+
+
+# ----------------------------------------------------------------------------
+# public API
+
+
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, backend="auto"):
+    """Exact softmax(q kᵀ · scale) v, computed tile by tile (FlashAttention).
+
+    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
+    heads_q a multiple of heads_kv. Returns out (q's shape and dtype), and with
+    return_lse=True also lse, the natural-log logsumexp, (batch, heads_q, seqlen_q),
+    float32 (float64 for float64 inputs).
+    """
+    backend = _check_backend_name(backend)
+    lib = _check_arrays({"q": q, "k": k, "v": v})
+    _check_dtypes({"q": q, "k": k, "v": v})
+    p = _problem(q, k, v, causal, scale)
+    mod = _select(backend, lib)
+
+    if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
+        # Nothing to attend to: every query row is fully masked (out 0, lse -inf).
+        out = mod.allocate(q, q.shape, p.dtype, 0.0)
+        lse = mod.allocate(q, p.lse_shape, p.lse_dtype, -np.inf)
+    else:
+        out, lse = mod.forward(p, q, k, v)
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, backend="auto"):
+    """Gradients (dq, dk, dv) of attention, given dout and the forward's out and lse.
+
+    dk and dv sum over the query heads that share a kv head. P is recomputed
+    from q, k and lse, so memory stays O(seqlen).
+    """
+    backend = _check_backend_name(backend)
+    named = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+    lib = _check_arrays(named)
+    _check_dtypes({"q": q, "k": k, "v": v})
+    p = _problem(q, k, v, causal, scale)
+    for name, x in (("dout", dout), ("out", out)):
+        if tuple(x.shape) != tuple(q.shape):
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
+        if np.dtype(x.dtype) != p.dtype:
+            raise TypeError(f"{name} must have q's dtype {p.dtype}, got {np.dtype(x.dtype)}")
+        _check_strides(name, x)
+    if tuple(lse.shape) != p.lse_shape:
+        raise ValueError(
+            f"lse must have shape (batch, heads_q, seqlen_q) = {p.lse_shape}, got {tuple(lse.shape)}")
+    if np.dtype(lse.dtype) != p.lse_dtype:
+        raise TypeError(f"lse must have dtype {p.lse_dtype} for {p.dtype} inputs, got {np.dtype(lse.dtype)}")
+    _check_strides("lse", lse)
+    mod = _select(backend, lib)
+
+    if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
+        return (mod.allocate(q, q.shape, p.dtype, 0.0),
+                mod.allocate(q, k.shape, p.dtype, 0.0),
+                mod.allocate(q, v.shape, p.dtype, 0.0))
+    return mod.backward(p, dout, q, k, v, out, lse)
+
+
+def attention_vjp(q, k, v, *, causal=False, scale=None, backend="auto"):
+    """Forward pass plus a closure for the backward: returns (out, vjp), vjp(dout) -> (dq, dk, dv)."""
+    out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend)
+
+    def vjp(dout):
+        return attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
+
+    return out, vjp

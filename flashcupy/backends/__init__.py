@@ -1,0 +1,56 @@
+"""Backend registry.
+
+A backend is a module with:
+
+    NAME: str
+    ARRAY_LIBRARIES: tuple[str, ...]   # array libraries it takes ('numpy', 'cupy', 'numba')
+    unavailable_reason() -> str | None # None when usable on this machine
+    allocate(like, shape, dtype, fill) -> array of like's library filled with `fill`
+    forward(p, q, k, v) -> (out, lse)
+    backward(p, dout, q, k, v, out, lse) -> (dq, dk, dv)
+
+`p` is a validated `flashcupy._api.Problem`. Modules are imported lazily, so a
+backend whose library is missing costs nothing until it is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_MODULES = {
+    "numpy": "flashcupy.backends.numpy_backend",
+    "cupy": "flashcupy.backends.cupy_backend",
+    "numba": "flashcupy.backends.numba_backend",
+}
+
+NAMES = tuple(_MODULES)
+
+# backend="auto": the backend that takes each array library without a copy.
+DEFAULT_FOR_LIBRARY = {"numpy": "numpy", "cupy": "cupy", "numba": "numba"}
+
+
+class BackendUnavailableError(RuntimeError):
+    """The backend exists but cannot run here (library, driver or GPU missing)."""
+
+
+def module(name: str):
+    """The backend's module, imported but not checked for availability."""
+    if name not in _MODULES:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, NAMES))}, got {name!r}")
+    return importlib.import_module(_MODULES[name])
+
+
+def unavailable_reason(name: str) -> str | None:
+    try:
+        mod = module(name)
+    except ImportError as e:  # the backend module itself failed to import
+        return f"import failed: {e}"
+    return mod.unavailable_reason()
+
+
+def load(name: str):
+    """The backend's module, ready to run; BackendUnavailableError if it cannot run here."""
+    reason = unavailable_reason(name)
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {name!r} is not available: {reason}")
+    return module(name)

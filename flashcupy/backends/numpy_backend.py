@@ -1,0 +1,244 @@
+"""NumPy backend: the tiled FlashAttention algorithm on the CPU.
+
+It mirrors the tile loop of the CUDA kernels, so a kernel bug can be bisected
+against it stage by stage. Names follow the FlashAttention-2 paper: Q_i is a
+block of BLOCK_Q query rows, K_j / V_j a block of BLOCK_K keys, m and l the
+running row max and row sum, O the unnormalised output accumulator.
+
+Forward, per (batch, head, query block i):
+    for each key block j that query block i can see:
+        S = (Q_i * scale) K_jᵀ                       BLAS
+        m_new = max(m, rowmax(S))
+        P = exp(S - m_new);   alpha = exp(m - m_new)  (rescales what came before)
+        l = alpha l + rowsum(P);   O = alpha O + P V_j    BLAS
+    out_i = O / l;   lse_i = m + log l
+
+Backward (FlashAttention-2), after the pre-pass D = rowsum(dO ∘ O):
+    per (batch, kv head, key block j), over the query heads sharing it and the
+    query blocks that can see key block j:
+        P = exp(S - lse_i);   dV_j += Pᵀ dO_i;   dP = dO_i V_jᵀ
+        dS = P ∘ (dP - D_i);  dQ_i += scale dS K_j;  dK_j += scale dSᵀ Q_i
+    dQ is accumulated per worker partition and summed in a fixed order, so
+    results are bitwise reproducible for a given thread count.
+
+Nothing of size seqlen_q x seqlen_k is ever allocated: the largest temporaries
+are BLOCK_Q x BLOCK_K tiles, one set per worker thread. Work is spread over
+(batch, head, query block) with a thread pool; NumPy releases the GIL in BLAS
+and in the elementwise loops.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+NAME = "numpy"
+ARRAY_LIBRARIES = ("numpy",)
+
+
+@dataclass
+class Config:
+    """Tunables. BLOCK_Q x BLOCK_K is the tile; NUM_THREADS the worker count."""
+
+    BLOCK_Q: int = 128
+    BLOCK_K: int = 512
+    NUM_THREADS: int = int(os.environ.get("FLASHCUPY_NUM_THREADS", "0")) or (os.cpu_count() or 1)
+
+
+config = Config()
+
+
+def configure(*, block_q=None, block_k=None, num_threads=None) -> Config:
+    """Change tile sizes or the thread count for later calls; returns the config."""
+    for name, value in (("block_q", block_q), ("block_k", block_k), ("num_threads", num_threads)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if block_q is not None:
+        config.BLOCK_Q = block_q
+    if block_k is not None:
+        config.BLOCK_K = block_k
+    if num_threads is not None:
+        config.NUM_THREADS = num_threads
+    return config
+
+
+def unavailable_reason():
+    return None
+
+
+def allocate(like, shape, dtype, fill):
+    return np.full(shape, fill, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------
+# helpers shared by forward and backward
+
+
+def _blocks(n: int, size: int):
+    return [(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def _key_end(p, i1: int) -> int:
+    """One past the last key that query rows [.., i1) can see."""
+    if not p.causal:
+        return p.seqlen_k
+    return max(0, min(p.seqlen_k, i1 + p.causal_offset))
+
+
+def _query_start(p, j0: int) -> int:
+    """First query row that can see key j0."""
+    if not p.causal:
+        return 0
+    return max(0, min(p.seqlen_q, j0 - p.causal_offset))
+
+
+def _apply_causal_mask(S, p, i0: int, j0: int, fill) -> None:
+    """Set S[r, c] = fill where query i0+r cannot see key j0+c (only on diagonal tiles)."""
+    rows, cols = S.shape
+    if not p.causal or j0 + cols - 1 <= i0 + p.causal_offset:
+        return  # every key of this tile is visible to every row
+    limit = np.arange(i0, i0 + rows)[:, None] + p.causal_offset  # last visible key per row
+    S[np.arange(j0, j0 + cols)[None, :] > limit] = fill
+
+
+def _run(tasks):
+    """Run callables on the worker pool; the first exception propagates."""
+    n = min(config.NUM_THREADS, len(tasks))
+    if n <= 1:
+        return [t() for t in tasks]
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        return list(pool.map(lambda t: t(), tasks))
+
+
+# ----------------------------------------------------------------------------
+# forward
+
+
+def _forward_tile_loop(p, Q_i, K, V, i0, out_i, lse_i) -> None:
+    """Online softmax over the key blocks visible to query block Q_i (already scaled)."""
+    acc = p.acc_dtype
+    rows = Q_i.shape[0]
+    m = np.full(rows, -np.inf, dtype=acc)
+    l = np.zeros(rows, dtype=acc)
+    O = np.zeros((rows, p.head_dim), dtype=acc)
+    S_buf = np.empty((rows, config.BLOCK_K), dtype=acc)
+    m_new = np.empty(rows, dtype=acc)
+    alpha = np.empty(rows, dtype=acc)
+
+    for j0, j1 in _blocks(_key_end(p, i0 + rows), config.BLOCK_K):
+        S = S_buf[:, : j1 - j0]
+        np.matmul(Q_i, K[j0:j1].T, out=S)
+        _apply_causal_mask(S, p, i0, j0, -np.inf)
+        np.maximum(m, S.max(axis=1), out=m_new)
+        # rows that have seen no key yet keep m = -inf; subtract 0 there so exp gives 0, not NaN
+        m_safe = np.where(m_new == -np.inf, 0, m_new)
+        np.subtract(S, m_safe[:, None], out=S)
+        np.exp(S, out=S)
+        np.subtract(m, m_safe, out=alpha)
+        np.exp(alpha, out=alpha)
+        l *= alpha
+        l += S.sum(axis=1)
+        O *= alpha[:, None]
+        O += S @ V[j0:j1]
+        m, m_new = m_new, m
+
+    seen = l > 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        np.divide(O, np.where(seen, l, 1)[:, None], out=O)
+        O[~seen & ~np.isnan(l)] = 0  # fully masked rows: out 0 (NaN rows stay NaN)
+        out_i[...] = O
+        lse_i[...] = np.where(seen | np.isnan(l), m + np.log(l), -np.inf)
+
+
+def _as_acc(x, acc):
+    """x in the accumulation dtype: a view when it already is, else a converted copy."""
+    return x if x.dtype == acc else x.astype(acc)
+
+
+def forward(p, q, k, v):
+    acc = p.acc_dtype
+    out = np.empty(q.shape, dtype=p.dtype)
+    lse = np.empty(p.lse_shape, dtype=p.lse_dtype)
+
+    def task(b, h, i0, i1):
+        def run():
+            g = h // p.group
+            K = _as_acc(k[b, :, g, :], acc)
+            V = _as_acc(v[b, :, g, :], acc)
+            Q_i = q[b, i0:i1, h, :].astype(acc) * acc.type(p.scale)
+            _forward_tile_loop(p, Q_i, K, V, i0, out[b, i0:i1, h, :], lse[b, h, i0:i1])
+        return run
+
+    _run([task(b, h, i0, i1)
+          for b in range(p.batch) for h in range(p.heads_q)
+          for i0, i1 in _blocks(p.seqlen_q, config.BLOCK_Q)])
+    return out, lse
+
+
+# ----------------------------------------------------------------------------
+# backward
+
+
+def _backward_tile_loop(p, j0, j1, K_j, V_j, heads, Q, dO, lse, D, dQ) -> tuple:
+    """dK_j, dV_j for key block j over the given query heads; adds into dQ."""
+    acc = p.acc_dtype
+    scale = acc.type(p.scale)
+    dK_j = np.zeros((j1 - j0, p.head_dim), dtype=acc)
+    dV_j = np.zeros((j1 - j0, p.head_dim), dtype=acc)
+    for h in heads:
+        for i0, i1 in _blocks(p.seqlen_q - _query_start(p, j0), config.BLOCK_Q):
+            i0, i1 = i0 + _query_start(p, j0), i1 + _query_start(p, j0)
+            Q_i, dO_i = Q[h][i0:i1], dO[h][i0:i1]
+            # fully masked rows have lse = -inf; exp(S - inf) = 0 gives them P = 0
+            lse_i = np.where(lse[h][i0:i1] == -np.inf, np.inf, lse[h][i0:i1])
+            S = (Q_i * scale) @ K_j.T
+            _apply_causal_mask(S, p, i0, j0, -np.inf)
+            np.subtract(S, lse_i[:, None], out=S)
+            P = np.exp(S, out=S)
+            dV_j += P.T @ dO_i
+            dP = dO_i @ V_j.T
+            dP -= D[h][i0:i1, None]
+            dS = np.multiply(P, dP, out=dP)
+            dS *= scale
+            dQ[h][i0:i1] += dS @ K_j
+            dK_j += dS.T @ Q_i
+    return dK_j, dV_j
+
+
+def backward(p, dout, q, k, v, out, lse):
+    acc = p.acc_dtype
+    dq = np.empty(q.shape, dtype=p.dtype)
+    dk = np.empty(k.shape, dtype=p.dtype)
+    dv = np.empty(v.shape, dtype=p.dtype)
+    n_parts = max(1, min(config.NUM_THREADS, p.batch * p.heads_kv * len(_blocks(p.seqlen_k, config.BLOCK_K))))
+
+    for b in range(p.batch):
+        # per-batch operands in the accumulation dtype, indexed by query head
+        Q = [_as_acc(q[b, :, h, :], acc) for h in range(p.heads_q)]
+        dO = [_as_acc(dout[b, :, h, :], acc) for h in range(p.heads_q)]
+        # pre-pass: D_i = rowsum(dO_i ∘ O_i)
+        D = [np.einsum("sd,sd->s", dO[h], _as_acc(out[b, :, h, :], acc)) for h in range(p.heads_q)]
+        L = [lse[b, h] for h in range(p.heads_q)]
+        work = [(g, j0, j1) for g in range(p.heads_kv) for j0, j1 in _blocks(p.seqlen_k, config.BLOCK_K)]
+
+        def partition(part):
+            def run():
+                dQ = [np.zeros((p.seqlen_q, p.head_dim), dtype=acc) for _ in range(p.heads_q)]
+                for g, j0, j1 in work[part::n_parts]:
+                    heads = range(g * p.group, (g + 1) * p.group)
+                    K_j = _as_acc(k[b, j0:j1, g, :], acc)
+                    V_j = _as_acc(v[b, j0:j1, g, :], acc)
+                    dK_j, dV_j = _backward_tile_loop(p, j0, j1, K_j, V_j, heads, Q, dO, L, D, dQ)
+                    dk[b, j0:j1, g, :] = dK_j
+                    dv[b, j0:j1, g, :] = dV_j
+                return dQ
+            return run
+
+        partial = _run([partition(i) for i in range(min(n_parts, len(work)))])
+        for h in range(p.heads_q):  # fixed summation order: reproducible
+            dq[b, :, h, :] = functools.reduce(np.add, (part[h] for part in partial))
+    return dq, dk, dv

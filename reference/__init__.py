@@ -1,0 +1,96 @@
+"""The oracle: deliberately naive attention in float64, with flashcupy's signatures.
+
+Every backend is tested against this module. It is not installed with the
+package; tests import it from the repository root.
+
+It materialises the full (seqlen_q x seqlen_k) score matrix, applies a plain
+softmax and the analytic backward, all in float64 on NumPy arrays, and
+returns float64 results whatever the input dtype (inputs are upcast exactly).
+`attention_backward` ignores the `out` and `lse` it is given and recomputes
+everything from q, k and v, so it checks a backend's backward against the
+true gradient rather than against the backend's own forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["attention", "attention_backward", "attention_vjp"]
+
+
+def _heads_first(x, group: int):
+    """(B, S, H, D) -> float64 (B, H*group, S, D), each kv head repeated for its query heads."""
+    x = np.asarray(x, dtype=np.float64).transpose(0, 2, 1, 3)
+    return np.repeat(x, group, axis=1) if group > 1 else x
+
+
+def _mask(seqlen_q: int, seqlen_k: int, causal: bool):
+    """True where query i may see key j (bottom-right causal alignment)."""
+    if not causal:
+        return np.ones((seqlen_q, seqlen_k), dtype=bool)
+    i = np.arange(seqlen_q)[:, None]
+    j = np.arange(seqlen_k)[None, :]
+    return j <= i + (seqlen_k - seqlen_q)
+
+
+def _probabilities(q, k, causal, scale):
+    """P (B, H, Sq, Sk), lse (B, H, Sq) and the float64 head-first q, k."""
+    group = q.shape[2] // k.shape[2]
+    Q, K = _heads_first(q, 1), _heads_first(k, group)
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    S = np.einsum("bhqd,bhkd->bhqk", Q, K) * scale
+    visible = _mask(q.shape[1], k.shape[1], causal)
+    S = np.where(visible, S, -np.inf)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m = S.max(axis=-1, initial=-np.inf, keepdims=True)
+        m_safe = np.where(np.isneginf(m), 0.0, m)  # fully masked rows: P = exp(-inf) = 0
+        E = np.exp(S - m_safe)
+        l = E.sum(axis=-1, keepdims=True)
+        P = np.where(l > 0, E / np.where(l > 0, l, 1.0), 0.0)
+        P = np.where(np.isnan(l), np.nan, P)
+        lse = (m_safe + np.log(l))[..., 0]
+    return P, lse, Q, K, scale, group
+
+
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, backend=None):
+    """out (B, Sq, Hq, D) float64 and, with return_lse, lse (B, Hq, Sq) float64.
+
+    `backend` is accepted for signature compatibility and ignored.
+    """
+    P, lse, _, _, _, group = _probabilities(q, k, causal, scale)
+    V = _heads_first(v, group)
+    out = np.einsum("bhqk,bhkd->bhqd", P, V).transpose(0, 2, 1, 3)
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, scale=None, backend=None):
+    """(dq, dk, dv) in float64, recomputed from q, k, v; dk and dv summed over each GQA group."""
+    P, _, Q, K, scale, group = _probabilities(q, k, causal, scale)
+    V = _heads_first(v, group)
+    dO = _heads_first(dout, 1)
+    O = np.einsum("bhqk,bhkd->bhqd", P, V)
+    dV = np.einsum("bhqk,bhqd->bhkd", P, dO)
+    dP = np.einsum("bhqd,bhkd->bhqk", dO, V)
+    D = np.sum(dO * O, axis=-1, keepdims=True)
+    dS = P * (dP - D)
+    dQ = np.einsum("bhqk,bhkd->bhqd", dS, K) * scale
+    dK = np.einsum("bhqk,bhqd->bhkd", dS, Q) * scale
+
+    def back(x, grouped):
+        B, H, S, Dh = x.shape
+        if grouped and group > 1:
+            x = x.reshape(B, H // group, group, S, Dh).sum(axis=2)
+        return x.transpose(0, 2, 1, 3)
+
+    return back(dQ, False), back(dK, True), back(dV, True)
+
+
+def attention_vjp(q, k, v, *, causal=False, scale=None, backend=None):
+    out = attention(q, k, v, causal=causal, scale=scale)
+
+    def vjp(dout):
+        return attention_backward(dout, q, k, v, causal=causal, scale=scale)
+
+    return out, vjp

@@ -1,0 +1,62 @@
+"""How a backend's result is compared with the oracle: one tolerance rule per dtype.
+
+    max |got - want|  <=  SLACK * (u_out + u_acc * (1 + score_bound)) * (1 + max |want|)
+
+u_out is the unit roundoff of the dtype the result is stored in, u_acc that of
+the accumulation dtype (float32 for float16/float32 inputs, float64 for
+float64). score_bound = max |s_ij| = scale * max |q_i . k_j|: the scores'
+rounding error grows with their size, and exp() turns it into a relative
+error of P. SLACK absorbs the sums over head_dim and seqlen_k.
+Positions where the oracle gives -inf or NaN must match exactly.
+
+Used by the tests and by `python -m flashcupy check`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# (u_out, u_acc) per input dtype
+ROUNDOFF = {
+    np.dtype(np.float16): (2.0**-11, 2.0**-24),
+    np.dtype(np.float32): (2.0**-24, 2.0**-24),
+    np.dtype(np.float64): (2.0**-53, 2.0**-53),
+}
+SLACK = 16.0
+
+
+def score_bound(q, k, scale=None) -> float:
+    """max |s_ij| over every (query, key) pair that shares a head."""
+    q64 = np.asarray(q, dtype=np.float64)
+    k64 = np.asarray(k, dtype=np.float64)
+    B, Sq, Hq, D = q64.shape
+    Hkv = k64.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    S = np.einsum("bqhgd,bkhd->bhgqk", q64.reshape(B, Sq, Hkv, Hq // Hkv, D), k64)
+    return scale * float(np.abs(S).max(initial=0.0))
+
+
+def tolerance(dtype, want, q, k, scale=None) -> float:
+    u_out, u_acc = ROUNDOFF[np.dtype(dtype)]
+    bound = score_bound(q, k, scale)
+    peak = np.abs(np.asarray(want, dtype=np.float64)).max(initial=0.0)
+    return SLACK * (u_out + u_acc * (1.0 + bound)) * (1.0 + peak)
+
+
+def compare(got, want, dtype, q, k, scale=None, what="out"):
+    """(max error, tolerance); raises AssertionError on a shape, -inf or NaN mismatch."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {got.shape} != {want.shape}")
+    for name, test in (("-inf", np.isneginf), ("NaN", np.isnan), ("+inf", np.isposinf)):
+        bad = test(got) != test(want)
+        if bad.any():
+            where = tuple(int(i[0]) for i in np.nonzero(bad))
+            raise AssertionError(f"{what}: {name} pattern differs from the oracle, first at {where}")
+    finite = np.isfinite(want)
+    err = float(np.abs(got[finite] - want[finite]).max(initial=0.0))
+    return err, tolerance(dtype, want[finite], q, k, scale)

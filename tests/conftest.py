@@ -1,0 +1,86 @@
+"""Shared test tables: input generators, and the oracle comparison.
+
+The tolerance rule (one per dtype) lives in reference/compare.py, so the
+tests and `python -m flashcupy check` judge results the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the oracle lives in reference/, which is not installed
+    sys.path.insert(0, ROOT)
+
+import reference  # noqa: E402
+from reference.compare import compare, tolerance  # noqa: E402
+
+DTYPES = (np.float16, np.float32, np.float64)
+
+
+def assert_close(got, want, dtype, q, k, scale=None, what="out"):
+    err, tol = compare(got, want, dtype, q, k, scale, what)
+    assert err <= tol, f"{what}: max error {err:.3e} exceeds tolerance {tol:.3e} ({np.dtype(dtype)})"
+    return err
+
+
+# The battery every backend runs: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal).
+# Lengths are chosen to be 1 or not a multiple of any tile; Sq < Sk and Sq > Sk with causal
+# (bottom-right alignment leaves the first Sq - Sk rows fully masked); GQA and MQA.
+CASES = (
+    (1, 1, 1, 1, 1, 1, False),
+    (2, 17, 17, 2, 2, 40, False),
+    (1, 17, 129, 4, 2, 72, True),     # Sq < Sk, GQA
+    (1, 129, 17, 3, 1, 16, True),     # Sq > Sk: rows 0..111 see no key, MQA
+    (1, 33, 65, 2, 2, 100, False),
+    (1, 20, 20, 1, 1, 256, True),
+)
+
+
+LAYOUTS = ("bshd", "bhsd", "sliced", "reversed")
+
+
+def strided_empty(shape, dtype, layout="bshd"):
+    """An uninitialised (B, S, H, D) array in one of LAYOUTS.
+
+    "bshd" is contiguous; "bhsd" is a transposed view of a contiguous
+    (B, H, S, D) array, as users holding that layout pass it; "sliced" takes
+    every other element of a larger array, so no stride is contiguous;
+    "reversed" has a negative seqlen stride.
+    """
+    B, S, H, D = shape
+    if layout == "bshd":
+        return np.empty(shape, dtype)
+    if layout == "bhsd":
+        return np.empty((B, H, S, D), dtype).transpose(0, 2, 1, 3)
+    if layout == "sliced":
+        return np.empty((B, 2 * S, H, 2 * D), dtype)[:, ::2, :, ::2]
+    if layout == "reversed":
+        return np.empty(shape, dtype)[:, ::-1]
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def make_qkv(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype,
+             layout="bshd", magnitude=1.0):
+    """Random normal q, k, v (times `magnitude`) in the requested layout."""
+    def one(seqlen, heads):
+        x = strided_empty((batch, seqlen, heads, head_dim), dtype, layout)
+        x[...] = rng.standard_normal(x.shape) * magnitude
+        return x
+
+    return one(seqlen_q, heads_q), one(seqlen_k, heads_kv), one(seqlen_k, heads_kv)
+
+
+@pytest.fixture
+def rng(request):
+    # one stream per test, reproducible from its id
+    seed = zlib.crc32(request.node.nodeid.encode())
+    return np.random.default_rng(seed)
+
+
+__all__ = ["CASES", "DTYPES", "LAYOUTS", "assert_close", "make_qkv", "reference", "strided_empty", "tolerance"]
