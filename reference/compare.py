@@ -1,12 +1,14 @@
 """How a backend's result is compared with the oracle: one tolerance rule per dtype.
 
-    max |got - want|  <=  SLACK * (u_out + u_acc * (1 + score_bound)) * (1 + max |want|)
+    max |got - want|  <=  (2 u_out + SLACK u_acc (1 + score_bound)) * (1 + max |want|)
 
-u_out is the unit roundoff of the dtype the result is stored in, u_acc that of
-the accumulation dtype (float32 for float16/float32 inputs, float64 for
-float64). score_bound = max |s_ij| = scale * max |q_i . k_j|: the scores'
+u_out is the unit roundoff of the dtype the result is stored in; it counts
+twice: the result's own rounding, and the rounded out that the backward reads
+back (D = rowsum(dO∘O)). u_acc is the roundoff of the accumulation dtype
+(float32 for float16/float32 inputs, float64 for float64). score_bound = max |s_ij| = scale * max |q_i . k_j|: the scores'
 rounding error grows with their size, and exp() turns it into a relative
-error of P. SLACK absorbs the sums over head_dim and seqlen_k.
+error of P. SLACK absorbs the
+sums over head_dim, seqlen_k and seqlen_q of the test shapes (up to a few hundred terms).
 Positions where the oracle gives -inf or NaN must match exactly.
 
 Used by the tests and by `python -m flashcupy check`.
@@ -24,7 +26,7 @@ ROUNDOFF = {
     np.dtype(np.float32): (2.0**-24, 2.0**-24),
     np.dtype(np.float64): (2.0**-53, 2.0**-53),
 }
-SLACK = 16.0
+SLACK = 64.0
 
 
 def score_bound(q, k, scale=None) -> float:
@@ -43,7 +45,7 @@ def tolerance(dtype, want, q, k, scale=None) -> float:
     u_out, u_acc = ROUNDOFF[np.dtype(dtype)]
     bound = score_bound(q, k, scale)
     peak = np.abs(np.asarray(want, dtype=np.float64)).max(initial=0.0)
-    return SLACK * (u_out + u_acc * (1.0 + bound)) * (1.0 + peak)
+    return (2.0 * u_out + SLACK * u_acc * (1.0 + bound)) * (1.0 + peak)
 
 
 def compare(got, want, dtype, q, k, scale=None, what="out"):

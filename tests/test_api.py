@@ -1,0 +1,127 @@
+"""Argument checking: every bad input is refused before any work, with a message
+that names the argument, what was expected and what was got."""
+
+import numpy as np
+import pytest
+
+import flashcupy
+from flashcupy.backends import BackendUnavailableError
+
+F32 = np.float32
+
+
+def qkv(B=1, Sq=4, Sk=4, Hq=2, Hkv=2, D=8, dtype=F32):
+    return (np.zeros((B, Sq, Hq, D), dtype), np.zeros((B, Sk, Hkv, D), dtype),
+            np.zeros((B, Sk, Hkv, D), dtype))
+
+
+BAD_FORWARD = [
+    # (description, args, kwargs, exception, words the message must contain)
+    ("rank", lambda: (np.zeros((4, 2, 8), F32),) + qkv()[1:], {}, ValueError, ["q", "rank 4", "(4, 2, 8)"]),
+    ("batch", lambda: (qkv(B=2)[0],) + qkv(B=3)[1:], {}, ValueError, ["batch", "2", "3"]),
+    ("head_dim", lambda: (qkv(D=8)[0],) + qkv(D=16)[1:], {}, ValueError, ["head_dim", "8", "16"]),
+    ("gqa", lambda: (qkv(Hq=3)[0],) + qkv(Hkv=2)[1:], {}, ValueError, ["multiple", "heads_q=3", "heads_kv=2"]),
+    ("kv length", lambda: qkv(Sk=4)[:2] + (qkv(Sk=5)[2],), {}, ValueError, ["k and v", "(1, 4, 2, 8)", "(1, 5, 2, 8)"]),
+    ("scale nan", lambda: qkv(), {"scale": float("nan")}, ValueError, ["scale", "nan"]),
+    ("scale inf", lambda: qkv(), {"scale": float("inf")}, ValueError, ["scale", "inf"]),
+    ("scale zero", lambda: qkv(), {"scale": 0.0}, ValueError, ["scale", "positive", "0.0"]),
+    ("scale negative", lambda: qkv(), {"scale": -1}, ValueError, ["scale", "-1"]),
+    ("scale string", lambda: qkv(), {"scale": "0.1"}, TypeError, ["scale", "str"]),
+    ("backend", lambda: qkv(), {"backend": "torch"}, ValueError, ["backend", "'torch'", "'numpy'"]),
+    ("list input", lambda: ([[1.0]],) + qkv()[1:], {}, TypeError, ["q", "numpy.ndarray", "list"]),
+    ("int dtype", lambda: (np.zeros((1, 4, 2, 8), np.int32),) + qkv()[1:], {}, TypeError, ["q", "float16, float32 or float64", "int32"]),
+    ("mixed dtype", lambda: qkv(dtype=F32)[:2] + (qkv(dtype=np.float64)[2],), {}, TypeError, ["v is float64", "q is float32"]),
+    ("causal type", lambda: qkv(), {"causal": "yes"}, TypeError, ["causal", "bool", "str"]),
+    ("head_dim 0", lambda: qkv(D=0), {}, ValueError, ["head_dim", "at least 1", "0"]),
+]
+
+
+@pytest.mark.parametrize("case", BAD_FORWARD, ids=[c[0] for c in BAD_FORWARD])
+def test_forward_refuses_bad_input(case):
+    _, make, kwargs, exc, words = case
+    with pytest.raises(exc) as info:
+        flashcupy.attention(*make(), **kwargs)
+    for w in words:
+        assert w in str(info.value), f"message {str(info.value)!r} lacks {w!r}"
+
+
+def test_backward_refuses_bad_input():
+    q, k, v = qkv()
+    out, lse = flashcupy.attention(q, k, v, return_lse=True)
+    cases = [
+        ((out[:, :2], q, k, v, out, lse), ValueError, ["dout", "shape", "(1, 4, 2, 8)", "(1, 2, 2, 8)"]),
+        ((out.astype(np.float64), q, k, v, out, lse), TypeError, ["dout", "float32", "float64"]),
+        ((out, q, k, v, out, lse[:, :1]), ValueError, ["lse", "(1, 2, 4)", "(1, 1, 4)"]),
+        ((out, q, k, v, out, lse.astype(np.float64)), TypeError, ["lse", "float32", "float64"]),
+        ((out.tolist(), q, k, v, out, lse), TypeError, ["dout", "list"]),
+    ]
+    for args, exc, words in cases:
+        with pytest.raises(exc) as info:
+            flashcupy.attention_backward(*args)
+        for w in words:
+            assert w in str(info.value), f"message {str(info.value)!r} lacks {w!r}"
+
+
+def test_unavailable_backend_is_named_with_the_reason():
+    # no GPU on this machine or in CI: asking for cupy by name must say why it cannot run
+    reason = flashcupy.backends.unavailable_reason("cupy")
+    if reason is None:
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(BackendUnavailableError, match="cupy"):
+        flashcupy.attention(*qkv(), backend="cupy")
+
+
+def test_numpy_arrays_are_not_silently_sent_to_a_device_backend(monkeypatch):
+    class DeviceOnly:
+        ARRAY_LIBRARIES = ("cupy",)
+
+    monkeypatch.setattr(flashcupy.backends, "load", lambda name: DeviceOnly)
+    with pytest.raises(TypeError, match="backend 'cupy' takes cupy arrays, got numpy arrays"):
+        flashcupy.attention(*qkv(), backend="cupy")
+
+
+def test_arrays_of_different_libraries_are_named():
+    class FakeCupyArray:  # looks like a cupy.ndarray to the library check
+        __cuda_array_interface__ = {}
+
+    FakeCupyArray.__module__ = "cupy._core.core"
+    q, k, _ = qkv()
+    with pytest.raises(TypeError, match="q is numpy, k is numpy, v is cupy"):
+        flashcupy.attention(q, k, FakeCupyArray())
+
+
+def test_bad_input_is_refused_before_any_backend_work(monkeypatch):
+    from flashcupy.backends import numpy_backend
+
+    def boom(*a, **k):
+        raise AssertionError("backend ran")
+
+    monkeypatch.setattr(numpy_backend, "forward", boom)
+    with pytest.raises(ValueError):
+        flashcupy.attention(*qkv(), scale=-1.0)
+
+
+def test_inputs_are_not_modified(rng):
+    q, k, v = (rng.standard_normal((1, 9, 2, 8)).astype(F32) for _ in range(3))
+    before = [x.copy() for x in (q, k, v)]
+    out, vjp = flashcupy.attention_vjp(q, k, v, causal=True)
+    vjp(np.ones_like(out))
+    for x, b in zip((q, k, v), before):
+        np.testing.assert_array_equal(x, b)
+
+
+@pytest.mark.parametrize("Sq,Sk", [(0, 5), (5, 0), (0, 0)])
+def test_empty_sequences_give_empty_or_fully_masked_results(Sq, Sk):
+    q, k, v = qkv(Sq=Sq, Sk=Sk)
+    out, lse = flashcupy.attention(q, k, v, return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (1, 2, Sq) and lse.dtype == np.float32
+    assert np.all(out == 0) and np.all(np.isneginf(lse))
+    dq, dk, dv = flashcupy.attention_backward(out, q, k, v, out, lse)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert not (dq.any() or dk.any() or dv.any())
+
+
+def test_float64_lse_is_float64():
+    _, lse = flashcupy.attention(*qkv(dtype=np.float64), return_lse=True)
+    assert lse.dtype == np.float64
