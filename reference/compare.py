@@ -20,6 +20,19 @@ import math
 
 import numpy as np
 
+# The battery every backend runs, in the tests and in `python -m flashcupy check`:
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal).
+# Lengths are chosen to be 1 or not a multiple of any tile; Sq < Sk and Sq > Sk with causal
+# (bottom-right alignment leaves the first Sq - Sk rows fully masked); GQA and MQA.
+BATTERY = (
+    (1, 1, 1, 1, 1, 1, False),
+    (2, 17, 17, 2, 2, 40, False),
+    (1, 17, 129, 4, 2, 72, True),     # Sq < Sk, GQA
+    (1, 129, 17, 3, 1, 16, True),     # Sq > Sk: rows 0..111 see no key, MQA
+    (1, 33, 65, 2, 2, 100, False),
+    (1, 20, 20, 1, 1, 256, True),
+)
+
 # (u_out, u_acc) per input dtype
 ROUNDOFF = {
     np.dtype(np.float16): (2.0**-11, 2.0**-24),

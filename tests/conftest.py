@@ -18,7 +18,7 @@ if ROOT not in sys.path:  # the oracle lives in reference/, which is not install
     sys.path.insert(0, ROOT)
 
 import reference  # noqa: E402
-from reference.compare import compare, tolerance  # noqa: E402
+from reference.compare import BATTERY as CASES, compare, tolerance  # noqa: E402
 
 DTYPES = (np.float16, np.float32, np.float64)
 
@@ -27,19 +27,6 @@ def assert_close(got, want, dtype, q, k, scale=None, what="out"):
     err, tol = compare(got, want, dtype, q, k, scale, what)
     assert err <= tol, f"{what}: max error {err:.3e} exceeds tolerance {tol:.3e} ({np.dtype(dtype)})"
     return err
-
-
-# The battery every backend runs: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal).
-# Lengths are chosen to be 1 or not a multiple of any tile; Sq < Sk and Sq > Sk with causal
-# (bottom-right alignment leaves the first Sq - Sk rows fully masked); GQA and MQA.
-CASES = (
-    (1, 1, 1, 1, 1, 1, False),
-    (2, 17, 17, 2, 2, 40, False),
-    (1, 17, 129, 4, 2, 72, True),     # Sq < Sk, GQA
-    (1, 129, 17, 3, 1, 16, True),     # Sq > Sk: rows 0..111 see no key, MQA
-    (1, 33, 65, 2, 2, 100, False),
-    (1, 20, 20, 1, 1, 256, True),
-)
 
 
 LAYOUTS = ("bshd", "bhsd", "sliced", "reversed")

@@ -44,7 +44,7 @@ ARRAY_LIBRARIES = ("numpy",)
 class Config:
     """Tunables. BLOCK_Q x BLOCK_K is the tile; NUM_THREADS the worker count."""
 
-    BLOCK_Q: int = 128
+    BLOCK_Q: int = 256
     BLOCK_K: int = 512
     NUM_THREADS: int = int(os.environ.get("FLASHCUPY_NUM_THREADS", "0")) or (os.cpu_count() or 1)
 

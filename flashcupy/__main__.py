@@ -1,0 +1,216 @@
+"""Command line: `python -m flashcupy [info|check|bench|kernels]`.
+
+Bare `python -m flashcupy` runs a short check, then a short benchmark of the
+best available backend against the baselines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+import numpy as np
+
+import flashcupy
+from flashcupy import backends
+
+DTYPES = ("float16", "float32", "float64")
+
+
+def _oracle():
+    """The float64 oracle from the source tree's reference/ (it is not installed)."""
+    try:
+        import reference
+        import reference.compare
+        return reference
+    except ImportError:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        if os.path.isdir(os.path.join(root, "reference")):
+            sys.path.insert(0, root)
+            import reference
+            import reference.compare
+            return reference
+    return None
+
+
+# ----------------------------------------------------------------------------
+# info
+
+
+def cmd_info(args) -> int:
+    print(f"flashcupy {flashcupy.__version__}  (python {platform.python_version()}, numpy {np.__version__})")
+    print("backends:")
+    for name in backends.NAMES:
+        reason = backends.unavailable_reason(name)
+        print(f"  {name:<6} {'available' if reason is None else 'unavailable: ' + reason}")
+    from flashcupy.backends import numpy_backend
+    blas = "pinned to 1 thread per worker (threadpoolctl)" if numpy_backend._blas_controller() \
+        else "threadpoolctl not installed: 1 worker, BLAS threads its own calls"
+    print(f"numpy backend: {numpy_backend.worker_count()} worker thread(s), "
+          f"tiles {numpy_backend.config.BLOCK_Q}x{numpy_backend.config.BLOCK_K}; BLAS {blas}")
+    try:
+        import cupy
+        print(f"cupy {cupy.__version__}")
+        try:
+            n = cupy.cuda.runtime.getDeviceCount()
+            for i in range(n):
+                props = cupy.cuda.runtime.getDeviceProperties(i)
+                print(f"  GPU {i}: {props['name'].decode()} (sm_{props['major']}{props['minor']})")
+        except Exception as e:  # no driver or no device
+            print(f"  no GPU: {e}")
+        try:
+            print(f"  NVRTC {'.'.join(map(str, cupy.cuda.nvrtc.getVersion()))}")
+        except Exception as e:
+            print(f"  NVRTC not found: {e}")
+    except ImportError:
+        print("cupy not installed (pip install 'flashcupy[cuda12]' or '[cuda13]')")
+    return 0
+
+
+# ----------------------------------------------------------------------------
+# check
+
+
+def _to_backend_arrays(name, arrays):
+    if name == "cupy":
+        import cupy
+        return [cupy.asarray(a) for a in arrays]
+    return arrays
+
+
+def _to_numpy(x):
+    return x.get() if hasattr(x, "get") else (x.copy_to_host() if hasattr(x, "copy_to_host") else x)
+
+
+def cmd_check(args) -> int:
+    ref = _oracle()
+    if ref is None:
+        print("check needs the float64 oracle in reference/, which ships with the source tree, "
+              "not the wheel: run it from a checkout", file=sys.stderr)
+        return 2
+    names = args.backend or [n for n in backends.NAMES if backends.unavailable_reason(n) is None]
+    battery = ref.compare.BATTERY[: args.cases] if args.cases else ref.compare.BATTERY
+    rng = np.random.default_rng(0)
+    failures = 0
+    print(f"{'backend':<7} {'dtype':<8} {'case (B,Sq,Sk,Hq,Hkv,D,causal)':<34} {'worst err/tol':>14}  result")
+    for name in names:
+        for dtype in args.dtype or DTYPES:
+            for case in battery:
+                B, Sq, Sk, Hq, Hkv, D, causal = case
+                q, k, v, dout = (rng.standard_normal(s).astype(dtype) for s in
+                                 ((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), (B, Sq, Hq, D)))
+                want = ref.attention(q, k, v, causal=causal, return_lse=True)
+                want += ref.attention_backward(dout, q, k, v, causal=causal)
+                dq_, dk_, dv_ = _to_backend_arrays(name, (q, k, v))
+                try:
+                    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, backend=name)
+                    grads = flashcupy.attention_backward(*_to_backend_arrays(name, (dout,)), dq_, dk_, dv_,
+                                                         out, lse, causal=causal, backend=name)
+                    got = [_to_numpy(x) for x in (out, lse, *grads)]
+                    ratios = []
+                    for g, w in zip(got, want):
+                        err, tol = ref.compare.compare(g, w, dtype, q, k)
+                        ratios.append(err / tol)
+                    worst = max(ratios)
+                    ok = worst <= 1.0
+                    detail = f"{worst:>14.3f}"
+                except AssertionError as e:  # -inf / NaN pattern mismatch
+                    ok, detail = False, f"  {e}"
+                failures += not ok
+                print(f"{name:<7} {dtype:<8} {str(case):<34} {detail}  {'ok' if ok else 'FAIL'}")
+    print(f"{'all passed' if not failures else f'{failures} FAILED'} (err/tol <= 1 passes; "
+          "tolerance rule: reference/compare.py)")
+    return 1 if failures else 0
+
+
+# ----------------------------------------------------------------------------
+# bench
+
+
+def cmd_bench(args) -> int:
+    from flashcupy import _bench
+
+    if args.gpu_report:
+        from flashcupy import _gpu_report
+        return _gpu_report.main(args.gpu_report)
+    device = "cuda" if args.device == "cuda" else "cpu"
+    impls = args.impl or _bench.implementations(device)
+    results = []
+    jobs = [(impl, s) for s in args.seqlen for impl in impls]
+    for impl, s in _bench.progress(jobs, "bench"):
+        if impl == "naive-numpy" and 4 * args.batch * args.heads * s * s * 3 > args.naive_limit_gb * 2**30:
+            continue  # the full score matrix (and its temporaries) would not fit
+        results += _bench.run_one(impl, args.batch, args.heads, s, args.head_dim, causal=args.causal,
+                                  dtype=args.dtype, device=device, passes=args.passes,
+                                  repeat=args.repeat, min_time=args.min_time)
+    print(_bench.format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.as_dict() for r in results], f, indent=1)
+    if args.plot:
+        _bench.plot(results, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+# ----------------------------------------------------------------------------
+# kernels
+
+
+def cmd_kernels(args) -> int:
+    from flashcupy import _kernels
+    rows = _kernels.kernel_report(args.arch)
+    print(_kernels.format_kernel_report(rows))
+    return 0
+
+
+# ----------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="flashcupy", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd")
+    sub.add_parser("info", help="version, backends and why any is unavailable, GPU and compiler")
+
+    c = sub.add_parser("check", help="every available backend against the float64 oracle")
+    c.add_argument("--backend", action="append", choices=backends.NAMES)
+    c.add_argument("--dtype", action="append", choices=DTYPES)
+    c.add_argument("--cases", type=int, default=0, help="run only the first N cases of the battery")
+
+    b = sub.add_parser("bench", help="forward/backward time, TFLOP/s and peak memory, side by side")
+    b.add_argument("--impl", action="append", help="numpy, cupy, numba, naive-numpy, torch-sdpa")
+    b.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--heads", type=int, default=8)
+    b.add_argument("--head-dim", type=int, default=64)
+    b.add_argument("--seqlen", type=int, nargs="+", default=[1024, 2048, 4096])
+    b.add_argument("--causal", action="store_true")
+    b.add_argument("--dtype", choices=DTYPES, default="float32")
+    b.add_argument("--passes", nargs="+", choices=("forward", "backward"), default=["forward", "backward"])
+    b.add_argument("--repeat", type=int, default=3)
+    b.add_argument("--min-time", type=float, default=1.0, help="stop repeating once this many seconds are spent")
+    b.add_argument("--naive-limit-gb", type=float, default=6.0, help="skip naive-numpy above this score memory")
+    b.add_argument("--json", help="also write the results as JSON")
+    b.add_argument("--plot", help="draw TFLOP/s and peak memory against seqlen into this PNG")
+    b.add_argument("--gpu-report", metavar="DIR", help="run the GPU correctness + benchmark report into DIR")
+
+    k = sub.add_parser("kernels", help="NVRTC resource table of every CUDA kernel (no GPU needed)")
+    k.add_argument("--arch", default="sm_90")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.cmd is None:  # the main job: a short check, then a short benchmark
+        status = cmd_check(parser().parse_args(["check", "--cases", "3"]))
+        print()
+        bench = parser().parse_args(["bench", "--seqlen", "1024", "2048", "--repeat", "2", "--min-time", "0.5"])
+        return status or cmd_bench(bench)
+    return {"info": cmd_info, "check": cmd_check, "bench": cmd_bench, "kernels": cmd_kernels}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""Side-by-side timing and memory of every available implementation.
+
+Implementations: each available flashcupy backend, a naive NumPy attention
+that materialises the full score matrix (the baseline the O(S) memory claim is
+measured against), and torch's scaled_dot_product_attention when torch is
+installed. All run in one process, one after another, on the same inputs.
+
+TFLOP/s use the FlashAttention papers' count: forward 4·B·H·Sq·Sk·D, halved
+when causal; backward 2.5x the forward.
+
+Peak memory is the extra memory a call needs beyond its inputs:
+- on the CPU, the rise of the process's peak resident set (VmHWM, reset
+  through /proc/self/clear_refs before each call) over its resident set.
+  glibc is told to serve allocations of 64 KiB and more with mmap and to give
+  freed memory back at once, so memory a call reuses from an earlier call
+  still counts (otherwise tiles recycled from freed pages would read as 0);
+- on the GPU, CuPy's or torch's allocator peak.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+import flashcupy
+from flashcupy import backends
+
+
+@dataclass
+class Result:
+    impl: str
+    pass_: str  # "forward" or "backward"
+    batch: int
+    heads: int
+    seqlen: int
+    head_dim: int
+    causal: bool
+    dtype: str
+    seconds: float
+    tflops: float
+    peak_bytes: int | None
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def flops(batch, heads, seqlen, head_dim, causal, pass_) -> float:
+    f = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    return f * (2.5 if pass_ == "backward" else 1.0)
+
+
+# ----------------------------------------------------------------------------
+# memory probes
+
+
+def _proc_status() -> dict:
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                if k in ("VmRSS", "VmHWM")}
+
+
+class HostPeak:
+    """Extra resident memory of the process during a block (Linux, glibc)."""
+
+    available = True
+    _libc = None
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+    @classmethod
+    def _mallopt(cls, mmap_threshold, trim_threshold):
+        if cls._libc is None:
+            import ctypes
+            cls._libc = ctypes.CDLL("libc.so.6")
+        cls._libc.mallopt(cls.M_MMAP_THRESHOLD, mmap_threshold)
+        cls._libc.mallopt(cls.M_TRIM_THRESHOLD, trim_threshold)
+        return cls._libc
+
+    def __enter__(self):
+        gc.collect()
+        # every allocation of 64 KiB or more gets fresh pages, freed memory goes back at once
+        self._mallopt(64 * 1024, 0).malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current VmRSS
+        self.base = _proc_status()["VmRSS"]
+        return self
+
+    def __exit__(self, *exc):
+        self.peak = max(0, _proc_status()["VmHWM"] - self.base)
+        # back to glibc's warmed-up regime (its dynamic thresholds' ceilings) for timing
+        self._mallopt(32 * 2**20, 64 * 2**20)
+
+
+try:
+    _proc_status()
+    open("/proc/self/clear_refs", "w").close()
+except OSError:
+    HostPeak.available = False
+
+
+# ----------------------------------------------------------------------------
+# implementations: each returns (forward(), backward()) closures over fixed inputs
+
+
+def _naive_numpy(q, k, v, dout, causal, scale):
+    """Full-matrix attention in the inputs' dtype: the textbook version users write."""
+    Q, K, V, dO = (x.transpose(0, 2, 1, 3) for x in (q, k, v, dout))
+    Sq, Sk = Q.shape[2], K.shape[2]
+    mask = np.arange(Sk)[None, :] > np.arange(Sq)[:, None] + (Sk - Sq) if causal else None
+
+    def probs():
+        S = Q @ K.transpose(0, 1, 3, 2) * scale
+        if mask is not None:
+            S[..., mask] = -np.inf
+        S -= S.max(axis=-1, keepdims=True)
+        np.exp(S, out=S)
+        S /= S.sum(axis=-1, keepdims=True)
+        return S
+
+    def forward():
+        return probs() @ V
+
+    def backward():
+        P = probs()
+        dV = P.transpose(0, 1, 3, 2) @ dO
+        dP = dO @ V.transpose(0, 1, 3, 2)
+        dP -= np.sum(dP * P, axis=-1, keepdims=True)
+        dP *= P * scale
+        return dP @ K, dP.transpose(0, 1, 3, 2) @ Q, dV
+
+    return forward, backward
+
+
+def _torch_sdpa(q, k, v, dout, causal, scale, device):
+    import torch
+
+    def to(x):
+        t = torch.from_dlpack(x) if device == "cuda" else torch.from_numpy(np.ascontiguousarray(x))
+        return t.permute(0, 2, 1, 3)
+
+    Q, K, V, dO = (to(x) for x in (q, k, v, dout))
+    Q, K, V = (t.detach().requires_grad_() for t in (Q, K, V))
+    # torch's is_causal is top-left aligned; our benchmarks use Sq == Sk, where both agree
+    run = lambda: torch.nn.functional.scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale)  # noqa: E731
+    out = run()
+
+    def backward():
+        return torch.autograd.grad(out, (Q, K, V), dO, retain_graph=True)
+
+    return run, backward
+
+
+def _flashcupy(name, q, k, v, dout, causal, scale):
+    out, lse = flashcupy.attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=name)
+
+    def forward():
+        return flashcupy.attention(q, k, v, causal=causal, scale=scale, backend=name)
+
+    def backward():
+        return flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=name)
+
+    return forward, backward
+
+
+def torch_available() -> str | None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "torch is not installed (pip install torch)"
+    return None
+
+
+def implementations(device: str) -> list[str]:
+    """Names runnable here, for 'cpu' or 'cuda' inputs."""
+    names = []
+    if device == "cpu":
+        names.append("numpy")
+        if backends.unavailable_reason("numba") is None:
+            names.append("numba")
+        names.append("naive-numpy")
+    else:
+        names += [n for n in ("cupy", "numba") if backends.unavailable_reason(n) is None]
+    if torch_available() is None:
+        names.append("torch-sdpa")
+    return names
+
+
+# ----------------------------------------------------------------------------
+# measurement
+
+
+def _sync(device):
+    if device == "cuda":
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def _time(fn, device, repeat: int, min_time: float) -> float:
+    """Best time of `repeat` calls (each at least one run, stopping once min_time is spent)."""
+    fn()
+    _sync(device)  # warm-up: excludes NVRTC compile time
+    best, spent = math.inf, 0.0
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        best, spent = min(best, dt), spent + dt
+        if spent > min_time:
+            break
+    return best
+
+
+def _peak(fn, device):
+    if device == "cuda":
+        import cupy
+        pool = cupy.get_default_memory_pool()
+        pool.free_all_blocks()
+        base = pool.total_bytes()
+        # the pool keeps every block it allocates until free_all_blocks, so its total
+        # after the call is its peak during the call
+        fn()
+        _sync(device)
+        return pool.total_bytes() - base
+    if not HostPeak.available:
+        return None
+    with HostPeak() as probe:
+        fn()
+    return probe.peak
+
+
+def make_inputs(batch, heads, seqlen, head_dim, dtype, device, seed=0):
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal((batch, seqlen, heads, head_dim)).astype(dtype) for _ in range(4)]
+    if device == "cuda":
+        import cupy
+        arrays = [cupy.asarray(a) for a in arrays]
+    return arrays
+
+
+def run_one(impl, batch, heads, seqlen, head_dim, causal=False, dtype="float32", device="cpu",
+            passes=("forward", "backward"), repeat=3, min_time=1.0, memory=True):
+    q, k, v, dout = make_inputs(batch, heads, seqlen, head_dim, np.dtype(dtype), device)
+    scale = 1.0 / math.sqrt(head_dim)
+    if impl == "naive-numpy":
+        fns = _naive_numpy(q, k, v, dout, causal, scale)
+    elif impl == "torch-sdpa":
+        fns = _torch_sdpa(q, k, v, dout, causal, scale, device)
+    else:
+        fns = _flashcupy(impl, q, k, v, dout, causal, scale)
+    results = []
+    for pass_, fn in zip(("forward", "backward"), fns):
+        if pass_ not in passes:
+            continue
+        seconds = _time(fn, device, repeat, min_time)
+        peak = _peak(fn, device) if memory else None
+        tf = flops(batch, heads, seqlen, head_dim, causal, pass_) / seconds / 1e12
+        results.append(Result(impl, pass_, batch, heads, seqlen, head_dim, causal, str(np.dtype(dtype)),
+                              seconds, tf, peak))
+    return results
+
+
+def progress(items, desc):
+    """tqdm's progress bar when installed, else the plain iterable."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, leave=False)
+
+
+def format_table(results) -> str:
+    head = f"{'impl':<12} {'pass':<8} {'B':>2} {'H':>3} {'S':>6} {'D':>4} {'causal':>6} {'dtype':>8} " \
+           f"{'ms':>9} {'TFLOP/s':>8} {'peak MiB':>9}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        mem = "n/a" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.1f}"
+        lines.append(f"{r.impl:<12} {r.pass_:<8} {r.batch:>2} {r.heads:>3} {r.seqlen:>6} {r.head_dim:>4} "
+                     f"{str(r.causal):>6} {r.dtype:>8} {r.seconds * 1e3:>9.2f} {r.tflops:>8.4f} {mem:>9}")
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    """Two panels in the FlashAttention papers' style: TFLOP/s and peak memory against seqlen."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2))
+    series = sorted({(r.impl, r.pass_) for r in results})
+    for impl, pass_ in series:
+        rs = sorted((r for r in results if (r.impl, r.pass_) == (impl, pass_)), key=lambda r: r.seqlen)
+        style = "-o" if pass_ == "forward" else "--s"
+        ax_speed.plot([r.seqlen for r in rs], [r.tflops for r in rs], style, label=f"{impl} {pass_}")
+        mem = [(r.seqlen, r.peak_bytes / 2**20) for r in rs if r.peak_bytes]
+        if mem:
+            ax_mem.plot(*zip(*mem), style, label=f"{impl} {pass_}")
+    r0 = results[0]
+    title = f"B={r0.batch} H={r0.heads} D={r0.head_dim} {r0.dtype}{' causal' if r0.causal else ''}"
+    for ax, ylabel in ((ax_speed, "TFLOP/s"), (ax_mem, "peak extra memory (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    ax_mem.set_yscale("log")
+    ax_speed.set_title(f"Speed ({title})")
+    ax_mem.set_title("Memory beyond the inputs")
+    ax_speed.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
