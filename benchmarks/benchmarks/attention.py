@@ -1,0 +1,118 @@
+"""asv suites: forward and backward of every backend, with naive NumPy and torch SDPA
+as reference lines where installed.
+
+Conventions as in numpy's and scipy's suites: `params`/`param_names`, `setup`
+raising NotImplementedError to skip a combination (backend unavailable, torch
+missing, a size too big for the naive baseline), `time_*` and `peakmem_*`, and
+`track_*` for TFLOP/s and for the memory a call needs beyond its inputs.
+GPU timings synchronise the stream inside the timed call; the warm-up call in
+`setup` keeps NVRTC compile time out of every measurement.
+"""
+
+import numpy as np
+
+from flashcupy import _bench, backends
+
+IMPLS = ["numpy", "naive-numpy", "torch-sdpa", "cupy", "numba"]
+GPU_IMPLS = {"cupy"}
+
+
+def _device(impl):
+    return "cuda" if impl in GPU_IMPLS else "cpu"
+
+
+def _skip_unless_runnable(impl, seqlen, heads):
+    if impl in backends.NAMES and backends.unavailable_reason(impl) is not None:
+        raise NotImplementedError(backends.unavailable_reason(impl))
+    if impl == "torch-sdpa" and _bench.torch_available() is not None:
+        raise NotImplementedError(_bench.torch_available())
+    if impl == "naive-numpy" and heads * seqlen * seqlen * 4 > 2**30:
+        raise NotImplementedError("the naive baseline's score matrix would exceed 1 GiB")
+
+
+class _Attention:
+    """Shared setup: inputs, closures for both passes, one warm-up call each."""
+
+    params = (IMPLS, [512, 1024, 2048], [64], ["float32"], [False, True])
+    param_names = ["impl", "seqlen", "head_dim", "dtype", "causal"]
+    batch, heads = 1, 4
+    timeout = 300
+
+    def setup(self, impl, seqlen, head_dim, dtype, causal):
+        _skip_unless_runnable(impl, seqlen, self.heads)
+        device = _device(impl)
+        q, k, v, dout = _bench.make_inputs(self.batch, self.heads, seqlen, head_dim, np.dtype(dtype), device)
+        scale = 1.0 / np.sqrt(head_dim)
+        if impl == "naive-numpy":
+            fwd, bwd = _bench._naive_numpy(q, k, v, dout, causal, scale)
+        elif impl == "torch-sdpa":
+            fwd, bwd = _bench._torch_sdpa(q, k, v, dout, causal, scale, device)
+        else:
+            fwd, bwd = _bench._flashcupy(impl, q, k, v, dout, causal, scale)
+        self.device = device
+        self.fns = {"forward": fwd, "backward": bwd}
+        for fn in self.fns.values():
+            fn()
+        _bench._sync(device)
+
+    def _call(self, pass_):
+        self.fns[pass_]()
+        _bench._sync(self.device)
+
+    def _tflops(self, pass_, seqlen, head_dim, causal):
+        seconds = _bench._time(self.fns[pass_], self.device, repeat=3, min_time=0.5)
+        return _bench.flops(self.batch, self.heads, seqlen, head_dim, causal, pass_) / seconds / 1e12
+
+
+class Forward(_Attention):
+    def time_forward(self, *args):
+        self._call("forward")
+
+    def peakmem_forward(self, *args):
+        self._call("forward")
+
+    def track_tflops(self, impl, seqlen, head_dim, dtype, causal):
+        return self._tflops("forward", seqlen, head_dim, causal)
+
+    track_tflops.unit = "TFLOP/s"
+
+    def track_extra_memory(self, impl, *args):
+        return _bench._peak(self.fns["forward"], self.device) / 2**20
+
+    track_extra_memory.unit = "MiB"
+
+
+class Backward(_Attention):
+    def time_backward(self, *args):
+        self._call("backward")
+
+    def peakmem_backward(self, *args):
+        self._call("backward")
+
+    def track_tflops(self, impl, seqlen, head_dim, dtype, causal):
+        return self._tflops("backward", seqlen, head_dim, causal)
+
+    track_tflops.unit = "TFLOP/s"
+
+
+class MemoryGrowth:
+    """Extra forward memory against seqlen: flat tiles for flashcupy, S^2 for the naive baseline."""
+
+    params = (["numpy", "naive-numpy", "cupy"], [1024, 2048, 4096, 8192])
+    param_names = ["impl", "seqlen"]
+    timeout = 300
+
+    def setup(self, impl, seqlen):
+        _skip_unless_runnable(impl, seqlen, 1)
+        self.device = _device(impl)
+        q, k, v, dout = _bench.make_inputs(1, 1, seqlen, 64, np.dtype(np.float32), self.device)
+        if impl == "naive-numpy":
+            self.fwd, _ = _bench._naive_numpy(q, k, v, dout, False, 0.125)
+        else:
+            self.fwd, _ = _bench._flashcupy(impl, q, k, v, dout, False, 0.125)
+        self.fwd()
+
+    def track_extra_memory(self, impl, seqlen):
+        return _bench._peak(self.fwd, self.device) / 2**20
+
+    track_extra_memory.unit = "MiB"

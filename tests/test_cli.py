@@ -1,0 +1,70 @@
+"""The command line: check catches a wrong backend, bench reports by the standard formula."""
+
+import json
+
+import numpy as np
+import pytest
+
+from flashcupy import _bench
+from flashcupy.__main__ import main
+from flashcupy.backends import numpy_backend
+
+
+def test_check_passes_on_the_numpy_backend(capsys):
+    assert main(["check", "--backend", "numpy", "--cases", "3"]) == 0
+    assert "all passed" in capsys.readouterr().out
+
+
+def test_check_fails_loudly_on_a_wrong_backend(capsys, monkeypatch):
+    real = numpy_backend.forward
+
+    def off_by_a_little(p, q, k, v):
+        out, lse = real(p, q, k, v)
+        return out * np.asarray(1.01, out.dtype), lse
+
+    monkeypatch.setattr(numpy_backend, "forward", off_by_a_little)
+    assert main(["check", "--backend", "numpy", "--cases", "2", "--dtype", "float32"]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_info_lists_every_backend(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for name in ("numpy", "cupy", "numba"):
+        assert name in out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bench_counts_flops_by_the_standard_formula(tmp_path, causal):
+    path = tmp_path / "r.json"
+    assert main(["bench", "--impl", "numpy", "--impl", "naive-numpy", "--seqlen", "64", "--heads", "2",
+                 "--head-dim", "16", "--repeat", "1", "--min-time", "0"] + (["--causal"] if causal else [])
+                + ["--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert {(r["impl"], r["pass_"]) for r in rows} == {
+        (i, p) for i in ("numpy", "naive-numpy") for p in ("forward", "backward")}
+    for r in rows:
+        fwd = 4 * 1 * 2 * 64 * 64 * 16 / (2 if causal else 1)
+        want = fwd * (2.5 if r["pass_"] == "backward" else 1)
+        assert r["tflops"] * r["seconds"] * 1e12 == pytest.approx(want)
+
+
+def test_naive_baseline_computes_attention():
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((1, 9, 2, 4)) for _ in range(4))
+    import reference
+    for causal in (False, True):
+        fwd, bwd = _bench._naive_numpy(q, k, v, dout, causal, 0.5)
+        np.testing.assert_allclose(fwd().transpose(0, 2, 1, 3),
+                                   reference.attention(q, k, v, causal=causal, scale=0.5), rtol=1e-12)
+        for got, want in zip(bwd(), reference.attention_backward(dout, q, k, v, causal=causal, scale=0.5)):
+            np.testing.assert_allclose(got.transpose(0, 2, 1, 3), want, rtol=1e-10, atol=1e-12)
+
+
+def test_peak_memory_sees_a_score_sized_allocation():
+    if not _bench.HostPeak.available:
+        pytest.skip("no /proc/self/clear_refs on this system")
+    with _bench.HostPeak() as probe:
+        a = np.ones(8 * 2**20 // 8)  # 8 MiB
+        del a
+    assert 7 * 2**20 <= probe.peak <= 12 * 2**20
