@@ -9,11 +9,10 @@ TFLOP/s use the FlashAttention papers' count: forward 4·B·H·Sq·Sk·D, halved
 when causal; backward 2.5x the forward.
 
 Peak memory is the extra memory a call needs beyond its inputs:
-- on the CPU, the rise of the process's peak resident set (VmHWM, reset
-  through /proc/self/clear_refs before each call) over its resident set.
-  glibc is told to serve allocations of 64 KiB and more with mmap and to give
-  freed memory back at once, so memory a call reuses from an earlier call
-  still counts (otherwise tiles recycled from freed pages would read as 0);
+- on the CPU, in a fresh process for each measurement (so no allocator
+  history hides anything), the rise of its peak resident set (VmHWM, reset
+  through /proc/self/clear_refs) over its resident set during one call, after
+  one warm-up call;
 - on the GPU, CuPy's or torch's allocator peak.
 """
 
@@ -64,25 +63,12 @@ def _proc_status() -> dict:
 
 
 class HostPeak:
-    """Extra resident memory of the process during a block (Linux, glibc)."""
+    """Extra resident memory of the process during a block (Linux)."""
 
     available = True
-    _libc = None
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-
-    @classmethod
-    def _mallopt(cls, mmap_threshold, trim_threshold):
-        if cls._libc is None:
-            import ctypes
-            cls._libc = ctypes.CDLL("libc.so.6")
-        cls._libc.mallopt(cls.M_MMAP_THRESHOLD, mmap_threshold)
-        cls._libc.mallopt(cls.M_TRIM_THRESHOLD, trim_threshold)
-        return cls._libc
 
     def __enter__(self):
         gc.collect()
-        # every allocation of 64 KiB or more gets fresh pages, freed memory goes back at once
-        self._mallopt(64 * 1024, 0).malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current VmRSS
         self.base = _proc_status()["VmRSS"]
@@ -90,8 +76,19 @@ class HostPeak:
 
     def __exit__(self, *exc):
         self.peak = max(0, _proc_status()["VmHWM"] - self.base)
-        # back to glibc's warmed-up regime (its dynamic thresholds' ceilings) for timing
-        self._mallopt(32 * 2**20, 64 * 2**20)
+
+
+def _fresh_pages_allocator():
+    """glibc: allocations of 64 KiB and more get fresh pages, and freed memory goes back at once.
+
+    Without this a call that reuses pages freed by an earlier call would read as
+    using no memory at all.
+    """
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+    libc.mallopt(M_TRIM_THRESHOLD, 0)
 
 
 try:
@@ -214,22 +211,52 @@ def _time(fn, device, repeat: int, min_time: float) -> float:
     return best
 
 
-def _peak(fn, device):
-    if device == "cuda":
-        import cupy
-        pool = cupy.get_default_memory_pool()
-        pool.free_all_blocks()
-        base = pool.total_bytes()
-        # the pool keeps every block it allocates until free_all_blocks, so its total
-        # after the call is its peak during the call
-        fn()
-        _sync(device)
-        return pool.total_bytes() - base
-    if not HostPeak.available:
-        return None
+def closures(impl, q, k, v, dout, causal, scale, device):
+    """(forward, backward) callables of one implementation over fixed inputs."""
+    if impl == "naive-numpy":
+        return _naive_numpy(q, k, v, dout, causal, scale)
+    if impl == "torch-sdpa":
+        return _torch_sdpa(q, k, v, dout, causal, scale, device)
+    return _flashcupy(impl, q, k, v, dout, causal, scale)
+
+
+def _gpu_peak(fn):
+    import cupy
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    base = pool.total_bytes()
+    # the pool keeps every block it allocates until free_all_blocks, so its total
+    # after the call is its peak during the call
+    fn()
+    _sync("cuda")
+    return pool.total_bytes() - base
+
+
+def _host_peak_child(impl, batch, heads, seqlen, head_dim, causal, dtype, pass_):
+    _fresh_pages_allocator()
+    q, k, v, dout = make_inputs(batch, heads, seqlen, head_dim, np.dtype(dtype), "cpu")
+    fn = dict(zip(("forward", "backward"),
+                  closures(impl, q, k, v, dout, causal, 1.0 / math.sqrt(head_dim), "cpu")))[pass_]
+    fn()
     with HostPeak() as probe:
         fn()
     return probe.peak
+
+
+def peak_bytes(impl, batch, heads, seqlen, head_dim, causal=False, dtype="float32", device="cpu",
+               pass_="forward"):
+    """Memory one call needs beyond its inputs; None where it cannot be measured."""
+    if device == "cuda":
+        q, k, v, dout = make_inputs(batch, heads, seqlen, head_dim, np.dtype(dtype), device)
+        fn = dict(zip(("forward", "backward"),
+                      closures(impl, q, k, v, dout, causal, 1.0 / math.sqrt(head_dim), device)))[pass_]
+        fn()
+        return _gpu_peak(fn)
+    if not HostPeak.available:
+        return None
+    import multiprocessing
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_host_peak_child, (impl, batch, heads, seqlen, head_dim, causal, dtype, pass_))
 
 
 def make_inputs(batch, heads, seqlen, head_dim, dtype, device, seed=0):
@@ -244,19 +271,13 @@ def make_inputs(batch, heads, seqlen, head_dim, dtype, device, seed=0):
 def run_one(impl, batch, heads, seqlen, head_dim, causal=False, dtype="float32", device="cpu",
             passes=("forward", "backward"), repeat=3, min_time=1.0, memory=True):
     q, k, v, dout = make_inputs(batch, heads, seqlen, head_dim, np.dtype(dtype), device)
-    scale = 1.0 / math.sqrt(head_dim)
-    if impl == "naive-numpy":
-        fns = _naive_numpy(q, k, v, dout, causal, scale)
-    elif impl == "torch-sdpa":
-        fns = _torch_sdpa(q, k, v, dout, causal, scale, device)
-    else:
-        fns = _flashcupy(impl, q, k, v, dout, causal, scale)
+    fns = closures(impl, q, k, v, dout, causal, 1.0 / math.sqrt(head_dim), device)
     results = []
     for pass_, fn in zip(("forward", "backward"), fns):
         if pass_ not in passes:
             continue
         seconds = _time(fn, device, repeat, min_time)
-        peak = _peak(fn, device) if memory else None
+        peak = peak_bytes(impl, batch, heads, seqlen, head_dim, causal, dtype, device, pass_) if memory else None
         tf = flops(batch, heads, seqlen, head_dim, causal, pass_) / seconds / 1e12
         results.append(Result(impl, pass_, batch, heads, seqlen, head_dim, causal, str(np.dtype(dtype)),
                               seconds, tf, peak))

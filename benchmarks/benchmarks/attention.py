@@ -42,13 +42,7 @@ class _Attention:
         _skip_unless_runnable(impl, seqlen, self.heads)
         device = _device(impl)
         q, k, v, dout = _bench.make_inputs(self.batch, self.heads, seqlen, head_dim, np.dtype(dtype), device)
-        scale = 1.0 / np.sqrt(head_dim)
-        if impl == "naive-numpy":
-            fwd, bwd = _bench._naive_numpy(q, k, v, dout, causal, scale)
-        elif impl == "torch-sdpa":
-            fwd, bwd = _bench._torch_sdpa(q, k, v, dout, causal, scale, device)
-        else:
-            fwd, bwd = _bench._flashcupy(impl, q, k, v, dout, causal, scale)
+        fwd, bwd = _bench.closures(impl, q, k, v, dout, causal, 1.0 / np.sqrt(head_dim), device)
         self.device = device
         self.fns = {"forward": fwd, "backward": bwd}
         for fn in self.fns.values():
@@ -76,8 +70,9 @@ class Forward(_Attention):
 
     track_tflops.unit = "TFLOP/s"
 
-    def track_extra_memory(self, impl, *args):
-        return _bench._peak(self.fns["forward"], self.device) / 2**20
+    def track_extra_memory(self, impl, seqlen, head_dim, dtype, causal):
+        return _bench.peak_bytes(impl, self.batch, self.heads, seqlen, head_dim, causal, dtype,
+                                 self.device) / 2**20
 
     track_extra_memory.unit = "MiB"
 
@@ -104,15 +99,8 @@ class MemoryGrowth:
 
     def setup(self, impl, seqlen):
         _skip_unless_runnable(impl, seqlen, 1)
-        self.device = _device(impl)
-        q, k, v, dout = _bench.make_inputs(1, 1, seqlen, 64, np.dtype(np.float32), self.device)
-        if impl == "naive-numpy":
-            self.fwd, _ = _bench._naive_numpy(q, k, v, dout, False, 0.125)
-        else:
-            self.fwd, _ = _bench._flashcupy(impl, q, k, v, dout, False, 0.125)
-        self.fwd()
 
     def track_extra_memory(self, impl, seqlen):
-        return _bench._peak(self.fwd, self.device) / 2**20
+        return _bench.peak_bytes(impl, 1, 1, seqlen, 64, device=_device(impl)) / 2**20
 
     track_extra_memory.unit = "MiB"
