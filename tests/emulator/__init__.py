@@ -1,0 +1,120 @@
+"""A CPU emulator for flashcupy's CUDA kernels: the very .cu files CuPy loads, run by g++.
+
+Import as ``from emulator import ...`` (tests/ is on sys.path under pytest).
+
+API
+---
+``EmulatedModule(code, name_expressions=(), options=(), *, thread_order="ascending", seed=0,
+shared_mem_limit=48 KiB, stack_size=256 KiB, oob_guard="end")`` stands in for
+``cupy.RawModule(code=..., name_expressions=..., options=...)``:
+
+    mod = EmulatedModule(source, ["attn_fwd<float, 64>"], ("-DBLOCK_M=64",), thread_order="descending")
+    kern = mod.get_function("attn_fwd<float, 64>")
+    kern((blocks_x, blocks_y), (128,), (q, k, v, out, np.int32(n), np.float32(scale)), shared_mem=nbytes)
+
+- ``code`` is compiled with ``g++ -std=c++20 -O1`` against the shim in ``include/`` (force-included
+  ``cuda_emu.h``; ``#include <cuda_fp16.h>`` / ``<cuda_bf16.h>`` resolve to the shim's), linked with
+  ``runtime.cpp`` into a shared library loaded with ctypes. Builds are cached by a hash of (source,
+  name expressions, defines, include-dir headers, arch, compiler, emulator sources) under
+  ``$FLASHCUPY_EMULATOR_CACHE`` or ``$TMPDIR/flashcupy-emulator-$UID``, so a specialisation compiles
+  once, across test sessions too.
+- ``options``: ``-D NAME=VALUE``/``-DNAME=VALUE``/``--define-macro=``, ``-I dir``/``-Idir``/
+  ``--include-path=`` and ``-arch=sm_XY``/``--gpu-architecture=`` (sets ``__CUDA_ARCH__``, default 900)
+  are honoured; every other flag (``-std=...``, ``--use_fast_math``, ...) is ignored.
+  ``__CUDACC__`` and ``__CUDACC_RTC__`` are defined, as under NVRTC.
+- ``name_expressions``: plain ``extern "C"`` names or template instantiations (``attn_fwd<float, 64>``).
+  Each gets a generated trampoline that deduces the parameter types from the kernel's function
+  pointer. ``get_function`` of a name not listed rebuilds the module with it added (one more compile).
+- The function object is called like ``cupy.RawKernel``: ``kern(grid, block, args, *, shared_mem=0)``;
+  grid and block are ints or 1- to 3-tuples. Array arguments are NumPy arrays of any strides (negative
+  too, views with offsets); the bytes a view spans are copied into a guarded buffer, the kernel gets
+  the guarded address of the view's first element, and changed bytes are copied back after the launch.
+  Arrays whose spans overlap share one buffer, so aliasing behaves as on a GPU. Scalars are NumPy
+  scalars passed by value (Python int -> int64, float -> float64, as CuPy converts them). The arity,
+  and each argument's kind and size (array vs pointer, itemsize vs pointee size, scalar dtype vs
+  parameter type), are checked before the launch: ``LaunchError`` names the kernel and the argument.
+- ``kern.max_dynamic_shared_size_bytes`` (CuPy's attribute) starts at ``shared_mem_limit`` (48 KiB)
+  and may be raised to ``SHARED_MEM_OPTIN_MAX`` (227 KiB); a launch requesting more is a
+  ``LaunchError``. Block size (<= 1024 threads, z <= 64) and grid limits are checked too.
+- ``thread_order`` is one of ``THREAD_ORDERS = ("ascending", "descending", "shuffled")``: the order in
+  which the threads of a block run between blocking points, and the order of the blocks. "shuffled"
+  draws a fresh permutation (from ``seed``) for every pass. Run correctness tests under at least
+  ascending and descending: a missing ``__syncthreads()`` shows up as a wrong answer under one of them.
+- ``stack_size`` is each CUDA thread's stack; ``ucontext=True`` forces the portable fiber switch
+  (glibc ucontext) that machines other than x86-64 use, so it can be tested here.
+- ``garbage(shape, dtype)``: an array of 0xFF bytes (NaN, or -1), for outputs a kernel must fully write.
+
+Execution model
+---------------
+Blocks run one after another. Each CUDA thread is a fiber (hand-written x86-64 stack switch; ucontext
+on other machines) with its own stack of ``stack_size`` bytes and a guard page below it. A fiber runs
+until ``__syncthreads()`` (waits for every live thread of the block), a warp collective (``__syncwarp``,
+``__shfl_sync``, ``__shfl_up/down/xor_sync``: waits for every live lane named in the mask, then
+exchanges and continues) or the end of the kernel; a thread that has returned drops out of later barriers, as on a GPU. Static ``__shared__`` objects (one per block, as
+static storage in a dedicated section) and dynamic shared memory are filled with 0xFF at the start of
+every block, and locals start as garbage (``-ftrivial-auto-var-init=pattern``), so reading
+uninitialised memory gives wrong answers.
+
+Errors (all subclasses of ``EmulatorError``): ``CompileError`` (g++ diagnostics), ``LaunchError``
+(invalid launch), ``KernelError`` (with ``.kernel``, ``.block``, ``.thread``): ``OutOfBoundsError``
+(``.argument``, ``.access``), ``DeadlockError``; a failed ``assert``, ``__trap()``, integer division
+by zero, a stack overflow or a misused warp collective are ``KernelError``.
+
+Out-of-bounds detection
+-----------------------
+Each argument buffer sits between two PROT_NONE pages, flush against the upper one
+(``oob_guard="end"``, default) or the lower one (``"start"``). A fault is caught by a SIGSEGV handler
+on an alternate signal stack, which siglongjmps back to the launcher; the fault address names the
+argument, the element offset from the pointer passed, read vs write, and the block and thread.
+On the other side of the buffer, the slack up to the page boundary holds 0xFF: a write there is
+reported after the launch (without the thread), a read returns garbage. Accesses more than a page
+away from any buffer are reported as wild pointers. Dynamic shared memory ends (16-byte aligned)
+against a guard page too; a write into the slack before or after it is reported after the block.
+
+Not faithful (by design or not yet)
+-----------------------------------
+- Floating point: intrinsics such as ``__expf`` are exact, ``--use_fast_math`` is ignored, g++ does
+  not contract ``a*b+c`` into FMAs, denormals are not flushed. Compare with tolerances.
+- Memory is sequentially consistent and atomics are trivially atomic; weak-memory effects and races
+  inside one blocking-point interval are only exposed through the thread order.
+- Warps are not lockstep (the Volta+ model): warp-synchronous code without ``__syncwarp`` may fail,
+  as it may on a modern GPU. Lanes named in a mask that have exited or do not exist are left out of
+  the collective; a shuffle reading such a lane receives garbage.
+- Cooperative fibers: a thread or block spinning on a flag set by another never finishes.
+- Static ``__shared__`` size is not counted against the shared-memory limit; static shared memory
+  has no guard pages. Underflow reads just before dynamic shared memory are not caught.
+- Not provided: ``__half2``/``__nv_bfloat162`` and h* intrinsics, ``__ballot_sync`` and friends,
+  cooperative groups, inline PTX, textures, ``RawModule.get_global``, streams (ignored).
+"""
+
+from .driver import (
+    SHARED_MEM_DEFAULT,
+    SHARED_MEM_OPTIN_MAX,
+    THREAD_ORDERS,
+    CompileError,
+    DeadlockError,
+    EmulatedFunction,
+    EmulatedModule,
+    EmulatorError,
+    KernelError,
+    LaunchError,
+    OutOfBoundsError,
+    cache_dir,
+    garbage,
+)
+
+__all__ = [
+    "SHARED_MEM_DEFAULT",
+    "SHARED_MEM_OPTIN_MAX",
+    "THREAD_ORDERS",
+    "CompileError",
+    "DeadlockError",
+    "EmulatedFunction",
+    "EmulatedModule",
+    "EmulatorError",
+    "KernelError",
+    "LaunchError",
+    "OutOfBoundsError",
+    "cache_dir",
+    "garbage",
+]

@@ -1,0 +1,231 @@
+// cuda_emu.h: the CUDA device dialect as plain C++, so g++ can compile the very
+// .cu files that CuPy hands to NVRTC and the emulator can run them on the CPU.
+//
+// The driver force-includes this header (g++ -include cuda_emu.h) ahead of the
+// kernel source. It declares only what a GPU provides; the machinery behind
+// barriers, warp collectives and traps lives in runtime.cpp.
+//
+// Execution model, in one breath: the blocks of a grid run one after another;
+// each CUDA thread of a block is a fiber with its own stack; a fiber runs until
+// it reaches __syncthreads(), a warp collective or the end of the kernel, and
+// the scheduler then runs the next fiber in the chosen thread order. Memory is
+// therefore sequentially consistent, and a missing barrier shows up as a wrong
+// answer under some thread order rather than as a weak-memory effect.
+
+#pragma once
+
+#include <cfloat>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <math.h>  // libstdc++'s math.h: expf, fmaxf, INFINITY, and isinf/isnan at global scope
+#include <type_traits>
+
+// ----------------------------------------------------------------------------
+// declaration specifiers
+
+#define __global__
+#define __device__
+#define __host__
+#define __constant__
+#define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+
+// A __shared__ variable is one object per block. Blocks run one at a time, so a
+// static object is enough; the section lets the runtime fill every static
+// __shared__ object with garbage when a block starts, as on a GPU. `used`
+// keeps g++ from proving that no other fiber can touch the object.
+// `extern __shared__` (dynamic shared memory) is rewritten by the driver
+// before compilation, into EMU_DYNAMIC_SHARED below.
+#define __shared__ static __attribute__((section("emu_shared"), used))
+
+namespace emu {
+// Base of this block's dynamic shared memory, set by the runtime per launch.
+extern void* dynamic_shared;
+}  // namespace emu
+
+// `extern __shared__ T name[];` becomes `EMU_DYNAMIC_SHARED(name, T);`: a
+// reference to the runtime's pointer, so `name[i]`, `name + k` and
+// reinterpret_cast<U*>(name) read as they do on a GPU. (T last: it may hold commas.)
+#define EMU_DYNAMIC_SHARED(name, ...) \
+    static __VA_ARGS__* const& name = reinterpret_cast<__VA_ARGS__* const&>(emu::dynamic_shared)
+
+// ----------------------------------------------------------------------------
+// built-in types and variables
+
+struct uint3 {
+    unsigned int x, y, z;
+};
+
+struct dim3 {
+    unsigned int x, y, z;
+    constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+struct __align__(8) float2 { float x, y; };
+struct __align__(16) float4 { float x, y, z, w; };
+struct __align__(8) int2 { int x, y; };
+struct __align__(16) int4 { int x, y, z, w; };
+struct __align__(16) double2 { double x, y; };
+
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline int2 make_int2(int x, int y) { return {x, y}; }
+inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
+inline double2 make_double2(double x, double y) { return {x, y}; }
+
+namespace emu {
+struct Builtins {
+    uint3 thread_idx;
+    uint3 block_idx;
+    dim3 block_dim;
+    dim3 grid_dim;
+};
+// Rewritten by the scheduler before it resumes a fiber (thread_idx) or starts
+// a block (the rest). Not const: the kernel must reload it after every call.
+extern Builtins builtins;
+}  // namespace emu
+
+// Read-only views of the runtime's builtins: assigning to threadIdx does not compile.
+inline const uint3& threadIdx = emu::builtins.thread_idx;
+inline const uint3& blockIdx = emu::builtins.block_idx;
+inline const dim3& blockDim = emu::builtins.block_dim;
+inline const dim3& gridDim = emu::builtins.grid_dim;
+// On a GPU warpSize is a run-time variable; here it is a constant.
+static const int warpSize = 32;
+
+// ----------------------------------------------------------------------------
+// synchronisation
+
+namespace emu {
+enum Collective : int { kSyncWarp = 0, kShflIdx = 1, kShflUp = 2, kShflDown = 3, kShflXor = 4 };
+
+void block_barrier();
+// Every lane named in `mask` meets here; returns the 64-bit payload this lane receives.
+std::uint64_t warp_collective(int kind, unsigned mask, std::uint64_t payload, int operand, int width);
+[[noreturn]] void trap(const char* why);
+
+template <class T>
+inline T shuffle(int kind, unsigned mask, T var, int operand, int width) {
+    static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>);
+    std::uint64_t bits = 0;
+    std::memcpy(&bits, &var, sizeof(T));
+    bits = warp_collective(kind, mask, bits, operand, width);
+    std::memcpy(&var, &bits, sizeof(T));
+    return var;
+}
+}  // namespace emu
+
+inline void __syncthreads() { emu::block_barrier(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { emu::warp_collective(emu::kSyncWarp, mask, 0, 0, 32); }
+// Fibers share one address space and run one at a time: every fence is free.
+inline void __threadfence() {}
+inline void __threadfence_block() {}
+[[noreturn]] inline void __trap() { emu::trap("__trap() called"); }
+
+// The overloads CUDA declares, one set per payload type.
+#define EMU_SHUFFLES(T)                                                                      \
+    inline T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {               \
+        return emu::shuffle(emu::kShflIdx, mask, var, src_lane, width);                      \
+    }                                                                                        \
+    inline T __shfl_up_sync(unsigned mask, T var, unsigned int delta, int width = 32) {      \
+        return emu::shuffle(emu::kShflUp, mask, var, static_cast<int>(delta), width);        \
+    }                                                                                        \
+    inline T __shfl_down_sync(unsigned mask, T var, unsigned int delta, int width = 32) {    \
+        return emu::shuffle(emu::kShflDown, mask, var, static_cast<int>(delta), width);      \
+    }                                                                                        \
+    inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {          \
+        return emu::shuffle(emu::kShflXor, mask, var, lane_mask, width);                     \
+    }
+
+EMU_SHUFFLES(int)
+EMU_SHUFFLES(unsigned int)
+EMU_SHUFFLES(long)
+EMU_SHUFFLES(unsigned long)
+EMU_SHUFFLES(long long)
+EMU_SHUFFLES(unsigned long long)
+EMU_SHUFFLES(float)
+EMU_SHUFFLES(double)
+
+// ----------------------------------------------------------------------------
+// atomics: fibers never preempt one another, so a plain read-modify-write is atomic.
+
+#define EMU_ATOMIC(name, T, update)            \
+    inline T name(T* address, T val) {         \
+        T old = *address;                      \
+        *address = (update);                   \
+        return old;                            \
+    }
+
+EMU_ATOMIC(atomicAdd, int, old + val)
+EMU_ATOMIC(atomicAdd, unsigned int, old + val)
+EMU_ATOMIC(atomicAdd, unsigned long long, old + val)
+EMU_ATOMIC(atomicAdd, float, old + val)
+EMU_ATOMIC(atomicAdd, double, old + val)
+EMU_ATOMIC(atomicMax, int, old > val ? old : val)
+EMU_ATOMIC(atomicMax, unsigned int, old > val ? old : val)
+EMU_ATOMIC(atomicMin, int, old < val ? old : val)
+EMU_ATOMIC(atomicMin, unsigned int, old < val ? old : val)
+EMU_ATOMIC(atomicExch, int, val)
+EMU_ATOMIC(atomicExch, unsigned int, val)
+EMU_ATOMIC(atomicExch, float, val)
+
+inline int atomicCAS(int* address, int compare, int val) {
+    int old = *address;
+    *address = old == compare ? val : old;
+    return old;
+}
+
+// ----------------------------------------------------------------------------
+// maths beyond <math.h>
+//
+// The intrinsics below are computed exactly (to float precision), where a GPU
+// uses faster, less accurate hardware approximations: __expf(x) here equals
+// expf(x). g++ does not contract a*b+c into an FMA on x86-64 by default, where
+// nvcc does; results may differ from a GPU in the last bits.
+
+inline float __expf(float x) { return expf(x); }
+inline float __logf(float x) { return logf(x); }
+inline float __fdividef(float x, float y) { return x / y; }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+
+template <class To, class From>
+inline To emu_bits(From from) {
+    static_assert(sizeof(To) == sizeof(From));
+    To to;
+    std::memcpy(&to, &from, sizeof(To));
+    return to;
+}
+inline float __int_as_float(int i) { return emu_bits<float>(i); }
+inline int __float_as_int(float f) { return emu_bits<int>(f); }
+inline float __uint_as_float(unsigned int i) { return emu_bits<float>(i); }
+inline unsigned int __float_as_uint(float f) { return emu_bits<unsigned int>(f); }
+inline double __longlong_as_double(long long i) { return emu_bits<double>(i); }
+inline long long __double_as_longlong(double d) { return emu_bits<long long>(d); }
+
+// CUDA's integer and floating max/min overloads (std::max is not in scope on a GPU either).
+#define EMU_MINMAX(T)                                   \
+    inline T max(T a, T b) { return a > b ? a : b; }    \
+    inline T min(T a, T b) { return a < b ? a : b; }
+
+EMU_MINMAX(int)
+EMU_MINMAX(unsigned int)
+EMU_MINMAX(long)
+EMU_MINMAX(unsigned long)
+EMU_MINMAX(long long)
+EMU_MINMAX(unsigned long long)
+EMU_MINMAX(float)
+EMU_MINMAX(double)
+inline unsigned int max(int a, unsigned int b) { return max(static_cast<unsigned int>(a), b); }
+inline unsigned int max(unsigned int a, int b) { return max(a, static_cast<unsigned int>(b)); }
+inline unsigned int min(int a, unsigned int b) { return min(static_cast<unsigned int>(a), b); }
+inline unsigned int min(unsigned int a, int b) { return min(a, static_cast<unsigned int>(b)); }
+
+// Read-only data cache load: an ordinary load here.
+template <class T>
+inline T __ldg(const T* p) { return *p; }

@@ -1,0 +1,636 @@
+// runtime.cpp: the CUDA emulator's scheduler.
+//
+// Linked into every emulated module. Runs a grid block by block; the threads
+// of a block are fibers, each with its own guarded stack, switched by a few
+// instructions of assembly on x86-64 (ucontext elsewhere, or with
+// -DEMU_USE_UCONTEXT). A fiber runs until it blocks:
+//   __syncthreads()      waits until every live thread of the block is there;
+//   warp collectives     (__syncwarp, __shfl*_sync) wait until every live lane
+//                        named in the mask is there, then exchange and go on;
+//   the kernel's return  ends the fiber (an exited thread drops out of later
+//                        barriers, as on a GPU).
+// Between blocking points the fibers of a block run one after another, in the
+// launch's thread order (ascending, descending, or a fresh seeded shuffle per
+// pass), so a missing barrier changes the answer under some order.
+//
+// A memory fault, a failed assertion, a __trap(), a deadlock or a misused warp
+// collective ends the launch: the runtime jumps back to emu_launch and fills
+// EmuLaunchReport, which the Python driver turns into an exception.
+
+#include "cuda_emu.h"
+
+#include <algorithm>
+#include <csetjmp>
+#include <csignal>
+#include <cstdarg>
+#include <random>
+#include <vector>
+
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#define EMU_API extern "C" __attribute__((visibility("default")))
+
+namespace emu {
+Builtins builtins;
+void* dynamic_shared;
+}  // namespace emu
+
+// Bounds of this library's static __shared__ objects (null when it has none).
+extern "C" unsigned char __start_emu_shared[] __attribute__((weak, visibility("hidden")));
+extern "C" unsigned char __stop_emu_shared[] __attribute__((weak, visibility("hidden")));
+
+// ----------------------------------------------------------------------------
+// the interface with the Python driver (mirrored by ctypes structures there)
+
+enum Status : int {
+    kOk = 0,
+    kFault = 1,           // a signal: SIGSEGV, SIGBUS, SIGFPE, SIGILL or SIGABRT
+    kDeadlock = 2,        // threads wait for one another forever
+    kWarpMisuse = 3,      // a warp collective used in a way a GPU leaves undefined
+    kTrap = 4,            // __trap()
+    kSharedOverrun = 5,   // a write into the slack around dynamic shared memory
+    kResources = 6,       // mmap failed
+};
+
+enum Order : int { kAscending = 0, kDescending = 1, kShuffled = 2 };
+enum Where : int { kElsewhere = 0, kDynamicShared = 1, kStack = 2 };
+enum Access : int { kUnknownAccess = 0, kRead = 1, kWrite = 2 };
+
+struct EmuLaunchConfig {
+    unsigned grid[3];
+    unsigned block[3];
+    std::uint64_t dynamic_shared_bytes;
+    std::uint64_t stack_bytes;
+    std::uint64_t seed;
+    int order;
+};
+
+struct EmuLaunchReport {
+    int status;
+    int signal;
+    int access;
+    int where;
+    std::uint64_t fault_address;
+    int has_thread;
+    unsigned block[3];
+    unsigned thread[3];
+    char message[2048];
+};
+
+namespace {
+
+constexpr unsigned char kGarbage = 0xff;  // NaN in every float format, -1 in every integer
+constexpr std::uint64_t kGarbagePayload = ~0ull;
+
+std::size_t page_size() {
+    static const std::size_t size = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+    return size;
+}
+
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+// ----------------------------------------------------------------------------
+// context switching
+
+void fiber_start();
+
+#if defined(__x86_64__) && !defined(EMU_USE_UCONTEXT)
+
+// emu_switch_stack(from, to): push the callee-saved registers, store the stack
+// pointer in *from, load `to`, pop the registers saved there and return into
+// that fiber.
+extern "C" void emu_switch_stack(void** from, void* to);
+asm(R"(
+    .text
+    .globl emu_switch_stack
+    .hidden emu_switch_stack
+    .type emu_switch_stack, @function
+    .p2align 4
+emu_switch_stack:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_switch_stack, .-emu_switch_stack
+)");
+
+struct Context {
+    void* sp = nullptr;
+
+    // A fresh stack that emu_switch_stack "returns" into fiber_start from.
+    void prepare(unsigned char* stack_lo, std::size_t bytes) {
+        auto** top = reinterpret_cast<void**>(stack_lo + bytes);  // 16-byte aligned
+        top[-1] = nullptr;                                     // fiber_start never returns
+        top[-2] = reinterpret_cast<void*>(&fiber_start);       // popped by `ret`
+        for (int slot = 3; slot <= 8; ++slot) top[-slot] = nullptr;  // rbp rbx r12-r15
+        sp = top - 8;
+    }
+};
+
+void switch_context(Context& from, Context& to) { emu_switch_stack(&from.sp, to.sp); }
+
+#else
+
+struct Context {
+    ucontext_t uc;
+
+    void prepare(unsigned char* stack_lo, std::size_t bytes) {
+        getcontext(&uc);
+        uc.uc_stack.ss_sp = stack_lo;
+        uc.uc_stack.ss_size = bytes;
+        uc.uc_link = nullptr;
+        makecontext(&uc, &fiber_start, 0);
+    }
+};
+
+void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+
+#endif
+
+// ----------------------------------------------------------------------------
+// fibers and their stacks
+
+enum class State : unsigned char { kRunnable, kAtBarrier, kAtWarp, kDone };
+
+struct Arrival {
+    int kind;
+    unsigned mask;
+    std::uint64_t payload;  // this lane's value going in, the received value coming out
+    int operand;
+    int width;
+};
+
+struct Fiber {
+    Context context;
+    State state;
+    uint3 tid;
+    unsigned warp;
+    unsigned lane;
+    Arrival arrival;
+};
+
+// Stacks outlive launches: mapping them is the costly part. Each mapping is a
+// PROT_NONE guard page followed by the stack, so an overflow faults.
+struct StackPool {
+    std::size_t bytes = 0;
+    std::vector<unsigned char*> mappings;
+
+    bool reserve(std::size_t count, std::size_t stack_bytes) {
+        stack_bytes = round_up(stack_bytes, page_size());
+        if (stack_bytes != bytes) {
+            release();
+            bytes = stack_bytes;
+        }
+        while (mappings.size() < count) {
+            void* m = mmap(nullptr, page_size() + bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (m == MAP_FAILED) return false;
+            mprotect(m, page_size(), PROT_NONE);
+            mappings.push_back(static_cast<unsigned char*>(m));
+        }
+        return true;
+    }
+
+    void release() {
+        for (unsigned char* m : mappings) munmap(m, page_size() + bytes);
+        mappings.clear();
+    }
+
+    unsigned char* stack_lo(std::size_t i) const { return mappings[i] + page_size(); }
+
+    bool in_guard(std::uintptr_t address) const {
+        for (unsigned char* m : mappings) {
+            auto lo = reinterpret_cast<std::uintptr_t>(m);
+            if (address >= lo && address < lo + page_size()) return true;
+        }
+        return false;
+    }
+};
+
+StackPool stacks;
+
+// Dynamic shared memory: [guard][data pages][guard], the requested bytes end
+// 16-byte aligned as close to the upper guard as alignment allows. The slack
+// on either side stays filled with garbage; a write there is reported after
+// the block.
+struct SharedRegion {
+    unsigned char* mapping = nullptr;
+    std::size_t mapping_bytes = 0;
+    unsigned char* data_lo = nullptr;  // first data page
+    unsigned char* data_hi = nullptr;  // the upper guard page
+    unsigned char* base = nullptr;
+    std::size_t bytes = 0;
+
+    bool map(std::size_t requested) {
+        std::size_t page = page_size();
+        std::size_t data = round_up(requested + 15, page);
+        mapping_bytes = data + 2 * page;
+        void* m = mmap(nullptr, mapping_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) return false;
+        mapping = static_cast<unsigned char*>(m);
+        mprotect(mapping, page, PROT_NONE);
+        mprotect(mapping + page + data, page, PROT_NONE);
+        data_lo = mapping + page;
+        data_hi = data_lo + data;
+        bytes = requested;
+        base = reinterpret_cast<unsigned char*>(reinterpret_cast<std::uintptr_t>(data_hi - requested) & ~std::uintptr_t{15});
+        return true;
+    }
+
+    void unmap() {
+        if (mapping) munmap(mapping, mapping_bytes);
+        mapping = nullptr;
+    }
+
+    bool in_guard(std::uintptr_t address) const {
+        auto lo = reinterpret_cast<std::uintptr_t>(mapping);
+        auto hi = reinterpret_cast<std::uintptr_t>(data_hi);
+        return mapping && ((address >= lo && address < lo + page_size()) || (address >= hi && address < hi + page_size()));
+    }
+
+    // Offset of the first byte outside [base, base + bytes) that is not garbage any more; -1 if none.
+    long overrun() const {
+        for (unsigned char* p = data_lo; p < base; ++p)
+            if (*p != kGarbage) return static_cast<long>(p - base);
+        for (unsigned char* p = base + bytes; p < data_hi; ++p)
+            if (*p != kGarbage) return static_cast<long>(p - base);
+        return -1;
+    }
+};
+
+// ----------------------------------------------------------------------------
+// one launch
+
+struct Launch {
+    void (*entry)(void**);
+    void** argv;
+    const EmuLaunchConfig* config;
+    EmuLaunchReport* report;
+    std::vector<Fiber> fibers;
+    std::vector<unsigned> pass_order;
+    Context scheduler;
+    Fiber* current = nullptr;
+    SharedRegion shared;
+    std::mt19937_64 rng;
+    sigjmp_buf escape;
+};
+
+Launch* active = nullptr;
+
+void record_thread(const Fiber& f) {
+    EmuLaunchReport& r = *active->report;
+    r.has_thread = 1;
+    r.block[0] = emu::builtins.block_idx.x;
+    r.block[1] = emu::builtins.block_idx.y;
+    r.block[2] = emu::builtins.block_idx.z;
+    r.thread[0] = f.tid.x;
+    r.thread[1] = f.tid.y;
+    r.thread[2] = f.tid.z;
+}
+
+// End the launch from anywhere (a fiber, the scheduler, a signal handler).
+[[noreturn]] void abandon(int status, const char* format, ...) {
+    va_list args;
+    va_start(args, format);
+    vsnprintf(active->report->message, sizeof active->report->message, format, args);
+    va_end(args);
+    siglongjmp(active->escape, status);
+}
+
+const char* collective_name(int kind) {
+    switch (kind) {
+        case emu::kSyncWarp: return "__syncwarp";
+        case emu::kShflIdx: return "__shfl_sync";
+        case emu::kShflUp: return "__shfl_up_sync";
+        case emu::kShflDown: return "__shfl_down_sync";
+        case emu::kShflXor: return "__shfl_xor_sync";
+    }
+    return "?";
+}
+
+void fiber_start() {
+    active->entry(active->argv);
+    Fiber& self = *active->current;
+    self.state = State::kDone;
+    switch_context(self.context, active->scheduler);
+    __builtin_unreachable();  // a finished fiber is never resumed
+}
+
+void block_until_scheduled(Fiber& self, State state) {
+    self.state = state;
+    switch_context(self.context, active->scheduler);
+}
+
+// The lane whose value `lane` receives, or `lane` itself where CUDA returns the caller's own value.
+int source_lane(const Arrival& a, int lane) {
+    int first = lane & ~(a.width - 1);  // first lane of this lane's width-wide segment
+    long long src;
+    switch (a.kind) {
+        case emu::kShflIdx: return first + (a.operand & (a.width - 1));
+        case emu::kShflUp:
+            src = lane - static_cast<long long>(static_cast<unsigned>(a.operand));
+            return src >= first ? static_cast<int>(src) : lane;
+        case emu::kShflDown:
+            src = lane + static_cast<long long>(static_cast<unsigned>(a.operand));
+            return src < first + a.width ? static_cast<int>(src) : lane;
+        case emu::kShflXor:  // earlier segments may be read, later ones give the caller's own value
+            src = lane ^ a.operand;
+            return src >= 0 && src < first + a.width ? static_cast<int>(src) : lane;
+    }
+    return lane;
+}
+
+// Complete every warp collective whose lanes have all arrived. Returns whether any did.
+bool resolve_warps(Launch& l) {
+    bool progressed = false;
+    std::size_t n = l.fibers.size();
+    for (std::size_t warp_first = 0; warp_first < n; warp_first += 32) {
+        unsigned lanes = static_cast<unsigned>(std::min<std::size_t>(32, n - warp_first));
+        Fiber* warp = &l.fibers[warp_first];
+        std::uint32_t alive = 0, waiting = 0;
+        for (unsigned lane = 0; lane < lanes; ++lane) {
+            if (warp[lane].state != State::kDone) alive |= 1u << lane;
+            if (warp[lane].state == State::kAtWarp) waiting |= 1u << lane;
+        }
+        std::uint32_t todo = waiting;
+        while (todo) {
+            int lead = __builtin_ctz(todo);
+            const Arrival& a = warp[lead].arrival;
+            // Lanes named in the mask that do not exist or have exited are left out, as a GPU does.
+            std::uint32_t group = a.mask & alive;
+            if ((group & waiting) != group) {  // someone is still on the way
+                todo &= ~(1u << lead);
+                continue;
+            }
+            for (std::uint32_t g = group; g; g &= g - 1) {
+                const Arrival& b = warp[__builtin_ctz(g)].arrival;
+                if (b.kind != a.kind || b.mask != a.mask) {
+                    record_thread(warp[lead]);
+                    abandon(kWarpMisuse,
+                            "warp %zu: lane %d is in %s(mask 0x%08x) while lane %d, named in that mask, "
+                            "is in %s(mask 0x%08x); every lane named in a mask must execute the same "
+                            "collective with the same mask",
+                            warp_first / 32, lead, collective_name(a.kind), a.mask, __builtin_ctz(g),
+                            collective_name(b.kind), b.mask);
+                }
+            }
+            std::uint64_t received[32];
+            for (std::uint32_t g = group; g; g &= g - 1) {
+                int lane = __builtin_ctz(g);
+                int src = source_lane(warp[lane].arrival, lane);
+                // Reading a lane that is outside the mask is undefined on a GPU: garbage here.
+                received[lane] = (group >> src) & 1 ? warp[src].arrival.payload : kGarbagePayload;
+            }
+            for (std::uint32_t g = group; g; g &= g - 1) {
+                int lane = __builtin_ctz(g);
+                warp[lane].arrival.payload = received[lane];
+                warp[lane].state = State::kRunnable;
+            }
+            todo &= ~group;
+            waiting &= ~group;
+            progressed = true;
+        }
+    }
+    return progressed;
+}
+
+[[noreturn]] void report_deadlock(Launch& l) {
+    std::size_t at_barrier = 0;
+    for (const Fiber& f : l.fibers) at_barrier += f.state == State::kAtBarrier;
+    char detail[1024] = "";
+    std::size_t used = 0;
+    int described = 0;
+    for (std::size_t warp_first = 0; warp_first < l.fibers.size() && described < 4; warp_first += 32) {
+        std::uint32_t waiting = 0, alive = 0;
+        for (std::size_t lane = 0; lane < 32 && warp_first + lane < l.fibers.size(); ++lane) {
+            State state = l.fibers[warp_first + lane].state;
+            waiting |= static_cast<std::uint32_t>(state == State::kAtWarp) << lane;
+            alive |= static_cast<std::uint32_t>(state != State::kDone) << lane;
+        }
+        if (!waiting) continue;
+        const Fiber& lead = l.fibers[warp_first + __builtin_ctz(waiting)];
+        if (!described++) record_thread(lead);
+        used += static_cast<std::size_t>(snprintf(
+            detail + used, sizeof detail - used,
+            "; in warp %u, %d lanes wait in %s(mask 0x%08x) for lanes 0x%08x, which wait at __syncthreads()",
+            lead.warp, __builtin_popcount(waiting), collective_name(lead.arrival.kind), lead.arrival.mask,
+            lead.arrival.mask & alive & ~waiting));
+    }
+    abandon(kDeadlock, "deadlock in block (%u,%u,%u): %zu threads wait at __syncthreads()%s",
+            emu::builtins.block_idx.x, emu::builtins.block_idx.y, emu::builtins.block_idx.z, at_barrier, detail);
+}
+
+void order_pass(Launch& l) {
+    std::vector<unsigned>& order = l.pass_order;
+    for (unsigned i = 0; i < order.size(); ++i) order[i] = i;
+    if (l.config->order == kDescending) std::reverse(order.begin(), order.end());
+    if (l.config->order == kShuffled) std::shuffle(order.begin(), order.end(), l.rng);
+}
+
+void run_block(Launch& l) {
+    if (__start_emu_shared) std::memset(__start_emu_shared, kGarbage, __stop_emu_shared - __start_emu_shared);
+    std::memset(l.shared.data_lo, kGarbage, l.shared.data_hi - l.shared.data_lo);
+    for (std::size_t i = 0; i < l.fibers.size(); ++i) {
+        l.fibers[i].state = State::kRunnable;
+        l.fibers[i].context.prepare(stacks.stack_lo(i), stacks.bytes);
+    }
+    for (;;) {
+        order_pass(l);
+        for (unsigned i : l.pass_order) {
+            Fiber& f = l.fibers[i];
+            if (f.state != State::kRunnable) continue;
+            emu::builtins.thread_idx = f.tid;
+            l.current = &f;
+            switch_context(l.scheduler, f.context);
+            l.current = nullptr;
+        }
+        resolve_warps(l);
+        bool done = true, runnable = false, all_at_barrier = true;
+        for (const Fiber& f : l.fibers) {
+            done &= f.state == State::kDone;
+            runnable |= f.state == State::kRunnable;
+            all_at_barrier &= f.state == State::kDone || f.state == State::kAtBarrier;
+        }
+        if (done) break;
+        if (runnable) continue;
+        if (!all_at_barrier) report_deadlock(l);
+        for (Fiber& f : l.fibers)
+            if (f.state == State::kAtBarrier) f.state = State::kRunnable;
+    }
+    long overrun = l.shared.overrun();
+    if (overrun >= 0) {
+        abandon(kSharedOverrun,
+                "block (%u,%u,%u) wrote dynamic shared memory at byte offset %ld, outside the %zu bytes "
+                "the launch requested (found after the block ended; the writing thread is unknown)",
+                emu::builtins.block_idx.x, emu::builtins.block_idx.y, emu::builtins.block_idx.z, overrun,
+                l.shared.bytes);
+    }
+}
+
+void run_grid(Launch& l) {
+    const EmuLaunchConfig& c = *l.config;
+    emu::builtins.grid_dim = dim3(c.grid[0], c.grid[1], c.grid[2]);
+    emu::builtins.block_dim = dim3(c.block[0], c.block[1], c.block[2]);
+    unsigned threads = c.block[0] * c.block[1] * c.block[2];
+    l.fibers.resize(threads);
+    l.pass_order.resize(threads);
+    for (unsigned i = 0; i < threads; ++i) {
+        Fiber& f = l.fibers[i];
+        f.tid = uint3{i % c.block[0], i / c.block[0] % c.block[1], i / (c.block[0] * c.block[1])};
+        f.warp = i / 32;
+        f.lane = i % 32;
+    }
+    std::size_t blocks = std::size_t{c.grid[0]} * c.grid[1] * c.grid[2];
+    std::vector<std::size_t> block_order(blocks);
+    for (std::size_t b = 0; b < blocks; ++b) block_order[b] = b;
+    if (c.order == kDescending) std::reverse(block_order.begin(), block_order.end());
+    if (c.order == kShuffled) std::shuffle(block_order.begin(), block_order.end(), l.rng);
+    for (std::size_t b : block_order) {
+        emu::builtins.block_idx = uint3{static_cast<unsigned>(b % c.grid[0]),
+                                        static_cast<unsigned>(b / c.grid[0] % c.grid[1]),
+                                        static_cast<unsigned>(b / (std::size_t{c.grid[0]} * c.grid[1]))};
+        run_block(l);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// signals
+
+constexpr int kCaught[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
+struct sigaction previous[std::size(kCaught)];
+stack_t previous_altstack;
+
+void on_signal(int sig, siginfo_t* info, void* context) {
+    if (!active) {  // not raised by a kernel: hand it to whoever handled it before us
+        for (std::size_t i = 0; i < std::size(kCaught); ++i)
+            if (kCaught[i] == sig) sigaction(sig, &previous[i], nullptr);
+        return;
+    }
+    EmuLaunchReport& r = *active->report;
+    auto address = reinterpret_cast<std::uintptr_t>(info->si_addr);
+    r.signal = sig;
+    r.fault_address = address;
+#if defined(__x86_64__)
+    if (sig == SIGSEGV) {  // bit 1 of the page-fault error code: the access was a write
+        auto* uc = static_cast<ucontext_t*>(context);
+        r.access = (uc->uc_mcontext.gregs[REG_ERR] & 2) ? kWrite : kRead;
+    }
+#else
+    (void)context;
+#endif
+    if (active->shared.in_guard(address)) r.where = kDynamicShared;
+    else if (stacks.in_guard(address)) r.where = kStack;
+    if (active->current) record_thread(*active->current);
+    siglongjmp(active->escape, kFault);
+}
+
+void install_handlers() {
+    static unsigned char* altstack = nullptr;
+    const std::size_t altstack_bytes = 64 * 1024;
+    if (!altstack) altstack = static_cast<unsigned char*>(mmap(nullptr, altstack_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    stack_t ss{};
+    ss.ss_sp = altstack;
+    ss.ss_size = altstack_bytes;
+    sigaltstack(&ss, &previous_altstack);
+    struct sigaction action {};
+    action.sa_sigaction = &on_signal;
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    for (std::size_t i = 0; i < std::size(kCaught); ++i) sigaction(kCaught[i], &action, &previous[i]);
+}
+
+void restore_handlers() {
+    for (std::size_t i = 0; i < std::size(kCaught); ++i) sigaction(kCaught[i], &previous[i], nullptr);
+    sigaltstack(&previous_altstack, nullptr);
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------
+// what the kernel calls
+
+void emu::block_barrier() { block_until_scheduled(*active->current, State::kAtBarrier); }
+
+std::uint64_t emu::warp_collective(int kind, unsigned mask, std::uint64_t payload, int operand, int width) {
+    Fiber& self = *active->current;
+    if (!((mask >> self.lane) & 1)) {
+        record_thread(self);
+        abandon(kWarpMisuse, "%s(mask 0x%08x) called by lane %u, which the mask does not name",
+                collective_name(kind), mask, self.lane);
+    }
+    if (width < 1 || width > 32 || (width & (width - 1))) {
+        record_thread(self);
+        abandon(kWarpMisuse, "%s called with width %d; it must be a power of two from 1 to 32",
+                collective_name(kind), width);
+    }
+    self.arrival = Arrival{kind, mask, payload, operand, width};
+    block_until_scheduled(self, State::kAtWarp);
+    return self.arrival.payload;
+}
+
+void emu::trap(const char* why) {
+    if (active->current) record_thread(*active->current);
+    abandon(kTrap, "%s", why);
+}
+
+// ----------------------------------------------------------------------------
+// what Python calls
+
+EMU_API std::uint64_t emu_page_size() { return page_size(); }
+
+// A buffer of `bytes` between two PROT_NONE pages, flush against the upper one
+// (at_end != 0) or the lower one. The rest of its pages is filled with garbage
+// so the driver can tell whether a kernel wrote there.
+EMU_API std::uint64_t emu_map_guarded(std::uint64_t bytes, int at_end, std::uint64_t* mapping, std::uint64_t* mapping_bytes) {
+    std::size_t page = page_size();
+    std::size_t data = round_up(bytes, page);
+    void* m = mmap(nullptr, data + 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return 0;
+    auto* lo = static_cast<unsigned char*>(m);
+    mprotect(lo, page, PROT_NONE);
+    mprotect(lo + page + data, page, PROT_NONE);
+    std::memset(lo + page, kGarbage, data);
+    *mapping = reinterpret_cast<std::uint64_t>(lo);
+    *mapping_bytes = data + 2 * page;
+    return reinterpret_cast<std::uint64_t>(at_end ? lo + page + data - bytes : lo + page);
+}
+
+EMU_API void emu_unmap(std::uint64_t mapping, std::uint64_t mapping_bytes) {
+    munmap(reinterpret_cast<void*>(mapping), mapping_bytes);
+}
+
+EMU_API int emu_launch(void (*entry)(void**), void** argv, const EmuLaunchConfig* config, EmuLaunchReport* report) {
+    std::memset(report, 0, sizeof *report);
+    Launch l;
+    l.entry = entry;
+    l.argv = argv;
+    l.config = config;
+    l.report = report;
+    l.rng.seed(config->seed);
+    std::size_t threads = std::size_t{config->block[0]} * config->block[1] * config->block[2];
+    if (!stacks.reserve(threads, config->stack_bytes) || !l.shared.map(config->dynamic_shared_bytes)) {
+        std::snprintf(report->message, sizeof report->message, "mmap failed for %zu fiber stacks", threads);
+        return report->status = kResources;
+    }
+    emu::dynamic_shared = l.shared.base;
+    install_handlers();
+    active = &l;
+    int status = sigsetjmp(l.escape, 1);
+    if (status == kOk) run_grid(l);
+    active = nullptr;
+    restore_handlers();
+    l.shared.unmap();
+    return report->status = status;
+}
