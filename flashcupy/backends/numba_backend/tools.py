@@ -1,0 +1,78 @@
+"""Developer tools for the numba kernels.
+
+    python -m flashcupy.backends.numba_backend.tools ptx [--cc 9.0]
+        Compile every kernel for every input dtype to PTX, without a GPU (needs
+        NVVM, e.g. pip install nvidia-cuda-nvcc-cu12). Fails on typing errors the
+        simulator cannot see, and reports any float64 instruction in a float32
+        kernel and each kernel's shared memory.
+
+On a GPU, time it with the common benchmark:
+    python -m flashcupy bench --device cuda --impl numba --impl cupy --dtype float16
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+
+
+def ptx(cc=(9, 0)) -> int:
+    from numba import cuda, types
+
+    from . import kernels as K
+
+    if K.SIMULATOR:
+        print("ptx: numba.cuda is the simulator in this process; unset NUMBA_ENABLE_CUDASIM", file=sys.stderr)
+        return 2
+    from numba.cuda.cudadrv import nvvm
+    if not nvvm.is_available():
+        print("ptx: NVVM not found (pip install nvidia-cuda-nvcc-cu12, or a CUDA toolkit)", file=sys.stderr)
+        return 3
+    if not cuda.is_available():
+        # device functions are compiled for "the current device"; with no GPU, name the target
+        from numba.cuda import dispatcher
+        dispatcher.get_current_device = lambda: argparse.Namespace(compute_capability=cc)
+    i64, b1 = types.int64, types.boolean
+    st4, st3 = types.UniTuple(i64, 5), types.UniTuple(i64, 4)
+    failures = 0
+    for dtype in (types.float16, types.float32, types.float64):
+        acc = types.float64 if dtype == types.float64 else types.float32
+        x, a = dtype[::1], acc[::1]
+        common = (i64, i64, acc, b1, i64)  # group, head_dim, scale, causal, causal_offset
+        sigs = {
+            "_attn_fwd": (x, st4, x, st4, x, st4, x, st4, a, st3, i64, i64) + common,
+            "_attn_bwd_preprocess": (x, st4, x, st4, a, st3, a, i64, i64),
+            "_attn_bwd_dkdv": (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, x, st4, x, st4, i64, i64) + common,
+            "_attn_bwd_dq": (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, x, st4, i64, i64) + common,
+        }
+        for name, sig in sigs.items():
+            fn = getattr(K, name).py_func
+            t = time.perf_counter()
+            try:
+                code, _ = cuda.compile_ptx(fn, sig, cc=cc)
+            except Exception as e:  # report every kernel, then fail
+                failures += 1
+                print(f"FAIL {name}[{dtype}]: {type(e).__name__}: {e}")
+                continue
+            shared = sum(int(n) * int(w) // 8 for w, n in
+                         re.findall(r"\.shared \.align \d+ \.b(\d+) \S+\[(\d+)\]", code))
+            f64 = len(re.findall(r"\.f64\b", code)) if acc == types.float32 else 0
+            note = f"  {f64} f64 instructions in a float32 kernel" if f64 else ""
+            print(f"ok   {name}[{dtype}]  shared {shared} B  {time.perf_counter() - t:.1f} s{note}")
+            failures += bool(f64)
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flashcupy.backends.numba_backend.tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_ptx = sub.add_parser("ptx", help="compile every kernel to PTX (no GPU needed)")
+    p_ptx.add_argument("--cc", default="9.0", help="compute capability, e.g. 8.0 or 9.0")
+    args = parser.parse_args(argv)
+    return ptx(tuple(int(x) for x in args.cc.split(".")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
