@@ -1,0 +1,177 @@
+"""CuPy backend: FlashAttention kernels in CUDA C++, compiled at first use by NVRTC.
+
+The kernels live beside this file in kernels/*.cu (see the header of each file for what it
+computes, its tiles and its shared-memory budget); specs.py says which specializations exist.
+This module packs arguments, allocates outputs and workspaces, and launches:
+
+    forward   flash_fwd                                   grid: query blocks x batch x heads_q
+    backward  flash_bwd_preprocess  D = rowsum(dO ∘ O)    grid: batch x heads_q x seqlen_q / 4
+              flash_bwd_dkdv        dK, dV                grid: key blocks x batch x heads_kv
+              flash_bwd_dq          dQ                    grid: query blocks x batch x heads_q
+
+Every tensor is passed as a pointer to its first element plus its element strides (any layout,
+negative strides included); sizes as int32, the scale in the accumulation type. Launches go to
+CuPy's current stream on the inputs' device.
+
+CuPy is imported at first use, never at import time. Everything the backend takes from CUDA
+goes through one `Runtime`: the array module for allocations and the module compiler. The
+tests install a runtime made of NumPy and a CPU emulator of CUDA (tests/cupy_emulation.py),
+which runs these same kernels and this same launch code without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import numpy as np
+
+from . import specs
+
+NAME = "cupy"
+ARRAY_LIBRARIES = ("cupy",)
+
+MAX_GRID_X = 2**31 - 1
+
+
+class Runtime:
+    """What the backend takes from CUDA.
+
+    xp: the array module outputs and workspaces are allocated with (cupy).
+    compile_module(source, name_expressions, options): an object whose get_function(name) gives
+        a kernel callable as kernel(grid, block, args), like cupy.RawModule; it should be memoized.
+    device_of(x): a context manager that makes x's device current (cupy: x.device).
+    """
+
+    def __init__(self, xp, compile_module, device_of=None):
+        self.xp = xp
+        self.compile_module = compile_module
+        self.device_of = device_of or (lambda x: contextlib.nullcontext())
+
+
+runtime: Runtime | None = None  # the runtime in use; the CuPy one is created at first use
+
+
+def _cupy_runtime() -> Runtime:
+    import cupy
+
+    @cupy.memoize(for_each_device=True)
+    def compile_module(source, name_expressions, options):
+        return cupy.RawModule(code=source, options=options, name_expressions=name_expressions)
+
+    return Runtime(cupy, compile_module, lambda x: x.device)
+
+
+def _runtime() -> Runtime:
+    global runtime
+    if runtime is None:
+        runtime = _cupy_runtime()
+    return runtime
+
+
+def unavailable_reason():
+    if runtime is not None:
+        return None
+    try:
+        import cupy
+    except ImportError:
+        return "cupy is not installed (pip install flashcupy[cuda12])"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CUDARuntimeError when there is no driver or no device
+        return f"no CUDA device ({e})"
+    return None if count > 0 else "no CUDA device"
+
+
+def allocate(like, shape, dtype, fill):
+    rt = _runtime()
+    with rt.device_of(like):
+        return rt.xp.full(shape, fill, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------
+# compilation and argument packing
+
+
+@functools.lru_cache(maxsize=None)
+def _source(source_file: str) -> str:
+    return specs.read_source(source_file)
+
+
+@functools.lru_cache(maxsize=None)
+def _options() -> tuple:
+    return specs.COMPILE_OPTIONS + specs.cuda_include_options()
+
+
+def _functions(rt: Runtime, module: specs.ModuleSpec) -> list:
+    """The module's kernels as callables, in the order of module.kernels."""
+    compiled = rt.compile_module(_source(module.source_file), module.name_expressions, _options())
+    return [compiled.get_function(name) for name in module.name_expressions]
+
+
+def _tensor(x) -> tuple:
+    """A tensor argument: the array (its first element), then its strides in elements."""
+    return (x, *(np.int64(s // x.itemsize) for s in x.strides))
+
+
+def _shape_args(p) -> tuple:
+    return tuple(np.int32(n) for n in (p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.head_dim))
+
+
+def _grid(blocks: int) -> tuple:
+    if blocks > MAX_GRID_X:
+        raise ValueError(f"problem too large for one launch: {blocks} CTAs (at most {MAX_GRID_X})")
+    return (blocks,)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------
+# forward and backward
+
+
+def forward(p, q, k, v):
+    rt = _runtime()
+    module = specs.forward_module(p.dtype, p.head_dim)
+    (kernel,) = module.kernels
+    acc = p.acc_dtype.type
+    with rt.device_of(q):
+        (flash_fwd,) = _functions(rt, module)
+        out = rt.xp.empty(q.shape, dtype=p.dtype)
+        lse = rt.xp.empty(p.lse_shape, dtype=p.lse_dtype)
+        flash_fwd(
+            _grid(_cdiv(p.seqlen_q, kernel.block_m) * p.batch * p.heads_q), (specs.NUM_THREADS,),
+            (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(out), *_tensor(lse),
+             *_shape_args(p), acc(p.scale), np.int32(p.causal)))
+    return out, lse
+
+
+def backward(p, dout, q, k, v, out, lse):
+    rt = _runtime()
+    module = specs.backward_module(p.dtype, p.head_dim)
+    _, dkdv, dq_kernel = module.kernels
+    acc = p.acc_dtype.type
+    block = (specs.NUM_THREADS,)
+    with rt.device_of(q):
+        preprocess, flash_bwd_dkdv, flash_bwd_dq = _functions(rt, module)
+        dq = rt.xp.empty(q.shape, dtype=p.dtype)
+        dk = rt.xp.empty(k.shape, dtype=p.dtype)
+        dv = rt.xp.empty(v.shape, dtype=p.dtype)
+        D = rt.xp.empty(p.lse_shape, dtype=p.acc_dtype)  # workspace: rowsum(dO ∘ O), contiguous
+
+        rows = p.batch * p.heads_q * p.seqlen_q
+        preprocess(
+            _grid(_cdiv(rows, specs.NUM_THREADS // 32)), block,
+            (*_tensor(dout), *_tensor(out), D,
+             np.int32(p.batch), np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim)))
+        shared = (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(dout), *_tensor(lse), D)
+        flags = (*_shape_args(p), acc(p.scale), np.int32(p.causal))
+        flash_bwd_dkdv(
+            _grid(_cdiv(p.seqlen_k, dkdv.block_n) * p.batch * p.heads_kv), block,
+            (*shared, *_tensor(dk), *_tensor(dv), *flags))
+        flash_bwd_dq(
+            _grid(_cdiv(p.seqlen_q, dq_kernel.block_m) * p.batch * p.heads_q), block,
+            (*shared, *_tensor(dq), *flags))
+    return dq, dk, dv

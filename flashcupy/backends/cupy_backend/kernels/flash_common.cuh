@@ -1,0 +1,176 @@
+// flash_common.cuh: what every flashcupy kernel shares.
+//
+// Types. T is the storage dtype (__half, float, double); Acc the accumulation type (float for
+// __half and float, double for double). Shared-memory tiles hold Acc, so a tile is converted
+// once when it is loaded and never again.
+//
+// Thread layout. A CTA is NUM_WARPS warps of 32 lanes. The kernels keep one tile "in rows"
+// (ROWS rows, ROWS / NUM_WARPS per warp: query rows in the forward and dQ kernels, key rows in
+// the dK/dV kernel) and stream a second tile "in columns" (COLS <= 32 rows of the other operand).
+// Two warp-level patterns make up all of the algebra:
+//
+//   row_dots    S[r] = A_r . B_c       lane owns column c = lane % COLS; when COLS < 32 the
+//                                      32 / COLS lanes that share c each take an interleaved
+//                                      share of head_dim and are summed with shuffles
+//   accumulate  acc[r][t] += sum_c W[r]_c C_c[lane + 32 t]
+//                                      lane owns head-dim columns lane, lane + 32, ...;
+//                                      W[r]_c is broadcast from lane c with a shuffle
+//
+// Shared-memory tiles are row-major with HEAD_DIM (a power of two >= 32) elements per row and
+// are zero past the true head_dim and past the last valid row, so padding adds nothing to a dot
+// product. Global memory is addressed through element strides in 64-bit arithmetic, so any
+// layout works, transposed and negative strides included.
+
+#include <cuda_fp16.h>
+
+#ifndef INFINITY  // NVRTC has no <cmath>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+using index_t = long long;
+
+constexpr int WARP_SIZE = 32;
+constexpr int NUM_WARPS = 4;
+constexpr int NUM_THREADS = NUM_WARPS * WARP_SIZE;
+constexpr unsigned FULL_MASK = 0xffffffffu;
+constexpr int SMEM_LIMIT = 48 * 1024;  // static shared memory per CTA without an opt-in
+// Tiles of up to 48 KiB leave room for 3 CTAs on an A100 SM (4 on an H100). Asking ptxas for 3
+// caps registers at 168 per thread, so registers do not cut occupancy below what shared memory
+// allows; the tile tables are chosen so that no kernel spills under that cap (tests/test_nvrtc.py).
+constexpr int MIN_CTAS_PER_SM = 3;
+
+__device__ constexpr bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
+
+// ---------------------------------------------------------------------------------------------
+// conversions and maths in the accumulation type
+
+__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+
+__device__ __forceinline__ void store(__half* p, float x) { *p = __float2half(x); }
+__device__ __forceinline__ void store(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store(double* p, double x) { *p = x; }
+
+__device__ __forceinline__ float acc_exp(float x) { return expf(x); }
+__device__ __forceinline__ double acc_exp(double x) { return exp(x); }
+__device__ __forceinline__ float acc_log(float x) { return logf(x); }
+__device__ __forceinline__ double acc_log(double x) { return log(x); }
+__device__ __forceinline__ float acc_max(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double acc_max(double a, double b) { return fmax(a, b); }
+
+// ---------------------------------------------------------------------------------------------
+// global memory
+
+// The rows of one (batch, head) slice of a (batch, seqlen, heads, head_dim) tensor.
+template <typename T>
+struct Rows {
+    T* base;
+    index_t row_stride;
+    index_t dim_stride;
+
+    __device__ __forceinline__ T& at(int i, int d) const {
+        return base[i * row_stride + d * dim_stride];
+    }
+};
+
+template <typename T>
+__device__ __forceinline__ Rows<T> head_rows(T* x, index_t s_batch, index_t s_seq, index_t s_head,
+                                             index_t s_dim, int b, int h) {
+    return Rows<T>{x + b * s_batch + h * s_head, s_seq, s_dim};
+}
+
+// tile[r][d] = scale * src(row0 + r, d) for r < ROWS, d < HEAD_DIM; zero where row0 + r >= seqlen
+// or d >= head_dim. Consecutive threads take consecutive d: coalesced when head_dim is contiguous.
+template <int ROWS, int HEAD_DIM, typename T, typename Acc>
+__device__ __forceinline__ void load_tile(Acc* tile, const Rows<const T>& src, int row0, int seqlen,
+                                          int head_dim, Acc scale) {
+    for (int e = threadIdx.x; e < ROWS * HEAD_DIM; e += NUM_THREADS) {
+        const int r = e / HEAD_DIM, d = e % HEAD_DIM;
+        tile[e] = (row0 + r < seqlen && d < head_dim) ? scale * to_acc(src.at(row0 + r, d)) : Acc(0);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// warp-level tile algebra
+
+// Reduce x over the lanes whose indices differ only in their low log2(WIDTH) bits.
+template <int WIDTH, typename Acc>
+__device__ __forceinline__ Acc group_max(Acc x) {
+    for (int offset = WIDTH / 2; offset > 0; offset /= 2)
+        x = acc_max(x, __shfl_xor_sync(FULL_MASK, x, offset));
+    return x;
+}
+
+template <int WIDTH, typename Acc>
+__device__ __forceinline__ Acc group_sum(Acc x) {
+    for (int offset = WIDTH / 2; offset > 0; offset /= 2)
+        x += __shfl_xor_sync(FULL_MASK, x, offset);
+    return x;
+}
+
+// S[r] = A_s[r] . B_s[c] for the warp's R rows of A_s and this lane's column c of B_s (COLS rows).
+// The SPLIT = 32 / COLS lanes that share c take the head-dim entries d = part (mod SPLIT) and
+// are summed at the end, so every lane holds the full dot product. Each lane walks head_dim in
+// a rotated order (starting at its own c) so that the 32 lanes always touch 32 distinct banks.
+template <int R, int COLS, int HEAD_DIM, typename Acc>
+__device__ __forceinline__ void row_dots(Acc (&S)[R], const Acc* A_s, const Acc* B_s) {
+    constexpr int SPLIT = WARP_SIZE / COLS;
+    constexpr int STEPS = HEAD_DIM / SPLIT;
+    static_assert(is_pow2(COLS) && COLS <= WARP_SIZE, "COLS must be a power of two <= 32");
+    static_assert(is_pow2(STEPS) && STEPS >= COLS, "HEAD_DIM / SPLIT must be a power of two >= COLS");
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int c = lane % COLS, part = lane / COLS;
+    const Acc* B_c = B_s + c * HEAD_DIM;
+#pragma unroll
+    for (int r = 0; r < R; ++r) S[r] = Acc(0);
+    for (int u = 0; u < STEPS; ++u) {
+        const int d = ((u + c) & (STEPS - 1)) * SPLIT + part;
+        const Acc b = B_c[d];
+#pragma unroll
+        for (int r = 0; r < R; ++r) S[r] += A_s[r * HEAD_DIM + d] * b;
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        for (int offset = COLS; offset < WARP_SIZE; offset *= 2)
+            S[r] += __shfl_xor_sync(FULL_MASK, S[r], offset);
+    }
+}
+
+// acc[r][t] += sum_c W[r]_c * C_s[c][lane + 32 t], where W[r]_c is the W[r] held by lane c.
+template <int R, int COLS, int HEAD_DIM, typename Acc>
+__device__ __forceinline__ void accumulate(Acc (&acc)[R][HEAD_DIM / WARP_SIZE], const Acc (&W)[R],
+                                           const Acc* C_s) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    for (int c = 0; c < COLS; ++c) {
+        Acc w[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) w[r] = __shfl_sync(FULL_MASK, W[r], c);
+#pragma unroll
+        for (int t = 0; t < HEAD_DIM / WARP_SIZE; ++t) {
+            const Acc x = C_s[c * HEAD_DIM + lane + WARP_SIZE * t];
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][t] += w[r] * x;
+        }
+    }
+}
+
+// Query i sees key j: j exists and, when causal, j <= i + seqlen_k - seqlen_q (bottom-right).
+__device__ __forceinline__ bool visible(int i, int j, int seqlen_q, int seqlen_k, int causal) {
+    return i < seqlen_q && j < seqlen_k && (!causal || j <= i + (seqlen_k - seqlen_q));
+}
+
+// Store the warp's R rows of acc (this lane's columns lane + 32 t) to dst rows row0 + r < seqlen.
+template <int R, int HEAD_DIM, typename T, typename Acc>
+__device__ __forceinline__ void store_rows(const Rows<T>& dst, const Acc (&acc)[R][HEAD_DIM / WARP_SIZE],
+                                           int row0, int seqlen, int head_dim) {
+    const int lane = threadIdx.x % WARP_SIZE;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int t = 0; t < HEAD_DIM / WARP_SIZE; ++t) {
+            const int d = lane + WARP_SIZE * t;
+            if (row0 + r < seqlen && d < head_dim) store(&dst.at(row0 + r, d), acc[r][t]);
+        }
+    }
+}

@@ -1,0 +1,159 @@
+"""The CUDA side of the cupy backend, described without CuPy: sources, tile tables, specializations.
+
+Every kernel is a template over (T, Acc, HEAD_DIM, BLOCK_M, BLOCK_N), instantiated through
+NVRTC name expressions such as ``flash_fwd<__half, float, 64, 64, 32>``. HEAD_DIM is the true
+head_dim rounded up to a bucket; the tiles of each bucket come from the tables below, which are
+sized so that the shared memory of one CTA stays within 48 KiB (the kernels static_assert it):
+
+    forward  (BLOCK_M + 2 BLOCK_N) HEAD_DIM sizeof(Acc)     Q_i; K_j, V_j
+    dK/dV    2 (BLOCK_N + BLOCK_M) HEAD_DIM sizeof(Acc)     K_j, V_j; Q_i, dO_i
+    dQ       2 (BLOCK_M + BLOCK_N) HEAD_DIM sizeof(Acc)     Q_i, dO_i; K_j, V_j
+
+BLOCK_M counts query rows and BLOCK_N keys in every kernel. The operand a lane owns one row of
+(K_j in the forward and dQ kernels, Q_i in the dK/dV kernel) must be at most 32 rows, a power of
+two; the operand split between the 4 warps must be a multiple of 4 rows.
+
+This module is imported by the backend, by `flashcupy._kernels` (the NVRTC resource report) and
+by the tests; it needs nothing but the standard library and NumPy.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
+
+NUM_THREADS = 128  # NUM_WARPS * WARP_SIZE in flash_common.cuh
+HEAD_DIM_BUCKETS = (32, 64, 128, 256)
+MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
+
+# (storage type, accumulation type) in CUDA, per NumPy dtype
+CUDA_TYPES = {
+    np.dtype(np.float16): ("__half", "float"),
+    np.dtype(np.float32): ("float", "float"),
+    np.dtype(np.float64): ("double", "double"),
+}
+
+# (BLOCK_M, BLOCK_N) per HEAD_DIM bucket, one table per accumulation size (4: float, 8: double).
+#                     HEAD_DIM:  32        64        128       256
+FORWARD_TILES = {
+    4: {32: (64, 32), 64: (64, 32), 128: (32, 32), 256: (16, 16)},
+    8: {32: (32, 32), 64: (32, 32), 128: (16, 16), 256: (8, 8)},
+}
+BACKWARD_DKDV_TILES = {
+    4: {32: (32, 64), 64: (32, 64), 128: (16, 32), 256: (8, 16)},
+    8: {32: (32, 32), 64: (16, 32), 128: (16, 8), 256: (4, 8)},
+}
+BACKWARD_DQ_TILES = {
+    4: {32: (64, 32), 64: (32, 32), 128: (32, 16), 256: (16, 8)},
+    8: {32: (32, 32), 64: (32, 16), 128: (16, 8), 256: (8, 4)},
+}
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """The padded compile-time HEAD_DIM the kernels use for `head_dim` (1..256)."""
+    for bucket in HEAD_DIM_BUCKETS:
+        if head_dim <= bucket:
+            return bucket
+    raise ValueError(f"the cupy backend supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One specialization: the template it instantiates and the tile it runs with."""
+
+    template: str            # flash_fwd, flash_bwd_preprocess, flash_bwd_dkdv or flash_bwd_dq
+    dtype: np.dtype
+    head_dim: int            # the bucket; 0 for kernels without a HEAD_DIM parameter
+    block_m: int = 0
+    block_n: int = 0
+
+    @property
+    def name_expression(self) -> str:
+        storage, acc = CUDA_TYPES[self.dtype]
+        args = [storage, acc]
+        if self.head_dim:
+            args += [str(self.head_dim), str(self.block_m), str(self.block_n)]
+        return f"{self.template}<{', '.join(args)}>"
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """One compilation unit: a source file and the kernels instantiated from it."""
+
+    source_file: str
+    kernels: tuple
+
+    @property
+    def name_expressions(self) -> tuple:
+        return tuple(k.name_expression for k in self.kernels)
+
+
+def forward_module(dtype, head_dim: int) -> ModuleSpec:
+    bucket = head_dim_bucket(head_dim)
+    dtype = np.dtype(dtype)
+    bm, bn = FORWARD_TILES[_acc_size(dtype)][bucket]
+    return ModuleSpec("flash_fwd.cu", (Kernel("flash_fwd", dtype, bucket, bm, bn),))
+
+
+def backward_module(dtype, head_dim: int) -> ModuleSpec:
+    """Kernels in launch order: preprocess (D), dK/dV, dQ."""
+    bucket = head_dim_bucket(head_dim)
+    dtype = np.dtype(dtype)
+    size = _acc_size(dtype)
+    return ModuleSpec("flash_bwd.cu", (
+        Kernel("flash_bwd_preprocess", dtype, 0),
+        Kernel("flash_bwd_dkdv", dtype, bucket, *BACKWARD_DKDV_TILES[size][bucket]),
+        Kernel("flash_bwd_dq", dtype, bucket, *BACKWARD_DQ_TILES[size][bucket]),
+    ))
+
+
+def all_modules():
+    """Every module the backend can request: the forward and backward for each dtype and bucket."""
+    return [build(dtype, bucket)
+            for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS
+            for build in (forward_module, backward_module)]
+
+
+def _acc_size(dtype: np.dtype) -> int:
+    return 8 if dtype == np.float64 else 4
+
+
+_INCLUDE = re.compile(r'^#include "([^"]+)"[^\n]*$', re.MULTILINE)
+
+
+def read_source(source_file: str) -> str:
+    """The text of a kernel file with its local `#include "..."` lines inlined.
+
+    Inlining (rather than passing -I) makes the source text the whole input of a compilation,
+    so a compile cache keyed on the text can never pick up a stale header.
+    """
+    with open(os.path.join(KERNEL_DIR, source_file), encoding="utf-8") as f:
+        text = f.read()
+    return _INCLUDE.sub(lambda m: read_source(m.group(1)), text)
+
+
+def cuda_include_options() -> tuple:
+    """-I for the CUDA headers (cuda_fp16.h): the nvidia-cuda-runtime wheel's, else a toolkit's.
+
+    NVRTC has no default include path, and CuPy adds none for CUDA 12 wheels.
+    """
+    roots = []
+    try:
+        from nvidia import cuda_runtime  # namespace package of the nvidia-cuda-runtime-cu12 wheel
+        roots += list(getattr(cuda_runtime, "__path__", ()))
+    except ImportError:
+        pass
+    roots += [os.environ[v] for v in ("CUDA_PATH", "CUDA_HOME") if os.environ.get(v)] + ["/usr/local/cuda"]
+    for root in roots:
+        include = os.path.join(root, "include")
+        if os.path.exists(os.path.join(include, "cuda_fp16.h")):
+            return (f"-I{include}",)
+    return ()
+
+
+COMPILE_OPTIONS = ("-std=c++17",)

@@ -1,0 +1,179 @@
+"""The cupy backend's kernels, run by the CPU CUDA emulator and compared with the oracle.
+
+No GPU is needed: tests/cupy_emulation.py swaps NumPy and the emulator in for CuPy and NVRTC,
+and every test goes through the public API with backend="cupy", so dispatch, grid sizes,
+strides, argument packing and workspaces are exercised along with the .cu files.
+The last tests check that the emulator catches the bugs it is there to catch, in these kernels:
+every __syncthreads() is needed, and an off-by-one in a bound is an out-of-bounds access.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import flashcupy
+from conftest import CASES, DTYPES, LAYOUTS, assert_close, make_qkv, reference, strided_empty
+from flashcupy.backends.cupy_backend import specs
+
+# Core tests: no skip. Without g++ the emulator cannot build and these fail loudly.
+import emulator  # noqa: E402
+from cupy_emulation import compile_module, emulated  # noqa: E402
+
+ORDERS = ("ascending", "descending")
+
+
+def run(q, k, v, dout, *, causal, scale=None, out_layout=None):
+    """(out, lse, dq, dk, dv) from the emulated cupy backend; out and lse go back strided if asked."""
+    out, lse = flashcupy.attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend="cupy")
+    if out_layout is not None:  # hand the backward an out and an lse in unusual layouts
+        out2 = strided_empty(out.shape, out.dtype, out_layout)
+        out2[...] = out
+        lse2 = np.empty(lse.shape[::-1], lse.dtype).T  # (B, H, S) with the batch stride smallest
+        lse2[...] = lse
+        out, lse = out2, lse2
+    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend="cupy")
+    return (out, lse, *grads)
+
+
+def check(got, q, k, v, dout, *, causal, scale=None):
+    dtype = q.dtype
+    want_out, want_lse = reference.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    want_grads = reference.attention_backward(dout, q, k, v, causal=causal, scale=scale)
+    out, lse, *grads = got
+    assert out.dtype == dtype and lse.dtype == (np.float64 if dtype == np.float64 else np.float32)
+    assert_close(out, want_out, dtype, q, k, scale, "out")
+    assert_close(lse, want_lse, dtype, q, k, scale, "lse")
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert g.dtype == dtype and g.shape == w.shape
+        assert_close(g, w, dtype, q, k, scale, name)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("-causal" if c[6] else ""))
+def test_matches_oracle(rng, case, dtype, order):
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    with emulated(order):
+        got = run(q, k, v, dout, causal=causal)
+    check(got, q, k, v, dout, causal=causal)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_layouts(rng, layout, dtype):
+    """Transposed, sliced and negative-stride inputs (and out, lse) under a shuffled thread order."""
+    q, k, v = make_qkv(rng, 2, 19, 37, 4, 2, 24, dtype, layout)
+    dout = strided_empty(q.shape, dtype, layout)
+    dout[...] = rng.standard_normal(q.shape)
+    with emulated("shuffled", seed=7):
+        got = run(q, k, v, dout, causal=True, out_layout=layout)
+    check(got, q, k, v, dout, causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [31, 33, 64, 129, 200])
+def test_head_dims(rng, head_dim):
+    """Head dims at and around the bucket edges (32, 64, 128, 256), with an explicit scale."""
+    q, k, v = make_qkv(rng, 1, 9, 40, 2, 1, head_dim, np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    with emulated("descending"):
+        got = run(q, k, v, dout, causal=False, scale=0.3)
+    check(got, q, k, v, dout, causal=False, scale=0.3)
+
+
+def test_fully_masked_rows_are_zero_not_nan(rng):
+    # causal with seqlen_q > seqlen_k: rows 0..Sq-Sk-1 see no key
+    q, k, v = make_qkv(rng, 1, 70, 5, 2, 2, 8, np.float16, magnitude=30.0)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    with emulated():
+        out, lse, dq, dk, dv = run(q, k, v, dout, causal=True)
+    hidden = slice(0, 65)
+    assert not np.isnan(out).any() and not np.isnan(dq).any()
+    assert (out[:, hidden] == 0).all() and np.isneginf(lse[:, :, hidden]).all() and (dq[:, hidden] == 0).all()
+    check((out, lse, dq, dk, dv), q, k, v, dout, causal=True)
+
+
+def test_head_dim_beyond_256_is_refused(rng):
+    q, k, v = make_qkv(rng, 1, 3, 3, 1, 1, 257, np.float32)
+    with emulated(), pytest.raises(ValueError, match="head_dim up to 256"):
+        flashcupy.attention(q, k, v, backend="cupy")
+
+
+def test_import_does_not_need_cupy():
+    code = ("import sys, flashcupy.backends.cupy_backend as b; "
+            "assert 'cupy' not in sys.modules; print(b.unavailable_reason())")
+    reason = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        assert "pip install flashcupy[cuda12]" in reason
+
+
+def test_every_specialization_is_in_the_tables():
+    for module in specs.all_modules():
+        assert module.name_expressions
+    for d in range(1, specs.MAX_HEAD_DIM + 1):
+        assert specs.head_dim_bucket(d) >= d
+    with pytest.raises(ValueError, match="head_dim up to 256"):
+        specs.head_dim_bucket(257)
+
+
+# ----------------------------------------------------------------------------
+# the emulator bites on these kernels
+
+
+def _mutated(old: str, new: str):
+    """A compile function for emulated() that replaces `old` (which must occur once) by `new`."""
+    def compile(source, names, options, thread_order, seed):
+        if old in source:
+            assert source.count(old) == 1, f"{old!r} occurs {source.count(old)} times"
+            source = source.replace(old, new)
+        return compile_module(source, names, options, thread_order, seed)
+    return compile
+
+
+def _barriers():
+    """(file, the barrier line) for every __syncthreads() in the kernels."""
+    found = []
+    for name in ("flash_fwd.cu", "flash_bwd.cu"):
+        text = specs.read_source(name)
+        found += [(name, m.group(0)) for m in re.finditer(r"^.*__syncthreads\(\);.*$", text, re.MULTILINE)]
+    return found
+
+
+BARRIERS = _barriers()
+
+
+@pytest.mark.parametrize("barrier", BARRIERS, ids=[f"{f}:{i}" for i, (f, _) in enumerate(BARRIERS)])
+def test_each_barrier_is_needed(rng, barrier):
+    """Without any one of the barriers, some thread order gives a wrong answer."""
+    _, line = barrier
+    q, k, v = make_qkv(rng, 1, 45, 70, 2, 1, 40, np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    wrong = []
+    for order in emulator.THREAD_ORDERS:
+        with emulated(order, compile=_mutated(line, "")):
+            try:
+                check(run(q, k, v, dout, causal=False), q, k, v, dout, causal=False)
+            except (AssertionError, emulator.KernelError) as e:
+                wrong.append((order, e))
+    assert wrong, f"removing {line.strip()!r} went unnoticed under every thread order"
+
+
+@pytest.mark.parametrize("old, new, argument", [
+    # the tile loader reads one row past seqlen
+    ("(row0 + r < seqlen && d < head_dim) ? scale", "(row0 + r <= seqlen && d < head_dim) ? scale", "read"),
+    # the output writer writes one row past seqlen
+    ("if (row0 + r < seqlen && d < head_dim) store", "if (row0 + r <= seqlen && d < head_dim) store", "write"),
+])
+def test_off_by_one_is_out_of_bounds(rng, old, new, argument):
+    q, k, v = make_qkv(rng, 1, 17, 17, 1, 1, 32, np.float32)
+    with emulated(compile=_mutated(old, new)), pytest.raises(emulator.OutOfBoundsError) as info:
+        flashcupy.attention(q, k, v, backend="cupy")
+    assert info.value.access == argument
