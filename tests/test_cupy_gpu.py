@@ -1,0 +1,79 @@
+"""The CuPy backend on a real device: the same battery as under the emulator.
+
+Marked `gpu`; skipped cleanly where CuPy or a CUDA device is missing (this
+machine and CI). Run on a GPU with `python -m pytest -m gpu`.
+"""
+
+import numpy as np
+import pytest
+
+import flashcupy
+from conftest import CASES, DTYPES, LAYOUTS, assert_close, make_qkv, reference
+from flashcupy import backends
+
+REASON = backends.unavailable_reason("cupy")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"no GPU for cupy: {REASON}")]
+
+
+def on_device(*arrays):
+    import cupy
+    return [cupy.asarray(a) for a in arrays]
+
+
+def check(q, k, v, dtype, causal, rng):
+    import cupy
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    dq_, dk_, dv_, ddout = on_device(q, k, v, dout)
+    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True)
+    assert isinstance(out, cupy.ndarray) and out.dtype == q.dtype and out.shape == q.shape
+    want_out, want_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    assert_close(out.get(), want_out, dtype, q, k, what="out")
+    assert_close(lse.get(), want_lse, dtype, q, k, what="lse")
+    grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=causal)
+    for name, g, w in zip(("dq", "dk", "dv"), grads, reference.attention_backward(dout, q, k, v, causal=causal)):
+        assert isinstance(g, cupy.ndarray)
+        assert_close(g.get(), w, dtype, q, k, what=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_battery(rng, case, dtype):
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    check(*make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype), dtype, causal, rng)
+
+
+def device_view(x, layout):
+    """x on the device, as a view with the same kind of strides as conftest.strided_empty gives."""
+    import cupy
+    B, S, H, D = x.shape
+    if layout == "bshd":
+        return cupy.asarray(x)
+    if layout == "bhsd":
+        return cupy.asarray(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
+    if layout == "sliced":
+        big = cupy.zeros((B, 2 * S, H, 2 * D), x.dtype)
+        big[:, ::2, :, ::2] = cupy.asarray(x)
+        return big[:, ::2, :, ::2]
+    return cupy.asarray(np.ascontiguousarray(x[:, ::-1]))[:, ::-1]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_strided_views(rng, layout):
+    q, k, v = make_qkv(rng, 2, 70, 90, 4, 2, 64, np.float16, layout=layout)
+    out = flashcupy.attention(*(device_view(x, layout) for x in (q, k, v)), causal=True)
+    assert_close(out.get(), reference.attention(q, k, v, causal=True), np.float16, q, k)
+
+
+def test_runs_on_the_current_stream(rng):
+    import cupy
+    q, k, v = make_qkv(rng, 1, 300, 300, 2, 2, 64, np.float32)
+    with cupy.cuda.Stream(non_blocking=True) as stream:
+        out = flashcupy.attention(*on_device(q, k, v))
+        stream.synchronize()
+    assert_close(out.get(), reference.attention(q, k, v), np.float32, q, k)
+
+
+def test_long_sequence_has_no_nan(rng):
+    q, k, v = make_qkv(rng, 1, 4096, 4096, 1, 1, 128, np.float16)
+    out = flashcupy.attention(*on_device(q, k, v), causal=True)
+    assert_close(out.get(), reference.attention(q, k, v, causal=True), np.float16, q, k)
