@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 
@@ -16,24 +15,9 @@ import numpy as np
 
 import flashcupy
 from flashcupy import backends
+from flashcupy._check import CHECK_HEADER, check_rows, format_check_row, oracle
 
 DTYPES = ("float16", "float32", "float64")
-
-
-def _oracle():
-    """The float64 oracle from the source tree's reference/ (it is not installed)."""
-    try:
-        import reference
-        import reference.compare
-        return reference
-    except ImportError:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        if os.path.isdir(os.path.join(root, "reference")):
-            sys.path.insert(0, root)
-            import reference
-            import reference.compare
-            return reference
-    return None
 
 
 # ----------------------------------------------------------------------------
@@ -74,53 +58,19 @@ def cmd_info(args) -> int:
 # check
 
 
-def _to_backend_arrays(name, arrays):
-    if name == "cupy":
-        import cupy
-        return [cupy.asarray(a) for a in arrays]
-    return arrays
-
-
-def _to_numpy(x):
-    return x.get() if hasattr(x, "get") else (x.copy_to_host() if hasattr(x, "copy_to_host") else x)
-
-
 def cmd_check(args) -> int:
-    ref = _oracle()
+    ref = oracle()
     if ref is None:
         print("check needs the float64 oracle in reference/, which ships with the source tree, "
               "not the wheel: run it from a checkout", file=sys.stderr)
         return 2
     names = args.backend or [n for n in backends.NAMES if backends.unavailable_reason(n) is None]
     battery = ref.compare.BATTERY[: args.cases] if args.cases else ref.compare.BATTERY
-    rng = np.random.default_rng(0)
     failures = 0
-    print(f"{'backend':<7} {'dtype':<8} {'case (B,Sq,Sk,Hq,Hkv,D,causal)':<34} {'worst err/tol':>14}  result")
-    for name in names:
-        for dtype in args.dtype or DTYPES:
-            for case in battery:
-                B, Sq, Sk, Hq, Hkv, D, causal = case
-                q, k, v, dout = (rng.standard_normal(s).astype(dtype) for s in
-                                 ((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), (B, Sq, Hq, D)))
-                want = ref.attention(q, k, v, causal=causal, return_lse=True)
-                want += ref.attention_backward(dout, q, k, v, causal=causal)
-                dq_, dk_, dv_ = _to_backend_arrays(name, (q, k, v))
-                try:
-                    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, backend=name)
-                    grads = flashcupy.attention_backward(*_to_backend_arrays(name, (dout,)), dq_, dk_, dv_,
-                                                         out, lse, causal=causal, backend=name)
-                    got = [_to_numpy(x) for x in (out, lse, *grads)]
-                    ratios = []
-                    for g, w in zip(got, want):
-                        err, tol = ref.compare.compare(g, w, dtype, q, k)
-                        ratios.append(err / tol)
-                    worst = max(ratios)
-                    ok = worst <= 1.0
-                    detail = f"{worst:>14.3f}"
-                except AssertionError as e:  # -inf / NaN pattern mismatch
-                    ok, detail = False, f"  {e}"
-                failures += not ok
-                print(f"{name:<7} {dtype:<8} {str(case):<34} {detail}  {'ok' if ok else 'FAIL'}")
+    print(CHECK_HEADER)
+    for row in check_rows(ref, names, args.dtype or DTYPES, battery):
+        failures += not row["ok"]
+        print(format_check_row(row))
     print(f"{'all passed' if not failures else f'{failures} FAILED'} (err/tol <= 1 passes; "
           "tolerance rule: reference/compare.py)")
     return 1 if failures else 0
@@ -133,6 +83,9 @@ def cmd_check(args) -> int:
 def cmd_bench(args) -> int:
     from flashcupy import _bench
 
+    if args.gpu_report:
+        from flashcupy import _gpu_report
+        return _gpu_report.main(args.gpu_report)
     device = "cuda" if args.device == "cuda" else "cpu"
     impls = args.impl or _bench.implementations(device)
     results = []
@@ -192,6 +145,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--naive-limit-gb", type=float, default=6.0, help="skip naive-numpy above this score memory")
     b.add_argument("--json", help="also write the results as JSON")
     b.add_argument("--plot", help="draw TFLOP/s and peak memory against seqlen into this PNG")
+    b.add_argument("--gpu-report", metavar="DIR",
+                   help="on a GPU: correctness of every kernel path, then timings against torch SDPA's "
+                        "flash and cuDNN backends; writes DIR/report.md and DIR/report.json")
 
     k = sub.add_parser("kernels", help="NVRTC resource table of every CUDA kernel (no GPU needed)")
     k.add_argument("--arch", default="sm_90")

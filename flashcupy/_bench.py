@@ -131,23 +131,40 @@ def _naive_numpy(q, k, v, dout, causal, scale):
     return forward, backward
 
 
-def _torch_sdpa(q, k, v, dout, causal, scale, device):
+TORCH_KERNELS = {"torch-sdpa": None, "torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION"}
+
+
+def _torch_sdpa(q, k, v, dout, causal, scale, device, kernel=None):
+    """torch's scaled_dot_product_attention; `kernel` pins one of its backends (SDPBackend name)."""
+    import contextlib
+
     import torch
 
     def to(x):
         t = torch.from_dlpack(x) if device == "cuda" else torch.from_numpy(np.ascontiguousarray(x))
         return t.permute(0, 2, 1, 3)
 
+    def pinned():
+        if kernel is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel(getattr(SDPBackend, kernel))
+
     Q, K, V, dO = (to(x) for x in (q, k, v, dout))
     Q, K, V = (t.detach().requires_grad_() for t in (Q, K, V))
-    # torch's is_causal is top-left aligned; our benchmarks use Sq == Sk, where both agree
-    run = lambda: torch.nn.functional.scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale)  # noqa: E731
-    out = run()
+
+    def forward():
+        # torch's is_causal is top-left aligned; our benchmarks use Sq == Sk, where both agree
+        with pinned():
+            return torch.nn.functional.scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale)
+
+    out = forward()
 
     def backward():
-        return torch.autograd.grad(out, (Q, K, V), dO, retain_graph=True)
+        with pinned():
+            return torch.autograd.grad(out, (Q, K, V), dO, retain_graph=True)
 
-    return run, backward
+    return forward, backward
 
 
 def _flashcupy(name, q, k, v, dout, causal, scale):
@@ -178,10 +195,12 @@ def implementations(device: str) -> list[str]:
         if backends.unavailable_reason("numba") is None:
             names.append("numba")
         names.append("naive-numpy")
+        if torch_available() is None:
+            names.append("torch-sdpa")
     else:
         names += [n for n in ("cupy", "numba") if backends.unavailable_reason(n) is None]
-    if torch_available() is None:
-        names.append("torch-sdpa")
+        if torch_available() is None:
+            names += ["torch-flash", "torch-cudnn"]
     return names
 
 
@@ -196,15 +215,24 @@ def _sync(device):
 
 
 def _time(fn, device, repeat: int, min_time: float) -> float:
-    """Best time of `repeat` calls (each at least one run, stopping once min_time is spent)."""
+    """Best time of up to `repeat` calls after one warm-up (which excludes NVRTC compile
+    time), stopping once min_time is spent. On the GPU, CUDA events bracket each call."""
     fn()
-    _sync(device)  # warm-up: excludes NVRTC compile time
+    _sync(device)
     best, spent = math.inf, 0.0
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        dt = time.perf_counter() - t0
+        if device == "cuda":
+            import cupy
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            dt = cupy.cuda.get_elapsed_time(start, end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
         best, spent = min(best, dt), spent + dt
         if spent > min_time:
             break
@@ -215,12 +243,21 @@ def closures(impl, q, k, v, dout, causal, scale, device):
     """(forward, backward) callables of one implementation over fixed inputs."""
     if impl == "naive-numpy":
         return _naive_numpy(q, k, v, dout, causal, scale)
-    if impl == "torch-sdpa":
-        return _torch_sdpa(q, k, v, dout, causal, scale, device)
+    if impl in TORCH_KERNELS:
+        return _torch_sdpa(q, k, v, dout, causal, scale, device, TORCH_KERNELS[impl])
     return _flashcupy(impl, q, k, v, dout, causal, scale)
 
 
-def _gpu_peak(fn):
+def _gpu_peak(fn, impl):
+    """Device memory one call adds: torch's allocator peak for torch, CuPy's pool otherwise."""
+    if impl in TORCH_KERNELS:
+        import torch
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
     import cupy
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
@@ -251,7 +288,7 @@ def peak_bytes(impl, batch, heads, seqlen, head_dim, causal=False, dtype="float3
         fn = dict(zip(("forward", "backward"),
                       closures(impl, q, k, v, dout, causal, 1.0 / math.sqrt(head_dim), device)))[pass_]
         fn()
-        return _gpu_peak(fn)
+        return _gpu_peak(fn, impl)
     if not HostPeak.available:
         return None
     import multiprocessing

@@ -14,7 +14,7 @@ import numpy as np
 from flashcupy import _bench, backends
 
 IMPLS = ["numpy", "naive-numpy", "torch-sdpa", "cupy", "numba"]
-GPU_IMPLS = {"cupy"}
+GPU_IMPLS = {"cupy", "numba"}  # numba reads CuPy arrays in place
 
 
 def _device(impl):

@@ -1,0 +1,74 @@
+"""Every backend against the float64 oracle on the shared battery (`check`, the GPU report)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+import flashcupy
+from flashcupy import backends
+
+
+def oracle():
+    """The float64 oracle from the source tree's reference/ (it is not installed)."""
+    try:
+        import reference
+        import reference.compare
+        return reference
+    except ImportError:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        if os.path.isdir(os.path.join(root, "reference")):
+            sys.path.insert(0, root)
+            import reference
+            import reference.compare
+            return reference
+    return None
+
+
+def _to_backend_arrays(name, arrays):
+    """Device arrays for the GPU backends when a GPU is present (numba takes NumPy too)."""
+    if name == "cupy" or (name == "numba" and backends.unavailable_reason("cupy") is None):
+        import cupy
+        return [cupy.asarray(a) for a in arrays]
+    return arrays
+
+
+def _to_numpy(x):
+    return x.get() if hasattr(x, "get") else (x.copy_to_host() if hasattr(x, "copy_to_host") else x)
+
+
+def check_rows(ref, names, dtypes, battery, seed=0):
+    """Run each backend on the battery against the oracle; yields one dict per (backend, dtype, case)."""
+    rng = np.random.default_rng(seed)
+    for name in names:
+        for dtype in dtypes:
+            for case in battery:
+                B, Sq, Sk, Hq, Hkv, D, causal = case
+                q, k, v, dout = (rng.standard_normal(s).astype(dtype) for s in
+                                 ((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), (B, Sq, Hq, D)))
+                want = ref.attention(q, k, v, causal=causal, return_lse=True)
+                want += ref.attention_backward(dout, q, k, v, causal=causal)
+                dq_, dk_, dv_, ddout = _to_backend_arrays(name, (q, k, v, dout))
+                row = {"backend": name, "dtype": dtype, "case": case}
+                try:
+                    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, backend=name)
+                    grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=causal,
+                                                         backend=name)
+                    got = [_to_numpy(x) for x in (out, lse, *grads)]
+                    row["worst"] = max(err / tol for err, tol in
+                                       (ref.compare.compare(g, w, dtype, q, k) for g, w in zip(got, want)))
+                    row["ok"] = row["worst"] <= 1.0
+                except AssertionError as e:  # -inf / NaN pattern mismatch
+                    row.update(worst=float("inf"), ok=False, error=str(e))
+                yield row
+
+
+def format_check_row(row) -> str:
+    detail = f"{row['worst']:>14.3f}" if "error" not in row else f"  {row['error']}"
+    return (f"{row['backend']:<7} {row['dtype']:<8} {str(row['case']):<34} {detail}  "
+            f"{'ok' if row['ok'] else 'FAIL'}")
+
+
+CHECK_HEADER = f"{'backend':<7} {'dtype':<8} {'case (B,Sq,Sk,Hq,Hkv,D,causal)':<34} {'worst err/tol':>14}  result"
