@@ -15,9 +15,9 @@ import numpy as np
 
 import flashcupy
 from flashcupy import backends
-from flashcupy._check import CHECK_HEADER, check_rows, format_check_row, oracle
+from flashcupy._check import CHECK_HEADER, check_rows, default_check_dtypes, format_check_row, oracle
 
-DTYPES = ("float16", "float32", "float64")
+DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 # ----------------------------------------------------------------------------
@@ -65,10 +65,14 @@ def cmd_check(args) -> int:
               "not the wheel: run it from a checkout", file=sys.stderr)
         return 2
     names = args.backend or [n for n in backends.NAMES if backends.unavailable_reason(n) is None]
+    for name in names:
+        if backends.unavailable_reason(name) is not None:
+            print(f"backend {name!r} cannot run here: {backends.unavailable_reason(name)}", file=sys.stderr)
+            return 2
     battery = ref.compare.BATTERY[: args.cases] if args.cases else ref.compare.BATTERY
     failures = 0
     print(CHECK_HEADER)
-    for row in check_rows(ref, names, args.dtype or DTYPES, battery):
+    for row in check_rows(ref, names, args.dtype or default_check_dtypes(), battery):
         failures += not row["ok"]
         print(format_check_row(row))
     print(f"{'all passed' if not failures else f'{failures} FAILED'} (err/tol <= 1 passes; "
@@ -138,7 +142,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--head-dim", type=int, default=64)
     b.add_argument("--seqlen", type=int, nargs="+", default=[1024, 2048, 4096])
     b.add_argument("--causal", action="store_true")
-    b.add_argument("--dtype", choices=DTYPES, default="float32")
+    b.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float32")
     b.add_argument("--passes", nargs="+", choices=("forward", "backward"), default=["forward", "backward"])
     b.add_argument("--repeat", type=int, default=3)
     b.add_argument("--min-time", type=float, default=1.0, help="stop repeating once this many seconds are spent")

@@ -22,7 +22,17 @@ import numpy as np
 
 from . import backends
 
-SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
+BIT_CARRIERS = (np.dtype(np.uint16), np.dtype(np.int16))  # what dtype="bfloat16" reads
+
+
+def bfloat16_dtype() -> np.dtype:
+    """NumPy's bfloat16 dtype, from ml_dtypes (the one JAX uses)."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError("bfloat16 needs the ml_dtypes package (pip install 'flashcupy[bf16]')") from None
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -35,9 +45,10 @@ class Problem:
     heads_q: int
     heads_kv: int
     head_dim: int
-    dtype: np.dtype
+    dtype: np.dtype     # the values' dtype: float16, float32, float64 or (ml_dtypes) bfloat16
     causal: bool
     scale: float
+    carrier: np.dtype   # the arrays' own dtype: dtype, or uint16/int16 holding bfloat16 bits
 
     @property
     def group(self) -> int:
@@ -105,15 +116,25 @@ def _check_arrays(named: dict) -> str:
     return next(iter(libs.values()))
 
 
-def _check_dtypes(named: dict) -> np.dtype:
-    dtypes = {name: np.dtype(x.dtype) for name, x in named.items()}
-    for name, dt in dtypes.items():
-        if dt not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must have dtype float16, float32 or float64, got {dt}")
-    if len(set(dtypes.values())) > 1:
-        which = ", ".join(f"{n} is {dt}" for n, dt in dtypes.items())
-        raise TypeError(f"q, k and v must share one dtype: {which}")
-    return next(iter(dtypes.values()))
+def _check_dtypes(named: dict, dtype) -> tuple:
+    """(value dtype, carrier dtype) shared by every array in `named`."""
+    if dtype is not None and dtype != "bfloat16":
+        raise ValueError(f"dtype must be None or 'bfloat16', got {dtype!r}")
+    carriers = {name: np.dtype(x.dtype) for name, x in named.items()}
+    for name, carrier in carriers.items():
+        if dtype == "bfloat16" and carrier.name != "bfloat16" and carrier not in BIT_CARRIERS:
+            raise TypeError(f"with dtype='bfloat16', {name} must hold bfloat16 bit patterns as uint16 or "
+                            f"int16 (CuPy has no bfloat16 dtype), got {carrier}")
+        if dtype is None and carrier.name not in FLOAT_DTYPES:
+            hint = " (bfloat16 bits in uint16? pass dtype='bfloat16')" if carrier in BIT_CARRIERS else ""
+            raise TypeError(f"{name} must have dtype float16, float32, float64 or bfloat16, got {carrier}{hint}")
+    if len(set(carriers.values())) > 1:
+        which = ", ".join(f"{n} is {dt}" for n, dt in carriers.items())
+        raise TypeError(f"{', '.join(named)} must share one dtype: {which}")
+    carrier = next(iter(carriers.values()))
+    if dtype == "bfloat16" and carrier.name != "bfloat16":
+        return bfloat16_dtype(), carrier
+    return carrier, carrier
 
 
 def _check_strides(name: str, x) -> None:
@@ -144,7 +165,7 @@ def _check_backend_name(backend) -> str:
     return backend
 
 
-def _problem(q, k, v, causal, scale) -> Problem:
+def _problem(q, k, v, causal, scale, dtype) -> Problem:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(
@@ -170,11 +191,12 @@ def _problem(q, k, v, causal, scale) -> Problem:
     if Hq % Hkv:
         raise ValueError(
             f"heads_q must be a multiple of heads_kv (GQA/MQA), got heads_q={Hq}, heads_kv={Hkv}")
-    return Problem(B, Sq, Sk, Hq, Hkv, D, np.dtype(q.dtype), bool(causal), _check_scale(scale, D))
+    value_dtype, carrier = _check_dtypes({"q": q, "k": k, "v": v}, dtype)
+    return Problem(B, Sq, Sk, Hq, Hkv, D, value_dtype, bool(causal), _check_scale(scale, D), carrier)
 
 
-def _select(backend: str, lib: str):
-    """The backend module for this call; TypeError if it cannot take `lib` arrays."""
+def _select(backend: str, lib: str, p: Problem):
+    """The backend module for this call; TypeError if it cannot take these arrays or this dtype."""
     name = backends.DEFAULT_FOR_LIBRARY[lib] if backend == "auto" else backend
     mod = backends.load(name)
     if lib not in mod.ARRAY_LIBRARIES:
@@ -182,6 +204,8 @@ def _select(backend: str, lib: str):
         raise TypeError(
             f"backend {name!r} takes {takes} arrays, got {lib} arrays "
             f"(flashcupy never copies between host and device behind your back)")
+    if p.dtype.name not in mod.DTYPES:
+        raise TypeError(f"backend {name!r} supports {', '.join(mod.DTYPES)}, got {p.dtype.name}")
     return mod
 
 
@@ -189,30 +213,33 @@ def _select(backend: str, lib: str):
 # public API
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, backend="auto"):
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, backend="auto", dtype=None):
     """Exact softmax(q kᵀ · scale) v, computed tile by tile (FlashAttention).
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
     heads_q a multiple of heads_kv. Returns out (q's shape and dtype), and with
     return_lse=True also lse, the natural-log logsumexp, (batch, heads_q, seqlen_q),
     float32 (float64 for float64 inputs).
+
+    dtype=None reads the arrays as their own dtype (float16, float32, float64, or
+    ml_dtypes.bfloat16 on NumPy); dtype="bfloat16" reads uint16/int16 arrays as
+    bfloat16 bit patterns (CuPy has no bfloat16 dtype), and out comes back the same way.
     """
     backend = _check_backend_name(backend)
     lib = _check_arrays({"q": q, "k": k, "v": v})
-    _check_dtypes({"q": q, "k": k, "v": v})
-    p = _problem(q, k, v, causal, scale)
-    mod = _select(backend, lib)
+    p = _problem(q, k, v, causal, scale, dtype)
+    mod = _select(backend, lib, p)
 
     if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
         # Nothing to attend to: every query row is fully masked (out 0, lse -inf).
-        out = mod.allocate(q, q.shape, p.dtype, 0.0)
+        out = mod.allocate(q, q.shape, p.carrier, 0)
         lse = mod.allocate(q, p.lse_shape, p.lse_dtype, -np.inf)
     else:
         out, lse = mod.forward(p, q, k, v)
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, backend="auto"):
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, backend="auto", dtype=None):
     """Gradients (dq, dk, dv) of attention, given dout and the forward's out and lse.
 
     dk and dv sum over the query heads that share a kv head. P is recomputed
@@ -221,13 +248,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, bac
     backend = _check_backend_name(backend)
     named = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     lib = _check_arrays(named)
-    _check_dtypes({"q": q, "k": k, "v": v})
-    p = _problem(q, k, v, causal, scale)
+    p = _problem(q, k, v, causal, scale, dtype)
     for name, x in (("dout", dout), ("out", out)):
         if tuple(x.shape) != tuple(q.shape):
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
-        if np.dtype(x.dtype) != p.dtype:
-            raise TypeError(f"{name} must have q's dtype {p.dtype}, got {np.dtype(x.dtype)}")
+        if np.dtype(x.dtype) != p.carrier:
+            raise TypeError(f"{name} must have q's dtype {p.carrier}, got {np.dtype(x.dtype)}")
         _check_strides(name, x)
     if tuple(lse.shape) != p.lse_shape:
         raise ValueError(
@@ -235,20 +261,19 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, bac
     if np.dtype(lse.dtype) != p.lse_dtype:
         raise TypeError(f"lse must have dtype {p.lse_dtype} for {p.dtype} inputs, got {np.dtype(lse.dtype)}")
     _check_strides("lse", lse)
-    mod = _select(backend, lib)
+    mod = _select(backend, lib, p)
 
     if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
-        return (mod.allocate(q, q.shape, p.dtype, 0.0),
-                mod.allocate(q, k.shape, p.dtype, 0.0),
-                mod.allocate(q, v.shape, p.dtype, 0.0))
+        return tuple(mod.allocate(q, x.shape, p.carrier, 0) for x in (q, k, v))
     return mod.backward(p, dout, q, k, v, out, lse)
 
 
-def attention_vjp(q, k, v, *, causal=False, scale=None, backend="auto"):
+def attention_vjp(q, k, v, *, causal=False, scale=None, backend="auto", dtype=None):
     """Forward pass plus a closure for the backward: returns (out, vjp), vjp(dout) -> (dq, dk, dv)."""
-    out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend)
+    out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend, dtype=dtype)
 
     def vjp(dout):
-        return attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
+        return attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend,
+                                  dtype=dtype)
 
     return out, vjp

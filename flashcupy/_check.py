@@ -39,23 +39,44 @@ def _to_numpy(x):
     return x.get() if hasattr(x, "get") else (x.copy_to_host() if hasattr(x, "copy_to_host") else x)
 
 
+def default_check_dtypes() -> tuple:
+    """Every dtype; bfloat16 only where ml_dtypes is installed (extra `bf16`)."""
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return ("float16", "float32", "float64")
+    return ("float16", "bfloat16", "float32", "float64")
+
+
+def _inputs(rng, dtype: str, shapes):
+    """Random arrays of `dtype`; bfloat16 as ml_dtypes arrays (the oracle reads them directly)."""
+    dt = flashcupy._api.bfloat16_dtype() if dtype == "bfloat16" else np.dtype(dtype)
+    return [rng.standard_normal(s).astype(dt) for s in shapes]
+
+
 def check_rows(ref, names, dtypes, battery, seed=0):
-    """Run each backend on the battery against the oracle; yields one dict per (backend, dtype, case)."""
+    """Run each backend on the battery against the oracle; yields one dict per (backend, dtype, case).
+
+    A backend meets only the dtypes it supports; bfloat16 reaches the cupy backend as uint16
+    bits with dtype="bfloat16", as CuPy users pass it.
+    """
     rng = np.random.default_rng(seed)
     for name in names:
-        for dtype in dtypes:
+        for dtype in (d for d in dtypes if d in backends.module(name).DTYPES):
             for case in battery:
                 B, Sq, Sk, Hq, Hkv, D, causal = case
-                q, k, v, dout = (rng.standard_normal(s).astype(dtype) for s in
-                                 ((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), (B, Sq, Hq, D)))
+                q, k, v, dout = _inputs(rng, dtype, ((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D),
+                                                     (B, Sq, Hq, D)))
                 want = ref.attention(q, k, v, causal=causal, return_lse=True)
                 want += ref.attention_backward(dout, q, k, v, causal=causal)
-                dq_, dk_, dv_, ddout = _to_backend_arrays(name, (q, k, v, dout))
+                bits = dtype == "bfloat16" and name == "cupy"
+                kw = dict(causal=causal, backend=name, dtype="bfloat16" if bits else None)
+                dq_, dk_, dv_, ddout = _to_backend_arrays(
+                    name, [x.view(np.uint16) if bits else x for x in (q, k, v, dout)])
                 row = {"backend": name, "dtype": dtype, "case": case}
                 try:
-                    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, backend=name)
-                    grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=causal,
-                                                         backend=name)
+                    out, lse = flashcupy.attention(dq_, dk_, dv_, return_lse=True, **kw)
+                    grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, **kw)
                     got = [_to_numpy(x) for x in (out, lse, *grads)]
                     row["worst"] = max(err / tol for err, tol in
                                        (ref.compare.compare(g, w, dtype, q, k) for g, w in zip(got, want)))

@@ -2,7 +2,7 @@
 
 It runs, in this order, and writes DIR/report.md and DIR/report.json:
 1. every GPU backend (cupy, numba) against the float64 oracle on the battery,
-   float16/float32/float64;
+   in every dtype it supports (bfloat16 too where ml_dtypes is installed);
 2. forward and backward timings (CUDA events, compile time excluded by a
    warm-up call) of flashcupy against torch SDPA's flash and cuDNN backends when
    torch is present: float16, 16k tokens per batch (B = 16384 / S) for
@@ -25,7 +25,7 @@ import numpy as np
 
 import flashcupy
 from flashcupy import _bench, backends
-from flashcupy._check import CHECK_HEADER, check_rows, format_check_row, oracle
+from flashcupy._check import CHECK_HEADER, check_rows, default_check_dtypes, format_check_row, oracle
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)
@@ -55,7 +55,7 @@ def main(out_dir: str, budget_s: float = 450.0) -> int:
     env = _environment()
     ref = oracle()
     gpu_backends = [n for n in ("cupy", "numba") if backends.unavailable_reason(n) is None]
-    checks = list(check_rows(ref, gpu_backends, ("float16", "float32", "float64"), ref.compare.BATTERY))
+    checks = list(check_rows(ref, gpu_backends, default_check_dtypes(), ref.compare.BATTERY))
     for row in checks:
         print(format_check_row(row))
 

@@ -153,7 +153,7 @@ def _module_rows(arch: str, module: specs.ModuleSpec) -> list:
         got = info[lowered[kernel.name_expression]]
         rows.append(dict(
             kernel=kernel.template,
-            dtype=kernel.dtype.name,
+            dtype=kernel.dtype,
             head_dim=kernel.head_dim or None,
             tile=f"{kernel.block_m}x{kernel.block_n}" if kernel.head_dim else None,
             registers=got["registers"],

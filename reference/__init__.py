@@ -17,7 +17,15 @@ import math
 
 import numpy as np
 
-__all__ = ["attention", "attention_backward", "attention_vjp"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "values"]
+
+
+def values(x, dtype=None):
+    """x as float64. dtype="bfloat16" reads uint16/int16 arrays as bfloat16 bit patterns."""
+    x = np.asarray(x)
+    if x.dtype.itemsize == 2 and x.dtype.kind in "ui" and dtype == "bfloat16":
+        x = (x.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(x, dtype=np.float64)
 
 
 def _heads_first(x, group: int):
@@ -36,6 +44,7 @@ def _mask(seqlen_q: int, seqlen_k: int, causal: bool):
 
 
 def _probabilities(q, k, causal, scale):
+    q, k = values(q), values(k)
     """P (B, H, Sq, Sk), lse (B, H, Sq) and the float64 head-first q, k."""
     group = q.shape[2] // k.shape[2]
     Q, K = _heads_first(q, 1), _heads_first(k, group)
@@ -54,19 +63,22 @@ def _probabilities(q, k, causal, scale):
     return P, lse, Q, K, scale, group
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, backend=None):
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, backend=None, dtype=None):
     """out (B, Sq, Hq, D) float64 and, with return_lse, lse (B, Hq, Sq) float64.
 
     `backend` is accepted for signature compatibility and ignored.
     """
+    q, k, v = (values(x, dtype) for x in (q, k, v))
     P, lse, _, _, _, group = _probabilities(q, k, causal, scale)
     V = _heads_first(v, group)
     out = np.einsum("bhqk,bhkd->bhqd", P, V).transpose(0, 2, 1, 3)
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, scale=None, backend=None):
+def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, scale=None, backend=None,
+                       dtype=None):
     """(dq, dk, dv) in float64, recomputed from q, k, v; dk and dv summed over each GQA group."""
+    dout, q, k, v = (values(x, dtype) for x in (dout, q, k, v))
     P, _, Q, K, scale, group = _probabilities(q, k, causal, scale)
     V = _heads_first(v, group)
     dO = _heads_first(dout, 1)
@@ -87,10 +99,10 @@ def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, scale
     return back(dQ, False), back(dK, True), back(dV, True)
 
 
-def attention_vjp(q, k, v, *, causal=False, scale=None, backend=None):
-    out = attention(q, k, v, causal=causal, scale=scale)
+def attention_vjp(q, k, v, *, causal=False, scale=None, backend=None, dtype=None):
+    out = attention(q, k, v, causal=causal, scale=scale, dtype=dtype)
 
     def vjp(dout):
-        return attention_backward(dout, q, k, v, causal=causal, scale=scale)
+        return attention_backward(dout, q, k, v, causal=causal, scale=scale, dtype=dtype)
 
     return out, vjp

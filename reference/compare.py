@@ -20,6 +20,8 @@ import math
 
 import numpy as np
 
+from . import values
+
 # The battery every backend runs, in the tests and in `python -m flashcupy check`:
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal).
 # Lengths are chosen to be 1 or not a multiple of any tile; Sq < Sk and Sq > Sk with causal
@@ -35,17 +37,22 @@ BATTERY = (
 
 # (u_out, u_acc) per input dtype
 ROUNDOFF = {
-    np.dtype(np.float16): (2.0**-11, 2.0**-24),
-    np.dtype(np.float32): (2.0**-24, 2.0**-24),
-    np.dtype(np.float64): (2.0**-53, 2.0**-53),
+    "float16": (2.0**-11, 2.0**-24),
+    "bfloat16": (2.0**-8, 2.0**-24),
+    "float32": (2.0**-24, 2.0**-24),
+    "float64": (2.0**-53, 2.0**-53),
 }
+
+
+def dtype_name(dtype) -> str:
+    """'float16', 'bfloat16', ... for a dtype, a type or a name."""
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
 SLACK = 64.0
 
 
-def score_bound(q, k, scale=None) -> float:
+def score_bound(q, k, scale=None, dtype=None) -> float:
     """max |s_ij| over every (query, key) pair that shares a head."""
-    q64 = np.asarray(q, dtype=np.float64)
-    k64 = np.asarray(k, dtype=np.float64)
+    q64, k64 = values(q, dtype), values(k, dtype)
     B, Sq, Hq, D = q64.shape
     Hkv = k64.shape[2]
     if scale is None:
@@ -55,15 +62,18 @@ def score_bound(q, k, scale=None) -> float:
 
 
 def tolerance(dtype, want, q, k, scale=None) -> float:
-    u_out, u_acc = ROUNDOFF[np.dtype(dtype)]
-    bound = score_bound(q, k, scale)
+    u_out, u_acc = ROUNDOFF[dtype_name(dtype)]
+    bound = score_bound(q, k, scale, dtype_name(dtype))
     peak = np.abs(np.asarray(want, dtype=np.float64)).max(initial=0.0)
     return (2.0 * u_out + SLACK * u_acc * (1.0 + bound)) * (1.0 + peak)
 
 
 def compare(got, want, dtype, q, k, scale=None, what="out"):
-    """(max error, tolerance); raises AssertionError on a shape, -inf or NaN mismatch."""
-    got = np.asarray(got, dtype=np.float64)
+    """(max error, tolerance); raises AssertionError on a shape, -inf or NaN mismatch.
+
+    `got` may hold bfloat16 bit patterns (uint16) when dtype is bfloat16.
+    """
+    got = values(got, dtype_name(dtype))
     want = np.asarray(want, dtype=np.float64)
     if got.shape != want.shape:
         raise AssertionError(f"{what}: shape {got.shape} != {want.shape}")

@@ -10,6 +10,7 @@ import os
 import sys
 import zlib
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -21,6 +22,12 @@ import reference  # noqa: E402
 from reference.compare import BATTERY as CASES, compare, tolerance  # noqa: E402
 
 DTYPES = (np.float16, np.float32, np.float64)
+BF16 = np.dtype(ml_dtypes.bfloat16)  # NumPy's bfloat16 (ml_dtypes); uint16 bits with dtype="bfloat16"
+
+
+def bf16_bits(x):
+    """A bfloat16 array's bit patterns as uint16, with the same strides (what CuPy users pass)."""
+    return x.view(np.uint16)
 
 
 def assert_close(got, want, dtype, q, k, scale=None, what="out"):
@@ -70,4 +77,4 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
-__all__ = ["CASES", "DTYPES", "LAYOUTS", "assert_close", "make_qkv", "reference", "strided_empty", "tolerance"]
+__all__ = ["BF16", "CASES", "DTYPES", "bf16_bits", "LAYOUTS", "assert_close", "make_qkv", "reference", "strided_empty", "tolerance"]

@@ -29,9 +29,12 @@ BAD_FORWARD = [
     ("scale string", lambda: qkv(), {"scale": "0.1"}, TypeError, ["scale", "str"]),
     ("backend", lambda: qkv(), {"backend": "torch"}, ValueError, ["backend", "'torch'", "'numpy'"]),
     ("list input", lambda: ([[1.0]],) + qkv()[1:], {}, TypeError, ["q", "numpy.ndarray", "list"]),
-    ("int dtype", lambda: (np.zeros((1, 4, 2, 8), np.int32),) + qkv()[1:], {}, TypeError, ["q", "float16, float32 or float64", "int32"]),
+    ("int dtype", lambda: (np.zeros((1, 4, 2, 8), np.int32),) + qkv()[1:], {}, TypeError, ["q", "float16, float32, float64 or bfloat16", "int32"]),
     ("mixed dtype", lambda: qkv(dtype=F32)[:2] + (qkv(dtype=np.float64)[2],), {}, TypeError, ["v is float64", "q is float32"]),
     ("causal type", lambda: qkv(), {"causal": "yes"}, TypeError, ["causal", "bool", "str"]),
+    ("bf16 bits without dtype", lambda: qkv(dtype=np.uint16), {}, TypeError, ["q", "uint16", "dtype='bfloat16'"]),
+    ("bf16 dtype on floats", lambda: qkv(), {"dtype": "bfloat16"}, TypeError, ["q", "uint16 or int16", "float32"]),
+    ("unknown dtype", lambda: qkv(), {"dtype": "float8"}, ValueError, ["dtype", "'bfloat16'", "'float8'"]),
     ("head_dim 0", lambda: qkv(D=0), {}, ValueError, ["head_dim", "at least 1", "0"]),
 ]
 
@@ -120,6 +123,13 @@ def test_empty_sequences_give_empty_or_fully_masked_results(Sq, Sk):
     dq, dk, dv = flashcupy.attention_backward(out, q, k, v, out, lse)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert not (dq.any() or dk.any() or dv.any())
+
+
+def test_numba_refuses_bfloat16_before_any_work(monkeypatch):
+    mod = flashcupy.backends.module("numba")
+    monkeypatch.setattr(mod, "unavailable_reason", lambda: None)
+    with pytest.raises(TypeError, match="backend 'numba' supports float16, float32, float64, got bfloat16"):
+        flashcupy.attention(*qkv(dtype=np.uint16), backend="numba", dtype="bfloat16")
 
 
 def test_float64_lse_is_float64():

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import flashcupy
-from conftest import CASES, DTYPES, LAYOUTS, assert_close, make_qkv, reference, strided_empty
+from conftest import BF16, CASES, DTYPES, LAYOUTS, assert_close, bf16_bits, make_qkv, reference, strided_empty
 from flashcupy.backends.cupy_backend import specs
 
 # Core tests: no skip. Without g++ the emulator cannot build and these fail loudly.
@@ -63,6 +63,27 @@ def test_matches_oracle(rng, case, dtype, order):
     with emulated(order):
         got = run(q, k, v, dout, causal=causal)
     check(got, q, k, v, dout, causal=causal)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("-causal" if c[6] else ""))
+def test_bfloat16_bits_match_oracle(rng, case):
+    """bfloat16 as CuPy users pass it: uint16 bit patterns with dtype="bfloat16"."""
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, BF16)
+    dout = rng.standard_normal(q.shape).astype(BF16)
+    want_out, want_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    want_grads = reference.attention_backward(dout, q, k, v, causal=causal)
+    qb, kb, vb, db = (bf16_bits(x) for x in (q, k, v, dout))
+    with emulated("descending"):
+        out, lse = flashcupy.attention(qb, kb, vb, causal=causal, return_lse=True, backend="cupy", dtype="bfloat16")
+        grads = flashcupy.attention_backward(db, qb, kb, vb, out, lse, causal=causal, backend="cupy",
+                                             dtype="bfloat16")
+    assert out.dtype == np.uint16 and lse.dtype == np.float32
+    assert_close(out, want_out, BF16, q, k, None, "out")
+    assert_close(lse, want_lse, BF16, q, k, None, "lse")
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert g.dtype == np.uint16
+        assert_close(g, w, BF16, q, k, None, name)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashcupy
-from conftest import CASES, DTYPES, LAYOUTS, assert_close, make_qkv, reference
+from conftest import BF16, CASES, DTYPES, LAYOUTS, assert_close, bf16_bits, make_qkv, reference
 from flashcupy.backends import numpy_backend
 
 
@@ -21,16 +21,21 @@ def small_tiles():
     numpy_backend.configure(block_q=old[0], block_k=old[1], num_threads=old[2])
 
 
-def check_against_oracle(q, k, v, dtype, causal, scale=None, rng=None, backend="numpy"):
-    out, lse = flashcupy.attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend)
+def check_against_oracle(q, k, v, dtype, causal, scale=None, rng=None, backend="numpy", bits=False):
+    """bits=True passes bfloat16 as uint16 bit patterns with dtype="bfloat16", as CuPy users do."""
+    dout = rng.standard_normal(q.shape).astype(dtype)
     want_out, want_lse = reference.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    want = reference.attention_backward(dout, q, k, v, causal=causal, scale=scale)
+    kw = dict(causal=causal, scale=scale, backend=backend)
+    if bits:
+        q, k, v, dout = (bf16_bits(x) for x in (q, k, v, dout))
+        kw["dtype"] = "bfloat16"
+    out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == (np.float64 if dtype == np.float64 else np.float32)
     assert_close(out, want_out, dtype, q, k, scale, "out")
     assert_close(lse, want_lse, dtype, q, k, scale, "lse")
-    dout = rng.standard_normal(q.shape).astype(dtype)
-    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
-    want = reference.attention_backward(dout, q, k, v, causal=causal, scale=scale)
+    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, **kw)
     for name, g, w, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
         assert g.dtype == x.dtype and g.shape == x.shape
         assert_close(g, w, dtype, q, k, scale, name)
@@ -42,6 +47,14 @@ def test_battery(rng, small_tiles, case, dtype):
     B, Sq, Sk, Hq, Hkv, D, causal = case
     q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
     check_against_oracle(q, k, v, dtype, causal, rng=rng)
+
+
+@pytest.mark.parametrize("bits", [False, True], ids=["ml_dtypes", "uint16-bits"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_battery_bfloat16(rng, small_tiles, case, bits):
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, BF16)
+    check_against_oracle(q, k, v, BF16, causal, rng=rng, bits=bits)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -4,12 +4,14 @@ A backend is a module with:
 
     NAME: str
     ARRAY_LIBRARIES: tuple[str, ...]   # array libraries it takes ('numpy', 'cupy', 'numba')
+    DTYPES: tuple[str, ...]            # value dtypes it computes on ('float16', ..., 'bfloat16')
     unavailable_reason() -> str | None # None when usable on this machine
     allocate(like, shape, dtype, fill) -> array of like's library filled with `fill`
     forward(p, q, k, v) -> (out, lse)
     backward(p, dout, q, k, v, out, lse) -> (dq, dk, dv)
 
-`p` is a validated `flashcupy._api.Problem`. Modules are imported lazily, so a
+`p` is a validated `flashcupy._api.Problem`. Arrays hold p.dtype values in
+p.carrier storage (uint16 bits for dtype="bfloat16"); outputs use p.carrier too. Modules are imported lazily, so a
 backend whose library is missing costs nothing until it is asked for.
 """
 

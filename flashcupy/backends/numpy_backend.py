@@ -38,6 +38,7 @@ import numpy as np
 
 NAME = "numpy"
 ARRAY_LIBRARIES = ("numpy",)
+DTYPES = ("float16", "float32", "float64", "bfloat16")
 
 
 @dataclass
@@ -181,7 +182,13 @@ def _as_acc(x, acc):
     return x if x.dtype == acc else x.astype(acc)
 
 
+def _values(p, *arrays):
+    """Views that read as p.dtype: uint16 carriers of bfloat16 bits become ml_dtypes bfloat16."""
+    return [x.view(p.dtype) if x.dtype != p.dtype else x for x in arrays]
+
+
 def forward(p, q, k, v):
+    q, k, v = _values(p, q, k, v)
     acc = p.acc_dtype
     out = np.empty(q.shape, dtype=p.dtype)
     lse = np.empty(p.lse_shape, dtype=p.lse_dtype)
@@ -200,7 +207,7 @@ def forward(p, q, k, v):
     _run([task(b, h, i0, i1)
           for b in range(p.batch) for h in range(p.heads_q)
           for i0, i1 in _blocks(p.seqlen_q, config.BLOCK_Q)])
-    return out, lse
+    return out.view(p.carrier), lse
 
 
 # ----------------------------------------------------------------------------
@@ -234,6 +241,7 @@ def _backward_tile_loop(p, j0, j1, K_j, V_j, heads, Q, dO, lse, D, dQ) -> tuple:
 
 
 def backward(p, dout, q, k, v, out, lse):
+    dout, q, k, v, out = _values(p, dout, q, k, v, out)
     acc = p.acc_dtype
     dq = np.empty(q.shape, dtype=p.dtype)
     dk = np.empty(k.shape, dtype=p.dtype)
@@ -265,4 +273,4 @@ def backward(p, dout, q, k, v, out, lse):
         partial = _run([partition(i) for i in range(min(n_parts, len(work)))])
         for h in range(p.heads_q):  # fixed summation order: reproducible
             dq[b, :, h, :] = functools.reduce(np.add, (part[h] for part in partial))
-    return dq, dk, dv
+    return dq.view(p.carrier), dk.view(p.carrier), dv.view(p.carrier)

@@ -30,6 +30,7 @@ from . import specs
 
 NAME = "cupy"
 ARRAY_LIBRARIES = ("cupy",)
+DTYPES = tuple(specs.CUDA_TYPES)  # bfloat16 as uint16 bit patterns: CuPy has no bfloat16 dtype
 
 MAX_GRID_X = 2**31 - 1
 
@@ -139,7 +140,7 @@ def forward(p, q, k, v):
     acc = p.acc_dtype.type
     with rt.device_of(q):
         (flash_fwd,) = _functions(rt, module)
-        out = rt.xp.empty(q.shape, dtype=p.dtype)
+        out = rt.xp.empty(q.shape, dtype=p.carrier)
         lse = rt.xp.empty(p.lse_shape, dtype=p.lse_dtype)
         flash_fwd(
             _grid(_cdiv(p.seqlen_q, kernel.block_m) * p.batch * p.heads_q), (specs.NUM_THREADS,),
@@ -156,9 +157,9 @@ def backward(p, dout, q, k, v, out, lse):
     block = (specs.NUM_THREADS,)
     with rt.device_of(q):
         preprocess, flash_bwd_dkdv, flash_bwd_dq = _functions(rt, module)
-        dq = rt.xp.empty(q.shape, dtype=p.dtype)
-        dk = rt.xp.empty(k.shape, dtype=p.dtype)
-        dv = rt.xp.empty(v.shape, dtype=p.dtype)
+        dq = rt.xp.empty(q.shape, dtype=p.carrier)
+        dk = rt.xp.empty(k.shape, dtype=p.carrier)
+        dv = rt.xp.empty(v.shape, dtype=p.carrier)
         D = rt.xp.empty(p.lse_shape, dtype=p.acc_dtype)  # workspace: rowsum(dO ∘ O), contiguous
 
         rows = p.batch * p.heads_q * p.seqlen_q

@@ -31,11 +31,12 @@ NUM_THREADS = 128  # NUM_WARPS * WARP_SIZE in flash_common.cuh
 HEAD_DIM_BUCKETS = (32, 64, 128, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 
-# (storage type, accumulation type) in CUDA, per NumPy dtype
+# (storage type, accumulation type) in CUDA, per value dtype name (bfloat16 arrives as uint16 bits)
 CUDA_TYPES = {
-    np.dtype(np.float16): ("__half", "float"),
-    np.dtype(np.float32): ("float", "float"),
-    np.dtype(np.float64): ("double", "double"),
+    "float16": ("__half", "float"),
+    "bfloat16": ("__nv_bfloat16", "float"),
+    "float32": ("float", "float"),
+    "float64": ("double", "double"),
 }
 
 # (BLOCK_M, BLOCK_N) per HEAD_DIM bucket, one table per accumulation size (4: float, 8: double).
@@ -67,7 +68,7 @@ class Kernel:
     """One specialization: the template it instantiates and the tile it runs with."""
 
     template: str            # flash_fwd, flash_bwd_preprocess, flash_bwd_dkdv or flash_bwd_dq
-    dtype: np.dtype
+    dtype: str               # a key of CUDA_TYPES
     head_dim: int            # the bucket; 0 for kernels without a HEAD_DIM parameter
     block_m: int = 0
     block_n: int = 0
@@ -93,9 +94,13 @@ class ModuleSpec:
         return tuple(k.name_expression for k in self.kernels)
 
 
+def _name(dtype) -> str:
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
+
+
 def forward_module(dtype, head_dim: int) -> ModuleSpec:
     bucket = head_dim_bucket(head_dim)
-    dtype = np.dtype(dtype)
+    dtype = _name(dtype)
     bm, bn = FORWARD_TILES[_acc_size(dtype)][bucket]
     return ModuleSpec("flash_fwd.cu", (Kernel("flash_fwd", dtype, bucket, bm, bn),))
 
@@ -103,7 +108,7 @@ def forward_module(dtype, head_dim: int) -> ModuleSpec:
 def backward_module(dtype, head_dim: int) -> ModuleSpec:
     """Kernels in launch order: preprocess (D), dK/dV, dQ."""
     bucket = head_dim_bucket(head_dim)
-    dtype = np.dtype(dtype)
+    dtype = _name(dtype)
     size = _acc_size(dtype)
     return ModuleSpec("flash_bwd.cu", (
         Kernel("flash_bwd_preprocess", dtype, 0),
@@ -119,8 +124,8 @@ def all_modules():
             for build in (forward_module, backward_module)]
 
 
-def _acc_size(dtype: np.dtype) -> int:
-    return 8 if dtype == np.float64 else 4
+def _acc_size(dtype: str) -> int:
+    return 8 if dtype == "float64" else 4
 
 
 _INCLUDE = re.compile(r'^#include "([^"]+)"[^\n]*$', re.MULTILINE)

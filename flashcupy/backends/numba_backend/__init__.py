@@ -43,6 +43,7 @@ import numpy as np
 
 NAME = "numba"
 ARRAY_LIBRARIES = ("numpy", "cupy", "numba")
+DTYPES = ("float16", "float32", "float64")  # numba has no bfloat16 arithmetic type
 MAX_HEAD_DIM = 256  # kernels.HEAD_DIM_MAX: the register accumulators are sized for it
 
 

@@ -1,7 +1,7 @@
 // flash_common.cuh: what every flashcupy kernel shares.
 //
-// Types. T is the storage dtype (__half, float, double); Acc the accumulation type (float for
-// __half and float, double for double). Shared-memory tiles hold Acc, so a tile is converted
+// Types. T is the storage dtype (__half, __nv_bfloat16, float, double); Acc the accumulation
+// type (float for all but double, double for double). Shared-memory tiles hold Acc, so a tile is converted
 // once when it is loaded and never again.
 //
 // Thread layout. A CTA is NUM_WARPS warps of 32 lanes. The kernels keep one tile "in rows"
@@ -22,6 +22,7 @@
 // layout works, transposed and negative strides included.
 
 #include <cuda_fp16.h>
+#include <cuda_bf16.h>
 
 #ifndef INFINITY  // NVRTC has no <cmath>
 #define INFINITY __int_as_float(0x7f800000)
@@ -45,10 +46,12 @@ __device__ constexpr bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
 // conversions and maths in the accumulation type
 
 __device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_acc(float x) { return x; }
 __device__ __forceinline__ double to_acc(double x) { return x; }
 
 __device__ __forceinline__ void store(__half* p, float x) { *p = __float2half(x); }
+__device__ __forceinline__ void store(__nv_bfloat16* p, float x) { *p = __float2bfloat16(x); }
 __device__ __forceinline__ void store(float* p, float x) { *p = x; }
 __device__ __forceinline__ void store(double* p, double x) { *p = x; }
 
