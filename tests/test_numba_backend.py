@@ -240,6 +240,4 @@ def test_kernels_compile_for_a_real_gpu():
     r = subprocess.run([sys.executable, "-m", "flashcupy.backends.numba_backend.tools", "ptx"],
                        capture_output=True, text=True, timeout=300,
                        env={k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"})
-    if r.returncode == 3:
-        pytest.skip(r.stderr.strip())
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr  # 3: NVVM missing, which the test extra installs
