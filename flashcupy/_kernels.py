@@ -5,8 +5,9 @@ libnvrtc (the `nvidia-cuda-nvrtc-cu12` wheel, or a CUDA toolkit) and, for cuda_f
 `nvidia-cuda-runtime-cu12` wheel's headers; no GPU, no CuPy. NVRTC is called through ctypes.
 
 For each kernel: registers per thread, spill bytes (stores + loads), static and dynamic shared
-memory per CTA, threads per CTA, and the theoretical occupancy (resident warps / maximum warps
-per SM) on that architecture.
+memory per CTA, threads per CTA, the theoretical occupancy (resident warps / maximum warps per
+SM) on that architecture, and for the tensor-core kernels the count of HMMA.16816.F32
+instructions in their SASS (read by nvdisasm from the `nvidia-cuda-nvdisasm` wheel).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import ctypes.util
 import glob
 import os
 import re
+import shutil
+import subprocess
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from .backends.cupy_backend import specs
@@ -77,7 +81,7 @@ def nvrtc_version() -> str:
 
 
 def compile_cubin(source: str, name_expressions, options) -> tuple:
-    """Compile with NVRTC; returns (log, {name expression: lowered (mangled) name})."""
+    """Compile with NVRTC; returns (log, {name expression: lowered (mangled) name}, cubin bytes)."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
     _check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"flashcupy.cu", 0, None, None),
@@ -99,9 +103,41 @@ def compile_cubin(source: str, name_expressions, options) -> tuple:
             out = ctypes.c_char_p()
             _check(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(out)), "nvrtcGetLoweredName")
             lowered[name] = out.value.decode()
-        return log, lowered
+        _check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        cubin = ctypes.create_string_buffer(size.value)
+        _check(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return log, lowered, cubin.raw
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def nvdisasm_path() -> str | None:
+    """nvdisasm from the nvidia-cuda-nvdisasm wheel (or a CUDA toolkit on PATH), else None."""
+    try:
+        from nvidia import cu13  # namespace package of the nvidia-cuda-nvdisasm wheel
+        for root in cu13.__path__:
+            for path in glob.glob(os.path.join(root, "bin", "nvdisasm")):
+                return path
+    except ImportError:
+        pass
+    return shutil.which("nvdisasm")
+
+
+def sass(cubin: bytes) -> str:
+    """The SASS text of a cubin, by nvdisasm."""
+    tool = nvdisasm_path()
+    if tool is None:
+        raise NvrtcError("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def function_sass(text: str, mangled: str) -> str | None:
+    """The SASS of one function in nvdisasm's output, or None."""
+    m = re.search(rf"\.text\.{re.escape(mangled)}:(.*?)(?=\n\s*\.section|\Z)", text, re.S)
+    return m.group(1) if m else None
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
@@ -145,12 +181,14 @@ def compile_options(arch: str) -> tuple:
 
 
 def _module_rows(arch: str, module: specs.ModuleSpec) -> list:
-    log, lowered = compile_cubin(specs.read_source(module.source_file), module.name_expressions,
-                                 compile_options(arch))
+    log, lowered, cubin = compile_cubin(specs.read_source(module.source_file), module.name_expressions,
+                                        compile_options(arch))
     info = parse_ptxas(log)
+    text = sass(cubin) if any(k.tensor_cores for k in module.kernels) else ""
     rows = []
     for kernel in module.kernels:
         got = info[lowered[kernel.name_expression]]
+        code = function_sass(text, lowered[kernel.name_expression]) if kernel.tensor_cores else None
         rows.append(dict(
             kernel=kernel.template,
             dtype=kernel.dtype,
@@ -159,9 +197,11 @@ def _module_rows(arch: str, module: specs.ModuleSpec) -> list:
             registers=got["registers"],
             spill_bytes=got["spill_stores"] + got["spill_loads"],
             static_smem=got["static_smem"],
-            dynamic_smem=0,
+            dynamic_smem=kernel.dynamic_smem,
             threads=specs.NUM_THREADS,
-            occupancy=occupancy(arch, got["registers"], got["static_smem"], specs.NUM_THREADS),
+            occupancy=occupancy(arch, got["registers"], got["static_smem"] + kernel.dynamic_smem,
+                                specs.NUM_THREADS),
+            hmma=len(re.findall(r"\bHMMA\.16816\.F32", code)) if code is not None else None,
         ))
     return rows
 
@@ -185,7 +225,7 @@ def kernel_report(arch: str = "sm_90", workers: int | None = None) -> list:
 
 _COLUMNS = (("kernel", "{}"), ("dtype", "{}"), ("head_dim", "{}"), ("tile", "{}"), ("registers", "{}"),
             ("spill_bytes", "{}"), ("static_smem", "{}"), ("dynamic_smem", "{}"), ("threads", "{}"),
-            ("occupancy", "{:.0%}"))
+            ("occupancy", "{:.0%}"), ("hmma", "{}"))
 
 
 def format_kernel_report(rows) -> str:

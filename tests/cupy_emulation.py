@@ -26,20 +26,25 @@ def _emulator_options(options) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def compile_module(source, name_expressions, options, thread_order="ascending", seed=0):
+def compile_module(source, name_expressions, options, thread_order="ascending", seed=0, cp_async="deferred"):
     return EmulatedModule(source, name_expressions, _emulator_options(options),
-                          thread_order=thread_order, seed=seed)
+                          thread_order=thread_order, seed=seed, cp_async=cp_async)
 
 
 @contextlib.contextmanager
-def emulated(thread_order="ascending", seed=0, compile=compile_module):
+def emulated(thread_order="ascending", seed=0, compile=compile_module, cp_async="deferred",
+             compute_capability=90):
     """Make backend="cupy" run on NumPy arrays through the emulator, inside the block.
 
-    `compile(source, name_expressions, options, thread_order, seed)` builds the modules; tests
-    that alter the kernel source pass their own.
+    `compile(source, name_expressions, options, thread_order, seed, cp_async)` builds the modules;
+    tests that alter the kernel source pass their own. cp_async="eager" lands copies at issue
+    (see tests/emulator/__init__.py); compute_capability is what the device reports (below 80
+    the backend never picks the tensor-core kernels).
     """
     runtime = cupy_backend.Runtime(
-        np, lambda source, names, options: compile(source, tuple(names), tuple(options), thread_order, seed))
+        np, lambda source, names, options: compile(source, tuple(names), tuple(options), thread_order, seed,
+                                                   cp_async),
+        compute_capability=lambda x: compute_capability)
     saved = cupy_backend.runtime, cupy_backend.ARRAY_LIBRARIES
     cupy_backend.runtime, cupy_backend.ARRAY_LIBRARIES = runtime, ("numpy",)
     try:

@@ -18,6 +18,7 @@ import pytest
 
 import flashcupy
 from conftest import BF16, CASES, DTYPES, LAYOUTS, assert_close, bf16_bits, make_qkv, reference, strided_empty
+from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import specs
 
 # Core tests: no skip. Without g++ the emulator cannot build and these fail loudly.
@@ -65,8 +66,25 @@ def test_matches_oracle(rng, case, dtype, order):
     check(got, q, k, v, dout, causal=causal)
 
 
+@pytest.fixture
+def simt_only(monkeypatch):
+    """The SIMT forward for float16/bfloat16 too (the tensor-core kernel takes it by default)."""
+    monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", False)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("-causal" if c[6] else ""))
-def test_bfloat16_bits_match_oracle(rng, case):
+def test_float16_on_the_simt_forward(rng, case, simt_only):
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    with emulated("descending"):
+        got = run(q, k, v, dout, causal=causal)
+    check(got, q, k, v, dout, causal=causal)
+
+
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-core-forward", "simt-forward"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("-causal" if c[6] else ""))
+def test_bfloat16_bits_match_oracle(rng, case, tensor_cores, monkeypatch):
     """bfloat16 as CuPy users pass it: uint16 bit patterns with dtype="bfloat16"."""
     B, Sq, Sk, Hq, Hkv, D, causal = case
     q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, BF16)
@@ -74,6 +92,7 @@ def test_bfloat16_bits_match_oracle(rng, case):
     want_out, want_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
     want_grads = reference.attention_backward(dout, q, k, v, causal=causal)
     qb, kb, vb, db = (bf16_bits(x) for x in (q, k, v, dout))
+    monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", tensor_cores)
     with emulated("descending"):
         out, lse = flashcupy.attention(qb, kb, vb, causal=causal, return_lse=True, backend="cupy", dtype="bfloat16")
         grads = flashcupy.attention_backward(db, qb, kb, vb, out, lse, causal=causal, backend="cupy",
@@ -151,11 +170,11 @@ def test_every_specialization_is_in_the_tables():
 
 def _mutated(old: str, new: str):
     """A compile function for emulated() that replaces `old` (which must occur once) by `new`."""
-    def compile(source, names, options, thread_order, seed):
+    def compile(source, names, options, thread_order, seed, cp_async):
         if old in source:
             assert source.count(old) == 1, f"{old!r} occurs {source.count(old)} times"
             source = source.replace(old, new)
-        return compile_module(source, names, options, thread_order, seed)
+        return compile_module(source, names, options, thread_order, seed, cp_async)
     return compile
 
 

@@ -5,7 +5,7 @@ Import as ``from emulator import ...`` (tests/ is on sys.path under pytest).
 API
 ---
 ``EmulatedModule(code, name_expressions=(), options=(), *, thread_order="ascending", seed=0,
-shared_mem_limit=48 KiB, stack_size=256 KiB, oob_guard="end")`` stands in for
+shared_mem_limit=48 KiB, stack_size=256 KiB, oob_guard="end", cp_async="deferred")`` stands in for
 ``cupy.RawModule(code=..., name_expressions=..., options=...)``:
 
     mod = EmulatedModule(source, ["attn_fwd<float, 64>"], ("-DBLOCK_M=64",), thread_order="descending")
@@ -36,10 +36,20 @@ shared_mem_limit=48 KiB, stack_size=256 KiB, oob_guard="end")`` stands in for
 - ``kern.max_dynamic_shared_size_bytes`` (CuPy's attribute) starts at ``shared_mem_limit`` (48 KiB)
   and may be raised to ``SHARED_MEM_OPTIN_MAX`` (227 KiB); a launch requesting more is a
   ``LaunchError``. Block size (<= 1024 threads, z <= 64) and grid limits are checked too.
-- ``thread_order`` is one of ``THREAD_ORDERS = ("ascending", "descending", "shuffled")``: the order in
-  which the threads of a block run between blocking points, and the order of the blocks. "shuffled"
-  draws a fresh permutation (from ``seed``) for every pass. Run correctness tests under at least
-  ascending and descending: a missing ``__syncthreads()`` shows up as a wrong answer under one of them.
+- ``thread_order`` is one of ``THREAD_ORDERS = ("ascending", "descending", "shuffled", "warp_skew")``:
+  the order in which the threads of a block run between blocking points, and the order of the blocks.
+  "shuffled" draws a fresh permutation (from ``seed``) for every pass. Run correctness tests under at
+  least ascending and descending: a missing ``__syncthreads()`` shows up as a wrong answer under one
+  of them. Under those three, every warp collective of a block completes in the same pass, so warps
+  that meet at warp collectives (mma, ldmatrix, shuffles) move in lockstep; "warp_skew" runs one warp
+  at a time, the last first, each as far as it can go before the next starts (descending lanes), so
+  warps drift as far apart as the barriers allow. Kernels built on warp collectives need it to show
+  a missing barrier between warps.
+- ``cp_async`` (one of ``CP_ASYNC_MODES``): when the copies of ``cp.async`` (``emu_tensor_core.h``)
+  write shared memory: "deferred" (default) at the ``cp.async.wait_group`` that completes them, so a
+  missing wait reads stale memory; "eager" when issued, so a prefetch into a buffer that other warps
+  still read lands at once (with "warp_skew", a missing barrier before the prefetch gives a wrong
+  answer). A GPU may do either; test both.
 - ``stack_size`` is each CUDA thread's stack; ``ucontext=True`` forces the portable fiber switch
   (glibc ucontext) that machines other than x86-64 use, so it can be tested here.
 - ``garbage(shape, dtype)``: an array of 0xFF bytes (NaN, or -1), for outputs a kernel must fully write.
@@ -84,10 +94,19 @@ Not faithful (by design or not yet)
 - Static ``__shared__`` size is not counted against the shared-memory limit; static shared memory
   has no guard pages. Underflow reads just before dynamic shared memory are not caught.
 - Not provided: ``__half2``/``__nv_bfloat162`` and h* intrinsics, ``__ballot_sync`` and friends,
-  cooperative groups, inline PTX, textures, ``RawModule.get_global``, streams (ignored).
+  cooperative groups, inline PTX, textures, ``RawModule.get_global``, streams (ignored). The inline PTX
+  that ``flashcupy/backends/cupy_backend/kernels/tensor_core.cuh`` wraps (mma.sync m16n8k16,
+  ldmatrix, cp.async, ex2.approx, cvt to f16x2/bf16x2) is provided under the same function names by
+  ``include/emu_tensor_core.h``, which that header includes when ``FLASHCUPY_EMULATOR`` is defined
+  (``cuda_emu.h`` defines it); that file says what is and is not bit-faithful.
+- ``__shared__`` variables declared inside a function template are not placed in the emulator's
+  shared section (g++ ignores the section attribute on template static locals): they are not refilled
+  with garbage per block, and ``cp.async``/``ldmatrix`` reject them as not shared. Use dynamic shared
+  memory (``extern __shared__``) in templates.
 """
 
 from .driver import (
+    CP_ASYNC_MODES,
     SHARED_MEM_DEFAULT,
     SHARED_MEM_OPTIN_MAX,
     THREAD_ORDERS,
@@ -104,6 +123,7 @@ from .driver import (
 )
 
 __all__ = [
+    "CP_ASYNC_MODES",
     "SHARED_MEM_DEFAULT",
     "SHARED_MEM_OPTIN_MAX",
     "THREAD_ORDERS",

@@ -23,7 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = os.path.join(HERE, "include")
 RUNTIME = os.path.join(HERE, "runtime.cpp")
 
-THREAD_ORDERS = ("ascending", "descending", "shuffled")
+THREAD_ORDERS = ("ascending", "descending", "shuffled", "warp_skew")
+CP_ASYNC_MODES = ("deferred", "eager")
 SHARED_MEM_DEFAULT = 48 * 1024     # what a launch may request without opting in
 SHARED_MEM_OPTIN_MAX = 227 * 1024  # the most a kernel may opt in to (sm_90)
 STACK_SIZE_DEFAULT = 256 * 1024    # per CUDA thread; pages are only touched as used
@@ -246,7 +247,7 @@ class _ParamInfo(ctypes.Structure):
 class _LaunchConfig(ctypes.Structure):
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
                 ("dynamic_shared_bytes", ctypes.c_uint64), ("stack_bytes", ctypes.c_uint64),
-                ("seed", ctypes.c_uint64), ("order", ctypes.c_int)]
+                ("seed", ctypes.c_uint64), ("order", ctypes.c_int), ("cp_async_eager", ctypes.c_int)]
 
 
 class _LaunchReport(ctypes.Structure):
@@ -316,6 +317,10 @@ class _Region:
         self.hi = max(m[3] for m in members)
         self.bytes = self.hi - self.lo
         mapping, mapping_bytes = ctypes.c_uint64(), ctypes.c_uint64()
+        # Flush against the guard page, so one element past the end faults. The copy keeps the
+        # host address's alignment whenever the span ends on an aligned address (a contiguous
+        # float16 array with head_dim % 8 == 0 does); otherwise cp.async/ldmatrix report a
+        # misaligned row rather than run on an alignment the GPU would not see.
         self.data = lib.emu_map_guarded(self.bytes, int(at_end), ctypes.byref(mapping), ctypes.byref(mapping_bytes))
         if not self.data:
             raise MemoryError(f"could not map a guarded buffer of {self.bytes} bytes")
@@ -508,7 +513,8 @@ class EmulatedFunction:
         try:
             argv = (ctypes.c_void_p * max(1, len(args)))(*(ctypes.addressof(s) for s in storage))
             config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
-                                   module.stack_size, module.seed, THREAD_ORDERS.index(module.thread_order))
+                                   module.stack_size, module.seed, THREAD_ORDERS.index(module.thread_order),
+                                   int(module.cp_async == "eager"))
             report = _LaunchReport()
             with _launch_lock:
                 status = self._lib.emu_launch(self._entry, argv, ctypes.byref(config), ctypes.byref(report))
@@ -582,14 +588,16 @@ class EmulatedModule:
     """Drop-in for cupy.RawModule that compiles with g++ and runs on the CPU.
 
     EmulatedModule(code, name_expressions, options, *, thread_order='ascending',
-    seed=0, shared_mem_limit=48 KiB, stack_size=256 KiB, oob_guard='end').
+    seed=0, shared_mem_limit=48 KiB, stack_size=256 KiB, oob_guard='end', cp_async='deferred').
     """
 
     def __init__(self, code: str, name_expressions=(), options=(), *, thread_order: str = "ascending",
                  seed: int = 0, shared_mem_limit: int = SHARED_MEM_DEFAULT, stack_size: int = STACK_SIZE_DEFAULT,
-                 oob_guard: str = "end", ucontext: bool = False):
+                 oob_guard: str = "end", ucontext: bool = False, cp_async: str = "deferred"):
         if thread_order not in THREAD_ORDERS:
             raise ValueError(f"thread_order must be one of {THREAD_ORDERS}, got {thread_order!r}")
+        if cp_async not in CP_ASYNC_MODES:
+            raise ValueError(f"cp_async must be one of {CP_ASYNC_MODES}, got {cp_async!r}")
         if oob_guard not in ("end", "start"):
             raise ValueError(f"oob_guard must be 'end' or 'start', got {oob_guard!r}")
         if not 0 <= shared_mem_limit <= SHARED_MEM_OPTIN_MAX:
@@ -601,6 +609,7 @@ class EmulatedModule:
         self.shared_mem_limit = int(shared_mem_limit)
         self.stack_size = int(stack_size)
         self.oob_guard = oob_guard
+        self.cp_async = cp_async
         self._ucontext = ucontext
         self._names = list(name_expressions or ())
         self._lib = self._compile() if self._names else None

@@ -7,11 +7,17 @@
 //   __syncthreads()      waits until every live thread of the block is there;
 //   warp collectives     (__syncwarp, __shfl*_sync) wait until every live lane
 //                        named in the mask is there, then exchange and go on;
+//                        the warp-wide PTX instructions of emu_tensor_core.h
+//                        (mma.sync, ldmatrix.sync) wait for all 32 lanes and
+//                        give each lane a copy of every lane's operands;
 //   the kernel's return  ends the fiber (an exited thread drops out of later
 //                        barriers, as on a GPU).
 // Between blocking points the fibers of a block run one after another, in the
 // launch's thread order (ascending, descending, or a fresh seeded shuffle per
 // pass), so a missing barrier changes the answer under some order.
+//
+// Each thread also keeps its cp.async copies (read at issue, written to shared
+// memory only at the cp.async.wait_group that completes their group).
 //
 // A memory fault, a failed assertion, a __trap(), a deadlock or a misused warp
 // collective ends the launch: the runtime jumps back to emu_launch and fills
@@ -54,7 +60,11 @@ enum Status : int {
     kResources = 6,       // mmap failed
 };
 
-enum Order : int { kAscending = 0, kDescending = 1, kShuffled = 2 };
+// kWarpSkew: warps run one at a time, the last first, each as far as it can (its warp
+// collectives complete as soon as its own lanes are there) before the next starts; lanes in
+// descending order. Warps drift as far apart as barriers allow, which exposes a missing
+// __syncthreads() between warps that meet at warp collectives in lockstep under the other orders.
+enum Order : int { kAscending = 0, kDescending = 1, kShuffled = 2, kWarpSkew = 3 };
 enum Where : int { kElsewhere = 0, kDynamicShared = 1, kStack = 2 };
 enum Access : int { kUnknownAccess = 0, kRead = 1, kWrite = 2 };
 
@@ -65,6 +75,7 @@ struct EmuLaunchConfig {
     std::uint64_t stack_bytes;
     std::uint64_t seed;
     int order;
+    int cp_async_eager;  // cp.async writes shared memory when issued instead of at its wait
 };
 
 struct EmuLaunchReport {
@@ -169,8 +180,18 @@ struct Arrival {
     int kind;
     unsigned mask;
     std::uint64_t payload;  // this lane's value going in, the received value coming out
-    int operand;
-    int width;
+    int operand;            // warp_all_gather: the variant, which every lane must agree on
+    int width;              // warp_all_gather: the record size in bytes
+    const void* gather_src; // warp_all_gather: this lane's record
+    void* gather_dst;       // warp_all_gather: where every lane's record goes (32 * width bytes)
+};
+
+// One cp.async copy in flight: its source bytes (read when issued) and where they land.
+struct PendingCopy {
+    unsigned char* dst;
+    unsigned char data[16];
+    int bytes;
+    long group;  // -1 until cp.async.commit_group puts it in the thread's newest group
 };
 
 struct Fiber {
@@ -180,6 +201,8 @@ struct Fiber {
     unsigned warp;
     unsigned lane;
     Arrival arrival;
+    std::vector<PendingCopy> copies;  // issued, not yet written to shared memory
+    long groups_committed;
 };
 
 // Stacks outlive launches: mapping them is the costly part. Each mapping is a
@@ -316,6 +339,8 @@ const char* collective_name(int kind) {
         case emu::kShflUp: return "__shfl_up_sync";
         case emu::kShflDown: return "__shfl_down_sync";
         case emu::kShflXor: return "__shfl_xor_sync";
+        case emu::kMma: return "mma.sync";
+        case emu::kLdmatrix: return "ldmatrix.sync";
     }
     return "?";
 }
@@ -374,8 +399,23 @@ bool resolve_warps(Launch& l) {
                 todo &= ~(1u << lead);
                 continue;
             }
+            const bool gather = a.kind == emu::kMma || a.kind == emu::kLdmatrix;
+            if (gather && group != 0xffffffffu) {
+                record_thread(warp[lead]);
+                abandon(kWarpMisuse,
+                        "warp %zu: %s needs all 32 lanes of the warp, but lanes 0x%08x have exited "
+                        "or do not exist (.sync.aligned: every lane executes the same instruction)",
+                        warp_first / 32, collective_name(a.kind), ~group);
+            }
             for (std::uint32_t g = group; g; g &= g - 1) {
                 const Arrival& b = warp[__builtin_ctz(g)].arrival;
+                if (gather && b.kind == a.kind && (b.operand != a.operand || b.width != a.width)) {
+                    record_thread(warp[lead]);
+                    abandon(kWarpMisuse,
+                            "warp %zu: lanes %d and %d execute different variants of %s "
+                            "(.aligned: every lane must execute the same instruction)",
+                            warp_first / 32, lead, __builtin_ctz(g), collective_name(a.kind));
+                }
                 if (b.kind != a.kind || b.mask != a.mask) {
                     record_thread(warp[lead]);
                     abandon(kWarpMisuse,
@@ -385,6 +425,17 @@ bool resolve_warps(Launch& l) {
                             warp_first / 32, lead, collective_name(a.kind), a.mask, __builtin_ctz(g),
                             collective_name(b.kind), b.mask);
                 }
+            }
+            if (gather) {
+                for (int to = 0; to < 32; ++to)
+                    for (int from = 0; from < 32; ++from)
+                        std::memcpy(static_cast<unsigned char*>(warp[to].arrival.gather_dst) + from * a.width,
+                                    warp[from].arrival.gather_src, static_cast<std::size_t>(a.width));
+                for (int lane = 0; lane < 32; ++lane) warp[lane].state = State::kRunnable;
+                todo &= ~group;
+                waiting &= ~group;
+                progressed = true;
+                continue;
             }
             std::uint64_t received[32];
             for (std::uint32_t g = group; g; g &= g - 1) {
@@ -435,7 +486,7 @@ bool resolve_warps(Launch& l) {
 void order_pass(Launch& l) {
     std::vector<unsigned>& order = l.pass_order;
     for (unsigned i = 0; i < order.size(); ++i) order[i] = i;
-    if (l.config->order == kDescending) std::reverse(order.begin(), order.end());
+    if (l.config->order == kDescending || l.config->order == kWarpSkew) std::reverse(order.begin(), order.end());
     if (l.config->order == kShuffled) std::shuffle(order.begin(), order.end(), l.rng);
 }
 
@@ -444,17 +495,36 @@ void run_block(Launch& l) {
     std::memset(l.shared.data_lo, kGarbage, l.shared.data_hi - l.shared.data_lo);
     for (std::size_t i = 0; i < l.fibers.size(); ++i) {
         l.fibers[i].state = State::kRunnable;
+        l.fibers[i].copies.clear();
+        l.fibers[i].groups_committed = 0;
         l.fibers[i].context.prepare(stacks.stack_lo(i), stacks.bytes);
     }
+    auto run = [&l](Fiber& f) {
+        emu::builtins.thread_idx = f.tid;
+        l.current = &f;
+        switch_context(l.scheduler, f.context);
+        l.current = nullptr;
+    };
     for (;;) {
         order_pass(l);
-        for (unsigned i : l.pass_order) {
-            Fiber& f = l.fibers[i];
-            if (f.state != State::kRunnable) continue;
-            emu::builtins.thread_idx = f.tid;
-            l.current = &f;
-            switch_context(l.scheduler, f.context);
-            l.current = nullptr;
+        if (l.config->order == kWarpSkew) {
+            std::size_t n = l.fibers.size();
+            for (std::size_t first = (n - 1) / 32 * 32 + 32; first > 0;) {
+                first -= 32;
+                for (bool ran = true; ran; resolve_warps(l)) {
+                    ran = false;
+                    for (std::size_t i = std::min(first + 32, n); i-- > first;) {
+                        if (l.fibers[i].state != State::kRunnable) continue;
+                        run(l.fibers[i]);
+                        ran = true;
+                    }
+                }
+            }
+        } else {
+            for (unsigned i : l.pass_order) {
+                Fiber& f = l.fibers[i];
+                if (f.state == State::kRunnable) run(f);
+            }
         }
         resolve_warps(l);
         bool done = true, runnable = false, all_at_barrier = true;
@@ -495,7 +565,7 @@ void run_grid(Launch& l) {
     std::size_t blocks = std::size_t{c.grid[0]} * c.grid[1] * c.grid[2];
     std::vector<std::size_t> block_order(blocks);
     for (std::size_t b = 0; b < blocks; ++b) block_order[b] = b;
-    if (c.order == kDescending) std::reverse(block_order.begin(), block_order.end());
+    if (c.order == kDescending || c.order == kWarpSkew) std::reverse(block_order.begin(), block_order.end());
     if (c.order == kShuffled) std::shuffle(block_order.begin(), block_order.end(), l.rng);
     for (std::size_t b : block_order) {
         emu::builtins.block_idx = uint3{static_cast<unsigned>(b % c.grid[0]),
@@ -578,6 +648,71 @@ std::uint64_t emu::warp_collective(int kind, unsigned mask, std::uint64_t payloa
     self.arrival = Arrival{kind, mask, payload, operand, width};
     block_until_scheduled(self, State::kAtWarp);
     return self.arrival.payload;
+}
+
+void emu::warp_all_gather(int kind, int variant, const void* mine, void* all, int bytes) {
+    Fiber& self = *active->current;
+    self.arrival = Arrival{kind, 0xffffffffu, 0, variant, bytes, mine, all};
+    block_until_scheduled(self, State::kAtWarp);
+}
+
+unsigned emu::lane_id() { return active->current->lane; }
+
+namespace {
+bool in_shared(std::uintptr_t lo, std::uintptr_t hi) {
+    auto inside = [&](const void* begin, const void* end) {
+        return lo >= reinterpret_cast<std::uintptr_t>(begin) && hi <= reinterpret_cast<std::uintptr_t>(end);
+    };
+    const SharedRegion& s = active->shared;
+    return inside(s.data_lo, s.data_hi) || (__start_emu_shared && inside(__start_emu_shared, __stop_emu_shared));
+}
+}  // namespace
+
+void emu::check_shared(const void* p, int bytes, int align, const char* what) {
+    auto lo = reinterpret_cast<std::uintptr_t>(p);
+    const char* why = lo % static_cast<std::uintptr_t>(align) ? "is not aligned"
+                      : !in_shared(lo, lo + static_cast<std::uintptr_t>(bytes)) ? "is not in shared memory"
+                      : nullptr;
+    if (!why) return;
+    record_thread(*active->current);
+    abandon(kTrap, "%s: address %p (%d bytes) %s (it must be %d-byte aligned shared memory)", what, p, bytes, why,
+            align);
+}
+
+void emu::cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+    Fiber& self = *active->current;
+    if ((bytes != 4 && bytes != 8 && bytes != 16) || src_bytes < 0 || src_bytes > bytes) {
+        record_thread(self);
+        abandon(kTrap, "cp.async: copy size %d with src-size %d (the size must be 4, 8 or 16, src-size at most it)",
+                bytes, src_bytes);
+    }
+    check_shared(dst, bytes, bytes, "cp.async destination");
+    if (reinterpret_cast<std::uintptr_t>(src) % static_cast<std::uintptr_t>(bytes)) {
+        record_thread(self);
+        abandon(kTrap, "cp.async: source address %p is not %d-byte aligned", src, bytes);
+    }
+    PendingCopy copy{static_cast<unsigned char*>(dst), {}, bytes, -1};
+    std::memcpy(copy.data, src, static_cast<std::size_t>(src_bytes));  // a fault here names this thread
+    if (active->config->cp_async_eager) std::memcpy(copy.dst, copy.data, static_cast<std::size_t>(bytes));
+    else self.copies.push_back(copy);
+}
+
+void emu::cp_async_commit() {
+    Fiber& self = *active->current;
+    for (PendingCopy& c : self.copies)
+        if (c.group < 0) c.group = self.groups_committed;
+    ++self.groups_committed;
+}
+
+void emu::cp_async_wait(int pending) {
+    Fiber& self = *active->current;
+    long complete_below = self.groups_committed - pending;  // groups older than the newest `pending`
+    std::size_t kept = 0;
+    for (PendingCopy& c : self.copies) {
+        if (c.group >= 0 && c.group < complete_below) std::memcpy(c.dst, c.data, static_cast<std::size_t>(c.bytes));
+        else self.copies[kept++] = c;
+    }
+    self.copies.resize(kept);
 }
 
 void emu::trap(const char* why) {

@@ -35,6 +35,11 @@ DTYPES = tuple(specs.CUDA_TYPES)  # bfloat16 as uint16 bit patterns: CuPy has no
 MAX_GRID_X = 2**31 - 1
 
 
+# The float16/bfloat16 forward runs on tensor cores (attn_fwd_tc.cu) wherever it can; False
+# forces the SIMT kernel (flash_fwd.cu) everywhere, to compare the two.
+USE_TENSOR_CORES = True
+
+
 class Runtime:
     """What the backend takes from CUDA.
 
@@ -42,12 +47,16 @@ class Runtime:
     compile_module(source, name_expressions, options): an object whose get_function(name) gives
         a kernel callable as kernel(grid, block, args), like cupy.RawModule; it should be memoized.
     device_of(x): a context manager that makes x's device current (cupy: x.device).
+    compute_capability(x): of x's device, as an int (80 for sm_80).
+    data_ptr(x): the address of x's first element.
     """
 
-    def __init__(self, xp, compile_module, device_of=None):
+    def __init__(self, xp, compile_module, device_of=None, compute_capability=None, data_ptr=None):
         self.xp = xp
         self.compile_module = compile_module
         self.device_of = device_of or (lambda x: contextlib.nullcontext())
+        self.compute_capability = compute_capability or (lambda x: 90)
+        self.data_ptr = data_ptr or (lambda x: x.ctypes.data)
 
 
 runtime: Runtime | None = None  # the runtime in use; the CuPy one is created at first use
@@ -60,7 +69,8 @@ def _cupy_runtime() -> Runtime:
     def compile_module(source, name_expressions, options):
         return cupy.RawModule(code=source, options=options, name_expressions=name_expressions)
 
-    return Runtime(cupy, compile_module, lambda x: x.device)
+    return Runtime(cupy, compile_module, lambda x: x.device,
+                   lambda x: int(cupy.cuda.Device(x.device.id).compute_capability), lambda x: x.data.ptr)
 
 
 def _runtime() -> Runtime:
@@ -133,19 +143,41 @@ def _cdiv(a: int, b: int) -> int:
 # forward and backward
 
 
+def forward_path(p, q, k, v) -> str:
+    """'tensor-core' or 'simt': which forward kernel serves this call.
+
+    Tensor cores take float16/bfloat16 with head_dim a multiple of 8 up to 128, on sm_80 or
+    newer, when q, k, v are contiguous along head_dim with 16-byte aligned rows (the other
+    strides multiples of 8 elements); everything else runs on the SIMT kernel.
+    """
+    if not (USE_TENSOR_CORES and specs.tensor_core_eligible(p.dtype, p.head_dim)):
+        return "simt"
+    rt = _runtime()
+    if rt.compute_capability(q) < 80:
+        return "simt"
+    for x in (q, k, v):
+        strides = [s // x.itemsize for s in x.strides]
+        if strides[3] != 1 or any(s % 8 for s in strides[:3]) or rt.data_ptr(x) % 16:
+            return "simt"
+    return "tensor-core"
+
+
 def forward(p, q, k, v):
     rt = _runtime()
-    module = specs.forward_module(p.dtype, p.head_dim)
+    tensor_cores = forward_path(p, q, k, v) == "tensor-core"
+    module = (specs.tc_forward_module if tensor_cores else specs.forward_module)(p.dtype, p.head_dim)
     (kernel,) = module.kernels
-    acc = p.acc_dtype.type
     with rt.device_of(q):
-        (flash_fwd,) = _functions(rt, module)
+        (fwd,) = _functions(rt, module)
+        if kernel.dynamic_smem > specs.SMEM_DEFAULT_LIMIT:  # opt in above 48 KiB (sm_80+)
+            fwd.max_dynamic_shared_size_bytes = kernel.dynamic_smem
         out = rt.xp.empty(q.shape, dtype=p.carrier)
         lse = rt.xp.empty(p.lse_shape, dtype=p.lse_dtype)
-        flash_fwd(
+        fwd(
             _grid(_cdiv(p.seqlen_q, kernel.block_m) * p.batch * p.heads_q), (specs.NUM_THREADS,),
             (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(out), *_tensor(lse),
-             *_shape_args(p), acc(p.scale), np.int32(p.causal)))
+             *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal)),
+            shared_mem=kernel.dynamic_smem)
     return out, lse
 
 

@@ -28,6 +28,7 @@ import numpy as np
 KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
 
 NUM_THREADS = 128  # NUM_WARPS * WARP_SIZE in flash_common.cuh
+SMEM_DEFAULT_LIMIT = 48 * 1024  # dynamic shared memory a launch gets without opting in
 HEAD_DIM_BUCKETS = (32, 64, 128, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 
@@ -55,6 +56,14 @@ BACKWARD_DQ_TILES = {
 }
 
 
+# Tensor-core forward (attn_fwd_tc.cu): float16/bfloat16 only, head_dim a multiple of 8 up to 128,
+# padded to 64 or 128. BLOCK_M is 16 rows for each of the 4 warps. Shared memory is dynamic:
+# Q_i, then K_j and V_j twice (cp.async double buffering), 2 bytes an element.
+TC_DTYPES = ("float16", "bfloat16")
+TC_HEAD_DIM_BUCKETS = (64, 128)
+TC_FORWARD_TILES = {64: (64, 64), 128: (64, 64)}
+
+
 def head_dim_bucket(head_dim: int) -> int:
     """The padded compile-time HEAD_DIM the kernels use for `head_dim` (1..256)."""
     for bucket in HEAD_DIM_BUCKETS:
@@ -67,16 +76,27 @@ def head_dim_bucket(head_dim: int) -> int:
 class Kernel:
     """One specialization: the template it instantiates and the tile it runs with."""
 
-    template: str            # flash_fwd, flash_bwd_preprocess, flash_bwd_dkdv or flash_bwd_dq
+    template: str            # flash_fwd, flash_bwd_preprocess, flash_bwd_dkdv, flash_bwd_dq, attn_fwd_tc
     dtype: str               # a key of CUDA_TYPES
     head_dim: int            # the bucket; 0 for kernels without a HEAD_DIM parameter
     block_m: int = 0
     block_n: int = 0
 
     @property
+    def tensor_cores(self) -> bool:
+        return self.template == "attn_fwd_tc"
+
+    @property
+    def dynamic_smem(self) -> int:
+        """Bytes of dynamic shared memory a launch asks for (the SIMT kernels use static tiles)."""
+        if self.tensor_cores:
+            return (self.block_m + 4 * self.block_n) * self.head_dim * 2
+        return 0
+
+    @property
     def name_expression(self) -> str:
         storage, acc = CUDA_TYPES[self.dtype]
-        args = [storage, acc]
+        args = [storage] if self.tensor_cores else [storage, acc]  # tensor cores accumulate in float
         if self.head_dim:
             args += [str(self.head_dim), str(self.block_m), str(self.block_n)]
         return f"{self.template}<{', '.join(args)}>"
@@ -117,11 +137,25 @@ def backward_module(dtype, head_dim: int) -> ModuleSpec:
     ))
 
 
+def tc_forward_module(dtype, head_dim: int) -> ModuleSpec:
+    """The tensor-core forward for float16/bfloat16 and head_dim <= 128 (a multiple of 8)."""
+    bucket = 64 if head_dim <= 64 else 128
+    bm, bn = TC_FORWARD_TILES[bucket]
+    return ModuleSpec("attn_fwd_tc.cu", (Kernel("attn_fwd_tc", _name(dtype), bucket, bm, bn),))
+
+
+def tensor_core_eligible(dtype, head_dim: int) -> bool:
+    """Whether the tensor-core forward covers this dtype and head_dim (strides are checked apart)."""
+    return _name(dtype) in TC_DTYPES and head_dim % 8 == 0 and head_dim <= TC_HEAD_DIM_BUCKETS[-1]
+
+
 def all_modules():
-    """Every module the backend can request: the forward and backward for each dtype and bucket."""
-    return [build(dtype, bucket)
-            for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS
-            for build in (forward_module, backward_module)]
+    """Every module the backend can request: the forward and backward for each dtype and bucket,
+    and the tensor-core forward for each of its dtypes and buckets."""
+    return ([build(dtype, bucket)
+             for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS
+             for build in (forward_module, backward_module)]
+            + [tc_forward_module(dtype, bucket) for dtype in TC_DTYPES for bucket in TC_HEAD_DIM_BUCKETS])
 
 
 def _acc_size(dtype: str) -> int:

@@ -23,6 +23,9 @@
 #include <math.h>  // libstdc++'s math.h: expf, fmaxf, INFINITY, and isinf/isnan at global scope
 #include <type_traits>
 
+// Kernel headers test this to swap inline PTX for the emulator's versions (emu_tensor_core.h).
+#define FLASHCUPY_EMULATOR 1
+
 // ----------------------------------------------------------------------------
 // declaration specifiers
 
@@ -102,11 +105,30 @@ static const int warpSize = 32;
 // synchronisation
 
 namespace emu {
-enum Collective : int { kSyncWarp = 0, kShflIdx = 1, kShflUp = 2, kShflDown = 3, kShflXor = 4 };
+enum Collective : int {
+    kSyncWarp = 0, kShflIdx = 1, kShflUp = 2, kShflDown = 3, kShflXor = 4,
+    kMma = 5, kLdmatrix = 6,  // warp-wide PTX instructions (emu_tensor_core.h), done by warp_all_gather
+};
 
 void block_barrier();
 // Every lane named in `mask` meets here; returns the 64-bit payload this lane receives.
 std::uint64_t warp_collective(int kind, unsigned mask, std::uint64_t payload, int operand, int width);
+// All 32 lanes of the warp meet here (a `.sync.aligned` PTX instruction: every lane must be
+// alive and execute the same `kind` with the same `variant`); each lane receives every lane's
+// `bytes`-byte record, in lane order, in `all` (32 * bytes). Records are copied at the meeting,
+// so each lane may then compute its share of the result from `all` on its own.
+void warp_all_gather(int kind, int variant, const void* mine, void* all, int bytes);
+// The calling thread's lane in its warp (threads are numbered x fastest, as on a GPU).
+unsigned lane_id();
+// Report (as a KernelError naming the thread) unless [p, p + bytes) lies in shared memory and p
+// is a multiple of `align`. `what` names the instruction.
+void check_shared(const void* p, int bytes, int align, const char* what);
+// cp.async: `bytes` (4, 8 or 16) are read from `src` now (only the first `src_bytes`; the rest
+// is zero) and written to shared memory at `dst` only when a cp_async_wait lets the group
+// holding them complete, so a missing wait leaves `dst` unwritten.
+void cp_async(void* dst, const void* src, int bytes, int src_bytes);
+void cp_async_commit();                 // the thread's uncommitted copies become its newest group
+void cp_async_wait(int pending);        // complete all but the newest `pending` groups
 [[noreturn]] void trap(const char* why);
 
 template <class T>

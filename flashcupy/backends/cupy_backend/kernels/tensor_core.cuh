@@ -1,0 +1,156 @@
+// tensor_core.cuh: every inline PTX instruction flashcupy's tensor-core kernels use, each in one
+// small function, so that a kernel reads as the maths and the CPU emulator can stand in for them.
+//
+//   mma_m16n8k16_f16f32 / _bf16f32   D (16x8 f32) = A (16x16) B (16x8) + C, one warp     sm_80+
+//   ldmatrix_x1/x2/x4[_trans]        1, 2 or 4 8x8 b16 matrices from shared memory      sm_75+
+//   cp_async_16                      16 bytes global -> shared, asynchronous, zero-fill sm_80+
+//   cp_async_commit, cp_async_wait<N>   close a group of cp.async; wait for all but N  sm_80+
+//   ex2_approx                       2^x, ex2.approx.ftz.f32 (2 ulp, subnormals flushed)
+//   pack_f16x2 / pack_bf16x2         two floats -> one .b32 register, round to nearest even
+//   mma_m16n8k16<T>, pack2<T>        the same, chosen by the storage type (__half, __nv_bfloat16)
+//
+// Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"), with
+// g = lane / 4 (groupID) and t = lane % 4 (threadID_in_group). A .b32 register holds two 16-bit
+// elements, the one with the smaller column (A) or row (B) index in its low half:
+//   A 16x16 row-major, a[4]:  a[i] = A[g + 8 (i & 1)][2t + 8 (i >> 1) + {0, 1}]
+//   B 16x8 "col",      b[2]:  b[i] = B[2t + 8 i + {0, 1}][g]
+//   C, D 16x8 f32,  c[4], d[4]:  c[i] = C[g + 8 (i >> 1)][2t + (i & 1)]
+// ldmatrix (m8n8, b16): lane 8 m + r supplies the shared address of row r of matrix m (16 bytes,
+// 16-byte aligned; only lanes < 8 x NUM are read); register m of lane l receives row l / 4,
+// elements 2 (l % 4) and 2 (l % 4) + 1 of matrix m, or with .trans the same of the transpose.
+// So ldmatrix_x4 of the four 8x8 quarters of a row-major tile gives an A fragment, ldmatrix of
+// K_j's rows gives B = K_jᵀ, and ldmatrix_trans of V_j's rows gives B = V_j.
+//
+// Under NVRTC these are `asm volatile` (the ones that touch memory also clobber "memory", so the
+// compiler keeps ordinary loads and stores on their side). Under the CPU emulator
+// (FLASHCUPY_EMULATOR, defined by tests/emulator/include/cuda_emu.h) the same names come from
+// tests/emulator/include/emu_tensor_core.h, which implements each as the ISA defines it: mma and
+// ldmatrix as warp rendezvous, cp.async copies landing only at the wait that completes them.
+
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#ifdef FLASHCUPY_EMULATOR
+#include <emu_tensor_core.h>
+#else
+
+// The 32-bit shared-state-space address that ldmatrix and cp.async take.
+__device__ __forceinline__ unsigned smem_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mma_m16n8k16_f16f32(float d[4], const unsigned a[4], const unsigned b[2],
+                                                    const float c[4]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %11, %12, %13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+          "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+__device__ __forceinline__ void mma_m16n8k16_bf16f32(float d[4], const unsigned a[4], const unsigned b[2],
+                                                     const float c[4]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %11, %12, %13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+          "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+__device__ __forceinline__ void ldmatrix_x1(unsigned r[1], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n"
+                 : "=r"(r[0]) : "r"(smem_address(row)) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x2(unsigned r[2], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_address(row)) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_address(row)) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x1_trans(unsigned r[1], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n"
+                 : "=r"(r[0]) : "r"(smem_address(row)) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned r[2], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_address(row)) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_address(row)) : "memory");
+}
+
+// 16 bytes from global `src` to shared `dst`, both 16-byte aligned. With valid == false nothing is
+// read (src must still be a valid address) and dst is zero-filled: rows past the end of a tensor.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid = true) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_address(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Wait until at most N of this thread's committed groups are pending. Other threads' copies are
+// visible only after they wait too and a barrier orders them.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
+__device__ __forceinline__ float ex2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// cvt.rn.{f16x2,bf16x2}.f32 d, a, b puts a in the high half and b in the low half.
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+#endif  // FLASHCUPY_EMULATOR
+
+// ---------------------------------------------------------------------------------------------
+// the same, chosen by the storage type
+
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]);
+
+template <>
+__device__ __forceinline__ void mma_m16n8k16<__half>(float d[4], const unsigned a[4], const unsigned b[2],
+                                                     const float c[4]) {
+    mma_m16n8k16_f16f32(d, a, b, c);
+}
+
+template <>
+__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float d[4], const unsigned a[4], const unsigned b[2],
+                                                            const float c[4]) {
+    mma_m16n8k16_bf16f32(d, a, b, c);
+}
+
+template <typename T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi);
+
+template <>
+__device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) { return pack_f16x2(lo, hi); }
+
+template <>
+__device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) { return pack_bf16x2(lo, hi); }

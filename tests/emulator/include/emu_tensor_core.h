@@ -1,0 +1,131 @@
+// emu_tensor_core.h: the emulator's versions of the inline PTX that
+// flashcupy/backends/cupy_backend/kernels/tensor_core.cuh wraps, under the same names.
+//
+// Each follows the PTX ISA's definition (see tensor_core.cuh for the fragment layouts):
+//   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32
+//       a warp rendezvous (all 32 lanes, same variant): every lane deposits its A, B and C
+//       fragments, receives everyone's, rebuilds A (16x16), B (16x8) and C (16x8) with the ISA's
+//       lane -> (row, col) maps, and computes its own four elements of D = A B + C.
+//       Not bit-faithful: the products are exact, the sum is taken in double and rounded to
+//       float once; tensor cores add in an unspecified order with their own fp32 adders, so a
+//       GPU's D may differ in the last bits.
+//   ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{,.trans}.shared.b16
+//       each lane < 8 x NUM reads its row (16 bytes, which must be 16-byte aligned shared
+//       memory) when it arrives, so in its own program order; the rows are exchanged at the
+//       rendezvous and each lane picks its elements (row l / 4, columns 2 (l % 4) + {0, 1}, or
+//       the transpose). Other lanes' addresses are not looked at, as on a GPU.
+//   cp.async.cg.shared.global 16 bytes with src-size (zero-fill), commit_group, wait_group N
+//       the source is read (and bounds-checked by the guard pages) when the copy is issued; the
+//       destination is written only when the issuing thread's wait_group completes its group,
+//       so a missing or too lenient wait reads stale shared memory, as on a GPU. Copies never
+//       waited for never land. A barrier does not complete copies (it does not on a GPU either).
+//   ex2.approx.ftz.f32
+//       exp2f, exact to float precision (the GPU's approximation is within 2 ulp), results below
+//       FLT_MIN flushed to zero.
+//   cvt.rn.{f16x2,bf16x2}.f32
+//       round to nearest even, NaN -> 0x7fff, as emu_narrow_float.h converts.
+
+#pragma once
+
+#include "cuda_emu.h"
+#include "emu_narrow_float.h"
+
+namespace emu {
+
+// D = A B + C for one m16n8k16 mma of the warp; `Format` is the A and B element type.
+template <class Format>
+inline void mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], const float c[4], int variant) {
+    struct Fragments {
+        unsigned a[4];
+        unsigned b[2];
+        float c[4];
+    } mine, all[32];
+    std::memcpy(mine.a, a, sizeof mine.a);
+    std::memcpy(mine.b, b, sizeof mine.b);
+    std::memcpy(mine.c, c, sizeof mine.c);
+    warp_all_gather(kMma, variant, &mine, all, sizeof mine);
+
+    float A[16][16], B[16][8], C[16][8];
+    auto low = [](unsigned r) { return Format::widen(static_cast<std::uint16_t>(r & 0xffffu)); };
+    auto high = [](unsigned r) { return Format::widen(static_cast<std::uint16_t>(r >> 16)); };
+    for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, t = lane % 4;
+        const Fragments& f = all[lane];
+        for (int i = 0; i < 4; ++i) {
+            const int row = g + 8 * (i & 1), col = 2 * t + 8 * (i >> 1);
+            A[row][col] = low(f.a[i]);
+            A[row][col + 1] = high(f.a[i]);
+            C[g + 8 * (i >> 1)][2 * t + (i & 1)] = f.c[i];
+        }
+        for (int i = 0; i < 2; ++i) {
+            B[2 * t + 8 * i][g] = low(f.b[i]);
+            B[2 * t + 8 * i + 1][g] = high(f.b[i]);
+        }
+    }
+    const int g = static_cast<int>(lane_id()) / 4, t = static_cast<int>(lane_id()) % 4;
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+        double sum = C[row][col];
+        for (int k = 0; k < 16; ++k) sum += static_cast<double>(A[row][k]) * B[k][col];
+        d[i] = static_cast<float>(sum);
+    }
+}
+
+// ldmatrix.sync.aligned.m8n8.xNUM{.trans}.shared.b16
+template <int NUM, bool TRANS>
+inline void ldmatrix(unsigned r[NUM], const void* row) {
+    struct Row {
+        std::uint16_t e[8];
+    } mine, rows[32];
+    const unsigned lane = lane_id();
+    std::memset(&mine, 0xff, sizeof mine);
+    if (lane < 8u * NUM) {
+        check_shared(row, 16, 16, "ldmatrix row address");
+        std::memcpy(&mine, row, sizeof mine);
+    }
+    warp_all_gather(kLdmatrix, 2 * NUM + TRANS, &mine, rows, sizeof mine);
+    const unsigned g = lane / 4, t = lane % 4;
+    for (int m = 0; m < NUM; ++m) {
+        const Row* M = rows + 8 * m;
+        const std::uint16_t lo = TRANS ? M[2 * t].e[g] : M[g].e[2 * t];
+        const std::uint16_t hi = TRANS ? M[2 * t + 1].e[g] : M[g].e[2 * t + 1];
+        r[m] = lo | static_cast<unsigned>(hi) << 16;
+    }
+}
+
+}  // namespace emu
+
+inline void mma_m16n8k16_f16f32(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
+    emu::mma_m16n8k16<emu::Binary16>(d, a, b, c, 0);
+}
+
+inline void mma_m16n8k16_bf16f32(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
+    emu::mma_m16n8k16<emu::BFloat16>(d, a, b, c, 1);
+}
+
+inline void ldmatrix_x1(unsigned r[1], const void* row) { emu::ldmatrix<1, false>(r, row); }
+inline void ldmatrix_x2(unsigned r[2], const void* row) { emu::ldmatrix<2, false>(r, row); }
+inline void ldmatrix_x4(unsigned r[4], const void* row) { emu::ldmatrix<4, false>(r, row); }
+inline void ldmatrix_x1_trans(unsigned r[1], const void* row) { emu::ldmatrix<1, true>(r, row); }
+inline void ldmatrix_x2_trans(unsigned r[2], const void* row) { emu::ldmatrix<2, true>(r, row); }
+inline void ldmatrix_x4_trans(unsigned r[4], const void* row) { emu::ldmatrix<4, true>(r, row); }
+
+inline void cp_async_16(void* dst, const void* src, bool valid = true) { emu::cp_async(dst, src, 16, valid ? 16 : 0); }
+inline void cp_async_commit() { emu::cp_async_commit(); }
+template <int N>
+inline void cp_async_wait() {
+    emu::cp_async_wait(N);
+}
+
+inline float ex2_approx(float x) {
+    const float y = exp2f(x);
+    return y < FLT_MIN ? 0.0f : y;
+}
+
+inline unsigned pack_f16x2(float lo, float hi) {
+    return emu::Binary16::round(lo) | static_cast<unsigned>(emu::Binary16::round(hi)) << 16;
+}
+
+inline unsigned pack_bf16x2(float lo, float hi) {
+    return emu::BFloat16::round(lo) | static_cast<unsigned>(emu::BFloat16::round(hi)) << 16;
+}
