@@ -12,6 +12,9 @@ Forward, per (batch, head, query block i):
         P = exp(S - m_new);   alpha = exp(m - m_new)  (rescales what came before)
         l = alpha l + rowsum(P);   O = alpha O + P V_j    BLAS
     out_i = O / l;   lse_i = m + log l
+The one liberty taken against the kernels: m is raised lazily (only when a tile's
+row sum would leave a safe range, see L_MAX), which saves two elementwise passes
+per tile on the CPU; the result is the same to rounding.
 
 Backward (FlashAttention-2), after the pre-pass D = rowsum(dO ∘ O):
     per (batch, kv head, key block j), over the query heads sharing it and the
@@ -45,8 +48,8 @@ DTYPES = ("float16", "float32", "float64", "bfloat16")
 class Config:
     """Tunables. BLOCK_Q x BLOCK_K is the tile; NUM_THREADS the worker count."""
 
-    BLOCK_Q: int = 256
-    BLOCK_K: int = 512
+    BLOCK_Q: int = 512
+    BLOCK_K: int = 1024
     NUM_THREADS: int = int(os.environ.get("FLASHCUPY_NUM_THREADS", "0")) or (os.cpu_count() or 1)
 
 
@@ -139,34 +142,65 @@ def _run(tasks):
 # forward
 
 
+# Lazy rescaling (as in FlashAttention-4): exp() takes S - m with m a per-row reference that is
+# raised only when a tile's row sum would leave [L_MIN, L_MAX], instead of the running max of
+# every tile. The values stay far inside the accumulation dtype's range, relative precision is
+# the same, and a tile costs one elementwise pass (exp) instead of three (max, subtract, exp).
+L_MAX = 2.0**60
+L_MIN = 2.0**-60
+
+
 def _forward_tile_loop(p, Q_i, K, V1, i0, out_i, lse_i) -> None:
     """Online softmax over the key blocks visible to query block Q_i (already scaled).
 
-    V1 is [V | 1]: its last column makes the PV matmul return rowsum(P) as
-    well, which saves one elementwise pass over every tile.
+    V1 is [V | 1], so the PV matmul returns rowsum(P) as its last column. While every row's
+    reference m is 0 the scores need no subtraction; once some row's m moves, the scores come
+    from [Q_i | -m] [K | 1]ᵀ, which subtracts m inside the matmul. Either way a tile costs two
+    matmuls and one elementwise pass (exp).
     """
     acc = p.acc_dtype
-    rows = Q_i.shape[0]
-    m = np.full(rows, -np.inf, dtype=acc)
-    O1 = np.zeros((rows, p.head_dim + 1), dtype=acc)  # [O | l]
+    rows, D = Q_i.shape
+    m = np.zeros(rows, dtype=acc)  # the reference
+    O1 = np.zeros((rows, D + 1), dtype=acc)  # [O | l]
     S_buf = np.empty((rows, config.BLOCK_K), dtype=acc)
-    m_new = np.empty(rows, dtype=acc)
-    alpha = np.empty(rows, dtype=acc)
+    Q1 = K1 = None  # [Q_i | -m] and [K | 1], made when some m first moves
 
-    for j0, j1 in _blocks(_key_end(p, i0 + rows), config.BLOCK_K):
-        S = S_buf[:, : j1 - j0]
-        np.matmul(Q_i, K[j0:j1].T, out=S)
-        _apply_causal_mask(S, p, i0, j0, -np.inf)
-        np.maximum(m, S.max(axis=1), out=m_new)
-        # rows that have seen no key yet keep m = -inf; subtract 0 there so exp gives 0, not NaN
-        m_safe = np.where(m_new == -np.inf, 0, m_new)
-        np.subtract(S, m_safe[:, None], out=S)
-        np.exp(S, out=S)
-        np.subtract(m, m_safe, out=alpha)
-        np.exp(alpha, out=alpha)
-        O1 *= alpha[:, None]
-        O1 += S @ V1[j0:j1]
-        m, m_new = m_new, m
+    def scores(j0, j1, out):
+        if Q1 is None:
+            np.matmul(Q_i, K[j0:j1].T, out=out)
+        else:
+            np.matmul(Q1, K1[j0:j1].T, out=out)
+        _apply_causal_mask(out, p, i0, j0, -np.inf)
+        return out
+
+    # exp() overflowing to inf (or NaN from inf - inf), and log(0), are expected here: those
+    # rows are redone
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for j0, j1 in _blocks(_key_end(p, i0 + rows), config.BLOCK_K):
+            S = scores(j0, j1, S_buf[:, : j1 - j0])  # S - m
+            P = np.exp(S, out=S)
+            O1_j = P @ V1[j0:j1]  # [P V_j | rowsum P]
+            l_j = O1_j[:, D]
+            # rows whose sum overflows or is NaN, or is still too small to keep its precision
+            redo = np.nonzero(~(l_j <= L_MAX) | (O1[:, D] + l_j < L_MIN))[0]
+            if redo.size:
+                S_r = scores(j0, j1, S)[redo]  # exp() overwrote them; this is rare
+                # the new reference, above m: this tile's max, or what came before if that is
+                # larger (log l), so the redone row sums to at least 1. NaN stays NaN.
+                d = np.maximum(S_r.max(axis=1), np.log(O1[redo, D]))
+                d[d == -np.inf] = 0  # nothing visible yet: nothing to rescale
+                np.subtract(S_r, d[:, None], out=S_r)
+                O1_j[redo] = np.exp(S_r, out=S_r) @ V1[j0:j1]
+                # rescale what came before (nothing where l was 0: 0 * inf would be NaN); in
+                # float64, where exp(-d) cannot overflow while the product still fits
+                alpha = np.where(O1[redo, D] == 0, 0.0, np.exp(-d.astype(np.float64)))
+                O1[redo] *= alpha[:, None]
+                m[redo] += d
+                if Q1 is None:
+                    Q1 = np.hstack([Q_i, np.zeros((rows, 1), acc)])
+                    K1 = np.hstack([K, np.ones((K.shape[0], 1), acc)])
+                Q1[:, D] = -m
+            O1 += O1_j
 
     O, l = O1[:, :-1], O1[:, -1]
     seen = l > 0
