@@ -348,14 +348,19 @@ def plot(results, path):
     import matplotlib.pyplot as plt
 
     fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2))
-    series = sorted({(r.impl, r.pass_) for r in results})
-    for impl, pass_ in series:
-        rs = sorted((r for r in results if (r.impl, r.pass_) == (impl, pass_)), key=lambda r: r.seqlen)
-        style = "-o" if pass_ == "forward" else "--s"
-        ax_speed.plot([r.seqlen for r in rs], [r.tflops for r in rs], style, label=f"{impl} {pass_}")
-        mem = [(r.seqlen, r.peak_bytes / 2**20) for r in rs if r.peak_bytes]
-        if mem:
-            ax_mem.plot(*zip(*mem), style, label=f"{impl} {pass_}")
+    impls = sorted({r.impl for r in results}, key=lambda i: (i not in backends.NAMES, i))
+    colors = dict(zip(impls, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for impl in impls:
+        name = f"flashcupy {impl}" if impl in backends.NAMES else impl
+        for pass_, style in (("forward", "-o"), ("backward", "--s")):
+            rs = sorted((r for r in results if (r.impl, r.pass_) == (impl, pass_)), key=lambda r: r.seqlen)
+            if not rs:
+                continue
+            kw = dict(color=colors[impl], label=f"{name} {pass_}")
+            ax_speed.plot([r.seqlen for r in rs], [r.tflops for r in rs], style, **kw)
+            mem = [(r.seqlen, r.peak_bytes / 2**20) for r in rs if r.peak_bytes]
+            if mem:
+                ax_mem.plot(*zip(*mem), style, **kw)
     r0 = results[0]
     title = f"B={r0.batch} H={r0.heads} D={r0.head_dim} {r0.dtype}{' causal' if r0.causal else ''}"
     for ax, ylabel in ((ax_speed, "TFLOP/s"), (ax_mem, "peak extra memory (MiB)")):
