@@ -187,6 +187,13 @@ def test_shared_memory_starts_every_block_as_garbage(which):
     assert np.isnan(y[64:]).all()
 
 
+def test_static_shared_memory_of_a_template_starts_every_block_as_garbage():
+    y = np.zeros(3 * 64, np.float32)
+    kernel("shared_memory.cu", "stale_shared_template<64>")((3,), (64,), (y,))
+    assert (y[:64] == 1).all()
+    assert np.isnan(y[64:]).all()
+
+
 def test_shared_memory_limit():
     x = np.zeros(64, np.float32)
     args = (x, x.copy(), np.int32(64), np.int32(0))

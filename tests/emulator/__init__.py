@@ -99,10 +99,10 @@ Not faithful (by design or not yet)
   ldmatrix, cp.async, ex2.approx, cvt to f16x2/bf16x2) is provided under the same function names by
   ``include/emu_tensor_core.h``, which that header includes when ``FLASHCUPY_EMULATOR`` is defined
   (``cuda_emu.h`` defines it); that file says what is and is not bit-faithful.
-- ``__shared__`` variables declared inside a function template are not placed in the emulator's
-  shared section (g++ ignores the section attribute on template static locals): they are not refilled
-  with garbage per block, and ``cp.async``/``ldmatrix`` reject them as not shared. Use dynamic shared
-  memory (``extern __shared__``) in templates.
+- g++ ignores the section attribute on the static locals of function templates, so the link step
+  gathers them into the shared section with ``include/emu_shared.ld``: ``__shared__`` arrays of
+  kernel templates are refilled with garbage per block and count as shared memory for
+  ``cp.async``/``ldmatrix`` like any other (``test_static_shared_memory_of_a_template_...``).
 """
 
 from .driver import (

@@ -228,7 +228,8 @@ def _build(source: str, names: tuple, options: tuple, ucontext: bool = False) ->
     command = [CXX, *CXXFLAGS, "-shared", "-I", INCLUDE, "-include", os.path.join(INCLUDE, "cuda_emu.h"),
                "-D__CUDACC__", "-D__CUDACC_RTC__", f"-D__CUDA_ARCH__={arch}",
                *(f"-D{d}" for d in defines), *(f"-I{d}" for d in include_dirs),
-               stem + ".cpp", runtime, "-o", f"{stem}.so.{os.getpid()}.tmp"]
+               stem + ".cpp", runtime, f"-Wl,-T,{os.path.join(INCLUDE, 'emu_shared.ld')}",
+               "-o", f"{stem}.so.{os.getpid()}.tmp"]
     try:
         _compile(command, f"kernels {', '.join(names)}")
     except CompileError as e:

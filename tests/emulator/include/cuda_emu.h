@@ -40,8 +40,9 @@
 
 // A __shared__ variable is one object per block. Blocks run one at a time, so a
 // static object is enough; the section lets the runtime fill every static
-// __shared__ object with garbage when a block starts, as on a GPU. `used`
-// keeps g++ from proving that no other fiber can touch the object.
+// __shared__ object with garbage when a block starts, as on a GPU (statics of
+// kernel templates reach that section through emu_shared.ld). `used` keeps g++
+// from proving that no other fiber can touch the object.
 // `extern __shared__` (dynamic shared memory) is rewritten by the driver
 // before compilation, into EMU_DYNAMIC_SHARED below.
 #define __shared__ static __attribute__((section("emu_shared"), used))
@@ -54,8 +55,10 @@ extern void* dynamic_shared;
 // `extern __shared__ T name[];` becomes `EMU_DYNAMIC_SHARED(name, T);`: a
 // reference to the runtime's pointer, so `name[i]`, `name + k` and
 // reinterpret_cast<U*>(name) read as they do on a GPU. (T last: it may hold commas.)
+// Not static: a function-local static would land in the shared section (emu_shared.ld)
+// and be overwritten with garbage at the next block.
 #define EMU_DYNAMIC_SHARED(name, ...) \
-    static __VA_ARGS__* const& name = reinterpret_cast<__VA_ARGS__* const&>(emu::dynamic_shared)
+    __VA_ARGS__* const& name = reinterpret_cast<__VA_ARGS__* const&>(emu::dynamic_shared)
 
 // ----------------------------------------------------------------------------
 // built-in types and variables

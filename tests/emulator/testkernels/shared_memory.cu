@@ -25,3 +25,14 @@ extern "C" __global__ void stale_shared(float* __restrict__ y, int which) {
     __syncthreads();  // block 0's writes land before its reads
     y[blockIdx.x * blockDim.x + t] = tile[t];
 }
+
+// The same as stale_shared's static case, from a template: g++ puts a template's statics in
+// sections of their own, which emu_shared.ld gathers so they are refilled per block too.
+template <int N>
+__global__ void stale_shared_template(float* __restrict__ y) {
+    __shared__ float static_tile[N];
+    int t = threadIdx.x;
+    if (blockIdx.x == 0) static_tile[t] = 1.0f;
+    __syncthreads();  // block 0's writes land before its reads
+    y[blockIdx.x * blockDim.x + t] = static_tile[t];
+}
