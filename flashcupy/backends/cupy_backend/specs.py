@@ -177,16 +177,19 @@ def read_source(source_file: str) -> str:
 
 
 def cuda_include_options() -> tuple:
-    """-I for the CUDA headers (cuda_fp16.h): the nvidia-cuda-runtime wheel's, else a toolkit's.
+    """-I for the CUDA headers (cuda_fp16.h): the CUDA runtime wheel's, else a toolkit's.
 
     NVRTC has no default include path, and CuPy adds none for CUDA 12 wheels.
     """
+    import importlib
+
     roots = []
-    try:
-        from nvidia import cuda_runtime  # namespace package of the nvidia-cuda-runtime-cu12 wheel
-        roots += list(getattr(cuda_runtime, "__path__", ()))
-    except ImportError:
-        pass
+    # nvidia.cuda_runtime: the nvidia-cuda-runtime-cu12 wheel; nvidia.cu13: CUDA 13's wheels
+    for package in ("nvidia.cuda_runtime", "nvidia.cu13"):
+        try:
+            roots += list(getattr(importlib.import_module(package), "__path__", ()))
+        except ImportError:
+            pass
     roots += [os.environ[v] for v in ("CUDA_PATH", "CUDA_HOME") if os.environ.get(v)] + ["/usr/local/cuda"]
     for root in roots:
         include = os.path.join(root, "include")
