@@ -35,9 +35,9 @@ def cmd_info(args) -> int:
         else "threadpoolctl not installed: 1 worker, BLAS threads its own calls"
     print(f"numpy backend: {numpy_backend.worker_count()} worker thread(s), "
           f"tiles {numpy_backend.config.BLOCK_Q}x{numpy_backend.config.BLOCK_K}; BLAS {blas}")
-    print("cupy kernel paths: forward on tensor cores (mma.sync) for float16/bfloat16 with head_dim a\n"
-          "  multiple of 8 up to 128, on sm_80+, q/k/v contiguous along head_dim with 16-byte aligned\n"
-          "  rows; the SIMT kernels for every other forward and for every backward")
+    print("cupy kernel paths: forward and backward on tensor cores (mma.sync) for float16/bfloat16 with\n"
+          "  head_dim a multiple of 8 up to 128, on sm_80+, q/k/v (and dout/out) contiguous along head_dim\n"
+          "  with 16-byte aligned rows; the SIMT kernels for everything else")
     try:
         import cupy
         print(f"cupy {cupy.__version__}")

@@ -68,12 +68,12 @@ def test_matches_oracle(rng, case, dtype, order):
 
 @pytest.fixture
 def simt_only(monkeypatch):
-    """The SIMT forward for float16/bfloat16 too (the tensor-core kernel takes it by default)."""
+    """The SIMT forward and backward for float16/bfloat16 too (the tensor-core kernels take them by default)."""
     monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", False)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("-causal" if c[6] else ""))
-def test_float16_on_the_simt_forward(rng, case, simt_only):
+def test_float16_on_the_simt_kernels(rng, case, simt_only):
     B, Sq, Sk, Hq, Hkv, D, causal = case
     q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
     dout = rng.standard_normal(q.shape).astype(np.float16)
@@ -82,7 +82,7 @@ def test_float16_on_the_simt_forward(rng, case, simt_only):
     check(got, q, k, v, dout, causal=causal)
 
 
-@pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-core-forward", "simt-forward"])
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-cores", "simt"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("-causal" if c[6] else ""))
 def test_bfloat16_bits_match_oracle(rng, case, tensor_cores, monkeypatch):
     """bfloat16 as CuPy users pass it: uint16 bit patterns with dtype="bfloat16"."""

@@ -77,3 +77,26 @@ def test_long_sequence_has_no_nan(rng):
     q, k, v = make_qkv(rng, 1, 4096, 4096, 1, 1, 128, np.float16)
     out = flashcupy.attention(*on_device(q, k, v), causal=True)
     assert_close(out.get(), reference.attention(q, k, v, causal=True), np.float16, q, k)
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", [(2, 300, 257, 4, 2, 128, True), (1, 200, 333, 2, 2, 64, False),
+                                  (1, 333, 200, 2, 1, 40, True)], ids=str)
+def test_tensor_core_backward(rng, case, fmt):
+    """Many query and key blocks through both tensor-core backward kernels (attn_bwd_tc.cu)."""
+    import cupy
+    from conftest import BF16, bf16_bits
+    from flashcupy.backends import cupy_backend
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    value = np.float16 if fmt == "float16" else BF16
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, value)
+    dout = rng.standard_normal(q.shape).astype(value)
+    bits = (lambda x: x) if fmt == "float16" else bf16_bits
+    dtype = None if fmt == "float16" else "bfloat16"
+    dq_, dk_, dv_, ddout = (cupy.asarray(bits(x)) for x in (q, k, v, dout))
+    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, dtype=dtype)
+    p = flashcupy._api._problem(dq_, dk_, dv_, causal, None, dtype)
+    assert cupy_backend.backward_path(p, ddout, dq_, dk_, dv_, out) == "tensor-core"
+    grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=causal, dtype=dtype)
+    for name, g, w in zip(("dq", "dk", "dv"), grads, reference.attention_backward(dout, q, k, v, causal=causal)):
+        assert_close(g.get(), w, value, q, k, what=name)

@@ -51,7 +51,8 @@ def report(request):
 def test_every_specialization_compiles(report):
     arch, rows = report
     kernels_per_dtype = 1 + 3 * len(specs.HEAD_DIM_BUCKETS)  # preprocess, then fwd, dkdv, dq per bucket
-    tensor_core = len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS)  # attn_fwd_tc
+    # attn_fwd_tc, attn_bwd_dkdv_tc, attn_bwd_dq_tc per bucket (their preprocess is the SIMT one)
+    tensor_core = len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS) * len(specs.TC_TEMPLATES)
     assert len(rows) == len(specs.CUDA_TYPES) * kernels_per_dtype + tensor_core
     print(f"\n{arch}, NVRTC {_kernels.nvrtc_version()}\n{_kernels.format_kernel_report(rows)}")
 
@@ -66,8 +67,8 @@ def test_no_spills(report):
 def test_resources_fit(report):
     arch, rows = report
     for r in rows:
-        # the SIMT kernels stay within 48 KiB of static shared memory; the tensor-core forward
-        # opts in to more dynamic shared memory (up to 227 KiB on sm_90, 163 KiB on sm_80)
+        # the SIMT kernels stay within 48 KiB of static shared memory; the tensor-core kernels
+        # opt in to more dynamic shared memory (up to 227 KiB on sm_90, 163 KiB on sm_80)
         assert r["static_smem"] <= 48 * 1024 and r["static_smem"] + r["dynamic_smem"] <= 163 * 1024
         assert 0 < r["registers"] <= 255 and r["occupancy"] > 0
         assert r["threads"] == specs.NUM_THREADS
@@ -75,6 +76,7 @@ def test_resources_fit(report):
 
 def test_tensor_core_kernels_run_on_tensor_cores(report):
     arch, rows = report
-    tc = [r for r in rows if r["kernel"] == "attn_fwd_tc"]
-    assert tc and all(r["hmma"] for r in tc), f"{arch}: no HMMA in {[r for r in tc if not r['hmma']]}"
-    assert all(r["hmma"] is None for r in rows if r["kernel"] != "attn_fwd_tc")
+    tc = [r for r in rows if r["kernel"] in specs.TC_TEMPLATES]
+    assert {r["kernel"] for r in tc} == set(specs.TC_TEMPLATES)
+    assert all(r["hmma"] for r in tc), f"{arch}: no HMMA in {[r for r in tc if not r['hmma']]}"
+    assert all(r["hmma"] is None for r in rows if r["kernel"] not in specs.TC_TEMPLATES)

@@ -7,6 +7,10 @@ every ldmatrix variant, and the whole cp.async -> ldmatrix -> mma pipeline again
 matmul; and that a missing cp.async wait gives a wrong answer, as on a GPU. The NVRTC tests
 compile the same kernels for sm_80 and sm_90 and look for the tensor-core instructions in the
 SASS (nvdisasm, from the nvidia-cuda-nvdisasm wheel).
+
+Then the tensor-core forward (attn_fwd_tc.cu) and backward (attn_bwd_tc.cu) kernels, through the
+cupy backend's dispatch under the emulator, against the float64 oracle; each of their barriers and
+cp.async waits removed in turn gives a wrong answer; and they compile to HMMA without spills.
 """
 
 from __future__ import annotations
@@ -394,3 +398,116 @@ def test_attn_fwd_tc_compiles_to_tensor_cores_without_spills(arch):
         mmas = kern.head_dim // 16 * kern.block_n // 8 + kern.block_n // 16 * kern.head_dim // 8
         assert len(re.findall(r"\bHMMA\.16816\.F32", sass)) >= mmas, f"{arch} {name}: too few HMMA"
         assert "LDSM.16.M88.4" in sass and "LDSM.16.MT88.4" in sass and "LDGSTS" in sass
+
+
+# ----------------------------------------------------------------------------
+# the tensor-core backward (kernels/attn_bwd_tc.cu): flash_bwd_preprocess, attn_bwd_dkdv_tc and
+# attn_bwd_dq_tc, through the backend's dispatch and launch code under the emulator, on the out
+# and lse of the tensor-core forward
+
+
+def tc_backward(dout, q, k, v, out, lse, fmt, causal, schedule, compile=compile_module):
+    """(dq, dk, dv) from backend="cupy", asserting that it took the tensor-core path."""
+    dtype = "bfloat16" if fmt == "bfloat16" else None
+    order, cp_async = schedule
+    with emulated(order, cp_async=cp_async, compile=compile):
+        p = flashcupy._api._problem(q, k, v, causal, None, dtype)
+        assert cupy_backend.backward_path(p, dout, q, k, v, out) == "tensor-core"
+        return flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, backend="cupy", dtype=dtype)
+
+
+def tc_gradients(rng, case, fmt, schedule=SCHEDULES[0], compile=compile_module):
+    """(q, k, v, dout, (dq, dk, dv)): the forward and backward on tensor cores, the forward under
+    the default schedule, the backward under `schedule` and `compile`."""
+    q, k, v = tc_inputs(rng, case, fmt)
+    dout = narrow(rng.standard_normal(q.shape), fmt)
+    causal = case[6]
+    out, lse = tc_forward(q, k, v, fmt, causal, SCHEDULES[0])
+    return q, k, v, dout, tc_backward(dout, q, k, v, out, lse, fmt, causal, schedule, compile)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids="-".join)
+@pytest.mark.parametrize("fmt", NARROW)
+@pytest.mark.parametrize("case", TC_CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("-causal" if c[6] else ""))
+def test_attn_bwd_tc_matches_oracle(case, fmt, schedule, rng):
+    q, k, v, dout, grads = tc_gradients(rng, case, fmt, schedule)
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    want = reference.attention_backward(dout, q, k, v, causal=causal, dtype=fmt)
+    for name, got, w in zip(("dq", "dk", "dv"), grads, want):
+        assert got.dtype == q.dtype and got.shape == w.shape
+        assert_close(got, w, fmt, q, k, what=name)
+    if causal and Sq > Sk:  # the first Sq - Sk rows see no key: their dq is exactly 0
+        assert (grads[0][:, :Sq - Sk] == 0).all()
+
+
+def test_backward_with_strided_dout_or_out_falls_back_to_simt(rng):
+    case = (1, 20, 20, 1, 1, 64, False)
+    q, k, v = tc_inputs(rng, case, "float16")
+    dout = narrow(rng.standard_normal(q.shape), "float16")
+    with emulated():
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy")
+        p = flashcupy._api._problem(q, k, v, False, None, None)
+        assert cupy_backend.backward_path(p, dout, q, k, v, out) == "tensor-core"
+        assert cupy_backend.backward_path(p, dout, q, k, v, out[..., ::-1]) == "simt"
+        strided = np.empty(dout.shape[:3] + (2 * dout.shape[3],), dout.dtype)[..., ::2]
+        strided[...] = dout
+        assert cupy_backend.backward_path(p, strided, q, k, v, out) == "simt"
+        grads = flashcupy.attention_backward(strided, q, k, v, out, lse, backend="cupy")
+    for name, got, w in zip(("dq", "dk", "dv"), grads, reference.attention_backward(dout, q, k, v)):
+        assert_close(got, w, "float16", q, k, what=name)
+
+
+# each line the backward cannot do without: (pattern, the schedule under which its absence shows,
+# the gradients it spoils)
+TC_BWD_ESSENTIAL = {
+    "dK/dV: cp.async wait": (r"cp_async_wait<1>\(\);(?=  // this thread's copies of pass p)",
+                             ("ascending", "deferred"), ("dk", "dv")),
+    "dK/dV: barrier before reading the stage": (r"__syncthreads\(\);(?=  // \.\.\. and every thread's, with)",
+                                                ("warp_skew", "deferred"), ("dk", "dv")),
+    "dK/dV: barrier before the prefetch": (r"__syncthreads\(\);(?=  // every warp is done with this Q_i)",
+                                           ("warp_skew", "eager"), ("dk", "dv")),
+    "dQ: cp.async wait": (r"cp_async_wait<1>\(\);(?=  // this thread's copies of K_j, V_j)",
+                          ("ascending", "deferred"), ("dq",)),
+    "dQ: barrier before reading the stage": (r"__syncthreads\(\);(?=  // \.\.\. and every thread's: the tiles)",
+                                             ("warp_skew", "deferred"), ("dq",)),
+    "dQ: barrier before the prefetch": (r"__syncthreads\(\);(?=  // every warp is done with K_j, V_j)",
+                                        ("warp_skew", "eager"), ("dq",)),
+}
+
+
+@pytest.mark.parametrize("what", TC_BWD_ESSENTIAL)
+def test_attn_bwd_tc_fails_without_each_wait_and_barrier(what, rng):
+    pattern, schedule, spoiled = TC_BWD_ESSENTIAL[what]
+
+    def without(source, names, options, thread_order, seed, cp_async):
+        if "attn_bwd_dkdv_tc" in source:
+            source, count = re.subn(pattern, "", source)
+            assert count == 1, f"{what}: found {count} times in attn_bwd_tc.cu"
+        return compile_module(source, names, options, thread_order, seed, cp_async)
+
+    case = TC_CASES[1]  # GQA, causal: up to 4 passes of (query head, query block) per key block, 3 key blocks
+    q, k, v, dout, grads = tc_gradients(rng, case, "float16", schedule, without)
+    want = dict(zip(("dq", "dk", "dv"), reference.attention_backward(dout, q, k, v, causal=case[6])))
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        if name in spoiled:
+            with pytest.raises(AssertionError):
+                assert_close(got, want[name], "float16", q, k, what=name)
+        else:  # the other kernel is untouched
+            assert_close(got, want[name], "float16", q, k, what=name)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attn_bwd_tc_compiles_to_tensor_cores_without_spills(arch):
+    modules = [specs.tc_backward_module(fmt, d) for fmt in NARROW for d in specs.TC_HEAD_DIM_BUCKETS]
+    kernels = [kern for m in modules for kern in m.kernels if kern.tensor_cores]
+    compiled = compile_for(arch, specs.read_source("attn_bwd_tc.cu"), [k.name_expression for k in kernels])
+    for kern in kernels:
+        info, sass = compiled[kern.name_expression]
+        name = kern.name_expression
+        print(f"{arch} {name}: {info['registers']} registers, {info['spill_stores'] + info['spill_loads']} "
+              f"spill bytes, {len(re.findall(r'HMMA', sass))} HMMA")
+        assert info["spill_stores"] + info["spill_loads"] == 0 and info["registers"] <= 255, f"{arch} {name}: {info}"
+        dtype = ".BF16" if kern.dtype == "bfloat16" else ""
+        assert re.search(rf"\bHMMA\.16816\.F32{re.escape(dtype)} ", sass), f"{arch} {name}: no HMMA.16816"
+        # ldmatrix of the stored tiles (Sᵀ or S, dPᵀ or dP) and transposed (dV, dK or dQ); cp.async
+        assert "LDSM.16.M88.4" in sass and "LDSM.16.MT88.4" in sass and "LDGSTS" in sass, f"{arch} {name}"

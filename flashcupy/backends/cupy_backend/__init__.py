@@ -4,10 +4,13 @@ The kernels live beside this file in kernels/*.cu (see the header of each file f
 computes, its tiles and its shared-memory budget); specs.py says which specializations exist.
 This module packs arguments, allocates outputs and workspaces, and launches:
 
-    forward   flash_fwd                                   grid: query blocks x batch x heads_q
+    forward   flash_fwd | attn_fwd_tc                 grid: query blocks x batch x heads_q
     backward  flash_bwd_preprocess  D = rowsum(dO ∘ O)    grid: batch x heads_q x seqlen_q / 4
-              flash_bwd_dkdv        dK, dV                grid: key blocks x batch x heads_kv
-              flash_bwd_dq          dQ                    grid: query blocks x batch x heads_q
+              flash_bwd_dkdv | attn_bwd_dkdv_tc  dK, dV   grid: key blocks x batch x heads_kv
+              flash_bwd_dq | attn_bwd_dq_tc      dQ       grid: query blocks x batch x heads_q
+
+The SIMT kernels (flash_*.cu) take every dtype; the tensor-core ones (attn_*_tc.cu) take
+float16/bfloat16 where `forward_path` / `backward_path` say so, with the same arguments.
 
 Every tensor is passed as a pointer to its first element plus its element strides (any layout,
 negative strides included); sizes as int32, the scale in the accumulation type. Launches go to
@@ -35,8 +38,9 @@ DTYPES = tuple(specs.CUDA_TYPES)  # bfloat16 as uint16 bit patterns: CuPy has no
 MAX_GRID_X = 2**31 - 1
 
 
-# The float16/bfloat16 forward runs on tensor cores (attn_fwd_tc.cu) wherever it can; False
-# forces the SIMT kernel (flash_fwd.cu) everywhere, to compare the two.
+# The float16/bfloat16 forward and backward run on tensor cores (attn_fwd_tc.cu, attn_bwd_tc.cu)
+# wherever they can; False forces the SIMT kernels (flash_fwd.cu, flash_bwd.cu) everywhere, to
+# compare the two.
 USE_TENSOR_CORES = True
 
 
@@ -143,6 +147,21 @@ def _cdiv(a: int, b: int) -> int:
 # forward and backward
 
 
+def _path(p, *tensors) -> str:
+    """'tensor-core' when the tensor-core kernels take `tensors` (all read or written through
+    16-byte rows), else 'simt'."""
+    if not (USE_TENSOR_CORES and specs.tensor_core_eligible(p.dtype, p.head_dim)):
+        return "simt"
+    rt = _runtime()
+    if rt.compute_capability(tensors[0]) < 80:
+        return "simt"
+    for x in tensors:
+        strides = [s // x.itemsize for s in x.strides]
+        if strides[3] != 1 or any(s % 8 for s in strides[:3]) or rt.data_ptr(x) % 16:
+            return "simt"
+    return "tensor-core"
+
+
 def forward_path(p, q, k, v) -> str:
     """'tensor-core' or 'simt': which forward kernel serves this call.
 
@@ -150,16 +169,16 @@ def forward_path(p, q, k, v) -> str:
     newer, when q, k, v are contiguous along head_dim with 16-byte aligned rows (the other
     strides multiples of 8 elements); everything else runs on the SIMT kernel.
     """
-    if not (USE_TENSOR_CORES and specs.tensor_core_eligible(p.dtype, p.head_dim)):
-        return "simt"
-    rt = _runtime()
-    if rt.compute_capability(q) < 80:
-        return "simt"
-    for x in (q, k, v):
-        strides = [s // x.itemsize for s in x.strides]
-        if strides[3] != 1 or any(s % 8 for s in strides[:3]) or rt.data_ptr(x) % 16:
-            return "simt"
-    return "tensor-core"
+    return _path(p, q, k, v)
+
+
+def backward_path(p, dout, q, k, v, out) -> str:
+    """'tensor-core' or 'simt': which backward kernels (dK/dV and dQ) serve this call.
+
+    The forward's conditions, on dout and out as well as q, k, v (lse may have any strides;
+    dq, dk, dv are allocated contiguous).
+    """
+    return _path(p, q, k, v, dout, out)
 
 
 def forward(p, q, k, v):
@@ -183,12 +202,16 @@ def forward(p, q, k, v):
 
 def backward(p, dout, q, k, v, out, lse):
     rt = _runtime()
-    module = specs.backward_module(p.dtype, p.head_dim)
+    tensor_cores = backward_path(p, dout, q, k, v, out) == "tensor-core"
+    module = (specs.tc_backward_module if tensor_cores else specs.backward_module)(p.dtype, p.head_dim)
     _, dkdv, dq_kernel = module.kernels
     acc = p.acc_dtype.type
     block = (specs.NUM_THREADS,)
     with rt.device_of(q):
-        preprocess, flash_bwd_dkdv, flash_bwd_dq = _functions(rt, module)
+        preprocess, bwd_dkdv, bwd_dq = _functions(rt, module)
+        for function, kernel in ((bwd_dkdv, dkdv), (bwd_dq, dq_kernel)):
+            if kernel.dynamic_smem > specs.SMEM_DEFAULT_LIMIT:  # opt in above 48 KiB (sm_80+)
+                function.max_dynamic_shared_size_bytes = kernel.dynamic_smem
         dq = rt.xp.empty(q.shape, dtype=p.carrier)
         dk = rt.xp.empty(k.shape, dtype=p.carrier)
         dv = rt.xp.empty(v.shape, dtype=p.carrier)
@@ -201,10 +224,10 @@ def backward(p, dout, q, k, v, out, lse):
              np.int32(p.batch), np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim)))
         shared = (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(dout), *_tensor(lse), D)
         flags = (*_shape_args(p), acc(p.scale), np.int32(p.causal))
-        flash_bwd_dkdv(
+        bwd_dkdv(
             _grid(_cdiv(p.seqlen_k, dkdv.block_n) * p.batch * p.heads_kv), block,
-            (*shared, *_tensor(dk), *_tensor(dv), *flags))
-        flash_bwd_dq(
+            (*shared, *_tensor(dk), *_tensor(dv), *flags), shared_mem=dkdv.dynamic_smem)
+        bwd_dq(
             _grid(_cdiv(p.seqlen_q, dq_kernel.block_m) * p.batch * p.heads_q), block,
-            (*shared, *_tensor(dq), *flags))
+            (*shared, *_tensor(dq), *flags), shared_mem=dq_kernel.dynamic_smem)
     return dq, dk, dv

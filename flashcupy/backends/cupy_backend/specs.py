@@ -1,7 +1,8 @@
 """The CUDA side of the cupy backend, described without CuPy: sources, tile tables, specializations.
 
-Every kernel is a template over (T, Acc, HEAD_DIM, BLOCK_M, BLOCK_N), instantiated through
-NVRTC name expressions such as ``flash_fwd<__half, float, 64, 64, 32>``. HEAD_DIM is the true
+Every SIMT kernel is a template over (T, Acc, HEAD_DIM, BLOCK_M, BLOCK_N), instantiated through
+NVRTC name expressions such as ``flash_fwd<__half, float, 64, 64, 32>`` (the tensor-core kernels,
+further down, have no Acc: ``attn_fwd_tc<__half, 64, 64, 64>``). HEAD_DIM is the true
 head_dim rounded up to a bucket; the tiles of each bucket come from the tables below, which are
 sized so that the shared memory of one CTA stays within 48 KiB (the kernels static_assert it):
 
@@ -56,12 +57,19 @@ BACKWARD_DQ_TILES = {
 }
 
 
-# Tensor-core forward (attn_fwd_tc.cu): float16/bfloat16 only, head_dim a multiple of 8 up to 128,
-# padded to 64 or 128. BLOCK_M is 16 rows for each of the 4 warps. Shared memory is dynamic:
-# Q_i, then K_j and V_j twice (cp.async double buffering), 2 bytes an element.
+# Tensor-core kernels (attn_fwd_tc.cu, attn_bwd_tc.cu): float16/bfloat16 only, head_dim a multiple
+# of 8 up to 128, padded to 64 or 128; no Acc template parameter (they accumulate in float). The
+# warps own 16-row mma tiles: BLOCK_M = 64 query rows in the forward and dQ, BLOCK_N = 64 keys in
+# dK/dV. Shared memory is dynamic, 2 bytes an element, the streamed operands double-buffered:
+#     forward  (BLOCK_M + 4 BLOCK_N) HEAD_DIM 2                 Q_i; 2 x (K_j, V_j)
+#     dK/dV    (2 BLOCK_N + 4 BLOCK_M) HEAD_DIM 2 + 16 BLOCK_M  K_j, V_j; 2 x (Q_i, dO_i, lse_i, D_i)
+#     dQ       (2 BLOCK_M + 4 BLOCK_N) HEAD_DIM 2               Q_i, dO_i; 2 x (K_j, V_j)
 TC_DTYPES = ("float16", "bfloat16")
 TC_HEAD_DIM_BUCKETS = (64, 128)
 TC_FORWARD_TILES = {64: (64, 64), 128: (64, 64)}
+TC_BACKWARD_DKDV_TILES = {64: (64, 64), 128: (32, 64)}
+TC_BACKWARD_DQ_TILES = {64: (64, 64), 128: (64, 32)}
+TC_TEMPLATES = ("attn_fwd_tc", "attn_bwd_dkdv_tc", "attn_bwd_dq_tc")
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -76,7 +84,7 @@ def head_dim_bucket(head_dim: int) -> int:
 class Kernel:
     """One specialization: the template it instantiates and the tile it runs with."""
 
-    template: str            # flash_fwd, flash_bwd_preprocess, flash_bwd_dkdv, flash_bwd_dq, attn_fwd_tc
+    template: str            # flash_fwd, flash_bwd_preprocess, flash_bwd_dkdv, flash_bwd_dq, or one of TC_TEMPLATES
     dtype: str               # a key of CUDA_TYPES
     head_dim: int            # the bucket; 0 for kernels without a HEAD_DIM parameter
     block_m: int = 0
@@ -84,13 +92,18 @@ class Kernel:
 
     @property
     def tensor_cores(self) -> bool:
-        return self.template == "attn_fwd_tc"
+        return self.template in TC_TEMPLATES
 
     @property
     def dynamic_smem(self) -> int:
         """Bytes of dynamic shared memory a launch asks for (the SIMT kernels use static tiles)."""
-        if self.tensor_cores:
-            return (self.block_m + 4 * self.block_n) * self.head_dim * 2
+        m, n, d = self.block_m, self.block_n, self.head_dim
+        if self.template == "attn_fwd_tc":
+            return (m + 4 * n) * d * 2
+        if self.template == "attn_bwd_dkdv_tc":
+            return (2 * n + 4 * m) * d * 2 + 2 * 2 * m * 4
+        if self.template == "attn_bwd_dq_tc":
+            return (2 * m + 4 * n) * d * 2
         return 0
 
     @property
@@ -137,25 +150,42 @@ def backward_module(dtype, head_dim: int) -> ModuleSpec:
     ))
 
 
+def _tc_bucket(head_dim: int) -> int:
+    return 64 if head_dim <= 64 else 128
+
+
 def tc_forward_module(dtype, head_dim: int) -> ModuleSpec:
     """The tensor-core forward for float16/bfloat16 and head_dim <= 128 (a multiple of 8)."""
-    bucket = 64 if head_dim <= 64 else 128
+    bucket = _tc_bucket(head_dim)
     bm, bn = TC_FORWARD_TILES[bucket]
     return ModuleSpec("attn_fwd_tc.cu", (Kernel("attn_fwd_tc", _name(dtype), bucket, bm, bn),))
 
 
+def tc_backward_module(dtype, head_dim: int) -> ModuleSpec:
+    """The tensor-core backward, kernels in launch order: preprocess (D, the SIMT one), dK/dV, dQ."""
+    bucket = _tc_bucket(head_dim)
+    dtype = _name(dtype)
+    return ModuleSpec("attn_bwd_tc.cu", (
+        Kernel("flash_bwd_preprocess", dtype, 0),
+        Kernel("attn_bwd_dkdv_tc", dtype, bucket, *TC_BACKWARD_DKDV_TILES[bucket]),
+        Kernel("attn_bwd_dq_tc", dtype, bucket, *TC_BACKWARD_DQ_TILES[bucket]),
+    ))
+
+
 def tensor_core_eligible(dtype, head_dim: int) -> bool:
-    """Whether the tensor-core forward covers this dtype and head_dim (strides are checked apart)."""
+    """Whether the tensor-core kernels cover this dtype and head_dim (strides are checked apart)."""
     return _name(dtype) in TC_DTYPES and head_dim % 8 == 0 and head_dim <= TC_HEAD_DIM_BUCKETS[-1]
 
 
 def all_modules():
     """Every module the backend can request: the forward and backward for each dtype and bucket,
-    and the tensor-core forward for each of its dtypes and buckets."""
+    and the tensor-core forward and backward for each of their dtypes and buckets."""
     return ([build(dtype, bucket)
              for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS
              for build in (forward_module, backward_module)]
-            + [tc_forward_module(dtype, bucket) for dtype in TC_DTYPES for bucket in TC_HEAD_DIM_BUCKETS])
+            + [build(dtype, bucket)
+               for dtype in TC_DTYPES for bucket in TC_HEAD_DIM_BUCKETS
+               for build in (tc_forward_module, tc_backward_module)])
 
 
 def _acc_size(dtype: str) -> int:
@@ -165,15 +195,23 @@ def _acc_size(dtype: str) -> int:
 _INCLUDE = re.compile(r'^#include "([^"]+)"[^\n]*$', re.MULTILINE)
 
 
-def read_source(source_file: str) -> str:
-    """The text of a kernel file with its local `#include "..."` lines inlined.
+def read_source(source_file: str, _seen=None) -> str:
+    """The text of a kernel file with its local `#include "..."` lines inlined, each header once
+    (where it is first included: the inlined text keeps no file boundaries for #pragma once).
 
     Inlining (rather than passing -I) makes the source text the whole input of a compilation,
     so a compile cache keyed on the text can never pick up a stale header.
     """
+    seen = set() if _seen is None else _seen
+    seen.add(source_file)
     with open(os.path.join(KERNEL_DIR, source_file), encoding="utf-8") as f:
         text = f.read()
-    return _INCLUDE.sub(lambda m: read_source(m.group(1)), text)
+
+    def inline(m):
+        name = m.group(1)
+        return "" if name in seen else read_source(name, seen)
+
+    return _INCLUDE.sub(inline, text)
 
 
 def cuda_include_options() -> tuple:

@@ -24,14 +24,14 @@
 //
 // Shared memory, T (2 bytes), every tile row-major with HEAD_DIM elements a row, XOR-swizzled in
 // 16-byte chunks (chunk c of row r is stored at chunk c ^ (r % 8): the 8 rows one ldmatrix reads
-// hit 8 different 16-byte bank groups):
+// hit 8 different 16-byte bank groups; tc_tile.cuh):
 //     Q_s   BLOCK_M x HEAD_DIM        Q_i; read once, into registers
 //     K_s   2 x BLOCK_N x HEAD_DIM    K_j and K_{j+1}: cp.async fills one stage while the
 //     V_s   2 x BLOCK_N x HEAD_DIM    other is computed on (double buffering)
 //     total (BLOCK_M + 4 BLOCK_N) HEAD_DIM 2 bytes: HEAD_DIM 64: (64 + 256) 64 2 = 40 KiB;
 //     HEAD_DIM 128: 80 KiB (above 48 KiB: the launcher raises max_dynamic_shared_size_bytes).
-// The tiles per head dim are one table, TC_FORWARD_TILES {HEAD_DIM: (BLOCK_M, BLOCK_N)}, in the
-// launcher (tests/test_tensor_core.py until the backend's dispatch takes it over).
+// The tiles per head dim are one table, TC_FORWARD_TILES {HEAD_DIM: (BLOCK_M, BLOCK_N)}, in
+// flashcupy/backends/cupy_backend/specs.py.
 //
 // Barriers: one after the cp.async wait of each pass (the other threads' copies of K_j, V_j, Q_i
 // have landed), one at the end of each pass (no warp still reads the stage that the next pass's
@@ -49,33 +49,7 @@
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: the padded head dim),
 // BLOCK_M (16 NUM_WARPS = 64), BLOCK_N (a multiple of 16).
 
-#include "flash_common.cuh"
-#include "tensor_core.cuh"
-
-constexpr float LOG2E = 1.4426950408889634f;
-constexpr float LN2 = 0.6931471805599453f;
-
-// Element offset of 8-element chunk `chunk` of row `row` in a swizzled tile.
-template <int HEAD_DIM>
-__device__ __forceinline__ int swizzled(int row, int chunk) {
-    return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3);
-}
-
-// cp.async the ROWS x HEAD_DIM tile of rows row0.. of src into `tile` (swizzled); zero-fill the
-// rows from seqlen on and the columns from head_dim on. Not committed.
-template <int ROWS, int HEAD_DIM, typename T>
-__device__ __forceinline__ void load_tile_async(T* tile, const Rows<const T>& src, int row0, int seqlen,
-                                                int head_dim) {
-    constexpr int CHUNKS = HEAD_DIM / 8;
-    static_assert(ROWS * CHUNKS % NUM_THREADS == 0, "every thread copies the same number of chunks");
-#pragma unroll
-    for (int pass = 0; pass < ROWS * CHUNKS / NUM_THREADS; ++pass) {
-        const int e = pass * NUM_THREADS + threadIdx.x;
-        const int r = e / CHUNKS, c = e % CHUNKS;
-        const bool valid = row0 + r < seqlen && 8 * c < head_dim;
-        cp_async_16(tile + swizzled<HEAD_DIM>(r, c), valid ? &src.at(row0 + r, 8 * c) : src.base, valid);
-    }
-}
+#include "tc_tile.cuh"
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
 __global__ void __launch_bounds__(NUM_THREADS) attn_fwd_tc(

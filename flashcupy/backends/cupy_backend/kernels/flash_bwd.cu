@@ -3,8 +3,9 @@
 // P is recomputed from Q, K and the forward's lse: P = exp(scale Q Kᵀ - lse), so nothing of size
 // seqlen_q x seqlen_k is stored. A row with lse = -inf saw no key: its P is 0, its gradients 0.
 //
-// 1. flash_bwd_preprocess: D_i = rowsum(dO_i ∘ O_i), one warp per query row, into a float
-//    (double for float64) workspace of shape (batch, heads_q, seqlen_q). No shared memory.
+// 1. flash_bwd_preprocess (flash_bwd_common.cuh, shared with the tensor-core backward):
+//    D_i = rowsum(dO_i ∘ O_i), one warp per query row, into a float (double for float64)
+//    workspace of shape (batch, heads_q, seqlen_q). No shared memory.
 //
 // 2. flash_bwd_dkdv: one CTA per (key block j, batch * heads_kv); K_j, V_j (BLOCK_N keys) stay in
 //    shared memory while the query blocks Q_i (BLOCK_M rows) of every query head in the GQA group
@@ -29,34 +30,7 @@
 // atomics, and the result is bitwise reproducible. The price is computing S and dP twice.
 // Tile tables: BACKWARD_DQ_TILES and BACKWARD_DKDV_TILES in flashcupy/backends/cupy_backend/specs.py.
 
-#include "flash_common.cuh"
-
-template <typename T, typename Acc>
-__global__ void __launch_bounds__(NUM_THREADS) flash_bwd_preprocess(
-    const T* __restrict__ dout, index_t do_sb, index_t do_ss, index_t do_sh, index_t do_sd,
-    const T* __restrict__ out, index_t o_sb, index_t o_ss, index_t o_sh, index_t o_sd,
-    Acc* __restrict__ Dvec, int batch, int seqlen_q, int heads_q, int head_dim) {
-    const int lane = threadIdx.x % WARP_SIZE;
-    const index_t n = index_t(blockIdx.x) * NUM_WARPS + threadIdx.x / WARP_SIZE;  // row of Dvec
-    if (n >= index_t(batch) * heads_q * seqlen_q) return;  // the whole warp leaves together
-    const int i = n % seqlen_q;
-    const int bh = n / seqlen_q;
-    const int b = bh / heads_q, h = bh % heads_q;
-    const Rows<const T> dO = head_rows(dout, do_sb, do_ss, do_sh, do_sd, b, h);
-    const Rows<const T> O = head_rows(out, o_sb, o_ss, o_sh, o_sd, b, h);
-    Acc sum = Acc(0);
-    for (int d = lane; d < head_dim; d += WARP_SIZE) sum += to_acc(dO.at(i, d)) * to_acc(O.at(i, d));
-    sum = group_sum<WARP_SIZE>(sum);
-    if (lane == 0) Dvec[n] = sum;
-}
-
-// lse of row i for recomputing P = exp(S - lse): +inf for rows that saw no key (lse = -inf) and
-// for rows past seqlen_q, so that their P is exactly 0.
-template <typename Acc>
-__device__ __forceinline__ Acc lse_for_p(const Acc* lse_row, index_t stride, int i, int seqlen_q) {
-    const Acc x = i < seqlen_q ? lse_row[i * stride] : Acc(-INFINITY);
-    return x == -INFINITY ? Acc(INFINITY) : x;
-}
+#include "flash_bwd_common.cuh"
 
 template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
