@@ -15,6 +15,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flashcupy
 from conftest import BF16, CASES, DTYPES, LAYOUTS, assert_close, bf16_bits, make_qkv, reference, strided_empty
@@ -217,3 +219,36 @@ def test_off_by_one_is_out_of_bounds(rng, old, new, argument):
     with emulated(compile=_mutated(old, new)), pytest.raises(emulator.OutOfBoundsError) as info:
         flashcupy.attention(q, k, v, backend="cupy")
     assert info.value.access == argument
+
+
+# ----------------------------------------------------------------------------
+# random problems through both kernel paths
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    B=st.integers(1, 2), Sq=st.integers(1, 70), Sk=st.integers(1, 70), Hkv=st.integers(1, 2),
+    group=st.integers(1, 2), D=st.sampled_from([1, 8, 40, 64, 72, 128, 200]), causal=st.booleans(),
+    dtype=st.sampled_from(["float16", "bfloat16", "float32", "float64"]), layout=st.sampled_from(LAYOUTS),
+    order=st.sampled_from(emulator.THREAD_ORDERS), seed=st.integers(0, 2**16),
+)
+def test_property_matches_oracle(B, Sq, Sk, Hkv, group, D, causal, dtype, layout, order, seed):
+    """Any shape, dtype and layout, on whichever path the backend picks (tensor cores or SIMT)."""
+    rng = np.random.default_rng(seed)
+    value_dtype = BF16 if dtype == "bfloat16" else np.dtype(dtype)
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hkv * group, Hkv, D, value_dtype, layout)
+    dout = strided_empty(q.shape, value_dtype, layout)
+    dout[...] = rng.standard_normal(q.shape)
+    want_out, want_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    want_grads = reference.attention_backward(dout, q, k, v, causal=causal)
+    kw = dict(causal=causal, backend="cupy")
+    if dtype == "bfloat16":  # as CuPy users pass it
+        q, k, v, dout = (bf16_bits(x) for x in (q, k, v, dout))
+        kw["dtype"] = "bfloat16"
+    with emulated(order, seed=seed):
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
+        grads = flashcupy.attention_backward(dout, q, k, v, out, lse, **kw)
+    assert_close(out, want_out, value_dtype, q, k, None, "out")
+    assert_close(lse, want_lse, value_dtype, q, k, None, "lse")
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert_close(g, w, value_dtype, q, k, None, name)
