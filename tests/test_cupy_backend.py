@@ -221,6 +221,17 @@ def test_off_by_one_is_out_of_bounds(rng, old, new, argument):
     assert info.value.access == argument
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
+def test_nan_in_a_query_row_stays_in_that_row(rng, dtype):
+    q, k, v = make_qkv(rng, 1, 20, 30, 2, 1, 64, dtype)
+    q[0, 5, 1, 3] = np.nan
+    with emulated():
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy")
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(reference.attention(q, k, v)))
+    assert np.isnan(out[0, 5, 1]).all() and np.isnan(lse[0, 1, 5])
+    assert np.isfinite(np.delete(out, 5, axis=1)).all() and np.isfinite(out[0, 5, 0]).all()
+
+
 # ----------------------------------------------------------------------------
 # random problems through both kernel paths
 

@@ -203,6 +203,15 @@ def test_cupy_arrays_in_and_out(rng, layout, dtype):
 # availability, imports, compilation
 
 
+def test_nan_in_a_query_row_stays_in_that_row(rng):
+    q, k, v = make_qkv(rng, 1, 5, 6, 1, 1, 3, np.float32)
+    q[0, 2, 0, 1] = np.nan
+    out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numba")
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(reference.attention(q, k, v)))
+    assert np.isnan(out[0, 2]).all() and np.isnan(lse[0, 0, 2])
+    assert np.isfinite(np.delete(out, 2, axis=1)).all()
+
+
 def test_available_exactly_where_a_device_or_the_simulator_is():
     assert (numba_backend.unavailable_reason() is None) == (SIMULATOR or GPU)
     assert numba_backend.simulated() == SIMULATOR
