@@ -54,6 +54,12 @@ def cmd_info(args) -> int:
             print(f"  NVRTC not found: {e}")
     except ImportError:
         print("cupy not installed (pip install 'flashcupy[cuda12]' or '[cuda13]')")
+    from flashcupy import _kernels
+    try:
+        print(f"NVRTC {_kernels.nvrtc_version()} for `python -m flashcupy kernels` (no GPU needed); "
+              f"nvdisasm: {_kernels.nvdisasm_path() or 'not found (pip install nvidia-cuda-nvdisasm)'}")
+    except (_kernels.NvrtcError, OSError) as e:
+        print(f"no NVRTC for `python -m flashcupy kernels`: {e}")
     return 0
 
 
