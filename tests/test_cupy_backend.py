@@ -147,6 +147,55 @@ def test_head_dim_beyond_256_is_refused(rng):
         flashcupy.attention(q, k, v, backend="cupy")
 
 
+class _CountingModule:
+    """A compiled module that counts the driver calls the backend makes through it."""
+
+    def __init__(self, module, calls):
+        self.module, self.calls = module, calls
+
+    def get_function(self, name):
+        self.calls.append(("get_function", name))
+        function = self.module.get_function(name)
+        calls = self.calls
+
+        class Counted:
+            def __call__(self, *args, **kwargs):
+                return function(*args, **kwargs)
+
+            @property
+            def max_dynamic_shared_size_bytes(self):
+                return function.max_dynamic_shared_size_bytes
+
+            @max_dynamic_shared_size_bytes.setter
+            def max_dynamic_shared_size_bytes(self, value):
+                calls.append(("set_smem", name))
+                function.max_dynamic_shared_size_bytes = value
+
+        return Counted()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
+def test_kernel_handles_are_fetched_once_per_module(rng, dtype):
+    # fetching a function and raising its shared-memory limit are driver calls: once per
+    # (device, module), not per launch
+    calls = []
+
+    def counting_compile(*args):
+        return _CountingModule(compile_module(*args), calls)
+
+    q, k, v = make_qkv(rng, 1, 70, 70, 2, 1, 64, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    with emulated(compile=counting_compile):
+        for _ in range(3):
+            check(run(q, k, v, dout, causal=True), q, k, v, dout, causal=True)
+    modules = (specs.tc_forward_module, specs.tc_backward_module) if dtype == np.float16 else \
+        (specs.forward_module, specs.backward_module)
+    kernels = [kernel for build in modules for kernel in build(dtype, 64).kernels]
+    assert sorted(n for what, n in calls if what == "get_function") == sorted(k.name_expression for k in kernels)
+    assert sorted(n for what, n in calls if what == "set_smem") == sorted(
+        k.name_expression for k in kernels if k.dynamic_smem > specs.SMEM_DEFAULT_LIMIT)
+
+
 def test_import_does_not_need_cupy():
     code = ("import sys, flashcupy.backends.cupy_backend as b; "
             "assert 'cupy' not in sys.modules; print(b.unavailable_reason())")

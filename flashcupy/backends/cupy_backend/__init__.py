@@ -53,14 +53,18 @@ class Runtime:
     device_of(x): a context manager that makes x's device current (cupy: x.device).
     compute_capability(x): of x's device, as an int (80 for sm_80).
     data_ptr(x): the address of x's first element.
+    device_id(x): which device x lives on (kernel handles are kept per device).
     """
 
-    def __init__(self, xp, compile_module, device_of=None, compute_capability=None, data_ptr=None):
+    def __init__(self, xp, compile_module, device_of=None, compute_capability=None, data_ptr=None,
+                 device_id=None):
         self.xp = xp
         self.compile_module = compile_module
         self.device_of = device_of or (lambda x: contextlib.nullcontext())
         self.compute_capability = compute_capability or (lambda x: 90)
         self.data_ptr = data_ptr or (lambda x: x.ctypes.data)
+        self.device_id = device_id or (lambda x: 0)
+        self.functions = {}  # (device, ModuleSpec) -> its kernels, ready to launch
 
 
 runtime: Runtime | None = None  # the runtime in use; the CuPy one is created at first use
@@ -74,7 +78,8 @@ def _cupy_runtime() -> Runtime:
         return cupy.RawModule(code=source, options=options, name_expressions=name_expressions)
 
     return Runtime(cupy, compile_module, lambda x: x.device,
-                   lambda x: int(cupy.cuda.Device(x.device.id).compute_capability), lambda x: x.data.ptr)
+                   lambda x: int(cupy.cuda.Device(x.device.id).compute_capability), lambda x: x.data.ptr,
+                   lambda x: x.device.id)
 
 
 def _runtime() -> Runtime:
@@ -118,10 +123,23 @@ def _options() -> tuple:
     return specs.COMPILE_OPTIONS + specs.cuda_include_options()
 
 
-def _functions(rt: Runtime, module: specs.ModuleSpec) -> list:
-    """The module's kernels as callables, in the order of module.kernels."""
-    compiled = rt.compile_module(_source(module.source_file), module.name_expressions, _options())
-    return [compiled.get_function(name) for name in module.name_expressions]
+def _functions(rt: Runtime, module: specs.ModuleSpec, like) -> list:
+    """The module's kernels on `like`'s device, in the order of module.kernels, ready to launch.
+
+    Fetched, and opted in to more than 48 KiB of dynamic shared memory where they need it, once
+    per (device, module): both are driver calls that would otherwise cost every launch.
+    Call with `like`'s device current.
+    """
+    key = (rt.device_id(like), module)
+    functions = rt.functions.get(key)
+    if functions is None:
+        compiled = rt.compile_module(_source(module.source_file), module.name_expressions, _options())
+        functions = [compiled.get_function(name) for name in module.name_expressions]
+        for function, kernel in zip(functions, module.kernels):
+            if kernel.dynamic_smem > specs.SMEM_DEFAULT_LIMIT:  # opt in above 48 KiB (sm_80+)
+                function.max_dynamic_shared_size_bytes = kernel.dynamic_smem
+        rt.functions[key] = functions
+    return functions
 
 
 def _tensor(x) -> tuple:
@@ -187,9 +205,7 @@ def forward(p, q, k, v):
     module = (specs.tc_forward_module if tensor_cores else specs.forward_module)(p.dtype, p.head_dim)
     (kernel,) = module.kernels
     with rt.device_of(q):
-        (fwd,) = _functions(rt, module)
-        if kernel.dynamic_smem > specs.SMEM_DEFAULT_LIMIT:  # opt in above 48 KiB (sm_80+)
-            fwd.max_dynamic_shared_size_bytes = kernel.dynamic_smem
+        (fwd,) = _functions(rt, module, q)
         out = rt.xp.empty(q.shape, dtype=p.carrier)
         lse = rt.xp.empty(p.lse_shape, dtype=p.lse_dtype)
         fwd(
@@ -208,10 +224,7 @@ def backward(p, dout, q, k, v, out, lse):
     acc = p.acc_dtype.type
     block = (specs.NUM_THREADS,)
     with rt.device_of(q):
-        preprocess, bwd_dkdv, bwd_dq = _functions(rt, module)
-        for function, kernel in ((bwd_dkdv, dkdv), (bwd_dq, dq_kernel)):
-            if kernel.dynamic_smem > specs.SMEM_DEFAULT_LIMIT:  # opt in above 48 KiB (sm_80+)
-                function.max_dynamic_shared_size_bytes = kernel.dynamic_smem
+        preprocess, bwd_dkdv, bwd_dq = _functions(rt, module, q)
         dq = rt.xp.empty(q.shape, dtype=p.carrier)
         dk = rt.xp.empty(k.shape, dtype=p.carrier)
         dv = rt.xp.empty(v.shape, dtype=p.carrier)
