@@ -7,27 +7,40 @@ so a kernel bug can be bisected against it stage by stage.
 
 Arrays in and out:
 - CuPy arrays are read in place through `__cuda_array_interface__`; results
-  are CuPy arrays. Launches use numba's default stream.
-- numba device arrays are read in place; results are numba device arrays.
+  are CuPy arrays. Kernels run on CuPy's current stream (wrapped as a numba
+  external stream), in order with the CuPy work before and after them, with no
+  host synchronisation; results and workspaces come from CuPy's memory pool.
+- numba device arrays are read in place; results are numba device arrays,
+  allocated by numba. Kernels run on numba's default stream; an array bound
+  to another stream is synchronised as the CUDA Array Interface asks.
 - NumPy arrays are copied to the device (the memory span each one covers, so
   its strides are kept) and the results are copied back as NumPy arrays. This
   is the one place where flashcupy copies between host and device: you asked
-  for a GPU backend with host arrays.
+  for a GPU backend with host arrays. numba's default stream and allocator.
 Any strides work, negative ones included: every array reaches the kernels as
 a flat 1-D buffer plus (offset, strides) in elements. Limits: heads_q and
-batch at most 65535 (grid y and z); head_dim at most kernels.HEAD_DIM_MAX.
+batch at most 65535 (CUDA grid y and z), seqlen at most 2^31 - 1 blocks of
+rows (grid x), checked before anything is allocated or launched; head_dim at
+most kernels.HEAD_DIM_MAX.
 
-Availability: numba and numba-cuda installed (`pip install flashcupy[numba]`)
-and `numba.cuda.is_available()`: a CUDA GPU with its driver, or the CUDA
-simulator (`NUMBA_ENABLE_CUDASIM=1` in the environment before numba is first
-imported), which runs the very same kernels on the CPU, one Python thread per
-CUDA thread, with smaller tiles (see kernels.py).
+Availability (`unavailable_reason()`, decided once per process): numba and
+numba-cuda installed (`pip install flashcupy[numba]`) and
+`numba.cuda.is_available()`: a CUDA GPU with its driver, or the CUDA simulator
+(`NUMBA_ENABLE_CUDASIM=1` in the environment before numba is first imported),
+which runs the very same kernels on the CPU, one Python thread per CUDA
+thread, with smaller tiles (see kernels.py). On a GPU numba-cuda must also be
+able to compile: libNVVM present, and a numba-cuda release that works with the
+installed NumPy. A one-line probe kernel is compiled to PTX to find out, so a
+broken toolchain refuses the backend with its cause and fix instead of failing
+at the first call.
 
 Fast iteration loop:
 1. edit kernels.py (tunables are the UPPERCASE constants at its top);
 2. run the kernels on the simulator against the float64 oracle, no GPU needed
    (a minute or two):
        NUMBA_ENABLE_CUDASIM=1 python -m pytest tests/test_numba_backend.py -q
+   (one of those tests runs the GPU's tile sizes on the simulator, through
+   FLASHCUPY_NUMBA_TILES=gpu; see kernels.py);
 3. compile them for a real GPU, still without one (catches typing mistakes
    the simulator cannot see: float64 creeping into the float32 path, float16
    casts; needs NVVM, e.g. `pip install nvidia-cuda-nvcc-cu12`):
@@ -39,26 +52,80 @@ Fast iteration loop:
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 NAME = "numba"
 ARRAY_LIBRARIES = ("numpy", "cupy", "numba")
 DTYPES = ("float16", "float32", "float64")  # numba has no bfloat16 arithmetic type
 MAX_HEAD_DIM = 256  # kernels.HEAD_DIM_MAX: the register accumulators are sized for it
+MAX_GRID = (2**31 - 1, 65535, 65535)  # CUDA's limits on grid x, y, z (every GPU numba-cuda supports)
 
 
+@functools.cache
 def unavailable_reason():
+    """None when the backend can run here, else why not and what to install; decided once per process.
+
+    Cached: the registry asks on every call, and on a GPU the answer costs a probe compile.
+    """
     try:
         from numba import cuda
     except ImportError as e:
         return f"numba.cuda cannot be imported ({e}); pip install flashcupy[numba]"
     try:
-        if cuda.is_available():
-            return None
+        if not cuda.is_available():
+            return ("numba.cuda finds no CUDA GPU or driver "
+                    "(to run on the CPU simulator, set NUMBA_ENABLE_CUDASIM=1 before numba is imported)")
     except Exception as e:  # a broken driver install can raise instead of answering False
         return f"numba.cuda cannot use the GPU: {e}"
-    return ("numba.cuda finds no CUDA GPU or driver "
-            "(to run on the CPU simulator, set NUMBA_ENABLE_CUDASIM=1 before numba is imported)")
+    if _kernels().SIMULATOR:
+        return None  # the simulator interprets the kernels' Python: nothing is compiled
+    return _compiler_reason(cuda.get_current_device().compute_capability)
+
+
+def _compiler_reason(cc):
+    """None when numba-cuda can compile a kernel for compute capability cc, else the cause and the fix."""
+    from numba.cuda.cudadrv import nvvm
+    if not nvvm.is_available():
+        return ('numba-cuda cannot find libNVVM, which compiles its kernels: pip install "numba-cuda[cu12]" '
+                '(or "numba-cuda[cu13]", matching the CUDA version the driver supports), '
+                "or set CUDA_HOME to a CUDA toolkit")
+    try:
+        _compile_probe(cc)
+    except Exception as e:  # whatever breaks the first compile, say so now rather than at the first call
+        return _compile_failure(e)
+    return None
+
+
+def _compile_probe(cc):
+    """Compile a one-line kernel to PTX.
+
+    The first compile in a process builds numba-cuda's typing tables, which
+    import all its NumPy overloads (where a NumPy that removed a function
+    breaks it), then runs NVVM: the same path the backend's kernels take.
+    """
+    from numba import cuda, types
+
+    def probe(x):
+        x[0] = 1
+
+    cuda.compile_ptx(probe, (types.float32[::1],), cc=cc)
+
+
+def _compile_failure(e: Exception) -> str:
+    """The probe's exception as a reason: the cause, and the fix where it is known."""
+    from importlib.metadata import version
+    numba_cuda = f"numba-cuda {version('numba-cuda')}"
+    # numba-cuda registers overloads of NumPy functions by attribute at its first
+    # compile; a NumPy that removed one fails there ("module 'numpy' has no
+    # attribute ..." or NumPy's own "`np.x` was removed ...").
+    if isinstance(e, AttributeError) and ("'numpy'" in str(e) or "`np." in str(e)):
+        major_minor = ".".join(np.__version__.split(".")[:2])
+        return (f"{numba_cuda} does not work with numpy {np.__version__}: its first compile fails with "
+                f"AttributeError: {e}. Install an older numpy (pip install \"numpy<{major_minor}\") "
+                f"or a numba-cuda release that supports numpy {major_minor}")
+    return f"{numba_cuda} cannot compile a kernel here: {type(e).__name__}: {e}"
 
 
 def simulated() -> bool:
@@ -108,44 +175,72 @@ def _span(x):
     return (-lo,) + strides, hi - lo + 1
 
 
-def _device_flat(x, lib):
-    """x as (flat 1-D device array, (offset, strides...)), reading x in place where it lives on the device."""
-    from numba import cuda
-    st, n = _span(x)
-    if lib == "numpy":
-        lowest = x[tuple(slice(m - 1, m) if s < 0 else slice(0, 1) for m, s in zip(x.shape, st[1:]))]
-        flat = np.lib.stride_tricks.as_strided(lowest, shape=(n,), strides=(x.itemsize,))
-        return cuda.to_device(flat), st
-    cai = x.__cuda_array_interface__
-    desc = {
-        "shape": (n,),
-        "strides": None,
-        "typestr": cai["typestr"],
-        "data": (cai["data"][0] - st[0] * np.dtype(x.dtype).itemsize, False),
-        "version": 3,
-    }
-    if "stream" in cai:
-        desc["stream"] = cai["stream"]
-    return cuda.from_cuda_array_interface(desc, owner=x), st
+class _Placement:
+    """Where one call's kernels run and where its device memory comes from, by the inputs' library.
 
+    CuPy: CuPy's current stream and memory pool, as a CuPy operation in its
+    place would use. NumPy and numba arrays: numba's default stream (0) and
+    numba's allocator.
+    """
 
-class _Output:
-    """A fresh contiguous result: the array handed back, and its flat view for the kernels."""
-
-    def __init__(self, lib, shape, dtype):
+    def __init__(self, lib):
         from numba import cuda
         self.lib = lib
-        self.shape = tuple(shape)
-        size = int(np.prod(self.shape))
-        strides = tuple(int(np.prod(self.shape[a + 1:])) for a in range(len(self.shape)))
-        self.st = (0,) + strides
+        self.stream = 0
         if lib == "cupy":
             import cupy
-            self.array = cupy.empty(self.shape, dtype=dtype)
-            self.flat = self.array.reshape(size)
-        else:
-            self.flat = cuda.device_array(size, dtype=dtype)
-            self.array = self.flat.reshape(self.shape) if lib == "numba" else None
+            self.cupy = cupy
+            self.stream = cuda.external_stream(cupy.cuda.get_current_stream().ptr)
+
+    def read(self, x):
+        """x as (flat 1-D device array, (offset, strides...)), reading x in place where it lives on the device."""
+        from numba import cuda
+        st, n = _span(x)
+        if self.lib == "numpy":
+            lowest = x[tuple(slice(m - 1, m) if s < 0 else slice(0, 1) for m, s in zip(x.shape, st[1:]))]
+            flat = np.lib.stride_tricks.as_strided(lowest, shape=(n,), strides=(x.itemsize,))
+            return cuda.to_device(flat), st
+        cai = x.__cuda_array_interface__
+        desc = {
+            "shape": (n,),
+            "strides": None,
+            "typestr": cai["typestr"],
+            "data": (cai["data"][0] - st[0] * np.dtype(x.dtype).itemsize, False),
+            "version": 3,
+        }
+        if "stream" in cai:
+            desc["stream"] = cai["stream"]
+        # sync=False for CuPy: its interface names CuPy's current stream, the
+        # stream CuPy orders the work that produced x on, and self.stream is
+        # that very stream, so our kernels already queue behind that work; the
+        # host synchronisation the interface asks for by default, once per
+        # argument, would only stall the CPU. numba arrays keep sync=True: they
+        # launch on the default stream, not on a stream they may be bound to.
+        return cuda.from_cuda_array_interface(desc, owner=x, sync=self.lib != "cupy"), st
+
+    def empty(self, shape, dtype):
+        """A fresh C-contiguous result or workspace: (array of the inputs' library, its flat view for the kernels).
+
+        For NumPy inputs the array is None: the flat device array is copied back.
+        """
+        from numba import cuda
+        if self.lib == "cupy":
+            # CuPy's pool hands a freed block out again on the stream it was
+            # allocated on, this one: reuse after we drop it queues behind our kernels.
+            array = self.cupy.empty(shape, dtype=dtype)
+            return array, self.read(array)[0]
+        flat = cuda.device_array(int(np.prod(shape)), dtype=dtype)
+        return (flat.reshape(shape) if self.lib == "numba" else None), flat
+
+
+class _Buffer:
+    """A fresh contiguous device buffer: the array handed back, and its flat view and strides for the kernels."""
+
+    def __init__(self, place, shape, dtype):
+        self.lib = place.lib
+        self.shape = tuple(shape)
+        self.array, self.flat = place.empty(self.shape, dtype)
+        self.st = (0,) + tuple(int(np.prod(self.shape[a + 1:])) for a in range(len(self.shape)))
 
     def result(self):
         if self.lib == "numpy":
@@ -155,6 +250,23 @@ class _Output:
 
 def _cdiv(a, b):
     return -(-a // b)
+
+
+def _blocks(n, per_block, name, axis):
+    """Thread blocks along grid axis 0, 1 or 2 (x, y, z) to cover n; past CUDA's limit, a ValueError naming the argument."""
+    blocks = _cdiv(n, per_block)
+    if blocks > MAX_GRID[axis]:
+        raise ValueError(
+            f"{name} must be at most {MAX_GRID[axis] * per_block} for the numba backend, got {n} "
+            f"({per_block} per thread block along CUDA grid {'xyz'[axis]}, which holds at most "
+            f"{MAX_GRID[axis]} blocks)")
+    return blocks
+
+
+def _grid(p, n, per_block, name, heads):
+    """(blocks over n, heads, batch), checked; heads is heads_q or heads_kv (<= heads_q, checked here)."""
+    _blocks(p.heads_q, 1, "heads_q", 1)
+    return _blocks(n, per_block, name, 0), heads, _blocks(p.batch, 1, "batch", 2)
 
 
 def _check_head_dim(p):
@@ -169,45 +281,46 @@ def _common(p):
 
 # ----------------------------------------------------------------------------
 # forward and backward
+# Grids are sized (and checked) before anything is allocated, copied or launched.
 
 
 def forward(p, q, k, v):
     _check_head_dim(p)
     K = _kernels()
-    lib = _library(q)
-    (qf, qst), (kf, kst), (vf, vst) = (_device_flat(x, lib) for x in (q, k, v))
-    out = _Output(lib, q.shape, p.dtype)
-    lse = _Output(lib, p.lse_shape, p.lse_dtype)
+    grid = _grid(p, p.seqlen_q, K.BLOCK_Q, "seqlen_q", p.heads_q)
+    place = _Placement(_library(q))
+    (qf, qst), (kf, kst), (vf, vst) = (place.read(x) for x in (q, k, v))
+    out = _Buffer(place, q.shape, p.dtype)
+    lse = _Buffer(place, p.lse_shape, p.lse_dtype)
 
-    grid = (_cdiv(p.seqlen_q, K.BLOCK_Q), p.heads_q, p.batch)
-    K._attn_fwd[grid, (K.BLOCK_K, K.BLOCK_Q)](
+    K._attn_fwd[grid, (K.BLOCK_K, K.BLOCK_Q), place.stream](
         qf, qst, kf, kst, vf, vst, out.flat, out.st, lse.flat, lse.st,
         p.seqlen_q, p.seqlen_k, *_common(p))
     return out.result(), lse.result()
 
 
 def backward(p, dout, q, k, v, out, lse):
-    from numba import cuda
     _check_head_dim(p)
     K = _kernels()
-    lib = _library(q)
+    dq_grid = _grid(p, p.seqlen_q, K.BLOCK_Q, "seqlen_q", p.heads_q)
+    dkdv_grid = _grid(p, p.seqlen_k, K.BLOCK_K, "seqlen_k", p.heads_kv)
+    prep_grid = (_cdiv(p.seqlen_q, K.PREP_THREADS),) + dq_grid[1:]  # PREP_THREADS >= BLOCK_Q: fits where dq_grid does
+    place = _Placement(_library(q))
     (qf, qst), (kf, kst), (vf, vst), (dof, dost), (of, ost), (lf, lst) = (
-        _device_flat(x, lib) for x in (q, k, v, dout, out, lse))
-    dq = _Output(lib, q.shape, p.dtype)
-    dk = _Output(lib, k.shape, p.dtype)
-    dv = _Output(lib, v.shape, p.dtype)
-    D = cuda.device_array(p.batch * p.heads_q * p.seqlen_q, dtype=p.acc_dtype)
-    Dst = (0, p.heads_q * p.seqlen_q, p.seqlen_q, 1)
+        place.read(x) for x in (q, k, v, dout, out, lse))
+    dq = _Buffer(place, q.shape, p.dtype)
+    dk = _Buffer(place, k.shape, p.dtype)
+    dv = _Buffer(place, v.shape, p.dtype)
+    D = _Buffer(place, p.lse_shape, p.acc_dtype)  # workspace: D = rowsum(dO ∘ O), laid out as lse
 
-    # pre-pass: D = rowsum(dO ∘ O)
-    K._attn_bwd_preprocess[(_cdiv(p.seqlen_q, K.PREP_THREADS), p.heads_q, p.batch), K.PREP_THREADS](
-        dof, dost, of, ost, D, Dst, lf, p.seqlen_q, p.head_dim)
+    K._attn_bwd_preprocess[prep_grid, K.PREP_THREADS, place.stream](
+        dof, dost, of, ost, D.flat, D.st, lf, p.seqlen_q, p.head_dim)
     # dK, dV: one block per (key block, kv head, batch), over the query heads of its group
-    K._attn_bwd_dkdv[(_cdiv(p.seqlen_k, K.BLOCK_K), p.heads_kv, p.batch), (K.BLOCK_Q, K.BLOCK_K)](
-        qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D, Dst, dk.flat, dk.st, dv.flat, dv.st,
+    K._attn_bwd_dkdv[dkdv_grid, (K.BLOCK_Q, K.BLOCK_K), place.stream](
+        qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dk.flat, dk.st, dv.flat, dv.st,
         p.seqlen_q, p.seqlen_k, *_common(p))
     # dQ: one block per (query block, query head, batch)
-    K._attn_bwd_dq[(_cdiv(p.seqlen_q, K.BLOCK_Q), p.heads_q, p.batch), (K.BLOCK_K, K.BLOCK_Q)](
-        qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D, Dst, dq.flat, dq.st,
+    K._attn_bwd_dq[dq_grid, (K.BLOCK_K, K.BLOCK_Q), place.stream](
+        qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dq.flat, dq.st,
         p.seqlen_q, p.seqlen_k, *_common(p))
     return dq.result(), dk.result(), dv.result()

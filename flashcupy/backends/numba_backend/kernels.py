@@ -52,22 +52,31 @@ simulator, and then ported.
 from __future__ import annotations
 
 import math
+import os
 
 from numba import cuda
 
-# Under the simulator every CUDA thread is a Python thread: small blocks keep
-# the tests fast, and BLOCK_Q != BLOCK_K catches a swapped row/column index.
 SIMULATOR = cuda.jit.__module__.startswith("numba.cuda.simulator")
 
-if SIMULATOR:
-    BLOCK_Q, BLOCK_K, D_TILE = 4, 2, 8
-else:
-    BLOCK_Q, BLOCK_K, D_TILE = 16, 16, 32
+# Tile tables: (BLOCK_Q, BLOCK_K, D_TILE, PREP_THREADS), PREP_THREADS being the
+# rows per block of the D pre-pass. Under the simulator every CUDA thread is a
+# Python thread: small blocks keep the tests fast, and BLOCK_Q != BLOCK_K
+# catches a swapped row/column index. FLASHCUPY_NUMBA_TILES, read once here,
+# overrides the choice: "gpu" runs the GPU's tiles on the simulator (slow:
+# BLOCK_Q x BLOCK_K Python threads a block), "simulator" the small ones on a GPU.
+TILE_TABLES = {
+    "gpu": (16, 16, 32, 128),
+    "simulator": (4, 2, 8, 4),
+}
+TILES = os.environ.get("FLASHCUPY_NUMBA_TILES") or ("simulator" if SIMULATOR else "gpu")
+if TILES not in TILE_TABLES:
+    raise ValueError(f"FLASHCUPY_NUMBA_TILES must be one of {', '.join(map(repr, TILE_TABLES))} "
+                     f"(or unset), got {TILES!r}")
+BLOCK_Q, BLOCK_K, D_TILE, PREP_THREADS = TILE_TABLES[TILES]
 PAD = 1                        # extra shared column: row-wise reads by neighbouring threads hit different banks
 TILE_COLS = D_TILE + PAD       # shared tiles are (rows, TILE_COLS); numba needs the sum as one constant
 HEAD_DIM_MAX = 256             # the largest head_dim the register accumulators hold
 NTHREADS = BLOCK_Q * BLOCK_K   # threads per block of the three tile kernels
-PREP_THREADS = 4 if SIMULATOR else 128   # rows per block of the D pre-pass
 
 O_PER_THREAD = -(-HEAD_DIM_MAX // BLOCK_K)    # O / dQ columns each thread accumulates
 DKV_PER_THREAD = -(-HEAD_DIM_MAX // BLOCK_Q)  # dK / dV columns each thread accumulates
@@ -76,6 +85,8 @@ assert HEAD_DIM_MAX == 256, "numba_backend.MAX_HEAD_DIM states this limit to use
 # A column d = d0 + dd of a chunk starting at d0 (a multiple of D_TILE) belongs to
 # lane d % BLOCK; this needs every chunk start to be a multiple of both BLOCKs.
 assert D_TILE % BLOCK_K == 0 and D_TILE % BLOCK_Q == 0, "D_TILE must be a multiple of BLOCK_Q and BLOCK_K"
+# The host checks the query-block grid against CUDA's limits; the pre-pass grid must not be larger.
+assert PREP_THREADS >= BLOCK_Q, "PREP_THREADS must be at least BLOCK_Q"
 
 
 # ----------------------------------------------------------------------------

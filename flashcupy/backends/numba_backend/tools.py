@@ -34,6 +34,8 @@ def ptx(cc=(9, 0)) -> int:
         # device functions are compiled for "the current device"; with no GPU, name the target
         from numba.cuda import dispatcher
         dispatcher.get_current_device = lambda: argparse.Namespace(compute_capability=cc)
+    print(f"tiles {K.TILES!r}: BLOCK_Q {K.BLOCK_Q}, BLOCK_K {K.BLOCK_K}, D_TILE {K.D_TILE}, "
+          f"PREP_THREADS {K.PREP_THREADS}")
     i64, b1 = types.int64, types.boolean
     st4, st3 = types.UniTuple(i64, 5), types.UniTuple(i64, 4)
     failures = 0
