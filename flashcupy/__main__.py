@@ -96,9 +96,6 @@ def cmd_check(args) -> int:
 def cmd_bench(args) -> int:
     from flashcupy import _bench
 
-    if args.gpu_report:
-        from flashcupy import _gpu_report
-        return _gpu_report.main(args.gpu_report, args.report_budget)
     device = "cuda" if args.device == "cuda" else "cpu"
     impls = args.impl or _bench.implementations(device)
     results = []
@@ -158,11 +155,6 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--naive-limit-gb", type=float, default=6.0, help="skip naive-numpy above this score memory")
     b.add_argument("--json", help="also write the results as JSON")
     b.add_argument("--plot", help="draw TFLOP/s and peak memory against seqlen into this PNG")
-    b.add_argument("--gpu-report", metavar="DIR",
-                   help="on a GPU: correctness of every kernel path, then timings against torch SDPA's "
-                        "flash and cuDNN backends; writes DIR/report.md and DIR/report.json")
-    b.add_argument("--report-budget", type=float, default=450.0, metavar="SECONDS",
-                   help="with --gpu-report: stop starting new timings after this long")
 
     k = sub.add_parser("kernels", help="NVRTC resource table of every CUDA kernel (no GPU needed)")
     k.add_argument("--arch", default="sm_90")

@@ -131,17 +131,21 @@ def _naive_numpy(q, k, v, dout, causal, scale):
     return forward, backward
 
 
-TORCH_KERNELS = {"torch-sdpa": None, "torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION"}
+TORCH_KERNELS = {"torch-sdpa": None, "torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION",
+                 "torch-math": "MATH"}
 
 
-def _torch_sdpa(q, k, v, dout, causal, scale, device, kernel=None):
-    """torch's scaled_dot_product_attention; `kernel` pins one of its backends (SDPBackend name)."""
+def _torch_sdpa(q, k, v, dout, causal, scale, device, kernel=None, bf16_bits=False):
+    """torch's scaled_dot_product_attention; `kernel` pins one of its backends (SDPBackend name).
+    With bf16_bits the arrays hold bfloat16 bit patterns (uint16), viewed as torch.bfloat16."""
     import contextlib
 
     import torch
 
     def to(x):
         t = torch.from_dlpack(x) if device == "cuda" else torch.from_numpy(np.ascontiguousarray(x))
+        if bf16_bits:
+            t = t.view(torch.bfloat16)
         return t.permute(0, 2, 1, 3)
 
     def pinned():
@@ -167,14 +171,15 @@ def _torch_sdpa(q, k, v, dout, causal, scale, device, kernel=None):
     return forward, backward
 
 
-def _flashcupy(name, q, k, v, dout, causal, scale):
-    out, lse = flashcupy.attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=name)
+def _flashcupy(name, q, k, v, dout, causal, scale, dtype=None):
+    kw = dict(causal=causal, scale=scale, backend=name, dtype=dtype)
+    out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
 
     def forward():
-        return flashcupy.attention(q, k, v, causal=causal, scale=scale, backend=name)
+        return flashcupy.attention(q, k, v, **kw)
 
     def backward():
-        return flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=name)
+        return flashcupy.attention_backward(dout, q, k, v, out, lse, **kw)
 
     return forward, backward
 
@@ -239,13 +244,14 @@ def _time(fn, device, repeat: int, min_time: float) -> float:
     return best
 
 
-def closures(impl, q, k, v, dout, causal, scale, device):
-    """(forward, backward) callables of one implementation over fixed inputs."""
+def closures(impl, q, k, v, dout, causal, scale, device, bf16_bits=False):
+    """(forward, backward) callables of one implementation over fixed inputs; bf16_bits says the
+    arrays hold bfloat16 bit patterns (uint16), as flashcupy's CuPy users pass them."""
     if impl == "naive-numpy":
         return _naive_numpy(q, k, v, dout, causal, scale)
     if impl in TORCH_KERNELS:
-        return _torch_sdpa(q, k, v, dout, causal, scale, device, TORCH_KERNELS[impl])
-    return _flashcupy(impl, q, k, v, dout, causal, scale)
+        return _torch_sdpa(q, k, v, dout, causal, scale, device, TORCH_KERNELS[impl], bf16_bits)
+    return _flashcupy(impl, q, k, v, dout, causal, scale, "bfloat16" if bf16_bits else None)
 
 
 def _gpu_peak(fn, impl):

@@ -28,8 +28,14 @@ def oracle():
 
 
 def _to_backend_arrays(name, arrays):
-    """Device arrays for the GPU backends when a GPU is present (numba takes NumPy too)."""
-    if name == "cupy" or (name == "numba" and backends.unavailable_reason("cupy") is None):
+    """The arrays as the backend's users hold them: cupy's through its runtime (device arrays, or
+    NumPy where the tests' emulator stands in for the GPU); CuPy arrays for numba where CuPy has a
+    GPU, else NumPy (which numba copies to the device and back)."""
+    from flashcupy.backends import cupy_backend
+    if name == "cupy":
+        xp = cupy_backend._runtime().xp
+        return [xp.asarray(a) for a in arrays]
+    if name == "numba" and cupy_backend.runtime is None and backends.unavailable_reason("cupy") is None:
         import cupy
         return [cupy.asarray(a) for a in arrays]
     return arrays
@@ -54,36 +60,40 @@ def _inputs(rng, dtype: str, shapes):
     return [rng.standard_normal(s).astype(dt) for s in shapes]
 
 
-def check_rows(ref, names, dtypes, battery, seed=0):
-    """Run each backend on the battery against the oracle; yields one dict per (backend, dtype, case).
+def check_case(ref, name, dtype, case, rng):
+    """One backend on one battery case in one dtype against the oracle: a dict with `worst`
+    (the largest error / tolerance over out, lse, dq, dk, dv) and `ok`, or `error` where a
+    -inf / NaN pattern differs. Other exceptions (a CUDA error, say) propagate to the caller.
 
-    A backend meets only the dtypes it supports; bfloat16 reaches the cupy backend as uint16
-    bits with dtype="bfloat16", as CuPy users pass it.
+    bfloat16 reaches the cupy backend as uint16 bits with dtype="bfloat16", as CuPy users pass it.
     """
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    q, k, v, dout = _inputs(rng, dtype, ((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), (B, Sq, Hq, D)))
+    want = ref.attention(q, k, v, causal=causal, return_lse=True)
+    want += ref.attention_backward(dout, q, k, v, causal=causal)
+    bits = dtype == "bfloat16" and name == "cupy"
+    kw = dict(causal=causal, backend=name, dtype="bfloat16" if bits else None)
+    dq_, dk_, dv_, ddout = _to_backend_arrays(name, [x.view(np.uint16) if bits else x for x in (q, k, v, dout)])
+    row = {"backend": name, "dtype": dtype, "case": case}
+    try:
+        out, lse = flashcupy.attention(dq_, dk_, dv_, return_lse=True, **kw)
+        grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, **kw)
+        got = [_to_numpy(x) for x in (out, lse, *grads)]
+        row["worst"] = max(err / tol for err, tol in
+                           (ref.compare.compare(g, w, dtype, q, k) for g, w in zip(got, want)))
+        row["ok"] = row["worst"] <= 1.0
+    except AssertionError as e:  # -inf / NaN pattern mismatch
+        row.update(worst=float("inf"), ok=False, error=str(e))
+    return row
+
+
+def check_rows(ref, names, dtypes, battery, seed=0):
+    """check_case for each backend, each dtype it supports, and each case of the battery."""
     rng = np.random.default_rng(seed)
     for name in names:
         for dtype in (d for d in dtypes if d in backends.module(name).DTYPES):
             for case in battery:
-                B, Sq, Sk, Hq, Hkv, D, causal = case
-                q, k, v, dout = _inputs(rng, dtype, ((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D),
-                                                     (B, Sq, Hq, D)))
-                want = ref.attention(q, k, v, causal=causal, return_lse=True)
-                want += ref.attention_backward(dout, q, k, v, causal=causal)
-                bits = dtype == "bfloat16" and name == "cupy"
-                kw = dict(causal=causal, backend=name, dtype="bfloat16" if bits else None)
-                dq_, dk_, dv_, ddout = _to_backend_arrays(
-                    name, [x.view(np.uint16) if bits else x for x in (q, k, v, dout)])
-                row = {"backend": name, "dtype": dtype, "case": case}
-                try:
-                    out, lse = flashcupy.attention(dq_, dk_, dv_, return_lse=True, **kw)
-                    grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, **kw)
-                    got = [_to_numpy(x) for x in (out, lse, *grads)]
-                    row["worst"] = max(err / tol for err, tol in
-                                       (ref.compare.compare(g, w, dtype, q, k) for g, w in zip(got, want)))
-                    row["ok"] = row["worst"] <= 1.0
-                except AssertionError as e:  # -inf / NaN pattern mismatch
-                    row.update(worst=float("inf"), ok=False, error=str(e))
-                yield row
+                yield check_case(ref, name, dtype, case, rng)
 
 
 def format_check_row(row) -> str:

@@ -68,22 +68,3 @@ def test_peak_memory_sees_a_score_sized_allocation():
         a = np.ones(8 * 2**20 // 8)  # 8 MiB
         del a
     assert 7 * 2**20 <= probe.peak <= 12 * 2**20
-
-
-def test_gpu_report_says_it_needs_a_gpu(capsys, tmp_path):
-    from flashcupy import backends
-    if backends.unavailable_reason("cupy") is None:
-        pytest.skip("a GPU is present: the report would run for minutes")
-    assert main(["bench", "--gpu-report", str(tmp_path)]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().out
-
-
-def test_gpu_report_tables_put_flashcupy_beside_torch():
-    from flashcupy import _gpu_report
-    results = [_bench.Result(impl, "forward", 16384 // 1024, 2048 // 64, 1024, 64, False, "float16", 1e-3, tf, None)
-               for impl, tf in (("cupy", 100.0), ("torch-flash", 200.0))]
-    checks = [{"backend": "cupy", "dtype": "float16", "case": (1, 1, 1, 1, 1, 1, False), "worst": 0.1, "ok": True}]
-    report = {"environment": {"gpu": "H200", "sm": "90", "date": "today"}, "seconds": 1.0}
-    md = _gpu_report._markdown(report, checks, results, [])
-    assert "| 64 | False | 1024 | 16 x 32 | 100.0 | 200.0 | 0.50x |" in md
-    assert "1 of 1 passed" in md

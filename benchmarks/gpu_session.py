@@ -1,0 +1,705 @@
+"""Everything a lent GPU is for, in one command whose stages cannot take each other down.
+
+    bash benchmarks/gpu_session.sh             # on the GPU machine (the device tool): under 7 minutes
+    bash benchmarks/gpu_session.sh --dry-run   # on any CPU: the emulator in place of the GPU, tiny shapes
+
+Stages, in this order, each in its own process with its own time limit:
+  preflight  versions of everything that compiles or runs a kernel; what is missing, and why
+  blocks     the tensor-core building blocks (mma, ldmatrix, cp.async, pack, ex2) on the device:
+             the emulator's model of each PTX instruction against silicon
+             (tests/test_tensor_core_gpu.py); seconds, and first, because everything rests on it
+  pytest     `pytest -m gpu`: the CuPy and Numba batteries on the device
+  check      every backend, kernel path and dtype against the float64 oracle, each row on its own
+  sanitizer  compute-sanitizer memcheck and racecheck on tiny shapes, where the tool is installed
+  sweep      forward and backward time, TFLOP/s and peak memory beside torch SDPA's flash, cuDNN
+             and math backends, bfloat16 and float16; inputs made on the device once per shape and
+             shared by every implementation; head_dim 128 and causal first, as they matter most
+  plot       the sweep as one PNG
+
+Every result is appended to OUT/results.jsonl the moment it exists, and OUT/report.md is written
+again after every stage, so a crash, a sticky CUDA error or a kill keeps everything before it. A
+stage process that dies inside an item (an illegal address poisons its CUDA context) is started
+again after that item, which the report lists as crashed. Four files in all: report.md,
+results.jsonl, session.log (every stage's output) and speed.png.
+
+The dry run runs the same stages and writes the same report without a GPU: the cupy backend on
+the CPU emulator (tests/cupy_emulation.py), Numba on its CUDA simulator, torch on the CPU where it
+is installed. CI runs it (tests/test_gpu_session.py), so this script cannot rot between GPUs.
+FLASHCUPY_SESSION_INJECT=STAGE:raise or STAGE:crash:N makes STAGE fail on purpose (the whole
+stage raises, or its process dies at its Nth item): the tests prove the report survives both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import importlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import zlib
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What a session measures. check_battery None: reference.compare.BATTERY, every case."""
+
+    seqlens: tuple
+    configs: tuple  # (head_dim, causal), the most important first: the sweep may be cut short
+    dtypes: tuple
+    tokens: int  # batch = tokens // seqlen
+    hidden: int  # heads = hidden // head_dim
+    check_battery: tuple | None
+    math_max_seqlen: int  # torch's math backend holds the whole score matrix
+    numba_max_seqlen: int  # the Numba kernels run on CUDA cores, an order of magnitude slower
+    min_time: float  # seconds of timed calls per measurement, at least MIN_REPEAT calls
+    max_repeat: int
+
+
+GPU = Sizes(seqlens=(512, 1024, 2048, 4096, 8192, 16384), configs=((128, True), (128, False), (64, True), (64, False)),
+            dtypes=("bfloat16", "float16"), tokens=16384, hidden=2048, check_battery=None, math_max_seqlen=4096,
+            numba_max_seqlen=2048, min_time=0.1, max_repeat=30)
+DRY = Sizes(seqlens=(32, 64), configs=((64, True), (64, False)), dtypes=("bfloat16", "float16"), tokens=64,
+            hidden=128, math_max_seqlen=64, numba_max_seqlen=64, min_time=0.0, max_repeat=1,
+            # one query and one key; then GQA, causal with Sq < Sk, head_dim 40 (tensor cores): Numba's
+            # simulator runs a Python thread per CUDA thread, so the battery's larger cases take minutes
+            check_battery=((1, 1, 1, 1, 1, 1, False), (1, 9, 12, 2, 1, 40, True)))
+MIN_REPEAT = 3
+
+# (stage, time limit in seconds); the sweep takes what the budget leaves after reserving the plot's
+STAGES = (("preflight", 60), ("blocks", 90), ("pytest", 150), ("check", 150), ("sanitizer", 100),
+          ("sweep", None), ("plot", 30))
+STAGE_NAMES = tuple(name for name, _ in STAGES)
+MAX_RESTARTS = 4  # fresh processes for a stage whose process keeps dying inside items
+
+SWEEP_IMPLS = ("cupy", "numba", "torch-flash", "torch-cudnn", "torch-math")
+
+
+# ----------------------------------------------------------------------------
+# results: one JSON record a line, appended as it happens
+
+
+def _plain(value):
+    """NumPy scalars as Python numbers (a NumPy bool would otherwise be written as the string 'True')."""
+    return value.item() if hasattr(value, "item") else str(value)
+
+
+class Results:
+    def __init__(self, out_dir: str):
+        self.path = os.path.join(out_dir, "results.jsonl")
+
+    def add(self, **record) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, default=_plain) + "\n")
+
+    def read(self) -> list:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+
+# ----------------------------------------------------------------------------
+# the stage processes (`gpu_session.py --worker STAGE`): items, each begun and ended in the record
+
+
+def _injected(stage: str):
+    """('raise',) or ('crash', n) when FLASHCUPY_SESSION_INJECT names this stage, else None."""
+    spec = os.environ.get("FLASHCUPY_SESSION_INJECT", "")
+    parts = spec.split(":")
+    if parts[0] != stage:
+        return None
+    if parts[1:] == ["raise"]:
+        return ("raise",)
+    if len(parts) == 3 and parts[1] == "crash":
+        return ("crash", int(parts[2]))
+    raise ValueError(f"FLASHCUPY_SESSION_INJECT must be STAGE:raise or STAGE:crash:N, got {spec!r}")
+
+
+def _device_healthy(dry: bool) -> bool:
+    """False once the CUDA context is poisoned (a sticky error): the stage must go on in a new process."""
+    if dry:
+        return True
+    try:
+        import cupy
+        cupy.cuda.runtime.deviceSynchronize()
+        return True
+    except Exception:
+        return False
+
+
+def _watchdog(deadline: float) -> None:
+    """End this process when its driver is gone or its time is well past: a stage process runs
+    in a session of its own, so nothing else would stop it."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent and time.time() < deadline + 10:
+            time.sleep(1)
+        os._exit(124)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def run_worker(stage: str, args) -> int:
+    results = Results(args.out)
+    inject = _injected(stage)
+    if inject == ("raise",):
+        raise RuntimeError(f"stage {stage!r} failed on purpose (FLASHCUPY_SESSION_INJECT)")
+    deadline = float(os.environ.get("FLASHCUPY_SESSION_DEADLINE", "inf"))
+    _watchdog(deadline)
+    begun = {r["key"] for r in results.read() if r.get("stage") == stage and r["type"] == "begin"}
+    with contextlib.ExitStack() as stack:
+        if args.dry_run and stage in ("check", "sweep"):
+            stack.enter_context(_emulated())
+        for index, (key, run) in enumerate(WORKERS[stage](args), 1):
+            if key in begun:  # done, or crashed a process before this one
+                continue
+            if time.time() > deadline - 3:
+                results.add(stage=stage, type="cut", key=key, note="out of time: this item and the rest not run")
+                break
+            results.add(stage=stage, type="begin", key=key, t=time.time())
+            if inject == ("crash", index):
+                os._exit(70)  # what an illegal address does to a process, minus the GPU
+            try:
+                for record in run():
+                    results.add(stage=stage, key=key, **record)
+            except Exception as e:
+                results.add(stage=stage, type="error", key=key, error=f"{type(e).__name__}: {e}",
+                            traceback=traceback.format_exc(limit=-4))
+                if not _device_healthy(args.dry_run):
+                    return 3
+            results.add(stage=stage, type="end", key=key, t=time.time())
+    return 0
+
+
+@contextlib.contextmanager
+def _emulated():
+    """The dry run's device: the cupy backend on the CPU emulator (Numba's simulator is chosen by
+    NUMBA_ENABLE_CUDASIM in the environment, before numba is imported)."""
+    sys.path.insert(0, TESTS)
+    from cupy_emulation import emulated
+    with emulated():
+        yield
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+        return True
+    except ImportError:
+        return False
+
+
+def preflight_items(args):
+    def environment():
+        import numpy as np
+
+        import flashcupy
+        from flashcupy import backends
+        from flashcupy.backends import cupy_backend
+        env = {"type": "env", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dry_run": args.dry_run,
+               "python": platform.python_version(), "numpy": np.__version__, "flashcupy": flashcupy.__version__,
+               "gpu": "none: dry run on the CPU emulator" if args.dry_run else None}
+        for dist in ("cupy-cuda12x", "cupy-cuda13x", "numba", "numba-cuda", "torch", "ml_dtypes", "pytest",
+                     "hypothesis", "cuda-pathfinder", "cuda-bindings", "matplotlib"):
+            env[dist] = _version(dist)
+        env["compute-sanitizer"] = shutil.which("compute-sanitizer")
+        env["backends"] = {n: backends.unavailable_reason(n) or "available" for n in backends.NAMES}
+        env["cuda_headers"] = [o for o in cupy_backend._options() if o.startswith("-I")] or "not found"
+        if not args.dry_run:
+            import cupy
+            props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+            env.update(gpu=props["name"].decode(), sm=f"{props['major']}{props['minor']}",
+                       multiprocessors=props["multiProcessorCount"], memory_gib=round(props["totalGlobalMem"] / 2**30, 1),
+                       driver=cupy.cuda.runtime.driverGetVersion(), cuda_runtime=cupy.cuda.runtime.runtimeGetVersion(),
+                       cupy_nvrtc=".".join(map(str, cupy.cuda.nvrtc.getVersion())))
+            if env["backends"]["numba"] == "available":
+                from numba.cuda.cudadrv import nvvm
+                env["nvvm"] = ".".join(map(str, nvvm.NVVM().get_version()))
+            if _version("torch"):
+                import torch
+                env.update(torch_cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
+        missing = [m for m in ("pytest", "ml_dtypes", "hypothesis") if not _importable(m)]
+        if missing and not args.dry_run:  # the session's tests need them; a package mirror may have them
+            done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--retries", "0", "--timeout", "10",
+                                   *missing], capture_output=True, text=True)
+            env["installed"] = {"packages": missing, "returncode": done.returncode, "stderr": done.stderr[-500:]}
+        return [env]
+
+    yield "environment", environment
+
+
+def check_items(args):
+    """Every backend x kernel path x dtype x battery case; each an item of its own."""
+    import numpy as np
+
+    from flashcupy import _check, backends
+    from flashcupy.backends import cupy_backend
+    from flashcupy.backends.cupy_backend import specs
+    ref = _check.oracle()
+    sizes = DRY if args.dry_run else GPU
+    battery = sizes.check_battery or ref.compare.BATTERY
+    for backend, path in (("cupy", "tensor-core"), ("cupy", "simt"), ("numba", "simt")):
+        reason = backends.unavailable_reason(backend)
+        if reason is not None:
+            yield f"{backend}/{path}", lambda backend=backend, reason=reason: [
+                {"type": "unavailable", "impl": backend, "reason": reason}]
+            continue
+        for dtype in backends.module(backend).DTYPES:
+            for case in battery:
+                if path == "tensor-core" and not specs.tensor_core_eligible(dtype, case[5]):
+                    continue  # the SIMT group covers it
+                key = f"{backend}/{path}/{dtype}/{case}"
+
+                def run(backend=backend, path=path, dtype=dtype, case=case, key=key):
+                    cupy_backend.USE_TENSOR_CORES = path == "tensor-core"
+                    rng = np.random.default_rng(zlib.crc32(key.encode()))
+                    row = _check.check_case(ref, backend, dtype, case, rng)
+                    return [{"type": "check", **row, "path": path, "case": list(case)}]
+
+                yield key, run
+
+
+def _device_inputs(shape_kv, shape_q, dtype, seed, dry):
+    """q, k, v, dout, random normal, made where the kernels run: bfloat16 as uint16 bit patterns
+    (rounded to nearest even), which is how CuPy holds it."""
+    if dry:
+        import numpy as xp
+        rng = xp.random.default_rng(seed)
+        normal = lambda shape: rng.standard_normal(shape, dtype=xp.float32)  # noqa: E731
+    else:
+        import cupy as xp
+        rng = xp.random.default_rng(seed)
+        normal = lambda shape: rng.standard_normal(shape, dtype=xp.float32)  # noqa: E731
+    arrays = []
+    for shape in (shape_q, shape_kv, shape_kv, shape_q):
+        x = normal(shape)
+        if dtype == "bfloat16":
+            bits = x.view(xp.uint32)
+            x = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(xp.uint16)
+        else:
+            x = x.astype(dtype)
+        arrays.append(x)
+    return arrays
+
+
+def _median_seconds(fn, dry: bool, sizes: Sizes) -> float:
+    """The median of timed calls after one warm-up call (which also compiles): CUDA events on
+    the current stream on a GPU, the host clock in the dry run."""
+    fn()
+    times = []
+    if not dry:
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+    while len(times) < sizes.max_repeat and (len(times) < min(MIN_REPEAT, sizes.max_repeat)
+                                            or sum(times) < sizes.min_time):
+        if dry:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        else:
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def sweep_items(args):
+    from flashcupy import _bench, backends
+    sizes = DRY if args.dry_run else GPU
+    device = "cpu" if args.dry_run else "cuda"
+    impls, missing = [], []
+    for impl in SWEEP_IMPLS:
+        reason = (backends.unavailable_reason(impl) if impl in backends.NAMES else _bench.torch_available())
+        if reason is None and impl == "torch-cudnn" and args.dry_run:
+            reason = "cuDNN attention needs a GPU"
+        if reason is None and impl == "numba" and args.dry_run:
+            reason = "not timed in the dry run: the simulator takes minutes a call (the check stage runs it)"
+        if reason is None:
+            impls.append(impl)
+        elif impl != "torch-math":  # torch's absence is said by torch-flash and torch-cudnn
+            missing.append((impl, reason))
+    inputs = {}  # the current shape's inputs, shared by every implementation
+
+    def measure(impl, dtype, D, causal, S):
+        B, H = sizes.tokens // S, sizes.hidden // D
+        shape = (dtype, B, S, H, D)
+        if shape not in inputs:
+            inputs.clear()
+            inputs[shape] = _device_inputs((B, S, H, D), (B, S, H, D), dtype, zlib.crc32(repr(shape).encode()),
+                                           args.dry_run)
+        q, k, v, dout = inputs[shape]
+        forward, backward = _bench.closures(impl, q, k, v, dout, causal, 1.0 / math.sqrt(D), device,
+                                            bf16_bits=dtype == "bfloat16")
+        records = []
+        for pass_, fn in (("forward", forward), ("backward", backward)):
+            seconds = _median_seconds(fn, args.dry_run, sizes)
+            peak = None if args.dry_run else _bench._gpu_peak(fn, impl)
+            records.append({"type": "timing", "impl": impl, "pass": pass_, "dtype": dtype, "head_dim": D,
+                            "causal": causal, "seqlen": S, "batch": B, "heads": H, "seconds": seconds,
+                            "tflops": _bench.flops(B, H, S, D, causal, pass_) / seconds / 1e12, "peak_bytes": peak})
+        return records
+
+    for D, causal in sizes.configs:
+        for dtype in sizes.dtypes:
+            for S in sizes.seqlens:
+                for impl in impls:
+                    if impl == "numba" and (dtype == "bfloat16" or S > sizes.numba_max_seqlen):
+                        continue  # numba has no bfloat16 arithmetic
+                    if impl == "torch-math" and S > sizes.math_max_seqlen:
+                        continue
+                    key = f"{impl}/{dtype}/D{D}/{'causal' if causal else 'full'}/S{S}"
+                    yield key, functools.partial(measure, impl, dtype, D, causal, S)
+    for impl, reason in missing:
+        yield f"unavailable/{impl}", lambda impl=impl, reason=reason: [
+            {"type": "unavailable", "impl": impl, "reason": reason}]
+
+
+def plot_items(args):
+    def draw():
+        timings = [r for r in Results(args.out).read() if r["type"] == "timing"]
+        if not timings:
+            return [{"type": "plot", "file": None, "note": "no timings to draw"}]
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        configs = sorted({(r["head_dim"], r["causal"]) for r in timings}, key=lambda c: (-c[0], not c[1]))
+        impls = sorted({r["impl"] for r in timings}, key=lambda i: (i.startswith("torch"), i))
+        colors = dict(zip(impls, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+        rows = ("forward", "backward", "memory")
+        fig, axes = plt.subplots(len(rows), len(configs), figsize=(4.2 * len(configs), 9.5), squeeze=False)
+        for col, (D, causal) in enumerate(configs):
+            for row, what in enumerate(rows):
+                ax = axes[row][col]
+                for impl in impls:
+                    for dtype, style in (("bfloat16", "-o"), ("float16", "--s")):
+                        pass_ = "backward" if what == "memory" else what
+                        rs = sorted((r for r in timings if (r["impl"], r["dtype"], r["head_dim"], r["causal"],
+                                                            r["pass"]) == (impl, dtype, D, causal, pass_)),
+                                    key=lambda r: r["seqlen"])
+                        points = [(r["seqlen"], r["peak_bytes"] / 2**20 if what == "memory" else r["tflops"])
+                                  for r in rs if what != "memory" or r["peak_bytes"]]
+                        if points:
+                            ax.plot(*zip(*points), style, color=colors[impl], markersize=3,
+                                    label=f"{'flashcupy ' if not impl.startswith('torch') else ''}{impl} {dtype}")
+                ax.set_xscale("log", base=2)
+                ax.grid(True, alpha=0.3)
+                ax.set_title(f"{what}, D={D}{' causal' if causal else ''}", fontsize=9)
+                ax.set_ylabel("backward peak extra MiB" if what == "memory" else "TFLOP/s")
+                if what == "memory":
+                    ax.set_yscale("log")
+                    ax.set_xlabel("sequence length")
+        axes[0][0].legend(fontsize=6)
+        fig.tight_layout()
+        path = os.path.join(args.out, "speed.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return [{"type": "plot", "file": "speed.png"}]
+
+    yield "plot", draw
+
+
+WORKERS = {"preflight": preflight_items, "check": check_items, "sweep": sweep_items, "plot": plot_items}
+
+
+# ----------------------------------------------------------------------------
+# the driver
+
+
+def _stage_env(args, deadline: float) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", FLASHCUPY_SESSION_DEADLINE=str(deadline))
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if args.dry_run:
+        env.update(NUMBA_ENABLE_CUDASIM="1", FLASHCUPY_BLOCKS_DEVICE="emulator")
+    return env
+
+
+def _run(command, env, limit: float, log) -> tuple:
+    """(returncode or None on timeout, output) of `command` in a session of its own, so a timeout
+    kills everything it started."""
+    start = log.tell()
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        code = proc.wait(timeout=max(limit, 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        code = None
+    log.flush()
+    with open(log.name, "rb") as f:
+        f.seek(start)
+        output = f.read().decode(errors="replace")
+    return code, output
+
+
+def _pytest_stage(stage, args, env, limit, log, results):
+    files = (["tests/test_tensor_core_gpu.py"] if stage == "blocks"
+             else ["tests/test_cupy_gpu.py", "tests/test_numba_backend.py"])
+    code, output = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files],
+                        env, limit, log)
+    lines = output.strip().splitlines()
+    summary = lines[-1] if lines else ""
+    failed = [line.split(" ", 1)[1].split(" - ")[0] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    results.add(stage=stage, type="pytest", returncode=code, summary=summary, failed=failed[:30],
+                failed_count=len(failed))
+    if code is None:
+        return "timeout"
+    if code == 5:
+        return "failed: pytest ran no tests"
+    return "ok" if code == 0 else f"failed: {len(failed)} tests"
+
+
+def _sanitizer_stage(stage, args, env, limit, log, results):
+    tool = shutil.which("compute-sanitizer")
+    if tool is None:
+        return "skipped: compute-sanitizer not found" + (" (dry run: no GPU)" if args.dry_run else "")
+    status = "ok"
+    for check in ("memcheck", "racecheck"):
+        code, output = _run([tool, "--tool", check, "--error-exitcode", "9", sys.executable, "-m", "flashcupy",
+                             "check", "--backend", "cupy", "--cases", "3", "--dtype", "float16",
+                             "--dtype", "bfloat16", "--dtype", "float32"], env, limit / 2, log)
+        summary = [line for line in output.splitlines() if "SUMMARY" in line]
+        results.add(stage=stage, type="sanitizer", tool=check, returncode=code,
+                    summary=summary[-1] if summary else output.strip().splitlines()[-1:])
+        if code != 0:
+            status = "failed: " + ("timeout" if code is None else f"{check} exit {code}")
+    return status
+
+
+def _worker_stage(stage, args, env, limit, log, results):
+    """A worker stage, restarted in a fresh process after each item that killed its process."""
+    deadline = time.time() + limit
+    for attempt in range(MAX_RESTARTS + 1):
+        command = [sys.executable, os.path.abspath(__file__), "--worker", stage, "--out", args.out] + \
+                  (["--dry-run"] if args.dry_run else [])
+        code, output = _run(command, dict(env, FLASHCUPY_SESSION_DEADLINE=str(deadline)),
+                            deadline - time.time(), log)
+        records = [r for r in results.read() if r.get("stage") == stage]
+        ended = {r["key"] for r in records if r["type"] == "end"}
+        open_items = [r["key"] for r in records if r["type"] == "begin" and r["key"] not in ended]
+        for key in open_items:
+            if not any(r["type"] == "crash" and r["key"] == key for r in records):
+                results.add(stage=stage, type="crash", key=key, returncode=code,
+                            output=output.strip().splitlines()[-6:])
+        if code == 0:
+            return "ok" + (f" after {attempt} restart(s)" if attempt else "")
+        if code is None:
+            return "timeout"
+        if not open_items:  # it failed outside any item: starting again would fail the same way
+            tail = "\n".join(output.strip().splitlines()[-3:])
+            results.add(stage=stage, type="error", key=stage, error=tail)
+            return f"failed: exit {code}"
+        if time.time() > deadline - 5:
+            return "timeout"
+    return f"failed: {MAX_RESTARTS + 1} processes died"
+
+
+def main_driver(args) -> int:
+    os.makedirs(args.out, exist_ok=True)
+    for name in ("results.jsonl", "report.md", "session.log", "speed.png"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(args.out, name))
+    results = Results(args.out)
+    only = args.only.split(",") if args.only else STAGE_NAMES
+    unknown = sorted(set(only) - set(STAGE_NAMES))
+    if unknown:
+        raise ValueError(f"--only: unknown stages {unknown}; the stages are {', '.join(STAGE_NAMES)}")
+    start = time.time()
+    end = start + args.budget
+    plot_reserve = 30 if "plot" in only else 0
+    log = open(os.path.join(args.out, "session.log"), "a+b")
+    failures = 0
+    for stage, limit in STAGES:
+        if stage not in only:
+            continue
+        remaining = end - time.time() - (plot_reserve if stage != "plot" else 0)
+        limit = remaining if limit is None else min(limit, remaining)
+        t0 = time.time()
+        print(f"[{t0 - start:5.0f} s] {stage} (limit {max(limit, 0):.0f} s)", flush=True)
+        log.write(f"\n===== {stage} =====\n".encode())
+        log.flush()
+        if limit < 5:
+            status = "skipped: out of time"
+        else:
+            env = _stage_env(args, t0 + limit)
+            runner = {"blocks": _pytest_stage, "pytest": _pytest_stage, "sanitizer": _sanitizer_stage}.get(
+                stage, _worker_stage)
+            try:
+                status = runner(stage, args, env, limit, log, results)
+            except Exception as e:  # the driver itself must go on to the next stage
+                status = f"failed: {type(e).__name__}: {e}"
+        failures += status.startswith(("failed", "timeout"))
+        results.add(stage=stage, type="stage", status=status, seconds=round(time.time() - t0, 1))
+        print(f"        {stage}: {status}", flush=True)
+        with open(os.path.join(args.out, "report.md"), "w", encoding="utf-8") as f:
+            f.write(render(results.read()))
+    log.close()
+    records = results.read()
+    bad = sum(r["type"] in ("error", "crash") or (r["type"] == "check" and not r["ok"]) for r in records)
+    print(f"[{time.time() - start:5.0f} s] report: {os.path.join(args.out, 'report.md')}; "
+          f"{failures} stage(s) failed, {bad} item(s) failed")
+    print(short_table(records))
+    return 1 if failures or bad else 0
+
+
+# ----------------------------------------------------------------------------
+# the report, from the records alone
+
+
+def _fmt_case(case) -> str:
+    return "(" + ", ".join(str(c) for c in case) + ")"
+
+
+def render(records) -> str:
+    env = next((r for r in records if r["type"] == "env"), {})
+    gpu = env.get("gpu") or "GPU unknown (preflight did not finish)"
+    title = f"# flashcupy GPU session: {gpu}" + (f" (sm_{env['sm']})" if env.get("sm") else "")
+    lines = [title, "", f"{env.get('date', '')}" + (" · **dry run**: no GPU, every figure below is from the "
+                                                     "CPU emulator and means nothing about speed" if env.get("dry_run") else ""), ""]
+    if env:
+        shown = {k: v for k, v in env.items() if k not in ("type", "stage", "key", "date", "dry_run", "gpu", "backends")
+                 and v is not None}
+        lines += ["Environment: " + ", ".join(f"{k} {v}" for k, v in shown.items()), "",
+                  "Backends: " + ", ".join(f"{k}: {v}" for k, v in env.get("backends", {}).items()), ""]
+    lines += ["## Stages", "", "| stage | status | seconds |", "|---|---|---|"]
+    lines += [f"| {r['stage']} | {r['status']} | {r['seconds']} |" for r in records if r["type"] == "stage"]
+    lines.append("")
+    tests = [r for r in records if r["type"] == "pytest"]
+    if tests:
+        lines += ["## Tests on the device", ""]
+        for r in tests:
+            lines.append(f"- {r['stage']}: {r['summary']}" + (f" (exit {r['returncode']})" if r["returncode"] else ""))
+            lines += [f"  - FAILED {name}" for name in r["failed"]]
+            if r["failed_count"] > len(r["failed"]):
+                lines.append(f"  - ... and {r['failed_count'] - len(r['failed'])} more")
+        lines.append("")
+    checks = [r for r in records if r["type"] == "check"]
+    if checks:
+        lines += ["## Correctness against the float64 oracle", "",
+                  "Worst error / tolerance over out, lse, dq, dk, dv (tolerance rule: reference/compare.py; "
+                  "<= 1 passes).", "", "| backend | path | dtype | case (B, Sq, Sk, Hq, Hkv, D, causal) | err/tol | |",
+                  "|---|---|---|---|---|---|"]
+        for r in checks:
+            detail = f"{r['worst']:.3f}" if "error" not in r else r["error"]
+            lines.append(f"| {r['backend']} | {r['path']} | {r['dtype']} | {_fmt_case(r['case'])} | {detail} | "
+                         f"{'ok' if r['ok'] else '**FAIL**'} |")
+        lines += ["", f"{sum(r['ok'] for r in checks)} of {len(checks)} passed.", ""]
+    sanitizer = [r for r in records if r["type"] == "sanitizer"]
+    if sanitizer:
+        lines += ["## compute-sanitizer", ""] + [f"- {r['tool']}: exit {r['returncode']}, {r['summary']}"
+                                                 for r in sanitizer] + [""]
+    lines += _speed_tables([r for r in records if r["type"] == "timing"])
+    plots = [r for r in records if r["type"] == "plot"]
+    if plots:
+        lines += ["![speed and memory](speed.png)" if plots[-1]["file"] else f"Plot: {plots[-1]['note']}", ""]
+    problems = [r for r in records if r["type"] in ("error", "crash", "cut", "unavailable")]
+    if problems:
+        lines += ["## Errors, crashes and what did not run", ""]
+        for r in problems:
+            what = r.get("error") or r.get("note") or r.get("reason") or \
+                f"the process died here (exit {r.get('returncode')}): " + " / ".join(r.get("output", []))
+            lines.append(f"- {r['stage']} `{r.get('key', r.get('impl'))}`: {r['type']}: {what}")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _speed_tables(timings) -> list:
+    if not timings:
+        return []
+    lines = ["## Speed and memory", "",
+             "TFLOP/s (forward 4·B·H·S²·D, halved when causal; backward 2.5x), median of timed calls after a "
+             "warm-up; in brackets the peak extra memory in MiB. 16k tokens per batch (B = tokens / S), "
+             "hidden size 2048 (H = 2048 / D) on a GPU.", ""]
+    impls = sorted({r["impl"] for r in timings}, key=lambda i: (i.startswith("torch"), i))
+    for dtype in sorted({r["dtype"] for r in timings}):
+        for pass_ in ("forward", "backward"):
+            rows = [r for r in timings if (r["dtype"], r["pass"]) == (dtype, pass_)]
+            if not rows:
+                continue
+            lines += [f"### {dtype} {pass_}", "", "| D | causal | S | B x H | " + " | ".join(impls)
+                      + " | cupy / torch-flash | cupy / torch-cudnn |", "|---" * (len(impls) + 6) + "|"]
+            for D, causal, S in sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in rows},
+                                       key=lambda k: (-k[0], not k[1], k[2])):
+                cell = {r["impl"]: r for r in rows if (r["head_dim"], r["causal"], r["seqlen"]) == (D, causal, S)}
+                any_row = next(iter(cell.values()))
+
+                def show(impl):
+                    r = cell.get(impl)
+                    if r is None:
+                        return ""
+                    mem = f" ({r['peak_bytes'] / 2**20:.0f})" if r["peak_bytes"] is not None else ""
+                    return f"{r['tflops']:.1f}{mem}" if r["tflops"] >= 0.1 else f"{r['tflops']:.2g}{mem}"
+
+                def ratio(other):
+                    if "cupy" in cell and other in cell:
+                        return f"{cell['cupy']['tflops'] / cell[other]['tflops']:.2f}x"
+                    return ""
+
+                lines.append(f"| {D} | {causal} | {S} | {any_row['batch']} x {any_row['heads']} | "
+                             + " | ".join(show(i) for i in impls) + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} |")
+            lines.append("")
+    return lines
+
+
+def short_table(records) -> str:
+    """The last lines a device call shows: stages, check failures, the headline ratios."""
+    out = [f"{r['stage']:<10} {r['status']}" for r in records if r["type"] == "stage"]
+    checks = [r for r in records if r["type"] == "check"]
+    if checks:
+        out.append(f"checks: {sum(r['ok'] for r in checks)} of {len(checks)} passed")
+    timings = {(r["impl"], r["dtype"], r["pass"], r["head_dim"], r["causal"], r["seqlen"]): r["tflops"]
+               for r in records if r["type"] == "timing"}
+    for (impl, dtype, pass_, D, causal, S), tf in sorted(timings.items()):
+        if impl == "cupy" and (("torch-flash",) + (dtype, pass_, D, causal, S)) in timings:
+            base = timings[("torch-flash", dtype, pass_, D, causal, S)]
+            out.append(f"{dtype} {pass_:<8} D={D} causal={causal!s:<5} S={S:<6} cupy {tf:6.1f}  flash {base:6.1f}"
+                       f"  {tf / base:.2f}x")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: the CPU emulator, Numba's simulator, tiny shapes")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results", "gpu"),
+                    help="where the report goes ($OUT on the device machine)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the whole session (default: 400 on a GPU, 900 in the dry run)")
+    ap.add_argument("--only", help=f"comma-separated stages to run, of: {','.join(STAGE_NAMES)}")
+    ap.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.out = os.path.abspath(args.out)
+    if args.worker:
+        return run_worker(args.worker, args)
+    if args.budget is None:
+        args.budget = 900.0 if args.dry_run else 400.0
+    return main_driver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The GPU session script, run here as its dry run: every stage on the CPU (the emulator in place of
+the GPU, Numba's simulator, tiny shapes), the same report. A lent GPU is rare and short: the script
+must work the first time, and a failing stage must not take the others' results with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_session.sh")
+
+
+def session(out, *args, inject=None):
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("FLASHCUPY_SESSION_INJECT", None)
+    if inject:
+        env["FLASHCUPY_SESSION_INJECT"] = inject
+    done = subprocess.run(["bash", SCRIPT, "--dry-run", "--out", str(out), *args], env=env, capture_output=True,
+                          text=True, timeout=600)
+    with open(out / "results.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    return done, records, (out / "report.md").read_text()
+
+
+def stages(records):
+    return {r["stage"]: r["status"] for r in records if r["type"] == "stage"}
+
+
+def test_dry_run_writes_a_complete_report(tmp_path):
+    done, records, report = session(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    status = stages(records)
+    assert list(status) == ["preflight", "blocks", "pytest", "check", "sanitizer", "sweep", "plot"]
+    for stage, result in status.items():
+        want = "skipped: compute-sanitizer not found" if stage == "sanitizer" and not shutil.which(
+            "compute-sanitizer") else "ok"
+        assert result.startswith(want), (stage, result)
+    (env,) = [r for r in records if r["type"] == "env"]
+    assert env["dry_run"] and env["numpy"]
+    blocks = next(r for r in records if r["type"] == "pytest" and r["stage"] == "blocks")
+    assert blocks["returncode"] == 0 and "passed" in blocks["summary"] and "skipped" not in blocks["summary"]
+    checks = [r for r in records if r["type"] == "check"]
+    groups = {(r["backend"], r["path"], r["dtype"]) for r in checks}
+    assert {("cupy", "tensor-core", "float16"), ("cupy", "tensor-core", "bfloat16"), ("cupy", "simt", "float64"),
+            ("numba", "simt", "float32")} <= groups
+    assert all(r["ok"] is True and 0 <= r["worst"] <= 1 for r in checks)
+    timings = [r for r in records if r["type"] == "timing"]
+    assert {(r["impl"], r["dtype"]) for r in timings} >= {("cupy", "bfloat16"), ("cupy", "float16")}
+    assert any(r["type"] == "unavailable" and r["impl"] == "numba" and r["stage"] == "sweep" for r in records)
+    assert all(r["seconds"] > 0 and r["tflops"] > 0 for r in timings)
+    assert not [r for r in records if r["type"] in ("error", "crash")]
+    assert os.path.getsize(tmp_path / "speed.png") > 10_000
+    for section in ("## Stages", "## Correctness against the float64 oracle", "### bfloat16 forward",
+                    "![speed and memory](speed.png)", "**dry run**"):
+        assert section in report
+
+
+def test_a_stage_that_raises_leaves_the_stages_before_and_after(tmp_path):
+    done, records, report = session(tmp_path, "--only", "preflight,check,plot", inject="check:raise")
+    assert done.returncode == 1
+    status = stages(records)
+    assert status["preflight"] == "ok" and status["plot"] == "ok"
+    assert status["check"].startswith("failed")
+    assert any(r["type"] == "env" for r in records)
+    assert not [r for r in records if r["type"] == "check"]
+    assert "failed on purpose" in report and "| preflight | ok |" in report and "| plot | ok |" in report
+
+
+def test_a_process_that_dies_inside_an_item_is_restarted_after_it(tmp_path):
+    # what an illegal address does: the process is gone, the items before it are kept, the item is
+    # reported as crashed, and a fresh process does the rest
+    done, records, report = session(tmp_path, "--only", "sweep", inject="sweep:crash:2")
+    assert done.returncode == 1
+    assert stages(records)["sweep"] == "ok after 1 restart(s)"
+    (crash,) = [r for r in records if r["type"] == "crash"]
+    begun = [r["key"] for r in records if r["type"] == "begin"]
+    assert crash["key"] == begun[1] and crash["returncode"] == 70
+    timed = {r["key"] for r in records if r["type"] == "timing"}
+    measured = [key for key in begun if not key.startswith("unavailable/")]
+    assert begun[0] in timed and crash["key"] not in timed and set(measured[2:]) <= timed and len(measured) > 4
+    assert f"`{crash['key']}`: crash" in report

@@ -1,0 +1,93 @@
+"""The tensor-core building blocks on a real GPU: the emulator's model of each PTX instruction,
+checked against silicon.
+
+tests/test_tensor_core.py checks the emulator's mma, ldmatrix, cp.async, pack and ex2 against the
+PTX ISA's fragment layouts written out in NumPy. Here the same test kernels
+(tests/emulator/testkernels/tensor_core.cu) and the same checks run through cupy.RawModule with
+the backend's own compile options, so a GPU confirms both the ISA reading and the emulator in
+seconds, before any attention kernel is trusted. Marked `gpu`; the GPU session runs this file
+first (benchmarks/gpu_session.py). FLASHCUPY_BLOCKS_DEVICE=emulator runs it on the emulator
+instead, which is how the session's dry run exercises this stage without a GPU.
+
+Not repeated here: the checks that only an emulator can make (a missing cp.async wait reads
+NaN garbage, misuse is reported); on silicon their outcome depends on timing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import test_tensor_core as blocks
+from flashcupy.backends import cupy_backend
+
+DEVICE = os.environ.get("FLASHCUPY_BLOCKS_DEVICE", "cupy")
+if DEVICE not in ("cupy", "emulator"):
+    raise ValueError(f"FLASHCUPY_BLOCKS_DEVICE must be 'cupy' or 'emulator', got {DEVICE!r}")
+REASON = cupy_backend.unavailable_reason() if DEVICE == "cupy" else None
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"no GPU for cupy: {REASON}")]
+
+
+class DeviceFunction:
+    """A cupy kernel called like the emulator's: NumPy arguments in, NumPy arrays updated in place."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        import cupy
+        on_device = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+        self.function(grid, block, on_device, shared_mem=shared_mem)
+        cupy.cuda.get_current_stream().synchronize()
+        for host, device in zip(args, on_device):
+            if isinstance(host, np.ndarray):
+                host[...] = device.get()
+
+
+@pytest.fixture(autouse=True)
+def on_device(monkeypatch):
+    if DEVICE == "emulator":
+        yield
+        return
+    import cupy
+    module = cupy.RawModule(code=blocks.source(), name_expressions=blocks.NAMES,
+                            options=cupy_backend._options() + (blocks.INCLUDE,))
+    monkeypatch.setattr(blocks, "kernel", lambda name, order="ascending": DeviceFunction(module.get_function(name)))
+    yield
+
+
+@pytest.mark.parametrize("fmt", blocks.NARROW)
+def test_mma_c_and_d_layout(fmt):
+    blocks.test_mma_c_and_d_layout(fmt)
+
+
+@pytest.mark.parametrize("fmt", blocks.NARROW)
+def test_mma_a_layout(fmt, rng):
+    blocks.test_mma_a_layout(fmt, rng)
+
+
+@pytest.mark.parametrize("fmt", blocks.NARROW)
+def test_mma_b_layout(fmt, rng):
+    blocks.test_mma_b_layout(fmt, rng)
+
+
+@pytest.mark.parametrize("fmt", blocks.NARROW)
+def test_mma_random(fmt, rng):
+    blocks.test_mma_random(fmt, rng)
+
+
+@pytest.mark.parametrize("num,trans", blocks.LDMATRIX, ids=[f"x{n}{'.trans' if t else ''}" for n, t in blocks.LDMATRIX])
+def test_ldmatrix(num, trans, rng):
+    blocks.test_ldmatrix(num, trans, rng)
+
+
+@pytest.mark.parametrize("fmt", blocks.NARROW)
+@pytest.mark.parametrize("a_rows", [16, 11])
+def test_tile_matmul_matches_numpy(fmt, a_rows, rng):
+    blocks.test_tile_matmul_matches_numpy(fmt, "ascending", a_rows, rng)
+
+
+def test_pack_and_exp(rng):
+    blocks.test_pack_and_exp(rng)
