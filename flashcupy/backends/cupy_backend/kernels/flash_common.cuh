@@ -127,11 +127,19 @@ __device__ __forceinline__ void row_dots(Acc (&S)[R], const Acc* A_s, const Acc*
     const Acc* B_c = B_s + c * HEAD_DIM;
 #pragma unroll
     for (int r = 0; r < R; ++r) S[r] = Acc(0);
-    for (int u = 0; u < STEPS; ++u) {
+    auto step = [&](int u) {
         const int d = ((u + c) & (STEPS - 1)) * SPLIT + part;
         const Acc b = B_c[d];
 #pragma unroll
         for (int r = 0; r < R; ++r) S[r] += A_s[r * HEAD_DIM + d] * b;
+    };
+    if constexpr (sizeof(Acc) == 8) {
+        // Left to NVRTC 13.5's own unrolling, the loads of a float64 tile (two registers each) went
+        // past the MIN_CTAS_PER_SM register cap: flash_bwd_dkdv at HEAD_DIM 256 spilled on sm_80.
+#pragma unroll 4
+        for (int u = 0; u < STEPS; ++u) step(u);
+    } else {
+        for (int u = 0; u < STEPS; ++u) step(u);
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
