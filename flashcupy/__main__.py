@@ -56,10 +56,14 @@ def cmd_info(args) -> int:
         print("cupy not installed (pip install 'flashcupy[cuda12]' or '[cuda13]')")
     from flashcupy import _kernels
     try:
-        print(f"NVRTC {_kernels.nvrtc_version()} for `python -m flashcupy kernels` (no GPU needed); "
-              f"nvdisasm: {_kernels.nvdisasm_path() or 'not found (pip install nvidia-cuda-nvdisasm)'}")
-    except (_kernels.NvrtcError, OSError) as e:
+        toolkits = _kernels.toolkits()
+        print("NVRTC for `python -m flashcupy kernels` (no GPU needed):")
+        for t in toolkits:
+            found_by = "cuda-pathfinder, as CuPy finds it" if t.found_by == "cuda-pathfinder" else t.found_by
+            print(f"  {t.version}: {t.nvrtc}, CUDA headers {t.include} ({found_by})")
+    except _kernels.NvrtcError as e:
         print(f"no NVRTC for `python -m flashcupy kernels`: {e}")
+    print(f"nvdisasm: {_kernels.nvdisasm_path() or 'not found (pip install nvidia-cuda-nvdisasm cuda-pathfinder)'}")
     return 0
 
 
@@ -122,8 +126,18 @@ def cmd_bench(args) -> int:
 
 def cmd_kernels(args) -> int:
     from flashcupy import _kernels
-    rows = _kernels.kernel_report(args.arch)
-    print(_kernels.format_kernel_report(rows))
+    from flashcupy.backends.cupy_backend import specs
+    toolkits = _kernels.toolkits()
+    reports = {f"NVRTC {t.version}": _kernels.kernel_report(args.arch, t) for t in toolkits}
+    for t in toolkits:
+        print(f"NVRTC {t.version}: {t.nvrtc}, CUDA headers {t.include}")
+    options = " ".join(specs.COMPILE_OPTIONS + specs.CUPY_NVRTC_OPTIONS)
+    print(f"options, as CuPy passes them: {options} -arch={args.arch} -I<that NVRTC's CUDA headers>\n")
+    print(_kernels.format_kernel_report(reports))
+    exceeded = [f"{heading}: {line}" for heading, rows in reports.items() for line in _kernels.limits_exceeded(rows)]
+    limit = _kernels.MAX_REGISTERS - _kernels.REGISTER_MARGIN
+    print("\n" + ("\n".join(["over the limits (!):"] + exceeded) if exceeded
+                  else f"no kernel spills or takes more than {limit} registers"))
     return 0
 
 

@@ -1,26 +1,49 @@
-"""Compile every CUDA kernel specialization with NVRTC and report what ptxas says about it.
+"""Compile every CUDA kernel specialization with NVRTC as CuPy does, and report what ptxas says.
 
-Used by `python -m flashcupy kernels --arch sm_90` and by tests/test_nvrtc.py. Needs only
-libnvrtc (the `nvidia-cuda-nvrtc-cu12` wheel, or a CUDA toolkit) and, for cuda_fp16.h, the
-`nvidia-cuda-runtime-cu12` wheel's headers; no GPU, no CuPy. NVRTC is called through ctypes.
+Used by `python -m flashcupy kernels` and by tests/test_nvrtc.py; needs no GPU and no CuPy.
+
+What is compiled: the kernel sources with the options CuPy's RawModule hands NVRTC, that is the
+backend's (specs.COMPILE_OPTIONS), those CuPy adds itself (specs.CUPY_NVRTC_OPTIONS: -ftz=true
+among them), -arch=sm_XY and -I for the CUDA headers that go with the NVRTC. CuPy's -I for its own
+headers and its copy of CCCL are left out: the kernels reach none of their files (with CuPy 14.2's
+whole include list every cubin came out byte for byte the same).
+
+Which NVRTC, as a `Toolkit` (a libnvrtc and the CUDA headers compiled against):
+- the one cuda-pathfinder finds: `load_nvidia_dynamic_lib("nvrtc")` and
+  `find_nvidia_header_directory("cudart")`, the search CuPy (>= 14.1) and numba-cuda make, so
+  where one CUDA is installed these are the NVRTC and the headers that CuPy compiles with;
+- every other CUDA major installed as NVIDIA's wheels (`WHEELS`), its files located through the
+  installer's record of the wheel (importlib.metadata). cuda-pathfinder gives one answer per
+  environment, the newest CUDA, and NVRTC 12 and 13 allocate registers differently, so this is how
+  one environment (the test extra installs both) checks what CuPy on CUDA 12 and on CUDA 13 get.
+
+How NVRTC is called: through cuda.bindings.nvrtc, which binds the libnvrtc that cuda-pathfinder
+loads, once per process. So every batch of compilations runs in a worker process of its own (a
+thread per core in it: cuda.bindings releases the GIL while NVRTC compiles), which loads the
+toolkit's libnvrtc before cuda.bindings asks for one (cuda-pathfinder first looks for an NVRTC
+already loaded in the process) and checks that cuda.bindings got that one. The calls made here have
+the same C signatures in NVRTC 12 and 13, so cuda.bindings of either major drives either.
 
 For each kernel: registers per thread, spill bytes (stores + loads), static and dynamic shared
 memory per CTA, threads per CTA, the theoretical occupancy (resident warps / maximum warps per
 SM) on that architecture, and for the tensor-core kernels the count of HMMA.16816.F32
-instructions in their SASS (read by nvdisasm from the `nvidia-cuda-nvdisasm` wheel).
+instructions in their SASS (by nvdisasm, which cuda-pathfinder finds: the
+`nvidia-cuda-nvdisasm` wheel or a toolkit's).
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import glob
+import functools
+import importlib.metadata
 import os
+import pickle
 import re
-import shutil
 import subprocess
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from .backends.cupy_backend import specs
 
@@ -33,101 +56,224 @@ SM_LIMITS = {
     "sm_90": dict(threads=2048, ctas=32, registers=65536, smem=233472, smem_reserved=1024),
 }
 REGISTER_GRANULE = 256  # registers are allocated per warp in multiples of this
+MAX_REGISTERS = 255  # per thread, on every architecture here
+# A kernel this close to MAX_REGISTERS is one compiler release from spilling: allocation moves by
+# more than this between NVRTC versions. tests/test_nvrtc.py fails on it; the report flags it.
+REGISTER_MARGIN = 8
+
+# NVIDIA's wheels of NVRTC and of the CUDA runtime headers, per CUDA major
+WHEELS = {
+    12: ("nvidia-cuda-nvrtc-cu12", "nvidia-cuda-runtime-cu12"),
+    13: ("nvidia-cuda-nvrtc", "nvidia-cuda-runtime"),
+}
+_LIBNVRTC = re.compile(r"libnvrtc\.so\.\d+|nvrtc64_\d+_0\.dll")  # not the builtins or the .alt build
+_WORKERS = min(4, os.cpu_count() or 1)  # compiling threads in a worker process
 
 
 class NvrtcError(RuntimeError):
     pass
 
 
-def _find_libnvrtc() -> str:
-    candidates = []
+@dataclass(frozen=True)
+class Toolkit:
+    """A libnvrtc and the directory of the CUDA headers (cuda_fp16.h) compiled against it."""
+
+    nvrtc: str
+    include: str
+    found_by: str  # "cuda-pathfinder", or the wheels it comes from
+
+    @property
+    def version(self) -> str:
+        """NVRTC's own, e.g. "12.9" (asked of a worker process)."""
+        return _version(self)
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_toolkit() -> Toolkit:
+    """The NVRTC and CUDA headers cuda-pathfinder finds: what CuPy compiles with here."""
     try:
-        from nvidia import cuda_nvrtc  # namespace package of the nvidia-cuda-nvrtc-cu12 wheel
-        for root in cuda_nvrtc.__path__:
-            candidates += sorted(glob.glob(os.path.join(root, "lib", "libnvrtc.so*")))
-            candidates += sorted(glob.glob(os.path.join(root, "bin", "nvrtc64_*.dll")))
+        from cuda.pathfinder import DynamicLibNotFoundError, find_nvidia_header_directory, load_nvidia_dynamic_lib
     except ImportError:
-        pass
-    found = ctypes.util.find_library("nvrtc")
-    if found:
-        candidates.append(found)
-    for path in candidates:
-        if "builtins" not in os.path.basename(path) and "alt" not in os.path.basename(path):
-            return path
-    raise NvrtcError("libnvrtc not found: pip install nvidia-cuda-nvrtc-cu12 (or install a CUDA toolkit)")
+        raise NvrtcError("cuda-pathfinder is not installed (pip install cuda-pathfinder)") from None
+    try:
+        nvrtc = load_nvidia_dynamic_lib("nvrtc").abs_path
+    except DynamicLibNotFoundError as e:
+        raise NvrtcError(f"NVRTC not found (pip install nvidia-cuda-nvrtc-cu12, or nvidia-cuda-nvrtc for "
+                         f"CUDA 13): {e}") from None
+    include = find_nvidia_header_directory("cudart")
+    if include is None:
+        raise NvrtcError("the CUDA headers (cuda_runtime.h) not found (pip install nvidia-cuda-runtime-cu12, "
+                         "or nvidia-cuda-runtime for CUDA 13)")
+    return Toolkit(nvrtc, include, "cuda-pathfinder")
 
 
-_lib = None
+def _wheel_file(wheel: str, major: int, matches) -> tuple | None:
+    """(the path of the first file of the installed `wheel` whose name `matches`, "wheel version"),
+    or None if the wheel is not installed, not of CUDA `major`, or has no such file."""
+    try:
+        dist = importlib.metadata.distribution(wheel)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if dist.version.split(".")[0] != str(major):
+        return None
+    path = next((f.locate() for f in dist.files or () if matches(f.name)), None)
+    return None if path is None else (path, f"{wheel} {dist.version}")
 
 
-def _nvrtc():
-    global _lib
-    if _lib is None:
-        lib = ctypes.CDLL(_find_libnvrtc())
-        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        _lib = lib
-    return _lib
+def _wheel_toolkit(major: int) -> Toolkit | None:
+    """The toolkit that CUDA `major`'s wheels (WHEELS) make, if both are installed."""
+    nvrtc_wheel, headers_wheel = WHEELS[major]
+    nvrtc = _wheel_file(nvrtc_wheel, major, _LIBNVRTC.fullmatch)
+    headers = _wheel_file(headers_wheel, major, lambda name: name == "cuda_fp16.h")
+    if nvrtc is None or headers is None:
+        return None
+    return Toolkit(str(nvrtc[0]), str(headers[0].parent), f"{nvrtc[1]}, {headers[1]}")
 
 
-def _check(status: int, what: str) -> None:
-    if status != 0:
-        raise NvrtcError(f"{what}: {_nvrtc().nvrtcGetErrorString(status).decode()}")
+@functools.lru_cache(maxsize=None)
+def toolkits() -> tuple:
+    """Every NVRTC to check, in order of version: cuda-pathfinder's (CuPy's), and each other CUDA
+    major installed as wheels."""
+    found = [cupy_toolkit()]
+    for major in WHEELS:
+        wheel = _wheel_toolkit(major)
+        if wheel is not None and not any(os.path.samefile(wheel.nvrtc, t.nvrtc) for t in found):
+            found.append(wheel)
+    return tuple(sorted(found, key=lambda t: tuple(map(int, t.version.split(".")))))
 
 
-def nvrtc_version() -> str:
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    _check(_nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
-    return f"{major.value}.{minor.value}"
+# ----------------------------------------------------------------------------
+# the worker: a process that runs one toolkit's NVRTC for a batch of compilations
 
 
-def compile_cubin(source: str, name_expressions, options) -> tuple:
-    """Compile with NVRTC; returns (log, {name expression: lowered (mangled) name}, cubin bytes)."""
-    lib = _nvrtc()
-    prog = ctypes.c_void_p()
-    _check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"flashcupy.cu", 0, None, None),
-           "nvrtcCreateProgram")
+def _check(result, what: str):
+    """The values of a cuda.bindings.nvrtc call after its status; NvrtcError unless it succeeded."""
+    from cuda.bindings import nvrtc
+
+    status, *values = result
+    if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise NvrtcError(f"{what}: {nvrtc.nvrtcGetErrorString(status)[1].decode()}")
+    return values[0] if len(values) == 1 else values
+
+
+def _bind(nvrtc_path: str) -> str:
+    """Make cuda.bindings.nvrtc run the libnvrtc at `nvrtc_path` in this process; its version."""
+    ctypes.CDLL(nvrtc_path)  # cuda-pathfinder takes an NVRTC already loaded before searching
+    try:
+        from cuda.bindings import nvrtc
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+    except ImportError as e:
+        raise NvrtcError(f"{e.name} is not installed (pip install cuda-bindings cuda-pathfinder)") from None
+    bound = load_nvidia_dynamic_lib("nvrtc").abs_path
+    if not os.path.samefile(bound, nvrtc_path):
+        raise NvrtcError(f"cuda.bindings runs {bound}, not {nvrtc_path}")
+    return "{}.{}".format(*_check(nvrtc.nvrtcVersion(), "nvrtcVersion"))
+
+
+def _compile(source: str, name_expressions, options) -> tuple:
+    """(ptxas log, {name expression: lowered name}, cubin) by the NVRTC that _bind chose."""
+    from cuda.bindings import nvrtc
+
+    prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), b"flashcupy.cu", 0, [], []), "nvrtcCreateProgram")
     try:
         for name in name_expressions:
-            _check(lib.nvrtcAddNameExpression(prog, name.encode()), "nvrtcAddNameExpression")
+            _check(nvrtc.nvrtcAddNameExpression(prog, name.encode()), "nvrtcAddNameExpression")
         opts = [o.encode() for o in options]
-        status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-        size = ctypes.c_size_t()
-        _check(lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), "nvrtcGetProgramLogSize")
-        log = ctypes.create_string_buffer(size.value)
-        _check(lib.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
-        log = log.value.decode(errors="replace")
-        if status != 0:
+        (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        log = b" " * _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        _check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+        log = log.rstrip(b"\0").decode(errors="replace")
+        if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise NvrtcError(f"compilation failed:\n{log}")
-        lowered = {}
-        for name in name_expressions:
-            out = ctypes.c_char_p()
-            _check(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(out)), "nvrtcGetLoweredName")
-            lowered[name] = out.value.decode()
-        _check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
-        cubin = ctypes.create_string_buffer(size.value)
-        _check(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return log, lowered, cubin.raw
+        lowered = {name: _check(nvrtc.nvrtcGetLoweredName(prog, name.encode()), "nvrtcGetLoweredName").decode()
+                   for name in name_expressions}
+        cubin = b" " * _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return log, lowered, cubin
     finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _outcome(job) -> tuple:
+    try:
+        return True, _compile(*job)
+    except NvrtcError as e:
+        return False, e
+
+
+def _serve() -> None:
+    """The worker's main: (libnvrtc path, [(source, name expressions, options)]) from stdin, then
+    (True, (NVRTC version, [(True, _compile's result) or (False, NvrtcError)])), or (False, the
+    error that stopped it), to stdout, pickled."""
+    nvrtc_path, jobs = pickle.load(sys.stdin.buffer)
+    try:
+        version = _bind(nvrtc_path)
+        with ThreadPoolExecutor(_WORKERS) as pool:  # cuda.bindings releases the GIL while NVRTC compiles
+            reply = True, (version, list(pool.map(_outcome, jobs)))
+    except NvrtcError as e:
+        reply = False, e
+    pickle.dump(reply, sys.stdout.buffer)
+
+
+# ----------------------------------------------------------------------------
+# in this process
+
+
+def _run(toolkit: Toolkit, jobs) -> tuple:
+    """(NVRTC version, [(True, (log, lowered, cubin)) or (False, NvrtcError)] per job) from a worker
+    process running `toolkit`'s NVRTC."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where flashcupy is imported from
+    code = f"import sys; sys.path.insert(0, {root!r}); from flashcupy._kernels import _serve; _serve()"
+    done = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((toolkit.nvrtc, list(jobs))),
+                          capture_output=True)
+    if done.returncode != 0:
+        raise NvrtcError(f"the worker for {toolkit.nvrtc} failed:\n{done.stderr.decode(errors='replace')[-4000:]}")
+    ok, value = pickle.loads(done.stdout)
+    if not ok:
+        raise value
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _version(toolkit: Toolkit) -> str:
+    return _run(toolkit, ())[0]
+
+
+def _results(toolkit: Toolkit, jobs) -> list:
+    """_compile's result per job, compiled by `toolkit`'s NVRTC; the first job's NvrtcError if any failed."""
+    outcomes = _run(toolkit, jobs)[1]
+    for ok, value in outcomes:
+        if not ok:
+            raise value
+    return [value for _, value in outcomes]
+
+
+def compile_cubin(source: str, name_expressions, options, toolkit: Toolkit | None = None) -> tuple:
+    """Compile with the NVRTC of `toolkit` (default: CuPy's); returns (ptxas log, {name expression:
+    lowered (mangled) name}, cubin bytes)."""
+    return _results(toolkit or cupy_toolkit(), [(source, tuple(name_expressions), tuple(options))])[0]
+
+
+def compile_options(arch: str, toolkit: Toolkit | None = None) -> tuple:
+    """CuPy's NVRTC options for our kernels on an `arch` device, and ptxas' resource report."""
+    toolkit = toolkit or cupy_toolkit()
+    return specs.COMPILE_OPTIONS + specs.CUPY_NVRTC_OPTIONS + (f"-I{toolkit.include}", f"-arch={arch}", "-Xptxas=-v")
 
 
 def nvdisasm_path() -> str | None:
-    """nvdisasm from the nvidia-cuda-nvdisasm wheel (or a CUDA toolkit on PATH), else None."""
+    """nvdisasm as cuda-pathfinder finds it (the nvidia-cuda-nvdisasm wheel, or a toolkit), else None."""
     try:
-        from nvidia import cu13  # namespace package of the nvidia-cuda-nvdisasm wheel
-        for root in cu13.__path__:
-            for path in glob.glob(os.path.join(root, "bin", "nvdisasm")):
-                return path
+        from cuda.pathfinder import find_nvidia_binary_utility
     except ImportError:
-        pass
-    return shutil.which("nvdisasm")
+        return None
+    return find_nvidia_binary_utility("nvdisasm")
 
 
 def sass(cubin: bytes) -> str:
     """The SASS text of a cubin, by nvdisasm."""
     tool = nvdisasm_path()
     if tool is None:
-        raise NvrtcError("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
+        raise NvrtcError("nvdisasm not found: pip install nvidia-cuda-nvdisasm cuda-pathfinder")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -176,13 +322,7 @@ def occupancy(arch: str, registers: int, smem: int, threads: int) -> float:
     return ctas * warps / (lim["threads"] // 32)
 
 
-def compile_options(arch: str) -> tuple:
-    return specs.COMPILE_OPTIONS + specs.cuda_include_options() + (f"-arch={arch}", "-Xptxas=-v")
-
-
-def _module_rows(arch: str, module: specs.ModuleSpec) -> list:
-    log, lowered, cubin = compile_cubin(specs.read_source(module.source_file), module.name_expressions,
-                                        compile_options(arch))
+def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, cubin: bytes) -> list:
     info = parse_ptxas(log)
     text = sass(cubin) if any(k.tensor_cores for k in module.kernels) else ""
     rows = []
@@ -206,34 +346,64 @@ def _module_rows(arch: str, module: specs.ModuleSpec) -> list:
     return rows
 
 
-def kernel_report(arch: str = "sm_90", workers: int | None = None) -> list:
-    """One row per kernel specialization the cupy backend can launch, compiled for `arch`."""
+def kernel_report(arch: str = "sm_90", toolkit: Toolkit | None = None) -> list:
+    """One row per kernel specialization the cupy backend can launch, compiled for `arch` by the
+    NVRTC of `toolkit` (default: CuPy's)."""
     if not re.fullmatch(r"sm_\d+a?", arch):
         raise ValueError(f"arch must look like sm_80 or sm_90, got {arch!r}")
+    toolkit = toolkit or cupy_toolkit()
+    options = compile_options(arch, toolkit)
     modules = specs.all_modules()
-    with ThreadPoolExecutor(max_workers=workers or min(4, os.cpu_count() or 1)) as pool:
-        per_module = list(pool.map(lambda m: _module_rows(arch, m), modules))
+    compiled = _results(toolkit, [(specs.read_source(m.source_file), m.name_expressions, options) for m in modules])
     # the preprocess kernel does not depend on the head-dim bucket: report it once per dtype
     rows, seen = [], set()
-    for row in (r for rs in per_module for r in rs):
-        key = (row["kernel"], row["dtype"], row["head_dim"])
-        if key not in seen:
-            seen.add(key)
-            rows.append(row)
+    for module, result in zip(modules, compiled):
+        for row in _module_rows(arch, module, *result):
+            key = (row["kernel"], row["dtype"], row["head_dim"])
+            if key not in seen:
+                seen.add(key)
+                rows.append(row)
     return rows
 
 
-_COLUMNS = (("kernel", "{}"), ("dtype", "{}"), ("head_dim", "{}"), ("tile", "{}"), ("registers", "{}"),
-            ("spill_bytes", "{}"), ("static_smem", "{}"), ("dynamic_smem", "{}"), ("threads", "{}"),
-            ("occupancy", "{:.0%}"), ("hmma", "{}"))
+def _over(row: dict, column: str) -> bool:
+    """Whether the row's registers or spills are what limits_exceeded reports."""
+    if column == "registers":
+        return row["registers"] > MAX_REGISTERS - REGISTER_MARGIN
+    return column == "spill_bytes" and row["spill_bytes"] > 0
 
 
-def format_kernel_report(rows) -> str:
-    """The report as an aligned text table."""
-    table = [[name for name, _ in _COLUMNS]]
-    for row in rows:
-        table.append(["-" if row.get(name) is None else fmt.format(row[name]) for name, fmt in _COLUMNS])
-    widths = [max(len(r[i]) for r in table) for i in range(len(_COLUMNS))]
-    return "\n".join("  ".join(cell.rjust(w) if i >= 2 else cell.ljust(w)
-                               for i, (cell, w) in enumerate(zip(r, widths))).rstrip()
-                     for r in table)
+def limits_exceeded(rows) -> list:
+    """A line for each kernel that spills or takes more than MAX_REGISTERS - REGISTER_MARGIN registers."""
+    return [f"{r['kernel']} {r['dtype']} head_dim={r['head_dim']}: {r['registers']} registers, "
+            f"{r['spill_bytes']} spill bytes"
+            for r in rows if _over(r, "registers") or _over(r, "spill_bytes")]
+
+
+_KERNEL_COLUMNS = (("kernel", "{}"), ("dtype", "{}"), ("head_dim", "{}"), ("tile", "{}"), ("static_smem", "{}"),
+                   ("dynamic_smem", "{}"), ("threads", "{}"))
+_NVRTC_COLUMNS = (("registers", "{}"), ("spill_bytes", "{}"), ("occupancy", "{:.0%}"), ("hmma", "{}"))
+
+
+def _cell(row: dict, column: str, fmt: str) -> str:
+    if row[column] is None:
+        return "-"
+    return fmt.format(row[column]) + ("!" if _over(row, column) else "")
+
+
+def format_kernel_report(reports: dict) -> str:
+    """{heading: rows} (the reports of the same kernels by different NVRTCs, e.g. {"NVRTC 12.9":
+    rows}) as one aligned text table: the kernels' columns, then each report's under its heading.
+    Registers and spills that limits_exceeded reports are marked with "!"."""
+    names = [name for name, _ in _KERNEL_COLUMNS] + [name for _ in reports for name, _ in _NVRTC_COLUMNS]
+    table = [names]
+    for same_kernel in zip(*reports.values()):
+        table.append([_cell(same_kernel[0], name, fmt) for name, fmt in _KERNEL_COLUMNS]
+                     + [_cell(row, name, fmt) for row in same_kernel for name, fmt in _NVRTC_COLUMNS])
+    widths = [max(len(r[i]) for r in table) for i in range(len(names))]
+    lines = ["  ".join(cell.rjust(w) if i >= 2 else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+             .rstrip() for r in table]
+    heading = ""  # each title starts above its report's first column
+    for k, title in enumerate(reports):
+        heading = heading.ljust(sum(w + 2 for w in widths[:len(_KERNEL_COLUMNS) + k * len(_NVRTC_COLUMNS)])) + title
+    return "\n".join([heading] + lines)

@@ -18,17 +18,12 @@ import numpy as np
 from emulator import EmulatedModule
 
 from flashcupy.backends import cupy_backend
-
-
-def _emulator_options(options) -> tuple:
-    # -I options point at the CUDA toolkit's headers; the emulator brings its own cuda_fp16.h
-    return tuple(o for o in options if not o.startswith("-I"))
+from flashcupy.backends.cupy_backend import specs
 
 
 @functools.lru_cache(maxsize=None)
 def compile_module(source, name_expressions, options, thread_order="ascending", seed=0, cp_async="deferred"):
-    return EmulatedModule(source, name_expressions, _emulator_options(options),
-                          thread_order=thread_order, seed=seed, cp_async=cp_async)
+    return EmulatedModule(source, name_expressions, options, thread_order=thread_order, seed=seed, cp_async=cp_async)
 
 
 @contextlib.contextmanager
@@ -36,15 +31,19 @@ def emulated(thread_order="ascending", seed=0, compile=compile_module, cp_async=
              compute_capability=90):
     """Make backend="cupy" run on NumPy arrays through the emulator, inside the block.
 
-    `compile(source, name_expressions, options, thread_order, seed, cp_async)` builds the modules;
-    tests that alter the kernel source pass their own. cp_async="eager" lands copies at issue
-    (see tests/emulator/__init__.py); compute_capability is what the device reports (below 80
-    the backend never picks the tensor-core kernels).
+    `compile(source, name_expressions, options, thread_order, seed, cp_async)` builds the modules,
+    from the options cupy.RawModule passes NVRTC: the backend's, then CuPy's own
+    (specs.CUPY_NVRTC_OPTIONS: the emulator flushes subnormals for its -ftz=true) and -arch for the
+    device (CuPy's -I for the CUDA headers has no use here: the emulator brings its own). Tests that
+    alter the kernel source pass their own `compile`. cp_async="eager" lands copies at issue (see
+    tests/emulator/__init__.py); compute_capability is what the device reports (below 80 the
+    backend never picks the tensor-core kernels).
     """
-    runtime = cupy_backend.Runtime(
-        np, lambda source, names, options: compile(source, tuple(names), tuple(options), thread_order, seed,
-                                                   cp_async),
-        compute_capability=lambda x: compute_capability)
+    def compile_as_cupy(source, names, options):
+        options = tuple(options) + specs.CUPY_NVRTC_OPTIONS + (f"-arch=sm_{compute_capability}",)
+        return compile(source, tuple(names), options, thread_order, seed, cp_async)
+
+    runtime = cupy_backend.Runtime(np, compile_as_cupy, compute_capability=lambda x: compute_capability)
     saved = cupy_backend.runtime, cupy_backend.ARRAY_LIBRARIES
     cupy_backend.runtime, cupy_backend.ARRAY_LIBRARIES = runtime, ("numpy",)
     try:

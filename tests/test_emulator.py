@@ -380,6 +380,31 @@ def test_half_and_bfloat16_round_trips(rng):
     np.testing.assert_array_equal(h_square, f16_bits_numpy(want_square))
 
 
+@pytest.mark.parametrize("options, flushed", [
+    ((), False), (("-ftz=false",), False), (("--use_fast_math", "-ftz=false"), False),
+    (("-ftz=true",), True), (("--ftz=true",), True), (("--use_fast_math",), True),
+])
+def test_ftz_flushes_float32_subnormals(options, flushed):
+    tiny = np.finfo(np.float32).tiny  # the smallest normal float32
+    x = np.array([1e-20, tiny / 4, tiny, -tiny / 8, 1.5 * tiny, 3.0], np.float32)
+    y = np.array([1e-20, 2.0**60, 0.5, 0.0, -tiny, 4.0], np.float32)
+    product, total = garbage(x.size, np.float32), garbage(x.size, np.float32)
+    kernel("numerics.cu", "subnormal", options)((1,), (x.size,), (x, y, product, total))
+    with np.errstate(under="ignore"):
+        want_product, want_total = x * y, x + y
+    if flushed:  # subnormal results: products 0 and 2, sums 3 and 4; subnormal operands: x[1], x[3]
+        want_product[[0, 1, 2]] = 0.0
+        want_total[[3, 4]] = 0.0
+    np.testing.assert_array_equal(product, want_product)
+    np.testing.assert_array_equal(np.signbit(product), np.signbit(want_product))
+    np.testing.assert_array_equal(total, want_total)
+
+
+def test_ftz_takes_true_or_false():
+    with pytest.raises(ValueError, match="options: '-ftz=yes' must be -ftz=true or -ftz=false"):
+        EmulatedModule(source("numerics.cu"), ["subnormal"], ("-ftz=yes",))
+
+
 def test_maths_functions(rng):
     n = 500
     x = np.concatenate([[0.0, -1.0, np.inf, -np.inf, np.nan], rng.standard_normal(n - 5) * 10]).astype(np.float32)

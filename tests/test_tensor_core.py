@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import assert_close, make_qkv, reference
 from cupy_emulation import compile_module, emulated
-from emulator import EmulatedModule, KernelError, garbage
+from emulator import CP_ASYNC_MODES, EmulatedModule, KernelError, garbage
 
 import flashcupy
 from flashcupy import _kernels
@@ -249,14 +249,20 @@ def test_pack_and_exp(rng):
     np.testing.assert_allclose(e, want, rtol=2e-7)
 
 
-@pytest.mark.parametrize("mode,message", [
-    (0, r"mma\.sync needs all 32 lanes of the warp, but lanes 0x80000000 have exited"),
-    (1, r"ldmatrix row address: address .* is not aligned"),
-    (2, r"cp\.async destination: address .* is not in shared memory"),
+@pytest.mark.parametrize("mode,message,thread", [
+    (0, r"mma\.sync needs all 32 lanes of the warp, but lanes 0x80000000 have exited", None),
+    (1, r"ldmatrix row address: address .* is not aligned", None),
+    (2, r"cp\.async destination: address .* is not in shared memory", None),
+    (3, r"exited with 1 cp\.async copy not waited for \(0 not even committed\)", (0, 0, 0)),
+    (4, r"exited with 1 cp\.async copy not waited for \(1 not even committed\)", (0, 0, 0)),
 ])
-def test_misuse_is_reported(mode, message):
-    with pytest.raises(KernelError, match=message):
-        kernel("tensor_core_misuse")((1,), (32,), (np.int32(mode), np.zeros(32, np.uint32)))
+@pytest.mark.parametrize("cp_async", CP_ASYNC_MODES)
+def test_misuse_is_reported(mode, message, thread, cp_async):
+    module = EmulatedModule(source(), ["tensor_core_misuse"], (INCLUDE,), cp_async=cp_async)
+    with pytest.raises(KernelError, match=message) as caught:
+        module.get_function("tensor_core_misuse")((1,), (32,), (np.int32(mode), np.zeros(32, np.uint32)))
+    if thread is not None:
+        assert caught.value.thread == thread
 
 
 # ----------------------------------------------------------------------------
@@ -356,9 +362,11 @@ def test_strided_head_dim_and_old_gpus_fall_back_to_simt(rng):
         assert cupy_backend.forward_path(p, q, k, v) == "simt"
 
 
-# each line the kernel cannot do without, and the schedule under which its absence shows
+# each line the kernel cannot do without, and the schedule under which its absence shows (the last
+# pass's wait<0> stays: without it the emulator reports the copies left in flight at exit, before
+# any answer; tests/emulator checks that report)
 TC_ESSENTIAL = {
-    "cp.async waits": (r"cp_async_wait<\d>\(\);", ("ascending", "deferred")),
+    "cp.async wait of a prefetching pass": (r"cp_async_wait<1>\(\);", ("ascending", "deferred")),
     "barrier before reading K_j, V_j": (r"__syncthreads\(\);(?=  // \.\.\. and every other thread's)",
                                         ("warp_skew", "deferred")),
     "barrier before the prefetch": (r"__syncthreads\(\);(?=  // every warp is done with this stage)",
@@ -382,6 +390,41 @@ def test_attn_fwd_tc_fails_without_each_wait_and_barrier(what, rng):
     out, _ = tc_forward(q, k, v, "float16", case[6], schedule, compile=without)
     with pytest.raises(AssertionError):
         assert_close(out, want, "float16", q, k)
+
+
+# causal with seqlen_q - seqlen_k = 130: the rows of the first two 64-row query blocks see no key, so
+# the forward and dQ CTAs of those blocks have no key block to visit
+NO_KEY_CASE = (1, 150, 20, 1, 1, 64, True)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids="-".join)
+def test_ctas_without_a_key_block_write_zeros_and_leave_no_copy_in_flight(schedule, rng):
+    # the emulator fails the launch if a thread exits with cp.async copies in flight
+    q, k, v, dout, grads = tc_gradients(rng, NO_KEY_CASE, "float16", schedule)
+    out, lse = tc_forward(q, k, v, "float16", True, schedule)
+    unseen = NO_KEY_CASE[1] - NO_KEY_CASE[2]
+    assert (out[:, :unseen] == 0).all() and np.isneginf(lse[..., :unseen]).all()
+    want_out, want_lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    assert_close(out, want_out, "float16", q, k, what="out")
+    assert_close(lse, want_lse, "float16", q, k, what="lse")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, reference.attention_backward(dout, q, k, v, causal=True)):
+        assert_close(got, want, "float16", q, k, what=name)
+
+
+def test_a_cta_leaving_a_copy_in_flight_is_caught(rng):
+    # attn_fwd_tc.cu as it was: the Q tile's cp.async issued even where there is no key block to visit
+    def q_copy_always(source, names, options, thread_order, seed, cp_async):
+        if "attn_fwd_tc" in source:
+            guard, q_load = r"(    if \(kv_blocks > 0\) \{\n)", r"(\s*load_tile_async<BLOCK_M, HEAD_DIM>\(Q_s[^\n]*\n)"
+            source, count = re.subn(guard + q_load, r"\2\1", source)
+            assert count == 1, "the guarded Q tile load is not in attn_fwd_tc.cu"
+        return compile_module(source, names, options, thread_order, seed, cp_async)
+
+    q, k, v = tc_inputs(rng, NO_KEY_CASE, "float16")
+    with pytest.raises(KernelError, match=r"exited with \d+ cp\.async copies not waited for") as caught:
+        tc_forward(q, k, v, "float16", True, SCHEDULES[0], compile=q_copy_always)
+    # blocks 1 and 2 are query blocks 1 and 0 (the grid runs the last query block first)
+    assert caught.value.block in ((1, 0, 0), (2, 0, 0))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -457,31 +500,32 @@ def test_backward_with_strided_dout_or_out_falls_back_to_simt(rng):
         assert_close(got, w, "float16", q, k, what=name)
 
 
-# each line the backward cannot do without: (pattern, the schedule under which its absence shows,
-# the gradients it spoils)
+# each line the backward cannot do without: (pattern, what replaces it, the schedule under which its
+# absence shows, the gradients it spoils). A wait is kept on the last pass only, so that the copies
+# are drained before the threads exit (else the emulator reports them, before any answer).
 TC_BWD_ESSENTIAL = {
     "dK/dV: cp.async wait": (r"cp_async_wait<1>\(\);(?=  // this thread's copies of pass p)",
-                             ("ascending", "deferred"), ("dk", "dv")),
-    "dK/dV: barrier before reading the stage": (r"__syncthreads\(\);(?=  // \.\.\. and every thread's, with)",
+                             "if (p + 1 == passes) cp_async_wait<0>();", ("ascending", "deferred"), ("dk", "dv")),
+    "dK/dV: barrier before reading the stage": (r"__syncthreads\(\);(?=  // \.\.\. and every thread's, with)", "",
                                                 ("warp_skew", "deferred"), ("dk", "dv")),
-    "dK/dV: barrier before the prefetch": (r"__syncthreads\(\);(?=  // every warp is done with this Q_i)",
+    "dK/dV: barrier before the prefetch": (r"__syncthreads\(\);(?=  // every warp is done with this Q_i)", "",
                                            ("warp_skew", "eager"), ("dk", "dv")),
     "dQ: cp.async wait": (r"cp_async_wait<1>\(\);(?=  // this thread's copies of K_j, V_j)",
-                          ("ascending", "deferred"), ("dq",)),
-    "dQ: barrier before reading the stage": (r"__syncthreads\(\);(?=  // \.\.\. and every thread's: the tiles)",
+                          "if (jb + 1 == kv_blocks) cp_async_wait<0>();", ("ascending", "deferred"), ("dq",)),
+    "dQ: barrier before reading the stage": (r"__syncthreads\(\);(?=  // \.\.\. and every thread's: the tiles)", "",
                                              ("warp_skew", "deferred"), ("dq",)),
-    "dQ: barrier before the prefetch": (r"__syncthreads\(\);(?=  // every warp is done with K_j, V_j)",
+    "dQ: barrier before the prefetch": (r"__syncthreads\(\);(?=  // every warp is done with K_j, V_j)", "",
                                         ("warp_skew", "eager"), ("dq",)),
 }
 
 
 @pytest.mark.parametrize("what", TC_BWD_ESSENTIAL)
 def test_attn_bwd_tc_fails_without_each_wait_and_barrier(what, rng):
-    pattern, schedule, spoiled = TC_BWD_ESSENTIAL[what]
+    pattern, replacement, schedule, spoiled = TC_BWD_ESSENTIAL[what]
 
     def without(source, names, options, thread_order, seed, cp_async):
         if "attn_bwd_dkdv_tc" in source:
-            source, count = re.subn(pattern, "", source)
+            source, count = re.subn(pattern, replacement, source)
             assert count == 1, f"{what}: found {count} times in attn_bwd_tc.cu"
         return compile_module(source, names, options, thread_order, seed, cp_async)
 

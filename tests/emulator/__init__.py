@@ -19,8 +19,10 @@ shared_mem_limit=48 KiB, stack_size=256 KiB, oob_guard="end", cp_async="deferred
   ``$FLASHCUPY_EMULATOR_CACHE`` or ``$TMPDIR/flashcupy-emulator-$UID``, so a specialisation compiles
   once, across test sessions too.
 - ``options``: ``-D NAME=VALUE``/``-DNAME=VALUE``/``--define-macro=``, ``-I dir``/``-Idir``/
-  ``--include-path=`` and ``-arch=sm_XY``/``--gpu-architecture=`` (sets ``__CUDA_ARCH__``, default 900)
-  are honoured; every other flag (``-std=...``, ``--use_fast_math``, ...) is ignored.
+  ``--include-path=``, ``-arch=sm_XY``/``--gpu-architecture=`` (sets ``__CUDA_ARCH__``, default 900)
+  and ``-ftz=true|false``/``--ftz=`` (flush subnormals to zero; ``--use_fast_math`` implies
+  ``-ftz=true``, as in NVRTC; CuPy always passes ``-ftz=true``) are honoured; every other flag
+  (``-std=...``, the rest of ``--use_fast_math``, ...) is ignored.
   ``__CUDACC__`` and ``__CUDACC_RTC__`` are defined, as under NVRTC.
 - ``name_expressions``: plain ``extern "C"`` names or template instantiations (``attn_fwd<float, 64>``).
   Each gets a generated trampoline that deduces the parameter types from the kernel's function
@@ -49,7 +51,9 @@ shared_mem_limit=48 KiB, stack_size=256 KiB, oob_guard="end", cp_async="deferred
   write shared memory: "deferred" (default) at the ``cp.async.wait_group`` that completes them, so a
   missing wait reads stale memory; "eager" when issued, so a prefetch into a buffer that other warps
   still read lands at once (with "warp_skew", a missing barrier before the prefetch gives a wrong
-  answer). A GPU may do either; test both.
+  answer). A GPU may do either; test both. In either mode a thread that exits with copies it never
+  waited for (``cp.async.wait_group``) is a ``KernelError``: a CTA's copies may still be landing
+  after it exits, in shared memory that the next CTA on the SM may already own.
 - ``stack_size`` is each CUDA thread's stack; ``ucontext=True`` forces the portable fiber switch
   (glibc ucontext) that machines other than x86-64 use, so it can be tested here.
 - ``garbage(shape, dtype)``: an array of 0xFF bytes (NaN, or -1), for outputs a kernel must fully write.
@@ -83,8 +87,12 @@ against a guard page too; a write into the slack before or after it is reported 
 
 Not faithful (by design or not yet)
 -----------------------------------
-- Floating point: intrinsics such as ``__expf`` are exact, ``--use_fast_math`` is ignored, g++ does
-  not contract ``a*b+c`` into FMAs, denormals are not flushed. Compare with tolerances.
+- Floating point: intrinsics such as ``__expf`` are exact, ``--use_fast_math`` is ignored but for
+  its ``-ftz=true``, and g++ does not contract ``a*b+c`` into FMAs. Compare with tolerances. With
+  ``-ftz=true`` a launch runs with the CPU's flush-to-zero (x86-64: MXCSR's FTZ and DAZ; AArch64:
+  FPCR.FZ), which flushes float32 subnormal operands and results as CUDA does, but float64 ones too,
+  which CUDA keeps (``-ftz`` is about single precision only); and conversions to bfloat16 see a
+  float32 subnormal as zero. Without ``-ftz=true`` nothing is flushed.
 - Memory is sequentially consistent and atomics are trivially atomic; weak-memory effects and races
   inside one blocking-point interval are only exposed through the thread order.
 - Warps are not lockstep (the Volta+ model): warp-synchronous code without ``__syncwarp`` may fail,

@@ -139,14 +139,27 @@ def _runtime_object(ucontext: bool) -> str:
     return path
 
 
+_FTZ = re.compile(r"--?ftz=(.*)")
+_FAST_MATH = ("--use_fast_math", "-use_fast_math")
+
+
 def _parse_options(options) -> tuple:
-    """(defines, include_dirs, arch) from NVRTC-style options; NVRTC-only flags are ignored."""
-    defines, include_dirs, arch = [], [], ARCH_DEFAULT
+    """(defines, include_dirs, arch, ftz) from NVRTC-style options; NVRTC-only flags are ignored.
+
+    ftz: whether float32 subnormals are flushed to zero: -ftz=true|false (--ftz=), else whether
+    --use_fast_math (which implies -ftz=true) is given.
+    """
+    defines, include_dirs, arch, ftz = [], [], ARCH_DEFAULT, None
     options = list(options)
+    fast_math = any(str(o) in _FAST_MATH for o in options)
     i = 0
     while i < len(options):
         opt = str(options[i])
         value = None
+        if m := _FTZ.fullmatch(opt):
+            if m.group(1) not in ("true", "false"):
+                raise ValueError(f"options: {opt!r} must be -ftz=true or -ftz=false")
+            ftz = m.group(1) == "true"
         for flag, long_flag in (("-D", "--define-macro"), ("-I", "--include-path"),
                                 ("-arch", "--gpu-architecture")):
             if opt in (flag, long_flag):
@@ -168,7 +181,7 @@ def _parse_options(options) -> tuple:
                     arch = int(m.group(1)) * 10
             break
         i += 1
-    return tuple(defines), tuple(include_dirs), arch
+    return tuple(defines), tuple(include_dirs), arch, fast_math if ftz is None else ftz
 
 
 def _include_dir_contents(include_dirs) -> tuple:
@@ -210,7 +223,7 @@ def _write_atomically(path: str, text: str) -> None:
 
 def _build(source: str, names: tuple, options: tuple, ucontext: bool = False) -> str:
     """Path of the shared library for (source, names, options), compiling it if not cached."""
-    defines, include_dirs, arch = _parse_options(options)
+    defines, include_dirs, arch, _ = _parse_options(options)  # ftz is set per launch, not built in
     key = _digest(_toolchain(), source, names, defines, include_dirs, arch, ucontext,
                   _include_dir_contents(include_dirs))
     stem = os.path.join(cache_dir(), f"module-{key}")
@@ -248,7 +261,8 @@ class _ParamInfo(ctypes.Structure):
 class _LaunchConfig(ctypes.Structure):
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
                 ("dynamic_shared_bytes", ctypes.c_uint64), ("stack_bytes", ctypes.c_uint64),
-                ("seed", ctypes.c_uint64), ("order", ctypes.c_int), ("cp_async_eager", ctypes.c_int)]
+                ("seed", ctypes.c_uint64), ("order", ctypes.c_int), ("cp_async_eager", ctypes.c_int),
+                ("flush_denormals", ctypes.c_int)]
 
 
 class _LaunchReport(ctypes.Structure):
@@ -515,7 +529,7 @@ class EmulatedFunction:
             argv = (ctypes.c_void_p * max(1, len(args)))(*(ctypes.addressof(s) for s in storage))
             config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
                                    module.stack_size, module.seed, THREAD_ORDERS.index(module.thread_order),
-                                   int(module.cp_async == "eager"))
+                                   int(module.cp_async == "eager"), int(module.ftz))
             report = _LaunchReport()
             with _launch_lock:
                 status = self._lib.emu_launch(self._entry, argv, ctypes.byref(config), ctypes.byref(report))
@@ -605,6 +619,7 @@ class EmulatedModule:
             raise ValueError(f"shared_mem_limit must be between 0 and {SHARED_MEM_OPTIN_MAX}, got {shared_mem_limit}")
         self.code = code
         self.options = tuple(options)
+        self.ftz = _parse_options(self.options)[3]
         self.thread_order = thread_order
         self.seed = int(seed)
         self.shared_mem_limit = int(shared_mem_limit)

@@ -17,7 +17,12 @@
 // pass), so a missing barrier changes the answer under some order.
 //
 // Each thread also keeps its cp.async copies (read at issue, written to shared
-// memory only at the cp.async.wait_group that completes their group).
+// memory only at the cp.async.wait_group that completes their group); a thread
+// that ends with copies it never waited for is reported, as the copies of an
+// exited CTA may land in shared memory that the next CTA on the SM already owns.
+//
+// With -ftz=true the launch runs with the CPU's flush-to-zero (subnormal inputs
+// and results of floating-point operations become zero), as CUDA flushes float32.
 //
 // A memory fault, a failed assertion, a __trap(), a deadlock or a misused warp
 // collective ends the launch: the runtime jumps back to emu_launch and fills
@@ -35,6 +40,10 @@
 #include <sys/mman.h>
 #include <ucontext.h>
 #include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
 
 #define EMU_API extern "C" __attribute__((visibility("default")))
 
@@ -57,7 +66,7 @@ enum Status : int {
     kWarpMisuse = 3,      // a warp collective used in a way a GPU leaves undefined
     kTrap = 4,            // __trap()
     kSharedOverrun = 5,   // a write into the slack around dynamic shared memory
-    kResources = 6,       // mmap failed
+    kResources = 6,       // mmap failed, or the CPU cannot do what the launch asks (-ftz=true)
 };
 
 // kWarpSkew: warps run one at a time, the last first, each as far as it can (its warp
@@ -75,7 +84,8 @@ struct EmuLaunchConfig {
     std::uint64_t stack_bytes;
     std::uint64_t seed;
     int order;
-    int cp_async_eager;  // cp.async writes shared memory when issued instead of at its wait
+    int cp_async_eager;   // cp.async writes shared memory when issued instead of at its wait
+    int flush_denormals;  // -ftz=true: subnormal operands and results are zero
 };
 
 struct EmuLaunchReport {
@@ -191,7 +201,8 @@ struct PendingCopy {
     unsigned char* dst;
     unsigned char data[16];
     int bytes;
-    long group;  // -1 until cp.async.commit_group puts it in the thread's newest group
+    long group;   // -1 until cp.async.commit_group puts it in the thread's newest group
+    bool landed;  // written already (cp_async_eager), still to be waited for
 };
 
 struct Fiber {
@@ -201,7 +212,7 @@ struct Fiber {
     unsigned warp;
     unsigned lane;
     Arrival arrival;
-    std::vector<PendingCopy> copies;  // issued, not yet written to shared memory
+    std::vector<PendingCopy> copies;  // issued, not yet waited for
     long groups_committed;
 };
 
@@ -348,6 +359,16 @@ const char* collective_name(int kind) {
 void fiber_start() {
     active->entry(active->argv);
     Fiber& self = *active->current;
+    if (!self.copies.empty()) {
+        long uncommitted = std::count_if(self.copies.begin(), self.copies.end(),
+                                         [](const PendingCopy& c) { return c.group < 0; });
+        record_thread(self);
+        abandon(kTrap,
+                "the thread exited with %zu cp.async cop%s not waited for (%ld not even committed): the "
+                "copies of an exited CTA may land in shared memory that the next CTA on the SM already "
+                "owns; wait for every group (cp.async.wait_group 0) before exiting, or issue none",
+                self.copies.size(), self.copies.size() == 1 ? "y" : "ies", uncommitted);
+    }
     self.state = State::kDone;
     switch_context(self.context, active->scheduler);
     __builtin_unreachable();  // a finished fiber is never resumed
@@ -606,6 +627,23 @@ void on_signal(int sig, siginfo_t* info, void* context) {
     siglongjmp(active->escape, kFault);
 }
 
+// The floating-point control state, and the bits that make it flush subnormal operands and results
+// to zero. x86's MXCSR (FTZ, DAZ) and AArch64's FPCR.FZ apply to double as well as float, where
+// -ftz=true flushes float only.
+#if defined(__x86_64__) || defined(__i386__)
+unsigned float_control() { return _mm_getcsr(); }
+void set_float_control(unsigned c) { _mm_setcsr(c); }
+constexpr unsigned kFlushToZero = 0x8040;  // FTZ | DAZ
+#elif defined(__aarch64__)
+unsigned float_control() { return __builtin_aarch64_get_fpcr(); }
+void set_float_control(unsigned c) { __builtin_aarch64_set_fpcr(c); }
+constexpr unsigned kFlushToZero = 1u << 24;  // FZ
+#else
+unsigned float_control() { return 0; }
+void set_float_control(unsigned) {}
+constexpr unsigned kFlushToZero = 0;  // unknown here: a launch asking for it fails
+#endif
+
 void install_handlers() {
     static unsigned char* altstack = nullptr;
     const std::size_t altstack_bytes = 64 * 1024;
@@ -691,10 +729,10 @@ void emu::cp_async(void* dst, const void* src, int bytes, int src_bytes) {
         record_thread(self);
         abandon(kTrap, "cp.async: source address %p is not %d-byte aligned", src, bytes);
     }
-    PendingCopy copy{static_cast<unsigned char*>(dst), {}, bytes, -1};
+    PendingCopy copy{static_cast<unsigned char*>(dst), {}, bytes, -1, active->config->cp_async_eager != 0};
     std::memcpy(copy.data, src, static_cast<std::size_t>(src_bytes));  // a fault here names this thread
-    if (active->config->cp_async_eager) std::memcpy(copy.dst, copy.data, static_cast<std::size_t>(bytes));
-    else self.copies.push_back(copy);
+    if (copy.landed) std::memcpy(copy.dst, copy.data, static_cast<std::size_t>(bytes));
+    self.copies.push_back(copy);
 }
 
 void emu::cp_async_commit() {
@@ -709,8 +747,8 @@ void emu::cp_async_wait(int pending) {
     long complete_below = self.groups_committed - pending;  // groups older than the newest `pending`
     std::size_t kept = 0;
     for (PendingCopy& c : self.copies) {
-        if (c.group >= 0 && c.group < complete_below) std::memcpy(c.dst, c.data, static_cast<std::size_t>(c.bytes));
-        else self.copies[kept++] = c;
+        if (c.group < 0 || c.group >= complete_below) self.copies[kept++] = c;
+        else if (!c.landed) std::memcpy(c.dst, c.data, static_cast<std::size_t>(c.bytes));
     }
     self.copies.resize(kept);
 }
@@ -754,6 +792,11 @@ EMU_API int emu_launch(void (*entry)(void**), void** argv, const EmuLaunchConfig
     l.config = config;
     l.report = report;
     l.rng.seed(config->seed);
+    if (config->flush_denormals && !kFlushToZero) {
+        std::snprintf(report->message, sizeof report->message,
+                      "-ftz=true: flushing subnormals to zero is not implemented for this CPU");
+        return report->status = kResources;
+    }
     std::size_t threads = std::size_t{config->block[0]} * config->block[1] * config->block[2];
     if (!stacks.reserve(threads, config->stack_bytes) || !l.shared.map(config->dynamic_shared_bytes)) {
         std::snprintf(report->message, sizeof report->message, "mmap failed for %zu fiber stacks", threads);
@@ -761,10 +804,14 @@ EMU_API int emu_launch(void (*entry)(void**), void** argv, const EmuLaunchConfig
     }
     emu::dynamic_shared = l.shared.base;
     install_handlers();
+    // Before run_grid: the fibers' contexts (ucontext) are made from the thread's state as it is then.
+    const unsigned float_state = float_control();
+    if (config->flush_denormals) set_float_control(float_state | kFlushToZero);
     active = &l;
     int status = sigsetjmp(l.escape, 1);
     if (status == kOk) run_grid(l);
     active = nullptr;
+    set_float_control(float_state);
     restore_handlers();
     l.shared.unmap();
     return report->status = status;

@@ -118,9 +118,10 @@ def _source(source_file: str) -> str:
     return specs.read_source(source_file)
 
 
-@functools.lru_cache(maxsize=None)
 def _options() -> tuple:
-    return specs.COMPILE_OPTIONS + specs.cuda_include_options()
+    """Our NVRTC options. cupy.RawModule adds CuPy's own (specs.CUPY_NVRTC_OPTIONS, -arch for the
+    device, and -I for the CUDA headers, found by cuda-pathfinder), so none of those is passed here."""
+    return specs.COMPILE_OPTIONS
 
 
 def _functions(rt: Runtime, module: specs.ModuleSpec, like) -> list:

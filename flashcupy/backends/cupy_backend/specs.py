@@ -214,26 +214,15 @@ def read_source(source_file: str, _seen=None) -> str:
     return _INCLUDE.sub(inline, text)
 
 
-def cuda_include_options() -> tuple:
-    """-I for the CUDA headers (cuda_fp16.h): the CUDA runtime wheel's, else a toolkit's.
-
-    NVRTC has no default include path, and CuPy adds none for CUDA 12 wheels.
-    """
-    import importlib
-
-    roots = []
-    # nvidia.cuda_runtime: the nvidia-cuda-runtime-cu12 wheel; nvidia.cu13: CUDA 13's wheels
-    for package in ("nvidia.cuda_runtime", "nvidia.cu13"):
-        try:
-            roots += list(getattr(importlib.import_module(package), "__path__", ()))
-        except ImportError:
-            pass
-    roots += [os.environ[v] for v in ("CUDA_PATH", "CUDA_HOME") if os.environ.get(v)] + ["/usr/local/cuda"]
-    for root in roots:
-        include = os.path.join(root, "include")
-        if os.path.exists(os.path.join(include, "cuda_fp16.h")):
-            return (f"-I{include}",)
-    return ()
-
-
+# The backend's NVRTC options; cupy.RawModule adds CuPy's own (below) before NVRTC sees them.
 COMPILE_OPTIONS = ("-std=c++17",)
+
+# What CuPy (>= 14.1) adds to COMPILE_OPTIONS for every RawModule, beyond -arch and -I, in
+# cupy/cuda/compiler.py: `_compile_with_cache_cuda` appends -ftz=true and
+# `_compile_using_nvrtc_no_warning` --device-as-default-execution-space (with -arch=sm_XY for the
+# device). `assemble_cupy_compiler_options` in cupy/_core/core.pyx adds the -I options: the CUDA
+# headers cuda-pathfinder finds (`find_nvidia_header_directory("cudart")`), CuPy's own headers and
+# its copy of CCCL, and --std=c++17 only where no -std is given. The NVRTC report
+# (flashcupy/_kernels.py) and the CPU emulator (tests/cupy_emulation.py) compile with these too, so
+# what they check is what runs.
+CUPY_NVRTC_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")

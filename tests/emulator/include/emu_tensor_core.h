@@ -17,8 +17,9 @@
 //   cp.async.cg.shared.global 16 bytes with src-size (zero-fill), commit_group, wait_group N
 //       the source is read (and bounds-checked by the guard pages) when the copy is issued; the
 //       destination is written only when the issuing thread's wait_group completes its group,
-//       so a missing or too lenient wait reads stale shared memory, as on a GPU. Copies never
-//       waited for never land. A barrier does not complete copies (it does not on a GPU either).
+//       so a missing or too lenient wait reads stale shared memory, as on a GPU. A thread that
+//       exits with copies never waited for fails the launch (runtime.cpp). A barrier does not
+//       complete copies (it does not on a GPU either).
 //   ex2.approx.ftz.f32
 //       exp2f, exact to float precision (the GPU's approximation is within 2 ulp), results below
 //       FLT_MIN flushed to zero.

@@ -2,6 +2,7 @@
 //   narrow      float -> __half / __nv_bfloat16 and back, double -> __half, and __half arithmetic
 //   maths       one column per function, out is (n, COLUMNS)
 //   coords      every thread writes its (threadIdx, blockIdx, blockDim, gridDim) into out
+//   subnormal   float32 products and sums with a subnormal operand or result, which -ftz=true flushes
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -64,6 +65,15 @@ extern "C" __global__ void coords(unsigned* out) {
     const unsigned values[12] = {threadIdx.x, threadIdx.y, threadIdx.z, blockIdx.x, blockIdx.y, blockIdx.z,
                                  blockDim.x, blockDim.y, blockDim.z, gridDim.x, gridDim.y, gridDim.z};
     for (int k = 0; k < 12; ++k) o[k] = values[k];
+}
+
+// product[i] = x[i] * y[i] and sum[i] = x[i] + y[i]: with -ftz=true a subnormal x[i] counts as
+// zero (DAZ) and a subnormal result is zero (FTZ).
+extern "C" __global__ void subnormal(const float* __restrict__ x, const float* __restrict__ y,
+                                     float* __restrict__ product, float* __restrict__ sum) {
+    const int i = threadIdx.x;
+    product[i] = x[i] * y[i];
+    sum[i] = x[i] + y[i];
 }
 
 // Fails an assert() for negative inputs (a test of how the emulator reports it).

@@ -11,13 +11,15 @@
 //                         whole pipeline: cp.async to shared memory (a in one group, b in the
 //                         next; rows of a from a_rows on are zero-filled), ldmatrix_x4 for A,
 //                         ldmatrix_x2_trans for B, one mma. wait_mode 0 waits for both groups;
-//                         1 never waits and 2 waits for all but the newest group (b's): wrong
-//                         on purpose, to prove that the emulator's cp.async bites. Launch with
-//                         768 bytes of dynamic shared memory
+//                         1 does not wait and 2 waits for all but the newest group (b's) before
+//                         reading them: wrong on purpose, to prove that the emulator's cp.async
+//                         bites (every mode waits for all before exiting). Launch with 768 bytes
+//                         of dynamic shared memory
 //   pack_and_exp          per thread: pack_f16x2 and pack_bf16x2 of (x[2i], x[2i+1]), and
 //                         ex2_approx(x[i])
 //   tensor_core_misuse    mode 0: lane 31 leaves before an mma; 1: a misaligned ldmatrix row;
-//                         2: cp.async into global memory
+//                         2: cp.async into global memory; 3: lane 0 exits with a committed
+//                         cp.async group never waited for; 4: with a cp.async never committed
 
 #include "tensor_core.cuh"
 
@@ -80,6 +82,7 @@ __global__ void tile_matmul(const T* __restrict__ a, const T* __restrict__ b, fl
     float d_frag[4];
     mma_m16n8k16<T>(d_frag, a_frag, b_frag, zero);
     for (int i = 0; i < 4; ++i) d[8 * (g + 8 * (i >> 1)) + 2 * t + (i & 1)] = d_frag[i];
+    cp_async_wait<0>();  // no copy may be in flight when the thread exits
 }
 
 extern "C" __global__ void pack_and_exp(const float* __restrict__ x, unsigned* __restrict__ f16,
@@ -104,10 +107,13 @@ extern "C" __global__ void tensor_core_misuse(int mode, unsigned* global) {
         r[0] = static_cast<unsigned>(d[0]);
     } else if (mode == 1) {
         ldmatrix_x1(r, tile_s + 8 * (lane % 8) + 1);
-    } else {
+    } else if (mode == 2) {
         cp_async_16(global, tile_s);
         cp_async_commit();
         cp_async_wait<0>();
+    } else if (lane == 0) {
+        cp_async_16(tile_s, global);
+        if (mode == 3) cp_async_commit();
     }
     global[lane] = r[0];
 }

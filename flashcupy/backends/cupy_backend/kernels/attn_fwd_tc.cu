@@ -38,8 +38,8 @@
 // prefetch overwrites). The emulator shows each one missing (tests/test_tensor_core.py), the second
 // only with warps skewed and cp.async landing at issue.
 //
-// ptxas (NVRTC 12.9, tests/test_tensor_core.py): HEAD_DIM 64: 133 registers on sm_80, 135 on sm_90;
-// HEAD_DIM 128: 224 / 229; no spills; 64 / 128 HMMA.16816 per pass of the key loop.
+// ptxas: 64 / 128 HMMA.16816 per pass of the key loop; registers and spills under NVRTC 12 and 13:
+// `python -m flashcupy kernels` (tests/test_nvrtc.py fails on a spill, or within 8 of 255 registers).
 //
 // Requirements on the arguments, checked by the launcher: head_dim a multiple of 8 and at most
 // HEAD_DIM (columns past head_dim are zero-filled); q, k, v, out contiguous in head_dim (the *_sd
@@ -92,13 +92,15 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_fwd_tc(
     const int key_end = causal ? max(0, min(seqlen_k, last_row + 1 + diagonal)) : seqlen_k;
     const int kv_blocks = (key_end + BLOCK_N - 1) / BLOCK_N;
 
-    // group 0: Q_i, K_0, V_0
-    load_tile_async<BLOCK_M, HEAD_DIM>(Q_s, Q, i0, seqlen_q, head_dim);
+    // group 0: Q_i, K_0, V_0. A CTA whose rows see no key (causal, seqlen_q > seqlen_k) copies
+    // nothing: it never waits, and copies still in flight when a CTA exits would land in shared
+    // memory that the next CTA on the SM may already own.
     if (kv_blocks > 0) {
+        load_tile_async<BLOCK_M, HEAD_DIM>(Q_s, Q, i0, seqlen_q, head_dim);
         load_tile_async<BLOCK_N, HEAD_DIM>(K_s, K, 0, seqlen_k, head_dim);
         load_tile_async<BLOCK_N, HEAD_DIM>(V_s, V, 0, seqlen_k, head_dim);
+        cp_async_commit();
     }
-    cp_async_commit();
 
     const float scale_log2 = scale * LOG2E;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
