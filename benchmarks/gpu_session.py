@@ -81,7 +81,7 @@ DRY = Sizes(seqlens=(32, 64), configs=((64, True), (64, False)), dtypes=("bfloat
 MIN_REPEAT = 3
 
 # (stage, time limit in seconds); the sweep takes what the budget leaves after reserving the plot's
-STAGES = (("preflight", 60), ("blocks", 90), ("pytest", 150), ("check", 150), ("sanitizer", 100),
+STAGES = (("preflight", 60), ("blocks", 90), ("pytest", 120), ("check", 150), ("sanitizer", 100),
           ("sweep", None), ("plot", 30))
 STAGE_NAMES = tuple(name for name, _ in STAGES)
 MAX_RESTARTS = 4  # fresh processes for a stage whose process keeps dying inside items
