@@ -69,8 +69,8 @@ class Problem:
         return (self.batch, self.heads_q, self.seqlen_q)
 
     @property
-    def causal_offset(self) -> int:
-        """Query i sees key j iff j <= i + causal_offset (bottom-right alignment)."""
+    def diagonal(self) -> int:
+        """Query i sees key j iff j <= i + diagonal (bottom-right alignment)."""
         return self.seqlen_k - self.seqlen_q
 
     def flops_forward(self) -> float:

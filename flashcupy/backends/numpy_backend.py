@@ -90,22 +90,22 @@ def _key_end(p, i1: int) -> int:
     """One past the last key that query rows [.., i1) can see."""
     if not p.causal:
         return p.seqlen_k
-    return max(0, min(p.seqlen_k, i1 + p.causal_offset))
+    return max(0, min(p.seqlen_k, i1 + p.diagonal))
 
 
 def _query_start(p, j0: int) -> int:
     """First query row that can see key j0."""
     if not p.causal:
         return 0
-    return max(0, min(p.seqlen_q, j0 - p.causal_offset))
+    return max(0, min(p.seqlen_q, j0 - p.diagonal))
 
 
 def _apply_causal_mask(S, p, i0: int, j0: int, fill) -> None:
     """Set S[r, c] = fill where query i0+r cannot see key j0+c (only on diagonal tiles)."""
     rows, cols = S.shape
-    if not p.causal or j0 + cols - 1 <= i0 + p.causal_offset:
+    if not p.causal or j0 + cols - 1 <= i0 + p.diagonal:
         return  # every key of this tile is visible to every row
-    limit = np.arange(i0, i0 + rows)[:, None] + p.causal_offset  # last visible key per row
+    limit = np.arange(i0, i0 + rows)[:, None] + p.diagonal  # last visible key per row
     S[np.arange(j0, j0 + cols)[None, :] > limit] = fill
 
 

@@ -276,7 +276,7 @@ def _check_head_dim(p):
 
 def _common(p):
     """Launch arguments every tile kernel shares, after its arrays."""
-    return p.group, p.head_dim, p.acc_dtype.type(p.scale), p.causal, p.causal_offset
+    return p.group, p.head_dim, p.acc_dtype.type(p.scale), p.causal, p.diagonal
 
 
 # ----------------------------------------------------------------------------

@@ -126,25 +126,25 @@ def _load_tile(tile, x, st, b, row0, nrows, h, d0, head_dim, tid):
 
 
 @cuda.jit(device=True)
-def _key_end(seqlen_k, i_end, causal, causal_offset):
+def _key_end(seqlen_k, i_end, causal, diagonal):
     """One past the last key that query rows [.., i_end) see: later key blocks are skipped."""
     if not causal:
         return seqlen_k
-    return max(0, min(seqlen_k, i_end + causal_offset))
+    return max(0, min(seqlen_k, i_end + diagonal))
 
 
 @cuda.jit(device=True)
-def _query_start(seqlen_q, j0, causal, causal_offset):
+def _query_start(seqlen_q, j0, causal, diagonal):
     """First query row that sees key j0: earlier query blocks are skipped."""
     if not causal:
         return 0
-    return max(0, min(seqlen_q, j0 - causal_offset))
+    return max(0, min(seqlen_q, j0 - diagonal))
 
 
 @cuda.jit(device=True)
-def _visible(i, j, seqlen_q, seqlen_k, causal, causal_offset):
+def _visible(i, j, seqlen_q, seqlen_k, causal, diagonal):
     """Query i sees key j (bottom-right causal alignment), both inside the arrays."""
-    return i < seqlen_q and j < seqlen_k and (not causal or j <= i + causal_offset)
+    return i < seqlen_q and j < seqlen_k and (not causal or j <= i + diagonal)
 
 
 # ----------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def _visible(i, j, seqlen_q, seqlen_k, causal, causal_offset):
 
 @cuda.jit
 def _attn_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
-              seqlen_q, seqlen_k, group, head_dim, scale, causal, causal_offset):
+              seqlen_q, seqlen_k, group, head_dim, scale, causal, diagonal):
     """out_i = softmax(Q_i K^T scale) V and lse_i, for one block of BLOCK_Q query rows.
 
     Block: (BLOCK_K, BLOCK_Q) threads; thread (c, r) owns S[r, c] and O[r, c::BLOCK_K].
@@ -186,7 +186,7 @@ def _attn_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
     l = acc(0)
 
     # the bound is the same for every thread, so every thread meets every barrier
-    for j0 in range(0, _key_end(seqlen_k, min(i0 + BLOCK_Q, seqlen_q), causal, causal_offset), BLOCK_K):
+    for j0 in range(0, _key_end(seqlen_k, min(i0 + BLOCK_Q, seqlen_q), causal, diagonal), BLOCK_K):
         # S[r, c] = scale * Q_i[r, :] . K_j[c, :], head_dim in chunks of D_TILE
         s = acc(0)
         for d0 in range(0, head_dim, D_TILE):
@@ -197,7 +197,7 @@ def _attn_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
                 s += Q_i[r, dd] * K_j[c, dd]
             cuda.syncthreads()  # everyone done reading before the next chunk overwrites them
         s *= scale
-        if not _visible(i, j0 + c, seqlen_q, seqlen_k, causal, causal_offset):
+        if not _visible(i, j0 + c, seqlen_q, seqlen_k, causal, diagonal):
             s = acc(-math.inf)
         S[r, c] = s
         cuda.syncthreads()  # the whole row of S is written
@@ -273,7 +273,7 @@ def _row_lse(lse, lst, b, h, i, seqlen_q):
 
 @cuda.jit
 def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dkst, dv, dvst,
-                   seqlen_q, seqlen_k, group, head_dim, scale, causal, causal_offset):
+                   seqlen_q, seqlen_k, group, head_dim, scale, causal, diagonal):
     """dK_j, dV_j for one block of BLOCK_K keys, summed over the query heads of its GQA group.
 
     Block: (BLOCK_Q, BLOCK_K) threads; thread (r, c) owns S[r, c] and dK, dV[c, r::BLOCK_Q].
@@ -305,7 +305,7 @@ def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dks
         dV[t] = 0
 
     for h in range(g * group, (g + 1) * group):
-        for i0 in range(_query_start(seqlen_q, j0, causal, causal_offset), seqlen_q, BLOCK_Q):
+        for i0 in range(_query_start(seqlen_q, j0, causal, diagonal), seqlen_q, BLOCK_Q):
             i = i0 + r
             # S[r, c] = Q_i[r, :] . K_j[c, :] and dP[r, c] = dO_i[r, :] . V_j[c, :], in chunks
             s = acc(0)
@@ -321,7 +321,7 @@ def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dks
                     dp += dO_i[r, dd] * V_j[c, dd]
                 cuda.syncthreads()  # done reading before the next chunk overwrites them
             p = acc(0)
-            if _visible(i, j, seqlen_q, seqlen_k, causal, causal_offset):
+            if _visible(i, j, seqlen_q, seqlen_k, causal, diagonal):
                 p = math.exp(s * scale - _row_lse(lse, lst, b, h, i, seqlen_q))
             D_r = D[_at3(Dst, b, h, i)] if i < seqlen_q else acc(0)
             P[r, c] = p
@@ -353,7 +353,7 @@ def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dks
 
 @cuda.jit
 def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
-                 seqlen_q, seqlen_k, group, head_dim, scale, causal, causal_offset):
+                 seqlen_q, seqlen_k, group, head_dim, scale, causal, diagonal):
     """dQ_i for one block of BLOCK_Q query rows; a separate pass, so no atomics.
 
     Block: (BLOCK_K, BLOCK_Q) threads; thread (c, r) owns S[r, c] and dQ[r, c::BLOCK_K].
@@ -384,7 +384,7 @@ def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
     lse_r = _row_lse(lse, lst, b, h, i, seqlen_q)
     D_r = D[_at3(Dst, b, h, i)] if i < seqlen_q else acc(0)
 
-    for j0 in range(0, _key_end(seqlen_k, min(i0 + BLOCK_Q, seqlen_q), causal, causal_offset), BLOCK_K):
+    for j0 in range(0, _key_end(seqlen_k, min(i0 + BLOCK_Q, seqlen_q), causal, diagonal), BLOCK_K):
         s = acc(0)
         dp = acc(0)
         for d0 in range(0, head_dim, D_TILE):
@@ -398,7 +398,7 @@ def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
                 dp += dO_i[r, dd] * V_j[c, dd]
             cuda.syncthreads()  # done reading before the next chunk overwrites them
         p = acc(0)
-        if _visible(i, j0 + c, seqlen_q, seqlen_k, causal, causal_offset):
+        if _visible(i, j0 + c, seqlen_q, seqlen_k, causal, diagonal):
             p = math.exp(s * scale - lse_r)
         dS[r, c] = p * (dp - D_r) * scale
         cuda.syncthreads()  # the whole row of dS is written

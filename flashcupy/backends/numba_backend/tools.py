@@ -42,7 +42,7 @@ def ptx(cc=(9, 0)) -> int:
     for dtype in (types.float16, types.float32, types.float64):
         acc = types.float64 if dtype == types.float64 else types.float32
         x, a = dtype[::1], acc[::1]
-        common = (i64, i64, acc, b1, i64)  # group, head_dim, scale, causal, causal_offset
+        common = (i64, i64, acc, b1, i64)  # group, head_dim, scale, causal, diagonal
         sigs = {
             "_attn_fwd": (x, st4, x, st4, x, st4, x, st4, a, st3, i64, i64) + common,
             "_attn_bwd_preprocess": (x, st4, x, st4, a, st3, a, i64, i64),
