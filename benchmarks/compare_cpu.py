@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from flashcupy import _bench
+from flashcupy.tools import bench
 from flashcupy.backends import numpy_backend
 
 
@@ -52,21 +52,21 @@ def main(argv=None) -> int:
     torch.set_num_threads(os.cpu_count())
 
     B, H, S, D = 1, 8, 4096, 64
-    q, k, v, dout = _bench.make_inputs(B, H, S, D, np.float32, "cpu")
+    q, k, v, dout = bench.make_inputs(B, H, S, D, np.float32, "cpu")
     scale = D ** -0.5
-    ours = _bench.closures("numpy", q, k, v, dout, False, scale, "cpu")
-    theirs = _bench.closures("torch-sdpa", q, k, v, dout, False, scale, "cpu")
+    ours = bench.closures("numpy", q, k, v, dout, False, scale, "cpu")
+    theirs = bench.closures("torch-sdpa", q, k, v, dout, False, scale, "cpu")
     t = best_of_blocks({"ours fwd": ours[0], "torch fwd": theirs[0]}, args.rounds)
     t.update(best_of_blocks({"ours bwd": ours[1], "torch bwd": theirs[1]}, args.rounds))
     fwd_ratio = t["torch fwd"] / t["ours fwd"]
     bwd_ratio = t["torch bwd"] / t["ours bwd"]
 
     Sm = 16384
-    peak = _bench.peak_bytes("numpy", 1, 1, Sm, D)
+    peak = bench.peak_bytes("numpy", 1, 1, Sm, D)
     score_bytes = Sm * Sm * 4
     mem_ratio = peak / score_bytes
 
-    fl = _bench.flops(B, H, S, D, False, "forward")
+    fl = bench.flops(B, H, S, D, False, "forward")
     rows = [
         ("forward, f32, B=1 H=8 S=4096 D=64", f"{t['ours fwd']*1e3:.0f} ms ({fl/t['ours fwd']/1e9:.0f} GFLOP/s)",
          f"{t['torch fwd']*1e3:.0f} ms ({fl/t['torch fwd']/1e9:.0f} GFLOP/s)", f"{fwd_ratio:.2f}x", ">= 0.7x",

@@ -255,10 +255,11 @@ def check_items(args):
     """Every backend x kernel path x dtype x battery case; each an item of its own."""
     import numpy as np
 
-    from flashcupy import _check, backends
+    from flashcupy import backends
+    from flashcupy.tools import check
     from flashcupy.backends import cupy_backend
     from flashcupy.backends.cupy_backend import specs
-    ref = _check.oracle()
+    ref = check.oracle()
     sizes = DRY if args.dry_run else GPU
     battery = sizes.check_battery or ref.compare.BATTERY
     for backend, path in (("cupy", "tensor-core"), ("cupy", "simt"), ("numba", "simt")):
@@ -276,7 +277,7 @@ def check_items(args):
                 def run(backend=backend, path=path, dtype=dtype, case=case, key=key):
                     cupy_backend.USE_TENSOR_CORES = path == "tensor-core"
                     rng = np.random.default_rng(zlib.crc32(key.encode()))
-                    row = _check.check_case(ref, backend, dtype, case, rng)
+                    row = check.check_case(ref, backend, dtype, case, rng)
                     return [{"type": "check", **row, "path": path, "case": list(case)}]
 
                 yield key, run
@@ -331,12 +332,13 @@ def _median_seconds(fn, dry: bool, sizes: Sizes) -> float:
 
 
 def sweep_items(args):
-    from flashcupy import _bench, backends
+    from flashcupy import backends
+    from flashcupy.tools import bench
     sizes = DRY if args.dry_run else GPU
     device = "cpu" if args.dry_run else "cuda"
     impls, missing = [], []
     for impl in SWEEP_IMPLS:
-        reason = (backends.unavailable_reason(impl) if impl in backends.NAMES else _bench.torch_available())
+        reason = (backends.unavailable_reason(impl) if impl in backends.NAMES else bench.torch_available())
         if reason is None and impl == "torch-cudnn" and args.dry_run:
             reason = "cuDNN attention needs a GPU"
         if reason is None and impl == "numba" and args.dry_run:
@@ -355,15 +357,15 @@ def sweep_items(args):
             inputs[shape] = _device_inputs((B, S, H, D), (B, S, H, D), dtype, zlib.crc32(repr(shape).encode()),
                                            args.dry_run)
         q, k, v, dout = inputs[shape]
-        forward, backward = _bench.closures(impl, q, k, v, dout, causal, 1.0 / math.sqrt(D), device,
+        forward, backward = bench.closures(impl, q, k, v, dout, causal, 1.0 / math.sqrt(D), device,
                                             bf16_bits=dtype == "bfloat16")
         records = []
         for pass_, fn in (("forward", forward), ("backward", backward)):
             seconds = _median_seconds(fn, args.dry_run, sizes)
-            peak = None if args.dry_run else _bench._gpu_peak(fn, impl)
+            peak = None if args.dry_run else bench.gpu_peak(fn, impl)
             records.append({"type": "timing", "impl": impl, "pass": pass_, "dtype": dtype, "head_dim": D,
                             "causal": causal, "seqlen": S, "batch": B, "heads": H, "seconds": seconds,
-                            "tflops": _bench.flops(B, H, S, D, causal, pass_) / seconds / 1e12, "peak_bytes": peak})
+                            "tflops": bench.flops(B, H, S, D, causal, pass_) / seconds / 1e12, "peak_bytes": peak})
         return records
 
     for D, causal in sizes.configs:

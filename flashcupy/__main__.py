@@ -15,7 +15,7 @@ import numpy as np
 
 import flashcupy
 from flashcupy import backends
-from flashcupy._check import CHECK_HEADER, check_rows, default_check_dtypes, format_check_row, oracle
+from flashcupy.tools.check import CHECK_HEADER, check_rows, default_check_dtypes, format_check_row, oracle
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -54,16 +54,16 @@ def cmd_info(args) -> int:
             print(f"  NVRTC not found: {e}")
     except ImportError:
         print("cupy not installed (pip install 'flashcupy[cuda12]' or '[cuda13]')")
-    from flashcupy import _kernels
+    from flashcupy.backends.cupy_backend import nvrtc
     try:
-        toolkits = _kernels.toolkits()
+        toolkits = nvrtc.toolkits()
         print("NVRTC for `python -m flashcupy kernels` (no GPU needed):")
         for t in toolkits:
             found_by = "cuda-pathfinder, as CuPy finds it" if t.found_by == "cuda-pathfinder" else t.found_by
             print(f"  {t.version}: {t.nvrtc}, CUDA headers {t.include} ({found_by})")
-    except _kernels.NvrtcError as e:
+    except nvrtc.NvrtcError as e:
         print(f"no NVRTC for `python -m flashcupy kernels`: {e}")
-    print(f"nvdisasm: {_kernels.nvdisasm_path() or 'not found (pip install nvidia-cuda-nvdisasm cuda-pathfinder)'}")
+    print(f"nvdisasm: {nvrtc.nvdisasm_path() or 'not found (pip install nvidia-cuda-nvdisasm cuda-pathfinder)'}")
     return 0
 
 
@@ -98,24 +98,24 @@ def cmd_check(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from flashcupy import _bench
+    from flashcupy.tools import bench
 
     device = "cuda" if args.device == "cuda" else "cpu"
-    impls = args.impl or _bench.implementations(device)
+    impls = args.impl or bench.implementations(device)
     results = []
     jobs = [(impl, s) for s in args.seqlen for impl in impls]
-    for impl, s in _bench.progress(jobs, "bench"):
+    for impl, s in bench.progress(jobs, "bench"):
         if impl == "naive-numpy" and 4 * args.batch * args.heads * s * s * 3 > args.naive_limit_gb * 2**30:
             continue  # the full score matrix (and its temporaries) would not fit
-        results += _bench.run_one(impl, args.batch, args.heads, s, args.head_dim, causal=args.causal,
+        results += bench.run_one(impl, args.batch, args.heads, s, args.head_dim, causal=args.causal,
                                   dtype=args.dtype, device=device, passes=args.passes,
                                   repeat=args.repeat, min_time=args.min_time)
-    print(_bench.format_table(results))
+    print(bench.format_table(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.as_dict() for r in results], f, indent=1)
     if args.plot:
-        _bench.plot(results, args.plot)
+        bench.plot(results, args.plot)
         print(f"plot written to {args.plot}")
     return 0
 
@@ -125,17 +125,16 @@ def cmd_bench(args) -> int:
 
 
 def cmd_kernels(args) -> int:
-    from flashcupy import _kernels
-    from flashcupy.backends.cupy_backend import specs
-    toolkits = _kernels.toolkits()
-    reports = {f"NVRTC {t.version}": _kernels.kernel_report(args.arch, t) for t in toolkits}
+    from flashcupy.backends.cupy_backend import nvrtc, sources
+    toolkits = nvrtc.toolkits()
+    reports = {f"NVRTC {t.version}": nvrtc.kernel_report(args.arch, t) for t in toolkits}
     for t in toolkits:
         print(f"NVRTC {t.version}: {t.nvrtc}, CUDA headers {t.include}")
-    options = " ".join(specs.COMPILE_OPTIONS + specs.CUPY_NVRTC_OPTIONS)
+    options = " ".join(sources.COMPILE_OPTIONS + sources.CUPY_NVRTC_OPTIONS)
     print(f"options, as CuPy passes them: {options} -arch={args.arch} -I<that NVRTC's CUDA headers>\n")
-    print(_kernels.format_kernel_report(reports))
-    exceeded = [f"{heading}: {line}" for heading, rows in reports.items() for line in _kernels.limits_exceeded(rows)]
-    limit = _kernels.MAX_REGISTERS - _kernels.REGISTER_MARGIN
+    print(nvrtc.format_kernel_report(reports))
+    exceeded = [f"{heading}: {line}" for heading, rows in reports.items() for line in nvrtc.limits_exceeded(rows)]
+    limit = nvrtc.MAX_REGISTERS - nvrtc.REGISTER_MARGIN
     print("\n" + ("\n".join(["over the limits (!):"] + exceeded) if exceeded
                   else f"no kernel spills or takes more than {limit} registers"))
     return 0

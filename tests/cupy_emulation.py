@@ -18,7 +18,7 @@ import numpy as np
 from emulator import EmulatedModule
 
 from flashcupy.backends import cupy_backend
-from flashcupy.backends.cupy_backend import specs
+from flashcupy.backends.cupy_backend import sources
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,14 +33,14 @@ def emulated(thread_order="ascending", seed=0, compile=compile_module, cp_async=
 
     `compile(source, name_expressions, options, thread_order, seed, cp_async)` builds the modules,
     from the options cupy.RawModule passes NVRTC: the backend's, then CuPy's own
-    (specs.CUPY_NVRTC_OPTIONS: the emulator flushes subnormals for its -ftz=true) and -arch for the
+    (sources.CUPY_NVRTC_OPTIONS: the emulator flushes subnormals for its -ftz=true) and -arch for the
     device (CuPy's -I for the CUDA headers has no use here: the emulator brings its own). Tests that
     alter the kernel source pass their own `compile`. cp_async="eager" lands copies at issue (see
     tests/emulator/__init__.py); compute_capability is what the device reports (below 80 the
     backend never picks the tensor-core kernels).
     """
     def compile_as_cupy(source, names, options):
-        options = tuple(options) + specs.CUPY_NVRTC_OPTIONS + (f"-arch=sm_{compute_capability}",)
+        options = tuple(options) + sources.CUPY_NVRTC_OPTIONS + (f"-arch=sm_{compute_capability}",)
         return compile(source, tuple(names), options, thread_order, seed, cp_async)
 
     runtime = cupy_backend.Runtime(np, compile_as_cupy, compute_capability=lambda x: compute_capability)

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from flashcupy import _bench
+from flashcupy.tools import bench
 from flashcupy.__main__ import main
 from flashcupy.backends import numpy_backend
 
@@ -54,7 +54,7 @@ def test_naive_baseline_computes_attention():
     q, k, v, dout = (rng.standard_normal((1, 9, 2, 4)) for _ in range(4))
     import reference
     for causal in (False, True):
-        fwd, bwd = _bench._naive_numpy(q, k, v, dout, causal, 0.5)
+        fwd, bwd = bench.naive_numpy(q, k, v, dout, causal, 0.5)
         np.testing.assert_allclose(fwd().transpose(0, 2, 1, 3),
                                    reference.attention(q, k, v, causal=causal, scale=0.5), rtol=1e-12)
         for got, want in zip(bwd(), reference.attention_backward(dout, q, k, v, causal=causal, scale=0.5)):
@@ -62,9 +62,9 @@ def test_naive_baseline_computes_attention():
 
 
 def test_peak_memory_sees_a_score_sized_allocation():
-    if not _bench.HostPeak.available:
+    if not bench.HostPeak.available:
         pytest.skip("no /proc/self/clear_refs on this system")
-    with _bench.HostPeak() as probe:
+    with bench.HostPeak() as probe:
         a = np.ones(8 * 2**20 // 8)  # 8 MiB
         del a
     assert 7 * 2**20 <= probe.peak <= 12 * 2**20

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import flashcupy
 from conftest import BF16, CASES, DTYPES, LAYOUTS, assert_close, bf16_bits, make_qkv, reference, strided_empty
 from flashcupy.backends import cupy_backend
-from flashcupy.backends.cupy_backend import specs
+from flashcupy.backends.cupy_backend import sources, specs
 
 # Core tests: no skip. Without g++ the emulator cannot build and these fail loudly.
 import emulator  # noqa: E402
@@ -233,7 +233,7 @@ def _barriers():
     """(file, the barrier line) for every __syncthreads() in the kernels."""
     found = []
     for name in ("flash_fwd.cu", "flash_bwd.cu"):
-        text = specs.read_source(name)
+        text = sources.read_source(name)
         found += [(name, m.group(0)) for m in re.finditer(r"^.*__syncthreads\(\);.*$", text, re.MULTILINE)]
     return found
 

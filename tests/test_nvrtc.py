@@ -3,7 +3,7 @@ CuPy's options, without spilling and at least REGISTER_MARGIN registers below th
 
 Needs no GPU: NVRTC and the CUDA headers of both CUDA majors come from NVIDIA's wheels (the test
 extra installs both), ptxas reports registers, spills and shared memory through NVRTC's log
-(-Xptxas=-v), nvdisasm gives the SASS. See flashcupy/_kernels.py for how each NVRTC is found and run.
+(-Xptxas=-v), nvdisasm gives the SASS. See flashcupy/nvrtc.py for how each NVRTC is found and run.
 """
 
 from __future__ import annotations
@@ -12,16 +12,15 @@ import re
 
 import pytest
 
-from flashcupy import _kernels
-from flashcupy.backends.cupy_backend import specs
+from flashcupy.backends.cupy_backend import nvrtc, sources, specs
 
 ARCHS = ("sm_80", "sm_90")
 CUDA_MAJORS = (12, 13)
 
 
-def toolkit_of(major: int) -> _kernels.Toolkit:
-    found = [t for t in _kernels.toolkits() if t.version.split(".")[0] == str(major)]
-    assert found, f"no NVRTC {major} among {[t.version for t in _kernels.toolkits()]}: pip install -e '.[test]'"
+def toolkit_of(major: int) -> nvrtc.Toolkit:
+    found = [t for t in nvrtc.toolkits() if t.version.split(".")[0] == str(major)]
+    assert found, f"no NVRTC {major} among {[t.version for t in nvrtc.toolkits()]}: pip install -e '.[test]'"
     return found[0]
 
 
@@ -39,7 +38,7 @@ ptxas info    : Used 32 registers, used 0 barriers
 
 
 def test_parse_ptxas():
-    info = _kernels.parse_ptxas(PTXAS_LOG)
+    info = nvrtc.parse_ptxas(PTXAS_LOG)
     assert info["_Z9flash_fwdIffLi64ELi64ELi32EEvPKT_"] == dict(
         registers=128, spill_stores=4, spill_loads=12, stack=8, static_smem=32768)
     assert info["_Z20flash_bwd_preprocessIffEvPKT_"] == dict(
@@ -48,20 +47,20 @@ def test_parse_ptxas():
 
 def test_occupancy():
     # 128 threads, 64 registers, no shared memory: 8 CTAs by registers = 32 of 64 warps
-    assert _kernels.occupancy("sm_80", 64, 0, 128) == 0.5
+    assert nvrtc.occupancy("sm_80", 64, 0, 128) == 0.5
     # 48 KiB (+1 KiB reserved) per CTA: 3 CTAs on an A100 SM, 4 on an H100 SM
-    assert _kernels.occupancy("sm_80", 32, 48 * 1024, 128) == 12 / 64
-    assert _kernels.occupancy("sm_90", 32, 48 * 1024, 128) == 16 / 64
+    assert nvrtc.occupancy("sm_80", 32, 48 * 1024, 128) == 12 / 64
+    assert nvrtc.occupancy("sm_90", 32, 48 * 1024, 128) == 16 / 64
 
 
 def test_both_cuda_majors_are_checked():
-    toolkits = _kernels.toolkits()
+    toolkits = nvrtc.toolkits()
     majors = [int(t.version.split(".")[0]) for t in toolkits]  # as each worker's NVRTC reports it
     assert majors == list(CUDA_MAJORS), f"NVRTC {[t.version for t in toolkits]}: pip install -e '.[test]'"
-    assert _kernels.cupy_toolkit() in toolkits
+    assert nvrtc.cupy_toolkit() in toolkits
     for toolkit, major in zip(toolkits, majors):
         if toolkit.found_by != "cuda-pathfinder":
-            nvrtc_wheel, headers_wheel = _kernels.WHEELS[major]
+            nvrtc_wheel, headers_wheel = nvrtc.WHEELS[major]
             assert re.fullmatch(rf"{nvrtc_wheel} {major}\.[\d.]+, {headers_wheel} {major}\.[\d.]+", toolkit.found_by)
         # each NVRTC compiles against the headers of its own CUDA
         with open(f"{toolkit.include}/cuda_runtime_api.h") as f:
@@ -73,25 +72,25 @@ def test_cupy_options_reach_nvrtc(major):
     # -ftz=true, which CuPy always passes: ptxas then multiplies with FMUL.FTZ
     toolkit = toolkit_of(major)
     source = 'extern "C" __global__ void mul(float* x) { x[0] = x[1] * x[2]; }'
-    options = _kernels.compile_options("sm_90", toolkit)
-    cupys = specs.COMPILE_OPTIONS + specs.CUPY_NVRTC_OPTIONS
+    options = nvrtc.compile_options("sm_90", toolkit)
+    cupys = sources.COMPILE_OPTIONS + sources.CUPY_NVRTC_OPTIONS
     assert options[:len(cupys)] == cupys
-    _, lowered, cubin = _kernels.compile_cubin(source, ["mul"], options, toolkit)
-    assert "FMUL.FTZ" in _kernels.function_sass(_kernels.sass(cubin), lowered["mul"])
+    _, lowered, cubin = nvrtc.compile_cubin(source, ["mul"], options, toolkit)
+    assert "FMUL.FTZ" in nvrtc.function_sass(nvrtc.sass(cubin), lowered["mul"])
     without = tuple(o for o in options if o != "-ftz=true")
-    _, _, cubin = _kernels.compile_cubin(source, ["mul"], without, toolkit)
-    assert "FMUL" in _kernels.sass(cubin) and "FMUL.FTZ" not in _kernels.sass(cubin)
+    _, _, cubin = nvrtc.compile_cubin(source, ["mul"], without, toolkit)
+    assert "FMUL" in nvrtc.sass(cubin) and "FMUL.FTZ" not in nvrtc.sass(cubin)
 
 
 def test_limits_exceeded_and_their_marks():
     row = dict(kernel="k", dtype="float16", head_dim=64, tile="64x64", static_smem=0, dynamic_smem=0, threads=128,
                occupancy=0.25, hmma=None)
-    limit = _kernels.MAX_REGISTERS - _kernels.REGISTER_MARGIN
+    limit = nvrtc.MAX_REGISTERS - nvrtc.REGISTER_MARGIN
     rows = [dict(row, registers=limit, spill_bytes=0), dict(row, registers=limit + 1, spill_bytes=0),
             dict(row, registers=100, spill_bytes=8)]
-    assert _kernels.limits_exceeded(rows) == [f"k float16 head_dim=64: {limit + 1} registers, 0 spill bytes",
+    assert nvrtc.limits_exceeded(rows) == [f"k float16 head_dim=64: {limit + 1} registers, 0 spill bytes",
                                               "k float16 head_dim=64: 100 registers, 8 spill bytes"]
-    lines = _kernels.format_kernel_report({"NVRTC 12.9": rows, "NVRTC 13.0": rows[::-1]}).splitlines()
+    lines = nvrtc.format_kernel_report({"NVRTC 12.9": rows, "NVRTC 13.0": rows[::-1]}).splitlines()
     assert lines[0].split() == ["NVRTC", "12.9", "NVRTC", "13.0"]
     cells = [line.split()[7:] for line in lines[2:]]  # registers, spill_bytes, occupancy, hmma per NVRTC
     assert [c[:2] + c[4:6] for c in cells] == [[str(limit), "0", "100", "8!"],
@@ -104,7 +103,7 @@ def test_limits_exceeded_and_their_marks():
 def report(request):
     arch, major = request.param
     toolkit = toolkit_of(major)
-    return f"{arch}, NVRTC {toolkit.version}", _kernels.kernel_report(arch, toolkit)
+    return f"{arch}, NVRTC {toolkit.version}", nvrtc.kernel_report(arch, toolkit)
 
 
 def test_every_specialization_compiles(report):
@@ -113,12 +112,12 @@ def test_every_specialization_compiles(report):
     # attn_fwd_tc, attn_bwd_dkdv_tc, attn_bwd_dq_tc per bucket (their preprocess is the SIMT one)
     tensor_core = len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS) * len(specs.TC_TEMPLATES)
     assert len(rows) == len(specs.CUDA_TYPES) * kernels_per_dtype + tensor_core
-    print(f"\n{what}\n{_kernels.format_kernel_report({what: rows})}")
+    print(f"\n{what}\n{nvrtc.format_kernel_report({what: rows})}")
 
 
 def test_no_spills_and_registers_to_spare(report):
     what, rows = report
-    limit = _kernels.MAX_REGISTERS - _kernels.REGISTER_MARGIN
+    limit = nvrtc.MAX_REGISTERS - nvrtc.REGISTER_MARGIN
     over = [f"{r['kernel']} {r['dtype']} head_dim={r['head_dim']}: {r['registers']} registers, "
             f"{r['spill_bytes']} spill bytes" for r in rows if r["spill_bytes"] or r["registers"] > limit]
     assert not over, f"{what}: more than {limit} registers, or spills: " + "; ".join(over)

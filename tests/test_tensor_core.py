@@ -25,13 +25,12 @@ from cupy_emulation import compile_module, emulated
 from emulator import CP_ASYNC_MODES, EmulatedModule, KernelError, garbage
 
 import flashcupy
-from flashcupy import _kernels
 from flashcupy.backends import cupy_backend
-from flashcupy.backends.cupy_backend import specs
+from flashcupy.backends.cupy_backend import nvrtc, sources, specs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEST_KERNELS = os.path.join(HERE, "emulator", "testkernels", "tensor_core.cu")
-INCLUDE = f"-I{specs.KERNEL_DIR}"
+INCLUDE = f"-I{sources.KERNEL_DIR}"
 ORDERS = ("ascending", "descending")
 ARCHS = ("sm_80", "sm_90")
 NARROW = ("float16", "bfloat16")
@@ -271,10 +270,10 @@ def test_misuse_is_reported(mode, message, thread, cp_async):
 
 def compile_for(arch, source_text, names, options=()):
     """{name expression: (ptxas info, SASS text of that function)} from NVRTC and nvdisasm."""
-    log, lowered, cubin = _kernels.compile_cubin(source_text, names, _kernels.compile_options(arch) + tuple(options))
-    info = _kernels.parse_ptxas(log)
-    text = _kernels.sass(cubin)
-    return {name: (info[lowered[name]], _kernels.function_sass(text, lowered[name])) for name in names}
+    log, lowered, cubin = nvrtc.compile_cubin(source_text, names, nvrtc.compile_options(arch) + tuple(options))
+    info = nvrtc.parse_ptxas(log)
+    text = nvrtc.sass(cubin)
+    return {name: (info[lowered[name]], nvrtc.function_sass(text, lowered[name])) for name in names}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -430,7 +429,7 @@ def test_a_cta_leaving_a_copy_in_flight_is_caught(rng):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_attn_fwd_tc_compiles_to_tensor_cores_without_spills(arch):
     kernels = [specs.tc_forward_module(fmt, d).kernels[0] for fmt in NARROW for d in specs.TC_HEAD_DIM_BUCKETS]
-    compiled = compile_for(arch, specs.read_source("attn_fwd_tc.cu"), [k.name_expression for k in kernels])
+    compiled = compile_for(arch, sources.read_source("attn_fwd_tc.cu"), [k.name_expression for k in kernels])
     for kern in kernels:
         info, sass = compiled[kern.name_expression]
         name = kern.name_expression
@@ -544,7 +543,7 @@ def test_attn_bwd_tc_fails_without_each_wait_and_barrier(what, rng):
 def test_attn_bwd_tc_compiles_to_tensor_cores_without_spills(arch):
     modules = [specs.tc_backward_module(fmt, d) for fmt in NARROW for d in specs.TC_HEAD_DIM_BUCKETS]
     kernels = [kern for m in modules for kern in m.kernels if kern.tensor_cores]
-    compiled = compile_for(arch, specs.read_source("attn_bwd_tc.cu"), [k.name_expression for k in kernels])
+    compiled = compile_for(arch, sources.read_source("attn_bwd_tc.cu"), [k.name_expression for k in kernels])
     for kern in kernels:
         info, sass = compiled[kern.name_expression]
         name = kern.name_expression

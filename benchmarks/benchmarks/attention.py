@@ -11,7 +11,8 @@ GPU timings synchronise the stream inside the timed call; the warm-up call in
 
 import numpy as np
 
-from flashcupy import _bench, backends
+from flashcupy import backends
+from flashcupy.tools import bench
 
 IMPLS = ["numpy", "naive-numpy", "torch-sdpa", "cupy", "numba"]
 GPU_IMPLS = {"cupy", "numba"}  # numba reads CuPy arrays in place
@@ -24,8 +25,8 @@ def _device(impl):
 def _skip_unless_runnable(impl, seqlen, heads):
     if impl in backends.NAMES and backends.unavailable_reason(impl) is not None:
         raise NotImplementedError(backends.unavailable_reason(impl))
-    if impl == "torch-sdpa" and _bench.torch_available() is not None:
-        raise NotImplementedError(_bench.torch_available())
+    if impl == "torch-sdpa" and bench.torch_available() is not None:
+        raise NotImplementedError(bench.torch_available())
     if impl == "naive-numpy" and heads * seqlen * seqlen * 4 > 2**30:
         raise NotImplementedError("the naive baseline's score matrix would exceed 1 GiB")
 
@@ -41,21 +42,21 @@ class _Attention:
     def setup(self, impl, seqlen, head_dim, dtype, causal):
         _skip_unless_runnable(impl, seqlen, self.heads)
         device = _device(impl)
-        q, k, v, dout = _bench.make_inputs(self.batch, self.heads, seqlen, head_dim, np.dtype(dtype), device)
-        fwd, bwd = _bench.closures(impl, q, k, v, dout, causal, 1.0 / np.sqrt(head_dim), device)
+        q, k, v, dout = bench.make_inputs(self.batch, self.heads, seqlen, head_dim, np.dtype(dtype), device)
+        fwd, bwd = bench.closures(impl, q, k, v, dout, causal, 1.0 / np.sqrt(head_dim), device)
         self.device = device
         self.fns = {"forward": fwd, "backward": bwd}
         for fn in self.fns.values():
             fn()
-        _bench._sync(device)
+        bench.sync(device)
 
     def _call(self, pass_):
         self.fns[pass_]()
-        _bench._sync(self.device)
+        bench.sync(self.device)
 
     def _tflops(self, pass_, seqlen, head_dim, causal):
-        seconds = _bench._time(self.fns[pass_], self.device, repeat=3, min_time=0.5)
-        return _bench.flops(self.batch, self.heads, seqlen, head_dim, causal, pass_) / seconds / 1e12
+        seconds = bench.best_time(self.fns[pass_], self.device, repeat=3, min_time=0.5)
+        return bench.flops(self.batch, self.heads, seqlen, head_dim, causal, pass_) / seconds / 1e12
 
 
 class Forward(_Attention):
@@ -71,7 +72,7 @@ class Forward(_Attention):
     track_tflops.unit = "TFLOP/s"
 
     def track_extra_memory(self, impl, seqlen, head_dim, dtype, causal):
-        return _bench.peak_bytes(impl, self.batch, self.heads, seqlen, head_dim, causal, dtype,
+        return bench.peak_bytes(impl, self.batch, self.heads, seqlen, head_dim, causal, dtype,
                                  self.device) / 2**20
 
     track_extra_memory.unit = "MiB"
@@ -101,6 +102,6 @@ class MemoryGrowth:
         _skip_unless_runnable(impl, seqlen, 1)
 
     def track_extra_memory(self, impl, seqlen):
-        return _bench.peak_bytes(impl, 1, 1, seqlen, 64, device=_device(impl)) / 2**20
+        return bench.peak_bytes(impl, 1, 1, seqlen, 64, device=_device(impl)) / 2**20
 
     track_extra_memory.unit = "MiB"

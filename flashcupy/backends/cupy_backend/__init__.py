@@ -29,7 +29,7 @@ import functools
 
 import numpy as np
 
-from . import specs
+from . import sources, specs
 
 NAME = "cupy"
 ARRAY_LIBRARIES = ("cupy",)
@@ -115,13 +115,13 @@ def allocate(like, shape, dtype, fill):
 
 @functools.lru_cache(maxsize=None)
 def _source(source_file: str) -> str:
-    return specs.read_source(source_file)
+    return sources.read_source(source_file)
 
 
 def _options() -> tuple:
-    """Our NVRTC options. cupy.RawModule adds CuPy's own (specs.CUPY_NVRTC_OPTIONS, -arch for the
+    """Our NVRTC options. cupy.RawModule adds CuPy's own (sources.CUPY_NVRTC_OPTIONS, -arch for the
     device, and -I for the CUDA headers, found by cuda-pathfinder), so none of those is passed here."""
-    return specs.COMPILE_OPTIONS
+    return sources.COMPILE_OPTIONS
 
 
 def _functions(rt: Runtime, module: specs.ModuleSpec, like) -> list:

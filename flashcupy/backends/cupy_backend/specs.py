@@ -14,19 +14,16 @@ BLOCK_M counts query rows and BLOCK_N keys in every kernel. The operand a lane o
 (K_j in the forward and dQ kernels, Q_i in the dK/dV kernel) must be at most 32 rows, a power of
 two; the operand split between the 4 warps must be a multiple of 4 rows.
 
-This module is imported by the backend, by `flashcupy._kernels` (the NVRTC resource report) and
-by the tests; it needs nothing but the standard library and NumPy.
+This module is imported by the backend, by nvrtc.py (the NVRTC resource report) and by the tests;
+it needs nothing but the standard library and NumPy. The sources and compile options are in
+sources.py.
 """
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass
 
 import numpy as np
-
-KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
 
 NUM_THREADS = 128  # NUM_WARPS * WARP_SIZE in flash_common.cuh
 SMEM_DEFAULT_LIMIT = 48 * 1024  # dynamic shared memory a launch gets without opting in
@@ -190,39 +187,3 @@ def all_modules():
 
 def _acc_size(dtype: str) -> int:
     return 8 if dtype == "float64" else 4
-
-
-_INCLUDE = re.compile(r'^#include "([^"]+)"[^\n]*$', re.MULTILINE)
-
-
-def read_source(source_file: str, _seen=None) -> str:
-    """The text of a kernel file with its local `#include "..."` lines inlined, each header once
-    (where it is first included: the inlined text keeps no file boundaries for #pragma once).
-
-    Inlining (rather than passing -I) makes the source text the whole input of a compilation,
-    so a compile cache keyed on the text can never pick up a stale header.
-    """
-    seen = set() if _seen is None else _seen
-    seen.add(source_file)
-    with open(os.path.join(KERNEL_DIR, source_file), encoding="utf-8") as f:
-        text = f.read()
-
-    def inline(m):
-        name = m.group(1)
-        return "" if name in seen else read_source(name, seen)
-
-    return _INCLUDE.sub(inline, text)
-
-
-# The backend's NVRTC options; cupy.RawModule adds CuPy's own (below) before NVRTC sees them.
-COMPILE_OPTIONS = ("-std=c++17",)
-
-# What CuPy (>= 14.1) adds to COMPILE_OPTIONS for every RawModule, beyond -arch and -I, in
-# cupy/cuda/compiler.py: `_compile_with_cache_cuda` appends -ftz=true and
-# `_compile_using_nvrtc_no_warning` --device-as-default-execution-space (with -arch=sm_XY for the
-# device). `assemble_cupy_compiler_options` in cupy/_core/core.pyx adds the -I options: the CUDA
-# headers cuda-pathfinder finds (`find_nvidia_header_directory("cudart")`), CuPy's own headers and
-# its copy of CCCL, and --std=c++17 only where no -std is given. The NVRTC report
-# (flashcupy/_kernels.py) and the CPU emulator (tests/cupy_emulation.py) compile with these too, so
-# what they check is what runs.
-CUPY_NVRTC_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")

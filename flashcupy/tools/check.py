@@ -18,7 +18,7 @@ def oracle():
         import reference.compare
         return reference
     except ImportError:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         if os.path.isdir(os.path.join(root, "reference")):
             sys.path.insert(0, root)
             import reference

@@ -3,7 +3,7 @@
 Used by `python -m flashcupy kernels` and by tests/test_nvrtc.py; needs no GPU and no CuPy.
 
 What is compiled: the kernel sources with the options CuPy's RawModule hands NVRTC, that is the
-backend's (specs.COMPILE_OPTIONS), those CuPy adds itself (specs.CUPY_NVRTC_OPTIONS: -ftz=true
+backend's (sources.COMPILE_OPTIONS), those CuPy adds itself (sources.CUPY_NVRTC_OPTIONS: -ftz=true
 among them), -arch=sm_XY and -I for the CUDA headers that go with the NVRTC. CuPy's -I for its own
 headers and its copy of CCCL are left out: the kernels reach none of their files (with CuPy 14.2's
 whole include list every cubin came out byte for byte the same).
@@ -45,7 +45,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .backends.cupy_backend import specs
+from . import sources, specs
 
 # Per-SM limits used for occupancy: max threads, max CTAs, registers, shared memory (bytes) and
 # the shared memory the driver reserves per CTA. sm_80: A100; sm_86/89: consumer Ampere/Ada.
@@ -222,8 +222,9 @@ def _serve() -> None:
 def _run(toolkit: Toolkit, jobs) -> tuple:
     """(NVRTC version, [(True, (log, lowered, cubin)) or (False, NvrtcError)] per job) from a worker
     process running `toolkit`'s NVRTC."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where flashcupy is imported from
-    code = f"import sys; sys.path.insert(0, {root!r}); from flashcupy._kernels import _serve; _serve()"
+    # where flashcupy is imported from: three folders above this file
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    code = f"import sys; sys.path.insert(0, {root!r}); from flashcupy.backends.cupy_backend.nvrtc import _serve; _serve()"
     done = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((toolkit.nvrtc, list(jobs))),
                           capture_output=True)
     if done.returncode != 0:
@@ -257,7 +258,7 @@ def compile_cubin(source: str, name_expressions, options, toolkit: Toolkit | Non
 def compile_options(arch: str, toolkit: Toolkit | None = None) -> tuple:
     """CuPy's NVRTC options for our kernels on an `arch` device, and ptxas' resource report."""
     toolkit = toolkit or cupy_toolkit()
-    return specs.COMPILE_OPTIONS + specs.CUPY_NVRTC_OPTIONS + (f"-I{toolkit.include}", f"-arch={arch}", "-Xptxas=-v")
+    return sources.COMPILE_OPTIONS + sources.CUPY_NVRTC_OPTIONS + (f"-I{toolkit.include}", f"-arch={arch}", "-Xptxas=-v")
 
 
 def nvdisasm_path() -> str | None:
@@ -354,7 +355,7 @@ def kernel_report(arch: str = "sm_90", toolkit: Toolkit | None = None) -> list:
     toolkit = toolkit or cupy_toolkit()
     options = compile_options(arch, toolkit)
     modules = specs.all_modules()
-    compiled = _results(toolkit, [(specs.read_source(m.source_file), m.name_expressions, options) for m in modules])
+    compiled = _results(toolkit, [(sources.read_source(m.source_file), m.name_expressions, options) for m in modules])
     # the preprocess kernel does not depend on the head-dim bucket: report it once per dtype
     rows, seen = [], set()
     for module, result in zip(modules, compiled):

@@ -102,7 +102,7 @@ except OSError:
 # implementations: each returns (forward(), backward()) closures over fixed inputs
 
 
-def _naive_numpy(q, k, v, dout, causal, scale):
+def naive_numpy(q, k, v, dout, causal, scale):
     """Full-matrix attention in the inputs' dtype: the textbook version users write."""
     Q, K, V, dO = (x.transpose(0, 2, 1, 3) for x in (q, k, v, dout))
     Sq, Sk = Q.shape[2], K.shape[2]
@@ -213,17 +213,17 @@ def implementations(device: str) -> list[str]:
 # measurement
 
 
-def _sync(device):
+def sync(device):
     if device == "cuda":
         import cupy
         cupy.cuda.get_current_stream().synchronize()
 
 
-def _time(fn, device, repeat: int, min_time: float) -> float:
+def best_time(fn, device, repeat: int, min_time: float) -> float:
     """Best time of up to `repeat` calls after one warm-up (which excludes NVRTC compile
     time), stopping once min_time is spent. On the GPU, CUDA events bracket each call."""
     fn()
-    _sync(device)
+    sync(device)
     best, spent = math.inf, 0.0
     for _ in range(repeat):
         if device == "cuda":
@@ -248,13 +248,13 @@ def closures(impl, q, k, v, dout, causal, scale, device, bf16_bits=False):
     """(forward, backward) callables of one implementation over fixed inputs; bf16_bits says the
     arrays hold bfloat16 bit patterns (uint16), as flashcupy's CuPy users pass them."""
     if impl == "naive-numpy":
-        return _naive_numpy(q, k, v, dout, causal, scale)
+        return naive_numpy(q, k, v, dout, causal, scale)
     if impl in TORCH_KERNELS:
         return _torch_sdpa(q, k, v, dout, causal, scale, device, TORCH_KERNELS[impl], bf16_bits)
     return _flashcupy(impl, q, k, v, dout, causal, scale, "bfloat16" if bf16_bits else None)
 
 
-def _gpu_peak(fn, impl):
+def gpu_peak(fn, impl):
     """Device memory one call adds: torch's allocator peak for torch, CuPy's pool otherwise."""
     if impl in TORCH_KERNELS:
         import torch
@@ -271,7 +271,7 @@ def _gpu_peak(fn, impl):
     # the pool keeps every block it allocates until free_all_blocks, so its total
     # after the call is its peak during the call
     fn()
-    _sync("cuda")
+    sync("cuda")
     return pool.total_bytes() - base
 
 
@@ -294,7 +294,7 @@ def peak_bytes(impl, batch, heads, seqlen, head_dim, causal=False, dtype="float3
         fn = dict(zip(("forward", "backward"),
                       closures(impl, q, k, v, dout, causal, 1.0 / math.sqrt(head_dim), device)))[pass_]
         fn()
-        return _gpu_peak(fn, impl)
+        return gpu_peak(fn, impl)
     if not HostPeak.available:
         return None
     import multiprocessing
@@ -319,7 +319,7 @@ def run_one(impl, batch, heads, seqlen, head_dim, causal=False, dtype="float32",
     for pass_, fn in zip(("forward", "backward"), fns):
         if pass_ not in passes:
             continue
-        seconds = _time(fn, device, repeat, min_time)
+        seconds = best_time(fn, device, repeat, min_time)
         peak = peak_bytes(impl, batch, heads, seqlen, head_dim, causal, dtype, device, pass_) if memory else None
         tf = flops(batch, heads, seqlen, head_dim, causal, pass_) / seconds / 1e12
         results.append(Result(impl, pass_, batch, heads, seqlen, head_dim, causal, str(np.dtype(dtype)),
