@@ -37,7 +37,6 @@ import functools
 import importlib
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import shutil
@@ -333,6 +332,7 @@ def _median_seconds(fn, dry: bool, sizes: Sizes) -> float:
 
 def sweep_items(args):
     from flashcupy import backends
+    from flashcupy._api import default_scale
     from flashcupy.tools import bench
     sizes = DRY if args.dry_run else GPU
     device = "cpu" if args.dry_run else "cuda"
@@ -357,7 +357,7 @@ def sweep_items(args):
             inputs[shape] = _device_inputs((B, S, H, D), (B, S, H, D), dtype, zlib.crc32(repr(shape).encode()),
                                            args.dry_run)
         q, k, v, dout = inputs[shape]
-        forward, backward = bench.closures(impl, q, k, v, dout, causal, 1.0 / math.sqrt(D), device,
+        forward, backward = bench.closures(impl, q, k, v, dout, causal, default_scale(D), device,
                                             bf16_bits=dtype == "bfloat16")
         records = []
         for pass_, fn in (("forward", forward), ("backward", backward)):

@@ -83,18 +83,6 @@ class Problem:
 # validation
 
 
-def array_library(x) -> str | None:
-    """'numpy', 'cupy' or 'numba' for arrays of those libraries, else None."""
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    root = type(x).__module__.split(".")[0]
-    if root == "cupy" and hasattr(x, "__cuda_array_interface__"):
-        return "cupy"
-    if root == "numba" and hasattr(x, "__cuda_array_interface__"):
-        return "numba"
-    return None
-
-
 def _describe(x) -> str:
     t = type(x)
     return f"{t.__module__}.{t.__qualname__}" if t.__module__ != "builtins" else t.__qualname__
@@ -104,7 +92,7 @@ def _check_arrays(named: dict) -> str:
     """Every argument is an array of one supported library; returns that library."""
     libs = {}
     for name, x in named.items():
-        lib = array_library(x)
+        lib = backends.array_library(x)
         if lib is None:
             raise TypeError(
                 f"{name} must be a numpy.ndarray, cupy.ndarray or numba device array, "
@@ -146,9 +134,14 @@ def _check_strides(name: str, x) -> None:
             f"got strides {tuple(strides)} (bytes)")
 
 
+def default_scale(head_dim: int) -> float:
+    """The scale when none is given: 1/sqrt(head_dim), as in "Attention Is All You Need"."""
+    return 1.0 / math.sqrt(head_dim)
+
+
 def _check_scale(scale, head_dim: int) -> float:
     if scale is None:
-        return 1.0 / math.sqrt(head_dim)
+        return default_scale(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None, got {_describe(scale)}")
     s = float(scale)

@@ -16,9 +16,9 @@ Used by the tests and by `python -m flashcupy check`.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
+
+from flashcupy._api import default_scale
 
 from . import values
 
@@ -56,7 +56,7 @@ def score_bound(q, k, scale=None, dtype=None) -> float:
     B, Sq, Hq, D = q64.shape
     Hkv = k64.shape[2]
     if scale is None:
-        scale = 1.0 / math.sqrt(D)
+        scale = default_scale(D)
     S = np.einsum("bqhgd,bkhd->bhgqk", q64.reshape(B, Sq, Hkv, Hq // Hkv, D), k64)
     return scale * float(np.abs(S).max(initial=0.0))
 

@@ -12,6 +12,7 @@ GPU timings synchronise the stream inside the timed call; the warm-up call in
 import numpy as np
 
 from flashcupy import backends
+from flashcupy._api import default_scale
 from flashcupy.tools import bench
 
 IMPLS = ["numpy", "naive-numpy", "torch-sdpa", "cupy", "numba"]
@@ -43,7 +44,7 @@ class _Attention:
         _skip_unless_runnable(impl, seqlen, self.heads)
         device = _device(impl)
         q, k, v, dout = bench.make_inputs(self.batch, self.heads, seqlen, head_dim, np.dtype(dtype), device)
-        fwd, bwd = bench.closures(impl, q, k, v, dout, causal, 1.0 / np.sqrt(head_dim), device)
+        fwd, bwd = bench.closures(impl, q, k, v, dout, causal, default_scale(head_dim), device)
         self.device = device
         self.fns = {"forward": fwd, "backward": bwd}
         for fn in self.fns.values():

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import importlib
 
+import numpy as np
+
 _MODULES = {
     "numpy": "flashcupy.backends.numpy_backend",
     "cupy": "flashcupy.backends.cupy_backend",
@@ -29,6 +31,18 @@ NAMES = tuple(_MODULES)
 
 # backend="auto": the backend that takes each array library without a copy.
 DEFAULT_FOR_LIBRARY = {"numpy": "numpy", "cupy": "cupy", "numba": "numba"}
+
+
+def array_library(x) -> str | None:
+    """'numpy', 'cupy' or 'numba' for arrays of those libraries, else None."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    root = type(x).__module__.split(".")[0]
+    if root == "cupy" and hasattr(x, "__cuda_array_interface__"):
+        return "cupy"
+    if root == "numba" and hasattr(x, "__cuda_array_interface__"):
+        return "numba"
+    return None
 
 
 class BackendUnavailableError(RuntimeError):

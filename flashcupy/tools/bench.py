@@ -27,6 +27,7 @@ import numpy as np
 
 import flashcupy
 from flashcupy import backends
+from flashcupy._api import default_scale
 
 
 @dataclass
@@ -279,7 +280,7 @@ def _host_peak_child(impl, batch, heads, seqlen, head_dim, causal, dtype, pass_)
     _fresh_pages_allocator()
     q, k, v, dout = make_inputs(batch, heads, seqlen, head_dim, np.dtype(dtype), "cpu")
     fn = dict(zip(("forward", "backward"),
-                  closures(impl, q, k, v, dout, causal, 1.0 / math.sqrt(head_dim), "cpu")))[pass_]
+                  closures(impl, q, k, v, dout, causal, default_scale(head_dim), "cpu")))[pass_]
     fn()
     with HostPeak() as probe:
         fn()
@@ -292,7 +293,7 @@ def peak_bytes(impl, batch, heads, seqlen, head_dim, causal=False, dtype="float3
     if device == "cuda":
         q, k, v, dout = make_inputs(batch, heads, seqlen, head_dim, np.dtype(dtype), device)
         fn = dict(zip(("forward", "backward"),
-                      closures(impl, q, k, v, dout, causal, 1.0 / math.sqrt(head_dim), device)))[pass_]
+                      closures(impl, q, k, v, dout, causal, default_scale(head_dim), device)))[pass_]
         fn()
         return gpu_peak(fn, impl)
     if not HostPeak.available:
@@ -314,7 +315,7 @@ def make_inputs(batch, heads, seqlen, head_dim, dtype, device, seed=0):
 def run_one(impl, batch, heads, seqlen, head_dim, causal=False, dtype="float32", device="cpu",
             passes=("forward", "backward"), repeat=3, min_time=1.0, memory=True):
     q, k, v, dout = make_inputs(batch, heads, seqlen, head_dim, np.dtype(dtype), device)
-    fns = closures(impl, q, k, v, dout, causal, 1.0 / math.sqrt(head_dim), device)
+    fns = closures(impl, q, k, v, dout, causal, default_scale(head_dim), device)
     results = []
     for pass_, fn in zip(("forward", "backward"), fns):
         if pass_ not in passes:

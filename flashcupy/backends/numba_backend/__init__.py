@@ -143,7 +143,7 @@ def _kernels():
 
 
 def _library(x) -> str:
-    from ..._api import array_library
+    from .. import array_library
     return array_library(x)
 
 
