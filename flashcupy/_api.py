@@ -35,6 +35,12 @@ def bfloat16_dtype() -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16)
 
 
+def accumulation_dtype(value_dtype) -> np.dtype:
+    """What every backend accumulates in (and stores lse in): float64 for float64 values, float32
+    for float32, float16 and bfloat16."""
+    return np.dtype(np.float64) if np.dtype(value_dtype) == np.float64 else np.dtype(np.float32)
+
+
 @dataclass(frozen=True)
 class Problem:
     """Everything a backend needs to know besides the arrays themselves."""
@@ -57,8 +63,7 @@ class Problem:
 
     @property
     def acc_dtype(self) -> np.dtype:
-        """Accumulation dtype: float64 for float64 inputs, float32 otherwise."""
-        return np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
+        return accumulation_dtype(self.dtype)
 
     @property
     def lse_dtype(self) -> np.dtype:
@@ -97,6 +102,9 @@ def _check_arrays(named: dict) -> str:
             raise TypeError(
                 f"{name} must be a numpy.ndarray, cupy.ndarray or numba device array, "
                 f"got {_describe(x)}")
+        if isinstance(x, np.ma.MaskedArray):
+            raise TypeError(f"{name} must not be a numpy.ma.MaskedArray: attention would ignore its mask "
+                            f"(pass {name}.filled(0) or {name}.data if that is what you mean)")
         libs[name] = lib
     if len(set(libs.values())) > 1:
         which = ", ".join(f"{n} is {lib}" for n, lib in libs.items())
@@ -110,6 +118,9 @@ def _check_dtypes(named: dict, dtype) -> tuple:
         raise ValueError(f"dtype must be None or 'bfloat16', got {dtype!r}")
     carriers = {name: np.dtype(x.dtype) for name, x in named.items()}
     for name, carrier in carriers.items():
+        if not carrier.isnative:
+            raise TypeError(f"{name} must have native byte order, got {carrier.str} "
+                            f"(convert with {name}.astype({name}.dtype.newbyteorder('=')))")
         if dtype == "bfloat16" and carrier.name != "bfloat16" and carrier not in BIT_CARRIERS:
             raise TypeError(f"with dtype='bfloat16', {name} must hold bfloat16 bit patterns as uint16 or "
                             f"int16 (CuPy has no bfloat16 dtype), got {carrier}")
@@ -126,12 +137,17 @@ def _check_dtypes(named: dict, dtype) -> tuple:
 
 
 def _check_strides(name: str, x) -> None:
+    """Strides, and on a device the address, whole multiples of the itemsize: kernels read elements."""
     itemsize = np.dtype(x.dtype).itemsize
     strides = x.strides if x.strides is not None else ()
     if any(s % itemsize for s in strides):
         raise ValueError(
             f"{name} must have strides that are whole multiples of its itemsize {itemsize}, "
             f"got strides {tuple(strides)} (bytes)")
+    interface = getattr(x, "__cuda_array_interface__", None)
+    if interface is not None and interface["data"][0] % itemsize:
+        raise ValueError(f"{name} must start at an address aligned to its itemsize {itemsize} (a GPU faults "
+                         f"on misaligned loads), got address {interface['data'][0]:#x}")
 
 
 def default_scale(head_dim: int) -> float:
@@ -139,7 +155,10 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def _check_scale(scale, head_dim: int) -> float:
+LOG2E = math.log2(math.e)  # the kernels scale by scale * log2(e) and use exp2
+
+
+def _check_scale(scale, head_dim: int, acc_dtype: np.dtype) -> float:
     if scale is None:
         return default_scale(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -147,7 +166,19 @@ def _check_scale(scale, head_dim: int) -> float:
     s = float(scale)
     if not math.isfinite(s) or s <= 0:
         raise ValueError(f"scale must be finite and positive, got {s!r}")
+    with np.errstate(over="ignore", under="ignore"):
+        in_acc = acc_dtype.type(s), acc_dtype.type(s * LOG2E)
+    if not all(np.isfinite(x) and x > 0 for x in in_acc):
+        info = np.finfo(acc_dtype)
+        raise ValueError(f"scale must be finite and positive in {acc_dtype}, the accumulation dtype "
+                         f"(between {info.tiny:.3g} and {float(info.max) / LOG2E:.3g}), got {s!r}")
     return s
+
+
+def _check_bool(name: str, x) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {_describe(x)}")
+    return bool(x)
 
 
 def _check_backend_name(backend) -> str:
@@ -165,8 +196,7 @@ def _problem(q, k, v, causal, scale, dtype) -> Problem:
                 f"{name} must have rank 4 ({'batch, seqlen_q, heads_q' if name == 'q' else 'batch, seqlen_k, heads_kv'}"
                 f", head_dim), got shape {tuple(x.shape)}")
         _check_strides(name, x)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {_describe(causal)}")
+    causal = _check_bool("causal", causal)
     B, Sq, Hq, D = q.shape
     Bk, Sk, Hkv, Dk = k.shape
     if k.shape != v.shape:
@@ -185,7 +215,8 @@ def _problem(q, k, v, causal, scale, dtype) -> Problem:
         raise ValueError(
             f"heads_q must be a multiple of heads_kv (GQA/MQA), got heads_q={Hq}, heads_kv={Hkv}")
     value_dtype, carrier = _check_dtypes({"q": q, "k": k, "v": v}, dtype)
-    return Problem(B, Sq, Sk, Hq, Hkv, D, value_dtype, bool(causal), _check_scale(scale, D), carrier)
+    scale = _check_scale(scale, D, accumulation_dtype(value_dtype))
+    return Problem(B, Sq, Sk, Hq, Hkv, D, value_dtype, causal, scale, carrier)
 
 
 def _select(backend: str, lib: str, p: Problem):
@@ -219,6 +250,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, backend="a
     bfloat16 bit patterns (CuPy has no bfloat16 dtype), and out comes back the same way.
     """
     backend = _check_backend_name(backend)
+    return_lse = _check_bool("return_lse", return_lse)
     lib = _check_arrays({"q": q, "k": k, "v": v})
     p = _problem(q, k, v, causal, scale, dtype)
     mod = _select(backend, lib, p)

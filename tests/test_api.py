@@ -36,6 +36,12 @@ BAD_FORWARD = [
     ("bf16 dtype on floats", lambda: qkv(), {"dtype": "bfloat16"}, TypeError, ["q", "uint16 or int16", "float32"]),
     ("unknown dtype", lambda: qkv(), {"dtype": "float8"}, ValueError, ["dtype", "'bfloat16'", "'float8'"]),
     ("head_dim 0", lambda: qkv(D=0), {}, ValueError, ["head_dim", "at least 1", "0"]),
+    ("scale overflows float32", lambda: qkv(), {"scale": 1e39}, ValueError, ["scale", "float32", "1e+39"]),
+    ("scale overflows in exp2", lambda: qkv(), {"scale": 3e38}, ValueError, ["scale", "float32", "3e+38"]),
+    ("scale underflows float32", lambda: qkv(), {"scale": 1e-50}, ValueError, ["scale", "float32", "1e-50"]),
+    ("return_lse type", lambda: qkv(), {"return_lse": "no"}, TypeError, ["return_lse", "bool", "str"]),
+    ("masked array", lambda: (np.ma.masked_array(qkv()[0]),) + qkv()[1:], {}, TypeError, ["q", "MaskedArray", "mask"]),
+    ("big-endian", lambda: qkv(dtype=">f8"), {}, TypeError, ["q", "native byte order", ">f8"]),
 ]
 
 
@@ -130,6 +136,22 @@ def test_numba_refuses_bfloat16_before_any_work(monkeypatch):
     monkeypatch.setattr(mod, "unavailable_reason", lambda: None)
     with pytest.raises(TypeError, match="backend 'numba' supports float16, float32, float64, got bfloat16"):
         flashcupy.attention(*qkv(dtype=np.uint16), backend="numba", dtype="bfloat16")
+
+
+def test_float64_scale_range_is_float64s():
+    q, k, v = (np.ones((1, 2, 1, 4)) for _ in range(3))
+    out = flashcupy.attention(q, k, v, scale=1e39)  # fine in float64 accumulation
+    np.testing.assert_allclose(out, 1.0)
+
+
+def test_misaligned_device_array_is_refused_before_any_work():
+    class FakeCupyArray:  # a cupy.ndarray whose first element sits 2 bytes into a float32
+        ndim, shape, strides, dtype = 4, (1, 4, 2, 8), (256, 64, 32, 4), np.dtype(np.float32)
+        __cuda_array_interface__ = {"data": (0x1002, False)}
+
+    FakeCupyArray.__module__ = "cupy._core.core"
+    with pytest.raises(ValueError, match=r"q must start at an address aligned to its itemsize 4 .* 0x1002"):
+        flashcupy.attention(FakeCupyArray(), FakeCupyArray(), FakeCupyArray())
 
 
 def test_float64_lse_is_float64():
