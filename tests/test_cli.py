@@ -68,3 +68,10 @@ def test_peak_memory_sees_a_score_sized_allocation():
         a = np.ones(8 * 2**20 // 8)  # 8 MiB
         del a
     assert 7 * 2**20 <= probe.peak <= 12 * 2**20
+
+
+def test_the_core_install_brings_threadpoolctl():
+    # without it the NumPy backend runs one worker (BLAS threads itself), 2.8x slower on 2 cores
+    import importlib.metadata
+    core = [r for r in importlib.metadata.requires("flashcupy") if "extra ==" not in r]
+    assert any(r.startswith("threadpoolctl") for r in core), core
