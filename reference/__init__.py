@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "values"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "values", "visible"]
 
 
 def values(x, dtype=None):
@@ -34,32 +34,40 @@ def _heads_first(x, group: int):
     return np.repeat(x, group, axis=1) if group > 1 else x
 
 
-def _mask(seqlen_q: int, seqlen_k: int, causal: bool):
-    """True where query i may see key j (bottom-right causal alignment)."""
+def visible(seqlen_q: int, seqlen_k: int, causal: bool, diagonal: int | None = None):
+    """(seqlen_q, seqlen_k) bool matrix, True where query i sees key j.
+
+    Without causal every query sees every key. With causal, query i sees key j iff
+    j <= i + diagonal; the default diagonal aligns the last query with the last key
+    (bottom-right, as flash-attn >= 2.1), and 0 is the top-left alignment of torch's
+    is_causal.
+    """
     if not causal:
         return np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if diagonal is None:
+        diagonal = seqlen_k - seqlen_q
     i = np.arange(seqlen_q)[:, None]
     j = np.arange(seqlen_k)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    return j <= i + diagonal
 
 
 def _probabilities(q, k, causal, scale):
-    q, k = values(q), values(k)
     """P (B, H, Sq, Sk), lse (B, H, Sq) and the float64 head-first q, k."""
+    q, k = values(q), values(k)
     group = q.shape[2] // k.shape[2]
     Q, K = _heads_first(q, 1), _heads_first(k, group)
+    # the README's default, written here rather than imported so that the oracle checks flashcupy's
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     S = np.einsum("bhqd,bhkd->bhqk", Q, K) * scale
-    visible = _mask(q.shape[1], k.shape[1], causal)
-    S = np.where(visible, S, -np.inf)
+    S = np.where(visible(q.shape[1], k.shape[1], causal), S, -np.inf)
     with np.errstate(invalid="ignore", divide="ignore"):
         m = S.max(axis=-1, initial=-np.inf, keepdims=True)
-        m_safe = np.where(np.isneginf(m), 0.0, m)  # fully masked rows: P = exp(-inf) = 0
-        E = np.exp(S - m_safe)
+        m_ref = np.where(np.isneginf(m), 0.0, m)  # no key seen: exp(-inf) = 0, not NaN
+        E = np.exp(S - m_ref)
         l = E.sum(axis=-1, keepdims=True)
         P = np.where(l > 0, E / np.where(l > 0, l, 1.0), 0.0)
         P = np.where(np.isnan(l), np.nan, P)
-        lse = (m_safe + np.log(l))[..., 0]
+        lse = (m_ref + np.log(l))[..., 0]
     return P, lse, Q, K, scale, group
 
 

@@ -15,6 +15,7 @@ module runs: the kernels at the GPU's tile sizes on the simulator, and the
 availability checks of a real numba.cuda.
 """
 
+import itertools
 import json
 import os
 import subprocess
@@ -52,6 +53,7 @@ finally:
         del os.environ["NUMBA_ENABLE_CUDASIM"]
 
 import flashcupy  # noqa: E402
+from flashcupy._api import Problem  # noqa: E402
 from flashcupy.backends import numba_backend  # noqa: E402
 from flashcupy.backends.numba_backend import kernels  # noqa: E402
 
@@ -64,7 +66,7 @@ if _NUMBA_CUDA_PREIMPORTED and not SIMULATOR and not GPU:
         "is no GPU: the numba backend cannot be tested in this process. Set NUMBA_ENABLE_CUDASIM=1 in "
         "the environment (or at the top of tests/conftest.py) so numba.cuda starts as the simulator.")
 
-# Tiny shapes for the simulator, chosen against its tiles (BLOCK_Q 4, BLOCK_K 2, D_TILE 8):
+# Tiny shapes for the simulator, chosen against its tiles (BLOCK_M 4, BLOCK_N 2, D_TILE 8):
 # lengths 1, 5, 17 leave partial tiles; head_dim 1, 3, 40 (40: five D_TILE chunks, partial
 # register lanes). (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal)
 SMALL_CASES = (
@@ -205,6 +207,32 @@ def test_cupy_arrays_in_and_out(rng, layout, dtype):
 
 
 # ----------------------------------------------------------------------------
+# which keys a query sees
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_visibility_helpers_are_the_oracles_rule(causal):
+    """The kernels' three helpers, run as Python, with the mask the host passes: _visible is the
+    oracle's rule (and False outside the arrays), and a block's range holds exactly the keys
+    (queries) that some row (key) of the block sees, so the kernels skip no visible pair and visit
+    no block that sees nothing."""
+    key_range, query_range, visible = (kernels._key_range.py_func, kernels._query_range.py_func,
+                                       kernels._visible.py_func)
+    for Sq, Sk in itertools.product(range(1, 7), repeat=2):
+        p = Problem(batch=1, seqlen_q=Sq, seqlen_k=Sk, heads_q=1, heads_kv=1, head_dim=1,
+                    dtype=np.dtype(np.float32), causal=causal, scale=1.0, carrier=np.dtype(np.float32))
+        mask = numba_backend._common(p)[-1]
+        want = np.zeros((Sq + 1, Sk + 1), bool)  # one row and one column past the arrays
+        want[:Sq, :Sk] = reference.visible(Sq, Sk, causal)
+        got = [[visible(mask, i, j, Sq, Sk) for j in range(Sk + 1)] for i in range(Sq + 1)]
+        np.testing.assert_array_equal(got, want)
+        for i0, i1 in itertools.combinations(range(Sq + 1), 2):
+            assert list(range(*key_range(mask, i0, i1, Sk))) == list(np.flatnonzero(want[i0:i1].any(0)))
+        for j0, j1 in itertools.combinations(range(Sk + 1), 2):
+            assert list(range(*query_range(mask, j0, j1, Sq))) == list(np.flatnonzero(want[:, j0:j1].any(1)))
+
+
+# ----------------------------------------------------------------------------
 # availability, imports, compilation
 
 
@@ -271,7 +299,7 @@ out, lse = flashcupy.attention(a["q"], a["k"], a["v"], causal=True, return_lse=T
 dq, dk, dv = flashcupy.attention_backward(a["dout"], a["q"], a["k"], a["v"], out, lse, causal=True,
                                           backend="numba")
 np.savez(sys.argv[2], out=out, lse=lse, dq=dq, dk=dk, dv=dv, simulator=kernels.SIMULATOR,
-         tiles=(kernels.BLOCK_Q, kernels.BLOCK_K, kernels.D_TILE, kernels.PREP_THREADS))
+         tiles=(kernels.BLOCK_M, kernels.BLOCK_N, kernels.D_TILE, kernels.PREP_THREADS))
 """
 
 
@@ -280,7 +308,7 @@ def test_gpu_tile_sizes_on_the_simulator(rng, tmp_path):
 
     The tile table is read once, at import, so this runs in a process of its own. One query block,
     two key blocks (the second partial), head_dim = one full D_TILE chunk plus a partial one, MQA,
-    causal with seqlen_q < seqlen_k: kept tiny, as each block is BLOCK_Q x BLOCK_K Python threads.
+    causal with seqlen_q < seqlen_k: kept tiny, as each block is BLOCK_M x BLOCK_N Python threads.
     """
     dtype = np.float32
     q, k, v = make_qkv(rng, 1, 5, 17, 2, 1, 40, dtype)
@@ -413,8 +441,8 @@ def test_cupy_inputs_run_on_cupys_stream_with_cupys_memory(rng, monkeypatch):
 
 def _over_the_grid_limit(name):
     """(argument value one past what the grid holds, q, k, v shapes): broadcast views, so nothing is allocated."""
-    n = {"seqlen_q": numba_backend.MAX_GRID[0] * kernels.BLOCK_Q + 1,
-         "seqlen_k": numba_backend.MAX_GRID[0] * kernels.BLOCK_K + 1,
+    n = {"seqlen_q": numba_backend.MAX_GRID[0] * kernels.BLOCK_M + 1,
+         "seqlen_k": numba_backend.MAX_GRID[0] * kernels.BLOCK_N + 1,
          "heads_q": numba_backend.MAX_GRID[1] + 1,
          "batch": numba_backend.MAX_GRID[2] + 1}[name]
     B, Sq, Sk, Hq = (n if name == arg else 1 for arg in ("batch", "seqlen_q", "seqlen_k", "heads_q"))

@@ -1,5 +1,6 @@
 """The NumPy tiled backend against the float64 oracle."""
 
+import itertools
 import tracemalloc
 
 import numpy as np
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 
 import flashcupy
 from conftest import BF16, CASES, DTYPES, LAYOUTS, assert_close, bf16_bits, make_qkv, reference
+from flashcupy._api import Problem
 from flashcupy.backends import numpy_backend
 
 
@@ -122,6 +124,25 @@ def test_nan_in_a_query_row_stays_in_that_row(rng, small_tiles):
     np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
     assert np.isnan(out[0, 5]).all() and np.isnan(lse[0, 0, 5])
     assert not np.isnan(np.delete(out, 5, axis=1)).any()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_visibility_helpers_are_the_oracles_rule(causal):
+    """On every tile of every small shape: _mask_scores hides exactly what the oracle hides, and a
+    block's range holds exactly the keys (queries) that some row (key) of the block sees, so the
+    loops skip no visible pair and visit no block that sees nothing."""
+    for Sq, Sk in itertools.product(range(1, 7), repeat=2):
+        p = Problem(batch=1, seqlen_q=Sq, seqlen_k=Sk, heads_q=1, heads_kv=1, head_dim=1,
+                    dtype=np.dtype(np.float32), causal=causal, scale=1.0, carrier=np.dtype(np.float32))
+        want = reference.visible(Sq, Sk, causal)
+        for i0, i1 in itertools.combinations(range(Sq + 1), 2):
+            assert list(range(*numpy_backend._key_range(p, i0, i1))) == list(np.flatnonzero(want[i0:i1].any(0)))
+            for j0, j1 in itertools.combinations(range(Sk + 1), 2):
+                S = np.zeros((i1 - i0, j1 - j0))
+                numpy_backend._mask_scores(S, p, i0, j0, -np.inf)
+                np.testing.assert_array_equal(S == 0, want[i0:i1, j0:j1])
+        for j0, j1 in itertools.combinations(range(Sk + 1), 2):
+            assert list(range(*numpy_backend._query_range(p, j0, j1))) == list(np.flatnonzero(want[:, j0:j1].any(1)))
 
 
 def test_backward_is_bitwise_reproducible(rng):

@@ -46,3 +46,12 @@ def test_oracle_lse_is_natural_log_of_the_softmax_denominator(rng):
     _, lse = reference.attention(q, k, v, return_lse=True)
     s = q[0, :, 0] @ k[0, :, 0].T / np.sqrt(5)
     np.testing.assert_allclose(lse[0, 0], np.log(np.exp(s).sum(axis=1)), rtol=1e-13)
+
+
+def test_visible_is_the_readmes_causal_rule():
+    """Bottom-right by default (the last query sees every key), the top-left of torch's is_causal
+    with diagonal=0, everything without causal."""
+    np.testing.assert_array_equal(reference.visible(2, 4, True), [[1, 1, 1, 0], [1, 1, 1, 1]])
+    np.testing.assert_array_equal(reference.visible(4, 2, True), [[0, 0], [0, 0], [1, 0], [1, 1]])
+    np.testing.assert_array_equal(reference.visible(3, 3, True, diagonal=0), np.tril(np.ones((3, 3), bool)))
+    np.testing.assert_array_equal(reference.visible(2, 3, False), np.ones((2, 3), bool))

@@ -1,28 +1,33 @@
-"""NumPy backend: the tiled FlashAttention algorithm on the CPU.
+"""NumPy backend: the tiled FlashAttention algorithm on the CPU, BLAS matmuls per tile.
 
-It mirrors the tile loop of the CUDA kernels, so a kernel bug can be bisected
-against it stage by stage. Names follow the FlashAttention-2 paper: Q_i is a
-block of BLOCK_Q query rows, K_j / V_j a block of BLOCK_K keys, m and l the
-running row max and row sum, O the unnormalised output accumulator.
+It runs the CUDA kernels' tile loop: query blocks of BLOCK_Q rows against key
+blocks of BLOCK_K keys, the key blocks no row of a query block can see skipped,
+the same backward pre-pass and formulas. Names follow the FlashAttention-2
+paper: Q_i, K_j, V_j the blocks, m and l the per-row reference and row sum, O
+the unnormalised output accumulator. Its forward takes two CPU liberties, so
+its m and l after a tile are not the kernels' and only the results agree, to
+rounding: the row sum comes out of the PV matmul (V carries an extra column of
+ones), and m is raised lazily, as in FlashAttention-4 (see L_MAX), not to the
+running max of every tile. A tile then costs two matmuls and one elementwise
+pass (exp).
 
 Forward, per (batch, head, query block i):
     for each key block j that query block i can see:
-        S = (Q_i * scale) K_jᵀ                       BLAS
-        m_new = max(m, rowmax(S))
-        P = exp(S - m_new);   alpha = exp(m - m_new)  (rescales what came before)
-        l = alpha l + rowsum(P);   O = alpha O + P V_j    BLAS
+        S = (Q_i * scale) K_jᵀ - m                  BLAS: [Q_i | -m] [K_j | 1]ᵀ once some m moved
+        P = exp(S);   [P V_j | rowsum P] = P [V_j | 1]    BLAS
+        rows whose rowsum P overflows, or whose l + rowsum P stays below L_MIN:
+            raise their m by d, redo their P, scale their O and l by exp(-d)
+        [O | l] += [P V_j | rowsum P]
     out_i = O / l;   lse_i = m + log l
-The one liberty taken against the kernels: m is raised lazily (only when a tile's
-row sum would leave a safe range, see L_MAX), which saves two elementwise passes
-per tile on the CPU; the result is the same to rounding.
 
 Backward (FlashAttention-2), after the pre-pass D = rowsum(dO ∘ O):
     per (batch, kv head, key block j), over the query heads sharing it and the
     query blocks that can see key block j:
         P = exp(S - lse_i);   dV_j += Pᵀ dO_i;   dP = dO_i V_jᵀ
         dS = P ∘ (dP - D_i);  dQ_i += scale dS K_j;  dK_j += scale dSᵀ Q_i
-    dQ is accumulated per worker partition and summed in a fixed order, so
-    results are bitwise reproducible for a given thread count.
+    Unlike the kernels, which give dQ a pass of its own, dQ is accumulated
+    here per worker partition and summed in a fixed order, so results are
+    bitwise reproducible for a given thread count.
 
 Nothing of size seqlen_q x seqlen_k is ever allocated: the largest temporaries
 are BLOCK_Q x BLOCK_K tiles, one set per worker thread. Work is spread over
@@ -82,31 +87,45 @@ def allocate(like, shape, dtype, fill):
 # helpers shared by forward and backward
 
 
-def _blocks(n: int, size: int):
-    return [(s, min(s + size, n)) for s in range(0, n, size)]
+def _blocks(start: int, end: int, size: int):
+    """[start, end) cut into (first, one past last) pieces of at most size."""
+    return [(s, min(s + size, end)) for s in range(start, end, size)]
 
 
-def _key_end(p, i1: int) -> int:
-    """One past the last key that query rows [.., i1) can see."""
+# Which keys a query sees, from p.causal and p.diagonal: query i sees key j iff not causal, or
+# j <= i + diagonal. The loops take both ends of their ranges from these helpers and mask tiles
+# through _visible, so a rule with more terms (a sliding window) changes these three, not the loops.
+
+
+def _key_range(p, i0: int, i1: int) -> tuple:
+    """Keys [start, end) that some query row of [i0, i1) sees."""
     if not p.causal:
-        return p.seqlen_k
-    return max(0, min(p.seqlen_k, i1 + p.diagonal))
+        return 0, p.seqlen_k
+    return 0, max(0, min(p.seqlen_k, i1 + p.diagonal))
 
 
-def _query_start(p, j0: int) -> int:
-    """First query row that can see key j0."""
+def _query_range(p, j0: int, j1: int) -> tuple:
+    """Query rows [start, end) that see some key of [j0, j1)."""
     if not p.causal:
-        return 0
-    return max(0, min(p.seqlen_q, j0 - p.diagonal))
+        return 0, p.seqlen_q
+    return max(0, min(p.seqlen_q, j0 - p.diagonal)), p.seqlen_q
 
 
-def _apply_causal_mask(S, p, i0: int, j0: int, fill) -> None:
-    """Set S[r, c] = fill where query i0+r cannot see key j0+c (only on diagonal tiles)."""
+def _visible(p, i, j):
+    """Query i sees key j; i and j are numbers or index arrays that broadcast."""
+    if not p.causal:
+        return np.ones(np.broadcast(i, j).shape, dtype=bool)
+    return j <= i + p.diagonal
+
+
+def _mask_scores(S, p, i0: int, j0: int, fill) -> None:
+    """Set S[r, c] = fill where query i0 + r does not see key j0 + c."""
     rows, cols = S.shape
-    if not p.causal or j0 + cols - 1 <= i0 + p.diagonal:
-        return  # every key of this tile is visible to every row
-    limit = np.arange(i0, i0 + rows)[:, None] + p.diagonal  # last visible key per row
-    S[np.arange(j0, j0 + cols)[None, :] > limit] = fill
+    # the rule bounds j - i, which is largest at the tile's top-right corner and smallest at its
+    # bottom-left one: both visible, every element is
+    if _visible(p, i0, j0 + cols - 1) and _visible(p, i0 + rows - 1, j0):
+        return
+    S[~_visible(p, np.arange(i0, i0 + rows)[:, None], np.arange(j0, j0 + cols)[None, :])] = fill
 
 
 @functools.lru_cache(maxsize=1)
@@ -170,13 +189,13 @@ def _forward_tile_loop(p, Q_i, K, V1, i0, out_i, lse_i) -> None:
             np.matmul(Q_i, K[j0:j1].T, out=out)
         else:
             np.matmul(Q1, K1[j0:j1].T, out=out)
-        _apply_causal_mask(out, p, i0, j0, -np.inf)
+        _mask_scores(out, p, i0, j0, -np.inf)
         return out
 
     # exp() overflowing to inf (or NaN from inf - inf), and log(0), are expected here: those
     # rows are redone
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        for j0, j1 in _blocks(_key_end(p, i0 + rows), config.BLOCK_K):
+        for j0, j1 in _blocks(*_key_range(p, i0, i0 + rows), config.BLOCK_K):
             S = scores(j0, j1, S_buf[:, : j1 - j0])  # S - m
             P = np.exp(S, out=S)
             O1_j = P @ V1[j0:j1]  # [P V_j | rowsum P]
@@ -188,7 +207,7 @@ def _forward_tile_loop(p, Q_i, K, V1, i0, out_i, lse_i) -> None:
                 # the new reference, above m: this tile's max, or what came before if that is
                 # larger (log l), so the redone row sums to at least 1. NaN stays NaN.
                 d = np.maximum(S_r.max(axis=1), np.log(O1[redo, D]))
-                d[d == -np.inf] = 0  # nothing visible yet: nothing to rescale
+                d[d == -np.inf] = 0  # no key seen yet: keep m, as the kernels' m_ref (-inf - -inf is NaN)
                 np.subtract(S_r, d[:, None], out=S_r)
                 O1_j[redo] = np.exp(S_r, out=S_r) @ V1[j0:j1]
                 # rescale what came before (nothing where l was 0: 0 * inf would be NaN); in
@@ -229,18 +248,18 @@ def forward(p, q, k, v):
 
     def task(b, h, i0, i1):
         def run():
-            g = h // p.group
-            end = _key_end(p, i1)
-            K = np.ascontiguousarray(k[b, :end, g, :], dtype=acc)
+            kv_head = h // p.group
+            end = _key_range(p, i0, i1)[1]  # K and V from key 0: the tile loop indexes them by key
+            K = np.ascontiguousarray(k[b, :end, kv_head, :], dtype=acc)
             V1 = np.ones((end, p.head_dim + 1), dtype=acc)
-            V1[:, :-1] = v[b, :end, g, :]
+            V1[:, :-1] = v[b, :end, kv_head, :]
             Q_i = q[b, i0:i1, h, :].astype(acc) * acc.type(p.scale)
             _forward_tile_loop(p, Q_i, K, V1, i0, out[b, i0:i1, h, :], lse[b, h, i0:i1])
         return run
 
     _run([task(b, h, i0, i1)
           for b in range(p.batch) for h in range(p.heads_q)
-          for i0, i1 in _blocks(p.seqlen_q, config.BLOCK_Q)])
+          for i0, i1 in _blocks(0, p.seqlen_q, config.BLOCK_Q)])
     return out.view(p.carrier), lse
 
 
@@ -254,14 +273,14 @@ def _backward_tile_loop(p, j0, j1, K_j, V_j, heads, Q, dO, lse, D, dQ) -> tuple:
     scale = acc.type(p.scale)
     dK_j = np.zeros((j1 - j0, p.head_dim), dtype=acc)
     dV_j = np.zeros((j1 - j0, p.head_dim), dtype=acc)
+    query_blocks = _blocks(*_query_range(p, j0, j1), config.BLOCK_Q)
     for h in heads:
-        for i0, i1 in _blocks(p.seqlen_q - _query_start(p, j0), config.BLOCK_Q):
-            i0, i1 = i0 + _query_start(p, j0), i1 + _query_start(p, j0)
+        for i0, i1 in query_blocks:
             Q_i, dO_i = Q[h][i0:i1], dO[h][i0:i1]
             # fully masked rows have lse = -inf; exp(S - inf) = 0 gives them P = 0
             lse_i = np.where(lse[h][i0:i1] == -np.inf, np.inf, lse[h][i0:i1])
             S = (Q_i * scale) @ K_j.T
-            _apply_causal_mask(S, p, i0, j0, -np.inf)
+            _mask_scores(S, p, i0, j0, -np.inf)
             np.subtract(S, lse_i[:, None], out=S)
             P = np.exp(S, out=S)
             dV_j += P.T @ dO_i
@@ -280,7 +299,7 @@ def backward(p, dout, q, k, v, out, lse):
     dq = np.empty(q.shape, dtype=p.dtype)
     dk = np.empty(k.shape, dtype=p.dtype)
     dv = np.empty(v.shape, dtype=p.dtype)
-    n_parts = max(1, min(worker_count(), p.batch * p.heads_kv * len(_blocks(p.seqlen_k, config.BLOCK_K))))
+    n_parts = max(1, min(worker_count(), p.batch * p.heads_kv * len(_blocks(0, p.seqlen_k, config.BLOCK_K))))
 
     for b in range(p.batch):
         # per-batch operands in the accumulation dtype, indexed by query head
@@ -289,18 +308,19 @@ def backward(p, dout, q, k, v, out, lse):
         # pre-pass: D_i = rowsum(dO_i ∘ O_i)
         D = [np.einsum("sd,sd->s", dO[h], _as_acc(out[b, :, h, :], acc)) for h in range(p.heads_q)]
         L = [lse[b, h] for h in range(p.heads_q)]
-        work = [(g, j0, j1) for g in range(p.heads_kv) for j0, j1 in _blocks(p.seqlen_k, config.BLOCK_K)]
+        work = [(kv_head, j0, j1) for kv_head in range(p.heads_kv)
+                for j0, j1 in _blocks(0, p.seqlen_k, config.BLOCK_K)]
 
         def partition(part):
             def run():
                 dQ = [np.zeros((p.seqlen_q, p.head_dim), dtype=acc) for _ in range(p.heads_q)]
-                for g, j0, j1 in work[part::n_parts]:
-                    heads = range(g * p.group, (g + 1) * p.group)
-                    K_j = _as_acc(k[b, j0:j1, g, :], acc)
-                    V_j = _as_acc(v[b, j0:j1, g, :], acc)
+                for kv_head, j0, j1 in work[part::n_parts]:
+                    heads = range(kv_head * p.group, (kv_head + 1) * p.group)
+                    K_j = _as_acc(k[b, j0:j1, kv_head, :], acc)
+                    V_j = _as_acc(v[b, j0:j1, kv_head, :], acc)
                     dK_j, dV_j = _backward_tile_loop(p, j0, j1, K_j, V_j, heads, Q, dO, L, D, dQ)
-                    dk[b, j0:j1, g, :] = dK_j
-                    dv[b, j0:j1, g, :] = dV_j
+                    dk[b, j0:j1, kv_head, :] = dK_j
+                    dv[b, j0:j1, kv_head, :] = dV_j
                 return dQ
             return run
 

@@ -2,8 +2,11 @@
 
 The kernels live in `kernels.py` (tile sizes, shared-memory budget, barriers);
 this module is the host side: it turns arrays into kernel arguments, launches
-the kernels and hands results back. It mirrors the NumPy backend's tile loop,
-so a kernel bug can be bisected against it stage by stage.
+the kernels and hands results back. The kernels follow the CuPy backend's SIMT
+kernels (flash_fwd.cu, flash_bwd.cu): the same online-softmax forward, D
+pre-pass, dK/dV kernel over the query heads of a GQA group and separate dQ
+kernel, so an idea tried here ports to them. Their threads are laid out
+differently (one score per thread, head_dim streamed in chunks; see kernels.py).
 
 Arrays in and out:
 - CuPy arrays are read in place through `__cuda_array_interface__`; results
@@ -275,8 +278,11 @@ def _check_head_dim(p):
 
 
 def _common(p):
-    """Launch arguments every tile kernel shares, after its arrays."""
-    return p.group, p.head_dim, p.acc_dtype.type(p.scale), p.causal, p.diagonal
+    """Launch arguments every tile kernel shares, after its arrays.
+
+    The last is the kernels' `mask`, which only their visibility helpers read.
+    """
+    return p.group, p.head_dim, p.acc_dtype.type(p.scale), (p.causal, p.diagonal)
 
 
 # ----------------------------------------------------------------------------
@@ -287,13 +293,13 @@ def _common(p):
 def forward(p, q, k, v):
     _check_head_dim(p)
     K = _kernels()
-    grid = _grid(p, p.seqlen_q, K.BLOCK_Q, "seqlen_q", p.heads_q)
+    grid = _grid(p, p.seqlen_q, K.BLOCK_M, "seqlen_q", p.heads_q)
     place = _Placement(_library(q))
     (qf, qst), (kf, kst), (vf, vst) = (place.read(x) for x in (q, k, v))
     out = _Buffer(place, q.shape, p.dtype)
-    lse = _Buffer(place, p.lse_shape, p.lse_dtype)
+    lse = _Buffer(place, p.lse_shape, p.acc_dtype)  # the kernel computes in lse's dtype (p.lse_dtype is the same)
 
-    K._attn_fwd[grid, (K.BLOCK_K, K.BLOCK_Q), place.stream](
+    K._attn_fwd[grid, (K.BLOCK_N, K.BLOCK_M), place.stream](
         qf, qst, kf, kst, vf, vst, out.flat, out.st, lse.flat, lse.st,
         p.seqlen_q, p.seqlen_k, *_common(p))
     return out.result(), lse.result()
@@ -302,25 +308,26 @@ def forward(p, q, k, v):
 def backward(p, dout, q, k, v, out, lse):
     _check_head_dim(p)
     K = _kernels()
-    dq_grid = _grid(p, p.seqlen_q, K.BLOCK_Q, "seqlen_q", p.heads_q)
-    dkdv_grid = _grid(p, p.seqlen_k, K.BLOCK_K, "seqlen_k", p.heads_kv)
-    prep_grid = (_cdiv(p.seqlen_q, K.PREP_THREADS),) + dq_grid[1:]  # PREP_THREADS >= BLOCK_Q: fits where dq_grid does
+    dq_grid = _grid(p, p.seqlen_q, K.BLOCK_M, "seqlen_q", p.heads_q)
+    dkdv_grid = _grid(p, p.seqlen_k, K.BLOCK_N, "seqlen_k", p.heads_kv)
+    prep_grid = (_cdiv(p.seqlen_q, K.PREP_THREADS),) + dq_grid[1:]  # PREP_THREADS >= BLOCK_M: fits where dq_grid does
     place = _Placement(_library(q))
     (qf, qst), (kf, kst), (vf, vst), (dof, dost), (of, ost), (lf, lst) = (
         place.read(x) for x in (q, k, v, dout, out, lse))
     dq = _Buffer(place, q.shape, p.dtype)
     dk = _Buffer(place, k.shape, p.dtype)
     dv = _Buffer(place, v.shape, p.dtype)
-    D = _Buffer(place, p.lse_shape, p.acc_dtype)  # workspace: D = rowsum(dO ∘ O), laid out as lse
+    # workspace: D = rowsum(dO ∘ O), laid out as lse; the backward kernels compute in its dtype
+    D = _Buffer(place, p.lse_shape, p.acc_dtype)
 
     K._attn_bwd_preprocess[prep_grid, K.PREP_THREADS, place.stream](
-        dof, dost, of, ost, D.flat, D.st, lf, p.seqlen_q, p.head_dim)
+        dof, dost, of, ost, D.flat, D.st, p.seqlen_q, p.head_dim)
     # dK, dV: one block per (key block, kv head, batch), over the query heads of its group
-    K._attn_bwd_dkdv[dkdv_grid, (K.BLOCK_Q, K.BLOCK_K), place.stream](
+    K._attn_bwd_dkdv[dkdv_grid, (K.BLOCK_M, K.BLOCK_N), place.stream](
         qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dk.flat, dk.st, dv.flat, dv.st,
         p.seqlen_q, p.seqlen_k, *_common(p))
     # dQ: one block per (query block, query head, batch)
-    K._attn_bwd_dq[dq_grid, (K.BLOCK_K, K.BLOCK_Q), place.stream](
+    K._attn_bwd_dq[dq_grid, (K.BLOCK_N, K.BLOCK_M), place.stream](
         qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dq.flat, dq.st,
         p.seqlen_q, p.seqlen_k, *_common(p))
     return dq.result(), dk.result(), dv.result()

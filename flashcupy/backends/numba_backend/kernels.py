@@ -11,18 +11,21 @@ Every array is passed as a flat 1-D buffer plus a tuple `st` = (offset, stride0,
 stride1, ...) in elements, so any layout (transposed, sliced, negative strides)
 is read in place; `_at` turns (b, s, h, d) into a flat index.
 
-Tiles. A thread block is BLOCK_Q x BLOCK_K threads. In the query-major kernels
-(forward, dQ) thread (c, r) = (threadIdx.x, threadIdx.y) owns score S[r, c] of
-the BLOCK_Q x BLOCK_K tile and the head-dim columns d = c, c + BLOCK_K, ... of
-its query row's accumulator (O or dQ, in registers). In the key-major kernel
-(dK/dV) the roles swap: thread (r, c) owns S[r, c] and the columns
-d = r, r + BLOCK_Q, ... of key row c's dK and dV. The head dim is streamed
-through shared memory in chunks of D_TILE columns, so one compiled kernel
-serves every head_dim up to HEAD_DIM_MAX with the same shared-memory budget.
+Tiles. A thread block is BLOCK_M x BLOCK_N threads: BLOCK_M query rows by
+BLOCK_N keys, as in the CUDA kernels and the FlashAttention papers. In the
+query-major kernels (forward, dQ) thread (c, r) = (threadIdx.x, threadIdx.y)
+owns score S[r, c] of the BLOCK_M x BLOCK_N tile and the head-dim columns
+d = c, c + BLOCK_N, ... of its query row's accumulator (O or dQ, in registers).
+In the key-major kernel (dK/dV) the roles swap: thread (r, c) owns S[r, c] and
+the columns d = r, r + BLOCK_M, ... of key row c's dK and dV. The head dim is
+streamed through shared memory in chunks of D_TILE columns, so one compiled
+kernel serves every head_dim up to HEAD_DIM_MAX with the same shared-memory budget.
 
-Arithmetic is in the accumulation dtype ACC: float32 for float16/float32
-inputs, float64 for float64. Kernels read ACC from the dtype of their lse
-argument (`lse.dtype`), which the host allocates (or checks) as ACC; numba
+Arithmetic is in the accumulation dtype ACC, the Problem's acc_dtype (float32
+for float16/float32 inputs, float64 for float64). numba types a shared or local
+array only from a dtype it knows when it compiles, and a kernel argument cannot
+be a dtype, so each kernel reads ACC from an array the host allocated in
+p.acc_dtype: lse in the forward, the workspace D in the backward. numba
 compiles one specialisation per dtype. Literals go through `acc(...)` so no
 float64 sneaks into the float32 path.
 
@@ -30,17 +33,17 @@ Row reductions (max, sum over a tile row) are plain loops over shared memory:
 no warp shuffles, so the CUDA simulator runs every line of these kernels.
 
 Shared memory, per block (tiles padded by PAD column against bank conflicts):
-    forward:  Q_i, K_j, V_j  3 x BLOCK x (D_TILE + PAD) x ACC
-              S, P           2 x BLOCK_Q x BLOCK_K x ACC
-    dK/dV:    Q_i, K_j, dO_i, V_j  4 x BLOCK x (D_TILE + PAD) x ACC
-              P, dS                 2 x BLOCK_Q x BLOCK_K x ACC
-    dQ:       Q_i, K_j, dO_i, V_j  4 x BLOCK x (D_TILE + PAD) x ACC
-              dS                    1 x BLOCK_Q x BLOCK_K x ACC
-GPU sizes (16, 16, 32, PAD 1): forward 8.4 KB (float32) / 16.7 KB (float64);
-dK/dV and dQ at most 10.5 KB / 21 KB. All under the 48 KB static limit.
-Per-thread accumulators: O (or dQ) is HEAD_DIM_MAX / BLOCK_K = 16 ACC values;
-dK, dV 2 x HEAD_DIM_MAX / BLOCK_Q = 32. They are indexed by a runtime column,
-so they live in local memory (L1-cached), not registers.
+    forward:  Q_i, K_j, V_j  (BLOCK_M + 2 BLOCK_N) x (D_TILE + PAD) x ACC
+              S, P           2 x BLOCK_M x BLOCK_N x ACC
+    dK/dV:    Q_i, K_j, dO_i, V_j  2 (BLOCK_M + BLOCK_N) x (D_TILE + PAD) x ACC
+              P, dS                 2 x BLOCK_M x BLOCK_N x ACC
+    dQ:       Q_i, K_j, dO_i, V_j  2 (BLOCK_M + BLOCK_N) x (D_TILE + PAD) x ACC
+              dS                    1 x BLOCK_M x BLOCK_N x ACC
+which must stay under the 48 KB static limit; `python -m
+flashcupy.backends.numba_backend.tools ptx` prints each kernel's figure.
+Per-thread accumulators: O (or dQ) is O_PER_THREAD ACC values, dK and dV
+DKV_PER_THREAD each. They are indexed by a runtime column, so they live in
+local memory (L1-cached), not registers.
 
 Performance: scalar FMA (numba has no tensor-core API) with one score per
 thread; each FMA reads two shared values. This is the floor the CUDA C
@@ -58,12 +61,12 @@ from numba import cuda
 
 SIMULATOR = cuda.jit.__module__.startswith("numba.cuda.simulator")
 
-# Tile tables: (BLOCK_Q, BLOCK_K, D_TILE, PREP_THREADS), PREP_THREADS being the
+# Tile tables: (BLOCK_M, BLOCK_N, D_TILE, PREP_THREADS), PREP_THREADS being the
 # rows per block of the D pre-pass. Under the simulator every CUDA thread is a
-# Python thread: small blocks keep the tests fast, and BLOCK_Q != BLOCK_K
+# Python thread: small blocks keep the tests fast, and BLOCK_M != BLOCK_N
 # catches a swapped row/column index. FLASHCUPY_NUMBA_TILES, read once here,
 # overrides the choice: "gpu" runs the GPU's tiles on the simulator (slow:
-# BLOCK_Q x BLOCK_K Python threads a block), "simulator" the small ones on a GPU.
+# BLOCK_M x BLOCK_N Python threads a block), "simulator" the small ones on a GPU.
 TILE_TABLES = {
     "gpu": (16, 16, 32, 128),
     "simulator": (4, 2, 8, 4),
@@ -72,21 +75,21 @@ TILES = os.environ.get("FLASHCUPY_NUMBA_TILES") or ("simulator" if SIMULATOR els
 if TILES not in TILE_TABLES:
     raise ValueError(f"FLASHCUPY_NUMBA_TILES must be one of {', '.join(map(repr, TILE_TABLES))} "
                      f"(or unset), got {TILES!r}")
-BLOCK_Q, BLOCK_K, D_TILE, PREP_THREADS = TILE_TABLES[TILES]
+BLOCK_M, BLOCK_N, D_TILE, PREP_THREADS = TILE_TABLES[TILES]
 PAD = 1                        # extra shared column: row-wise reads by neighbouring threads hit different banks
 TILE_COLS = D_TILE + PAD       # shared tiles are (rows, TILE_COLS); numba needs the sum as one constant
 HEAD_DIM_MAX = 256             # the largest head_dim the register accumulators hold
-NTHREADS = BLOCK_Q * BLOCK_K   # threads per block of the three tile kernels
+NTHREADS = BLOCK_M * BLOCK_N   # threads per block of the three tile kernels
 
-O_PER_THREAD = -(-HEAD_DIM_MAX // BLOCK_K)    # O / dQ columns each thread accumulates
-DKV_PER_THREAD = -(-HEAD_DIM_MAX // BLOCK_Q)  # dK / dV columns each thread accumulates
+O_PER_THREAD = -(-HEAD_DIM_MAX // BLOCK_N)    # O / dQ columns each thread accumulates
+DKV_PER_THREAD = -(-HEAD_DIM_MAX // BLOCK_M)  # dK / dV columns each thread accumulates
 
 assert HEAD_DIM_MAX == 256, "numba_backend.MAX_HEAD_DIM states this limit to users"
 # A column d = d0 + dd of a chunk starting at d0 (a multiple of D_TILE) belongs to
 # lane d % BLOCK; this needs every chunk start to be a multiple of both BLOCKs.
-assert D_TILE % BLOCK_K == 0 and D_TILE % BLOCK_Q == 0, "D_TILE must be a multiple of BLOCK_Q and BLOCK_K"
+assert D_TILE % BLOCK_N == 0 and D_TILE % BLOCK_M == 0, "D_TILE must be a multiple of BLOCK_M and BLOCK_N"
 # The host checks the query-block grid against CUDA's limits; the pre-pass grid must not be larger.
-assert PREP_THREADS >= BLOCK_Q, "PREP_THREADS must be at least BLOCK_Q"
+assert PREP_THREADS >= BLOCK_M, "PREP_THREADS must be at least BLOCK_M"
 
 
 # ----------------------------------------------------------------------------
@@ -125,25 +128,37 @@ def _load_tile(tile, x, st, b, row0, nrows, h, d0, head_dim, tid):
             tile[rr, dd] = 0
 
 
+# ----------------------------------------------------------------------------
+# visibility: which keys a query sees
+#
+# `mask` is the host's (causal, diagonal) from the Problem: query i sees key j iff
+# not causal, or j <= i + diagonal. Only these three helpers open it, and the
+# loops take both ends of their ranges from them, so a rule with more terms (a
+# sliding window) changes the tuple and these helpers, not the kernels.
+
+
 @cuda.jit(device=True)
-def _key_end(seqlen_k, i_end, causal, diagonal):
-    """One past the last key that query rows [.., i_end) see: later key blocks are skipped."""
+def _key_range(mask, i0, i_end, seqlen_k):
+    """Keys [start, end) that some query row of [i0, i_end) sees: what a query block visits."""
+    causal, diagonal = mask
     if not causal:
-        return seqlen_k
-    return max(0, min(seqlen_k, i_end + diagonal))
+        return 0, seqlen_k
+    return 0, max(0, min(seqlen_k, i_end + diagonal))
 
 
 @cuda.jit(device=True)
-def _query_start(seqlen_q, j0, causal, diagonal):
-    """First query row that sees key j0: earlier query blocks are skipped."""
+def _query_range(mask, j0, j_end, seqlen_q):
+    """Query rows [start, end) that see some key of [j0, j_end): what a key block visits."""
+    causal, diagonal = mask
     if not causal:
-        return 0
-    return max(0, min(seqlen_q, j0 - diagonal))
+        return 0, seqlen_q
+    return max(0, min(seqlen_q, j0 - diagonal)), seqlen_q
 
 
 @cuda.jit(device=True)
-def _visible(i, j, seqlen_q, seqlen_k, causal, diagonal):
-    """Query i sees key j (bottom-right causal alignment), both inside the arrays."""
+def _visible(mask, i, j, seqlen_q, seqlen_k):
+    """Query i sees key j, both inside the arrays."""
+    causal, diagonal = mask
     return i < seqlen_q and j < seqlen_k and (not causal or j <= i + diagonal)
 
 
@@ -153,31 +168,31 @@ def _visible(i, j, seqlen_q, seqlen_k, causal, diagonal):
 
 @cuda.jit
 def _attn_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
-              seqlen_q, seqlen_k, group, head_dim, scale, causal, diagonal):
-    """out_i = softmax(Q_i K^T scale) V and lse_i, for one block of BLOCK_Q query rows.
+              seqlen_q, seqlen_k, group, head_dim, scale, mask):
+    """out_i = softmax(Q_i K^T scale) V and lse_i, for one block of BLOCK_M query rows.
 
-    Block: (BLOCK_K, BLOCK_Q) threads; thread (c, r) owns S[r, c] and O[r, c::BLOCK_K].
+    Block: (BLOCK_N, BLOCK_M) threads; thread (c, r) owns S[r, c] and O[r, c::BLOCK_N].
     Online softmax over the key blocks j this query block can see:
         S = scale Q_i K_jᵀ;  m_new = max(m, rowmax S);  P = exp(S - m_new)
         l = exp(m - m_new) l + rowsum P;  O = exp(m - m_new) O + P V_j
     then out_i = O / l, lse_i = m + log l; a row that saw no key: out 0, lse -inf.
-    Shared: Q_i, K_j, V_j chunks + S, P tiles (8.4 KB float32, 16.7 KB float64 on the GPU).
+    Shared: Q_i, K_j, V_j chunks + S, P tiles.
     """
-    acc = lse.dtype.type
-    Q_i = cuda.shared.array((BLOCK_Q, TILE_COLS), lse.dtype)
-    K_j = cuda.shared.array((BLOCK_K, TILE_COLS), lse.dtype)
-    V_j = cuda.shared.array((BLOCK_K, TILE_COLS), lse.dtype)
-    S = cuda.shared.array((BLOCK_Q, BLOCK_K), lse.dtype)
-    P = cuda.shared.array((BLOCK_Q, BLOCK_K), lse.dtype)
+    acc = lse.dtype.type  # ACC: the host allocates lse in p.acc_dtype
+    Q_i = cuda.shared.array((BLOCK_M, TILE_COLS), lse.dtype)
+    K_j = cuda.shared.array((BLOCK_N, TILE_COLS), lse.dtype)
+    V_j = cuda.shared.array((BLOCK_N, TILE_COLS), lse.dtype)
+    S = cuda.shared.array((BLOCK_M, BLOCK_N), lse.dtype)
+    P = cuda.shared.array((BLOCK_M, BLOCK_N), lse.dtype)
     O = cuda.local.array(O_PER_THREAD, lse.dtype)
 
     c = cuda.threadIdx.x
     r = cuda.threadIdx.y
-    tid = r * BLOCK_K + c
-    i0 = cuda.blockIdx.x * BLOCK_Q
+    tid = r * BLOCK_N + c
+    i0 = cuda.blockIdx.x * BLOCK_M
     h = cuda.blockIdx.y
     b = cuda.blockIdx.z
-    g = h // group
+    kv_head = h // group
     i = i0 + r
 
     for t in range(O_PER_THREAD):
@@ -185,55 +200,55 @@ def _attn_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
     m = acc(-math.inf)
     l = acc(0)
 
-    # the bound is the same for every thread, so every thread meets every barrier
-    for j0 in range(0, _key_end(seqlen_k, min(i0 + BLOCK_Q, seqlen_q), causal, diagonal), BLOCK_K):
+    # the bounds are the same for every thread, so every thread meets every barrier
+    key_start, key_end = _key_range(mask, i0, min(i0 + BLOCK_M, seqlen_q), seqlen_k)
+    for j0 in range(key_start, key_end, BLOCK_N):
         # S[r, c] = scale * Q_i[r, :] . K_j[c, :], head_dim in chunks of D_TILE
         s = acc(0)
         for d0 in range(0, head_dim, D_TILE):
             _load_tile(Q_i, q, qst, b, i0, seqlen_q, h, d0, head_dim, tid)
-            _load_tile(K_j, k, kst, b, j0, seqlen_k, g, d0, head_dim, tid)
+            _load_tile(K_j, k, kst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
             cuda.syncthreads()  # Q_i, K_j chunks loaded by all threads
             for dd in range(D_TILE):
                 s += Q_i[r, dd] * K_j[c, dd]
             cuda.syncthreads()  # everyone done reading before the next chunk overwrites them
         s *= scale
-        if not _visible(i, j0 + c, seqlen_q, seqlen_k, causal, diagonal):
+        if not _visible(mask, i, j0 + c, seqlen_q, seqlen_k):
             s = acc(-math.inf)
         S[r, c] = s
         cuda.syncthreads()  # the whole row of S is written
 
         m_new = m
-        for cc in range(BLOCK_K):
+        for cc in range(BLOCK_N):
             m_new = max(m_new, S[r, cc])
-        # a row that has seen no key yet keeps m = -inf: subtract 0 so exp gives 0, not NaN
-        m_safe = acc(0) if m_new == -math.inf else m_new
-        alpha = math.exp(m - m_safe)
-        P[r, c] = math.exp(s - m_safe)
+        m_ref = acc(0) if m_new == -math.inf else m_new  # no key seen yet: exp(-inf) = 0, not NaN
+        alpha = math.exp(m - m_ref)
+        P[r, c] = math.exp(s - m_ref)
         cuda.syncthreads()  # the whole row of P is written
 
         rowsum = acc(0)
-        for cc in range(BLOCK_K):
+        for cc in range(BLOCK_N):
             rowsum += P[r, cc]
         l = alpha * l + rowsum
         m = m_new
         for t in range(O_PER_THREAD):
             O[t] *= alpha
-        # O[r, d] += P[r, :] . V_j[:, d] for this thread's columns d = c, c + BLOCK_K, ...
+        # O[r, d] += P[r, :] . V_j[:, d] for this thread's columns d = c, c + BLOCK_N, ...
         for d0 in range(0, head_dim, D_TILE):
-            _load_tile(V_j, v, vst, b, j0, seqlen_k, g, d0, head_dim, tid)
+            _load_tile(V_j, v, vst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
             cuda.syncthreads()  # V_j chunk loaded
-            for dd in range(c, D_TILE, BLOCK_K):
+            for dd in range(c, D_TILE, BLOCK_N):
                 pv = acc(0)
-                for cc in range(BLOCK_K):
+                for cc in range(BLOCK_N):
                     pv += P[r, cc] * V_j[cc, dd]
-                O[(d0 + dd) // BLOCK_K] += pv
+                O[(d0 + dd) // BLOCK_N] += pv
             cuda.syncthreads()  # done reading V_j (and P) before they are overwritten
 
     if i < seqlen_q:
         seen = l != 0  # l >= 1 once a key was seen; NaN inputs keep NaN
         inv_l = acc(1) / l if seen else acc(0)
         for t in range(O_PER_THREAD):
-            d = c + t * BLOCK_K
+            d = c + t * BLOCK_N
             if d < head_dim:
                 out[_at(ost, b, i, h, d)] = O[t] * inv_l
         if c == 0:
@@ -241,16 +256,13 @@ def _attn_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
 
 
 # ----------------------------------------------------------------------------
-# backward
+# backward: ACC is the dtype of the workspace D, which the host allocates in p.acc_dtype
 
 
 @cuda.jit
-def _attn_bwd_preprocess(dout, dost, out, ost, D, Dst, lse, seqlen_q, head_dim):
-    """D[b, h, i] = rowsum(dO_i ∘ O_i) in ACC; one thread per query row, no shared memory.
-
-    lse is passed only for its dtype (ACC); no barrier, no tile.
-    """
-    acc = lse.dtype.type
+def _attn_bwd_preprocess(dout, dost, out, ost, D, Dst, seqlen_q, head_dim):
+    """D[b, h, i] = rowsum(dO_i ∘ O_i) in ACC; one thread per query row, no shared memory."""
+    acc = D.dtype.type
     i = cuda.blockIdx.x * PREP_THREADS + cuda.threadIdx.x
     h = cuda.blockIdx.y
     b = cuda.blockIdx.z
@@ -273,30 +285,30 @@ def _row_lse(lse, lst, b, h, i, seqlen_q):
 
 @cuda.jit
 def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dkst, dv, dvst,
-                   seqlen_q, seqlen_k, group, head_dim, scale, causal, diagonal):
-    """dK_j, dV_j for one block of BLOCK_K keys, summed over the query heads of its GQA group.
+                   seqlen_q, seqlen_k, group, head_dim, scale, mask):
+    """dK_j, dV_j for one block of BLOCK_N keys, summed over the query heads of its GQA group.
 
-    Block: (BLOCK_Q, BLOCK_K) threads; thread (r, c) owns S[r, c] and dK, dV[c, r::BLOCK_Q].
-    For each query head sharing kv head g and each query block i that sees key block j:
+    Block: (BLOCK_M, BLOCK_N) threads; thread (r, c) owns S[r, c] and dK, dV[c, r::BLOCK_M].
+    For each query head sharing kv_head and each query block i that sees key block j:
         P = exp(scale Q_i K_jᵀ - lse_i);  dP = dO_i V_jᵀ;  dS = P ∘ (dP - D_i) scale
         dV_j += Pᵀ dO_i;  dK_j += dSᵀ Q_i
-    Shared: Q_i, K_j, dO_i, V_j chunks + P, dS tiles (10.5 KB float32, 21 KB float64 on the GPU).
+    Shared: Q_i, K_j, dO_i, V_j chunks + P, dS tiles.
     """
-    acc = lse.dtype.type
-    Q_i = cuda.shared.array((BLOCK_Q, TILE_COLS), lse.dtype)
-    K_j = cuda.shared.array((BLOCK_K, TILE_COLS), lse.dtype)
-    dO_i = cuda.shared.array((BLOCK_Q, TILE_COLS), lse.dtype)
-    V_j = cuda.shared.array((BLOCK_K, TILE_COLS), lse.dtype)
-    P = cuda.shared.array((BLOCK_Q, BLOCK_K), lse.dtype)
-    dS = cuda.shared.array((BLOCK_Q, BLOCK_K), lse.dtype)
-    dK = cuda.local.array(DKV_PER_THREAD, lse.dtype)
-    dV = cuda.local.array(DKV_PER_THREAD, lse.dtype)
+    acc = D.dtype.type
+    Q_i = cuda.shared.array((BLOCK_M, TILE_COLS), D.dtype)
+    K_j = cuda.shared.array((BLOCK_N, TILE_COLS), D.dtype)
+    dO_i = cuda.shared.array((BLOCK_M, TILE_COLS), D.dtype)
+    V_j = cuda.shared.array((BLOCK_N, TILE_COLS), D.dtype)
+    P = cuda.shared.array((BLOCK_M, BLOCK_N), D.dtype)
+    dS = cuda.shared.array((BLOCK_M, BLOCK_N), D.dtype)
+    dK = cuda.local.array(DKV_PER_THREAD, D.dtype)
+    dV = cuda.local.array(DKV_PER_THREAD, D.dtype)
 
     r = cuda.threadIdx.x
     c = cuda.threadIdx.y
-    tid = c * BLOCK_Q + r
-    j0 = cuda.blockIdx.x * BLOCK_K
-    g = cuda.blockIdx.y
+    tid = c * BLOCK_M + r
+    j0 = cuda.blockIdx.x * BLOCK_N
+    kv_head = cuda.blockIdx.y
     b = cuda.blockIdx.z
     j = j0 + c
 
@@ -304,79 +316,81 @@ def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dks
         dK[t] = 0
         dV[t] = 0
 
-    for h in range(g * group, (g + 1) * group):
-        for i0 in range(_query_start(seqlen_q, j0, causal, diagonal), seqlen_q, BLOCK_Q):
+    # the bounds are the same for every thread, so every thread meets every barrier
+    query_start, query_end = _query_range(mask, j0, min(j0 + BLOCK_N, seqlen_k), seqlen_q)
+    for h in range(kv_head * group, (kv_head + 1) * group):
+        for i0 in range(query_start, query_end, BLOCK_M):
             i = i0 + r
             # S[r, c] = Q_i[r, :] . K_j[c, :] and dP[r, c] = dO_i[r, :] . V_j[c, :], in chunks
             s = acc(0)
             dp = acc(0)
             for d0 in range(0, head_dim, D_TILE):
                 _load_tile(Q_i, q, qst, b, i0, seqlen_q, h, d0, head_dim, tid)
-                _load_tile(K_j, k, kst, b, j0, seqlen_k, g, d0, head_dim, tid)
+                _load_tile(K_j, k, kst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
                 _load_tile(dO_i, dout, dost, b, i0, seqlen_q, h, d0, head_dim, tid)
-                _load_tile(V_j, v, vst, b, j0, seqlen_k, g, d0, head_dim, tid)
+                _load_tile(V_j, v, vst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
                 cuda.syncthreads()  # the four chunks loaded by all threads
                 for dd in range(D_TILE):
                     s += Q_i[r, dd] * K_j[c, dd]
                     dp += dO_i[r, dd] * V_j[c, dd]
                 cuda.syncthreads()  # done reading before the next chunk overwrites them
             p = acc(0)
-            if _visible(i, j, seqlen_q, seqlen_k, causal, diagonal):
+            if _visible(mask, i, j, seqlen_q, seqlen_k):
                 p = math.exp(s * scale - _row_lse(lse, lst, b, h, i, seqlen_q))
             D_r = D[_at3(Dst, b, h, i)] if i < seqlen_q else acc(0)
             P[r, c] = p
             dS[r, c] = p * (dp - D_r) * scale
-            cuda.syncthreads()  # P and dS complete: every column c is read by BLOCK_Q threads
+            cuda.syncthreads()  # P and dS complete: every column c is read by BLOCK_M threads
 
             # dV[c, d] += P[:, c] . dO_i[:, d];  dK[c, d] += dS[:, c] . Q_i[:, d]
             for d0 in range(0, head_dim, D_TILE):
                 _load_tile(Q_i, q, qst, b, i0, seqlen_q, h, d0, head_dim, tid)
                 _load_tile(dO_i, dout, dost, b, i0, seqlen_q, h, d0, head_dim, tid)
                 cuda.syncthreads()  # Q_i, dO_i chunks loaded
-                for dd in range(r, D_TILE, BLOCK_Q):
+                for dd in range(r, D_TILE, BLOCK_M):
                     pdo = acc(0)
                     dsq = acc(0)
-                    for rr in range(BLOCK_Q):
+                    for rr in range(BLOCK_M):
                         pdo += P[rr, c] * dO_i[rr, dd]
                         dsq += dS[rr, c] * Q_i[rr, dd]
-                    dV[(d0 + dd) // BLOCK_Q] += pdo
-                    dK[(d0 + dd) // BLOCK_Q] += dsq
+                    dV[(d0 + dd) // BLOCK_M] += pdo
+                    dK[(d0 + dd) // BLOCK_M] += dsq
                 cuda.syncthreads()  # done reading Q_i, dO_i, P, dS before they are overwritten
 
     if j < seqlen_k:
         for t in range(DKV_PER_THREAD):
-            d = r + t * BLOCK_Q
+            d = r + t * BLOCK_M
             if d < head_dim:
-                dk[_at(dkst, b, j, g, d)] = dK[t]
-                dv[_at(dvst, b, j, g, d)] = dV[t]
+                dk[_at(dkst, b, j, kv_head, d)] = dK[t]
+                dv[_at(dvst, b, j, kv_head, d)] = dV[t]
 
 
 @cuda.jit
 def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
-                 seqlen_q, seqlen_k, group, head_dim, scale, causal, diagonal):
-    """dQ_i for one block of BLOCK_Q query rows; a separate pass, so no atomics.
+                 seqlen_q, seqlen_k, group, head_dim, scale, mask):
+    """dQ_i for one block of BLOCK_M query rows; a separate pass, so no atomics.
 
-    Block: (BLOCK_K, BLOCK_Q) threads; thread (c, r) owns S[r, c] and dQ[r, c::BLOCK_K].
+    Block: (BLOCK_N, BLOCK_M) threads; thread (c, r) owns S[r, c] and dQ[r, c::BLOCK_N].
     For each key block j the query block sees:
         P = exp(scale Q_i K_jᵀ - lse_i);  dP = dO_i V_jᵀ;  dS = P ∘ (dP - D_i) scale
         dQ_i += dS K_j
-    Shared: Q_i, K_j, dO_i, V_j chunks + dS tile (9.5 KB float32, 19 KB float64 on the GPU).
+    Shared: Q_i, K_j, dO_i, V_j chunks + dS tile.
     """
-    acc = lse.dtype.type
-    Q_i = cuda.shared.array((BLOCK_Q, TILE_COLS), lse.dtype)
-    K_j = cuda.shared.array((BLOCK_K, TILE_COLS), lse.dtype)
-    dO_i = cuda.shared.array((BLOCK_Q, TILE_COLS), lse.dtype)
-    V_j = cuda.shared.array((BLOCK_K, TILE_COLS), lse.dtype)
-    dS = cuda.shared.array((BLOCK_Q, BLOCK_K), lse.dtype)
-    dQ = cuda.local.array(O_PER_THREAD, lse.dtype)
+    acc = D.dtype.type
+    Q_i = cuda.shared.array((BLOCK_M, TILE_COLS), D.dtype)
+    K_j = cuda.shared.array((BLOCK_N, TILE_COLS), D.dtype)
+    dO_i = cuda.shared.array((BLOCK_M, TILE_COLS), D.dtype)
+    V_j = cuda.shared.array((BLOCK_N, TILE_COLS), D.dtype)
+    dS = cuda.shared.array((BLOCK_M, BLOCK_N), D.dtype)
+    dQ = cuda.local.array(O_PER_THREAD, D.dtype)
 
     c = cuda.threadIdx.x
     r = cuda.threadIdx.y
-    tid = r * BLOCK_K + c
-    i0 = cuda.blockIdx.x * BLOCK_Q
+    tid = r * BLOCK_N + c
+    i0 = cuda.blockIdx.x * BLOCK_M
     h = cuda.blockIdx.y
     b = cuda.blockIdx.z
-    g = h // group
+    kv_head = h // group
     i = i0 + r
 
     for t in range(O_PER_THREAD):
@@ -384,38 +398,40 @@ def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
     lse_r = _row_lse(lse, lst, b, h, i, seqlen_q)
     D_r = D[_at3(Dst, b, h, i)] if i < seqlen_q else acc(0)
 
-    for j0 in range(0, _key_end(seqlen_k, min(i0 + BLOCK_Q, seqlen_q), causal, diagonal), BLOCK_K):
+    # the bounds are the same for every thread, so every thread meets every barrier
+    key_start, key_end = _key_range(mask, i0, min(i0 + BLOCK_M, seqlen_q), seqlen_k)
+    for j0 in range(key_start, key_end, BLOCK_N):
         s = acc(0)
         dp = acc(0)
         for d0 in range(0, head_dim, D_TILE):
             _load_tile(Q_i, q, qst, b, i0, seqlen_q, h, d0, head_dim, tid)
-            _load_tile(K_j, k, kst, b, j0, seqlen_k, g, d0, head_dim, tid)
+            _load_tile(K_j, k, kst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
             _load_tile(dO_i, dout, dost, b, i0, seqlen_q, h, d0, head_dim, tid)
-            _load_tile(V_j, v, vst, b, j0, seqlen_k, g, d0, head_dim, tid)
+            _load_tile(V_j, v, vst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
             cuda.syncthreads()  # the four chunks loaded by all threads
             for dd in range(D_TILE):
                 s += Q_i[r, dd] * K_j[c, dd]
                 dp += dO_i[r, dd] * V_j[c, dd]
             cuda.syncthreads()  # done reading before the next chunk overwrites them
         p = acc(0)
-        if _visible(i, j0 + c, seqlen_q, seqlen_k, causal, diagonal):
+        if _visible(mask, i, j0 + c, seqlen_q, seqlen_k):
             p = math.exp(s * scale - lse_r)
         dS[r, c] = p * (dp - D_r) * scale
         cuda.syncthreads()  # the whole row of dS is written
 
-        # dQ[r, d] += dS[r, :] . K_j[:, d] for this thread's columns d = c, c + BLOCK_K, ...
+        # dQ[r, d] += dS[r, :] . K_j[:, d] for this thread's columns d = c, c + BLOCK_N, ...
         for d0 in range(0, head_dim, D_TILE):
-            _load_tile(K_j, k, kst, b, j0, seqlen_k, g, d0, head_dim, tid)
+            _load_tile(K_j, k, kst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
             cuda.syncthreads()  # K_j chunk loaded
-            for dd in range(c, D_TILE, BLOCK_K):
+            for dd in range(c, D_TILE, BLOCK_N):
                 dsk = acc(0)
-                for cc in range(BLOCK_K):
+                for cc in range(BLOCK_N):
                     dsk += dS[r, cc] * K_j[cc, dd]
-                dQ[(d0 + dd) // BLOCK_K] += dsk
+                dQ[(d0 + dd) // BLOCK_N] += dsk
             cuda.syncthreads()  # done reading K_j (and dS) before they are overwritten
 
     if i < seqlen_q:
         for t in range(O_PER_THREAD):
-            d = c + t * BLOCK_K
+            d = c + t * BLOCK_N
             if d < head_dim:
                 dq[_at(dqst, b, i, h, d)] = dQ[t]

@@ -20,7 +20,9 @@ import time
 
 def ptx(cc=(9, 0)) -> int:
     from numba import cuda, types
+    from numba.np import numpy_support
 
+    from ..._api import accumulation_dtype
     from . import kernels as K
 
     if K.SIMULATOR:
@@ -34,18 +36,19 @@ def ptx(cc=(9, 0)) -> int:
         # device functions are compiled for "the current device"; with no GPU, name the target
         from numba.cuda import dispatcher
         dispatcher.get_current_device = lambda: argparse.Namespace(compute_capability=cc)
-    print(f"tiles {K.TILES!r}: BLOCK_Q {K.BLOCK_Q}, BLOCK_K {K.BLOCK_K}, D_TILE {K.D_TILE}, "
+    print(f"tiles {K.TILES!r}: BLOCK_M {K.BLOCK_M}, BLOCK_N {K.BLOCK_N}, D_TILE {K.D_TILE}, "
           f"PREP_THREADS {K.PREP_THREADS}")
     i64, b1 = types.int64, types.boolean
     st4, st3 = types.UniTuple(i64, 5), types.UniTuple(i64, 4)
+    mask = types.Tuple((b1, i64))  # (causal, diagonal), as numba_backend._common builds it
     failures = 0
     for dtype in (types.float16, types.float32, types.float64):
-        acc = types.float64 if dtype == types.float64 else types.float32
+        acc = numpy_support.from_dtype(accumulation_dtype(numpy_support.as_dtype(dtype)))  # p.acc_dtype
         x, a = dtype[::1], acc[::1]
-        common = (i64, i64, acc, b1, i64)  # group, head_dim, scale, causal, diagonal
+        common = (i64, i64, acc, mask)  # group, head_dim, scale, mask
         sigs = {
             "_attn_fwd": (x, st4, x, st4, x, st4, x, st4, a, st3, i64, i64) + common,
-            "_attn_bwd_preprocess": (x, st4, x, st4, a, st3, a, i64, i64),
+            "_attn_bwd_preprocess": (x, st4, x, st4, a, st3, i64, i64),
             "_attn_bwd_dkdv": (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, x, st4, x, st4, i64, i64) + common,
             "_attn_bwd_dq": (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, x, st4, i64, i64) + common,
         }
