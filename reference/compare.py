@@ -16,11 +16,14 @@ Used by the tests and by `python -m flashcupy check`.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 
 from flashcupy._api import default_scale
 
-from . import values
+from . import _heads_first, _probabilities, values, visible
 
 # The battery every backend runs, in the tests and in `python -m flashcupy check`:
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal).
@@ -85,3 +88,126 @@ def compare(got, want, dtype, q, k, scale=None, what="out"):
     finite = np.isfinite(want)
     err = float(np.abs(got[finite] - want[finite]).max(initial=0.0))
     return err, tolerance(dtype, want[finite], q, k, scale)
+
+
+# The tolerance covers the model's bound SAFETY times: the model is a worst-case bound for each
+# rounding the kernels do, and only the final rounding into the storage dtype can come near it.
+SAFETY = 1.5
+# The NumPy backend subtracts a reference max that trails the row max by up to 60 ln 2 inside its
+# score matmul (lazy rescaling), so |m| joins the terms whose rounding reaches s - m.
+LAZY_MAX = 60 * math.log(2)
+
+
+@dataclass
+class Expected:
+    """The oracle's out, lse, dq, dk, dv (float64) and, element by element, how far a correct
+    backend may be from each."""
+
+    want: dict
+    tol: dict
+    dtype: str
+
+
+def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None) -> Expected:
+    """Oracle results and tolerances for these inputs (dout None: forward only).
+
+    A forward-error model of what the kernels compute, worst case per element, with u_s the
+    storage dtype's unit roundoff, u_a the accumulation dtype's, gamma(n) = n u_a (a sum of n
+    products), and |.| products of absolute values:
+    - scores: s_ij - m is off by at most ds_i = gamma(D + 2) (scale |q_i|.|k_j| + |m|), |m| up to
+      max_j scale |q_i|.|k_j| + LAZY_MAX; each p_ij = exp(s_ij - lse_i) is then off by a relative
+      eps_i = 2 ds_i + gamma(Sk) + 4 u_a (the row sum, exp2 and the division), plus u_p where the
+      tensor-core kernels round P and dS to the storage dtype (u_p = u_s for float16 and bfloat16),
+      and absolutely by p_floor (a p below it may be flushed: the accumulation dtype's smallest
+      normal times 2^60, the lazy rescaling's range; half float16's smallest subnormal once
+      rounded to float16);
+    - lse_i: ds_i + gamma(Sk) + u_a |lse_i|;
+    - out_i: (eps_i + u_p + gamma(Sk)) sum_j p_ij |v_j|;
+    - dv_j: sum_i p_ij (eps_i + u_p + gamma(Sq group)) |dO_i|;
+    - D_i = dO_i . O_i reads the backend's own out, rounded: (u_s + gamma(D)) |dO_i|.|O_i| plus
+      |dO_i| . (out_i's bound); dP_ij = dO_i . v_j: gamma(D) |dO_i|.|v_j|; dS_ij = p_ij (dP_ij - D_i):
+      |dS_ij| (eps_i + u_p) + p_ij (the dP and D bounds);
+    - dq_i, dk_j: scale sum (dS's bound + gamma(n) |dS|) |k_j| or |q_i|;
+    - every result is then rounded to the storage dtype: u_s |x|, and absolutely half float16's
+      smallest subnormal, or float32's smallest normal (flushed under -ftz) for bfloat16 and
+      float32, float64's for float64.
+    The tolerance is SAFETY times the bound.
+    """
+    dtype = dtype_name(dtype if dtype is not None else q.dtype)
+    u_s, u_a = ROUNDOFF[dtype]
+    u_p = u_s if dtype in ("float16", "bfloat16") else u_a
+    acc = np.float64 if dtype == "float64" else np.float32
+    round16 = 2.0**-25 if dtype == "float16" else 0.0
+    p_floor = max(float(np.finfo(acc).tiny) * 2.0**60, round16)
+    store_floor = 2.0**-25 if dtype == "float16" else float(np.finfo(acc).tiny)
+
+    q, k, v = (values(x, dtype) for x in (q, k, v))
+    B, Sq, Hq, D = q.shape
+    Sk, group = k.shape[1], Hq // k.shape[2]
+    P, lse, Q, K, scale, _ = _probabilities(q, k, causal, scale)
+    V = _heads_first(v, group)
+    seen = np.broadcast_to(visible(Sq, Sk, causal), P.shape).astype(np.float64)
+
+    def gamma(n):
+        return n * u_a
+
+    Sabs = np.einsum("bhqd,bhkd->bhqk", abs(Q), abs(K)) * scale * seen
+    ds = gamma(D + 2) * (Sabs.max(axis=-1, initial=0.0) + LAZY_MAX) * seen.max(axis=-1, initial=0.0)
+    eps = (2 * ds + gamma(Sk) + 4 * u_a)[..., None] + u_p
+    out = np.einsum("bhqk,bhkd->bhqd", P, V)
+    with np.errstate(invalid="ignore"):
+        tol = {"lse": ds + gamma(Sk) + u_a * np.where(np.isfinite(lse), abs(lse), 0.0),
+               "out": (np.einsum("bhqk,bhkd->bhqd", P * (eps + gamma(Sk)) + p_floor * seen, abs(V))
+                       + u_s * abs(out) + store_floor)}
+    want = {"out": out, "lse": lse}
+    if dout is not None:
+        dO = _heads_first(values(dout, dtype), 1)
+        dP = np.einsum("bhqd,bhkd->bhqk", dO, V)
+        dP_bound = gamma(D) * np.einsum("bhqd,bhkd->bhqk", abs(dO), abs(V))
+        Di = np.sum(dO * out, axis=-1, keepdims=True)
+        D_bound = ((u_s + gamma(D)) * np.sum(abs(dO) * abs(out), axis=-1, keepdims=True)
+                   + np.sum(abs(dO) * tol["out"], axis=-1, keepdims=True))
+        dS = P * (dP - Di)
+        dS_bound = abs(dS) * eps + P * (dP_bound + D_bound) + (p_floor * (abs(dP) + abs(Di)) + round16) * seen
+        want.update(dq=np.einsum("bhqk,bhkd->bhqd", dS, K) * scale,
+                    dk=np.einsum("bhqk,bhqd->bhkd", dS, Q) * scale,
+                    dv=np.einsum("bhqk,bhqd->bhkd", P, dO))
+        tol.update(dq=scale * np.einsum("bhqk,bhkd->bhqd", dS_bound + gamma(Sk) * abs(dS), abs(K)),
+                   dk=scale * np.einsum("bhqk,bhqd->bhkd", dS_bound + gamma(Sq * group) * abs(dS), abs(Q)),
+                   dv=np.einsum("bhqk,bhqd->bhkd", P * (eps + gamma(Sq * group)) + p_floor * seen, abs(dO)))
+        for name in ("dk", "dv"):  # sum over the query heads that share a kv head
+            want[name], tol[name] = (_per_kv_head(x, group) for x in (want[name], tol[name]))
+        for name in ("dq", "dk", "dv"):
+            tol[name] = tol[name] + u_s * abs(want[name]) + store_floor
+    for name in ("out", "dq", "dk", "dv"):
+        if name in want:
+            want[name], tol[name] = (x.transpose(0, 2, 1, 3) for x in (want[name], tol[name]))
+    return Expected(want, {name: SAFETY * t for name, t in tol.items()}, dtype)
+
+
+def _per_kv_head(x, group: int):
+    B, H, S, Dh = x.shape
+    return x.reshape(B, H // group, group, S, Dh).sum(axis=2) if group > 1 else x
+
+
+def error_ratio(got, expect: Expected, name: str) -> float:
+    """max |got - want| / tol over the elements of output `name` (<= 1 passes); AssertionError when
+    the shape or the -inf / NaN / +inf pattern differs from the oracle's. Where the tolerance is 0
+    (a row that sees no key) only an exact answer passes.
+
+    `got` may hold bfloat16 bit patterns (uint16) when the dtype is bfloat16.
+    """
+    got = values(got, expect.dtype)
+    want, tol = expect.want[name], expect.tol[name]
+    if got.shape != want.shape:
+        raise AssertionError(f"{name}: shape {got.shape} != {want.shape}")
+    for what, test in (("-inf", np.isneginf), ("NaN", np.isnan), ("+inf", np.isposinf)):
+        bad = test(got) != test(want)
+        if bad.any():
+            where = tuple(int(i[0]) for i in np.nonzero(bad))
+            raise AssertionError(f"{name}: {what} pattern differs from the oracle, first at {where}")
+    finite = np.isfinite(want)
+    err, tol = abs(got[finite] - want[finite]), tol[finite]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(tol > 0, err / np.where(tol > 0, tol, 1.0), np.where(err > 0, np.inf, 0.0))
+    return float(ratio.max(initial=0.0))

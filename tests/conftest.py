@@ -19,7 +19,7 @@ if ROOT not in sys.path:  # the oracle lives in reference/, which is not install
     sys.path.insert(0, ROOT)
 
 import reference  # noqa: E402
-from reference.compare import BATTERY as CASES, compare, tolerance  # noqa: E402
+from reference.compare import BATTERY as CASES, compare, error_ratio, expected, tolerance  # noqa: E402
 
 DTYPES = (np.float16, np.float32, np.float64)
 BF16 = np.dtype(ml_dtypes.bfloat16)  # NumPy's bfloat16 (ml_dtypes); uint16 bits with dtype="bfloat16"
@@ -34,6 +34,23 @@ def assert_close(got, want, dtype, q, k, scale=None, what="out"):
     err, tol = compare(got, want, dtype, q, k, scale, what)
     assert err <= tol, f"{what}: max error {err:.3e} exceeds tolerance {tol:.3e} ({np.dtype(dtype)})"
     return err
+
+
+def assert_matches_oracle(got, q, k, v, dout=None, *, causal=False, scale=None, dtype=None):
+    """Check a backend's (out, lse) or (out, lse, dq, dk, dv) against the oracle, element by element,
+    with the tolerance of reference/compare.py; q, k, v, dout as the backend got them (NumPy arrays;
+    bfloat16 as ml_dtypes arrays, or uint16 bits with dtype="bfloat16"). Returns {output: err/tol}."""
+    want = expected(q, k, v, dout, causal=causal, scale=scale, dtype=dtype)
+    ratios = {}
+    for name, x in zip(("out", "lse", "dq", "dk", "dv"), got):
+        ratios[name] = error_ratio(x, want, name)
+        assert ratios[name] <= 1, f"{name}: error {ratios[name]:.3g} times the tolerance ({want.dtype})"
+    return ratios
+
+
+def case_id(case) -> str:
+    """A battery case's test id: 1x17x129x4x2x72-causal."""
+    return "x".join(map(str, case[:6])) + ("-causal" if case[6] else "")
 
 
 LAYOUTS = ("bshd", "bhsd", "sliced", "reversed")
@@ -77,4 +94,4 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
-__all__ = ["BF16", "CASES", "DTYPES", "bf16_bits", "LAYOUTS", "assert_close", "make_qkv", "reference", "strided_empty", "tolerance"]
+__all__ = ["BF16", "CASES", "DTYPES", "bf16_bits", "LAYOUTS", "assert_close", "assert_matches_oracle", "case_id", "make_qkv", "reference", "strided_empty", "tolerance"]

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashcupy
-from conftest import BF16, CASES, DTYPES, LAYOUTS, assert_close, bf16_bits, make_qkv, reference
+from conftest import BF16, CASES, DTYPES, LAYOUTS, assert_matches_oracle, bf16_bits, case_id, make_qkv, reference
 from flashcupy._api import Problem
 from flashcupy.backends import numpy_backend
 
@@ -26,8 +26,6 @@ def small_tiles():
 def check_against_oracle(q, k, v, dtype, causal, scale=None, rng=None, backend="numpy", bits=False):
     """bits=True passes bfloat16 as uint16 bit patterns with dtype="bfloat16", as CuPy users do."""
     dout = rng.standard_normal(q.shape).astype(dtype)
-    want_out, want_lse = reference.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
-    want = reference.attention_backward(dout, q, k, v, causal=causal, scale=scale)
     kw = dict(causal=causal, scale=scale, backend=backend)
     if bits:
         q, k, v, dout = (bf16_bits(x) for x in (q, k, v, dout))
@@ -35,16 +33,14 @@ def check_against_oracle(q, k, v, dtype, causal, scale=None, rng=None, backend="
     out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == (np.float64 if dtype == np.float64 else np.float32)
-    assert_close(out, want_out, dtype, q, k, scale, "out")
-    assert_close(lse, want_lse, dtype, q, k, scale, "lse")
     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, **kw)
-    for name, g, w, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
+    for g, x in zip(grads, (q, k, v)):
         assert g.dtype == x.dtype and g.shape == x.shape
-        assert_close(g, w, dtype, q, k, scale, name)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, scale=scale, dtype=kw.get("dtype"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_battery(rng, small_tiles, case, dtype):
     B, Sq, Sk, Hq, Hkv, D, causal = case
     q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
@@ -52,7 +48,7 @@ def test_battery(rng, small_tiles, case, dtype):
 
 
 @pytest.mark.parametrize("bits", [False, True], ids=["ml_dtypes", "uint16-bits"])
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_battery_bfloat16(rng, small_tiles, case, bits):
     B, Sq, Sk, Hq, Hkv, D, causal = case
     q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, BF16)
@@ -76,18 +72,11 @@ def test_huge_scale_neither_overflows_nor_gives_nan(rng, small_tiles, dtype):
     # scores of several hundred: exp() of them overflows even float64 without the running max
     q, k, v = make_qkv(rng, 1, 33, 40, 2, 2, 16, dtype, magnitude=0.5)
     out, lse = flashcupy.attention(q, k, v, scale=1e3, return_lse=True)
-    want_out, want_lse = reference.attention(q, k, v, scale=1e3, return_lse=True)
-    assert_close(out, want_out, dtype, q, k, 1e3, "out")
-    assert_close(lse, want_lse, dtype, q, k, 1e3, "lse")
-    grads = flashcupy.attention_backward(np.ones_like(out), q, k, v, out, lse, scale=1e3)
-    assert all(np.isfinite(g).all() for g in grads)
-    if dtype != np.float16:
-        # In float16 the stored out carries a rounding error of 2^-11 that D = rowsum(dO∘O)
-        # passes on to dq and dk multiplied by scale (1e3 here), as in flash-attn: the
-        # gradient itself is ill-conditioned there, so only finiteness is asserted above.
-        want = reference.attention_backward(np.ones_like(out), q, k, v, scale=1e3)
-        for name, g, w in zip(("dq", "dk", "dv"), grads, want):
-            assert_close(g, w, dtype, q, k, 1e3, name)
+    dout = np.ones_like(out)
+    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, scale=1e3)
+    # in float16 the rounding of the stored out reaches dq and dk through D = rowsum(dO∘O), times
+    # the scale: the tolerance models it, so the gradients are checked in every dtype
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, scale=1e3)
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0], ids=["scores-far-above-0", "scores-far-below-0"])
@@ -97,9 +86,7 @@ def test_scores_far_from_zero_keep_full_precision(rng, sign):
     k = (sign * 10 + rng.standard_normal((1, 50, 1, 16))).astype(np.float32)
     v = rng.standard_normal((1, 50, 1, 16)).astype(np.float32)
     out, lse = flashcupy.attention(q, k, v, scale=2.5, return_lse=True)
-    want_out, want_lse = reference.attention(q, k, v, scale=2.5, return_lse=True)
-    assert_close(out, want_out, np.float32, q, k, 2.5, "out")
-    assert_close(lse, want_lse, np.float32, q, k, 2.5, "lse")
+    assert_matches_oracle((out, lse), q, k, v, scale=2.5)
 
 
 def test_fully_masked_rows_give_zero_output_and_gradients(rng, small_tiles):
