@@ -1,6 +1,8 @@
 """The NumPy tiled backend against the float64 oracle."""
 
 import itertools
+import threading
+from concurrent.futures import ThreadPoolExecutor
 import tracemalloc
 
 import numpy as np
@@ -20,7 +22,8 @@ def small_tiles():
     old = (numpy_backend.config.BLOCK_Q, numpy_backend.config.BLOCK_K, numpy_backend.config.NUM_THREADS)
     numpy_backend.configure(block_q=16, block_k=8, num_threads=2)
     yield
-    numpy_backend.configure(block_q=old[0], block_k=old[1], num_threads=old[2])
+    numpy_backend.configure(block_q=old[0], block_k=old[1])
+    numpy_backend.config.NUM_THREADS = old[2]
 
 
 def check_against_oracle(q, k, v, dtype, causal, scale=None, rng=None, backend="numpy", bits=False):
@@ -173,3 +176,42 @@ def test_property_matches_oracle(B, Sq, Sk, Hkv, group, D, causal, dtype, layout
         check_against_oracle(q, k, v, dtype, causal, rng=rng)
     finally:
         numpy_backend.configure(block_q=old[0], block_k=old[1])
+
+
+@pytest.mark.parametrize("dtype, v_value, k_value", [(np.float32, 1e30, 5.0), (np.float64, 1e300, 10.0)],
+                         ids=["float32", "float64"])
+def test_huge_values_do_not_overflow_the_output_accumulator(dtype, v_value, k_value):
+    # scores of 4 k_value: the lazily rescaled P reaches e^(4 k_value) and P V_j overflowed before,
+    # though the answer, v_value itself, fits
+    q = np.ones((1, 1, 1, 4), dtype)
+    k = np.full((1, 3, 1, 4), k_value, dtype)
+    v = np.full((1, 3, 1, 4), v_value, dtype)
+    out, lse = flashcupy.attention(q, k, v, scale=1.0, return_lse=True)
+    np.testing.assert_allclose(out, v_value, rtol=1e-6)
+    assert_matches_oracle((out, lse), q, k, v, scale=1.0)
+
+
+def test_calls_from_many_threads_give_the_serial_bits_and_leave_blas_alone(rng):
+    from threadpoolctl import threadpool_info
+    inputs = [make_qkv(rng, 1, 700, 1500, 2, 1, 32, np.float32) for _ in range(8)]
+    serial = [flashcupy.attention(*x, causal=True) for x in inputs]
+    before = [(i["internal_api"], i["num_threads"]) for i in threadpool_info()]
+    barrier = threading.Barrier(len(inputs))
+
+    def call(x):
+        barrier.wait()  # all at once
+        return flashcupy.attention(*x, causal=True)
+
+    with ThreadPoolExecutor(len(inputs)) as pool:
+        parallel = list(pool.map(call, inputs))
+    for a, b in zip(serial, parallel):
+        np.testing.assert_array_equal(a, b)
+    assert [(i["internal_api"], i["num_threads"]) for i in threadpool_info()] == before
+
+
+@pytest.mark.parametrize("value", ["abc", "2.5", "-3", "0"])
+def test_a_bad_thread_count_in_the_environment_is_named(monkeypatch, value):
+    monkeypatch.setenv("FLASHCUPY_NUM_THREADS", value)
+    monkeypatch.setattr(numpy_backend.config, "NUM_THREADS", None)
+    with pytest.raises(ValueError, match=f"FLASHCUPY_NUM_THREADS must be a positive whole number .*'{value}'"):
+        flashcupy.attention(*make_qkv(np.random.default_rng(0), 1, 4, 4, 1, 1, 8, np.float32))

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -51,11 +52,12 @@ DTYPES = ("float16", "float32", "float64", "bfloat16")
 
 @dataclass
 class Config:
-    """Tunables. BLOCK_Q x BLOCK_K is the tile; NUM_THREADS the worker count."""
+    """Tunables. BLOCK_Q x BLOCK_K is the tile; NUM_THREADS the worker count (None: the
+    environment's FLASHCUPY_NUM_THREADS, else one per core)."""
 
     BLOCK_Q: int = 512
     BLOCK_K: int = 1024
-    NUM_THREADS: int = int(os.environ.get("FLASHCUPY_NUM_THREADS", "0")) or (os.cpu_count() or 1)
+    NUM_THREADS: int | None = None
 
 
 config = Config()
@@ -130,7 +132,7 @@ def _mask_scores(S, p, i0: int, j0: int, fill) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _blas_controller():
-    """threadpoolctl's controller if installed (extra `cpu`), else None."""
+    """threadpoolctl's controller (a dependency, but a vendored install may lack it), else None."""
     try:
         from threadpoolctl import ThreadpoolController
     except ImportError:
@@ -138,23 +140,46 @@ def _blas_controller():
     return ThreadpoolController()
 
 
+def _threads_from_environment() -> int:
+    text = os.environ.get("FLASHCUPY_NUM_THREADS", "").strip()
+    if not text:
+        return os.cpu_count() or 1
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"FLASHCUPY_NUM_THREADS must be a positive whole number of worker threads, "
+                         f"got {text!r}")
+    return int(text)
+
+
 def worker_count() -> int:
     """Python worker threads used per call.
 
     Each worker's BLAS calls must run single-threaded, or the BLAS pool and
     ours oversubscribe the cores (measured here: 2.8x slower). Pinning BLAS
-    needs threadpoolctl; without it one worker runs and BLAS uses its own threads.
+    needs threadpoolctl (a dependency); without it one worker runs and BLAS uses its own threads.
     """
-    return config.NUM_THREADS if _blas_controller() is not None else 1
+    if _blas_controller() is None:
+        return 1
+    return config.NUM_THREADS or _threads_from_environment()
+
+
+# One call's workers at a time, the others wait. BLAS's thread limit belongs to the process (and
+# OpenBLAS's sgemm rounds differently with different thread counts), so calls that overlapped
+# would each set and restore it under the others: later calls would find BLAS left pinned, and
+# results would depend on what else was running. Each call already keeps every core busy.
+_one_call_at_a_time = threading.Lock()
 
 
 def _run(tasks):
     """Run callables on the worker pool; the first exception propagates."""
     n = min(worker_count(), len(tasks))
-    if n <= 1:
+    if _blas_controller() is None:
         return [t() for t in tasks]
-    with _blas_controller().limit(limits=1, user_api="blas"), ThreadPoolExecutor(max_workers=n) as pool:
-        return list(pool.map(lambda t: t(), tasks))
+    # pinned on one worker too, so that a call's bits do not depend on its task count
+    with _one_call_at_a_time, _blas_controller().limit(limits=1, user_api="blas"):
+        if n <= 1:
+            return [t() for t in tasks]
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            return list(pool.map(lambda t: t(), tasks))
 
 
 # ----------------------------------------------------------------------------
@@ -169,6 +194,26 @@ L_MAX = 2.0**60
 L_MIN = 2.0**-60
 
 
+def _l_max(acc, v_max) -> float:
+    """The largest row sum to let accumulate: L_MAX, or less when |v| is so large that
+    O = sum_j p_j v_j could overflow the accumulation dtype (O <= l max|v| while l <= this)."""
+    room = float(np.finfo(acc).max) / 4
+    return min(L_MAX, room / v_max) if np.isfinite(v_max) and v_max * L_MAX > room else L_MAX
+
+
+def _aligned_empty(shape, dtype, alignment=64):
+    """An uninitialised C-contiguous array whose first element sits on a 64-byte boundary.
+
+    NumPy's vectorised exp treats the elements before the first aligned one with its scalar loop,
+    whose last bit can differ: with the buffer's address left to the allocator, results would
+    depend on what else the process had allocated (calls from other threads, say).
+    """
+    dtype = np.dtype(dtype)
+    raw = np.empty(int(np.prod(shape)) * dtype.itemsize + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start:start + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+
+
 def _forward_tile_loop(p, Q_i, K, V1, i0, out_i, lse_i) -> None:
     """Online softmax over the key blocks visible to query block Q_i (already scaled).
 
@@ -179,9 +224,10 @@ def _forward_tile_loop(p, Q_i, K, V1, i0, out_i, lse_i) -> None:
     """
     acc = p.acc_dtype
     rows, D = Q_i.shape
+    l_max = _l_max(acc, float(np.abs(V1[:, :D]).max(initial=0.0)))
     m = np.zeros(rows, dtype=acc)  # the reference
     O1 = np.zeros((rows, D + 1), dtype=acc)  # [O | l]
-    S_buf = np.empty((rows, config.BLOCK_K), dtype=acc)
+    S_buf = _aligned_empty((rows, config.BLOCK_K), acc)
     Q1 = K1 = None  # [Q_i | -m] and [K | 1], made when some m first moves
 
     def scores(j0, j1, out):
@@ -200,8 +246,9 @@ def _forward_tile_loop(p, Q_i, K, V1, i0, out_i, lse_i) -> None:
             P = np.exp(S, out=S)
             O1_j = P @ V1[j0:j1]  # [P V_j | rowsum P]
             l_j = O1_j[:, D]
-            # rows whose sum overflows or is NaN, or is still too small to keep its precision
-            redo = np.nonzero(~(l_j <= L_MAX) | (O1[:, D] + l_j < L_MIN))[0]
+            # rows whose sum so far leaves [L_MIN, l_max] (so O could overflow) or is NaN
+            l_new = O1[:, D] + l_j
+            redo = np.nonzero(~(l_new <= l_max) | (l_new < L_MIN))[0]
             if redo.size:
                 S_r = scores(j0, j1, S)[redo]  # exp() overwrote them; this is rare
                 # the new reference, above m: this tile's max, or what came before if that is
