@@ -83,28 +83,41 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, backend=No
     return (out, lse) if return_lse else out
 
 
+def _backward_terms(dout, q, k, v, causal, scale):
+    """The backward's float64 intermediates, heads first: a dict of P, Q, K, V, dO, O, dP, D, dS
+    and the scale and group. A pair (i, j) that is hidden gets dS = 0 by selection, and a row that
+    sees no key has its dO taken as 0: such rows add nothing to any gradient, whatever their dout
+    holds (a NaN included), as the README says."""
+    P, _, Q, K, scale, group = _probabilities(q, k, causal, scale)
+    seen = visible(q.shape[1], k.shape[1], causal)
+    V = _heads_first(v, group)
+    dO = np.where(seen.any(axis=1)[:, None], _heads_first(dout, 1), 0.0)
+    O = np.einsum("bhqk,bhkd->bhqd", P, V)
+    dP = np.einsum("bhqd,bhkd->bhqk", dO, V)
+    D = np.sum(dO * O, axis=-1, keepdims=True)
+    dS = np.where(seen, P * (dP - D), 0.0)
+    return dict(P=P, Q=Q, K=K, V=V, dO=dO, O=O, dP=dP, D=D, dS=dS, scale=scale, group=group)
+
+
+def _per_kv_head(x, group: int):
+    """(B, Hq, S, D) -> (B, Hkv, S, D): the sum over the query heads that share a kv head."""
+    B, H, S, Dh = x.shape
+    return x.reshape(B, H // group, group, S, Dh).sum(axis=2) if group > 1 else x
+
+
 def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, scale=None, backend=None,
                        dtype=None):
     """(dq, dk, dv) in float64, recomputed from q, k, v; dk and dv summed over each GQA group."""
-    dout, q, k, v = (values(x, dtype) for x in (dout, q, k, v))
-    P, _, Q, K, scale, group = _probabilities(q, k, causal, scale)
-    V = _heads_first(v, group)
-    dO = _heads_first(dout, 1)
-    O = np.einsum("bhqk,bhkd->bhqd", P, V)
-    dV = np.einsum("bhqk,bhqd->bhkd", P, dO)
-    dP = np.einsum("bhqd,bhkd->bhqk", dO, V)
-    D = np.sum(dO * O, axis=-1, keepdims=True)
-    dS = P * (dP - D)
-    dQ = np.einsum("bhqk,bhkd->bhqd", dS, K) * scale
-    dK = np.einsum("bhqk,bhqd->bhkd", dS, Q) * scale
+    t = _backward_terms(*(values(x, dtype) for x in (dout, q, k, v)), causal, scale)
+    return tuple(x.transpose(0, 2, 1, 3) for x in _gradients(t))
 
-    def back(x, grouped):
-        B, H, S, Dh = x.shape
-        if grouped and group > 1:
-            x = x.reshape(B, H // group, group, S, Dh).sum(axis=2)
-        return x.transpose(0, 2, 1, 3)
 
-    return back(dQ, False), back(dK, True), back(dV, True)
+def _gradients(t):
+    """(dQ, dK, dV) heads first from _backward_terms; dK and dV per kv head."""
+    dQ = np.einsum("bhqk,bhkd->bhqd", t["dS"], t["K"]) * t["scale"]
+    dK = _per_kv_head(np.einsum("bhqk,bhqd->bhkd", t["dS"], t["Q"]) * t["scale"], t["group"])
+    dV = _per_kv_head(np.einsum("bhqk,bhqd->bhkd", t["P"], t["dO"]), t["group"])
+    return dQ, dK, dV
 
 
 def attention_vjp(q, k, v, *, causal=False, scale=None, backend=None, dtype=None):

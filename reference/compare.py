@@ -23,7 +23,7 @@ import numpy as np
 
 from flashcupy._api import default_scale
 
-from . import _heads_first, _probabilities, values, visible
+from . import _backward_terms, _gradients, _heads_first, _per_kv_head, _probabilities, values, visible
 
 # The battery every backend runs, in the tests and in `python -m flashcupy check`:
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal).
@@ -161,33 +161,24 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None) -> Exp
                        + u_s * abs(out) + store_floor)}
     want = {"out": out, "lse": lse}
     if dout is not None:
-        dO = _heads_first(values(dout, dtype), 1)
-        dP = np.einsum("bhqd,bhkd->bhqk", dO, V)
+        t = _backward_terms(values(dout, dtype), q, k, v, causal, scale)
+        dO, dP, Di, dS = t["dO"], t["dP"], t["D"], t["dS"]
         dP_bound = gamma(D) * np.einsum("bhqd,bhkd->bhqk", abs(dO), abs(V))
-        Di = np.sum(dO * out, axis=-1, keepdims=True)
         D_bound = ((u_s + gamma(D)) * np.sum(abs(dO) * abs(out), axis=-1, keepdims=True)
                    + np.sum(abs(dO) * tol["out"], axis=-1, keepdims=True))
-        dS = P * (dP - Di)
         dS_bound = abs(dS) * eps + P * (dP_bound + D_bound) + (p_floor * (abs(dP) + abs(Di)) + round16) * seen
-        want.update(dq=np.einsum("bhqk,bhkd->bhqd", dS, K) * scale,
-                    dk=np.einsum("bhqk,bhqd->bhkd", dS, Q) * scale,
-                    dv=np.einsum("bhqk,bhqd->bhkd", P, dO))
+        want.update(zip(("dq", "dk", "dv"), _gradients(t)))
         tol.update(dq=scale * np.einsum("bhqk,bhkd->bhqd", dS_bound + gamma(Sk) * abs(dS), abs(K)),
                    dk=scale * np.einsum("bhqk,bhqd->bhkd", dS_bound + gamma(Sq * group) * abs(dS), abs(Q)),
                    dv=np.einsum("bhqk,bhqd->bhkd", P * (eps + gamma(Sq * group)) + p_floor * seen, abs(dO)))
         for name in ("dk", "dv"):  # sum over the query heads that share a kv head
-            want[name], tol[name] = (_per_kv_head(x, group) for x in (want[name], tol[name]))
+            tol[name] = _per_kv_head(tol[name], group)
         for name in ("dq", "dk", "dv"):
             tol[name] = tol[name] + u_s * abs(want[name]) + store_floor
     for name in ("out", "dq", "dk", "dv"):
         if name in want:
             want[name], tol[name] = (x.transpose(0, 2, 1, 3) for x in (want[name], tol[name]))
     return Expected(want, {name: SAFETY * t for name, t in tol.items()}, dtype)
-
-
-def _per_kv_head(x, group: int):
-    B, H, S, Dh = x.shape
-    return x.reshape(B, H // group, group, S, Dh).sum(axis=2) if group > 1 else x
 
 
 def error_ratio(got, expect: Expected, name: str) -> float:

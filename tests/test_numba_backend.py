@@ -163,6 +163,20 @@ def test_strided_views_are_read_in_place(rng, device, layout):
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True)
 
 
+@pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_nan_in_dout_of_a_row_that_sees_no_key_goes_nowhere(rng, device):
+    """Rows that see no key share a query tile with rows that do: dS there is 0 by selection."""
+    _require(device)
+    Sq = 10 if device == "simulator" else 90
+    q, k, v = make_qkv(rng, 1, Sq, 4, 2, 1, 8, np.float32)  # causal: rows 0 .. Sq - 5 see no key
+    out, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True, backend="numba")
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    dout[:, :Sq - 4] = np.nan
+    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True, backend="numba")
+    assert np.all(grads[0][:, :Sq - 4] == 0)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True)
+
+
 # ----------------------------------------------------------------------------
 # device arrays: the simulator's arrays have no __cuda_array_interface__, so GPU only
 

@@ -215,3 +215,13 @@ def test_a_bad_thread_count_in_the_environment_is_named(monkeypatch, value):
     monkeypatch.setattr(numpy_backend.config, "NUM_THREADS", None)
     with pytest.raises(ValueError, match=f"FLASHCUPY_NUM_THREADS must be a positive whole number .*'{value}'"):
         flashcupy.attention(*make_qkv(np.random.default_rng(0), 1, 4, 4, 1, 1, 8, np.float32))
+
+
+def test_nan_in_dout_of_a_row_that_sees_no_key_goes_nowhere(rng, small_tiles):
+    q, k, v = make_qkv(rng, 1, 30, 9, 2, 1, 8, np.float32)  # causal: rows 0..20 see no key
+    out, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    dout[:, :21] = np.nan
+    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True)
+    assert not np.isnan(grads[0]).any() and np.all(grads[0][:, :21] == 0)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True)

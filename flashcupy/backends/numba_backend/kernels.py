@@ -334,12 +334,15 @@ def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dks
                     s += Q_i[r, dd] * K_j[c, dd]
                     dp += dO_i[r, dd] * V_j[c, dd]
                 cuda.syncthreads()  # done reading before the next chunk overwrites them
+            # hidden pairs get P = dS = 0 by selection, not by a product with P = 0: a NaN in a
+            # row's dout must not reach keys the row does not see
             p = acc(0)
+            ds = acc(0)
             if _visible(mask, i, j, seqlen_q, seqlen_k):
                 p = math.exp(s * scale - _row_lse(lse, lst, b, h, i, seqlen_q))
-            D_r = D[_at3(Dst, b, h, i)] if i < seqlen_q else acc(0)
+                ds = p * (dp - D[_at3(Dst, b, h, i)]) * scale
             P[r, c] = p
-            dS[r, c] = p * (dp - D_r) * scale
+            dS[r, c] = ds
             cuda.syncthreads()  # P and dS complete: every column c is read by BLOCK_M threads
 
             # dV[c, d] += P[:, c] . dO_i[:, d];  dK[c, d] += dS[:, c] . Q_i[:, d]
@@ -413,10 +416,10 @@ def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
                 s += Q_i[r, dd] * K_j[c, dd]
                 dp += dO_i[r, dd] * V_j[c, dd]
             cuda.syncthreads()  # done reading before the next chunk overwrites them
-        p = acc(0)
+        ds = acc(0)  # selected, not multiplied by P = 0: a row that sees no key gets dq 0 whatever its dout
         if _visible(mask, i, j0 + c, seqlen_q, seqlen_k):
-            p = math.exp(s * scale - lse_r)
-        dS[r, c] = p * (dp - D_r) * scale
+            ds = math.exp(s * scale - lse_r) * (dp - D_r) * scale
+        dS[r, c] = ds
         cuda.syncthreads()  # the whole row of dS is written
 
         # dQ[r, d] += dS[r, :] . K_j[:, d] for this thread's columns d = c, c + BLOCK_N, ...
