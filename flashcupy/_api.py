@@ -219,8 +219,9 @@ def _problem(q, k, v, causal, scale, dtype) -> Problem:
     return Problem(B, Sq, Sk, Hq, Hkv, D, value_dtype, causal, scale, carrier)
 
 
-def _select(backend: str, lib: str, p: Problem):
-    """The backend module for this call; TypeError if it cannot take these arrays or this dtype."""
+def _select(backend: str, lib: str, p: Problem, backward: bool = False):
+    """The backend module for this call: TypeError if it cannot take these arrays or this dtype,
+    ValueError if the problem passes one of its limits (head_dim, CUDA's grid)."""
     name = backends.DEFAULT_FOR_LIBRARY[lib] if backend == "auto" else backend
     mod = backends.load(name)
     if lib not in mod.ARRAY_LIBRARIES:
@@ -230,6 +231,12 @@ def _select(backend: str, lib: str, p: Problem):
             f"(flashcupy never copies between host and device behind your back)")
     if p.dtype.name not in mod.DTYPES:
         raise TypeError(f"backend {name!r} supports {', '.join(mod.DTYPES)}, got {p.dtype.name}")
+    if mod.MAX_HEAD_DIM is not None and p.head_dim > mod.MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {mod.MAX_HEAD_DIM} for the {name} backend, got {p.head_dim}")
+    for what, blocks, axis in mod.grid_axes(p, backward):
+        if blocks > backends.MAX_GRID[axis]:
+            raise ValueError(f"too large for the {name} backend: {what} needs {blocks} thread blocks along "
+                             f"CUDA grid {'xyz'[axis]}, which holds at most {backends.MAX_GRID[axis]}")
     return mod
 
 
@@ -286,7 +293,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, bac
     if np.dtype(lse.dtype) != p.lse_dtype:
         raise TypeError(f"lse must have dtype {p.lse_dtype} for {p.dtype} inputs, got {np.dtype(lse.dtype)}")
     _check_strides("lse", lse)
-    mod = _select(backend, lib, p)
+    mod = _select(backend, lib, p, backward=True)
 
     if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
         return tuple(mod.allocate(q, x.shape, p.carrier, 0) for x in (q, k, v))

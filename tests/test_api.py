@@ -157,3 +157,19 @@ def test_misaligned_device_array_is_refused_before_any_work():
 def test_float64_lse_is_float64():
     _, lse = flashcupy.attention(*qkv(dtype=np.float64), return_lse=True)
     assert lse.dtype == np.float64
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_cupy_grid_limit_is_checked_before_any_work(backward):
+    # broadcast views: a seqlen_q whose query blocks alone overflow CUDA's grid x, nothing allocated
+    from cupy_emulation import emulated
+    from flashcupy.backends import MAX_GRID
+    q = np.broadcast_to(F32(1), (1, 64 * MAX_GRID[0] + 1, 1, 8))
+    k = v = np.broadcast_to(F32(1), (1, 4, 1, 8))
+    lse = np.broadcast_to(F32(0), (1, 1, q.shape[1]))
+    with emulated(), pytest.raises(ValueError, match=r"too large for the cupy backend: seqlen_q / \d+ x batch x "
+                                                     r"heads_q needs \d+ thread blocks along CUDA grid x"):
+        if backward:
+            flashcupy.attention_backward(q, q, k, v, q, lse, backend="cupy")
+        else:
+            flashcupy.attention(q, k, v, backend="cupy")

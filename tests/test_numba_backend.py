@@ -54,7 +54,7 @@ finally:
 
 import flashcupy  # noqa: E402
 from flashcupy._api import Problem  # noqa: E402
-from flashcupy.backends import numba_backend  # noqa: E402
+from flashcupy.backends import MAX_GRID, numba_backend  # noqa: E402
 from flashcupy.backends.numba_backend import kernels  # noqa: E402
 
 SIMULATOR = kernels.SIMULATOR
@@ -260,7 +260,7 @@ def test_head_dim_above_the_register_tiles_is_refused(rng):
     if not (SIMULATOR or GPU):
         pytest.skip("neither the simulator nor a GPU in this process")
     q, k, v = make_qkv(rng, 1, 1, 1, 1, 1, numba_backend.MAX_HEAD_DIM + 1, np.float32)
-    with pytest.raises(ValueError, match="head_dim up to"):
+    with pytest.raises(ValueError, match=f"head_dim must be at most {numba_backend.MAX_HEAD_DIM} for the numba backend"):
         flashcupy.attention(q, k, v, backend="numba")
 
 
@@ -439,10 +439,10 @@ def test_cupy_inputs_run_on_cupys_stream_with_cupys_memory(rng, monkeypatch):
 
 def _over_the_grid_limit(name):
     """(argument value one past what the grid holds, q, k, v shapes): broadcast views, so nothing is allocated."""
-    n = {"seqlen_q": numba_backend.MAX_GRID[0] * kernels.BLOCK_M + 1,
-         "seqlen_k": numba_backend.MAX_GRID[0] * kernels.BLOCK_N + 1,
-         "heads_q": numba_backend.MAX_GRID[1] + 1,
-         "batch": numba_backend.MAX_GRID[2] + 1}[name]
+    n = {"seqlen_q": MAX_GRID[0] * kernels.BLOCK_M + 1,
+         "seqlen_k": MAX_GRID[0] * kernels.BLOCK_N + 1,
+         "heads_q": MAX_GRID[1] + 1,
+         "batch": MAX_GRID[2] + 1}[name]
     B, Sq, Sk, Hq = (n if name == arg else 1 for arg in ("batch", "seqlen_q", "seqlen_k", "heads_q"))
     return n, (B, Sq, Hq, 1), (B, Sk, 1, 1)
 
@@ -460,8 +460,9 @@ def test_grid_limits_are_checked_before_anything_is_allocated_or_launched(monkey
     q = np.broadcast_to(np.float32(1), q_shape)
     k = v = np.broadcast_to(np.float32(1), kv_shape)
     lse = np.broadcast_to(np.float32(0), (q_shape[0], q_shape[2], q_shape[1]))
-    limit = n - 1
-    message = f"^{name} must be at most {limit} for the numba backend, got {n} "
+    axis = {"seqlen_q": 0, "seqlen_k": 0, "heads_q": 1, "batch": 2}[name]
+    message = (f"^too large for the numba backend: {name}.* needs {MAX_GRID[axis] + 1} thread blocks along "
+               f"CUDA grid {'xyz'[axis]}, which holds at most {MAX_GRID[axis]}$")
     if name != "seqlen_k":  # the forward has no grid over keys
         with pytest.raises(ValueError, match=message):
             flashcupy.attention(q, k, v, backend="numba")

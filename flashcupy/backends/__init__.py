@@ -5,11 +5,15 @@ A backend is a module with:
     NAME: str
     ARRAY_LIBRARIES: tuple[str, ...]   # array libraries it takes ('numpy', 'cupy', 'numba')
     DTYPES: tuple[str, ...]            # value dtypes it computes on ('float16', ..., 'bfloat16')
+    MAX_HEAD_DIM: int | None           # the largest head_dim it takes (None: any)
+    grid_axes(p, backward) -> list of (what, blocks, axis): every CUDA grid axis its launches
+                                       # for p would use (none on the CPU); checked against MAX_GRID
     unavailable_reason() -> str | None # None when usable on this machine
     allocate(like, shape, dtype, fill) -> array of like's library filled with `fill`
     forward(p, q, k, v) -> (out, lse)
     backward(p, dout, q, k, v, out, lse) -> (dq, dk, dv)
 
+The interface checks every limit a backend declares before it runs (backends never re-validate);
 `p` is a validated `flashcupy._api.Problem`. Arrays hold p.dtype values in
 p.carrier storage (uint16 bits for dtype="bfloat16"); outputs use p.carrier too. Modules are imported lazily, so a
 backend whose library is missing costs nothing until it is asked for.
@@ -28,6 +32,8 @@ _MODULES = {
 }
 
 NAMES = tuple(_MODULES)
+
+MAX_GRID = (2**31 - 1, 65535, 65535)  # CUDA's limit on thread blocks along grid x, y, z (sm_30 and later)
 
 # backend="auto": the backend that takes each array library without a copy.
 DEFAULT_FOR_LIBRARY = {"numpy": "numpy", "cupy": "cupy", "numba": "numba"}

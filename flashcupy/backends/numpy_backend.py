@@ -48,6 +48,11 @@ import numpy as np
 NAME = "numpy"
 ARRAY_LIBRARIES = ("numpy",)
 DTYPES = ("float16", "float32", "float64", "bfloat16")
+MAX_HEAD_DIM = None
+
+
+def grid_axes(p, backward):
+    return []  # no CUDA grid on the CPU
 
 
 @dataclass

@@ -162,6 +162,27 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+MAX_HEAD_DIM = specs.MAX_HEAD_DIM
+
+
+def _launch_blocks(kernel: specs.Kernel, p) -> tuple:
+    """(what it counts, thread blocks) of one kernel's 1-D grid for p."""
+    if kernel.template == "flash_bwd_preprocess":  # a warp a row
+        rows = specs.NUM_THREADS // 32
+        return f"batch x heads_q x seqlen_q / {rows}", _cdiv(p.batch * p.heads_q * p.seqlen_q, rows)
+    if kernel.template in ("flash_bwd_dkdv", "attn_bwd_dkdv_tc"):  # a block of keys, per kv head
+        return f"seqlen_k / {kernel.block_n} x batch x heads_kv", _cdiv(p.seqlen_k, kernel.block_n) * p.batch * p.heads_kv
+    return f"seqlen_q / {kernel.block_m} x batch x heads_q", _cdiv(p.seqlen_q, kernel.block_m) * p.batch * p.heads_q
+
+
+def grid_axes(p, backward):
+    """Every launch's grid (all 1-D) on either kernel path: the path is chosen per call, from strides."""
+    builds = [specs.forward_module] + [specs.backward_module] * backward
+    if specs.tensor_core_eligible(p.dtype, p.head_dim):
+        builds += [specs.tc_forward_module] + [specs.tc_backward_module] * backward
+    return [(*_launch_blocks(kernel, p), 0) for build in builds for kernel in build(p.dtype, p.head_dim).kernels]
+
+
 # ----------------------------------------------------------------------------
 # forward and backward
 

@@ -70,11 +70,9 @@ TC_TEMPLATES = ("attn_fwd_tc", "attn_bwd_dkdv_tc", "attn_bwd_dq_tc")
 
 
 def head_dim_bucket(head_dim: int) -> int:
-    """The padded compile-time HEAD_DIM the kernels use for `head_dim` (1..256)."""
-    for bucket in HEAD_DIM_BUCKETS:
-        if head_dim <= bucket:
-            return bucket
-    raise ValueError(f"the cupy backend supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}")
+    """The padded compile-time HEAD_DIM the kernels use for `head_dim` (1..MAX_HEAD_DIM, which the
+    interface checks)."""
+    return next(bucket for bucket in HEAD_DIM_BUCKETS if head_dim <= bucket)
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,6 @@ NAME = "numba"
 ARRAY_LIBRARIES = ("numpy", "cupy", "numba")
 DTYPES = ("float16", "float32", "float64")  # numba has no bfloat16 arithmetic type
 MAX_HEAD_DIM = 256  # kernels.HEAD_DIM_MAX: the register accumulators are sized for it
-MAX_GRID = (2**31 - 1, 65535, 65535)  # CUDA's limits on grid x, y, z (every GPU numba-cuda supports)
 
 
 @functools.cache
@@ -255,26 +254,19 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-def _blocks(n, per_block, name, axis):
-    """Thread blocks along grid axis 0, 1 or 2 (x, y, z) to cover n; past CUDA's limit, a ValueError naming the argument."""
-    blocks = _cdiv(n, per_block)
-    if blocks > MAX_GRID[axis]:
-        raise ValueError(
-            f"{name} must be at most {MAX_GRID[axis] * per_block} for the numba backend, got {n} "
-            f"({per_block} per thread block along CUDA grid {'xyz'[axis]}, which holds at most "
-            f"{MAX_GRID[axis]} blocks)")
-    return blocks
+def _grids(p):
+    """The forward / dQ grid (query blocks, query heads, batch) and the dK/dV grid (key blocks, kv
+    heads, batch); the D pre-pass takes PREP_THREADS >= BLOCK_M rows a block, so it fits where dQ's does."""
+    K = _kernels()
+    return ((_cdiv(p.seqlen_q, K.BLOCK_M), p.heads_q, p.batch),
+            (_cdiv(p.seqlen_k, K.BLOCK_N), p.heads_kv, p.batch))
 
 
-def _grid(p, n, per_block, name, heads):
-    """(blocks over n, heads, batch), checked; heads is heads_q or heads_kv (<= heads_q, checked here)."""
-    _blocks(p.heads_q, 1, "heads_q", 1)
-    return _blocks(n, per_block, name, 0), heads, _blocks(p.batch, 1, "batch", 2)
-
-
-def _check_head_dim(p):
-    if p.head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"the numba backend supports head_dim up to {MAX_HEAD_DIM}, got {p.head_dim}")
+def grid_axes(p, backward):
+    (queries, heads, batch), (keys, _, _) = _grids(p)
+    K = _kernels()
+    axes = [(f"seqlen_q ({K.BLOCK_M} rows a block)", queries, 0), ("heads_q", heads, 1), ("batch", batch, 2)]
+    return axes + [(f"seqlen_k ({K.BLOCK_N} keys a block)", keys, 0)] if backward else axes
 
 
 def _common(p):
@@ -287,13 +279,12 @@ def _common(p):
 
 # ----------------------------------------------------------------------------
 # forward and backward
-# Grids are sized (and checked) before anything is allocated, copied or launched.
+# The interface has checked the grids (grid_axes) and head_dim before anything is allocated.
 
 
 def forward(p, q, k, v):
-    _check_head_dim(p)
     K = _kernels()
-    grid = _grid(p, p.seqlen_q, K.BLOCK_M, "seqlen_q", p.heads_q)
+    grid, _ = _grids(p)
     place = _Placement(_library(q))
     (qf, qst), (kf, kst), (vf, vst) = (place.read(x) for x in (q, k, v))
     out = _Buffer(place, q.shape, p.dtype)
@@ -306,11 +297,9 @@ def forward(p, q, k, v):
 
 
 def backward(p, dout, q, k, v, out, lse):
-    _check_head_dim(p)
     K = _kernels()
-    dq_grid = _grid(p, p.seqlen_q, K.BLOCK_M, "seqlen_q", p.heads_q)
-    dkdv_grid = _grid(p, p.seqlen_k, K.BLOCK_N, "seqlen_k", p.heads_kv)
-    prep_grid = (_cdiv(p.seqlen_q, K.PREP_THREADS),) + dq_grid[1:]  # PREP_THREADS >= BLOCK_M: fits where dq_grid does
+    dq_grid, dkdv_grid = _grids(p)
+    prep_grid = (_cdiv(p.seqlen_q, K.PREP_THREADS),) + dq_grid[1:]
     place = _Placement(_library(q))
     (qf, qst), (kf, kst), (vf, vst), (dof, dost), (of, ost), (lf, lst) = (
         place.read(x) for x in (q, k, v, dout, out, lse))
