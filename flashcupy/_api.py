@@ -26,21 +26,6 @@ FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
 BIT_CARRIERS = (np.dtype(np.uint16), np.dtype(np.int16))  # what dtype="bfloat16" reads
 
 
-def bfloat16_dtype() -> np.dtype:
-    """NumPy's bfloat16 dtype, from ml_dtypes (the one JAX uses)."""
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise TypeError("bfloat16 needs the ml_dtypes package (pip install 'flashcupy[bf16]')") from None
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-def accumulation_dtype(value_dtype) -> np.dtype:
-    """What every backend accumulates in (and stores lse in): float64 for float64 values, float32
-    for float32, float16 and bfloat16."""
-    return np.dtype(np.float64) if np.dtype(value_dtype) == np.float64 else np.dtype(np.float32)
-
-
 @dataclass(frozen=True)
 class Problem:
     """Everything a backend needs to know besides the arrays themselves."""
@@ -51,7 +36,7 @@ class Problem:
     heads_q: int
     heads_kv: int
     head_dim: int
-    dtype: np.dtype     # the values' dtype: float16, float32, float64 or (ml_dtypes) bfloat16
+    dtype: str          # the values' dtype, by name: float16, float32, float64 or bfloat16
     causal: bool
     scale: float
     carrier: np.dtype   # the arrays' own dtype: dtype, or uint16/int16 holding bfloat16 bits
@@ -63,7 +48,7 @@ class Problem:
 
     @property
     def acc_dtype(self) -> np.dtype:
-        return accumulation_dtype(self.dtype)
+        return backends.accumulation_dtype(self.dtype)
 
     @property
     def lse_dtype(self) -> np.dtype:
@@ -113,7 +98,7 @@ def _check_arrays(named: dict) -> str:
 
 
 def _check_dtypes(named: dict, dtype) -> tuple:
-    """(value dtype, carrier dtype) shared by every array in `named`."""
+    """(value dtype name, carrier dtype) shared by every array in `named`."""
     if dtype is not None and dtype != "bfloat16":
         raise ValueError(f"dtype must be None or 'bfloat16', got {dtype!r}")
     carriers = {name: np.dtype(x.dtype) for name, x in named.items()}
@@ -131,9 +116,7 @@ def _check_dtypes(named: dict, dtype) -> tuple:
         which = ", ".join(f"{n} is {dt}" for n, dt in carriers.items())
         raise TypeError(f"{', '.join(named)} must share one dtype: {which}")
     carrier = next(iter(carriers.values()))
-    if dtype == "bfloat16" and carrier.name != "bfloat16":
-        return bfloat16_dtype(), carrier
-    return carrier, carrier
+    return (dtype or carrier.name), carrier
 
 
 def _check_strides(name: str, x) -> None:
@@ -215,7 +198,7 @@ def _problem(q, k, v, causal, scale, dtype) -> Problem:
         raise ValueError(
             f"heads_q must be a multiple of heads_kv (GQA/MQA), got heads_q={Hq}, heads_kv={Hkv}")
     value_dtype, carrier = _check_dtypes({"q": q, "k": k, "v": v}, dtype)
-    scale = _check_scale(scale, D, accumulation_dtype(value_dtype))
+    scale = _check_scale(scale, D, backends.accumulation_dtype(value_dtype))
     return Problem(B, Sq, Sk, Hq, Hkv, D, value_dtype, causal, scale, carrier)
 
 
@@ -229,8 +212,8 @@ def _select(backend: str, lib: str, p: Problem, backward: bool = False):
         raise TypeError(
             f"backend {name!r} takes {takes} arrays, got {lib} arrays "
             f"(flashcupy never copies between host and device behind your back)")
-    if p.dtype.name not in mod.DTYPES:
-        raise TypeError(f"backend {name!r} supports {', '.join(mod.DTYPES)}, got {p.dtype.name}")
+    if p.dtype not in mod.DTYPES:
+        raise TypeError(f"backend {name!r} supports {', '.join(mod.DTYPES)}, got {p.dtype}")
     if mod.MAX_HEAD_DIM is not None and p.head_dim > mod.MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be at most {mod.MAX_HEAD_DIM} for the {name} backend, got {p.head_dim}")
     for what, blocks, axis in mod.grid_axes(p, backward):

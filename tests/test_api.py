@@ -173,3 +173,18 @@ def test_cupy_grid_limit_is_checked_before_any_work(backward):
             flashcupy.attention_backward(q, q, k, v, q, lse, backend="cupy")
         else:
             flashcupy.attention(q, k, v, backend="cupy")
+
+
+def test_bfloat16_bits_need_no_ml_dtypes_until_numpy_computes_on_them(monkeypatch, rng):
+    # CuPy users hold bfloat16 as uint16 bits and may not have ml_dtypes (the cuda extras do not bring it)
+    import sys
+    from cupy_emulation import emulated
+    from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv
+    q, k, v = make_qkv(rng, 1, 9, 12, 2, 1, 16, BF16)
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import ml_dtypes now fails
+    bits = [bf16_bits(x) for x in (q, k, v)]
+    with emulated():
+        out, lse = flashcupy.attention(*bits, causal=True, return_lse=True, backend="cupy", dtype="bfloat16")
+    assert_matches_oracle((out, lse), q, k, v, causal=True)
+    with pytest.raises(TypeError, match="bfloat16 values with NumPy needs the ml_dtypes package"):
+        flashcupy.attention(*bits, causal=True, backend="numpy", dtype="bfloat16")

@@ -226,7 +226,7 @@ def test_visibility_helpers_are_the_oracles_rule(causal):
                                        kernels._visible.py_func)
     for Sq, Sk in itertools.product(range(1, 7), repeat=2):
         p = Problem(batch=1, seqlen_q=Sq, seqlen_k=Sk, heads_q=1, heads_kv=1, head_dim=1,
-                    dtype=np.dtype(np.float32), causal=causal, scale=1.0, carrier=np.dtype(np.float32))
+                    dtype="float32", causal=causal, scale=1.0, carrier=np.dtype(np.float32))
         mask = numba_backend._common(p)[-1]
         want = np.zeros((Sq + 1, Sk + 1), bool)  # one row and one column past the arrays
         want[:Sq, :Sk] = reference.visible(Sq, Sk, causal)

@@ -123,7 +123,7 @@ def test_visibility_helpers_are_the_oracles_rule(causal):
     loops skip no visible pair and visit no block that sees nothing."""
     for Sq, Sk in itertools.product(range(1, 7), repeat=2):
         p = Problem(batch=1, seqlen_q=Sq, seqlen_k=Sk, heads_q=1, heads_kv=1, head_dim=1,
-                    dtype=np.dtype(np.float32), causal=causal, scale=1.0, carrier=np.dtype(np.float32))
+                    dtype="float32", causal=causal, scale=1.0, carrier=np.dtype(np.float32))
         want = reference.visible(Sq, Sk, causal)
         for i0, i1 in itertools.combinations(range(Sq + 1), 2):
             assert list(range(*numpy_backend._key_range(p, i0, i1))) == list(np.flatnonzero(want[i0:i1].any(0)))

@@ -51,6 +51,23 @@ def array_library(x) -> str | None:
     return None
 
 
+def bfloat16_dtype() -> np.dtype:
+    """NumPy's bfloat16 dtype, from ml_dtypes (the one JAX uses): for computing on bfloat16
+    values with NumPy. The interface itself never needs it: it names the value dtype."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError("computing on bfloat16 values with NumPy needs the ml_dtypes package "
+                        "(pip install 'flashcupy[bf16]')") from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def accumulation_dtype(value_dtype: str) -> np.dtype:
+    """What every backend accumulates in (and stores lse in): float64 for float64 values, float32
+    for float32, float16 and bfloat16."""
+    return np.dtype(np.float64) if value_dtype == "float64" else np.dtype(np.float32)
+
+
 class BackendUnavailableError(RuntimeError):
     """The backend exists but cannot run here (library, driver or GPU missing)."""
 

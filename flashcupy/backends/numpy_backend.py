@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import bfloat16_dtype
+
 NAME = "numpy"
 ARRAY_LIBRARIES = ("numpy",)
 DTYPES = ("float16", "float32", "float64", "bfloat16")
@@ -288,14 +290,16 @@ def _as_acc(x, acc):
 
 
 def _values(p, *arrays):
-    """Views that read as p.dtype: uint16 carriers of bfloat16 bits become ml_dtypes bfloat16."""
-    return [x.view(p.dtype) if x.dtype != p.dtype else x for x in arrays]
+    """Views that read as p.dtype: uint16 carriers of bfloat16 bits become ml_dtypes bfloat16, the
+    one place flashcupy needs ml_dtypes (a TypeError before any work where it is missing)."""
+    values = bfloat16_dtype() if p.dtype == "bfloat16" else np.dtype(p.dtype)
+    return [x.view(values) if x.dtype != values else x for x in arrays]
 
 
 def forward(p, q, k, v):
     q, k, v = _values(p, q, k, v)
     acc = p.acc_dtype
-    out = np.empty(q.shape, dtype=p.dtype)
+    out = np.empty(q.shape, dtype=q.dtype)
     lse = np.empty(p.lse_shape, dtype=p.lse_dtype)
 
     def task(b, h, i0, i1):
@@ -348,9 +352,7 @@ def _backward_tile_loop(p, j0, j1, K_j, V_j, heads, Q, dO, lse, D, dQ) -> tuple:
 def backward(p, dout, q, k, v, out, lse):
     dout, q, k, v, out = _values(p, dout, q, k, v, out)
     acc = p.acc_dtype
-    dq = np.empty(q.shape, dtype=p.dtype)
-    dk = np.empty(k.shape, dtype=p.dtype)
-    dv = np.empty(v.shape, dtype=p.dtype)
+    dq, dk, dv = (np.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
     n_parts = max(1, min(worker_count(), p.batch * p.heads_kv * len(_blocks(0, p.seqlen_k, config.BLOCK_K))))
 
     for b in range(p.batch):

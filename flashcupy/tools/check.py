@@ -56,7 +56,7 @@ def default_check_dtypes() -> tuple:
 
 def _inputs(rng, dtype: str, shapes):
     """Random arrays of `dtype`; bfloat16 as ml_dtypes arrays (the oracle reads them directly)."""
-    dt = flashcupy._api.bfloat16_dtype() if dtype == "bfloat16" else np.dtype(dtype)
+    dt = backends.bfloat16_dtype() if dtype == "bfloat16" else np.dtype(dtype)
     return [rng.standard_normal(s).astype(dt) for s in shapes]
 
 

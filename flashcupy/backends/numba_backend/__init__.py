@@ -287,7 +287,7 @@ def forward(p, q, k, v):
     grid, _ = _grids(p)
     place = _Placement(_library(q))
     (qf, qst), (kf, kst), (vf, vst) = (place.read(x) for x in (q, k, v))
-    out = _Buffer(place, q.shape, p.dtype)
+    out = _Buffer(place, q.shape, p.carrier)
     lse = _Buffer(place, p.lse_shape, p.acc_dtype)  # the kernel computes in lse's dtype (p.lse_dtype is the same)
 
     K._attn_fwd[grid, (K.BLOCK_N, K.BLOCK_M), place.stream](
@@ -303,9 +303,7 @@ def backward(p, dout, q, k, v, out, lse):
     place = _Placement(_library(q))
     (qf, qst), (kf, kst), (vf, vst), (dof, dost), (of, ost), (lf, lst) = (
         place.read(x) for x in (q, k, v, dout, out, lse))
-    dq = _Buffer(place, q.shape, p.dtype)
-    dk = _Buffer(place, k.shape, p.dtype)
-    dv = _Buffer(place, v.shape, p.dtype)
+    dq, dk, dv = (_Buffer(place, x.shape, p.carrier) for x in (q, k, v))
     # workspace: D = rowsum(dO ∘ O), laid out as lse; the backward kernels compute in its dtype
     D = _Buffer(place, p.lse_shape, p.acc_dtype)
 

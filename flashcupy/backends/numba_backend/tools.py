@@ -22,7 +22,7 @@ def ptx(cc=(9, 0)) -> int:
     from numba import cuda, types
     from numba.np import numpy_support
 
-    from ..._api import accumulation_dtype
+    from .. import accumulation_dtype
     from . import kernels as K
 
     if K.SIMULATOR:
@@ -43,7 +43,7 @@ def ptx(cc=(9, 0)) -> int:
     mask = types.Tuple((b1, i64))  # (causal, diagonal), as numba_backend._common builds it
     failures = 0
     for dtype in (types.float16, types.float32, types.float64):
-        acc = numpy_support.from_dtype(accumulation_dtype(numpy_support.as_dtype(dtype)))  # p.acc_dtype
+        acc = numpy_support.from_dtype(accumulation_dtype(numpy_support.as_dtype(dtype).name))  # p.acc_dtype
         x, a = dtype[::1], acc[::1]
         common = (i64, i64, acc, mask)  # group, head_dim, scale, mask
         sigs = {
