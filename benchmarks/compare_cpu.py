@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         f"# NumPy backend vs torch SDPA on the CPU ({time.strftime('%Y-%m-%d')})",
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; numpy {np.__version__}, "
-        f"torch {torch.__version__}; flashcupy tiles {numpy_backend.config.BLOCK_Q}x{numpy_backend.config.BLOCK_K}, "
+        f"torch {torch.__version__}; flashcupy tiles {numpy_backend.config.BLOCK_M}x{numpy_backend.config.BLOCK_N}, "
         f"{numpy_backend.worker_count()} workers. Best of 2 alternating blocks of {args.rounds} calls each.",
         "",
         "| measurement | flashcupy numpy | torch SDPA | ratio | target | met |",

@@ -19,10 +19,10 @@ from flashcupy.backends import numpy_backend
 @pytest.fixture
 def small_tiles():
     """Tiles much smaller than the test lengths, so every path of the tile loop runs."""
-    old = (numpy_backend.config.BLOCK_Q, numpy_backend.config.BLOCK_K, numpy_backend.config.NUM_THREADS)
-    numpy_backend.configure(block_q=16, block_k=8, num_threads=2)
+    old = (numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS)
+    numpy_backend.configure(block_m=16, block_n=8, num_threads=2)
     yield
-    numpy_backend.configure(block_q=old[0], block_k=old[1])
+    numpy_backend.configure(block_m=old[0], block_n=old[1])
     numpy_backend.config.NUM_THREADS = old[2]
 
 
@@ -164,18 +164,18 @@ def test_no_score_sized_allocation():
     Hkv=st.integers(1, 2), group=st.integers(1, 3),
     D=st.sampled_from([1, 3, 40, 72, 100]), causal=st.booleans(),
     dtype=st.sampled_from(DTYPES), layout=st.sampled_from(LAYOUTS),
-    block_q=st.sampled_from([1, 7, 16, 64]), block_k=st.sampled_from([1, 5, 16, 64]),
+    block_m=st.sampled_from([1, 7, 16, 64]), block_n=st.sampled_from([1, 5, 16, 64]),
     seed=st.integers(0, 2**16),
 )
-def test_property_matches_oracle(B, Sq, Sk, Hkv, group, D, causal, dtype, layout, block_q, block_k, seed):
-    old = (numpy_backend.config.BLOCK_Q, numpy_backend.config.BLOCK_K)
-    numpy_backend.configure(block_q=block_q, block_k=block_k)
+def test_property_matches_oracle(B, Sq, Sk, Hkv, group, D, causal, dtype, layout, block_m, block_n, seed):
+    old = (numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N)
+    numpy_backend.configure(block_m=block_m, block_n=block_n)
     try:
         rng = np.random.default_rng(seed)
         q, k, v = make_qkv(rng, B, Sq, Sk, Hkv * group, Hkv, D, dtype, layout=layout)
         check_against_oracle(q, k, v, dtype, causal, rng=rng)
     finally:
-        numpy_backend.configure(block_q=old[0], block_k=old[1])
+        numpy_backend.configure(block_m=old[0], block_n=old[1])
 
 
 @pytest.mark.parametrize("dtype, v_value, k_value", [(np.float32, 1e30, 5.0), (np.float64, 1e300, 10.0)],

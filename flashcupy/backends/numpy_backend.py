@@ -1,7 +1,7 @@
 """NumPy backend: the tiled FlashAttention algorithm on the CPU, BLAS matmuls per tile.
 
-It runs the CUDA kernels' tile loop: query blocks of BLOCK_Q rows against key
-blocks of BLOCK_K keys, the key blocks no row of a query block can see skipped,
+It runs the CUDA kernels' tile loop: query blocks of BLOCK_M rows against key
+blocks of BLOCK_N keys, the key blocks no row of a query block can see skipped,
 the same backward pre-pass and formulas. Names follow the FlashAttention-2
 paper: Q_i, K_j, V_j the blocks, m and l the per-row reference and row sum, O
 the unnormalised output accumulator. Its forward takes two CPU liberties, so
@@ -30,7 +30,7 @@ Backward (FlashAttention-2), after the pre-pass D = rowsum(dO ∘ O):
     bitwise reproducible for a given thread count.
 
 Nothing of size seqlen_q x seqlen_k is ever allocated: the largest temporaries
-are BLOCK_Q x BLOCK_K tiles, one set per worker thread. Work is spread over
+are BLOCK_M x BLOCK_N tiles, one set per worker thread. Work is spread over
 (batch, head, query block) with a thread pool; NumPy releases the GIL in BLAS
 and in the elementwise loops.
 """
@@ -59,26 +59,26 @@ def grid_axes(p, backward):
 
 @dataclass
 class Config:
-    """Tunables. BLOCK_Q x BLOCK_K is the tile; NUM_THREADS the worker count (None: the
+    """Tunables. BLOCK_M x BLOCK_N is the tile; NUM_THREADS the worker count (None: the
     environment's FLASHCUPY_NUM_THREADS, else one per core)."""
 
-    BLOCK_Q: int = 512
-    BLOCK_K: int = 1024
+    BLOCK_M: int = 512
+    BLOCK_N: int = 1024
     NUM_THREADS: int | None = None
 
 
 config = Config()
 
 
-def configure(*, block_q=None, block_k=None, num_threads=None) -> Config:
+def configure(*, block_m=None, block_n=None, num_threads=None) -> Config:
     """Change tile sizes or the thread count for later calls; returns the config."""
-    for name, value in (("block_q", block_q), ("block_k", block_k), ("num_threads", num_threads)):
+    for name, value in (("block_m", block_m), ("block_n", block_n), ("num_threads", num_threads)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if block_q is not None:
-        config.BLOCK_Q = block_q
-    if block_k is not None:
-        config.BLOCK_K = block_k
+    if block_m is not None:
+        config.BLOCK_M = block_m
+    if block_n is not None:
+        config.BLOCK_N = block_n
     if num_threads is not None:
         config.NUM_THREADS = num_threads
     return config
@@ -234,7 +234,7 @@ def _forward_tile_loop(p, Q_i, K, V1, i0, out_i, lse_i) -> None:
     l_max = _l_max(acc, float(np.abs(V1[:, :D]).max(initial=0.0)))
     m = np.zeros(rows, dtype=acc)  # the reference
     O1 = np.zeros((rows, D + 1), dtype=acc)  # [O | l]
-    S_buf = _aligned_empty((rows, config.BLOCK_K), acc)
+    S_buf = _aligned_empty((rows, config.BLOCK_N), acc)
     Q1 = K1 = None  # [Q_i | -m] and [K | 1], made when some m first moves
 
     def scores(j0, j1, out):
@@ -248,7 +248,7 @@ def _forward_tile_loop(p, Q_i, K, V1, i0, out_i, lse_i) -> None:
     # exp() overflowing to inf (or NaN from inf - inf), and log(0), are expected here: those
     # rows are redone
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        for j0, j1 in _blocks(*_key_range(p, i0, i0 + rows), config.BLOCK_K):
+        for j0, j1 in _blocks(*_key_range(p, i0, i0 + rows), config.BLOCK_N):
             S = scores(j0, j1, S_buf[:, : j1 - j0])  # S - m
             P = np.exp(S, out=S)
             O1_j = P @ V1[j0:j1]  # [P V_j | rowsum P]
@@ -315,7 +315,7 @@ def forward(p, q, k, v):
 
     _run([task(b, h, i0, i1)
           for b in range(p.batch) for h in range(p.heads_q)
-          for i0, i1 in _blocks(0, p.seqlen_q, config.BLOCK_Q)])
+          for i0, i1 in _blocks(0, p.seqlen_q, config.BLOCK_M)])
     return out.view(p.carrier), lse
 
 
@@ -329,7 +329,7 @@ def _backward_tile_loop(p, j0, j1, K_j, V_j, heads, Q, dO, lse, D, dQ) -> tuple:
     scale = acc.type(p.scale)
     dK_j = np.zeros((j1 - j0, p.head_dim), dtype=acc)
     dV_j = np.zeros((j1 - j0, p.head_dim), dtype=acc)
-    query_blocks = _blocks(*_query_range(p, j0, j1), config.BLOCK_Q)
+    query_blocks = _blocks(*_query_range(p, j0, j1), config.BLOCK_M)
     for h in heads:
         for i0, i1 in query_blocks:
             Q_i, dO_i = Q[h][i0:i1], dO[h][i0:i1]
@@ -353,7 +353,7 @@ def backward(p, dout, q, k, v, out, lse):
     dout, q, k, v, out = _values(p, dout, q, k, v, out)
     acc = p.acc_dtype
     dq, dk, dv = (np.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
-    n_parts = max(1, min(worker_count(), p.batch * p.heads_kv * len(_blocks(0, p.seqlen_k, config.BLOCK_K))))
+    n_parts = max(1, min(worker_count(), p.batch * p.heads_kv * len(_blocks(0, p.seqlen_k, config.BLOCK_N))))
 
     for b in range(p.batch):
         # per-batch operands in the accumulation dtype, indexed by query head
@@ -363,7 +363,7 @@ def backward(p, dout, q, k, v, out, lse):
         D = [np.einsum("sd,sd->s", dO[h], _as_acc(out[b, :, h, :], acc)) for h in range(p.heads_q)]
         L = [lse[b, h] for h in range(p.heads_q)]
         work = [(kv_head, j0, j1) for kv_head in range(p.heads_kv)
-                for j0, j1 in _blocks(0, p.seqlen_k, config.BLOCK_K)]
+                for j0, j1 in _blocks(0, p.seqlen_k, config.BLOCK_N)]
 
         def partition(part):
             def run():
