@@ -13,6 +13,13 @@ import zlib
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (and no example database carries over between
+# runs), so a failure in CI reproduces here; HYPOTHESIS_PROFILE=explore draws fresh ones.
+settings.register_profile("reproducible", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", database=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "reproducible"))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the oracle lives in reference/, which is not installed
