@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 import zlib
 
 import ml_dtypes
@@ -25,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the oracle lives in reference/, which is not installed
     sys.path.insert(0, ROOT)
 
+import flashcupy  # noqa: E402
 import reference  # noqa: E402
 from reference.compare import BATTERY as CASES, compare, error_ratio, expected, tolerance  # noqa: E402
 
@@ -53,6 +55,46 @@ def assert_matches_oracle(got, q, k, v, dout=None, *, causal=False, scale=None, 
         ratios[name] = error_ratio(x, want, name)
         assert ratios[name] <= 1, f"{name}: error {ratios[name]:.3g} times the tolerance ({want.dtype})"
     return ratios
+
+
+# Deliberate bugs: each kernel family's tests apply one-line mutations of the kind a kernel change
+# introduces (the scale ignored, the wrong kv head, D not subtracted, the causal key range off by
+# one, lse in base 2) to its own source, and this fast battery, the same oracle check as every
+# test, must fail. A tolerance loose enough to let one through fails there.
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, scale): GQA, Sq < Sk and Sq > Sk
+# under causal (a partial diagonal, rows that see nothing), a scale other than the default.
+MUTATION_BATTERY = (
+    (1, 9, 14, 4, 2, 8, True, None),
+    (1, 13, 6, 2, 1, 8, True, 0.7),
+    (2, 7, 7, 2, 2, 8, False, 0.3),
+)
+
+
+def battery_fails(backend: str, dtype=np.float32) -> bool:
+    """True when some case of MUTATION_BATTERY disagrees with the oracle (or cannot run)."""
+    rng = np.random.default_rng(0)
+    for B, Sq, Sk, Hq, Hkv, D, causal, scale in MUTATION_BATTERY:
+        q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
+        dout = rng.standard_normal(q.shape).astype(dtype)
+        try:
+            out, lse = flashcupy.attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend)
+            grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                                 backend=backend)
+            assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, scale=scale)
+        except Exception:  # the oracle check failed, or the mutant could not run
+            return True
+    return False
+
+
+def mutated_module(module, old: str, new: str):
+    """A fresh copy of a Python module with `old` (exactly once in its source) replaced by `new`."""
+    with open(module.__file__, encoding="utf-8") as f:
+        source = f.read()
+    assert source.count(old) == 1, f"{old!r} is not in {module.__name__} exactly once"
+    copy = types.ModuleType(module.__name__)
+    copy.__dict__.update(__file__=module.__file__, __package__=module.__package__)
+    exec(compile(source.replace(old, new), module.__file__, "exec"), copy.__dict__)
+    return copy
 
 
 def case_id(case) -> str:
@@ -101,4 +143,5 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
-__all__ = ["BF16", "CASES", "DTYPES", "bf16_bits", "LAYOUTS", "assert_close", "assert_matches_oracle", "case_id", "make_qkv", "reference", "strided_empty", "tolerance"]
+__all__ = ["BF16", "CASES", "DTYPES", "MUTATION_BATTERY", "bf16_bits", "LAYOUTS", "assert_close", "assert_matches_oracle",
+           "battery_fails", "case_id", "mutated_module", "make_qkv", "reference", "strided_empty", "tolerance"]

@@ -25,7 +25,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import CASES, DTYPES, LAYOUTS, assert_matches_oracle, case_id, make_qkv, reference, strided_empty
+from conftest import (CASES, DTYPES, LAYOUTS, assert_matches_oracle, battery_fails, case_id, make_qkv, mutated_module,
+                      reference, strided_empty)
 
 
 def _gpu_present() -> bool:
@@ -633,3 +634,29 @@ def test_a_call_on_cupys_stream_captures_into_a_cuda_graph(rng):
         graph.launch(stream)
         stream.synchronize()
     assert_matches_oracle([cupy.asnumpy(x) for x in results], q, k, v, dout, causal=True)
+
+
+# ----------------------------------------------------------------------------
+# deliberate bugs (conftest.MUTATION_BATTERY), in the kernels as the simulator runs them
+
+NUMBA_MUTATIONS = {
+    "scale ignored": ("        s *= scale\n", "        s *= 1 / math.sqrt(head_dim)\n"),
+    "GQA head mapping": ("for h in range(kv_head * group, (kv_head + 1) * group):",
+                         "for h in range(kv_head, kv_head + group):"),
+    "D not subtracted": ("ds = p * (dp - D[_at3(Dst, b, h, i)]) * scale", "ds = p * dp * scale"),
+    "key_end off by one": ("min(seqlen_k, i_end + diagonal))", "min(seqlen_k, i_end + diagonal - 1))"),
+    "lse base": ("m + math.log(l) if seen", "m + math.log2(l) if seen"),
+}
+
+
+def test_the_mutation_battery_passes_unmutated():
+    _require("simulator")
+    assert not battery_fails("numba")
+
+
+@pytest.mark.parametrize("name", NUMBA_MUTATIONS)
+def test_a_mutation_is_caught(monkeypatch, name):
+    _require("simulator")
+    mutant = mutated_module(kernels, *NUMBA_MUTATIONS[name])
+    monkeypatch.setattr(numba_backend, "_kernels", lambda: mutant)
+    assert battery_fails("numba"), f"the battery missed: {name}"

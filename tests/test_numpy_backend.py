@@ -1,6 +1,7 @@
 """The NumPy tiled backend against the float64 oracle."""
 
 import itertools
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 import tracemalloc
@@ -11,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashcupy
-from conftest import BF16, CASES, DTYPES, LAYOUTS, assert_matches_oracle, bf16_bits, case_id, make_qkv, reference
+from conftest import (BF16, CASES, DTYPES, LAYOUTS, assert_matches_oracle, battery_fails, bf16_bits, case_id, make_qkv,
+                      mutated_module, reference)
 from flashcupy._api import Problem
 from flashcupy.backends import numpy_backend
 
@@ -225,3 +227,22 @@ def test_nan_in_dout_of_a_row_that_sees_no_key_goes_nowhere(rng, small_tiles):
     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True)
     assert not np.isnan(grads[0]).any() and np.all(grads[0][:, :21] == 0)
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True)
+
+
+NUMPY_MUTATIONS = {  # see conftest.MUTATION_BATTERY
+    "scale ignored": ("* acc.type(p.scale)", "* acc.type(1 / np.sqrt(p.head_dim))"),
+    "GQA head mapping": ("kv_head = h // p.group", "kv_head = h % p.heads_kv"),
+    "D not subtracted": ("dP -= D[h][i0:i1, None]", "dP -= 0"),
+    "key_end off by one": ("min(p.seqlen_k, i1 + p.diagonal))", "min(p.seqlen_k, i1 + p.diagonal - 1))"),
+    "lse base": ("m + np.log(l), -np.inf)", "m + np.log2(l), -np.inf)"),
+}
+
+
+def test_the_mutation_battery_passes_unmutated():
+    assert not battery_fails("numpy")
+
+
+@pytest.mark.parametrize("name", NUMPY_MUTATIONS)
+def test_a_mutation_is_caught(monkeypatch, name):
+    monkeypatch.setitem(sys.modules, numpy_backend.__name__, mutated_module(numpy_backend, *NUMPY_MUTATIONS[name]))
+    assert battery_fails("numpy"), f"the battery missed: {name}"
