@@ -67,8 +67,10 @@ def test_strided_views_are_used_as_they_are(rng, small_tiles, layout):
 
 
 def test_default_tiles(rng):
-    # the shipped tile sizes (one query block, two key blocks)
-    q, k, v = make_qkv(rng, 1, 100, 700, 2, 1, 32, np.float32)
+    # the shipped tile sizes: one query block, and two key blocks, the second partial and crossed
+    # by the causal diagonal
+    assert numpy_backend.config.BLOCK_N < 1500 <= 2 * numpy_backend.config.BLOCK_N
+    q, k, v = make_qkv(rng, 1, 100, 1500, 2, 1, 32, np.float32)
     check_against_oracle(q, k, v, np.float32, True, rng=rng)
 
 
@@ -98,10 +100,11 @@ def test_fully_masked_rows_give_zero_output_and_gradients(rng, small_tiles):
     q, k, v = make_qkv(rng, 1, 40, 9, 2, 1, 8, np.float32)
     out, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True)
     assert np.all(out[:, :31] == 0) and np.all(np.isneginf(lse[:, :, :31]))
-    dq, dk, dv = flashcupy.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    dq, dk, dv = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True)
     assert np.all(dq[:, :31] == 0)
-    # masked rows contribute nothing to dk, dv: same as with those rows removed (dout 0 there)
-    dout = np.ones_like(out)
+    assert_matches_oracle((out, lse, dq, dk, dv), q, k, v, dout, causal=True)
+    # masked rows contribute nothing to dk, dv: the same bits with those rows' dout zeroed
     dout[:, :31] = 0
     _, dk0, dv0 = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True)
     np.testing.assert_array_equal(dk, dk0)
