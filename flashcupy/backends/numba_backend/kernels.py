@@ -128,6 +128,52 @@ def _load_tile(tile, x, st, b, row0, nrows, h, d0, head_dim, tid):
             tile[rr, dd] = 0
 
 
+@cuda.jit(device=True)
+def _query_block(group):
+    """The forward and dQ kernels' coordinates: thread (c, r) of block (query block, query head,
+    batch) owns column c of row r. Returns c, r, tid, i0, i (its query row), h, kv_head, b."""
+    c = cuda.threadIdx.x
+    r = cuda.threadIdx.y
+    i0 = cuda.blockIdx.x * BLOCK_M
+    h = cuda.blockIdx.y
+    return c, r, r * BLOCK_N + c, i0, i0 + r, h, h // group, cuda.blockIdx.z
+
+
+@cuda.jit(device=True)
+def _scores_and_dP(Q_i, K_j, dO_i, V_j, q, qst, k, kst, dout, dost, v, vst,
+                   b, h, kv_head, i0, j0, seqlen_q, seqlen_k, head_dim, tid, r, c, acc):
+    """(S[r, c], dP[r, c]) = (Q_i[r, :] . K_j[c, :], dO_i[r, :] . V_j[c, :]) over head_dim in
+    chunks of D_TILE, every thread of the block taking part in the loads."""
+    s = acc(0)
+    dp = acc(0)
+    for d0 in range(0, head_dim, D_TILE):
+        _load_tile(Q_i, q, qst, b, i0, seqlen_q, h, d0, head_dim, tid)
+        _load_tile(K_j, k, kst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
+        _load_tile(dO_i, dout, dost, b, i0, seqlen_q, h, d0, head_dim, tid)
+        _load_tile(V_j, v, vst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
+        cuda.syncthreads()  # the four chunks loaded by all threads
+        for dd in range(D_TILE):
+            s += Q_i[r, dd] * K_j[c, dd]
+            dp += dO_i[r, dd] * V_j[c, dd]
+        cuda.syncthreads()  # done reading before the next chunk overwrites them
+    return s, dp
+
+
+@cuda.jit(device=True)
+def _add_row_times_tile(total, W, tile, x, xst, b, row0, nrows, h, head_dim, tid, r, c, acc):
+    """total[d // BLOCK_N] += W[r, :] . x[b, row0:row0 + BLOCK_N, h, d] for this thread's columns
+    d = c, c + BLOCK_N, ...: O += P V_j in the forward, dQ += dS K_j in the dQ kernel."""
+    for d0 in range(0, head_dim, D_TILE):
+        _load_tile(tile, x, xst, b, row0, nrows, h, d0, head_dim, tid)
+        cuda.syncthreads()  # the chunk loaded
+        for dd in range(c, D_TILE, BLOCK_N):
+            wx = acc(0)
+            for cc in range(BLOCK_N):
+                wx += W[r, cc] * tile[cc, dd]
+            total[(d0 + dd) // BLOCK_N] += wx
+        cuda.syncthreads()  # done reading the chunk (and W) before they are overwritten
+
+
 # ----------------------------------------------------------------------------
 # visibility: which keys a query sees
 #
@@ -185,15 +231,7 @@ def _attn_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
     S = cuda.shared.array((BLOCK_M, BLOCK_N), lse.dtype)
     P = cuda.shared.array((BLOCK_M, BLOCK_N), lse.dtype)
     O = cuda.local.array(O_PER_THREAD, lse.dtype)
-
-    c = cuda.threadIdx.x
-    r = cuda.threadIdx.y
-    tid = r * BLOCK_N + c
-    i0 = cuda.blockIdx.x * BLOCK_M
-    h = cuda.blockIdx.y
-    b = cuda.blockIdx.z
-    kv_head = h // group
-    i = i0 + r
+    c, r, tid, i0, i, h, kv_head, b = _query_block(group)
 
     for t in range(O_PER_THREAD):
         O[t] = 0
@@ -233,16 +271,7 @@ def _attn_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
         m = m_new
         for t in range(O_PER_THREAD):
             O[t] *= alpha
-        # O[r, d] += P[r, :] . V_j[:, d] for this thread's columns d = c, c + BLOCK_N, ...
-        for d0 in range(0, head_dim, D_TILE):
-            _load_tile(V_j, v, vst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
-            cuda.syncthreads()  # V_j chunk loaded
-            for dd in range(c, D_TILE, BLOCK_N):
-                pv = acc(0)
-                for cc in range(BLOCK_N):
-                    pv += P[r, cc] * V_j[cc, dd]
-                O[(d0 + dd) // BLOCK_N] += pv
-            cuda.syncthreads()  # done reading V_j (and P) before they are overwritten
+        _add_row_times_tile(O, P, V_j, v, vst, b, j0, seqlen_k, kv_head, head_dim, tid, r, c, acc)
 
     if i < seqlen_q:
         seen = l != 0  # l >= 1 once a key was seen; NaN inputs keep NaN
@@ -321,19 +350,8 @@ def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dks
     for h in range(kv_head * group, (kv_head + 1) * group):
         for i0 in range(query_start, query_end, BLOCK_M):
             i = i0 + r
-            # S[r, c] = Q_i[r, :] . K_j[c, :] and dP[r, c] = dO_i[r, :] . V_j[c, :], in chunks
-            s = acc(0)
-            dp = acc(0)
-            for d0 in range(0, head_dim, D_TILE):
-                _load_tile(Q_i, q, qst, b, i0, seqlen_q, h, d0, head_dim, tid)
-                _load_tile(K_j, k, kst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
-                _load_tile(dO_i, dout, dost, b, i0, seqlen_q, h, d0, head_dim, tid)
-                _load_tile(V_j, v, vst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
-                cuda.syncthreads()  # the four chunks loaded by all threads
-                for dd in range(D_TILE):
-                    s += Q_i[r, dd] * K_j[c, dd]
-                    dp += dO_i[r, dd] * V_j[c, dd]
-                cuda.syncthreads()  # done reading before the next chunk overwrites them
+            s, dp = _scores_and_dP(Q_i, K_j, dO_i, V_j, q, qst, k, kst, dout, dost, v, vst,
+                                   b, h, kv_head, i0, j0, seqlen_q, seqlen_k, head_dim, tid, r, c, acc)
             # hidden pairs get P = dS = 0 by selection, not by a product with P = 0: a NaN in a
             # row's dout must not reach keys the row does not see
             p = acc(0)
@@ -386,15 +404,7 @@ def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
     V_j = cuda.shared.array((BLOCK_N, TILE_COLS), D.dtype)
     dS = cuda.shared.array((BLOCK_M, BLOCK_N), D.dtype)
     dQ = cuda.local.array(O_PER_THREAD, D.dtype)
-
-    c = cuda.threadIdx.x
-    r = cuda.threadIdx.y
-    tid = r * BLOCK_N + c
-    i0 = cuda.blockIdx.x * BLOCK_M
-    h = cuda.blockIdx.y
-    b = cuda.blockIdx.z
-    kv_head = h // group
-    i = i0 + r
+    c, r, tid, i0, i, h, kv_head, b = _query_block(group)
 
     for t in range(O_PER_THREAD):
         dQ[t] = 0
@@ -404,34 +414,15 @@ def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
     # the bounds are the same for every thread, so every thread meets every barrier
     key_start, key_end = _key_range(mask, i0, min(i0 + BLOCK_M, seqlen_q), seqlen_k)
     for j0 in range(key_start, key_end, BLOCK_N):
-        s = acc(0)
-        dp = acc(0)
-        for d0 in range(0, head_dim, D_TILE):
-            _load_tile(Q_i, q, qst, b, i0, seqlen_q, h, d0, head_dim, tid)
-            _load_tile(K_j, k, kst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
-            _load_tile(dO_i, dout, dost, b, i0, seqlen_q, h, d0, head_dim, tid)
-            _load_tile(V_j, v, vst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
-            cuda.syncthreads()  # the four chunks loaded by all threads
-            for dd in range(D_TILE):
-                s += Q_i[r, dd] * K_j[c, dd]
-                dp += dO_i[r, dd] * V_j[c, dd]
-            cuda.syncthreads()  # done reading before the next chunk overwrites them
+        s, dp = _scores_and_dP(Q_i, K_j, dO_i, V_j, q, qst, k, kst, dout, dost, v, vst,
+                               b, h, kv_head, i0, j0, seqlen_q, seqlen_k, head_dim, tid, r, c, acc)
         ds = acc(0)  # selected, not multiplied by P = 0: a row that sees no key gets dq 0 whatever its dout
         if _visible(mask, i, j0 + c, seqlen_q, seqlen_k):
             ds = math.exp(s * scale - lse_r) * (dp - D_r) * scale
         dS[r, c] = ds
         cuda.syncthreads()  # the whole row of dS is written
 
-        # dQ[r, d] += dS[r, :] . K_j[:, d] for this thread's columns d = c, c + BLOCK_N, ...
-        for d0 in range(0, head_dim, D_TILE):
-            _load_tile(K_j, k, kst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
-            cuda.syncthreads()  # K_j chunk loaded
-            for dd in range(c, D_TILE, BLOCK_N):
-                dsk = acc(0)
-                for cc in range(BLOCK_N):
-                    dsk += dS[r, cc] * K_j[cc, dd]
-                dQ[(d0 + dd) // BLOCK_N] += dsk
-            cuda.syncthreads()  # done reading K_j (and dS) before they are overwritten
+        _add_row_times_tile(dQ, dS, K_j, k, kst, b, j0, seqlen_k, kv_head, head_dim, tid, r, c, acc)
 
     if i < seqlen_q:
         for t in range(O_PER_THREAD):
