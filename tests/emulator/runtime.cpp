@@ -13,13 +13,16 @@
 //   the kernel's return  ends the fiber (an exited thread drops out of later
 //                        barriers, as on a GPU).
 // Between blocking points the fibers of a block run one after another, in the
-// launch's thread order (ascending, descending, or a fresh seeded shuffle per
-// pass), so a missing barrier changes the answer under some order.
+// launch's thread order (ascending, descending, a fresh seeded shuffle per pass,
+// or warp_skew: one warp at a time, the last first, each as far as it can go
+// before the next starts), so a missing barrier changes the answer under some order.
 //
-// Each thread also keeps its cp.async copies (read at issue, written to shared
-// memory only at the cp.async.wait_group that completes their group); a thread
-// that ends with copies it never waited for is reported, as the copies of an
-// exited CTA may land in shared memory that the next CTA on the SM already owns.
+// Each thread also keeps its cp.async copies, read at issue and written to shared
+// memory either at the cp.async.wait_group that completes their group ("deferred":
+// a missing wait reads stale memory) or at once ("eager": a prefetch lands while
+// other warps may still read the buffer); a thread that ends with copies it never
+// waited for is reported, as the copies of an exited CTA may land in shared memory
+// that the next CTA on the SM already owns.
 //
 // With -ftz=true the launch runs with the CPU's flush-to-zero (subnormal inputs
 // and results of floating-point operations become zero), as CUDA flushes float32.
