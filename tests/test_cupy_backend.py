@@ -4,14 +4,18 @@ No GPU is needed: tests/cupy_emulation.py swaps NumPy and the emulator in for Cu
 and every test goes through the public API with backend="cupy", so dispatch, grid sizes,
 strides, argument packing and workspaces are exercised along with the .cu files.
 The last tests check that the emulator catches the bugs it is there to catch, in these kernels:
-every __syncthreads() is needed, and an off-by-one in a bound is an out-of-bounds access.
+every __syncthreads() and cp.async wait is needed, and an off-by-one in a bound is an
+out-of-bounds access.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -227,32 +231,76 @@ def _mutated(old: str, new: str):
     return compile
 
 
-def _barriers():
-    """(file, the barrier line) for every __syncthreads() in the kernels."""
-    found = []
-    for name in ("flash_fwd.cu", "flash_bwd.cu"):
-        text = sources.read_source(name)
-        found += [(name, m.group(0)) for m in re.finditer(r"^.*__syncthreads\(\);.*$", text, re.MULTILINE)]
-    return found
+# Every barrier and cp.async wait in the kernels and their headers, found in the source: each removed
+# in turn must make some test below give a wrong answer or an emulator error.
+KERNEL_FILES = sorted(os.listdir(sources.KERNEL_DIR))
+SYNC = re.compile(r"\b(?:__syncthreads|cp_async_wait<\d+>)\(\);")
 
 
-BARRIERS = _barriers()
+def _sync_points():
+    """(file, line number) of every __syncthreads() and cp_async_wait call in the kernel sources."""
+    points = []
+    for name in KERNEL_FILES:
+        with open(os.path.join(sources.KERNEL_DIR, name), encoding="utf-8") as f:
+            points += [(name, n) for n, line in enumerate(f, 1) if SYNC.search(line.split("//")[0])]
+    return points
 
 
-@pytest.mark.parametrize("barrier", BARRIERS, ids=[f"{f}:{i}" for i, (f, _) in enumerate(BARRIERS)])
-def test_each_barrier_is_needed(rng, barrier):
-    """Without any one of the barriers, some thread order gives a wrong answer."""
-    _, line = barrier
-    q, k, v = make_qkv(rng, 1, 45, 70, 2, 1, 40, np.float32)
-    dout = rng.standard_normal(q.shape).astype(np.float32)
+SYNC_POINTS = _sync_points()
+
+
+def _without(name, lineno, tmp_path):
+    """{kernel file: (its source, the same with the call on line `lineno` of kernels/`name` removed)},
+    for every kernel file whose text (headers inlined, as the backend compiles it) changes."""
+    mutant_dir = tmp_path / "kernels"
+    shutil.copytree(sources.KERNEL_DIR, mutant_dir)
+    lines = (mutant_dir / name).read_text(encoding="utf-8").splitlines(keepends=True)
+    lines[lineno - 1] = SYNC.sub("", lines[lineno - 1], count=1)
+    (mutant_dir / name).write_text("".join(lines), encoding="utf-8")
+    tops = [f for f in KERNEL_FILES if f.endswith(".cu")]
+    originals = {f: sources.read_source(f) for f in tops}
+    with mock.patch.object(sources, "KERNEL_DIR", str(mutant_dir)):
+        mutants = {f: sources.read_source(f) for f in tops}
+    return {f: (originals[f], mutants[f]) for f in tops if mutants[f] != originals[f]}
+
+
+# What runs each kernel family, and the (thread order, cp.async mode) schedules to try. The
+# tensor-core kernels' warps meet at warp collectives and move in lockstep under the plain orders:
+# a missing end-of-pass barrier, which lets the next prefetch overwrite a stage still being read,
+# shows only with the warps drifting apart (warp_skew) and the copies landing at issue (eager).
+SYNC_PROBLEMS = {
+    "simt": (np.float32, (1, 45, 70, 2, 1, 40, False), tuple((order, "deferred") for order in emulator.THREAD_ORDERS)),
+    "tensor-core": (np.float16, (1, 70, 130, 2, 1, 64, True),  # GQA, causal: 3 key blocks, stages reused
+                    (("ascending", "deferred"), ("descending", "deferred"), ("warp_skew", "deferred"),
+                     ("warp_skew", "eager"))),
+}
+
+
+@pytest.mark.parametrize("name, lineno", SYNC_POINTS, ids=[f"{n}:{i}" for n, i in SYNC_POINTS])
+def test_each_barrier_and_wait_is_needed(rng, tmp_path, name, lineno):
+    """Without any one of the barriers and cp.async waits, some schedule gives a wrong answer (or the
+    emulator reports copies left in flight at exit)."""
+    changed = _without(name, lineno, tmp_path)
+    assert changed, f"{name}:{lineno} is in no kernel file"
+    mutants = dict(changed.values())
+
+    def compile(source, names, options, thread_order, seed, cp_async):
+        return compile_module(mutants.get(source, source), names, options, thread_order, seed, cp_async)
+
+    paths = {"tensor-core" if f.startswith("attn_") else "simt" for f in changed}
     wrong = []
-    for order in emulator.THREAD_ORDERS:
-        with emulated(order, compile=_mutated(line, "")):
-            try:
-                check(run(q, k, v, dout, causal=False), q, k, v, dout, causal=False)
-            except (AssertionError, emulator.KernelError) as e:
-                wrong.append((order, e))
-    assert wrong, f"removing {line.strip()!r} went unnoticed under every thread order"
+    for path in sorted(paths):
+        dtype, (B, Sq, Sk, Hq, Hkv, D, causal), schedules = SYNC_PROBLEMS[path]
+        q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
+        dout = rng.standard_normal(q.shape).astype(dtype)
+        for order, cp_async in schedules:
+            with emulated(order, cp_async=cp_async, compile=compile):
+                try:
+                    check(run(q, k, v, dout, causal=causal), q, k, v, dout, causal=causal)
+                except (AssertionError, emulator.KernelError) as e:
+                    wrong.append((path, order, cp_async, e))
+                    break
+    assert wrong, f"removing the call on {name}:{lineno} went unnoticed under every schedule"
 
 
 @pytest.mark.parametrize("old, new, argument", [

@@ -1,5 +1,6 @@
 """Every CUDA kernel specialization compiles for sm_80 and sm_90 under NVRTC 12 and NVRTC 13, with
-CuPy's options, without spilling and at least REGISTER_MARGIN registers below the limit.
+CuPy's options, without spilling and at least REGISTER_MARGIN registers below the limit; the
+tensor-core kernels, and the emulator's tensor-core test kernels, compile to HMMA, LDSM and LDGSTS.
 
 Needs no GPU: NVRTC and the CUDA headers of both CUDA majors come from NVIDIA's wheels (the test
 extra installs both), ptxas reports registers, spills and shared memory through NVRTC's log
@@ -11,6 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import test_emulator_tensor_core as blocks
 
 from flashcupy.backends.cupy_backend import nvrtc, sources, specs
 
@@ -133,9 +135,71 @@ def test_resources_fit(report):
         assert r["threads"] == specs.NUM_THREADS
 
 
+def mmas_per_pass(kernel: str, head_dim: int, block_m: int, block_n: int) -> int:
+    """The m16n8k16 mmas one warp issues in one pass of the kernel's loop, its products as in the kernel
+    headers: a (16 x n) (n x k) product takes (n / 16) (k / 8) of them."""
+    def product(n, k):
+        return n // 16 * k // 8
+    if kernel == "attn_fwd_tc":      # S = Q_i K_jᵀ; O += P V_j
+        return product(head_dim, block_n) + product(block_n, head_dim)
+    if kernel == "attn_bwd_dkdv_tc":  # Sᵀ, dPᵀ; dV += Pᵀ dO_i, dK += dSᵀ Q_i
+        return 2 * product(head_dim, block_m) + 2 * product(block_m, head_dim)
+    return 2 * product(head_dim, block_n) + product(block_n, head_dim)  # dQ: S, dP; dQ += dS K_j
+
+
 def test_tensor_core_kernels_run_on_tensor_cores(report):
+    # the loops over tiles are unrolled: every mma of a pass is an HMMA of its own in the SASS
     what, rows = report
     tc = [r for r in rows if r["kernel"] in specs.TC_TEMPLATES]
     assert {r["kernel"] for r in tc} == set(specs.TC_TEMPLATES)
-    assert all(r["hmma"] for r in tc), f"{what}: no HMMA in {[r for r in tc if not r['hmma']]}"
+    for r in tc:
+        block_m, block_n = map(int, r["tile"].split("x"))
+        want = mmas_per_pass(r["kernel"], r["head_dim"], block_m, block_n)
+        assert r["hmma"] >= want, f"{what}: {r['kernel']} {r['dtype']} {r['head_dim']}: {r['hmma']} HMMA < {want}"
     assert all(r["hmma"] is None for r in rows if r["kernel"] not in specs.TC_TEMPLATES)
+
+
+# ----------------------------------------------------------------------------
+# the tensor-core instructions in the SASS, under CuPy's NVRTC
+
+
+def compile_for(arch, source_text, names, options=()):
+    """{name expression: (ptxas info, SASS text of that function)} from NVRTC and nvdisasm."""
+    log, lowered, cubin = nvrtc.compile_cubin(source_text, names, nvrtc.compile_options(arch) + tuple(options))
+    info = nvrtc.parse_ptxas(log)
+    text = nvrtc.sass(cubin)
+    return {name: (info[lowered[name]], nvrtc.function_sass(text, lowered[name])) for name in names}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_emulator_test_kernels_compile_without_spills(arch):
+    for name, (info, _) in compile_for(arch, blocks.source(), blocks.NAMES, (blocks.INCLUDE,)).items():
+        assert info["spill_stores"] + info["spill_loads"] == 0, f"{arch} {name}: {info}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tile_matmul_is_cp_async_ldmatrix_and_hmma(arch):
+    names = [f"tile_matmul<{t}>" for t in blocks.CUDA_NAME.values()]
+    for (name, (_, sass)), dtype in zip(compile_for(arch, blocks.source(), names, (blocks.INCLUDE,)).items(),
+                                        ("", ".BF16")):
+        assert sass is not None, f"{arch} {name}: not in the disassembly"
+        assert re.search(rf"\bHMMA\.16816\.F32{re.escape(dtype)} ", sass), f"{arch} {name}: no HMMA.16816"
+        assert "LDSM.16.M88.4" in sass and "LDSM.16.MT88.2" in sass, f"{arch} {name}: no LDSM"
+        assert "LDGSTS" in sass, f"{arch} {name}: no LDGSTS (cp.async)"
+
+
+@pytest.mark.parametrize("build", [specs.tc_forward_module, specs.tc_backward_module],
+                         ids=["attn_fwd_tc", "attn_bwd_tc"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tensor_core_kernels_use_ldmatrix_and_cp_async(arch, build):
+    modules = [build(fmt, d) for fmt in specs.TC_DTYPES for d in specs.TC_HEAD_DIM_BUCKETS]
+    kernels = [kernel for module in modules for kernel in module.kernels if kernel.tensor_cores]
+    compiled = compile_for(arch, sources.read_source(modules[0].source_file), [k.name_expression for k in kernels])
+    for kernel in kernels:
+        _, sass = compiled[kernel.name_expression]
+        name = f"{arch} {kernel.name_expression}"
+        dtype = ".BF16" if kernel.dtype == "bfloat16" else ""
+        assert re.search(rf"\bHMMA\.16816\.F32{re.escape(dtype)} ", sass), f"{name}: no HMMA.16816{dtype}"
+        # ldmatrix of tiles as stored (the B operand of a product with a transposed tile) and
+        # transposed (of a product with the tile itself), cp.async for every tile
+        assert "LDSM.16.M88.4" in sass and "LDSM.16.MT88.4" in sass and "LDGSTS" in sass, name

@@ -1,7 +1,7 @@
 """The tensor-core building blocks on a real GPU: the emulator's model of each PTX instruction,
 checked against silicon.
 
-tests/test_tensor_core.py checks the emulator's mma, ldmatrix, cp.async, pack and ex2 against the
+tests/test_emulator_tensor_core.py checks the emulator's mma, ldmatrix, cp.async, pack and ex2 against the
 PTX ISA's fragment layouts written out in NumPy. Here the same test kernels
 (tests/emulator/testkernels/tensor_core.cu) and the same checks run through cupy.RawModule with
 the backend's own compile options, so a GPU confirms both the ISA reading and the emulator in
@@ -20,7 +20,7 @@ import os
 import numpy as np
 import pytest
 
-import test_tensor_core as blocks
+import test_emulator_tensor_core as blocks
 from flashcupy.backends import cupy_backend
 
 DEVICE = os.environ.get("FLASHCUPY_BLOCKS_DEVICE", "cupy")

@@ -233,7 +233,7 @@ def forward(p, q, k, v):
         fwd(
             _grid(_cdiv(p.seqlen_q, kernel.block_m) * p.batch * p.heads_q), (specs.NUM_THREADS,),
             (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(out), *_tensor(lse),
-             *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal)),
+             *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal)),
             shared_mem=kernel.dynamic_smem)
     return out, lse
 
@@ -258,7 +258,7 @@ def backward(p, dout, q, k, v, out, lse):
             (*_tensor(dout), *_tensor(out), D,
              np.int32(p.batch), np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim)))
         shared = (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(dout), *_tensor(lse), D)
-        flags = (*_shape_args(p), acc(p.scale), np.int32(p.causal))
+        flags = (*_shape_args(p), acc(p.scale), np.int32(p.causal), np.int32(p.diagonal))
         bwd_dkdv(
             _grid(_cdiv(p.seqlen_k, dkdv.block_n) * p.batch * p.heads_kv), block,
             (*shared, *_tensor(dk), *_tensor(dv), *flags), shared_mem=dkdv.dynamic_smem)

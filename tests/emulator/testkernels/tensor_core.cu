@@ -1,4 +1,4 @@
-// tensor_core.cu: the primitives of tensor_core.cuh, one warp at a time (tests/test_tensor_core.py).
+// tensor_core.cu: the primitives of tensor_core.cuh, one warp at a time (tests/test_emulator_tensor_core.py).
 // Compiled with -I flashcupy/backends/cupy_backend/kernels, by the emulator and by NVRTC alike.
 //
 //   mma_fragments<T>      d = mma(a, b, c) on raw per-lane fragments: a (32 x 4), b (32 x 2) and

@@ -31,59 +31,37 @@
 // Tile tables: BACKWARD_DQ_TILES and BACKWARD_DKDV_TILES in flashcupy/backends/cupy_backend/specs.py.
 
 #include "flash_bwd_common.cuh"
+#include "mask.cuh"
 
 template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
-    const T* __restrict__ q, index_t q_sb, index_t q_ss, index_t q_sh, index_t q_sd,
-    const T* __restrict__ k, index_t k_sb, index_t k_ss, index_t k_sh, index_t k_sd,
-    const T* __restrict__ v, index_t v_sb, index_t v_ss, index_t v_sh, index_t v_sd,
-    const T* __restrict__ dout, index_t do_sb, index_t do_ss, index_t do_sh, index_t do_sd,
-    const Acc* __restrict__ lse, index_t lse_sb, index_t lse_sh, index_t lse_ss,
-    const Acc* __restrict__ Dvec,
-    T* __restrict__ dk, index_t dk_sb, index_t dk_ss, index_t dk_sh, index_t dk_sd,
-    T* __restrict__ dv, index_t dv_sb, index_t dv_ss, index_t dv_sh, index_t dv_sd,
-    int seqlen_q, int seqlen_k, int heads_q, int group, int head_dim, Acc scale, int causal) {
-    static_assert(BLOCK_N % NUM_WARPS == 0, "every warp owns the same number of keys");
-    static_assert(is_pow2(HEAD_DIM) && HEAD_DIM >= WARP_SIZE, "HEAD_DIM must be a power of two >= 32");
-    static_assert(2 * (BLOCK_N + BLOCK_M) * HEAD_DIM * sizeof(Acc) <= SMEM_LIMIT, "tiles exceed 48 KiB");
-    constexpr int R = BLOCK_N / NUM_WARPS;
-    constexpr int COLS_PER_LANE = HEAD_DIM / WARP_SIZE;
+    TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
+    LSE_PARAMS(const Acc, lse), const Acc* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
+    PROBLEM_PARAMS(Acc)) {
+    constexpr int R = rows_per_warp<BLOCK_N>();
 
-    __shared__ Acc K_s[BLOCK_N * HEAD_DIM];
-    __shared__ Acc V_s[BLOCK_N * HEAD_DIM];
-    __shared__ Acc Q_s[BLOCK_M * HEAD_DIM];
-    __shared__ Acc dO_s[BLOCK_M * HEAD_DIM];
+    __shared__ Acc K_s[BLOCK_N * HEAD_DIM], V_s[BLOCK_N * HEAD_DIM];
+    __shared__ Acc Q_s[BLOCK_M * HEAD_DIM], dO_s[BLOCK_M * HEAD_DIM];
+    static_assert(sizeof(K_s) + sizeof(V_s) + sizeof(Q_s) + sizeof(dO_s) <= SMEM_LIMIT, "tiles exceed 48 KiB");
 
-    const int heads_kv = heads_q / group;
-    const int num_blocks = (seqlen_k + BLOCK_N - 1) / BLOCK_N;
-    const int bg = blockIdx.x / num_blocks;
-    const int j0 = (blockIdx.x % num_blocks) * BLOCK_N;
-    const int b = bg / heads_kv, g = bg % heads_kv;
+    const Mask<BLOCK_M, BLOCK_N> mask{seqlen_q, seqlen_k, diagonal, causal != 0};
+    const KeyBlock blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int key0 = j0 + warp * R;       // this warp's first key
-    const int query = lane % BLOCK_M;     // this lane's query row within Q_i
+    const int key0 = blk.j0 + warp * R, query = lane % BLOCK_M;  // this warp's first key, this lane's row in Q_i
 
-    const Rows<const T> K = head_rows(k, k_sb, k_ss, k_sh, k_sd, b, g);
-    const Rows<const T> V = head_rows(v, v_sb, v_ss, v_sh, v_sd, b, g);
-    // the first query row that can see key j0
-    const int i_start = causal ? max(0, j0 - (seqlen_k - seqlen_q)) : 0;
+    load_tile<BLOCK_N, HEAD_DIM>(K_s, HEAD_ROWS(k, blk.b, blk.kv_head), blk.j0, seqlen_k, head_dim, Acc(1));
+    load_tile<BLOCK_N, HEAD_DIM>(V_s, HEAD_ROWS(v, blk.b, blk.kv_head), blk.j0, seqlen_k, head_dim, Acc(1));
 
-    load_tile<BLOCK_N, HEAD_DIM>(K_s, K, j0, seqlen_k, head_dim, Acc(1));
-    load_tile<BLOCK_N, HEAD_DIM>(V_s, V, j0, seqlen_k, head_dim, Acc(1));
+    Acc dK[R][HEAD_DIM / WARP_SIZE], dV[R][HEAD_DIM / WARP_SIZE];
+    zero(dK);
+    zero(dV);
 
-    Acc dK[R][COLS_PER_LANE], dV[R][COLS_PER_LANE];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-#pragma unroll
-        for (int t = 0; t < COLS_PER_LANE; ++t) dK[r][t] = dV[r][t] = Acc(0);
-    }
-
-    for (int h = g * group; h < (g + 1) * group; ++h) {
-        const Rows<const T> Q = head_rows(q, q_sb, q_ss, q_sh, q_sd, b, h);
-        const Rows<const T> dO = head_rows(dout, do_sb, do_ss, do_sh, do_sd, b, h);
-        const Acc* lse_row = lse + b * lse_sb + h * lse_sh;
-        const Acc* D_row = Dvec + (index_t(b) * heads_q + h) * seqlen_q;
-        for (int i0 = i_start; i0 < seqlen_q; i0 += BLOCK_M) {
+    for (int h = blk.kv_head * group; h < (blk.kv_head + 1) * group; ++h) {
+        const Rows<const T> Q = HEAD_ROWS(q, blk.b, h);
+        const Rows<const T> dO = HEAD_ROWS(dout, blk.b, h);
+        const Acc* lse_row = lse + blk.b * lse_sb + h * lse_sh;
+        const Acc* D_row = Dvec + (index_t(blk.b) * heads_q + h) * seqlen_q;
+        for (int i0 = mask.query_start(blk.j0), i_end = mask.query_end(blk.j0); i0 < i_end; i0 += BLOCK_M) {
             load_tile<BLOCK_M, HEAD_DIM>(Q_s, Q, i0, seqlen_q, head_dim, scale);
             load_tile<BLOCK_M, HEAD_DIM>(dO_s, dO, i0, seqlen_q, head_dim, Acc(1));
             const int i = i0 + query;
@@ -92,12 +70,11 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
             __syncthreads();  // Q_i, dO_i (and, on the first pass, K_j, V_j) are in shared memory for every warp
 
             Acc S[R], dP[R];
-            row_dots<R, BLOCK_M, HEAD_DIM>(S, K_s + warp * R * HEAD_DIM, Q_s);
-            row_dots<R, BLOCK_M, HEAD_DIM>(dP, V_s + warp * R * HEAD_DIM, dO_s);
+            two_row_dots<R, BLOCK_M, HEAD_DIM>(S, dP, K_s + warp * R * HEAD_DIM, Q_s, V_s + warp * R * HEAD_DIM, dO_s);
             // S becomes Pᵀ, dP becomes dSᵀ
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                S[r] = visible(i, key0 + r, seqlen_q, seqlen_k, causal) ? acc_exp(S[r] - lse_i) : Acc(0);
+                S[r] = mask.visible(i, key0 + r) ? acc_exp(S[r] - lse_i) : Acc(0);
                 dP[r] = S[r] * (dP[r] - D_i);
             }
             accumulate<R, BLOCK_M, HEAD_DIM>(dV, S, dO_s);
@@ -106,82 +83,54 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
         }
     }
 
-    store_rows<R, HEAD_DIM>(head_rows(dk, dk_sb, dk_ss, dk_sh, dk_sd, b, g), dK, key0, seqlen_k, head_dim);
-    store_rows<R, HEAD_DIM>(head_rows(dv, dv_sb, dv_ss, dv_sh, dv_sd, b, g), dV, key0, seqlen_k, head_dim);
+    store_rows<R, HEAD_DIM>(HEAD_ROWS(dk, blk.b, blk.kv_head), dK, key0, seqlen_k, head_dim);
+    store_rows<R, HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, key0, seqlen_k, head_dim);
 }
 
 template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dq(
-    const T* __restrict__ q, index_t q_sb, index_t q_ss, index_t q_sh, index_t q_sd,
-    const T* __restrict__ k, index_t k_sb, index_t k_ss, index_t k_sh, index_t k_sd,
-    const T* __restrict__ v, index_t v_sb, index_t v_ss, index_t v_sh, index_t v_sd,
-    const T* __restrict__ dout, index_t do_sb, index_t do_ss, index_t do_sh, index_t do_sd,
-    const Acc* __restrict__ lse, index_t lse_sb, index_t lse_sh, index_t lse_ss,
-    const Acc* __restrict__ Dvec,
-    T* __restrict__ dq, index_t dq_sb, index_t dq_ss, index_t dq_sh, index_t dq_sd,
-    int seqlen_q, int seqlen_k, int heads_q, int group, int head_dim, Acc scale, int causal) {
-    static_assert(BLOCK_M % NUM_WARPS == 0, "every warp owns the same number of query rows");
-    static_assert(is_pow2(HEAD_DIM) && HEAD_DIM >= WARP_SIZE, "HEAD_DIM must be a power of two >= 32");
-    static_assert(2 * (BLOCK_M + BLOCK_N) * HEAD_DIM * sizeof(Acc) <= SMEM_LIMIT, "tiles exceed 48 KiB");
-    constexpr int R = BLOCK_M / NUM_WARPS;
-    constexpr int COLS_PER_LANE = HEAD_DIM / WARP_SIZE;
+    TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
+    LSE_PARAMS(const Acc, lse), const Acc* __restrict__ Dvec, TENSOR_PARAMS(T, dq), PROBLEM_PARAMS(Acc)) {
+    constexpr int R = rows_per_warp<BLOCK_M>();
 
-    __shared__ Acc Q_s[BLOCK_M * HEAD_DIM];
-    __shared__ Acc dO_s[BLOCK_M * HEAD_DIM];
-    __shared__ Acc K_s[BLOCK_N * HEAD_DIM];
-    __shared__ Acc V_s[BLOCK_N * HEAD_DIM];
+    __shared__ Acc Q_s[BLOCK_M * HEAD_DIM], dO_s[BLOCK_M * HEAD_DIM];
+    __shared__ Acc K_s[BLOCK_N * HEAD_DIM], V_s[BLOCK_N * HEAD_DIM];
+    static_assert(sizeof(Q_s) + sizeof(dO_s) + sizeof(K_s) + sizeof(V_s) <= SMEM_LIMIT, "tiles exceed 48 KiB");
 
-    const int num_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    const int bh = blockIdx.x / num_blocks;
-    const int i0 = (num_blocks - 1 - blockIdx.x % num_blocks) * BLOCK_M;
-    const int b = bh / heads_q, h = bh % heads_q, g = h / group;
+    const Mask<BLOCK_M, BLOCK_N> mask{seqlen_q, seqlen_k, diagonal, causal != 0};
+    const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int row0 = i0 + warp * R;       // this warp's first query row
-    const int key = lane % BLOCK_N;       // this lane's key within K_j
+    const int row0 = blk.i0 + warp * R, key = lane % BLOCK_N;  // this warp's first query row, this lane's key in K_j
 
-    const Rows<const T> K = head_rows(k, k_sb, k_ss, k_sh, k_sd, b, g);
-    const Rows<const T> V = head_rows(v, v_sb, v_ss, v_sh, v_sd, b, g);
-    const Acc* lse_row = lse + b * lse_sb + h * lse_sh;
-    const Acc* D_row = Dvec + (index_t(b) * heads_q + h) * seqlen_q;
+    const Rows<const T> K = HEAD_ROWS(k, blk.b, blk.kv_head), V = HEAD_ROWS(v, blk.b, blk.kv_head);
+    load_tile<BLOCK_M, HEAD_DIM>(Q_s, HEAD_ROWS(q, blk.b, blk.h), blk.i0, seqlen_q, head_dim, scale);
+    load_tile<BLOCK_M, HEAD_DIM>(dO_s, HEAD_ROWS(dout, blk.b, blk.h), blk.i0, seqlen_q, head_dim, Acc(1));
 
-    const int last_row = min(i0 + BLOCK_M, seqlen_q) - 1;
-    const int key_end = causal ? max(0, min(seqlen_k, last_row + 1 + seqlen_k - seqlen_q)) : seqlen_k;
+    const Acc* lse_row = lse + blk.b * lse_sb + blk.h * lse_sh;
+    const Acc* D_row = Dvec + (index_t(blk.b) * heads_q + blk.h) * seqlen_q;
+    Acc dQ[R][HEAD_DIM / WARP_SIZE];
+    zero(dQ);
 
-    load_tile<BLOCK_M, HEAD_DIM>(Q_s, head_rows(q, q_sb, q_ss, q_sh, q_sd, b, h), i0, seqlen_q, head_dim, scale);
-    load_tile<BLOCK_M, HEAD_DIM>(dO_s, head_rows(dout, do_sb, do_ss, do_sh, do_sd, b, h), i0, seqlen_q,
-                                 head_dim, Acc(1));
-
-    Acc lse_r[R], D_r[R], dQ[R][COLS_PER_LANE];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        lse_r[r] = lse_for_p(lse_row, lse_ss, row0 + r, seqlen_q);
-        D_r[r] = row0 + r < seqlen_q ? D_row[row0 + r] : Acc(0);
-#pragma unroll
-        for (int t = 0; t < COLS_PER_LANE; ++t) dQ[r][t] = Acc(0);
-    }
-
-    for (int j0 = 0; j0 < key_end; j0 += BLOCK_N) {
+    for (int j0 = mask.key_start(blk.i0), j_end = mask.key_end(blk.i0); j0 < j_end; j0 += BLOCK_N) {
         load_tile<BLOCK_N, HEAD_DIM>(K_s, K, j0, seqlen_k, head_dim, Acc(1));
         load_tile<BLOCK_N, HEAD_DIM>(V_s, V, j0, seqlen_k, head_dim, Acc(1));
         __syncthreads();  // K_j, V_j (and, on the first pass, Q_i, dO_i) are in shared memory for every warp
 
         Acc S[R], dP[R];
-        row_dots<R, BLOCK_N, HEAD_DIM>(S, Q_s + warp * R * HEAD_DIM, K_s);
-        row_dots<R, BLOCK_N, HEAD_DIM>(dP, dO_s + warp * R * HEAD_DIM, V_s);
-        // dP becomes dS
+        two_row_dots<R, BLOCK_N, HEAD_DIM>(S, dP, Q_s + warp * R * HEAD_DIM, K_s, dO_s + warp * R * HEAD_DIM, V_s);
+        // dP becomes dS. lse and D are read on every pass: held in registers across the loop, they made
+        // ptxas spill float64 under the MIN_CTAS_PER_SM cap.
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            const Acc P = visible(row0 + r, j0 + key, seqlen_q, seqlen_k, causal) ? acc_exp(S[r] - lse_r[r]) : Acc(0);
-            dP[r] = P * (dP[r] - D_r[r]);
+            const int i = row0 + r;
+            const Acc P = mask.visible(i, j0 + key) ? acc_exp(S[r] - lse_for_p(lse_row, lse_ss, i, seqlen_q)) : Acc(0);
+            dP[r] = P * (dP[r] - (i < seqlen_q ? D_row[i] : Acc(0)));
         }
         accumulate<R, BLOCK_N, HEAD_DIM>(dQ, dP, K_s);
         __syncthreads();  // every warp is done reading K_j, V_j before the next pass overwrites them
     }
 
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-#pragma unroll
-        for (int t = 0; t < COLS_PER_LANE; ++t) dQ[r][t] *= scale;
-    }
-    store_rows<R, HEAD_DIM>(head_rows(dq, dq_sb, dq_ss, dq_sh, dq_sd, b, h), dQ, row0, seqlen_q, head_dim);
+    for (int r = 0; r < R; ++r) scale_row(dQ[r], scale);
+    store_rows<R, HEAD_DIM>(HEAD_ROWS(dq, blk.b, blk.h), dQ, row0, seqlen_q, head_dim);
 }

@@ -9,17 +9,16 @@
 // of shape (batch, heads_q, seqlen_q). No shared memory.
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(NUM_THREADS) flash_bwd_preprocess(
-    const T* __restrict__ dout, index_t do_sb, index_t do_ss, index_t do_sh, index_t do_sd,
-    const T* __restrict__ out, index_t o_sb, index_t o_ss, index_t o_sh, index_t o_sd,
-    Acc* __restrict__ Dvec, int batch, int seqlen_q, int heads_q, int head_dim) {
+    TENSOR_PARAMS(const T, dout), TENSOR_PARAMS(const T, out), Acc* __restrict__ Dvec, int batch, int seqlen_q,
+    int heads_q, int head_dim) {
     const int lane = threadIdx.x % WARP_SIZE;
     const index_t n = index_t(blockIdx.x) * NUM_WARPS + threadIdx.x / WARP_SIZE;  // row of Dvec
     if (n >= index_t(batch) * heads_q * seqlen_q) return;  // the whole warp leaves together
     const int i = n % seqlen_q;
     const int bh = n / seqlen_q;
     const int b = bh / heads_q, h = bh % heads_q;
-    const Rows<const T> dO = head_rows(dout, do_sb, do_ss, do_sh, do_sd, b, h);
-    const Rows<const T> O = head_rows(out, o_sb, o_ss, o_sh, o_sd, b, h);
+    const Rows<const T> dO = HEAD_ROWS(dout, b, h);
+    const Rows<const T> O = HEAD_ROWS(out, b, h);
     Acc sum = Acc(0);
     for (int d = lane; d < head_dim; d += WARP_SIZE) sum += to_acc(dO.at(i, d)) * to_acc(O.at(i, d));
     sum = group_sum<WARP_SIZE>(sum);
@@ -27,7 +26,8 @@ __global__ void __launch_bounds__(NUM_THREADS) flash_bwd_preprocess(
 }
 
 // lse of row i for recomputing P = exp(S - lse): +inf for rows that saw no key (lse = -inf) and
-// for rows past seqlen_q, so that their P is exactly 0.
+// for rows past seqlen_q, so that their P is 0 (for any finite score: the mask leaves the rows past
+// seqlen_q to this, mask.cuh).
 template <typename Acc>
 __device__ __forceinline__ Acc lse_for_p(const Acc* lse_row, index_t stride, int i, int seqlen_q) {
     const Acc x = i < seqlen_q ? lse_row[i * stride] : Acc(-INFINITY);

@@ -21,6 +21,8 @@
 // product. Global memory is addressed through element strides in 64-bit arithmetic, so any
 // layout works, transposed and negative strides included.
 
+#pragma once
+
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
@@ -41,6 +43,16 @@ constexpr int SMEM_LIMIT = 48 * 1024;  // static shared memory per CTA without a
 constexpr int MIN_CTAS_PER_SM = 3;
 
 __device__ constexpr bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
+
+// R = ROWS / NUM_WARPS: the rows of a tile kept in rows (layout above) that each warp owns.
+template <int ROWS>
+__device__ constexpr int rows_per_warp() {
+    static_assert(ROWS % NUM_WARPS == 0, "every warp owns the same number of rows");
+    return ROWS / NUM_WARPS;
+}
+
+// How many blocks of `block` cover n items (none when n <= 0).
+__device__ constexpr int num_blocks(int n, int block) { return n > 0 ? (n + block - 1) / block : 0; }
 
 // ---------------------------------------------------------------------------------------------
 // conversions and maths in the accumulation type
@@ -83,6 +95,18 @@ __device__ __forceinline__ Rows<T> head_rows(T* x, index_t s_batch, index_t s_se
     return Rows<T>{x + b * s_batch + h * s_head, s_seq, s_dim};
 }
 
+// A kernel's (batch, seqlen, heads, head_dim) tensor argument x: TENSOR_PARAMS declares x, the address
+// of its first element, and x_sb, x_ss, x_sh, x_sd, its element strides, in the order the launcher
+// packs them (_tensor in cupy_backend/__init__.py); HEAD_ROWS(x, b, h) is its (batch b, head h) slice.
+// LSE_PARAMS is the same for a (batch, heads, seqlen) statistic (lse), strides x_sb, x_sh, x_ss.
+#define TENSOR_PARAMS(T, x) T* __restrict__ x, index_t x##_sb, index_t x##_ss, index_t x##_sh, index_t x##_sd
+#define HEAD_ROWS(x, b, h) head_rows(x, x##_sb, x##_ss, x##_sh, x##_sd, b, h)
+#define LSE_PARAMS(T, x) T* __restrict__ x, index_t x##_sb, index_t x##_sh, index_t x##_ss
+// The scalars that close every attention kernel's argument list, in the launcher's order; a Mask
+// (mask.cuh) is made of seqlen_q, seqlen_k, diagonal and causal.
+#define PROBLEM_PARAMS(Acc) \
+    int seqlen_q, int seqlen_k, int heads_q, int group, int head_dim, Acc scale, int causal, int diagonal
+
 // tile[r][d] = scale * src(row0 + r, d) for r < ROWS, d < HEAD_DIM; zero where row0 + r >= seqlen
 // or d >= head_dim. Consecutive threads take consecutive d: coalesced when head_dim is contiguous.
 template <int ROWS, int HEAD_DIM, typename T, typename Acc>
@@ -96,6 +120,21 @@ __device__ __forceinline__ void load_tile(Acc* tile, const Rows<const T>& src, i
 
 // ---------------------------------------------------------------------------------------------
 // warp-level tile algebra
+
+// row *= factor, for one of the warp's rows of an accumulator (this lane's columns of it)
+template <typename Acc, int COLS>
+__device__ __forceinline__ void scale_row(Acc (&row)[COLS], Acc factor) {
+#pragma unroll
+    for (int t = 0; t < COLS; ++t) row[t] *= factor;
+}
+
+template <typename Acc, int ROWS, int COLS>
+__device__ __forceinline__ void zero(Acc (&x)[ROWS][COLS]) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) x[r][c] = Acc(0);
+}
 
 // Reduce x over the lanes whose indices differ only in their low log2(WIDTH) bits.
 template <int WIDTH, typename Acc>
@@ -134,9 +173,9 @@ __device__ __forceinline__ void row_dots(Acc (&S)[R], const Acc* A_s, const Acc*
         for (int r = 0; r < R; ++r) S[r] += A_s[r * HEAD_DIM + d] * b;
     };
     if constexpr (sizeof(Acc) == 8) {
-        // Left to NVRTC 13.5's own unrolling, the loads of a float64 tile (two registers each) went
-        // past the MIN_CTAS_PER_SM register cap: flash_bwd_dkdv at HEAD_DIM 256 spilled on sm_80.
-#pragma unroll 4
+        // Not unrolled: the float64 loads (two registers each) that unrolling lets ptxas hoist took
+        // the backward kernels past the MIN_CTAS_PER_SM register cap, and spilled.
+#pragma unroll 1
         for (int u = 0; u < STEPS; ++u) step(u);
     } else {
         for (int u = 0; u < STEPS; ++u) step(u);
@@ -148,10 +187,20 @@ __device__ __forceinline__ void row_dots(Acc (&S)[R], const Acc* A_s, const Acc*
     }
 }
 
+// X = A_s B_sᵀ and Y = C_s D_sᵀ, as row_dots: the two products of both backward kernels (S and dP,
+// or their transposes), as two_mma_abt in tc_tile.cuh is for the tensor-core ones.
+template <int R, int COLS, int HEAD_DIM, typename Acc>
+__device__ __forceinline__ void two_row_dots(Acc (&X)[R], Acc (&Y)[R], const Acc* A_s, const Acc* B_s,
+                                             const Acc* C_s, const Acc* D_s) {
+    row_dots<R, COLS, HEAD_DIM>(X, A_s, B_s);
+    row_dots<R, COLS, HEAD_DIM>(Y, C_s, D_s);
+}
+
 // acc[r][t] += sum_c W[r]_c * C_s[c][lane + 32 t], where W[r]_c is the W[r] held by lane c.
 template <int R, int COLS, int HEAD_DIM, typename Acc>
 __device__ __forceinline__ void accumulate(Acc (&acc)[R][HEAD_DIM / WARP_SIZE], const Acc (&W)[R],
                                            const Acc* C_s) {
+    static_assert(is_pow2(HEAD_DIM) && HEAD_DIM >= WARP_SIZE, "HEAD_DIM must be a power of two >= 32");
     const int lane = threadIdx.x % WARP_SIZE;
     for (int c = 0; c < COLS; ++c) {
         Acc w[R];
@@ -164,11 +213,6 @@ __device__ __forceinline__ void accumulate(Acc (&acc)[R][HEAD_DIM / WARP_SIZE], 
             for (int r = 0; r < R; ++r) acc[r][t] += w[r] * x;
         }
     }
-}
-
-// Query i sees key j: j exists and, when causal, j <= i + seqlen_k - seqlen_q (bottom-right).
-__device__ __forceinline__ bool visible(int i, int j, int seqlen_q, int seqlen_k, int causal) {
-    return i < seqlen_q && j < seqlen_k && (!causal || j <= i + (seqlen_k - seqlen_q));
 }
 
 // Store the warp's R rows of acc (this lane's columns lane + 32 t) to dst rows row0 + r < seqlen.

@@ -1,14 +1,20 @@
 // tc_tile.cuh: what the tensor-core kernels (attn_fwd_tc.cu, attn_bwd_tc.cu) share on top of
-// tensor_core.cuh: the swizzled shared-memory tile layout, its cp.async loader, and the constants
-// of base-2 exponentials.
+// tensor_core.cuh: the swizzled shared-memory tile and its cp.async loader, double buffering (one
+// stage idiom for the three loops that stream tiles, and the K/V stream of the two that stream key
+// blocks), the products of one warp on mma fragments, and the constants of base-2 exponentials.
 //
 // A tile is ROWS x HEAD_DIM elements of T (2 bytes), row-major, XOR-swizzled in 16-byte chunks:
 // chunk c of row r is stored at chunk c ^ (r % 8), so the 8 rows one ldmatrix reads hit 8
 // different 16-byte bank groups (HEAD_DIM >= 64: a row has at least 8 chunks).
+//
+// Each warp computes 16 rows of a product. X[COLS / 8][4] holds those 16 rows x COLS columns in fp32
+// as C fragments (layouts in tensor_core.cuh): X[nt][i] is row c_row(i), column 8 nt + c_col(i); the
+// lane holds rows g and g + 8 (g = lane / 4) and columns 2 t, 2 t + 1 of each 8-column tile (t = lane % 4).
 
 #pragma once
 
 #include "flash_common.cuh"
+#include "mask.cuh"
 #include "tensor_core.cuh"
 
 constexpr float LOG2E = 1.4426950408889634f;
@@ -33,5 +39,165 @@ __device__ __forceinline__ void load_tile_async(T* tile, const Rows<const T>& sr
         const int r = e / CHUNKS, c = e % CHUNKS;
         const bool valid = row0 + r < seqlen && 8 * c < head_dim;
         cp_async_16(tile + swizzled<HEAD_DIM>(r, c), valid ? &src.at(row0 + r, 8 * c) : src.base, valid);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// double buffering
+//
+// A loop that streams pairs of tiles (K_j, V_j; or Q_i, dO_i) keeps two stages of each: pass p
+// computes on stage p % 2 while cp.async fills the other for pass p + 1. Every pass commits exactly
+// one cp.async group, its prefetch (empty on the last pass), so that waiting for all but the newest
+// group completes this thread's copies of stage p % 2, on every pass alike. The other threads'
+// copies are visible only after a barrier, which the kernel places.
+
+// cp.async rows row0.. of A and B into stage `stage` of A_s and B_s (2 x ROWS x HEAD_DIM each). Not
+// committed.
+template <int ROWS, int HEAD_DIM, typename T>
+__device__ __forceinline__ void load_stage_async(T* A_s, T* B_s, int stage, const Rows<const T>& A,
+                                                 const Rows<const T>& B, int row0, int seqlen, int head_dim) {
+    load_tile_async<ROWS, HEAD_DIM>(A_s + stage * ROWS * HEAD_DIM, A, row0, seqlen, head_dim);
+    load_tile_async<ROWS, HEAD_DIM>(B_s + stage * ROWS * HEAD_DIM, B, row0, seqlen, head_dim);
+}
+
+// Commit this pass's prefetch and wait for this thread's copies of this pass's stage.
+__device__ __forceinline__ void cp_async_next_stage() {
+    cp_async_commit();
+    cp_async_wait<1>();
+}
+
+// The key blocks that the query block at i0 sees, streamed through the two stages of K_s, V_s:
+// pass jb (of `blocks`) computes on K_j(jb), V_j(jb), the key block at j0(jb).
+template <int BLOCK_N, int HEAD_DIM, typename T>
+struct KVStream {
+    T* K_s;
+    T* V_s;
+    Rows<const T> K, V;
+    int j_start, blocks, seqlen_k, head_dim;
+
+    template <int BLOCK_M>
+    __device__ __forceinline__ KVStream(T* K_s, T* V_s, const Rows<const T>& K, const Rows<const T>& V,
+                                        const Mask<BLOCK_M, BLOCK_N>& mask, int i0, int head_dim)
+        : K_s(K_s), V_s(V_s), K(K), V(V), j_start(mask.key_start(i0)),
+          blocks(num_blocks(mask.key_end(i0) - j_start, BLOCK_N)), seqlen_k(mask.seqlen_k), head_dim(head_dim) {}
+
+    __device__ __forceinline__ int j0(int jb) const { return j_start + jb * BLOCK_N; }
+    __device__ __forceinline__ const T* K_j(int jb) const { return K_s + (jb & 1) * BLOCK_N * HEAD_DIM; }
+    __device__ __forceinline__ const T* V_j(int jb) const { return V_s + (jb & 1) * BLOCK_N * HEAD_DIM; }
+
+    // cp.async the key block of pass jb into its stage. Not committed.
+    __device__ __forceinline__ void load(int jb) const {
+        load_stage_async<BLOCK_N, HEAD_DIM>(K_s, V_s, jb & 1, K, V, j0(jb), seqlen_k, head_dim);
+    }
+
+    // At the top of pass jb: prefetch pass jb + 1 and wait for this thread's copies of pass jb.
+    __device__ __forceinline__ void next(int jb) const {
+        if (jb + 1 < blocks) load(jb + 1);
+        cp_async_next_stage();
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
+// one warp's products on fragments
+
+// Where element i of one of the lane's C fragments lies in its 16 x 8 tile.
+__device__ __forceinline__ int c_row(int i) { return threadIdx.x % WARP_SIZE / 4 + 8 * (i >> 1); }
+__device__ __forceinline__ int c_col(int i) { return 2 * (threadIdx.x % 4) + (i & 1); }
+
+// f(row, col, X[nt][i], Y[nt][i]...) for every element the lane holds of the warp's C fragments X (and
+// Y..., of the same shape): row 0 .. 15 and col 0 .. 8 TILES - 1 its place in the warp's 16 x 8 TILES.
+template <typename F, int TILES, typename... Ys>
+__device__ __forceinline__ void for_each_element(F f, float (&X)[TILES][4], Ys&... Y) {
+#pragma unroll
+    for (int nt = 0; nt < TILES; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) f(c_row(i), 8 * nt + c_col(i), X[nt][i], Y[nt][i]...);
+}
+
+// The A fragment of k-step ks from the warp's 16 rows of the swizzled tile A_s.
+template <int HEAD_DIM, typename T>
+__device__ __forceinline__ void load_a(unsigned (&a)[4], const T* A_s, int ks) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    ldmatrix_x4(a, A_s + swizzled<HEAD_DIM>(lane % 16, 2 * ks + lane / 16));
+}
+
+// The A fragment of k-step kk from the C fragments of 8-column tiles 2 kk and 2 kk + 1, rounded to T:
+// a product's fp32 result becomes the next product's operand without passing through shared memory.
+template <typename T>
+__device__ __forceinline__ void c_to_a(unsigned (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+    a[0] = pack2<T>(c0[0], c0[1]);
+    a[1] = pack2<T>(c0[2], c0[3]);
+    a[2] = pack2<T>(c1[0], c1[1]);
+    a[3] = pack2<T>(c1[2], c1[3]);
+}
+
+// X += A B_sᵀ over k-step ks: A the warp's A fragment of that step, B_s COLS rows of HEAD_DIM (the B
+// operand as stored; one ldmatrix_x4 gives the B fragments of two 8-column tiles).
+template <typename T, int HEAD_DIM, int COLS>
+__device__ __forceinline__ void mma_abt_step(float (&X)[COLS / 8][4], const unsigned (&a)[4], const T* B_s,
+                                             int ks) {
+    const int lane = threadIdx.x % WARP_SIZE;
+#pragma unroll
+    for (int nt = 0; nt < COLS / 8; nt += 2) {
+        unsigned b[4];
+        ldmatrix_x4(b, B_s + swizzled<HEAD_DIM>(8 * nt + lane % 8 + 8 * (lane / 16), 2 * ks + lane / 8 % 2));
+        mma_m16n8k16<T>(X[nt], a, b, X[nt]);
+        mma_m16n8k16<T>(X[nt + 1], a, b + 2, X[nt + 1]);
+    }
+}
+
+// X = A_s B_sᵀ and Y = C_s D_sᵀ: A_s, C_s the warp's 16 rows, B_s, D_s COLS rows each. The A
+// operands are read from shared memory at every k-step, one ldmatrix_x4 shared by the COLS / 8 mmas
+// of that step, which leaves the registers to the fp32 accumulators.
+template <typename T, int HEAD_DIM, int COLS>
+__device__ __forceinline__ void two_mma_abt(float (&X)[COLS / 8][4], float (&Y)[COLS / 8][4], const T* A_s,
+                                            const T* B_s, const T* C_s, const T* D_s) {
+    zero(X);
+    zero(Y);
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+        unsigned a[4], c[4];
+        load_a<HEAD_DIM>(a, A_s, ks);
+        load_a<HEAD_DIM>(c, C_s, ks);
+        mma_abt_step<T, HEAD_DIM, COLS>(X, a, B_s, ks);
+        mma_abt_step<T, HEAD_DIM, COLS>(Y, c, D_s, ks);
+    }
+}
+
+// acc += X B_s: X the warp's 16 rows x K columns (C fragments, rounded to T), B_s K rows of HEAD_DIM
+// (the B operand transposed by ldmatrix). acc: HEAD_DIM / 8 C fragments.
+template <typename T, int HEAD_DIM, int K>
+__device__ __forceinline__ void mma_ab(float (&acc)[HEAD_DIM / 8][4], const float (&X)[K / 8][4], const T* B_s) {
+    const int lane = threadIdx.x % WARP_SIZE;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        unsigned x[4];
+        c_to_a<T>(x, X[2 * kk], X[2 * kk + 1]);
+#pragma unroll
+        for (int dt = 0; dt < HEAD_DIM / 8; dt += 2) {
+            unsigned b[4];
+            ldmatrix_x4_trans(b, B_s + swizzled<HEAD_DIM>(16 * kk + lane % 16, dt + lane / 16));
+            mma_m16n8k16<T>(acc[dt], x, b, acc[dt]);
+            mma_m16n8k16<T>(acc[dt + 1], x, b + 2, acc[dt + 1]);
+        }
+    }
+}
+
+// Store the lane's rows row_g and row_g + 8 of acc (those < seqlen; columns < head_dim), row r times
+// factor[r], in T.
+template <int HEAD_DIM, typename T>
+__device__ __forceinline__ void store_fragments(const Rows<T>& dst, const float (&acc)[HEAD_DIM / 8][4],
+                                                const float (&factor)[2], int row_g, int seqlen, int head_dim) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row_g + 8 * r;
+        if (row >= seqlen) continue;
+#pragma unroll
+        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+            const int col = 8 * dt + c_col(0);
+            if (col < head_dim)
+                *reinterpret_cast<unsigned*>(&dst.at(row, col)) =
+                    pack2<T>(acc[dt][2 * r] * factor[r], acc[dt][2 * r + 1] * factor[r]);
+        }
     }
 }

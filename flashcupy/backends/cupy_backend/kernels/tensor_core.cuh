@@ -41,55 +41,34 @@ __device__ __forceinline__ unsigned smem_address(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void mma_m16n8k16_f16f32(float d[4], const unsigned a[4], const unsigned b[2],
-                                                    const float c[4]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%10, %11, %12, %13};\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
-          "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-}
+// One wrapper per data type (mma) and per shape (ldmatrix): the instructions differ in a suffix
+// and in how many registers they name, which an asm statement can only spell out.
+#define FLASHCUPY_MMA_M16N8K16(NAME, AB)                                                                   \
+    __device__ __forceinline__ void NAME(float d[4], const unsigned a[4], const unsigned b[2],            \
+                                         const float c[4]) {                                               \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." AB "." AB ".f32 {%0, %1, %2, %3}, "         \
+                     "{%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"                                \
+                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                      \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),                  \
+                       "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));                                        \
+    }
+FLASHCUPY_MMA_M16N8K16(mma_m16n8k16_f16f32, "f16")
+FLASHCUPY_MMA_M16N8K16(mma_m16n8k16_bf16f32, "bf16")
+#undef FLASHCUPY_MMA_M16N8K16
 
-__device__ __forceinline__ void mma_m16n8k16_bf16f32(float d[4], const unsigned a[4], const unsigned b[2],
-                                                     const float c[4]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%10, %11, %12, %13};\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
-          "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-}
-
-__device__ __forceinline__ void ldmatrix_x1(unsigned r[1], const void* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n"
-                 : "=r"(r[0]) : "r"(smem_address(row)) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x2(unsigned r[2], const void* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
-                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_address(row)) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_address(row)) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x1_trans(unsigned r[1], const void* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n"
-                 : "=r"(r[0]) : "r"(smem_address(row)) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x2_trans(unsigned r[2], const void* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
-                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_address(row)) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_address(row)) : "memory");
-}
+#define FLASHCUPY_LDMATRIX(NAME, NUM, SHAPE, OPERANDS, ...)                                                \
+    __device__ __forceinline__ void NAME(unsigned r[NUM], const void* row) {                               \
+        asm volatile("ldmatrix.sync.aligned.m8n8" SHAPE ".shared.b16 " OPERANDS ";\n"                      \
+                     : __VA_ARGS__ : "r"(smem_address(row)) : "memory");                                   \
+    }
+FLASHCUPY_LDMATRIX(ldmatrix_x1, 1, ".x1", "{%0}, [%1]", "=r"(r[0]))
+FLASHCUPY_LDMATRIX(ldmatrix_x2, 2, ".x2", "{%0, %1}, [%2]", "=r"(r[0]), "=r"(r[1]))
+FLASHCUPY_LDMATRIX(ldmatrix_x4, 4, ".x4", "{%0, %1, %2, %3}, [%4]", "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]))
+FLASHCUPY_LDMATRIX(ldmatrix_x1_trans, 1, ".x1.trans", "{%0}, [%1]", "=r"(r[0]))
+FLASHCUPY_LDMATRIX(ldmatrix_x2_trans, 2, ".x2.trans", "{%0, %1}, [%2]", "=r"(r[0]), "=r"(r[1]))
+FLASHCUPY_LDMATRIX(ldmatrix_x4_trans, 4, ".x4.trans", "{%0, %1, %2, %3}, [%4]",
+                   "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]))
+#undef FLASHCUPY_LDMATRIX
 
 // 16 bytes from global `src` to shared `dst`, both 16-byte aligned. With valid == false nothing is
 // read (src must still be a valid address) and dst is zero-filled: rows past the end of a tensor.
