@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import assert_close, make_qkv, reference
+from conftest import assert_matches_oracle, case_id, make_qkv
 from cupy_emulation import compile_module, emulated
 from emulator import KernelError
 from test_emulator_tensor_core import NARROW, narrow
@@ -26,12 +26,14 @@ from flashcupy.backends import cupy_backend
 # dispatch and launch code under the emulator (tests/cupy_emulation.py)
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal): lengths not a multiple of
-# the 64-row tiles, Sq > Sk (fully masked rows) and Sq < Sk with causal, GQA, head_dim 40 < 64
+# the 64-row tiles, Sq > Sk (fully masked rows) and Sq < Sk with causal, MQA and GQA (two kv heads
+# of two query heads each), head_dim 40 < 64, five key blocks (more than the double buffer holds)
 TC_CASES = (
     (1, 17, 17, 1, 1, 64, False),
     (1, 70, 130, 2, 1, 64, True),
     (1, 80, 33, 1, 1, 40, True),
     (2, 33, 70, 1, 1, 128, False),
+    (1, 100, 300, 4, 2, 64, True),
 )
 
 # (thread order, cp.async mode): the two orders of every emulated test, and warps drifting apart
@@ -46,26 +48,25 @@ def tc_inputs(rng, case, fmt):
     return tuple(narrow(x, fmt) for x in (q, k, v))
 
 
-def tc_forward(q, k, v, fmt, causal, schedule, compile=compile_module):
+def tc_forward(q, k, v, fmt, causal, schedule, compile=compile_module, scale=None):
     """(out, lse) from backend="cupy", asserting that it took the tensor-core path."""
     dtype = "bfloat16" if fmt == "bfloat16" else None
     order, cp_async = schedule
     with emulated(order, cp_async=cp_async, compile=compile):
         p = flashcupy._api._problem(q, k, v, causal, None, dtype)
         assert cupy_backend.forward_path(p, q, k, v) == "tensor-core"
-        return flashcupy.attention(q, k, v, causal=causal, return_lse=True, backend="cupy", dtype=dtype)
+        return flashcupy.attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend="cupy",
+                                   dtype=dtype)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids="-".join)
 @pytest.mark.parametrize("fmt", NARROW)
-@pytest.mark.parametrize("case", TC_CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("-causal" if c[6] else ""))
+@pytest.mark.parametrize("case", TC_CASES, ids=case_id)
 def test_attn_fwd_tc_matches_oracle(case, fmt, schedule, rng):
     q, k, v = tc_inputs(rng, case, fmt)
     causal = case[6]
     out, lse = tc_forward(q, k, v, fmt, causal, schedule)
-    want_out, want_lse = reference.attention(q, k, v, causal=causal, return_lse=True, dtype=fmt)
-    assert_close(out, want_out, fmt, q, k, what="out")
-    assert_close(lse, want_lse, fmt, q, k, what="lse")
+    assert_matches_oracle((out, lse), q, k, v, causal=causal, dtype=fmt)
 
 
 @pytest.mark.parametrize("case, why", [
@@ -78,7 +79,7 @@ def test_uncovered_shapes_fall_back_to_simt(case, why, rng):
         p = flashcupy._api._problem(q, k, v, False, None, None)
         assert cupy_backend.forward_path(p, q, k, v) == "simt", why
         out = flashcupy.attention(q, k, v, backend="cupy")
-    assert_close(out, reference.attention(q, k, v), "float16", q, k)
+    assert_matches_oracle((out,), q, k, v)
 
 
 def test_strided_head_dim_and_old_gpus_fall_back_to_simt(rng):
@@ -102,11 +103,7 @@ def test_ctas_without_a_key_block_write_zeros_and_leave_no_copy_in_flight(schedu
     out, lse = tc_forward(q, k, v, "float16", True, schedule)
     unseen = NO_KEY_CASE[1] - NO_KEY_CASE[2]
     assert (out[:, :unseen] == 0).all() and np.isneginf(lse[..., :unseen]).all()
-    want_out, want_lse = reference.attention(q, k, v, causal=True, return_lse=True)
-    assert_close(out, want_out, "float16", q, k, what="out")
-    assert_close(lse, want_lse, "float16", q, k, what="lse")
-    for name, got, want in zip(("dq", "dk", "dv"), grads, reference.attention_backward(dout, q, k, v, causal=True)):
-        assert_close(got, want, "float16", q, k, what=name)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True)
 
 
 def test_a_cta_leaving_a_copy_in_flight_is_caught(rng):
@@ -131,14 +128,15 @@ def test_a_cta_leaving_a_copy_in_flight_is_caught(rng):
 # and lse of the tensor-core forward
 
 
-def tc_backward(dout, q, k, v, out, lse, fmt, causal, schedule, compile=compile_module):
+def tc_backward(dout, q, k, v, out, lse, fmt, causal, schedule, compile=compile_module, scale=None):
     """(dq, dk, dv) from backend="cupy", asserting that it took the tensor-core path."""
     dtype = "bfloat16" if fmt == "bfloat16" else None
     order, cp_async = schedule
     with emulated(order, cp_async=cp_async, compile=compile):
         p = flashcupy._api._problem(q, k, v, causal, None, dtype)
         assert cupy_backend.backward_path(p, dout, q, k, v, out) == "tensor-core"
-        return flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, backend="cupy", dtype=dtype)
+        return flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend="cupy",
+                                            dtype=dtype)
 
 
 def tc_gradients(rng, case, fmt, schedule=SCHEDULES[0], compile=compile_module):
@@ -153,14 +151,14 @@ def tc_gradients(rng, case, fmt, schedule=SCHEDULES[0], compile=compile_module):
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids="-".join)
 @pytest.mark.parametrize("fmt", NARROW)
-@pytest.mark.parametrize("case", TC_CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("-causal" if c[6] else ""))
+@pytest.mark.parametrize("case", TC_CASES, ids=case_id)
 def test_attn_bwd_tc_matches_oracle(case, fmt, schedule, rng):
     q, k, v, dout, grads = tc_gradients(rng, case, fmt, schedule)
     B, Sq, Sk, Hq, Hkv, D, causal = case
-    want = reference.attention_backward(dout, q, k, v, causal=causal, dtype=fmt)
-    for name, got, w in zip(("dq", "dk", "dv"), grads, want):
-        assert got.dtype == q.dtype and got.shape == w.shape
-        assert_close(got, w, fmt, q, k, what=name)
+    for got, x in zip(grads, (q, k, v)):
+        assert got.dtype == x.dtype and got.shape == x.shape
+    out, lse = tc_forward(q, k, v, fmt, causal, SCHEDULES[0])
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, dtype=fmt)
     if causal and Sq > Sk:  # the first Sq - Sk rows see no key: their dq is exactly 0
         assert (grads[0][:, :Sq - Sk] == 0).all()
 
@@ -178,5 +176,15 @@ def test_backward_with_strided_dout_or_out_falls_back_to_simt(rng):
         strided[...] = dout
         assert cupy_backend.backward_path(p, strided, q, k, v, out) == "simt"
         grads = flashcupy.attention_backward(strided, q, k, v, out, lse, backend="cupy")
-    for name, got, w in zip(("dq", "dk", "dv"), grads, reference.attention_backward(dout, q, k, v)):
-        assert_close(got, w, "float16", q, k, what=name)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout)
+
+
+@pytest.mark.parametrize("fmt", NARROW)
+def test_a_scale_other_than_the_default_reaches_both_passes(fmt, rng):
+    # a kernel that used 1/sqrt(head_dim) whatever the scale would pass every other test
+    case = (2, 65, 200, 4, 2, 128, True)
+    q, k, v = tc_inputs(rng, case, fmt)
+    dout = narrow(rng.standard_normal(q.shape), fmt)
+    out, lse = tc_forward(q, k, v, fmt, True, SCHEDULES[2], scale=0.3)
+    grads = tc_backward(dout, q, k, v, out, lse, fmt, True, SCHEDULES[2], scale=0.3)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True, scale=0.3, dtype=fmt)

@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dq_tc(
         for_each_element([&](int r, int c, float& s, float& dp) {
             const bool hidden = partial && !mask.visible(row_w + r, j0 + c);
             const float P = hidden ? 0.0f : ex2_approx(s * scale_log2 - lse_r[r / 8]);
-            dp = P * (dp - D_r[r / 8]);
+            dp = hidden ? 0.0f : P * (dp - D_r[r / 8]);  // selected: a NaN in an unseen row's dO stays out of dQ
         }, S, dP);
 
         mma_ab<T, HEAD_DIM, BLOCK_N>(dQ, dP, kv.K_j(jb));

@@ -123,8 +123,11 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dq(
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const int i = row0 + r;
-            const Acc P = mask.visible(i, j0 + key) ? acc_exp(S[r] - lse_for_p(lse_row, lse_ss, i, seqlen_q)) : Acc(0);
-            dP[r] = P * (dP[r] - (i < seqlen_q ? D_row[i] : Acc(0)));
+            // a hidden pair's dS is 0 by selection, not P = 0 times dP: a row that sees no key gets dQ 0
+            // whatever its dO holds (a NaN times 0 is NaN)
+            const bool seen = mask.visible(i, j0 + key);
+            const Acc P = seen ? acc_exp(S[r] - lse_for_p(lse_row, lse_ss, i, seqlen_q)) : Acc(0);
+            dP[r] = seen ? P * (dP[r] - (i < seqlen_q ? D_row[i] : Acc(0))) : Acc(0);
         }
         accumulate<R, BLOCK_N, HEAD_DIM>(dQ, dP, K_s);
         __syncthreads();  // every warp is done reading K_j, V_j before the next pass overwrites them
