@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from conftest import make_qkv, reference
+from conftest import CASES, case_id, make_qkv, reference
+from reference.compare import error_ratio, expected
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -55,3 +56,16 @@ def test_visible_is_the_readmes_causal_rule():
     np.testing.assert_array_equal(reference.visible(4, 2, True), [[0, 0], [0, 0], [1, 0], [1, 1]])
     np.testing.assert_array_equal(reference.visible(3, 3, True, diagonal=0), np.tril(np.ones((3, 3), bool)))
     np.testing.assert_array_equal(reference.visible(2, 3, False), np.ones((2, 3), bool))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] <= 128], ids=case_id)
+def test_the_tolerance_fails_an_lse_off_by_a_thousandth(rng, case, dtype):
+    # the issue that rewrote the rule: 0.004 of lse bias used to pass; the oracle's own answer passes
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
+    want = expected(q, k, v, causal=causal)
+    lse = want.want["lse"]
+    assert error_ratio(lse, want, "lse") == 0
+    if np.isfinite(lse).any():
+        assert error_ratio(lse + 1e-3, want, "lse") > 1
