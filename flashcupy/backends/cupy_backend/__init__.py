@@ -13,8 +13,10 @@ The SIMT kernels (flash_*.cu) take every dtype; the tensor-core ones (attn_*_tc.
 float16/bfloat16 where `forward_path` / `backward_path` say so, with the same arguments.
 
 Every tensor is passed as a pointer to its first element plus its element strides (any layout,
-negative strides included); sizes as int32, the scale in the accumulation type. Launches go to
-CuPy's current stream on the inputs' device.
+negative strides included); sizes as int32, the scale in the accumulation type, then causal and the
+causal diagonal (Problem.diagonal) as int32. The interface has checked head_dim and every grid
+(MAX_HEAD_DIM, grid_axes) before a call gets here. Launches go to CuPy's current stream on the
+inputs' device.
 
 CuPy is imported at first use, never at import time. Everything the backend takes from CUDA
 goes through one `Runtime`: the array module for allocations and the module compiler. The
@@ -34,9 +36,6 @@ from . import sources, specs
 NAME = "cupy"
 ARRAY_LIBRARIES = ("cupy",)
 DTYPES = tuple(specs.CUDA_TYPES)  # bfloat16 as uint16 bit patterns: CuPy has no bfloat16 dtype
-
-MAX_GRID_X = 2**31 - 1
-
 
 # The float16/bfloat16 forward and backward run on tensor cores (attn_fwd_tc.cu, attn_bwd_tc.cu)
 # wherever they can; False forces the SIMT kernels (flash_fwd.cu, flash_bwd.cu) everywhere, to
@@ -152,12 +151,6 @@ def _shape_args(p) -> tuple:
     return tuple(np.int32(n) for n in (p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.head_dim))
 
 
-def _grid(blocks: int) -> tuple:
-    if blocks > MAX_GRID_X:
-        raise ValueError(f"problem too large for one launch: {blocks} CTAs (at most {MAX_GRID_X})")
-    return (blocks,)
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -166,7 +159,8 @@ MAX_HEAD_DIM = specs.MAX_HEAD_DIM
 
 
 def _launch_blocks(kernel: specs.Kernel, p) -> tuple:
-    """(what it counts, thread blocks) of one kernel's 1-D grid for p."""
+    """(what it counts, thread blocks) of one kernel's 1-D grid for p: what the launches use, and
+    what the interface checks against CUDA's limit (grid_axes) before any work."""
     if kernel.template == "flash_bwd_preprocess":  # a warp a row
         rows = specs.NUM_THREADS // 32
         return f"batch x heads_q x seqlen_q / {rows}", _cdiv(p.batch * p.heads_q * p.seqlen_q, rows)
@@ -231,7 +225,7 @@ def forward(p, q, k, v):
         out = rt.xp.empty(q.shape, dtype=p.carrier)
         lse = rt.xp.empty(p.lse_shape, dtype=p.lse_dtype)
         fwd(
-            _grid(_cdiv(p.seqlen_q, kernel.block_m) * p.batch * p.heads_q), (specs.NUM_THREADS,),
+            (_launch_blocks(kernel, p)[1],), (specs.NUM_THREADS,),
             (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(out), *_tensor(lse),
              *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal)),
             shared_mem=kernel.dynamic_smem)
@@ -242,7 +236,7 @@ def backward(p, dout, q, k, v, out, lse):
     rt = _runtime()
     tensor_cores = backward_path(p, dout, q, k, v, out) == "tensor-core"
     module = (specs.tc_backward_module if tensor_cores else specs.backward_module)(p.dtype, p.head_dim)
-    _, dkdv, dq_kernel = module.kernels
+    prep_kernel, dkdv, dq_kernel = module.kernels
     acc = p.acc_dtype.type
     block = (specs.NUM_THREADS,)
     with rt.device_of(q):
@@ -252,17 +246,16 @@ def backward(p, dout, q, k, v, out, lse):
         dv = rt.xp.empty(v.shape, dtype=p.carrier)
         D = rt.xp.empty(p.lse_shape, dtype=p.acc_dtype)  # workspace: rowsum(dO ∘ O), contiguous
 
-        rows = p.batch * p.heads_q * p.seqlen_q
         preprocess(
-            _grid(_cdiv(rows, specs.NUM_THREADS // 32)), block,
+            (_launch_blocks(prep_kernel, p)[1],), block,
             (*_tensor(dout), *_tensor(out), D,
              np.int32(p.batch), np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim)))
         shared = (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(dout), *_tensor(lse), D)
         flags = (*_shape_args(p), acc(p.scale), np.int32(p.causal), np.int32(p.diagonal))
         bwd_dkdv(
-            _grid(_cdiv(p.seqlen_k, dkdv.block_n) * p.batch * p.heads_kv), block,
+            (_launch_blocks(dkdv, p)[1],), block,
             (*shared, *_tensor(dk), *_tensor(dv), *flags), shared_mem=dkdv.dynamic_smem)
         bwd_dq(
-            _grid(_cdiv(p.seqlen_q, dq_kernel.block_m) * p.batch * p.heads_q), block,
+            (_launch_blocks(dq_kernel, p)[1],), block,
             (*shared, *_tensor(dq), *flags), shared_mem=dq_kernel.dynamic_smem)
     return dq, dk, dv
