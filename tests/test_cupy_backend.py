@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashcupy
-from conftest import (BF16, CASES, DTYPES, LAYOUTS, assert_matches_oracle, bf16_bits, case_id, make_qkv, reference,
-                      strided_empty)
+from conftest import (BF16, CASES, DTYPES, LAYOUTS, MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle,
+                      battery_fails, bf16_bits, case_id, make_qkv, reference, strided_empty)
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import sources, specs
 
@@ -359,3 +359,25 @@ def test_property_matches_oracle(B, Sq, Sk, Hkv, group, D, causal, dtype, layout
         out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
         grads = flashcupy.attention_backward(dout, q, k, v, out, lse, **kw)
     assert_matches_oracle((out, lse, *grads), *values, causal=causal)
+
+
+# Deliberate bugs in the SIMT kernels (conftest.MUTATION_BATTERY, float32): each must fail the battery.
+# mask.cuh is shared with the tensor-core kernels, which tests/test_tensor_core.py mutates the same way.
+SIMT_MUTATIONS = {
+    "scale ignored": ("blk.i0, seqlen_q, head_dim, scale);", "blk.i0, seqlen_q, head_dim, Acc(1) / sqrt(Acc(head_dim)));"),
+    "GQA head mapping": ("h, h / group};", "h, h % (heads_q / group)};"),
+    "D not subtracted": ("dP[r] = S[r] * (dP[r] - D_i);", "dP[r] = S[r] * dP[r];"),
+    "key_end off by one": ("last_row + 1 + diagonal", "last_row + diagonal"),
+    "lse base": ("m[r] + acc_log(l[r]);", "m[r] + acc_log(l[r]) / acc_log(Acc(2));"),
+}
+
+
+def test_the_mutation_battery_passes_unmutated():
+    with emulated():
+        assert not battery_fails("cupy", np.float32, MUTATION_BATTERY + (TILE_EDGE_CASE,))
+
+
+@pytest.mark.parametrize("name", SIMT_MUTATIONS)
+def test_a_mutation_is_caught(name):
+    with emulated(compile=_mutated(*SIMT_MUTATIONS[name])):
+        assert battery_fails("cupy", np.float32, MUTATION_BATTERY + (TILE_EDGE_CASE,)), f"the battery missed: {name}"

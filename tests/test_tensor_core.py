@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle, case_id, make_qkv
+from conftest import MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, battery_fails, case_id, make_qkv
 from cupy_emulation import compile_module, emulated
 from emulator import KernelError
 from test_emulator_tensor_core import NARROW, narrow
@@ -188,3 +188,31 @@ def test_a_scale_other_than_the_default_reaches_both_passes(fmt, rng):
     out, lse = tc_forward(q, k, v, fmt, True, SCHEDULES[2], scale=0.3)
     grads = tc_backward(dout, q, k, v, out, lse, fmt, True, SCHEDULES[2], scale=0.3)
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True, scale=0.3, dtype=fmt)
+
+
+# Deliberate bugs in the tensor-core kernels (conftest.MUTATION_BATTERY, float16): each must fail the
+# battery. The GQA and key-range mutations are in mask.cuh, shared with the SIMT kernels.
+TC_MUTATIONS = {
+    "scale ignored": ("const float scale_log2 = scale * LOG2E;", "const float scale_log2 = LOG2E / sqrtf(float(head_dim));"),
+    "GQA head mapping": ("h, h / group};", "h, h % (heads_q / group)};"),
+    "D not subtracted": ("dp = P * (dp - D_i[c]);", "dp = P * dp;"),
+    "key_end off by one": ("last_row + 1 + diagonal", "last_row + diagonal"),
+    "lse base": ("m[r] * LN2 + logf(l[r])", "m[r] * LN2 + log2f(l[r])"),
+}
+
+
+def test_the_mutation_battery_passes_unmutated_on_tensor_cores():
+    with emulated():
+        assert not battery_fails("cupy", np.float16, MUTATION_BATTERY + (TILE_EDGE_CASE,))
+
+
+@pytest.mark.parametrize("name", TC_MUTATIONS)
+def test_a_mutation_is_caught(name):
+    def mutated(source, names, options, thread_order, seed, cp_async):
+        old, new = TC_MUTATIONS[name]
+        if any(n.startswith("attn_") for n in names) and old in source:
+            source = source.replace(old, new)
+        return compile_module(source, names, options, thread_order, seed, cp_async)
+
+    with emulated(compile=mutated):
+        assert battery_fails("cupy", np.float16, MUTATION_BATTERY + (TILE_EDGE_CASE,)), f"the battery missed: {name}"
