@@ -74,26 +74,28 @@ def simt_only(monkeypatch):
     monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", False)
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_float16_on_the_simt_kernels(rng, case, simt_only):
+def test_float16_on_the_simt_kernels(rng, order, case, simt_only):
     B, Sq, Sk, Hq, Hkv, D, causal = case
     q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
     dout = rng.standard_normal(q.shape).astype(np.float16)
-    with emulated("descending"):
+    with emulated(order):
         got = run(q, k, v, dout, causal=causal)
     check(got, q, k, v, dout, causal=causal)
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-cores", "simt"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_bfloat16_bits_match_oracle(rng, case, tensor_cores, monkeypatch):
+def test_bfloat16_bits_match_oracle(rng, order, case, tensor_cores, monkeypatch):
     """bfloat16 as CuPy users pass it: uint16 bit patterns with dtype="bfloat16"."""
     B, Sq, Sk, Hq, Hkv, D, causal = case
     q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, BF16)
     dout = rng.standard_normal(q.shape).astype(BF16)
     qb, kb, vb, db = (bf16_bits(x) for x in (q, k, v, dout))
     monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", tensor_cores)
-    with emulated("descending"):
+    with emulated(order):
         out, lse = flashcupy.attention(qb, kb, vb, causal=causal, return_lse=True, backend="cupy", dtype="bfloat16")
         grads = flashcupy.attention_backward(db, qb, kb, vb, out, lse, causal=causal, backend="cupy",
                                              dtype="bfloat16")
@@ -101,33 +103,36 @@ def test_bfloat16_bits_match_oracle(rng, case, tensor_cores, monkeypatch):
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal)
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-def test_layouts(rng, layout, dtype):
+def test_layouts(rng, order, layout, dtype):
     """Transposed, sliced and negative-stride inputs (and out, lse) under a shuffled thread order."""
     q, k, v = make_qkv(rng, 2, 19, 37, 4, 2, 24, dtype, layout)
     dout = strided_empty(q.shape, dtype, layout)
     dout[...] = rng.standard_normal(q.shape)
-    with emulated("shuffled", seed=7):
+    with emulated(order, seed=7):
         got = run(q, k, v, dout, causal=True, out_layout=layout)
     check(got, q, k, v, dout, causal=True)
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("head_dim", [31, 33, 64, 129, 200])
-def test_head_dims(rng, head_dim):
+def test_head_dims(rng, order, head_dim):
     """Head dims at and around the bucket edges (32, 64, 128, 256), with an explicit scale."""
     q, k, v = make_qkv(rng, 1, 9, 40, 2, 1, head_dim, np.float32)
     dout = rng.standard_normal(q.shape).astype(np.float32)
-    with emulated("descending"):
+    with emulated(order):
         got = run(q, k, v, dout, causal=False, scale=0.3)
     check(got, q, k, v, dout, causal=False, scale=0.3)
 
 
-def test_fully_masked_rows_are_zero_not_nan(rng):
+@pytest.mark.parametrize("order", ORDERS)
+def test_fully_masked_rows_are_zero_not_nan(rng, order):
     # causal with seqlen_q > seqlen_k: rows 0..Sq-Sk-1 see no key
     q, k, v = make_qkv(rng, 1, 70, 5, 2, 2, 8, np.float16, magnitude=30.0)
     dout = rng.standard_normal(q.shape).astype(np.float16)
-    with emulated():
+    with emulated(order):
         out, lse, dq, dk, dv = run(q, k, v, dout, causal=True)
     hidden = slice(0, 65)
     assert not np.isnan(out).any() and not np.isnan(dq).any()
@@ -306,11 +311,12 @@ def test_off_by_one_is_out_of_bounds(rng, old, new, argument):
     assert info.value.access == argument
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
-def test_nan_in_a_query_row_stays_in_that_row(rng, dtype):
+def test_nan_in_a_query_row_stays_in_that_row(rng, order, dtype):
     q, k, v = make_qkv(rng, 1, 20, 30, 2, 1, 64, dtype)
     q[0, 5, 1, 3] = np.nan
-    with emulated():
+    with emulated(order):
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy")
     np.testing.assert_array_equal(np.isnan(out), np.isnan(reference.attention(q, k, v)))
     assert np.isnan(out[0, 5, 1]).all() and np.isnan(lse[0, 1, 5])

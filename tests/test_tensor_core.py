@@ -73,9 +73,10 @@ def test_attn_fwd_tc_matches_oracle(case, fmt, schedule, rng):
     ((1, 20, 20, 1, 1, 100, False), "head_dim not a multiple of 8"),
     ((1, 20, 20, 1, 1, 256, False), "head_dim above 128"),
 ])
-def test_uncovered_shapes_fall_back_to_simt(case, why, rng):
+@pytest.mark.parametrize("order", ("ascending", "descending"))
+def test_uncovered_shapes_fall_back_to_simt(case, why, order, rng):
     q, k, v = tc_inputs(rng, case, "float16")
-    with emulated():
+    with emulated(order):
         p = flashcupy._api._problem(q, k, v, False, None, None)
         assert cupy_backend.forward_path(p, q, k, v) == "simt", why
         out = flashcupy.attention(q, k, v, backend="cupy")
@@ -163,11 +164,12 @@ def test_attn_bwd_tc_matches_oracle(case, fmt, schedule, rng):
         assert (grads[0][:, :Sq - Sk] == 0).all()
 
 
-def test_backward_with_strided_dout_or_out_falls_back_to_simt(rng):
+@pytest.mark.parametrize("order", ("ascending", "descending"))
+def test_backward_with_strided_dout_or_out_falls_back_to_simt(order, rng):
     case = (1, 20, 20, 1, 1, 64, False)
     q, k, v = tc_inputs(rng, case, "float16")
     dout = narrow(rng.standard_normal(q.shape), "float16")
-    with emulated():
+    with emulated(order):
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy")
         p = flashcupy._api._problem(q, k, v, False, None, None)
         assert cupy_backend.backward_path(p, dout, q, k, v, out) == "tensor-core"
@@ -179,14 +181,15 @@ def test_backward_with_strided_dout_or_out_falls_back_to_simt(rng):
     assert_matches_oracle((out, lse, *grads), q, k, v, dout)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES[::2], ids="-".join)
 @pytest.mark.parametrize("fmt", NARROW)
-def test_a_scale_other_than_the_default_reaches_both_passes(fmt, rng):
+def test_a_scale_other_than_the_default_reaches_both_passes(fmt, schedule, rng):
     # a kernel that used 1/sqrt(head_dim) whatever the scale would pass every other test
     case = (2, 65, 200, 4, 2, 128, True)
     q, k, v = tc_inputs(rng, case, fmt)
     dout = narrow(rng.standard_normal(q.shape), fmt)
-    out, lse = tc_forward(q, k, v, fmt, True, SCHEDULES[2], scale=0.3)
-    grads = tc_backward(dout, q, k, v, out, lse, fmt, True, SCHEDULES[2], scale=0.3)
+    out, lse = tc_forward(q, k, v, fmt, True, schedule, scale=0.3)
+    grads = tc_backward(dout, q, k, v, out, lse, fmt, True, schedule, scale=0.3)
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True, scale=0.3, dtype=fmt)
 
 
