@@ -6,6 +6,7 @@ tests and `python -m flashcupy check` judge results the same way.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import types
@@ -86,6 +87,25 @@ def battery_fails(backend: str, dtype=np.float32, cases=MUTATION_BATTERY) -> boo
     return False
 
 
+def mutation_tests(mutations: dict, backend: str, mutant, plain=contextlib.nullcontext, dtype=np.float32,
+                   cases=MUTATION_BATTERY, require=lambda: None):
+    """The two tests of a kernel family's deliberate bugs: the battery passes on the family's own
+    code (run inside `plain()`), and fails with each mutation {name: (old, new)} applied (run
+    inside `mutant(old, new)`); `require()` skips where the family cannot run."""
+    def test_the_mutation_battery_passes_unmutated():
+        require()
+        with plain():
+            assert not battery_fails(backend, dtype, cases)
+
+    @pytest.mark.parametrize("name", list(mutations))
+    def test_a_mutation_is_caught(name):
+        require()
+        with mutant(*mutations[name]):
+            assert battery_fails(backend, dtype, cases), f"the battery missed: {name}"
+
+    return test_the_mutation_battery_passes_unmutated, test_a_mutation_is_caught
+
+
 def mutated_module(module, old: str, new: str):
     """A fresh copy of a Python module with `old` (exactly once in its source) replaced by `new`."""
     with open(module.__file__, encoding="utf-8") as f:
@@ -144,4 +164,4 @@ def rng(request):
 
 
 __all__ = ["BF16", "CASES", "DTYPES", "MUTATION_BATTERY", "TILE_EDGE_CASE", "bf16_bits", "LAYOUTS", "assert_matches_oracle",
-           "battery_fails", "case_id", "mutated_module", "make_qkv", "reference", "strided_empty"]
+           "battery_fails", "case_id", "mutated_module", "mutation_tests", "make_qkv", "reference", "strided_empty"]

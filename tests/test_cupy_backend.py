@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashcupy
-from conftest import (BF16, CASES, DTYPES, LAYOUTS, MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle,
-                      battery_fails, bf16_bits, case_id, make_qkv, reference, strided_empty)
+from conftest import (BF16, CASES, DTYPES, LAYOUTS, MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, bf16_bits,
+                      case_id, make_qkv, mutation_tests, reference, strided_empty)
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import sources, specs
 
@@ -378,12 +378,6 @@ SIMT_MUTATIONS = {
 }
 
 
-def test_the_mutation_battery_passes_unmutated():
-    with emulated():
-        assert not battery_fails("cupy", np.float32, MUTATION_BATTERY + (TILE_EDGE_CASE,))
-
-
-@pytest.mark.parametrize("name", SIMT_MUTATIONS)
-def test_a_mutation_is_caught(name):
-    with emulated(compile=_mutated(*SIMT_MUTATIONS[name])):
-        assert battery_fails("cupy", np.float32, MUTATION_BATTERY + (TILE_EDGE_CASE,)), f"the battery missed: {name}"
+test_the_mutation_battery_passes_unmutated, test_a_mutation_is_caught = mutation_tests(
+    SIMT_MUTATIONS, "cupy", lambda old, new: emulated(compile=_mutated(old, new)), plain=emulated,
+    cases=MUTATION_BATTERY + (TILE_EDGE_CASE,))

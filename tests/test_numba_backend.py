@@ -20,12 +20,13 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from conftest import (CASES, DTYPES, LAYOUTS, assert_matches_oracle, battery_fails, case_id, make_qkv, mutated_module,
+from conftest import (CASES, DTYPES, LAYOUTS, assert_matches_oracle, case_id, make_qkv, mutated_module, mutation_tests,
                       reference, strided_empty)
 
 
@@ -649,14 +650,11 @@ NUMBA_MUTATIONS = {
 }
 
 
-def test_the_mutation_battery_passes_unmutated():
-    _require("simulator")
-    assert not battery_fails("numba")
+def _numba_mutant(old, new):
+    """The backend running a copy of kernels.py with `old` replaced by `new` (on the simulator)."""
+    mutant = mutated_module(kernels, old, new)
+    return mock.patch.object(numba_backend, "_kernels", lambda: mutant)
 
 
-@pytest.mark.parametrize("name", NUMBA_MUTATIONS)
-def test_a_mutation_is_caught(monkeypatch, name):
-    _require("simulator")
-    mutant = mutated_module(kernels, *NUMBA_MUTATIONS[name])
-    monkeypatch.setattr(numba_backend, "_kernels", lambda: mutant)
-    assert battery_fails("numba"), f"the battery missed: {name}"
+test_the_mutation_battery_passes_unmutated, test_a_mutation_is_caught = mutation_tests(
+    NUMBA_MUTATIONS, "numba", _numba_mutant, require=lambda: _require("simulator"))

@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, battery_fails, case_id, make_qkv
+from conftest import MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, case_id, make_qkv, mutation_tests
 from cupy_emulation import compile_module, emulated
 from emulator import KernelError
 from test_emulator_tensor_core import NARROW, narrow
@@ -204,18 +204,14 @@ TC_MUTATIONS = {
 }
 
 
-def test_the_mutation_battery_passes_unmutated_on_tensor_cores():
-    with emulated():
-        assert not battery_fails("cupy", np.float16, MUTATION_BATTERY + (TILE_EDGE_CASE,))
-
-
-@pytest.mark.parametrize("name", TC_MUTATIONS)
-def test_a_mutation_is_caught(name):
-    def mutated(source, names, options, thread_order, seed, cp_async):
-        old, new = TC_MUTATIONS[name]
-        if any(n.startswith("attn_") for n in names) and old in source:
+def _tc_mutant(old, new):
+    """The emulator, with `old` replaced by `new` in the tensor-core modules only."""
+    def compile(source, names, options, thread_order, seed, cp_async):
+        if any(n.startswith("attn_") for n in names):
             source = source.replace(old, new)
         return compile_module(source, names, options, thread_order, seed, cp_async)
+    return emulated(compile=compile)
 
-    with emulated(compile=mutated):
-        assert battery_fails("cupy", np.float16, MUTATION_BATTERY + (TILE_EDGE_CASE,)), f"the battery missed: {name}"
+
+test_the_mutation_battery_passes_unmutated, test_a_mutation_is_caught = mutation_tests(
+    TC_MUTATIONS, "cupy", _tc_mutant, plain=emulated, dtype=np.float16, cases=MUTATION_BATTERY + (TILE_EDGE_CASE,))
