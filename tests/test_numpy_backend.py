@@ -24,8 +24,7 @@ def small_tiles():
     old = (numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS)
     numpy_backend.configure(block_m=16, block_n=8, num_threads=2)
     yield
-    numpy_backend.configure(block_m=old[0], block_n=old[1])
-    numpy_backend.config.NUM_THREADS = old[2]
+    numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS = old
 
 
 def check_against_oracle(q, k, v, dtype, causal, scale=None, rng=None, backend="numpy", bits=False):
@@ -66,12 +65,22 @@ def test_strided_views_are_used_as_they_are(rng, small_tiles, layout):
     check_against_oracle(q, k, v, np.float32, True, rng=rng)
 
 
-def test_default_tiles(rng):
-    # the shipped tile sizes: one query block, and two key blocks, the second partial and crossed
-    # by the causal diagonal
-    assert numpy_backend.config.BLOCK_N < 1500 <= 2 * numpy_backend.config.BLOCK_N
-    q, k, v = make_qkv(rng, 1, 100, 1500, 2, 1, 32, np.float32)
-    check_against_oracle(q, k, v, np.float32, True, rng=rng)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+def test_default_tiles(rng, dtype):
+    # the tiles tile_sizes chooses: two query blocks and three key blocks, the last partial and
+    # crossed by the causal diagonal, which both passes cut into a staircase
+    assert (numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N) == (None, None)
+
+    def problem(Sq, Sk):
+        return Problem(batch=1, seqlen_q=Sq, seqlen_k=Sk, heads_q=2, heads_kv=1, head_dim=32,
+                       dtype=np.dtype(dtype).name, causal=True, scale=1.0, carrier=np.dtype(dtype))
+
+    block_m, block_n = numpy_backend.tile_sizes(problem(1, 1))
+    Sq, Sk = block_m + block_m // 2 + 3, 2 * block_n + 300
+    assert numpy_backend.tile_sizes(problem(Sq, Sk), backward=True) == (block_m, block_n)
+    assert any(r1 - r0 < block_m for r0, r1, *_ in numpy_backend._forward_tiles(problem(Sq, Sk), 0, block_m, step=32))
+    q, k, v = make_qkv(rng, 1, Sq, Sk, 2, 1, 32, dtype)
+    check_against_oracle(q, k, v, dtype, True, rng=rng)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
@@ -138,6 +147,36 @@ def test_visibility_helpers_are_the_oracles_rule(causal):
                 np.testing.assert_array_equal(S == 0, want[i0:i1, j0:j1])
         for j0, j1 in itertools.combinations(range(Sk + 1), 2):
             assert list(range(*numpy_backend._query_range(p, j0, j1))) == list(np.flatnonzero(want[:, j0:j1].any(1)))
+            assert list(range(*numpy_backend._queries_seeing_all(p, j0, j1))) == list(np.flatnonzero(want[:, j0:j1].all(1)))
+        for i0, i1 in itertools.combinations(range(Sq + 1), 2):
+            assert list(range(*numpy_backend._keys_seen_by_all(p, i0, i1))) == list(np.flatnonzero(want[i0:i1].all(0)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("step, block", [(1, 1), (2, 3), (3, 8), (4, 5), (8, 16)])
+def test_tiles_cover_every_visible_pair_once(causal, step, block):
+    """_forward_tiles over all query blocks, and _backward_tiles over all key blocks, each cover
+    every (query, key) pair the oracle shows visible exactly once, after their masks, and no tile
+    is wholly masked (work that buys nothing)."""
+    old = (numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N)
+    numpy_backend.configure(block_m=block, block_n=block)
+    try:
+        for Sq, Sk in itertools.product([1, 2, 5, 9, 17], repeat=2):
+            p = Problem(batch=1, seqlen_q=Sq, seqlen_k=Sk, heads_q=1, heads_kv=1, head_dim=1,
+                        dtype="float32", causal=causal, scale=1.0, carrier=np.dtype(np.float32))
+            want = reference.visible(Sq, Sk, causal)
+            for tiles in ([t for i0, i1 in numpy_backend._blocks(0, Sq, block)
+                           for t in numpy_backend._forward_tiles(p, i0, i1, step)],
+                          [t for j0, j1 in numpy_backend._blocks(0, Sk, block)
+                           for t in numpy_backend._backward_tiles(p, j0, j1, step)]):
+                covered = np.zeros((Sq, Sk), int)
+                for i0, i1, j0, j1, hidden in tiles:
+                    seen = np.ones((i1 - i0, j1 - j0), bool) if hidden is None else ~hidden
+                    assert seen.any()
+                    covered[i0:i1, j0:j1] += seen
+                np.testing.assert_array_equal(covered, want.astype(int))
+    finally:
+        numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N = old
 
 
 def test_backward_is_bitwise_reproducible(rng):
@@ -180,7 +219,7 @@ def test_property_matches_oracle(B, Sq, Sk, Hkv, group, D, causal, dtype, layout
         q, k, v = make_qkv(rng, B, Sq, Sk, Hkv * group, Hkv, D, dtype, layout=layout)
         check_against_oracle(q, k, v, dtype, causal, rng=rng)
     finally:
-        numpy_backend.configure(block_m=old[0], block_n=old[1])
+        numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N = old
 
 
 @pytest.mark.parametrize("dtype, v_value, k_value", [(np.float32, 1e30, 5.0), (np.float64, 1e300, 10.0)],
@@ -233,11 +272,11 @@ def test_nan_in_dout_of_a_row_that_sees_no_key_goes_nowhere(rng, small_tiles):
 
 
 NUMPY_MUTATIONS = {  # see conftest.MUTATION_BATTERY
-    "scale ignored": ("* acc.type(p.scale)", "* acc.type(1 / np.sqrt(p.head_dim))"),
+    "scale ignored": ("Q *= acc.type(p.scale * LOG2_E)", "Q *= acc.type(LOG2_E / np.sqrt(p.head_dim))"),
     "GQA head mapping": ("kv_head = h // p.group", "kv_head = h % p.heads_kv"),
-    "D not subtracted": ("dP -= D[h][i0:i1, None]", "dP -= 0"),
+    "D not subtracted": ('= -np.einsum("csgd', '= 0 * np.einsum("csgd'),
     "key_end off by one": ("min(p.seqlen_k, i1 + p.diagonal))", "min(p.seqlen_k, i1 + p.diagonal - 1))"),
-    "lse base": ("m + np.log(l), -np.inf)", "m + np.log2(l), -np.inf)"),
+    "lse base": ("m * acc.type(LN2) + np.log(l)", "m * acc.type(LN2) + np.log2(l)"),
 }
 
 

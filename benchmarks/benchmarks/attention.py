@@ -92,6 +92,30 @@ class Backward(_Attention):
     track_tflops.unit = "TFLOP/s"
 
 
+class SmallAndCausal(_Attention):
+    """The NumPy backend beside torch's CPU SDPA where Python-level overhead and the causal
+    diagonal weigh most (issue 16): short sequences, causal masks, both dtypes and head dims, H=8."""
+
+    params = (["numpy", "torch-sdpa"], [256, 512, 1024], [64, 128], ["float32", "float64"], [False, True])
+    batch, heads = 1, 8
+
+    def time_forward(self, *args):
+        self._call("forward")
+
+    def time_backward(self, *args):
+        self._call("backward")
+
+    def track_gflops_forward(self, impl, seqlen, head_dim, dtype, causal):
+        return 1e3 * self._tflops("forward", seqlen, head_dim, causal)
+
+    track_gflops_forward.unit = "GFLOP/s"
+
+    def track_gflops_backward(self, impl, seqlen, head_dim, dtype, causal):
+        return 1e3 * self._tflops("backward", seqlen, head_dim, causal)
+
+    track_gflops_backward.unit = "GFLOP/s"
+
+
 class MemoryGrowth:
     """Extra forward memory against seqlen: flat tiles for flashcupy, S^2 for the naive baseline."""
 

@@ -4,40 +4,47 @@ It runs the CUDA kernels' tile loop: query blocks of BLOCK_M rows against key
 blocks of BLOCK_N keys, the key blocks no row of a query block can see skipped,
 the same backward pre-pass and formulas. Names follow the FlashAttention-2
 paper: Q_i, K_j, V_j the blocks, m and l the per-row reference and row sum, O
-the unnormalised output accumulator. Its forward takes two CPU liberties, so
-its m and l after a tile are not the kernels' and only the results agree, to
+the unnormalised output accumulator. Its forward takes CPU liberties, so its m
+and l after a tile are not the kernels' and only the results agree, to
 rounding: the row sum comes out of the PV matmul (V carries an extra column of
-ones), and m is raised lazily, as in FlashAttention-4 (see L_MAX), not to the
-running max of every tile. A tile then costs two matmuls and one elementwise
-pass (exp).
+ones), m is raised lazily, as in FlashAttention-4 (see L_MAX), not to the
+running max of every tile, and the scores are scaled by log2(e) so that P is
+an exp2 (NumPy's float32 exp2 runs twice as fast as its exp). A tile then costs
+two matmuls and one elementwise pass.
 
-Forward, per (batch, head, query block i):
-    for each key block j that query block i can see:
-        S = (Q_i * scale) K_jᵀ - m                  BLAS: [Q_i | -m] [K_j | 1]ᵀ once some m moved
-        P = exp(S);   [P V_j | rowsum P] = P [V_j | 1]    BLAS
+Forward, per (batch, kv heads, query block i), the query heads of those kv heads stacked:
+    for each key tile j that rows of block i see (_forward_tiles):
+        S = (Q_i scale log2 e) K_jᵀ - m             BLAS: [Q_i | -m] [K_j | 1]ᵀ once some m moved
+        P = exp2(S);   [P V_j | rowsum P] = P [V_j | 1]    BLAS
         rows whose rowsum P overflows, or whose l + rowsum P stays below L_MIN:
-            raise their m by d, redo their P, scale their O and l by exp(-d)
+            raise their m by d, redo their P, scale their O and l by 2^-d
         [O | l] += [P V_j | rowsum P]
-    out_i = O / l;   lse_i = m + log l
+    out_i = O / l;   lse_i = ln 2 m + ln l
 
 Backward (FlashAttention-2), after the pre-pass D = rowsum(dO ∘ O):
-    per (batch, kv head, key block j), over the query heads sharing it and the
-    query blocks that can see key block j:
-        P = exp(S - lse_i);   dV_j += Pᵀ dO_i;   dP = dO_i V_jᵀ
-        dS = P ∘ (dP - D_i);  dQ_i += scale dS K_j;  dK_j += scale dSᵀ Q_i
-    Unlike the kernels, which give dQ a pass of its own, dQ is accumulated
-    here per worker partition and summed in a fixed order, so results are
-    bitwise reproducible for a given thread count.
+    per (batch, kv heads, key block j), over the query heads sharing them and the
+    query rows that see key block j (_backward_tiles):
+        P = exp2([Q_i scale log2 e | -lse_i log2 e] [K_j | 1]ᵀ);   dV_j += Pᵀ dO_i
+        dS = P ∘ ([dO_i | -D_i] [V_j | 1]ᵀ);   dQ_i += dS (scale K_j);   dK_j += scale dSᵀ Q_i
+    the subtractions of lse and D happen inside the matmuls, so a tile costs five
+    matmuls and two elementwise passes. Unlike the kernels, which give dQ a pass of
+    its own, dQ is accumulated here per worker partition and summed in a fixed
+    order, so results are bitwise reproducible for a given thread count.
 
+Python-level overhead is what a NumPy loop loses on short sequences, so a task
+stacks several kv heads (and a kv head's query heads, row by row) into each
+matmul and elementwise call, tiles are large, and causal diagonals are cut into
+a staircase of shorter tiles so the masked half of a diagonal tile costs little.
 Nothing of size seqlen_q x seqlen_k is ever allocated: the largest temporaries
-are BLOCK_M x BLOCK_N tiles, one set per worker thread. Work is spread over
-(batch, head, query block) with a thread pool; NumPy releases the GIL in BLAS
-and in the elementwise loops.
+are score tiles, one set per worker thread, reused for the whole call. Work is
+spread over a thread pool kept between calls; NumPy releases the GIL in BLAS and
+in the elementwise loops.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -59,11 +66,11 @@ def grid_axes(p, backward):
 
 @dataclass
 class Config:
-    """Tunables. BLOCK_M x BLOCK_N is the tile; NUM_THREADS the worker count (None: the
-    environment's FLASHCUPY_NUM_THREADS, else one per core)."""
+    """Tunables. BLOCK_M x BLOCK_N is the tile (None: chosen per call by tile_sizes); NUM_THREADS
+    the worker count (None: the environment's FLASHCUPY_NUM_THREADS, else one per core)."""
 
-    BLOCK_M: int = 512
-    BLOCK_N: int = 1024
+    BLOCK_M: int | None = None
+    BLOCK_N: int | None = None
     NUM_THREADS: int | None = None
 
 
@@ -71,7 +78,8 @@ config = Config()
 
 
 def configure(*, block_m=None, block_n=None, num_threads=None) -> Config:
-    """Change tile sizes or the thread count for later calls; returns the config."""
+    """Change tile sizes or the thread count for later calls (an argument left out, or None, keeps
+    its value; set config.BLOCK_M = None to give the choice back to tile_sizes); returns the config."""
     for name, value in (("block_m", block_m), ("block_n", block_n), ("num_threads", num_threads)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -82,6 +90,46 @@ def configure(*, block_m=None, block_n=None, num_threads=None) -> Config:
     if num_threads is not None:
         config.NUM_THREADS = num_threads
     return config
+
+
+def tile_sizes(p, backward=False) -> tuple:
+    """(BLOCK_M, BLOCK_N) for problem p: config's where set, else the measured choice.
+
+    512 query rows (256 in float64) by 512 keys: measured one core's QKᵀ and PV matmuls at 128 to
+    768 rows by 256 to 2048 keys, D = 64 and 128, and they ran within 10 % of each other, best
+    from 384 to 768 rows by 512 to 768 keys (OpenBLAS packs each key tile once per query block,
+    so more rows amortise it); more keys per tile also mean fewer Python-level steps. Causal
+    diagonals are cut finer regardless (_staircase_step).
+    """
+    wide = np.dtype(p.acc_dtype).itemsize > 4
+    return config.BLOCK_M or (256 if wide else 512), config.BLOCK_N or 512
+
+
+def describe_tiles() -> str:
+    """The tiles in words, for `python -m flashcupy info`."""
+    if config.BLOCK_M and config.BLOCK_N:
+        return f"{config.BLOCK_M}x{config.BLOCK_N} (configured)"
+    f32 = tile_sizes(_SizeOnly(np.dtype(np.float32)))
+    f64 = tile_sizes(_SizeOnly(np.dtype(np.float64)))
+    return f"{f32[0]}x{f32[1]} (float64: {f64[0]}x{f64[1]}), diagonals cut finer"
+
+
+@dataclass
+class _SizeOnly:
+    acc_dtype: np.dtype
+
+
+def _staircase_step(block_m: int, heads: int, head_dim: int) -> int:
+    """Query rows per tile along a causal diagonal, for tiles that stack `heads` query heads.
+
+    Steps of s rows leave about block_m x s / 2 masked pairs per block and head (4 head_dim
+    FLOPs each), and each of the block_m / s tiles costs some 20 us of Python and NumPy call
+    overhead, what ~2 MFLOP of BLAS take: s = sqrt(1e6 / (heads x head_dim)) balances the two
+    (measured at S = 512 to 4096: steps of 64 rows beat 128 and 256 on one and two threads).
+    At least two steps per block, so the staircase is always exercised.
+    """
+    best = int(math.sqrt(1e6 / (max(1, heads) * max(1, head_dim))))
+    return max(1, min(block_m // 2, -(-best // 16) * 16))
 
 
 def unavailable_reason():
@@ -97,13 +145,23 @@ def allocate(like, shape, dtype, fill):
 
 
 def _blocks(start: int, end: int, size: int):
-    """[start, end) cut into (first, one past last) pieces of at most size."""
-    return [(s, min(s + size, end)) for s in range(start, end, size)]
+    """[start, end) cut into (first, one past last) pieces of at most size, of about equal length
+    (a last piece of a few rows or keys would cost as many BLAS calls as a full one)."""
+    n = end - start
+    if n <= 0:
+        return []
+    step = -(-n // -(-n // size))  # ceil(n / number of pieces)
+    if step > 16:
+        step = min(size, -(-step // 16) * 16)  # whole SIMD vectors
+    return [(s, min(s + step, end)) for s in range(start, end, step)]
 
 
 # Which keys a query sees, from p.causal and p.diagonal: query i sees key j iff not causal, or
 # j <= i + diagonal. The loops take both ends of their ranges from these helpers and mask tiles
-# through _visible, so a rule with more terms (a sliding window) changes these three, not the loops.
+# through _visible, so a rule with more terms (a sliding window) changes these three, not the loops
+# (nor _keys_seen_by_all and _queries_seeing_all, which derive from them). The rule must be a
+# band: each query sees one interval of keys, whose two ends never decrease from one query to the
+# next.
 
 
 def _key_range(p, i0: int, i1: int) -> tuple:
@@ -127,14 +185,84 @@ def _visible(p, i, j):
     return j <= i + p.diagonal
 
 
-def _mask_scores(S, p, i0: int, j0: int, fill) -> None:
-    """Set S[r, c] = fill where query i0 + r does not see key j0 + c."""
-    rows, cols = S.shape
-    # the rule bounds j - i, which is largest at the tile's top-right corner and smallest at its
-    # bottom-left one: both visible, every element is
-    if _visible(p, i0, j0 + cols - 1) and _visible(p, i0 + rows - 1, j0):
-        return
-    S[~_visible(p, np.arange(i0, i0 + rows)[:, None], np.arange(j0, j0 + cols)[None, :])] = fill
+def _keys_seen_by_all(p, i0: int, i1: int) -> tuple:
+    """Keys [start, end) that every query row of [i0, i1) sees (none when start >= end): in a band,
+    those its first and its last row both see."""
+    first, last = _key_range(p, i0, i0 + 1), _key_range(p, i1 - 1, i1)
+    return max(first[0], last[0]), min(first[1], last[1])
+
+
+def _queries_seeing_all(p, j0: int, j1: int) -> tuple:
+    """Query rows [start, end) that see every key of [j0, j1) (none when start >= end)."""
+    first, last = _query_range(p, j0, j0 + 1), _query_range(p, j1 - 1, j1)
+    return max(first[0], last[0]), min(first[1], last[1])
+
+
+def _hidden(p, i0: int, i1: int, j0: int, j1: int):
+    """None when query rows [i0, i1) see every key of [j0, j1), else the bool (rows, keys) mask of
+    the pairs hidden."""
+    # the rule bounds j - i, which is largest at the top-right corner and smallest at the
+    # bottom-left one: both visible, every pair is
+    if _visible(p, i0, j1 - 1) and _visible(p, i1 - 1, j0):
+        return None
+    return ~_visible(p, np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :])
+
+
+def _mask_scores(S, p, i0: int, j0: int, fill, group: int = 1, hidden=False) -> None:
+    """Set S[..., r * group + h, c] = fill where query i0 + r does not see key j0 + c (S a
+    contiguous stack of tiles whose rows interleave `group` heads, as _HeadMap stacks them);
+    hidden: the tile's _hidden mask when already known."""
+    rows, cols = S.shape[-2] // group, S.shape[-1]
+    if hidden is False:
+        hidden = _hidden(p, i0, i0 + rows, j0, j0 + cols)
+    if hidden is not None:
+        np.copyto(S.reshape(-1, rows, group, cols), fill, where=hidden[:, None, :])
+
+
+def _forward_tiles(p, i0: int, i1: int, step: int, masks=None) -> list:
+    """(r0, r1, j0, j1, hidden) tiles that cover every pair of a query row of [i0, i1) and a key
+    it sees, each pair once, hidden the tile's mask (_hidden): full-height tiles over the keys
+    every row sees, then the rest (the causal diagonal) in a staircase of tiles of `step` rows,
+    so that little of their area is masked. Keys every row sees but fewer than a step go to the
+    staircase too. masks: a dict shared by the calls of one pass, so equal masks are kept once."""
+    block_n = tile_sizes(p)[1]
+    start, end = _key_range(p, i0, i1)
+    all0, all1 = _keys_seen_by_all(p, i0, i1)
+    if all1 - all0 < min(step, i1 - i0):
+        all0 = all1 = start
+    tiles = [(i0, i1, j0, j1) for j0, j1 in _blocks(all0, all1, block_n)]
+    for r0, r1 in _blocks(i0, i1, step):
+        seen0, seen1 = _key_range(p, r0, r1)
+        for lo, hi in ((max(seen0, start), min(seen1, all0)), (max(seen0, all1), min(seen1, end))):
+            tiles += [(r0, r1, j0, j1) for j0, j1 in _blocks(lo, hi, block_n)]
+    return [(r0, r1, j0, j1, _one_copy(_hidden(p, r0, r1, j0, j1), masks)) for r0, r1, j0, j1 in tiles]
+
+
+def _backward_tiles(p, j0: int, j1: int, step: int, masks=None) -> list:
+    """(i0, i1, c0, c1, hidden) tiles that cover every pair of a key of [j0, j1) and a query row
+    that sees it, each pair once: BLOCK_M-row tiles over the rows that see every key of the
+    block, then a staircase of `step`-row tiles along the diagonal, each over the keys its rows
+    see."""
+    block_m = tile_sizes(p, backward=True)[0]
+    start, end = _query_range(p, j0, j1)
+    all0, all1 = _queries_seeing_all(p, j0, j1)
+    if all1 - all0 < step:
+        all0 = all1 = start
+    tiles = [(i0, i1, j0, j1) for i0, i1 in _blocks(all0, all1, block_m)]
+    for lo, hi in ((start, all0), (all1, end)):
+        for r0, r1 in _blocks(lo, hi, step):
+            seen0, seen1 = _key_range(p, r0, r1)
+            if max(seen0, j0) < min(seen1, j1):
+                tiles.append((r0, r1, max(seen0, j0), min(seen1, j1)))
+    return [(i0, i1, c0, c1, _one_copy(_hidden(p, i0, i1, c0, c1), masks)) for i0, i1, c0, c1 in tiles]
+
+
+def _one_copy(mask, masks):
+    """mask, or an equal one already in the dict masks: the diagonal tiles of every block usually
+    share a few masks, and one per tile would take O(seqlen x BLOCK_M) bytes."""
+    if mask is None or masks is None:
+        return mask
+    return masks.setdefault((mask.shape, np.packbits(mask).tobytes()), mask)
 
 
 @functools.lru_cache(maxsize=1)
@@ -169,45 +297,6 @@ def worker_count() -> int:
     return config.NUM_THREADS or _threads_from_environment()
 
 
-# One call's workers at a time, the others wait. BLAS's thread limit belongs to the process (and
-# OpenBLAS's sgemm rounds differently with different thread counts), so calls that overlapped
-# would each set and restore it under the others: later calls would find BLAS left pinned, and
-# results would depend on what else was running. Each call already keeps every core busy.
-_one_call_at_a_time = threading.Lock()
-
-
-def _run(tasks):
-    """Run callables on the worker pool; the first exception propagates."""
-    n = min(worker_count(), len(tasks))
-    if _blas_controller() is None:
-        return [t() for t in tasks]
-    # pinned on one worker too, so that a call's bits do not depend on its task count
-    with _one_call_at_a_time, _blas_controller().limit(limits=1, user_api="blas"):
-        if n <= 1:
-            return [t() for t in tasks]
-        with ThreadPoolExecutor(max_workers=n) as pool:
-            return list(pool.map(lambda t: t(), tasks))
-
-
-# ----------------------------------------------------------------------------
-# forward
-
-
-# Lazy rescaling (as in FlashAttention-4): exp() takes S - m with m a per-row reference that is
-# raised only when a tile's row sum would leave [L_MIN, L_MAX], instead of the running max of
-# every tile. The values stay far inside the accumulation dtype's range, relative precision is
-# the same, and a tile costs one elementwise pass (exp) instead of three (max, subtract, exp).
-L_MAX = 2.0**60
-L_MIN = 2.0**-60
-
-
-def _l_max(acc, v_max) -> float:
-    """The largest row sum to let accumulate: L_MAX, or less when |v| is so large that
-    O = sum_j p_j v_j could overflow the accumulation dtype (O <= l max|v| while l <= this)."""
-    room = float(np.finfo(acc).max) / 4
-    return min(L_MAX, room / v_max) if np.isfinite(v_max) and v_max * L_MAX > room else L_MAX
-
-
 def _aligned_empty(shape, dtype, alignment=64):
     """An uninitialised C-contiguous array whose first element sits on a 64-byte boundary.
 
@@ -221,67 +310,209 @@ def _aligned_empty(shape, dtype, alignment=64):
     return raw[start:start + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
 
 
-def _forward_tile_loop(p, Q_i, K, V1, i0, out_i, lse_i) -> None:
-    """Online softmax over the key blocks visible to query block Q_i (already scaled).
+class _Scratch:
+    """One worker's tiles for the length of one call, reused from tile to tile and task to task
+    instead of allocated for each. Each starts on a 64-byte boundary (see _aligned_empty), so the
+    bits never depend on which worker ran a task."""
 
-    V1 is [V | 1], so the PV matmul returns rowsum(P) as its last column. While every row's
-    reference m is 0 the scores need no subtraction; once some row's m moves, the scores come
-    from [Q_i | -m] [K | 1]ᵀ, which subtracts m inside the matmul. Either way a tile costs two
-    matmuls and one elementwise pass (exp).
+    def __init__(self):
+        self._buffers = {}
+
+    def take(self, name, shape, dtype):
+        """An uninitialised C-contiguous array of this shape, the same memory each time."""
+        n = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.size < n:
+            buf = self._buffers[name] = _aligned_empty((n,), dtype)
+        return buf[:n].reshape(shape)
+
+
+class _Shared:
+    """Operands that several tasks read (a kv head's K and V): made by the first that takes them,
+    dropped when the last of `users` releases them, so only the heads in flight take memory."""
+
+    def __init__(self, make, users: int):
+        self._make, self._users, self._value = make, users, None
+        self._lock = threading.Lock()
+
+    def take(self):
+        with self._lock:
+            if self._value is None:
+                self._value = self._make()
+            return self._value
+
+    def release(self):
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                self._value = None
+
+
+# One call's workers at a time, the others wait. BLAS's thread limit belongs to the process (and
+# OpenBLAS's sgemm rounds differently with different thread counts), so calls that overlapped
+# would each set and restore it under the others: later calls would find BLAS left pinned, and
+# results would depend on what else was running. Each call already keeps every core busy.
+_one_call_at_a_time = threading.Lock()
+_pool = None  # (pid, size, ThreadPoolExecutor): kept between calls, started again after a fork
+
+
+def _executor(size: int) -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None or _pool[:2] != (os.getpid(), size):
+        if _pool is not None and _pool[0] == os.getpid():
+            _pool[2].shutdown(wait=False)
+        _pool = (os.getpid(), size, ThreadPoolExecutor(max_workers=size, thread_name_prefix="flashcupy-numpy"))
+    return _pool[2]
+
+
+def _run(tasks):
+    """Run task(scratch) for each task on the calling thread and the worker pool, results in task
+    order; the first exception propagates. Tasks are handed out in order as workers free up (a
+    task's result must not depend on which worker runs it), and each worker keeps one _Scratch
+    for the call. The pool's threads live on between calls (starting one took 0.14 ms here, more
+    under load, and a call is a few ms at S = 512)."""
+    n = min(worker_count(), len(tasks))
+    if _blas_controller() is None:
+        scratch = _Scratch()
+        return [t(scratch) for t in tasks]
+    # pinned on one worker too, so that a call's bits do not depend on its task count
+    with _one_call_at_a_time, _blas_controller().limit(limits=1, user_api="blas"):
+        if n <= 1:
+            scratch = _Scratch()
+            return [t(scratch) for t in tasks]
+        results = [None] * len(tasks)
+        pending = iter(range(len(tasks)))
+        lock = threading.Lock()
+        failed = []
+
+        def worker():
+            scratch = _Scratch()
+            while not failed:
+                with lock:
+                    i = next(pending, None)
+                if i is None:
+                    return
+                try:
+                    results[i] = tasks[i](scratch)
+                except BaseException:
+                    failed.append(True)
+                    raise
+
+        pool = _executor(n - 1)
+        helpers = [pool.submit(worker) for _ in range(n - 1)]
+        try:
+            worker()
+        finally:
+            for h in helpers:
+                h.exception()  # wait for every helper before BLAS is unpinned
+        for h in helpers:
+            h.result()
+        return results
+
+
+# ----------------------------------------------------------------------------
+# forward
+
+
+# Lazy rescaling (as in FlashAttention-4): exp() takes S - m with m a per-row reference that is
+# raised only when a tile's row sum would leave [L_MIN, L_MAX], instead of the running max of
+# every tile. The values stay far inside the accumulation dtype's range, relative precision is
+# the same, and a tile costs one elementwise pass (exp) instead of three (max, subtract, exp).
+L_MAX = 2.0**60
+L_MIN = 2.0**-60
+LOG2_E = 1 / math.log(2)  # scores are scaled by it, so that exp2 gives P (see _forward_block)
+LN2 = math.log(2)
+
+
+def _l_max(acc, v_max) -> float:
+    """The largest row sum to let accumulate: L_MAX, or less when |v| is so large that
+    O = sum_j p_j v_j could overflow the accumulation dtype (O <= l max|v| while l <= this)."""
+    room = float(np.finfo(acc).max) / 4
+    return min(L_MAX, room / v_max) if np.isfinite(v_max) and v_max * L_MAX > room else L_MAX
+
+
+def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch) -> tuple:
+    """Online softmax of query block [i0, i1) over every key it sees, for a stack of kv heads.
+
+    Q is (kv heads, rows x group, D), scaled by scale * log2(e), so that the scores come out in
+    base 2 and P = exp2(S - m) (NumPy's float32 exp2 runs twice as fast as its exp; m counts in
+    base 2 too). A kv head's query heads are interleaved row by row (_HeadMap), so a tile's rows
+    are one slice for every kv head and each kv head's K is packed for BLAS once per tile. V1 is
+    [V | 1], so the PV matmul returns rowsum(P) as its last column. Kt is Kᵀ, contiguous: BLAS
+    runs QKᵀ about 10 % faster from it than from K. While every row's reference m is 0 the scores
+    need no subtraction; once some row's m moves, the scores come from [Q | -m] [K | 1]ᵀ, which
+    subtracts m inside the matmul. Either way a tile costs two matmuls
+    and one elementwise pass (exp2). Returns (O, lse), stacked as Q, lse in natural log.
     """
     acc = p.acc_dtype
-    rows, D = Q_i.shape
-    l_max = _l_max(acc, float(np.abs(V1[:, :D]).max(initial=0.0)))
-    m = np.zeros(rows, dtype=acc)  # the reference
-    O1 = np.zeros((rows, D + 1), dtype=acc)  # [O | l]
-    S_buf = _aligned_empty((rows, config.BLOCK_N), acc)
-    Q1 = K1 = None  # [Q_i | -m] and [K | 1], made when some m first moves
+    heads, M, D = Q.shape
+    g = p.group
+    m = np.zeros((heads, M), dtype=acc)  # the reference
+    O1 = np.zeros((heads, M, D + 1), dtype=acc)  # [O | l]
+    Q1 = K1t = None  # [Q | -m] and [K | 1]ᵀ, made when some m first moves
 
-    def scores(j0, j1, out):
+    def scores(a, z, j0, j1, hidden, out):
         if Q1 is None:
-            np.matmul(Q_i, K[j0:j1].T, out=out)
+            np.matmul(Q[:, a:z], Kt[:, :, j0:j1], out=out)
         else:
-            np.matmul(Q1, K1[j0:j1].T, out=out)
-        _mask_scores(out, p, i0, j0, -np.inf)
+            np.matmul(Q1[:, a:z], K1t[:, :, j0:j1], out=out)
+        _mask_scores(out, p, i0 + a // g, j0, -np.inf, group=g, hidden=hidden)
         return out
 
-    # exp() overflowing to inf (or NaN from inf - inf), and log(0), are expected here: those
+    # the fast check: an upper bound on every row's l so far, and whether every row's l is known
+    # to be at least L_MIN; a tile that might break either takes the exact, per-row check
+    l_bound, above_min = 0.0, False
+    # exp2() overflowing to inf (or NaN from inf - inf), and log(0), are expected here: those
     # rows are redone
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        for j0, j1 in _blocks(*_key_range(p, i0, i0 + rows), config.BLOCK_N):
-            S = scores(j0, j1, S_buf[:, : j1 - j0])  # S - m
-            P = np.exp(S, out=S)
-            O1_j = P @ V1[j0:j1]  # [P V_j | rowsum P]
-            l_j = O1_j[:, D]
+        for r0, r1, j0, j1, hidden in tiles:
+            a, z = (r0 - i0) * g, (r1 - i0) * g  # the tile's rows within the stack
+            S = scores(a, z, j0, j1, hidden, scratch.take("S", (heads, z - a, j1 - j0), acc))  # S - m
+            P = np.exp2(S, out=S)
+            O1_j = np.matmul(P, V1[:, j0:j1], out=scratch.take("O1_j", (heads, z - a, D + 1), acc))
+            l_j_max = float(np.maximum.reduce(O1_j[:, :, D], axis=None))
+            if above_min and l_bound + l_j_max <= l_max:  # False for NaN
+                O1[:, a:z] += O1_j
+                l_bound += l_j_max
+                continue
             # rows whose sum so far leaves [L_MIN, l_max] (so O could overflow) or is NaN
-            l_new = O1[:, D] + l_j
-            redo = np.nonzero(~(l_new <= l_max) | (l_new < L_MIN))[0]
-            if redo.size:
-                S_r = scores(j0, j1, S)[redo]  # exp() overwrote them; this is rare
+            l_new = O1[:, a:z, D] + O1_j[:, :, D]
+            kk, rr = np.nonzero(~(l_new <= l_max) | (l_new < L_MIN))
+            if kk.size:
+                S_r = _aligned_empty((kk.size, j1 - j0), acc)  # exp2's bits depend on alignment
+                S_r[...] = scores(a, z, j0, j1, hidden, S)[kk, rr]  # exp2() overwrote them; this is rare
                 # the new reference, above m: this tile's max, or what came before if that is
-                # larger (log l), so the redone row sums to at least 1. NaN stays NaN.
-                d = np.maximum(S_r.max(axis=1), np.log(O1[redo, D]))
+                # larger (log2 l), so the redone row sums to at least 1. NaN stays NaN.
+                d = np.maximum(S_r.max(axis=1), np.log2(O1[kk, a + rr, D]))
                 d[d == -np.inf] = 0  # no key seen yet: keep m, as the kernels' m_ref (-inf - -inf is NaN)
                 np.subtract(S_r, d[:, None], out=S_r)
-                O1_j[redo] = np.exp(S_r, out=S_r) @ V1[j0:j1]
+                np.exp2(S_r, out=S_r)
+                for kv in np.unique(kk):
+                    this = kk == kv
+                    O1_j[kv, rr[this]] = S_r[this] @ V1[kv, j0:j1]
                 # rescale what came before (nothing where l was 0: 0 * inf would be NaN); in
-                # float64, where exp(-d) cannot overflow while the product still fits
-                alpha = np.where(O1[redo, D] == 0, 0.0, np.exp(-d.astype(np.float64)))
-                O1[redo] *= alpha[:, None]
-                m[redo] += d
+                # float64, where exp2(-d) cannot overflow while the product still fits
+                alpha = np.where(O1[kk, a + rr, D] == 0, 0.0, np.exp2(-d.astype(np.float64)))
+                O1[kk, a + rr] *= alpha[:, None]
+                m[kk, a + rr] += d
                 if Q1 is None:
-                    Q1 = np.hstack([Q_i, np.zeros((rows, 1), acc)])
-                    K1 = np.hstack([K, np.ones((K.shape[0], 1), acc)])
-                Q1[:, D] = -m
-            O1 += O1_j
+                    Q1 = np.concatenate([Q, np.zeros((heads, M, 1), acc)], axis=2)
+                    K1t = np.concatenate([Kt, np.ones((heads, 1, Kt.shape[2]), acc)], axis=1)
+                Q1[:, :, D] = -m
+            O1[:, a:z] += O1_j
+            l_all = O1[:, :, D]
+            l_bound = float(np.maximum.reduce(l_all, axis=None))
+            above_min = float(np.minimum.reduce(l_all, axis=None)) >= L_MIN
 
-    O, l = O1[:, :-1], O1[:, -1]
+    O, l = O1[:, :, :-1], O1[:, :, -1]
     seen = l > 0
     with np.errstate(divide="ignore", invalid="ignore"):
-        np.divide(O, np.where(seen, l, 1)[:, None], out=O)
+        lse = m * acc.type(LN2) + np.log(l)
+        if seen.all():
+            return np.divide(O, l[:, :, None], out=O), lse
+        np.divide(O, np.where(seen, l, 1)[:, :, None], out=O)
         O[~seen & ~np.isnan(l)] = 0  # fully masked rows: out 0 (NaN rows stay NaN)
-        out_i[...] = O
-        lse_i[...] = np.where(seen | np.isnan(l), m + np.log(l), -np.inf)
+        return O, np.where(seen | np.isnan(l), lse, -np.inf)
 
 
 def _as_acc(x, acc):
@@ -296,89 +527,219 @@ def _values(p, *arrays):
     return [x.view(values) if x.dtype != values else x for x in arrays]
 
 
+class _HeadMap:
+    """Which query heads read which kv head, worked out once per call. Stacks put a kv head's query
+    heads row by row: row r of its h-th query head is row r * group + h of the stack."""
+
+    def __init__(self, p):
+        groups = [[] for _ in range(p.heads_kv)]
+        for h in range(p.heads_q):
+            kv_head = h // p.group
+            groups[kv_head].append(h)
+        self.index = np.array(groups, dtype=np.intp).reshape(p.heads_kv, -1)  # (kv heads, group)
+        self.group = self.index.shape[1]
+        self.consecutive = self.index.ravel().tolist() == list(range(self.index.size))
+
+    def read(self, x, c0: int, c1: int):
+        """x (rows, all query heads, ...) as (kv heads c0..c1, rows, group, ...): a view where the
+        heads are consecutive (the usual mapping), else a copy."""
+        g = self.group
+        picked = x[:, c0 * g:c1 * g] if self.consecutive else x[:, self.index[c0:c1].ravel()]
+        split = picked.reshape(x.shape[0], c1 - c0, g, *x.shape[2:])
+        return split.transpose(1, 0, *range(2, split.ndim))
+
+    def unstack_into(self, dst, c0: int, c1: int, stacked) -> None:
+        """dst (rows, all query heads, ...) takes the values of a stack (kv heads c0..c1, rows x group, ...)."""
+        values = stacked.reshape(c1 - c0, -1, self.group, *stacked.shape[2:])
+        if self.consecutive:
+            self.read(dst, c0, c1)[...] = values
+        else:
+            dst[:, self.index[c0:c1].ravel()] = np.moveaxis(values, 0, 1).reshape(
+                values.shape[1], -1, *stacked.shape[2:])
+
+
+def _heads_per_task(p, units: int, unit_flops: float, unit_volume: int, volume: int) -> int:
+    """kv heads stacked into one task (units: the tasks with one kv head each, of unit_flops and a
+    score tile of unit_volume elements): enough for four tasks per worker to balance, no more than
+    a score tile of about `volume` elements, and at least MIN_TASK_FLOPS of work per task, so that
+    its Python-level overhead (~0.1 ms) stays small; a call that small runs on one thread."""
+    by_volume = volume // max(1, unit_volume)
+    workers = worker_count()
+    by_balance = units // (4 * workers) if workers > 1 else units
+    by_work = -(-MIN_TASK_FLOPS // max(1.0, unit_flops))
+    return int(max(1, min(p.heads_kv, by_volume, max(by_balance, by_work))))
+
+
+MIN_TASK_FLOPS = 5e7
+
+
 def forward(p, q, k, v):
     q, k, v = _values(p, q, k, v)
     acc = p.acc_dtype
     out = np.empty(q.shape, dtype=q.dtype)
     lse = np.empty(p.lse_shape, dtype=p.lse_dtype)
+    block_m, block_n = tile_sizes(p)
+    blocks = _blocks(0, p.seqlen_q, block_m)
+    if p.causal:
+        blocks.reverse()  # the heaviest first, so the last tasks of a call are short
+    unit_flops = p.flops_forward() / (p.batch * p.heads_kv * len(blocks))
+    unit_volume = p.group * min(block_m, p.seqlen_q) * min(block_n, p.seqlen_k)
+    stacked = _heads_per_task(p, p.batch * p.heads_kv * len(blocks), unit_flops, unit_volume, TILE_VOLUME[acc.itemsize])
+    step = _staircase_step(block_m, stacked * p.group, p.head_dim)
+    masks = {}
+    tiles = {(i0, i1): _forward_tiles(p, i0, i1, step, masks) for i0, i1 in blocks}
+    kv_groups = _blocks(0, p.heads_kv, stacked)
+    end = _key_range(p, 0, p.seqlen_q)[1]  # every key some query sees lies below this
+    heads = _HeadMap(p)
 
-    def task(b, h, i0, i1):
-        def run():
-            kv_head = h // p.group
-            end = _key_range(p, i0, i1)[1]  # K and V from key 0: the tile loop indexes them by key
-            K = np.ascontiguousarray(k[b, :end, kv_head, :], dtype=acc)
-            V1 = np.ones((end, p.head_dim + 1), dtype=acc)
-            V1[:, :-1] = v[b, :end, kv_head, :]
-            Q_i = q[b, i0:i1, h, :].astype(acc) * acc.type(p.scale)
-            _forward_tile_loop(p, Q_i, K, V1, i0, out[b, i0:i1, h, :], lse[b, h, i0:i1])
+    def kv_operands(b, c0, c1):
+        # Kᵀ (kv heads, D, keys) and [V | 1] (kv heads, keys, D + 1) from key 0, in the
+        # accumulation dtype; made by the first task of these kv heads to run
+        Kt = np.ascontiguousarray(k[b, :end, c0:c1, :].transpose(1, 2, 0), dtype=acc)
+        V1 = np.empty((c1 - c0, end, p.head_dim + 1), dtype=acc)
+        V1[:, :, :-1] = v[b, :end, c0:c1, :].transpose(1, 0, 2)
+        V1[:, :, -1] = 1
+        # max |v| (the ones never matter: _l_max only lowers its bound for |v| far above 1)
+        v_max = max(float(np.maximum.reduce(V1, axis=None)), -float(np.minimum.reduce(V1, axis=None)))
+        return Kt, V1, _l_max(acc, v_max)
+
+    shared = {(b, c0): _Shared(functools.partial(kv_operands, b, c0, c1), len(blocks))
+              for b in range(p.batch) for c0, c1 in kv_groups}
+
+    def task(b, c0, c1, i0, i1):
+        def run(scratch):
+            Kt, V1, l_max = shared[b, c0].take()
+            try:
+                Q = scratch.take("Q", (c1 - c0, (i1 - i0) * p.group, p.head_dim), acc)
+                Q.reshape(c1 - c0, i1 - i0, p.group, -1)[...] = heads.read(q[b, i0:i1], c0, c1)
+                Q *= acc.type(p.scale * LOG2_E)
+                O, L = _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles[i0, i1], scratch)
+                heads.unstack_into(out[b, i0:i1], c0, c1, O)
+                heads.unstack_into(lse[b].T[i0:i1], c0, c1, L)
+            finally:
+                shared[b, c0].release()
         return run
 
-    _run([task(b, h, i0, i1)
-          for b in range(p.batch) for h in range(p.heads_q)
-          for i0, i1 in _blocks(0, p.seqlen_q, config.BLOCK_M)])
+    # tasks of the same kv heads run one after another, so few kv heads' operands exist at a time
+    _run([task(b, c0, c1, i0, i1)
+          for b in range(p.batch) for c0, c1 in kv_groups for i0, i1 in blocks])
     return out.view(p.carrier), lse
+
+
+# Elements of a score tile with all the heads of a task stacked: 4 MiB, past a core's L2 but
+# measured no slower than a tile that fits, and it amortises the per-call overhead of small heads
+TILE_VOLUME = {4: 1 << 20, 8: 1 << 19}
 
 
 # ----------------------------------------------------------------------------
 # backward
 
 
-def _backward_tile_loop(p, j0, j1, K_j, V_j, heads, Q, dO, lse, D, dQ) -> tuple:
-    """dK_j, dV_j for key block j over the given query heads; adds into dQ."""
+def _backward_item(p, j0, j1, tiles, K, V, Q1, dO1, dQ, scratch) -> tuple:
+    """Key block [j0, j1) of a stack of kv heads (K, V: (kv heads, keys, D)) against their query
+    heads: returns (dK_j, dV_j) and adds into dQ. Everything is stacked as in _forward_block.
+
+    Q1 = [scale log2(e) Q | -log2(e) lse] and dO1 = [dO | -D] against [K_j | 1] and [V_j | 1] give
+    (S - lse) in base 2 and dP - D out of the matmuls, and P = exp2 of the first; scale K_j carries
+    the scale into dQ, and Q1 carries scale log2(e) into dK (corrected once per item). A tile costs
+    five matmuls and two elementwise passes (exp2, P ∘ (dP - D)).
+    """
     acc = p.acc_dtype
+    heads, w, D = K.shape
+    g = p.group
     scale = acc.type(p.scale)
-    dK_j = np.zeros((j1 - j0, p.head_dim), dtype=acc)
-    dV_j = np.zeros((j1 - j0, p.head_dim), dtype=acc)
-    query_blocks = _blocks(*_query_range(p, j0, j1), config.BLOCK_M)
-    for h in heads:
-        for i0, i1 in query_blocks:
-            Q_i, dO_i = Q[h][i0:i1], dO[h][i0:i1]
-            # fully masked rows have lse = -inf; exp(S - inf) = 0 gives them P = 0
-            lse_i = np.where(lse[h][i0:i1] == -np.inf, np.inf, lse[h][i0:i1])
-            S = (Q_i * scale) @ K_j.T
-            _mask_scores(S, p, i0, j0, -np.inf)
-            np.subtract(S, lse_i[:, None], out=S)
-            P = np.exp(S, out=S)
-            dV_j += P.T @ dO_i
-            dP = dO_i @ V_j.T
-            dP -= D[h][i0:i1, None]
-            dS = np.multiply(P, dP, out=dP)
-            dS *= scale
-            dQ[h][i0:i1] += dS @ K_j
-            dK_j += dS.T @ Q_i
+    K1t = np.ones((heads, D + 1, w), dtype=acc)  # [K_j | 1]ᵀ, contiguous: BLAS is faster from it
+    K1t[:, :D] = K.transpose(0, 2, 1)
+    V1t = np.ones((heads, D + 1, w), dtype=acc)
+    V1t[:, :D] = V.transpose(0, 2, 1)
+    K_scaled = K * scale
+    dK_j = np.zeros((heads, w, D), dtype=acc)
+    dV_j = np.zeros((heads, w, D), dtype=acc)
+    for i0, i1, c0, c1, hidden in tiles:
+        a, z = i0 * g, i1 * g  # the tile's rows within the stacks
+        x, y = c0 - j0, c1 - j0  # its keys within the block
+        Q1_i, dO1_i = Q1[:, a:z], dO1[:, a:z]
+        S = np.matmul(Q1_i, K1t[:, :, x:y], out=scratch.take("S", (heads, z - a, y - x), acc))
+        _mask_scores(S, p, i0, c0, -np.inf, group=g, hidden=hidden)
+        P = np.exp2(S, out=S)
+        kd = scratch.take("kd", (heads, y - x, D), acc)
+        dV_j[:, x:y] += np.matmul(P.transpose(0, 2, 1), dO1_i[:, :, :D], out=kd)
+        dS = np.matmul(dO1_i, V1t[:, :, x:y], out=scratch.take("dS", (heads, z - a, y - x), acc))
+        np.multiply(P, dS, out=dS)
+        dQ[:, a:z] += np.matmul(dS, K_scaled[:, x:y], out=scratch.take("qd", (heads, z - a, D), acc))
+        dK_j[:, x:y] += np.matmul(dS.transpose(0, 2, 1), Q1_i[:, :, :D], out=kd)
+    dK_j *= acc.type(LN2)  # Q1 holds scale log2(e) Q
     return dK_j, dV_j
+
+
+def _balanced_parts(costs, n):
+    """Indices of costs split into n lists of about equal sum (largest first onto the least loaded,
+    ties to the lowest part), each in ascending order. A function of its arguments only, so a
+    given thread count always sums dQ in the same order."""
+    loads, parts = [0] * n, [[] for _ in range(n)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        least = min(range(n), key=lambda x: (loads[x], x))
+        loads[least] += costs[i]
+        parts[least].append(i)
+    return [sorted(part) for part in parts if part]
 
 
 def backward(p, dout, q, k, v, out, lse):
     dout, q, k, v, out = _values(p, dout, q, k, v, out)
     acc = p.acc_dtype
+    D = p.head_dim
     dq, dk, dv = (np.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
-    n_parts = max(1, min(worker_count(), p.batch * p.heads_kv * len(_blocks(0, p.seqlen_k, config.BLOCK_N))))
+    block_m, block_n = tile_sizes(p, backward=True)
+    key_blocks = _blocks(0, p.seqlen_k, block_n)
+    unit_flops = 2.5 * p.flops_forward() / (p.batch * p.heads_kv * len(key_blocks))
+    unit_volume = p.group * min(block_m, p.seqlen_q) * min(block_n, p.seqlen_k)
+    stacked = _heads_per_task(p, p.heads_kv * len(key_blocks), unit_flops, unit_volume, TILE_VOLUME[acc.itemsize] // 2)
+    kv_groups = _blocks(0, p.heads_kv, stacked)
+    heads = _HeadMap(p)
+    step = _staircase_step(block_m, stacked * p.group, D)
+    masks = {}
+    tiles = {(j0, j1): _backward_tiles(p, j0, j1, step, masks) for j0, j1 in key_blocks}
+    work = [(c0, c1, j0, j1) for c0, c1 in kv_groups for j0, j1 in key_blocks]
+    # the (query, key) pairs each item computes: what its work is proportional to
+    costs = [(c1 - c0) * sum((i1 - i0) * (y - x) for i0, i1, x, y, _ in tiles[j0, j1]) for c0, c1, j0, j1 in work]
+    parts = _balanced_parts(costs, max(1, min(worker_count(), len(work))))
 
     for b in range(p.batch):
-        # per-batch operands in the accumulation dtype, indexed by query head
-        Q = [_as_acc(q[b, :, h, :], acc) for h in range(p.heads_q)]
-        dO = [_as_acc(dout[b, :, h, :], acc) for h in range(p.heads_q)]
-        # pre-pass: D_i = rowsum(dO_i ∘ O_i)
-        D = [np.einsum("sd,sd->s", dO[h], _as_acc(out[b, :, h, :], acc)) for h in range(p.heads_q)]
-        L = [lse[b, h] for h in range(p.heads_q)]
-        work = [(kv_head, j0, j1) for kv_head in range(p.heads_kv)
-                for j0, j1 in _blocks(0, p.seqlen_k, config.BLOCK_N)]
+        def operands(c0, c1):
+            # Q1 = [scale log2(e) Q | -log2(e) lse] (a row that sees no key has lse -inf: -inf
+            # there gives it P = 0) and dO1 = [dO | -D], D_i = rowsum(dO_i ∘ O_i) the pre-pass
+            def run(scratch):
+                Q1 = _aligned_empty((c1 - c0, p.seqlen_q * p.group, D + 1), acc)
+                shape = (c1 - c0, p.seqlen_q, p.group)
+                Q = Q1[:, :, :D].reshape(*shape, D)  # views: splitting an axis needs no copy
+                Q[...] = heads.read(q[b], c0, c1)
+                np.multiply(Q, acc.type(p.scale * LOG2_E), out=Q)
+                L = heads.read(lse[b].T, c0, c1)
+                Q1[:, :, D].reshape(shape)[...] = np.where(L == -np.inf, np.inf, L) * acc.type(-LOG2_E)
+                dO1 = _aligned_empty(Q1.shape, acc)
+                dO = dO1[:, :, :D].reshape(*shape, D)
+                dO[...] = heads.read(dout[b], c0, c1)
+                O = heads.read(out[b], c0, c1)
+                dO1[:, :, D].reshape(shape)[...] = -np.einsum("csgd,csgd->csg", dO, _as_acc(O, acc))
+                return Q1, dO1
+            return run
 
-        def partition(part):
-            def run():
-                dQ = [np.zeros((p.seqlen_q, p.head_dim), dtype=acc) for _ in range(p.heads_q)]
-                for kv_head, j0, j1 in work[part::n_parts]:
-                    heads = range(kv_head * p.group, (kv_head + 1) * p.group)
-                    K_j = _as_acc(k[b, j0:j1, kv_head, :], acc)
-                    V_j = _as_acc(v[b, j0:j1, kv_head, :], acc)
-                    dK_j, dV_j = _backward_tile_loop(p, j0, j1, K_j, V_j, heads, Q, dO, L, D, dQ)
-                    dk[b, j0:j1, kv_head, :] = dK_j
-                    dv[b, j0:j1, kv_head, :] = dV_j
+        prepared = dict(zip(kv_groups, _run([operands(c0, c1) for c0, c1 in kv_groups])))
+
+        def partition(items):
+            def run(scratch):
+                dQ = np.zeros((p.heads_kv, p.seqlen_q * p.group, D), dtype=acc)
+                for i in items:
+                    c0, c1, j0, j1 = work[i]
+                    K = _as_acc(k[b, j0:j1, c0:c1, :].transpose(1, 0, 2), acc)
+                    V = _as_acc(v[b, j0:j1, c0:c1, :].transpose(1, 0, 2), acc)
+                    Q1, dO1 = prepared[c0, c1]
+                    dK_j, dV_j = _backward_item(p, j0, j1, tiles[j0, j1], K, V, Q1, dO1, dQ[c0:c1], scratch)
+                    dk[b, j0:j1, c0:c1, :] = dK_j.transpose(1, 0, 2)
+                    dv[b, j0:j1, c0:c1, :] = dV_j.transpose(1, 0, 2)
                 return dQ
             return run
 
-        partial = _run([partition(i) for i in range(min(n_parts, len(work)))])
-        for h in range(p.heads_q):  # fixed summation order: reproducible
-            dq[b, :, h, :] = functools.reduce(np.add, (part[h] for part in partial))
+        partial = _run([partition(part) for part in parts])
+        heads.unstack_into(dq[b], 0, p.heads_kv, functools.reduce(np.add, partial))  # fixed order: reproducible
     return dq.view(p.carrier), dk.view(p.carrier), dv.view(p.carrier)
