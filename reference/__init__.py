@@ -9,6 +9,10 @@ returns float64 results whatever the input dtype (inputs are upcast exactly).
 `attention_backward` ignores the `out` and `lse` it is given and recomputes
 everything from q, k and v, so it checks a backend's backward against the
 true gradient rather than against the backend's own forward.
+
+The score modifiers (README, Semantics) are applied plainly, in the order the README states:
+s = scale q.k -> softcap (c tanh(s / c)) -> + alibi (-slope |i + d - j|) -> + bias -> the pairs
+hidden by causal, window or mask become -inf -> softmax, d = seqlen_k - seqlen_q.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import math
 
 import numpy as np
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "values", "visible"]
+__all__ = ["attention", "attention_backward", "attention_probs", "attention_vjp", "values", "visible"]
 
 
 def values(x, dtype=None):
@@ -34,32 +38,63 @@ def _heads_first(x, group: int):
     return np.repeat(x, group, axis=1) if group > 1 else x
 
 
-def visible(seqlen_q: int, seqlen_k: int, causal: bool, diagonal: int | None = None):
+def visible(seqlen_q: int, seqlen_k: int, causal: bool, diagonal: int | None = None, window=None):
     """(seqlen_q, seqlen_k) bool matrix, True where query i sees key j.
 
-    Without causal every query sees every key. With causal, query i sees key j iff
-    j <= i + diagonal; the default diagonal aligns the last query with the last key
-    (bottom-right, as flash-attn >= 2.1), and 0 is the top-left alignment of torch's
-    is_causal.
+    Without causal or window every query sees every key. window=(left, right), each None
+    (unbounded) or an int >= 0: query i sees key j only if i + diagonal - left <= j <= i +
+    diagonal + right. causal is right = 0 (combined with a window's right by taking the smaller).
+    The default diagonal aligns the last query with the last key (bottom-right, as flash-attn
+    >= 2.1), and 0 is the top-left alignment of torch's is_causal.
     """
-    if not causal:
-        return np.ones((seqlen_q, seqlen_k), dtype=bool)
     if diagonal is None:
         diagonal = seqlen_k - seqlen_q
+    left, right = (None, None) if window is None else window
+    if causal:
+        right = 0 if right is None else min(right, 0)
     i = np.arange(seqlen_q)[:, None]
     j = np.arange(seqlen_k)[None, :]
-    return j <= i + diagonal
+    seen = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if right is not None:
+        seen &= j <= i + diagonal + right
+    if left is not None:
+        seen &= j >= i + diagonal - left
+    return seen
 
 
-def _probabilities(q, k, causal, scale):
-    """P (B, H, Sq, Sk), lse (B, H, Sq) and the float64 head-first q, k."""
-    q, k = values(q), values(k)
+def _scores(Q, K, scale, causal, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
+            dtype=None):
+    """The final scores S (B, H, Sq, Sk), -inf where hidden, with T = tanh(s / softcap) (None
+    without softcap) and `seen`, True where a pair is not hidden, broadcast to S's shape."""
+    Sq, Sk = Q.shape[2], K.shape[2]
+    S = np.einsum("bhqd,bhkd->bhqk", Q, K) * scale
+    T = None
+    if softcap is not None:
+        T = np.tanh(S / softcap)
+        S = softcap * T
+    if alibi_slopes is not None:
+        slopes = values(alibi_slopes)
+        slopes = slopes[None, :] if slopes.ndim == 1 else slopes  # (batch or 1, heads_q)
+        distance = abs(np.arange(Sq)[:, None] + (Sk - Sq) - np.arange(Sk)[None, :])
+        S = S - slopes[:, :, None, None] * distance
+    if bias is not None:
+        S = S + values(bias, dtype)
+    seen = visible(Sq, Sk, causal, window=window)
+    if mask is not None:
+        seen = seen & np.asarray(mask, dtype=bool)
+    seen = np.broadcast_to(seen, S.shape)
+    return np.where(seen, S, -np.inf), T, seen
+
+
+def _forward_terms(q, k, causal, scale, modifiers, dtype=None):
+    """A dict: P (B, H, Sq, Sk), lse (B, H, Sq), the float64 head-first Q and K, S, T and seen
+    (_scores), scale and group."""
+    q, k = values(q, dtype), values(k, dtype)
     group = q.shape[2] // k.shape[2]
     Q, K = _heads_first(q, 1), _heads_first(k, group)
     # the README's default, written here rather than imported so that the oracle checks flashcupy's
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    S = np.einsum("bhqd,bhkd->bhqk", Q, K) * scale
-    S = np.where(visible(q.shape[1], k.shape[1], causal), S, -np.inf)
+    S, T, seen = _scores(Q, K, scale, causal, dtype=dtype, **modifiers)
     with np.errstate(invalid="ignore", divide="ignore"):
         m = S.max(axis=-1, initial=-np.inf, keepdims=True)
         m_ref = np.where(np.isneginf(m), 0.0, m)  # no key seen: exp(-inf) = 0, not NaN
@@ -68,35 +103,53 @@ def _probabilities(q, k, causal, scale):
         P = np.where(l > 0, E / np.where(l > 0, l, 1.0), 0.0)
         P = np.where(np.isnan(l), np.nan, P)
         lse = (m_ref + np.log(l))[..., 0]
-    return P, lse, Q, K, scale, group
+    return dict(P=P, lse=lse, Q=Q, K=K, S=S, T=T, seen=seen, scale=scale, group=group)
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, backend=None, dtype=None):
+def _modifiers(window=None, softcap=None, alibi_slopes=None, bias=None, mask=None) -> dict:
+    return dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask)
+
+
+def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
+              scale=None, return_lse=False, backend=None, dtype=None):
     """out (B, Sq, Hq, D) float64 and, with return_lse, lse (B, Hq, Sq) float64.
 
     `backend` is accepted for signature compatibility and ignored.
     """
+    mods = _modifiers(window, softcap, alibi_slopes, bias, mask)
     q, k, v = (values(x, dtype) for x in (q, k, v))
-    P, lse, _, _, _, group = _probabilities(q, k, causal, scale)
-    V = _heads_first(v, group)
-    out = np.einsum("bhqk,bhkd->bhqd", P, V).transpose(0, 2, 1, 3)
-    return (out, lse) if return_lse else out
+    f = _forward_terms(q, k, causal, scale, mods, dtype)
+    V = _heads_first(v, f["group"])
+    out = np.einsum("bhqk,bhkd->bhqd", f["P"], V).transpose(0, 2, 1, 3)
+    return (out, f["lse"]) if return_lse else out
 
 
-def _backward_terms(dout, q, k, v, causal, scale):
+def attention_probs(q, k, lse=None, *, rows=None, causal=False, window=None, softcap=None, alibi_slopes=None,
+                    bias=None, mask=None, scale=None, backend=None, dtype=None):
+    """P (B, Hq, len(rows), Sk) float64, the attention weights of the query rows asked for (None:
+    all; a slice or an index array). `lse` and `backend` are ignored: P is recomputed."""
+    mods = _modifiers(window, softcap, alibi_slopes, bias, mask)
+    P = _forward_terms(q, k, causal, scale, mods, dtype)["P"]
+    return P if rows is None else P[:, :, rows]
+
+
+def _backward_terms(dout, q, k, v, causal, scale, modifiers=None, dtype=None):
     """The backward's float64 intermediates, heads first: a dict of P, Q, K, V, dO, O, dP, D, dS
-    and the scale and group. A pair (i, j) that is hidden gets dS = 0 by selection, and a row that
-    sees no key has its dO taken as 0: such rows add nothing to any gradient, whatever their dout
-    holds (a NaN included), as the README says."""
-    P, _, Q, K, scale, group = _probabilities(q, k, causal, scale)
-    seen = visible(q.shape[1], k.shape[1], causal)
+    (the gradient of the final score, which is dbias), dSs (of the scaled score q.k scale, before
+    the softcap: dS (1 - T^2)), T, seen, and the scale and group. A pair (i, j) that is hidden gets
+    dS = 0 by selection, and a row that sees no key has its dO taken as 0: such rows add nothing to
+    any gradient, whatever their dout holds (a NaN included), as the README says."""
+    f = _forward_terms(q, k, causal, scale, modifiers or {}, dtype)
+    P, seen, group = f["P"], f["seen"], f["group"]
     V = _heads_first(v, group)
-    dO = np.where(seen.any(axis=1)[:, None], _heads_first(dout, 1), 0.0)
+    dO = np.where(seen.any(axis=-1)[..., None], _heads_first(dout, 1), 0.0)
     O = np.einsum("bhqk,bhkd->bhqd", P, V)
     dP = np.einsum("bhqd,bhkd->bhqk", dO, V)
     D = np.sum(dO * O, axis=-1, keepdims=True)
     dS = np.where(seen, P * (dP - D), 0.0)
-    return dict(P=P, Q=Q, K=K, V=V, dO=dO, O=O, dP=dP, D=D, dS=dS, scale=scale, group=group)
+    dSs = dS if f["T"] is None else dS * (1 - f["T"] ** 2)
+    return dict(P=P, Q=f["Q"], K=f["K"], V=V, dO=dO, O=O, dP=dP, D=D, dS=dS, dSs=dSs, T=f["T"], seen=seen,
+                scale=f["scale"], group=group)
 
 
 def _per_kv_head(x, group: int):
@@ -105,25 +158,37 @@ def _per_kv_head(x, group: int):
     return x.reshape(B, H // group, group, S, Dh).sum(axis=2) if group > 1 else x
 
 
-def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, scale=None, backend=None,
-                       dtype=None):
-    """(dq, dk, dv) in float64, recomputed from q, k, v; dk and dv summed over each GQA group."""
-    t = _backward_terms(*(values(x, dtype) for x in (dout, q, k, v)), causal, scale)
-    return tuple(x.transpose(0, 2, 1, 3) for x in _gradients(t))
+def reduce_to(x, shape):
+    """x (B, H, Sq, Sk) summed over the dimensions that `shape` broadcasts (size 1 there, not in
+    x), to `shape`: how dbias gathers the gradient of a broadcast bias."""
+    axes = tuple(a for a, (n, m) in enumerate(zip(shape, x.shape)) if n == 1 and m != 1)
+    return x.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, window=None, softcap=None,
+                       alibi_slopes=None, bias=None, mask=None, scale=None, backend=None, dtype=None):
+    """(dq, dk, dv) in float64, recomputed from q, k, v; dk and dv summed over each GQA group;
+    (dq, dk, dv, dbias) when bias is given, dbias of the bias's shape."""
+    mods = _modifiers(window, softcap, alibi_slopes, bias, mask)
+    t = _backward_terms(*(values(x, dtype) for x in (dout, q, k, v)), causal, scale, mods, dtype)
+    grads = tuple(x.transpose(0, 2, 1, 3) for x in _gradients(t))
+    return grads if bias is None else grads + (reduce_to(t["dS"], np.shape(bias)),)
 
 
 def _gradients(t):
     """(dQ, dK, dV) heads first from _backward_terms; dK and dV per kv head."""
-    dQ = np.einsum("bhqk,bhkd->bhqd", t["dS"], t["K"]) * t["scale"]
-    dK = _per_kv_head(np.einsum("bhqk,bhqd->bhkd", t["dS"], t["Q"]) * t["scale"], t["group"])
+    dQ = np.einsum("bhqk,bhkd->bhqd", t["dSs"], t["K"]) * t["scale"]
+    dK = _per_kv_head(np.einsum("bhqk,bhqd->bhkd", t["dSs"], t["Q"]) * t["scale"], t["group"])
     dV = _per_kv_head(np.einsum("bhqk,bhqd->bhkd", t["P"], t["dO"]), t["group"])
     return dQ, dK, dV
 
 
-def attention_vjp(q, k, v, *, causal=False, scale=None, backend=None, dtype=None):
-    out = attention(q, k, v, causal=causal, scale=scale, dtype=dtype)
+def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
+                  scale=None, backend=None, dtype=None):
+    mods = _modifiers(window, softcap, alibi_slopes, bias, mask)
+    out = attention(q, k, v, causal=causal, scale=scale, dtype=dtype, **mods)
 
     def vjp(dout):
-        return attention_backward(dout, q, k, v, causal=causal, scale=scale, dtype=dtype)
+        return attention_backward(dout, q, k, v, causal=causal, scale=scale, dtype=dtype, **mods)
 
     return out, vjp

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _backward_terms, _gradients, _heads_first, _per_kv_head, _probabilities, values, visible
+from . import _backward_terms, _forward_terms, _gradients, _heads_first, _modifiers, _per_kv_head, reduce_to, values
 
 # The battery every backend runs, in the tests and in `python -m flashcupy check`:
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal).
@@ -65,8 +65,11 @@ class Expected:
     dtype: str
 
 
-def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None) -> Expected:
-    """Oracle results and tolerances for these inputs (dout None: forward only).
+def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window=None, softcap=None,
+             alibi_slopes=None, bias=None, mask=None, probs=False) -> Expected:
+    """Oracle results and tolerances for these inputs (dout None: forward only), with the score
+    modifiers of the README (dbias too when bias and dout are given; P, the attention weights of
+    attention_probs, too with probs=True).
 
     A forward-error model of what the kernels compute, worst case per element, with u_s the
     storage dtype's unit roundoff, u_a the accumulation dtype's, gamma(n) = n u_a (a sum of n
@@ -88,6 +91,16 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None) -> Exp
     - every result is then rounded to the storage dtype: u_s |x|, and absolutely half float16's
       smallest subnormal, or float32's smallest normal (flushed under -ftz) for bfloat16 and
       float32, float64's for float64.
+    With modifiers (none of these terms exists without them):
+    - ds_i grows by gamma(D + 2) max_j (|alibi_ij| + |bias_ij|) (|m| grows by as much) and by
+      gamma(8) max_j (|s'_ij| + |alibi_ij| + |bias_ij|), s' the softcapped score: the roundings of
+      the softcap (division, tanh, product), of the alibi and bias terms (and of their scaling to
+      base 2) and of a subtraction of m done outside the matmul;
+    - softcap: dq and dk take dS (1 - t^2), t = tanh(s / c), off by (1 - t^2) (dS's bound)
+      + |dS| (2 (1 - t^2) ds_i / c + 8 u_a) (t's error from the score's, and the roundings);
+    - dbias = dS summed over the bias's broadcast dimensions: the sum of dS's bound plus
+      gamma(n) |dS|, n the number of terms summed;
+    - P_ij (attention_probs, from the backend's own lse): p_ij (eps_i + lse's bound) + p_floor.
     The tolerance is SAFETY times the bound.
     """
     dtype = dtype_name(dtype if dtype is not None else q.dtype)
@@ -98,18 +111,27 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None) -> Exp
     p_floor = max(float(np.finfo(acc).tiny) * 2.0**60, round16)
     store_floor = 2.0**-25 if dtype == "float16" else float(np.finfo(acc).tiny)
 
+    mods = _modifiers(window, softcap, alibi_slopes, bias, mask)
+    modified = any(x is not None for x in mods.values())
     q, k, v = (values(x, dtype) for x in (q, k, v))
     B, Sq, Hq, D = q.shape
     Sk, group = k.shape[1], Hq // k.shape[2]
-    P, lse, Q, K, scale, _ = _probabilities(q, k, causal, scale)
+    f = _forward_terms(q, k, causal, scale, mods, dtype)
+    P, lse, Q, K, scale, T = f["P"], f["lse"], f["Q"], f["K"], f["scale"], f["T"]
     V = _heads_first(v, group)
-    seen = np.broadcast_to(visible(Sq, Sk, causal), P.shape).astype(np.float64)
+    seen = f["seen"].astype(np.float64)
 
     def gamma(n):
         return n * u_a
 
     Sabs = np.einsum("bhqd,bhkd->bhqk", abs(Q), abs(K)) * scale * seen
     ds = gamma(D + 2) * (Sabs.max(axis=-1, initial=0.0) + LAZY_MAX) * seen.max(axis=-1, initial=0.0)
+    if modified:
+        _, added = _added_terms(q.shape, k.shape, alibi_slopes, bias, dtype)
+        capped = Sabs if T is None else abs(softcap * T) * seen
+        added = np.where((seen > 0) & np.isfinite(added), added, 0.0)  # a -inf bias hides
+        ds = ds + (gamma(D + 2) * added.max(axis=-1, initial=0.0)
+                   + gamma(8) * (capped + added).max(axis=-1, initial=0.0))
     eps = (2 * ds + gamma(Sk) + 4 * u_a)[..., None] + u_p
     out = np.einsum("bhqk,bhkd->bhqd", P, V)
     with np.errstate(invalid="ignore"):
@@ -118,12 +140,21 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None) -> Exp
                        + u_s * abs(out) + store_floor)}
     want = {"out": out, "lse": lse}
     if dout is not None:
-        t = _backward_terms(values(dout, dtype), q, k, v, causal, scale)
+        t = _backward_terms(values(dout, dtype), q, k, v, causal, scale, mods, dtype)
         dO, dP, Di, dS = t["dO"], t["dP"], t["D"], t["dS"]
         dP_bound = gamma(D) * np.einsum("bhqd,bhkd->bhqk", abs(dO), abs(V))
         D_bound = ((u_s + gamma(D)) * np.sum(abs(dO) * abs(out), axis=-1, keepdims=True)
                    + np.sum(abs(dO) * tol["out"], axis=-1, keepdims=True))
         dS_bound = abs(dS) * eps + P * (dP_bound + D_bound) + (p_floor * (abs(dP) + abs(Di)) + round16) * seen
+        if bias is not None:
+            n = max(1, (B * Hq * Sq * Sk) // max(1, math.prod(np.shape(bias))))  # terms per element
+            want["dbias"] = reduce_to(dS, np.shape(bias))
+            tol["dbias"] = (reduce_to(dS_bound + gamma(n) * abs(dS), np.shape(bias))
+                            + u_s * abs(want["dbias"]) + store_floor)
+        if T is not None:  # dq and dk read dS (1 - t^2), the gradient of the score before the softcap
+            squeeze = 1 - T**2
+            dS_bound = dS_bound * squeeze + abs(dS) * (2 * squeeze * ds[..., None] / softcap + gamma(8))
+            dS = t["dSs"]
         want.update(zip(("dq", "dk", "dv"), _gradients(t)))
         tol.update(dq=scale * np.einsum("bhqk,bhkd->bhqd", dS_bound + gamma(Sk) * abs(dS), abs(K)),
                    dk=scale * np.einsum("bhqk,bhqd->bhkd", dS_bound + gamma(Sq * group) * abs(dS), abs(Q)),
@@ -132,21 +163,43 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None) -> Exp
             tol[name] = _per_kv_head(tol[name], group)
         for name in ("dq", "dk", "dv"):
             tol[name] = tol[name] + u_s * abs(want[name]) + store_floor
+    if probs:
+        want["P"] = P
+        with np.errstate(invalid="ignore"):
+            tol["P"] = P * (eps + tol["lse"][..., None]) + p_floor * seen
     for name in ("out", "dq", "dk", "dv"):
         if name in want:
             want[name], tol[name] = (x.transpose(0, 2, 1, 3) for x in (want[name], tol[name]))
     return Expected(want, {name: SAFETY * t for name, t in tol.items()}, dtype)
 
 
-def error_ratio(got, expect: Expected, name: str) -> float:
+def _added_terms(q_shape, k_shape, alibi_slopes, bias, dtype):
+    """(alibi + bias, |alibi| + |bias|) as float64 arrays broadcastable to (B, H, Sq, Sk)."""
+    Sq, Sk = q_shape[1], k_shape[1]
+    total, size = np.zeros((1, 1, 1, 1)), np.zeros((1, 1, 1, 1))
+    if alibi_slopes is not None:
+        slopes = values(alibi_slopes)
+        slopes = slopes[None, :] if slopes.ndim == 1 else slopes
+        alibi = -slopes[:, :, None, None] * abs(np.arange(Sq)[:, None] + (Sk - Sq) - np.arange(Sk)[None, :])
+        total, size = total + alibi, size + abs(alibi)
+    if bias is not None:
+        b = values(bias, dtype)
+        total, size = total + b, size + abs(b)
+    return total, size
+
+
+def error_ratio(got, expect: Expected, name: str, rows=None) -> float:
     """max |got - want| / tol over the elements of output `name` (<= 1 passes); AssertionError when
     the shape or the -inf / NaN / +inf pattern differs from the oracle's. Where the tolerance is 0
-    (a row that sees no key) only an exact answer passes.
+    (a row that sees no key) only an exact answer passes. rows: for "P", the query rows asked of
+    attention_probs (a slice or an index array).
 
     `got` may hold bfloat16 bit patterns (uint16) when the dtype is bfloat16.
     """
     got = values(got, expect.dtype)
     want, tol = expect.want[name], expect.tol[name]
+    if rows is not None:
+        want, tol = want[:, :, rows], tol[:, :, rows]
     if got.shape != want.shape:
         raise AssertionError(f"{name}: shape {got.shape} != {want.shape}")
     for what, test in (("-inf", np.isneginf), ("NaN", np.isnan), ("+inf", np.isposinf)):

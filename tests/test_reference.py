@@ -69,3 +69,101 @@ def test_the_tolerance_fails_an_lse_off_by_a_thousandth(rng, case, dtype):
     assert error_ratio(lse, want, "lse") == 0
     if np.isfinite(lse).any():
         assert error_ratio(lse + 1e-3, want, "lse") > 1
+
+
+# Score modifiers (README, Semantics): the oracle's backward, dbias included, against central
+# differences of its own forward, for each modifier alone and all together.
+def modifier_cases(rng, B, Sq, Sk, Hq):
+    bias = rng.standard_normal((1, Hq, Sq, Sk))  # broadcast over the batch: dbias sums over it
+    mask = rng.random((B, 1, Sq, Sk)) < 0.7
+    mask[0, 0, 1] = False  # a row that sees no key
+    slopes = rng.uniform(0.1, 1.0, (Hq,)).astype(np.float32)
+    return {
+        "window": dict(window=(1, 1)),
+        "causal window": dict(window=(2, None), causal=True),
+        "softcap": dict(softcap=0.8),
+        "alibi": dict(alibi_slopes=slopes),
+        "bias": dict(bias=bias),
+        "bias (B, 1, 1, Sk)": dict(bias=rng.standard_normal((B, 1, 1, Sk))),
+        "mask": dict(mask=mask),
+        "all": dict(window=(2, 1), softcap=1.5, alibi_slopes=slopes, bias=bias, mask=mask),
+    }
+
+
+MODIFIER_NAMES = list(modifier_cases(np.random.default_rng(0), 2, 3, 5, 2))
+
+
+def numeric_gradient(loss, x, h=1e-6):
+    numeric = np.zeros_like(x)
+    for idx in np.ndindex(x.shape):
+        old = x[idx]
+        x[idx] = old + h
+        up = loss()
+        x[idx] = old - h
+        down = loss()
+        x[idx] = old
+        numeric[idx] = (up - down) / (2 * h)
+    return numeric
+
+
+@pytest.mark.parametrize("name", MODIFIER_NAMES)
+def test_oracle_backward_with_modifiers_matches_finite_differences(rng, name):
+    B, Sq, Sk, Hq, Hkv, D = 2, 3, 5, 2, 1, 3
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float64)
+    kw = modifier_cases(rng, B, Sq, Sk, Hq)[name]
+    w = rng.standard_normal(q.shape)  # loss = sum(w * out), so dout = w
+
+    def loss():
+        return float(np.sum(w * reference.attention(q, k, v, **kw)))
+
+    grads = reference.attention_backward(w, q, k, v, **kw)
+    assert len(grads) == (4 if "bias" in kw else 3)
+    inputs = (q, k, v) + ((kw["bias"],) if "bias" in kw else ())
+    for x, g in zip(inputs, grads):
+        assert g.shape == x.shape
+        np.testing.assert_allclose(g, numeric_gradient(loss, x), rtol=1e-6, atol=1e-8)
+
+
+def test_oracle_modifiers_are_applied_in_the_readmes_order(rng):
+    # s = scale q.k -> softcap -> + alibi -> + bias -> hidden -inf -> softmax, written out for one head
+    q, k, v = make_qkv(rng, 1, 4, 6, 1, 1, 3, np.float64)
+    bias = rng.standard_normal((1, 1, 4, 6))
+    mask = rng.random((1, 1, 4, 6)) < 0.8
+    slopes = np.array([0.3], np.float32)
+    kw = dict(window=(3, 0), softcap=0.7, alibi_slopes=slopes, bias=bias, mask=mask, scale=0.9)
+    out, lse = reference.attention(q, k, v, return_lse=True, **kw)
+    i, j = np.arange(4)[:, None] + 2, np.arange(6)[None, :]
+    s = 0.7 * np.tanh(0.9 * q[0, :, 0] @ k[0, :, 0].T / 0.7) - float(slopes[0]) * abs(i - j) + bias[0, 0]
+    s = np.where((j <= i) & (j >= i - 3) & mask[0, 0], s, -np.inf)
+    with np.errstate(divide="ignore"):
+        want_lse = np.log(np.exp(s).sum(axis=1))
+    np.testing.assert_allclose(lse[0, 0], want_lse, rtol=1e-13)
+    p = np.nan_to_num(np.exp(s - want_lse[:, None]))
+    np.testing.assert_allclose(out[0, :, 0], p @ v[0, :, 0], rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(reference.attention_probs(q, k, lse, **kw)[0, 0], p, rtol=1e-12, atol=1e-15)
+
+
+def test_visible_takes_the_window():
+    # window (1, 0) bottom-right: each query sees its diagonal key and the one before
+    np.testing.assert_array_equal(reference.visible(3, 4, False, window=(1, 0)),
+                                  [[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]])
+    # causal narrows a window's right to 0; (None, None) restricts nothing
+    np.testing.assert_array_equal(reference.visible(3, 3, True, window=(1, 2)), reference.visible(3, 3, False, window=(1, 0)))
+    np.testing.assert_array_equal(reference.visible(2, 3, False, window=(None, None)), np.ones((2, 3), bool))
+    # windows past the ends: with 3 queries and 1 key, (0, 0) leaves rows 0 and 1 nothing, (0, 1) row 0
+    np.testing.assert_array_equal(reference.visible(3, 1, False, window=(0, 0)), [[0], [0], [1]])
+    np.testing.assert_array_equal(reference.visible(3, 1, False, window=(0, 1)), [[0], [1], [1]])
+
+
+def test_oracle_rows_that_see_no_key_with_a_mask_give_zero_everything(rng):
+    q, k, v = make_qkv(rng, 1, 4, 5, 2, 1, 3, np.float64)
+    mask = np.ones((1, 1, 4, 5), bool)
+    mask[..., 2, :] = False
+    bias = rng.standard_normal((1, 2, 4, 5))
+    out, lse = reference.attention(q, k, v, mask=mask, bias=bias, return_lse=True)
+    assert np.all(out[:, 2] == 0) and np.all(np.isneginf(lse[:, :, 2]))
+    dout = rng.standard_normal(q.shape)
+    dout[:, 2] = np.nan
+    dq, dk, dv, dbias = reference.attention_backward(dout, q, k, v, mask=mask, bias=bias)
+    assert np.all(dq[:, 2] == 0) and np.all(dbias[:, :, 2] == 0)
+    assert not any(np.isnan(g).any() for g in (dq, dk, dv, dbias))
