@@ -10,19 +10,24 @@ Semantics (documented once, in README.md, "Semantics"):
 - causal is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
 - a query row that sees no key gets out 0, lse -inf and zero gradients.
 - lse is the natural-log logsumexp of the scaled scores, shape (batch, heads_q, seqlen_q).
+- score modifiers (window, softcap, alibi_slopes, bias, mask), applied in that README order:
+  s = scale q.k -> softcap -> + alibi -> + bias -> hidden pairs -inf -> softmax. A backend
+  declares the ones it computes (MODIFIERS); a call that asks another one of it is a ValueError.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import backends
 
 FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
+MODIFIERS = ("window", "softcap", "alibi_slopes", "bias", "mask")  # the keywords, in the order they apply
 BIT_CARRIERS = (np.dtype(np.uint16), np.dtype(np.int16))  # what dtype="bfloat16" reads
 
 
@@ -40,6 +45,34 @@ class Problem:
     causal: bool
     scale: float
     carrier: np.dtype   # the arrays' own dtype: dtype, or uint16/int16 holding bfloat16 bits
+    # Score modifiers (README, Semantics); None where absent. The window's sides as validated, None
+    # unbounded; with causal the window's right is dropped (causal is right = 0, see band).
+    window_left: int | None = None
+    window_right: int | None = None
+    softcap: float | None = None
+    # arrays of the inputs' library: (heads_q,) or (batch, heads_q); rank 4 and broadcastable to
+    # (batch, heads_q, seqlen_q, seqlen_k), bias in q's dtype (carrier) or float32, mask bool
+    alibi_slopes: object = field(default=None, compare=False, repr=False)
+    bias: object = field(default=None, compare=False, repr=False)
+    mask: object = field(default=None, compare=False, repr=False)
+    # The diagonal when this problem is a chunk of a larger one (flashcupy.dask: the chunks' global
+    # positions); None: seqlen_k - seqlen_q, the bottom-right alignment of the whole arrays.
+    offset: int | None = None
+
+    @property
+    def band(self) -> tuple:
+        """(left, right), each None when unbounded: query i sees key j only if
+        i + diagonal - left <= j <= i + diagonal + right (and the mask allows it). The one
+        statement of the causal and window rule: causal is right = 0."""
+        return self.window_left, (0 if self.causal else self.window_right)
+
+    @property
+    def modifiers(self) -> frozenset:
+        """The score modifiers this call uses, by keyword name (empty for plain and causal attention)."""
+        present = {"window": self.window_left is not None or self.window_right is not None,
+                   "softcap": self.softcap is not None, "alibi_slopes": self.alibi_slopes is not None,
+                   "bias": self.bias is not None, "mask": self.mask is not None}
+        return frozenset(name for name, there in present.items() if there)
 
     @property
     def group(self) -> int:
@@ -61,12 +94,23 @@ class Problem:
     @property
     def diagonal(self) -> int:
         """Query i sees key j iff j <= i + diagonal (bottom-right alignment)."""
-        return self.seqlen_k - self.seqlen_q
+        return self.seqlen_k - self.seqlen_q if self.offset is None else self.offset
 
     def flops_forward(self) -> float:
-        """Standard count (FlashAttention papers): 4*B*H*Sq*Sk*D, halved when causal."""
+        """Standard count (FlashAttention papers): 4*B*H*Sq*Sk*D, halved when causal; with a window,
+        4*B*H*D per pair the band leaves visible."""
+        if self.window_left is not None or self.window_right is not None:
+            return 4.0 * self.batch * self.heads_q * self.head_dim * self.band_pairs()
         f = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
         return f / 2 if self.causal else f
+
+    def band_pairs(self) -> int:
+        """The (query, key) pairs that causal and window leave visible, per batch and head."""
+        left, right = self.band
+        i = np.arange(self.seqlen_q, dtype=np.int64) + self.diagonal
+        lo = np.zeros_like(i) if left is None else np.clip(i - left, 0, self.seqlen_k)
+        hi = np.full_like(i, self.seqlen_k) if right is None else np.clip(i + right + 1, 0, self.seqlen_k)
+        return int(np.maximum(hi - lo, 0).sum())
 
 
 # ----------------------------------------------------------------------------
@@ -172,7 +216,99 @@ def _check_backend_name(backend) -> str:
     return backend
 
 
-def _problem(q, k, v, causal, scale, dtype) -> Problem:
+def _check_window(window) -> tuple:
+    """(left, right), each None or an int >= 0."""
+    expected = "None or a (left, right) pair, each None (unbounded) or an int >= 0"
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be {expected}, got {window!r}" if isinstance(window, (tuple, list))
+                        else f"window must be {expected}, got {_describe(window)}")
+    sides = []
+    for side, x in zip(("left", "right"), window):
+        if x is not None and (isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral)):
+            raise TypeError(f"window must be {expected}, got {_describe(x)} {x!r} as its {side}")
+        if x is not None and x < 0:
+            raise ValueError(f"window must be {expected}, got {int(x)} as its {side}")
+        sides.append(None if x is None else int(x))
+    return tuple(sides)
+
+
+def _check_softcap(softcap, acc_dtype: np.dtype):
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number or None, got {_describe(softcap)}")
+    c = float(softcap)
+    if not math.isfinite(c) or c <= 0:
+        raise ValueError(f"softcap must be finite and positive, got {c!r}")
+    with np.errstate(over="ignore", under="ignore"):
+        in_acc = acc_dtype.type(c), acc_dtype.type(c * LOG2E)
+    if not all(np.isfinite(x) and x > 0 for x in in_acc):
+        info = np.finfo(acc_dtype)
+        raise ValueError(f"softcap must be finite and positive in {acc_dtype}, the accumulation dtype "
+                         f"(between {info.tiny:.3g} and {float(info.max) / LOG2E:.3g}), got {c!r}")
+    return c
+
+
+def _check_modifier_array(name: str, x, lib: str) -> None:
+    """x is an array of q's library, with native byte order and whole-element strides."""
+    x_lib = backends.array_library(x)
+    if x_lib is None:
+        raise TypeError(f"{name} must be None or an array of q's library ({lib}), got {_describe(x)}")
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} must not be a numpy.ma.MaskedArray: its mask would be ignored")
+    if x_lib != lib:
+        raise TypeError(f"{name} must come from q's array library ({lib}), got a {x_lib} array")
+    if not np.dtype(x.dtype).isnative:
+        raise TypeError(f"{name} must have native byte order, got {np.dtype(x.dtype).str}")
+    _check_strides(name, x)
+
+
+def _check_broadcastable(name: str, x, full: tuple) -> None:
+    what = f"broadcastable to (batch, heads_q, seqlen_q, seqlen_k) = {full}"
+    if x.ndim != 4:
+        raise ValueError(f"{name} must have rank 4, {what}, got shape {tuple(x.shape)}")
+    if any(n not in (1, f) for n, f in zip(x.shape, full)):
+        raise ValueError(f"{name} must be {what} (each dimension its full size or 1), got shape {tuple(x.shape)}")
+
+
+def _modifiers(lib, p: Problem, window, softcap, alibi_slopes, bias, mask) -> dict:
+    """The validated modifiers, as Problem's fields."""
+    left, right = _check_window(window)
+    if p.causal:
+        right = None  # causal is right = 0, which a window's right (>= 0) never narrows
+    found = dict(window_left=left, window_right=right, softcap=_check_softcap(softcap, p.acc_dtype))
+    full = (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k)
+    if alibi_slopes is not None:
+        _check_modifier_array("alibi_slopes", alibi_slopes, lib)
+        shapes = ((p.heads_q,), (p.batch, p.heads_q))
+        if tuple(alibi_slopes.shape) not in shapes:
+            raise ValueError(f"alibi_slopes must have shape (heads_q,) = {shapes[0]} or (batch, heads_q) = "
+                             f"{shapes[1]}, got {tuple(alibi_slopes.shape)}")
+        allowed = sorted({np.dtype(np.float32), p.acc_dtype}, key=lambda d: d.itemsize)
+        if np.dtype(alibi_slopes.dtype) not in allowed:
+            raise TypeError(f"alibi_slopes must have dtype {' or '.join(map(str, allowed))} for {p.dtype} inputs, "
+                            f"got {np.dtype(alibi_slopes.dtype)}")
+        found["alibi_slopes"] = alibi_slopes
+    if bias is not None:
+        _check_modifier_array("bias", bias, lib)
+        _check_broadcastable("bias", bias, full)
+        if np.dtype(bias.dtype) not in (p.carrier, np.dtype(np.float32)):
+            also = "" if p.carrier == np.float32 else " or float32"
+            raise TypeError(f"bias must have q's dtype {p.carrier}{also}, got {np.dtype(bias.dtype)}")
+        found["bias"] = bias
+    if mask is not None:
+        _check_modifier_array("mask", mask, lib)
+        _check_broadcastable("mask", mask, full)
+        if np.dtype(mask.dtype) != np.dtype(bool):
+            raise TypeError(f"mask must have dtype bool (True: may attend), got {np.dtype(mask.dtype)}")
+        found["mask"] = mask
+    return found
+
+
+def _problem(q, k, v, causal, scale, dtype, lib=None, window=None, softcap=None, alibi_slopes=None, bias=None,
+             mask=None, diagonal=None) -> Problem:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(
@@ -199,13 +335,22 @@ def _problem(q, k, v, causal, scale, dtype) -> Problem:
             f"heads_q must be a multiple of heads_kv (GQA/MQA), got heads_q={Hq}, heads_kv={Hkv}")
     value_dtype, carrier = _check_dtypes({"q": q, "k": k, "v": v}, dtype)
     scale = _check_scale(scale, D, backends.accumulation_dtype(value_dtype))
-    return Problem(B, Sq, Sk, Hq, Hkv, D, value_dtype, causal, scale, carrier)
+    if diagonal is not None and (isinstance(diagonal, bool) or not isinstance(diagonal, numbers.Integral)):
+        raise TypeError(f"_diagonal must be an int or None, got {_describe(diagonal)}")
+    p = Problem(B, Sq, Sk, Hq, Hkv, D, value_dtype, causal, scale, carrier,
+                offset=None if diagonal is None else int(diagonal))
+    if window is softcap is alibi_slopes is bias is mask is None:
+        return p
+    return dataclasses.replace(p, **_modifiers(lib, p, window, softcap, alibi_slopes, bias, mask))
 
 
 def _select(backend: str, lib: str, p: Problem, backward: bool = False):
     """The backend module for this call: TypeError if it cannot take these arrays or this dtype,
     ValueError if the problem passes one of its limits (head_dim, CUDA's grid)."""
     name = backends.DEFAULT_FOR_LIBRARY[lib] if backend == "auto" else backend
+    wanted = p.modifiers
+    if backend == "auto" and wanted:
+        name = _backend_for_modifiers(lib, p, name)
     mod = backends.load(name)
     if lib not in mod.ARRAY_LIBRARIES:
         takes = " or ".join(mod.ARRAY_LIBRARIES)
@@ -220,14 +365,72 @@ def _select(backend: str, lib: str, p: Problem, backward: bool = False):
         if blocks > backends.MAX_GRID[axis]:
             raise ValueError(f"too large for the {name} backend: {what} needs {blocks} thread blocks along "
                              f"CUDA grid {'xyz'[axis]}, which holds at most {backends.MAX_GRID[axis]}")
+    missing = wanted and [m for m in MODIFIERS if m in wanted and m not in getattr(mod, "MODIFIERS", ())]
+    if missing:
+        others = [n for n in backends.NAMES if n != name and set(missing) <= _declared_modifiers(n)]
+        raise ValueError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not yet supported by "
+                         f"backend {name!r}" + (f" (backend {' or '.join(map(repr, others))} supports "
+                                                f"{'it' if len(missing) == 1 else 'them'})" if others else ""))
     return mod
+
+
+def _declared_modifiers(name: str) -> frozenset:
+    """The modifiers backend `name` declares (none where its module cannot even be imported)."""
+    try:
+        return frozenset(getattr(backends.module(name), "MODIFIERS", ()))
+    except ImportError:
+        return frozenset()
+
+
+def _backend_for_modifiers(lib: str, p: Problem, default: str) -> str:
+    """backend="auto" with modifiers: the default backend for these arrays, else the first other
+    that takes them, computes every modifier asked and can run here; else the default (which
+    _select then refuses, naming the modifier)."""
+    for name in (default, *backends.NAMES):
+        if not p.modifiers <= _declared_modifiers(name):
+            continue
+        if lib in backends.module(name).ARRAY_LIBRARIES and backends.unavailable_reason(name) is None:
+            return name
+    return default
 
 
 # ----------------------------------------------------------------------------
 # public API
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, backend="auto", dtype=None):
+def _check_lse(p: Problem, lse) -> None:
+    if tuple(lse.shape) != p.lse_shape:
+        raise ValueError(
+            f"lse must have shape (batch, heads_q, seqlen_q) = {p.lse_shape}, got {tuple(lse.shape)}")
+    if np.dtype(lse.dtype) != p.lse_dtype:
+        raise TypeError(f"lse must have dtype {p.lse_dtype} for {p.dtype} inputs, got {np.dtype(lse.dtype)}")
+    _check_strides("lse", lse)
+
+
+def _check_rows(rows, seqlen_q: int) -> np.ndarray:
+    """The query rows attention_probs is asked for, as an index array into [0, seqlen_q)."""
+    expected = "None, a slice or a 1-D array of ints"
+    if rows is None:
+        return np.arange(seqlen_q)
+    if isinstance(rows, slice):
+        return np.arange(seqlen_q)[rows]
+    if isinstance(rows, (bool, np.bool_)) or isinstance(rows, (numbers.Number, str)):
+        raise TypeError(f"rows must be {expected}, got {_describe(rows)}")
+    try:
+        index = np.asarray(rows)
+    except Exception:
+        raise TypeError(f"rows must be {expected} (NumPy-readable), got {_describe(rows)}") from None
+    if index.ndim != 1 or (index.dtype.kind not in "iu" and not (index.size == 0 and index.dtype.kind == "f")):
+        raise TypeError(f"rows must be {expected}, got {index.ndim}-D {index.dtype}")
+    index = index.astype(np.int64)
+    bad = index[(index < -seqlen_q) | (index >= seqlen_q)]
+    if bad.size:
+        raise ValueError(f"rows must lie in [-seqlen_q, seqlen_q) = [{-seqlen_q}, {seqlen_q}), got {int(bad[0])}")
+    return np.where(index < 0, index + seqlen_q, index).astype(np.intp)
+
+
+def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
+              scale=None, return_lse=False, backend="auto", dtype=None, _diagonal=None):
     """Exact softmax(q kᵀ · scale) v, computed tile by tile (FlashAttention).
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
@@ -235,14 +438,20 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, backend="a
     return_lse=True also lse, the natural-log logsumexp, (batch, heads_q, seqlen_q),
     float32 (float64 for float64 inputs).
 
+    Score modifiers (README, Semantics): window=(left, right), softcap, alibi_slopes, bias (rank 4,
+    broadcastable to (batch, heads_q, seqlen_q, seqlen_k)) and mask (bool, True: may attend).
+
     dtype=None reads the arrays as their own dtype (float16, float32, float64, or
     ml_dtypes.bfloat16 on NumPy); dtype="bfloat16" reads uint16/int16 arrays as
     bfloat16 bit patterns (CuPy has no bfloat16 dtype), and out comes back the same way.
+
+    _diagonal (private, for flashcupy.dask): the diagonal of a chunk of a larger problem, its
+    queries' and keys' global positions folded in; None: seqlen_k - seqlen_q.
     """
     backend = _check_backend_name(backend)
     return_lse = _check_bool("return_lse", return_lse)
     lib = _check_arrays({"q": q, "k": k, "v": v})
-    p = _problem(q, k, v, causal, scale, dtype)
+    p = _problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, _diagonal)
     mod = _select(backend, lib, p)
 
     if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
@@ -254,8 +463,11 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, backend="a
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, backend="auto", dtype=None):
-    """Gradients (dq, dk, dv) of attention, given dout and the forward's out and lse.
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None,
+                       bias=None, mask=None, scale=None, backend="auto", dtype=None, _diagonal=None):
+    """Gradients (dq, dk, dv) of attention, given dout and the forward's out and lse; with bias,
+    (dq, dk, dv, dbias), dbias of the bias's own shape and dtype (summed over its broadcast
+    dimensions).
 
     dk and dv sum over the query heads that share a kv head. P is recomputed
     from q, k and lse, so memory stays O(seqlen).
@@ -263,32 +475,52 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, bac
     backend = _check_backend_name(backend)
     named = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     lib = _check_arrays(named)
-    p = _problem(q, k, v, causal, scale, dtype)
+    p = _problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, _diagonal)
     for name, x in (("dout", dout), ("out", out)):
         if tuple(x.shape) != tuple(q.shape):
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
         if np.dtype(x.dtype) != p.carrier:
             raise TypeError(f"{name} must have q's dtype {p.carrier}, got {np.dtype(x.dtype)}")
         _check_strides(name, x)
-    if tuple(lse.shape) != p.lse_shape:
-        raise ValueError(
-            f"lse must have shape (batch, heads_q, seqlen_q) = {p.lse_shape}, got {tuple(lse.shape)}")
-    if np.dtype(lse.dtype) != p.lse_dtype:
-        raise TypeError(f"lse must have dtype {p.lse_dtype} for {p.dtype} inputs, got {np.dtype(lse.dtype)}")
-    _check_strides("lse", lse)
+    _check_lse(p, lse)
     mod = _select(backend, lib, p, backward=True)
 
     if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
-        return tuple(mod.allocate(q, x.shape, p.carrier, 0) for x in (q, k, v))
+        grads = tuple(mod.allocate(q, x.shape, p.carrier, 0) for x in (q, k, v))
+        return grads if bias is None else grads + (mod.allocate(q, bias.shape, bias.dtype, 0),)
     return mod.backward(p, dout, q, k, v, out, lse)
 
 
-def attention_vjp(q, k, v, *, causal=False, scale=None, backend="auto", dtype=None):
-    """Forward pass plus a closure for the backward: returns (out, vjp), vjp(dout) -> (dq, dk, dv)."""
-    out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend, dtype=dtype)
+def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
+                  scale=None, backend="auto", dtype=None):
+    """Forward pass plus a closure for the backward: returns (out, vjp), vjp(dout) -> (dq, dk, dv),
+    or (dq, dk, dv, dbias) with a bias."""
+    mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask)
+    out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend, dtype=dtype, **mods)
 
     def vjp(dout):
         return attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend,
-                                  dtype=dtype)
+                                  dtype=dtype, **mods)
 
     return out, vjp
+
+
+def attention_probs(q, k, lse, *, rows=None, causal=False, window=None, softcap=None, alibi_slopes=None,
+                    bias=None, mask=None, scale=None, backend="auto", dtype=None):
+    """The attention weights P = exp(s - lse) of the query rows asked for, recomputed from q, k and
+    the forward's lse with the forward's modifiers: (batch, heads_q, len(rows), seqlen_k), in lse's
+    dtype. rows: None (all: O(seqlen_q x seqlen_k) memory), a slice or a 1-D array of ints (negative
+    ones count from the end). A row sums to 1, or is 0 where it sees no key.
+    """
+    backend = _check_backend_name(backend)
+    lib = _check_arrays({"q": q, "k": k, "lse": lse})
+    p = _problem(q, k, k, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask)
+    _check_lse(p, lse)
+    index = _check_rows(rows, p.seqlen_q)
+    mod = _select(backend, lib, p)
+    if not hasattr(mod, "probs"):
+        raise ValueError(f"attention_probs is not yet supported by backend {mod.NAME!r}")
+    shape = (p.batch, p.heads_q, index.size, p.seqlen_k)
+    if math.prod(shape) == 0:
+        return mod.allocate(q, shape, p.lse_dtype, 0)
+    return mod.probs(p, q, k, lse, index)

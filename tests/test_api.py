@@ -15,6 +15,18 @@ def qkv(B=1, Sq=4, Sk=4, Hq=2, Hkv=2, D=8, dtype=F32):
             np.zeros((B, Sk, Hkv, D), dtype))
 
 
+def fake_cupy(shape, dtype=F32):
+    """Something the library check takes for a cupy.ndarray of this shape."""
+    class FakeCupyArray:
+        __cuda_array_interface__ = {"data": (0, False)}
+
+    FakeCupyArray.__module__ = "cupy._core.core"
+    x = FakeCupyArray()
+    x.shape, x.ndim, x.dtype = shape, len(shape), np.dtype(dtype)
+    x.strides = tuple(int(np.prod(shape[i + 1:])) * x.dtype.itemsize for i in range(len(shape)))
+    return x
+
+
 BAD_FORWARD = [
     # (description, args, kwargs, exception, words the message must contain)
     ("rank", lambda: (np.zeros((4, 2, 8), F32),) + qkv()[1:], {}, ValueError, ["q", "rank 4", "(4, 2, 8)"]),
@@ -42,6 +54,44 @@ BAD_FORWARD = [
     ("return_lse type", lambda: qkv(), {"return_lse": "no"}, TypeError, ["return_lse", "bool", "str"]),
     ("masked array", lambda: (np.ma.masked_array(qkv()[0]),) + qkv()[1:], {}, TypeError, ["q", "MaskedArray", "mask"]),
     ("big-endian", lambda: qkv(dtype=">f8"), {}, TypeError, ["q", "native byte order", ">f8"]),
+    # score modifiers (README, Semantics), for q (1, 4, 2, 8): full bias shape (1, 2, 4, 4)
+    ("window negative", lambda: qkv(), {"window": (-1, 2)}, ValueError, ["window", "int >= 0", "-1", "left"]),
+    ("window bool", lambda: qkv(), {"window": (3, True)}, TypeError, ["window", "bool", "right"]),
+    ("window float", lambda: qkv(), {"window": (1.5, None)}, TypeError, ["window", "float", "1.5"]),
+    ("window not a pair", lambda: qkv(), {"window": 3}, TypeError, ["window", "(left, right)", "int"]),
+    ("window of three", lambda: qkv(), {"window": (1, 2, 3)}, TypeError, ["window", "(left, right)", "(1, 2, 3)"]),
+    ("softcap zero", lambda: qkv(), {"softcap": 0.0}, ValueError, ["softcap", "positive", "0.0"]),
+    ("softcap negative", lambda: qkv(), {"softcap": -2}, ValueError, ["softcap", "positive", "-2"]),
+    ("softcap inf", lambda: qkv(), {"softcap": float("inf")}, ValueError, ["softcap", "finite", "inf"]),
+    ("softcap nan", lambda: qkv(), {"softcap": float("nan")}, ValueError, ["softcap", "finite", "nan"]),
+    ("softcap string", lambda: qkv(), {"softcap": "30"}, TypeError, ["softcap", "real number", "str"]),
+    ("softcap bool", lambda: qkv(), {"softcap": True}, TypeError, ["softcap", "real number", "bool"]),
+    ("softcap overflows float32", lambda: qkv(), {"softcap": 1e39}, ValueError, ["softcap", "float32", "1e+39"]),
+    ("alibi shape", lambda: qkv(), {"alibi_slopes": np.ones(3, F32)}, ValueError,
+     ["alibi_slopes", "(heads_q,) = (2,)", "(batch, heads_q) = (1, 2)", "(3,)"]),
+    ("alibi dtype", lambda: qkv(), {"alibi_slopes": np.ones(2, np.float64)}, TypeError,
+     ["alibi_slopes", "float32", "float64"]),
+    ("alibi list", lambda: qkv(), {"alibi_slopes": [0.5, 0.25]}, TypeError, ["alibi_slopes", "numpy", "list"]),
+    ("alibi other library", lambda: qkv(), {"alibi_slopes": fake_cupy((2,))}, TypeError,
+     ["alibi_slopes", "q's array library (numpy)", "cupy"]),
+    ("bias rank", lambda: qkv(), {"bias": np.zeros((2, 4, 4), F32)}, ValueError,
+     ["bias", "rank 4", "(1, 2, 4, 4)", "(2, 4, 4)"]),
+    ("bias not broadcastable", lambda: qkv(), {"bias": np.zeros((1, 3, 4, 4), F32)}, ValueError,
+     ["bias", "broadcastable", "(1, 2, 4, 4)", "(1, 3, 4, 4)"]),
+    ("bias dtype", lambda: qkv(), {"bias": np.zeros((1, 2, 4, 4), np.float64)}, TypeError,
+     ["bias", "q's dtype float32", "float64"]),
+    ("bias dtype float16 q", lambda: qkv(dtype=np.float16), {"bias": np.zeros((1, 2, 4, 4), np.float64)}, TypeError,
+     ["bias", "q's dtype float16 or float32", "float64"]),
+    ("bias other library", lambda: qkv(), {"bias": fake_cupy((1, 2, 4, 4))}, TypeError,
+     ["bias", "q's array library (numpy)", "cupy"]),
+    ("bias list", lambda: qkv(), {"bias": [[[[0.0]]]]}, TypeError, ["bias", "numpy", "list"]),
+    ("mask dtype", lambda: qkv(), {"mask": np.ones((1, 1, 4, 4), np.int8)}, TypeError, ["mask", "bool", "int8"]),
+    ("mask float", lambda: qkv(), {"mask": np.ones((1, 1, 4, 4), F32)}, TypeError, ["mask", "bool", "float32"]),
+    ("mask rank", lambda: qkv(), {"mask": np.ones((4, 4), bool)}, ValueError, ["mask", "rank 4", "(4, 4)"]),
+    ("mask not broadcastable", lambda: qkv(), {"mask": np.ones((1, 1, 4, 5), bool)}, ValueError,
+     ["mask", "broadcastable", "(1, 2, 4, 4)", "(1, 1, 4, 5)"]),
+    ("mask other library", lambda: qkv(), {"mask": fake_cupy((1, 1, 4, 4), bool)}, TypeError,
+     ["mask", "q's array library (numpy)", "cupy"]),
 ]
 
 

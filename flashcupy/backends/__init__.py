@@ -6,12 +6,14 @@ A backend is a module with:
     ARRAY_LIBRARIES: tuple[str, ...]   # array libraries it takes ('numpy', 'cupy', 'numba')
     DTYPES: tuple[str, ...]            # value dtypes it computes on ('float16', ..., 'bfloat16')
     MAX_HEAD_DIM: int | None           # the largest head_dim it takes (None: any)
+    MODIFIERS: frozenset[str]          # the score modifiers it computes ("window", "softcap", ...)
     grid_axes(p, backward) -> list of (what, blocks, axis): every CUDA grid axis its launches
                                        # for p would use (none on the CPU); checked against MAX_GRID
     unavailable_reason() -> str | None # None when usable on this machine
     allocate(like, shape, dtype, fill) -> array of like's library filled with `fill`
     forward(p, q, k, v) -> (out, lse)
-    backward(p, dout, q, k, v, out, lse) -> (dq, dk, dv)
+    backward(p, dout, q, k, v, out, lse) -> (dq, dk, dv), and dbias after them when p.bias is set
+    probs(p, q, k, lse, rows) -> P      # optional: attention_probs, rows an index array
 
 The interface checks every limit a backend declares before it runs (backends never re-validate);
 `p` is a validated `flashcupy._api.Problem`. Arrays hold p.dtype values in

@@ -63,6 +63,7 @@ NAME = "numba"
 ARRAY_LIBRARIES = ("numpy", "cupy", "numba")
 DTYPES = ("float16", "float32", "float64")  # numba has no bfloat16 arithmetic type
 MAX_HEAD_DIM = 256  # kernels.HEAD_DIM_MAX: the register accumulators are sized for it
+MODIFIERS = frozenset()  # score modifiers (issue 13) not yet in the kernels: _api refuses them
 
 
 @functools.cache
