@@ -149,8 +149,11 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
         if bias is not None:
             n = max(1, (B * Hq * Sq * Sk) // max(1, math.prod(np.shape(bias))))  # terms per element
             want["dbias"] = reduce_to(dS, np.shape(bias))
+            stored = "float32" if np.asarray(bias).dtype == np.float32 else dtype  # dbias has the bias's dtype
+            u_b = ROUNDOFF[stored][0]
+            floor_b = 2.0**-25 if stored == "float16" else float(np.finfo(np.float64 if stored == "float64" else np.float32).tiny)
             tol["dbias"] = (reduce_to(dS_bound + gamma(n) * abs(dS), np.shape(bias))
-                            + u_s * abs(want["dbias"]) + store_floor)
+                            + u_b * abs(want["dbias"]) + floor_b)
         if T is not None:  # dq and dk read dS (1 - t^2), the gradient of the score before the softcap
             squeeze = 1 - T**2
             dS_bound = dS_bound * squeeze + abs(dS) * (2 * squeeze * ds[..., None] / softcap + gamma(8))

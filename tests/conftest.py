@@ -40,13 +40,15 @@ def bf16_bits(x):
     return x.view(np.uint16)
 
 
-def assert_matches_oracle(got, q, k, v, dout=None, *, causal=False, scale=None, dtype=None):
-    """Check a backend's (out, lse) or (out, lse, dq, dk, dv) against the oracle, element by element,
-    with the tolerance of reference/compare.py; q, k, v, dout as the backend got them (NumPy arrays;
-    bfloat16 as ml_dtypes arrays, or uint16 bits with dtype="bfloat16"). Returns {output: err/tol}."""
-    want = expected(q, k, v, dout, causal=causal, scale=scale, dtype=dtype)
+def assert_matches_oracle(got, q, k, v, dout=None, *, causal=False, scale=None, dtype=None, **modifiers):
+    """Check a backend's (out, lse) or (out, lse, dq, dk, dv), or (out, lse, dq, dk, dv, dbias) with
+    a bias, against the oracle, element by element, with the tolerance of reference/compare.py; q,
+    k, v, dout as the backend got them (NumPy arrays; bfloat16 as ml_dtypes arrays, or uint16 bits
+    with dtype="bfloat16"); modifiers: window, softcap, alibi_slopes, bias, mask as the backend got
+    them. Returns {output: err/tol}."""
+    want = expected(q, k, v, dout, causal=causal, scale=scale, dtype=dtype, **modifiers)
     ratios = {}
-    for name, x in zip(("out", "lse", "dq", "dk", "dv"), got):
+    for name, x in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got):
         ratios[name] = error_ratio(x, want, name)
         assert ratios[name] <= 1, f"{name}: error {ratios[name]:.3g} times the tolerance ({want.dtype})"
     return ratios

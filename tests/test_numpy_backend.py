@@ -130,15 +130,26 @@ def test_nan_in_a_query_row_stays_in_that_row(rng, small_tiles):
     assert not np.isnan(np.delete(out, 5, axis=1)).any()
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_visibility_helpers_are_the_oracles_rule(causal):
+# (causal, window): every shape of band the helpers must state, windows included
+BANDS = [(False, None), (True, None), (False, (1, 2)), (False, (0, 0)), (False, (None, 1)), (False, (2, None)),
+         (True, (1, None)), (True, (0, 3))]
+
+
+def band_problem(Sq, Sk, causal, window):
+    left, right = window or (None, None)
+    return Problem(batch=1, seqlen_q=Sq, seqlen_k=Sk, heads_q=1, heads_kv=1, head_dim=1, dtype="float32",
+                   causal=causal, scale=1.0, carrier=np.dtype(np.float32), window_left=left,
+                   window_right=None if causal else right)
+
+
+@pytest.mark.parametrize("causal, window", BANDS)
+def test_visibility_helpers_are_the_oracles_rule(causal, window):
     """On every tile of every small shape: _mask_scores hides exactly what the oracle hides, and a
     block's range holds exactly the keys (queries) that some row (key) of the block sees, so the
     loops skip no visible pair and visit no block that sees nothing."""
     for Sq, Sk in itertools.product(range(1, 7), repeat=2):
-        p = Problem(batch=1, seqlen_q=Sq, seqlen_k=Sk, heads_q=1, heads_kv=1, head_dim=1,
-                    dtype="float32", causal=causal, scale=1.0, carrier=np.dtype(np.float32))
-        want = reference.visible(Sq, Sk, causal)
+        p = band_problem(Sq, Sk, causal, window)
+        want = reference.visible(Sq, Sk, causal, window=window)
         for i0, i1 in itertools.combinations(range(Sq + 1), 2):
             assert list(range(*numpy_backend._key_range(p, i0, i1))) == list(np.flatnonzero(want[i0:i1].any(0)))
             for j0, j1 in itertools.combinations(range(Sk + 1), 2):
@@ -152,9 +163,9 @@ def test_visibility_helpers_are_the_oracles_rule(causal):
             assert list(range(*numpy_backend._keys_seen_by_all(p, i0, i1))) == list(np.flatnonzero(want[i0:i1].all(0)))
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal, window", BANDS)
 @pytest.mark.parametrize("step, block", [(1, 1), (2, 3), (3, 8), (4, 5), (8, 16)])
-def test_tiles_cover_every_visible_pair_once(causal, step, block):
+def test_tiles_cover_every_visible_pair_once(causal, window, step, block):
     """_forward_tiles over all query blocks, and _backward_tiles over all key blocks, each cover
     every (query, key) pair the oracle shows visible exactly once, after their masks, and no tile
     is wholly masked (work that buys nothing)."""
@@ -162,9 +173,8 @@ def test_tiles_cover_every_visible_pair_once(causal, step, block):
     numpy_backend.configure(block_m=block, block_n=block)
     try:
         for Sq, Sk in itertools.product([1, 2, 5, 9, 17], repeat=2):
-            p = Problem(batch=1, seqlen_q=Sq, seqlen_k=Sk, heads_q=1, heads_kv=1, head_dim=1,
-                        dtype="float32", causal=causal, scale=1.0, carrier=np.dtype(np.float32))
-            want = reference.visible(Sq, Sk, causal)
+            p = band_problem(Sq, Sk, causal, window)
+            want = reference.visible(Sq, Sk, causal, window=window)
             for tiles in ([t for i0, i1 in numpy_backend._blocks(0, Sq, block)
                            for t in numpy_backend._forward_tiles(p, i0, i1, step)],
                           [t for j0, j1 in numpy_backend._blocks(0, Sk, block)
@@ -275,7 +285,7 @@ NUMPY_MUTATIONS = {  # see conftest.MUTATION_BATTERY
     "scale ignored": ("Q *= acc.type(p.scale * LOG2_E)", "Q *= acc.type(LOG2_E / np.sqrt(p.head_dim))"),
     "GQA head mapping": ("kv_head = h // p.group", "kv_head = h % p.heads_kv"),
     "D not subtracted": ('= -np.einsum("csgd', '= 0 * np.einsum("csgd'),
-    "key_end off by one": ("min(p.seqlen_k, i1 + p.diagonal))", "min(p.seqlen_k, i1 + p.diagonal - 1))"),
+    "key_end off by one": ("min(p.seqlen_k, i1 + p.diagonal + right))", "min(p.seqlen_k, i1 + p.diagonal + right - 1))"),
     "lse base": ("m * acc.type(LN2) + np.log(l)", "m * acc.type(LN2) + np.log2(l)"),
 }
 

@@ -58,6 +58,7 @@ NAME = "numpy"
 ARRAY_LIBRARIES = ("numpy",)
 DTYPES = ("float16", "float32", "float64", "bfloat16")
 MAX_HEAD_DIM = None
+MODIFIERS = frozenset({"window", "softcap", "alibi_slopes", "bias", "mask"})  # every score modifier
 
 
 def grid_axes(p, backward):
@@ -156,33 +157,43 @@ def _blocks(start: int, end: int, size: int):
     return [(s, min(s + step, end)) for s in range(start, end, step)]
 
 
-# Which keys a query sees, from p.causal and p.diagonal: query i sees key j iff not causal, or
-# j <= i + diagonal. The loops take both ends of their ranges from these helpers and mask tiles
-# through _visible, so a rule with more terms (a sliding window) changes these three, not the loops
-# (nor _keys_seen_by_all and _queries_seeing_all, which derive from them). The rule must be a
-# band: each query sees one interval of keys, whose two ends never decrease from one query to the
-# next.
+# Which keys a query sees, from p.band (causal and window) and p.diagonal: query i sees key j iff
+# i + diagonal - left <= j <= i + diagonal + right, a side None where unbounded (causal is
+# right = 0). The loops take both ends of their ranges from these helpers and mask tiles through
+# _visible, so the rule changes these three, not the loops (nor _keys_seen_by_all and
+# _queries_seeing_all, which derive from them). The rule must be a band: each query sees one
+# interval of keys, whose two ends never decrease from one query to the next. A user's mask is no
+# band: it is applied per tile, on top (_Modifiers).
 
 
 def _key_range(p, i0: int, i1: int) -> tuple:
     """Keys [start, end) that some query row of [i0, i1) sees."""
-    if not p.causal:
-        return 0, p.seqlen_k
-    return 0, max(0, min(p.seqlen_k, i1 + p.diagonal))
+    left, right = p.band
+    start = 0 if left is None else min(p.seqlen_k, max(0, i0 + p.diagonal - left))
+    if right is None:
+        return start, p.seqlen_k
+    return start, max(start, min(p.seqlen_k, i1 + p.diagonal + right))
 
 
 def _query_range(p, j0: int, j1: int) -> tuple:
     """Query rows [start, end) that see some key of [j0, j1)."""
-    if not p.causal:
-        return 0, p.seqlen_q
-    return max(0, min(p.seqlen_q, j0 - p.diagonal)), p.seqlen_q
+    left, right = p.band
+    start = 0 if right is None else min(p.seqlen_q, max(0, j0 - p.diagonal - right))
+    if left is None:
+        return start, p.seqlen_q
+    return start, max(start, min(p.seqlen_q, j1 - p.diagonal + left))
 
 
 def _visible(p, i, j):
     """Query i sees key j; i and j are numbers or index arrays that broadcast."""
-    if not p.causal:
+    left, right = p.band
+    if left is None and right is None:
         return np.ones(np.broadcast(i, j).shape, dtype=bool)
-    return j <= i + p.diagonal
+    if left is None:
+        return j <= i + p.diagonal + right
+    if right is None:
+        return j >= i + p.diagonal - left
+    return (j <= i + p.diagonal + right) & (j >= i + p.diagonal - left)
 
 
 def _keys_seen_by_all(p, i0: int, i1: int) -> tuple:
@@ -431,7 +442,7 @@ def _l_max(acc, v_max) -> float:
     return min(L_MAX, room / v_max) if np.isfinite(v_max) and v_max * L_MAX > room else L_MAX
 
 
-def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch) -> tuple:
+def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> tuple:
     """Online softmax of query block [i0, i1) over every key it sees, for a stack of kv heads.
 
     Q is (kv heads, rows x group, D), scaled by scale * log2(e), so that the scores come out in
@@ -443,6 +454,9 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch) -> tuple:
     need no subtraction; once some row's m moves, the scores come from [Q | -m] [K | 1]ᵀ, which
     subtracts m inside the matmul. Either way a tile costs two matmuls
     and one elementwise pass (exp2). Returns (O, lse), stacked as Q, lse in natural log.
+
+    modify(S, rows, keys) (_Modifiers.apply; None without softcap, ALiBi, bias or mask) changes
+    the scores before m is subtracted, which then takes an elementwise pass of its own.
     """
     acc = p.acc_dtype
     heads, M, D = Q.shape
@@ -450,9 +464,15 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch) -> tuple:
     m = np.zeros((heads, M), dtype=acc)  # the reference
     O1 = np.zeros((heads, M, D + 1), dtype=acc)  # [O | l]
     Q1 = K1t = None  # [Q | -m] and [K | 1]ᵀ, made when some m first moves
+    moved = False  # with modify: some m moved, so scores subtract m
 
     def scores(a, z, j0, j1, hidden, out):
-        if Q1 is None:
+        if modify is not None:
+            np.matmul(Q[:, a:z], Kt[:, :, j0:j1], out=out)
+            modify(out, slice(i0 + a // g, i0 + z // g), slice(j0, j1))
+            if moved:
+                np.subtract(out, m[:, a:z, None], out=out)
+        elif Q1 is None:
             np.matmul(Q[:, a:z], Kt[:, :, j0:j1], out=out)
         else:
             np.matmul(Q1[:, a:z], K1t[:, :, j0:j1], out=out)
@@ -495,10 +515,13 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch) -> tuple:
                 alpha = np.where(O1[kk, a + rr, D] == 0, 0.0, np.exp2(-d.astype(np.float64)))
                 O1[kk, a + rr] *= alpha[:, None]
                 m[kk, a + rr] += d
-                if Q1 is None:
-                    Q1 = np.concatenate([Q, np.zeros((heads, M, 1), acc)], axis=2)
-                    K1t = np.concatenate([Kt, np.ones((heads, 1, Kt.shape[2]), acc)], axis=1)
-                Q1[:, :, D] = -m
+                if modify is not None:
+                    moved = True  # scores() subtracts m: a modified score cannot come out of [Q | -m] [K | 1]ᵀ
+                else:
+                    if Q1 is None:
+                        Q1 = np.concatenate([Q, np.zeros((heads, M, 1), acc)], axis=2)
+                        K1t = np.concatenate([Kt, np.ones((heads, 1, Kt.shape[2]), acc)], axis=1)
+                    Q1[:, :, D] = -m
             O1[:, a:z] += O1_j
             l_all = O1[:, :, D]
             l_bound = float(np.maximum.reduce(l_all, axis=None))
@@ -558,6 +581,93 @@ class _HeadMap:
                 values.shape[1], -1, *stacked.shape[2:])
 
 
+class _Modifiers:
+    """A call's softcap, ALiBi, bias and mask (README, Semantics), applied to a stack of score
+    tiles (as _HeadMap stacks them) in the base-2 units the tiles use, scores times log2(e):
+    s' = c' tanh(s / c') with c' = softcap log2(e), then - slope log2(e) |i + diagonal - j|, then
+    + bias log2(e), then -inf where the mask is False. The window is no modifier here: it is part
+    of the band (_visible, _key_range), so key blocks outside it are never visited. Broadcast
+    bias and mask are read through zero-stride views a tile at a time, never materialised whole.
+    Made only for calls that have one of these; plain calls never reach this code."""
+
+    def __init__(self, p, heads: _HeadMap):
+        self.p, self.heads, acc = p, heads, p.acc_dtype
+        self.acc = acc
+        full = (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k)
+        self.cap = None if p.softcap is None else acc.type(p.softcap * LOG2_E)
+        self.slopes = None
+        if p.alibi_slopes is not None:  # (batch, heads_q), times log2(e), rounded once
+            slopes = np.asarray(p.alibi_slopes, dtype=np.float64) * LOG2_E
+            self.slopes = np.broadcast_to(slopes.astype(acc), (p.batch, p.heads_q))
+        self.bias = None
+        if p.bias is not None:
+            bias = _values(p, p.bias)[0] if p.bias.dtype == p.carrier else p.bias  # else float32
+            self.bias = np.broadcast_to(bias, full)
+        self.mask = None if p.mask is None else np.broadcast_to(p.mask, full)
+
+    def _heads(self, x, b, c0, c1, rows, cols):
+        """x (batch, heads_q, seqlen_q, seqlen_k) for kv heads c0..c1, as (kv heads, rows, group,
+        keys): the layout of a stack of score tiles seen as 4-D. A view where it can be."""
+        g = self.heads.group
+        if self.heads.consecutive:
+            t = x[b, c0 * g:c1 * g][:, rows, cols]
+        else:
+            t = x[b][:, rows, cols][self.heads.index[c0:c1].ravel()]
+        return t.reshape(c1 - c0, g, t.shape[1], t.shape[2]).transpose(0, 2, 1, 3)
+
+    def apply(self, S, rows, cols, T=None, *, b, c0, c1, scratch):
+        """Modify S (kv heads c0..c1, len(rows) x group, keys cols), the base-2 scores of batch b,
+        in place. rows: a slice or an index array of query rows; cols: a slice. T: where to keep
+        tanh(s / c) for the backward (softcap only)."""
+        acc, g = self.acc, self.heads.group
+        heads, C = S.shape[0], S.shape[2]
+        R = S.shape[1] // g
+        S4 = S.reshape(heads, R, g, C)
+        if self.cap is not None:
+            t = S if T is None else T
+            np.divide(S, self.cap, out=t)
+            np.tanh(t, out=t)
+            np.multiply(t, self.cap, out=S)
+        if self.slopes is not None:
+            i = np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
+            distance = np.abs((i + self.p.diagonal)[:, None] - np.arange(cols.start, cols.stop)[None, :]).astype(acc)
+            slopes = self.slopes[b][self.heads.index[c0:c1]]  # (kv heads, group)
+            alibi = np.multiply(slopes[:, None, :, None], distance[None, :, None, :],
+                                out=scratch.take("alibi", S4.shape, acc))
+            np.subtract(S4, alibi, out=S4)
+        if self.bias is not None:
+            bias = np.multiply(self._heads(self.bias, b, c0, c1, rows, cols), acc.type(LOG2_E),
+                               out=scratch.take("bias", S4.shape, acc), dtype=acc)
+            np.add(S4, bias, out=S4)
+        if self.mask is not None:
+            hide = np.logical_not(self._heads(self.mask, b, c0, c1, rows, cols),
+                                  out=scratch.take("hide", S4.shape, np.bool_))
+            np.copyto(S4, -np.inf, where=hide)
+        return S
+
+    def add_dbias(self, target, dS, rows: slice, cols: slice, *, b, c0, c1) -> None:
+        """target (the bias's shape, in the accumulation dtype) += dS (kv heads c0..c1, rows x
+        group, keys cols: the gradient of the final scores of batch b), summed over the
+        dimensions the bias broadcasts."""
+        Bb, Hb, Sqb, Skb = target.shape
+        g = self.heads.group
+        x = dS.reshape(dS.shape[0], -1, g, dS.shape[2])
+        t = target[b if Bb > 1 else 0]
+        if Sqb == 1:
+            x, rows = x.sum(axis=1, keepdims=True), slice(0, 1)
+        if Skb == 1:
+            x, cols = x.sum(axis=3, keepdims=True), slice(0, 1)
+        if Hb == 1:
+            t[0, rows, cols] += x.sum(axis=(0, 2))
+        elif self.heads.consecutive:
+            region = t[c0 * g:c1 * g, rows, cols]
+            region.reshape(c1 - c0, g, *region.shape[1:]).transpose(0, 2, 1, 3)[...] += x
+        else:
+            for kv in range(c1 - c0):
+                for h in range(g):
+                    t[self.heads.index[c0 + kv, h], rows, cols] += x[kv, :, h]
+
+
 def _heads_per_task(p, units: int, unit_flops: float, unit_volume: int, volume: int) -> int:
     """kv heads stacked into one task (units: the tasks with one kv head each, of unit_flops and a
     score tile of unit_volume elements): enough for four tasks per worker to balance, no more than
@@ -591,6 +701,7 @@ def forward(p, q, k, v):
     kv_groups = _blocks(0, p.heads_kv, stacked)
     end = _key_range(p, 0, p.seqlen_q)[1]  # every key some query sees lies below this
     heads = _HeadMap(p)
+    mods = _Modifiers(p, heads) if p.modifiers - {"window"} else None
 
     def kv_operands(b, c0, c1):
         # Kᵀ (kv heads, D, keys) and [V | 1] (kv heads, keys, D + 1) from key 0, in the
@@ -613,7 +724,8 @@ def forward(p, q, k, v):
                 Q = scratch.take("Q", (c1 - c0, (i1 - i0) * p.group, p.head_dim), acc)
                 Q.reshape(c1 - c0, i1 - i0, p.group, -1)[...] = heads.read(q[b, i0:i1], c0, c1)
                 Q *= acc.type(p.scale * LOG2_E)
-                O, L = _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles[i0, i1], scratch)
+                modify = None if mods is None else functools.partial(mods.apply, b=b, c0=c0, c1=c1, scratch=scratch)
+                O, L = _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles[i0, i1], scratch, modify)
                 heads.unstack_into(out[b, i0:i1], c0, c1, O)
                 heads.unstack_into(lse[b].T[i0:i1], c0, c1, L)
             finally:
@@ -635,7 +747,7 @@ TILE_VOLUME = {4: 1 << 20, 8: 1 << 19}
 # backward
 
 
-def _backward_item(p, j0, j1, tiles, K, V, Q1, dO1, dQ, scratch) -> tuple:
+def _backward_item(p, j0, j1, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None) -> tuple:
     """Key block [j0, j1) of a stack of kv heads (K, V: (kv heads, keys, D)) against their query
     heads: returns (dK_j, dV_j) and adds into dQ. Everything is stacked as in _forward_block.
 
@@ -643,6 +755,10 @@ def _backward_item(p, j0, j1, tiles, K, V, Q1, dO1, dQ, scratch) -> tuple:
     (S - lse) in base 2 and dP - D out of the matmuls, and P = exp2 of the first; scale K_j carries
     the scale into dQ, and Q1 carries scale log2(e) into dK (corrected once per item). A tile costs
     five matmuls and two elementwise passes (exp2, P ∘ (dP - D)).
+
+    With modify (_Modifiers.apply, for softcap, ALiBi, bias or mask), S comes from [Q_i] K_jᵀ, is
+    modified, then has lse subtracted; dbias(dS, rows, keys) takes dS, the gradient of the final
+    score; a softcap then multiplies dS by 1 - tanh² before dQ and dK.
     """
     acc = p.acc_dtype
     heads, w, D = K.shape
@@ -659,23 +775,45 @@ def _backward_item(p, j0, j1, tiles, K, V, Q1, dO1, dQ, scratch) -> tuple:
         a, z = i0 * g, i1 * g  # the tile's rows within the stacks
         x, y = c0 - j0, c1 - j0  # its keys within the block
         Q1_i, dO1_i = Q1[:, a:z], dO1[:, a:z]
-        S = np.matmul(Q1_i, K1t[:, :, x:y], out=scratch.take("S", (heads, z - a, y - x), acc))
+        T = None
+        if modify is None:
+            S = np.matmul(Q1_i, K1t[:, :, x:y], out=scratch.take("S", (heads, z - a, y - x), acc))
+        else:
+            S = np.matmul(Q1_i[:, :, :D], K1t[:, :D, x:y], out=scratch.take("S", (heads, z - a, y - x), acc))
+            if p.softcap is not None:
+                T = scratch.take("T", S.shape, acc)
+            modify(S, slice(i0, i1), slice(c0, c1), T)
+            np.add(S, Q1_i[:, :, D:], out=S)  # - lse log2(e)
         _mask_scores(S, p, i0, c0, -np.inf, group=g, hidden=hidden)
         P = np.exp2(S, out=S)
         kd = scratch.take("kd", (heads, y - x, D), acc)
         dV_j[:, x:y] += np.matmul(P.transpose(0, 2, 1), dO1_i[:, :, :D], out=kd)
         dS = np.matmul(dO1_i, V1t[:, :, x:y], out=scratch.take("dS", (heads, z - a, y - x), acc))
         np.multiply(P, dS, out=dS)
+        if dbias is not None:
+            dbias(dS, slice(i0, i1), slice(c0, c1))
+        if T is not None:  # the gradient of q.k scale, before the softcap: dS (1 - tanh²)
+            np.square(T, out=T)
+            np.subtract(1, T, out=T)
+            np.multiply(dS, T, out=dS)
         dQ[:, a:z] += np.matmul(dS, K_scaled[:, x:y], out=scratch.take("qd", (heads, z - a, D), acc))
         dK_j[:, x:y] += np.matmul(dS.transpose(0, 2, 1), Q1_i[:, :, :D], out=kd)
     dK_j *= acc.type(LN2)  # Q1 holds scale log2(e) Q
     return dK_j, dV_j
 
 
-def _balanced_parts(costs, n):
+def _balanced_parts(costs, n, together=None):
     """Indices of costs split into n lists of about equal sum (largest first onto the least loaded,
     ties to the lowest part), each in ascending order. A function of its arguments only, so a
-    given thread count always sums dQ in the same order."""
+    given thread count always sums dQ in the same order. together: a key per index; indices of
+    equal key go to the same list (items that add into the same elements of dbias)."""
+    if together is not None:
+        groups = {}
+        for i, key in enumerate(together):
+            groups.setdefault(key, []).append(i)
+        members = list(groups.values())
+        parts = _balanced_parts([sum(costs[i] for i in m) for m in members], n)
+        return [sorted(i for group in part for i in members[group]) for part in parts]
     loads, parts = [0] * n, [[] for _ in range(n)]
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         least = min(range(n), key=lambda x: (loads[x], x))
@@ -702,7 +840,17 @@ def backward(p, dout, q, k, v, out, lse):
     work = [(c0, c1, j0, j1) for c0, c1 in kv_groups for j0, j1 in key_blocks]
     # the (query, key) pairs each item computes: what its work is proportional to
     costs = [(c1 - c0) * sum((i1 - i0) * (y - x) for i0, i1, x, y, _ in tiles[j0, j1]) for c0, c1, j0, j1 in work]
-    parts = _balanced_parts(costs, max(1, min(worker_count(), len(work))))
+    mods = _Modifiers(p, heads) if p.modifiers - {"window"} else None
+    # dbias, in the bias's shape and the accumulation dtype, without atomics and in a fixed order:
+    # items write disjoint parts of it, unless the bias broadcasts over keys (then each partition
+    # sums into its own copy, at most batch x heads_q x seqlen_q, added in a fixed order) or over
+    # heads (then the items of one key block, which share elements, run in one partition, in order)
+    dB = None if p.bias is None else np.zeros(p.bias.shape, dtype=acc)
+    per_partition = dB is not None and dB.shape[3] == 1
+    together = None
+    if dB is not None and not per_partition and dB.shape[1] == 1 and len(kv_groups) > 1:
+        together = [j0 for c0, c1, j0, j1 in work]
+    parts = _balanced_parts(costs, max(1, min(worker_count(), len(work))), together)
 
     for b in range(p.batch):
         def operands(c0, c1):
@@ -719,6 +867,8 @@ def backward(p, dout, q, k, v, out, lse):
                 dO1 = _aligned_empty(Q1.shape, acc)
                 dO = dO1[:, :, :D].reshape(*shape, D)
                 dO[...] = heads.read(dout[b], c0, c1)
+                if mods is not None:  # a row a mask leaves no key lies inside tiles: its dO goes nowhere
+                    dO[L == -np.inf] = 0
                 O = heads.read(out[b], c0, c1)
                 dO1[:, :, D].reshape(shape)[...] = -np.einsum("csgd,csgd->csg", dO, _as_acc(O, acc))
                 return Q1, dO1
@@ -729,17 +879,71 @@ def backward(p, dout, q, k, v, out, lse):
         def partition(items):
             def run(scratch):
                 dQ = np.zeros((p.heads_kv, p.seqlen_q * p.group, D), dtype=acc)
+                dB_own = None if dB is None else np.zeros(dB.shape, acc) if per_partition else dB
                 for i in items:
                     c0, c1, j0, j1 = work[i]
                     K = _as_acc(k[b, j0:j1, c0:c1, :].transpose(1, 0, 2), acc)
                     V = _as_acc(v[b, j0:j1, c0:c1, :].transpose(1, 0, 2), acc)
                     Q1, dO1 = prepared[c0, c1]
-                    dK_j, dV_j = _backward_item(p, j0, j1, tiles[j0, j1], K, V, Q1, dO1, dQ[c0:c1], scratch)
+                    modify = dbias = None
+                    if mods is not None:
+                        modify = functools.partial(mods.apply, b=b, c0=c0, c1=c1, scratch=scratch)
+                    if dB is not None:
+                        dbias = functools.partial(mods.add_dbias, dB_own, b=b, c0=c0, c1=c1)
+                    dK_j, dV_j = _backward_item(p, j0, j1, tiles[j0, j1], K, V, Q1, dO1, dQ[c0:c1], scratch,
+                                                modify, dbias)
                     dk[b, j0:j1, c0:c1, :] = dK_j.transpose(1, 0, 2)
                     dv[b, j0:j1, c0:c1, :] = dV_j.transpose(1, 0, 2)
-                return dQ
+                return dQ if not per_partition else (dQ, dB_own)
             return run
 
         partial = _run([partition(part) for part in parts])
+        if per_partition:
+            dB += functools.reduce(np.add, [x[1] for x in partial])
+            partial = [x[0] for x in partial]
         heads.unstack_into(dq[b], 0, p.heads_kv, functools.reduce(np.add, partial))  # fixed order: reproducible
-    return dq.view(p.carrier), dk.view(p.carrier), dv.view(p.carrier)
+    grads = dq.view(p.carrier), dk.view(p.carrier), dv.view(p.carrier)
+    if dB is None:
+        return grads
+    if p.bias.dtype == p.carrier:  # q's dtype (bfloat16 bits included), else float32
+        return grads + (dB.astype(dq.dtype).view(p.carrier),)
+    return grads + (dB.astype(p.bias.dtype),)
+
+
+# ----------------------------------------------------------------------------
+# attention_probs
+
+
+def probs(p, q, k, lse, rows):
+    """P = exp(s - lse) (batch, heads_q, len(rows), seqlen_k) in the accumulation dtype, for the
+    query rows `rows` (an index array): the forward's scores, band and modifiers, in base 2 as
+    there, with the saved lse subtracted. A row that sees no key (lse -inf) gets 0."""
+    q, k = _values(p, q, k)
+    acc = p.acc_dtype
+    heads = _HeadMap(p)
+    mods = _Modifiers(p, heads) if p.modifiers - {"window"} else None
+    P = np.empty((p.batch, p.heads_q, rows.size, p.seqlen_k), dtype=acc)
+    chunks = _blocks(0, rows.size, tile_sizes(p)[0])
+    keys = np.arange(p.seqlen_k)
+
+    def task(b, c):
+        def run(scratch):
+            Kt = np.ascontiguousarray(k[b, :, c:c + 1, :].transpose(1, 2, 0), dtype=acc)  # (1, D, keys)
+            for r0, r1 in chunks:
+                index = rows[r0:r1]
+                Q = heads.read(q[b, index], c, c + 1)  # (1, rows, group, D)
+                Q = np.multiply(Q.reshape(1, -1, p.head_dim), acc.type(p.scale * LOG2_E), dtype=acc)
+                S = np.matmul(Q, Kt)
+                if mods is not None:
+                    mods.apply(S, index, slice(0, p.seqlen_k), b=b, c0=c, c1=c + 1, scratch=scratch)
+                S4 = S.reshape(1, r1 - r0, p.group, p.seqlen_k)
+                hidden = ~_visible(p, index[:, None], keys[None, :])
+                if hidden.any():
+                    np.copyto(S4, -np.inf, where=hidden[None, :, None, :])
+                L = heads.read(lse[b].T[index], c, c + 1)  # (1, rows, group)
+                np.subtract(S4, (np.where(L == -np.inf, np.inf, L) * acc.type(LOG2_E))[..., None], out=S4)
+                heads.unstack_into(P[b].transpose(1, 0, 2)[r0:r1], c, c + 1, np.exp2(S, out=S))
+        return run
+
+    _run([task(b, c) for b in range(p.batch) for c in range(p.heads_kv)])
+    return P

@@ -1,0 +1,391 @@
+"""Score modifiers (issue 13): window, softcap, ALiBi, bias (with dbias) and bool masks.
+
+Each alone and combined, forward, backward and attention_probs, on the NumPy backend against the
+float64 oracle, through the one tolerance rule (conftest.assert_matches_oracle); the interface's
+refusals; the band the window adds to the tile plans; deliberate bugs the battery must catch.
+"""
+
+import sys
+
+import numpy as np
+import pytest
+
+import flashcupy
+from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv, mutated_module, reference
+from flashcupy.backends import numpy_backend
+from reference.compare import error_ratio, expected
+
+
+@pytest.fixture
+def small_tiles():
+    """Tiles much smaller than the test lengths, so every path of the tile loop runs."""
+    old = (numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS)
+    numpy_backend.configure(block_m=16, block_n=8, num_threads=2)
+    yield
+    numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS = old
+
+
+# GQA (2 query heads per kv head), lengths no tile divides, Sq < Sk
+SHAPE = (2, 37, 45, 4, 2, 16)
+
+
+def modifier_cases(rng, shape, dtype):
+    """{name: keyword arguments}: every modifier alone, the broadcast shapes of bias and mask, and
+    combinations, causal among them. Bias in q's dtype unless named float32."""
+    B, Sq, Sk, Hq, Hkv, D = shape
+    bias_dtype = np.float32 if dtype == np.float64 else dtype
+
+    def bias(*dims, dt=bias_dtype):
+        return rng.standard_normal(dims).astype(dt)
+
+    key_padding = rng.random((B, 1, 1, Sk)) < 0.8
+    key_padding[0, 0, 0, :] = False  # batch 0 has no key at all
+    mask = rng.random((B, Hq, Sq, Sk)) < 0.7
+    mask[1, 2, 5, :] = False  # a row that sees no key
+    slopes = rng.uniform(0.05, 0.5, (Hq,)).astype(np.float32)
+    return {
+        "window": dict(window=(5, 3)),
+        "window-diagonal-only": dict(window=(0, 0)),
+        "window-right-only": dict(window=(None, 4)),
+        "window-left-only": dict(window=(6, None)),
+        "causal-window": dict(causal=True, window=(7, None)),
+        "causal-window-right-ignored": dict(causal=True, window=(3, 9)),
+        "softcap": dict(softcap=1.5),
+        "softcap-causal": dict(softcap=0.5, causal=True),
+        "alibi": dict(alibi_slopes=slopes),
+        "alibi-per-batch": dict(alibi_slopes=rng.uniform(0.05, 0.5, (B, Hq)).astype(np.float32)),
+        "bias": dict(bias=bias(B, Hq, Sq, Sk)),
+        "bias-1HSS": dict(bias=bias(1, Hq, Sq, Sk)),
+        "bias-B11S": dict(bias=bias(B, 1, 1, Sk)),
+        "bias-11S1-float32": dict(bias=bias(1, 1, Sq, 1, dt=np.float32)),
+        "bias-1111": dict(bias=bias(1, 1, 1, 1)),
+        "mask": dict(mask=mask),
+        "mask-key-padding": dict(mask=key_padding),
+        "all": dict(window=(9, 2), softcap=2.0, alibi_slopes=slopes, bias=bias(1, Hq, Sq, Sk), mask=key_padding),
+        "all-causal": dict(causal=True, window=(11, None), softcap=2.0, alibi_slopes=slopes,
+                           bias=bias(B, 1, Sq, Sk), mask=mask),
+    }
+
+
+CASE_NAMES = list(modifier_cases(np.random.default_rng(0), SHAPE, np.float32))
+
+
+def check(q, k, v, dout, rng=None, bits=False, rows=None, **kw):
+    """Forward, backward and attention_probs of the NumPy backend against the oracle (the one
+    tolerance rule); returns the ratios. bits: bfloat16 as uint16 bit patterns (bias too, when in
+    bfloat16)."""
+    call = dict(kw)
+    ref = dict(kw)
+    if bits:
+        q, k, v, dout = (bf16_bits(x) for x in (q, k, v, dout))
+        if "bias" in kw and kw["bias"].dtype == BF16:
+            call["bias"] = bf16_bits(kw["bias"])
+        call["dtype"] = ref["dtype"] = "bfloat16"
+    out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numpy", **call)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numpy", **call)
+    assert len(grads) == (4 if "bias" in kw else 3)
+    for g, x in zip(grads, (q, k, v, call.get("bias"))):
+        assert g.dtype == x.dtype and g.shape == x.shape
+    ratios = assert_matches_oracle((out, lse, *grads), q, k, v, dout, **ref)
+    P = flashcupy.attention_probs(q, k, lse, rows=rows, **call)
+    want = expected(q, k, v, probs=True, **ref)
+    ratios["P"] = error_ratio(P, want, "P", rows=rows)
+    assert ratios["P"] <= 1, f"P: error {ratios['P']:.3g} times the tolerance"
+    sums = P.sum(axis=-1)
+    seen = np.isfinite(lse if rows is None else lse[:, :, rows])
+    np.testing.assert_allclose(sums[seen], 1, rtol=1e-3 if q.dtype != np.float64 else 1e-12)
+    assert np.all(sums[~seen] == 0)
+    return ratios
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_modifier_matches_the_oracle(rng, small_tiles, name, dtype):
+    q, k, v = make_qkv(rng, *SHAPE, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    kw = modifier_cases(rng, SHAPE, dtype)[name]
+    check(q, k, v, dout, rows=np.array([36, 0, 5, -1, 20]), **kw)
+
+
+@pytest.mark.parametrize("bits", [False, True], ids=["ml_dtypes", "uint16-bits"])
+@pytest.mark.parametrize("name", ["all", "all-causal", "bias-B11S", "bias-11S1-float32"])
+def test_modifiers_in_bfloat16(rng, small_tiles, name, bits):
+    q, k, v = make_qkv(rng, *SHAPE, BF16)
+    dout = rng.standard_normal(q.shape).astype(BF16)
+    check(q, k, v, dout, bits=bits, rows=slice(3, 30, 2), **modifier_cases(rng, SHAPE, BF16)[name])
+
+
+@pytest.mark.parametrize("Sq, Sk", [(30, 9), (9, 30), (1, 1), (17, 17)])
+@pytest.mark.parametrize("window", [(0, 0), (3, 1), (None, 0), (2, None)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_windows_past_the_ends(rng, small_tiles, Sq, Sk, window, causal):
+    # Sq > Sk and Sq < Sk put whole blocks of rows outside the band: out 0, lse -inf, zero grads
+    q, k, v = make_qkv(rng, 1, Sq, Sk, 2, 1, 8, np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    check(q, k, v, dout, window=window, causal=causal)
+
+
+def test_rows_that_see_no_key_give_zeros_and_keep_nan_in_dout_to_themselves(rng, small_tiles):
+    B, Sq, Sk, Hq, Hkv, D = SHAPE
+    q, k, v = make_qkv(rng, *SHAPE, np.float32)
+    mask = np.ones((B, Hq, Sq, Sk), bool)
+    mask[0, 1, 3] = False          # masked out entirely
+    mask[1, :, 20:24, 30:] = False  # partly: these rows still see keys 0..29
+    bias = rng.standard_normal((1, Hq, Sq, Sk)).astype(np.float32)
+    kw = dict(mask=mask, bias=bias, window=(30, None))  # rows 0..? see keys from i + 8 - 30
+    out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
+    assert np.all(out[0, 3, 1] == 0) and np.isneginf(lse[0, 1, 3])
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    dout[0, 3, 1] = np.nan
+    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, **kw)
+    assert not any(np.isnan(g).any() for g in grads)
+    assert np.all(grads[0][0, 3, 1] == 0)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, **kw)
+    # a row a window leaves no key (Sq > Sk, window (0, 0)): nothing reaches dbias either
+    q, k, v = make_qkv(rng, 1, 20, 6, 2, 1, 8, np.float32)
+    bias = rng.standard_normal((1, 2, 20, 6)).astype(np.float32)
+    out, lse = flashcupy.attention(q, k, v, window=(0, 0), bias=bias, return_lse=True)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    dout[:, :14] = np.nan
+    dq, dk, dv, dbias = flashcupy.attention_backward(dout, q, k, v, out, lse, window=(0, 0), bias=bias)
+    assert np.all(out[:, :14] == 0) and np.all(np.isneginf(lse[:, :, :14]))
+    assert np.all(dq[:, :14] == 0) and np.all(dbias[:, :, :14] == 0)
+    assert not any(np.isnan(g).any() for g in (dq, dk, dv, dbias))
+
+
+@pytest.mark.parametrize("view", ["zero-strides", "transposed", "reversed"])
+def test_bias_and_mask_views_are_read_as_they_are(rng, small_tiles, view):
+    B, Sq, Sk, Hq, Hkv, D = SHAPE
+    q, k, v = make_qkv(rng, *SHAPE, np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    if view == "zero-strides":  # full shape, no memory behind the broadcast dimensions
+        bias = np.broadcast_to(rng.standard_normal((1, Hq, 1, Sk)).astype(np.float32), (B, Hq, Sq, Sk))
+        mask = np.broadcast_to(rng.random((B, 1, 1, Sk)) < 0.8, (B, Hq, Sq, Sk))
+        assert 0 in bias.strides and 0 in mask.strides
+    elif view == "transposed":
+        bias = rng.standard_normal((B, Sk, Sq, Hq)).astype(np.float32).transpose(0, 3, 2, 1)
+        mask = (rng.random((Sk, Sq, 1, B)) < 0.8).transpose(3, 2, 1, 0)
+    else:
+        bias = rng.standard_normal((1, Hq, Sq, Sk)).astype(np.float32)[:, ::-1, :, ::-1]
+        mask = (rng.random((B, 1, Sq, Sk)) < 0.8)[::-1, :, ::-1]
+    check(q, k, v, dout, bias=bias, mask=mask, softcap=3.0)
+
+
+def test_dbias_is_reproducible_and_right_however_its_items_share_it(rng, monkeypatch):
+    """Several kv-head groups and key blocks per batch (tasks of one kv head each), so that items of
+    the backward meet in dbias: a bias broadcast over heads (items of one key block together),
+    over keys (per-partition sums), over both, and not at all; each twice, bit for bit."""
+    monkeypatch.setattr(numpy_backend, "MIN_TASK_FLOPS", 1)
+    old = (numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS)
+    numpy_backend.configure(block_m=16, block_n=8, num_threads=8)  # 8 partitions of 4 kv groups x 9 key blocks
+    groups = []
+    balanced = numpy_backend._balanced_parts
+    monkeypatch.setattr(numpy_backend, "_balanced_parts",
+                        lambda costs, n, together=None: groups.append(together) or balanced(costs, n, together))
+    try:
+        B, Sq, Sk, Hq, Hkv, D = 2, 33, 70, 8, 4, 8
+        q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float32)
+        dout = rng.standard_normal(q.shape).astype(np.float32)
+        for shape in [(B, Hq, Sq, Sk), (1, 1, Sq, Sk), (B, Hq, Sq, 1), (1, 1, 1, Sk), (B, 1, Sq, 1), (1, 1, 1, 1)]:
+            bias = rng.standard_normal(shape).astype(np.float32)
+            kw = dict(bias=bias, causal=True, window=(40, None))
+            out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
+            first = flashcupy.attention_backward(dout, q, k, v, out, lse, **kw)
+            assert_matches_oracle((out, lse, *first), q, k, v, dout, **kw)
+            again = flashcupy.attention_backward(dout, q, k, v, out, lse, **kw)
+            for a, b in zip(first, again):
+                np.testing.assert_array_equal(a, b)
+        assert any(g is not None for g in groups)  # the items of a key block were kept together
+    finally:
+        numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS = old
+
+
+@pytest.mark.parametrize("kw", [dict(alibi_slopes=np.array([0.1, 0.2], np.float32)), dict(bias="big"), dict(mask="half")],
+                         ids=["alibi", "bias", "mask"])
+def test_modified_scores_far_from_zero_keep_full_precision(rng, kw):
+    # scores near +400: the lazily raised reference m must be subtracted from modified scores too
+    q = np.ones((1, 40, 2, 16), np.float32)
+    k = (10 + rng.standard_normal((1, 50, 1, 16))).astype(np.float32)
+    v = rng.standard_normal((1, 50, 1, 16)).astype(np.float32)
+    if kw.get("bias") == "big":
+        kw = dict(bias=(50 * rng.standard_normal((1, 2, 40, 50))).astype(np.float32))
+    if kw.get("mask") == "half":
+        kw = dict(mask=rng.random((1, 1, 40, 50)) < 0.5)
+    out, lse = flashcupy.attention(q, k, v, scale=2.5, return_lse=True, **kw)
+    assert_matches_oracle((out, lse), q, k, v, scale=2.5, **kw)
+
+
+def test_no_modifier_means_no_modifier(rng):
+    # window (None, None) restricts nothing, and a window's right never narrows causal: such calls
+    # are the plain ones, bit for bit, and need no backend that computes modifiers
+    q, k, v = make_qkv(rng, 1, 50, 60, 2, 1, 16, np.float32)
+    for kw, plain in [(dict(window=(None, None)), {}), (dict(window=[None, 5], causal=True), dict(causal=True))]:
+        np.testing.assert_array_equal(flashcupy.attention(q, k, v, **kw), flashcupy.attention(q, k, v, **plain))
+        p = flashcupy._api._problem(q, k, v, kw.get("causal", False), None, None, "numpy", kw["window"])
+        assert p.modifiers == frozenset()
+
+
+def test_a_window_visits_only_the_band(small_tiles):
+    """Key blocks outside the band are never visited: the tile plans of a window of w keys cover
+    O(seqlen x (w + tile)) pairs, forward and backward, not O(seqlen^2)."""
+    from flashcupy._api import Problem
+    S, w = 4096, 64
+    numpy_backend.configure(block_m=256, block_n=128)
+    p = Problem(batch=1, seqlen_q=S, seqlen_k=S, heads_q=1, heads_kv=1, head_dim=64, dtype="float32",
+                causal=True, scale=1.0, carrier=np.dtype(np.float32), window_left=w - 1)
+    step = numpy_backend._staircase_step(256, 1, 64)
+    fwd = sum((r1 - r0) * (j1 - j0) for i0, i1 in numpy_backend._blocks(0, S, 256)
+              for r0, r1, j0, j1, _ in numpy_backend._forward_tiles(p, i0, i1, step))
+    bwd = sum((i1 - i0) * (c1 - c0) for j0, j1 in numpy_backend._blocks(0, S, 128)
+              for i0, i1, c0, c1, _ in numpy_backend._backward_tiles(p, j0, j1, step))
+    visible = p.band_pairs()
+    assert visible == S * w - w * (w - 1) // 2
+    assert fwd <= S * (w + 2 * step) and bwd <= S * (w + 2 * step), (fwd, bwd, visible)
+    assert p.flops_forward() == 4.0 * 64 * visible
+
+
+# ----------------------------------------------------------------------------
+# the interface
+
+
+def test_backward_and_vjp_return_dbias_only_with_a_bias(rng):
+    q, k, v = make_qkv(rng, 1, 9, 11, 2, 1, 8, np.float32)
+    bias = rng.standard_normal((1, 1, 9, 11)).astype(np.float16)  # q is float32: a float16 bias is refused
+    with pytest.raises(TypeError, match="bias must have q's dtype float32, got float16"):
+        flashcupy.attention(q, k, v, bias=bias)
+    bias = bias.astype(np.float32)
+    out, vjp = flashcupy.attention_vjp(q, k, v, bias=bias, softcap=5.0)
+    grads = vjp(np.ones_like(out))
+    assert len(grads) == 4 and grads[3].shape == bias.shape and grads[3].dtype == np.float32
+    want = reference.attention_backward(np.ones_like(out), q, k, v, bias=bias, softcap=5.0)
+    np.testing.assert_allclose(grads[3], want[3], rtol=1e-4, atol=1e-5)
+    _, vjp = flashcupy.attention_vjp(q, k, v, mask=np.ones((1, 1, 1, 11), bool))
+    assert len(vjp(np.ones_like(out))) == 3
+
+
+@pytest.mark.parametrize("Sq, Sk", [(0, 5), (5, 0)])
+def test_empty_sequences_with_a_bias(Sq, Sk):
+    q, k, v = (np.zeros((1, S, 2, 8), np.float32) for S in (Sq, Sk, Sk))
+    bias = np.zeros((1, 2, Sq, Sk), np.float32)
+    out, lse = flashcupy.attention(q, k, v, bias=bias, window=(1, 1), return_lse=True)
+    dq, dk, dv, dbias = flashcupy.attention_backward(out, q, k, v, out, lse, bias=bias)
+    assert dbias.shape == bias.shape and dbias.dtype == bias.dtype and not dbias.any()
+    assert flashcupy.attention_probs(q, k, lse, bias=bias).shape == (1, 2, Sq, Sk)
+
+
+def test_device_backends_refuse_modifiers_by_name(monkeypatch):
+    from cupy_emulation import emulated
+    q, k, v = make_qkv(np.random.default_rng(0), 1, 8, 8, 2, 1, 8, np.float32)
+    with emulated():
+        with pytest.raises(ValueError, match=r"^window is not yet supported by backend 'cupy' \(backend 'numpy' supports it\)"):
+            flashcupy.attention(q, k, v, window=(2, 0), backend="cupy")
+        with pytest.raises(ValueError, match="softcap, bias are not yet supported by backend 'cupy'"):
+            flashcupy.attention_backward(q, q, k, v, q, np.zeros((1, 2, 8), np.float32), softcap=1.0,
+                                         bias=np.zeros((1, 1, 1, 8), np.float32), backend="cupy")
+        # no modifier: the same backend takes the call (a window that restricts nothing is none)
+        flashcupy.attention(q, k, v, window=(None, None), backend="cupy")
+    numba = flashcupy.backends.module("numba")
+    monkeypatch.setattr(numba, "unavailable_reason", lambda: None)
+    with pytest.raises(ValueError, match="mask is not yet supported by backend 'numba'"):
+        flashcupy.attention(q, k, v, mask=np.ones((1, 1, 8, 8), bool), backend="numba")
+    # auto for NumPy arrays is the NumPy backend, which computes every modifier
+    assert numpy_backend.MODIFIERS == frozenset(flashcupy._api.MODIFIERS)
+
+
+def test_auto_picks_a_backend_that_computes_the_modifiers(monkeypatch):
+    # a stand-in for CuPy arrays whose default backend lacks the modifier while another has it
+    api = flashcupy._api
+    monkeypatch.setitem(flashcupy.backends.DEFAULT_FOR_LIBRARY, "numpy", "cupy")
+    monkeypatch.setattr(flashcupy.backends, "unavailable_reason", lambda name: None)
+    from cupy_emulation import emulated
+    q, k, v = make_qkv(np.random.default_rng(0), 1, 8, 8, 2, 1, 8, np.float32)
+    with emulated():
+        p = api._problem(q, k, v, False, None, None, "numpy", (1, 1))
+        assert api._select("auto", "numpy", p).NAME == "numpy"
+        plain = api._problem(q, k, v, False, None, None, "numpy")
+        assert api._select("auto", "numpy", plain).NAME == "cupy"
+
+
+def test_attention_probs_refuses_bad_rows_and_lse(rng):
+    q, k, v = make_qkv(rng, 1, 6, 7, 2, 1, 8, np.float32)
+    out, lse = flashcupy.attention(q, k, v, return_lse=True)
+    for rows, exc, words in [(np.array([0, 6]), ValueError, ["rows", "[-6, 6)", "6"]),
+                             (np.array([-7]), ValueError, ["rows", "-7"]),
+                             (np.array([[0, 1]]), TypeError, ["rows", "1-D", "2-D"]),
+                             (np.array([0.5]), TypeError, ["rows", "ints", "float64"]),
+                             (np.array([True]), TypeError, ["rows", "bool"]),
+                             (3, TypeError, ["rows", "slice", "int"]),
+                             ("0:3", TypeError, ["rows", "str"])]:
+        with pytest.raises(exc) as info:
+            flashcupy.attention_probs(q, k, lse, rows=rows)
+        for w in words:
+            assert w in str(info.value), f"message {str(info.value)!r} lacks {w!r}"
+    with pytest.raises(ValueError, match=r"lse must have shape .* \(1, 2, 6\), got \(1, 2, 5\)"):
+        flashcupy.attention_probs(q, k, lse[:, :, :5])
+    assert flashcupy.attention_probs(q, k, lse, rows=[]).shape == (1, 2, 0, 7)
+    P = flashcupy.attention_probs(q, k, lse, rows=range(6))
+    np.testing.assert_allclose(P, reference.attention_probs(q, k), rtol=2e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------
+# deliberate bugs in the modifier code, each caught by a small battery
+
+
+DBIAS_THEN_SOFTCAP = """        if dbias is not None:
+            dbias(dS, slice(i0, i1), slice(c0, c1))
+        if T is not None:  # the gradient of q.k scale, before the softcap: dS (1 - tanh²)
+            np.square(T, out=T)
+            np.subtract(1, T, out=T)
+            np.multiply(dS, T, out=dS)
+"""
+
+MODIFIER_MUTATIONS = {
+    "softcap derivative dropped": ("np.subtract(1, T, out=T)", "np.subtract(1, 0 * T, out=T)"),
+    "alibi sign": ("np.subtract(S4, alibi, out=S4)", "np.add(S4, alibi, out=S4)"),
+    "alibi distance off by one": ("(i + self.p.diagonal)[:, None]", "(i + self.p.diagonal + 1)[:, None]"),
+    "bias not in base 2": ("self._heads(self.bias, b, c0, c1, rows, cols), acc.type(LOG2_E)",
+                           "self._heads(self.bias, b, c0, c1, rows, cols), acc.type(1.0)"),
+    "mask ignored": ("np.copyto(S4, -np.inf, where=hide)", "hide"),
+    "dbias not summed over heads": ("t[0, rows, cols] += x.sum(axis=(0, 2))", "t[0, rows, cols] += x[0, :, 0]"),
+    "dbias after the softcap": (DBIAS_THEN_SOFTCAP, DBIAS_THEN_SOFTCAP.replace("dbias(dS, slice(i0, i1), slice(c0, c1))", "pass")
+                                + "        if dbias is not None:\n            dbias(dS, slice(i0, i1), slice(c0, c1))\n"),
+    "window left off by one": ("max(0, i0 + p.diagonal - left))", "max(0, i0 + p.diagonal - left + 1))"),
+}
+
+# (shape, keyword arguments): GQA with every modifier, a bias broadcast over heads, a causal window
+MODIFIER_BATTERY = [
+    ((1, 21, 26, 4, 2, 8), dict(window=(6, 2), softcap=1.0, alibi_slopes=np.array([0.3, 0.1, 0.5, 0.2], np.float32),
+                               bias="1H", mask="keys")),
+    ((2, 19, 15, 2, 1, 8), dict(causal=True, window=(4, None), bias="11", mask="rows")),
+]
+
+
+def modifier_battery_fails() -> bool:
+    rng = np.random.default_rng(0)
+    for shape, kw in MODIFIER_BATTERY:
+        B, Sq, Sk, Hq, Hkv, D = shape
+        q, k, v = make_qkv(rng, *shape, np.float32)
+        dout = rng.standard_normal(q.shape).astype(np.float32)
+        kw = dict(kw)
+        kw["bias"] = rng.standard_normal((1, Hq if kw["bias"] == "1H" else 1, Sq, Sk)).astype(np.float32)
+        kw["mask"] = (rng.random((B, 1, 1, Sk)) < 0.8) if kw["mask"] == "keys" else (rng.random((1, Hq, Sq, Sk)) < 0.8)
+        try:
+            out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
+            grads = flashcupy.attention_backward(dout, q, k, v, out, lse, **kw)
+            assert_matches_oracle((out, lse, *grads), q, k, v, dout, **kw)
+        except Exception:
+            return True
+    return False
+
+
+def test_the_modifier_battery_passes_unmutated(small_tiles):
+    assert not modifier_battery_fails()
+
+
+@pytest.mark.parametrize("name", MODIFIER_MUTATIONS)
+def test_a_modifier_mutation_is_caught(monkeypatch, name):
+    mutant = mutated_module(numpy_backend, *MODIFIER_MUTATIONS[name])
+    mutant.configure(block_m=16, block_n=8, num_threads=2)
+    monkeypatch.setitem(sys.modules, numpy_backend.__name__, mutant)
+    assert modifier_battery_fails(), f"the battery missed: {name}"
