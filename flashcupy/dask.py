@@ -1,0 +1,368 @@
+"""Attention on Dask arrays: one task per pair of a query chunk and a key chunk that it can see.
+
+    import dask.array as da, flashcupy.dask
+    q = da.from_array(q_np, chunks=(1, 4096, 8, -1))          # (batch, seqlen_q, heads_q, head_dim)
+    out, lse = flashcupy.dask.attention(q, k, v, causal=True, return_lse=True)   # lazy
+    out, vjp = flashcupy.dask.attention_vjp(q, k, v, causal=True)
+    dq, dk, dv = vjp(dout)                                    # lazy too
+    dask.compute(out, dq, dk, dv)                             # any scheduler, any cluster
+
+The graph (extra `dask`): for each (batch chunk, head chunk, query chunk), one task per key chunk
+that some of its queries see under causal and window; pairs outside the band are not in the graph.
+Each pair is an ordinary `flashcupy.attention` call on the chunks (NumPy or CuPy: the backend
+follows the chunk type), told the chunks' global positions as its diagonal offset, so causal,
+window and ALiBi mean what they mean on the whole arrays. The pairs' (out, lse) are combined by
+the lse rule of `flashcupy.merge` in a tree, in the accumulation dtype, and stored once.
+
+The backward runs every pair again with the global out and lse (P = exp(s - lse) and
+D = rowsum(dout ∘ out) are then exactly the whole call's), and sums dq over key chunks and dk, dv
+over query chunks, each in a tree of fixed shape: the bits do not depend on the scheduler.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import numpy as np
+
+from . import _api, _merge, backends
+
+SPLIT_EVERY = 8  # parts combined per merge or sum task: a tree, so no task holds every part at once
+
+
+def _dask():
+    try:
+        import dask.array as da
+        from dask.base import tokenize
+        from dask.highlevelgraph import HighLevelGraph
+    except ImportError:
+        raise ImportError("flashcupy.dask needs Dask: pip install 'flashcupy[dask]'") from None
+    return da, tokenize, HighLevelGraph
+
+
+# ----------------------------------------------------------------------------
+# validation and the plan
+
+
+def _offsets(chunks) -> list:
+    return list(itertools.accumulate(chunks, initial=0))
+
+
+class _Plan:
+    """The validated call: the Problem of the whole arrays, the chunk grids, and which pairs of a
+    query chunk and a key chunk some query sees."""
+
+    def __init__(self, q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype):
+        da, _, _ = _dask()
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, da.Array):
+                raise TypeError(f"{name} must be a dask.array.Array (use flashcupy.attention for "
+                                f"{_api._describe(x)}), got {_api._describe(x)}")
+        self.lib = backends.array_library(q._meta)
+        if self.lib not in ("numpy", "cupy"):
+            raise TypeError(f"q's chunks must be numpy or cupy arrays, got {_api._describe(q._meta)}")
+        for name, x in (("k", k), ("v", v)):
+            if backends.array_library(x._meta) != self.lib:
+                raise TypeError(f"{name}'s chunks must be of q's array library {self.lib}, "
+                                f"got {_api._describe(x._meta)}")
+        backend = _api._check_backend_name(backend)
+        # the whole arrays' checks, on stand-ins of their shape and dtype that hold no memory
+        stand_in = {n: np.broadcast_to(np.empty((), x.dtype), x.shape) for n, x in (("q", q), ("k", k), ("v", v))}
+        self.p = _api._problem(stand_in["q"], stand_in["k"], stand_in["v"], causal, scale, dtype, self.lib,
+                               window, softcap, alibi_slopes)
+        _api._select(backend, self.lib, self.p)
+        if k.chunks != v.chunks:
+            raise ValueError(f"k and v must have the same chunks, got k {k.chunks} and v {v.chunks} "
+                             f"(v.rechunk(k.chunks))")
+        if q.chunks[3] != (self.p.head_dim,) or k.chunks[3] != (self.p.head_dim,):
+            raise ValueError(f"q, k and v must hold head_dim in one chunk, got q {q.chunks[3]} and k "
+                             f"{k.chunks[3]} (x.rechunk({{3: -1}}))")
+        if q.chunks[0] != k.chunks[0]:
+            raise ValueError(f"q, k and v must have the same batch chunks, got q {q.chunks[0]} and k "
+                             f"{k.chunks[0]} (k.rechunk({{0: q.chunks[0]}}))")
+        g = self.p.group
+        if q.chunks[2] != tuple(g * c for c in k.chunks[2]):
+            raise ValueError(
+                f"q's head chunks must be k's and v's times the group size {g} (each query head chunk "
+                f"holds the query heads of one kv head chunk), got q {q.chunks[2]} and k {k.chunks[2]} "
+                f"(q.rechunk({{2: {tuple(g * c for c in k.chunks[2])}}}))")
+        self.window, self.softcap, self.alibi = window, softcap, alibi_slopes
+        self.causal, self.scale, self.backend, self.dtype = causal, scale, backend, dtype
+        self.q_chunks, self.k_chunks = q.chunks, k.chunks
+        self.q_off, self.k_off = _offsets(q.chunks[1]), _offsets(k.chunks[1])
+        self.b_off, self.h_off = _offsets(q.chunks[0]), _offsets(q.chunks[2])
+
+    def sees(self, i: int, j: int) -> bool:
+        """Whether some query of query chunk i sees some key of key chunk j (the band of p)."""
+        (qa, qb), (ka, kb) = self.q_off[i:i + 2], self.k_off[j:j + 2]
+        if qa == qb or ka == kb:
+            return False
+        left, right = self.p.band
+        lo = 0 if left is None else qa + self.p.diagonal - left
+        hi = self.p.seqlen_k if right is None else qb - 1 + self.p.diagonal + right + 1
+        return max(lo, ka) < min(hi, kb)
+
+    def pairs(self) -> dict:
+        """{query chunk: [key chunks it sees]}, for every query chunk."""
+        return {i: [j for j in range(len(self.k_chunks[1])) if self.sees(i, j)]
+                for i in range(len(self.q_chunks[1]))}
+
+    def diagonal(self, i: int, j: int) -> int:
+        """The pair's own diagonal: query r of chunk i is global query q_off[i] + r, key c of chunk
+        j global key k_off[j] + c, and j_global <= i_global + diagonal becomes c <= r + this."""
+        return self.q_off[i] + self.p.diagonal - self.k_off[j]
+
+    def keywords(self, b: int, h: int) -> dict:
+        """attention's keywords for the chunks of batch chunk b and head chunk h."""
+        slopes = self.alibi
+        if slopes is not None:
+            hs = slice(self.h_off[h], self.h_off[h + 1])
+            slopes = slopes[hs] if slopes.ndim == 1 else slopes[self.b_off[b]:self.b_off[b + 1], hs]
+        return dict(causal=self.causal, window=self.window, softcap=self.softcap, alibi_slopes=slopes,
+                    scale=self.scale, backend=self.backend, dtype=self.dtype)
+
+
+# ----------------------------------------------------------------------------
+# the tasks (plain functions of chunks: they run on whichever worker the scheduler picks)
+
+
+def _acc_dtype(dtype_name):
+    return backends.accumulation_dtype(dtype_name)
+
+
+def _pair_forward(q, k, v, diagonal, kw):
+    """One pair: (out, lse) with out in the accumulation dtype, ready to merge."""
+    out, lse = _api.attention(q, k, v, _diagonal=diagonal, return_lse=True, **kw)
+    value, _ = _api._check_dtypes({"q": q}, kw["dtype"])
+    xp = _merge._library(q)
+    return _merge._read(xp, out, value, _acc_dtype(value)), lse
+
+
+def _no_keys(q, kw):
+    """A query chunk that sees no key chunk: out 0 and lse -inf (the rule of attention)."""
+    value, _ = _api._check_dtypes({"q": q}, kw["dtype"])
+    acc = _acc_dtype(value)
+    xp = _merge._library(q)
+    B, S, H, D = q.shape
+    return xp.zeros((B, S, H, D), acc), xp.full((B, H, S), -np.inf, acc)
+
+
+def _merge_parts(*parts):
+    """(out, lse) of several parts, out kept in the accumulation dtype."""
+    outs, lses = [o for o, _ in parts], [lse for _, lse in parts]
+    xp = _merge._library(lses[0])
+    lse, weights = _merge._weights(xp, lses, np.dtype(lses[0].dtype))
+    out = _add(*(_merge._rows(w) * o for o, w in zip(outs, weights)))
+    return out, lse
+
+
+def _store_out(part, q, kw):
+    value, carrier = _api._check_dtypes({"q": q}, kw["dtype"])
+    return _merge._store(_merge._library(q), part[0], value, carrier)
+
+
+def _lse(part):
+    return part[1]
+
+
+def _pair_backward(dout, q, k, v, out, lse, diagonal, kw):
+    """One pair's (dq, dk, dv) in the accumulation dtype, ready to sum."""
+    grads = _api.attention_backward(dout, q, k, v, out, lse, _diagonal=diagonal, **kw)
+    value, _ = _api._check_dtypes({"q": q}, kw["dtype"])
+    xp = _merge._library(q)
+    return tuple(_merge._read(xp, g, value, _acc_dtype(value)) for g in grads)
+
+
+def _add(*xs):
+    """The sum of arrays, left to right (a new array: parts other tasks own are never written)."""
+    total = xs[0]
+    for x in xs[1:]:
+        total = total + x
+    return total
+
+
+def _add_gradient(which, *parts):
+    """The sum of one gradient (0: dq, 1: dk, 2: dv) over pairs' (dq, dk, dv)."""
+    return _add(*(part[which] for part in parts))
+
+
+def _zeros_like(x, kw):
+    value, _ = _api._check_dtypes({"x": x}, kw["dtype"])
+    return _merge._library(x).zeros(x.shape, _acc_dtype(value))
+
+
+def _store_grad(total, like, kw):
+    value, carrier = _api._check_dtypes({"x": like}, kw["dtype"])
+    return _merge._store(_merge._library(like), total, value, carrier)
+
+
+# ----------------------------------------------------------------------------
+# the graph
+
+
+def _tree(graph: dict, name: str, index: tuple, parts: list, combine, first=None) -> tuple:
+    """Key of a task combining `parts` (keys) by `combine(*values)`, in a tree of at most
+    SPLIT_EVERY inputs per task, deterministic in shape and order; `first`, when given, combines
+    the parts themselves (the first level), `combine` what that gives."""
+    level = 0
+    if first is not None:
+        groups = [parts[n:n + SPLIT_EVERY] for n in range(0, len(parts), SPLIT_EVERY)]
+        parts = []
+        for n, group in enumerate(groups):
+            graph[(name, 0, n) + index] = (first, *group)
+            parts.append((name, 0, n) + index)
+        level = 1
+    while len(parts) > 1:
+        groups = [parts[n:n + SPLIT_EVERY] for n in range(0, len(parts), SPLIT_EVERY)]
+        parts = []
+        for n, group in enumerate(groups):
+            if len(group) == 1:
+                parts.append(group[0])
+                continue
+            graph[(name, level, n) + index] = (combine, *group)
+            parts.append((name, level, n) + index)
+        level += 1
+    return parts[0]
+
+
+def _forward_graph(plan: _Plan, q, k, v, token: str):
+    """(graph, lse graph, out name, lse name) of the forward: lse's tasks read keys of the first."""
+    graph, lse_graph = {}, {}
+    out_name, lse_name = f"flashcupy-attention-out-{token}", f"flashcupy-attention-lse-{token}"
+    part_name, merged_name = f"flashcupy-pair-{token}", f"flashcupy-merged-{token}"
+    nb, nh = len(plan.q_chunks[0]), len(plan.q_chunks[2])
+    for (i, js), b, h in itertools.product(plan.pairs().items(), range(nb), range(nh)):
+        kw = plan.keywords(b, h)
+        qk = (q.name, b, i, h, 0)
+        if js:
+            parts = []
+            for j in js:
+                key = (part_name, b, i, h, j)
+                graph[key] = (_pair_forward, qk, (k.name, b, j, h, 0), (v.name, b, j, h, 0),
+                              plan.diagonal(i, j), kw)
+                parts.append(key)
+            merged = _tree(graph, merged_name, (b, i, h), parts, _merge_parts)
+        else:
+            merged = (merged_name, "empty", b, i, h)
+            graph[merged] = (_no_keys, qk, kw)
+        graph[(out_name, b, i, h, 0)] = (_store_out, merged, qk, kw)
+        lse_graph[(lse_name, b, h, i)] = (_lse, merged)
+    return graph, lse_graph, out_name, lse_name
+
+
+def _meta(x, shape_rank, dtype):
+    xp = _merge._library(x._meta)
+    return xp.empty((0,) * shape_rank, dtype)
+
+
+def _lse_chunks(q):
+    return (q.chunks[0], q.chunks[2], q.chunks[1])
+
+
+def _forward(plan: _Plan, q, k, v):
+    da, tokenize, HighLevelGraph = _dask()
+    token = tokenize(q, k, v, plan.causal, plan.window, plan.softcap, plan.alibi, plan.scale, plan.backend,
+                     plan.dtype)
+    graph, lse_graph, out_name, lse_name = _forward_graph(plan, q, k, v, token)
+    # one layer per output array, as dask wants; lse's layer reads the merged parts in out's
+    out = da.Array(HighLevelGraph.from_collections(out_name, graph, dependencies=[q, k, v]), out_name, q.chunks,
+                   meta=_meta(q, 4, plan.p.carrier))
+    lse = da.Array(HighLevelGraph.from_collections(lse_name, lse_graph, dependencies=[out]), lse_name,
+                   _lse_chunks(q), meta=_meta(q, 3, plan.p.lse_dtype))
+    return out, lse
+
+
+def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, scale=None,
+              return_lse=False, backend="auto", dtype=None):
+    """flashcupy.attention on dask arrays (BSHD, chunked along batch, sequence and heads; head_dim
+    in one chunk; q's head chunks the kv head chunks times the group size). Returns lazy out (q's
+    chunks), and lse (batch, heads_q, seqlen_q) with return_lse=True. alibi_slopes is an array of
+    the chunks' library, not a dask array."""
+    return_lse = _api._check_bool("return_lse", return_lse)
+    plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype)
+    out, lse = _forward(plan, q, k, v)
+    return (out, lse) if return_lse else out
+
+
+def _backward(plan: _Plan, dout, q, k, v, out, lse):
+    da, tokenize, HighLevelGraph = _dask()
+    token = tokenize(dout, q, k, v, out, lse, plan.causal, plan.window, plan.softcap, plan.alibi, plan.scale,
+                     plan.backend, plan.dtype)
+    graph = {"dq": {}, "dk": {}, "dv": {}}  # one layer per output; dk's and dv's read dq's pairs
+    pair_name = f"flashcupy-pair-grad-{token}"
+    names = {g: f"flashcupy-attention-{g}-{token}" for g in ("dq", "dk", "dv")}
+    nb, nh, nk = len(plan.q_chunks[0]), len(plan.q_chunks[2]), len(plan.k_chunks[1])
+    pairs = plan.pairs()
+    for b, h in itertools.product(range(nb), range(nh)):
+        kw = plan.keywords(b, h)
+        by_key = {j: [] for j in range(nk)}
+        for i, js in pairs.items():
+            qk = (q.name, b, i, h, 0)
+            parts = []
+            for j in js:
+                key = (pair_name, b, i, h, j)
+                graph["dq"][key] = (_pair_backward, (dout.name, b, i, h, 0), qk, (k.name, b, j, h, 0),
+                              (v.name, b, j, h, 0), (out.name, b, i, h, 0), (lse.name, b, h, i),
+                              plan.diagonal(i, j), kw)
+                parts.append(key)
+                by_key[j].append(key)
+            graph["dq"][(names["dq"], b, i, h, 0)] = _summed(graph["dq"], f"{names['dq']}-sum", (b, i, h), parts, 0,
+                                                             qk, kw)
+        for j, parts in by_key.items():
+            kk = (k.name, b, j, h, 0)
+            for g, index in (("dk", 1), ("dv", 2)):
+                graph[g][(names[g], b, j, h, 0)] = _summed(graph[g], f"{names[g]}-sum", (b, j, h), parts, index,
+                                                           kk, kw)
+    meta = _meta(q, 4, plan.p.carrier)
+    dq = da.Array(HighLevelGraph.from_collections(names["dq"], graph["dq"], dependencies=[dout, q, k, v, out, lse]),
+                  names["dq"], q.chunks, meta=meta)
+    dk, dv = (da.Array(HighLevelGraph.from_collections(names[g], graph[g], dependencies=[dq, k]), names[g],
+                       k.chunks, meta=meta) for g in ("dk", "dv"))
+    return dq, dk, dv
+
+
+def _summed(graph, name, index, parts, which, like, kw):
+    """The task storing the sum of gradient `which` over `parts`, in `like`'s dtype (zeros when no
+    pair reaches it)."""
+    if not parts:
+        return (_store_grad, (_zeros_like, like, kw), like, kw)
+    total = _tree(graph, name, index, parts, _add, first=functools.partial(_add_gradient, which))
+    return (_store_grad, total, like, kw)
+
+
+def _check_like(name, x, shape, dtype):
+    da, _, _ = _dask()
+    if not isinstance(x, da.Array):
+        raise TypeError(f"{name} must be a dask.array.Array, got {_api._describe(x)}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if np.dtype(x.dtype) != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {np.dtype(x.dtype)}")
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None,
+                       scale=None, backend="auto", dtype=None):
+    """flashcupy.attention_backward on dask arrays: lazy (dq, dk, dv), chunked like q, k and v, from
+    the forward's out and lse (dask arrays; dout, out and lse are rechunked to q's chunks if they
+    differ)."""
+    plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype)
+    _check_like("dout", dout, q.shape, plan.p.carrier)
+    _check_like("out", out, q.shape, plan.p.carrier)
+    _check_like("lse", lse, plan.p.lse_shape, plan.p.lse_dtype)
+    return _backward(plan, dout.rechunk(q.chunks), q, k, v, out.rechunk(q.chunks), lse.rechunk(_lse_chunks(q)))
+
+
+def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, scale=None,
+                  backend="auto", dtype=None):
+    """Lazy forward plus its backward: returns (out, vjp), vjp(dout) -> lazy (dq, dk, dv) chunked like
+    q, k and v. dout is rechunked to q's chunks if it differs. Computing out and the gradients in one
+    dask.compute shares the forward."""
+    plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype)
+    out, lse = _forward(plan, q, k, v)
+
+    def vjp(dout):
+        _check_like("dout", dout, q.shape, plan.p.carrier)
+        return _backward(plan, dout.rechunk(q.chunks), q, k, v, out, lse)
+
+    return out, vjp

@@ -1,0 +1,141 @@
+"""flashcupy.dask against the oracle: every chunking gives the whole call's answer, forward and
+backward, and pairs outside the causal band are not in the graph."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import DTYPES, assert_matches_oracle, make_qkv
+
+import flashcupy
+import flashcupy.dask as fdask
+
+da = pytest.importorskip("dask.array", reason="flashcupy.dask needs the dask extra (in the test extra)")
+import dask  # noqa: E402
+
+
+def _chunked(q, k, v, q_seq, k_seq, heads_kv=1, batch=1):
+    group = q.shape[2] // k.shape[2]
+    Q = da.from_array(q, chunks=(batch, q_seq, heads_kv * group, -1))
+    K = da.from_array(k, chunks=(batch, k_seq, heads_kv, -1))
+    return Q, K, da.from_array(v, chunks=K.chunks)
+
+
+# (B, Sq, Sk, Hq, Hkv, D, causal, q chunks, k chunks): uneven chunks, a chunk of one, causal with
+# Sq < Sk and Sq > Sk (query chunks that see no key chunk), GQA with head chunks
+CASES = [
+    (2, 37, 53, 4, 2, 16, False, (10, 1, 26), (20, 13, 20)),
+    (2, 37, 53, 4, 2, 16, True, (10, 1, 26), (20, 13, 20)),
+    (1, 40, 17, 2, 1, 8, True, (7, 7, 7, 7, 12), (1, 16)),
+    (1, 33, 33, 6, 3, 8, True, 8, 5),
+    (1, 1, 9, 2, 2, 8, False, 1, (4, 5)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[1]}x{c[2]}{'-causal' if c[6] else ''}-{c[7]}-{c[8]}")
+def test_every_chunking_matches_the_oracle(rng, case, dtype):
+    B, Sq, Sk, Hq, Hkv, D, causal, q_seq, k_seq = case
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    Q, K, V = _chunked(q, k, v, q_seq, k_seq)
+    out, vjp = fdask.attention_vjp(Q, K, V, causal=causal)
+    lse = fdask.attention(Q, K, V, causal=causal, return_lse=True)[1]
+    got = dask.compute(out, lse, *vjp(da.from_array(dout, chunks=(1, 3, 1, -1))), scheduler="sync")
+    assert [x.dtype for x in got] == [q.dtype, np.float64 if dtype == np.float64 else np.float32] + [q.dtype] * 3
+    assert_matches_oracle(got, q, k, v, dout, causal=causal)
+
+
+def test_head_chunks_and_the_threaded_scheduler_give_the_single_calls_bits(rng):
+    # float64, one key chunk per query chunk: nothing to merge, so the bits are the single call's;
+    # with several key chunks the results agree to rounding
+    q, k, v = make_qkv(rng, 2, 24, 24, 4, 2, 8, np.float64)
+    Q, K, V = _chunked(q, k, v, 24, 24, heads_kv=1)
+    np.testing.assert_array_equal(fdask.attention(Q, K, V, causal=True).compute(scheduler="threads"),
+                                  flashcupy.attention(q, k, v, causal=True))
+    Q, K, V = _chunked(q, k, v, 5, 7, heads_kv=1)
+    np.testing.assert_allclose(fdask.attention(Q, K, V, causal=True).compute(scheduler="threads"),
+                               flashcupy.attention(q, k, v, causal=True), rtol=0, atol=1e-14)
+
+
+def _pair_tasks(x, kind):
+    return [key for key in dict(x.__dask_graph__()) if isinstance(key, tuple) and key[0].startswith(kind)]
+
+
+def test_pairs_outside_the_causal_band_are_not_in_the_graph(rng):
+    q, k, v = make_qkv(rng, 1, 64, 64, 1, 1, 8, np.float32)
+    Q, K, V = _chunked(q, k, v, 16, 16)
+    out, vjp = fdask.attention_vjp(Q, K, V, causal=True)
+    assert len(_pair_tasks(out, "flashcupy-pair-")) == 4 + 3 + 2 + 1  # the lower triangle of 4 x 4
+    dq, dk, dv = vjp(da.from_array(np.ones_like(q), chunks=Q.chunks))
+    assert len(_pair_tasks(dq, "flashcupy-pair-grad-")) == 10
+    # without causal every pair is there
+    assert len(_pair_tasks(fdask.attention(Q, K, V), "flashcupy-pair-")) == 16
+
+
+def test_merge_tree_of_many_key_chunks(rng):
+    # more key chunks than SPLIT_EVERY: the merge and the gradient sums go two levels deep
+    q, k, v = make_qkv(rng, 1, 6, 40, 2, 1, 8, np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    Q, K, V = _chunked(q, k, v, 3, 2)
+    assert len(K.chunks[1]) > fdask.SPLIT_EVERY
+    out, vjp = fdask.attention_vjp(Q, K, V)
+    lse = fdask.attention(Q, K, V, return_lse=True)[1]
+    got = dask.compute(out, lse, *vjp(da.from_array(dout, chunks=Q.chunks)))
+    assert_matches_oracle(got, q, k, v, dout)
+
+
+def test_backward_from_a_computed_forward_in_other_chunks(rng):
+    q, k, v = make_qkv(rng, 1, 20, 12, 2, 1, 8, np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    Q, K, V = _chunked(q, k, v, 6, 5)
+    out, lse = dask.persist(*fdask.attention(Q, K, V, causal=True, return_lse=True))
+    grads = fdask.attention_backward(da.from_array(dout, chunks=7), Q, K, V, out.rechunk(4), lse.rechunk(3),
+                                     causal=True)
+    assert [g.chunks for g in grads] == [Q.chunks, K.chunks, K.chunks]
+    assert_matches_oracle(dask.compute(out, lse, *grads), q, k, v, dout, causal=True)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        fdask.attention_backward(out, Q, K, V, out, lse[:, :1], causal=True)
+
+
+def test_a_local_cluster_of_worker_processes(rng):
+    distributed = pytest.importorskip("distributed", reason="in the dask extra")
+    q, k, v = make_qkv(rng, 1, 30, 30, 2, 1, 8, np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    Q, K, V = _chunked(q, k, v, 10, 10)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as client:
+        out, vjp = fdask.attention_vjp(Q, K, V, causal=True)
+        lse = fdask.attention(Q, K, V, causal=True, return_lse=True)[1]
+        got = client.compute([out, lse, *vjp(da.from_array(dout, chunks=Q.chunks))], sync=True)
+    assert_matches_oracle(got, q, k, v, dout, causal=True)
+
+
+BAD = [  # (what, arrays from (q, k, v) chunked as in _chunked(..., 4, 4), error, message)
+    ("a numpy q", lambda Q, K, V, q: (q, K, V), TypeError, "q must be a dask.array.Array"),
+    ("head_dim in chunks", lambda Q, K, V, q: (Q.rechunk({3: 4}), K, V), ValueError, "head_dim in one chunk"),
+    ("batch chunks", lambda Q, K, V, q: (Q.rechunk({0: 2}), K, V), ValueError, "same batch chunks"),
+    ("k and v chunks", lambda Q, K, V, q: (Q, K, V.rechunk({1: 3})), ValueError, "k and v must have the same chunks"),
+    ("head chunks", lambda Q, K, V, q: (Q.rechunk({2: 1}), K, V), ValueError, "times the group size 2"),
+    ("rank", lambda Q, K, V, q: (Q[0], K, V), ValueError, "q must have rank 4"),
+    ("dtype", lambda Q, K, V, q: (Q.astype(np.int32), K, V), TypeError, "q must have dtype"),
+]
+
+
+@pytest.mark.parametrize("what, change, error, message", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_refused_before_any_work(rng, what, change, error, message):
+    q, k, v = make_qkv(rng, 2, 8, 8, 2, 1, 8, np.float32)
+    Q, K, V = _chunked(q, k, v, 4, 4)
+    with pytest.raises(error, match=message):
+        fdask.attention(*change(Q, K, V, q))
+
+
+def test_bad_dout_is_refused(rng):
+    q, k, v = make_qkv(rng, 1, 8, 8, 1, 1, 8, np.float32)
+    _, vjp = fdask.attention_vjp(*_chunked(q, k, v, 4, 4))
+    with pytest.raises(TypeError, match="dout must be a dask.array.Array"):
+        vjp(q)
+    with pytest.raises(TypeError, match="dout must have dtype float32"):
+        vjp(da.zeros(q.shape, np.float64))
+    with pytest.raises(ValueError, match="dout must have shape"):
+        vjp(da.zeros((1, 7, 1, 8), np.float32))
