@@ -33,7 +33,8 @@ BIT_CARRIERS = (np.dtype(np.uint16), np.dtype(np.int16))  # what dtype="bfloat16
 
 @dataclass(frozen=True)
 class Problem:
-    """Everything a backend needs to know besides the arrays themselves."""
+    """Everything a backend needs to know besides q, k, v (and dout, out, lse): shapes, options,
+    and the score modifiers, the arrays among them (alibi_slopes, bias, mask) included."""
 
     batch: int
     seqlen_q: int

@@ -389,3 +389,44 @@ def test_a_modifier_mutation_is_caught(monkeypatch, name):
     mutant.configure(block_m=16, block_n=8, num_threads=2)
     monkeypatch.setitem(sys.modules, numpy_backend.__name__, mutant)
     assert modifier_battery_fails(), f"the battery missed: {name}"
+
+
+# ----------------------------------------------------------------------------
+# property test: random shapes, tiles, layouts and modifier combinations
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+side = st.one_of(st.none(), st.integers(0, 20))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(B=st.integers(1, 2), Sq=st.integers(1, 30), Sk=st.integers(1, 30), Hkv=st.integers(1, 2),
+       group=st.integers(1, 3), D=st.sampled_from([1, 8, 24]), causal=st.booleans(),
+       window=st.one_of(st.none(), st.tuples(side, side)), softcap=st.one_of(st.none(), st.floats(0.3, 5.0)),
+       alibi=st.sampled_from([None, "H", "BH"]), bias=st.sampled_from([None, "full", "1H", "B11S", "11S1", "1111"]),
+       mask=st.sampled_from([None, "full", "keys", "rows"]),
+       dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+       block_m=st.sampled_from([1, 5, 16]), block_n=st.sampled_from([1, 3, 8]), seed=st.integers(0, 2**16))
+def test_property_modifiers_match_the_oracle(B, Sq, Sk, Hkv, group, D, causal, window, softcap, alibi, bias, mask,
+                                             dtype, block_m, block_n, seed):
+    old = (numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N)
+    numpy_backend.configure(block_m=block_m, block_n=block_n)
+    try:
+        rng = np.random.default_rng(seed)
+        Hq = Hkv * group
+        q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
+        dout = rng.standard_normal(q.shape).astype(dtype)
+        kw = dict(causal=causal, window=window, softcap=softcap)
+        if alibi:
+            kw["alibi_slopes"] = rng.uniform(0, 1, (Hq,) if alibi == "H" else (B, Hq)).astype(np.float32)
+        dims = {"full": (B, Hq, Sq, Sk), "1H": (1, Hq, Sq, Sk), "B11S": (B, 1, 1, Sk), "11S1": (1, 1, Sq, 1),
+                "1111": (1, 1, 1, 1), "keys": (B, 1, 1, Sk), "rows": (1, Hq, Sq, 1)}
+        if bias:
+            kw["bias"] = rng.standard_normal(dims[bias]).astype(dtype)
+        if mask:
+            kw["mask"] = rng.random(dims[mask]) < 0.7
+        check(q, k, v, dout, rows=rng.integers(-Sq, Sq, 3), **kw)
+    finally:
+        numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N = old
