@@ -46,6 +46,30 @@ def test_every_chunking_matches_the_oracle(rng, case, dtype):
     assert_matches_oracle(got, q, k, v, dout, causal=causal)
 
 
+MODIFIED = [  # keywords (ALiBi slopes made per case): windows, softcap and ALiBi mean on a chunk what
+    # they mean on the whole arrays, because each pair is told its global diagonal
+    dict(window=(5, 2)),
+    dict(causal=True, window=(6, None)),
+    dict(window=(None, 0), softcap=2.0),
+    dict(causal=True, alibi_slopes=(4,)),
+    dict(alibi_slopes=(2, 4), window=(3, 3)),
+]
+
+
+@pytest.mark.parametrize("mods", MODIFIED, ids=lambda m: "-".join(sorted(m)))
+def test_modifiers_match_the_oracle(rng, mods):
+    mods = dict(mods)
+    q, k, v = make_qkv(rng, 2, 23, 29, 4, 2, 8, np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    if "alibi_slopes" in mods:
+        mods["alibi_slopes"] = rng.uniform(0.1, 1, mods["alibi_slopes"]).astype(np.float32)
+    Q, K, V = _chunked(q, k, v, (6, 1, 16), (8, 8, 13))
+    out, vjp = fdask.attention_vjp(Q, K, V, **mods)
+    lse = fdask.attention(Q, K, V, return_lse=True, **mods)[1]
+    got = dask.compute(out, lse, *vjp(da.from_array(dout, chunks=Q.chunks)))
+    assert_matches_oracle(got, q, k, v, dout, **mods)
+
+
 def test_head_chunks_and_the_threaded_scheduler_give_the_single_calls_bits(rng):
     # float64, one key chunk per query chunk: nothing to merge, so the bits are the single call's;
     # with several key chunks the results agree to rounding
@@ -69,8 +93,10 @@ def test_pairs_outside_the_causal_band_are_not_in_the_graph(rng):
     assert len(_pair_tasks(out, "flashcupy-pair-")) == 4 + 3 + 2 + 1  # the lower triangle of 4 x 4
     dq, dk, dv = vjp(da.from_array(np.ones_like(q), chunks=Q.chunks))
     assert len(_pair_tasks(dq, "flashcupy-pair-grad-")) == 10
-    # without causal every pair is there
+    # without causal every pair is there; a window of 8 keys to the left keeps the diagonal pairs and
+    # the ones just below
     assert len(_pair_tasks(fdask.attention(Q, K, V), "flashcupy-pair-")) == 16
+    assert len(_pair_tasks(fdask.attention(Q, K, V, causal=True, window=(8, None)), "flashcupy-pair-")) == 4 + 3
 
 
 def test_merge_tree_of_many_key_chunks(rng):
