@@ -245,6 +245,25 @@ def test_a_window_visits_only_the_band(small_tiles):
     assert p.flops_forward() == 4.0 * 64 * visible
 
 
+def test_the_backward_with_a_bias_needs_little_beyond_dbias(rng):
+    """dbias is the backward's extra memory (issue 13): no copy of it, no O(seqlen^2) workspace,
+    only tile-sized scratch per worker (a bias tile)."""
+    import tracemalloc
+    S, H = 2048, 2
+    q, k, v = make_qkv(rng, 1, S, S, H, H, 16, np.float32)
+    bias = rng.standard_normal((1, H, S, S)).astype(np.float32)
+    out, lse = flashcupy.attention(q, k, v, return_lse=True, bias=bias)
+    peaks = []
+    for kw in ({}, dict(bias=bias)):
+        tracemalloc.start()
+        tracemalloc.reset_peak()
+        flashcupy.attention_backward(out, q, k, v, out, lse, **kw)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    scratch = numpy_backend.worker_count() * numpy_backend.TILE_VOLUME[4] * 4  # bytes of one tile per worker
+    assert peaks[1] - peaks[0] < bias.nbytes + scratch, (peaks, bias.nbytes)
+
+
 # ----------------------------------------------------------------------------
 # the interface
 

@@ -905,9 +905,10 @@ def backward(p, dout, q, k, v, out, lse):
     grads = dq.view(p.carrier), dk.view(p.carrier), dv.view(p.carrier)
     if dB is None:
         return grads
+    # no copy where dbias's dtype is the accumulation dtype: the backward's extra memory is dbias itself
     if p.bias.dtype == p.carrier:  # q's dtype (bfloat16 bits included), else float32
-        return grads + (dB.astype(dq.dtype).view(p.carrier),)
-    return grads + (dB.astype(p.bias.dtype),)
+        return grads + (dB.astype(dq.dtype, copy=False).view(p.carrier),)
+    return grads + (dB.astype(p.bias.dtype, copy=False),)
 
 
 # ----------------------------------------------------------------------------
