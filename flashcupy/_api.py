@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import backends
+from . import _interop, backends
 
 FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
 MODIFIERS = ("window", "softcap", "alibi_slopes", "bias", "mask")  # the keywords, in the order they apply
@@ -430,6 +430,7 @@ def _check_rows(rows, seqlen_q: int) -> np.ndarray:
     return np.where(index < 0, index + seqlen_q, index).astype(np.intp)
 
 
+@_interop.accepts_foreign_arrays
 def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
               scale=None, return_lse=False, backend="auto", dtype=None, _diagonal=None):
     """Exact softmax(q kᵀ · scale) v, computed tile by tile (FlashAttention).
@@ -464,6 +465,7 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
     return (out, lse) if return_lse else out
 
 
+@_interop.accepts_foreign_arrays
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None,
                        bias=None, mask=None, scale=None, backend="auto", dtype=None, _diagonal=None):
     """Gradients (dq, dk, dv) of attention, given dout and the forward's out and lse; with bias,
@@ -492,6 +494,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, so
     return mod.backward(p, dout, q, k, v, out, lse)
 
 
+@_interop.accepts_foreign_arrays
 def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
                   scale=None, backend="auto", dtype=None):
     """Forward pass plus a closure for the backward: returns (out, vjp), vjp(dout) -> (dq, dk, dv),
@@ -506,6 +509,7 @@ def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slo
     return out, vjp
 
 
+@_interop.accepts_foreign_arrays
 def attention_probs(q, k, lse, *, rows=None, causal=False, window=None, softcap=None, alibi_slopes=None,
                     bias=None, mask=None, scale=None, backend="auto", dtype=None):
     """The attention weights P = exp(s - lse) of the query rows asked for, recomputed from q, k and

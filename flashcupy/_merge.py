@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _api, backends
+from . import _api, _interop, backends
 
 
 def _library(x):
@@ -104,6 +104,7 @@ def _rows(w):
     return w.transpose(0, 2, 1)[..., None]
 
 
+@_interop.accepts_foreign_arrays
 def merge(outs, lses, *, dtype=None):
     """Combine the (out, lse) of attention over disjoint key sets into the (out, lse) over their
     union, exactly (to rounding): out = sum_i exp(lse_i - lse) out_i, lse = logsumexp_i lse_i.
@@ -122,6 +123,7 @@ def merge(outs, lses, *, dtype=None):
     return _store(xp, out, value, carrier), lse
 
 
+@_interop.accepts_foreign_arrays
 def merge_backward(dout, outs, lses, out, lse, dlse=None, *, dtype=None):
     """Gradients (douts, dlses) of merge, given dout (out's shape and dtype) and, optionally, dlse
     (lse's shape and dtype; None: zero). out and lse are merge's results; douts come back in

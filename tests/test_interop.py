@@ -1,0 +1,80 @@
+"""torch and JAX arrays in, torch and JAX arrays out, viewed through DLPack without a copy, checked
+against the oracle."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import numpy as np
+import pytest
+from conftest import assert_matches_oracle, bf16_bits, make_qkv
+
+import flashcupy
+from flashcupy.backends import bfloat16_dtype, numpy_backend
+
+torch = pytest.importorskip("torch", reason="torch CPU is installed by the README's test command")
+
+
+def _torch(x):
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "bfloat16"])
+def test_torch_tensors_in_and_out(rng, dtype):
+    values = bfloat16_dtype() if dtype == "bfloat16" else np.dtype(dtype)
+    q, k, v = make_qkv(rng, 2, 7, 9, 4, 2, 8, values)
+    dout = rng.standard_normal(q.shape).astype(values)
+    as_torch = (lambda x: _torch(x.view(np.int16)).view(torch.bfloat16)) if dtype == "bfloat16" else _torch
+    tq, tk, tv, tdout = (as_torch(x) for x in (q, k, v, dout))
+    out, lse = flashcupy.attention(tq, tk, tv, causal=True, return_lse=True)
+    grads = flashcupy.attention_backward(tdout, tq, tk, tv, out, lse, causal=True)
+    assert all(isinstance(x, torch.Tensor) for x in (out, lse, *grads))
+    assert out.dtype == tq.dtype and [g.dtype for g in grads] == [tq.dtype] * 3
+    if dtype == "bfloat16":  # the oracle reads the bits
+        got = [x.view(torch.int16).numpy().view(np.uint16) if x.dtype == torch.bfloat16 else x.numpy()
+               for x in (out, lse, *grads)]
+        assert_matches_oracle(got, *(bf16_bits(x) for x in (q, k, v, dout)), causal=True, dtype="bfloat16")
+    else:
+        assert_matches_oracle([x.numpy() for x in (out, lse, *grads)], q, k, v, dout, causal=True)
+
+
+def test_inputs_are_viewed_not_copied(rng):
+    q, k, v = make_qkv(rng, 1, 6, 6, 2, 2, 8, np.float32)
+    tq, tk, tv = (_torch(x) for x in (q, k, v))
+    tk_strided = tk.transpose(1, 2).contiguous().transpose(1, 2)  # BHSD memory, BSHD shape
+    seen = {}
+    real = numpy_backend.forward
+
+    def spy(p, q, k, v):
+        seen.update(q=q.ctypes.data, k=k.ctypes.data, v=v.ctypes.data)
+        return real(p, q, k, v)
+
+    with mock.patch.object(numpy_backend, "forward", spy):
+        out = flashcupy.attention(tq, tk_strided, tv.requires_grad_(True))
+    assert seen == dict(q=tq.data_ptr(), k=tk_strided.data_ptr(), v=tv.data_ptr())
+    np.testing.assert_array_equal(out.numpy(), flashcupy.attention(q, k, v))
+
+
+def test_vjp_and_merge_take_and_give_torch(rng):
+    q, k, v = make_qkv(rng, 1, 5, 8, 2, 1, 8, np.float64)
+    dout = rng.standard_normal(q.shape)
+    tq, tk, tv = (_torch(x) for x in (q, k, v))
+    out, vjp = flashcupy.attention_vjp(tq, tk, tv)
+    grads = vjp(_torch(dout))
+    assert isinstance(out, torch.Tensor) and all(isinstance(g, torch.Tensor) for g in grads)
+    parts = [flashcupy.attention(tq, tk[:, a:b], tv[:, a:b], return_lse=True) for a, b in ((0, 3), (3, 8))]
+    merged, lse = flashcupy.merge([o for o, _ in parts], [l for _, l in parts])
+    assert isinstance(merged, torch.Tensor)
+    assert_matches_oracle((merged.numpy(), lse.numpy(), *(g.numpy() for g in grads)), q, k, v, dout)
+
+
+def test_jax_arrays_in_and_out(rng):
+    jnp = pytest.importorskip("jax.numpy", reason="jax[cpu] is in the test extra")
+    q, k, v = make_qkv(rng, 1, 6, 10, 4, 2, 8, np.float32)
+    out, lse = flashcupy.attention(*(jnp.asarray(x) for x in (q, k, v)), causal=True, return_lse=True)
+    assert type(out).__module__.split(".")[0] in ("jax", "jaxlib")
+    assert_matches_oracle((np.asarray(out), np.asarray(lse)), q, k, v, causal=True)
+    with pytest.raises(TypeError, match="bfloat16 jax array.*bitcast_convert_type"):
+        flashcupy.attention(*(jnp.asarray(x, dtype=jnp.bfloat16) for x in (q, k, v)))
+    with pytest.raises(TypeError, match="one library, got jax, torch"):
+        flashcupy.attention(jnp.asarray(q), _torch(k), _torch(v))
