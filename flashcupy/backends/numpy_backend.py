@@ -36,7 +36,14 @@ stacks several kv heads (and a kv head's query heads, row by row) into each
 matmul and elementwise call, tiles are large, and causal diagonals are cut into
 a staircase of shorter tiles so the masked half of a diagonal tile costs little.
 Nothing of size seqlen_q x seqlen_k is ever allocated: the largest temporaries
-are score tiles, one set per worker thread, reused for the whole call. Work is
+are score tiles, one set per worker thread, reused for the whole call.
+
+Score modifiers (README, Semantics): a window narrows the band the tile plans
+come from (_key_range, _query_range, _visible), so key blocks outside it are
+never visited; softcap, ALiBi, bias and mask act on each tile's scores
+(_Modifiers), which then have m (lse in the backward) subtracted in a pass of
+their own; dbias is dS summed to the bias's shape (see backward). Calls without
+them run the code above unchanged. Work is
 spread over a thread pool kept between calls; NumPy releases the GIL in BLAS and
 in the elementwise loops.
 """
