@@ -151,7 +151,8 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
             want["dbias"] = reduce_to(dS, np.shape(bias))
             stored = "float32" if np.asarray(bias).dtype == np.float32 else dtype  # dbias has the bias's dtype
             u_b = ROUNDOFF[stored][0]
-            floor_b = 2.0**-25 if stored == "float16" else float(np.finfo(np.float64 if stored == "float64" else np.float32).tiny)
+            wide = np.float64 if stored == "float64" else np.float32
+            floor_b = 2.0**-25 if stored == "float16" else float(np.finfo(wide).tiny)
             tol["dbias"] = (reduce_to(dS_bound + gamma(n) * abs(dS), np.shape(bias))
                             + u_b * abs(want["dbias"]) + floor_b)
         if T is not None:  # dq and dk read dS (1 - t^2), the gradient of the score before the softcap

@@ -201,7 +201,8 @@ def test_dbias_is_reproducible_and_right_however_its_items_share_it(rng, monkeyp
         numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS = old
 
 
-@pytest.mark.parametrize("kw", [dict(alibi_slopes=np.array([0.1, 0.2], np.float32)), dict(bias="big"), dict(mask="half")],
+@pytest.mark.parametrize("kw", [dict(alibi_slopes=np.array([0.1, 0.2], np.float32)), dict(bias="big"),
+                                dict(mask="half")],
                          ids=["alibi", "bias", "mask"])
 def test_modified_scores_far_from_zero_keep_full_precision(rng, kw):
     # scores near +400: the lazily raised reference m must be subtracted from modified scores too
@@ -297,7 +298,8 @@ def test_device_backends_refuse_modifiers_by_name(monkeypatch):
     from cupy_emulation import emulated
     q, k, v = make_qkv(np.random.default_rng(0), 1, 8, 8, 2, 1, 8, np.float32)
     with emulated():
-        with pytest.raises(ValueError, match=r"^window is not yet supported by backend 'cupy' \(backend 'numpy' supports it\)"):
+        refused = r"^window is not yet supported by backend 'cupy' \(backend 'numpy' supports it\)"
+        with pytest.raises(ValueError, match=refused):
             flashcupy.attention(q, k, v, window=(2, 0), backend="cupy")
         with pytest.raises(ValueError, match="softcap, bias are not yet supported by backend 'cupy'"):
             flashcupy.attention_backward(q, q, k, v, q, np.zeros((1, 2, 8), np.float32), softcap=1.0,
@@ -367,7 +369,8 @@ MODIFIER_MUTATIONS = {
                            "self._heads(self.bias, b, c0, c1, rows, cols), acc.type(1.0)"),
     "mask ignored": ("np.copyto(S4, -np.inf, where=hide)", "hide"),
     "dbias not summed over heads": ("t[0, rows, cols] += x.sum(axis=(0, 2))", "t[0, rows, cols] += x[0, :, 0]"),
-    "dbias after the softcap": (DBIAS_THEN_SOFTCAP, DBIAS_THEN_SOFTCAP.replace("dbias(dS, slice(i0, i1), slice(c0, c1))", "pass")
+    "dbias after the softcap": (DBIAS_THEN_SOFTCAP,
+                                DBIAS_THEN_SOFTCAP.replace("dbias(dS, slice(i0, i1), slice(c0, c1))", "pass")
                                 + "        if dbias is not None:\n            dbias(dS, slice(i0, i1), slice(c0, c1))\n"),
     "window left off by one": ("max(0, i0 + p.diagonal - left))", "max(0, i0 + p.diagonal - left + 1))"),
 }
