@@ -202,10 +202,12 @@ def test_dbias_is_reproducible_and_right_however_its_items_share_it(rng, monkeyp
 
 
 @pytest.mark.parametrize("kw", [dict(alibi_slopes=np.array([0.1, 0.2], np.float32)), dict(bias="big"),
-                                dict(mask="half")],
-                         ids=["alibi", "bias", "mask"])
-def test_modified_scores_far_from_zero_keep_full_precision(rng, kw):
-    # scores near +400: the lazily raised reference m must be subtracted from modified scores too
+                                dict(mask="half"), dict(window=(4, 2), softcap=500.0)],
+                         ids=["alibi", "bias", "mask", "window-softcap"])
+def test_modified_scores_far_from_zero_keep_full_precision(rng, small_tiles, kw):
+    # scores near +400: the lazily raised reference m must be subtracted from modified scores too,
+    # and every row a tile shows a key must be redone where its sum overflows (a row only the
+    # mask or the band hides from the whole tile needs none)
     q = np.ones((1, 40, 2, 16), np.float32)
     k = (10 + rng.standard_normal((1, 50, 1, 16))).astype(np.float32)
     v = rng.standard_normal((1, 50, 1, 16)).astype(np.float32)

@@ -473,10 +473,21 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> 
     Q1 = K1t = None  # [Q | -m] and [K | 1]ᵀ, made when some m first moves
     moved = False  # with modify: some m moved, so scores subtract m
 
-    def scores(a, z, j0, j1, hidden, out):
+    # with modify: the stack rows of the current tile that see none of its keys (mask or band), or
+    # None. The tile leaves them as they were, so they need no redo, which would recompute the
+    # whole tile: a row a mask hides entirely would otherwise cost every tile of its block twice
+    dead_rows = [None]
+
+    def scores(a, z, j0, j1, hidden, out, dead=None):
         if modify is not None:
             np.matmul(Q[:, a:z], Kt[:, :, j0:j1], out=out)
-            modify(out, slice(i0 + a // g, i0 + z // g), slice(j0, j1))
+            filled = modify(out, slice(i0 + a // g, i0 + z // g), slice(j0, j1), dead=dead)
+            if dead is not None:
+                if hidden is not None:  # rows the band hides from every key of the tile
+                    band = hidden.all(axis=1)[None, :, None]
+                    dead[...] = (dead | band) if filled else band
+                    filled = True
+                dead_rows[0] = dead if filled else None
             if moved:
                 np.subtract(out, m[:, a:z, None], out=out)
         elif Q1 is None:
@@ -494,7 +505,8 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> 
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for r0, r1, j0, j1, hidden in tiles:
             a, z = (r0 - i0) * g, (r1 - i0) * g  # the tile's rows within the stack
-            S = scores(a, z, j0, j1, hidden, scratch.take("S", (heads, z - a, j1 - j0), acc))  # S - m
+            dead = None if modify is None else scratch.take("dead", (heads, (z - a) // g, g), np.bool_)
+            S = scores(a, z, j0, j1, hidden, scratch.take("S", (heads, z - a, j1 - j0), acc), dead)  # S - m
             P = np.exp2(S, out=S)
             O1_j = np.matmul(P, V1[:, j0:j1], out=scratch.take("O1_j", (heads, z - a, D + 1), acc))
             l_j_max = float(np.maximum.reduce(O1_j[:, :, D], axis=None))
@@ -504,7 +516,10 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> 
                 continue
             # rows whose sum so far leaves [L_MIN, l_max] (so O could overflow) or is NaN
             l_new = O1[:, a:z, D] + O1_j[:, :, D]
-            kk, rr = np.nonzero(~(l_new <= l_max) | (l_new < L_MIN))
+            redo = ~(l_new <= l_max) | (l_new < L_MIN)
+            if dead is not None and dead_rows[0] is not None:
+                redo &= ~dead_rows[0].reshape(heads, z - a)
+            kk, rr = np.nonzero(redo)
             if kk.size:
                 S_r = _aligned_empty((kk.size, j1 - j0), acc)  # exp2's bits depend on alignment
                 S_r[...] = scores(a, z, j0, j1, hidden, S)[kk, rr]  # exp2() overwrote them; this is rare
@@ -622,10 +637,12 @@ class _Modifiers:
             t = x[b][:, rows, cols][self.heads.index[c0:c1].ravel()]
         return t.reshape(c1 - c0, g, t.shape[1], t.shape[2]).transpose(0, 2, 1, 3)
 
-    def apply(self, S, rows, cols, T=None, *, b, c0, c1, scratch):
+    def apply(self, S, rows, cols, T=None, *, b, c0, c1, scratch, dead=None) -> bool:
         """Modify S (kv heads c0..c1, len(rows) x group, keys cols), the base-2 scores of batch b,
         in place. rows: a slice or an index array of query rows; cols: a slice. T: where to keep
-        tanh(s / c) for the backward (softcap only)."""
+        tanh(s / c) for the backward (softcap only). dead: a bool (kv heads, rows, group) array
+        to fill with the rows the mask hides from every key of the tile; returns whether it did
+        (False without a mask)."""
         acc, g = self.acc, self.heads.group
         heads, C = S.shape[0], S.shape[2]
         R = S.shape[1] // g
@@ -650,7 +667,10 @@ class _Modifiers:
             hide = np.logical_not(self._heads(self.mask, b, c0, c1, rows, cols),
                                   out=scratch.take("hide", S4.shape, np.bool_))
             np.copyto(S4, -np.inf, where=hide)
-        return S
+            if dead is not None:
+                np.logical_and.reduce(hide, axis=3, out=dead)
+                return True
+        return False
 
     def add_dbias(self, target, dS, rows: slice, cols: slice, *, b, c0, c1) -> None:
         """target (the bias's shape, in the accumulation dtype) += dS (kv heads c0..c1, rows x
