@@ -19,6 +19,8 @@ import threading
 
 import numpy as np
 
+from .counters import CATEGORIES, Counters, LaunchCounters, _record
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = os.path.join(HERE, "include")
 RUNTIME = os.path.join(HERE, "runtime.cpp")
@@ -41,6 +43,15 @@ CXXFLAGS = (
     "-ftrivial-auto-var-init=pattern",  # uninitialised locals hold garbage, like registers
     "-fstack-clash-protection",        # a huge local array hits the stack's guard page
     "-U_FORTIFY_SOURCE",               # siglongjmp between fiber stacks is intended
+)
+# A counting build (EmulatedModule(counters=True)): g++ calls the runtime before every load and
+# store the kernel makes (-fsanitize=kernel-address's callbacks, no shadow memory, no stack or
+# global instrumentation), so runtime.cpp can cost the warp's shared and global memory requests.
+# An ordinary build has none of it: counting costs nothing when it is off.
+COUNTING_CXXFLAGS = (
+    "-fsanitize=kernel-address", "--param", "asan-instrumentation-with-call-threshold=0",
+    "--param", "asan-stack=0", "--param", "asan-globals=0", "-fno-sanitize-address-use-after-scope",
+    "-DEMU_COUNTERS=1",
 )
 
 
@@ -221,11 +232,11 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _build(source: str, names: tuple, options: tuple, ucontext: bool = False) -> str:
+def _build(source: str, names: tuple, options: tuple, ucontext: bool = False, counters: bool = False) -> str:
     """Path of the shared library for (source, names, options), compiling it if not cached."""
     defines, include_dirs, arch, _ = _parse_options(options)  # ftz is set per launch, not built in
     key = _digest(_toolchain(), source, names, defines, include_dirs, arch, ucontext,
-                  _include_dir_contents(include_dirs))
+                  _include_dir_contents(include_dirs), *((COUNTING_CXXFLAGS,) if counters else ()))
     stem = os.path.join(cache_dir(), f"module-{key}")
     if os.path.exists(stem + ".so"):
         return stem + ".so"
@@ -238,7 +249,8 @@ def _build(source: str, names: tuple, options: tuple, ucontext: bool = False) ->
                   f"EMU_EXPORT int emu_params_{i}(emu::ParamInfo* out, int capacity) "
                   f"{{ return emu::describe(&{name}, out, capacity); }}"]
     _write_atomically(stem + ".cpp", "\n".join(lines) + "\n")
-    command = [CXX, *CXXFLAGS, "-shared", "-I", INCLUDE, "-include", os.path.join(INCLUDE, "cuda_emu.h"),
+    command = [CXX, *CXXFLAGS, *(COUNTING_CXXFLAGS if counters else ()), "-shared", "-I", INCLUDE,
+               "-include", os.path.join(INCLUDE, "cuda_emu.h"),
                "-D__CUDACC__", "-D__CUDACC_RTC__", f"-D__CUDA_ARCH__={arch}",
                *(f"-D{d}" for d in defines), *(f"-I{d}" for d in include_dirs),
                stem + ".cpp", runtime, f"-Wl,-T,{os.path.join(INCLUDE, 'emu_shared.ld')}",
@@ -262,7 +274,12 @@ class _LaunchConfig(ctypes.Structure):
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
                 ("dynamic_shared_bytes", ctypes.c_uint64), ("stack_bytes", ctypes.c_uint64),
                 ("seed", ctypes.c_uint64), ("order", ctypes.c_int), ("cp_async_eager", ctypes.c_int),
-                ("flush_denormals", ctypes.c_int)]
+                ("flush_denormals", ctypes.c_int), ("count", ctypes.c_int)]
+
+
+class _Counters(ctypes.Structure):  # runtime.cpp's EmuCounters
+    _fields_ = [("access", (ctypes.c_uint64 * 4) * len(CATEGORIES)), ("barriers", ctypes.c_uint64),
+                ("mma", ctypes.c_uint64), ("ctas", ctypes.c_uint64), ("warps", ctypes.c_uint64)]
 
 
 class _LaunchReport(ctypes.Structure):
@@ -292,6 +309,8 @@ def _load(path: str):
             lib.emu_unmap.restype = None
             lib.emu_unmap.argtypes = [ctypes.c_uint64, ctypes.c_uint64]
             lib.emu_page_size.restype = ctypes.c_uint64
+            lib.emu_counters.restype = None
+            lib.emu_counters.argtypes = [ctypes.POINTER(_Counters)]
             _memo[path] = lib
         return _memo[path]
 
@@ -433,6 +452,7 @@ class EmulatedFunction:
             capacity = arity
         self.params = tuple((p.kind, p.size, p.pointee_size) for p in infos[:arity])
         self._max_dynamic_shared = module.shared_mem_limit
+        self.last_counters = None  # Counters of the last launch, if the module counts
 
     @property
     def max_dynamic_shared_size_bytes(self) -> int:
@@ -529,12 +549,19 @@ class EmulatedFunction:
             argv = (ctypes.c_void_p * max(1, len(args)))(*(ctypes.addressof(s) for s in storage))
             config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
                                    module.stack_size, module.seed, THREAD_ORDERS.index(module.thread_order),
-                                   int(module.cp_async == "eager"), int(module.ftz))
+                                   int(module.cp_async == "eager"), int(module.ftz), int(module.counters))
             report = _LaunchReport()
             with _launch_lock:
                 status = self._lib.emu_launch(self._entry, argv, ctypes.byref(config), ctypes.byref(report))
             if status != _OK:
                 raise self._error(report, regions, storage, shared_mem)
+            if module.counters:
+                raw = _Counters()
+                self._lib.emu_counters(ctypes.byref(raw))
+                self.last_counters = Counters(
+                    access={c: tuple(int(x) for x in raw.access[i]) for i, c in enumerate(CATEGORIES)},
+                    barriers=raw.barriers, mma=raw.mma, ctas=raw.ctas, warps=raw.warps)
+                _record(LaunchCounters(self.name, grid, block, shared_mem, self.last_counters))
             for region in regions:
                 side = region.slack_written()
                 if side is not None:
@@ -603,12 +630,15 @@ class EmulatedModule:
     """Drop-in for cupy.RawModule that compiles with g++ and runs on the CPU.
 
     EmulatedModule(code, name_expressions, options, *, thread_order='ascending',
-    seed=0, shared_mem_limit=48 KiB, stack_size=256 KiB, oob_guard='end', cp_async='deferred').
+    seed=0, shared_mem_limit=48 KiB, stack_size=256 KiB, oob_guard='end', cp_async='deferred',
+    counters=False). With counters=True the module is built to count its memory traffic, and each
+    launch sets the function's `last_counters` (emulator/counters.py).
     """
 
     def __init__(self, code: str, name_expressions=(), options=(), *, thread_order: str = "ascending",
                  seed: int = 0, shared_mem_limit: int = SHARED_MEM_DEFAULT, stack_size: int = STACK_SIZE_DEFAULT,
-                 oob_guard: str = "end", ucontext: bool = False, cp_async: str = "deferred"):
+                 oob_guard: str = "end", ucontext: bool = False, cp_async: str = "deferred",
+                 counters: bool = False):
         if thread_order not in THREAD_ORDERS:
             raise ValueError(f"thread_order must be one of {THREAD_ORDERS}, got {thread_order!r}")
         if cp_async not in CP_ASYNC_MODES:
@@ -627,12 +657,13 @@ class EmulatedModule:
         self.oob_guard = oob_guard
         self.cp_async = cp_async
         self._ucontext = ucontext
+        self.counters = bool(counters)
         self._names = list(name_expressions or ())
         self._lib = self._compile() if self._names else None
         self._functions = {}
 
     def _compile(self):
-        return _load(_build(self.code, tuple(self._names), self.options, self._ucontext))
+        return _load(_build(self.code, tuple(self._names), self.options, self._ucontext, self.counters))
 
     def get_function(self, name: str) -> EmulatedFunction:
         if name not in self._functions:

@@ -38,6 +38,7 @@
 #include <csignal>
 #include <cstdarg>
 #include <random>
+#include <unordered_map>
 #include <vector>
 
 #include <sys/mman.h>
@@ -89,6 +90,23 @@ struct EmuLaunchConfig {
     int order;
     int cp_async_eager;   // cp.async writes shared memory when issued instead of at its wait
     int flush_denormals;  // -ftz=true: subnormal operands and results are zero
+    int count;            // fill EmuCounters (the module was built with counters=True)
+};
+
+// What a counted launch did (counters.py mirrors it and documents the model). One row per
+// category of warp-wide memory instruction: requests (warp instructions), bytes (summed over
+// lanes), cost (shared: wavefronts; global: 32-byte sectors) and ideal (the least that cost
+// could be: one wavefront per non-empty phase; the sectors of the distinct bytes requested).
+enum Category : int {
+    kSharedLoad = 0, kSharedStore = 1, kLdmatrixCat = 2, kCpAsyncShared = 3,
+    kGlobalLoad = 4, kGlobalStore = 5, kCpAsyncGlobal = 6, kCategories = 7,
+};
+struct EmuCounters {
+    std::uint64_t access[kCategories][4];  // requests, bytes, cost, ideal
+    std::uint64_t barriers;                // __syncthreads() completed, summed over CTAs
+    std::uint64_t mma;                     // mma.sync executed, per warp
+    std::uint64_t ctas;
+    std::uint64_t warps;                   // warps launched, summed over CTAs
 };
 
 struct EmuLaunchReport {
@@ -322,9 +340,163 @@ struct Launch {
     SharedRegion shared;
     std::mt19937_64 rng;
     sigjmp_buf escape;
+    struct Counting* counting = nullptr;  // set for a counted launch (config->count)
 };
 
 Launch* active = nullptr;
+
+// ----------------------------------------------------------------------------
+// counters: what a counted launch's warps ask of shared and global memory
+//
+// Only modules built with counters=True call note() for their plain loads and stores (g++'s
+// -fsanitize=kernel-address instrumentation, whose callbacks are the __asan_* functions below);
+// ldmatrix and cp.async call it in every build, and it returns at once unless the launch counts.
+// A lane's n-th execution of one instruction (its site: the return address of the call) joins
+// the n-th execution of that instruction by the other lanes of its warp: one warp-wide request,
+// as SIMT execution of converged lanes issues it. At the end of each block every request is costed
+// (evaluate) and added to the launch's totals. tests/emulator/counters.py documents the model.
+
+enum Op : int { kOpLoad = 0, kOpStore = 1, kOpLdmatrix = 2, kOpCpAsync = 3, kOpCpAsyncSource = 4 };
+
+struct GlobalRegion {
+    std::uintptr_t lo, hi, base;  // the mapped data pages, and where the argument's bytes start
+};
+std::vector<GlobalRegion> global_regions;  // every live emu_map_guarded buffer
+
+EmuCounters last_counters;
+
+struct SiteKey {
+    std::uintptr_t site;
+    int op;
+    int space;  // 0: dynamic shared, 1: static shared, 2 + i: global_regions[i]
+    bool operator==(const SiteKey& o) const { return site == o.site && op == o.op && space == o.space; }
+};
+struct SiteHash {
+    std::size_t operator()(const SiteKey& k) const { return k.site * 1000003u ^ (k.op * 31u + k.space); }
+};
+struct Request {
+    std::uint32_t mask = 0;
+    int bytes = 0;
+    std::int64_t offset[32];  // from the start of the space (shared window, argument buffer)
+};
+struct SiteLog {
+    std::uint32_t next[32] = {};  // per lane: how many times it has executed the site
+    std::vector<Request> requests;
+};
+struct Counting {
+    EmuCounters totals{};
+    std::vector<std::unordered_map<SiteKey, SiteLog, SiteHash>> warps;
+};
+
+void note(int op, std::uintptr_t site, std::uintptr_t address, int bytes) {
+    Launch* l = active;
+    if (!l || !l->counting || !l->current || bytes <= 0) return;
+    int space;
+    std::int64_t offset;
+    const auto dyn_lo = reinterpret_cast<std::uintptr_t>(l->shared.data_lo);
+    const auto dyn_hi = reinterpret_cast<std::uintptr_t>(l->shared.data_hi);
+    const auto static_lo = reinterpret_cast<std::uintptr_t>(__start_emu_shared);
+    const auto static_hi = reinterpret_cast<std::uintptr_t>(__stop_emu_shared);
+    if (address >= dyn_lo && address < dyn_hi) {
+        space = 0;
+        offset = static_cast<std::int64_t>(address - reinterpret_cast<std::uintptr_t>(l->shared.base));
+    } else if (static_lo && address >= static_lo && address < static_hi) {
+        space = 1;
+        offset = static_cast<std::int64_t>(address - static_lo);
+    } else {
+        space = -1;
+        for (std::size_t i = 0; i < global_regions.size(); ++i) {
+            const GlobalRegion& g = global_regions[i];
+            if (address >= g.lo && address < g.hi) {
+                space = 2 + static_cast<int>(i);
+                offset = static_cast<std::int64_t>(address - g.base);
+                break;
+            }
+        }
+        if (space < 0) return;  // the stack (locals), kernel parameters: not memory traffic here
+    }
+    const Fiber& f = *l->current;
+    SiteLog& log = l->counting->warps[f.warp][SiteKey{site, op, space}];
+    const std::uint32_t n = log.next[f.lane]++;
+    if (n >= log.requests.size()) log.requests.resize(n + 1);
+    Request& r = log.requests[n];
+    r.mask |= 1u << f.lane;
+    r.bytes = std::max(r.bytes, bytes);
+    r.offset[f.lane] = offset;
+}
+
+std::int64_t floor_div(std::int64_t a, std::int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+// Cost one warp-wide request (see counters.py): shared memory in wavefronts, phase by phase;
+// global memory in 32-byte sectors.
+void evaluate(EmuCounters& c, int op, int space, const Request& r) {
+    int category;
+    if (space < 2) {
+        category = op == kOpLoad ? kSharedLoad : op == kOpStore ? kSharedStore
+                   : op == kOpLdmatrix ? kLdmatrixCat : op == kOpCpAsync ? kCpAsyncShared : -1;
+    } else {
+        category = op == kOpLoad ? kGlobalLoad : op == kOpStore ? kGlobalStore
+                   : op == kOpCpAsyncSource ? kCpAsyncGlobal : -1;
+    }
+    if (category < 0) return;
+    std::uint64_t* row = c.access[category];
+    row[0] += 1;
+    row[1] += static_cast<std::uint64_t>(__builtin_popcount(r.mask)) * static_cast<std::uint64_t>(r.bytes);
+    std::vector<std::int64_t> units;
+    if (space < 2) {
+        // lanes per phase: each 8x8 matrix of an ldmatrix (8 row addresses); else as many lanes as
+        // 128 bytes hold (32 for accesses of up to 4 bytes, 16 for 8, 8 for 16)
+        int width = 4;
+        while (width < r.bytes) width *= 2;
+        const int phase_lanes = op == kOpLdmatrix ? 8 : std::clamp(128 / width, 1, 32);
+        for (int p0 = 0; p0 < 32; p0 += phase_lanes) {
+            units.clear();
+            for (int lane = p0; lane < p0 + phase_lanes; ++lane) {
+                if (!((r.mask >> lane) & 1)) continue;
+                const std::int64_t first = floor_div(r.offset[lane], 4);
+                for (std::int64_t w = first; w <= floor_div(r.offset[lane] + r.bytes - 1, 4); ++w) units.push_back(w);
+            }
+            if (units.empty()) continue;
+            std::sort(units.begin(), units.end());
+            units.erase(std::unique(units.begin(), units.end()), units.end());
+            int per_bank[32] = {};
+            int wavefronts = 0;
+            for (std::int64_t w : units) wavefronts = std::max(wavefronts, ++per_bank[((w % 32) + 32) % 32]);
+            row[2] += static_cast<std::uint64_t>(wavefronts);
+            row[3] += (units.size() + 31) / 32;
+        }
+    } else {
+        std::vector<std::pair<std::int64_t, std::int64_t>> spans;
+        for (int lane = 0; lane < 32; ++lane) {
+            if (!((r.mask >> lane) & 1)) continue;
+            spans.emplace_back(r.offset[lane], r.offset[lane] + r.bytes);
+            const std::int64_t first = floor_div(r.offset[lane], 32);
+            for (std::int64_t s = first; s <= floor_div(r.offset[lane] + r.bytes - 1, 32); ++s) units.push_back(s);
+        }
+        std::sort(units.begin(), units.end());
+        units.erase(std::unique(units.begin(), units.end()), units.end());
+        std::sort(spans.begin(), spans.end());
+        std::int64_t distinct = 0, covered_to = INT64_MIN;
+        for (auto [lo, hi] : spans) {
+            lo = std::max(lo, covered_to);
+            if (hi > lo) distinct += hi - lo;
+            covered_to = std::max(covered_to, hi);
+        }
+        row[2] += units.size();
+        row[3] += static_cast<std::uint64_t>((distinct + 31) / 32);
+    }
+}
+
+// At the end of a block: cost its requests and forget them.
+void flush_counts(Launch& l) {
+    Counting& c = *l.counting;
+    for (auto& warp : c.warps) {
+        for (auto& [key, log] : warp)
+            for (const Request& r : log.requests)
+                if (r.mask) evaluate(c.totals, key.op, key.space, r);
+        warp.clear();
+    }
+}
 
 void record_thread(const Fiber& f) {
     EmuLaunchReport& r = *active->report;
@@ -451,6 +623,7 @@ bool resolve_warps(Launch& l) {
                 }
             }
             if (gather) {
+                if (a.kind == emu::kMma && active->counting) ++active->counting->totals.mma;
                 for (int to = 0; to < 32; ++to)
                     for (int from = 0; from < 32; ++from)
                         std::memcpy(static_cast<unsigned char*>(warp[to].arrival.gather_dst) + from * a.width,
@@ -560,8 +733,14 @@ void run_block(Launch& l) {
         if (done) break;
         if (runnable) continue;
         if (!all_at_barrier) report_deadlock(l);
+        if (l.counting) ++l.counting->totals.barriers;
         for (Fiber& f : l.fibers)
             if (f.state == State::kAtBarrier) f.state = State::kRunnable;
+    }
+    if (l.counting) {
+        flush_counts(l);
+        ++l.counting->totals.ctas;
+        l.counting->totals.warps += (l.fibers.size() + 31) / 32;
     }
     long overrun = l.shared.overrun();
     if (overrun >= 0) {
@@ -732,6 +911,11 @@ void emu::cp_async(void* dst, const void* src, int bytes, int src_bytes) {
         record_thread(self);
         abandon(kTrap, "cp.async: source address %p is not %d-byte aligned", src, bytes);
     }
+    if (active->counting) {
+        const auto site = reinterpret_cast<std::uintptr_t>(__builtin_return_address(0));
+        note(kOpCpAsync, site, reinterpret_cast<std::uintptr_t>(dst), bytes);
+        note(kOpCpAsyncSource, site, reinterpret_cast<std::uintptr_t>(src), src_bytes);  // none when 0
+    }
     PendingCopy copy{static_cast<unsigned char*>(dst), {}, bytes, -1, active->config->cp_async_eager != 0};
     std::memcpy(copy.data, src, static_cast<std::size_t>(src_bytes));  // a fault here names this thread
     if (copy.landed) std::memcpy(copy.dst, copy.data, static_cast<std::size_t>(bytes));
@@ -755,6 +939,37 @@ void emu::cp_async_wait(int pending) {
     }
     self.copies.resize(kept);
 }
+
+void emu::record_access(int op, const void* address, int bytes) {
+    if (active && active->counting)
+        note(op, reinterpret_cast<std::uintptr_t>(__builtin_return_address(0)),
+             reinterpret_cast<std::uintptr_t>(address), bytes);
+}
+
+void emu::copy_raw(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
+
+// The callbacks of g++'s -fsanitize=kernel-address with --param
+// asan-instrumentation-with-call-threshold=0 (a counting build, driver.py): every load and store the
+// compiled kernel makes, before it makes it.
+#define EMU_ASAN_CALLBACKS(size)                                                                      \
+    extern "C" void __asan_load##size##_noabort(std::uintptr_t a) {                                   \
+        note(kOpLoad, reinterpret_cast<std::uintptr_t>(__builtin_return_address(0)), a, size);        \
+    }                                                                                                 \
+    extern "C" void __asan_store##size##_noabort(std::uintptr_t a) {                                  \
+        note(kOpStore, reinterpret_cast<std::uintptr_t>(__builtin_return_address(0)), a, size);       \
+    }
+EMU_ASAN_CALLBACKS(1)
+EMU_ASAN_CALLBACKS(2)
+EMU_ASAN_CALLBACKS(4)
+EMU_ASAN_CALLBACKS(8)
+EMU_ASAN_CALLBACKS(16)
+extern "C" void __asan_loadN_noabort(std::uintptr_t a, std::size_t n) {
+    note(kOpLoad, reinterpret_cast<std::uintptr_t>(__builtin_return_address(0)), a, static_cast<int>(n));
+}
+extern "C" void __asan_storeN_noabort(std::uintptr_t a, std::size_t n) {
+    note(kOpStore, reinterpret_cast<std::uintptr_t>(__builtin_return_address(0)), a, static_cast<int>(n));
+}
+extern "C" void __asan_handle_no_return() {}
 
 void emu::trap(const char* why) {
     if (active->current) record_thread(*active->current);
@@ -780,10 +995,17 @@ EMU_API std::uint64_t emu_map_guarded(std::uint64_t bytes, int at_end, std::uint
     std::memset(lo + page, kGarbage, data);
     *mapping = reinterpret_cast<std::uint64_t>(lo);
     *mapping_bytes = data + 2 * page;
-    return reinterpret_cast<std::uint64_t>(at_end ? lo + page + data - bytes : lo + page);
+    unsigned char* start = at_end ? lo + page + data - bytes : lo + page;
+    global_regions.push_back({reinterpret_cast<std::uintptr_t>(lo + page),
+                              reinterpret_cast<std::uintptr_t>(lo + page + data), reinterpret_cast<std::uintptr_t>(start)});
+    return reinterpret_cast<std::uint64_t>(start);
 }
 
 EMU_API void emu_unmap(std::uint64_t mapping, std::uint64_t mapping_bytes) {
+    const std::uintptr_t data_lo = static_cast<std::uintptr_t>(mapping) + page_size();
+    global_regions.erase(std::remove_if(global_regions.begin(), global_regions.end(),
+                                        [&](const GlobalRegion& g) { return g.lo == data_lo; }),
+                         global_regions.end());
     munmap(reinterpret_cast<void*>(mapping), mapping_bytes);
 }
 
@@ -810,6 +1032,11 @@ EMU_API int emu_launch(void (*entry)(void**), void** argv, const EmuLaunchConfig
     // Before run_grid: the fibers' contexts (ucontext) are made from the thread's state as it is then.
     const unsigned float_state = float_control();
     if (config->flush_denormals) set_float_control(float_state | kFlushToZero);
+    Counting counting;
+    if (config->count) {
+        counting.warps.resize((threads + 31) / 32);
+        l.counting = &counting;
+    }
     active = &l;
     int status = sigsetjmp(l.escape, 1);
     if (status == kOk) run_grid(l);
@@ -817,5 +1044,9 @@ EMU_API int emu_launch(void (*entry)(void**), void** argv, const EmuLaunchConfig
     set_float_control(float_state);
     restore_handlers();
     l.shared.unmap();
+    last_counters = counting.totals;
     return report->status = status;
 }
+
+// The counters of the last launch (zero unless it was a counted one).
+EMU_API void emu_counters(EmuCounters* out) { *out = last_counters; }

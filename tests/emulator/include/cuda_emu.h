@@ -133,6 +133,11 @@ void cp_async(void* dst, const void* src, int bytes, int src_bytes);
 void cp_async_commit();                 // the thread's uncommitted copies become its newest group
 void cp_async_wait(int pending);        // complete all but the newest `pending` groups
 [[noreturn]] void trap(const char* why);
+// A lane's part in a warp-wide memory instruction, for the counters of a counted launch (runtime.cpp;
+// op: 2 ldmatrix); returns at once otherwise.
+void record_access(int op, const void* address, int bytes);
+// memcpy that the instrumentation of a counting build does not see (the emulator's own copies).
+void copy_raw(void* dst, const void* src, std::size_t bytes);
 
 template <class T>
 inline T shuffle(int kind, unsigned mask, T var, int operand, int width) {

@@ -82,7 +82,12 @@ inline void ldmatrix(unsigned r[NUM], const void* row) {
     std::memset(&mine, 0xff, sizeof mine);
     if (lane < 8u * NUM) {
         check_shared(row, 16, 16, "ldmatrix row address");
+#ifdef EMU_COUNTERS  // a counting build (driver.py): ldmatrix, not a plain 16-byte load
+        record_access(2, row, 16);
+        copy_raw(&mine, row, sizeof mine);
+#else
         std::memcpy(&mine, row, sizeof mine);
+#endif
     }
     warp_all_gather(kLdmatrix, 2 * NUM + TRANS, &mine, rows, sizeof mine);
     const unsigned g = lane / 4, t = lane % 4;

@@ -1,0 +1,161 @@
+"""What a counted launch asks of memory: the emulator's performance counters and their model.
+
+``EmulatedModule(..., counters=True)`` builds the module so that every load and store the kernel
+makes calls the runtime first (g++'s ``-fsanitize=kernel-address`` instrumentation, used only for
+its callbacks), and each launch of its functions leaves a ``Counters`` in ``kern.last_counters``
+(and in every ``recording()`` list open at the time). A module built without it is the ordinary
+build, byte for byte: counting costs nothing when it is off.
+
+The model (runtime.cpp, ``note`` and ``evaluate``)
+--------------------------------------------------
+Warp-wide requests. A lane's n-th execution of one memory instruction (its call site in the
+compiled kernel) is grouped with the n-th execution of that instruction by the other lanes of its
+warp, and the group is one warp-wide request, as converged SIMT lanes issue it; lanes that skip the
+instruction are inactive in it. Loads and stores are counted as g++ compiles them (at -O1, the
+build's level): nvcc may merge or split accesses differently (vectorised loads, values kept in
+registers), so the plain ld/st counts of the SIMT kernels are an approximation. ldmatrix and
+cp.async are counted as the instructions they are. Accesses to a thread's stack and to kernel
+parameters are not memory traffic here and are not counted.
+
+Shared memory: 32 banks of 4 bytes; a bank serves one 4-byte word per wavefront (cycle), and lanes
+reading the same word share it (broadcast). A request is served in phases, each of which needs
+as many wavefronts as the most distinct words any one bank holds among the phase's accesses:
+- ld/st of up to 4 bytes a lane: one phase of 32 lanes; 8 bytes: two phases of 16 lanes; 16 bytes
+  (and cp.async's 16-byte shared write): four phases of 8 lanes (quarter warps), so each phase asks
+  for at most 128 bytes, what 32 banks give in one wavefront (CUDA C++ Programming Guide, "Shared
+  Memory" of compute capability 5.x and later; the Nsight Compute "Memory Workload Analysis"
+  counts wavefronts the same way);
+- ldmatrix: one phase per 8x8 matrix, whose 8 row addresses (lanes 8m .. 8m+7, 16 bytes each)
+  are one 128-byte access (PTX ISA, "Warp-level matrix load instruction: ldmatrix").
+``ideal`` is one wavefront per non-empty phase (more when a phase asks for more than 32 distinct
+words), so ``conflicts = wavefronts - ideal``: extra wavefronts, 0 for a conflict-free request, 1
+for a 2-way conflict of 32 lanes, 31 for a 32-way one. Bank numbers are taken from offsets in the
+shared window (dynamic shared memory from its start; static __shared__ objects from the start of
+the emulator's shared section, where g++ lays them out, not nvcc).
+
+Global memory: a request costs the number of distinct 32-byte sectors its lanes' bytes fall in
+(coalescing); ``ideal`` is the sectors of the distinct bytes it asks for, so ``excess_sectors`` is 0
+for a fully coalesced request and a strided one pays a sector per lane. Sector boundaries are
+counted from the start of each argument's bytes, as if each argument began 256-byte aligned, as
+CuPy's allocations do. cp.async counts twice: its global read (``cp_async_global``; none for a
+zero-fill copy with src-size 0) and its shared write (``cp_async_shared``).
+
+Barriers: ``__syncthreads()`` completed, once per CTA per barrier. mma: ``mma.sync`` instructions,
+one per warp. What this cannot show: caches (L1, L2: every sector is counted as requested, not as
+fetched from HBM), latency, overlap, issue rates; it is a model of traffic, not of time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+# the order of runtime.cpp's enum Category
+CATEGORIES = ("shared_load", "shared_store", "ldmatrix", "cp_async_shared",
+              "global_load", "global_store", "cp_async_global")
+SHARED = CATEGORIES[:4]
+GLOBAL = CATEGORIES[4:]
+FIELDS = ("requests", "bytes", "cost", "ideal")  # cost: wavefronts (shared) or sectors (global)
+MMA_FLOPS = 2 * 16 * 8 * 16  # one m16n8k16
+
+
+@dataclass(frozen=True)
+class Counters:
+    """One launch's counters (or a sum or difference of them).
+
+    access[category] = (requests, bytes, cost, ideal) for each of CATEGORIES.
+    """
+
+    access: dict
+    barriers: int = 0
+    mma: int = 0
+    ctas: int = 0
+    warps: int = 0
+
+    def get(self, category: str, what: str) -> int:
+        return self.access[category][FIELDS.index(what)]
+
+    def total(self, categories, what: str) -> int:
+        return sum(self.get(c, what) for c in categories)
+
+    def conflicts(self, categories=SHARED) -> int:
+        """Extra shared-memory wavefronts (bank conflicts) in these categories."""
+        if isinstance(categories, str):
+            categories = (categories,)
+        return self.total(categories, "cost") - self.total(categories, "ideal")
+
+    def excess_sectors(self, categories=GLOBAL) -> int:
+        """Global sectors fetched beyond those the requested bytes need (uncoalesced accesses)."""
+        if isinstance(categories, str):
+            categories = (categories,)
+        return self.total(categories, "cost") - self.total(categories, "ideal")
+
+    def sectors_per_request(self, categories) -> float:
+        if isinstance(categories, str):
+            categories = (categories,)
+        requests = self.total(categories, "requests")
+        return self.total(categories, "cost") / requests if requests else 0.0
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes moved to or from shared memory: ld/st shared, ldmatrix, cp.async's writes."""
+        return self.total(SHARED, "bytes")
+
+    @property
+    def wavefronts(self) -> int:
+        return self.total(SHARED, "cost")
+
+    @property
+    def global_bytes(self) -> int:
+        return self.total(GLOBAL, "cost") * 32  # as sectors move them
+
+    def _combine(self, other: "Counters", sign: int) -> "Counters":
+        access = {c: tuple(a + sign * b for a, b in zip(self.access[c], other.access[c])) for c in CATEGORIES}
+        return Counters(access, self.barriers + sign * other.barriers, self.mma + sign * other.mma,
+                        self.ctas + sign * other.ctas, self.warps + sign * other.warps)
+
+    def __add__(self, other: "Counters") -> "Counters":
+        return self._combine(other, 1)
+
+    def __sub__(self, other: "Counters") -> "Counters":
+        return self._combine(other, -1)
+
+    def scaled(self, factor: float) -> dict:
+        """Every count divided by `factor` (e.g. per (query block, key block) pass), as a flat dict."""
+        flat = {f"{c}.{w}": self.get(c, w) / factor for c in CATEGORIES for w in FIELDS}
+        flat.update(barriers=self.barriers / factor, mma=self.mma / factor)
+        return flat
+
+    @staticmethod
+    def zero() -> "Counters":
+        return Counters({c: (0, 0, 0, 0) for c in CATEGORIES})
+
+
+@dataclass(frozen=True)
+class LaunchCounters:
+    """A counted launch: the kernel's name, its grid, block and dynamic shared memory, its Counters."""
+
+    kernel: str
+    grid: tuple
+    block: tuple
+    shared_mem: int
+    counters: Counters = field(repr=False)
+
+
+_recordings: list = []
+
+
+def _record(launch: LaunchCounters) -> None:
+    for log in _recordings:
+        log.append(launch)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the LaunchCounters of every counted launch made inside the block, in order."""
+    log: list = []
+    _recordings.append(log)
+    try:
+        yield log
+    finally:
+        _recordings.remove(log)
