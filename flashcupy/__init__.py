@@ -2,6 +2,7 @@
 
 from ._api import Problem, attention, attention_backward, attention_probs, attention_vjp
 from ._merge import merge, merge_backward
+from ._varlen import attention_varlen, attention_varlen_backward, attention_varlen_vjp, attention_with_kvcache
 from .backends import BackendUnavailableError
 
 __version__ = "0.1.0"
@@ -11,6 +12,10 @@ __all__ = [
     "attention_backward",
     "attention_probs",
     "attention_vjp",
+    "attention_varlen",
+    "attention_varlen_backward",
+    "attention_varlen_vjp",
+    "attention_with_kvcache",
     "BackendUnavailableError",
     "merge",
     "merge_backward",

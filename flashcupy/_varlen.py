@@ -1,0 +1,319 @@
+"""Packed variable-length batches and KV-cache attention, on every backend.
+
+Each sequence of a packed batch is exactly `attention` on it alone: these entry points validate
+the whole call (shapes, dtypes, every offset and block index, on the host) before any work, then
+run the ordinary entry points on views of each sequence (no copies of the inputs), so whatever a
+backend computes for `attention` (dtypes, modifiers, kernel paths) it computes here too. A KV
+cache's keys are visited where they lie: a paged cache as runs of consecutive physical blocks,
+each run an ordinary call told its global diagonal, the runs combined by `flashcupy.merge`'s rule
+(as are the splits of num_splits).
+
+Kernels that take the offsets themselves (one launch for the whole batch on the GPU) are not
+written yet; on the cupy backend each sequence is its own launch, and the offsets are copied to
+the host to be checked.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from . import _api, _interop, _merge, backends
+
+
+def _host_ints(name: str, x, lib: str, ndim: int, shape_rule: str) -> np.ndarray:
+    """An int32 array of the inputs' library, read on the host (a small device-to-host copy for
+    CuPy: its values decide which memory is touched, so they are checked here, before any launch)."""
+    if backends.array_library(x) != lib:
+        raise TypeError(f"{name} must be an int32 array of q's library ({lib}), got {_api._describe(x)}")
+    if np.dtype(x.dtype) != np.int32:
+        raise TypeError(f"{name} must have dtype int32, got {np.dtype(x.dtype)}")
+    values = x if lib == "numpy" else x.get()
+    if values.ndim != ndim:
+        raise ValueError(f"{name} must have shape {shape_rule}, got {tuple(x.shape)}")
+    return np.asarray(values, dtype=np.int64)
+
+
+def _check_cu_seqlens(name: str, cu, lib: str, total: int) -> np.ndarray:
+    values = _host_ints(name, cu, lib, 1, "(batch + 1,)")
+    if values.size < 1 or values[0] != 0 or values[-1] != total or np.any(np.diff(values) < 0):
+        raise ValueError(f"{name} must start at 0, never decrease and end at {total} (the packed length), "
+                         f"got {values.tolist() if values.size <= 10 else values[:10].tolist() + ['...']}")
+    return values
+
+
+def _check_packed(q, k, v):
+    for name, x, what in (("q", q, "total_q, heads_q"), ("k", k, "total_k, heads_kv"), ("v", v, "total_k, heads_kv")):
+        if getattr(x, "ndim", None) != 3:
+            raise ValueError(f"{name} must have rank 3 ({what}, head_dim), got shape {tuple(getattr(x, 'shape', ()))}")
+
+
+def _slopes_for(alibi_slopes, b: int, batch: int):
+    """Sequence b's ALiBi slopes: (heads_q,) slopes are shared, (batch, heads_q) ones are per sequence."""
+    if alibi_slopes is None or alibi_slopes.ndim == 1:
+        return alibi_slopes
+    if alibi_slopes.shape[0] != batch:
+        raise ValueError(f"alibi_slopes must have shape (heads_q,) or (batch, heads_q) with batch = {batch} "
+                         f"sequences, got {tuple(alibi_slopes.shape)}")
+    return alibi_slopes[b]
+
+
+def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dtype,
+                 modifiers, backend, backward=False):
+    """Validate the whole packed call; returns (problem of the packed arrays, cu_q, cu_k, backend module)."""
+    backend = _api._check_backend_name(backend)
+    _check_packed(q, k, v)
+    lib = _api._check_arrays({"q": q, "k": k, "v": v})
+    cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, lib, q.shape[0])
+    cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, lib, k.shape[0])
+    if cu_q.size != cu_k.size:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+                         f"{cu_q.size - 1} and {cu_k.size - 1}")
+    batch = cu_q.size - 1
+    for name, hint, lengths in (("max_seqlen_q", max_seqlen_q, np.diff(cu_q)), ("max_seqlen_k", max_seqlen_k, np.diff(cu_k))):
+        if hint is None:
+            continue
+        if isinstance(hint, bool) or not isinstance(hint, numbers.Integral) or hint < 0:
+            raise TypeError(f"{name} must be None or an int >= 0, got {hint!r}")
+        if batch and hint < lengths.max():
+            raise ValueError(f"{name} must be at least the longest sequence, {int(lengths.max())}, got {hint}")
+    # the checks of attention itself, on the packed arrays as one sequence (shapes, dtypes, scale,
+    # modifiers); slopes per sequence are checked here and sliced per call
+    mods = dict(modifiers)
+    mods["alibi_slopes"] = None if mods.get("alibi_slopes") is None else _slopes_for(mods["alibi_slopes"], 0, batch)
+    p = _api._problem(q[None], k[None], v[None], causal, scale, dtype, lib, **mods)
+    return p, cu_q, cu_k, _api._select(backend, lib, p, backward=backward)
+
+
+@_interop.accepts_foreign_arrays
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+                     window=None, softcap=None, alibi_slopes=None, scale=None, return_lse=False, backend="auto",
+                     dtype=None):
+    """Attention over a packed batch of sequences of different lengths.
+
+    q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim); cu_seqlens_q and
+    cu_seqlens_k int32 (batch + 1,) of the same library: sequence b is rows cu[b]:cu[b + 1]. Each
+    sequence is attention on it alone (causal bottom-right per sequence, windows, softcap, ALiBi
+    with (heads_q,) or (batch, heads_q) slopes). max_seqlen_* are checked hints. Returns out (q's
+    shape and dtype), and lse (heads_q, total_q) with return_lse=True.
+    """
+    return_lse = _api._check_bool("return_lse", return_lse)
+    mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+    p, cu_q, cu_k, mod = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                      scale, dtype, mods, backend)
+    out = mod.allocate(q, q.shape, p.carrier, 0)
+    lse = mod.allocate(q, (p.heads_q, q.shape[0]), p.lse_dtype, -np.inf)
+    batch = cu_q.size - 1
+    for b in range(batch):
+        (qa, qb), (ka, kb) = cu_q[b:b + 2], cu_k[b:b + 2]
+        if qa == qb:
+            continue
+        o, l = _api.attention(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], causal=causal, window=window,
+                              softcap=softcap, alibi_slopes=_slopes_for(alibi_slopes, b, batch), scale=scale,
+                              return_lse=True, backend=backend, dtype=dtype)
+        out[qa:qb] = o[0]
+        lse[:, qa:qb] = l[0]
+    return (out, lse) if return_lse else out
+
+
+@_interop.accepts_foreign_arrays
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+                              max_seqlen_k=None, causal=False, window=None, softcap=None, alibi_slopes=None,
+                              scale=None, backend="auto", dtype=None):
+    """Gradients (dq, dk, dv) of attention_varlen, shaped like q, k and v."""
+    mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+    p, cu_q, cu_k, mod = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                      scale, dtype, mods, backend, backward=True)
+    _api._check_arrays({"dout": dout, "q": q, "out": out, "lse": lse})
+    for name, x in (("dout", dout), ("out", out)):
+        if tuple(x.shape) != tuple(q.shape):
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
+        if np.dtype(x.dtype) != p.carrier:
+            raise TypeError(f"{name} must have q's dtype {p.carrier}, got {np.dtype(x.dtype)}")
+    if tuple(lse.shape) != (p.heads_q, q.shape[0]):
+        raise ValueError(f"lse must have shape (heads_q, total_q) = {(p.heads_q, q.shape[0])}, got {tuple(lse.shape)}")
+    if np.dtype(lse.dtype) != p.lse_dtype:
+        raise TypeError(f"lse must have dtype {p.lse_dtype} for {p.dtype} inputs, got {np.dtype(lse.dtype)}")
+    dq, dk, dv = (mod.allocate(q, x.shape, p.carrier, 0) for x in (q, k, v))
+    batch = cu_q.size - 1
+    for b in range(batch):
+        (qa, qb), (ka, kb) = cu_q[b:b + 2], cu_k[b:b + 2]
+        if qa == qb or ka == kb:
+            continue  # no query, or no key: zero gradients
+        g = _api.attention_backward(dout[None, qa:qb], q[None, qa:qb], k[None, ka:kb], v[None, ka:kb],
+                                    out[None, qa:qb], lse[None, :, qa:qb], causal=causal, window=window,
+                                    softcap=softcap, alibi_slopes=_slopes_for(alibi_slopes, b, batch), scale=scale,
+                                    backend=backend, dtype=dtype)
+        dq[qa:qb], dk[ka:kb], dv[ka:kb] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+@_interop.accepts_foreign_arrays
+def attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, **keywords):
+    """attention_varlen plus a closure for its backward: (out, vjp), vjp(dout) -> (dq, dk, dv)."""
+    keywords.pop("return_lse", None)
+    out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, return_lse=True, **keywords)
+
+    def vjp(dout):
+        return attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, **keywords)
+
+    return out, vjp
+
+
+# ----------------------------------------------------------------------------
+# KV cache
+
+
+def _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits):
+    """Validated (lib, paged, block_size, capacity, lengths before appending, new length, splits)."""
+    lib = _api._check_arrays({"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have rank 4, got shape {tuple(x.shape)}")
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    batch = q.shape[0]
+    paged = block_table is not None
+    if paged:
+        table = _host_ints("block_table", block_table, lib, 2, "(batch, max_blocks_per_seq)")
+        if table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape (batch, max_blocks_per_seq) with batch = {batch}, "
+                             f"got {tuple(block_table.shape)}")
+        block_size = k_cache.shape[1]
+        capacity = table.shape[1] * block_size
+    else:
+        table, block_size = None, None
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache must have q's batch size {batch} (a contiguous cache: (batch, seqlen_cache, "
+                             f"heads_kv, head_dim)), got {tuple(k_cache.shape)}")
+        capacity = k_cache.shape[1]
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new tokens to append) or both left out")
+    new = 0
+    if k is not None:
+        _api._check_arrays({"q": q, "k": k, "v": v})
+        want = (batch, k.shape[1], k_cache.shape[2], k_cache.shape[3]) if k.ndim == 4 else None
+        for name, x in (("k", k), ("v", v)):
+            if x.ndim != 4 or tuple(x.shape) != want:
+                raise ValueError(f"{name} must have shape (batch, seqlen_new, heads_kv, head_dim) = {want}, "
+                                 f"got {tuple(x.shape)}")
+            if np.dtype(x.dtype) != np.dtype(k_cache.dtype):
+                raise TypeError(f"{name} must have k_cache's dtype {np.dtype(k_cache.dtype)}, got {np.dtype(x.dtype)}")
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if lib == "numpy" and not x.flags.writeable:
+                raise ValueError(f"{name} must be writeable: the new k and v are written into it")
+        new = k.shape[1]
+    if cache_seqlens is None:
+        lengths = np.full(batch, capacity - new, np.int64)
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        lengths = np.full(batch, int(cache_seqlens), np.int64)
+    else:
+        lengths = _host_ints("cache_seqlens", cache_seqlens, lib, 1, "(batch,)")
+        if lengths.shape != (batch,):
+            raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},), got {tuple(cache_seqlens.shape)}")
+    if lengths.size and (lengths.min() < 0 or lengths.max() + new > capacity):
+        raise ValueError(f"cache_seqlens must lie in [0, {capacity - new}] (the cache holds {capacity} tokens per "
+                         f"sequence and {new} are appended), got {lengths.min()}..{lengths.max()}")
+    if paged and batch:
+        used = -(-(lengths + new) // block_size)  # blocks each sequence reads
+        for b in range(batch):
+            ids = table[b, :used[b]]
+            if ids.size and (ids.min() < 0 or ids.max() >= k_cache.shape[0]):
+                raise ValueError(f"block_table[{b}] must hold block indices in [0, {k_cache.shape[0]}) for its "
+                                 f"{used[b]} used blocks, got {ids.min()}..{ids.max()}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    return lib, table, block_size, lengths, new, num_splits or 1
+
+
+def _runs(ids, mergeable: bool) -> list:
+    """Logical block ranges [n0, n1) whose physical blocks ids[n0:n1] are consecutive (when the
+    cache's blocks lie back to back in memory, `mergeable`): each is one contiguous piece of a
+    paged cache, readable as a view."""
+    runs, start = [], 0
+    for n in range(1, len(ids) + 1):
+        if n == len(ids) or not mergeable or ids[n] != ids[n - 1] + 1:
+            runs.append((start, n))
+            start = n
+    return runs
+
+
+def _pieces(k_cache, v_cache, b, table, block_size, n, splits) -> list:
+    """(first key, k piece, v piece): views, no copies, that cover sequence b's first n keys in
+    order, cut into `splits` parts of about equal length (and at the paged cache's run ends)."""
+    if table is None:
+        runs = [(0, n, k_cache[b:b + 1], v_cache[b:b + 1])]
+    else:
+        # blocks p, p + 1, ... are one (1, m * block_size, heads_kv, head_dim) view only where the
+        # cache's block stride is a whole block (a strided cache reads block by block)
+        mergeable = all(x.strides[0] == x.shape[1] * x.strides[1] for x in (k_cache, v_cache))
+        runs = []
+        for n0, n1 in _runs(table[b, :-(-n // block_size)], mergeable):
+            p0, shape = int(table[b, n0]), (1, (n1 - n0) * block_size) + tuple(k_cache.shape[2:])
+            runs.append((n0 * block_size, min(n1 * block_size, n),
+                         *(x[p0:p0 + n1 - n0].reshape(shape) for x in (k_cache, v_cache))))
+    step = max(1, -(-n // splits))
+    cuts = list(range(0, n, step)) + [n]
+    pieces = []
+    for j0, j1, kk, vv in runs:
+        for c0, c1 in zip(cuts[:-1], cuts[1:]):
+            lo, hi = max(j0, c0), min(j1, c1)
+            if lo < hi:
+                pieces.append((lo, kk[:, lo - j0:hi - j0], vv[:, lo - j0:hi - j0]))
+    return pieces
+
+
+@_interop.accepts_foreign_arrays
+def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, block_table=None,
+                           causal=False, window=None, softcap=None, alibi_slopes=None, scale=None,
+                           return_lse=False, num_splits=None, backend="auto", dtype=None):
+    """Attention of q over a KV cache (forward only, as flash-attn's flash_attn_with_kvcache).
+
+    q (batch, seqlen_q, heads_q, head_dim). A contiguous cache: k_cache, v_cache (batch,
+    seqlen_cache, heads_kv, head_dim); a paged one: (num_blocks, block_size, heads_kv, head_dim)
+    with block_table int32 (batch, max_blocks_per_seq) mapping sequence b's logical block n to a
+    physical block. cache_seqlens: None (the whole cache), an int, or int32 (batch,): the tokens
+    cached per sequence. k, v (batch, seqlen_new, heads_kv, head_dim), optional: written into the
+    cache in place at cache_seqlens[b] ..., then attention runs over cache_seqlens[b] + seqlen_new
+    keys, causal aligned bottom-right per sequence; the caller advances cache_seqlens. num_splits
+    (None: 1 here) splits each sequence's keys into that many parts, merged by the lse rule: the
+    result depends on it only through rounding. Returns out, or (out, lse).
+    """
+    return_lse = _api._check_bool("return_lse", return_lse)
+    backend = _api._check_backend_name(backend)
+    lib, table, block_size, lengths, new, splits = _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens,
+                                                               block_table, num_splits)
+    batch = q.shape[0]
+    slopes0 = None if alibi_slopes is None else _slopes_for(alibi_slopes, 0, batch)
+    p = _api._problem(q[:1], k_cache[:1, :1] if table is None else k_cache[None, 0], v_cache[:1, :1]
+                      if table is None else v_cache[None, 0], causal, scale, dtype, lib, window, softcap, slopes0)
+    mod = _api._select(backend, lib, p)
+
+    # append the new tokens (after every check: nothing is written for a call that is refused)
+    for b in range(batch if new else 0):
+        start = int(lengths[b])
+        if table is None:
+            k_cache[b, start:start + new], v_cache[b, start:start + new] = k[b], v[b]
+            continue
+        for j in range(new):
+            block, at = int(table[b, (start + j) // block_size]), (start + j) % block_size
+            k_cache[block, at], v_cache[block, at] = k[b, j], v[b, j]
+
+    out = mod.allocate(q, q.shape, p.carrier, 0)
+    lse = mod.allocate(q, (batch,) + p.lse_shape[1:], p.lse_dtype, -np.inf)  # p is of one sequence
+    Sq = q.shape[1]
+    for b in range(batch):
+        n = int(lengths[b]) + new
+        kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=_slopes_for(alibi_slopes, b, batch),
+                  scale=scale, return_lse=True, backend=backend, dtype=dtype)
+        parts = [_api.attention(q[b:b + 1], kk, vv, _diagonal=n - Sq - j0, **kw)
+                 for j0, kk, vv in _pieces(k_cache, v_cache, b, table, block_size, n, splits)]
+        if not parts:
+            continue  # no key: out 0, lse -inf
+        o, l = parts[0] if len(parts) == 1 else _merge.merge([o for o, _ in parts], [l for _, l in parts],
+                                                               dtype=dtype)
+        out[b:b + 1], lse[b:b + 1] = o, l
+    return (out, lse) if return_lse else out

@@ -1,0 +1,162 @@
+"""Packed variable-length batches and KV caches: each sequence against the oracle on it alone, and
+hostile offsets and block tables refused before anything is read or written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_matches_oracle
+
+import flashcupy
+
+
+def _packed(rng, lengths_q, lengths_k, Hq, Hkv, D, dtype=np.float32):
+    q = rng.standard_normal((sum(lengths_q), Hq, D)).astype(dtype)
+    k, v = (rng.standard_normal((sum(lengths_k), Hkv, D)).astype(dtype) for _ in range(2))
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lengths_q, lengths_k))
+    return q, k, v, cu_q, cu_k
+
+
+# (query lengths, key lengths): empty sequences, Sq > Sk and Sq < Sk under causal, a single token
+LENGTHS = [([5, 0, 9, 1, 13], [5, 3, 4, 7, 20]), ([1, 1, 1], [17, 1, 0])]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("mods", [dict(), dict(causal=True), dict(causal=True, window=(3, None), alibi_slopes="per-seq"),
+                                  dict(window=(2, 1), softcap=3.0)], ids=["plain", "causal", "causal-window-alibi", "window-softcap"])
+@pytest.mark.parametrize("lengths", LENGTHS, ids=["mixed", "decode-like"])
+def test_each_sequence_is_attention_on_it_alone(rng, lengths, mods, dtype):
+    lengths_q, lengths_k = lengths
+    q, k, v, cu_q, cu_k = _packed(rng, lengths_q, lengths_k, 4, 2, 8, dtype)
+    mods = dict(mods)
+    batch = len(lengths_q)
+    if mods.get("alibi_slopes") == "per-seq":
+        mods["alibi_slopes"] = rng.uniform(0.1, 1, (batch, 4)).astype(np.float32)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    out, vjp = flashcupy.attention_varlen_vjp(q, k, v, cu_q, cu_k, **mods)
+    _, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **mods)
+    dq, dk, dv = vjp(dout)
+    assert lse.shape == (4, q.shape[0])
+    for b in range(batch):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        one = dict(mods)
+        if one.get("alibi_slopes") is not None:
+            one["alibi_slopes"] = one["alibi_slopes"][b]
+        got = (out[None, sq], lse[None, :, sq], dq[None, sq], dk[None, sk], dv[None, sk])
+        assert_matches_oracle(got, q[None, sq], k[None, sk], v[None, sk], dout[None, sq], **one)
+
+
+def test_the_emulated_cupy_and_the_numba_backends_take_packed_batches_too(rng):
+    from cupy_emulation import emulated
+    q, k, v, cu_q, cu_k = _packed(rng, [3, 6], [7, 2], 2, 1, 8)
+    want = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, causal=True, backend="numpy")
+    with emulated():
+        got = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, causal=True, backend="cupy")
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+    from flashcupy.backends import numba_backend
+    if numba_backend.unavailable_reason() is None:
+        np.testing.assert_allclose(flashcupy.attention_varlen(q, k, v, cu_q, cu_k, causal=True, backend="numba"),
+                                   want, rtol=0, atol=2e-6)
+
+
+BAD_OFFSETS = [
+    ("not from 0", [1, 3, 5], ValueError, "must start at 0"),
+    ("decreasing", [0, 4, 3, 5], ValueError, "never decrease"),
+    ("past the end", [0, 3, 6], ValueError, "end at 5"),
+    ("int64", np.array([0, 5], np.int64), TypeError, "must have dtype int32"),
+    ("rank 2", np.array([[0, 5]], np.int32), ValueError, r"must have shape \(batch \+ 1,\)"),
+    ("a list", "list", TypeError, "must be an int32 array"),
+]
+
+
+@pytest.mark.parametrize("what, cu, error, message", BAD_OFFSETS, ids=[b[0] for b in BAD_OFFSETS])
+def test_hostile_offsets_are_refused(rng, what, cu, error, message):
+    q, k, v, cu_q, cu_k = _packed(rng, [2, 3], [2, 3], 2, 2, 8)
+    cu = [0, 5] if isinstance(cu, str) else np.asarray(cu, np.int32) if isinstance(cu, list) else cu
+    for args in ((cu, cu_k), (cu_q, cu)):
+        with pytest.raises(error, match=message):
+            flashcupy.attention_varlen(q, k, v, *args)
+    with pytest.raises(ValueError, match="max_seqlen_q must be at least the longest sequence, 3"):
+        flashcupy.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=2)
+
+
+def _cache(rng, batch, capacity, Hkv, D, dtype=np.float32):
+    return (rng.standard_normal((batch, capacity, Hkv, D)).astype(dtype) for _ in range(2))
+
+
+def _paged(k_cache, v_cache, block_size, rng):
+    """The same cache as shuffled physical blocks (two spare ones), and its block table."""
+    B, C, H, D = k_cache.shape
+    per = C // block_size
+    order = rng.permutation(B * per + 2)
+    if order[0] + 1 < order.size:  # a run of two consecutive blocks, read as one view
+        at = int(np.flatnonzero(order == order[0] + 1)[0])
+        order[[1, at]] = order[[at, 1]]
+    order = order[:B * per]
+    table = order.reshape(B, per).astype(np.int32)
+    pages = [np.zeros((B * per + 2, block_size, H, D), k_cache.dtype) for _ in range(2)]
+    for b in range(B):
+        for n in range(per):
+            for page, cache in zip(pages, (k_cache, v_cache)):
+                page[table[b, n]] = cache[b, n * block_size:(n + 1) * block_size]
+    return pages[0], pages[1], table
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_appends_and_attends(rng, paged, num_splits):
+    B, C, Hq, Hkv, D, new = 3, 32, 4, 2, 8, 2
+    k_cache, v_cache = _cache(rng, B, C, Hkv, D)
+    lengths = np.array([5, 0, 30], np.int32)
+    q = rng.standard_normal((B, 3, Hq, D)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((B, new, Hkv, D)).astype(np.float32) for _ in range(2))
+    want_k, want_v = k_cache.copy(), v_cache.copy()
+    for b in range(B):
+        want_k[b, lengths[b]:lengths[b] + new], want_v[b, lengths[b]:lengths[b] + new] = k_new[b], v_new[b]
+    if paged:
+        kc, vc, table = _paged(k_cache, v_cache, 8, rng)
+    else:
+        kc, vc, table = k_cache, v_cache, None
+    out, lse = flashcupy.attention_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=lengths, block_table=table,
+                                                causal=True, return_lse=True, num_splits=num_splits)
+    for b in range(B):
+        n = lengths[b] + new
+        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], want_k[b:b + 1, :n], want_v[b:b + 1, :n],
+                              causal=True)
+        # the new tokens landed where they should, and nothing else moved
+        got_k = kc[b] if table is None else kc[table[b]].reshape(C, Hkv, D)
+        np.testing.assert_array_equal(got_k, want_k[b])
+
+
+def test_hostile_block_tables_and_lengths_are_refused_before_anything_is_written(rng):
+    k_cache, v_cache = _cache(rng, 2, 16, 1, 8)
+    kc, vc, table = _paged(k_cache, v_cache, 4, rng)
+    q = rng.standard_normal((2, 1, 1, 8)).astype(np.float32)
+    k_new = rng.standard_normal((2, 1, 1, 8)).astype(np.float32)
+    before = kc.copy()
+    for bad_table, lengths, message in (
+            (np.where(table == table[1, 0], 99, table).astype(np.int32), 8, r"block_table\[1\] must hold block indices in \[0, 10\)"),
+            (np.where(table == table[0, 0], -1, table).astype(np.int32), 8, r"block_table\[0\] must hold"),
+            (table, np.array([3, 16], np.int32), r"cache_seqlens must lie in \[0, 15\]"),
+            (table, -1, r"cache_seqlens must lie in \[0, 15\]"),
+            (table[:, :2], 8, r"cache_seqlens must lie in \[0, 7\]")):
+        with pytest.raises(ValueError, match=message):
+            flashcupy.attention_with_kvcache(q, kc, vc, k=k_new, v=k_new, cache_seqlens=lengths, block_table=bad_table)
+    np.testing.assert_array_equal(kc, before)
+    # a bad table entry past the blocks a sequence uses is never read, so it is allowed
+    short = table.copy()
+    short[:, 3] = 99
+    flashcupy.attention_with_kvcache(q, kc, vc, cache_seqlens=np.array([5, 12], np.int32), block_table=short)
+    with pytest.raises(TypeError, match="block_table must have dtype int32"):
+        flashcupy.attention_with_kvcache(q, kc, vc, block_table=table.astype(np.int64))
+    with pytest.raises(ValueError, match="k and v must be given together"):
+        flashcupy.attention_with_kvcache(q, kc, vc, k=k_new, block_table=table)
+    with pytest.raises(ValueError, match="num_splits must be None or an int >= 1"):
+        flashcupy.attention_with_kvcache(q, k_cache, v_cache, num_splits=0)
+
+
+def test_paged_runs_are_consecutive_physical_blocks():
+    from flashcupy._varlen import _runs
+    assert _runs([5, 6, 2, 3, 4, 9], True) == [(0, 2), (2, 5), (5, 6)]
+    assert _runs([5, 6, 7], False) == [(0, 1), (1, 2), (2, 3)]  # blocks not back to back in memory
+    assert _runs([], True) == []
