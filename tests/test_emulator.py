@@ -194,6 +194,24 @@ def test_static_shared_memory_of_a_template_starts_every_block_as_garbage():
     assert np.isnan(y[64:]).all()
 
 
+def test_static_shared_memory_of_a_module_with_templates_only_starts_every_block_as_garbage():
+    # the SIMT kernels' case: no __shared__ object outside a template, so no input section is named
+    # emu_shared and the linker script itself must bound the templates' statics (emu_shared.ld)
+    code = """
+    template <int N>
+    __global__ void only_template(float* __restrict__ y) {
+        __shared__ float tile[N];
+        if (blockIdx.x == 0) tile[threadIdx.x] = 1.0f;
+        __syncthreads();
+        y[blockIdx.x * blockDim.x + threadIdx.x] = tile[threadIdx.x];
+    }
+    """
+    y = np.zeros(2 * 64, np.float32)
+    EmulatedModule(code, ["only_template<64>"]).get_function("only_template<64>")((2,), (64,), (y,))
+    assert (y[:64] == 1).all()
+    assert np.isnan(y[64:]).all()
+
+
 def test_shared_memory_limit():
     x = np.zeros(64, np.float32)
     args = (x, x.copy(), np.int32(64), np.int32(0))
