@@ -71,7 +71,8 @@ def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
                          f"{cu_q.size - 1} and {cu_k.size - 1}")
     batch = cu_q.size - 1
-    for name, hint, lengths in (("max_seqlen_q", max_seqlen_q, np.diff(cu_q)), ("max_seqlen_k", max_seqlen_k, np.diff(cu_k))):
+    for name, hint, lengths in (("max_seqlen_q", max_seqlen_q, np.diff(cu_q)),
+                                ("max_seqlen_k", max_seqlen_k, np.diff(cu_k))):
         if hint is None:
             continue
         if isinstance(hint, bool) or not isinstance(hint, numbers.Integral) or hint < 0:

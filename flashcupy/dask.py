@@ -28,7 +28,7 @@ import numpy as np
 
 from . import _api, _merge, backends
 
-SPLIT_EVERY = 8  # parts combined per merge or sum task: a tree, so no task holds every part at once
+SPLIT_EVERY = 2  # parts per merge or sum task: a binary tree frees pair results soonest (fan-in 8: 2x the memory)
 
 
 def _dask():

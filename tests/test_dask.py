@@ -129,7 +129,7 @@ def test_a_local_cluster_of_worker_processes(rng):
     q, k, v = make_qkv(rng, 1, 30, 30, 2, 1, 8, np.float32)
     dout = rng.standard_normal(q.shape).astype(np.float32)
     Q, K, V = _chunked(q, k, v, 10, 10)
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster, \
             distributed.Client(cluster) as client:
         out, vjp = fdask.attention_vjp(Q, K, V, causal=True)
         lse = fdask.attention(Q, K, V, causal=True, return_lse=True)[1]

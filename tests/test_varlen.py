@@ -21,9 +21,13 @@ def _packed(rng, lengths_q, lengths_k, Hq, Hkv, D, dtype=np.float32):
 LENGTHS = [([5, 0, 9, 1, 13], [5, 3, 4, 7, 20]), ([1, 1, 1], [17, 1, 0])]
 
 
+MODS = {"plain": dict(), "causal": dict(causal=True),
+        "causal-window-alibi": dict(causal=True, window=(3, None), alibi_slopes="per-seq"),
+        "window-softcap": dict(window=(2, 1), softcap=3.0)}
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("mods", [dict(), dict(causal=True), dict(causal=True, window=(3, None), alibi_slopes="per-seq"),
-                                  dict(window=(2, 1), softcap=3.0)], ids=["plain", "causal", "causal-window-alibi", "window-softcap"])
+@pytest.mark.parametrize("mods", MODS.values(), ids=MODS.keys())
 @pytest.mark.parametrize("lengths", LENGTHS, ids=["mixed", "decode-like"])
 def test_each_sequence_is_attention_on_it_alone(rng, lengths, mods, dtype):
     lengths_q, lengths_k = lengths
@@ -135,7 +139,8 @@ def test_hostile_block_tables_and_lengths_are_refused_before_anything_is_written
     k_new = rng.standard_normal((2, 1, 1, 8)).astype(np.float32)
     before = kc.copy()
     for bad_table, lengths, message in (
-            (np.where(table == table[1, 0], 99, table).astype(np.int32), 8, r"block_table\[1\] must hold block indices in \[0, 10\)"),
+            (np.where(table == table[1, 0], 99, table).astype(np.int32), 8,
+             r"block_table\[1\] must hold block indices in \[0, 10\)"),
             (np.where(table == table[0, 0], -1, table).astype(np.int32), 8, r"block_table\[0\] must hold"),
             (table, np.array([3, 16], np.int32), r"cache_seqlens must lie in \[0, 15\]"),
             (table, -1, r"cache_seqlens must lie in \[0, 15\]"),
