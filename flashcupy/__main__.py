@@ -126,6 +126,8 @@ def cmd_bench(args) -> int:
 
 def cmd_kernels(args) -> int:
     from flashcupy.backends.cupy_backend import nvrtc, sources
+    if args.counters:
+        return cmd_kernels_counters(args)
     toolkits = nvrtc.toolkits()
     reports = {f"NVRTC {t.version}": nvrtc.kernel_report(args.arch, t) for t in toolkits}
     for t in toolkits:
@@ -137,6 +139,32 @@ def cmd_kernels(args) -> int:
     limit = nvrtc.MAX_REGISTERS - nvrtc.REGISTER_MARGIN
     print("\n" + ("\n".join(["over the limits (!):"] + exceeded) if exceeded
                   else f"no kernel spills or takes more than {limit} registers"))
+    return 0
+
+
+def cmd_kernels_counters(args) -> int:
+    """The NVRTC table as without --counters (when an NVRTC is here), then the emulator's counters
+    of a small launch of each kernel and the roofline model (flashcupy/tools/perfmodel.py)."""
+    from flashcupy.backends.cupy_backend import nvrtc
+    from flashcupy.tools import perfmodel
+    if perfmodel.emulator_path() is None:
+        print("--counters needs the CPU emulator in tests/emulator/, which ships with the source tree, not the "
+              "wheel: run it from a checkout", file=sys.stderr)
+        return 2
+    nvrtc_rows, heading = None, ""
+    try:
+        toolkits = nvrtc.toolkits()
+        reports = {f"NVRTC {t.version}": nvrtc.kernel_report(args.arch, t) for t in toolkits}
+        print(nvrtc.format_kernel_report(reports) + "\n")
+        heading = next(iter(reports))
+        nvrtc_rows = reports[heading]
+        heading = f"{heading}, {args.arch}"
+    except nvrtc.NvrtcError as e:
+        print(f"no NVRTC here ({e}): counters only\n")
+    rows = perfmodel.kernel_counters(progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(f"Counters of the CPU emulator (tests/emulator/counters.py has the model), B = H = 1, non-causal, "
+          f"seqlen {perfmodel.BASE}, then {2 * perfmodel.BASE} along each kernel's loop:")
+    print(perfmodel.format_counters(rows, nvrtc_rows, heading))
     return 0
 
 
@@ -171,6 +199,9 @@ def parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("kernels", help="NVRTC resource table of every CUDA kernel (no GPU needed)")
     k.add_argument("--arch", default="sm_90")
+    k.add_argument("--counters", action="store_true",
+                   help="also run a small launch of each kernel on the CPU emulator (a checkout's tests/) and "
+                        "print its memory counters and a roofline model for A100, H100 and H200")
     return ap
 
 
