@@ -5,8 +5,8 @@ Import as ``from emulator import ...`` (tests/ is on sys.path under pytest).
 API
 ---
 ``EmulatedModule(code, name_expressions=(), options=(), *, thread_order="ascending", seed=0,
-shared_mem_limit=48 KiB, stack_size=256 KiB, oob_guard="end", cp_async="deferred")`` stands in for
-``cupy.RawModule(code=..., name_expressions=..., options=...)``:
+shared_mem_limit=48 KiB, stack_size=256 KiB, oob_guard="end", cp_async="deferred", counters=False)``
+stands in for ``cupy.RawModule(code=..., name_expressions=..., options=...)``:
 
     mod = EmulatedModule(source, ["attn_fwd<float, 64>"], ("-DBLOCK_M=64",), thread_order="descending")
     kern = mod.get_function("attn_fwd<float, 64>")
@@ -57,6 +57,11 @@ shared_mem_limit=48 KiB, stack_size=256 KiB, oob_guard="end", cp_async="deferred
 - ``stack_size`` is each CUDA thread's stack; ``ucontext=True`` forces the portable fiber switch
   (glibc ucontext) that machines other than x86-64 use, so it can be tested here.
 - ``garbage(shape, dtype)``: an array of 0xFF bytes (NaN, or -1), for outputs a kernel must fully write.
+- ``counters=True`` builds the module to count its memory traffic (a separate build: g++'s
+  kernel-address instrumentation calls the runtime before every load and store), and each launch
+  leaves a ``Counters`` in ``kern.last_counters``: shared-memory bytes and wavefronts (bank
+  conflicts), global sectors per request, barriers and mma.sync. ``counters.recording()`` collects
+  every counted launch in a block. ``counters.py`` documents the model.
 
 Execution model
 ---------------
