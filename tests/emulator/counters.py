@@ -27,6 +27,10 @@ as many wavefronts as the most distinct words any one bank holds among the phase
   counts wavefronts the same way);
 - ldmatrix: one phase per 8x8 matrix, whose 8 row addresses (lanes 8m .. 8m+7, 16 bytes each)
   are one 128-byte access (PTX ISA, "Warp-level matrix load instruction: ldmatrix").
+Shared memory returns 128 bytes a clock per SM, so a 16-byte load needs at least 4 requests per
+instruction (NVIDIA's answer in forums.developer.nvidia.com/t/unexpected-shared-memory-bank-
+conflict/77228, which also describes a case this model leaves out: on sm_70-75, lanes paired on one
+address let LDS.128 return in 2 requests instead of 4).
 ``ideal`` is one wavefront per non-empty phase (more when a phase asks for more than 32 distinct
 words), so ``conflicts = wavefronts - ideal``: extra wavefronts, 0 for a conflict-free request, 1
 for a 2-way conflict of 32 lanes, 31 for a 32-way one. Bank numbers are taken from offsets in the
