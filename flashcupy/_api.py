@@ -186,21 +186,25 @@ def default_scale(head_dim: int) -> float:
 LOG2E = math.log2(math.e)  # the kernels scale by scale * log2(e) and use exp2
 
 
-def _check_scale(scale, head_dim: int, acc_dtype: np.dtype) -> float:
-    if scale is None:
-        return default_scale(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {_describe(scale)}")
-    s = float(scale)
-    if not math.isfinite(s) or s <= 0:
-        raise ValueError(f"scale must be finite and positive, got {s!r}")
+def _check_positive(name: str, x, acc_dtype: np.dtype) -> float:
+    """A real number that stays finite and positive in the accumulation dtype, also times log2(e)
+    (the kernels work in base 2): scale and softcap."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number or None, got {_describe(x)}")
+    value = float(x)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be finite and positive, got {value!r}")
     with np.errstate(over="ignore", under="ignore"):
-        in_acc = acc_dtype.type(s), acc_dtype.type(s * LOG2E)
-    if not all(np.isfinite(x) and x > 0 for x in in_acc):
+        in_acc = acc_dtype.type(value), acc_dtype.type(value * LOG2E)
+    if not all(np.isfinite(y) and y > 0 for y in in_acc):
         info = np.finfo(acc_dtype)
-        raise ValueError(f"scale must be finite and positive in {acc_dtype}, the accumulation dtype "
-                         f"(between {info.tiny:.3g} and {float(info.max) / LOG2E:.3g}), got {s!r}")
-    return s
+        raise ValueError(f"{name} must be finite and positive in {acc_dtype}, the accumulation dtype "
+                         f"(between {info.tiny:.3g} and {float(info.max) / LOG2E:.3g}), got {value!r}")
+    return value
+
+
+def _check_scale(scale, head_dim: int, acc_dtype: np.dtype) -> float:
+    return default_scale(head_dim) if scale is None else _check_positive("scale", scale, acc_dtype)
 
 
 def _check_bool(name: str, x) -> bool:
@@ -236,20 +240,7 @@ def _check_window(window) -> tuple:
 
 
 def _check_softcap(softcap, acc_dtype: np.dtype):
-    if softcap is None:
-        return None
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number or None, got {_describe(softcap)}")
-    c = float(softcap)
-    if not math.isfinite(c) or c <= 0:
-        raise ValueError(f"softcap must be finite and positive, got {c!r}")
-    with np.errstate(over="ignore", under="ignore"):
-        in_acc = acc_dtype.type(c), acc_dtype.type(c * LOG2E)
-    if not all(np.isfinite(x) and x > 0 for x in in_acc):
-        info = np.finfo(acc_dtype)
-        raise ValueError(f"softcap must be finite and positive in {acc_dtype}, the accumulation dtype "
-                         f"(between {info.tiny:.3g} and {float(info.max) / LOG2E:.3g}), got {c!r}")
-    return c
+    return None if softcap is None else _check_positive("softcap", softcap, acc_dtype)
 
 
 def _check_modifier_array(name: str, x, lib: str) -> None:

@@ -165,5 +165,15 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
+@pytest.fixture
+def small_tiles():
+    """NumPy-backend tiles much smaller than the test lengths, so every path of the tile loop runs."""
+    from flashcupy.backends import numpy_backend
+    old = (numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS)
+    numpy_backend.configure(block_m=16, block_n=8, num_threads=2)
+    yield
+    numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS = old
+
+
 __all__ = ["BF16", "CASES", "DTYPES", "MUTATION_BATTERY", "TILE_EDGE_CASE", "bf16_bits", "LAYOUTS", "assert_matches_oracle",
            "battery_fails", "case_id", "mutated_module", "mutation_tests", "make_qkv", "reference", "strided_empty"]

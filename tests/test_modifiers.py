@@ -16,15 +16,6 @@ from flashcupy.backends import numpy_backend
 from reference.compare import error_ratio, expected
 
 
-@pytest.fixture
-def small_tiles():
-    """Tiles much smaller than the test lengths, so every path of the tile loop runs."""
-    old = (numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS)
-    numpy_backend.configure(block_m=16, block_n=8, num_threads=2)
-    yield
-    numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS = old
-
-
 # GQA (2 query heads per kv head), lengths no tile divides, Sq < Sk
 SHAPE = (2, 37, 45, 4, 2, 16)
 

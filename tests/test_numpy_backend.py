@@ -18,15 +18,6 @@ from flashcupy._api import Problem
 from flashcupy.backends import numpy_backend
 
 
-@pytest.fixture
-def small_tiles():
-    """Tiles much smaller than the test lengths, so every path of the tile loop runs."""
-    old = (numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS)
-    numpy_backend.configure(block_m=16, block_n=8, num_threads=2)
-    yield
-    numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS = old
-
-
 def check_against_oracle(q, k, v, dtype, causal, scale=None, rng=None, backend="numpy", bits=False):
     """bits=True passes bfloat16 as uint16 bit patterns with dtype="bfloat16", as CuPy users do."""
     dout = rng.standard_normal(q.shape).astype(dtype)
