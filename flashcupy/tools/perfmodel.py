@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import flashcupy
-from flashcupy.backends.cupy_backend import specs
+from flashcupy.backends.cupy_backend import nvrtc, specs
 
 
 @dataclass(frozen=True)
@@ -167,8 +167,10 @@ def pass_figures(row: dict) -> dict:
         conflicts=c.conflicts(shared) / n,
         load_sectors_per_request=c.sectors_per_request(loads),
         load_excess_sectors=c.excess_sectors(loads) / n,
-        store_sectors_per_request=c.sectors_per_request("global_store"),
-        store_excess_sectors=c.excess_sectors("global_store") / n,
+        # stores: of the whole launch (the loops store nothing; the epilogue stores the tiles)
+        store_sectors_per_request=row["launch"].sectors_per_request("global_store"),
+        store_excess_sectors=row["launch"].excess_sectors("global_store"),
+        store_sectors=row["launch"].total(("global_store",), "cost"),
         global_bytes=c.total(glob, "cost") * 32 / n,
     )
 
@@ -200,8 +202,8 @@ def format_counters(rows: list, nvrtc_rows=None, nvrtc_heading: str = "") -> str
     """The counters table, then the roofline table; registers and occupancy from `nvrtc_rows`."""
     regs = _registers(nvrtc_rows)
     head = ["kernel", "dtype", "D", "tile", "regs", "occ", "per", "mma", "smem B", "smem B/mma", "ldsm B/mma",
-            "cp.async B/mma", "wavefronts", "conflicts", "ld sect/req", "ld excess", "st sect/req", "st excess",
-            "barriers"]
+            "cp.async B/mma", "wavefronts", "conflicts", "ld sect/req", "ld excess", "st sect/req*",
+            "st excess*", "barriers"]
     table = [head]
     for row in rows:
         k = row["kernel"]
@@ -210,20 +212,23 @@ def format_counters(rows: list, nvrtc_rows=None, nvrtc_heading: str = "") -> str
         per_mma = (lambda b: _fmt(b / f["mma"])) if f["mma"] else (lambda b: "-")
         ld = f["load_sectors_per_request"] or None
         st = f["store_sectors_per_request"] or None
+        registers = _fmt(r and r["registers"]) + ("!" if r and nvrtc._over(r, "registers") else "")
         table.append([k.template, k.dtype, str(k.head_dim or "-"), f"{k.block_m}x{k.block_n}" if k.head_dim else "-",
-                      _fmt(r and r["registers"]), _fmt(r and r["occupancy"], "{:.0%}"), f["unit"],
+                      registers, _fmt(r and r["occupancy"], "{:.0%}"), f["unit"],
                       _fmt(f["mma"]), _fmt(f["shared_bytes"]), per_mma(f["shared_bytes"]),
                       per_mma(f["ldmatrix_bytes"]), per_mma(f["cp_async_bytes"]), _fmt(f["wavefronts"], "{:g}"),
                       _fmt(f["conflicts"], "{:g}"), _fmt(ld, "{:.1f}"), _fmt(ld and f["load_excess_sectors"], "{:g}"),
-                      _fmt(st, "{:.1f}"), _fmt(st and f["store_excess_sectors"], "{:g}"), _fmt(f["barriers"], "{:g}")])
+                      _fmt(st, "{:.1f}"), _fmt(st and f"{f['store_excess_sectors']:g} of {f['store_sectors']:g}", "{}"),
+                      _fmt(f["barriers"], "{:g}")])
     lines = [_align(table)]
     lines.append(
         "per: 'pass' = one (query block, key block) pass of the loop (difference of two launches that differ\n"
         "only along it), 'launch' = the whole launch; smem B: shared bytes moved (ld/st, ldmatrix, cp.async\n"
         "writes), also per mma.sync; wavefronts: shared-memory cycles, conflicts: the extra ones (0: conflict-\n"
         "free); sect/req: 32-byte sectors per warp request, excess: sectors beyond what the bytes need\n"
-        "(0: fully coalesced; loads include cp.async's reads); barriers: __syncthreads() per CTA.\n"
-        "regs/occ: " + (nvrtc_heading or "no NVRTC here") + ".")
+        "(0: fully coalesced; loads include cp.async's reads); *stores: of the whole launch, the loops\n"
+        "store nothing; barriers: __syncthreads() per CTA. regs/occ: " + (nvrtc_heading or "no NVRTC here")
+        + (" (! as in the table above)" if nvrtc_heading else "") + ".")
     gpus = HARDWARE
     table = [["kernel", "dtype", "D"] + [f"{g.name} {what}" for g in gpus for what in ("smem", "model")]
              + ["HBM bound (no L2 reuse)"]]
