@@ -34,9 +34,17 @@ def check_against_oracle(q, k, v, dtype, causal, scale=None, rng=None, backend="
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, scale=scale, dtype=kw.get("dtype"))
 
 
+@pytest.fixture(params=["copied", "in-place"])
+def kv_path(request, monkeypatch):
+    """Both ways the forward reads K and V: copied into BLAS-friendly Kᵀ and [V | 1] with the lazy
+    softmax, or (few query rows, float32/float64) read where they lie with the eager one."""
+    monkeypatch.setattr(numpy_backend, "IN_PLACE_ROWS", 0 if request.param == "copied" else 10**9)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_battery(rng, small_tiles, case, dtype):
+def test_battery(rng, small_tiles, kv_path, case, dtype):
     B, Sq, Sk, Hq, Hkv, D, causal = case
     q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
     check_against_oracle(q, k, v, dtype, causal, rng=rng)
@@ -66,7 +74,8 @@ def test_default_tiles(rng, dtype):
         return Problem(batch=1, seqlen_q=Sq, seqlen_k=Sk, heads_q=2, heads_kv=1, head_dim=32,
                        dtype=np.dtype(dtype).name, causal=True, scale=1.0, carrier=np.dtype(dtype))
 
-    block_m, block_n = numpy_backend.tile_sizes(problem(1, 1))
+    block_m, block_n = numpy_backend.tile_sizes(problem(4096, 1))
+    assert numpy_backend.tile_sizes(problem(1, 1))[1] > block_n  # decoding: long key tiles
     Sq, Sk = block_m + block_m // 2 + 3, 2 * block_n + 300
     assert numpy_backend.tile_sizes(problem(Sq, Sk), backward=True) == (block_m, block_n)
     assert any(r1 - r0 < block_m for r0, r1, *_ in numpy_backend._forward_tiles(problem(Sq, Sk), 0, block_m, step=32))
@@ -87,7 +96,7 @@ def test_huge_scale_neither_overflows_nor_gives_nan(rng, small_tiles, dtype):
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0], ids=["scores-far-above-0", "scores-far-below-0"])
-def test_scores_far_from_zero_keep_full_precision(rng, sign):
+def test_scores_far_from_zero_keep_full_precision(rng, kv_path, sign):
     # every score near +-400: exp() of them over- or underflows unless the reference m follows them
     q = np.ones((1, 40, 1, 16), np.float32)
     k = (sign * 10 + rng.standard_normal((1, 50, 1, 16))).astype(np.float32)
@@ -96,7 +105,7 @@ def test_scores_far_from_zero_keep_full_precision(rng, sign):
     assert_matches_oracle((out, lse), q, k, v, scale=2.5)
 
 
-def test_fully_masked_rows_give_zero_output_and_gradients(rng, small_tiles):
+def test_fully_masked_rows_give_zero_output_and_gradients(rng, small_tiles, kv_path):
     q, k, v = make_qkv(rng, 1, 40, 9, 2, 1, 8, np.float32)
     out, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True)
     assert np.all(out[:, :31] == 0) and np.all(np.isneginf(lse[:, :, :31]))
@@ -111,7 +120,7 @@ def test_fully_masked_rows_give_zero_output_and_gradients(rng, small_tiles):
     np.testing.assert_array_equal(dv, dv0)
 
 
-def test_nan_in_a_query_row_stays_in_that_row(rng, small_tiles):
+def test_nan_in_a_query_row_stays_in_that_row(rng, small_tiles, kv_path):
     q, k, v = make_qkv(rng, 1, 20, 20, 1, 1, 8, np.float32)
     q[0, 5, 0, 3] = np.nan
     out, lse = flashcupy.attention(q, k, v, return_lse=True)
@@ -225,7 +234,7 @@ def test_property_matches_oracle(B, Sq, Sk, Hkv, group, D, causal, dtype, layout
 
 @pytest.mark.parametrize("dtype, v_value, k_value", [(np.float32, 1e30, 5.0), (np.float64, 1e300, 10.0)],
                          ids=["float32", "float64"])
-def test_huge_values_do_not_overflow_the_output_accumulator(dtype, v_value, k_value):
+def test_huge_values_do_not_overflow_the_output_accumulator(kv_path, dtype, v_value, k_value):
     # scores of 4 k_value: the lazily rescaled P reaches e^(4 k_value) and P V_j overflowed before,
     # though the answer, v_value itself, fits
     q = np.ones((1, 1, 1, 4), dtype)

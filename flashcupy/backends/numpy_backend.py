@@ -107,10 +107,14 @@ def tile_sizes(p, backward=False) -> tuple:
     768 rows by 256 to 2048 keys, D = 64 and 128, and they ran within 10 % of each other, best
     from 384 to 768 rows by 512 to 768 keys (OpenBLAS packs each key tile once per query block,
     so more rows amortise it); more keys per tile also mean fewer Python-level steps. Causal
-    diagonals are cut finer regardless (_staircase_step).
+    diagonals are cut finer regardless (_staircase_step). With a handful of query rows per kv
+    head (decoding, IN_PLACE_ROWS) a tile holds few scores however many keys it spans, and each
+    step's overhead is what remains: 8192 keys (measured at 64k cached keys, D = 128: 168 ms
+    against 225 with 512).
     """
     wide = np.dtype(p.acc_dtype).itemsize > 4
-    return config.BLOCK_M or (256 if wide else 512), config.BLOCK_N or 512
+    few_rows = not backward and p.seqlen_q * p.group <= IN_PLACE_ROWS
+    return config.BLOCK_M or (256 if wide else 512), config.BLOCK_N or (8192 if few_rows else 512)
 
 
 def describe_tiles() -> str:
@@ -457,7 +461,9 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> 
     base 2 too). A kv head's query heads are interleaved row by row (_HeadMap), so a tile's rows
     are one slice for every kv head and each kv head's K is packed for BLAS once per tile. V1 is
     [V | 1], so the PV matmul returns rowsum(P) as its last column. Kt is Kᵀ, contiguous: BLAS
-    runs QKᵀ about 10 % faster from it than from K. While every row's reference m is 0 the scores
+    runs QKᵀ about 10 % faster from it than from K. With few query rows per key (decoding) Kt and
+    V1 are instead views of K and V where they lie (see forward), and each tile takes the textbook
+    eager step (_eager_tile), whose extra passes over S are cheap there. While every row's reference m is 0 the scores
     need no subtraction; once some row's m moves, the scores come from [Q | -m] [K | 1]ᵀ, which
     subtracts m inside the matmul. Either way a tile costs two matmuls
     and one elementwise pass (exp2). Returns (O, lse), stacked as Q, lse in natural log.
@@ -471,6 +477,9 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> 
     m = np.zeros((heads, M), dtype=acc)  # the reference
     O1 = np.zeros((heads, M, D + 1), dtype=acc)  # [O | l]
     Q1 = K1t = None  # [Q | -m] and [K | 1]ᵀ, made when some m first moves
+    plain_v = V1.shape[2] == D  # V itself (a strided view) rather than [V | 1]
+    if plain_v:
+        m[...] = -np.inf  # the running max itself (eager, below)
     moved = False  # with modify: some m moved, so scores subtract m
 
     # with modify: the stack rows of the current tile that see none of its keys (mask or band), or
@@ -507,6 +516,9 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> 
             a, z = (r0 - i0) * g, (r1 - i0) * g  # the tile's rows within the stack
             dead = None if modify is None else scratch.take("dead", (heads, (z - a) // g, g), np.bool_)
             S = scores(a, z, j0, j1, hidden, scratch.take("S", (heads, z - a, j1 - j0), acc), dead)  # S - m
+            if plain_v:
+                _eager_tile(S, V1[:, j0:j1], m[:, a:z], O1[:, a:z], scratch)
+                continue
             P = np.exp2(S, out=S)
             O1_j = np.matmul(P, V1[:, j0:j1], out=scratch.take("O1_j", (heads, z - a, D + 1), acc))
             l_j_max = float(np.maximum.reduce(O1_j[:, :, D], axis=None))
@@ -558,6 +570,24 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> 
         np.divide(O, np.where(seen, l, 1)[:, :, None], out=O)
         O[~seen & ~np.isnan(l)] = 0  # fully masked rows: out 0 (NaN rows stay NaN)
         return O, np.where(seen | np.isnan(l), lse, -np.inf)
+
+
+def _eager_tile(S, V_j, m, O1, scratch) -> None:
+    """One tile of the textbook online softmax, for V read where it lies (decoding): m (the
+    running max, base 2) moves to the tile's max, what came before is rescaled by exp2(m_old -
+    m_new), and [O | l] += [P V_j | rowsum P]. With few rows per key its passes over S cost little
+    next to reading K and V, and P <= 1 bounds O by seqlen_k max|v| without a pass over V."""
+    heads, M, _ = S.shape
+    D = V_j.shape[2]
+    m_new = np.maximum(m, np.maximum.reduce(S, axis=2))
+    m_safe = np.where(m_new == -np.inf, 0, m_new)  # no key seen yet: -inf - -inf would be NaN
+    P = np.exp2(np.subtract(S, m_safe[:, :, None], out=S), out=S)
+    O1_j = scratch.take("O1_j", (heads, M, D + 1), S.dtype)
+    np.matmul(P, V_j, out=O1_j[:, :, :D])
+    np.add.reduce(P, axis=2, out=O1_j[:, :, D])
+    O1 *= np.exp2(m - m_safe)[:, :, None]  # 0 while m was -inf
+    O1 += O1_j
+    m[...] = m_new
 
 
 def _as_acc(x, acc):
@@ -709,6 +739,11 @@ def _heads_per_task(p, units: int, unit_flops: float, unit_volume: int, volume: 
 
 MIN_TASK_FLOPS = 5e7
 
+# Query rows per kv head (seqlen_q x group) up to which the forward reads K and V where they lie
+# instead of copying them into BLAS-friendly Kᵀ and [V | 1]: a copy reads and writes every key
+# once, as much memory traffic as a decoding step's whole work
+IN_PLACE_ROWS = 32
+
 
 def forward(p, q, k, v):
     q, k, v = _values(p, q, k, v)
@@ -729,10 +764,15 @@ def forward(p, q, k, v):
     end = _key_range(p, 0, p.seqlen_q)[1]  # every key some query sees lies below this
     heads = _HeadMap(p)
     mods = _Modifiers(p, heads) if p.modifiers - {"window"} else None
+    in_place = p.seqlen_q * p.group <= IN_PLACE_ROWS and k.dtype == acc and v.dtype == acc
 
     def kv_operands(b, c0, c1):
         # Kᵀ (kv heads, D, keys) and [V | 1] (kv heads, keys, D + 1) from key 0, in the
-        # accumulation dtype; made by the first task of these kv heads to run
+        # accumulation dtype; made by the first task of these kv heads to run. With few query
+        # rows per key (decoding: a copy would cost more than the matmuls it speeds up), views of
+        # K and V where they lie, and max |v| from V itself
+        if in_place:  # the eager softmax needs no bound on |v| (see _eager_tile)
+            return k[b, :end, c0:c1, :].transpose(1, 2, 0), v[b, :end, c0:c1, :].transpose(1, 0, 2), None
         Kt = np.ascontiguousarray(k[b, :end, c0:c1, :].transpose(1, 2, 0), dtype=acc)
         V1 = np.empty((c1 - c0, end, p.head_dim + 1), dtype=acc)
         V1[:, :, :-1] = v[b, :end, c0:c1, :].transpose(1, 0, 2)
