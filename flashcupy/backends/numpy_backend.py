@@ -460,8 +460,9 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> 
     base 2 and P = exp2(S - m) (NumPy's float32 exp2 runs twice as fast as its exp; m counts in
     base 2 too). A kv head's query heads are interleaved row by row (_HeadMap), so a tile's rows
     are one slice for every kv head and each kv head's K is packed for BLAS once per tile. V1 is
-    [V | 1], so the PV matmul returns rowsum(P) as its last column. Kt is Kᵀ, contiguous: BLAS
-    runs QKᵀ about 10 % faster from it than from K. With few query rows per key (decoding) Kt and
+    [V | 1], so the PV matmul returns rowsum(P) as its last column. Kt is Kᵀ, a transposed view of
+    K copied as (kv heads, keys, D): a contiguous Kᵀ let BLAS run QKᵀ about 10 % faster, but
+    making it cost more than that (S = 512 and 4096, D = 64: 5-9 % slower overall). With few query rows per key (decoding) Kt and
     V1 are instead views of K and V where they lie (see forward), and each tile takes the textbook
     eager step (_eager_tile), whose extra passes over S are cheap there. While every row's reference m is 0 the scores
     need no subtraction; once some row's m moves, the scores come from [Q | -m] [K | 1]ᵀ, which
@@ -773,7 +774,9 @@ def forward(p, q, k, v):
         # K and V where they lie, and max |v| from V itself
         if in_place:  # the eager softmax needs no bound on |v| (see _eager_tile)
             return k[b, :end, c0:c1, :].transpose(1, 2, 0), v[b, :end, c0:c1, :].transpose(1, 0, 2), None
-        Kt = np.ascontiguousarray(k[b, :end, c0:c1, :].transpose(1, 2, 0), dtype=acc)
+        # K copied as (kv heads, keys, D), which keeps D's rows whole (a copy straight into
+        # (kv heads, D, keys) gathers 4-byte elements across rows: 5x slower), Kᵀ a view of it
+        Kt = np.ascontiguousarray(k[b, :end, c0:c1, :].transpose(1, 0, 2), dtype=acc).transpose(0, 2, 1)
         V1 = np.empty((c1 - c0, end, p.head_dim + 1), dtype=acc)
         V1[:, :, :-1] = v[b, :end, c0:c1, :].transpose(1, 0, 2)
         V1[:, :, -1] = 1
