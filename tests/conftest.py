@@ -165,6 +165,21 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
+# (causal, window) pairs for the visibility helpers of every backend: each side bounded or not,
+# windows of 0, causal with and without a left side
+BANDS = [(False, None), (True, None), (False, (1, 2)), (False, (0, 0)), (False, (None, 1)), (False, (2, None)),
+         (True, (1, None)), (True, (0, 3))]
+
+
+def band_problem(Sq, Sk, causal, window):
+    """A one-head Problem with this band (for the visibility helpers)."""
+    from flashcupy._api import Problem
+    left, right = window or (None, None)
+    return Problem(batch=1, seqlen_q=Sq, seqlen_k=Sk, heads_q=1, heads_kv=1, head_dim=1, dtype="float32",
+                   causal=causal, scale=1.0, carrier=np.dtype(np.float32), window_left=left,
+                   window_right=None if causal else right)
+
+
 @pytest.fixture
 def small_tiles():
     """NumPy-backend tiles much smaller than the test lengths, so every path of the tile loop runs."""
@@ -175,5 +190,5 @@ def small_tiles():
     numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS = old
 
 
-__all__ = ["BF16", "CASES", "DTYPES", "MUTATION_BATTERY", "TILE_EDGE_CASE", "bf16_bits", "LAYOUTS", "assert_matches_oracle",
+__all__ = ["BANDS", "BF16", "band_problem", "CASES", "DTYPES", "MUTATION_BATTERY", "TILE_EDGE_CASE", "bf16_bits", "LAYOUTS", "assert_matches_oracle",
            "battery_fails", "case_id", "mutated_module", "mutation_tests", "make_qkv", "reference", "strided_empty"]

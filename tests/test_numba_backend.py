@@ -26,8 +26,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import (CASES, DTYPES, LAYOUTS, assert_matches_oracle, case_id, make_qkv, mutated_module, mutation_tests,
-                      reference, strided_empty)
+from conftest import (BANDS, CASES, DTYPES, LAYOUTS, assert_matches_oracle, band_problem, case_id, make_qkv,
+                      mutated_module, mutation_tests, reference, strided_empty)
 
 
 def _gpu_present() -> bool:
@@ -55,7 +55,6 @@ finally:
         del os.environ["NUMBA_ENABLE_CUDASIM"]
 
 import flashcupy  # noqa: E402
-from flashcupy._api import Problem  # noqa: E402
 from flashcupy.backends import MAX_GRID, numba_backend  # noqa: E402
 from flashcupy.backends.numba_backend import kernels  # noqa: E402
 
@@ -179,6 +178,38 @@ def test_nan_in_dout_of_a_row_that_sees_no_key_goes_nowhere(rng, device):
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True)
 
 
+# score modifiers the numba kernels compute (window, softcap, ALiBi): the rest are refused by name
+MODIFIED = {
+    "causal-window": dict(causal=True, window=(2, None)),
+    "window-both-sides": dict(window=(1, 2)),
+    "softcap": dict(softcap=1.5),
+    "alibi-per-batch": dict(causal=True, alibi_slopes=(2, 2)),
+    "all-three": dict(window=(3, 0), softcap=4.0, alibi_slopes=(2,)),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("mods", MODIFIED.values(), ids=MODIFIED.keys())
+def test_modifiers_match_the_oracle(rng, device, mods, dtype):
+    _require(device)
+    mods = dict(mods)
+    if "alibi_slopes" in mods:
+        mods["alibi_slopes"] = rng.uniform(0.2, 1.0, mods["alibi_slopes"]).astype(np.float32)
+    # Sq > Sk with a window: rows that see no key; GQA; a scale that is not the default
+    q, k, v = make_qkv(rng, 2, 7, 5, 2, 1, 3, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    out, lse = flashcupy.attention(q, k, v, scale=0.8, return_lse=True, backend="numba", **mods)
+    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, scale=0.8, backend="numba", **mods)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, scale=0.8, **mods)
+
+
+def test_bias_and_mask_are_refused_by_name(rng):
+    q, k, v = make_qkv(rng, 1, 3, 3, 1, 1, 4, np.float32)
+    with pytest.raises(ValueError, match="mask is not yet supported by backend 'numba'"):
+        flashcupy.attention(q, k, v, mask=np.ones((1, 1, 3, 3), bool), backend="numba")
+
+
 # ----------------------------------------------------------------------------
 # device arrays: the simulator's arrays have no __cuda_array_interface__, so GPU only
 
@@ -218,8 +249,8 @@ def test_cupy_arrays_in_and_out(rng, layout, dtype):
 # which keys a query sees
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_visibility_helpers_are_the_oracles_rule(causal):
+@pytest.mark.parametrize("causal, window", BANDS)
+def test_visibility_helpers_are_the_oracles_rule(causal, window):
     """The kernels' three helpers, run as Python, with the mask the host passes: _visible is the
     oracle's rule (and False outside the arrays), and a block's range holds exactly the keys
     (queries) that some row (key) of the block sees, so the kernels skip no visible pair and visit
@@ -227,11 +258,9 @@ def test_visibility_helpers_are_the_oracles_rule(causal):
     key_range, query_range, visible = (kernels._key_range.py_func, kernels._query_range.py_func,
                                        kernels._visible.py_func)
     for Sq, Sk in itertools.product(range(1, 7), repeat=2):
-        p = Problem(batch=1, seqlen_q=Sq, seqlen_k=Sk, heads_q=1, heads_kv=1, head_dim=1,
-                    dtype="float32", causal=causal, scale=1.0, carrier=np.dtype(np.float32))
-        mask = numba_backend._common(p)[-1]
+        mask = numba_backend._mask(band_problem(Sq, Sk, causal, window))
         want = np.zeros((Sq + 1, Sk + 1), bool)  # one row and one column past the arrays
-        want[:Sq, :Sk] = reference.visible(Sq, Sk, causal)
+        want[:Sq, :Sk] = reference.visible(Sq, Sk, causal, window=window)
         got = [[visible(mask, i, j, Sq, Sk) for j in range(Sk + 1)] for i in range(Sq + 1)]
         np.testing.assert_array_equal(got, want)
         for i0, i1 in itertools.combinations(range(Sq + 1), 2):
@@ -641,11 +670,11 @@ def test_a_call_on_cupys_stream_captures_into_a_cuda_graph(rng):
 # deliberate bugs (conftest.MUTATION_BATTERY), in the kernels as the simulator runs them
 
 NUMBA_MUTATIONS = {
-    "scale ignored": ("        s *= scale\n", "        s *= 1 / math.sqrt(head_dim)\n"),
+    "scale ignored": ("s, _ = _modify(s * scale,", "s, _ = _modify(s / math.sqrt(head_dim),"),
     "GQA head mapping": ("for h in range(kv_head * group, (kv_head + 1) * group):",
                          "for h in range(kv_head, kv_head + group):"),
-    "D not subtracted": ("ds = p * (dp - D[_at3(Dst, b, h, i)]) * scale", "ds = p * dp * scale"),
-    "key_end off by one": ("min(seqlen_k, i_end + diagonal))", "min(seqlen_k, i_end + diagonal - 1))"),
+    "D not subtracted": ("ds = p * (dp - D[_at3(Dst, b, h, i)]) *", "ds = p * dp *"),
+    "key_end off by one": ("min(seqlen_k, i_end + diagonal + right))", "min(seqlen_k, i_end + diagonal + right - 1))"),
     "lse base": ("m + math.log(l) if seen", "m + math.log2(l) if seen"),
 }
 

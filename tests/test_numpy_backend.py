@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashcupy
-from conftest import (BF16, CASES, DTYPES, LAYOUTS, assert_matches_oracle, battery_fails, bf16_bits, case_id, make_qkv,
-                      mutated_module, reference)
+from conftest import (BANDS, BF16, CASES, DTYPES, LAYOUTS, assert_matches_oracle, band_problem, battery_fails,
+                      bf16_bits, case_id, make_qkv, mutated_module, reference)
 from flashcupy._api import Problem
 from flashcupy.backends import numpy_backend
 
@@ -131,17 +131,6 @@ def test_nan_in_a_query_row_stays_in_that_row(rng, small_tiles, kv_path):
 
 
 # (causal, window): every shape of band the helpers must state, windows included
-BANDS = [(False, None), (True, None), (False, (1, 2)), (False, (0, 0)), (False, (None, 1)), (False, (2, None)),
-         (True, (1, None)), (True, (0, 3))]
-
-
-def band_problem(Sq, Sk, causal, window):
-    left, right = window or (None, None)
-    return Problem(batch=1, seqlen_q=Sq, seqlen_k=Sk, heads_q=1, heads_kv=1, head_dim=1, dtype="float32",
-                   causal=causal, scale=1.0, carrier=np.dtype(np.float32), window_left=left,
-                   window_right=None if causal else right)
-
-
 @pytest.mark.parametrize("causal, window", BANDS)
 def test_visibility_helpers_are_the_oracles_rule(causal, window):
     """On every tile of every small shape: _mask_scores hides exactly what the oracle hides, and a

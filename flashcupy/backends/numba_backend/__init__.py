@@ -63,7 +63,7 @@ NAME = "numba"
 ARRAY_LIBRARIES = ("numpy", "cupy", "numba")
 DTYPES = ("float16", "float32", "float64")  # numba has no bfloat16 arithmetic type
 MAX_HEAD_DIM = 256  # kernels.HEAD_DIM_MAX: the register accumulators are sized for it
-MODIFIERS = frozenset()  # score modifiers (issue 13) not yet in the kernels: _api refuses them
+MODIFIERS = frozenset({"window", "softcap", "alibi_slopes"})  # bias and mask: not yet (_api refuses them)
 
 
 @functools.cache
@@ -270,12 +270,26 @@ def grid_axes(p, backward):
     return axes + [(f"seqlen_k ({K.BLOCK_N} keys a block)", keys, 0)] if backward else axes
 
 
-def _common(p):
-    """Launch arguments every tile kernel shares, after its arrays.
+def _mask(p):
+    """The kernels' `mask`: (diagonal, left, right) of the Problem's band, -1 for an unbounded side."""
+    left, right = p.band
+    return p.diagonal, -1 if left is None else left, -1 if right is None else right
 
-    The last is the kernels' `mask`, which only their visibility helpers read.
-    """
-    return p.group, p.head_dim, p.acc_dtype.type(p.scale), (p.causal, p.diagonal)
+
+def _common(p, place):
+    """Launch arguments every tile kernel shares, after its arrays: ..., scale, then the kernels'
+    `mask` (diagonal, left, right; -1 unbounded), which only their visibility helpers read, and
+    `mods` and `slopes` (softcap, ALiBi), which only kernels._modify reads."""
+    mask = _mask(p)
+    acc = p.acc_dtype.type
+    if p.alibi_slopes is None:
+        slopes = place.empty((1,), p.acc_dtype)[1]  # never read
+        mods = (acc(p.softcap or 0), 0, 0, 0, 0)
+    else:
+        slopes, st = place.read(p.alibi_slopes)
+        strides = (0, st[1]) if p.alibi_slopes.ndim == 1 else (st[1], st[2])  # (batch, head)
+        mods = (acc(p.softcap or 0), 1, st[0]) + strides
+    return p.group, p.head_dim, acc(p.scale), mask, mods, slopes
 
 
 # ----------------------------------------------------------------------------
@@ -290,10 +304,11 @@ def forward(p, q, k, v):
     (qf, qst), (kf, kst), (vf, vst) = (place.read(x) for x in (q, k, v))
     out = _Buffer(place, q.shape, p.carrier)
     lse = _Buffer(place, p.lse_shape, p.acc_dtype)  # the kernel computes in lse's dtype (p.lse_dtype is the same)
+    common = _common(p, place)
 
     K._attn_fwd[grid, (K.BLOCK_N, K.BLOCK_M), place.stream](
         qf, qst, kf, kst, vf, vst, out.flat, out.st, lse.flat, lse.st,
-        p.seqlen_q, p.seqlen_k, *_common(p))
+        p.seqlen_q, p.seqlen_k, *common)
     return out.result(), lse.result()
 
 
@@ -307,15 +322,16 @@ def backward(p, dout, q, k, v, out, lse):
     dq, dk, dv = (_Buffer(place, x.shape, p.carrier) for x in (q, k, v))
     # workspace: D = rowsum(dO ∘ O), laid out as lse; the backward kernels compute in its dtype
     D = _Buffer(place, p.lse_shape, p.acc_dtype)
+    common = _common(p, place)
 
     K._attn_bwd_preprocess[prep_grid, K.PREP_THREADS, place.stream](
         dof, dost, of, ost, D.flat, D.st, p.seqlen_q, p.head_dim)
     # dK, dV: one block per (key block, kv head, batch), over the query heads of its group
     K._attn_bwd_dkdv[dkdv_grid, (K.BLOCK_M, K.BLOCK_N), place.stream](
         qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dk.flat, dk.st, dv.flat, dv.st,
-        p.seqlen_q, p.seqlen_k, *_common(p))
+        p.seqlen_q, p.seqlen_k, *common)
     # dQ: one block per (query block, query head, batch)
     K._attn_bwd_dq[dq_grid, (K.BLOCK_N, K.BLOCK_M), place.stream](
         qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dq.flat, dq.st,
-        p.seqlen_q, p.seqlen_k, *_common(p))
+        p.seqlen_q, p.seqlen_k, *common)
     return dq.result(), dk.result(), dv.result()

@@ -177,35 +177,57 @@ def _add_row_times_tile(total, W, tile, x, xst, b, row0, nrows, h, head_dim, tid
 # ----------------------------------------------------------------------------
 # visibility: which keys a query sees
 #
-# `mask` is the host's (causal, diagonal) from the Problem: query i sees key j iff
-# not causal, or j <= i + diagonal. Only these three helpers open it, and the
-# loops take both ends of their ranges from them, so a rule with more terms (a
-# sliding window) changes the tuple and these helpers, not the kernels.
+# `mask` is the host's (diagonal, left, right) from the Problem's band, -1 for an
+# unbounded side (causal is right = 0): query i sees key j iff
+# i + diagonal - left <= j <= i + diagonal + right. Only these three helpers open
+# it, and the loops take both ends of their ranges from them, so key blocks
+# outside the band are never visited.
 
 
 @cuda.jit(device=True)
 def _key_range(mask, i0, i_end, seqlen_k):
     """Keys [start, end) that some query row of [i0, i_end) sees: what a query block visits."""
-    causal, diagonal = mask
-    if not causal:
-        return 0, seqlen_k
-    return 0, max(0, min(seqlen_k, i_end + diagonal))
+    diagonal, left, right = mask
+    start = 0 if left < 0 else max(0, min(seqlen_k, i0 + diagonal - left))
+    end = seqlen_k if right < 0 else max(0, min(seqlen_k, i_end + diagonal + right))
+    return start, end
 
 
 @cuda.jit(device=True)
 def _query_range(mask, j0, j_end, seqlen_q):
     """Query rows [start, end) that see some key of [j0, j_end): what a key block visits."""
-    causal, diagonal = mask
-    if not causal:
-        return 0, seqlen_q
-    return max(0, min(seqlen_q, j0 - diagonal)), seqlen_q
+    diagonal, left, right = mask
+    start = 0 if right < 0 else max(0, min(seqlen_q, j0 - diagonal - right))
+    end = seqlen_q if left < 0 else max(0, min(seqlen_q, j_end - diagonal + left))
+    return start, end
 
 
 @cuda.jit(device=True)
 def _visible(mask, i, j, seqlen_q, seqlen_k):
     """Query i sees key j, both inside the arrays."""
-    causal, diagonal = mask
-    return i < seqlen_q and j < seqlen_k and (not causal or j <= i + diagonal)
+    diagonal, left, right = mask
+    return (i < seqlen_q and j < seqlen_k and (left < 0 or j >= i + diagonal - left)
+            and (right < 0 or j <= i + diagonal + right))
+
+
+# `mods` is the host's (softcap, alibi, offset, batch stride, head stride): softcap 0 for none,
+# alibi 0 for none, else slopes[offset + b * batch stride + h * head stride] is query head h's
+# slope (batch stride 0 for slopes shared by the batch). Only _modify opens it.
+
+
+@cuda.jit(device=True)
+def _modify(s, mods, slopes, mask, b, h, i, j, acc):
+    """The scaled score s after softcap (c tanh(s / c)) and ALiBi (- slope |i + diagonal - j|), and
+    tanh(s / c) for the backward's dS *= 1 - tanh² (0 without a softcap)."""
+    softcap, alibi, offset, batch_stride, head_stride = mods
+    t = acc(0)
+    if softcap > acc(0):  # literals in ACC: an int would make these float64 in a float32 kernel
+        t = math.tanh(s / softcap)
+        s = softcap * t
+    if alibi:
+        distance = i + mask[0] - j
+        s -= acc(slopes[offset + b * batch_stride + h * head_stride]) * acc(abs(distance))  # float32 slopes too
+    return s, t
 
 
 # ----------------------------------------------------------------------------
@@ -214,7 +236,7 @@ def _visible(mask, i, j, seqlen_q, seqlen_k):
 
 @cuda.jit
 def _attn_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
-              seqlen_q, seqlen_k, group, head_dim, scale, mask):
+              seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes):
     """out_i = softmax(Q_i K^T scale) V and lse_i, for one block of BLOCK_M query rows.
 
     Block: (BLOCK_N, BLOCK_M) threads; thread (c, r) owns S[r, c] and O[r, c::BLOCK_N].
@@ -250,7 +272,7 @@ def _attn_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
             for dd in range(D_TILE):
                 s += Q_i[r, dd] * K_j[c, dd]
             cuda.syncthreads()  # everyone done reading before the next chunk overwrites them
-        s *= scale
+        s, _ = _modify(s * scale, mods, slopes, mask, b, h, i, j0 + c, acc)
         if not _visible(mask, i, j0 + c, seqlen_q, seqlen_k):
             s = acc(-math.inf)
         S[r, c] = s
@@ -314,7 +336,7 @@ def _row_lse(lse, lst, b, h, i, seqlen_q):
 
 @cuda.jit
 def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dkst, dv, dvst,
-                   seqlen_q, seqlen_k, group, head_dim, scale, mask):
+                   seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes):
     """dK_j, dV_j for one block of BLOCK_N keys, summed over the query heads of its GQA group.
 
     Block: (BLOCK_M, BLOCK_N) threads; thread (r, c) owns S[r, c] and dK, dV[c, r::BLOCK_M].
@@ -357,8 +379,9 @@ def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dks
             p = acc(0)
             ds = acc(0)
             if _visible(mask, i, j, seqlen_q, seqlen_k):
-                p = math.exp(s * scale - _row_lse(lse, lst, b, h, i, seqlen_q))
-                ds = p * (dp - D[_at3(Dst, b, h, i)]) * scale
+                s, t = _modify(s * scale, mods, slopes, mask, b, h, i, j, acc)
+                p = math.exp(s - _row_lse(lse, lst, b, h, i, seqlen_q))
+                ds = p * (dp - D[_at3(Dst, b, h, i)]) * (acc(1) - t * t) * scale
             P[r, c] = p
             dS[r, c] = ds
             cuda.syncthreads()  # P and dS complete: every column c is read by BLOCK_M threads
@@ -388,7 +411,7 @@ def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dks
 
 @cuda.jit
 def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
-                 seqlen_q, seqlen_k, group, head_dim, scale, mask):
+                 seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes):
     """dQ_i for one block of BLOCK_M query rows; a separate pass, so no atomics.
 
     Block: (BLOCK_N, BLOCK_M) threads; thread (c, r) owns S[r, c] and dQ[r, c::BLOCK_N].
@@ -418,7 +441,8 @@ def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
                                b, h, kv_head, i0, j0, seqlen_q, seqlen_k, head_dim, tid, r, c, acc)
         ds = acc(0)  # selected, not multiplied by P = 0: a row that sees no key gets dq 0 whatever its dout
         if _visible(mask, i, j0 + c, seqlen_q, seqlen_k):
-            ds = math.exp(s * scale - lse_r) * (dp - D_r) * scale
+            s, t = _modify(s * scale, mods, slopes, mask, b, h, i, j0 + c, acc)
+            ds = math.exp(s - lse_r) * (dp - D_r) * (acc(1) - t * t) * scale
         dS[r, c] = ds
         cuda.syncthreads()  # the whole row of dS is written
 

@@ -38,14 +38,15 @@ def ptx(cc=(9, 0)) -> int:
         dispatcher.get_current_device = lambda: argparse.Namespace(compute_capability=cc)
     print(f"tiles {K.TILES!r}: BLOCK_M {K.BLOCK_M}, BLOCK_N {K.BLOCK_N}, D_TILE {K.D_TILE}, "
           f"PREP_THREADS {K.PREP_THREADS}")
-    i64, b1 = types.int64, types.boolean
+    i64 = types.int64
     st4, st3 = types.UniTuple(i64, 5), types.UniTuple(i64, 4)
-    mask = types.Tuple((b1, i64))  # (causal, diagonal), as numba_backend._common builds it
+    mask = types.UniTuple(i64, 3)  # (diagonal, left, right), as numba_backend._mask builds it
     failures = 0
     for dtype in (types.float16, types.float32, types.float64):
         acc = numpy_support.from_dtype(accumulation_dtype(numpy_support.as_dtype(dtype).name))  # p.acc_dtype
         x, a = dtype[::1], acc[::1]
-        common = (i64, i64, acc, mask)  # group, head_dim, scale, mask
+        mods = types.Tuple((acc, i64, i64, i64, i64))  # softcap, alibi, slope offset and strides
+        common = (i64, i64, acc, mask, mods, a)  # group, head_dim, scale, mask, mods, slopes
         sigs = {
             "_attn_fwd": (x, st4, x, st4, x, st4, x, st4, a, st3, i64, i64) + common,
             "_attn_bwd_preprocess": (x, st4, x, st4, a, st3, i64, i64),
