@@ -116,6 +116,34 @@ class SmallAndCausal(_Attention):
     track_gflops_backward.unit = "GFLOP/s"
 
 
+class Modifiers:
+    """The NumPy backend with a score modifier beside the same call without one (issue 13): a
+    causal sliding window (cost should grow with seqlen x window, not seqlen^2) and an additive
+    bias of shape (1, H, S, S) (target: at most 1.5x the plain call)."""
+
+    params = ([1024, 4096], ["none", "causal", "causal-window-255", "bias"])
+    param_names = ["seqlen", "modifier"]
+    heads, head_dim = 8, 64
+    timeout = 300
+
+    def setup(self, seqlen, modifier):
+        import flashcupy
+        rng = np.random.default_rng(0)
+        q, k, v, dout = (rng.standard_normal((1, seqlen, self.heads, self.head_dim), dtype=np.float32)
+                         for _ in range(4))
+        kw = {"none": {}, "causal": dict(causal=True), "causal-window-255": dict(causal=True, window=(255, None)),
+              "bias": dict(bias=rng.standard_normal((1, self.heads, seqlen, seqlen), dtype=np.float32))}[modifier]
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numpy", **kw)
+        self.forward = lambda: flashcupy.attention(q, k, v, backend="numpy", **kw)
+        self.backward = lambda: flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numpy", **kw)
+
+    def time_forward(self, seqlen, modifier):
+        self.forward()
+
+    def time_backward(self, seqlen, modifier):
+        self.backward()
+
+
 class MemoryGrowth:
     """Extra forward memory against seqlen: flat tiles for flashcupy, S^2 for the naive baseline."""
 
