@@ -291,12 +291,13 @@ def test_device_backends_refuse_modifiers_by_name(monkeypatch):
     from cupy_emulation import emulated
     q, k, v = make_qkv(np.random.default_rng(0), 1, 8, 8, 2, 1, 8, np.float32)
     with emulated():
-        refused = r"^window is not yet supported by backend 'cupy' \(backend 'numpy' supports it\)"
+        refused = r"^mask is not yet supported by backend 'cupy' \(backend 'numpy' supports it\)"
         with pytest.raises(ValueError, match=refused):
-            flashcupy.attention(q, k, v, window=(2, 0), backend="cupy")
-        with pytest.raises(ValueError, match="softcap, bias are not yet supported by backend 'cupy'"):
+            flashcupy.attention(q, k, v, window=(2, 0), mask=np.ones((1, 1, 8, 8), bool), backend="cupy")
+        with pytest.raises(ValueError, match="bias, mask are not yet supported by backend 'cupy'"):
             flashcupy.attention_backward(q, q, k, v, q, np.zeros((1, 2, 8), np.float32), softcap=1.0,
-                                         bias=np.zeros((1, 1, 1, 8), np.float32), backend="cupy")
+                                         bias=np.zeros((1, 1, 1, 8), np.float32), mask=np.ones((1, 1, 8, 8), bool),
+                                         backend="cupy")
         # no modifier: the same backend takes the call (a window that restricts nothing is none)
         flashcupy.attention(q, k, v, window=(None, None), backend="cupy")
     numba = flashcupy.backends.module("numba")
@@ -315,8 +316,10 @@ def test_auto_picks_a_backend_that_computes_the_modifiers(monkeypatch):
     from cupy_emulation import emulated
     q, k, v = make_qkv(np.random.default_rng(0), 1, 8, 8, 2, 1, 8, np.float32)
     with emulated():
-        p = api._problem(q, k, v, False, None, None, "numpy", (1, 1))
+        p = api._problem(q, k, v, False, None, None, "numpy", mask=np.ones((1, 1, 8, 8), bool))
         assert api._select("auto", "numpy", p).NAME == "numpy"
+        windowed = api._problem(q, k, v, False, None, None, "numpy", (1, 1))  # cupy computes windows
+        assert api._select("auto", "numpy", windowed).NAME == "cupy"
         plain = api._problem(q, k, v, False, None, None, "numpy")
         assert api._select("auto", "numpy", plain).NAME == "cupy"
 

@@ -94,7 +94,7 @@ def test_limits_exceeded_and_their_marks():
                                               "k float16 head_dim=64: 100 registers, 8 spill bytes"]
     lines = nvrtc.format_kernel_report({"NVRTC 12.9": rows, "NVRTC 13.0": rows[::-1]}).splitlines()
     assert lines[0].split() == ["NVRTC", "12.9", "NVRTC", "13.0"]
-    cells = [line.split()[7:] for line in lines[2:]]  # registers, spill_bytes, occupancy, hmma per NVRTC
+    cells = [line.split()[8:] for line in lines[2:]]  # registers, spill_bytes, occupancy, hmma per NVRTC
     assert [c[:2] + c[4:6] for c in cells] == [[str(limit), "0", "100", "8!"],
                                                 [f"{limit + 1}!", "0", f"{limit + 1}!", "0"],
                                                 ["100", "8!", str(limit), "0"]]
@@ -113,14 +113,18 @@ def test_every_specialization_compiles(report):
     kernels_per_dtype = 1 + 3 * len(specs.HEAD_DIM_BUCKETS)  # preprocess, then fwd, dkdv, dq per bucket
     # attn_fwd_tc, attn_bwd_dkdv_tc, attn_bwd_dq_tc per bucket (their preprocess is the SIMT one)
     tensor_core = len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS) * len(specs.TC_TEMPLATES)
-    assert len(rows) == len(specs.CUDA_TYPES) * kernels_per_dtype + tensor_core
+    # each attention kernel three times (specs.all_modules): plain, with a window alone, and with
+    # every score modifier (the preprocess has none)
+    attention = len(specs.CUDA_TYPES) * (kernels_per_dtype - 1) + tensor_core
+    assert len(rows) == len(specs.CUDA_TYPES) + 3 * attention
+    assert {r["mods"] for r in rows} == {None, "window", "window+softcap+alibi_slopes"}
     print(f"\n{what}\n{nvrtc.format_kernel_report({what: rows})}")
 
 
 def test_no_spills_and_registers_to_spare(report):
     what, rows = report
     limit = nvrtc.MAX_REGISTERS - nvrtc.REGISTER_MARGIN
-    over = [f"{r['kernel']} {r['dtype']} head_dim={r['head_dim']}: {r['registers']} registers, "
+    over = [f"{r['kernel']}[{r['mods']}] {r['dtype']} head_dim={r['head_dim']}: {r['registers']} registers, "
             f"{r['spill_bytes']} spill bytes" for r in rows if r["spill_bytes"] or r["registers"] > limit]
     assert not over, f"{what}: more than {limit} registers, or spills: " + "; ".join(over)
 

@@ -14,7 +14,10 @@ float16/bfloat16 where `forward_path` / `backward_path` say so, with the same ar
 
 Every tensor is passed as a pointer to its first element plus its element strides (any layout,
 negative strides included); sizes as int32, the scale in the accumulation type, then causal and the
-causal diagonal (Problem.diagonal) as int32. The interface has checked head_dim and every grid
+causal diagonal (Problem.diagonal) as int32, then the score modifiers (_modifier_args: the window's
+sides, softcap, the ALiBi slopes), which only the kernels specialised for them read: the MODS
+template argument (specs.MOD_BITS) is chosen per call from Problem.modifiers, and a call without
+modifiers launches the kernels it launched before they existed. The interface has checked head_dim and every grid
 (MAX_HEAD_DIM, grid_axes) before a call gets here. Launches go to CuPy's current stream on the
 inputs' device.
 
@@ -156,7 +159,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 MAX_HEAD_DIM = specs.MAX_HEAD_DIM
-MODIFIERS = frozenset()  # score modifiers (issue 13) not yet in the kernels: _api refuses them
+LOG2E = 1.4426950408889634  # the tensor-core kernels exponentiate in base 2 (LOG2E in tc_tile.cuh)
+MODIFIERS = frozenset(specs.MOD_BITS)  # the score modifiers the kernels compute; _api refuses the others
 
 
 def _launch_blocks(kernel: specs.Kernel, p) -> tuple:
@@ -216,10 +220,44 @@ def backward_path(p, dout, q, k, v, out) -> str:
     return _path(p, q, k, v, dout, out)
 
 
+def _window_args(p) -> tuple:
+    """The band's sides (Problem.band, causal as right = 0) as the kernels take them (mask.cuh): an
+    unbounded side, or one wider than the keys, becomes the narrowest that hides nothing, so that no
+    bound a kernel computes from it overflows int32."""
+    left, right = p.band
+    widest_left = max(0, p.seqlen_q - 1 + p.diagonal)   # i + diagonal - left <= 0 for every row
+    widest_right = max(0, p.seqlen_k - 1 - p.diagonal)  # i + diagonal + right >= seqlen_k - 1 for every row
+    return (np.int32(widest_left if left is None else min(left, widest_left)),
+            np.int32(widest_right if right is None else min(right, widest_right)))
+
+
+def _modifier_args(p, unused, tensor_cores: bool) -> tuple:
+    """The kernels' arguments after PROBLEM_PARAMS' diagonal: window_left, window_right, the
+    softcap's cap_in and cap_out in the units of the kernel path (Score in mask.cuh: the SIMT
+    kernels' scores are natural and scaled, the tensor-core ones' unscaled and then base 2),
+    then the ALiBi slopes as a (batch, heads_q) array of the accumulation type and its element
+    strides (batch stride 0 for per-head slopes). `unused`, an array of the accumulation type,
+    stands in for absent slopes: a kernel not specialised for ALiBi never reads the pointer."""
+    acc = p.acc_dtype.type
+    window = _window_args(p) if "window" in p.modifiers else (np.int32(0), np.int32(0))
+    c = 1.0 if p.softcap is None else p.softcap
+    softcap = (acc(p.scale / c), acc(c * LOG2E)) if tensor_cores else (acc(1 / c), acc(c))
+    slopes = p.alibi_slopes
+    if slopes is None:
+        return (*window, *softcap, unused, np.int64(0), np.int64(0))
+    slopes = _runtime().xp.asarray(slopes, dtype=p.acc_dtype)  # a copy only for float32 slopes in float64
+    strides = [s // slopes.itemsize for s in slopes.strides]
+    return (*window, *softcap, slopes, np.int64(0 if slopes.ndim == 1 else strides[0]), np.int64(strides[-1]))
+
+
+def _mods(p) -> int:
+    return specs.mods_of(p.modifiers)
+
+
 def forward(p, q, k, v):
     rt = _runtime()
     tensor_cores = forward_path(p, q, k, v) == "tensor-core"
-    module = (specs.tc_forward_module if tensor_cores else specs.forward_module)(p.dtype, p.head_dim)
+    module = (specs.tc_forward_module if tensor_cores else specs.forward_module)(p.dtype, p.head_dim, _mods(p))
     (kernel,) = module.kernels
     with rt.device_of(q):
         (fwd,) = _functions(rt, module, q)
@@ -228,7 +266,8 @@ def forward(p, q, k, v):
         fwd(
             (_launch_blocks(kernel, p)[1],), (specs.NUM_THREADS,),
             (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(out), *_tensor(lse),
-             *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal)),
+             *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
+             *_modifier_args(p, lse, tensor_cores)),
             shared_mem=kernel.dynamic_smem)
     return out, lse
 
@@ -236,7 +275,7 @@ def forward(p, q, k, v):
 def backward(p, dout, q, k, v, out, lse):
     rt = _runtime()
     tensor_cores = backward_path(p, dout, q, k, v, out) == "tensor-core"
-    module = (specs.tc_backward_module if tensor_cores else specs.backward_module)(p.dtype, p.head_dim)
+    module = (specs.tc_backward_module if tensor_cores else specs.backward_module)(p.dtype, p.head_dim, _mods(p))
     prep_kernel, dkdv, dq_kernel = module.kernels
     acc = p.acc_dtype.type
     block = (specs.NUM_THREADS,)
@@ -252,7 +291,8 @@ def backward(p, dout, q, k, v, out, lse):
             (*_tensor(dout), *_tensor(out), D,
              np.int32(p.batch), np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim)))
         shared = (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(dout), *_tensor(lse), D)
-        flags = (*_shape_args(p), acc(p.scale), np.int32(p.causal), np.int32(p.diagonal))
+        flags = (*_shape_args(p), acc(p.scale), np.int32(p.causal), np.int32(p.diagonal),
+                 *_modifier_args(p, D, tensor_cores))
         bwd_dkdv(
             (_launch_blocks(dkdv, p)[1],), block,
             (*shared, *_tensor(dk), *_tensor(dv), *flags), shared_mem=dkdv.dynamic_smem)

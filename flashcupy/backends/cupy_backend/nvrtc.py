@@ -332,6 +332,7 @@ def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, c
         code = function_sass(text, lowered[kernel.name_expression]) if kernel.tensor_cores else None
         rows.append(dict(
             kernel=kernel.template,
+            mods=kernel.modifiers or None,
             dtype=kernel.dtype,
             head_dim=kernel.head_dim or None,
             tile=f"{kernel.block_m}x{kernel.block_n}" if kernel.head_dim else None,
@@ -348,8 +349,8 @@ def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, c
 
 
 def kernel_report(arch: str = "sm_90", toolkit: Toolkit | None = None) -> list:
-    """One row per kernel specialization the cupy backend can launch, compiled for `arch` by the
-    NVRTC of `toolkit` (default: CuPy's)."""
+    """One row per kernel specialization the cupy backend can launch (specs.all_modules: without score
+    modifiers and with all of them), compiled for `arch` by the NVRTC of `toolkit` (default: CuPy's)."""
     if not re.fullmatch(r"sm_\d+a?", arch):
         raise ValueError(f"arch must look like sm_80 or sm_90, got {arch!r}")
     toolkit = toolkit or cupy_toolkit()
@@ -360,7 +361,7 @@ def kernel_report(arch: str = "sm_90", toolkit: Toolkit | None = None) -> list:
     rows, seen = [], set()
     for module, result in zip(modules, compiled):
         for row in _module_rows(arch, module, *result):
-            key = (row["kernel"], row["dtype"], row["head_dim"])
+            key = (row["kernel"], row["mods"], row["dtype"], row["head_dim"])
             if key not in seen:
                 seen.add(key)
                 rows.append(row)
@@ -374,20 +375,25 @@ def _over(row: dict, column: str) -> bool:
     return column == "spill_bytes" and row["spill_bytes"] > 0
 
 
+def _kernel_name(row: dict) -> str:
+    """The kernel's template, with its score modifiers if any: attn_fwd_tc[window+softcap]."""
+    return row["kernel"] + (f"[{row['mods']}]" if row.get("mods") else "")
+
+
 def limits_exceeded(rows) -> list:
     """A line for each kernel that spills or takes more than MAX_REGISTERS - REGISTER_MARGIN registers."""
-    return [f"{r['kernel']} {r['dtype']} head_dim={r['head_dim']}: {r['registers']} registers, "
+    return [f"{_kernel_name(r)} {r['dtype']} head_dim={r['head_dim']}: {r['registers']} registers, "
             f"{r['spill_bytes']} spill bytes"
             for r in rows if _over(r, "registers") or _over(r, "spill_bytes")]
 
 
-_KERNEL_COLUMNS = (("kernel", "{}"), ("dtype", "{}"), ("head_dim", "{}"), ("tile", "{}"), ("static_smem", "{}"),
-                   ("dynamic_smem", "{}"), ("threads", "{}"))
+_KERNEL_COLUMNS = (("kernel", "{}"), ("mods", "{}"), ("dtype", "{}"), ("head_dim", "{}"), ("tile", "{}"),
+                   ("static_smem", "{}"), ("dynamic_smem", "{}"), ("threads", "{}"))
 _NVRTC_COLUMNS = (("registers", "{}"), ("spill_bytes", "{}"), ("occupancy", "{:.0%}"), ("hmma", "{}"))
 
 
 def _cell(row: dict, column: str, fmt: str) -> str:
-    if row[column] is None:
+    if row.get(column) is None:
         return "-"
     return fmt.format(row[column]) + ("!" if _over(row, column) else "")
 
@@ -402,7 +408,7 @@ def format_kernel_report(reports: dict) -> str:
         table.append([_cell(same_kernel[0], name, fmt) for name, fmt in _KERNEL_COLUMNS]
                      + [_cell(row, name, fmt) for row in same_kernel for name, fmt in _NVRTC_COLUMNS])
     widths = [max(len(r[i]) for r in table) for i in range(len(names))]
-    lines = ["  ".join(cell.rjust(w) if i >= 2 else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+    lines = ["  ".join(cell.rjust(w) if i >= 3 else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
              .rstrip() for r in table]
     heading = ""  # each title starts above its report's first column
     for k, title in enumerate(reports):

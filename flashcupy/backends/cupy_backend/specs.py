@@ -14,6 +14,11 @@ BLOCK_M counts query rows and BLOCK_N keys in every kernel. The operand a lane o
 (K_j in the forward and dQ kernels, Q_i in the dK/dV kernel) must be at most 32 rows, a power of
 two; the operand split between the 4 warps must be a multiple of 4 rows.
 
+A further template parameter, MODS, specialises the attention kernels for score modifiers
+(mask.cuh): the sum of the MOD_* bits below. It is left out of the name expression when 0, so a
+call without modifiers instantiates exactly the kernels it did before they existed:
+``flash_fwd<float, float, 64, 64, 32, 5>`` is the window-and-ALiBi forward.
+
 This module is imported by the backend, by nvrtc.py (the NVRTC resource report) and by the tests;
 it needs nothing but the standard library and NumPy. The sources and compile options are in
 sources.py.
@@ -53,6 +58,10 @@ BACKWARD_DQ_TILES = {
     8: {32: (32, 32), 64: (32, 16), 128: (16, 8), 256: (8, 4)},
 }
 
+# dQ with softcap or ALiBi (specs.MOD_SCORE), where the plain tile spills: (acc size, bucket) -> tile.
+# float64 at head_dim 64 spilled 16 bytes under the MIN_CTAS_PER_SM register cap with 32 query rows.
+BACKWARD_DQ_TILES_SCORE = {(8, 64): (16, 16)}
+
 
 # Tensor-core kernels (attn_fwd_tc.cu, attn_bwd_tc.cu): float16/bfloat16 only, head_dim a multiple
 # of 8 up to 128, padded to 64 or 128; no Acc template parameter (they accumulate in float). The
@@ -66,7 +75,22 @@ TC_HEAD_DIM_BUCKETS = (64, 128)
 TC_FORWARD_TILES = {64: (64, 64), 128: (64, 64)}
 TC_BACKWARD_DKDV_TILES = {64: (64, 64), 128: (32, 64)}
 TC_BACKWARD_DQ_TILES = {64: (64, 64), 128: (64, 32)}
+# dK/dV with softcap or ALiBi (MOD_SCORE): half the query rows a pass. The modified score (and, for
+# softcap, its tanh) of every element of Sᵀ took the full tile past the register limit of
+# tests/test_nvrtc.py (up to 255 registers); a window alone keeps the full tile.
+TC_BACKWARD_DKDV_TILES_SCORE = {64: (32, 64), 128: (16, 64)}
 TC_TEMPLATES = ("attn_fwd_tc", "attn_bwd_dkdv_tc", "attn_bwd_dq_tc")
+
+
+# The MODS bits of the kernels (mask.cuh), per keyword of the interface (Problem.modifiers)
+MOD_BITS = {"window": 1, "softcap": 2, "alibi_slopes": 4}
+ALL_MODS = sum(MOD_BITS.values())
+MOD_SCORE = MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"]  # the modifiers that change a score's value
+
+
+def mods_of(modifiers) -> int:
+    """The MODS template argument for a set of modifier keywords (all of them in MOD_BITS)."""
+    return sum(MOD_BITS[name] for name in modifiers)
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -84,6 +108,12 @@ class Kernel:
     head_dim: int            # the bucket; 0 for kernels without a HEAD_DIM parameter
     block_m: int = 0
     block_n: int = 0
+    mods: int = 0            # the score modifiers it is specialised for (MOD_BITS); 0 for none
+
+    @property
+    def modifiers(self) -> str:
+        """The modifiers' keywords joined by '+', or '' for none."""
+        return "+".join(name for name, bit in MOD_BITS.items() if self.mods & bit)
 
     @property
     def tensor_cores(self) -> bool:
@@ -107,6 +137,8 @@ class Kernel:
         args = [storage] if self.tensor_cores else [storage, acc]  # tensor cores accumulate in float
         if self.head_dim:
             args += [str(self.head_dim), str(self.block_m), str(self.block_n)]
+        if self.mods:
+            args.append(str(self.mods))
         return f"{self.template}<{', '.join(args)}>"
 
 
@@ -126,22 +158,25 @@ def _name(dtype) -> str:
     return dtype if isinstance(dtype, str) else np.dtype(dtype).name
 
 
-def forward_module(dtype, head_dim: int) -> ModuleSpec:
+def forward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
     bucket = head_dim_bucket(head_dim)
     dtype = _name(dtype)
     bm, bn = FORWARD_TILES[_acc_size(dtype)][bucket]
-    return ModuleSpec("flash_fwd.cu", (Kernel("flash_fwd", dtype, bucket, bm, bn),))
+    return ModuleSpec("flash_fwd.cu", (Kernel("flash_fwd", dtype, bucket, bm, bn, mods),))
 
 
-def backward_module(dtype, head_dim: int) -> ModuleSpec:
-    """Kernels in launch order: preprocess (D), dK/dV, dQ."""
+def backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
+    """Kernels in launch order: preprocess (D, the same for every MODS), dK/dV, dQ."""
     bucket = head_dim_bucket(head_dim)
     dtype = _name(dtype)
     size = _acc_size(dtype)
+    dq_tile = BACKWARD_DQ_TILES[size][bucket]
+    if mods & MOD_SCORE:
+        dq_tile = BACKWARD_DQ_TILES_SCORE.get((size, bucket), dq_tile)
     return ModuleSpec("flash_bwd.cu", (
         Kernel("flash_bwd_preprocess", dtype, 0),
-        Kernel("flash_bwd_dkdv", dtype, bucket, *BACKWARD_DKDV_TILES[size][bucket]),
-        Kernel("flash_bwd_dq", dtype, bucket, *BACKWARD_DQ_TILES[size][bucket]),
+        Kernel("flash_bwd_dkdv", dtype, bucket, *BACKWARD_DKDV_TILES[size][bucket], mods),
+        Kernel("flash_bwd_dq", dtype, bucket, *dq_tile, mods),
     ))
 
 
@@ -149,21 +184,22 @@ def _tc_bucket(head_dim: int) -> int:
     return 64 if head_dim <= 64 else 128
 
 
-def tc_forward_module(dtype, head_dim: int) -> ModuleSpec:
+def tc_forward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
     """The tensor-core forward for float16/bfloat16 and head_dim <= 128 (a multiple of 8)."""
     bucket = _tc_bucket(head_dim)
     bm, bn = TC_FORWARD_TILES[bucket]
-    return ModuleSpec("attn_fwd_tc.cu", (Kernel("attn_fwd_tc", _name(dtype), bucket, bm, bn),))
+    return ModuleSpec("attn_fwd_tc.cu", (Kernel("attn_fwd_tc", _name(dtype), bucket, bm, bn, mods),))
 
 
-def tc_backward_module(dtype, head_dim: int) -> ModuleSpec:
+def tc_backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
     """The tensor-core backward, kernels in launch order: preprocess (D, the SIMT one), dK/dV, dQ."""
     bucket = _tc_bucket(head_dim)
     dtype = _name(dtype)
     return ModuleSpec("attn_bwd_tc.cu", (
         Kernel("flash_bwd_preprocess", dtype, 0),
-        Kernel("attn_bwd_dkdv_tc", dtype, bucket, *TC_BACKWARD_DKDV_TILES[bucket]),
-        Kernel("attn_bwd_dq_tc", dtype, bucket, *TC_BACKWARD_DQ_TILES[bucket]),
+        Kernel("attn_bwd_dkdv_tc", dtype, bucket,
+               *(TC_BACKWARD_DKDV_TILES_SCORE if mods & MOD_SCORE else TC_BACKWARD_DKDV_TILES)[bucket], mods),
+        Kernel("attn_bwd_dq_tc", dtype, bucket, *TC_BACKWARD_DQ_TILES[bucket], mods),
     ))
 
 
@@ -172,14 +208,16 @@ def tensor_core_eligible(dtype, head_dim: int) -> bool:
     return _name(dtype) in TC_DTYPES and head_dim % 8 == 0 and head_dim <= TC_HEAD_DIM_BUCKETS[-1]
 
 
-def all_modules():
-    """Every module the backend can request: the forward and backward for each dtype and bucket,
-    and the tensor-core forward and backward for each of their dtypes and buckets."""
-    return ([build(dtype, bucket)
-             for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS
+def all_modules(mods=(0, MOD_BITS["window"], ALL_MODS)):
+    """Every module the backend can request, for each MODS of `mods`: the forward and backward for
+    each dtype and bucket, and the tensor-core forward and backward for each of their dtypes and
+    buckets. By default the plain kernels, the window alone (the plain tiles with the band's
+    bounds) and every modifier (the most work in a tile's loop); the NVRTC report checks those."""
+    return ([build(dtype, bucket, m)
+             for m in mods for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS
              for build in (forward_module, backward_module)]
-            + [build(dtype, bucket)
-               for dtype in TC_DTYPES for bucket in TC_HEAD_DIM_BUCKETS
+            + [build(dtype, bucket, m)
+               for m in mods for dtype in TC_DTYPES for bucket in TC_HEAD_DIM_BUCKETS
                for build in (tc_forward_module, tc_backward_module)])
 
 

@@ -71,15 +71,20 @@
 // contiguous in head_dim, every row 16-byte aligned (pointers and the other strides multiples of 8
 // elements). lse may have any strides. Rows past seqlen are zero-filled and never written.
 //
+// Score modifiers (mask.cuh, the MODS template parameter): as in attn_fwd_tc.cu, Score gives the
+// final score in base 2 (in place of S c) before P is recomputed, and dS is multiplied by the
+// softcap's derivative 1 - tanh^2 (Score::grad); with a window the Mask is the band, so the passes
+// and KVStream take only its blocks.
+//
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: the padded head dim),
 // BLOCK_M, BLOCK_N: dK/dV BLOCK_N = 16 NUM_WARPS = 64 and BLOCK_M a multiple of 16 (at most 64);
-// dQ BLOCK_M = 64 and BLOCK_N a multiple of 16.
+// dQ BLOCK_M = 64 and BLOCK_N a multiple of 16; MODS the score modifiers (0: none).
 
 #include "flash_bwd_common.cuh"
 #include "mask.cuh"
 #include "tc_tile.cuh"
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
 __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dkdv_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
@@ -97,7 +102,7 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dkdv_tc(
     T* dO_s = Q_s + 2 * BLOCK_M * HEAD_DIM;
     float* stats_s = reinterpret_cast<float*>(dO_s + 2 * BLOCK_M * HEAD_DIM);  // per stage: lse_i log2 e, then D_i
 
-    const Mask<BLOCK_M, BLOCK_N> mask{seqlen_q, seqlen_k, diagonal, causal != 0};
+    const auto mask = MAKE_MASK(MODS);
     const KeyBlock blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);
     const int warp = threadIdx.x / WARP_SIZE;
     const int key_w = blk.j0 + 16 * warp;                   // the warp's first key
@@ -152,12 +157,25 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dkdv_tc(
 
         // Sᵀ becomes Pᵀ, dPᵀ becomes dSᵀ: row r of the warp's tile is key key_w + r, column c query i0 + c
         const bool partial = mask.partial(i0, blk.j0);
-        for_each_element([&](int r, int c, float& s, float& dp) {
-            const bool hidden = partial && !mask.visible(i0 + c, key_w + r);
-            const float P = hidden ? 0.0f : ex2_approx(s * scale_log2 - lse_i[c]);
-            s = P;
-            dp = P * (dp - D_i[c]);
-        }, S, dP);
+        if constexpr ((MODS & MOD_SCORE) != 0) {
+            const int h = blk.kv_head * group + p / q_blocks;
+            const Score<float, MODS> score{cap_in, cap_out, scale_log2,
+                                           alibi_slope<MODS>(alibi, alibi_sb, alibi_sh, blk.b, h) * LOG2E, diagonal};
+            for_each_element([&](int r, int c, float& s, float& dp) {
+                const bool hidden = partial && !mask.visible(i0 + c, key_w + r);
+                float t = 0.0f;
+                const float P = hidden ? 0.0f : ex2_approx(score(s, i0 + c, key_w + r, t) - lse_i[c]);
+                s = P;
+                dp = score.grad(P * (dp - D_i[c]), t);
+            }, S, dP);
+        } else {
+            for_each_element([&](int r, int c, float& s, float& dp) {
+                const bool hidden = partial && !mask.visible(i0 + c, key_w + r);
+                const float P = hidden ? 0.0f : ex2_approx(s * scale_log2 - lse_i[c]);
+                s = P;
+                dp = P * (dp - D_i[c]);
+            }, S, dP);
+        }
 
         mma_ab<T, HEAD_DIM, BLOCK_M>(dV, S, dO_i);
         mma_ab<T, HEAD_DIM, BLOCK_M>(dK, dP, Q_i);
@@ -169,7 +187,7 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dkdv_tc(
     store_fragments<HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, {1.0f, 1.0f}, key_g, seqlen_k, head_dim);
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
 __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dq_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dq), PROBLEM_PARAMS(float)) {
@@ -185,7 +203,7 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dq_tc(
     T* K_s = dO_s + BLOCK_M * HEAD_DIM;
     T* V_s = K_s + 2 * BLOCK_N * HEAD_DIM;
 
-    const Mask<BLOCK_M, BLOCK_N> mask{seqlen_q, seqlen_k, diagonal, causal != 0};
+    const auto mask = MAKE_MASK(MODS);
     const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
     const int warp = threadIdx.x / WARP_SIZE;
     const int row_w = blk.i0 + 16 * warp;                   // the warp's first row
@@ -212,6 +230,8 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dq_tc(
         D_r[r] = row < seqlen_q ? Dvec[(index_t(blk.b) * heads_q + blk.h) * seqlen_q + row] : 0.0f;
     }
     const float scale_log2 = scale * LOG2E;
+    const Score<float, MODS> score{cap_in, cap_out, scale_log2,
+                                   alibi_slope<MODS>(alibi, alibi_sb, alibi_sh, blk.b, blk.h) * LOG2E, diagonal};
     float dQ[D_TILES][4];
     zero(dQ);
 
@@ -229,8 +249,11 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dq_tc(
         const bool partial = mask.partial(blk.i0, j0);
         for_each_element([&](int r, int c, float& s, float& dp) {
             const bool hidden = partial && !mask.visible(row_w + r, j0 + c);
-            const float P = hidden ? 0.0f : ex2_approx(s * scale_log2 - lse_r[r / 8]);
-            dp = hidden ? 0.0f : P * (dp - D_r[r / 8]);  // selected: a NaN in an unseen row's dO stays out of dQ
+            float t = 0.0f;
+            const float x = (MODS & MOD_SCORE) != 0 ? score(s, row_w + r, j0 + c, t) : s * scale_log2;
+            const float P = hidden ? 0.0f : ex2_approx(x - lse_r[r / 8]);
+            // selected: a NaN in an unseen row's dO stays out of dQ
+            dp = hidden ? 0.0f : score.grad(P * (dp - D_r[r / 8]), t);
         }, S, dP);
 
         mma_ab<T, HEAD_DIM, BLOCK_N>(dQ, dP, kv.K_j(jb));

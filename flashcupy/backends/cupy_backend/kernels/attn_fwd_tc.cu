@@ -42,8 +42,14 @@
 // strides are 1; they are kept so the argument list is flash_fwd's), every row 16-byte aligned
 // (pointers and the other strides multiples of 8 elements). Rows past seqlen are zero-filled.
 //
+// Score modifiers (mask.cuh, the MODS template parameter): with MOD_SOFTCAP or MOD_ALIBI, Score
+// turns S = Q_i K_jᵀ into the final score in base 2 (softcap and the slope act in natural units,
+// Score's constants carry scale and log2 e) before the mask, and the online softmax then takes it
+// as it is (multiplier 1); with MOD_WINDOW the Mask is the band and KVStream streams only its key
+// blocks.
+//
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: the padded head dim),
-// BLOCK_M (16 NUM_WARPS = 64), BLOCK_N (a multiple of 16).
+// BLOCK_M (16 NUM_WARPS = 64), BLOCK_N (a multiple of 16), MODS the score modifiers (0: none).
 
 #include "mask.cuh"
 #include "tc_tile.cuh"
@@ -80,7 +86,7 @@ __device__ __forceinline__ void online_softmax(float (&S)[N_TILES][4], float (&m
     }
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
 __global__ void __launch_bounds__(NUM_THREADS) attn_fwd_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(T, out),
     LSE_PARAMS(float, lse), PROBLEM_PARAMS(float)) {
@@ -96,7 +102,7 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_fwd_tc(
     T* K_s = Q_s + BLOCK_M * HEAD_DIM;
     T* V_s = K_s + 2 * BLOCK_N * HEAD_DIM;
 
-    const Mask<BLOCK_M, BLOCK_N> mask{seqlen_q, seqlen_k, diagonal, causal != 0};
+    const auto mask = MAKE_MASK(MODS);
     const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int row_w = blk.i0 + 16 * warp;  // the warp's first row
@@ -116,6 +122,8 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_fwd_tc(
     }
 
     const float scale_log2 = scale * LOG2E;
+    const Score<float, MODS> score{cap_in, cap_out, scale_log2,
+                                   alibi_slope<MODS>(alibi, alibi_sb, alibi_sh, blk.b, blk.h) * LOG2E, diagonal};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     float O[D_TILES][4];
     zero(O);
@@ -136,12 +144,18 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_fwd_tc(
 #pragma unroll
         for (int ks = 0; ks < QK_STEPS; ++ks) mma_abt_step<T, HEAD_DIM, BLOCK_N>(S, Q_frag[ks], kv.K_j(jb), ks);
 
+        if constexpr ((MODS & MOD_SCORE) != 0) {
+            for_each_element([&](int r, int c, float& s) {
+                float t = 0.0f;
+                s = score(s, row_w + r, j0 + c, t);
+            }, S);
+        }
         if (mask.partial(blk.i0, j0)) {
             for_each_element([&](int r, int c, float& s) {
                 if (!mask.visible(row_w + r, j0 + c)) s = -INFINITY;
             }, S);
         }
-        online_softmax(S, m, l, O, scale_log2);
+        online_softmax(S, m, l, O, (MODS & MOD_SCORE) != 0 ? 1.0f : scale_log2);  // Score took it to base 2
         mma_ab<T, HEAD_DIM, BLOCK_N>(O, S, kv.V_j(jb));
         __syncthreads();  // every warp is done with this stage before the next pass's prefetch overwrites it
     }

@@ -26,6 +26,11 @@
 //    Shared memory: Q_s (pre-scaled), dO_s  BLOCK_M x HEAD_DIM each;  K_s, V_s  BLOCK_N x HEAD_DIM
 //    each; total 2 (BLOCK_M + BLOCK_N) HEAD_DIM sizeof(Acc) <= 48 KiB.
 //
+// Score modifiers (mask.cuh, the MODS template parameter): S is modified in natural units before
+// P is recomputed, and dS is multiplied by the softcap's derivative 1 - tanh^2 (Score::grad), as
+// the forward did; with a window the Mask is the band, so query_start/query_end and key_start/key_end
+// skip the blocks outside it.
+//
 // dQ gets its own kernel so that every output element is written by exactly one thread: no
 // atomics, and the result is bitwise reproducible. The price is computing S and dP twice.
 // Tile tables: BACKWARD_DQ_TILES and BACKWARD_DKDV_TILES in flashcupy/backends/cupy_backend/specs.py.
@@ -33,7 +38,7 @@
 #include "flash_bwd_common.cuh"
 #include "mask.cuh"
 
-template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const Acc, lse), const Acc* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
@@ -44,7 +49,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
     __shared__ Acc Q_s[BLOCK_M * HEAD_DIM], dO_s[BLOCK_M * HEAD_DIM];
     static_assert(sizeof(K_s) + sizeof(V_s) + sizeof(Q_s) + sizeof(dO_s) <= SMEM_LIMIT, "tiles exceed 48 KiB");
 
-    const Mask<BLOCK_M, BLOCK_N> mask{seqlen_q, seqlen_k, diagonal, causal != 0};
+    const auto mask = MAKE_MASK(MODS);
     const KeyBlock blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int key0 = blk.j0 + warp * R, query = lane % BLOCK_M;  // this warp's first key, this lane's row in Q_i
@@ -61,6 +66,8 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
         const Rows<const T> dO = HEAD_ROWS(dout, blk.b, h);
         const Acc* lse_row = lse + blk.b * lse_sb + h * lse_sh;
         const Acc* D_row = Dvec + (index_t(blk.b) * heads_q + h) * seqlen_q;
+        const Score<Acc, MODS> score{cap_in, cap_out, Acc(1),
+                                     alibi_slope<MODS>(alibi, alibi_sb, alibi_sh, blk.b, h), diagonal};
         for (int i0 = mask.query_start(blk.j0), i_end = mask.query_end(blk.j0); i0 < i_end; i0 += BLOCK_M) {
             load_tile<BLOCK_M, HEAD_DIM>(Q_s, Q, i0, seqlen_q, head_dim, scale);
             load_tile<BLOCK_M, HEAD_DIM>(dO_s, dO, i0, seqlen_q, head_dim, Acc(1));
@@ -74,8 +81,15 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
             // S becomes Pᵀ, dP becomes dSᵀ
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                S[r] = mask.visible(i, key0 + r) ? acc_exp(S[r] - lse_i) : Acc(0);
-                dP[r] = S[r] * (dP[r] - D_i);
+                if constexpr ((MODS & MOD_SCORE) != 0) {
+                    Acc t = Acc(0);
+                    const Acc s = score(S[r], i, key0 + r, t);
+                    S[r] = mask.visible(i, key0 + r) ? acc_exp(s - lse_i) : Acc(0);
+                    dP[r] = score.grad(S[r] * (dP[r] - D_i), t);
+                } else {
+                    S[r] = mask.visible(i, key0 + r) ? acc_exp(S[r] - lse_i) : Acc(0);
+                    dP[r] = S[r] * (dP[r] - D_i);
+                }
             }
             accumulate<R, BLOCK_M, HEAD_DIM>(dV, S, dO_s);
             accumulate<R, BLOCK_M, HEAD_DIM>(dK, dP, Q_s);
@@ -87,7 +101,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
     store_rows<R, HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, key0, seqlen_k, head_dim);
 }
 
-template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dq(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const Acc, lse), const Acc* __restrict__ Dvec, TENSOR_PARAMS(T, dq), PROBLEM_PARAMS(Acc)) {
@@ -97,7 +111,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dq(
     __shared__ Acc K_s[BLOCK_N * HEAD_DIM], V_s[BLOCK_N * HEAD_DIM];
     static_assert(sizeof(Q_s) + sizeof(dO_s) + sizeof(K_s) + sizeof(V_s) <= SMEM_LIMIT, "tiles exceed 48 KiB");
 
-    const Mask<BLOCK_M, BLOCK_N> mask{seqlen_q, seqlen_k, diagonal, causal != 0};
+    const auto mask = MAKE_MASK(MODS);
     const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int row0 = blk.i0 + warp * R, key = lane % BLOCK_N;  // this warp's first query row, this lane's key in K_j
@@ -108,6 +122,8 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dq(
 
     const Acc* lse_row = lse + blk.b * lse_sb + blk.h * lse_sh;
     const Acc* D_row = Dvec + (index_t(blk.b) * heads_q + blk.h) * seqlen_q;
+    const Score<Acc, MODS> score{cap_in, cap_out, Acc(1),
+                                 alibi_slope<MODS>(alibi, alibi_sb, alibi_sh, blk.b, blk.h), diagonal};
     Acc dQ[R][HEAD_DIM / WARP_SIZE];
     zero(dQ);
 
@@ -126,8 +142,10 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dq(
             // a hidden pair's dS is 0 by selection, not P = 0 times dP: a row that sees no key gets dQ 0
             // whatever its dO holds (a NaN times 0 is NaN)
             const bool seen = mask.visible(i, j0 + key);
+            Acc t = Acc(0);
+            if constexpr ((MODS & MOD_SCORE) != 0) S[r] = score(S[r], i, j0 + key, t);
             const Acc P = seen ? acc_exp(S[r] - lse_for_p(lse_row, lse_ss, i, seqlen_q)) : Acc(0);
-            dP[r] = seen ? P * (dP[r] - (i < seqlen_q ? D_row[i] : Acc(0))) : Acc(0);
+            dP[r] = seen ? score.grad(P * (dP[r] - (i < seqlen_q ? D_row[i] : Acc(0))), t) : Acc(0);
         }
         accumulate<R, BLOCK_N, HEAD_DIM>(dQ, dP, K_s);
         __syncthreads();  // every warp is done reading K_j, V_j before the next pass overwrites them

@@ -73,6 +73,11 @@ __device__ __forceinline__ float acc_log(float x) { return logf(x); }
 __device__ __forceinline__ double acc_log(double x) { return log(x); }
 __device__ __forceinline__ float acc_max(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double acc_max(double a, double b) { return fmax(a, b); }
+// tanh as 1 - 2 / (e^2x + 1) with the fast exponential and division (about 1e-7 absolute, +-1 where
+// e^2x overflows or vanishes): tanhf's polynomial, inlined for every element of a tile, took the
+// tensor-core kernels past the register limit of tests/test_nvrtc.py.
+__device__ __forceinline__ float acc_tanh(float x) { return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f); }
+__device__ __forceinline__ double acc_tanh(double x) { return tanh(x); }
 
 // ---------------------------------------------------------------------------------------------
 // global memory
@@ -103,9 +108,16 @@ __device__ __forceinline__ Rows<T> head_rows(T* x, index_t s_batch, index_t s_se
 #define HEAD_ROWS(x, b, h) head_rows(x, x##_sb, x##_ss, x##_sh, x##_sd, b, h)
 #define LSE_PARAMS(T, x) T* __restrict__ x, index_t x##_sb, index_t x##_sh, index_t x##_ss
 // The scalars that close every attention kernel's argument list, in the launcher's order; a Mask
-// (mask.cuh) is made of seqlen_q, seqlen_k, diagonal and causal.
+// (mask.cuh) is made of seqlen_q, seqlen_k, diagonal and causal, and with a window of window_left and
+// window_right. The score modifiers follow (Score in mask.cuh): the softcap's cap_in and cap_out in
+// the kernel's units, computed by the launcher (so they stay kernel parameters, not registers), and
+// the ALiBi slopes as a (batch, heads_q) array of Acc with element strides alibi_sb (0 for per-head
+// slopes), alibi_sh.
+// Every kernel takes them all; a kernel not specialised for a modifier never reads its arguments.
 #define PROBLEM_PARAMS(Acc) \
-    int seqlen_q, int seqlen_k, int heads_q, int group, int head_dim, Acc scale, int causal, int diagonal
+    int seqlen_q, int seqlen_k, int heads_q, int group, int head_dim, Acc scale, int causal, int diagonal, \
+    int window_left, int window_right, Acc cap_in, Acc cap_out, const Acc* __restrict__ alibi, index_t alibi_sb, \
+    index_t alibi_sh
 
 // tile[r][d] = scale * src(row0 + r, d) for r < ROWS, d < HEAD_DIM; zero where row0 + r >= seqlen
 // or d >= head_dim. Consecutive threads take consecutive d: coalesced when head_dim is contiguous.

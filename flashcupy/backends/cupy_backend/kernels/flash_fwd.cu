@@ -21,13 +21,18 @@
 //     head dim are FORWARD_TILES in flashcupy/backends/cupy_backend/specs.py; `python -m flashcupy
 //     kernels` prints each specialization's shared memory, registers and occupancy.
 //
+// Score modifiers (mask.cuh): with MOD_SOFTCAP or MOD_ALIBI, S is modified (in natural units, as the
+// scale is already in Q_s) before the mask; with MOD_WINDOW the Mask is the band, so key_start and
+// key_end skip the key blocks outside it.
+//
 // Template parameters: T storage type, Acc accumulation type, HEAD_DIM the padded head dim
-// (32, 64, 128 or 256; the true head_dim is a runtime bound), BLOCK_M, BLOCK_N the tile.
+// (32, 64, 128 or 256; the true head_dim is a runtime bound), BLOCK_M, BLOCK_N the tile, MODS the
+// score modifiers (mask.cuh; 0: none).
 
 #include "flash_common.cuh"
 #include "mask.cuh"
 
-template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_fwd(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(T, out),
     LSE_PARAMS(Acc, lse), PROBLEM_PARAMS(Acc)) {
@@ -37,8 +42,10 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_fwd(
     __shared__ Acc K_s[BLOCK_N * HEAD_DIM], V_s[BLOCK_N * HEAD_DIM];
     static_assert(sizeof(Q_s) + sizeof(K_s) + sizeof(V_s) <= SMEM_LIMIT, "tiles exceed 48 KiB");
 
-    const Mask<BLOCK_M, BLOCK_N> mask{seqlen_q, seqlen_k, diagonal, causal != 0};
+    const auto mask = MAKE_MASK(MODS);
     const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
+    const Score<Acc, MODS> score{cap_in, cap_out, Acc(1),
+                                 alibi_slope<MODS>(alibi, alibi_sb, alibi_sh, blk.b, blk.h), diagonal};
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int row0 = blk.i0 + warp * R, key = lane % BLOCK_N;  // this warp's first query row, this lane's key in K_j
 
@@ -64,6 +71,10 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_fwd(
         // online softmax; S becomes P
 #pragma unroll
         for (int r = 0; r < R; ++r) {
+            if constexpr ((MODS & MOD_SCORE) != 0) {
+                Acc t = Acc(0);
+                S[r] = score(S[r], row0 + r, j0 + key, t);
+            }
             if (!mask.visible(row0 + r, j0 + key)) S[r] = -INFINITY;
             const Acc m_new = acc_max(m[r], group_max<BLOCK_N>(S[r]));
             const Acc m_safe = m_new == -INFINITY ? Acc(0) : m_new;  // no key seen yet: exp(-inf) = 0, not NaN

@@ -1,11 +1,19 @@
-// mask.cuh: which keys each query sees, and which block of which head a CTA works on. Every kernel,
-// SIMT and tensor-core alike, asks these questions here instead of spelling the rule itself.
+// mask.cuh: which keys each query sees, what the score modifiers do to a score, and which block of
+// which head a CTA works on. Every kernel, SIMT and tensor-core alike, asks these questions here
+// instead of spelling the rule itself.
 //
 // Query i sees key j iff j < seqlen_k and, when causal, j <= i + diagonal. The interface computes
 // diagonal once (Problem.diagonal in flashcupy/_api.py: seqlen_k - seqlen_q, the causal mask aligned
 // bottom-right) and every kernel takes it as an argument. The kernels' loops run over key_start ..
 // key_end (query_start .. query_end) and mask element by element only the tiles that partial()
-// names, so a sliding window or per-sequence lengths change the answers here, not the loops.
+// names, so a sliding window changes the answers here, not the loops.
+//
+// A window (Problem.band: left, right, causal being right = 0) is a template flag of the kernels
+// (MOD_WINDOW in MODS): with it, query i sees key j iff j < seqlen_k and
+// i + diagonal - left <= j <= i + diagonal + right, and the causal flag is not read (the launcher
+// passes right = 0 for it). An unbounded side arrives clamped to a value that hides nothing
+// (_window_args in cupy_backend/__init__.py), so no bound overflows. Without the flag the Mask is
+// exactly the causal rule above, and compiles to the same instructions as before windows existed.
 //
 // Rows past seqlen_q, the padding of the last query block, are no part of the rule: no kernel stores
 // them, and the backward gives them P = 0 through their lse (lse_for_p in flash_bwd_common.cuh).
@@ -16,38 +24,106 @@
 
 #include "flash_common.cuh"
 
-template <int BLOCK_M, int BLOCK_N>  // query rows and keys of the kernel's tile
+// The score modifiers a kernel is specialised for: its MODS template parameter, a sum of these
+// (specs.py names them). A kernel with MODS = 0 is the plain (or causal) kernel.
+constexpr int MOD_WINDOW = 1;   // a band: Mask<.., true>
+constexpr int MOD_SOFTCAP = 2;  // s -> c tanh(s / c), on the scaled score
+constexpr int MOD_ALIBI = 4;    // s -> s - slope |i + diagonal - j|, a slope per (batch, query head)
+constexpr int MOD_SCORE = MOD_SOFTCAP | MOD_ALIBI;  // the modifiers that change a score's value
+
+template <int BLOCK_M, int BLOCK_N, bool WINDOW = false>  // query rows and keys of the kernel's tile
 struct Mask {
     int seqlen_q, seqlen_k;
     int diagonal;
     bool causal;
+    int left = 0, right = 0;  // the band's sides (WINDOW only): never unbounded, see the header
 
     __device__ __forceinline__ bool visible(int i, int j) const {
+        if constexpr (WINDOW) return j < seqlen_k && j >= i + diagonal - left && j <= i + diagonal + right;
         return j < seqlen_k && (!causal || j <= i + diagonal);
     }
 
     // The keys that some row of the query block at i0 sees lie in key_start(i0) .. key_end(i0) - 1;
     // key_end <= key_start when the block sees none (causal, its last row before the diagonal starts).
     // key_start is 0 while no window hides the earliest keys.
-    __device__ __forceinline__ int key_start(int) const { return 0; }
+    __device__ __forceinline__ int key_start(int i0) const {
+        if constexpr (WINDOW) return max(0, i0 + diagonal - left);
+        return 0;
+    }
     __device__ __forceinline__ int key_end(int i0) const {
-        if (!causal) return seqlen_k;
         const int last_row = min(i0 + BLOCK_M, seqlen_q) - 1;
+        if constexpr (WINDOW) return max(0, min(seqlen_k, last_row + diagonal + right + 1));
+        if (!causal) return seqlen_k;
         return max(0, min(seqlen_k, last_row + 1 + diagonal));
     }
 
     // The rows that see some key of the key block at j0 lie in query_start(j0) .. query_end(j0) - 1
     // (none when query_start >= query_end). query_end is seqlen_q while no window hides the latest
     // rows.
-    __device__ __forceinline__ int query_start(int j0) const { return causal ? max(0, j0 - diagonal) : 0; }
-    __device__ __forceinline__ int query_end(int) const { return seqlen_q; }
+    __device__ __forceinline__ int query_start(int j0) const {
+        if constexpr (WINDOW) return max(0, j0 - diagonal - right);
+        return causal ? max(0, j0 - diagonal) : 0;
+    }
+    __device__ __forceinline__ int query_end(int j0) const {
+        if constexpr (WINDOW) return min(seqlen_q, min(j0 + BLOCK_N, seqlen_k) - diagonal + left);
+        return seqlen_q;
+    }
 
     // Whether visible() is false anywhere in the tile of the query block at i0 and the key block at
     // j0 (rows past seqlen_q aside); the other tiles skip the element-wise mask.
     __device__ __forceinline__ bool partial(int i0, int j0) const {
+        if constexpr (WINDOW)
+            return j0 + BLOCK_N > seqlen_k || j0 + BLOCK_N - 1 > i0 + diagonal + right ||
+                   j0 < i0 + BLOCK_M - 1 + diagonal - left;
         return j0 + BLOCK_N > seqlen_k || (causal && j0 + BLOCK_N - 1 > i0 + diagonal);
     }
 };
+
+// The Mask of a kernel specialised for MODS, made of the kernel's PROBLEM_PARAMS (flash_common.cuh).
+template <int BLOCK_M, int BLOCK_N, int MODS>
+using MaskFor = Mask<BLOCK_M, BLOCK_N, (MODS & MOD_WINDOW) != 0>;
+#define MAKE_MASK(MODS) \
+    MaskFor<BLOCK_M, BLOCK_N, MODS> { seqlen_q, seqlen_k, diagonal, causal != 0, window_left, window_right }
+
+// The score modifiers of MODS & MOD_SCORE, in the units of the kernel that applies them. A score s
+// becomes
+//     softcap:  cap_out tanh(s cap_in)       (without softcap: s times mul)
+//     alibi:    then minus slope |i + diagonal - j|
+// The SIMT kernels score in natural units (s is already times scale): cap_in = 1 / c, cap_out = c,
+// mul = 1, slope as given. The tensor-core kernels hold s = q.k and exponentiate in base 2: cap_in =
+// scale / c, cap_out = c log2 e, mul = scale log2 e, slope times log2 e; the result is then the final
+// score in base 2. cap_in and cap_out are kernel arguments, per kernel path (_modifier_args in
+// cupy_backend/__init__.py). t (softcap only) is tanh(s cap_in), for the backward's dS (1 - t^2).
+template <typename Acc, int MODS>
+struct Score {
+    Acc cap_in, cap_out, mul, slope;
+    int diagonal;
+
+    __device__ __forceinline__ Acc operator()(Acc s, int i, int j, Acc& t) const {
+        if constexpr ((MODS & MOD_SOFTCAP) != 0) {
+            t = acc_tanh(s * cap_in);
+            s = cap_out * t;
+        } else {
+            s *= mul;
+        }
+        if constexpr ((MODS & MOD_ALIBI) != 0) s -= slope * Acc(abs(i + diagonal - j));
+        return s;
+    }
+
+    // dS of the scaled score from dS of the modified one: times d(softcap)/ds = 1 - t^2
+    __device__ __forceinline__ Acc grad(Acc ds, Acc t) const {
+        if constexpr ((MODS & MOD_SOFTCAP) != 0) return ds * (Acc(1) - t * t);
+        return ds;
+    }
+};
+
+// The slope of (batch b, query head h): alibi holds a (batch, heads_q) array, alibi_sb = 0 for a
+// (heads_q,) one; 0 without MOD_ALIBI (the pointer is then never read).
+template <int MODS, typename Acc>
+__device__ __forceinline__ Acc alibi_slope(const Acc* alibi, index_t alibi_sb, index_t alibi_sh, int b, int h) {
+    if constexpr ((MODS & MOD_ALIBI) != 0) return alibi[b * alibi_sb + h * alibi_sh];
+    return Acc(0);
+}
 
 // Grid decode. The grid is flattened on x, which has room for any problem where y and z stop at 65535.
 

@@ -75,9 +75,9 @@ struct KVStream {
     Rows<const T> K, V;
     int j_start, blocks, seqlen_k, head_dim;
 
-    template <int BLOCK_M>
+    template <int BLOCK_M, bool WINDOW>
     __device__ __forceinline__ KVStream(T* K_s, T* V_s, const Rows<const T>& K, const Rows<const T>& V,
-                                        const Mask<BLOCK_M, BLOCK_N>& mask, int i0, int head_dim)
+                                        const Mask<BLOCK_M, BLOCK_N, WINDOW>& mask, int i0, int head_dim)
         : K_s(K_s), V_s(V_s), K(K), V(V), j_start(mask.key_start(i0)),
           blocks(num_blocks(mask.key_end(i0) - j_start, BLOCK_N)), seqlen_k(mask.seqlen_k), head_dim(head_dim) {}
 

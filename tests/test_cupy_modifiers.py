@@ -1,0 +1,229 @@
+"""Score modifiers (issue 13) in the cupy backend's kernels, SIMT and tensor-core, under the emulator.
+
+Window, softcap and ALiBi, alone and together, forward and backward, through backend="cupy" on
+NumPy arrays (tests/cupy_emulation.py), against the float64 oracle by the one tolerance rule
+(conftest.assert_matches_oracle), under two thread orders. Shapes are small and put window edges
+inside tiles and across them, GQA, causal with a window, and rows that see no key; each case asserts
+the kernel path it meant to take. The last tests make deliberate off-by-one bugs in the window's
+bounds (mask.cuh) and check that the cases here catch each of them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv
+from cupy_emulation import compile_module, emulated
+
+import flashcupy
+from flashcupy.backends import cupy_backend
+from flashcupy.backends.cupy_backend import specs
+
+ORDERS = ("ascending", "descending")
+
+
+def modifier_cases(rng, heads_q, batch=1):
+    """{name: keyword arguments}. Slopes float32, per head or per (batch, head)."""
+    slopes = rng.uniform(0.05, 0.5, (heads_q,)).astype(np.float32)
+    return {
+        "window": dict(window=(5, 3)),
+        "window-diagonal-only": dict(window=(0, 0)),
+        "window-left-only": dict(window=(6, None)),
+        "window-right-only": dict(window=(None, 4)),
+        "causal-window": dict(causal=True, window=(7, None)),
+        "softcap": dict(softcap=1.5),
+        "alibi": dict(alibi_slopes=slopes),
+        "alibi-per-batch": dict(alibi_slopes=rng.uniform(0.05, 0.5, (batch, heads_q)).astype(np.float32)),
+        "all": dict(window=(9, 2), softcap=2.0, alibi_slopes=slopes),
+        "all-causal": dict(causal=True, window=(11, None), softcap=0.7, alibi_slopes=slopes),
+    }
+
+
+CASE_NAMES = list(modifier_cases(np.random.default_rng(0), 1))
+
+
+def run_cupy(q, k, v, dout, path, order, bits=False, compile=compile_module, **kw):
+    """(out, lse, dq, dk, dv) from the emulated cupy backend, asserting the kernel path taken."""
+    call = dict(kw, dtype="bfloat16") if bits else kw
+    if bits:
+        q, k, v, dout = (bf16_bits(x) for x in (q, k, v, dout))
+    with emulated(order, compile=compile):
+        p = flashcupy._api._problem(q, k, v, kw.get("causal", False), None, call.get("dtype"), "numpy",
+                                    **{m: kw.get(m) for m in ("window", "softcap", "alibi_slopes")})
+        assert cupy_backend.forward_path(p, q, k, v) == path
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **call)
+        grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", **call)
+    return out, lse, *grads
+
+
+@pytest.fixture(params=["tensor-core", "simt"])
+def path(request, monkeypatch):
+    monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", request.param == "tensor-core")
+    return request.param
+
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim): GQA, lengths no tile divides, Sq < Sk.
+# The SIMT tiles are 32 to 64 rows: a window of a few keys starts and ends inside tiles, and with 45
+# keys crosses a tile edge. The tensor-core tiles are 64: 80 x 100 makes two query blocks and two key
+# blocks, and the narrow windows leave some tiles wholly outside the band.
+SIMT_SHAPE = (2, 37, 45, 4, 2, 16)
+TC_SHAPE = (1, 80, 100, 4, 2, 64)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_modifier_matches_the_oracle(rng, path, name, order):
+    shape, dtype = (TC_SHAPE, np.float16) if path == "tensor-core" else (SIMT_SHAPE, np.float32)
+    q, k, v = make_qkv(rng, *shape, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    kw = modifier_cases(rng, shape[3], shape[0])[name]
+    got = run_cupy(q, k, v, dout, path, order, **kw)
+    assert_matches_oracle(got, q, k, v, dout, **kw)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("name", ["all", "all-causal"])
+def test_modifiers_in_bfloat16_bits(rng, path, name, order):
+    shape = TC_SHAPE if path == "tensor-core" else SIMT_SHAPE[:5] + (64,)
+    q, k, v = make_qkv(rng, *shape, BF16)
+    dout = rng.standard_normal(q.shape).astype(BF16)
+    kw = modifier_cases(rng, shape[3], shape[0])[name]
+    got = run_cupy(q, k, v, dout, path, order, bits=True, **kw)
+    assert_matches_oracle(got, q, k, v, dout, dtype="bfloat16", **kw)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("dtype", [np.float64, np.float16], ids=["float64", "float16-simt"])
+def test_modifiers_in_other_simt_dtypes(rng, dtype, order, monkeypatch):
+    monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", False)
+    q, k, v = make_qkv(rng, *SIMT_SHAPE, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    kw = modifier_cases(rng, SIMT_SHAPE[3], SIMT_SHAPE[0])["all"]
+    if dtype == np.float64:  # slopes in the accumulation dtype, per (batch, head)
+        kw["alibi_slopes"] = rng.uniform(0.05, 0.5, (SIMT_SHAPE[0], SIMT_SHAPE[3]))
+    got = run_cupy(q, k, v, dout, "simt", order, **kw)
+    assert_matches_oracle(got, q, k, v, dout, **kw)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("dtype, head_dim, path, tiles", [
+    (np.float64, 64, "simt", {"flash_bwd_dq": (16, 16)}),  # specs.BACKWARD_DQ_TILES_SCORE
+    (np.float16, 128, "tensor-core", {"attn_bwd_dkdv_tc": (16, 64)}),  # specs.TC_BACKWARD_DKDV_TILES_SCORE
+])
+def test_the_tiles_softcap_and_alibi_take_where_the_plain_ones_spill(rng, dtype, head_dim, path, tiles, order,
+                                                                     monkeypatch):
+    monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", path == "tensor-core")
+    build = specs.tc_backward_module if path == "tensor-core" else specs.backward_module
+    got_tiles = {k.template: (k.block_m, k.block_n) for k in build(dtype, head_dim, specs.ALL_MODS).kernels}
+    assert tiles.items() <= got_tiles.items()
+    shape = (1, 70, 75, 2, 1, head_dim)
+    q, k, v = make_qkv(rng, *shape, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    kw = modifier_cases(rng, shape[3], shape[0])["all"]
+    got = run_cupy(q, k, v, dout, path, order, **kw)
+    assert_matches_oracle(got, q, k, v, dout, **kw)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("Sq, Sk, window, causal", [
+    (70, 9, (0, 0), False),     # Sq > Sk: rows 0..60 see no key (and neither do whole query blocks)
+    (9, 70, (2, 1), False),     # Sq < Sk: keys 0..58 are seen by no row (whole key blocks skipped)
+    (70, 70, (0, None), True),  # the diagonal only
+    (70, 30, (3, None), True),  # causal, Sq > Sk: a window below the diagonal, rows before it see nothing
+])
+def test_windows_past_the_ends_and_rows_that_see_no_key(rng, path, Sq, Sk, window, causal, order):
+    dtype = np.float16 if path == "tensor-core" else np.float32
+    q, k, v = make_qkv(rng, 1, Sq, Sk, 2, 1, 64, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    dout[:, :Sq - Sk] = np.nan  # where a row sees no key, its dout reaches nothing
+    kw = dict(window=window, causal=causal, softcap=3.0)
+    out, lse, dq, dk, dv = run_cupy(q, k, v, dout, path, order, **kw)
+    hidden = ~np.isfinite(lse)
+    assert hidden.any() or Sq <= Sk
+    assert (out.transpose(0, 2, 1, 3)[hidden] == 0).all() and (dq.transpose(0, 2, 1, 3)[hidden] == 0).all()
+    assert not any(np.isnan(g).any() for g in (dq, dk, dv))
+    dout = np.nan_to_num(dout)  # the oracle's own dout: the NaN rows see no key, so this changes nothing
+    assert_matches_oracle((out, lse, dq, dk, dv), q, k, v, dout, **kw)
+
+
+def test_modifiers_choose_their_own_specialisation(rng):
+    # a call without modifiers launches the kernels it launched before modifiers existed; each set of
+    # modifiers launches its own (the MODS template argument)
+    names = []
+
+    def recording(source, names_, options, *rest):
+        names.extend(names_)
+        return compile_module(source, names_, options, *rest)
+
+    q, k, v = make_qkv(rng, 1, 9, 9, 1, 1, 16, np.float32)
+    with emulated(compile=recording):
+        flashcupy.attention(q, k, v, causal=True, backend="cupy")
+        flashcupy.attention(q, k, v, window=(2, 0), softcap=1.0, backend="cupy")
+    assert names == ["flash_fwd<float, float, 32, 64, 32>", "flash_fwd<float, float, 32, 64, 32, 3>"]
+    assert specs.mods_of({"window", "softcap", "alibi_slopes"}) == specs.ALL_MODS == 7
+
+
+# ----------------------------------------------------------------------------
+# deliberate bugs in the window's bounds (mask.cuh): each must fail some case here
+
+WINDOW_MUTATIONS = {
+    "visible: left bound off by one": ("j >= i + diagonal - left &&", "j > i + diagonal - left &&"),
+    "visible: right bound off by one": ("j <= i + diagonal + right;", "j < i + diagonal + right;"),
+    "key_start one key late": ("return max(0, i0 + diagonal - left);", "return max(0, i0 + diagonal - left + 1);"),
+    "key_end one key early": ("last_row + diagonal + right + 1", "last_row + diagonal + right"),
+    "query_start one row late": ("return max(0, j0 - diagonal - right);", "return max(0, j0 - diagonal - right + 1);"),
+    "query_end one row early": ("- diagonal + left);", "- diagonal + left - 1);"),
+    "partial misses the left edge": ("j0 < i0 + BLOCK_M - 1 + diagonal - left",
+                                     "j0 < i0 + BLOCK_M - 2 + diagonal - left"),
+}
+
+
+def _mutated(old, new):
+    def compile(source, names, options, *rest):
+        if old in source:
+            assert source.count(old) == 1, f"{old!r} occurs {source.count(old)} times"
+            source = source.replace(old, new)
+        return compile_module(source, names, options, *rest)
+    return compile
+
+
+# (path, dtype, shape, window): the band's edges fall inside tiles, one key or row into a tile, and
+# across tile edges, for every bound; the tensor-core kernels mask only the tiles partial() names.
+# A key range off by one at its end shows only where the range ends one key into a tile, in a query
+# block before the last (the last one's range ends at seqlen_k): 70 x 70 with right = 1 gives the
+# SIMT forward's first block (64 rows, 32-key tiles) 65 keys, and 130 x 130 the tensor-core one's
+# (64 x 64 tiles) 65 keys with right = 1.
+MUTATION_CASES = (
+    ("simt", np.float32, (1, 40, 45, 2, 1, 16), (5, 3)),
+    ("simt", np.float32, (1, 45, 40, 2, 1, 16), (1, 0)),
+    ("simt", np.float32, (1, 70, 70, 2, 1, 16), (40, 1)),
+    ("tensor-core", np.float16, (1, 130, 130, 2, 1, 64), (63, 1)),
+    # the first query block's last row alone does not see key 0: partial() must name that tile
+    ("tensor-core", np.float16, (1, 130, 130, 2, 1, 64), (62, 64)),
+    ("tensor-core", np.float16, (1, 130, 130, 2, 1, 64), (64, 0)),
+    ("tensor-core", np.float16, (1, 130, 130, 2, 1, 64), (1, 64)),
+    ("tensor-core", np.float16, (1, 100, 80, 2, 1, 64), (3, 17)),
+)
+
+
+def mutation_battery_fails(compile, monkeypatch) -> bool:
+    rng = np.random.default_rng(1)
+    for path, dtype, shape, window in MUTATION_CASES:
+        monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", path == "tensor-core")
+        q, k, v = make_qkv(rng, *shape, dtype)
+        dout = rng.standard_normal(q.shape).astype(dtype)
+        try:
+            got = run_cupy(q, k, v, dout, path, "ascending", compile=compile, window=window)
+            assert_matches_oracle(got, q, k, v, dout, window=window)
+        except Exception:
+            return True
+    return False
+
+
+def test_the_window_battery_passes_unmutated(monkeypatch):
+    assert not mutation_battery_fails(compile_module, monkeypatch)
+
+
+@pytest.mark.parametrize("name", list(WINDOW_MUTATIONS))
+def test_a_window_bug_is_caught(name, monkeypatch):
+    assert mutation_battery_fails(_mutated(*WINDOW_MUTATIONS[name]), monkeypatch), f"missed: {name}"
