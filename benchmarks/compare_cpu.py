@@ -203,7 +203,7 @@ def environment(threads) -> dict:
         blas=", ".join(f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture')})" for i in blas),
         OPENBLAS_CORETYPE=os.environ.get("OPENBLAS_CORETYPE"), OPENBLAS_L2_SIZE=os.environ.get("OPENBLAS_L2_SIZE"),
         threads=threads, load_average=os.getloadavg(),
-        tiles=getattr(numpy_backend, "describe_tiles", lambda: "")(),
+        tiles=numpy_backend.describe_tiles(),
         commit=_git_commit())
 
 

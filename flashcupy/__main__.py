@@ -34,7 +34,7 @@ def cmd_info(args) -> int:
     blas = "pinned to 1 thread per worker (threadpoolctl)" if numpy_backend._blas_controller() \
         else "threadpoolctl not installed: 1 worker, BLAS threads its own calls"
     print(f"numpy backend: {numpy_backend.worker_count()} worker thread(s), "
-          f"tiles {numpy_backend.config.BLOCK_M}x{numpy_backend.config.BLOCK_N}; BLAS {blas}")
+          f"tiles {numpy_backend.describe_tiles()}; BLAS {blas}")
     print("cupy kernel paths: forward and backward on tensor cores (mma.sync) for float16/bfloat16 with\n"
           "  head_dim a multiple of 8 up to 128, on sm_80+, q/k/v (and dout/out) contiguous along head_dim\n"
           "  with 16-byte aligned rows; the SIMT kernels for everything else")

@@ -121,14 +121,18 @@ def describe_tiles() -> str:
     """The tiles in words, for `python -m flashcupy info`."""
     if config.BLOCK_M and config.BLOCK_N:
         return f"{config.BLOCK_M}x{config.BLOCK_N} (configured)"
-    f32 = tile_sizes(_SizeOnly(np.dtype(np.float32)))
-    f64 = tile_sizes(_SizeOnly(np.dtype(np.float64)))
-    return f"{f32[0]}x{f32[1]} (float64: {f64[0]}x{f64[1]}), diagonals cut finer"
+    f32, f64, decode = (tile_sizes(_SizeOnly(np.dtype(dtype), rows)) for dtype, rows in
+                        ((np.float32, 1 << 30), (np.float64, 1 << 30), (np.float32, 1)))
+    return (f"{f32[0]}x{f32[1]} (float64: {f64[0]}x{f64[1]}), diagonals cut finer, {decode[1]} keys a tile "
+            f"when decoding")
 
 
 @dataclass
 class _SizeOnly:
+    """What tile_sizes reads of a Problem."""
     acc_dtype: np.dtype
+    seqlen_q: int
+    group: int = 1
 
 
 def _staircase_step(block_m: int, heads: int, head_dim: int) -> int:
