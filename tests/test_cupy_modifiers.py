@@ -32,6 +32,7 @@ def modifier_cases(rng, heads_q, batch=1):
         "window-right-only": dict(window=(None, 4)),
         "causal-window": dict(causal=True, window=(7, None)),
         "softcap": dict(softcap=1.5),
+        "softcap-far-above-the-scores": dict(softcap=1e3),  # tanh of small arguments (acc_tanh's polynomial)
         "alibi": dict(alibi_slopes=slopes),
         "alibi-per-batch": dict(alibi_slopes=rng.uniform(0.05, 0.5, (batch, heads_q)).astype(np.float32)),
         "all": dict(window=(9, 2), softcap=2.0, alibi_slopes=slopes),
@@ -107,15 +108,20 @@ def test_modifiers_in_other_simt_dtypes(rng, dtype, order, monkeypatch):
 
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("dtype, head_dim, path, tiles", [
-    (np.float64, 64, "simt", {"flash_bwd_dq": (16, 16)}),  # specs.BACKWARD_DQ_TILES_SCORE
+    (np.float64, 64, "simt", {"flash_bwd_dq": (16, 16)}),  # specs.MODIFIED_TILES
+    (np.float32, 128, "simt", {"flash_bwd_dkdv": (16, 16)}),  # specs.MODIFIED_TILES
     (np.float16, 128, "tensor-core", {"attn_bwd_dkdv_tc": (16, 64)}),  # specs.TC_BACKWARD_DKDV_TILES_SCORE
+    (np.float16, 64, "tensor-core", {"attn_bwd_dq_tc": (64, 32)}),  # specs.TC_BACKWARD_DQ_TILES_SCORE
 ])
-def test_the_tiles_softcap_and_alibi_take_where_the_plain_ones_spill(rng, dtype, head_dim, path, tiles, order,
-                                                                     monkeypatch):
+def test_the_tiles_modifiers_take_where_the_plain_ones_spill(rng, dtype, head_dim, path, tiles, order,
+                                                               monkeypatch):
     monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", path == "tensor-core")
     build = specs.tc_backward_module if path == "tensor-core" else specs.backward_module
     got_tiles = {k.template: (k.block_m, k.block_n) for k in build(dtype, head_dim, specs.ALL_MODS).kernels}
     assert tiles.items() <= got_tiles.items()
+    # SIMT tiles for any modifier, the window alone included (the tensor-core ones for softcap or ALiBi)
+    if path == "simt":
+        assert tiles.items() <= {k.template: (k.block_m, k.block_n) for k in build(dtype, head_dim, 1).kernels}.items()
     shape = (1, 70, 75, 2, 1, head_dim)
     q, k, v = make_qkv(rng, *shape, dtype)
     dout = rng.standard_normal(q.shape).astype(dtype)

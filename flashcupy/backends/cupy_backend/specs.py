@@ -58,9 +58,13 @@ BACKWARD_DQ_TILES = {
     8: {32: (32, 32), 64: (32, 16), 128: (16, 8), 256: (8, 4)},
 }
 
-# dQ with softcap or ALiBi (specs.MOD_SCORE), where the plain tile spills: (acc size, bucket) -> tile.
-# float64 at head_dim 64 spilled 16 bytes under the MIN_CTAS_PER_SM register cap with 32 query rows.
-BACKWARD_DQ_TILES_SCORE = {(8, 64): (16, 16)}
+# The SIMT tiles of kernels specialised for score modifiers (any MODS), where the plain tile spilled
+# under the MIN_CTAS_PER_SM register cap for some arch and NVRTC of tests/test_nvrtc.py:
+# (template, acc size, bucket) -> tile. The float forward at head_dim 64 (16 bytes, sm_90 NVRTC 13.5,
+# softcap), the float64 dQ at 64 (16 bytes), the float dK/dV at 128 (8 bytes, sm_80 NVRTC 12.9,
+# a window alone).
+MODIFIED_TILES = {("flash_fwd", 4, 64): (32, 32), ("flash_bwd_dq", 8, 64): (16, 16),
+                  ("flash_bwd_dkdv", 4, 128): (16, 16)}
 
 
 # Tensor-core kernels (attn_fwd_tc.cu, attn_bwd_tc.cu): float16/bfloat16 only, head_dim a multiple
@@ -75,10 +79,12 @@ TC_HEAD_DIM_BUCKETS = (64, 128)
 TC_FORWARD_TILES = {64: (64, 64), 128: (64, 64)}
 TC_BACKWARD_DKDV_TILES = {64: (64, 64), 128: (32, 64)}
 TC_BACKWARD_DQ_TILES = {64: (64, 64), 128: (64, 32)}
-# dK/dV with softcap or ALiBi (MOD_SCORE): half the query rows a pass. The modified score (and, for
-# softcap, its tanh) of every element of Sᵀ took the full tile past the register limit of
-# tests/test_nvrtc.py (up to 255 registers); a window alone keeps the full tile.
+# With softcap or ALiBi (MOD_SCORE): dK/dV takes half the query rows a pass, and dQ at head_dim 64
+# half the keys. The modified score (and, for softcap, its tanh) of every element of S took the full
+# tiles past the register limit of tests/test_nvrtc.py (dK/dV up to 255 registers, dQ 254 on sm_80);
+# a window alone keeps the full tiles.
 TC_BACKWARD_DKDV_TILES_SCORE = {64: (32, 64), 128: (16, 64)}
+TC_BACKWARD_DQ_TILES_SCORE = {64: (64, 32), 128: (64, 32)}
 TC_TEMPLATES = ("attn_fwd_tc", "attn_bwd_dkdv_tc", "attn_bwd_dq_tc")
 
 
@@ -161,7 +167,7 @@ def _name(dtype) -> str:
 def forward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
     bucket = head_dim_bucket(head_dim)
     dtype = _name(dtype)
-    bm, bn = FORWARD_TILES[_acc_size(dtype)][bucket]
+    bm, bn = _tile("flash_fwd", FORWARD_TILES[_acc_size(dtype)][bucket], _acc_size(dtype), bucket, mods)
     return ModuleSpec("flash_fwd.cu", (Kernel("flash_fwd", dtype, bucket, bm, bn, mods),))
 
 
@@ -170,14 +176,18 @@ def backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
     bucket = head_dim_bucket(head_dim)
     dtype = _name(dtype)
     size = _acc_size(dtype)
-    dq_tile = BACKWARD_DQ_TILES[size][bucket]
-    if mods & MOD_SCORE:
-        dq_tile = BACKWARD_DQ_TILES_SCORE.get((size, bucket), dq_tile)
     return ModuleSpec("flash_bwd.cu", (
         Kernel("flash_bwd_preprocess", dtype, 0),
-        Kernel("flash_bwd_dkdv", dtype, bucket, *BACKWARD_DKDV_TILES[size][bucket], mods),
-        Kernel("flash_bwd_dq", dtype, bucket, *dq_tile, mods),
+        Kernel("flash_bwd_dkdv", dtype, bucket,
+               *_tile("flash_bwd_dkdv", BACKWARD_DKDV_TILES[size][bucket], size, bucket, mods), mods),
+        Kernel("flash_bwd_dq", dtype, bucket,
+               *_tile("flash_bwd_dq", BACKWARD_DQ_TILES[size][bucket], size, bucket, mods), mods),
     ))
+
+
+def _tile(template: str, tile: tuple, acc_size: int, bucket: int, mods: int) -> tuple:
+    """The SIMT kernel's tile: MODIFIED_TILES' where it lists one for a kernel with modifiers."""
+    return MODIFIED_TILES.get((template, acc_size, bucket), tile) if mods else tile
 
 
 def _tc_bucket(head_dim: int) -> int:
@@ -199,7 +209,8 @@ def tc_backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
         Kernel("flash_bwd_preprocess", dtype, 0),
         Kernel("attn_bwd_dkdv_tc", dtype, bucket,
                *(TC_BACKWARD_DKDV_TILES_SCORE if mods & MOD_SCORE else TC_BACKWARD_DKDV_TILES)[bucket], mods),
-        Kernel("attn_bwd_dq_tc", dtype, bucket, *TC_BACKWARD_DQ_TILES[bucket], mods),
+        Kernel("attn_bwd_dq_tc", dtype, bucket,
+               *(TC_BACKWARD_DQ_TILES_SCORE if mods & MOD_SCORE else TC_BACKWARD_DQ_TILES)[bucket], mods),
     ))
 
 
