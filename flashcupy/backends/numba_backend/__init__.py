@@ -276,14 +276,15 @@ def _mask(p):
     return p.diagonal, -1 if left is None else left, -1 if right is None else right
 
 
-def _common(p, place):
+def _common(p, place, spare):
     """Launch arguments every tile kernel shares, after its arrays: ..., scale, then the kernels'
     `mask` (diagonal, left, right; -1 unbounded), which only their visibility helpers read, and
-    `mods` and `slopes` (softcap, ALiBi), which only kernels._modify reads."""
+    `mods` and `slopes` (softcap, ALiBi), which only kernels._modify reads. Without ALiBi, slopes is
+    `spare`, a flat device array of the call's own in ACC, never read: no allocation for nothing."""
     mask = _mask(p)
     acc = p.acc_dtype.type
     if p.alibi_slopes is None:
-        slopes = place.empty((1,), p.acc_dtype)[1]  # never read
+        slopes = spare
         mods = (acc(p.softcap or 0), 0, 0, 0, 0)
     else:
         slopes, st = place.read(p.alibi_slopes)
@@ -304,7 +305,7 @@ def forward(p, q, k, v):
     (qf, qst), (kf, kst), (vf, vst) = (place.read(x) for x in (q, k, v))
     out = _Buffer(place, q.shape, p.carrier)
     lse = _Buffer(place, p.lse_shape, p.acc_dtype)  # the kernel computes in lse's dtype (p.lse_dtype is the same)
-    common = _common(p, place)
+    common = _common(p, place, lse.flat)
 
     K._attn_fwd[grid, (K.BLOCK_N, K.BLOCK_M), place.stream](
         qf, qst, kf, kst, vf, vst, out.flat, out.st, lse.flat, lse.st,
@@ -322,7 +323,7 @@ def backward(p, dout, q, k, v, out, lse):
     dq, dk, dv = (_Buffer(place, x.shape, p.carrier) for x in (q, k, v))
     # workspace: D = rowsum(dO ∘ O), laid out as lse; the backward kernels compute in its dtype
     D = _Buffer(place, p.lse_shape, p.acc_dtype)
-    common = _common(p, place)
+    common = _common(p, place, D.flat)
 
     K._attn_bwd_preprocess[prep_grid, K.PREP_THREADS, place.stream](
         dof, dost, of, ost, D.flat, D.st, p.seqlen_q, p.head_dim)
