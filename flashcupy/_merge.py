@@ -129,9 +129,15 @@ def merge_backward(dout, outs, lses, out, lse, dlse=None, *, dtype=None):
     (lse's shape and dtype; None: zero). out and lse are merge's results; douts come back in
     out's dtype, dlses in the accumulation dtype."""
     xp, value, carrier, acc = _check(outs, lses, dtype)
-    _check(list(outs) + [out, dout], list(lses) + [lse, lse], dtype)  # the same shapes and dtypes
-    if dlse is not None:
-        _check([out], [dlse], dtype)
+    named = {"dout": (dout, outs[0].shape, carrier), "out": (out, outs[0].shape, carrier),
+             "lse": (lse, lses[0].shape, acc), "dlse": (dlse, lses[0].shape, acc)}
+    for name, (x, shape, want) in named.items():
+        if x is None and name == "dlse":
+            continue
+        _api._check_arrays({"outs[0]": outs[0], name: x})
+        if tuple(x.shape) != tuple(shape) or np.dtype(x.dtype) != want:
+            raise ValueError(f"{name} must have shape {tuple(shape)} and dtype {want}, got "
+                             f"{tuple(x.shape)} and {np.dtype(x.dtype)}")
     _, weights = _weights(xp, lses, acc)
     g = _read(xp, dout, value, acc)
     o = _read(xp, out, value, acc)

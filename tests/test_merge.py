@@ -109,3 +109,13 @@ def test_bad_input_is_refused(rng, what, change, error, message):
     outs, lses = _parts(q, k, v, [0, 3, 6])
     with pytest.raises(error, match=message):
         flashcupy.merge(*change(outs, lses))
+
+
+def test_bad_backward_arguments_are_named(rng):
+    q, k, v = make_qkv(rng, 1, 4, 6, 2, 1, 8, np.float32)
+    outs, lses = _parts(q, k, v, [0, 3, 6])
+    out, lse = flashcupy.merge(outs, lses)
+    with pytest.raises(ValueError, match=r"dout must have shape \(1, 4, 2, 8\) and dtype float32"):
+        flashcupy.merge_backward(out[:, :2], outs, lses, out, lse)
+    with pytest.raises(ValueError, match="dlse must have shape"):
+        flashcupy.merge_backward(out, outs, lses, out, lse, lse.astype(np.float64))
