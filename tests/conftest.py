@@ -59,7 +59,9 @@ def assert_matches_oracle(got, q, k, v, dout=None, *, causal=False, scale=None, 
 # one, lse in base 2) to its own source, and this fast battery, the same oracle check as every
 # test, must fail. A tolerance loose enough to let one through fails there.
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, scale): GQA, Sq < Sk and Sq > Sk
-# under causal (a partial diagonal, rows that see nothing), a scale other than the default.
+# under causal (a partial diagonal, rows that see nothing), a scale other than the default. A
+# family's own battery may add cases that end with modifiers: a function of the rng that returns
+# the keyword arguments (bias and mask arrays of the case's shapes, ...).
 MUTATION_BATTERY = (
     (1, 9, 14, 4, 2, 8, True, None),
     (1, 13, 6, 2, 1, 8, True, 0.7),
@@ -76,14 +78,16 @@ TILE_EDGE_CASE = (1, 65, 65, 2, 1, 16, True, None)
 def battery_fails(backend: str, dtype=np.float32, cases=MUTATION_BATTERY) -> bool:
     """True when some case of `cases` disagrees with the oracle (or cannot run)."""
     rng = np.random.default_rng(0)
-    for B, Sq, Sk, Hq, Hkv, D, causal, scale in cases:
+    for B, Sq, Sk, Hq, Hkv, D, causal, scale, *modifiers in cases:
         q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
         dout = rng.standard_normal(q.shape).astype(dtype)
+        kw = modifiers[0](rng) if modifiers else {}
         try:
-            out, lse = flashcupy.attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend)
+            out, lse = flashcupy.attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend,
+                                           **kw)
             grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
-                                                 backend=backend)
-            assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, scale=scale)
+                                                 backend=backend, **kw)
+            assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, scale=scale, **kw)
         except Exception:  # the oracle check failed, or the mutant could not run
             return True
     return False
