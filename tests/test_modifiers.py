@@ -61,10 +61,10 @@ def modifier_cases(rng, shape, dtype):
 CASE_NAMES = list(modifier_cases(np.random.default_rng(0), SHAPE, np.float32))
 
 
-def check(q, k, v, dout, rng=None, bits=False, rows=None, **kw):
-    """Forward, backward and attention_probs of the NumPy backend against the oracle (the one
-    tolerance rule); returns the ratios. bits: bfloat16 as uint16 bit patterns (bias too, when in
-    bfloat16)."""
+def check(q, k, v, dout, rng=None, bits=False, rows=None, backend="numpy", **kw):
+    """Forward, backward and attention_probs of `backend` against the oracle (the one tolerance
+    rule); returns the ratios. bits: bfloat16 as uint16 bit patterns (bias too, when in bfloat16).
+    The other backends' modifier tests call this too."""
     call = dict(kw)
     ref = dict(kw)
     if bits:
@@ -72,14 +72,14 @@ def check(q, k, v, dout, rng=None, bits=False, rows=None, **kw):
         if "bias" in kw and kw["bias"].dtype == BF16:
             call["bias"] = bf16_bits(kw["bias"])
         call["dtype"] = ref["dtype"] = "bfloat16"
-    out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numpy", **call)
+    out, lse = flashcupy.attention(q, k, v, return_lse=True, backend=backend, **call)
     assert out.dtype == q.dtype and out.shape == q.shape
-    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numpy", **call)
+    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend=backend, **call)
     assert len(grads) == (4 if "bias" in kw else 3)
     for g, x in zip(grads, (q, k, v, call.get("bias"))):
         assert g.dtype == x.dtype and g.shape == x.shape
     ratios = assert_matches_oracle((out, lse, *grads), q, k, v, dout, **ref)
-    P = flashcupy.attention_probs(q, k, lse, rows=rows, **call)
+    P = flashcupy.attention_probs(q, k, lse, rows=rows, backend=backend, **call)
     want = expected(q, k, v, probs=True, **ref)
     ratios["P"] = error_ratio(P, want, "P", rows=rows)
     assert ratios["P"] <= 1, f"P: error {ratios['P']:.3g} times the tolerance"
@@ -287,11 +287,11 @@ def test_empty_sequences_with_a_bias(Sq, Sk):
     assert flashcupy.attention_probs(q, k, lse, bias=bias).shape == (1, 2, Sq, Sk)
 
 
-def test_device_backends_refuse_modifiers_by_name(monkeypatch):
+def test_device_backends_refuse_modifiers_by_name():
     from cupy_emulation import emulated
     q, k, v = make_qkv(np.random.default_rng(0), 1, 8, 8, 2, 1, 8, np.float32)
     with emulated():
-        refused = r"^mask is not yet supported by backend 'cupy' \(backend 'numpy' supports it\)"
+        refused = r"^mask is not yet supported by backend 'cupy' \(backend 'numpy' or 'numba' supports it\)"
         with pytest.raises(ValueError, match=refused):
             flashcupy.attention(q, k, v, window=(2, 0), mask=np.ones((1, 1, 8, 8), bool), backend="cupy")
         with pytest.raises(ValueError, match="bias, mask are not yet supported by backend 'cupy'"):
@@ -300,12 +300,10 @@ def test_device_backends_refuse_modifiers_by_name(monkeypatch):
                                          backend="cupy")
         # no modifier: the same backend takes the call (a window that restricts nothing is none)
         flashcupy.attention(q, k, v, window=(None, None), backend="cupy")
-    numba = flashcupy.backends.module("numba")
-    monkeypatch.setattr(numba, "unavailable_reason", lambda: None)
-    with pytest.raises(ValueError, match="mask is not yet supported by backend 'numba'"):
-        flashcupy.attention(q, k, v, mask=np.ones((1, 1, 8, 8), bool), backend="numba")
-    # auto for NumPy arrays is the NumPy backend, which computes every modifier
+    # auto for NumPy arrays is the NumPy backend, which computes every modifier, as the numba
+    # kernels do (tests/test_numba_backend.py checks them on the simulator)
     assert numpy_backend.MODIFIERS == frozenset(flashcupy._api.MODIFIERS)
+    assert flashcupy.backends.module("numba").MODIFIERS == frozenset(flashcupy._api.MODIFIERS)
 
 
 def test_auto_picks_a_backend_that_computes_the_modifiers(monkeypatch):

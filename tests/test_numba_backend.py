@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import (BANDS, CASES, DTYPES, LAYOUTS, assert_matches_oracle, band_problem, case_id, make_qkv,
+from conftest import (BANDS, CASES, DTYPES, LAYOUTS, MUTATION_BATTERY, assert_matches_oracle, band_problem, case_id, make_qkv,
                       mutated_module, mutation_tests, reference, strided_empty)
 
 
@@ -57,6 +57,7 @@ finally:
 import flashcupy  # noqa: E402
 from flashcupy.backends import MAX_GRID, numba_backend  # noqa: E402
 from flashcupy.backends.numba_backend import kernels  # noqa: E402
+from test_modifiers import check, modifier_cases  # noqa: E402
 
 SIMULATOR = kernels.SIMULATOR
 GPU = not SIMULATOR and cuda.is_available()
@@ -178,7 +179,7 @@ def test_nan_in_dout_of_a_row_that_sees_no_key_goes_nowhere(rng, device):
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True)
 
 
-# score modifiers the numba kernels compute (window, softcap, ALiBi): the rest are refused by name
+# score modifiers: window, softcap and ALiBi here, bias, mask and attention_probs below
 MODIFIED = {
     "causal-window": dict(causal=True, window=(2, None)),
     "window-both-sides": dict(window=(1, 2)),
@@ -204,10 +205,61 @@ def test_modifiers_match_the_oracle(rng, device, mods, dtype):
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, scale=0.8, **mods)
 
 
-def test_bias_and_mask_are_refused_by_name(rng):
-    q, k, v = make_qkv(rng, 1, 3, 3, 1, 1, 4, np.float32)
-    with pytest.raises(ValueError, match="mask is not yet supported by backend 'numba'"):
-        flashcupy.attention(q, k, v, mask=np.ones((1, 1, 3, 3), bool), backend="numba")
+# bias (with dbias), mask and attention_probs: test_modifiers' cases and check (forward, backward
+# with dbias, attention_probs and its row sums against the oracle) at a shape the simulator runs in
+# a second or two: two batches (batch 0 of the key-padding mask sees no key), GQA, Sq < Sk, lengths
+# no tile divides. Each case in one dtype or two, float16 among them (a float32 bias with float16 q
+# in bias-11S1-float32), to keep the simulator's time down.
+ARRAY_SHAPE = (2, 7, 9, 4, 2, 5)
+ARRAY_CASES = [("bias", np.float32), ("bias", np.float64), ("bias-1HSS", np.float16), ("bias-B11S", np.float32),
+               ("bias-11S1-float32", np.float16), ("bias-1111", np.float64), ("mask", np.float32),
+               ("mask-key-padding", np.float16), ("all", np.float32), ("all", np.float16),
+               ("all-causal", np.float32), ("all-causal", np.float64)]
+
+
+@pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name, dtype", ARRAY_CASES, ids=[f"{n}-{np.dtype(d).name}" for n, d in ARRAY_CASES])
+def test_bias_mask_and_probs_match_the_oracle(rng, device, name, dtype):
+    _require(device)
+    q, k, v = make_qkv(rng, *ARRAY_SHAPE, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    check(q, k, v, dout, backend="numba", rows=np.array([6, 0, -1, 3, 3]),
+          **modifier_cases(rng, ARRAY_SHAPE, dtype)[name])
+
+
+@pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_bias_and_mask_views_are_read_in_place(rng, device):
+    """Zero strides (a broadcast view of the full shape), reversed and transposed views."""
+    _require(device)
+    B, Sq, Sk, Hq, Hkv, D = ARRAY_SHAPE
+    q, k, v = make_qkv(rng, *ARRAY_SHAPE, np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    bias = np.broadcast_to(rng.standard_normal((1, Hq, 1, Sk)).astype(np.float32), (B, Hq, Sq, Sk))
+    mask = (rng.random((Sk, Sq, 1, B)) < 0.8).transpose(3, 2, 1, 0)[::-1, :, ::-1]
+    assert 0 in bias.strides and mask.strides[0] < 0
+    check(q, k, v, dout, backend="numba", softcap=3.0, bias=bias, mask=mask)
+
+
+@pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_rows_the_mask_hides_give_zeros_and_keep_nan_in_dout_to_themselves(rng, device):
+    """A row the mask leaves no key shares its tiles with rows that see keys: dq and dbias are 0
+    there by selection, whatever its dout holds; dbias, summed in a fixed order, is the same bits twice."""
+    _require(device)
+    B, Sq, Sk, Hq, Hkv, D = ARRAY_SHAPE
+    q, k, v = make_qkv(rng, *ARRAY_SHAPE, np.float32)
+    mask = rng.random((B, Hq, Sq, Sk)) < 0.8
+    mask[1, 2, 4] = False
+    kw = dict(mask=mask, bias=rng.standard_normal((1, Hq, Sq, 1)).astype(np.float32), window=(6, None))
+    out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numba", **kw)
+    assert np.all(out[1, 4, 2] == 0) and np.isneginf(lse[1, 2, 4])
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    dout[1, 4, 2] = np.nan
+    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numba", **kw)
+    assert not any(np.isnan(g).any() for g in grads)
+    assert np.all(grads[0][1, 4, 2] == 0)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, **kw)
+    again = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numba", **kw)
+    np.testing.assert_array_equal(again[3], grads[3])
 
 
 # ----------------------------------------------------------------------------
@@ -669,13 +721,24 @@ def test_a_call_on_cupys_stream_captures_into_a_cuda_graph(rng):
 # ----------------------------------------------------------------------------
 # deliberate bugs (conftest.MUTATION_BATTERY), in the kernels as the simulator runs them
 
+def _bias_and_mask(rng):
+    """A bias broadcast over batch and heads (dbias sums 8 pairs an element) and a key-padding mask,
+    for the battery's case (2, 7, 6, 4, 2, 5)."""
+    return dict(bias=rng.standard_normal((1, 1, 7, 6)).astype(np.float32), mask=rng.random((2, 1, 1, 6)) < 0.7)
+
+
+NUMBA_BATTERY = MUTATION_BATTERY + ((2, 7, 6, 4, 2, 5, True, None, _bias_and_mask),)
+
 NUMBA_MUTATIONS = {
-    "scale ignored": ("s, _ = _modify(s * scale,", "s, _ = _modify(s / math.sqrt(head_dim),"),
+    "scale ignored": ("s, _, _ = _modify(s * scale, mods, slopes, bias, allow, mask, b, h, i, j0 + c,",
+                      "s, _, _ = _modify(s / math.sqrt(head_dim), mods, slopes, bias, allow, mask, b, h, i, j0 + c,"),
     "GQA head mapping": ("for h in range(kv_head * group, (kv_head + 1) * group):",
                          "for h in range(kv_head, kv_head + group):"),
     "D not subtracted": ("ds = p * (dp - D[_at3(Dst, b, h, i)]) *", "ds = p * dp *"),
     "key_end off by one": ("min(seqlen_k, i_end + diagonal + right))", "min(seqlen_k, i_end + diagonal + right - 1))"),
     "lse base": ("m + math.log(l) if seen", "m + math.log2(l) if seen"),
+    "dbias not summed over heads": ("h_end = hb + 1 if nh > 1 else heads_q", "h_end = hb + 1"),
+    "mask ignored": ("if not allow[_at(allow_st, b, h, i, j)]:", "if False:"),
 }
 
 
@@ -686,4 +749,4 @@ def _numba_mutant(old, new):
 
 
 test_the_mutation_battery_passes_unmutated, test_a_mutation_is_caught = mutation_tests(
-    NUMBA_MUTATIONS, "numba", _numba_mutant, require=lambda: _require("simulator"))
+    NUMBA_MUTATIONS, "numba", _numba_mutant, cases=NUMBA_BATTERY, require=lambda: _require("simulator"))

@@ -63,7 +63,7 @@ NAME = "numba"
 ARRAY_LIBRARIES = ("numpy", "cupy", "numba")
 DTYPES = ("float16", "float32", "float64")  # numba has no bfloat16 arithmetic type
 MAX_HEAD_DIM = 256  # kernels.HEAD_DIM_MAX: the register accumulators are sized for it
-MODIFIERS = frozenset({"window", "softcap", "alibi_slopes"})  # bias and mask: not yet (_api refuses them)
+MODIFIERS = frozenset({"window", "softcap", "alibi_slopes", "bias", "mask"})  # every score modifier
 
 
 @functools.cache
@@ -267,7 +267,16 @@ def grid_axes(p, backward):
     (queries, heads, batch), (keys, _, _) = _grids(p)
     K = _kernels()
     axes = [(f"seqlen_q ({K.BLOCK_M} rows a block)", queries, 0), ("heads_q", heads, 1), ("batch", batch, 2)]
-    return axes + [(f"seqlen_k ({K.BLOCK_N} keys a block)", keys, 0)] if backward else axes
+    if not backward:
+        return axes
+    axes.append((f"seqlen_k ({K.BLOCK_N} keys a block)", keys, 0))
+    if p.bias is not None:
+        axes.append((f"dbias ({K.PREP_THREADS} elements a block)", _dbias_blocks(p.bias.shape), 0))
+    return axes
+
+
+def _dbias_blocks(shape):
+    return _cdiv(int(np.prod(shape)), _kernels().PREP_THREADS)
 
 
 def _mask(p):
@@ -276,21 +285,34 @@ def _mask(p):
     return p.diagonal, -1 if left is None else left, -1 if right is None else right
 
 
+def _broadcast(place, x):
+    """A rank-4 bias or mask as (flat device array, (offset, strides)), stride 0 along each
+    dimension of size 1: the kernels index it with the full (b, h, i, j)."""
+    flat, st = place.read(x)
+    return flat, st[:1] + tuple(0 if n == 1 else s for n, s in zip(x.shape, st[1:]))
+
+
 def _common(p, place, spare):
-    """Launch arguments every tile kernel shares, after its arrays: ..., scale, then the kernels'
-    `mask` (diagonal, left, right; -1 unbounded), which only their visibility helpers read, and
-    `mods` and `slopes` (softcap, ALiBi), which only kernels._modify reads. Without ALiBi, slopes is
-    `spare`, a flat device array of the call's own in ACC, never read: no allocation for nothing."""
+    """Launch arguments every kernel that computes scores shares, after its arrays: ..., scale,
+    then the kernels' `mask` (diagonal, left, right; -1 unbounded), which only their visibility
+    helpers read, and `mods`, `slopes`, `bias` and `allow` (softcap, ALiBi, bias, mask), which
+    only kernels._modify reads. bias and the mask are read in place, their broadcast dimensions
+    as zero strides. Each array the call lacks is `spare`, a flat device array of the call's own
+    in ACC, never read: no allocation for nothing."""
     mask = _mask(p)
     acc = p.acc_dtype.type
-    if p.alibi_slopes is None:
-        slopes = spare
-        mods = (acc(p.softcap or 0), 0, 0, 0, 0)
-    else:
+    slopes = bias = allow = spare
+    slopes_st, bias_st, allow_st = (0, 0, 0), (0,) * 5, (0,) * 5
+    if p.alibi_slopes is not None:
         slopes, st = place.read(p.alibi_slopes)
-        strides = (0, st[1]) if p.alibi_slopes.ndim == 1 else (st[1], st[2])  # (batch, head)
-        mods = (acc(p.softcap or 0), 1, st[0]) + strides
-    return p.group, p.head_dim, acc(p.scale), mask, mods, slopes
+        slopes_st = (st[0], 0, st[1]) if p.alibi_slopes.ndim == 1 else st  # (offset, batch, head)
+    if p.bias is not None:
+        bias, bias_st = _broadcast(place, p.bias)
+    if p.mask is not None:
+        allow, allow_st = _broadcast(place, p.mask)
+    mods = (acc(p.softcap or 0), int(p.alibi_slopes is not None), slopes_st,
+            int(p.bias is not None), bias_st, int(p.mask is not None), allow_st)
+    return p.group, p.head_dim, acc(p.scale), mask, mods, slopes, bias, allow
 
 
 # ----------------------------------------------------------------------------
@@ -335,4 +357,40 @@ def backward(p, dout, q, k, v, out, lse):
     K._attn_bwd_dq[dq_grid, (K.BLOCK_N, K.BLOCK_M), place.stream](
         qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dq.flat, dq.st,
         p.seqlen_q, p.seqlen_k, *common)
-    return dq.result(), dk.result(), dv.result()
+    grads = dq.result(), dk.result(), dv.result()
+    if p.bias is None:
+        return grads
+    # dbias in the bias's shape and dtype, one thread per element summing in registers (ACC): the
+    # backward's extra memory is dbias itself
+    dbias = _Buffer(place, p.bias.shape, p.bias.dtype)
+    K._attn_bwd_dbias[_dbias_blocks(p.bias.shape), K.PREP_THREADS, place.stream](
+        qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dbias.flat, dbias.shape,
+        p.batch, p.heads_q, p.seqlen_q, p.seqlen_k, *common)
+    return grads + (dbias.result(),)
+
+
+# ----------------------------------------------------------------------------
+# attention_probs
+
+
+def probs(p, q, k, lse, rows):
+    """P = exp(s - lse), (batch, heads_q, len(rows), seqlen_k) in lse's dtype (ACC), for the query
+    rows `rows` (a host index array): the forward's scores, band and modifiers.
+
+    The grid's x axis is len(rows) x seqlen_k / PREP_THREADS blocks, which exceeds CUDA's 2^31 - 1
+    only for a P of more than 2^31 x PREP_THREADS elements a head: more memory than a GPU has.
+    """
+    K = _kernels()
+    place = _Placement(_library(q))
+    (qf, qst), (kf, kst), (lf, lst) = (place.read(x) for x in (q, k, lse))
+    P = _Buffer(place, (p.batch, p.heads_q, rows.size, p.seqlen_k), p.acc_dtype)
+    index = np.ascontiguousarray(rows, dtype=np.int64)
+    if place.lib == "cupy":  # CuPy's stream and pool, as every array of the call
+        rows_flat = place.read(place.cupy.asarray(index))[0]
+    else:
+        from numba import cuda
+        rows_flat = cuda.to_device(index)
+    grid = (_cdiv(rows.size * p.seqlen_k, K.PREP_THREADS), p.heads_q, p.batch)
+    K._attn_probs[grid, K.PREP_THREADS, place.stream](
+        qf, qst, kf, kst, lf, lst, P.flat, P.st, rows_flat, p.seqlen_q, p.seqlen_k, *_common(p, place, lf))
+    return P.result()

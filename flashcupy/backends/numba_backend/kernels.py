@@ -7,6 +7,15 @@ Four kernels, names after the FlashAttention-2 paper:
     _attn_bwd_dkdv       dK, dV                    grid (Sk blocks, heads_kv, batch)
     _attn_bwd_dq         dQ                        grid (Sq blocks, heads_q, batch)
 
+and two element-wise ones, PREP_THREADS threads a block, for what a bias adds and for
+attention_probs:
+
+    _attn_bwd_dbias      dbias (with a bias)       grid (dbias elements / PREP_THREADS)
+    _attn_probs          P = exp(S - lse)          grid (rows x Sk / PREP_THREADS, heads_q, batch)
+
+Every score goes through one helper, `_modify`: softcap, ALiBi, bias, then -inf where
+the band (causal, window) or the user's mask hides the pair.
+
 Every array is passed as a flat 1-D buffer plus a tuple `st` = (offset, stride0,
 stride1, ...) in elements, so any layout (transposed, sliced, negative strides)
 is read in place; `_at` turns (b, s, h, d) into a flat index.
@@ -210,24 +219,38 @@ def _visible(mask, i, j, seqlen_q, seqlen_k):
             and (right < 0 or j <= i + diagonal + right))
 
 
-# `mods` is the host's (softcap, alibi, offset, batch stride, head stride): softcap 0 for none,
-# alibi 0 for none, else slopes[offset + b * batch stride + h * head stride] is query head h's
-# slope (batch stride 0 for slopes shared by the batch). Only _modify opens it.
+# `mods` is the host's (softcap, alibi, slopes_st, biased, bias_st, masked, allow_st): softcap 0
+# for none; alibi 0 for none, else slopes[slopes_st[0] + b slopes_st[1] + h slopes_st[2]] is query
+# head h's slope (batch stride 0 for slopes shared by the batch); biased (masked) 0 for none, else
+# bias[_at(bias_st, b, h, i, j)] is the pair's bias (allow[...] whether it may attend), the rank-4
+# bias and mask read in place, a zero stride for each dimension they broadcast. Without one, its
+# array is a spare the host passes and nothing reads. Only _modify opens `mods`.
 
 
 @cuda.jit(device=True)
-def _modify(s, mods, slopes, mask, b, h, i, j, acc):
-    """The scaled score s after softcap (c tanh(s / c)) and ALiBi (- slope |i + diagonal - j|), and
-    tanh(s / c) for the backward's dS *= 1 - tanh² (0 without a softcap)."""
-    softcap, alibi, offset, batch_stride, head_stride = mods
+def _modify(s, mods, slopes, bias, allow, mask, b, h, i, j, seqlen_q, seqlen_k, acc):
+    """(s, t, seen) for query i and key j of batch b, query head h, from the scaled score s:
+    s after softcap (c tanh(s / c)), ALiBi (- slope |i + diagonal - j|) and the bias, or -inf
+    where the band or the mask hides the pair (seen False then); t = tanh(s / c) for the
+    backward's dS *= 1 - tanh² (0 without a softcap). Visibility first, so a pair outside the
+    arrays reads no bias or mask element."""
+    softcap, alibi, slopes_st, biased, bias_st, masked, allow_st = mods
     t = acc(0)
+    if not _visible(mask, i, j, seqlen_q, seqlen_k):
+        return acc(-math.inf), t, False
+    if masked:
+        if not allow[_at(allow_st, b, h, i, j)]:  # _at: any rank-4 index, here (b, h, i, j)
+            return acc(-math.inf), t, False
     if softcap > acc(0):  # literals in ACC: an int would make these float64 in a float32 kernel
         t = math.tanh(s / softcap)
         s = softcap * t
     if alibi:
         distance = i + mask[0] - j
-        s -= acc(slopes[offset + b * batch_stride + h * head_stride]) * acc(abs(distance))  # float32 slopes too
-    return s, t
+        slope = slopes[slopes_st[0] + b * slopes_st[1] + h * slopes_st[2]]
+        s -= acc(slope) * acc(abs(distance))  # float32 slopes too
+    if biased:
+        s += acc(bias[_at(bias_st, b, h, i, j)])  # a float32 bias, or q's dtype
+    return s, t, True
 
 
 # ----------------------------------------------------------------------------
@@ -236,7 +259,7 @@ def _modify(s, mods, slopes, mask, b, h, i, j, acc):
 
 @cuda.jit
 def _attn_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
-              seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes):
+              seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow):
     """out_i = softmax(Q_i K^T scale) V and lse_i, for one block of BLOCK_M query rows.
 
     Block: (BLOCK_N, BLOCK_M) threads; thread (c, r) owns S[r, c] and O[r, c::BLOCK_N].
@@ -272,9 +295,7 @@ def _attn_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
             for dd in range(D_TILE):
                 s += Q_i[r, dd] * K_j[c, dd]
             cuda.syncthreads()  # everyone done reading before the next chunk overwrites them
-        s, _ = _modify(s * scale, mods, slopes, mask, b, h, i, j0 + c, acc)
-        if not _visible(mask, i, j0 + c, seqlen_q, seqlen_k):
-            s = acc(-math.inf)
+        s, _, _ = _modify(s * scale, mods, slopes, bias, allow, mask, b, h, i, j0 + c, seqlen_q, seqlen_k, acc)
         S[r, c] = s
         cuda.syncthreads()  # the whole row of S is written
 
@@ -334,9 +355,22 @@ def _row_lse(lse, lst, b, h, i, seqlen_q):
     return acc(math.inf) if x == -math.inf else x
 
 
+@cuda.jit(device=True)
+def _zero_rows_that_see_nothing(tile, lse, lst, b, h, row0, seqlen_q, tid):
+    """0 in the rows of a tile this thread has just loaded (_load_tile's elements, so no barrier
+    between) whose query row sees no key (lse -inf): dO_i in the dK/dV kernel, where P = 0 times a
+    NaN in such a row's dout would still be NaN in dV. Query blocks start at the first row that
+    sees the key block, but a mask can hide any row inside them. Costs one cached lse read per
+    element loaded, against 2 BLOCK_N FMAs on it."""
+    for idx in range(tid, tile.shape[0] * D_TILE, NTHREADS):
+        rr = idx // D_TILE
+        if _row_lse(lse, lst, b, h, row0 + rr, seqlen_q) == math.inf:
+            tile[rr, idx - rr * D_TILE] = 0
+
+
 @cuda.jit
 def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dkst, dv, dvst,
-                   seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes):
+                   seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow):
     """dK_j, dV_j for one block of BLOCK_N keys, summed over the query heads of its GQA group.
 
     Block: (BLOCK_M, BLOCK_N) threads; thread (r, c) owns S[r, c] and dK, dV[c, r::BLOCK_M].
@@ -378,8 +412,8 @@ def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dks
             # row's dout must not reach keys the row does not see
             p = acc(0)
             ds = acc(0)
-            if _visible(mask, i, j, seqlen_q, seqlen_k):
-                s, t = _modify(s * scale, mods, slopes, mask, b, h, i, j, acc)
+            s, t, seen = _modify(s * scale, mods, slopes, bias, allow, mask, b, h, i, j, seqlen_q, seqlen_k, acc)
+            if seen:
                 p = math.exp(s - _row_lse(lse, lst, b, h, i, seqlen_q))
                 ds = p * (dp - D[_at3(Dst, b, h, i)]) * (acc(1) - t * t) * scale
             P[r, c] = p
@@ -390,6 +424,7 @@ def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dks
             for d0 in range(0, head_dim, D_TILE):
                 _load_tile(Q_i, q, qst, b, i0, seqlen_q, h, d0, head_dim, tid)
                 _load_tile(dO_i, dout, dost, b, i0, seqlen_q, h, d0, head_dim, tid)
+                _zero_rows_that_see_nothing(dO_i, lse, lst, b, h, i0, seqlen_q, tid)
                 cuda.syncthreads()  # Q_i, dO_i chunks loaded
                 for dd in range(r, D_TILE, BLOCK_M):
                     pdo = acc(0)
@@ -411,7 +446,7 @@ def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dks
 
 @cuda.jit
 def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
-                 seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes):
+                 seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow):
     """dQ_i for one block of BLOCK_M query rows; a separate pass, so no atomics.
 
     Block: (BLOCK_N, BLOCK_M) threads; thread (c, r) owns S[r, c] and dQ[r, c::BLOCK_N].
@@ -440,8 +475,8 @@ def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
         s, dp = _scores_and_dP(Q_i, K_j, dO_i, V_j, q, qst, k, kst, dout, dost, v, vst,
                                b, h, kv_head, i0, j0, seqlen_q, seqlen_k, head_dim, tid, r, c, acc)
         ds = acc(0)  # selected, not multiplied by P = 0: a row that sees no key gets dq 0 whatever its dout
-        if _visible(mask, i, j0 + c, seqlen_q, seqlen_k):
-            s, t = _modify(s * scale, mods, slopes, mask, b, h, i, j0 + c, acc)
+        s, t, seen = _modify(s * scale, mods, slopes, bias, allow, mask, b, h, i, j0 + c, seqlen_q, seqlen_k, acc)
+        if seen:
             ds = math.exp(s - lse_r) * (dp - D_r) * (acc(1) - t * t) * scale
         dS[r, c] = ds
         cuda.syncthreads()  # the whole row of dS is written
@@ -453,3 +488,98 @@ def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
             d = c + t * BLOCK_N
             if d < head_dim:
                 dq[_at(dqst, b, i, h, d)] = dQ[t]
+
+
+# ----------------------------------------------------------------------------
+# element-wise kernels: dbias, and attention_probs
+
+
+@cuda.jit(device=True)
+def _score_and_dP(q, qst, k, kst, dout, dost, v, vst, b, i, h, j, kv_head, head_dim, acc):
+    """(q_i . k_j, dO_i . v_j) in ACC, read straight from global memory (no tiles)."""
+    s = acc(0)
+    dp = acc(0)
+    for d in range(head_dim):
+        s += acc(q[_at(qst, b, i, h, d)]) * acc(k[_at(kst, b, j, kv_head, d)])
+        dp += acc(dout[_at(dost, b, i, h, d)]) * acc(v[_at(vst, b, j, kv_head, d)])
+    return s, dp
+
+
+@cuda.jit
+def _attn_bwd_dbias(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dbias, shape, batch, heads_q,
+                    seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow):
+    """dbias = dS = P ∘ (dP - D), the gradient of the final score (before the softcap's
+    1 - tanh²), summed over the dimensions the bias broadcasts: one thread per element of the
+    contiguous dbias (of `shape`, the bias's), which sums the pairs (b, h, i, j) its bias element
+    is added to in a fixed order: no atomics, so the result does not depend on scheduling.
+    A pair the band or the mask hides adds nothing, by selection (a NaN in the dout of a row that
+    sees no key reaches no element); the loops over broadcast rows or keys take their ranges from
+    the band helpers, so they visit only the band.
+
+    Cost: every pair recomputes q_i . k_j and dO_i . v_j from global memory (2 head_dim FMAs, no
+    tiles, no reuse through shared memory): as many FMAs as the dQ kernel's S and dP, less well
+    fed. And a thread's pairs run one after another: a bias broadcast over most dimensions, e.g.
+    (1, 1, 1, seqlen_k), gives each thread batch x heads_q x seqlen_q pairs and leaves the GPU
+    mostly idle. Correct and deterministic first; a block per element (or tile) reducing its pairs
+    in shared memory in a fixed order is the faster design.
+    """
+    acc = D.dtype.type
+    nb, nh, nq, nk = shape
+    e = cuda.blockIdx.x * PREP_THREADS + cuda.threadIdx.x
+    if e < nb * nh * nq * nk:
+        jb = e % nk
+        ib = (e // nk) % nq
+        hb = (e // (nk * nq)) % nh
+        bb = e // (nk * nq * nh)
+        # a dimension of size 1 is summed over; bb, hb, ib, jb are 0 there
+        b_end = bb + 1 if nb > 1 else batch
+        h_end = hb + 1 if nh > 1 else heads_q
+        if nq > 1:
+            i_start, i_end = ib, ib + 1
+        elif nk > 1:
+            i_start, i_end = _query_range(mask, jb, jb + 1, seqlen_q)
+        else:
+            i_start, i_end = _query_range(mask, 0, seqlen_k, seqlen_q)
+        total = acc(0)
+        for b in range(bb, b_end):
+            for h in range(hb, h_end):
+                kv_head = h // group
+                for i in range(i_start, i_end):
+                    lse_r = _row_lse(lse, lst, b, h, i, seqlen_q)
+                    D_r = D[_at3(Dst, b, h, i)]
+                    if nk > 1:
+                        j_start, j_end = jb, jb + 1
+                    else:
+                        j_start, j_end = _key_range(mask, i, i + 1, seqlen_k)
+                    for j in range(j_start, j_end):
+                        s, dp = _score_and_dP(q, qst, k, kst, dout, dost, v, vst, b, i, h, j, kv_head,
+                                              head_dim, acc)
+                        s, _, seen = _modify(s * scale, mods, slopes, bias, allow, mask, b, h, i, j,
+                                             seqlen_q, seqlen_k, acc)
+                        if seen:
+                            total += math.exp(s - lse_r) * (dp - D_r)
+        dbias[e] = total
+
+
+@cuda.jit
+def _attn_probs(q, qst, k, kst, lse, lst, P, Pst, rows,
+                seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow):
+    """P[b, h, r, j] = exp(S - lse) for query row rows[r] and key j: the forward's final score
+    (_modify) against the forward's lse, 0 where the pair is hidden and in a row that sees no key
+    (lse -inf). One thread per element of P, grid (len(rows) x seqlen_k / PREP_THREADS, heads_q,
+    batch); q_i . k_j read straight from global memory, as attention_probs is for inspection.
+    """
+    acc = lse.dtype.type
+    e = cuda.blockIdx.x * PREP_THREADS + cuda.threadIdx.x
+    h = cuda.blockIdx.y
+    b = cuda.blockIdx.z
+    if e < rows.shape[0] * seqlen_k:
+        r = e // seqlen_k
+        j = e - r * seqlen_k
+        i = rows[r]
+        kv_head = h // group
+        s = acc(0)
+        for d in range(head_dim):
+            s += acc(q[_at(qst, b, i, h, d)]) * acc(k[_at(kst, b, j, kv_head, d)])
+        s, _, _ = _modify(s * scale, mods, slopes, bias, allow, mask, b, h, i, j, seqlen_q, seqlen_k, acc)
+        P[_at(Pst, b, h, r, j)] = math.exp(s - _row_lse(lse, lst, b, h, i, seqlen_q))

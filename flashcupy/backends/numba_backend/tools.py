@@ -45,16 +45,32 @@ def ptx(cc=(9, 0)) -> int:
     for dtype in (types.float16, types.float32, types.float64):
         acc = numpy_support.from_dtype(accumulation_dtype(numpy_support.as_dtype(dtype).name))  # p.acc_dtype
         x, a = dtype[::1], acc[::1]
-        mods = types.Tuple((acc, i64, i64, i64, i64))  # softcap, alibi, slope offset and strides
-        common = (i64, i64, acc, mask, mods, a)  # group, head_dim, scale, mask, mods, slopes
-        sigs = {
-            "_attn_fwd": (x, st4, x, st4, x, st4, x, st4, a, st3, i64, i64) + common,
-            "_attn_bwd_preprocess": (x, st4, x, st4, a, st3, i64, i64),
-            "_attn_bwd_dkdv": (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, x, st4, x, st4, i64, i64) + common,
-            "_attn_bwd_dq": (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, x, st4, i64, i64) + common,
-        }
-        for name, sig in sigs.items():
+        # softcap, alibi, slopes' (offset, batch, head) strides, biased, bias_st, masked, allow_st
+        mods = types.Tuple((acc, i64, types.UniTuple(i64, 3), i64, st4, i64, st4))
+        # group, head_dim, scale, mask, mods, then slopes, bias, allow: a call without a bias or a
+        # mask passes a spare ACC array for it (plain), one with both its bias and bool mask
+        head = (i64, i64, acc, mask, mods)
+        plain, modified = head + (a, a, a), head + (a, x, types.boolean[::1])
+        fwd = (x, st4, x, st4, x, st4, x, st4, a, st3, i64, i64)
+        dkdv = (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, x, st4, x, st4, i64, i64)
+        dq = (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, x, st4, i64, i64)
+        dbias = (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, x, types.UniTuple(i64, 4), i64, i64, i64, i64)
+        probs = (x, st4, x, st4, a, st3, a, st4, i64[::1], i64, i64)
+        sigs = [
+            ("_attn_fwd", fwd + plain),
+            ("_attn_bwd_preprocess", (x, st4, x, st4, a, st3, i64, i64)),
+            ("_attn_bwd_dkdv", dkdv + plain),
+            ("_attn_bwd_dq", dq + plain),
+            ("_attn_fwd", fwd + modified),
+            ("_attn_bwd_dkdv", dkdv + modified),
+            ("_attn_bwd_dq", dq + modified),
+            ("_attn_bwd_dbias", dbias + modified),
+            ("_attn_probs", probs + plain),
+            ("_attn_probs", probs + modified),
+        ]
+        for name, sig in sigs:
             fn = getattr(K, name).py_func
+            name += "+bias,mask" if sig[-1] == types.boolean[::1] else ""
             t = time.perf_counter()
             try:
                 code, _ = cuda.compile_ptx(fn, sig, cc=cc)
