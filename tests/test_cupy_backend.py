@@ -31,6 +31,7 @@ from flashcupy.backends.cupy_backend import sources, specs
 # Core tests: no skip. Without g++ the emulator cannot build and these fail loudly.
 import emulator  # noqa: E402
 from cupy_emulation import compile_module, emulated  # noqa: E402
+from test_modifiers import check as check_modifiers  # noqa: E402
 
 ORDERS = ("ascending", "descending")
 
@@ -282,16 +283,23 @@ def test_each_barrier_and_wait_is_needed(rng, tmp_path, name, lineno):
     def compile(source, names, options, thread_order, seed, cp_async):
         return compile_module(mutants.get(source, source), names, options, thread_order, seed, cp_async)
 
-    paths = {"tensor-core" if f.startswith("attn_") else "simt" for f in changed}
+    # flash_pairs.cu runs only for attention_probs and a bias's gradient: a bias broadcast over
+    # everything makes each dbias CTA take many passes and sum over its rows through shared memory
+    paths = {"tensor-core" if f.startswith("attn_") else "pairs" if f == "flash_pairs.cu" else "simt"
+             for f in changed}
     wrong = []
     for path in sorted(paths):
-        dtype, (B, Sq, Sk, Hq, Hkv, D, causal), schedules = SYNC_PROBLEMS[path]
+        dtype, (B, Sq, Sk, Hq, Hkv, D, causal), schedules = SYNC_PROBLEMS["simt" if path == "pairs" else path]
         q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
         dout = rng.standard_normal(q.shape).astype(dtype)
+        bias = rng.standard_normal((1, 1, 1, Sk)).astype(dtype)
         for order, cp_async in schedules:
             with emulated(order, cp_async=cp_async, compile=compile):
                 try:
-                    check(run(q, k, v, dout, causal=causal), q, k, v, dout, causal=causal)
+                    if path == "pairs":
+                        check_modifiers(q, k, v, dout, rows=np.arange(Sq), backend="cupy", causal=causal, bias=bias)
+                    else:
+                        check(run(q, k, v, dout, causal=causal), q, k, v, dout, causal=causal)
                 except (AssertionError, emulator.KernelError) as e:
                     wrong.append((path, order, cp_async, e))
                     break

@@ -1,11 +1,13 @@
 """Score modifiers (issue 13) in the cupy backend's kernels, SIMT and tensor-core, under the emulator.
 
-Window, softcap and ALiBi, alone and together, forward and backward, through backend="cupy" on
-NumPy arrays (tests/cupy_emulation.py), against the float64 oracle by the one tolerance rule
-(conftest.assert_matches_oracle), under two thread orders. Shapes are small and put window edges
-inside tiles and across them, GQA, causal with a window, and rows that see no key; each case asserts
-the kernel path it meant to take. The last tests make deliberate off-by-one bugs in the window's
-bounds (mask.cuh) and check that the cases here catch each of them.
+Window, softcap, ALiBi, bias (with dbias) and bool masks, alone and together, forward, backward and
+attention_probs, through backend="cupy" on NumPy arrays (tests/cupy_emulation.py), against the
+float64 oracle by the one tolerance rule (test_modifiers.check, conftest.assert_matches_oracle),
+under two thread orders. The cases are test_modifiers.py's (the NumPy backend's): window edges inside
+tiles and across them, GQA, causal with a window, rows that see no key, every broadcast shape of a
+bias; each asserts the kernel path it meant to take. The last tests make deliberate off-by-one bugs
+in the window's bounds (mask.cuh) and bugs in the bias and mask paths, and check that the cases here
+catch each of them.
 """
 
 from __future__ import annotations
@@ -14,47 +16,53 @@ import numpy as np
 import pytest
 from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv
 from cupy_emulation import compile_module, emulated
+from emulator.driver import CompileError
+from test_modifiers import check, modifier_cases
 
 import flashcupy
+from flashcupy._api import MODIFIERS
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import specs
 
 ORDERS = ("ascending", "descending")
 
 
-def modifier_cases(rng, heads_q, batch=1):
-    """{name: keyword arguments}. Slopes float32, per head or per (batch, head)."""
-    slopes = rng.uniform(0.05, 0.5, (heads_q,)).astype(np.float32)
-    return {
-        "window": dict(window=(5, 3)),
-        "window-diagonal-only": dict(window=(0, 0)),
-        "window-left-only": dict(window=(6, None)),
-        "window-right-only": dict(window=(None, 4)),
-        "causal-window": dict(causal=True, window=(7, None)),
-        "softcap": dict(softcap=1.5),
-        "softcap-far-above-the-scores": dict(softcap=1e3),  # tanh of small arguments (acc_tanh's polynomial)
-        "alibi": dict(alibi_slopes=slopes),
-        "alibi-per-batch": dict(alibi_slopes=rng.uniform(0.05, 0.5, (batch, heads_q)).astype(np.float32)),
-        "all": dict(window=(9, 2), softcap=2.0, alibi_slopes=slopes),
-        "all-causal": dict(causal=True, window=(11, None), softcap=0.7, alibi_slopes=slopes),
-    }
+def cases(rng, shape, dtype):
+    """test_modifiers' cases, and a softcap far above the scores (acc_tanh's polynomial)."""
+    return dict(modifier_cases(rng, shape, dtype), **{"softcap-far-above-the-scores": dict(softcap=1e3)})
 
 
-CASE_NAMES = list(modifier_cases(np.random.default_rng(0), 1))
+# The NumPy backend's cases but three that add nothing here (the window's right side under causal is
+# the interface's, softcap with causal and a (1, H, S, S) bias are covered by "all" and "bias")
+CASE_NAMES = [name for name in cases(np.random.default_rng(0), (2, 9, 9, 2, 1, 8), np.float32)
+              if name not in ("causal-window-right-ignored", "softcap-causal", "bias-1HSS")]
+
+
+def assert_path(q, k, v, path, dtype=None, **kw):
+    p = flashcupy._api._problem(q, k, v, kw.get("causal", False), None, dtype, "numpy",
+                                **{m: kw.get(m) for m in MODIFIERS})
+    assert cupy_backend.forward_path(p, q, k, v) == path
 
 
 def run_cupy(q, k, v, dout, path, order, bits=False, compile=compile_module, **kw):
-    """(out, lse, dq, dk, dv) from the emulated cupy backend, asserting the kernel path taken."""
+    """(out, lse, dq, dk, dv[, dbias]) from the emulated cupy backend, asserting the kernel path taken."""
     call = dict(kw, dtype="bfloat16") if bits else kw
     if bits:
         q, k, v, dout = (bf16_bits(x) for x in (q, k, v, dout))
     with emulated(order, compile=compile):
-        p = flashcupy._api._problem(q, k, v, kw.get("causal", False), None, call.get("dtype"), "numpy",
-                                    **{m: kw.get(m) for m in ("window", "softcap", "alibi_slopes")})
-        assert cupy_backend.forward_path(p, q, k, v) == path
+        assert_path(q, k, v, path, call.get("dtype"), **kw)
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **call)
         grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", **call)
     return out, lse, *grads
+
+
+def check_cupy(q, k, v, dout, path, order, bits=False, **kw):
+    """test_modifiers.check on the emulated cupy backend (attention_probs of a few rows included)."""
+    with emulated(order):
+        assert_path(*((bf16_bits(x) for x in (q, k, v)) if bits else (q, k, v)), path, "bfloat16" if bits else None,
+                    **(dict(kw, bias=bf16_bits(kw["bias"])) if bits and "bias" in kw and kw["bias"].dtype == BF16 else kw))
+        rows = np.array([q.shape[1] - 1, 0, 5, -1, 20])
+        return check(q, k, v, dout, bits=bits, rows=rows, backend="cupy", **kw)
 
 
 @pytest.fixture(params=["tensor-core", "simt"])
@@ -77,9 +85,7 @@ def test_modifier_matches_the_oracle(rng, path, name, order):
     shape, dtype = (TC_SHAPE, np.float16) if path == "tensor-core" else (SIMT_SHAPE, np.float32)
     q, k, v = make_qkv(rng, *shape, dtype)
     dout = rng.standard_normal(q.shape).astype(dtype)
-    kw = modifier_cases(rng, shape[3], shape[0])[name]
-    got = run_cupy(q, k, v, dout, path, order, **kw)
-    assert_matches_oracle(got, q, k, v, dout, **kw)
+    check_cupy(q, k, v, dout, path, order, **cases(rng, shape, dtype)[name])
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -88,22 +94,20 @@ def test_modifiers_in_bfloat16_bits(rng, path, name, order):
     shape = TC_SHAPE if path == "tensor-core" else SIMT_SHAPE[:5] + (64,)
     q, k, v = make_qkv(rng, *shape, BF16)
     dout = rng.standard_normal(q.shape).astype(BF16)
-    kw = modifier_cases(rng, shape[3], shape[0])[name]
-    got = run_cupy(q, k, v, dout, path, order, bits=True, **kw)
-    assert_matches_oracle(got, q, k, v, dout, dtype="bfloat16", **kw)
+    check_cupy(q, k, v, dout, path, order, bits=True, **cases(rng, shape, BF16)[name])
 
 
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("dtype", [np.float64, np.float16], ids=["float64", "float16-simt"])
 def test_modifiers_in_other_simt_dtypes(rng, dtype, order, monkeypatch):
+    # float64: a float32 bias, and slopes in the accumulation dtype, per (batch, head)
     monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", False)
     q, k, v = make_qkv(rng, *SIMT_SHAPE, dtype)
     dout = rng.standard_normal(q.shape).astype(dtype)
-    kw = modifier_cases(rng, SIMT_SHAPE[3], SIMT_SHAPE[0])["all"]
-    if dtype == np.float64:  # slopes in the accumulation dtype, per (batch, head)
+    kw = cases(rng, SIMT_SHAPE, dtype)["all"]
+    if dtype == np.float64:
         kw["alibi_slopes"] = rng.uniform(0.05, 0.5, (SIMT_SHAPE[0], SIMT_SHAPE[3]))
-    got = run_cupy(q, k, v, dout, "simt", order, **kw)
-    assert_matches_oracle(got, q, k, v, dout, **kw)
+    check_cupy(q, k, v, dout, "simt", order, **kw)
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -125,9 +129,7 @@ def test_the_tiles_modifiers_take_where_the_plain_ones_spill(rng, dtype, head_di
     shape = (1, 70, 75, 2, 1, head_dim)
     q, k, v = make_qkv(rng, *shape, dtype)
     dout = rng.standard_normal(q.shape).astype(dtype)
-    kw = modifier_cases(rng, shape[3], shape[0])["all"]
-    got = run_cupy(q, k, v, dout, path, order, **kw)
-    assert_matches_oracle(got, q, k, v, dout, **kw)
+    check_cupy(q, k, v, dout, path, order, **cases(rng, shape, dtype)["all"])
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -166,7 +168,7 @@ def test_modifiers_choose_their_own_specialisation(rng):
         flashcupy.attention(q, k, v, causal=True, backend="cupy")
         flashcupy.attention(q, k, v, window=(2, 0), softcap=1.0, backend="cupy")
     assert names == ["flash_fwd<float, float, 32, 64, 32>", "flash_fwd<float, float, 32, 64, 32, 3>"]
-    assert specs.mods_of({"window", "softcap", "alibi_slopes"}) == specs.ALL_MODS == 7
+    assert specs.mods_of(MODIFIERS) == specs.ALL_MODS == 31
 
 
 # ----------------------------------------------------------------------------
@@ -233,3 +235,53 @@ def test_the_window_battery_passes_unmutated(monkeypatch):
 @pytest.mark.parametrize("name", list(WINDOW_MUTATIONS))
 def test_a_window_bug_is_caught(name, monkeypatch):
     assert mutation_battery_fails(_mutated(*WINDOW_MUTATIONS[name]), monkeypatch), f"missed: {name}"
+
+
+# ----------------------------------------------------------------------------
+# deliberate bugs in the bias, mask and attention_probs paths: each must fail some case here
+
+PAIR_MUTATIONS = {
+    "bias read with its strides swapped": ("min(i, last_q) * s_q + min(j, last_k) * s_k",
+                                           "min(i, last_q) * s_k + min(j, last_k) * s_q"),
+    "bias not in base 2 on tensor cores": ("s += unit * (bias_f32", "s += (bias_f32"),
+    "tensor-core forward masks only partial tiles": ("if ((MODS & MOD_MASK) != 0 || mask.partial(blk.i0, j0))",
+                                                     "if (mask.partial(blk.i0, j0))"),
+    "tensor-core dQ masks only partial tiles": (
+        "const bool partial = (MODS & MOD_MASK) != 0 || mask.partial(blk.i0, j0);",
+        "const bool partial = mask.partial(blk.i0, j0);"),
+    "dbias not summed over keys": ("acc[r] = group_sum<BLOCK_N>(acc[r]);", "acc[r] = acc[r];"),
+    "dbias row sum misses a warp": ("for (int w = 0; w < NUM_WARPS; ++w)", "for (int w = 1; w < NUM_WARPS; ++w)"),
+    "probs subtract the lse of the asked index": ("acc_exp(s - lse_for_p(lse_row, lse_ss, i,",
+                                                  "acc_exp(s - lse_for_p(lse_row, lse_ss, n,"),
+}
+
+# (path, case of test_modifiers.modifier_cases): a full bias, one summed over rows, one over keys, masks
+PAIR_CASES = (("simt", "bias"), ("simt", "bias-B11S"), ("simt", "bias-11S1-float32"),
+              ("tensor-core", "mask"), ("tensor-core", "bias"))
+
+
+def pair_battery_fails(compile, monkeypatch) -> bool:
+    rng = np.random.default_rng(2)
+    for path, name in PAIR_CASES:
+        monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", path == "tensor-core")
+        shape, dtype = (TC_SHAPE, np.float16) if path == "tensor-core" else (SIMT_SHAPE, np.float32)
+        q, k, v = make_qkv(rng, *shape, dtype)
+        dout = rng.standard_normal(q.shape).astype(dtype)
+        try:
+            with emulated("ascending", compile=compile):
+                check(q, k, v, dout, rows=np.array([shape[1] - 1, 0, 5]), backend="cupy",
+                      **cases(rng, shape, dtype)[name])
+        except CompileError:  # a mutation that does not compile catches nothing
+            raise
+        except Exception:  # a wrong answer, or a read outside the arrays (the emulator's guards)
+            return True
+    return False
+
+
+def test_the_bias_and_mask_battery_passes_unmutated(monkeypatch):
+    assert not pair_battery_fails(compile_module, monkeypatch)
+
+
+@pytest.mark.parametrize("name", list(PAIR_MUTATIONS))
+def test_a_bias_or_mask_bug_is_caught(name, monkeypatch):
+    assert pair_battery_fails(_mutated(*PAIR_MUTATIONS[name]), monkeypatch), f"missed: {name}"

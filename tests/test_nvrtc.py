@@ -116,8 +116,10 @@ def test_every_specialization_compiles(report):
     # each attention kernel three times (specs.all_modules): plain, with a window alone, and with
     # every score modifier (the preprocess has none)
     attention = len(specs.CUDA_TYPES) * (kernels_per_dtype - 1) + tensor_core
-    assert len(rows) == len(specs.CUDA_TYPES) + 3 * attention
-    assert {r["mods"] for r in rows} == {None, "window", "window+softcap+alibi_slopes"}
+    # flash_pairs.cu: attention_probs per dtype and bucket, three times as well; dbias with the bias only
+    pairs = len(specs.CUDA_TYPES) * len(specs.HEAD_DIM_BUCKETS) * (3 + 1)
+    assert len(rows) == len(specs.CUDA_TYPES) + 3 * attention + pairs
+    assert {r["mods"] for r in rows} == {None, "window", "+".join(specs.MOD_BITS)}
     print(f"\n{what}\n{nvrtc.format_kernel_report({what: rows})}")
 
 

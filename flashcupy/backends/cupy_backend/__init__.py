@@ -163,7 +163,7 @@ LOG2E = 1.4426950408889634  # the tensor-core kernels exponentiate in base 2 (LO
 MODIFIERS = frozenset(specs.MOD_BITS)  # the score modifiers the kernels compute; _api refuses the others
 
 
-def _launch_blocks(kernel: specs.Kernel, p) -> tuple:
+def _launch_blocks(kernel: specs.Kernel, p, rows: int | None = None) -> tuple:
     """(what it counts, thread blocks) of one kernel's 1-D grid for p: what the launches use, and
     what the interface checks against CUDA's limit (grid_axes) before any work."""
     if kernel.template == "flash_bwd_preprocess":  # a warp a row
@@ -171,15 +171,31 @@ def _launch_blocks(kernel: specs.Kernel, p) -> tuple:
         return f"batch x heads_q x seqlen_q / {rows}", _cdiv(p.batch * p.heads_q * p.seqlen_q, rows)
     if kernel.template in ("flash_bwd_dkdv", "attn_bwd_dkdv_tc"):  # a block of keys, per kv head
         return f"seqlen_k / {kernel.block_n} x batch x heads_kv", _cdiv(p.seqlen_k, kernel.block_n) * p.batch * p.heads_kv
+    if kernel.template == "flash_probs":  # a tile of (asked rows, keys), per query head; at most every row
+        return (f"rows / {kernel.block_m} x seqlen_k / {kernel.block_n} x batch x heads_q",
+                _cdiv(rows if rows is not None else p.seqlen_q, kernel.block_m) * _cdiv(p.seqlen_k, kernel.block_n)
+                * p.batch * p.heads_q)
+    if kernel.template == "flash_bwd_dbias":  # a tile of dbias's own shape
+        return "a tile of the bias's shape", _dbias_tiles(kernel, p)
     return f"seqlen_q / {kernel.block_m} x batch x heads_q", _cdiv(p.seqlen_q, kernel.block_m) * p.batch * p.heads_q
+
+
+def _dbias_tiles(kernel: specs.Kernel, p) -> int:
+    """flash_bwd_dbias's CTAs: one per (bias batch, bias head, row block, key block) of the bias's shape,
+    a dimension of size 1 being one block (flash_pairs.cu)."""
+    batch, heads, rows, keys = p.bias.shape
+    return batch * heads * _cdiv(rows, kernel.block_m if rows > 1 else 1) * _cdiv(keys, kernel.block_n if keys > 1 else 1)
 
 
 def grid_axes(p, backward):
     """Every launch's grid (all 1-D) on either kernel path: the path is chosen per call, from strides."""
-    builds = [specs.forward_module] + [specs.backward_module] * backward
+    builds = [specs.forward_module, specs.probs_module] + [specs.backward_module] * backward
+    if backward and p.bias is not None:
+        builds.append(specs.dbias_module)
     if specs.tensor_core_eligible(p.dtype, p.head_dim):
         builds += [specs.tc_forward_module] + [specs.tc_backward_module] * backward
-    return [(*_launch_blocks(kernel, p), 0) for build in builds for kernel in build(p.dtype, p.head_dim).kernels]
+    mods = _mods(p)
+    return [(*_launch_blocks(kernel, p), 0) for build in builds for kernel in build(p.dtype, p.head_dim, mods).kernels]
 
 
 # ----------------------------------------------------------------------------
@@ -235,19 +251,32 @@ def _modifier_args(p, unused, tensor_cores: bool) -> tuple:
     """The kernels' arguments after PROBLEM_PARAMS' diagonal: window_left, window_right, the
     softcap's cap_in and cap_out in the units of the kernel path (Score in mask.cuh: the SIMT
     kernels' scores are natural and scaled, the tensor-core ones' unscaled and then base 2),
-    then the ALiBi slopes as a (batch, heads_q) array of the accumulation type and its element
-    strides (batch stride 0 for per-head slopes). `unused`, an array of the accumulation type,
-    stands in for absent slopes: a kernel not specialised for ALiBi never reads the pointer."""
+    the ALiBi slopes as a (batch, heads_q) array of the accumulation type and its element
+    strides (batch stride 0 for per-head slopes), then the bias (_pair_tensor), whether it is
+    float32, and the bool mask (_pair_tensor). `unused`, an array of the accumulation type,
+    stands in for absent arrays: a kernel not specialised for a modifier never reads its pointer."""
     acc = p.acc_dtype.type
     window = _window_args(p) if "window" in p.modifiers else (np.int32(0), np.int32(0))
     c = 1.0 if p.softcap is None else p.softcap
     softcap = (acc(p.scale / c), acc(c * LOG2E)) if tensor_cores else (acc(1 / c), acc(c))
+    bias = (*_pair_tensor(p.bias, unused), np.int32(p.bias is not None and p.bias.dtype == np.float32))
+    mask = _pair_tensor(p.mask, unused)
     slopes = p.alibi_slopes
     if slopes is None:
-        return (*window, *softcap, unused, np.int64(0), np.int64(0))
+        return (*window, *softcap, unused, np.int64(0), np.int64(0), *bias, *mask)
     slopes = _runtime().xp.asarray(slopes, dtype=p.acc_dtype)  # a copy only for float32 slopes in float64
     strides = [s // slopes.itemsize for s in slopes.strides]
-    return (*window, *softcap, slopes, np.int64(0 if slopes.ndim == 1 else strides[0]), np.int64(strides[-1]))
+    return (*window, *softcap, slopes, np.int64(0 if slopes.ndim == 1 else strides[0]), np.int64(strides[-1]),
+            *bias, *mask)
+
+
+def _pair_tensor(x, unused) -> tuple:
+    """A bias or mask argument (rank 4, broadcastable to (batch, heads_q, seqlen_q, seqlen_k)): the
+    array as it is, then its element strides, 0 along a dimension of size 1 (broadcast, whatever its
+    stride); `unused` and zeros when absent."""
+    if x is None:
+        return (unused, *(np.int64(0),) * 4)
+    return (x, *(np.int64(0 if n == 1 else s // x.itemsize) for n, s in zip(x.shape, x.strides)))
 
 
 def _mods(p) -> int:
@@ -299,4 +328,35 @@ def backward(p, dout, q, k, v, out, lse):
         bwd_dq(
             (_launch_blocks(dq_kernel, p)[1],), block,
             (*shared, *_tensor(dq), *flags), shared_mem=dq_kernel.dynamic_smem)
-    return dq, dk, dv
+        if p.bias is None:
+            return dq, dk, dv
+        # dbias (flash_pairs.cu, SIMT whichever path ran above): its own arguments are natural-unit ones
+        module = specs.dbias_module(p.dtype, p.head_dim, _mods(p))
+        (dbias_kernel,) = module.kernels
+        (bwd_dbias,) = _functions(rt, module, q)
+        dbias = rt.xp.empty(p.bias.shape, dtype=p.bias.dtype)
+        bwd_dbias(
+            (_launch_blocks(dbias_kernel, p)[1],), block,
+            (*shared, *_tensor(dbias), np.int32(p.batch), *(np.int32(n) for n in p.bias.shape),
+             *_shape_args(p), acc(p.scale), np.int32(p.causal), np.int32(p.diagonal),
+             *_modifier_args(p, D, False)))
+    return dq, dk, dv, dbias
+
+
+def probs(p, q, k, lse, rows):
+    """attention_probs: P of the query rows `rows` (a host index array, checked by the interface),
+    (batch, heads_q, len(rows), seqlen_k) in lse's dtype, by flash_probs (flash_pairs.cu)."""
+    rt = _runtime()
+    module = specs.probs_module(p.dtype, p.head_dim, _mods(p))
+    (kernel,) = module.kernels
+    with rt.device_of(q):
+        (fn,) = _functions(rt, module, q)
+        index = rt.xp.asarray(np.asarray(rows, dtype=np.int64))
+        P = rt.xp.empty((p.batch, p.heads_q, len(rows), p.seqlen_k), dtype=p.lse_dtype)
+        fn(
+            (_launch_blocks(kernel, p, len(rows))[1],), (specs.NUM_THREADS,),
+            (*_tensor(q), *_tensor(k), *_tensor(lse), index, np.int32(len(rows)),
+             P, *(np.int64(s // P.itemsize) for s in P.strides),
+             *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
+             *_modifier_args(p, lse, False)))
+    return P

@@ -65,6 +65,15 @@ BACKWARD_DQ_TILES = {
 # a window alone).
 MODIFIED_TILES = {("flash_fwd", 4, 64): (32, 32), ("flash_bwd_dq", 8, 64): (16, 16),
                   ("flash_bwd_dkdv", 4, 128): (16, 16)}
+# With a bias or a bool mask (the address arithmetic of a rank-4 array's element, per element of a
+# tile), over MODIFIED_TILES, where tests/test_nvrtc.py saw spills with every modifier on: fewer rows
+# (or keys) per warp. flash_pairs.cu's kernels start from the dQ tiles (BACKWARD_DQ_TILES).
+PAIR_TILES = {("flash_fwd", 4, 32): (32, 32), ("flash_fwd", 8, 64): (16, 32),
+              ("flash_bwd_dq", 4, 32): (32, 32), ("flash_bwd_dq", 4, 128): (16, 16),
+              ("flash_bwd_dkdv", 4, 32): (32, 32), ("flash_bwd_dkdv", 4, 64): (32, 32),
+              ("flash_bwd_dkdv", 4, 256): (8, 8), ("flash_bwd_dkdv", 8, 32): (32, 16),
+              ("flash_bwd_dbias", 4, 32): (16, 32), ("flash_bwd_dbias", 4, 64): (16, 32),
+              ("flash_bwd_dbias", 4, 128): (16, 16)}
 
 
 # Tensor-core kernels (attn_fwd_tc.cu, attn_bwd_tc.cu): float16/bfloat16 only, head_dim a multiple
@@ -85,13 +94,17 @@ TC_BACKWARD_DQ_TILES = {64: (64, 64), 128: (64, 32)}
 # a window alone keeps the full tiles.
 TC_BACKWARD_DKDV_TILES_SCORE = {64: (32, 64), 128: (16, 64)}
 TC_BACKWARD_DQ_TILES_SCORE = {64: (64, 32), 128: (64, 32)}
+# With a bias or a bool mask, the forward at head_dim 128 takes half the keys a pass: with every
+# modifier on, the full tile reached 255 registers and spilled.
+TC_FORWARD_TILES_PAIRS = {64: (64, 64), 128: (64, 32)}
 TC_TEMPLATES = ("attn_fwd_tc", "attn_bwd_dkdv_tc", "attn_bwd_dq_tc")
 
 
 # The MODS bits of the kernels (mask.cuh), per keyword of the interface (Problem.modifiers)
-MOD_BITS = {"window": 1, "softcap": 2, "alibi_slopes": 4}
+MOD_BITS = {"window": 1, "softcap": 2, "alibi_slopes": 4, "bias": 8, "mask": 16}
 ALL_MODS = sum(MOD_BITS.values())
-MOD_SCORE = MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"]  # the modifiers that change a score's value
+MOD_SCORE = MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"] | MOD_BITS["bias"]  # they change a score's value
+MOD_PAIRS = MOD_BITS["bias"] | MOD_BITS["mask"]  # they read a rank-4 array per (query, key) pair
 
 
 def mods_of(modifiers) -> int:
@@ -109,7 +122,8 @@ def head_dim_bucket(head_dim: int) -> int:
 class Kernel:
     """One specialization: the template it instantiates and the tile it runs with."""
 
-    template: str            # flash_fwd, flash_bwd_preprocess, flash_bwd_dkdv, flash_bwd_dq, or one of TC_TEMPLATES
+    template: str            # flash_fwd, flash_bwd_preprocess, flash_bwd_dkdv, flash_bwd_dq, flash_probs,
+                             # flash_bwd_dbias, or one of TC_TEMPLATES
     dtype: str               # a key of CUDA_TYPES
     head_dim: int            # the bucket; 0 for kernels without a HEAD_DIM parameter
     block_m: int = 0
@@ -185,9 +199,32 @@ def backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
     ))
 
 
+def probs_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
+    """attention_probs (flash_pairs.cu): the dQ kernel's tile, two of its four operands."""
+    return _pairs_module("flash_probs", dtype, head_dim, mods)
+
+
+def dbias_module(dtype, head_dim: int, mods: int) -> ModuleSpec:
+    """The bias's gradient (flash_pairs.cu), launched after either backward path: the dQ kernel's
+    tile and operands."""
+    return _pairs_module("flash_bwd_dbias", dtype, head_dim, mods)
+
+
+def _pairs_module(template: str, dtype, head_dim: int, mods: int) -> ModuleSpec:
+    bucket = head_dim_bucket(head_dim)
+    dtype = _name(dtype)
+    size = _acc_size(dtype)
+    tile = _tile(template, BACKWARD_DQ_TILES[size][bucket], size, bucket, mods)
+    return ModuleSpec("flash_pairs.cu", (Kernel(template, dtype, bucket, *tile, mods),))
+
+
 def _tile(template: str, tile: tuple, acc_size: int, bucket: int, mods: int) -> tuple:
-    """The SIMT kernel's tile: MODIFIED_TILES' where it lists one for a kernel with modifiers."""
-    return MODIFIED_TILES.get((template, acc_size, bucket), tile) if mods else tile
+    """The SIMT kernel's tile: PAIR_TILES' for a kernel with a bias or mask, else MODIFIED_TILES' for
+    one with modifiers, where they list one."""
+    key = (template, acc_size, bucket)
+    if mods & MOD_PAIRS and key in PAIR_TILES:
+        return PAIR_TILES[key]
+    return MODIFIED_TILES.get(key, tile) if mods else tile
 
 
 def _tc_bucket(head_dim: int) -> int:
@@ -197,7 +234,7 @@ def _tc_bucket(head_dim: int) -> int:
 def tc_forward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
     """The tensor-core forward for float16/bfloat16 and head_dim <= 128 (a multiple of 8)."""
     bucket = _tc_bucket(head_dim)
-    bm, bn = TC_FORWARD_TILES[bucket]
+    bm, bn = (TC_FORWARD_TILES_PAIRS if mods & MOD_PAIRS else TC_FORWARD_TILES)[bucket]
     return ModuleSpec("attn_fwd_tc.cu", (Kernel("attn_fwd_tc", _name(dtype), bucket, bm, bn, mods),))
 
 
@@ -220,13 +257,15 @@ def tensor_core_eligible(dtype, head_dim: int) -> bool:
 
 
 def all_modules(mods=(0, MOD_BITS["window"], ALL_MODS)):
-    """Every module the backend can request, for each MODS of `mods`: the forward and backward for
-    each dtype and bucket, and the tensor-core forward and backward for each of their dtypes and
-    buckets. By default the plain kernels, the window alone (the plain tiles with the band's
-    bounds) and every modifier (the most work in a tile's loop); the NVRTC report checks those."""
+    """Every module the backend can request, for each MODS of `mods`: the forward, backward and
+    attention_probs for each dtype and bucket (and the bias's gradient where MODS has a bias), and the
+    tensor-core forward and backward for each of their dtypes and buckets. By default the plain
+    kernels, the window alone (the plain tiles with the band's bounds) and every modifier (the most
+    work in a tile's loop); the NVRTC report checks those."""
     return ([build(dtype, bucket, m)
              for m in mods for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS
-             for build in (forward_module, backward_module)]
+             for build in (forward_module, backward_module, probs_module)
+             + ((dbias_module,) if m & MOD_BITS["bias"] else ())]
             + [build(dtype, bucket, m)
                for m in mods for dtype in TC_DTYPES for bucket in TC_HEAD_DIM_BUCKETS
                for build in (tc_forward_module, tc_backward_module)])

@@ -73,8 +73,9 @@
 //
 // Score modifiers (mask.cuh, the MODS template parameter): as in attn_fwd_tc.cu, Score gives the
 // final score in base 2 (in place of S c) before P is recomputed, and dS is multiplied by the
-// softcap's derivative 1 - tanh^2 (Score::grad); with a window the Mask is the band, so the passes
-// and KVStream take only its blocks.
+// softcap's derivative 1 - tanh^2 (Score::grad); the caller's bool mask hides pairs of any tile;
+// with a window the Mask is the band, so the passes and KVStream take only its blocks. dbias is
+// computed after these kernels, by flash_pairs.cu's SIMT kernel.
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: the padded head dim),
 // BLOCK_M, BLOCK_N: dK/dV BLOCK_N = 16 NUM_WARPS = 64 and BLOCK_M a multiple of 16 (at most 64);
@@ -156,13 +157,12 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dkdv_tc(
         two_mma_abt<T, HEAD_DIM, BLOCK_M>(S, dP, K_s + 16 * warp * HEAD_DIM, Q_i, V_s + 16 * warp * HEAD_DIM, dO_i);
 
         // Sᵀ becomes Pᵀ, dPᵀ becomes dSᵀ: row r of the warp's tile is key key_w + r, column c query i0 + c
-        const bool partial = mask.partial(i0, blk.j0);
+        const bool partial = (MODS & MOD_MASK) != 0 || mask.partial(i0, blk.j0);  // the bool mask: any tile
+        const int h = blk.kv_head * group + p / q_blocks;
+        const auto score = MAKE_SCORE(T, float, MODS, blk.b, h, scale_log2, LOG2E);
         if constexpr ((MODS & MOD_SCORE) != 0) {
-            const int h = blk.kv_head * group + p / q_blocks;
-            const Score<float, MODS> score{cap_in, cap_out, scale_log2,
-                                           alibi_slope<MODS>(alibi, alibi_sb, alibi_sh, blk.b, h) * LOG2E, diagonal};
             for_each_element([&](int r, int c, float& s, float& dp) {
-                const bool hidden = partial && !mask.visible(i0 + c, key_w + r);
+                const bool hidden = partial && !(mask.visible(i0 + c, key_w + r) && score.keeps(i0 + c, key_w + r));
                 float t = 0.0f;
                 const float P = hidden ? 0.0f : ex2_approx(score(s, i0 + c, key_w + r, t) - lse_i[c]);
                 s = P;
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dkdv_tc(
             }, S, dP);
         } else {
             for_each_element([&](int r, int c, float& s, float& dp) {
-                const bool hidden = partial && !mask.visible(i0 + c, key_w + r);
+                const bool hidden = partial && !(mask.visible(i0 + c, key_w + r) && score.keeps(i0 + c, key_w + r));
                 const float P = hidden ? 0.0f : ex2_approx(s * scale_log2 - lse_i[c]);
                 s = P;
                 dp = P * (dp - D_i[c]);
@@ -230,8 +230,7 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dq_tc(
         D_r[r] = row < seqlen_q ? Dvec[(index_t(blk.b) * heads_q + blk.h) * seqlen_q + row] : 0.0f;
     }
     const float scale_log2 = scale * LOG2E;
-    const Score<float, MODS> score{cap_in, cap_out, scale_log2,
-                                   alibi_slope<MODS>(alibi, alibi_sb, alibi_sh, blk.b, blk.h) * LOG2E, diagonal};
+    const auto score = MAKE_SCORE(T, float, MODS, blk.b, blk.h, scale_log2, LOG2E);
     float dQ[D_TILES][4];
     zero(dQ);
 
@@ -246,9 +245,9 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dq_tc(
                                           kv.V_j(jb));
 
         // dP becomes dS: row r of the warp's tile is query row_w + r (the lane's r / 8), column c key j0 + c
-        const bool partial = mask.partial(blk.i0, j0);
+        const bool partial = (MODS & MOD_MASK) != 0 || mask.partial(blk.i0, j0);  // the bool mask: any tile
         for_each_element([&](int r, int c, float& s, float& dp) {
-            const bool hidden = partial && !mask.visible(row_w + r, j0 + c);
+            const bool hidden = partial && !(mask.visible(row_w + r, j0 + c) && score.keeps(row_w + r, j0 + c));
             float t = 0.0f;
             const float x = (MODS & MOD_SCORE) != 0 ? score(s, row_w + r, j0 + c, t) : s * scale_log2;
             const float P = hidden ? 0.0f : ex2_approx(x - lse_r[r / 8]);

@@ -42,11 +42,12 @@
 // strides are 1; they are kept so the argument list is flash_fwd's), every row 16-byte aligned
 // (pointers and the other strides multiples of 8 elements). Rows past seqlen are zero-filled.
 //
-// Score modifiers (mask.cuh, the MODS template parameter): with MOD_SOFTCAP or MOD_ALIBI, Score
-// turns S = Q_i K_jᵀ into the final score in base 2 (softcap and the slope act in natural units,
-// Score's constants carry scale and log2 e) before the mask, and the online softmax then takes it
-// as it is (multiplier 1); with MOD_WINDOW the Mask is the band and KVStream streams only its key
-// blocks.
+// Score modifiers (mask.cuh, the MODS template parameter): with MOD_SOFTCAP, MOD_ALIBI or MOD_BIAS,
+// Score turns S = Q_i K_jᵀ into the final score in base 2 (softcap, slope and bias act in natural
+// units, Score's constants carry scale and log2 e) before the mask, and the online softmax then takes
+// it as it is (multiplier 1); with MOD_MASK every tile is masked element by element (the caller's
+// bool mask may hide any pair); with MOD_WINDOW the Mask is the band and KVStream streams only its
+// key blocks.
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: the padded head dim),
 // BLOCK_M (16 NUM_WARPS = 64), BLOCK_N (a multiple of 16), MODS the score modifiers (0: none).
@@ -122,8 +123,7 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_fwd_tc(
     }
 
     const float scale_log2 = scale * LOG2E;
-    const Score<float, MODS> score{cap_in, cap_out, scale_log2,
-                                   alibi_slope<MODS>(alibi, alibi_sb, alibi_sh, blk.b, blk.h) * LOG2E, diagonal};
+    const auto score = MAKE_SCORE(T, float, MODS, blk.b, blk.h, scale_log2, LOG2E);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     float O[D_TILES][4];
     zero(O);
@@ -150,9 +150,9 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_fwd_tc(
                 s = score(s, row_w + r, j0 + c, t);
             }, S);
         }
-        if (mask.partial(blk.i0, j0)) {
+        if ((MODS & MOD_MASK) != 0 || mask.partial(blk.i0, j0)) {  // the bool mask may hide pairs of any tile
             for_each_element([&](int r, int c, float& s) {
-                if (!mask.visible(row_w + r, j0 + c)) s = -INFINITY;
+                if (!mask.visible(row_w + r, j0 + c) || !score.keeps(row_w + r, j0 + c)) s = -INFINITY;
             }, S);
         }
         online_softmax(S, m, l, O, (MODS & MOD_SCORE) != 0 ? 1.0f : scale_log2);  // Score took it to base 2

@@ -28,8 +28,9 @@
 //
 // Score modifiers (mask.cuh, the MODS template parameter): S is modified in natural units before
 // P is recomputed, and dS is multiplied by the softcap's derivative 1 - tanh^2 (Score::grad), as
-// the forward did; with a window the Mask is the band, so query_start/query_end and key_start/key_end
-// skip the blocks outside it.
+// the forward did; the caller's bool mask hides pairs as the forward's did; with a window the Mask
+// is the band, so query_start/query_end and key_start/key_end skip the blocks outside it. dbias, the
+// bias's gradient, is dS before that derivative: flash_pairs.cu computes it after these kernels.
 //
 // dQ gets its own kernel so that every output element is written by exactly one thread: no
 // atomics, and the result is bitwise reproducible. The price is computing S and dP twice.
@@ -66,8 +67,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
         const Rows<const T> dO = HEAD_ROWS(dout, blk.b, h);
         const Acc* lse_row = lse + blk.b * lse_sb + h * lse_sh;
         const Acc* D_row = Dvec + (index_t(blk.b) * heads_q + h) * seqlen_q;
-        const Score<Acc, MODS> score{cap_in, cap_out, Acc(1),
-                                     alibi_slope<MODS>(alibi, alibi_sb, alibi_sh, blk.b, h), diagonal};
+        const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, h, Acc(1), Acc(1));
         for (int i0 = mask.query_start(blk.j0), i_end = mask.query_end(blk.j0); i0 < i_end; i0 += BLOCK_M) {
             load_tile<BLOCK_M, HEAD_DIM>(Q_s, Q, i0, seqlen_q, head_dim, scale);
             load_tile<BLOCK_M, HEAD_DIM>(dO_s, dO, i0, seqlen_q, head_dim, Acc(1));
@@ -84,10 +84,10 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
                 if constexpr ((MODS & MOD_SCORE) != 0) {
                     Acc t = Acc(0);
                     const Acc s = score(S[r], i, key0 + r, t);
-                    S[r] = mask.visible(i, key0 + r) ? acc_exp(s - lse_i) : Acc(0);
+                    S[r] = mask.visible(i, key0 + r) && score.keeps(i, key0 + r) ? acc_exp(s - lse_i) : Acc(0);
                     dP[r] = score.grad(S[r] * (dP[r] - D_i), t);
                 } else {
-                    S[r] = mask.visible(i, key0 + r) ? acc_exp(S[r] - lse_i) : Acc(0);
+                    S[r] = mask.visible(i, key0 + r) && score.keeps(i, key0 + r) ? acc_exp(S[r] - lse_i) : Acc(0);
                     dP[r] = S[r] * (dP[r] - D_i);
                 }
             }
@@ -122,8 +122,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dq(
 
     const Acc* lse_row = lse + blk.b * lse_sb + blk.h * lse_sh;
     const Acc* D_row = Dvec + (index_t(blk.b) * heads_q + blk.h) * seqlen_q;
-    const Score<Acc, MODS> score{cap_in, cap_out, Acc(1),
-                                 alibi_slope<MODS>(alibi, alibi_sb, alibi_sh, blk.b, blk.h), diagonal};
+    const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, blk.h, Acc(1), Acc(1));
     Acc dQ[R][HEAD_DIM / WARP_SIZE];
     zero(dQ);
 
@@ -141,7 +140,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dq(
             const int i = row0 + r;
             // a hidden pair's dS is 0 by selection, not P = 0 times dP: a row that sees no key gets dQ 0
             // whatever its dO holds (a NaN times 0 is NaN)
-            const bool seen = mask.visible(i, j0 + key);
+            const bool seen = mask.visible(i, j0 + key) && score.keeps(i, j0 + key);
             Acc t = Acc(0);
             if constexpr ((MODS & MOD_SCORE) != 0) S[r] = score(S[r], i, j0 + key, t);
             const Acc P = seen ? acc_exp(S[r] - lse_for_p(lse_row, lse_ss, i, seqlen_q)) : Acc(0);

@@ -119,12 +119,16 @@ __device__ __forceinline__ Rows<T> head_rows(T* x, index_t s_batch, index_t s_se
 // window_right. The score modifiers follow (Score in mask.cuh): the softcap's cap_in and cap_out in
 // the kernel's units, computed by the launcher (so they stay kernel parameters, not registers), and
 // the ALiBi slopes as a (batch, heads_q) array of Acc with element strides alibi_sb (0 for per-head
-// slopes), alibi_sh.
+// slopes), alibi_sh; the bias (of the kernel's T, or of float where bias_f32) and the bool mask
+// (keep), each a rank-4 array broadcastable to (batch, heads_q, seqlen_q, seqlen_k) with its element
+// strides (0 along a broadcast dimension).
 // Every kernel takes them all; a kernel not specialised for a modifier never reads its arguments.
 #define PROBLEM_PARAMS(Acc) \
     int seqlen_q, int seqlen_k, int heads_q, int group, int head_dim, Acc scale, int causal, int diagonal, \
     int window_left, int window_right, Acc cap_in, Acc cap_out, const Acc* __restrict__ alibi, index_t alibi_sb, \
-    index_t alibi_sh
+    index_t alibi_sh, const void* __restrict__ bias, index_t bias_sb, index_t bias_sh, index_t bias_sq, \
+    index_t bias_sk, int bias_f32, const bool* __restrict__ keep, index_t keep_sb, index_t keep_sh, \
+    index_t keep_sq, index_t keep_sk
 
 // tile[r][d] = scale * src(row0 + r, d) for r < ROWS, d < HEAD_DIM; zero where row0 + r >= seqlen
 // or d >= head_dim. Consecutive threads take consecutive d: coalesced when head_dim is contiguous.

@@ -21,9 +21,9 @@
 //     head dim are FORWARD_TILES in flashcupy/backends/cupy_backend/specs.py; `python -m flashcupy
 //     kernels` prints each specialization's shared memory, registers and occupancy.
 //
-// Score modifiers (mask.cuh): with MOD_SOFTCAP or MOD_ALIBI, S is modified (in natural units, as the
-// scale is already in Q_s) before the mask; with MOD_WINDOW the Mask is the band, so key_start and
-// key_end skip the key blocks outside it.
+// Score modifiers (mask.cuh): with MOD_SOFTCAP, MOD_ALIBI or MOD_BIAS, S is modified (in natural
+// units, as the scale is already in Q_s) before the mask, which MOD_MASK extends by the caller's bool
+// mask; with MOD_WINDOW the Mask is the band, so key_start and key_end skip the key blocks outside it.
 //
 // Template parameters: T storage type, Acc accumulation type, HEAD_DIM the padded head dim
 // (32, 64, 128 or 256; the true head_dim is a runtime bound), BLOCK_M, BLOCK_N the tile, MODS the
@@ -44,8 +44,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_fwd(
 
     const auto mask = MAKE_MASK(MODS);
     const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
-    const Score<Acc, MODS> score{cap_in, cap_out, Acc(1),
-                                 alibi_slope<MODS>(alibi, alibi_sb, alibi_sh, blk.b, blk.h), diagonal};
+    const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, blk.h, Acc(1), Acc(1));
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int row0 = blk.i0 + warp * R, key = lane % BLOCK_N;  // this warp's first query row, this lane's key in K_j
 
@@ -75,7 +74,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_fwd(
                 Acc t = Acc(0);
                 S[r] = score(S[r], row0 + r, j0 + key, t);
             }
-            if (!mask.visible(row0 + r, j0 + key)) S[r] = -INFINITY;
+            if (!mask.visible(row0 + r, j0 + key) || !score.keeps(row0 + r, j0 + key)) S[r] = -INFINITY;
             const Acc m_new = acc_max(m[r], group_max<BLOCK_N>(S[r]));
             const Acc m_safe = m_new == -INFINITY ? Acc(0) : m_new;  // no key seen yet: exp(-inf) = 0, not NaN
             const Acc alpha = acc_exp(m[r] - m_safe);

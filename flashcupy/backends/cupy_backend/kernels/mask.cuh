@@ -29,7 +29,9 @@
 constexpr int MOD_WINDOW = 1;   // a band: Mask<.., true>
 constexpr int MOD_SOFTCAP = 2;  // s -> c tanh(s / c), on the scaled score
 constexpr int MOD_ALIBI = 4;    // s -> s - slope |i + diagonal - j|, a slope per (batch, query head)
-constexpr int MOD_SCORE = MOD_SOFTCAP | MOD_ALIBI;  // the modifiers that change a score's value
+constexpr int MOD_BIAS = 8;     // s -> s + bias[b, h, i, j]
+constexpr int MOD_MASK = 16;    // the pair is hidden where mask[b, h, i, j] is false (the caller's bool mask)
+constexpr int MOD_SCORE = MOD_SOFTCAP | MOD_ALIBI | MOD_BIAS;  // the modifiers that change a score's value
 
 template <int BLOCK_M, int BLOCK_N, bool WINDOW = false>  // query rows and keys of the kernel's tile
 struct Mask {
@@ -85,19 +87,51 @@ using MaskFor = Mask<BLOCK_M, BLOCK_N, (MODS & MOD_WINDOW) != 0>;
 #define MAKE_MASK(MODS) \
     MaskFor<BLOCK_M, BLOCK_N, MODS> { seqlen_q, seqlen_k, diagonal, causal != 0, window_left, window_right }
 
-// The score modifiers of MODS & MOD_SCORE, in the units of the kernel that applies them. A score s
-// becomes
+// One (batch, query head) slice of a rank-4 array broadcastable to (batch, heads_q, seqlen_q, seqlen_k):
+// the bias or the bool mask, addressed in bytes (strides s_q, s_k; 0 along a broadcast dimension), so
+// that one pointer serves whichever dtype the array holds (a float32 bias with 16-bit inputs). at()
+// clamps i and j into the problem: a tile carries rows past seqlen_q and keys past seqlen_k (hidden,
+// or never stored), and they must read an element that exists.
+struct PairSlice {
+    const char* base;  // element (b, h, 0, 0)
+    index_t s_q, s_k;
+    int last_q, last_k;
+
+    template <typename X>
+    __device__ __forceinline__ X at(int i, int j) const {
+        return *reinterpret_cast<const X*>(base + min(i, last_q) * s_q + min(j, last_k) * s_k);
+    }
+};
+
+// The slice of (batch b, query head h) of x (element strides sb, sh, sq, sk; size bytes an element), or
+// an empty one when the kernel is not specialised for it.
+template <bool ON>
+__device__ __forceinline__ PairSlice pair_slice(const void* x, int size, index_t sb, index_t sh, index_t sq, index_t sk,
+                                                int b, int h, int seqlen_q, int seqlen_k) {
+    if constexpr (ON) return {static_cast<const char*>(x) + (b * sb + h * sh) * size, sq * size, sk * size,
+                              seqlen_q - 1, seqlen_k - 1};
+    return {nullptr, 0, 0, 0, 0};
+}
+
+// The score modifiers of MODS & MOD_SCORE, and the bool mask, for one (batch, query head), in the
+// units of the kernel that applies them. A score s becomes
 //     softcap:  cap_out tanh(s cap_in)       (without softcap: s times mul)
 //     alibi:    then minus slope |i + diagonal - j|
+//     bias:     then plus unit bias[b, h, i, j]
 // The SIMT kernels score in natural units (s is already times scale): cap_in = 1 / c, cap_out = c,
-// mul = 1, slope as given. The tensor-core kernels hold s = q.k and exponentiate in base 2: cap_in =
-// scale / c, cap_out = c log2 e, mul = scale log2 e, slope times log2 e; the result is then the final
-// score in base 2. cap_in and cap_out are kernel arguments, per kernel path (_modifier_args in
-// cupy_backend/__init__.py). t (softcap only) is tanh(s cap_in), for the backward's dS (1 - t^2).
-template <typename Acc, int MODS>
+// mul = 1, unit = 1. The tensor-core kernels hold s = q.k and exponentiate in base 2: cap_in =
+// scale / c, cap_out = c log2 e, mul = scale log2 e, unit = log2 e (the slope is times unit too); the
+// result is then the final score in base 2. cap_in and cap_out are kernel arguments, per kernel path
+// (_modifier_args in cupy_backend/__init__.py). t (softcap only) is tanh(s cap_in), for the
+// backward's dS (1 - t^2). keeps(i, j) is the bool mask (true without MOD_MASK); a pair is seen iff
+// Mask::visible and keeps both say so.
+template <typename T, typename Acc, int MODS>
 struct Score {
-    Acc cap_in, cap_out, mul, slope;
+    Acc cap_in, cap_out, mul, slope, unit;
     int diagonal;
+    PairSlice bias;  // of T, or of float where bias_f32 (a float32 bias with 16- or 64-bit inputs)
+    bool bias_f32;
+    PairSlice keep;  // of bool
 
     __device__ __forceinline__ Acc operator()(Acc s, int i, int j, Acc& t) const {
         if constexpr ((MODS & MOD_SOFTCAP) != 0) {
@@ -107,7 +141,14 @@ struct Score {
             s *= mul;
         }
         if constexpr ((MODS & MOD_ALIBI) != 0) s -= slope * Acc(abs(i + diagonal - j));
+        if constexpr ((MODS & MOD_BIAS) != 0)
+            s += unit * (bias_f32 ? Acc(bias.at<float>(i, j)) : Acc(to_acc(bias.at<T>(i, j))));
         return s;
+    }
+
+    __device__ __forceinline__ bool keeps(int i, int j) const {
+        if constexpr ((MODS & MOD_MASK) != 0) return keep.at<bool>(i, j);
+        return true;
     }
 
     // dS of the scaled score from dS of the modified one: times d(softcap)/ds = 1 - t^2
@@ -124,6 +165,17 @@ __device__ __forceinline__ Acc alibi_slope(const Acc* alibi, index_t alibi_sb, i
     if constexpr ((MODS & MOD_ALIBI) != 0) return alibi[b * alibi_sb + h * alibi_sh];
     return Acc(0);
 }
+
+// The Score of (batch b, query head h) for a kernel specialised for MODS, of storage type T, made of
+// the kernel's PROBLEM_PARAMS (flash_common.cuh); mul and unit as above.
+#define MAKE_SCORE(T, Acc, MODS, b, h, mul, unit)                                                               \
+    Score<T, Acc, MODS> {                                                                                       \
+        cap_in, cap_out, mul, alibi_slope<MODS>(alibi, alibi_sb, alibi_sh, b, h) * (unit), unit, diagonal,      \
+            pair_slice<(MODS & MOD_BIAS) != 0>(bias, bias_f32 ? 4 : int(sizeof(T)), bias_sb, bias_sh, bias_sq,   \
+                                               bias_sk, b, h, seqlen_q, seqlen_k),                              \
+            bias_f32 != 0,                                                                                      \
+            pair_slice<(MODS & MOD_MASK) != 0>(keep, 1, keep_sb, keep_sh, keep_sq, keep_sk, b, h, seqlen_q, seqlen_k) \
+    }
 
 // Grid decode. The grid is flattened on x, which has room for any problem where y and z stop at 65535.
 
