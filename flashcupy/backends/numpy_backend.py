@@ -135,6 +135,23 @@ class _SizeOnly:
     group: int = 1
 
 
+def _band_width(p):
+    """The most keys a query row sees when the band is bounded on both sides (a window's left with
+    causal or with a right side), else None."""
+    left, right = p.band
+    return None if left is None or right is None else left + right + 1
+
+
+def _band_step(width: int, group: int) -> int:
+    """Query rows per tile of a bounded band `width` keys wide (_band_forward), whose matmuls stack
+    `group` query heads: a tile of s rows spans s + width - 1 keys, s - 1 of them hidden from each
+    row, so s trades that waste against the BLAS efficiency of matmuls of s x group rows. Measured
+    at width 256, D = 64, one thread: 16 to 64 rows within 5 % of each other, 32 in the middle
+    (11 % of a tile hidden; BLAS's QKᵀ of 32 rows ran at 120 GFLOP/s, 115 at 512).
+    """
+    return max(1, 32 // group)
+
+
 def _staircase_step(block_m: int, heads: int, head_dim: int) -> int:
     """Query rows per tile along a causal diagonal, for tiles that stack `heads` query heads.
 
@@ -241,8 +258,15 @@ def _mask_scores(S, p, i0: int, j0: int, fill, group: int = 1, hidden=False) -> 
     rows, cols = S.shape[-2] // group, S.shape[-1]
     if hidden is False:
         hidden = _hidden(p, i0, i0 + rows, j0, j0 + cols)
-    if hidden is not None:
-        np.copyto(S.reshape(-1, rows, group, cols), fill, where=hidden[:, None, :])
+    if hidden is None:
+        return
+    S4 = S.reshape(-1, rows, group, cols)
+    # only the columns some row does not see: a band tile's hidden pairs lie in its first and last
+    # columns (two triangles), and the keys between are seen by every row
+    all0, all1 = (min(max(x - j0, 0), cols) for x in _keys_seen_by_all(p, i0, i0 + rows))
+    for c0, c1 in ((0, all0), (all1, cols)) if all0 < all1 else ((0, cols),):
+        if c0 < c1:
+            np.copyto(S4[..., c0:c1], fill, where=hidden[:, None, c0:c1])
 
 
 def _forward_tiles(p, i0: int, i1: int, step: int, masks=None) -> list:
@@ -261,7 +285,7 @@ def _forward_tiles(p, i0: int, i1: int, step: int, masks=None) -> list:
         seen0, seen1 = _key_range(p, r0, r1)
         for lo, hi in ((max(seen0, start), min(seen1, all0)), (max(seen0, all1), min(seen1, end))):
             tiles += [(r0, r1, j0, j1) for j0, j1 in _blocks(lo, hi, block_n)]
-    return [(r0, r1, j0, j1, _one_copy(_hidden(p, r0, r1, j0, j1), masks)) for r0, r1, j0, j1 in tiles]
+    return [(r0, r1, j0, j1, _tile_mask(p, r0, r1, j0, j1, masks)) for r0, r1, j0, j1 in tiles]
 
 
 def _backward_tiles(p, j0: int, j1: int, step: int, masks=None) -> list:
@@ -280,15 +304,20 @@ def _backward_tiles(p, j0: int, j1: int, step: int, masks=None) -> list:
             seen0, seen1 = _key_range(p, r0, r1)
             if max(seen0, j0) < min(seen1, j1):
                 tiles.append((r0, r1, max(seen0, j0), min(seen1, j1)))
-    return [(i0, i1, c0, c1, _one_copy(_hidden(p, i0, i1, c0, c1), masks)) for i0, i1, c0, c1 in tiles]
+    return [(i0, i1, c0, c1, _tile_mask(p, i0, i1, c0, c1, masks)) for i0, i1, c0, c1 in tiles]
 
 
-def _one_copy(mask, masks):
-    """mask, or an equal one already in the dict masks: the diagonal tiles of every block usually
-    share a few masks, and one per tile would take O(seqlen x BLOCK_M) bytes."""
-    if mask is None or masks is None:
-        return mask
-    return masks.setdefault((mask.shape, np.packbits(mask).tobytes()), mask)
+def _tile_mask(p, i0: int, i1: int, j0: int, j1: int, masks):
+    """_hidden(p, i0, i1, j0, j1), made once per height, width and j0 - i0 when masks (a dict shared
+    by the calls of one pass) is given: the rule depends on j - i alone, so the diagonal tiles of
+    every block share a few masks (one per tile would take O(seqlen x BLOCK_M) bytes, and making
+    each its own took a tenth of a narrow window's forward)."""
+    if masks is None:
+        return _hidden(p, i0, i1, j0, j1)
+    key = (i1 - i0, j1 - j0, j0 - i0)
+    if key not in masks:
+        masks[key] = _hidden(p, i0, i1, j0, j1)
+    return masks[key]
 
 
 @functools.lru_cache(maxsize=1)
@@ -492,7 +521,7 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> 
     # whole tile: a row a mask hides entirely would otherwise cost every tile of its block twice
     dead_rows = [None]
 
-    def scores(a, z, j0, j1, hidden, out, dead=None):
+    def scores(a, z, j0, j1, hidden, out, dead=None, masked=True):
         if modify is not None:
             np.matmul(Q[:, a:z], Kt[:, :, j0:j1], out=out)
             filled = modify(out, slice(i0 + a // g, i0 + z // g), slice(j0, j1), dead=dead)
@@ -508,7 +537,8 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> 
             np.matmul(Q[:, a:z], Kt[:, :, j0:j1], out=out)
         else:
             np.matmul(Q1[:, a:z], K1t[:, :, j0:j1], out=out)
-        _mask_scores(out, p, i0 + a // g, j0, -np.inf, group=g, hidden=hidden)
+        if masked:
+            _mask_scores(out, p, i0 + a // g, j0, -np.inf, group=g, hidden=hidden)
         return out
 
     # the fast check: an upper bound on every row's l so far, and whether every row's l is known
@@ -520,14 +550,20 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> 
         for r0, r1, j0, j1, hidden in tiles:
             a, z = (r0 - i0) * g, (r1 - i0) * g  # the tile's rows within the stack
             dead = None if modify is None else scratch.take("dead", (heads, (z - a) // g, g), np.bool_)
-            S = scores(a, z, j0, j1, hidden, scratch.take("S", (heads, z - a, j1 - j0), acc), dead)  # S - m
+            # S - m; the band's hidden pairs are zeroed in P rather than set to -inf in S: NumPy's
+            # float32 exp2 takes a scalar path, some 10x slower, for SIMD vectors holding -inf
+            S = scores(a, z, j0, j1, hidden, scratch.take("S", (heads, z - a, j1 - j0), acc), dead, masked=plain_v)
             if plain_v:
                 _eager_tile(S, V1[:, j0:j1], m[:, a:z], O1[:, a:z], scratch)
                 continue
             P = np.exp2(S, out=S)
+            _mask_scores(P, p, r0, j0, 0, group=g, hidden=hidden)
             O1_j = np.matmul(P, V1[:, j0:j1], out=scratch.take("O1_j", (heads, z - a, D + 1), acc))
             l_j_max = float(np.maximum.reduce(O1_j[:, :, D], axis=None))
-            if above_min and l_bound + l_j_max <= l_max:  # False for NaN
+            # every row's l stays at least L_MIN if it was, or if this tile alone brings that much
+            # (staircase and band tiles are the first a row meets, so the block's l never is)
+            if ((above_min or float(np.minimum.reduce(O1_j[:, :, D], axis=None)) >= L_MIN)
+                    and l_bound + l_j_max <= l_max):  # False for NaN
                 O1[:, a:z] += O1_j
                 l_bound += l_j_max
                 continue
@@ -566,15 +602,24 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> 
             l_bound = float(np.maximum.reduce(l_all, axis=None))
             above_min = float(np.minimum.reduce(l_all, axis=None)) >= L_MIN
 
-    O, l = O1[:, :, :-1], O1[:, :, -1]
+    return _normalised(O1, m)
+
+
+def _normalised(O1, m, out=None) -> tuple:
+    """(O / l, lse) from [O | l] and the reference m (base 2): lse = ln 2 m + ln l; a row that saw
+    no key (l = 0) gets out 0 and lse -inf, a NaN row stays NaN. O / l goes into out (O's shape),
+    else into O1."""
+    acc = O1.dtype
+    O, l = O1[..., :-1], O1[..., -1]
+    out = O if out is None else out
     seen = l > 0
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = m * acc.type(LN2) + np.log(l)
         if seen.all():
-            return np.divide(O, l[:, :, None], out=O), lse
-        np.divide(O, np.where(seen, l, 1)[:, :, None], out=O)
-        O[~seen & ~np.isnan(l)] = 0  # fully masked rows: out 0 (NaN rows stay NaN)
-        return O, np.where(seen | np.isnan(l), lse, -np.inf)
+            return np.divide(O, l[..., None], out=out), lse
+        np.divide(O, np.where(seen, l, 1)[..., None], out=out)
+        out[~seen & ~np.isnan(l)] = 0  # fully masked rows: out 0 (NaN rows stay NaN)
+        return out, np.where(seen | np.isnan(l), lse, -np.inf)
 
 
 def _eager_tile(S, V_j, m, O1, scratch) -> None:
@@ -750,11 +795,177 @@ MIN_TASK_FLOPS = 5e7
 IN_PLACE_ROWS = 32
 
 
+# Bounded bands up to this many keys wide take _band_forward, whose tiles each hold every key their
+# rows see; wider ones the tile loop above, whose full-height tiles then cover most of the band
+NARROW_BAND = 2048
+
+
+def _band_forward(p, q, k, v, out, lse, width: int):
+    """The forward of a band at most NARROW_BAND keys wide (a sliding window), without other modifiers.
+
+    Tiles of `step` query rows by the step + width - 1 keys those rows see (_band_step): every row
+    meets all its keys in one tile, so a tile is the whole softmax of its rows and nothing
+    accumulates from tile to tile. The tiles of a block are the same shape and lie `step` keys
+    apart, so one matmul over strided views of Kᵀ and [V | 1] computes many at once, and a tile's
+    hidden pairs (its two corner triangles) are the same for every tile: P is multiplied by one 0/1
+    mask. The per-tile Python overhead of _forward_block, which took a third of a 256-key window's
+    time, is gone, and so is any -inf in exp2's input.
+
+    Kᵀ and [V | 1] are made for all kv heads of a batch at once, by every worker, with zero keys
+    (and a zero ones column) on both sides, so tiles that reach past the first or last key need no
+    other mask. Kᵀ is contiguous (BLAS ran QKᵀ of 32 rows, D = 64, at 120 GFLOP/s from it, 61 from
+    the transposed view), its rows padded so they do not lie a multiple of 4 KiB apart (73).
+
+    Scores are not shifted (m = 0): a row whose sum leaves [L_MIN, l_max], or is NaN (an overflow
+    times the mask's 0), is redone exactly: its visible scores, their max as m. Rows that see no key
+    at all are left out and keep out 0, lse -inf.
+    """
+    acc = p.acc_dtype
+    g, D, heads_kv = p.group, p.head_dim, p.heads_kv
+    left = p.band[0]
+    step = _band_step(width, g)
+    n = step + width - 1  # keys of a tile
+    first, last = _query_range(p, 0, p.seqlen_k)  # the rows that see some key
+    end = _key_range(p, 0, p.seqlen_q)[1]  # keys at or past it no row sees: left as zeros
+    out[:, :first] = 0
+    out[:, last:] = 0
+    lse[:, :, :first] = -np.inf
+    lse[:, :, last:] = -np.inf
+    blocks = _blocks(first, last, tile_sizes(p)[0])
+    if not blocks:
+        return out.view(p.carrier), lse
+    # key columns: key j at base + j; the first tile starts at key first + diagonal - left, the last
+    # (its rows padded to a whole tile) ends below the last block's end + step + diagonal + right
+    base = max(0, left - first - p.diagonal)
+    columns = base + max(end, blocks[-1][1] + step + p.diagonal + width - left)
+    units = p.batch * heads_kv * len(blocks)
+    unit_volume = g * step * n
+    stacked = _heads_per_task(p, units, p.flops_forward() / units, unit_volume, TILE_VOLUME[acc.itemsize])
+    kv_groups = _blocks(0, heads_kv, stacked)
+    heads = _HeadMap(p)
+    # which pairs of a tile its rows see: the rule depends on j - i alone, so one mask serves every
+    # tile (row r of a tile sees its keys r .. r + width - 1), (rows, 1, keys) against the stack
+    keep = _visible(p, np.arange(step)[:, None], p.diagonal - left + np.arange(n)[None, :]).astype(acc)[:, None, :]
+    per_call = max(1, TILE_VOLUME[acc.itemsize] // 4 // (stacked * unit_volume))  # tiles per matmul: S within L2
+
+    for b in range(p.batch):
+        Kt = np.empty((heads_kv, D, -(-columns // 64) * 64 + 16), dtype=acc)[:, :, :columns]
+        V1 = np.empty((heads_kv, columns, D + 1), dtype=acc)
+
+        def operands(x0, x1):
+            # columns [x0, x1): keys x0 - base .. x1 - base, zero outside [0, end)
+            def run(scratch):
+                j0, j1 = min(max(x0 - base, 0), end), min(max(x1 - base, 0), end)
+                for z0, z1 in ((x0, base + j0), (base + j1, x1)):  # the zeros around the keys
+                    if z0 < z1:
+                        Kt[:, :, z0:z1] = 0
+                        V1[:, z0:z1] = 0
+                for y0, y1 in _blocks(j0, j1, 128):  # NumPy's gather ran fastest 64 to 128 keys at a time
+                    Kt[:, :, base + y0:base + y1] = k[b, y0:y1].transpose(1, 2, 0)
+                V1[:, base + j0:base + j1, :D] = v[b, j0:j1].transpose(1, 0, 2)
+                V1[:, base + j0:base + j1, D] = 1
+                part = V1[:, x0:x1]
+                return max(float(np.maximum.reduce(part, axis=None, initial=0)),
+                           -float(np.minimum.reduce(part, axis=None, initial=0)))
+            return run
+
+        v_max = max(_run([operands(x0, x1) for x0, x1 in _blocks(0, columns, 1024)]))
+        l_max = _l_max(acc, v_max)
+
+        def task(c0, c1, i0, i1):
+            def run(scratch):
+                T, rows = -(-(i1 - i0) // step), (i1 - i0) * g
+                Q = scratch.take("Q", (c1 - c0, T * step * g, D), acc)
+                Q[:, rows:] = 0  # rows past the block, to fill its last tile
+                np.multiply(heads.read(q[b, i0:i1], c0, c1), acc.type(p.scale * LOG2_E),
+                            out=Q[:, :rows].reshape(c1 - c0, i1 - i0, g, D), dtype=acc)
+                k0 = base + i0 + p.diagonal - left  # the first tile's first key column
+                Kw = _windows(Kt[c0:c1], k0, T, step, n, axis=2)
+                Vw = _windows(V1[c0:c1], k0, T, step, n, axis=1)
+                O1, m = _band_tiles(Q.reshape(c1 - c0, T, step * g, D), Kw, Vw, keep, per_call, l_max, scratch,
+                                    lambda u, r: _band_visible(p, i0 + u * step, k0 - base + u * step, r // g, n, end))
+                O1, m = O1.reshape(c1 - c0, -1, D + 1)[:, :rows], m.reshape(c1 - c0, -1)[:, :rows]
+                if heads.consecutive and out.dtype == acc:  # O / l written straight into out, a view
+                    shape = (c1 - c0, i1 - i0, g)
+                    _, L = _normalised(O1.reshape(*shape, D + 1), m.reshape(shape), heads.read(out[b, i0:i1], c0, c1))
+                    L = L.reshape(c1 - c0, rows)
+                else:
+                    O, L = _normalised(O1, m)
+                    heads.unstack_into(out[b, i0:i1], c0, c1, O)
+                heads.unstack_into(lse[b].T[i0:i1], c0, c1, L)
+            return run
+
+        _run([task(c0, c1, i0, i1) for c0, c1 in kv_groups for i0, i1 in blocks])
+    return out.view(p.carrier), lse
+
+
+def _windows(x, start: int, count: int, step: int, width: int, axis: int):
+    """Read-only view of `count` windows of x along `axis`, `width` long, the first at `start` and
+    each `step` after the last, stacked on a new axis 1: (kv heads, count, ...) with the window
+    in place of `axis`."""
+    view = np.moveaxis(x, axis, 1)[:, start:]
+    strides = (view.strides[0], step * view.strides[1]) + view.strides[1:]
+    shape = (view.shape[0], count, width) + view.shape[2:]
+    windows = np.lib.stride_tricks.as_strided(view, shape, strides, writeable=False)
+    return np.moveaxis(windows, 2, axis + 1)
+
+
+def _band_visible(p, i0: int, j0: int, rows, keys: int, end: int):
+    """(len(rows), keys) bool: which of the keys j0 .. j0 + keys - 1 the query rows i0 + rows see,
+    by the band rule (_visible) and among the keys there are (below end)."""
+    j = j0 + np.arange(keys)[None, :]
+    return _visible(p, i0 + np.asarray(rows)[:, None], j) & (j >= 0) & (j < end)
+
+
+def _band_tiles(Q, Kw, Vw, keep, per_call, l_max, scratch, visible) -> tuple:
+    """([O | l], m) of tiles that each hold every key their rows see (_normalised makes out and lse
+    of them): Q (kv heads, tiles, rows, D), Kw
+    and Vw their keys' Kᵀ and [V | 1] windows (kv heads, tiles, D, keys) and (kv heads, tiles, keys,
+    D + 1), keep the 0/1 mask of the pairs a tile's rows see (rows, 1, keys) with rows stacked
+    group by group as in Q. visible(tile, stack rows) gives the bool mask of those rows' pairs, for
+    the rows redone. See _band_forward."""
+    acc = Q.dtype
+    heads, T, M, D = Q.shape
+    n = Kw.shape[3]
+    g = M // keep.shape[0]
+    O1 = np.empty((heads, T, M, D + 1), dtype=acc)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflows and inf x 0 are redone below
+        for u0 in range(0, T, per_call):
+            u1 = min(T, u0 + per_call)
+            S = np.matmul(Q[:, u0:u1], Kw[:, u0:u1], out=scratch.take("S", (heads, u1 - u0, M, n), acc))
+            P = np.exp2(S, out=S)
+            P5 = P.reshape(heads, u1 - u0, -1, g, n)
+            np.multiply(P5, keep, out=P5)
+            np.matmul(P, Vw[:, u0:u1], out=O1[:, u0:u1])
+    m = np.zeros((heads, T, M), dtype=acc)
+    l = O1[..., D]
+    redo = ~((l >= L_MIN) & (l <= l_max))
+    if redo.any():
+        kk, uu, rr = np.nonzero(redo)
+        for kv, u in sorted(set(zip(kk.tolist(), uu.tolist()))):
+            rows = rr[(kk == kv) & (uu == u)]
+            S_r = _aligned_empty((rows.size, n), acc)  # exp2's bits depend on alignment
+            np.matmul(Q[kv, u, rows], Kw[kv, u], out=S_r)
+            S_r[~visible(u, rows)] = -np.inf
+            with np.errstate(invalid="ignore"):
+                d = S_r.max(axis=1)  # the new reference; NaN stays NaN
+            d[d == -np.inf] = 0  # no key seen: l stays 0
+            np.subtract(S_r, d[:, None], out=S_r)
+            np.exp2(S_r, out=S_r)
+            O1[kv, u, rows] = S_r @ Vw[kv, u]
+            m[kv, u, rows] = d
+    return O1, m
+
+
 def forward(p, q, k, v):
     q, k, v = _values(p, q, k, v)
     acc = p.acc_dtype
     out = np.empty(q.shape, dtype=q.dtype)
     lse = np.empty(p.lse_shape, dtype=p.lse_dtype)
+    width = _band_width(p)
+    if (width is not None and width <= NARROW_BAND and p.modifiers == {"window"}
+            and p.seqlen_q * p.group > IN_PLACE_ROWS):
+        return _band_forward(p, q, k, v, out, lse, width)
     block_m, block_n = tile_sizes(p)
     blocks = _blocks(0, p.seqlen_q, block_m)
     if p.causal:
@@ -858,8 +1069,9 @@ def _backward_item(p, j0, j1, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, db
                 T = scratch.take("T", S.shape, acc)
             modify(S, slice(i0, i1), slice(c0, c1), T)
             np.add(S, Q1_i[:, :, D:], out=S)  # - lse log2(e)
-        _mask_scores(S, p, i0, c0, -np.inf, group=g, hidden=hidden)
-        P = np.exp2(S, out=S)
+        with np.errstate(over="ignore"):  # a hidden pair may overflow: it is zeroed next
+            P = np.exp2(S, out=S)  # hidden pairs zeroed after it, not -inf before it: see _forward_block
+        _mask_scores(P, p, i0, c0, 0, group=g, hidden=hidden)
         kd = scratch.take("kd", (heads, y - x, D), acc)
         dV_j[:, x:y] += np.matmul(P.transpose(0, 2, 1), dO1_i[:, :, :D], out=kd)
         dS = np.matmul(dO1_i, V1t[:, :, x:y], out=scratch.take("dS", (heads, z - a, y - x), acc))
@@ -874,6 +1086,201 @@ def _backward_item(p, j0, j1, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, db
         dK_j[:, x:y] += np.matmul(dS.transpose(0, 2, 1), Q1_i[:, :, :D], out=kd)
     dK_j *= acc.type(LN2)  # Q1 holds scale log2(e) Q
     return dK_j, dV_j
+
+
+def _band_backward(p, dout, q, k, v, out, lse, dq, dk, dv, width: int):
+    """The backward of a band at most NARROW_BAND keys wide, without other modifiers: the tiles of
+    _band_forward (step query rows by the NW chunks of step keys their rows see), many per matmul.
+
+    A query tile holds every key its rows see, so its dQ comes whole out of one matmul. A chunk of
+    keys is seen by the rows of NW consecutive tiles, and their P and dS are laid out so that the
+    chunk's columns of those NW tiles form one matrix: tile u starts step elements further than its
+    rows would put it (`skew`), which cancels the chunk's shift of step keys from tile to tile, so
+    dV and dK of a chunk also come whole out of one matmul each, with the NW tiles' rows as the
+    inner dimension (no accumulation from tile to tile, nothing added twice). A task takes the
+    query tiles [u0, u1) of some kv heads, owns their dQ and the dK, dV of the chunks whose last
+    tile is among them, and recomputes the NW - 1 tiles before u0 (tasks span many tiles), so
+    tasks write disjoint parts of dq, dk and dv and the result does not depend on their order.
+    """
+    acc = p.acc_dtype
+    g, D, heads_kv = p.group, p.head_dim, p.heads_kv
+    left = p.band[0]
+    step = _band_step(width, g)
+    M = step * g  # stack rows of a tile
+    first, last = _query_range(p, 0, p.seqlen_k)  # the rows that see some key; the others get dq 0
+    end = _key_range(p, 0, p.seqlen_q)[1]
+    dq[:, :first] = 0
+    dq[:, last:] = 0
+    T = -(-(last - first) // step)  # query tiles
+    if T <= 0:
+        dk[...] = 0
+        dv[...] = 0
+        return
+    A = -(-left // step)  # tile u sees key chunks u - A .. u - A + NW - 1
+    NW = A + 1 + -(-(width - 1 - left) // step)
+    L = NW * step  # keys of a tile
+    columns = (T - 1 + NW) * step  # key chunks -A .. T - A + NW - 2; key j in column base + j
+    base = A * step - first - p.diagonal
+    j0, j1 = max(0, -base), min(end, columns - base)  # the keys in columns
+    dk[:, :j0] = 0
+    dk[:, j1:] = 0
+    dv[:, :j0] = 0
+    dv[:, j1:] = 0
+    heads = _HeadMap(p)
+    hidden = ~_visible(p, np.arange(step)[:, None], p.diagonal - A * step + np.arange(L)[None, :])
+    some = np.flatnonzero(hidden.any(axis=0))  # the columns some row does not see: a prefix and a suffix
+    pieces = [(int(x[0]), int(x[-1]) + 1) for x in np.split(some, np.flatnonzero(np.diff(some) > 1) + 1) if x.size]
+    hidden = hidden[:, None, :]  # against (rows, group, keys)
+    pad = (NW - 1) * M  # zero stack rows before the first tile and after the last
+    workers = worker_count()
+    stacked = max(1, min(heads_kv, TILE_VOLUME[acc.itemsize] // 2 // (2 * 2 * NW * M * L)))  # P, dS of 2 NW tiles: L2
+    kv_groups = _blocks(0, heads_kv, stacked)
+    ranges = max(1, min(-(-4 * workers // len(kv_groups)), T // (4 * NW)))  # tasks per kv group
+    tile_ranges = _blocks(0, T, -(-T // ranges))
+    U = NW  # tiles computed per matmul (2 NW and 4 NW measured no faster)
+    scale = acc.type(p.scale)
+
+    for b in range(p.batch):
+        # operands, every kv head of batch b: K1t = [K | 1]ᵀ and V1t = [V | 1]ᵀ (kv heads, D + 1,
+        # columns) for S and dP, Ks = scale K (kv heads, columns, D) for dQ, zero outside the keys;
+        # Q1 = [scale log2(e) Q | -log2(e) lse] and dO1 = [dO | -D] with pad zero rows either side
+        ld = -(-columns // 64) * 64 + 16  # rows not a multiple of 4 KiB apart (see _band_forward)
+        K1t = np.empty((heads_kv, D + 1, ld), dtype=acc)[:, :, :columns]
+        V1t = np.empty((heads_kv, D + 1, ld), dtype=acc)[:, :, :columns]
+        Ks = np.empty((heads_kv, columns, D), dtype=acc)
+        rows = pad + T * M + pad
+        Q1 = np.empty((heads_kv, rows, D + 1), dtype=acc)
+        dO1 = np.empty((heads_kv, rows, D + 1), dtype=acc)
+
+        def key_operands(x0, x1):
+            def run(scratch):
+                y0, y1 = min(max(x0 - base, j0), j1), min(max(x1 - base, j0), j1)
+                for z0, z1 in ((x0, base + y0), (base + y1, x1)):  # the zeros around the keys
+                    if z0 < z1:
+                        for x in (K1t, V1t):
+                            x[:, :, z0:z1] = 0
+                        Ks[:, z0:z1] = 0
+                for w0, w1 in _blocks(y0, y1, 128):  # NumPy's gather ran fastest 64 to 128 keys at a time
+                    K1t[:, :D, base + w0:base + w1] = k[b, w0:w1].transpose(1, 2, 0)
+                    V1t[:, :D, base + w0:base + w1] = v[b, w0:w1].transpose(1, 2, 0)
+                K1t[:, D, base + y0:base + y1] = 1
+                # scale K in rows for dQ: BLAS ran dS Kᵀᵀ from the transposed view at half the speed
+                np.multiply(k[b, y0:y1].transpose(1, 0, 2), scale, out=Ks[:, base + y0:base + y1], dtype=acc)
+                V1t[:, D, base + y0:base + y1] = 1
+            return run
+
+        def row_operands(c0, c1):
+            def run(scratch):
+                for x in (Q1, dO1):  # the rows before the first and after the last
+                    x[c0:c1, :pad] = 0
+                    x[c0:c1, pad + (last - first) * g:] = 0
+                shape = (c1 - c0, last - first, g)
+                Q = Q1[c0:c1, pad:pad + (last - first) * g, :D].reshape(*shape, D)
+                np.multiply(heads.read(q[b, first:last], c0, c1), acc.type(p.scale * LOG2_E), out=Q, dtype=acc)
+                Lse = heads.read(lse[b].T[first:last], c0, c1)
+                Q1[c0:c1, pad:pad + (last - first) * g, D].reshape(shape)[...] = Lse * acc.type(-LOG2_E)
+                dO = dO1[c0:c1, pad:pad + (last - first) * g, :D].reshape(*shape, D)
+                dO[...] = heads.read(dout[b, first:last], c0, c1)
+                O = _as_acc(heads.read(out[b, first:last], c0, c1), acc)
+                np.negative(np.einsum("csgd,csgd->csg", dO, O), out=dO1[c0:c1, pad:pad + (last - first) * g, D].reshape(shape))
+            return run
+
+        _run([key_operands(x0, x1) for x0, x1 in _blocks(0, columns, 1024)]
+             + [row_operands(c0, c1) for c0, c1 in _blocks(0, heads_kv, 1)])
+
+        def task(c0, c1, u0, u1):
+            def run(scratch):
+                h = c1 - c0
+                w1 = u1 if u1 < T else T + NW - 1  # the last task also owns the chunks past the last tile
+                capacity = NW - 1 + U
+                size = capacity * (M * L + step) + NW * step
+                P_buf = scratch.take("P", (h, size), acc)
+                dS_buf = scratch.take("dS", (h, size), acc)
+                P_all, dS_all = (_skewed(x, capacity, M, L, step) for x in (P_buf, dS_buf))
+                dQ = scratch.take("dQ", (h, (u1 - u0) * M, D), acc)
+                dK = scratch.take("dK", (h, (w1 - u0) * step, D), acc)
+                dV = scratch.take("dV", (h, (w1 - u0) * step, D), acc)
+                # the key chunks of the tiles at places x .. x + NW - 1 (_chunks), what they meet, where they go
+                chunks = [(_chunks(P_buf, capacity - NW + 1, NW, M, L, step), dO_chunks[c0:c1], dV),
+                          (_chunks(dS_buf, capacity - NW + 1, NW, M, L, step), Q_chunks[c0:c1], dK)]
+                t = u0 - (NW - 1)  # the next tile to compute; the NW - 1 before u0 only for their P and dS
+                t0, filled = t, 0  # the tile at the buffers' first place, and how many are there
+                while t < w1:
+                    n = min(U, capacity - filled, w1 - t)
+                    Pt, dSt = P_all[:, filled:filled + n], dS_all[:, filled:filled + n]
+                    a, z = max(t, 0), min(t + n, T)  # tiles outside [0, T) hold no rows: P and dS 0
+                    if a > t:
+                        Pt[:, :a - t] = 0
+                        dSt[:, :a - t] = 0
+                    if z < t + n:
+                        Pt[:, max(z, a) - t:] = 0
+                        dSt[:, max(z, a) - t:] = 0
+                    if a < z:
+                        Pa, dSa = Pt[:, a - t:z - t], dSt[:, a - t:z - t]
+                        np.matmul(Q_tiles[c0:c1, a:z], K_tiles[c0:c1, a:z], out=Pa)
+                        with np.errstate(over="ignore"):  # a hidden pair may overflow: it is zeroed next
+                            np.exp2(Pa, out=Pa)
+                        P5 = Pa.reshape(h, z - a, step, g, L)
+                        for x0, x1 in pieces:
+                            np.copyto(P5[..., x0:x1], 0, where=hidden[..., x0:x1])
+                        np.matmul(dO_tiles[c0:c1, a:z], V_tiles[c0:c1, a:z], out=dSa)
+                        np.multiply(dSa, Pa, out=dSa)
+                        o0 = max(a, u0)  # dQ of the tiles this task owns
+                        if o0 < z:
+                            np.matmul(dSa[:, o0 - a:], Ks_tiles[c0:c1, o0:z],
+                                      out=dQ[:, (o0 - u0) * M:(z - u0) * M].reshape(h, z - o0, M, D))
+                    # the key chunks whose last tile came now and that this task owns: chunk of tile
+                    # w is w - A, its NW tiles w - NW + 1 .. w, here from place w - NW + 1 - t0 on
+                    o0, o1 = max(t, u0), t + n
+                    if o0 < o1:
+                        x = o0 - NW + 1 - t0
+                        for view, operand, grad in chunks:
+                            np.matmul(view[:, x:x + o1 - o0].transpose(0, 1, 3, 2), operand[:, o0:o1],
+                                      out=grad[:, (o0 - u0) * step:(o1 - u0) * step].reshape(h, o1 - o0, step, D))
+                    t += n
+                    filled += n
+                    if filled == capacity:  # keep the last NW - 1 tiles, at the first places (one block)
+                        kept = (NW - 1) * (M * L + step)
+                        for x in (P_buf, dS_buf):
+                            np.copyto(x[:, :kept], x[:, U * (M * L + step):U * (M * L + step) + kept])
+                        t0 += capacity - (NW - 1)
+                        filled = NW - 1
+                # dQ rows of the tiles u0 .. u1 (query rows from first + u0 step), dK and dV of
+                # the chunks u0 - A .. w1 - A - 1 (keys from column u0 step, key column - base)
+                r0, r1 = first + u0 * step, min(last, first + u1 * step)
+                heads.unstack_into(dq[b, r0:r1], c0, c1, dQ[:, :(r1 - r0) * g])
+                k0, k1 = u0 * step - base, w1 * step - base
+                y0, y1 = max(k0, j0), min(k1, j1)
+                if y0 < y1:
+                    dK *= acc.type(LN2)  # Q1 holds scale log2(e) Q
+                    dk[b, y0:y1, c0:c1] = dK[:, y0 - k0:y1 - k0].transpose(1, 0, 2)
+                    dv[b, y0:y1, c0:c1] = dV[:, y0 - k0:y1 - k0].transpose(1, 0, 2)
+            return run
+
+        # tile u: its rows of Q1 and dO1, its keys of K1t, V1t and Ks; the NW M rows of Q and dO
+        # that meet the chunk of tile w (from tile w - NW + 1 on)
+        Q_tiles, dO_tiles = (_windows(x, pad, T, M, M, axis=1) for x in (Q1, dO1))
+        K_tiles, V_tiles = (_windows(x, 0, T, step, L, axis=2) for x in (K1t, V1t))
+        Ks_tiles = _windows(Ks, 0, T, step, L, axis=1)
+        Q_chunks, dO_chunks = (_windows(x[:, :, :D], 0, T + NW - 1, M, NW * M, axis=1) for x in (Q1, dO1))
+
+        _run([task(c0, c1, u0, u1) for c0, c1 in kv_groups for u0, u1 in tile_ranges])
+
+
+def _skewed(buf, count: int, M: int, L: int, step: int):
+    """(heads, count, M, L) view of count tiles in buf (heads, size), tile u at u (M L + step): the
+    layout of _band_backward's P and dS."""
+    s0, s1 = buf.strides
+    return np.lib.stride_tricks.as_strided(buf, (buf.shape[0], count, M, L), (s0, (M * L + step) * s1, L * s1, s1))
+
+
+def _chunks(buf, count: int, NW: int, M: int, L: int, step: int):
+    """(heads, count, NW M, step) view of the key chunks of the tiles in buf (laid out as _skewed):
+    its x-th is the last chunk of the tile at place x, the last but one of the next, ... the first
+    of the tile at place x + NW - 1, which are the same keys."""
+    s0, s1 = buf.strides
+    return np.lib.stride_tricks.as_strided(buf[:, (NW - 1) * step:], (buf.shape[0], count, NW * M, step),
+                                           (s0, (M * L + step) * s1, L * s1, s1), writeable=False)
 
 
 def _balanced_parts(costs, n, together=None):
@@ -901,6 +1308,10 @@ def backward(p, dout, q, k, v, out, lse):
     acc = p.acc_dtype
     D = p.head_dim
     dq, dk, dv = (np.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+    width = _band_width(p)
+    if width is not None and width <= NARROW_BAND and p.modifiers == {"window"}:
+        _band_backward(p, dout, q, k, v, out, lse, dq, dk, dv, width)
+        return dq.view(p.carrier), dk.view(p.carrier), dv.view(p.carrier)
     block_m, block_n = tile_sizes(p, backward=True)
     key_blocks = _blocks(0, p.seqlen_k, block_n)
     unit_flops = 2.5 * p.flops_forward() / (p.batch * p.heads_kv * len(key_blocks))
