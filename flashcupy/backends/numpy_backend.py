@@ -706,6 +706,9 @@ class _Modifiers:
             bias = _values(p, p.bias)[0] if p.bias.dtype == p.carrier else p.bias  # else float32
             self.bias = np.broadcast_to(bias, full)
         self.mask = None if p.mask is None else np.broadcast_to(p.mask, full)
+        # a bias of the full shape: each element of dbias takes the dS of one pair, from one tile
+        # (the tile plans cover each pair once), so add_dbias may write it rather than add to it
+        self.dbias_once = p.bias is not None and tuple(p.bias.shape) == full
 
     def _heads(self, x, b, c0, c1, rows, cols):
         """x (batch, heads_q, seqlen_q, seqlen_k) for kv heads c0..c1, as (kv heads, rows, group,
@@ -768,7 +771,11 @@ class _Modifiers:
             t[0, rows, cols] += x.sum(axis=(0, 2))
         elif self.heads.consecutive:
             region = t[c0 * g:c1 * g, rows, cols]
-            region.reshape(c1 - c0, g, *region.shape[1:]).transpose(0, 2, 1, 3)[...] += x
+            region = region.reshape(c1 - c0, g, *region.shape[1:]).transpose(0, 2, 1, 3)
+            if self.dbias_once:  # nothing else adds here: no read of the zeros (or pages) first
+                region[...] = x
+            else:
+                region += x
         else:
             for kv in range(c1 - c0):
                 for h in range(g):
@@ -1063,6 +1070,10 @@ def _backward_item(p, j0, j1, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, db
         T = None
         if modify is None:
             S = np.matmul(Q1_i, K1t[:, :, x:y], out=scratch.take("S", (heads, z - a, y - x), acc))
+        elif p.softcap is None:  # ALiBi, bias and mask add to the score: lse can come off first, in the matmul
+            with np.errstate(invalid="ignore"):  # -lse is -inf in a row a mask leaves no key (0 x inf in BLAS's padding)
+                S = np.matmul(Q1_i, K1t[:, :, x:y], out=scratch.take("S", (heads, z - a, y - x), acc))
+            modify(S, slice(i0, i1), slice(c0, c1), T)
         else:
             S = np.matmul(Q1_i[:, :, :D], K1t[:, :D, x:y], out=scratch.take("S", (heads, z - a, y - x), acc))
             if p.softcap is not None:
