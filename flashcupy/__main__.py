@@ -102,6 +102,10 @@ def cmd_bench(args) -> int:
 
     device = "cuda" if args.device == "cuda" else "cpu"
     impls = args.impl or bench.implementations(device)
+    skipped = [impl for impl in impls if not bench.supports(impl, args.window, args.bias)]
+    if skipped:
+        print(f"timed without score modifiers only, left out: {', '.join(skipped)}", file=sys.stderr)
+        impls = [impl for impl in impls if impl not in skipped]
     results = []
     jobs = [(impl, s) for s in args.seqlen for impl in impls]
     for impl, s in bench.progress(jobs, "bench"):
@@ -109,7 +113,7 @@ def cmd_bench(args) -> int:
             continue  # the full score matrix (and its temporaries) would not fit
         results += bench.run_one(impl, args.batch, args.heads, s, args.head_dim, causal=args.causal,
                                   dtype=args.dtype, device=device, passes=args.passes,
-                                  repeat=args.repeat, min_time=args.min_time)
+                                  repeat=args.repeat, min_time=args.min_time, window=args.window, bias=args.bias)
     print(bench.format_table(results))
     if args.json:
         with open(args.json, "w") as f:
@@ -171,6 +175,17 @@ def cmd_kernels_counters(args) -> int:
 # ----------------------------------------------------------------------------
 
 
+def _window(text: str) -> tuple:
+    """--window LEFT,RIGHT: each side a whole number of keys >= 0 or 'none'."""
+    sides = text.split(",")
+    if len(sides) != 2:
+        raise argparse.ArgumentTypeError(f"--window takes LEFT,RIGHT (e.g. 255,none), got {text!r}")
+    try:
+        return tuple(None if x.strip().lower() == "none" else int(x) for x in sides)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window sides are whole numbers or 'none', got {text!r}") from None
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="flashcupy", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd")
@@ -189,6 +204,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--head-dim", type=int, default=64)
     b.add_argument("--seqlen", type=int, nargs="+", default=[1024, 2048, 4096])
     b.add_argument("--causal", action="store_true")
+    b.add_argument("--window", type=_window, metavar="LEFT,RIGHT",
+                   help="a sliding window: query i sees keys i - LEFT .. i + RIGHT, 'none' for an unbounded side "
+                        "(with --causal RIGHT is 0): --causal --window 255,none")
+    b.add_argument("--bias", action="store_true",
+                   help="add a (1, heads, S, S) bias of the inputs' dtype; the backward computes its gradient too")
     b.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float32")
     b.add_argument("--passes", nargs="+", choices=("forward", "backward"), default=["forward", "backward"])
     b.add_argument("--repeat", type=int, default=3)

@@ -49,6 +49,46 @@ def test_bench_counts_flops_by_the_standard_formula(tmp_path, causal):
         assert r["tflops"] * r["seconds"] * 1e12 == pytest.approx(want)
 
 
+
+def test_bench_times_a_window_and_a_bias(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    assert main(["bench", "--impl", "numpy", "--impl", "naive-numpy", "--impl", "torch-sdpa", "--seqlen", "64",
+                 "--heads", "2", "--head-dim", "16", "--repeat", "1", "--min-time", "0", "--causal",
+                 "--window", "7,none", "--bias", "--json", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "window=(7, None) bias=(1, H, S, S)" in captured.out
+    assert "torch-sdpa" in captured.err  # left out: torch's kernels are timed without modifiers
+    rows = json.loads(path.read_text())
+    assert {(r["impl"], r["pass_"]) for r in rows} == {
+        (i, p) for i in ("numpy", "naive-numpy") for p in ("forward", "backward")}
+    pairs = sum(min(i, 7) + 1 for i in range(64))  # query i sees keys i - 7 .. i
+    for r in rows:
+        assert r["modifiers"] == "window=(7, None) bias=(1, H, S, S)"
+        want = 4 * 2 * 16 * pairs * (2.5 if r["pass_"] == "backward" else 1)
+        assert r["tflops"] * r["seconds"] * 1e12 == pytest.approx(want)
+
+
+@pytest.mark.parametrize("text", ["7", "a,3", "1,2,3"])
+def test_bench_names_a_bad_window(text, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--window", text])
+    assert "--window" in capsys.readouterr().err
+
+
+def test_naive_baseline_computes_a_window_and_a_bias():
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((1, 9, 2, 4)) for _ in range(4))
+    bias = rng.standard_normal((1, 2, 9, 9))
+    import reference
+    kw = dict(causal=True, window=(3, None), bias=bias)
+    fwd, bwd = bench.naive_numpy(q, k, v, dout, True, 0.5, window=(3, None), bias=bias)
+    np.testing.assert_allclose(fwd().transpose(0, 2, 1, 3), reference.attention(q, k, v, scale=0.5, **kw), rtol=1e-12)
+    got = bwd()
+    want = reference.attention_backward(dout, q, k, v, scale=0.5, **kw)
+    for g, w in zip(got[:3], want[:3]):
+        np.testing.assert_allclose(g.transpose(0, 2, 1, 3), w, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got[3], want[3], rtol=1e-10, atol=1e-12)
+
 def test_naive_baseline_computes_attention():
     rng = np.random.default_rng(0)
     q, k, v, dout = (rng.standard_normal((1, 9, 2, 4)) for _ in range(4))

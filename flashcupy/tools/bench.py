@@ -6,7 +6,12 @@ measured against), and torch's scaled_dot_product_attention when torch is
 installed. All run in one process, one after another, on the same inputs.
 
 TFLOP/s use the FlashAttention papers' count: forward 4·B·H·Sq·Sk·D, halved
-when causal; backward 2.5x the forward.
+when causal, or 4·B·H·D per visible pair with a sliding window; backward 2.5x
+the forward.
+
+Score modifiers: a sliding window (`window=(left, right)`) and a (1, H, S, S)
+additive bias (whose gradient the backward then computes too) run on the
+flashcupy backends and the naive baseline; torch's kernels are left out.
 
 Peak memory is the extra memory a call needs beyond its inputs:
 - on the CPU, in a fresh process for each measurement (so no allocator
@@ -43,14 +48,34 @@ class Result:
     seconds: float
     tflops: float
     peak_bytes: int | None
+    modifiers: str = ""  # e.g. "window=(255, None) bias=(1, H, S, S)"; empty for plain calls
 
     def as_dict(self):
         return asdict(self)
 
 
-def flops(batch, heads, seqlen, head_dim, causal, pass_) -> float:
-    f = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+def flops(batch, heads, seqlen, head_dim, causal, pass_, window=None) -> float:
+    if window is None or window == (None, None):
+        f = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    else:
+        f = 4.0 * batch * heads * head_dim * visible_pairs(seqlen, causal, window)
     return f * (2.5 if pass_ == "backward" else 1.0)
+
+
+def visible_pairs(seqlen, causal, window) -> int:
+    """The (query, key) pairs causal and window=(left, right) leave visible, per batch and head,
+    with seqlen queries and keys: query i sees keys i - left .. i + right (right 0 when causal)."""
+    left, right = window
+    right = 0 if causal else right
+    i = np.arange(seqlen, dtype=np.int64)
+    lo = np.zeros_like(i) if left is None else np.clip(i - left, 0, seqlen)
+    hi = np.full_like(i, seqlen) if right is None else np.clip(i + right + 1, 0, seqlen)
+    return int(np.maximum(hi - lo, 0).sum())
+
+
+def describe_modifiers(window=None, bias=False) -> str:
+    parts = ([] if window is None else [f"window=({window[0]}, {window[1]})"]) + (["bias=(1, H, S, S)"] if bias else [])
+    return " ".join(parts)
 
 
 # ----------------------------------------------------------------------------
@@ -103,14 +128,24 @@ except OSError:
 # implementations: each returns (forward(), backward()) closures over fixed inputs
 
 
-def naive_numpy(q, k, v, dout, causal, scale):
-    """Full-matrix attention in the inputs' dtype: the textbook version users write."""
+def naive_numpy(q, k, v, dout, causal, scale, window=None, bias=None):
+    """Full-matrix attention in the inputs' dtype: the textbook version users write. window and
+    bias as flashcupy takes them."""
     Q, K, V, dO = (x.transpose(0, 2, 1, 3) for x in (q, k, v, dout))
     Sq, Sk = Q.shape[2], K.shape[2]
-    mask = np.arange(Sk)[None, :] > np.arange(Sq)[:, None] + (Sk - Sq) if causal else None
+    left, right = (None, None) if window is None else window
+    right = 0 if causal else right
+    i, j = np.arange(Sq)[:, None] + (Sk - Sq), np.arange(Sk)[None, :]
+    mask = None  # the pairs hidden
+    if right is not None:
+        mask = j > i + right
+    if left is not None:
+        mask = (j < i - left) if mask is None else mask | (j < i - left)
 
     def probs():
         S = Q @ K.transpose(0, 1, 3, 2) * scale
+        if bias is not None:
+            S += bias
         if mask is not None:
             S[..., mask] = -np.inf
         S -= S.max(axis=-1, keepdims=True)
@@ -126,8 +161,10 @@ def naive_numpy(q, k, v, dout, causal, scale):
         dV = P.transpose(0, 1, 3, 2) @ dO
         dP = dO @ V.transpose(0, 1, 3, 2)
         dP -= np.sum(dP * P, axis=-1, keepdims=True)
-        dP *= P * scale
-        return dP @ K, dP.transpose(0, 1, 3, 2) @ Q, dV
+        dP *= P  # the gradient of the scores: dbias, summed over the batch
+        dbias = () if bias is None else (dP.sum(axis=0, keepdims=True),)
+        dP *= scale
+        return (dP @ K, dP.transpose(0, 1, 3, 2) @ Q, dV) + dbias
 
     return forward, backward
 
@@ -172,8 +209,8 @@ def _torch_sdpa(q, k, v, dout, causal, scale, device, kernel=None, bf16_bits=Fal
     return forward, backward
 
 
-def _flashcupy(name, q, k, v, dout, causal, scale, dtype=None):
-    kw = dict(causal=causal, scale=scale, backend=name, dtype=dtype)
+def _flashcupy(name, q, k, v, dout, causal, scale, dtype=None, window=None, bias=None):
+    kw = dict(causal=causal, scale=scale, backend=name, dtype=dtype, window=window, bias=bias)
     out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
 
     def forward():
@@ -245,14 +282,22 @@ def best_time(fn, device, repeat: int, min_time: float) -> float:
     return best
 
 
-def closures(impl, q, k, v, dout, causal, scale, device, bf16_bits=False):
+def supports(impl, window=None, bias=False) -> bool:
+    """Whether closures() can run impl with these modifiers (torch's kernels are run without)."""
+    return impl not in TORCH_KERNELS or (window is None and not bias)
+
+
+def closures(impl, q, k, v, dout, causal, scale, device, bf16_bits=False, *, window=None, bias=None):
     """(forward, backward) callables of one implementation over fixed inputs; bf16_bits says the
-    arrays hold bfloat16 bit patterns (uint16), as flashcupy's CuPy users pass them."""
+    arrays hold bfloat16 bit patterns (uint16), as flashcupy's CuPy users pass them. window and
+    bias (an array, or None) as flashcupy.attention takes them (see supports)."""
+    if not supports(impl, window, bias is not None):
+        raise ValueError(f"{impl} is timed without score modifiers (window, bias)")
     if impl == "naive-numpy":
-        return naive_numpy(q, k, v, dout, causal, scale)
+        return naive_numpy(q, k, v, dout, causal, scale, window, bias)
     if impl in TORCH_KERNELS:
         return _torch_sdpa(q, k, v, dout, causal, scale, device, TORCH_KERNELS[impl], bf16_bits)
-    return _flashcupy(impl, q, k, v, dout, causal, scale, "bfloat16" if bf16_bits else None)
+    return _flashcupy(impl, q, k, v, dout, causal, scale, "bfloat16" if bf16_bits else None, window, bias)
 
 
 def gpu_peak(fn, impl):
@@ -276,11 +321,12 @@ def gpu_peak(fn, impl):
     return pool.total_bytes() - base
 
 
-def _host_peak_child(impl, batch, heads, seqlen, head_dim, causal, dtype, pass_):
+def _host_peak_child(impl, batch, heads, seqlen, head_dim, causal, dtype, pass_, window=None, bias=False):
     _fresh_pages_allocator()
     q, k, v, dout = make_inputs(batch, heads, seqlen, head_dim, np.dtype(dtype), "cpu")
-    fn = dict(zip(("forward", "backward"),
-                  closures(impl, q, k, v, dout, causal, default_scale(head_dim), "cpu")))[pass_]
+    b = make_bias(heads, seqlen, np.dtype(dtype), "cpu") if bias else None
+    fn = dict(zip(("forward", "backward"), closures(impl, q, k, v, dout, causal, default_scale(head_dim), "cpu",
+                                                    window=window, bias=b)))[pass_]
     fn()
     with HostPeak() as probe:
         fn()
@@ -288,19 +334,20 @@ def _host_peak_child(impl, batch, heads, seqlen, head_dim, causal, dtype, pass_)
 
 
 def peak_bytes(impl, batch, heads, seqlen, head_dim, causal=False, dtype="float32", device="cpu",
-               pass_="forward"):
-    """Memory one call needs beyond its inputs; None where it cannot be measured."""
+               pass_="forward", window=None, bias=False):
+    """Memory one call needs beyond its inputs (a bias among them); None where it cannot be measured."""
     if device == "cuda":
         q, k, v, dout = make_inputs(batch, heads, seqlen, head_dim, np.dtype(dtype), device)
-        fn = dict(zip(("forward", "backward"),
-                      closures(impl, q, k, v, dout, causal, default_scale(head_dim), device)))[pass_]
+        b = make_bias(heads, seqlen, np.dtype(dtype), device) if bias else None
+        fn = dict(zip(("forward", "backward"), closures(impl, q, k, v, dout, causal, default_scale(head_dim), device,
+                                                        window=window, bias=b)))[pass_]
         fn()
         return gpu_peak(fn, impl)
     if not HostPeak.available:
         return None
     import multiprocessing
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_host_peak_child, (impl, batch, heads, seqlen, head_dim, causal, dtype, pass_))
+        return pool.apply(_host_peak_child, (impl, batch, heads, seqlen, head_dim, causal, dtype, pass_, window, bias))
 
 
 def make_inputs(batch, heads, seqlen, head_dim, dtype, device, seed=0):
@@ -312,19 +359,31 @@ def make_inputs(batch, heads, seqlen, head_dim, dtype, device, seed=0):
     return arrays
 
 
+def make_bias(heads, seqlen, dtype, device, seed=1):
+    """A random normal (1, heads, seqlen, seqlen) bias: one per head, shared by the batch."""
+    bias = np.random.default_rng(seed).standard_normal((1, heads, seqlen, seqlen)).astype(dtype)
+    if device == "cuda":
+        import cupy
+        bias = cupy.asarray(bias)
+    return bias
+
+
 def run_one(impl, batch, heads, seqlen, head_dim, causal=False, dtype="float32", device="cpu",
-            passes=("forward", "backward"), repeat=3, min_time=1.0, memory=True):
+            passes=("forward", "backward"), repeat=3, min_time=1.0, memory=True, window=None, bias=False):
+    """window: (left, right) or None; bias: whether to add a (1, heads, S, S) bias (make_bias)."""
     q, k, v, dout = make_inputs(batch, heads, seqlen, head_dim, np.dtype(dtype), device)
-    fns = closures(impl, q, k, v, dout, causal, default_scale(head_dim), device)
+    b = make_bias(heads, seqlen, np.dtype(dtype), device) if bias else None
+    fns = closures(impl, q, k, v, dout, causal, default_scale(head_dim), device, window=window, bias=b)
     results = []
     for pass_, fn in zip(("forward", "backward"), fns):
         if pass_ not in passes:
             continue
         seconds = best_time(fn, device, repeat, min_time)
-        peak = peak_bytes(impl, batch, heads, seqlen, head_dim, causal, dtype, device, pass_) if memory else None
-        tf = flops(batch, heads, seqlen, head_dim, causal, pass_) / seconds / 1e12
+        peak = peak_bytes(impl, batch, heads, seqlen, head_dim, causal, dtype, device, pass_, window, bias) \
+            if memory else None
+        tf = flops(batch, heads, seqlen, head_dim, causal, pass_, window) / seconds / 1e12
         results.append(Result(impl, pass_, batch, heads, seqlen, head_dim, causal, str(np.dtype(dtype)),
-                              seconds, tf, peak))
+                              seconds, tf, peak, describe_modifiers(window, bias)))
     return results
 
 
@@ -340,11 +399,15 @@ def progress(items, desc):
 def format_table(results) -> str:
     head = f"{'impl':<12} {'pass':<8} {'B':>2} {'H':>3} {'S':>6} {'D':>4} {'causal':>6} {'dtype':>8} " \
            f"{'ms':>9} {'TFLOP/s':>8} {'peak MiB':>9}"
+    mods = any(r.modifiers for r in results)
+    if mods:
+        head += "  modifiers"
     lines = [head, "-" * len(head)]
     for r in results:
         mem = "n/a" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.1f}"
         lines.append(f"{r.impl:<12} {r.pass_:<8} {r.batch:>2} {r.heads:>3} {r.seqlen:>6} {r.head_dim:>4} "
-                     f"{str(r.causal):>6} {r.dtype:>8} {r.seconds * 1e3:>9.2f} {r.tflops:>8.4f} {mem:>9}")
+                     f"{str(r.causal):>6} {r.dtype:>8} {r.seconds * 1e3:>9.2f} {r.tflops:>8.4f} {mem:>9}"
+                     + (f"  {r.modifiers}" if mods else ""))
     return "\n".join(lines)
 
 
