@@ -41,9 +41,12 @@ are score tiles, one set per worker thread, reused for the whole call.
 Score modifiers (README, Semantics): a window narrows the band the tile plans
 come from (_key_range, _query_range, _visible), so key blocks outside it are
 never visited; softcap, ALiBi, bias and mask act on each tile's scores
-(_Modifiers), which then have m (lse in the backward) subtracted in a pass of
-their own; dbias is dS summed to the bias's shape (see backward). Calls without
-them run the code above unchanged. Work is
+(_Modifiers), which then have m subtracted in a pass of their own (in the
+backward lse comes off in the matmul unless there is a softcap); dbias is dS
+summed to the bias's shape (see backward). A window alone, at most NARROW_BAND
+keys wide, takes tiles of a few rows that hold every key their rows see, many
+to a matmul (_band_forward, _band_backward): its cost grows with seqlen x
+window. Calls without modifiers run the code above unchanged. Work is
 spread over a thread pool kept between calls; NumPy releases the GIL in BLAS and
 in the elementwise loops.
 """
@@ -1048,9 +1051,10 @@ def _backward_item(p, j0, j1, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, db
     the scale into dQ, and Q1 carries scale log2(e) into dK (corrected once per item). A tile costs
     five matmuls and two elementwise passes (exp2, P ∘ (dP - D)).
 
-    With modify (_Modifiers.apply, for softcap, ALiBi, bias or mask), S comes from [Q_i] K_jᵀ, is
-    modified, then has lse subtracted; dbias(dS, rows, keys) takes dS, the gradient of the final
-    score; a softcap then multiplies dS by 1 - tanh² before dQ and dK.
+    With modify (_Modifiers.apply, for softcap, ALiBi, bias or mask), S - lse comes out of the
+    matmul as above and is modified (ALiBi, bias and mask only add), or with a softcap S comes
+    from Q_i K_jᵀ, is modified, then has lse subtracted; dbias(dS, rows, keys) takes dS, the
+    gradient of the final score; a softcap then multiplies dS by 1 - tanh² before dQ and dK.
     """
     acc = p.acc_dtype
     heads, w, D = K.shape
