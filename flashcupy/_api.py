@@ -423,7 +423,7 @@ def _check_rows(rows, seqlen_q: int) -> np.ndarray:
 
 @_interop.accepts_foreign_arrays
 def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
-              scale=None, return_lse=False, backend="auto", dtype=None, _diagonal=None):
+              scale=None, return_lse=False, backend="auto", dtype=None, _diagonal=None, _num_splits=1):
     """Exact softmax(q kᵀ · scale) v, computed tile by tile (FlashAttention).
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
@@ -440,6 +440,8 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
 
     _diagonal (private, for flashcupy.dask): the diagonal of a chunk of a larger problem, its
     queries' and keys' global positions folded in; None: seqlen_k - seqlen_q.
+    _num_splits (private, for attention_with_kvcache): split-KV inside the backend, for backends
+    that have it (split_plan): 1 none, None by the backend's heuristic, an int at most that many.
     """
     backend = _check_backend_name(backend)
     return_lse = _check_bool("return_lse", return_lse)
@@ -451,8 +453,10 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
         # Nothing to attend to: every query row is fully masked (out 0, lse -inf).
         out = mod.allocate(q, q.shape, p.carrier, 0)
         lse = mod.allocate(q, p.lse_shape, p.lse_dtype, -np.inf)
-    else:
+    elif _num_splits == 1:
         out, lse = mod.forward(p, q, k, v)
+    else:
+        out, lse = mod.forward(p, q, k, v, num_splits=_num_splits)
     return (out, lse) if return_lse else out
 
 

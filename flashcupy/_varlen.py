@@ -9,8 +9,10 @@ each run an ordinary call told its global diagonal, the runs combined by `flashc
 (as are the splits of num_splits).
 
 Kernels that take the offsets themselves (one launch for the whole batch on the GPU) are not
-written yet; on the cupy backend each sequence is its own launch, and the offsets are copied to
-the host to be checked.
+written yet; on the cupy backend each sequence (each run of a paged cache) is its own launch, and
+the offsets are copied to the host to be checked. Its forward splits a sequence's keys inside that
+launch (split-KV, cupy_backend.split_plan) where one CTA per query block and head would leave the
+device idle, as when decoding.
 """
 
 from __future__ import annotations
@@ -280,8 +282,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     cached per sequence. k, v (batch, seqlen_new, heads_kv, head_dim), optional: written into the
     cache in place at cache_seqlens[b] ..., then attention runs over cache_seqlens[b] + seqlen_new
     keys, causal aligned bottom-right per sequence; the caller advances cache_seqlens. num_splits
-    (None: 1 here) splits each sequence's keys into that many parts, merged by the lse rule: the
-    result depends on it only through rounding. Returns out, or (out, lse).
+    splits each sequence's keys into (at most) that many parts, merged by the lse rule: the result
+    depends on it only through rounding. None: the cupy backend splits inside one launch when the
+    grid would hold at most two CTAs per SM (cupy_backend.split_plan); the others do not split.
+    Returns out, or (out, lse).
     """
     return_lse = _api._check_bool("return_lse", return_lse)
     backend = _api._check_backend_name(backend)
@@ -306,12 +310,17 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     out = mod.allocate(q, q.shape, p.carrier, 0)
     lse = mod.allocate(q, (batch,) + p.lse_shape[1:], p.lse_dtype, -np.inf)  # p is of one sequence
     Sq = q.shape[1]
+    # a backend that splits the keys inside one launch (cupy: split_plan) gets the splits, None
+    # included (its heuristic); the others get one call per split
+    in_launch = hasattr(mod, "split_plan")
     for b in range(batch):
         n = int(lengths[b]) + new
         kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=_slopes_for(alibi_slopes, b, batch),
-                  scale=scale, return_lse=True, backend=backend, dtype=dtype)
+                  scale=scale, return_lse=True, backend=mod.NAME, dtype=dtype)
+        if in_launch:
+            kw["_num_splits"] = num_splits
         parts = [_api.attention(q[b:b + 1], kk, vv, _diagonal=n - Sq - j0, **kw)
-                 for j0, kk, vv in _pieces(k_cache, v_cache, b, table, block_size, n, splits)]
+                 for j0, kk, vv in _pieces(k_cache, v_cache, b, table, block_size, n, 1 if in_launch else splits)]
         if not parts:
             continue  # no key: out 0, lse -inf
         o, l = parts[0] if len(parts) == 1 else _merge.merge([o for o, _ in parts], [l for _, l in parts],

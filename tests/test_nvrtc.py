@@ -118,8 +118,11 @@ def test_every_specialization_compiles(report):
     attention = len(specs.CUDA_TYPES) * (kernels_per_dtype - 1) + tensor_core
     # flash_pairs.cu: attention_probs per dtype and bucket, three times as well; dbias with the bias only
     pairs = len(specs.CUDA_TYPES) * len(specs.HEAD_DIM_BUCKETS) * (3 + 1)
-    assert len(rows) == len(specs.CUDA_TYPES) + 3 * attention + pairs
-    assert {r["mods"] for r in rows} == {None, "window", "+".join(specs.MOD_BITS)}
+    # the split-KV forwards, plain and with every modifier
+    split = 2 * (len(specs.CUDA_TYPES) * len(specs.HEAD_DIM_BUCKETS) + len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS))
+    assert len(rows) == len(specs.CUDA_TYPES) + 3 * attention + pairs + split
+    every = "+".join(specs.MOD_BITS)
+    assert {r["mods"] for r in rows} == {None, "window", every, "split", every + "+split"}
     print(f"\n{what}\n{nvrtc.format_kernel_report({what: rows})}")
 
 

@@ -165,3 +165,99 @@ def test_paged_runs_are_consecutive_physical_blocks():
     assert _runs([5, 6, 2, 3, 4, 9], True) == [(0, 2), (2, 5), (5, 6)]
     assert _runs([5, 6, 7], False) == [(0, 1), (1, 2), (2, 3)]  # blocks not back to back in memory
     assert _runs([], True) == []
+
+
+# ----------------------------------------------------------------------------
+# split-KV inside one launch (the cupy backend, emulated): decoding fills the device
+
+
+def _recording(grids, mutate=None):
+    """An emulator compile function that records (kernel, CTAs) of every launch; `mutate` (old, new)
+    edits the kernel source first."""
+    from cupy_emulation import compile_module
+
+    def compile(source, names, options, *rest):
+        if mutate is not None and mutate[0] in source:
+            source = source.replace(*mutate)
+        module = compile_module(source, names, options, *rest)
+
+        class Recording:
+            def get_function(self, name):
+                fn = module.get_function(name)
+
+                def launch(grid, block, args, **kw):
+                    grids.append((name, grid[0]))
+                    return fn(grid, block, args, **kw)
+                return launch
+        return Recording()
+    return compile
+
+
+def _split_kv_case(rng, dtype, paged, num_splits, order="ascending", mutate=None):
+    """Decode on the emulated cupy backend (GQA, one cached sequence longer than several splits, one
+    empty, a new token appended) against the oracle; returns the recorded launches."""
+    from cupy_emulation import emulated
+    B, C, Hq, Hkv, D = 3, 640, 4, 2, 64
+    k_cache, v_cache = _cache(rng, B, C, Hkv, D, dtype)
+    lengths = np.array([600, 0, 250], np.int32)
+    q = rng.standard_normal((B, 1, Hq, D)).astype(dtype)
+    k_new, v_new = (rng.standard_normal((B, 1, Hkv, D)).astype(dtype) for _ in range(2))
+    want_k, want_v = k_cache.copy(), v_cache.copy()
+    for b in range(B):
+        want_k[b, lengths[b]], want_v[b, lengths[b]] = k_new[b, 0], v_new[b, 0]
+    kc, vc, table = _paged(k_cache, v_cache, 64, rng) if paged else (k_cache, v_cache, None)
+    grids = []
+    with emulated(order, compile=_recording(grids, mutate)):
+        out, lse = flashcupy.attention_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                    block_table=table, causal=True, return_lse=True,
+                                                    num_splits=num_splits, backend="cupy")
+    for b in range(B):
+        n = lengths[b] + 1
+        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], want_k[b:b + 1, :n], want_v[b:b + 1, :n],
+                              causal=True)
+    return grids
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
+def test_cupy_splits_the_keys_inside_one_launch(rng, dtype, paged, num_splits, order):
+    grids = _split_kv_case(rng, dtype, paged, num_splits, order)
+    want = "attn_fwd_tc<" if dtype == np.float16 else "flash_fwd<"
+    assert all(name.startswith(want) for name, _ in grids)
+    split = [(name, ctas) for name, ctas in grids if name.endswith(", true>")]
+    # a paged cache is read run by run (consecutive physical blocks, here mostly one block of 64 keys):
+    # runs shorter than two splits' alignment are not split
+    if not paged:  # one launch per sequence; 4 CTAs (query heads) a split, the empty sequence unsplit
+        # 601 keys: 3 splits of 256 keys (forced), or 5 of 128 (the smallest, as 4 CTAs fill no device);
+        # 251 keys: 2 splits of 128 either way
+        assert [ctas for _, ctas in split] == ([4 * 3, 4 * 2] if num_splits == 3 else [4 * 5, 4 * 2])
+
+
+def test_a_split_that_reaches_into_the_next_is_caught(rng):
+    # the key loop of a split runs one tile past its end: those keys are counted twice
+    with pytest.raises(AssertionError):
+        _split_kv_case(rng, np.float32, False, None, mutate=("end = min(end, s0 + len);",
+                                                              "end = min(end, s0 + len + BLOCK_N);"))
+
+
+def test_the_split_plan_fills_the_device_when_decoding():
+    # the issue's decode call (B=1, 32 query heads, 8 kv heads, D=128, one query, 64k cached keys) on
+    # an H200's 132 SMs: one query block per head is 32 CTAs; the plan makes more than 2 per SM
+    from cupy_emulation import emulated
+    from flashcupy.backends import cupy_backend
+    from flashcupy.backends.cupy_backend import specs
+    for dtype in (np.float16, np.float32):
+        q = np.zeros((1, 1, 32, 128), dtype)
+        kv = np.zeros((1, 65536, 8, 128), dtype)
+        with emulated() as runtime:
+            runtime.sm_count = lambda x: 132
+            p = flashcupy._api._problem(q, kv, kv, True, None, None, "numpy")
+            splits, key_split = cupy_backend.split_plan(p, q, kv, kv)
+            assert key_split % specs.SPLIT_ALIGN == 0 and splits == -(-65536 // key_split)
+            assert 32 * splits > 2 * 132, (splits, key_split)
+            # a grid that fills the device already is not split; a forced count is at most that many
+            assert cupy_backend.split_plan(p, q, kv, kv, 5)[0] <= 5
+            runtime.sm_count = lambda x: 8
+            assert cupy_backend.split_plan(p, q, kv, kv) == (1, 0)

@@ -5,9 +5,12 @@ computes, its tiles and its shared-memory budget); specs.py says which specializ
 This module packs arguments, allocates outputs and workspaces, and launches:
 
     forward   flash_fwd | attn_fwd_tc                 grid: query blocks x batch x heads_q
+              (split-KV: x splits, partial outs merged by flashcupy.merge's rule; split_plan)
     backward  flash_bwd_preprocess  D = rowsum(dO ∘ O)    grid: batch x heads_q x seqlen_q / 4
               flash_bwd_dkdv | attn_bwd_dkdv_tc  dK, dV   grid: key blocks x batch x heads_kv
               flash_bwd_dq | attn_bwd_dq_tc      dQ       grid: query blocks x batch x heads_q
+              flash_bwd_dbias (with a bias)      dbias    grid: tiles of the bias's own shape
+    probs     flash_probs (attention_probs)      P        grid: row blocks x key blocks x batch x heads_q
 
 The SIMT kernels (flash_*.cu) take every dtype; the tensor-core ones (attn_*_tc.cu) take
 float16/bfloat16 where `forward_path` / `backward_path` say so, with the same arguments.
@@ -15,7 +18,7 @@ float16/bfloat16 where `forward_path` / `backward_path` say so, with the same ar
 Every tensor is passed as a pointer to its first element plus its element strides (any layout,
 negative strides included); sizes as int32, the scale in the accumulation type, then causal and the
 causal diagonal (Problem.diagonal) as int32, then the score modifiers (_modifier_args: the window's
-sides, softcap, the ALiBi slopes), which only the kernels specialised for them read: the MODS
+sides, softcap, the ALiBi slopes, the bias, the bool mask), which only the kernels specialised for them read: the MODS
 template argument (specs.MOD_BITS) is chosen per call from Problem.modifiers, and a call without
 modifiers launches the kernels it launched before they existed. The interface has checked head_dim and every grid
 (MAX_HEAD_DIM, grid_axes) before a call gets here. Launches go to CuPy's current stream on the
@@ -34,6 +37,7 @@ import functools
 
 import numpy as np
 
+from ... import _merge, backends
 from . import sources, specs
 
 NAME = "cupy"
@@ -56,16 +60,18 @@ class Runtime:
     compute_capability(x): of x's device, as an int (80 for sm_80).
     data_ptr(x): the address of x's first element.
     device_id(x): which device x lives on (kernel handles are kept per device).
+    sm_count(x): the streaming multiprocessors of x's device (split-KV fills them: split_plan).
     """
 
     def __init__(self, xp, compile_module, device_of=None, compute_capability=None, data_ptr=None,
-                 device_id=None):
+                 device_id=None, sm_count=None):
         self.xp = xp
         self.compile_module = compile_module
         self.device_of = device_of or (lambda x: contextlib.nullcontext())
         self.compute_capability = compute_capability or (lambda x: 90)
         self.data_ptr = data_ptr or (lambda x: x.ctypes.data)
         self.device_id = device_id or (lambda x: 0)
+        self.sm_count = sm_count or (lambda x: 132)  # an H100's or H200's
         self.functions = {}  # (device, ModuleSpec) -> its kernels, ready to launch
 
 
@@ -81,7 +87,8 @@ def _cupy_runtime() -> Runtime:
 
     return Runtime(cupy, compile_module, lambda x: x.device,
                    lambda x: int(cupy.cuda.Device(x.device.id).compute_capability), lambda x: x.data.ptr,
-                   lambda x: x.device.id)
+                   lambda x: x.device.id,
+                   lambda x: int(cupy.cuda.Device(x.device.id).attributes["MultiProcessorCount"]))
 
 
 def _runtime() -> Runtime:
@@ -283,21 +290,69 @@ def _mods(p) -> int:
     return specs.mods_of(p.modifiers)
 
 
-def forward(p, q, k, v):
-    rt = _runtime()
+def split_plan(p, q, k, v, num_splits=None) -> tuple:
+    """(splits, keys per split) of split-KV for this forward: (1, 0) for none.
+
+    num_splits None: when one CTA per (query block, batch, query head) leaves the device with at most
+    two CTAs per SM (decoding: one query block, few heads), enough splits that the grid holds more,
+    each of at least specs.SPLIT_ALIGN keys (so there may be fewer). An int: at most that many, of
+    about equal length. Keys per split are a multiple of specs.SPLIT_ALIGN, so no tile crosses a split.
+    """
+    align = specs.SPLIT_ALIGN
+    if num_splits is None:
+        (kernel,) = _forward_module(p, q, k, v, False)[1].kernels
+        ctas, target = _launch_blocks(kernel, p)[1], 2 * _runtime().sm_count(q)
+        if ctas > target:
+            return 1, 0
+        key_split = max(align, p.seqlen_k // _cdiv(target + 1, ctas) // align * align)
+    else:
+        key_split = _cdiv(_cdiv(p.seqlen_k, num_splits), align) * align
+    (kernel,) = _forward_module(p, q, k, v, True)[1].kernels
+    room = backends.MAX_GRID[0] // _launch_blocks(kernel, p)[1]  # the splits CUDA's grid x holds
+    if _cdiv(p.seqlen_k, key_split) > room:
+        key_split = _cdiv(_cdiv(p.seqlen_k, room), align) * align
+    splits = _cdiv(p.seqlen_k, key_split)
+    return (splits, key_split) if splits > 1 else (1, 0)
+
+
+def _forward_module(p, q, k, v, split: bool) -> tuple:
+    """(tensor cores?, the forward's ModuleSpec) for this call."""
     tensor_cores = forward_path(p, q, k, v) == "tensor-core"
-    module = (specs.tc_forward_module if tensor_cores else specs.forward_module)(p.dtype, p.head_dim, _mods(p))
+    build = specs.tc_forward_module if tensor_cores else specs.forward_module
+    return tensor_cores, build(p.dtype, p.head_dim, _mods(p), split)
+
+
+def forward(p, q, k, v, num_splits=1):
+    """out, lse. num_splits (split_plan): 1, the default, one launch over all keys; None or an int >
+    1, split-KV: the splits' partial outs (in the accumulation dtype) and lses from one launch,
+    merged by flashcupy.merge's rule."""
+    rt = _runtime()
+    splits, key_split = (1, 0) if num_splits == 1 else split_plan(p, q, k, v, num_splits)
+    tensor_cores, module = _forward_module(p, q, k, v, splits > 1)
     (kernel,) = module.kernels
     with rt.device_of(q):
         (fwd,) = _functions(rt, module, q)
-        out = rt.xp.empty(q.shape, dtype=p.carrier)
-        lse = rt.xp.empty(p.lse_shape, dtype=p.lse_dtype)
+        if splits > 1:  # workspaces: (splits, *out's shape) and (splits, *lse's shape)
+            out = rt.xp.empty((splits,) + tuple(q.shape), dtype=p.acc_dtype)
+            lse = rt.xp.empty((splits,) + p.lse_shape, dtype=p.lse_dtype)
+            # the whole workspaces, with one split's strides: the kernel adds the split's offset
+            part_out, part_lse = (_tensor(x)[:1] + _tensor(x[0])[1:] for x in (out, lse))
+            split_args = (np.int32(key_split), np.int64(out.strides[0] // out.itemsize),
+                          np.int64(lse.strides[0] // lse.itemsize))
+        else:
+            out = rt.xp.empty(q.shape, dtype=p.carrier)
+            lse = rt.xp.empty(p.lse_shape, dtype=p.lse_dtype)
+            part_out, part_lse = _tensor(out), _tensor(lse)
+            split_args = (np.int32(0), np.int64(0), np.int64(0))
         fwd(
-            (_launch_blocks(kernel, p)[1],), (specs.NUM_THREADS,),
-            (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(out), *_tensor(lse),
+            (_launch_blocks(kernel, p)[1] * splits,), (specs.NUM_THREADS,),
+            (*_tensor(q), *_tensor(k), *_tensor(v), *part_out, *part_lse,
              *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-             *_modifier_args(p, lse, tensor_cores)),
+             *_modifier_args(p, lse, tensor_cores), *split_args),
             shared_mem=kernel.dynamic_smem)
+        if splits > 1:
+            merged, lse = _merge.merge(list(out), list(lse))
+            out = _merge._store(rt.xp, merged, p.dtype, p.carrier)
     return out, lse
 
 

@@ -97,6 +97,11 @@ TC_BACKWARD_DQ_TILES_SCORE = {64: (64, 32), 128: (64, 32)}
 # With a bias or a bool mask, the forward at head_dim 128 takes half the keys a pass: with every
 # modifier on, the full tile reached 255 registers and spilled.
 TC_FORWARD_TILES_PAIRS = {64: (64, 64), 128: (64, 32)}
+# Split-KV forwards take half the keys a pass: the split's offsets and the float partial out took the
+# full tiles past the register limit (255 registers and spills at head_dim 128; 64 with every
+# modifier). A decode's passes are few and memory-bound, so the smaller tile costs little.
+TC_FORWARD_TILES_SPLIT = {64: (64, 32), 128: (64, 32)}
+TC_FORWARD_TILES_SPLIT_PAIRS = {64: (64, 32), 128: (64, 16)}  # and a bias or mask: 254 registers at 128 on sm_90
 TC_TEMPLATES = ("attn_fwd_tc", "attn_bwd_dkdv_tc", "attn_bwd_dq_tc")
 
 
@@ -129,6 +134,7 @@ class Kernel:
     block_m: int = 0
     block_n: int = 0
     mods: int = 0            # the score modifiers it is specialised for (MOD_BITS); 0 for none
+    split: bool = False      # a forward kernel for split-KV (partial outs in Acc, mask.cuh's Split)
 
     @property
     def modifiers(self) -> str:
@@ -157,8 +163,10 @@ class Kernel:
         args = [storage] if self.tensor_cores else [storage, acc]  # tensor cores accumulate in float
         if self.head_dim:
             args += [str(self.head_dim), str(self.block_m), str(self.block_n)]
-        if self.mods:
+        if self.mods or self.split:
             args.append(str(self.mods))
+        if self.split:
+            args.append("true")
         return f"{self.template}<{', '.join(args)}>"
 
 
@@ -178,11 +186,11 @@ def _name(dtype) -> str:
     return dtype if isinstance(dtype, str) else np.dtype(dtype).name
 
 
-def forward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
+def forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False) -> ModuleSpec:
     bucket = head_dim_bucket(head_dim)
     dtype = _name(dtype)
     bm, bn = _tile("flash_fwd", FORWARD_TILES[_acc_size(dtype)][bucket], _acc_size(dtype), bucket, mods)
-    return ModuleSpec("flash_fwd.cu", (Kernel("flash_fwd", dtype, bucket, bm, bn, mods),))
+    return ModuleSpec("flash_fwd.cu", (Kernel("flash_fwd", dtype, bucket, bm, bn, mods, split),))
 
 
 def backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
@@ -231,11 +239,18 @@ def _tc_bucket(head_dim: int) -> int:
     return 64 if head_dim <= 64 else 128
 
 
-def tc_forward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
+def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False) -> ModuleSpec:
     """The tensor-core forward for float16/bfloat16 and head_dim <= 128 (a multiple of 8)."""
     bucket = _tc_bucket(head_dim)
-    bm, bn = (TC_FORWARD_TILES_PAIRS if mods & MOD_PAIRS else TC_FORWARD_TILES)[bucket]
-    return ModuleSpec("attn_fwd_tc.cu", (Kernel("attn_fwd_tc", _name(dtype), bucket, bm, bn, mods),))
+    tiles = ((TC_FORWARD_TILES_SPLIT_PAIRS if mods & MOD_PAIRS else TC_FORWARD_TILES_SPLIT) if split
+             else TC_FORWARD_TILES_PAIRS if mods & MOD_PAIRS else TC_FORWARD_TILES)
+    bm, bn = tiles[bucket]
+    return ModuleSpec("attn_fwd_tc.cu", (Kernel("attn_fwd_tc", _name(dtype), bucket, bm, bn, mods, split),))
+
+
+# Split-KV: keys per split are a multiple of this, so that every forward tile (BLOCK_N of 8 to 64)
+# ends inside its split
+SPLIT_ALIGN = 128
 
 
 def tc_backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
@@ -258,8 +273,9 @@ def tensor_core_eligible(dtype, head_dim: int) -> bool:
 
 def all_modules(mods=(0, MOD_BITS["window"], ALL_MODS)):
     """Every module the backend can request, for each MODS of `mods`: the forward, backward and
-    attention_probs for each dtype and bucket (and the bias's gradient where MODS has a bias), and the
-    tensor-core forward and backward for each of their dtypes and buckets. By default the plain
+    attention_probs for each dtype and bucket (and the bias's gradient where MODS has a bias), the
+    tensor-core forward and backward for each of their dtypes and buckets, and the split-KV forwards
+    (split_modules). By default the plain
     kernels, the window alone (the plain tiles with the band's bounds) and every modifier (the most
     work in a tile's loop); the NVRTC report checks those."""
     return ([build(dtype, bucket, m)
@@ -268,7 +284,17 @@ def all_modules(mods=(0, MOD_BITS["window"], ALL_MODS)):
              + ((dbias_module,) if m & MOD_BITS["bias"] else ())]
             + [build(dtype, bucket, m)
                for m in mods for dtype in TC_DTYPES for bucket in TC_HEAD_DIM_BUCKETS
-               for build in (tc_forward_module, tc_backward_module)])
+               for build in (tc_forward_module, tc_backward_module)]
+            + split_modules(mods))
+
+
+def split_modules(mods=(0, ALL_MODS)):
+    """The split-KV forwards (SIMT and tensor-core), for the first and last MODS of `mods` (plain,
+    and the most work in a tile's loop)."""
+    ends = sorted({mods[0], mods[-1]})
+    return ([forward_module(dtype, bucket, m, True) for m in ends for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS]
+            + [tc_forward_module(dtype, bucket, m, True) for m in ends for dtype in TC_DTYPES
+               for bucket in TC_HEAD_DIM_BUCKETS])
 
 
 def _acc_size(dtype: str) -> int:

@@ -24,7 +24,8 @@ template <class T>
 constexpr ParamInfo describe_param() {
     if constexpr (std::is_pointer_v<T>) {
         using Pointee = std::remove_cv_t<std::remove_pointer_t<T>>;
-        return {kPointer, sizeof(T), std::is_void_v<Pointee> ? 0 : static_cast<int>(sizeof(Pointee))};
+        if constexpr (std::is_void_v<Pointee>) return {kPointer, sizeof(T), 0};  // no sizeof(void), not even unused
+        else return {kPointer, sizeof(T), static_cast<int>(sizeof(Pointee))};
     } else if constexpr (std::is_same_v<T, bool>) {
         return {kBool, sizeof(T), 0};
     } else if constexpr (std::is_floating_point_v<T>) {

@@ -49,8 +49,12 @@
 // bool mask may hide any pair); with MOD_WINDOW the Mask is the band and KVStream streams only its
 // key blocks.
 //
+// Split-KV (SPLIT): as in flash_fwd.cu, each CTA attends to its split's keys and stores a partial out
+// in float, and lse, at its split's offsets.
+//
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: the padded head dim),
-// BLOCK_M (16 NUM_WARPS = 64), BLOCK_N (a multiple of 16), MODS the score modifiers (0: none).
+// BLOCK_M (16 NUM_WARPS = 64), BLOCK_N (a multiple of 16), MODS the score modifiers (0: none), SPLIT
+// split-KV.
 
 #include "mask.cuh"
 #include "tc_tile.cuh"
@@ -87,10 +91,11 @@ __device__ __forceinline__ void online_softmax(float (&S)[N_TILES][4], float (&m
     }
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool SPLIT = false>
 __global__ void __launch_bounds__(NUM_THREADS) attn_fwd_tc(
-    TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(T, out),
-    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float)) {
+    TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
+    SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
+    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {
     static_assert(BLOCK_M == 16 * NUM_WARPS, "each warp owns 16 query rows: one mma row tile");
     static_assert(BLOCK_N % 16 == 0, "BLOCK_N is a whole number of P V k-steps");
     static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 64, "the swizzle needs 8 chunks of 16 bytes a row");
@@ -104,14 +109,28 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_fwd_tc(
     T* V_s = K_s + 2 * BLOCK_N * HEAD_DIM;
 
     const auto mask = MAKE_MASK(MODS);
-    const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
+    const Split split = SPLIT ? split_of(seqlen_k, key_split) : Split{0, int(blockIdx.x)};
+    const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group, split.cta);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int row_w = blk.i0 + 16 * warp;  // the warp's first row
     const int row_g = row_w + lane / 4;    // this lane's rows: row_g and row_g + 8
 
-    const Rows<T> Out = HEAD_ROWS(out, blk.b, blk.h);  // here: made after the key loop, it made ptxas spill
-    const KVStream<BLOCK_N, HEAD_DIM, T> kv(K_s, V_s, HEAD_ROWS(k, blk.b, blk.kv_head),
-                                            HEAD_ROWS(v, blk.b, blk.kv_head), mask, blk.i0, head_dim);
+    // Out: here, for the plain kernel (made after the key loop, it made ptxas spill); after the key
+    // loop for the split one (made here, it took 255 registers). The plain kernel's code is the same
+    // as before split-KV existed (tests/test_nvrtc.py holds it to the register limit).
+    const auto make_out = [&] { return head_rows(out + split.index * out_split, out_sb, out_ss, out_sh, out_sd, blk.b, blk.h); };
+    const auto Out = make_out();
+    const KVStream<BLOCK_N, HEAD_DIM, T> kv = [&] {
+        if constexpr (SPLIT) {
+            int j_start = mask.key_start(blk.i0), j_end = mask.key_end(blk.i0);
+            split_range<BLOCK_N>(j_start, j_end, split.index * key_split, key_split);
+            return KVStream<BLOCK_N, HEAD_DIM, T>(K_s, V_s, HEAD_ROWS(k, blk.b, blk.kv_head),
+                                                  HEAD_ROWS(v, blk.b, blk.kv_head), j_start, j_end, seqlen_k, head_dim);
+        } else {
+            return KVStream<BLOCK_N, HEAD_DIM, T>(K_s, V_s, HEAD_ROWS(k, blk.b, blk.kv_head),
+                                                  HEAD_ROWS(v, blk.b, blk.kv_head), mask, blk.i0, head_dim);
+        }
+    }();
 
     // group 0: Q_i and the first key block. A CTA whose rows see no key copies nothing: it never
     // waits, and copies in flight when a CTA exits would land in shared memory that the next CTA on
@@ -168,7 +187,8 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_fwd_tc(
         inv_l[r] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
         const int row = row_g + 8 * r;
         if (lane % 4 == 0 && row < seqlen_q)
-            lse[blk.b * lse_sb + blk.h * lse_sh + row * lse_ss] = l[r] == 0.0f ? -INFINITY : m[r] * LN2 + logf(l[r]);
+            lse[split.index * lse_split + blk.b * lse_sb + blk.h * lse_sh + row * lse_ss] =
+                l[r] == 0.0f ? -INFINITY : m[r] * LN2 + logf(l[r]);
     }
-    store_fragments<HEAD_DIM>(Out, O, inv_l, row_g, seqlen_q, head_dim);
+    store_fragments<HEAD_DIM>(SPLIT ? make_out() : Out, O, inv_l, row_g, seqlen_q, head_dim);
 }

@@ -130,6 +130,18 @@ __device__ __forceinline__ Rows<T> head_rows(T* x, index_t s_batch, index_t s_se
     index_t bias_sk, int bias_f32, const bool* __restrict__ keep, index_t keep_sb, index_t keep_sh, \
     index_t keep_sq, index_t keep_sk
 
+// The forward kernels' last arguments, split-KV (mask.cuh's Split): keys per split, and the element
+// offsets between the splits' partial outs and lses; read only by kernels specialised for SPLIT.
+#define SPLIT_PARAMS int key_split, index_t out_split, index_t lse_split
+
+// A forward kernel's out: T, or with split-KV the partial out in Acc (the merge's input).
+template <bool SPLIT, typename T, typename Acc>
+struct SplitOutT { using type = T; };
+template <typename T, typename Acc>
+struct SplitOutT<true, T, Acc> { using type = Acc; };
+template <bool SPLIT, typename T, typename Acc>
+using SplitOut = typename SplitOutT<SPLIT, T, Acc>::type;
+
 // tile[r][d] = scale * src(row0 + r, d) for r < ROWS, d < HEAD_DIM; zero where row0 + r >= seqlen
 // or d >= head_dim. Consecutive threads take consecutive d: coalesced when head_dim is contiguous.
 template <int ROWS, int HEAD_DIM, typename T, typename Acc>

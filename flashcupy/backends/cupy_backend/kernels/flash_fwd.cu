@@ -25,17 +25,22 @@
 // units, as the scale is already in Q_s) before the mask, which MOD_MASK extends by the caller's bool
 // mask; with MOD_WINDOW the Mask is the band, so key_start and key_end skip the key blocks outside it.
 //
+// Split-KV (SPLIT, mask.cuh's Split): the grid is one copy per split of keys, each CTA attends to its
+// split's keys only, and out is a partial one in Acc (split s at out + s out_split, its lse at lse +
+// s lse_split), which the launcher merges.
+//
 // Template parameters: T storage type, Acc accumulation type, HEAD_DIM the padded head dim
 // (32, 64, 128 or 256; the true head_dim is a runtime bound), BLOCK_M, BLOCK_N the tile, MODS the
-// score modifiers (mask.cuh; 0: none).
+// score modifiers (mask.cuh; 0: none), SPLIT split-KV.
 
 #include "flash_common.cuh"
 #include "mask.cuh"
 
-template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool SPLIT = false>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_fwd(
-    TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(T, out),
-    LSE_PARAMS(Acc, lse), PROBLEM_PARAMS(Acc)) {
+    TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
+    SplitOut<SPLIT, T, Acc>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
+    LSE_PARAMS(Acc, lse), PROBLEM_PARAMS(Acc), SPLIT_PARAMS) {
     constexpr int R = rows_per_warp<BLOCK_M>();
 
     __shared__ Acc Q_s[BLOCK_M * HEAD_DIM];
@@ -43,13 +48,15 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_fwd(
     static_assert(sizeof(Q_s) + sizeof(K_s) + sizeof(V_s) <= SMEM_LIMIT, "tiles exceed 48 KiB");
 
     const auto mask = MAKE_MASK(MODS);
-    const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
+    const Split split = SPLIT ? split_of(seqlen_k, key_split) : Split{0, int(blockIdx.x)};
+    const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group, split.cta);
     const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, blk.h, Acc(1), Acc(1));
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int row0 = blk.i0 + warp * R, key = lane % BLOCK_N;  // this warp's first query row, this lane's key in K_j
 
     const Rows<const T> K = HEAD_ROWS(k, blk.b, blk.kv_head), V = HEAD_ROWS(v, blk.b, blk.kv_head);
-    const Rows<T> Out = HEAD_ROWS(out, blk.b, blk.h);  // here: made after the key loop, it made ptxas spill
+    // here: made after the key loop, it made ptxas spill
+    const auto Out = head_rows(out + split.index * out_split, out_sb, out_ss, out_sh, out_sd, blk.b, blk.h);
     load_tile<BLOCK_M, HEAD_DIM>(Q_s, HEAD_ROWS(q, blk.b, blk.h), blk.i0, seqlen_q, head_dim, scale);
 
     Acc m[R], l[R], O[R][HEAD_DIM / WARP_SIZE];
@@ -60,7 +67,9 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_fwd(
     }
     zero(O);
 
-    for (int j0 = mask.key_start(blk.i0), j_end = mask.key_end(blk.i0); j0 < j_end; j0 += BLOCK_N) {
+    int j_start = mask.key_start(blk.i0), j_end = mask.key_end(blk.i0);
+    if constexpr (SPLIT) split_range<BLOCK_N>(j_start, j_end, split.index * key_split, key_split);
+    for (int j0 = j_start; j0 < j_end; j0 += BLOCK_N) {
         load_tile<BLOCK_N, HEAD_DIM>(K_s, K, j0, seqlen_k, head_dim, Acc(1));
         load_tile<BLOCK_N, HEAD_DIM>(V_s, V, j0, seqlen_k, head_dim, Acc(1));
         __syncthreads();  // K_j, V_j (and, on the first pass, Q_i) are in shared memory for every warp
@@ -92,7 +101,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_fwd(
     for (int r = 0; r < R; ++r) {
         scale_row(O[r], l[r] == Acc(0) ? Acc(0) : Acc(1) / l[r]);
         if (lane == 0 && row0 + r < seqlen_q)
-            lse[blk.b * lse_sb + blk.h * lse_sh + (row0 + r) * lse_ss] =
+            lse[split.index * lse_split + blk.b * lse_sb + blk.h * lse_sh + (row0 + r) * lse_ss] =
                 l[r] == Acc(0) ? -INFINITY : m[r] + acc_log(l[r]);
     }
     store_rows<R, HEAD_DIM>(Out, O, row0, seqlen_q, head_dim);

@@ -188,10 +188,35 @@ struct QueryBlock {
 };
 
 template <int BLOCK_M>
-__device__ __forceinline__ QueryBlock query_block(int seqlen_q, int heads_q, int group) {
+__device__ __forceinline__ QueryBlock query_block(int seqlen_q, int heads_q, int group, int cta = blockIdx.x) {
     const int blocks = num_blocks(seqlen_q, BLOCK_M);
-    const int bh = blockIdx.x / blocks, h = bh % heads_q;
-    return {int(blocks - 1 - blockIdx.x % blocks) * BLOCK_M, bh / heads_q, h, h / group};
+    const int bh = cta / blocks, h = bh % heads_q;
+    return {int(blocks - 1 - cta % blocks) * BLOCK_M, bh / heads_q, h, h / group};
+}
+
+// Split-KV (the forward kernels' SPLIT flag): the keys are cut into splits of key_split keys (a
+// multiple of BLOCK_N; the launcher's split_plan), and the grid holds one copy of the usual grid per
+// split, split s being CTAs s P .. s P + P - 1 (P = gridDim.x / splits). Each CTA attends to its
+// split's keys only and stores a partial out (in Acc) and lse, merged afterwards by the lse rule
+// (flashcupy.merge).
+struct Split {
+    int index;  // which split
+    int cta;    // the CTA's place in that split's grid, for query_block
+};
+
+__device__ __forceinline__ Split split_of(int seqlen_k, int key_split) {
+    const int per_split = gridDim.x / num_blocks(seqlen_k, key_split);
+    return {int(blockIdx.x / per_split), int(blockIdx.x % per_split)};
+}
+
+// The keys [start, end) a CTA's key loop visits: the Mask's range for its query block, within split
+// [s0, s0 + len) when split. The start is aligned to BLOCK_N from s0, so that no tile reaches into the
+// next split (len is a multiple of BLOCK_N); the keys it adds before the band are hidden by the Mask
+// (partial() names that tile).
+template <int BLOCK_N>
+__device__ __forceinline__ void split_range(int& start, int& end, int s0, int len) {
+    start = s0 + max(0, start - s0) / BLOCK_N * BLOCK_N;
+    end = min(end, s0 + len);
 }
 
 // A kernel with one CTA per (key block, batch * heads_kv), the key blocks of one kv head adjacent.

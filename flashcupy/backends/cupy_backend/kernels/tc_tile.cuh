@@ -66,8 +66,9 @@ __device__ __forceinline__ void cp_async_next_stage() {
     cp_async_wait<1>();
 }
 
-// The key blocks that the query block at i0 sees, streamed through the two stages of K_s, V_s:
-// pass jb (of `blocks`) computes on K_j(jb), V_j(jb), the key block at j0(jb).
+// The key blocks that the query block at i0 sees (or keys j_start .. j_end - 1, as given), streamed
+// through the two stages of K_s, V_s: pass jb (of `blocks`) computes on K_j(jb), V_j(jb), the key
+// block at j0(jb).
 template <int BLOCK_N, int HEAD_DIM, typename T>
 struct KVStream {
     T* K_s;
@@ -80,6 +81,11 @@ struct KVStream {
                                         const Mask<BLOCK_M, BLOCK_N, WINDOW>& mask, int i0, int head_dim)
         : K_s(K_s), V_s(V_s), K(K), V(V), j_start(mask.key_start(i0)),
           blocks(num_blocks(mask.key_end(i0) - j_start, BLOCK_N)), seqlen_k(mask.seqlen_k), head_dim(head_dim) {}
+
+    __device__ __forceinline__ KVStream(T* K_s, T* V_s, const Rows<const T>& K, const Rows<const T>& V, int j_start,
+                                        int j_end, int seqlen_k, int head_dim)
+        : K_s(K_s), V_s(V_s), K(K), V(V), j_start(j_start), blocks(num_blocks(j_end - j_start, BLOCK_N)),
+          seqlen_k(seqlen_k), head_dim(head_dim) {}
 
     __device__ __forceinline__ int j0(int jb) const { return j_start + jb * BLOCK_N; }
     __device__ __forceinline__ const T* K_j(int jb) const { return K_s + (jb & 1) * BLOCK_N * HEAD_DIM; }
@@ -184,7 +190,7 @@ __device__ __forceinline__ void mma_ab(float (&acc)[HEAD_DIM / 8][4], const floa
 }
 
 // Store the lane's rows row_g and row_g + 8 of acc (those < seqlen; columns < head_dim), row r times
-// factor[r], in T.
+// factor[r], in T (or float: a split-KV partial out).
 template <int HEAD_DIM, typename T>
 __device__ __forceinline__ void store_fragments(const Rows<T>& dst, const float (&acc)[HEAD_DIM / 8][4],
                                                 const float (&factor)[2], int row_g, int seqlen, int head_dim) {
@@ -195,9 +201,14 @@ __device__ __forceinline__ void store_fragments(const Rows<T>& dst, const float 
 #pragma unroll
         for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
             const int col = 8 * dt + c_col(0);
-            if (col < head_dim)
+            if (col >= head_dim) continue;
+            if constexpr (sizeof(T) == 4) {
+                dst.at(row, col) = acc[dt][2 * r] * factor[r];
+                dst.at(row, col + 1) = acc[dt][2 * r + 1] * factor[r];
+            } else {
                 *reinterpret_cast<unsigned*>(&dst.at(row, col)) =
                     pack2<T>(acc[dt][2 * r] * factor[r], acc[dt][2 * r + 1] * factor[r]);
+            }
         }
     }
 }
