@@ -462,15 +462,22 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
 
 @_interop.accepts_foreign_arrays
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None,
-                       bias=None, mask=None, scale=None, backend="auto", dtype=None, _diagonal=None):
+                       bias=None, mask=None, scale=None, backend="auto", dtype=None, deterministic=False,
+                       _diagonal=None):
     """Gradients (dq, dk, dv) of attention, given dout and the forward's out and lse; with bias,
     (dq, dk, dv, dbias), dbias of the bias's own shape and dtype (summed over its broadcast
     dimensions).
 
     dk and dv sum over the query heads that share a kv head. P is recomputed
     from q, k and lse, so memory stays O(seqlen).
+
+    deterministic=True: bitwise the same result on every call (for a fixed thread count on the
+    CPU). The default, False, lets the cupy backend's tensor-core kernels add dq with atomics (five
+    GEMMs instead of seven), whose order, so whose rounding, varies; every other path is
+    deterministic either way.
     """
     backend = _check_backend_name(backend)
+    deterministic = _check_bool("deterministic", deterministic)
     named = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     lib = _check_arrays(named)
     p = _problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, _diagonal)
@@ -486,20 +493,23 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, so
     if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
         grads = tuple(mod.allocate(q, x.shape, p.carrier, 0) for x in (q, k, v))
         return grads if bias is None else grads + (mod.allocate(q, bias.shape, bias.dtype, 0),)
+    if getattr(mod, "ATOMIC_BACKWARD", False):
+        return mod.backward(p, dout, q, k, v, out, lse, deterministic=deterministic)
     return mod.backward(p, dout, q, k, v, out, lse)
 
 
 @_interop.accepts_foreign_arrays
 def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
-                  scale=None, backend="auto", dtype=None):
+                  scale=None, backend="auto", dtype=None, deterministic=False):
     """Forward pass plus a closure for the backward: returns (out, vjp), vjp(dout) -> (dq, dk, dv),
-    or (dq, dk, dv, dbias) with a bias."""
+    or (dq, dk, dv, dbias) with a bias. deterministic: as attention_backward's."""
+    deterministic = _check_bool("deterministic", deterministic)
     mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask)
     out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend, dtype=dtype, **mods)
 
     def vjp(dout):
         return attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend,
-                                  dtype=dtype, **mods)
+                                  dtype=dtype, deterministic=deterministic, **mods)
 
     return out, vjp
 

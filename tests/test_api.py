@@ -238,3 +238,16 @@ def test_bfloat16_bits_need_no_ml_dtypes_until_numpy_computes_on_them(monkeypatc
     assert_matches_oracle((out, lse), q, k, v, causal=True)
     with pytest.raises(TypeError, match="bfloat16 values with NumPy needs the ml_dtypes package"):
         flashcupy.attention(*bits, causal=True, backend="numpy", dtype="bfloat16")
+
+
+def test_deterministic_must_be_a_bool_and_changes_nothing_on_the_cpu(rng):
+    q, k, v = qkv()
+    out, lse = flashcupy.attention(q, k, v, return_lse=True)
+    with pytest.raises(TypeError, match="deterministic must be a bool, got str"):
+        flashcupy.attention_backward(out, q, k, v, out, lse, deterministic="yes")
+    with pytest.raises(TypeError, match="deterministic must be a bool, got int"):
+        flashcupy.attention_vjp(q, k, v, deterministic=1)
+    # the NumPy backend is deterministic either way: the same bits
+    for a, b in zip(flashcupy.attention_backward(out, q, k, v, out, lse, deterministic=True),
+                    flashcupy.attention_backward(out, q, k, v, out, lse)):
+        np.testing.assert_array_equal(a, b)

@@ -36,7 +36,7 @@ from test_modifiers import check as check_modifiers  # noqa: E402
 ORDERS = ("ascending", "descending")
 
 
-def run(q, k, v, dout, *, causal, scale=None, out_layout=None):
+def run(q, k, v, dout, *, causal, scale=None, out_layout=None, deterministic=False):
     """(out, lse, dq, dk, dv) from the emulated cupy backend; out and lse go back strided if asked."""
     out, lse = flashcupy.attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend="cupy")
     if out_layout is not None:  # hand the backward an out and an lse in unusual layouts
@@ -45,7 +45,8 @@ def run(q, k, v, dout, *, causal, scale=None, out_layout=None):
         lse2 = np.empty(lse.shape[::-1], lse.dtype).T  # (B, H, S) with the batch stride smallest
         lse2[...] = lse
         out, lse = out2, lse2
-    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend="cupy")
+    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend="cupy",
+                                         deterministic=deterministic)
     return (out, lse, *grads)
 
 
@@ -300,6 +301,8 @@ def test_each_barrier_and_wait_is_needed(rng, tmp_path, name, lineno):
                         check_modifiers(q, k, v, dout, rows=np.arange(Sq), backend="cupy", causal=causal, bias=bias)
                     else:
                         check(run(q, k, v, dout, causal=causal), q, k, v, dout, causal=causal)
+                    if path == "tensor-core":  # and the deterministic backward's own dQ kernel
+                        check(run(q, k, v, dout, causal=causal, deterministic=True), q, k, v, dout, causal=causal)
                 except (AssertionError, emulator.KernelError) as e:
                     wrong.append((path, order, cp_async, e))
                     break

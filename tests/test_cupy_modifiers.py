@@ -65,6 +65,12 @@ def check_cupy(q, k, v, dout, path, order, bits=False, **kw):
         return check(q, k, v, dout, bits=bits, rows=rows, backend="cupy", **kw)
 
 
+def deterministic_backward(monkeypatch):
+    """Make the cupy backend's backward take deterministic=True whatever the call says."""
+    backward = cupy_backend.backward
+    monkeypatch.setattr(cupy_backend, "backward", lambda *a, **kw: backward(*a, **dict(kw, deterministic=True)))
+
+
 @pytest.fixture(params=["tensor-core", "simt"])
 def path(request, monkeypatch):
     monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", request.param == "tensor-core")
@@ -120,7 +126,10 @@ def test_modifiers_in_other_simt_dtypes(rng, dtype, order, monkeypatch):
 def test_the_tiles_modifiers_take_where_the_plain_ones_spill(rng, dtype, head_dim, path, tiles, order,
                                                                monkeypatch):
     monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", path == "tensor-core")
-    build = specs.tc_backward_module if path == "tensor-core" else specs.backward_module
+    # the tensor-core dQ kernel runs in the deterministic backward
+    build = specs.deterministic_tc_backward_module if path == "tensor-core" else specs.backward_module
+    if path == "tensor-core":
+        deterministic_backward(monkeypatch)
     got_tiles = {k.template: (k.block_m, k.block_n) for k in build(dtype, head_dim, specs.ALL_MODS).kernels}
     assert tiles.items() <= got_tiles.items()
     # SIMT tiles for any modifier, the window alone included (the tensor-core ones for softcap or ALiBi)
@@ -255,16 +264,19 @@ PAIR_MUTATIONS = {
                                                   "acc_exp(s - lse_for_p(lse_row, lse_ss, n,"),
 }
 
-# (path, case of test_modifiers.modifier_cases): a full bias, one summed over rows, one over keys, masks
+# (path, case of test_modifiers.modifier_cases): a full bias, one summed over rows, one over keys, masks;
+# the tensor-core backward both ways (its dQ kernel runs only when deterministic)
 PAIR_CASES = (("simt", "bias"), ("simt", "bias-B11S"), ("simt", "bias-11S1-float32"),
-              ("tensor-core", "mask"), ("tensor-core", "bias"))
+              ("tensor-core", "mask"), ("tensor-core", "bias"), ("tensor-core-deterministic", "mask"))
 
 
 def pair_battery_fails(compile, monkeypatch) -> bool:
     rng = np.random.default_rng(2)
     for path, name in PAIR_CASES:
-        monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", path == "tensor-core")
-        shape, dtype = (TC_SHAPE, np.float16) if path == "tensor-core" else (SIMT_SHAPE, np.float32)
+        monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", path.startswith("tensor-core"))
+        if path == "tensor-core-deterministic":
+            deterministic_backward(monkeypatch)
+        shape, dtype = (TC_SHAPE, np.float16) if path.startswith("tensor-core") else (SIMT_SHAPE, np.float32)
         q, k, v = make_qkv(rng, *shape, dtype)
         dout = rng.standard_normal(q.shape).astype(dtype)
         try:

@@ -120,9 +120,16 @@ def test_every_specialization_compiles(report):
     pairs = len(specs.CUDA_TYPES) * len(specs.HEAD_DIM_BUCKETS) * (3 + 1)
     # the split-KV forwards, plain and with every modifier
     split = 2 * (len(specs.CUDA_TYPES) * len(specs.HEAD_DIM_BUCKETS) + len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS))
-    assert len(rows) == len(specs.CUDA_TYPES) + 3 * attention + pairs + split
+    # the tensor-core dK/dV kernel that adds dQ by atomics (the default backward), where a call can
+    # take it (not with a bias or mask at head_dim 128), and the kernel that converts dQ, per dtype
+    atomic = sum(specs.tc_backward_module(dtype, bucket, mods).kernels[1].dq_atomic
+                 for mods in (0, specs.MOD_BITS["window"], specs.ALL_MODS) for dtype in specs.TC_DTYPES
+                 for bucket in specs.TC_HEAD_DIM_BUCKETS)
+    assert atomic == 3 * len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS) - len(specs.TC_DTYPES)
+    assert len(rows) == len(specs.CUDA_TYPES) + 3 * attention + pairs + split + atomic + len(specs.TC_DTYPES)
     every = "+".join(specs.MOD_BITS)
-    assert {r["mods"] for r in rows} == {None, "window", every, "split", every + "+split"}
+    assert {r["mods"] for r in rows} == {None, "window", every, "split", every + "+split", "dq_atomic",
+                                         "window+dq_atomic", every + "+dq_atomic"}
     print(f"\n{what}\n{nvrtc.format_kernel_report({what: rows})}")
 
 

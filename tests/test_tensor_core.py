@@ -215,3 +215,45 @@ def _tc_mutant(old, new):
 
 test_the_mutation_battery_passes_unmutated, test_a_mutation_is_caught = mutation_tests(
     TC_MUTATIONS, "cupy", _tc_mutant, plain=emulated, dtype=np.float16, cases=MUTATION_BATTERY + (TILE_EDGE_CASE,))
+
+
+# ----------------------------------------------------------------------------
+# the backward's two forms: dQ by atomics inside the dK/dV kernel (five GEMMs, the default), and the
+# deterministic one (a dQ kernel of its own, every element written once: seven GEMMs)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_deterministic_backward_is_bitwise_the_same_under_every_schedule(rng, head_dim):
+    q, k, v = make_qkv(rng, 1, 70, 130, 4, 2, head_dim, np.float16)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    got = {}
+    for order in ("ascending", "descending", "warp_skew"):
+        with emulated(order):
+            out, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True, backend="cupy")
+            grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True, backend="cupy",
+                                                 deterministic=True)
+            atomic = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True, backend="cupy")
+        assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True)
+        assert_matches_oracle((out, lse, *atomic), q, k, v, dout, causal=True)
+        got[order] = grads
+    for grads in got.values():
+        for a, b in zip(grads, got["ascending"]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_each_backward_launches_its_own_kernels(rng):
+    launched = []
+
+    def recording(source, names, options, *rest):
+        launched.extend(names)
+        return compile_module(source, names, options, *rest)
+
+    q, k, v = make_qkv(rng, 1, 20, 20, 2, 1, 64, np.float16)
+    with emulated(compile=recording):
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy")
+        flashcupy.attention_backward(out, q, k, v, out, lse, backend="cupy")
+        flashcupy.attention_backward(out, q, k, v, out, lse, backend="cupy", deterministic=True)
+    backward = [n for n in launched if "bwd" in n]
+    assert backward == ["flash_bwd_preprocess<__half, float>", "attn_bwd_dkdv_tc<__half, 64, 64, 64, 0, true>",
+                        "attn_bwd_dq_convert<__half>", "flash_bwd_preprocess<__half, float>",
+                        "attn_bwd_dkdv_tc<__half, 64, 64, 64>", "attn_bwd_dq_tc<__half, 64, 64, 64>"]

@@ -14,6 +14,8 @@ A backend is a module with:
     forward(p, q, k, v) -> (out, lse)
     backward(p, dout, q, k, v, out, lse) -> (dq, dk, dv), and dbias after them when p.bias is set
     probs(p, q, k, lse, rows) -> P      # optional: attention_probs, rows an index array
+    ATOMIC_BACKWARD: bool              # optional: backward takes deterministic= (False may use atomics)
+    split_plan(p, q, k, v, num_splits) # optional: forward takes num_splits= (split-KV in one launch)
 
 The interface checks every limit a backend declares before it runs (backends never re-validate);
 `p` is a validated `flashcupy._api.Problem`. Arrays hold p.dtype values in

@@ -9,6 +9,8 @@ This module packs arguments, allocates outputs and workspaces, and launches:
     backward  flash_bwd_preprocess  D = rowsum(dO ∘ O)    grid: batch x heads_q x seqlen_q / 4
               flash_bwd_dkdv | attn_bwd_dkdv_tc  dK, dV   grid: key blocks x batch x heads_kv
               flash_bwd_dq | attn_bwd_dq_tc      dQ       grid: query blocks x batch x heads_q
+              (tensor cores, unless deterministic: dQ added by attn_bwd_dkdv_tc with atomics into an
+              fp32 workspace, then attn_bwd_dq_convert scales and rounds it; grid: elements / 128)
               flash_bwd_dbias (with a bias)      dbias    grid: tiles of the bias's own shape
     probs     flash_probs (attention_probs)      P        grid: row blocks x key blocks x batch x heads_q
 
@@ -176,6 +178,9 @@ def _launch_blocks(kernel: specs.Kernel, p, rows: int | None = None) -> tuple:
     if kernel.template == "flash_bwd_preprocess":  # a warp a row
         rows = specs.NUM_THREADS // 32
         return f"batch x heads_q x seqlen_q / {rows}", _cdiv(p.batch * p.heads_q * p.seqlen_q, rows)
+    if kernel.template == "attn_bwd_dq_convert":  # a thread an element of dq
+        return (f"batch x seqlen_q x heads_q x head_dim / {specs.NUM_THREADS}",
+                _cdiv(p.batch * p.seqlen_q * p.heads_q * p.head_dim, specs.NUM_THREADS))
     if kernel.template in ("flash_bwd_dkdv", "attn_bwd_dkdv_tc"):  # a block of keys, per kv head
         return f"seqlen_k / {kernel.block_n} x batch x heads_kv", _cdiv(p.seqlen_k, kernel.block_n) * p.batch * p.heads_kv
     if kernel.template == "flash_probs":  # a tile of (asked rows, keys), per query head; at most every row
@@ -200,7 +205,8 @@ def grid_axes(p, backward):
     if backward and p.bias is not None:
         builds.append(specs.dbias_module)
     if specs.tensor_core_eligible(p.dtype, p.head_dim):
-        builds += [specs.tc_forward_module] + [specs.tc_backward_module] * backward
+        builds += [specs.tc_forward_module] + [specs.tc_backward_module,
+                                               specs.deterministic_tc_backward_module] * backward
     mods = _mods(p)
     return [(*_launch_blocks(kernel, p), 0) for build in builds for kernel in build(p.dtype, p.head_dim, mods).kernels]
 
@@ -356,10 +362,22 @@ def forward(p, q, k, v, num_splits=1):
     return out, lse
 
 
-def backward(p, dout, q, k, v, out, lse):
+ATOMIC_BACKWARD = True  # backward(..., deterministic=False) may add with atomics (the interface passes it)
+
+
+def _backward_module(p, tensor_cores: bool, deterministic: bool) -> specs.ModuleSpec:
+    if tensor_cores:
+        return specs.tc_backward_module(p.dtype, p.head_dim, _mods(p), deterministic)
+    return specs.backward_module(p.dtype, p.head_dim, _mods(p))
+
+
+def backward(p, dout, q, k, v, out, lse, deterministic=False):
+    """dq, dk, dv (and dbias with a bias). On tensor cores, unless deterministic, the dK/dV kernel also
+    adds dQ into an fp32 workspace with atomics (five GEMMs, not seven; the sums' order, so the
+    rounding, varies from run to run); the SIMT kernels are deterministic either way."""
     rt = _runtime()
     tensor_cores = backward_path(p, dout, q, k, v, out) == "tensor-core"
-    module = (specs.tc_backward_module if tensor_cores else specs.backward_module)(p.dtype, p.head_dim, _mods(p))
+    module = _backward_module(p, tensor_cores, deterministic)
     prep_kernel, dkdv, dq_kernel = module.kernels
     acc = p.acc_dtype.type
     block = (specs.NUM_THREADS,)
@@ -369,6 +387,9 @@ def backward(p, dout, q, k, v, out, lse):
         dk = rt.xp.empty(k.shape, dtype=p.carrier)
         dv = rt.xp.empty(v.shape, dtype=p.carrier)
         D = rt.xp.empty(p.lse_shape, dtype=p.acc_dtype)  # workspace: rowsum(dO ∘ O), contiguous
+        # workspace for dQ's atomics: zeros, q's shape, contiguous (the tensor-core dK/dV kernel takes
+        # a never-read stand-in otherwise)
+        dqa = rt.xp.zeros(q.shape, dtype=np.float32) if dkdv.dq_atomic else None
 
         preprocess(
             (_launch_blocks(prep_kernel, p)[1],), block,
@@ -377,12 +398,16 @@ def backward(p, dout, q, k, v, out, lse):
         shared = (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(dout), *_tensor(lse), D)
         flags = (*_shape_args(p), acc(p.scale), np.int32(p.causal), np.int32(p.diagonal),
                  *_modifier_args(p, D, tensor_cores))
+        atomic = (*_tensor(dqa),) if dqa is not None else (D, *(np.int64(0),) * 4) if tensor_cores else ()
         bwd_dkdv(
             (_launch_blocks(dkdv, p)[1],), block,
-            (*shared, *_tensor(dk), *_tensor(dv), *flags), shared_mem=dkdv.dynamic_smem)
-        bwd_dq(
-            (_launch_blocks(dq_kernel, p)[1],), block,
-            (*shared, *_tensor(dq), *flags), shared_mem=dq_kernel.dynamic_smem)
+            (*shared, *_tensor(dk), *_tensor(dv), *flags, *atomic), shared_mem=dkdv.dynamic_smem)
+        if dqa is None:
+            bwd_dq(
+                (_launch_blocks(dq_kernel, p)[1],), block,
+                (*shared, *_tensor(dq), *flags), shared_mem=dq_kernel.dynamic_smem)
+        else:
+            bwd_dq((_launch_blocks(dq_kernel, p)[1],), block, (dqa, dq, np.int64(dqa.size), np.float32(p.scale)))
         if p.bias is None:
             return dq, dk, dv
         # dbias (flash_pairs.cu, SIMT whichever path ran above): its own arguments are natural-unit ones

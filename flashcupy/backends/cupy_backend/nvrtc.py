@@ -332,7 +332,9 @@ def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, c
         code = function_sass(text, lowered[kernel.name_expression]) if kernel.tensor_cores else None
         rows.append(dict(
             kernel=kernel.template,
-            mods="+".join(x for x in (kernel.modifiers, "split" * kernel.split) if x) or None,  # split-KV too
+            # split-KV and dQ-by-atomics variants too
+            mods="+".join(x for x in (kernel.modifiers, "split" * kernel.split, "dq_atomic" * kernel.dq_atomic) if x)
+            or None,
             dtype=kernel.dtype,
             head_dim=kernel.head_dim or None,
             tile=f"{kernel.block_m}x{kernel.block_n}" if kernel.head_dim else None,

@@ -94,6 +94,13 @@ TC_BACKWARD_DQ_TILES = {64: (64, 64), 128: (64, 32)}
 # a window alone keeps the full tiles.
 TC_BACKWARD_DKDV_TILES_SCORE = {64: (32, 64), 128: (16, 64)}
 TC_BACKWARD_DQ_TILES_SCORE = {64: (64, 32), 128: (64, 32)}
+# The dK/dV kernel that also adds dQ (five GEMMs, not deterministic) at head_dim 128 takes 16 query rows
+# a pass: with 32 it reached 249-255 registers (no spills) under NVRTC 12.9 and 13.5, inside the
+# margin tests/test_nvrtc.py keeps.
+TC_BACKWARD_DKDV_TILES_ATOMIC = {64: (64, 64), 128: (16, 64)}
+# With a bias or mask at head_dim 128 it reached 252 registers even so (sm_90, NVRTC 12.9): those calls
+# keep the deterministic kernels.
+TC_ATOMIC_BUCKETS_PAIRS = (64,)
 # With a bias or a bool mask, the forward at head_dim 128 takes half the keys a pass: with every
 # modifier on, the full tile reached 255 registers and spilled.
 TC_FORWARD_TILES_PAIRS = {64: (64, 64), 128: (64, 32)}
@@ -135,6 +142,7 @@ class Kernel:
     block_n: int = 0
     mods: int = 0            # the score modifiers it is specialised for (MOD_BITS); 0 for none
     split: bool = False      # a forward kernel for split-KV (partial outs in Acc, mask.cuh's Split)
+    dq_atomic: bool = False  # the tensor-core dK/dV kernel that adds dQ into an fp32 workspace too
 
     @property
     def modifiers(self) -> str:
@@ -152,7 +160,8 @@ class Kernel:
         if self.template == "attn_fwd_tc":
             return (m + 4 * n) * d * 2
         if self.template == "attn_bwd_dkdv_tc":
-            return (2 * n + 4 * m) * d * 2 + 2 * 2 * m * 4
+            # with dQ by atomics: dS_s, and the warps' 16 x 16 float staging tiles
+            return (2 * n + 4 * m) * d * 2 + 2 * 2 * m * 4 + self.dq_atomic * (m * n * 2 + NUM_THREADS // 32 * 1024)
         if self.template == "attn_bwd_dq_tc":
             return (2 * m + 4 * n) * d * 2
         return 0
@@ -160,12 +169,13 @@ class Kernel:
     @property
     def name_expression(self) -> str:
         storage, acc = CUDA_TYPES[self.dtype]
-        args = [storage] if self.tensor_cores else [storage, acc]  # tensor cores accumulate in float
+        # tensor cores accumulate in float
+        args = [storage] if self.tensor_cores or self.template == "attn_bwd_dq_convert" else [storage, acc]
         if self.head_dim:
             args += [str(self.head_dim), str(self.block_m), str(self.block_n)]
-        if self.mods or self.split:
+        if self.mods or self.split or self.dq_atomic:
             args.append(str(self.mods))
-        if self.split:
+        if self.split or self.dq_atomic:  # the kernel's last template flag: SPLIT, DQ_ATOMIC
             args.append("true")
         return f"{self.template}<{', '.join(args)}>"
 
@@ -253,14 +263,23 @@ def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False) 
 SPLIT_ALIGN = 128
 
 
-def tc_backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
-    """The tensor-core backward, kernels in launch order: preprocess (D, the SIMT one), dK/dV, dQ."""
+def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool = False) -> ModuleSpec:
+    """The tensor-core backward, kernels in launch order: preprocess (D, the SIMT one), then dK/dV and
+    dQ (deterministic: each output element written once, S and dP computed twice, seven GEMMs), or
+    dK/dV adding dQ into an fp32 workspace with atomics and the kernel that scales and rounds it (five
+    GEMMs, the default)."""
     bucket = _tc_bucket(head_dim)
     dtype = _name(dtype)
+    deterministic = deterministic or (mods & MOD_PAIRS != 0 and bucket not in TC_ATOMIC_BUCKETS_PAIRS)
+    tiles = (TC_BACKWARD_DKDV_TILES_SCORE if mods & MOD_SCORE else TC_BACKWARD_DKDV_TILES)[bucket]
+    if not deterministic:
+        tiles = min(tiles, TC_BACKWARD_DKDV_TILES_ATOMIC[bucket])  # the fewer query rows a pass
+    dkdv = Kernel("attn_bwd_dkdv_tc", dtype, bucket, *tiles, mods, dq_atomic=not deterministic)
+    if not deterministic:
+        return ModuleSpec("attn_bwd_tc.cu", (Kernel("flash_bwd_preprocess", dtype, 0), dkdv,
+                                             Kernel("attn_bwd_dq_convert", dtype, 0)))
     return ModuleSpec("attn_bwd_tc.cu", (
-        Kernel("flash_bwd_preprocess", dtype, 0),
-        Kernel("attn_bwd_dkdv_tc", dtype, bucket,
-               *(TC_BACKWARD_DKDV_TILES_SCORE if mods & MOD_SCORE else TC_BACKWARD_DKDV_TILES)[bucket], mods),
+        Kernel("flash_bwd_preprocess", dtype, 0), dkdv,
         Kernel("attn_bwd_dq_tc", dtype, bucket,
                *(TC_BACKWARD_DQ_TILES_SCORE if mods & MOD_SCORE else TC_BACKWARD_DQ_TILES)[bucket], mods),
     ))
@@ -284,8 +303,12 @@ def all_modules(mods=(0, MOD_BITS["window"], ALL_MODS)):
              + ((dbias_module,) if m & MOD_BITS["bias"] else ())]
             + [build(dtype, bucket, m)
                for m in mods for dtype in TC_DTYPES for bucket in TC_HEAD_DIM_BUCKETS
-               for build in (tc_forward_module, tc_backward_module)]
+               for build in (tc_forward_module, tc_backward_module, deterministic_tc_backward_module)]
             + split_modules(mods))
+
+
+def deterministic_tc_backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
+    return tc_backward_module(dtype, head_dim, mods, deterministic=True)
 
 
 def split_modules(mods=(0, ALL_MODS)):

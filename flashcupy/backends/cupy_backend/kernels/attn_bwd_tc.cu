@@ -27,8 +27,16 @@
 //        dK += dSᵀ Q_i     A: dSᵀ from the dPᵀ C fragments        B = Q_i: Q_i rows (ldmatrix_x4_trans)
 //    lse_i and D_i are per query, so per column of Sᵀ: they come from shared memory, lse_i already
 //    times log2 e and +inf where P must be 0 (rows that saw no key, rows past seqlen_q).
+//    With DQ_ATOMIC (the default backward, not deterministic), a fifth GEMM per pass:
+//        dQ_i += dS K_j            A: dS from dS_s (ldmatrix_x4)         B = K_j: K_j rows (ldmatrix_x4_trans)
+//    each warp stores its dSᵀ C fragments transposed into dS_s (BLOCK_M x BLOCK_N, T, swizzled), a
+//    barrier, then the warps share dQ_i's 16 x 16 output tiles (atomic_dq) and add them into an fp32
+//    workspace with atomics, a warp's tile at a time through a 16 x 16 float staging tile so that each
+//    atomic instruction covers whole 32-byte sectors. The dQ kernel below is then not launched:
+//    attn_bwd_dq_convert scales and rounds the workspace into dq. Five GEMMs a (query block, key
+//    block) pair instead of seven; the price: the atomics' order varies, so dq's rounding does.
 //
-// 3. attn_bwd_dq_tc: one CTA per (query block i, batch * heads_q), flattened on x (query_block in
+// 3. attn_bwd_dq_tc (deterministic=True): one CTA per (query block i, batch * heads_q), flattened on x (query_block in
 //    mask.cuh). Q_i, dO_i (BLOCK_M = 64 rows) stay in shared memory while the key blocks K_j, V_j
 //    (BLOCK_N keys) that Q_i can see stream past, double-buffered by cp.async:
 //        S = Q_i K_jᵀ;  dP = dO_i V_jᵀ;  P = 2^(S c - lse_i log2 e);  dS = P ∘ (dP - D_i);  dQ_i += dS K_j
@@ -49,7 +57,9 @@
 //     dK/dV:  K_s, V_s        BLOCK_N x HEAD_DIM each       K_j, V_j; loaded once
 //             Q_s, dO_s       2 x BLOCK_M x HEAD_DIM each   Q_i, dO_i of this pass and the next
 //             stats_s         2 x 2 x BLOCK_M floats        lse_i log2 e and D_i, per stage
-//             total (2 BLOCK_N + 4 BLOCK_M) HEAD_DIM 2 + 16 BLOCK_M bytes
+//             total (2 BLOCK_N + 4 BLOCK_M) HEAD_DIM 2 + 16 BLOCK_M bytes, and with DQ_ATOMIC
+//             dS_s            BLOCK_M x BLOCK_N             this pass's dS, swizzled rows of BLOCK_N
+//             dQ_stage        NUM_WARPS x 16 x 16 floats    a warp's dQ tile on its way to the atomics
 //     dQ:     Q_s, dO_s       BLOCK_M x HEAD_DIM each       Q_i, dO_i; loaded once
 //             K_s, V_s        2 x BLOCK_N x HEAD_DIM each   K_j, V_j of this pass and the next
 //             total (2 BLOCK_M + 4 BLOCK_N) HEAD_DIM 2 bytes
@@ -60,7 +70,9 @@
 // Barriers, the same two per pass in both kernels, as in attn_fwd_tc.cu: after the cp.async wait
 // (the other threads' copies of this pass's stage, and in dK/dV the lse_i, D_i they stored, have
 // landed), and at the end of the pass (no warp still reads the stage that the next pass's prefetch,
-// or its lse_i, D_i, overwrites). tests/test_cupy_backend.py removes each in turn under the emulator.
+// or its lse_i, D_i, overwrites, nor, with DQ_ATOMIC, the dS_s the next pass stores). DQ_ATOMIC adds a
+// third, between storing dS and the dQ GEMM that reads every warp's part of it.
+// tests/test_cupy_backend.py removes each in turn under the emulator.
 //
 // Registers: every loop over a tile is unrolled and ptxas hoists the ldmatrix of whole k-loops ahead
 // of their mmas, so it takes what __launch_bounds__(NUM_THREADS) allows: 2 CTAs (8 warps) an SM by
@@ -85,11 +97,50 @@
 #include "mask.cuh"
 #include "tc_tile.cuh"
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
+// dQ_i += dS K_j for one pass of the dK/dV kernel with DQ_ATOMIC: dS (BLOCK_M queries x BLOCK_N keys,
+// T, swizzled rows of BLOCK_N) in dS_s, K_j in K_s. The BLOCK_M / 16 x HEAD_DIM / 16 output tiles of 16
+// rows x 16 columns go round the warps; each is BLOCK_N / 16 k-steps of two mmas, then added into
+// the fp32 workspace with atomics (rows < seqlen_q, columns < head_dim). The C fragments pass through
+// the warp's 16 x 16 floats of stage first, so that the atomics of a warp cover whole 32-byte sectors
+// (16 consecutive floats a row) instead of the fragments' 8-byte pieces. Not unrolled over tiles: a
+// tile's accumulators (8 floats) are all it adds to the registers the dK, dV accumulators leave.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ void atomic_dq(const Rows<float>& dQ, const T* dS_s, const T* K_s, float* stage, int i0,
+                                          int seqlen_q, int head_dim) {
+    constexpr int TILES = BLOCK_M / 16 * (HEAD_DIM / 16);
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    stage += warp * 16 * 16;
+#pragma unroll 1
+    for (int tile = warp; tile < TILES; tile += NUM_WARPS) {
+        const int mt = tile / (HEAD_DIM / 16), dt = 2 * (tile % (HEAD_DIM / 16));  // 16-row tile, 8-column tile
+        float acc[2][4] = {};
+#pragma unroll 1
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            unsigned a[4], b[4];
+            load_a<BLOCK_N>(a, dS_s + 16 * mt * BLOCK_N, kk);
+            ldmatrix_x4_trans(b, K_s + swizzled<HEAD_DIM>(16 * kk + lane % 16, dt + lane / 16));
+            mma_m16n8k16<T>(acc[0], a, b, acc[0]);
+            mma_m16n8k16<T>(acc[1], a, b + 2, acc[1]);
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) stage[16 * c_row(i) + 8 * n + c_col(i)] = acc[n][i];
+        __syncwarp();  // the warp's tile is whole in stage
+#pragma unroll
+        for (int e = lane; e < 16 * 16; e += WARP_SIZE) {
+            const int row = i0 + 16 * mt + e / 16, col = 8 * dt + e % 16;
+            if (row < seqlen_q && col < head_dim) atomicAdd(&dQ.at(row, col), stage[e]);
+        }
+        __syncwarp();  // every lane has read stage before the next tile overwrites it
+    }
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool DQ_ATOMIC = false>
 __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dkdv_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
-    PROBLEM_PARAMS(float)) {
+    PROBLEM_PARAMS(float), TENSOR_PARAMS(float, dqa)) {
     static_assert(BLOCK_N == 16 * NUM_WARPS, "each warp owns 16 keys: one mma row tile of Sᵀ");
     static_assert(BLOCK_M % 16 == 0 && 2 * BLOCK_M <= NUM_THREADS, "BLOCK_M: whole k-steps, one thread a statistic");
     static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 64, "the swizzle needs 8 chunks of 16 bytes a row");
@@ -102,6 +153,8 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dkdv_tc(
     T* Q_s = V_s + BLOCK_N * HEAD_DIM;
     T* dO_s = Q_s + 2 * BLOCK_M * HEAD_DIM;
     float* stats_s = reinterpret_cast<float*>(dO_s + 2 * BLOCK_M * HEAD_DIM);  // per stage: lse_i log2 e, then D_i
+    T* dS_s = reinterpret_cast<T*>(stats_s + 2 * 2 * BLOCK_M);  // DQ_ATOMIC: this pass's dS, BLOCK_M x BLOCK_N
+    float* dQ_stage = reinterpret_cast<float*>(dS_s + BLOCK_M * BLOCK_N);  // DQ_ATOMIC: 16 x 16 floats a warp
 
     const auto mask = MAKE_MASK(MODS);
     const KeyBlock blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);
@@ -177,10 +230,21 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dkdv_tc(
             }, S, dP);
         }
 
+        if constexpr (DQ_ATOMIC) {  // dS, transposed back, for this pass's dQ_i (the previous pass's readers are done)
+            for_each_element([&](int r, int c, float& dp) {
+                store(dS_s + swizzled<BLOCK_N>(c, (16 * warp + r) / 8) + r % 8, dp);
+            }, dP);
+        }
         mma_ab<T, HEAD_DIM, BLOCK_M>(dV, S, dO_i);
         mma_ab<T, HEAD_DIM, BLOCK_M>(dK, dP, Q_i);
+        if constexpr (DQ_ATOMIC) {
+            __syncthreads();  // every warp's dS is in dS_s
+            const int h = blk.kv_head * group + p / q_blocks;
+            atomic_dq<T, HEAD_DIM, BLOCK_M, BLOCK_N>(HEAD_ROWS(dqa, blk.b, h), dS_s, K_s, dQ_stage, i0, seqlen_q,
+                                                     head_dim);
+        }
         if (p + 1 < passes) store_stat(p + 1, next_stat);  // into the stage no warp reads in this pass
-        __syncthreads();  // every warp is done with this Q_i, dO_i, lse_i, D_i: the next prefetch overwrites them
+        __syncthreads();  // every warp is done with this Q_i, dO_i, lse_i, D_i (and dS): the next pass overwrites them
     }
 
     store_fragments<HEAD_DIM>(HEAD_ROWS(dk, blk.b, blk.kv_head), dK, {scale, scale}, key_g, seqlen_k, head_dim);
@@ -260,4 +324,13 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dq_tc(
     }
 
     store_fragments<HEAD_DIM>(dQ_rows, dQ, {scale, scale}, row_g, seqlen_q, head_dim);
+}
+
+// dq = scale dQ for the DQ_ATOMIC backward: the fp32 workspace the dK/dV kernel added into (contiguous,
+// q's shape), rounded to T, into dq (contiguous too). One thread an element.
+template <typename T>
+__global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dq_convert(const float* __restrict__ dqa, T* __restrict__ dq,
+                                                                    index_t size, float scale) {
+    const index_t n = index_t(blockIdx.x) * NUM_THREADS + threadIdx.x;
+    if (n < size) store(dq + n, scale * dqa[n]);
 }
