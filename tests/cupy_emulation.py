@@ -50,3 +50,12 @@ def emulated(thread_order="ascending", seed=0, compile=compile_module, cp_async=
         yield runtime
     finally:
         cupy_backend.runtime, cupy_backend.ARRAY_LIBRARIES = saved
+
+
+def recording(names: list, compile=compile_module):
+    """A compile function for emulated() that appends the name expressions of every module it builds
+    to `names`: which specialisations a call launched."""
+    def record(source, name_expressions, options, *rest):
+        names.extend(name_expressions)
+        return compile(source, name_expressions, options, *rest)
+    return record

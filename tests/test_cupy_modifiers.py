@@ -12,10 +12,12 @@ catch each of them.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv
-from cupy_emulation import compile_module, emulated
+from cupy_emulation import compile_module, emulated, recording
 from emulator.driver import CompileError
 from test_modifiers import check, modifier_cases
 
@@ -167,13 +169,8 @@ def test_modifiers_choose_their_own_specialisation(rng):
     # a call without modifiers launches the kernels it launched before modifiers existed; each set of
     # modifiers launches its own (the MODS template argument)
     names = []
-
-    def recording(source, names_, options, *rest):
-        names.extend(names_)
-        return compile_module(source, names_, options, *rest)
-
     q, k, v = make_qkv(rng, 1, 9, 9, 1, 1, 16, np.float32)
-    with emulated(compile=recording):
+    with emulated(compile=recording(names)):
         flashcupy.attention(q, k, v, causal=True, backend="cupy")
         flashcupy.attention(q, k, v, window=(2, 0), softcap=1.0, backend="cupy")
     assert names == ["flash_fwd<float, float, 32, 64, 32>", "flash_fwd<float, float, 32, 64, 32, 3>"]
@@ -223,18 +220,31 @@ MUTATION_CASES = (
 )
 
 
-def mutation_battery_fails(compile, monkeypatch) -> bool:
-    rng = np.random.default_rng(1)
-    for path, dtype, shape, window in MUTATION_CASES:
-        monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", path == "tensor-core")
-        q, k, v = make_qkv(rng, *shape, dtype)
-        dout = rng.standard_normal(q.shape).astype(dtype)
+def any_fails(attempts) -> bool:
+    """Whether some attempt of `attempts` (callables that run a case and check it) raises: a wrong
+    answer, or a read outside the arrays (the emulator's guards). A mutation that does not compile
+    catches nothing: its CompileError propagates."""
+    for attempt in attempts:
         try:
-            got = run_cupy(q, k, v, dout, path, "ascending", compile=compile, window=window)
-            assert_matches_oracle(got, q, k, v, dout, window=window)
+            attempt()
+        except CompileError:
+            raise
         except Exception:
             return True
     return False
+
+
+def mutation_battery_fails(compile, monkeypatch) -> bool:
+    rng = np.random.default_rng(1)
+
+    def attempt(path, dtype, shape, window):
+        monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", path == "tensor-core")
+        q, k, v = make_qkv(rng, *shape, dtype)
+        dout = rng.standard_normal(q.shape).astype(dtype)
+        got = run_cupy(q, k, v, dout, path, "ascending", compile=compile, window=window)
+        assert_matches_oracle(got, q, k, v, dout, window=window)
+
+    return any_fails(functools.partial(attempt, *case) for case in MUTATION_CASES)
 
 
 def test_the_window_battery_passes_unmutated(monkeypatch):
@@ -272,22 +282,18 @@ PAIR_CASES = (("simt", "bias"), ("simt", "bias-B11S"), ("simt", "bias-11S1-float
 
 def pair_battery_fails(compile, monkeypatch) -> bool:
     rng = np.random.default_rng(2)
-    for path, name in PAIR_CASES:
+
+    def attempt(path, name):
         monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", path.startswith("tensor-core"))
         if path == "tensor-core-deterministic":
             deterministic_backward(monkeypatch)
         shape, dtype = (TC_SHAPE, np.float16) if path.startswith("tensor-core") else (SIMT_SHAPE, np.float32)
         q, k, v = make_qkv(rng, *shape, dtype)
         dout = rng.standard_normal(q.shape).astype(dtype)
-        try:
-            with emulated("ascending", compile=compile):
-                check(q, k, v, dout, rows=np.array([shape[1] - 1, 0, 5]), backend="cupy",
-                      **cases(rng, shape, dtype)[name])
-        except CompileError:  # a mutation that does not compile catches nothing
-            raise
-        except Exception:  # a wrong answer, or a read outside the arrays (the emulator's guards)
-            return True
-    return False
+        with emulated("ascending", compile=compile):
+            check(q, k, v, dout, rows=np.array([shape[1] - 1, 0, 5]), backend="cupy", **cases(rng, shape, dtype)[name])
+
+    return any_fails(functools.partial(attempt, *case) for case in PAIR_CASES)
 
 
 def test_the_bias_and_mask_battery_passes_unmutated(monkeypatch):

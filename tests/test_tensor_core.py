@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 from conftest import MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, case_id, make_qkv, mutation_tests
-from cupy_emulation import compile_module, emulated
+from cupy_emulation import compile_module, emulated, recording
 from emulator import KernelError
 from test_emulator_tensor_core import NARROW, narrow
 
@@ -243,13 +243,8 @@ def test_the_deterministic_backward_is_bitwise_the_same_under_every_schedule(rng
 
 def test_each_backward_launches_its_own_kernels(rng):
     launched = []
-
-    def recording(source, names, options, *rest):
-        launched.extend(names)
-        return compile_module(source, names, options, *rest)
-
     q, k, v = make_qkv(rng, 1, 20, 20, 2, 1, 64, np.float16)
-    with emulated(compile=recording):
+    with emulated(compile=recording(launched)):
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy")
         flashcupy.attention_backward(out, q, k, v, out, lse, backend="cupy")
         flashcupy.attention_backward(out, q, k, v, out, lse, backend="cupy", deterministic=True)
