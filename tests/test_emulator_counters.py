@@ -156,7 +156,7 @@ def tensor_core_violations(rows) -> list:
         for category in ("ldmatrix", "cp_async_shared"):
             if c.conflicts(category):
                 bad.append(f"{name}: {c.conflicts(category)} bank conflicts (extra wavefronts) in {category}")
-        for category in ("global_load", "cp_async_global"):
+        for category in ("global_load", "global_store", "cp_async_global"):
             if c.excess_sectors(category):
                 bad.append(f"{name}: {c.excess_sectors(category)} excess sectors in {category}")
         if k.template in GEMMS:

@@ -33,6 +33,7 @@ instructions in their SASS (by nvdisasm, which cuda-pathfinder finds: the
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import importlib.metadata
@@ -241,8 +242,15 @@ def _version(toolkit: Toolkit) -> str:
 
 
 def _results(toolkit: Toolkit, jobs) -> list:
-    """_compile's result per job, compiled by `toolkit`'s NVRTC; the first job's NvrtcError if any failed."""
-    outcomes = _run(toolkit, jobs)[1]
+    """_compile's result per job, compiled by `toolkit`'s NVRTC; the first job's NvrtcError if any failed.
+    The jobs are shared round-robin among one worker process per CPU (NVRTC compiles on one thread;
+    the report's few hundred kernels took minutes in one worker)."""
+    jobs = list(jobs)
+    workers = max(1, min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                         else os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # each thread waits on its process
+        parts = list(pool.map(lambda w: _run(toolkit, jobs[w::workers])[1], range(workers)))
+    outcomes = [parts[n % workers][n // workers] for n in range(len(jobs))]
     for ok, value in outcomes:
         if not ok:
             raise value

@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dkdv_tc(
     const KeyBlock blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);
     const int warp = threadIdx.x / WARP_SIZE;
     const int key_w = blk.j0 + 16 * warp;                   // the warp's first key
-    const int key_g = key_w + threadIdx.x % WARP_SIZE / 4;  // this lane's keys: key_g and key_g + 8
+    [[maybe_unused]] const int key_g = key_w + threadIdx.x % WARP_SIZE / 4;  // this lane's keys: key_g, key_g + 8
 
     // the passes: the query blocks that see key block j, in every query head of the group
     const int i_start = mask.query_start(blk.j0);
@@ -247,8 +247,19 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dkdv_tc(
         __syncthreads();  // every warp is done with this Q_i, dO_i, lse_i, D_i (and dS): the next pass overwrites them
     }
 
-    store_fragments<HEAD_DIM>(HEAD_ROWS(dk, blk.b, blk.kv_head), dK, {scale, scale}, key_g, seqlen_k, head_dim);
-    store_fragments<HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, {1.0f, 1.0f}, key_g, seqlen_k, head_dim);
+    if constexpr (DQ_ATOMIC) {
+        // staged through the warp's own rows of K_s and V_s: the last pass ended with a barrier, after
+        // which no warp reads them (atomic_dq reads all of K_s, but within a pass)
+        store_fragments_staged<HEAD_DIM>(HEAD_ROWS(dk, blk.b, blk.kv_head), dK, {scale, scale},
+                                         K_s + 16 * warp * HEAD_DIM, key_w, seqlen_k, head_dim);
+        store_fragments_staged<HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, {1.0f, 1.0f},
+                                         V_s + 16 * warp * HEAD_DIM, key_w, seqlen_k, head_dim);
+    } else {
+        // straight from the fragments: staged, the deterministic kernel with every modifier at head_dim 64
+        // spilled 8 bytes (sm_80, NVRTC 12.9)
+        store_fragments<HEAD_DIM>(HEAD_ROWS(dk, blk.b, blk.kv_head), dK, {scale, scale}, key_g, seqlen_k, head_dim);
+        store_fragments<HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, {1.0f, 1.0f}, key_g, seqlen_k, head_dim);
+    }
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
@@ -323,6 +334,8 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dq_tc(
         __syncthreads();  // every warp is done with K_j, V_j before the next prefetch overwrites them
     }
 
+    // straight from the fragments (twice the sectors of store_fragments_staged, which took this kernel, with
+    // every modifier at head_dim 128, one register past the limit of tests/test_nvrtc.py)
     store_fragments<HEAD_DIM>(dQ_rows, dQ, {scale, scale}, row_g, seqlen_q, head_dim);
 }
 

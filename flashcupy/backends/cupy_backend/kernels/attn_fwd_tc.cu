@@ -190,5 +190,10 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_fwd_tc(
             lse[split.index * lse_split + blk.b * lse_sb + blk.h * lse_sh + row * lse_ss] =
                 l[r] == 0.0f ? -INFINITY : m[r] * LN2 + logf(l[r]);
     }
-    store_fragments<HEAD_DIM>(SPLIT ? make_out() : Out, O, inv_l, row_g, seqlen_q, head_dim);
+    if constexpr (SPLIT) {
+        store_fragments<HEAD_DIM>(make_out(), O, inv_l, row_g, seqlen_q, head_dim);  // float: no staging
+    } else {
+        // staged through the warp's own rows of Q_s, which only this warp read (into Q_frag, on pass 0)
+        store_fragments_staged<HEAD_DIM>(Out, O, inv_l, Q_s + 16 * warp * HEAD_DIM, row_w, seqlen_q, head_dim);
+    }
 }

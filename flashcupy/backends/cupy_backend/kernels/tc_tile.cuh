@@ -212,3 +212,32 @@ __device__ __forceinline__ void store_fragments(const Rows<T>& dst, const float 
         }
     }
 }
+
+// Store the warp's 16 rows of acc, row r times factor[r], to dst rows row_w .. row_w + 15 (those <
+// seqlen; columns < head_dim) in T, through stage: the warp's own 16 rows of a swizzled tile that no
+// other warp reads any more. The fragments' 4-byte pieces land in shared memory (8 rows x 16 bytes an
+// instruction, conflict-free through the swizzle), then each store instruction writes 32 consecutive
+// 4-byte words of out, whole 32-byte sectors: stored straight from the fragments, each instruction
+// touched 8 rows and twice the sectors (python -m flashcupy kernels --counters).
+template <int HEAD_DIM, typename T>
+__device__ __forceinline__ void store_fragments_staged(const Rows<T>& dst, const float (&acc)[HEAD_DIM / 8][4],
+                                                       const float (&factor)[2], T* stage, int row_w, int seqlen,
+                                                       int head_dim) {
+    static_assert(sizeof(T) == 2, "two elements a 4-byte word");
+    constexpr int WORDS = HEAD_DIM / 2;  // a row's words
+    const int lane = threadIdx.x % WARP_SIZE;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int dt = 0; dt < HEAD_DIM / 8; ++dt)
+            *reinterpret_cast<unsigned*>(stage + swizzled<HEAD_DIM>(c_row(2 * r), dt) + c_col(0)) =
+                pack2<T>(acc[dt][2 * r] * factor[r], acc[dt][2 * r + 1] * factor[r]);
+    __syncwarp();  // the warp's rows are whole in stage
+#pragma unroll
+    for (int e = lane; e < 16 * WORDS; e += WARP_SIZE) {
+        const int row = e / WORDS, col = 2 * (e % WORDS);
+        if (row_w + row < seqlen && col < head_dim)
+            *reinterpret_cast<unsigned*>(&dst.at(row_w + row, col)) =
+                *reinterpret_cast<const unsigned*>(stage + swizzled<HEAD_DIM>(row, col / 8) + col % 8);
+    }
+}
