@@ -100,7 +100,9 @@ def test_limits_exceeded_and_their_marks():
                                                 ["100", "8!", str(limit), "0"]]
 
 
-@pytest.fixture(scope="module", params=[(arch, major) for major in CUDA_MAJORS for arch in ARCHS],
+# each report (minutes of NVRTC) on a pytest-xdist worker of its own where there are several
+@pytest.fixture(scope="module", params=[pytest.param((arch, major), marks=pytest.mark.xdist_group(f"nvrtc-{arch}-{major}"))
+                                        for major in CUDA_MAJORS for arch in ARCHS],
                 ids=lambda p: f"{p[0]}-nvrtc{p[1]}")
 def report(request):
     arch, major = request.param
