@@ -200,7 +200,7 @@ TC_MUTATIONS = {
     "GQA head mapping": ("h, h / group};", "h, h % (heads_q / group)};"),
     "D not subtracted": ("dp = P * (dp - D_i[c]);", "dp = P * dp;"),
     "key_end off by one": ("last_row + 1 + diagonal", "last_row + diagonal"),
-    "lse base": ("m[r] * LN2 + logf(l[r])", "m[r] * LN2 + log2f(l[r])"),
+    "lse base": ("m[mt][r] * LN2 + logf(l[mt][r])", "m[mt][r] * LN2 + log2f(l[mt][r])"),
 }
 
 

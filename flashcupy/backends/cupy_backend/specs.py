@@ -78,14 +78,19 @@ PAIR_TILES = {("flash_fwd", 4, 32): (32, 32), ("flash_fwd", 8, 64): (16, 32),
 
 # Tensor-core kernels (attn_fwd_tc.cu, attn_bwd_tc.cu): float16/bfloat16 only, head_dim a multiple
 # of 8 up to 128, padded to 64 or 128; no Acc template parameter (they accumulate in float). The
-# warps own 16-row mma tiles: BLOCK_M = 64 query rows in the forward and dQ, BLOCK_N = 64 keys in
-# dK/dV. Shared memory is dynamic, 2 bytes an element, the streamed operands double-buffered:
+# warps own 16-row mma tiles (two in the forward at head_dim 64): BLOCK_M = 64 query rows in the
+# forward and dQ (128 there), BLOCK_N = 64 keys in dK/dV. Shared memory is dynamic, 2 bytes an
+# element, the streamed operands double-buffered:
 #     forward  (BLOCK_M + 4 BLOCK_N) HEAD_DIM 2                 Q_i; 2 x (K_j, V_j)
 #     dK/dV    (2 BLOCK_N + 4 BLOCK_M) HEAD_DIM 2 + 16 BLOCK_M  K_j, V_j; 2 x (Q_i, dO_i, lse_i, D_i)
 #     dQ       (2 BLOCK_M + 4 BLOCK_N) HEAD_DIM 2               Q_i, dO_i; 2 x (K_j, V_j)
 TC_DTYPES = ("float16", "bfloat16")
 TC_HEAD_DIM_BUCKETS = (64, 128)
-TC_FORWARD_TILES = {64: (64, 64), 128: (64, 64)}
+# The forward at head_dim 64 takes 128 query rows, two 16-row mma tiles a warp: each K_j or V_j
+# fragment feeds twice the mma (192 shared-memory bytes per mma, not 320). At head_dim 128 the two row
+# tiles' O alone take 128 registers: with 64 or 32 keys a pass ptxas reached 255 and spilled (NVRTC
+# 12.9 and 13.5), so it keeps 64 rows.
+TC_FORWARD_TILES = {64: (128, 64), 128: (64, 64)}
 TC_BACKWARD_DKDV_TILES = {64: (64, 64), 128: (32, 64)}
 TC_BACKWARD_DQ_TILES = {64: (64, 64), 128: (64, 32)}
 # With softcap or ALiBi (MOD_SCORE): dK/dV takes half the query rows a pass, and dQ at head_dim 64

@@ -10,9 +10,13 @@
 // names are masked element by element.
 //
 // Grid: one CTA per (query block, batch * heads_q), flattened on x (query_block in mask.cuh).
-// CTA: NUM_WARPS = 4 warps; warp w owns query rows 16 w .. 16 w + 15 of Q_i, so BLOCK_M = 64. In
-// registers, per warp (C fragments as in tc_tile.cuh):
-//     Q_frag  HEAD_DIM / 16 A fragments of its rows of Q_i, loaded once
+// CTA: NUM_WARPS = 4 warps; warp w owns M_TILES 16-row mma tiles, query rows WARP_ROWS w ..
+// WARP_ROWS w + WARP_ROWS - 1 of Q_i (WARP_ROWS = 16 M_TILES), so BLOCK_M = 64 M_TILES. Each K_j or
+// V_j fragment a warp reads from shared memory feeds 2 M_TILES mma: two row tiles halve the
+// shared-memory bytes per mma, at the price of twice the accumulator registers. In registers, per
+// warp and row tile (C fragments as in tc_tile.cuh):
+//     Q_frag  HEAD_DIM / 16 A fragments of its rows of Q_i, loaded once, with one row tile; with two,
+//             read from Q_s at every k-step of every pass instead (the registers go to O and S)
 //     S       BLOCK_N / 8 C fragments: S = Q_i K_jᵀ, then P in place (fp32)
 //     O       HEAD_DIM / 8 C fragments (fp32); m, l for the lane's two rows (l is the lane's
 //             partial row sum, summed over the 4 lanes of a quad once, at the end)
@@ -22,7 +26,7 @@
 // so P never passes through shared memory.
 //
 // Shared memory (dynamic), T (2 bytes) tiles of HEAD_DIM elements a row, swizzled (tc_tile.cuh):
-//     Q_s   BLOCK_M x HEAD_DIM        Q_i; read once, into registers
+//     Q_s   BLOCK_M x HEAD_DIM        Q_i; read once into registers, or at every pass (two row tiles)
 //     K_s   2 x BLOCK_N x HEAD_DIM    K_j, V_j of this pass and the next: cp.async fills one stage
 //     V_s   2 x BLOCK_N x HEAD_DIM    while the other is computed on (double buffering)
 //     total (BLOCK_M + 4 BLOCK_N) HEAD_DIM 2 bytes; above 48 KiB the launcher raises
@@ -53,8 +57,9 @@
 // in float, and lse, at its split's offsets.
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: the padded head dim),
-// BLOCK_M (16 NUM_WARPS = 64), BLOCK_N (a multiple of 16), MODS the score modifiers (0: none), SPLIT
-// split-KV.
+// BLOCK_M (64 M_TILES, M_TILES 1 or 2), BLOCK_N (a multiple of 16), MODS the score modifiers (0:
+// none), SPLIT split-KV. The split kernels ask ptxas for one CTA an SM (__launch_bounds__): left to its
+// heuristic it held them to 128 registers and spilled.
 
 #include "mask.cuh"
 #include "tc_tile.cuh"
@@ -92,16 +97,22 @@ __device__ __forceinline__ void online_softmax(float (&S)[N_TILES][4], float (&m
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool SPLIT = false>
-__global__ void __launch_bounds__(NUM_THREADS) attn_fwd_tc(
+__global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : 0) attn_fwd_tc(  // 0: ptxas' own choice
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
     LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {
-    static_assert(BLOCK_M == 16 * NUM_WARPS, "each warp owns 16 query rows: one mma row tile");
+    constexpr int M_TILES = BLOCK_M / (16 * NUM_WARPS);  // 16-row mma tiles a warp owns
+    constexpr int WARP_ROWS = 16 * M_TILES;
+    static_assert(BLOCK_M == WARP_ROWS * NUM_WARPS && (M_TILES == 1 || M_TILES == 2),
+                  "each warp owns one or two 16-row mma tiles");
     static_assert(BLOCK_N % 16 == 0, "BLOCK_N is a whole number of P V k-steps");
     static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 64, "the swizzle needs 8 chunks of 16 bytes a row");
     constexpr int N_TILES = BLOCK_N / 8;     // 8-key column tiles of S
     constexpr int D_TILES = HEAD_DIM / 8;    // 8-column tiles of O
     constexpr int QK_STEPS = HEAD_DIM / 16;  // k-steps of Q_i K_jᵀ
+    // Q_i's A fragments stay in registers with one row tile; with two, O and S take the registers
+    // (kept, Q_frag took head_dim 64 to 246-254 registers under NVRTC 12.9 and 13.5)
+    constexpr bool Q_IN_REGISTERS = M_TILES == 1;
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem);
@@ -112,8 +123,8 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_fwd_tc(
     const Split split = SPLIT ? split_of(seqlen_k, key_split) : Split{0, int(blockIdx.x)};
     const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group, split.cta);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int row_w = blk.i0 + 16 * warp;  // the warp's first row
-    const int row_g = row_w + lane / 4;    // this lane's rows: row_g and row_g + 8
+    const int row_w = blk.i0 + WARP_ROWS * warp;  // the warp's first row; row tile mt starts at row_w + 16 mt
+    T* Q_w = Q_s + WARP_ROWS * warp * HEAD_DIM;  // the warp's rows of Q_s
 
     // Out: here, for the plain kernel (made after the key loop, it made ptxas spill); after the key
     // loop for the split one (made here, it took 255 registers). The plain kernel's code is the same
@@ -143,57 +154,90 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_fwd_tc(
 
     const float scale_log2 = scale * LOG2E;
     const auto score = MAKE_SCORE(T, float, MODS, blk.b, blk.h, scale_log2, LOG2E);
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    float O[D_TILES][4];
+    float m[M_TILES][2], l[M_TILES][2];
+    float O[M_TILES][D_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.0f;
     zero(O);
-    unsigned Q_frag[QK_STEPS][4];
+    unsigned Q_frag[Q_IN_REGISTERS ? M_TILES : 1][Q_IN_REGISTERS ? QK_STEPS : 1][4];
 
     for (int jb = 0; jb < kv.blocks; ++jb) {
         const int j0 = kv.j0(jb);
         kv.next(jb);
         __syncthreads();  // every thread's copies of K_j, V_j (and Q_i) have landed: the stage is whole
 
-        if (jb == 0) {
+        if constexpr (Q_IN_REGISTERS) {
+            if (jb == 0) {
 #pragma unroll
-            for (int ks = 0; ks < QK_STEPS; ++ks) load_a<HEAD_DIM>(Q_frag[ks], Q_s + 16 * warp * HEAD_DIM, ks);
+                for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                    for (int ks = 0; ks < QK_STEPS; ++ks) load_a<HEAD_DIM>(Q_frag[mt][ks], Q_w + 16 * mt * HEAD_DIM, ks);
+            }
         }
 
-        float S[N_TILES][4];
+        float S[M_TILES][N_TILES][4];
         zero(S);
+        if constexpr (Q_IN_REGISTERS) {
 #pragma unroll
-        for (int ks = 0; ks < QK_STEPS; ++ks) mma_abt_step<T, HEAD_DIM, BLOCK_N>(S, Q_frag[ks], kv.K_j(jb), ks);
+            for (int ks = 0; ks < QK_STEPS; ++ks) {
+                unsigned a[M_TILES][4];
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) a[mt][i] = Q_frag[mt][ks][i];
+                mma_abt_step<T, HEAD_DIM, BLOCK_N, M_TILES>(S, a, kv.K_j(jb), ks);
+            }
+        } else {
+            // not unrolled: ptxas would hoist the fragments of later k-steps, past the registers O and S leave
+#pragma unroll 1
+            for (int ks = 0; ks < QK_STEPS; ++ks) {
+                unsigned a[M_TILES][4];
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt) load_a<HEAD_DIM>(a[mt], Q_w + 16 * mt * HEAD_DIM, ks);
+                mma_abt_step<T, HEAD_DIM, BLOCK_N, M_TILES>(S, a, kv.K_j(jb), ks);
+            }
+        }
 
-        if constexpr ((MODS & MOD_SCORE) != 0) {
-            for_each_element([&](int r, int c, float& s) {
-                float t = 0.0f;
-                s = score(s, row_w + r, j0 + c, t);
-            }, S);
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+            const int row_t = row_w + 16 * mt;  // the row tile's first row
+            if constexpr ((MODS & MOD_SCORE) != 0) {
+                for_each_element([&](int r, int c, float& s) {
+                    float t = 0.0f;
+                    s = score(s, row_t + r, j0 + c, t);
+                }, S[mt]);
+            }
+            if ((MODS & MOD_MASK) != 0 || mask.partial(blk.i0, j0)) {  // the bool mask may hide pairs of any tile
+                for_each_element([&](int r, int c, float& s) {
+                    if (!mask.visible(row_t + r, j0 + c) || !score.keeps(row_t + r, j0 + c)) s = -INFINITY;
+                }, S[mt]);
+            }
+            online_softmax(S[mt], m[mt], l[mt], O[mt], (MODS & MOD_SCORE) != 0 ? 1.0f : scale_log2);  // Score took it to base 2
         }
-        if ((MODS & MOD_MASK) != 0 || mask.partial(blk.i0, j0)) {  // the bool mask may hide pairs of any tile
-            for_each_element([&](int r, int c, float& s) {
-                if (!mask.visible(row_w + r, j0 + c) || !score.keeps(row_w + r, j0 + c)) s = -INFINITY;
-            }, S);
-        }
-        online_softmax(S, m, l, O, (MODS & MOD_SCORE) != 0 ? 1.0f : scale_log2);  // Score took it to base 2
-        mma_ab<T, HEAD_DIM, BLOCK_N>(O, S, kv.V_j(jb));
+        mma_ab<T, HEAD_DIM, BLOCK_N, M_TILES>(O, S, kv.V_j(jb));
         __syncthreads();  // every warp is done with this stage before the next pass's prefetch overwrites it
     }
 
     // out = O / l and lse = (m + log2 l) ln 2; a row that saw no key (l == 0) gets out 0, lse -inf
-    float inv_l[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] = group_sum<4>(l[r]);
-        inv_l[r] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
-        const int row = row_g + 8 * r;
-        if (lane % 4 == 0 && row < seqlen_q)
-            lse[split.index * lse_split + blk.b * lse_sb + blk.h * lse_sh + row * lse_ss] =
-                l[r] == 0.0f ? -INFINITY : m[r] * LN2 + logf(l[r]);
-    }
-    if constexpr (SPLIT) {
-        store_fragments<HEAD_DIM>(make_out(), O, inv_l, row_g, seqlen_q, head_dim);  // float: no staging
-    } else {
-        // staged through the warp's own rows of Q_s, which only this warp read (into Q_frag, on pass 0)
-        store_fragments_staged<HEAD_DIM>(Out, O, inv_l, Q_s + 16 * warp * HEAD_DIM, row_w, seqlen_q, head_dim);
+    for (int mt = 0; mt < M_TILES; ++mt) {
+        const int row_t = row_w + 16 * mt, row_g = row_t + lane / 4;  // this lane's rows: row_g and row_g + 8
+        float inv_l[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            l[mt][r] = group_sum<4>(l[mt][r]);
+            inv_l[r] = l[mt][r] == 0.0f ? 0.0f : 1.0f / l[mt][r];
+            const int row = row_g + 8 * r;
+            if (lane % 4 == 0 && row < seqlen_q)
+                lse[split.index * lse_split + blk.b * lse_sb + blk.h * lse_sh + row * lse_ss] =
+                    l[mt][r] == 0.0f ? -INFINITY : m[mt][r] * LN2 + logf(l[mt][r]);
+        }
+        if constexpr (SPLIT) {
+            store_fragments<HEAD_DIM>(make_out(), O[mt], inv_l, row_g, seqlen_q, head_dim);  // float: no staging
+        } else {
+            // staged through the row tile's own rows of Q_s, which only this warp reads (the last time in
+            // the last pass)
+            store_fragments_staged<HEAD_DIM>(Out, O[mt], inv_l, Q_w + 16 * mt * HEAD_DIM, row_t, seqlen_q, head_dim);
+        }
     }
 }

@@ -171,6 +171,12 @@ __device__ __forceinline__ void zero(Acc (&x)[ROWS][COLS]) {
         for (int c = 0; c < COLS; ++c) x[r][c] = Acc(0);
 }
 
+template <typename Acc, int TILES, int ROWS, int COLS>
+__device__ __forceinline__ void zero(Acc (&x)[TILES][ROWS][COLS]) {
+#pragma unroll
+    for (int t = 0; t < TILES; ++t) zero(x[t]);
+}
+
 // Reduce x over the lanes whose indices differ only in their low log2(WIDTH) bits.
 template <int WIDTH, typename Acc>
 __device__ __forceinline__ Acc group_max(Acc x) {

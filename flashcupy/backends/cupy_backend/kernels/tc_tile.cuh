@@ -7,9 +7,10 @@
 // chunk c of row r is stored at chunk c ^ (r % 8), so the 8 rows one ldmatrix reads hit 8
 // different 16-byte bank groups (HEAD_DIM >= 64: a row has at least 8 chunks).
 //
-// Each warp computes 16 rows of a product. X[COLS / 8][4] holds those 16 rows x COLS columns in fp32
-// as C fragments (layouts in tensor_core.cuh): X[nt][i] is row c_row(i), column 8 nt + c_col(i); the
-// lane holds rows g and g + 8 (g = lane / 4) and columns 2 t, 2 t + 1 of each 8-column tile (t = lane % 4).
+// Each warp computes 16 rows of a product (a row tile), or M row tiles. X[COLS / 8][4] holds those 16
+// rows x COLS columns in fp32 as C fragments (layouts in tensor_core.cuh): X[nt][i] is row c_row(i),
+// column 8 nt + c_col(i); the lane holds rows g and g + 8 (g = lane / 4) and columns 2 t, 2 t + 1 of
+// each 8-column tile (t = lane % 4). X[M][COLS / 8][4] holds M row tiles, X[mt] rows 16 mt ...
 
 #pragma once
 
@@ -137,19 +138,32 @@ __device__ __forceinline__ void c_to_a(unsigned (&a)[4], const float (&c0)[4], c
     a[3] = pack2<T>(c1[2], c1[3]);
 }
 
-// X += A B_sᵀ over k-step ks: A the warp's A fragment of that step, B_s COLS rows of HEAD_DIM (the B
-// operand as stored; one ldmatrix_x4 gives the B fragments of two 8-column tiles).
-template <typename T, int HEAD_DIM, int COLS>
-__device__ __forceinline__ void mma_abt_step(float (&X)[COLS / 8][4], const unsigned (&a)[4], const T* B_s,
+// X[mt] += A[mt] B_sᵀ over k-step ks, for each of the warp's M row tiles: A[mt] the A fragment of
+// that step for rows 16 mt .., B_s COLS rows of HEAD_DIM (the B operand as stored). One ldmatrix_x4
+// gives the B fragments of two 8-column tiles, which feed 2 M mma: the more row tiles a warp owns,
+// the fewer shared-memory bytes each mma costs.
+template <typename T, int HEAD_DIM, int COLS, int M>
+__device__ __forceinline__ void mma_abt_step(float (&X)[M][COLS / 8][4], const unsigned (&a)[M][4], const T* B_s,
                                              int ks) {
     const int lane = threadIdx.x % WARP_SIZE;
 #pragma unroll
     for (int nt = 0; nt < COLS / 8; nt += 2) {
         unsigned b[4];
         ldmatrix_x4(b, B_s + swizzled<HEAD_DIM>(8 * nt + lane % 8 + 8 * (lane / 16), 2 * ks + lane / 8 % 2));
-        mma_m16n8k16<T>(X[nt], a, b, X[nt]);
-        mma_m16n8k16<T>(X[nt + 1], a, b + 2, X[nt + 1]);
+#pragma unroll
+        for (int mt = 0; mt < M; ++mt) {
+            mma_m16n8k16<T>(X[mt][nt], a[mt], b, X[mt][nt]);
+            mma_m16n8k16<T>(X[mt][nt + 1], a[mt], b + 2, X[mt][nt + 1]);
+        }
     }
+}
+
+// The same for one row tile (16 rows).
+template <typename T, int HEAD_DIM, int COLS>
+__device__ __forceinline__ void mma_abt_step(float (&X)[COLS / 8][4], const unsigned (&a)[4], const T* B_s,
+                                             int ks) {
+    mma_abt_step<T, HEAD_DIM, COLS, 1>(reinterpret_cast<float(&)[1][COLS / 8][4]>(X),
+                                       reinterpret_cast<const unsigned(&)[1][4]>(a), B_s, ks);
 }
 
 // X = A_s B_sᵀ and Y = C_s D_sᵀ: A_s, C_s the warp's 16 rows, B_s, D_s COLS rows each. The A
@@ -170,23 +184,36 @@ __device__ __forceinline__ void two_mma_abt(float (&X)[COLS / 8][4], float (&Y)[
     }
 }
 
-// acc += X B_s: X the warp's 16 rows x K columns (C fragments, rounded to T), B_s K rows of HEAD_DIM
-// (the B operand transposed by ldmatrix). acc: HEAD_DIM / 8 C fragments.
-template <typename T, int HEAD_DIM, int K>
-__device__ __forceinline__ void mma_ab(float (&acc)[HEAD_DIM / 8][4], const float (&X)[K / 8][4], const T* B_s) {
+// acc[mt] += X[mt] B_s for each of the warp's M row tiles: X[mt] 16 rows x K columns (C fragments,
+// rounded to T), B_s K rows of HEAD_DIM (the B operand transposed by ldmatrix; each ldmatrix_x4_trans
+// feeds 2 M mma). acc[mt]: HEAD_DIM / 8 C fragments.
+template <typename T, int HEAD_DIM, int K, int M>
+__device__ __forceinline__ void mma_ab(float (&acc)[M][HEAD_DIM / 8][4], const float (&X)[M][K / 8][4],
+                                       const T* B_s) {
     const int lane = threadIdx.x % WARP_SIZE;
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
-        unsigned x[4];
-        c_to_a<T>(x, X[2 * kk], X[2 * kk + 1]);
+        unsigned x[M][4];
+#pragma unroll
+        for (int mt = 0; mt < M; ++mt) c_to_a<T>(x[mt], X[mt][2 * kk], X[mt][2 * kk + 1]);
 #pragma unroll
         for (int dt = 0; dt < HEAD_DIM / 8; dt += 2) {
             unsigned b[4];
             ldmatrix_x4_trans(b, B_s + swizzled<HEAD_DIM>(16 * kk + lane % 16, dt + lane / 16));
-            mma_m16n8k16<T>(acc[dt], x, b, acc[dt]);
-            mma_m16n8k16<T>(acc[dt + 1], x, b + 2, acc[dt + 1]);
+#pragma unroll
+            for (int mt = 0; mt < M; ++mt) {
+                mma_m16n8k16<T>(acc[mt][dt], x[mt], b, acc[mt][dt]);
+                mma_m16n8k16<T>(acc[mt][dt + 1], x[mt], b + 2, acc[mt][dt + 1]);
+            }
         }
     }
+}
+
+// The same for one row tile (16 rows).
+template <typename T, int HEAD_DIM, int K>
+__device__ __forceinline__ void mma_ab(float (&acc)[HEAD_DIM / 8][4], const float (&X)[K / 8][4], const T* B_s) {
+    mma_ab<T, HEAD_DIM, K, 1>(reinterpret_cast<float(&)[1][HEAD_DIM / 8][4]>(acc),
+                              reinterpret_cast<const float(&)[1][K / 8][4]>(X), B_s);
 }
 
 // Store the lane's rows row_g and row_g + 8 of acc (those < seqlen; columns < head_dim), row r times
