@@ -249,6 +249,18 @@ def test_the_report_prints_every_kernel_and_the_model(tc_rows):
         assert gpu.name in text
 
 
+def test_each_counted_kernel_shows_its_own_specializations_registers(tc_rows):
+    # the report holds every variant of a template (modifiers, split-KV, dQ by atomics): the counted
+    # kernel's row must take its own, whichever comes last
+    from flashcupy.backends.cupy_backend import nvrtc
+    counted = [row for row in tc_rows if row["kernel"].template == "attn_fwd_tc"][:1]
+    k = counted[0]["kernel"]
+    report = [dict(kernel=k.template, dtype=k.dtype, head_dim=k.head_dim, mods=mods, registers=registers,
+                   spill_bytes=0, occupancy=0.25) for mods, registers in ((nvrtc.variant(k), 111), ("split", 222))]
+    line = next(x for x in perfmodel.format_counters(counted, report).splitlines() if x.startswith("attn_fwd_tc"))
+    assert line.split()[4] == "111"
+
+
 def test_the_cli_prints_counters_without_nvrtc_and_refuses_without_the_emulator(monkeypatch, capsys):
     from flashcupy import __main__ as cli
     from flashcupy.backends.cupy_backend import nvrtc

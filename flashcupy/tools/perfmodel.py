@@ -189,7 +189,9 @@ def roofline(figures: dict, gpu: Gpu) -> dict | None:
 
 
 def _registers(nvrtc_rows) -> dict:
-    return {(r["kernel"], r["dtype"], r["head_dim"]): r for r in nvrtc_rows or ()}
+    """The NVRTC report's rows by (template, dtype, head_dim, variant): each counted kernel takes its own
+    specialization's, not another's of the same template."""
+    return {(r["kernel"], r["dtype"], r["head_dim"], r["mods"]): r for r in nvrtc_rows or ()}
 
 
 def _fmt(x, spec="{:.0f}") -> str:
@@ -208,7 +210,7 @@ def format_counters(rows: list, nvrtc_rows=None, nvrtc_heading: str = "") -> str
     for row in rows:
         k = row["kernel"]
         f = pass_figures(row)
-        r = regs.get((k.template, k.dtype, k.head_dim or None))
+        r = regs.get((k.template, k.dtype, k.head_dim or None, nvrtc.variant(k)))
         per_mma = (lambda b: _fmt(b / f["mma"])) if f["mma"] else (lambda b: "-")
         ld = f["load_sectors_per_request"] or None
         st = f["store_sectors_per_request"] or None

@@ -331,6 +331,12 @@ def occupancy(arch: str, registers: int, smem: int, threads: int) -> float:
     return ctas * warps / (lim["threads"] // 32)
 
 
+def variant(kernel: specs.Kernel) -> str | None:
+    """A report row's "mods": the score modifiers, then split-KV and dQ by atomics, joined by "+";
+    None for the plain kernel."""
+    return "+".join(x for x in (kernel.modifiers, "split" * kernel.split, "dq_atomic" * kernel.dq_atomic) if x) or None
+
+
 def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, cubin: bytes) -> list:
     info = parse_ptxas(log)
     text = sass(cubin) if any(k.tensor_cores for k in module.kernels) else ""
@@ -340,9 +346,7 @@ def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, c
         code = function_sass(text, lowered[kernel.name_expression]) if kernel.tensor_cores else None
         rows.append(dict(
             kernel=kernel.template,
-            # split-KV and dQ-by-atomics variants too
-            mods="+".join(x for x in (kernel.modifiers, "split" * kernel.split, "dq_atomic" * kernel.dq_atomic) if x)
-            or None,
+            mods=variant(kernel),
             dtype=kernel.dtype,
             head_dim=kernel.head_dim or None,
             tile=f"{kernel.block_m}x{kernel.block_n}" if kernel.head_dim else None,
