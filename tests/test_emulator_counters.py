@@ -153,7 +153,7 @@ def tensor_core_violations(rows) -> list:
     for row in rows:
         k, c = row["kernel"], row["launch"]
         name = f"{k.template} {k.dtype} D={k.head_dim}"
-        for category in ("ldmatrix", "cp_async_shared"):
+        for category in ("ldmatrix", "cp_async_shared", "shared_load", "shared_store"):
             if c.conflicts(category):
                 bad.append(f"{name}: {c.conflicts(category)} bank conflicts (extra wavefronts) in {category}")
         for category in ("global_load", "global_store", "cp_async_global"):

@@ -102,8 +102,13 @@
 // rows x 16 columns go round the warps; each is BLOCK_N / 16 k-steps of two mmas, then added into
 // the fp32 workspace with atomics (rows < seqlen_q, columns < head_dim). The C fragments pass through
 // the warp's 16 x 16 floats of stage first, so that the atomics of a warp cover whole 32-byte sectors
-// (16 consecutive floats a row) instead of the fragments' 8-byte pieces. Not unrolled over tiles: a
-// tile's accumulators (8 floats) are all it adds to the registers the dK, dV accumulators leave.
+// (16 consecutive floats a row) instead of the fragments' 8-byte pieces. Row r of stage holds its 16
+// columns XOR-permuted by dq_swizzle(r): straight row-major, the 8 rows one store instruction writes
+// (rows g of the lanes, 16 floats apart) fell on 8 of the 32 banks, 4-way conflicts; permuted, the
+// stores and the atomics' row-wise reads are conflict-free. Not unrolled over tiles: a tile's
+// accumulators (8 floats) are all it adds to the registers the dK, dV accumulators leave.
+__device__ __forceinline__ int dq_swizzle(int row) { return (row >> 1 & 1) | (row >> 2 & 1) << 3; }
+
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
 __device__ __forceinline__ void atomic_dq(const Rows<float>& dQ, const T* dS_s, const T* K_s, float* stage, int i0,
                                           int seqlen_q, int head_dim) {
@@ -125,12 +130,12 @@ __device__ __forceinline__ void atomic_dq(const Rows<float>& dQ, const T* dS_s, 
 #pragma unroll
         for (int n = 0; n < 2; ++n)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) stage[16 * c_row(i) + 8 * n + c_col(i)] = acc[n][i];
+            for (int i = 0; i < 4; ++i) stage[16 * c_row(i) + ((8 * n + c_col(i)) ^ dq_swizzle(c_row(i)))] = acc[n][i];
         __syncwarp();  // the warp's tile is whole in stage
 #pragma unroll
         for (int e = lane; e < 16 * 16; e += WARP_SIZE) {
-            const int row = i0 + 16 * mt + e / 16, col = 8 * dt + e % 16;
-            if (row < seqlen_q && col < head_dim) atomicAdd(&dQ.at(row, col), stage[e]);
+            const int r = e / 16, row = i0 + 16 * mt + r, col = 8 * dt + e % 16;
+            if (row < seqlen_q && col < head_dim) atomicAdd(&dQ.at(row, col), stage[16 * r + (e % 16 ^ dq_swizzle(r))]);
         }
         __syncwarp();  // every lane has read stage before the next tile overwrites it
     }
