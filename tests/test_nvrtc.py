@@ -100,9 +100,8 @@ def test_limits_exceeded_and_their_marks():
                                                 ["100", "8!", str(limit), "0"]]
 
 
-# the reports (a minute or more of NVRTC each, on every CPU) in one pytest-xdist group: one report at a
-# time, while the other workers run the rest (two at once oversubscribed the CPUs)
-@pytest.fixture(scope="module", params=[pytest.param((arch, major), marks=pytest.mark.xdist_group("nvrtc-reports"))
+# each report (minutes of NVRTC) on a pytest-xdist worker of its own where there are several
+@pytest.fixture(scope="module", params=[pytest.param((arch, major), marks=pytest.mark.xdist_group(f"nvrtc-{arch}-{major}"))
                                         for major in CUDA_MAJORS for arch in ARCHS],
                 ids=lambda p: f"{p[0]}-nvrtc{p[1]}")
 def report(request):

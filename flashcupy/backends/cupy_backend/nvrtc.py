@@ -68,9 +68,7 @@ WHEELS = {
     13: ("nvidia-cuda-nvrtc", "nvidia-cuda-runtime"),
 }
 _LIBNVRTC = re.compile(r"libnvrtc\.so\.\d+|nvrtc64_\d+_0\.dll")  # not the builtins or the .alt build
-# compiling threads in a worker process: one, since _results starts a worker process per CPU (threads
-# on top of that oversubscribed the CPUs, and under pytest-xdist two reports at once ran for minutes)
-_WORKERS = 1
+_WORKERS = min(4, os.cpu_count() or 1)  # compiling threads in a worker process
 
 
 class NvrtcError(RuntimeError):
