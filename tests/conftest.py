@@ -211,6 +211,3 @@ def pytest_collection_modifyitems(items):
                              for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
         name = item.module.__name__ if module_fixture else f"{item.module.__name__}::{item.originalname}"
         item.add_marker(pytest.mark.xdist_group(name))
-    # the NVRTC reports (minutes each) first: xdist hands out groups in this order, so they overlap
-    # the rest of the run instead of ending it one after the other (CI took more than 1200 s so)
-    items.sort(key=lambda item: not item.get_closest_marker("xdist_group").args[0].startswith("nvrtc-"))
