@@ -200,14 +200,9 @@ __all__ = ["BANDS", "BF16", "band_problem", "CASES", "DTYPES", "MUTATION_BATTERY
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """Groups for pytest-xdist's loadgroup (setup.cfg): the cases of one test function run on one
-    worker (they share compiled modules, built once), and so do all the tests of a file that uses a
-    module-scoped fixture (kernel counters: built once). Whole files as groups left one worker on a
-    long file while the other idled: CI took 1058-1228 s on 2 cores."""
+    """Under pytest-xdist's loadgroup (setup.cfg), a test without an xdist_group mark of its own runs
+    on the worker of its file's group: module-scoped fixtures (compiled modules, kernel counters) are
+    then built on one worker, not on each."""
     for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        module_fixture = any(d.scope != "function" and d.baseid.startswith("tests")
-                             for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
-        name = item.module.__name__ if module_fixture else f"{item.module.__name__}::{item.originalname}"
-        item.add_marker(pytest.mark.xdist_group(name))
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
