@@ -530,6 +530,39 @@ def _over_the_grid_limit(name):
     return n, (B, Sq, Hq, 1), (B, Sk, 1, 1)
 
 
+def test_the_simulators_shared_arrays_are_one_per_call_site_however_threads_interleave(monkeypatch):
+    """Every thread of a block gets the same array from one cuda.shared.array line, and different
+    lines get different arrays. A slow allocation holds all the threads inside the lookup at once:
+    the simulator's own unlocked lookup hands each a private array here (a CI run saw the same
+    race leave dk uninitialised)."""
+    if not SIMULATOR:
+        pytest.skip("numba.cuda is the real device in this process; the race is the simulator's")
+    import threading
+    import time
+    from numba.cuda.simulator import kernelapi
+
+    empty = np.empty
+    monkeypatch.setattr(np, "empty", lambda *a, **kw: (time.sleep(0.02), empty(*a, **kw))[1])
+    shared = kernelapi.FakeCUDAShared(0)
+    start = threading.Barrier(8)
+    got = []
+
+    def thread():
+        start.wait()
+        first = shared.array((4,), np.float64)
+        second = shared.array((4,), np.float64)
+        got.append((first, second))
+
+    threads = [threading.Thread(target=thread) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8
+    assert len({id(first) for first, _ in got}) == 1 and len({id(second) for _, second in got}) == 1
+    assert got[0][0] is not got[0][1]
+
+
 @pytest.mark.parametrize("name", ["seqlen_q", "seqlen_k", "heads_q", "batch"])
 def test_grid_limits_are_checked_before_anything_is_allocated_or_launched(monkeypatch, name):
     if not (SIMULATOR or GPU):

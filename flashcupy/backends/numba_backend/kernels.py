@@ -65,10 +65,51 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import threading
 
 from numba import cuda
 
 SIMULATOR = cuda.jit.__module__.startswith("numba.cuda.simulator")
+
+
+def _shared_array_under_a_lock():
+    """Make the simulator's cuda.shared.array one array per block, as on a GPU.
+
+    The simulator (numba-cuda 0.30) runs each CUDA thread as a Python thread and
+    finds a block's shared array by its call site with an unlocked
+    get-then-insert: two threads can both miss and each get a private array, so
+    one thread's writes never reach the others and they read uninitialised
+    memory. It happened about once in 1000 simulated backward calls under CI
+    load, and once in 6 with sys.setswitchinterval(1e-6). This is the same
+    lookup, keyed the same way (file and line of the caller), made atomic.
+    """
+    import numpy as np
+    from numba.cuda.simulator import kernelapi
+
+    original = kernelapi.FakeCUDAShared.array
+    if getattr(original, "flashcupy_locked", False):
+        return
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None or shape == 0:
+            return original(self, shape, dtype, alignment)  # refusal / dynamic shared: no lookup
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        if isinstance(dtype, kernelapi.types.Type):
+            dtype = kernelapi.numpy_support.as_dtype(dtype)
+        with lock:
+            if key not in self._allocations:
+                self._allocations[key] = np.empty(shape, dtype)
+            return self._allocations[key]
+
+    array.flashcupy_locked = True
+    kernelapi.FakeCUDAShared.array = array
+
+
+if SIMULATOR:
+    _shared_array_under_a_lock()
 
 # Tile tables: (BLOCK_M, BLOCK_N, D_TILE, PREP_THREADS), PREP_THREADS being the
 # rows per block of the D pre-pass. Under the simulator every CUDA thread is a
