@@ -196,13 +196,3 @@ def small_tiles():
 
 __all__ = ["BANDS", "BF16", "band_problem", "CASES", "DTYPES", "MUTATION_BATTERY", "TILE_EDGE_CASE", "bf16_bits", "LAYOUTS", "assert_matches_oracle",
            "battery_fails", "case_id", "mutated_module", "mutation_tests", "make_qkv", "reference", "strided_empty"]
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(items):
-    """Under pytest-xdist's loadgroup (setup.cfg), a test without an xdist_group mark of its own runs
-    on the worker of its file's group: module-scoped fixtures (compiled modules, kernel counters) are
-    then built on one worker, not on each."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

@@ -100,9 +100,9 @@ def test_limits_exceeded_and_their_marks():
                                                 ["100", "8!", str(limit), "0"]]
 
 
-# each report (minutes of NVRTC) on a pytest-xdist worker of its own where there are several
-@pytest.fixture(scope="module", params=[pytest.param((arch, major), marks=pytest.mark.xdist_group(f"nvrtc-{arch}-{major}"))
-                                        for major in CUDA_MAJORS for arch in ARCHS],
+# the four reports (minutes of NVRTC each) one after another on this file's worker: each compiles on
+# a process per CPU
+@pytest.fixture(scope="module", params=[(arch, major) for major in CUDA_MAJORS for arch in ARCHS],
                 ids=lambda p: f"{p[0]}-nvrtc{p[1]}")
 def report(request):
     arch, major = request.param
@@ -115,20 +115,21 @@ def test_every_specialization_compiles(report):
     kernels_per_dtype = 1 + 3 * len(specs.HEAD_DIM_BUCKETS)  # preprocess, then fwd, dkdv, dq per bucket
     # attn_fwd_tc, attn_bwd_dkdv_tc, attn_bwd_dq_tc per bucket (their preprocess is the SIMT one)
     tensor_core = len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS) * len(specs.TC_TEMPLATES)
-    # each attention kernel three times (specs.all_modules): plain, with a window alone, and with
-    # every score modifier (the preprocess has none)
-    attention = len(specs.CUDA_TYPES) * (kernels_per_dtype - 1) + tensor_core
-    # flash_pairs.cu: attention_probs per dtype and bucket, three times as well; dbias with the bias only
-    pairs = len(specs.CUDA_TYPES) * len(specs.HEAD_DIM_BUCKETS) * (3 + 1)
+    # each SIMT attention kernel twice (specs.all_modules): plain and with every score modifier (the
+    # preprocess has none); each tensor-core kernel three times, with a window alone as well
+    simt, tc = len(specs.REPORT_MODS), len(specs.REPORT_TC_MODS)
+    attention = simt * len(specs.CUDA_TYPES) * (kernels_per_dtype - 1) + tc * tensor_core
+    # flash_pairs.cu: attention_probs per dtype and bucket, as often; dbias with the bias only
+    pairs = len(specs.CUDA_TYPES) * len(specs.HEAD_DIM_BUCKETS) * (simt + 1)
     # the split-KV forwards, plain and with every modifier
     split = 2 * (len(specs.CUDA_TYPES) * len(specs.HEAD_DIM_BUCKETS) + len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS))
     # the tensor-core dK/dV kernel that adds dQ by atomics (the default backward), where a call can
     # take it (not with a bias or mask at head_dim 128), and the kernel that converts dQ, per dtype
     atomic = sum(specs.tc_backward_module(dtype, bucket, mods).kernels[1].dq_atomic
-                 for mods in (0, specs.MOD_BITS["window"], specs.ALL_MODS) for dtype in specs.TC_DTYPES
+                 for mods in specs.REPORT_TC_MODS for dtype in specs.TC_DTYPES
                  for bucket in specs.TC_HEAD_DIM_BUCKETS)
-    assert atomic == 3 * len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS) - len(specs.TC_DTYPES)
-    assert len(rows) == len(specs.CUDA_TYPES) + 3 * attention + pairs + split + atomic + len(specs.TC_DTYPES)
+    assert atomic == tc * len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS) - len(specs.TC_DTYPES)
+    assert len(rows) == len(specs.CUDA_TYPES) + attention + pairs + split + atomic + len(specs.TC_DTYPES)
     every = "+".join(specs.MOD_BITS)
     assert {r["mods"] for r in rows} == {None, "window", every, "split", every + "+split", "dq_atomic",
                                          "window+dq_atomic", every + "+dq_atomic"}

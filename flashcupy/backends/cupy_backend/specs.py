@@ -295,19 +295,26 @@ def tensor_core_eligible(dtype, head_dim: int) -> bool:
     return _name(dtype) in TC_DTYPES and head_dim % 8 == 0 and head_dim <= TC_HEAD_DIM_BUCKETS[-1]
 
 
-def all_modules(mods=(0, MOD_BITS["window"], ALL_MODS)):
-    """Every module the backend can request, for each MODS of `mods`: the forward, backward and
-    attention_probs for each dtype and bucket (and the bias's gradient where MODS has a bias), the
-    tensor-core forward and backward for each of their dtypes and buckets, and the split-KV forwards
-    (split_modules). By default the plain
-    kernels, the window alone (the plain tiles with the band's bounds) and every modifier (the most
-    work in a tile's loop); the NVRTC report checks those."""
+# What the NVRTC report compiles of each kernel family: the plain kernels and every modifier (the most
+# work in a tile's loop) everywhere; the window alone on tensor cores only, whose window variants sit
+# near the register limit. A SIMT kernel's window alone is its plain loop with the band's bounds: far
+# below the limit when it left the report, whose minutes of NVRTC are CI's largest cost.
+REPORT_MODS = (0, ALL_MODS)
+REPORT_TC_MODS = (0, MOD_BITS["window"], ALL_MODS)
+
+
+def all_modules(mods=REPORT_MODS, tc_mods=REPORT_TC_MODS):
+    """Every module the backend can request, for each MODS of `mods` (of `tc_mods` on tensor cores):
+    the forward, backward and attention_probs for each dtype and bucket (and the bias's gradient
+    where MODS has a bias), the tensor-core forward and backward for each of their dtypes and
+    buckets, and the split-KV forwards (split_modules, for the first and last of `mods`). The
+    defaults are what the NVRTC report checks."""
     return ([build(dtype, bucket, m)
              for m in mods for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS
              for build in (forward_module, backward_module, probs_module)
              + ((dbias_module,) if m & MOD_BITS["bias"] else ())]
             + [build(dtype, bucket, m)
-               for m in mods for dtype in TC_DTYPES for bucket in TC_HEAD_DIM_BUCKETS
+               for m in tc_mods for dtype in TC_DTYPES for bucket in TC_HEAD_DIM_BUCKETS
                for build in (tc_forward_module, tc_backward_module, deterministic_tc_backward_module)]
             + split_modules(mods))
 
