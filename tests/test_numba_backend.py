@@ -58,6 +58,7 @@ import flashcupy  # noqa: E402
 from flashcupy.backends import MAX_GRID, numba_backend  # noqa: E402
 from flashcupy.backends.numba_backend import kernels  # noqa: E402
 from test_modifiers import check, modifier_cases  # noqa: E402
+from test_varlen import packed_batch_matches_the_oracle  # noqa: E402
 
 SIMULATOR = kernels.SIMULATOR
 GPU = not SIMULATOR and cuda.is_available()
@@ -238,6 +239,12 @@ def test_bias_and_mask_views_are_read_in_place(rng, device):
     mask = (rng.random((Sk, Sq, 1, B)) < 0.8).transpose(3, 2, 1, 0)[::-1, :, ::-1]
     assert 0 in bias.strides and mask.strides[0] < 0
     check(q, k, v, dout, backend="numba", softcap=3.0, bias=bias, mask=mask)
+
+
+@pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_packed_batches_match_the_oracle(rng, device):
+    _require(device)
+    packed_batch_matches_the_oracle(rng, "numba")
 
 
 @pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
