@@ -463,8 +463,10 @@ def _run(command, env, limit: float, log) -> tuple:
 def _pytest_stage(stage, args, env, limit, log, results):
     files = (["tests/test_tensor_core_gpu.py"] if stage == "blocks"
              else ["tests/test_cupy_gpu.py", "tests/test_numba_backend.py"])
-    code, output = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files],
-                        env, limit, log)
+    # one process, without setup.cfg's addopts: its "-n auto" would start a pytest-xdist worker, and
+    # a CUDA context, per CPU of the device machine, and fail where pytest-xdist is missing
+    code, output = _run([sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                         *files], env, limit, log)
     lines = output.strip().splitlines()
     summary = lines[-1] if lines else ""
     failed = [line.split(" ", 1)[1].split(" - ")[0] for line in lines if line.startswith(("FAILED ", "ERROR "))]
