@@ -197,13 +197,13 @@ def test_forward_shared_bytes_per_mma(tc_rows):
             if row["kernel"].template == "attn_fwd_tc"} == {(64, 128), (128, 64)}
 
 
-SWIZZLE = "return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3);"  # tc_tile.cuh's swizzled()
+SWIZZLE = "return row * TILE_ROW<HEAD_DIM> + ((chunk ^ (row & 7)) << 3);"  # tc_tile.cuh's swizzled()
 ROW_MAJOR_COPY = "const int r = e / CHUNKS, c = e % CHUNKS;"  # load_tile_async: a lane a chunk along a row
 
 
 def unswizzled(source):
     assert SWIZZLE in source
-    return source.replace(SWIZZLE, "return row * HEAD_DIM + (chunk << 3);")
+    return source.replace(SWIZZLE, "return row * TILE_ROW<HEAD_DIM> + (chunk << 3);")
 
 
 def unswizzled_column_major(source):

@@ -154,6 +154,18 @@ def test_resources_fit(report):
         assert r["threads"] == specs.NUM_THREADS
 
 
+def test_tensor_core_head_dims_between_the_buckets_fit(monkeypatch):
+    # a head_dim that is not a multiple of 64 compiles for itself (specs.tc_head_dim: 48, 96), in
+    # shared-memory rows of 64 or 128, and asks ptxas for one CTA an SM; the reports cover 64 and 128.
+    # Checked where they came closest to the limit: sm_80 under NVRTC 12 (48 with every modifier)
+    modules = [build("float16", d, m) for d in (48, 96) for m in specs.REPORT_TC_MODS
+               for build in (specs.tc_forward_module, specs.tc_backward_module, specs.deterministic_tc_backward_module)]
+    monkeypatch.setattr(specs, "all_modules", lambda: modules)
+    rows = nvrtc.kernel_report("sm_80", toolkit_of(12))
+    assert {r["head_dim"] for r in rows if r["kernel"] in specs.TC_TEMPLATES} == {48, 96}
+    assert not nvrtc.limits_exceeded(rows), nvrtc.limits_exceeded(rows)
+
+
 def mmas_per_pass(kernel: str, head_dim: int, block_m: int, block_n: int) -> int:
     """The m16n8k16 mmas one warp issues in one pass of the kernel's loop, its products as in the kernel
     headers: a (16 x n) (n x k) product takes (n / 16) (k / 8) of them."""

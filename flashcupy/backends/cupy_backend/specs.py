@@ -77,13 +77,15 @@ PAIR_TILES = {("flash_fwd", 4, 32): (32, 32), ("flash_fwd", 8, 64): (16, 32),
 
 
 # Tensor-core kernels (attn_fwd_tc.cu, attn_bwd_tc.cu): float16/bfloat16 only, head_dim a multiple
-# of 8 up to 128, padded to 64 or 128; no Acc template parameter (they accumulate in float). The
-# warps own 16-row mma tiles (two in the forward at head_dim 64): BLOCK_M = 64 query rows in the
-# forward and dQ (128 there), BLOCK_N = 64 keys in dK/dV. Shared memory is dynamic, 2 bytes an
-# element, the streamed operands double-buffered:
-#     forward  (BLOCK_M + 4 BLOCK_N) HEAD_DIM 2                 Q_i; 2 x (K_j, V_j)
-#     dK/dV    (2 BLOCK_N + 4 BLOCK_M) HEAD_DIM 2 + 16 BLOCK_M  K_j, V_j; 2 x (Q_i, dO_i, lse_i, D_i)
-#     dQ       (2 BLOCK_M + 4 BLOCK_N) HEAD_DIM 2               Q_i, dO_i; 2 x (K_j, V_j)
+# of 8 up to 128; HEAD_DIM is head_dim rounded up to 16 (tc_head_dim), the tiles those of the bucket
+# 64 or 128 (TC_HEAD_DIM_BUCKETS, the tables' keys); no Acc template parameter (they accumulate in
+# float). The warps own 16-row mma tiles (two in the forward up to head_dim 64): BLOCK_M = 64 query
+# rows in the forward and dQ (128 there), BLOCK_N = 64 keys in dK/dV. Shared memory is dynamic, 2
+# bytes an element, a tile row ROW = HEAD_DIM rounded up to 64 elements (tc_tile_row), the streamed
+# operands double-buffered:
+#     forward  (BLOCK_M + 4 BLOCK_N) ROW 2                 Q_i; 2 x (K_j, V_j)
+#     dK/dV    (2 BLOCK_N + 4 BLOCK_M) ROW 2 + 16 BLOCK_M  K_j, V_j; 2 x (Q_i, dO_i, lse_i, D_i)
+#     dQ       (2 BLOCK_M + 4 BLOCK_N) ROW 2               Q_i, dO_i; 2 x (K_j, V_j)
 TC_DTYPES = ("float16", "bfloat16")
 TC_HEAD_DIM_BUCKETS = (64, 128)
 # The forward at head_dim 64 takes 128 query rows, two 16-row mma tiles a warp: each K_j or V_j
@@ -142,7 +144,7 @@ class Kernel:
     template: str            # flash_fwd, flash_bwd_preprocess, flash_bwd_dkdv, flash_bwd_dq, flash_probs,
                              # flash_bwd_dbias, or one of TC_TEMPLATES
     dtype: str               # a key of CUDA_TYPES
-    head_dim: int            # the bucket; 0 for kernels without a HEAD_DIM parameter
+    head_dim: int            # HEAD_DIM: the bucket (SIMT), tc_head_dim (tensor cores); 0 for kernels without one
     block_m: int = 0
     block_n: int = 0
     mods: int = 0            # the score modifiers it is specialised for (MOD_BITS); 0 for none
@@ -161,7 +163,7 @@ class Kernel:
     @property
     def dynamic_smem(self) -> int:
         """Bytes of dynamic shared memory a launch asks for (the SIMT kernels use static tiles)."""
-        m, n, d = self.block_m, self.block_n, self.head_dim
+        m, n, d = self.block_m, self.block_n, tc_tile_row(self.head_dim)
         if self.template == "attn_fwd_tc":
             return (m + 4 * n) * d * 2
         if self.template == "attn_bwd_dkdv_tc":
@@ -251,7 +253,20 @@ def _tile(template: str, tile: tuple, acc_size: int, bucket: int, mods: int) -> 
 
 
 def _tc_bucket(head_dim: int) -> int:
+    """The tile tables' key: 64 up to 64 columns, else 128."""
     return 64 if head_dim <= 64 else 128
+
+
+def tc_head_dim(head_dim: int) -> int:
+    """The HEAD_DIM a tensor-core kernel computes for `head_dim`: rounded up to a multiple of 16, the
+    columns of an mma k-step (the columns past head_dim are loaded as zeros). Not to the tile tables'
+    64 or 128: D=96 would spend a quarter of its mma on zeros."""
+    return -(-head_dim // 16) * 16
+
+
+def tc_tile_row(head_dim: int) -> int:
+    """Elements a shared-memory tile row takes (TILE_ROW in tc_tile.cuh): HEAD_DIM rounded up to 64."""
+    return -(-head_dim // 64) * 64
 
 
 def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False) -> ModuleSpec:
@@ -260,7 +275,7 @@ def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False) 
     tiles = ((TC_FORWARD_TILES_SPLIT_PAIRS if mods & MOD_PAIRS else TC_FORWARD_TILES_SPLIT) if split
              else TC_FORWARD_TILES_PAIRS if mods & MOD_PAIRS else TC_FORWARD_TILES)
     bm, bn = tiles[bucket]
-    return ModuleSpec("attn_fwd_tc.cu", (Kernel("attn_fwd_tc", _name(dtype), bucket, bm, bn, mods, split),))
+    return ModuleSpec("attn_fwd_tc.cu", (Kernel("attn_fwd_tc", _name(dtype), tc_head_dim(head_dim), bm, bn, mods, split),))
 
 
 # Split-KV: keys per split are a multiple of this, so that every forward tile (BLOCK_N of 8 to 64)
@@ -279,13 +294,13 @@ def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool 
     tiles = (TC_BACKWARD_DKDV_TILES_SCORE if mods & MOD_SCORE else TC_BACKWARD_DKDV_TILES)[bucket]
     if not deterministic:
         tiles = min(tiles, TC_BACKWARD_DKDV_TILES_ATOMIC[bucket])  # the fewer query rows a pass
-    dkdv = Kernel("attn_bwd_dkdv_tc", dtype, bucket, *tiles, mods, dq_atomic=not deterministic)
+    dkdv = Kernel("attn_bwd_dkdv_tc", dtype, tc_head_dim(head_dim), *tiles, mods, dq_atomic=not deterministic)
     if not deterministic:
         return ModuleSpec("attn_bwd_tc.cu", (Kernel("flash_bwd_preprocess", dtype, 0), dkdv,
                                              Kernel("attn_bwd_dq_convert", dtype, 0)))
     return ModuleSpec("attn_bwd_tc.cu", (
         Kernel("flash_bwd_preprocess", dtype, 0), dkdv,
-        Kernel("attn_bwd_dq_tc", dtype, bucket,
+        Kernel("attn_bwd_dq_tc", dtype, tc_head_dim(head_dim),
                *(TC_BACKWARD_DQ_TILES_SCORE if mods & MOD_SCORE else TC_BACKWARD_DQ_TILES)[bucket], mods),
     ))
 

@@ -76,7 +76,8 @@
 //
 // Registers: every loop over a tile is unrolled and ptxas hoists the ldmatrix of whole k-loops ahead
 // of their mmas, so it takes what __launch_bounds__(NUM_THREADS) allows: 2 CTAs (8 warps) an SM by
-// registers. Asking for 3 CTAs (168 registers a thread) makes ptxas spill.
+// registers. Asking for 3 CTAs (168 registers a thread) makes ptxas spill, and so did its own
+// heuristic at head dims that are not a multiple of 64 (16, 48, 80, 96): those ask for one CTA an SM.
 //
 // Requirements on the arguments, checked by the launcher (as for attn_fwd_tc): head_dim a multiple
 // of 8 and at most HEAD_DIM (columns past head_dim are zero-filled); q, k, v, dout and the outputs
@@ -89,7 +90,7 @@
 // with a window the Mask is the band, so the passes and KVStream take only its blocks. dbias is
 // computed after these kernels, by flash_pairs.cu's SIMT kernel.
 //
-// Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: the padded head dim),
+// Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 128),
 // BLOCK_M, BLOCK_N: dK/dV BLOCK_N = 16 NUM_WARPS = 64 and BLOCK_M a multiple of 16 (at most 64);
 // dQ BLOCK_M = 64 and BLOCK_N a multiple of 16; MODS the score modifiers (0: none).
 
@@ -142,22 +143,23 @@ __device__ __forceinline__ void atomic_dq(const Rows<float>& dQ, const T* dS_s, 
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool DQ_ATOMIC = false>
-__global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dkdv_tc(
+__global__ void __launch_bounds__(NUM_THREADS, HEAD_DIM % 64 ? 1 : 0) attn_bwd_dkdv_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
     PROBLEM_PARAMS(float), TENSOR_PARAMS(float, dqa)) {
     static_assert(BLOCK_N == 16 * NUM_WARPS, "each warp owns 16 keys: one mma row tile of Sᵀ");
     static_assert(BLOCK_M % 16 == 0 && 2 * BLOCK_M <= NUM_THREADS, "BLOCK_M: whole k-steps, one thread a statistic");
-    static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 64, "the swizzle needs 8 chunks of 16 bytes a row");
+    static_assert(HEAD_DIM % 16 == 0, "k-steps of 16 columns");
+    constexpr int ROW = TILE_ROW<HEAD_DIM>;  // a shared tile row's elements (tc_tile.cuh)
     constexpr int D_TILES = HEAD_DIM / 8;
     constexpr int M_TILES = BLOCK_M / 8;  // 8-query column tiles of Sᵀ
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* K_s = reinterpret_cast<T*>(smem);
-    T* V_s = K_s + BLOCK_N * HEAD_DIM;
-    T* Q_s = V_s + BLOCK_N * HEAD_DIM;
-    T* dO_s = Q_s + 2 * BLOCK_M * HEAD_DIM;
-    float* stats_s = reinterpret_cast<float*>(dO_s + 2 * BLOCK_M * HEAD_DIM);  // per stage: lse_i log2 e, then D_i
+    T* V_s = K_s + BLOCK_N * ROW;
+    T* Q_s = V_s + BLOCK_N * ROW;
+    T* dO_s = Q_s + 2 * BLOCK_M * ROW;
+    float* stats_s = reinterpret_cast<float*>(dO_s + 2 * BLOCK_M * ROW);  // per stage: lse_i log2 e, then D_i
     T* dS_s = reinterpret_cast<T*>(stats_s + 2 * 2 * BLOCK_M);  // DQ_ATOMIC: this pass's dS, BLOCK_M x BLOCK_N
     float* dQ_stage = reinterpret_cast<float*>(dS_s + BLOCK_M * BLOCK_N);  // DQ_ATOMIC: 16 x 16 floats a warp
 
@@ -201,8 +203,8 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dkdv_tc(
 
     for (int p = 0; p < passes; ++p) {
         const int i0 = i_start + p % q_blocks * BLOCK_M;
-        const T* Q_i = Q_s + (p & 1) * BLOCK_M * HEAD_DIM;
-        const T* dO_i = dO_s + (p & 1) * BLOCK_M * HEAD_DIM;
+        const T* Q_i = Q_s + (p & 1) * BLOCK_M * ROW;
+        const T* dO_i = dO_s + (p & 1) * BLOCK_M * ROW;
         const float* lse_i = stats_s + (p & 1) * 2 * BLOCK_M;
         const float* D_i = lse_i + BLOCK_M;
         float next_stat = 0.0f;
@@ -212,7 +214,7 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dkdv_tc(
 
         // Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ: the warp's 16 keys x BLOCK_M queries
         float S[M_TILES][4], dP[M_TILES][4];
-        two_mma_abt<T, HEAD_DIM, BLOCK_M>(S, dP, K_s + 16 * warp * HEAD_DIM, Q_i, V_s + 16 * warp * HEAD_DIM, dO_i);
+        two_mma_abt<T, HEAD_DIM, BLOCK_M>(S, dP, K_s + 16 * warp * ROW, Q_i, V_s + 16 * warp * ROW, dO_i);
 
         // Sᵀ becomes Pᵀ, dPᵀ becomes dSᵀ: row r of the warp's tile is key key_w + r, column c query i0 + c
         const bool partial = (MODS & MOD_MASK) != 0 || mask.partial(i0, blk.j0);  // the bool mask: any tile
@@ -256,9 +258,9 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dkdv_tc(
         // staged through the warp's own rows of K_s and V_s: the last pass ended with a barrier, after
         // which no warp reads them (atomic_dq reads all of K_s, but within a pass)
         store_fragments_staged<HEAD_DIM>(HEAD_ROWS(dk, blk.b, blk.kv_head), dK, {scale, scale},
-                                         K_s + 16 * warp * HEAD_DIM, key_w, seqlen_k, head_dim);
+                                         K_s + 16 * warp * ROW, key_w, seqlen_k, head_dim);
         store_fragments_staged<HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, {1.0f, 1.0f},
-                                         V_s + 16 * warp * HEAD_DIM, key_w, seqlen_k, head_dim);
+                                         V_s + 16 * warp * ROW, key_w, seqlen_k, head_dim);
     } else {
         // straight from the fragments: staged, the deterministic kernel with every modifier at head_dim 64
         // spilled 8 bytes (sm_80, NVRTC 12.9)
@@ -268,20 +270,21 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dkdv_tc(
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
-__global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dq_tc(
+__global__ void __launch_bounds__(NUM_THREADS, HEAD_DIM % 64 ? 1 : 0) attn_bwd_dq_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dq), PROBLEM_PARAMS(float)) {
     static_assert(BLOCK_M == 16 * NUM_WARPS, "each warp owns 16 query rows: one mma row tile");
     static_assert(BLOCK_N % 16 == 0, "BLOCK_N is a whole number of dS K_j k-steps");
-    static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 64, "the swizzle needs 8 chunks of 16 bytes a row");
+    static_assert(HEAD_DIM % 16 == 0, "k-steps of 16 columns");
+    constexpr int ROW = TILE_ROW<HEAD_DIM>;  // a shared tile row's elements (tc_tile.cuh)
     constexpr int D_TILES = HEAD_DIM / 8;
     constexpr int N_TILES = BLOCK_N / 8;  // 8-key column tiles of S
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem);
-    T* dO_s = Q_s + BLOCK_M * HEAD_DIM;
-    T* K_s = dO_s + BLOCK_M * HEAD_DIM;
-    T* V_s = K_s + 2 * BLOCK_N * HEAD_DIM;
+    T* dO_s = Q_s + BLOCK_M * ROW;
+    T* K_s = dO_s + BLOCK_M * ROW;
+    T* V_s = K_s + 2 * BLOCK_N * ROW;
 
     const auto mask = MAKE_MASK(MODS);
     const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
@@ -321,7 +324,7 @@ __global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dq_tc(
 
         // S = Q_i K_jᵀ and dP = dO_i V_jᵀ: the warp's 16 rows x BLOCK_N keys
         float S[N_TILES][4], dP[N_TILES][4];
-        two_mma_abt<T, HEAD_DIM, BLOCK_N>(S, dP, Q_s + 16 * warp * HEAD_DIM, kv.K_j(jb), dO_s + 16 * warp * HEAD_DIM,
+        two_mma_abt<T, HEAD_DIM, BLOCK_N>(S, dP, Q_s + 16 * warp * ROW, kv.K_j(jb), dO_s + 16 * warp * ROW,
                                           kv.V_j(jb));
 
         // dP becomes dS: row r of the warp's tile is query row_w + r (the lane's r / 8), column c key j0 + c

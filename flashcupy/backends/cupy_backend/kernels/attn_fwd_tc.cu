@@ -56,10 +56,12 @@
 // Split-KV (SPLIT): as in flash_fwd.cu, each CTA attends to its split's keys and stores a partial out
 // in float, and lse, at its split's offsets.
 //
-// Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: the padded head dim),
+// Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 128),
 // BLOCK_M (64 M_TILES, M_TILES 1 or 2), BLOCK_N (a multiple of 16), MODS the score modifiers (0:
-// none), SPLIT split-KV. The split kernels ask ptxas for one CTA an SM (__launch_bounds__): left to its
-// heuristic it held them to 128 registers and spilled.
+// none), SPLIT split-KV. The split kernels, and head dims that are not a multiple of 64 (80, 96, ...),
+// ask ptxas for one CTA an SM (__launch_bounds__): left to its heuristic it held them to 128 or 168
+// registers and spilled. The others keep its choice, which the tile tables were sized against (asked
+// for one CTA, some took more registers than the limit tests/test_nvrtc.py keeps).
 
 #include "mask.cuh"
 #include "tc_tile.cuh"
@@ -97,7 +99,7 @@ __device__ __forceinline__ void online_softmax(float (&S)[N_TILES][4], float (&m
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool SPLIT = false>
-__global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : 0) attn_fwd_tc(  // 0: ptxas' own choice
+__global__ void __launch_bounds__(NUM_THREADS, SPLIT || HEAD_DIM % 64 ? 1 : 0) attn_fwd_tc(  // 0: ptxas' choice
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
     LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {
@@ -106,7 +108,8 @@ __global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : 0) attn_fwd_tc(  // 0
     static_assert(BLOCK_M == WARP_ROWS * NUM_WARPS && (M_TILES == 1 || M_TILES == 2),
                   "each warp owns one or two 16-row mma tiles");
     static_assert(BLOCK_N % 16 == 0, "BLOCK_N is a whole number of P V k-steps");
-    static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 64, "the swizzle needs 8 chunks of 16 bytes a row");
+    static_assert(HEAD_DIM % 16 == 0, "k-steps of 16 columns");
+    constexpr int ROW = TILE_ROW<HEAD_DIM>;  // a shared tile row's elements (tc_tile.cuh)
     constexpr int N_TILES = BLOCK_N / 8;     // 8-key column tiles of S
     constexpr int D_TILES = HEAD_DIM / 8;    // 8-column tiles of O
     constexpr int QK_STEPS = HEAD_DIM / 16;  // k-steps of Q_i K_jᵀ
@@ -116,15 +119,15 @@ __global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : 0) attn_fwd_tc(  // 0
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem);
-    T* K_s = Q_s + BLOCK_M * HEAD_DIM;
-    T* V_s = K_s + 2 * BLOCK_N * HEAD_DIM;
+    T* K_s = Q_s + BLOCK_M * ROW;
+    T* V_s = K_s + 2 * BLOCK_N * ROW;
 
     const auto mask = MAKE_MASK(MODS);
     const Split split = SPLIT ? split_of(seqlen_k, key_split) : Split{0, int(blockIdx.x)};
     const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group, split.cta);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int row_w = blk.i0 + WARP_ROWS * warp;  // the warp's first row; row tile mt starts at row_w + 16 mt
-    T* Q_w = Q_s + WARP_ROWS * warp * HEAD_DIM;  // the warp's rows of Q_s
+    T* Q_w = Q_s + WARP_ROWS * warp * ROW;  // the warp's rows of Q_s
 
     // Out: here, for the plain kernel (made after the key loop, it made ptxas spill); after the key
     // loop for the split one (made here, it took 255 registers). The plain kernel's code is the same
@@ -171,7 +174,7 @@ __global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : 0) attn_fwd_tc(  // 0
 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-                    for (int ks = 0; ks < QK_STEPS; ++ks) load_a<HEAD_DIM>(Q_frag[mt][ks], Q_w + 16 * mt * HEAD_DIM, ks);
+                    for (int ks = 0; ks < QK_STEPS; ++ks) load_a<HEAD_DIM>(Q_frag[mt][ks], Q_w + 16 * mt * ROW, ks);
             }
         }
 
@@ -193,7 +196,7 @@ __global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : 0) attn_fwd_tc(  // 0
             for (int ks = 0; ks < QK_STEPS; ++ks) {
                 unsigned a[M_TILES][4];
 #pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt) load_a<HEAD_DIM>(a[mt], Q_w + 16 * mt * HEAD_DIM, ks);
+                for (int mt = 0; mt < M_TILES; ++mt) load_a<HEAD_DIM>(a[mt], Q_w + 16 * mt * ROW, ks);
                 mma_abt_step<T, HEAD_DIM, BLOCK_N, M_TILES>(S, a, kv.K_j(jb), ks);
             }
         }
@@ -237,7 +240,7 @@ __global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : 0) attn_fwd_tc(  // 0
         } else {
             // staged through the row tile's own rows of Q_s, which only this warp reads (the last time in
             // the last pass)
-            store_fragments_staged<HEAD_DIM>(Out, O[mt], inv_l, Q_w + 16 * mt * HEAD_DIM, row_t, seqlen_q, head_dim);
+            store_fragments_staged<HEAD_DIM>(Out, O[mt], inv_l, Q_w + 16 * mt * ROW, row_t, seqlen_q, head_dim);
         }
     }
 }

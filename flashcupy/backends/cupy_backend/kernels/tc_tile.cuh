@@ -5,7 +5,9 @@
 //
 // A tile is ROWS x HEAD_DIM elements of T (2 bytes), row-major, XOR-swizzled in 16-byte chunks:
 // chunk c of row r is stored at chunk c ^ (r % 8), so the 8 rows one ldmatrix reads hit 8
-// different 16-byte bank groups (HEAD_DIM >= 64: a row has at least 8 chunks).
+// different 16-byte bank groups. A row takes TILE_ROW<HEAD_DIM> elements, HEAD_DIM (a multiple of
+// 16) rounded up to 64: whole groups of 8 chunks, inside which the XOR stays; a head_dim of 80
+// computes 80 columns and leaves the rest of its row unused.
 //
 // Each warp computes 16 rows of a product (a row tile), or M row tiles. X[COLS / 8][4] holds those 16
 // rows x COLS columns in fp32 as C fragments (layouts in tensor_core.cuh): X[nt][i] is row c_row(i),
@@ -21,10 +23,14 @@
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 
+template <int HEAD_DIM>
+constexpr int TILE_ROW = (HEAD_DIM + 63) / 64 * 64;
+
 // Element offset of 8-element chunk `chunk` of row `row` in a swizzled tile.
 template <int HEAD_DIM>
 __device__ __forceinline__ int swizzled(int row, int chunk) {
-    return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3);
+    static_assert(HEAD_DIM % 16 == 0, "k-steps and ldmatrix_x4 pairs of 8-column tiles take 16 columns");
+    return row * TILE_ROW<HEAD_DIM> + ((chunk ^ (row & 7)) << 3);
 }
 
 // cp.async the ROWS x HEAD_DIM tile of rows row0.. of src into `tile` (swizzled); zero-fill the
@@ -33,10 +39,11 @@ template <int ROWS, int HEAD_DIM, typename T>
 __device__ __forceinline__ void load_tile_async(T* tile, const Rows<const T>& src, int row0, int seqlen,
                                                 int head_dim) {
     constexpr int CHUNKS = HEAD_DIM / 8;
-    static_assert(ROWS * CHUNKS % NUM_THREADS == 0, "every thread copies the same number of chunks");
+    constexpr bool WHOLE = ROWS * CHUNKS % NUM_THREADS == 0;  // every thread copies as many chunks
 #pragma unroll
-    for (int pass = 0; pass < ROWS * CHUNKS / NUM_THREADS; ++pass) {
+    for (int pass = 0; pass < (ROWS * CHUNKS + NUM_THREADS - 1) / NUM_THREADS; ++pass) {
         const int e = pass * NUM_THREADS + threadIdx.x;
+        if (!WHOLE && e >= ROWS * CHUNKS) break;  // the last pass of a head_dim not a multiple of 64
         const int r = e / CHUNKS, c = e % CHUNKS;
         const bool valid = row0 + r < seqlen && 8 * c < head_dim;
         cp_async_16(tile + swizzled<HEAD_DIM>(r, c), valid ? &src.at(row0 + r, 8 * c) : src.base, valid);
@@ -52,13 +59,13 @@ __device__ __forceinline__ void load_tile_async(T* tile, const Rows<const T>& sr
 // group completes this thread's copies of stage p % 2, on every pass alike. The other threads'
 // copies are visible only after a barrier, which the kernel places.
 
-// cp.async rows row0.. of A and B into stage `stage` of A_s and B_s (2 x ROWS x HEAD_DIM each). Not
+// cp.async rows row0.. of A and B into stage `stage` of A_s and B_s (2 tiles of ROWS rows each). Not
 // committed.
 template <int ROWS, int HEAD_DIM, typename T>
 __device__ __forceinline__ void load_stage_async(T* A_s, T* B_s, int stage, const Rows<const T>& A,
                                                  const Rows<const T>& B, int row0, int seqlen, int head_dim) {
-    load_tile_async<ROWS, HEAD_DIM>(A_s + stage * ROWS * HEAD_DIM, A, row0, seqlen, head_dim);
-    load_tile_async<ROWS, HEAD_DIM>(B_s + stage * ROWS * HEAD_DIM, B, row0, seqlen, head_dim);
+    load_tile_async<ROWS, HEAD_DIM>(A_s + stage * ROWS * TILE_ROW<HEAD_DIM>, A, row0, seqlen, head_dim);
+    load_tile_async<ROWS, HEAD_DIM>(B_s + stage * ROWS * TILE_ROW<HEAD_DIM>, B, row0, seqlen, head_dim);
 }
 
 // Commit this pass's prefetch and wait for this thread's copies of this pass's stage.
@@ -89,8 +96,8 @@ struct KVStream {
           seqlen_k(seqlen_k), head_dim(head_dim) {}
 
     __device__ __forceinline__ int j0(int jb) const { return j_start + jb * BLOCK_N; }
-    __device__ __forceinline__ const T* K_j(int jb) const { return K_s + (jb & 1) * BLOCK_N * HEAD_DIM; }
-    __device__ __forceinline__ const T* V_j(int jb) const { return V_s + (jb & 1) * BLOCK_N * HEAD_DIM; }
+    __device__ __forceinline__ const T* K_j(int jb) const { return K_s + (jb & 1) * BLOCK_N * TILE_ROW<HEAD_DIM>; }
+    __device__ __forceinline__ const T* V_j(int jb) const { return V_s + (jb & 1) * BLOCK_N * TILE_ROW<HEAD_DIM>; }
 
     // cp.async the key block of pass jb into its stage. Not committed.
     __device__ __forceinline__ void load(int jb) const {
