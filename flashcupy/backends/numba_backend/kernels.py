@@ -80,8 +80,8 @@ def _shared_array_under_a_lock():
     finds a block's shared array by its call site with an unlocked
     get-then-insert: two threads can both miss and each get a private array, so
     one thread's writes never reach the others and they read uninitialised
-    memory. It happened about once in 1000 simulated backward calls under CI
-    load, and once in 6 with sys.setswitchinterval(1e-6). This is the same
+    memory. It failed one CI run of the whole suite, and 1 backward call in 6
+    with sys.setswitchinterval(1e-6). This is the same
     lookup, keyed the same way (file and line of the caller), made atomic.
     """
     import numpy as np

@@ -75,9 +75,8 @@
 // tests/test_cupy_backend.py removes each in turn under the emulator.
 //
 // Registers: every loop over a tile is unrolled and ptxas hoists the ldmatrix of whole k-loops ahead
-// of their mmas, so it takes what __launch_bounds__(NUM_THREADS) allows: 2 CTAs (8 warps) an SM by
-// registers. Asking for 3 CTAs (168 registers a thread) makes ptxas spill, and so did its own
-// heuristic at head dims that are not a multiple of 64 (16, 48, 80, 96): those ask for one CTA an SM.
+// of their mmas, so it takes what __launch_bounds__ allows (MIN_CTAS, tc_tile.cuh): 2 CTAs (8 warps)
+// an SM by registers. Asking for 3 CTAs (168 registers a thread) makes ptxas spill.
 //
 // Requirements on the arguments, checked by the launcher (as for attn_fwd_tc): head_dim a multiple
 // of 8 and at most HEAD_DIM (columns past head_dim are zero-filled); q, k, v, dout and the outputs
@@ -143,7 +142,7 @@ __device__ __forceinline__ void atomic_dq(const Rows<float>& dQ, const T* dS_s, 
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool DQ_ATOMIC = false>
-__global__ void __launch_bounds__(NUM_THREADS, HEAD_DIM % 64 ? 1 : 0) attn_bwd_dkdv_tc(
+__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS<HEAD_DIM>) attn_bwd_dkdv_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
     PROBLEM_PARAMS(float), TENSOR_PARAMS(float, dqa)) {
@@ -270,7 +269,7 @@ __global__ void __launch_bounds__(NUM_THREADS, HEAD_DIM % 64 ? 1 : 0) attn_bwd_d
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
-__global__ void __launch_bounds__(NUM_THREADS, HEAD_DIM % 64 ? 1 : 0) attn_bwd_dq_tc(
+__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS<HEAD_DIM>) attn_bwd_dq_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dq), PROBLEM_PARAMS(float)) {
     static_assert(BLOCK_M == 16 * NUM_WARPS, "each warp owns 16 query rows: one mma row tile");

@@ -58,10 +58,8 @@
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 128),
 // BLOCK_M (64 M_TILES, M_TILES 1 or 2), BLOCK_N (a multiple of 16), MODS the score modifiers (0:
-// none), SPLIT split-KV. The split kernels, and head dims that are not a multiple of 64 (80, 96, ...),
-// ask ptxas for one CTA an SM (__launch_bounds__): left to its heuristic it held them to 128 or 168
-// registers and spilled. The others keep its choice, which the tile tables were sized against (asked
-// for one CTA, some took more registers than the limit tests/test_nvrtc.py keeps).
+// none), SPLIT split-KV. The split kernels ask ptxas for one CTA an SM (__launch_bounds__): left to its
+// heuristic it held them to 128 registers and spilled; the others ask MIN_CTAS (tc_tile.cuh).
 
 #include "mask.cuh"
 #include "tc_tile.cuh"
@@ -99,7 +97,7 @@ __device__ __forceinline__ void online_softmax(float (&S)[N_TILES][4], float (&m
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool SPLIT = false>
-__global__ void __launch_bounds__(NUM_THREADS, SPLIT || HEAD_DIM % 64 ? 1 : 0) attn_fwd_tc(  // 0: ptxas' choice
+__global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : MIN_CTAS<HEAD_DIM>) attn_fwd_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
     LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {

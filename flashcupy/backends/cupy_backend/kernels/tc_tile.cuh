@@ -26,6 +26,13 @@ constexpr float LN2 = 0.6931471805599453f;
 template <int HEAD_DIM>
 constexpr int TILE_ROW = (HEAD_DIM + 63) / 64 * 64;
 
+// The kernels' __launch_bounds__ minimum of CTAs an SM: 0 (ptxas' own choice, which the tile tables
+// were sized against) at head dims 64 and 128; 1 at the others, where ptxas' heuristic held some
+// kernels to 128 or 168 registers and spilled. Asking 1 at 64 and 128 too took the forward with every
+// modifier past the register limit tests/test_nvrtc.py keeps.
+template <int HEAD_DIM>
+constexpr int MIN_CTAS = HEAD_DIM % 64 ? 1 : 0;
+
 // Element offset of 8-element chunk `chunk` of row `row` in a swizzled tile.
 template <int HEAD_DIM>
 __device__ __forceinline__ int swizzled(int row, int chunk) {
