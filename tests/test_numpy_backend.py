@@ -283,6 +283,29 @@ def test_calls_from_many_threads_give_the_serial_bits_and_leave_blas_alone(rng):
     assert [(i["internal_api"], i["num_threads"]) for i in threadpool_info()] == before
 
 
+def test_buffers_kept_between_calls_carry_nothing_over_and_stay_small(rng, monkeypatch):
+    """Scratch buffers outlive their call (_Scratch): a call on other data between two on the same
+    data changes no bit of the second, and after a call no kept buffer is larger than
+    SCRATCH_KEEP_BYTES."""
+    shape = (1, 700, 1500, 4, 2, 32, np.float32)
+    a, b = make_qkv(rng, *shape), make_qkv(rng, *shape)
+    dout = rng.standard_normal(a[0].shape).astype(np.float32)
+
+    def run(x):
+        out, lse = flashcupy.attention(*x, causal=True, return_lse=True)
+        return out, lse, *flashcupy.attention_backward(dout, *x, out, lse, causal=True)
+
+    first = run(a)
+    assert_matches_oracle(first, *a, dout, causal=True)
+    assert_matches_oracle(run(b), *b, dout, causal=True)
+    for x, y in zip(first, run(a)):
+        np.testing.assert_array_equal(x, y)
+    monkeypatch.setattr(numpy_backend, "SCRATCH_KEEP_BYTES", 4096)
+    run(a)
+    kept = [buf.nbytes for s in (numpy_backend._call_scratch, *numpy_backend._scratches) for buf in s._buffers.values()]
+    assert max(kept, default=0) <= 4096
+
+
 @pytest.mark.parametrize("value", ["abc", "2.5", "-3", "0"])
 def test_a_bad_thread_count_in_the_environment_is_named(monkeypatch, value):
     monkeypatch.setenv("FLASHCUPY_NUM_THREADS", value)
@@ -302,8 +325,9 @@ def test_nan_in_dout_of_a_row_that_sees_no_key_goes_nowhere(rng, small_tiles):
 
 
 NUMPY_MUTATIONS = {  # see conftest.MUTATION_BATTERY
-    "scale ignored": ("Q *= acc.type(p.scale * LOG2_E)", "Q *= acc.type(LOG2_E / np.sqrt(p.head_dim))"),
+    "scale ignored": ("qk_scale = acc.type(p.scale * LOG2_E)", "qk_scale = acc.type(LOG2_E / np.sqrt(p.head_dim))"),
     "GQA head mapping": ("kv_head = h // p.group", "kv_head = h % p.heads_kv"),
+    "[O | l] kept from an earlier call": ('take("O1", (heads, M, D + 1), acc, fill=0)', 'take("O1", (heads, M, D + 1), acc)'),
     "D not subtracted": ('= -np.einsum("csgd', '= 0 * np.einsum("csgd'),
     "key_end off by one": ("min(p.seqlen_k, i1 + p.diagonal + right))", "min(p.seqlen_k, i1 + p.diagonal + right - 1))"),
     "lse base": ("m * acc.type(LN2) + np.log(l)", "m * acc.type(LN2) + np.log2(l)"),

@@ -36,7 +36,8 @@ stacks several kv heads (and a kv head's query heads, row by row) into each
 matmul and elementwise call, tiles are large, and causal diagonals are cut into
 a staircase of shorter tiles so the masked half of a diagonal tile costs little.
 Nothing of size seqlen_q x seqlen_k is ever allocated: the largest temporaries
-are score tiles, one set per worker thread, reused for the whole call.
+are score tiles, one set per worker thread, reused from tile to tile and kept from call to call
+up to SCRATCH_KEEP_BYTES each (_Scratch).
 
 Score modifiers (README, Semantics): a window narrows the band the tile plans
 come from (_key_range, _query_range, _visible), so key blocks outside it are
@@ -57,6 +58,7 @@ import functools
 import math
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -369,20 +371,61 @@ def _aligned_empty(shape, dtype, alignment=64):
 
 
 class _Scratch:
-    """One worker's tiles for the length of one call, reused from tile to tile and task to task
-    instead of allocated for each. Each starts on a 64-byte boundary (see _aligned_empty), so the
-    bits never depend on which worker ran a task."""
+    """Named buffers reused from tile to tile, task to task and call to call instead of allocated
+    for each: one per thread that runs tasks (_thread_scratch), and one for the arrays a call's
+    workers share (_call_scratch). Each starts on a 64-byte boundary (see _aligned_empty), so the
+    bits never depend on which worker ran a task.
+
+    Kept between calls because a fresh buffer of more than glibc's mmap threshold is fresh pages,
+    each faulted in and zeroed by the kernel on first touch: at S = 512 to 1024 (H = 8, D = 64, two
+    threads) calls were 10-30 % slower in some runs than with the buffers kept, run to run, as the
+    allocator's thresholds moved. _trim_scratch drops what is larger than SCRATCH_KEEP_BYTES after
+    each call, so long sequences, whose faults cost little next to their work, hold no memory."""
 
     def __init__(self):
         self._buffers = {}
 
-    def take(self, name, shape, dtype):
-        """An uninitialised C-contiguous array of this shape, the same memory each time."""
+    def take(self, name, shape, dtype, fill=None):
+        """A C-contiguous array of this shape, the same memory each time: uninitialised, or fill."""
         n = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.dtype != dtype or buf.size < n:
             buf = self._buffers[name] = _aligned_empty((n,), dtype)
-        return buf[:n].reshape(shape)
+        out = buf[:n].reshape(shape)
+        if fill is not None:
+            out.fill(fill)
+        return out
+
+    def trim(self, keep_bytes: int) -> None:
+        self._buffers = {k: b for k, b in self._buffers.items() if b.nbytes <= keep_bytes}
+
+
+SCRATCH_KEEP_BYTES = 8 << 20  # a scratch buffer up to this size outlives its call (see _Scratch)
+_scratch_of_thread = threading.local()
+_scratches = weakref.WeakSet()  # every thread's _Scratch: a thread's goes with it
+_call_scratch = _Scratch()  # buffers the workers of a call share; calls take turns (_one_call)
+
+
+def _thread_scratch() -> _Scratch:
+    scratch = getattr(_scratch_of_thread, "scratch", None)
+    if scratch is None:
+        scratch = _scratch_of_thread.scratch = _Scratch()
+        _scratches.add(scratch)
+    return scratch
+
+
+def _one_call(fn):
+    """A backend entry point: calls take turns (see _one_call_at_a_time), and the scratch buffers
+    larger than SCRATCH_KEEP_BYTES are dropped when the call ends."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with _one_call_at_a_time:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                for scratch in (_call_scratch, *list(_scratches)):
+                    scratch.trim(SCRATCH_KEEP_BYTES)
+    return call
 
 
 class _Shared:
@@ -406,11 +449,13 @@ class _Shared:
                 self._value = None
 
 
-# One call's workers at a time, the others wait. BLAS's thread limit belongs to the process (and
-# OpenBLAS's sgemm rounds differently with different thread counts), so calls that overlapped
-# would each set and restore it under the others: later calls would find BLAS left pinned, and
-# results would depend on what else was running. Each call already keeps every core busy.
-_one_call_at_a_time = threading.Lock()
+# One call's workers at a time, the others wait (_one_call). BLAS's thread limit belongs to the
+# process (and OpenBLAS's sgemm rounds differently with different thread counts), so calls that
+# overlapped would each set and restore it under the others: later calls would find BLAS left
+# pinned, and results would depend on what else was running; and the pool's threads keep their
+# scratch buffers from call to call. Each call already keeps every core busy. Reentrant: _run
+# takes it again for each batch of tasks.
+_one_call_at_a_time = threading.RLock()
 _pool = None  # (pid, size, ThreadPoolExecutor): kept between calls, started again after a fork
 
 
@@ -426,17 +471,17 @@ def _executor(size: int) -> ThreadPoolExecutor:
 def _run(tasks):
     """Run task(scratch) for each task on the calling thread and the worker pool, results in task
     order; the first exception propagates. Tasks are handed out in order as workers free up (a
-    task's result must not depend on which worker runs it), and each worker keeps one _Scratch
-    for the call. The pool's threads live on between calls (starting one took 0.14 ms here, more
+    task's result must not depend on which worker runs it), and each worker thread keeps its
+    _Scratch from call to call. The pool's threads live on between calls (starting one took 0.14 ms here, more
     under load, and a call is a few ms at S = 512)."""
     n = min(worker_count(), len(tasks))
     if _blas_controller() is None:
-        scratch = _Scratch()
+        scratch = _thread_scratch()
         return [t(scratch) for t in tasks]
     # pinned on one worker too, so that a call's bits do not depend on its task count
     with _one_call_at_a_time, _blas_controller().limit(limits=1, user_api="blas"):
         if n <= 1:
-            scratch = _Scratch()
+            scratch = _thread_scratch()
             return [t(scratch) for t in tasks]
         results = [None] * len(tasks)
         pending = iter(range(len(tasks)))
@@ -444,7 +489,7 @@ def _run(tasks):
         failed = []
 
         def worker():
-            scratch = _Scratch()
+            scratch = _thread_scratch()
             while not failed:
                 with lock:
                     i = next(pending, None)
@@ -489,14 +534,14 @@ def _l_max(acc, v_max) -> float:
     return min(L_MAX, room / v_max) if np.isfinite(v_max) and v_max * L_MAX > room else L_MAX
 
 
-def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> tuple:
+def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None, out=None) -> tuple:
     """Online softmax of query block [i0, i1) over every key it sees, for a stack of kv heads.
 
-    Q is (kv heads, rows x group, D), scaled by scale * log2(e), so that the scores come out in
-    base 2 and P = exp2(S - m) (NumPy's float32 exp2 runs twice as fast as its exp; m counts in
+    Q is (kv heads, rows x group, D) and Kt is Kᵀ; one of them (Kt, unless K is read where it
+    lies) carries scale * log2(e), so that the scores come out in base 2 and P = exp2(S - m) (NumPy's float32 exp2 runs twice as fast as its exp; m counts in
     base 2 too). A kv head's query heads are interleaved row by row (_HeadMap), so a tile's rows
     are one slice for every kv head and each kv head's K is packed for BLAS once per tile. V1 is
-    [V | 1], so the PV matmul returns rowsum(P) as its last column. Kt is Kᵀ, a transposed view of
+    [V | 1], so the PV matmul returns rowsum(P) as its last column. Kt is a transposed view of
     K copied as (kv heads, keys, D): a contiguous Kᵀ let BLAS run QKᵀ about 10 % faster, but
     making it cost more than that (S = 512 and 4096, D = 64: 5-9 % slower overall). With few query rows per key (decoding) Kt and
     V1 are instead views of K and V where they lie (see forward), and each tile takes the textbook
@@ -507,17 +552,22 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> 
 
     modify(S, rows, keys) (_Modifiers.apply; None without softcap, ALiBi, bias or mask) changes
     the scores before m is subtracted, which then takes an elementwise pass of its own.
+
+    The first tile a row meets writes its [P V_j | rowsum P] straight into [O | l] (nothing came
+    before it to add to). out: where O / l goes, as (kv heads, rows, group, D) (a view of the
+    caller's output), else into O itself.
     """
     acc = p.acc_dtype
     heads, M, D = Q.shape
     g = p.group
     m = np.zeros((heads, M), dtype=acc)  # the reference
-    O1 = np.zeros((heads, M, D + 1), dtype=acc)  # [O | l]
+    O1 = scratch.take("O1", (heads, M, D + 1), acc, fill=0)  # [O | l]
     Q1 = K1t = None  # [Q | -m] and [K | 1]ᵀ, made when some m first moves
     plain_v = V1.shape[2] == D  # V itself (a strided view) rather than [V | 1]
     if plain_v:
         m[...] = -np.inf  # the running max itself (eager, below)
     moved = False  # with modify: some m moved, so scores subtract m
+    fresh_from = 0  # stack rows from here on have met no tile yet (tiles go down the rows, see _forward_tiles)
 
     # with modify: the stack rows of the current tile that see none of its keys (mask or band), or
     # None. The tile leaves them as they were, so they need no redo, which would recompute the
@@ -561,17 +611,21 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> 
                 continue
             P = np.exp2(S, out=S)
             _mask_scores(P, p, r0, j0, 0, group=g, hidden=hidden)
-            O1_j = np.matmul(P, V1[:, j0:j1], out=scratch.take("O1_j", (heads, z - a, D + 1), acc))
+            fresh = a >= fresh_from  # these rows' [O | l] is still 0: the tile writes it, not adds to it
+            fresh_from = max(fresh_from, z)
+            O1_j = O1[:, a:z] if fresh else scratch.take("O1_j", (heads, z - a, D + 1), acc)
+            np.matmul(P, V1[:, j0:j1], out=O1_j)
             l_j_max = float(np.maximum.reduce(O1_j[:, :, D], axis=None))
             # every row's l stays at least L_MIN if it was, or if this tile alone brings that much
             # (staircase and band tiles are the first a row meets, so the block's l never is)
             if ((above_min or float(np.minimum.reduce(O1_j[:, :, D], axis=None)) >= L_MIN)
                     and l_bound + l_j_max <= l_max):  # False for NaN
-                O1[:, a:z] += O1_j
+                if not fresh:
+                    O1[:, a:z] += O1_j
                 l_bound += l_j_max
                 continue
             # rows whose sum so far leaves [L_MIN, l_max] (so O could overflow) or is NaN
-            l_new = O1[:, a:z, D] + O1_j[:, :, D]
+            l_new = O1_j[:, :, D] if fresh else O1[:, a:z, D] + O1_j[:, :, D]
             redo = ~(l_new <= l_max) | (l_new < L_MIN)
             if dead is not None and dead_rows[0] is not None:
                 redo &= ~dead_rows[0].reshape(heads, z - a)
@@ -580,18 +634,22 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> 
                 S_r = _aligned_empty((kk.size, j1 - j0), acc)  # exp2's bits depend on alignment
                 S_r[...] = scores(a, z, j0, j1, hidden, S)[kk, rr]  # exp2() overwrote them; this is rare
                 # the new reference, above m: this tile's max, or what came before if that is
-                # larger (log2 l), so the redone row sums to at least 1. NaN stays NaN.
-                d = np.maximum(S_r.max(axis=1), np.log2(O1[kk, a + rr, D]))
+                # larger (log2 l), so the redone row sums to at least 1. NaN stays NaN. (Fresh
+                # rows have nothing before: their [O | l] holds this tile's overflowed sums.)
+                d = S_r.max(axis=1)
+                if not fresh:
+                    d = np.maximum(d, np.log2(O1[kk, a + rr, D]))
                 d[d == -np.inf] = 0  # no key seen yet: keep m, as the kernels' m_ref (-inf - -inf is NaN)
                 np.subtract(S_r, d[:, None], out=S_r)
                 np.exp2(S_r, out=S_r)
                 for kv in np.unique(kk):
                     this = kk == kv
                     O1_j[kv, rr[this]] = S_r[this] @ V1[kv, j0:j1]
-                # rescale what came before (nothing where l was 0: 0 * inf would be NaN); in
-                # float64, where exp2(-d) cannot overflow while the product still fits
-                alpha = np.where(O1[kk, a + rr, D] == 0, 0.0, np.exp2(-d.astype(np.float64)))
-                O1[kk, a + rr] *= alpha[:, None]
+                if not fresh:
+                    # rescale what came before (nothing where l was 0: 0 * inf would be NaN); in
+                    # float64, where exp2(-d) cannot overflow while the product still fits
+                    alpha = np.where(O1[kk, a + rr, D] == 0, 0.0, np.exp2(-d.astype(np.float64)))
+                    O1[kk, a + rr] *= alpha[:, None]
                 m[kk, a + rr] += d
                 if modify is not None:
                     moved = True  # scores() subtracts m: a modified score cannot come out of [Q | -m] [K | 1]ᵀ
@@ -600,12 +658,17 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None) -> 
                         Q1 = np.concatenate([Q, np.zeros((heads, M, 1), acc)], axis=2)
                         K1t = np.concatenate([Kt, np.ones((heads, 1, Kt.shape[2]), acc)], axis=1)
                     Q1[:, :, D] = -m
-            O1[:, a:z] += O1_j
+            if not fresh:
+                O1[:, a:z] += O1_j
             l_all = O1[:, :, D]
             l_bound = float(np.maximum.reduce(l_all, axis=None))
             above_min = float(np.minimum.reduce(l_all, axis=None)) >= L_MIN
 
-    return _normalised(O1, m)
+    if out is None:
+        return _normalised(O1, m)
+    shape = out.shape[:3]
+    _, lse = _normalised(O1.reshape(*shape, D + 1), m.reshape(shape), out)
+    return out, lse.reshape(heads, M)
 
 
 def _normalised(O1, m, out=None) -> tuple:
@@ -787,14 +850,25 @@ class _Modifiers:
 
 def _heads_per_task(p, units: int, unit_flops: float, unit_volume: int, volume: int) -> int:
     """kv heads stacked into one task (units: the tasks with one kv head each, of unit_flops and a
-    score tile of unit_volume elements): enough for four tasks per worker to balance, no more than
-    a score tile of about `volume` elements, and at least MIN_TASK_FLOPS of work per task, so that
-    its Python-level overhead (~0.1 ms) stays small; a call that small runs on one thread."""
-    by_volume = volume // max(1, unit_volume)
+    score tile of unit_volume elements): as many as a score tile of about `volume` elements holds,
+    in groups of equal size, fewer only where the tasks would not spread evenly over the workers (a
+    task count that is a multiple of the worker count, or at least four tasks a worker), and at
+    least MIN_TASK_FLOPS of
+    work per task, so that its Python-level overhead (~0.1 ms) stays small. Each task also copies
+    its operands and normalises its rows, so fewer, larger tasks win wherever they still balance:
+    S = 512, H = 8, D = 64 on two threads took 4.55 ms as eight one-head tasks (the old rule, four
+    tasks a worker) and 3.77 ms as two four-head ones."""
+    top = max(1, min(p.heads_kv, volume // max(1, unit_volume)))
     workers = worker_count()
-    by_balance = units // (4 * workers) if workers > 1 else units
+    per_group = max(1, units // p.heads_kv)  # tasks per group of stacked kv heads
+    stacked = 1
+    for s in range(top, 0, -1):  # groups of equal size only: one of 5 and one of 3 heads would not balance
+        tasks = p.heads_kv // s * per_group
+        if p.heads_kv % s == 0 and (workers == 1 or tasks % workers == 0 or tasks >= 4 * workers):
+            stacked = s
+            break
     by_work = -(-MIN_TASK_FLOPS // max(1.0, unit_flops))
-    return int(max(1, min(p.heads_kv, by_volume, max(by_balance, by_work))))
+    return int(max(stacked, min(top, by_work)))
 
 
 MIN_TASK_FLOPS = 5e7
@@ -967,6 +1041,7 @@ def _band_tiles(Q, Kw, Vw, keep, per_call, l_max, scratch, visible) -> tuple:
     return O1, m
 
 
+@_one_call
 def forward(p, q, k, v):
     q, k, v = _values(p, q, k, v)
     acc = p.acc_dtype
@@ -991,6 +1066,7 @@ def forward(p, q, k, v):
     heads = _HeadMap(p)
     mods = _Modifiers(p, heads) if p.modifiers - {"window"} else None
     in_place = p.seqlen_q * p.group <= IN_PLACE_ROWS and k.dtype == acc and v.dtype == acc
+    qk_scale = acc.type(p.scale * LOG2_E)  # scores in base 2: carried by Kᵀ, or by Q where K is read in place
 
     def kv_operands(b, c0, c1):
         # Kᵀ (kv heads, D, keys) and [V | 1] (kv heads, keys, D + 1) from key 0, in the
@@ -1000,14 +1076,32 @@ def forward(p, q, k, v):
         if in_place:  # the eager softmax needs no bound on |v| (see _eager_tile)
             return k[b, :end, c0:c1, :].transpose(1, 2, 0), v[b, :end, c0:c1, :].transpose(1, 0, 2), None
         # K copied as (kv heads, keys, D), which keeps D's rows whole (a copy straight into
-        # (kv heads, D, keys) gathers 4-byte elements across rows: 5x slower), Kᵀ a view of it
-        Kt = np.ascontiguousarray(k[b, :end, c0:c1, :].transpose(1, 0, 2), dtype=acc).transpose(0, 2, 1)
+        # (kv heads, D, keys) gathers 4-byte elements across rows: 5x slower), Kᵀ a view of it.
+        # The copy carries scale log2(e), so that Q can be read where it lies (see task)
+        K = np.empty((c1 - c0, end, p.head_dim), dtype=acc)
+        np.multiply(k[b, :end, c0:c1, :].transpose(1, 0, 2), qk_scale, out=K, dtype=acc)
+        Kt = K.transpose(0, 2, 1)
         V1 = np.empty((c1 - c0, end, p.head_dim + 1), dtype=acc)
         V1[:, :, :-1] = v[b, :end, c0:c1, :].transpose(1, 0, 2)
         V1[:, :, -1] = 1
         # max |v| (the ones never matter: _l_max only lowers its bound for |v| far above 1)
         v_max = max(float(np.maximum.reduce(V1, axis=None)), -float(np.minimum.reduce(V1, axis=None)))
         return Kt, V1, _l_max(acc, v_max)
+
+    def query_stack(b, i0, i1, c0, c1, scratch):
+        # Q_i of kv heads c0..c1 as the stack (kv heads, rows x group, D) in the accumulation
+        # dtype. Kᵀ carries scale log2(e), so the stack is q's rows where they lie when it can be
+        # a view (one query head per kv head, or a single kv head: BLAS reads rows any distance
+        # apart), else a copy; with K read in place the copy takes the scale instead
+        rows = heads.read(q[b, i0:i1], c0, c1)  # (kv heads, rows, group, D)
+        if not in_place and q.dtype == acc and (p.group == 1 or p.heads_kv == 1):
+            return rows[:, :, 0] if p.group == 1 else rows.reshape(c1 - c0, (i1 - i0) * p.group, p.head_dim)
+        Q = scratch.take("Q", (c1 - c0, (i1 - i0) * p.group, p.head_dim), acc)
+        if in_place:
+            np.multiply(rows, qk_scale, out=Q.reshape(rows.shape), dtype=acc)
+        else:
+            Q.reshape(rows.shape)[...] = rows
+        return Q
 
     shared = {(b, c0): _Shared(functools.partial(kv_operands, b, c0, c1), len(blocks))
               for b in range(p.batch) for c0, c1 in kv_groups}
@@ -1016,12 +1110,14 @@ def forward(p, q, k, v):
         def run(scratch):
             Kt, V1, l_max = shared[b, c0].take()
             try:
-                Q = scratch.take("Q", (c1 - c0, (i1 - i0) * p.group, p.head_dim), acc)
-                Q.reshape(c1 - c0, i1 - i0, p.group, -1)[...] = heads.read(q[b, i0:i1], c0, c1)
-                Q *= acc.type(p.scale * LOG2_E)
+                Q = query_stack(b, i0, i1, c0, c1, scratch)
                 modify = None if mods is None else functools.partial(mods.apply, b=b, c0=c0, c1=c1, scratch=scratch)
-                O, L = _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles[i0, i1], scratch, modify)
-                heads.unstack_into(out[b, i0:i1], c0, c1, O)
+                if out.dtype == acc:  # O / l written straight into out, a view
+                    _, L = _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles[i0, i1], scratch, modify,
+                                          heads.read(out[b, i0:i1], c0, c1))
+                else:
+                    O, L = _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles[i0, i1], scratch, modify)
+                    heads.unstack_into(out[b, i0:i1], c0, c1, O)
                 heads.unstack_into(lse[b].T[i0:i1], c0, c1, L)
             finally:
                 shared[b, c0].release()
@@ -1036,6 +1132,10 @@ def forward(p, q, k, v):
 # Elements of a score tile with all the heads of a task stacked: 4 MiB, past a core's L2 but
 # measured no slower than a tile that fits, and it amortises the per-call overhead of small heads
 TILE_VOLUME = {4: 1 << 20, 8: 1 << 19}
+# The backward's, for each of P and dS: a quarter of the forward's, so both fit a 2 MiB L2 together
+# (S = 512 to 4096, H = 8, D = 64, two threads: 10-25 % faster than half of it, which held two heads
+# of 512 x 512 in the 4 MiB of the pair)
+BACKWARD_TILE_VOLUME = {4: 1 << 18, 8: 1 << 17}
 
 
 # ----------------------------------------------------------------------------
@@ -1060,13 +1160,15 @@ def _backward_item(p, j0, j1, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, db
     heads, w, D = K.shape
     g = p.group
     scale = acc.type(p.scale)
-    K1t = np.ones((heads, D + 1, w), dtype=acc)  # [K_j | 1]ᵀ, contiguous: BLAS is faster from it
+    K1t = scratch.take("K1t", (heads, D + 1, w), acc)  # [K_j | 1]ᵀ, contiguous: BLAS is faster from it
     K1t[:, :D] = K.transpose(0, 2, 1)
-    V1t = np.ones((heads, D + 1, w), dtype=acc)
+    K1t[:, D] = 1
+    V1t = scratch.take("V1t", (heads, D + 1, w), acc)
     V1t[:, :D] = V.transpose(0, 2, 1)
-    K_scaled = K * scale
-    dK_j = np.zeros((heads, w, D), dtype=acc)
-    dV_j = np.zeros((heads, w, D), dtype=acc)
+    V1t[:, D] = 1
+    K_scaled = np.multiply(K, scale, out=scratch.take("K_scaled", K.shape, acc))
+    dK_j = scratch.take("dK_j", (heads, w, D), acc, fill=0)
+    dV_j = scratch.take("dV_j", (heads, w, D), acc, fill=0)
     for i0, i1, c0, c1, hidden in tiles:
         a, z = i0 * g, i1 * g  # the tile's rows within the stacks
         x, y = c0 - j0, c1 - j0  # its keys within the block
@@ -1322,6 +1424,7 @@ def _balanced_parts(costs, n, together=None):
     return [sorted(part) for part in parts if part]
 
 
+@_one_call
 def backward(p, dout, q, k, v, out, lse):
     dout, q, k, v, out = _values(p, dout, q, k, v, out)
     acc = p.acc_dtype
@@ -1334,8 +1437,15 @@ def backward(p, dout, q, k, v, out, lse):
     block_m, block_n = tile_sizes(p, backward=True)
     key_blocks = _blocks(0, p.seqlen_k, block_n)
     unit_flops = 2.5 * p.flops_forward() / (p.batch * p.heads_kv * len(key_blocks))
-    unit_volume = p.group * min(block_m, p.seqlen_q) * min(block_n, p.seqlen_k)
-    stacked = _heads_per_task(p, p.heads_kv * len(key_blocks), unit_flops, unit_volume, TILE_VOLUME[acc.itemsize] // 2)
+    # a tile's P and dS together within about a core's L2 (BACKWARD_TILE_VOLUME), sized by the
+    # largest tile of the plan: along a causal diagonal every tile is a narrow step, and stacking
+    # more heads into each spares Python-level steps
+    step = _staircase_step(block_m, p.group, D)
+    tiles = {(j0, j1): _backward_tiles(p, j0, j1, step) for j0, j1 in key_blocks}
+    areas = sorted((i1 - i0) * (y - x) for t in tiles.values() for i0, i1, x, y, _ in t) or [1]
+    unit_volume = p.group * areas[len(areas) // 2]
+    stacked = _heads_per_task(p, p.heads_kv * len(key_blocks), unit_flops, unit_volume,
+                              BACKWARD_TILE_VOLUME[acc.itemsize])
     kv_groups = _blocks(0, p.heads_kv, stacked)
     heads = _HeadMap(p)
     step = _staircase_step(block_m, stacked * p.group, D)
@@ -1361,14 +1471,14 @@ def backward(p, dout, q, k, v, out, lse):
             # Q1 = [scale log2(e) Q | -log2(e) lse] (a row that sees no key has lse -inf: -inf
             # there gives it P = 0) and dO1 = [dO | -D], D_i = rowsum(dO_i ∘ O_i) the pre-pass
             def run(scratch):
-                Q1 = _aligned_empty((c1 - c0, p.seqlen_q * p.group, D + 1), acc)
+                Q1 = _call_scratch.take(("Q1", c0), (c1 - c0, p.seqlen_q * p.group, D + 1), acc)
                 shape = (c1 - c0, p.seqlen_q, p.group)
                 Q = Q1[:, :, :D].reshape(*shape, D)  # views: splitting an axis needs no copy
                 Q[...] = heads.read(q[b], c0, c1)
                 np.multiply(Q, acc.type(p.scale * LOG2_E), out=Q)
                 L = heads.read(lse[b].T, c0, c1)
                 Q1[:, :, D].reshape(shape)[...] = np.where(L == -np.inf, np.inf, L) * acc.type(-LOG2_E)
-                dO1 = _aligned_empty(Q1.shape, acc)
+                dO1 = _call_scratch.take(("dO1", c0), Q1.shape, acc)
                 dO = dO1[:, :, :D].reshape(*shape, D)
                 dO[...] = heads.read(dout[b], c0, c1)
                 if mods is not None:  # a row a mask leaves no key lies inside tiles: its dO goes nowhere
@@ -1382,7 +1492,7 @@ def backward(p, dout, q, k, v, out, lse):
 
         def partition(items):
             def run(scratch):
-                dQ = np.zeros((p.heads_kv, p.seqlen_q * p.group, D), dtype=acc)
+                dQ = _call_scratch.take(("dQ", items[0]), (p.heads_kv, p.seqlen_q * p.group, D), acc, fill=0)
                 dB_own = None if dB is None else np.zeros(dB.shape, acc) if per_partition else dB
                 for i in items:
                     c0, c1, j0, j1 = work[i]
@@ -1419,6 +1529,7 @@ def backward(p, dout, q, k, v, out, lse):
 # attention_probs
 
 
+@_one_call
 def probs(p, q, k, lse, rows):
     """P = exp(s - lse) (batch, heads_q, len(rows), seqlen_k) in the accumulation dtype, for the
     query rows `rows` (an index array): the forward's scores, band and modifiers, in base 2 as
