@@ -1160,10 +1160,13 @@ def _backward_item(p, j0, j1, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, db
     heads, w, D = K.shape
     g = p.group
     scale = acc.type(p.scale)
-    K1t = scratch.take("K1t", (heads, D + 1, w), acc)  # [K_j | 1]ᵀ, contiguous: BLAS is faster from it
+    # [K_j | 1]ᵀ and [V_j | 1]ᵀ, transposed views of copies that keep the rows: BLAS ran S from a
+    # contiguous Kᵀ 4 % faster, but gathering one took 5x the row-preserving copy (0.04 ms against
+    # 0.007 at 512 keys, D = 64), more than the matmul gained
+    K1t = scratch.take("K1", (heads, w, D + 1), acc).transpose(0, 2, 1)
     K1t[:, :D] = K.transpose(0, 2, 1)
     K1t[:, D] = 1
-    V1t = scratch.take("V1t", (heads, D + 1, w), acc)
+    V1t = scratch.take("V1", (heads, w, D + 1), acc).transpose(0, 2, 1)
     V1t[:, :D] = V.transpose(0, 2, 1)
     V1t[:, D] = 1
     K_scaled = np.multiply(K, scale, out=scratch.take("K_scaled", K.shape, acc))
