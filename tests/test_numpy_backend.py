@@ -77,7 +77,7 @@ def test_default_tiles(rng, dtype):
     block_m, block_n = numpy_backend.tile_sizes(problem(4096, 1))
     assert numpy_backend.tile_sizes(problem(1, 1))[1] > block_n  # decoding: long key tiles
     if dtype == np.float32:  # what `python -m flashcupy info` says is what tile_sizes chooses
-        assert numpy_backend.describe_tiles().startswith(f"{block_m}x{block_n} ")
+        assert numpy_backend.describe_tiles().startswith(f"{block_m}x{block_n},")
     Sq, Sk = block_m + block_m // 2 + 3, 2 * block_n + 300
     assert numpy_backend.tile_sizes(problem(Sq, Sk), backward=True) == (block_m, block_n)
     assert any(r1 - r0 < block_m for r0, r1, *_ in numpy_backend._forward_tiles(problem(Sq, Sk), 0, block_m, step=32))

@@ -108,34 +108,32 @@ def configure(*, block_m=None, block_n=None, num_threads=None) -> Config:
 def tile_sizes(p, backward=False) -> tuple:
     """(BLOCK_M, BLOCK_N) for problem p: config's where set, else the measured choice.
 
-    512 query rows (256 in float64) by 512 keys: measured one core's QKᵀ and PV matmuls at 128 to
-    768 rows by 256 to 2048 keys, D = 64 and 128, and they ran within 10 % of each other, best
-    from 384 to 768 rows by 512 to 768 keys (OpenBLAS packs each key tile once per query block,
-    so more rows amortise it); more keys per tile also mean fewer Python-level steps. Causal
+    512 query rows by 512 keys: measured one core's QKᵀ and PV matmuls at 128 to 768 rows by 256
+    to 2048 keys, D = 64 and 128, and they ran within 10 % of each other, best from 384 to 768
+    rows by 512 to 768 keys (OpenBLAS packs each key tile once per query block, so more rows
+    amortise it); more keys per tile also mean fewer Python-level steps. float64 too: its forward
+    took 10-20 % less time with 512 rows than with 256 at S = 512 and 1024 (H = 8, D = 64, two
+    threads), 3 % at 4096, and its backward the same. Causal
     diagonals are cut finer regardless (_staircase_step). With a handful of query rows per kv
     head (decoding, IN_PLACE_ROWS) a tile holds few scores however many keys it spans, and each
     step's overhead is what remains: 8192 keys (measured at 64k cached keys, D = 128: 168 ms
     against 225 with 512).
     """
-    wide = np.dtype(p.acc_dtype).itemsize > 4
     few_rows = not backward and p.seqlen_q * p.group <= IN_PLACE_ROWS
-    return config.BLOCK_M or (256 if wide else 512), config.BLOCK_N or (8192 if few_rows else 512)
+    return config.BLOCK_M or 512, config.BLOCK_N or (8192 if few_rows else 512)
 
 
 def describe_tiles() -> str:
     """The tiles in words, for `python -m flashcupy info`."""
     if config.BLOCK_M and config.BLOCK_N:
         return f"{config.BLOCK_M}x{config.BLOCK_N} (configured)"
-    f32, f64, decode = (tile_sizes(_SizeOnly(np.dtype(dtype), rows)) for dtype, rows in
-                        ((np.float32, 1 << 30), (np.float64, 1 << 30), (np.float32, 1)))
-    return (f"{f32[0]}x{f32[1]} (float64: {f64[0]}x{f64[1]}), diagonals cut finer, {decode[1]} keys a tile "
-            f"when decoding")
+    tiles, decode = (tile_sizes(_SizeOnly(rows)) for rows in (1 << 30, 1))
+    return f"{tiles[0]}x{tiles[1]}, diagonals cut finer, {decode[1]} keys a tile when decoding"
 
 
 @dataclass
 class _SizeOnly:
     """What tile_sizes reads of a Problem."""
-    acc_dtype: np.dtype
     seqlen_q: int
     group: int = 1
 
