@@ -377,7 +377,7 @@ class _Scratch:
     Kept between calls because a fresh buffer of more than glibc's mmap threshold is fresh pages,
     each faulted in and zeroed by the kernel on first touch: at S = 512 to 1024 (H = 8, D = 64, two
     threads) calls were 10-30 % slower in some runs than with the buffers kept, run to run, as the
-    allocator's thresholds moved. _trim_scratch drops what is larger than SCRATCH_KEEP_BYTES after
+    allocator's thresholds moved. _one_call drops what is larger than SCRATCH_KEEP_BYTES after
     each call, so long sequences, whose faults cost little next to their work, hold no memory."""
 
     def __init__(self):
@@ -470,8 +470,8 @@ def _run(tasks):
     """Run task(scratch) for each task on the calling thread and the worker pool, results in task
     order; the first exception propagates. Tasks are handed out in order as workers free up (a
     task's result must not depend on which worker runs it), and each worker thread keeps its
-    _Scratch from call to call. The pool's threads live on between calls (starting one took 0.14 ms here, more
-    under load, and a call is a few ms at S = 512)."""
+    _Scratch from call to call. The pool's threads live on between calls (starting one took
+    0.14 ms here, more under load, and a call is a few ms at S = 512)."""
     n = min(worker_count(), len(tasks))
     if _blas_controller() is None:
         scratch = _thread_scratch()
@@ -536,8 +536,8 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None, out
     """Online softmax of query block [i0, i1) over every key it sees, for a stack of kv heads.
 
     Q is (kv heads, rows x group, D) and Kt is Kᵀ; one of them (Kt, unless K is read where it
-    lies) carries scale * log2(e), so that the scores come out in base 2 and P = exp2(S - m) (NumPy's float32 exp2 runs twice as fast as its exp; m counts in
-    base 2 too). A kv head's query heads are interleaved row by row (_HeadMap), so a tile's rows
+    lies) carries scale * log2(e), so that the scores come out in base 2 and P = exp2(S - m)
+    (NumPy's float32 exp2 runs twice as fast as its exp; m counts in base 2 too). A kv head's query heads are interleaved row by row (_HeadMap), so a tile's rows
     are one slice for every kv head and each kv head's K is packed for BLAS once per tile. V1 is
     [V | 1], so the PV matmul returns rowsum(P) as its last column. Kt is a transposed view of
     K copied as (kv heads, keys, D): a contiguous Kᵀ let BLAS run QKᵀ about 10 % faster, but
@@ -1439,12 +1439,12 @@ def backward(p, dout, q, k, v, out, lse):
     key_blocks = _blocks(0, p.seqlen_k, block_n)
     unit_flops = 2.5 * p.flops_forward() / (p.batch * p.heads_kv * len(key_blocks))
     # a tile's P and dS together within about a core's L2 (BACKWARD_TILE_VOLUME), sized by the
-    # largest tile of the plan: along a causal diagonal every tile is a narrow step, and stacking
-    # more heads into each spares Python-level steps
+    # largest tile of the plan: where every tile is a narrow step of a causal diagonal (S = 512),
+    # more heads stack and spare Python-level steps. (Sized by the median tile instead, S = 1024
+    # causal at D = 128 stacked all 8 heads onto its 512 x 512 tiles: 1.5x slower than one.)
     step = _staircase_step(block_m, p.group, D)
     tiles = {(j0, j1): _backward_tiles(p, j0, j1, step) for j0, j1 in key_blocks}
-    areas = sorted((i1 - i0) * (y - x) for t in tiles.values() for i0, i1, x, y, _ in t) or [1]
-    unit_volume = p.group * areas[len(areas) // 2]
+    unit_volume = p.group * max([(i1 - i0) * (y - x) for t in tiles.values() for i0, i1, x, y, _ in t] or [1])
     stacked = _heads_per_task(p, p.heads_kv * len(key_blocks), unit_flops, unit_volume,
                               BACKWARD_TILE_VOLUME[acc.itemsize])
     kv_groups = _blocks(0, p.heads_kv, stacked)
