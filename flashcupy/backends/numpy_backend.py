@@ -1468,28 +1468,32 @@ def backward(p, dout, q, k, v, out, lse):
     parts = _balanced_parts(costs, max(1, min(worker_count(), len(work))), together)
 
     for b in range(p.batch):
+        # Q1 = [scale log2(e) Q | -log2(e) lse] (a row that sees no key has lse -inf: -inf there
+        # gives it P = 0) and dO1 = [dO | -D], D_i = rowsum(dO_i ∘ O_i) the pre-pass, for every kv
+        # head, made in one task a worker (its few elementwise passes are mostly call overhead)
+        Q1_all = _call_scratch.take("Q1", (p.heads_kv, p.seqlen_q * p.group, D + 1), acc)
+        dO1_all = _call_scratch.take("dO1", Q1_all.shape, acc)
+
         def operands(c0, c1):
-            # Q1 = [scale log2(e) Q | -log2(e) lse] (a row that sees no key has lse -inf: -inf
-            # there gives it P = 0) and dO1 = [dO | -D], D_i = rowsum(dO_i ∘ O_i) the pre-pass
             def run(scratch):
-                Q1 = _call_scratch.take(("Q1", c0), (c1 - c0, p.seqlen_q * p.group, D + 1), acc)
+                Q1 = Q1_all[c0:c1]
                 shape = (c1 - c0, p.seqlen_q, p.group)
                 Q = Q1[:, :, :D].reshape(*shape, D)  # views: splitting an axis needs no copy
                 Q[...] = heads.read(q[b], c0, c1)
                 np.multiply(Q, acc.type(p.scale * LOG2_E), out=Q)
                 L = heads.read(lse[b].T, c0, c1)
                 Q1[:, :, D].reshape(shape)[...] = np.where(L == -np.inf, np.inf, L) * acc.type(-LOG2_E)
-                dO1 = _call_scratch.take(("dO1", c0), Q1.shape, acc)
+                dO1 = dO1_all[c0:c1]
                 dO = dO1[:, :, :D].reshape(*shape, D)
                 dO[...] = heads.read(dout[b], c0, c1)
                 if mods is not None:  # a row a mask leaves no key lies inside tiles: its dO goes nowhere
                     dO[L == -np.inf] = 0
                 O = heads.read(out[b], c0, c1)
                 dO1[:, :, D].reshape(shape)[...] = -np.einsum("csgd,csgd->csg", dO, _as_acc(O, acc))
-                return Q1, dO1
             return run
 
-        prepared = dict(zip(kv_groups, _run([operands(c0, c1) for c0, c1 in kv_groups])))
+        _run([operands(c0, c1) for c0, c1 in _blocks(0, p.heads_kv, -(-p.heads_kv // worker_count()))])
+        prepared = {(c0, c1): (Q1_all[c0:c1], dO1_all[c0:c1]) for c0, c1 in kv_groups}
 
         def partition(items):
             def run(scratch):
