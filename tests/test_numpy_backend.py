@@ -306,6 +306,15 @@ def test_buffers_kept_between_calls_carry_nothing_over_and_stay_small(rng, monke
         np.testing.assert_array_equal(x, y)
     c = make_qkv(rng, 1, 700, 300, 4, 2, 32, np.float32)  # rows 0..399 see no key
     run(c, rng.standard_normal(c[0].shape).astype(np.float32))
+    # calls of other shapes reuse the same few names (no buffer kept for every name ever used):
+    # the backward's per-partition dQ is one a worker at most
+    for S in (300, 450, 1100, 1600):  # shapes whose partitions start at other items
+        x = make_qkv(rng, 1, S, S, 4, 2, 32, np.float32)
+        out, lse = flashcupy.attention(*x, causal=True, return_lse=True)
+        flashcupy.attention_backward(out, *x, out, lse, causal=True)
+    numbered = {n for s in (numpy_backend._call_scratch, *numpy_backend._scratches) for n in s._buffers
+                if isinstance(n, tuple)}
+    assert numbered <= {("dQ", i) for i in range(threads)}
     monkeypatch.setattr(numpy_backend, "SCRATCH_KEEP_BYTES", 4096)
     run(a, dout)
     kept = [buf.nbytes for s in (numpy_backend._call_scratch, *numpy_backend._scratches) for buf in s._buffers.values()]

@@ -1495,9 +1495,11 @@ def backward(p, dout, q, k, v, out, lse):
         _run([operands(c0, c1) for c0, c1 in _blocks(0, p.heads_kv, -(-p.heads_kv // worker_count()))])
         prepared = {(c0, c1): (Q1_all[c0:c1], dO1_all[c0:c1]) for c0, c1 in kv_groups}
 
-        def partition(items):
+        def partition(index, items):
             def run(scratch):
-                dQ = _call_scratch.take(("dQ", items[0]), (p.heads_kv, p.seqlen_q * p.group, D), acc, fill=0)
+                # named by the partition's place (at most one a worker), so calls of other shapes
+                # reuse the same few buffers rather than keep one for every name they ever used
+                dQ = _call_scratch.take(("dQ", index), (p.heads_kv, p.seqlen_q * p.group, D), acc, fill=0)
                 dB_own = None if dB is None else np.zeros(dB.shape, acc) if per_partition else dB
                 for i in items:
                     c0, c1, j0, j1 = work[i]
@@ -1516,7 +1518,7 @@ def backward(p, dout, q, k, v, out, lse):
                 return dQ if not per_partition else (dQ, dB_own)
             return run
 
-        partial = _run([partition(part) for part in parts])
+        partial = _run([partition(index, part) for index, part in enumerate(parts)])
         if per_partition:
             dB += functools.reduce(np.add, [x[1] for x in partial])
             partial = [x[0] for x in partial]
