@@ -112,8 +112,8 @@ def tile_sizes(p, backward=False) -> tuple:
     to 2048 keys, D = 64 and 128, and they ran within 10 % of each other, best from 384 to 768
     rows by 512 to 768 keys (OpenBLAS packs each key tile once per query block, so more rows
     amortise it); more keys per tile also mean fewer Python-level steps. float64 too: its forward
-    took 10-20 % less time with 512 rows than with 256 at S = 512 and 1024 (H = 8, D = 64, two
-    threads), 3 % at 4096, and its backward the same. Causal
+    took 20 % less time with 512 rows than with 256 at S = 512, 9 % at 1024 and 3 % at 4096 (H = 8,
+    D = 64, two threads, the two measured alternately), and its backward within 2 %. Causal
     diagonals are cut finer regardless (_staircase_step). With a handful of query rows per kv
     head (decoding, IN_PLACE_ROWS) a tile holds few scores however many keys it spans, and each
     step's overhead is what remains: 8192 keys (measured at 64k cached keys, D = 128: 168 ms
@@ -851,8 +851,8 @@ def _heads_per_task(p, units: int, unit_flops: float, unit_volume: int, volume: 
     score tile of unit_volume elements): as many as a score tile of about `volume` elements holds,
     in groups of equal size, fewer only where the tasks would not spread evenly over the workers (a
     task count that is a multiple of the worker count, or at least four tasks a worker), and at
-    least MIN_TASK_FLOPS of
-    work per task, so that its Python-level overhead (~0.1 ms) stays small. Each task also copies
+    least MIN_TASK_FLOPS of work per task, so that its Python-level overhead (~0.1 ms) stays
+    small. Each task also copies
     its operands and normalises its rows, so fewer, larger tasks win wherever they still balance:
     S = 512, H = 8, D = 64 on two threads took 4.55 ms as eight one-head tasks (the old rule, four
     tasks a worker) and 3.77 ms as two four-head ones."""
@@ -1131,8 +1131,8 @@ def forward(p, q, k, v):
 # measured no slower than a tile that fits, and it amortises the per-call overhead of small heads
 TILE_VOLUME = {4: 1 << 20, 8: 1 << 19}
 # The backward's, for each of P and dS: a quarter of the forward's, so both fit a 2 MiB L2 together
-# (S = 512 to 4096, H = 8, D = 64, two threads: 10-25 % faster than half of it, which held two heads
-# of 512 x 512 in the 4 MiB of the pair)
+# (S = 512 to 4096, H = 8, D = 64, two threads, buffers kept between calls: 0-4 % faster than half
+# of it, which held two heads of 512 x 512 in the 4 MiB of the pair)
 BACKWARD_TILE_VOLUME = {4: 1 << 18, 8: 1 << 17}
 
 
@@ -1442,16 +1442,16 @@ def backward(p, dout, q, k, v, out, lse):
     # largest tile of the plan: where every tile is a narrow step of a causal diagonal (S = 512),
     # more heads stack and spare Python-level steps. (Sized by the median tile instead, S = 1024
     # causal at D = 128 stacked all 8 heads onto its 512 x 512 tiles: 1.5x slower than one.)
-    step = _staircase_step(block_m, p.group, D)
-    tiles = {(j0, j1): _backward_tiles(p, j0, j1, step) for j0, j1 in key_blocks}
+    step, masks = _staircase_step(block_m, p.group, D), {}
+    tiles = {(j0, j1): _backward_tiles(p, j0, j1, step, masks) for j0, j1 in key_blocks}
     unit_volume = p.group * max([(i1 - i0) * (y - x) for t in tiles.values() for i0, i1, x, y, _ in t] or [1])
     stacked = _heads_per_task(p, p.heads_kv * len(key_blocks), unit_flops, unit_volume,
                               BACKWARD_TILE_VOLUME[acc.itemsize])
     kv_groups = _blocks(0, p.heads_kv, stacked)
     heads = _HeadMap(p)
-    step = _staircase_step(block_m, stacked * p.group, D)
-    masks = {}
-    tiles = {(j0, j1): _backward_tiles(p, j0, j1, step, masks) for j0, j1 in key_blocks}
+    if _staircase_step(block_m, stacked * p.group, D) != step:  # the plan above serves unless the step moved
+        step = _staircase_step(block_m, stacked * p.group, D)
+        tiles = {(j0, j1): _backward_tiles(p, j0, j1, step, masks) for j0, j1 in key_blocks}
     work = [(c0, c1, j0, j1) for c0, c1 in kv_groups for j0, j1 in key_blocks]
     # the (query, key) pairs each item computes: what its work is proportional to
     costs = [(c1 - c0) * sum((i1 - i0) * (y - x) for i0, i1, x, y, _ in tiles[j0, j1]) for c0, c1, j0, j1 in work]
@@ -1479,8 +1479,7 @@ def backward(p, dout, q, k, v, out, lse):
                 Q1 = Q1_all[c0:c1]
                 shape = (c1 - c0, p.seqlen_q, p.group)
                 Q = Q1[:, :, :D].reshape(*shape, D)  # views: splitting an axis needs no copy
-                Q[...] = heads.read(q[b], c0, c1)
-                np.multiply(Q, acc.type(p.scale * LOG2_E), out=Q)
+                np.multiply(heads.read(q[b], c0, c1), acc.type(p.scale * LOG2_E), out=Q, dtype=acc)
                 L = heads.read(lse[b].T, c0, c1)
                 Q1[:, :, D].reshape(shape)[...] = np.where(L == -np.inf, np.inf, L) * acc.type(-LOG2_E)
                 dO1 = dO1_all[c0:c1]
