@@ -193,8 +193,8 @@ def test_dbias_is_reproducible_and_right_however_its_items_share_it(rng, monkeyp
 
 
 @pytest.mark.parametrize("kw", [dict(alibi_slopes=np.array([0.1, 0.2], np.float32)), dict(bias="big"),
-                                dict(mask="half"), dict(window=(4, 2), softcap=500.0)],
-                         ids=["alibi", "bias", "mask", "window-softcap"])
+                                dict(mask="half"), dict(window=(4, 2), softcap=500.0), dict(window=(4, 2))],
+                         ids=["alibi", "bias", "mask", "window-softcap", "window"])
 def test_modified_scores_far_from_zero_keep_full_precision(rng, small_tiles, kw):
     # scores near +400: the lazily raised reference m must be subtracted from modified scores too,
     # and every row a tile shows a key must be redone where its sum overflows (a row only the

@@ -194,6 +194,10 @@ def test_backward_is_bitwise_reproducible(rng):
 @pytest.mark.parametrize("dtype", DTYPES + (BF16,), ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("Sq, Sk, Hq, Hkv, causal, window", [
     (300, 300, 2, 2, True, (40, None)),  # a causal window: several tiles per block, blocks per call
+    # a middle block whose keys all lie inside the sequence: K and V read where they lie (float32,
+    # float64), O / l straight into out where a tile's rows are evenly spaced rows of it (one kv head)
+    (1100, 1100, 4, 2, True, (40, None)),
+    (1100, 1060, 2, 1, False, (20, 5)),
     (257, 700, 4, 2, False, (70, 9)),  # GQA, Sk > Sq: the first rows see keys from the middle on
     (700, 90, 3, 1, True, (17, None)),  # Sq > Sk: rows before the keys see none
     (130, 160, 2, 1, False, (0, 0)),  # one key a row
@@ -342,7 +346,7 @@ def test_nan_in_dout_of_a_row_that_sees_no_key_goes_nowhere(rng, small_tiles):
 
 
 NUMPY_MUTATIONS = {  # see conftest.MUTATION_BATTERY
-    "scale ignored": ("qk_scale = acc.type(p.scale * LOG2_E)", "qk_scale = acc.type(LOG2_E / np.sqrt(p.head_dim))"),
+    "scale ignored": ("return p.acc_dtype.type(p.scale * LOG2_E)", "return p.acc_dtype.type(LOG2_E / np.sqrt(p.head_dim))"),
     "GQA head mapping": ("kv_head = h // p.group", "kv_head = h % p.heads_kv"),
     "D not subtracted": ('= -np.einsum("csgd', '= 0 * np.einsum("csgd'),
     "key_end off by one": ("min(p.seqlen_k, i1 + p.diagonal + right))", "min(p.seqlen_k, i1 + p.diagonal + right - 1))"),

@@ -525,6 +525,12 @@ LOG2_E = 1 / math.log(2)  # scores are scaled by it, so that exp2 gives P (see _
 LN2 = math.log(2)
 
 
+def _base2_scale(p):
+    """scale * log2(e) in the accumulation dtype: what Q or K carries so that scores come out in
+    base 2 and P = exp2(S - m)."""
+    return p.acc_dtype.type(p.scale * LOG2_E)
+
+
 def _l_max(acc, v_max) -> float:
     """The largest row sum to let accumulate: L_MAX, or less when |v| is so large that
     O = sum_j p_j v_j could overflow the accumulation dtype (O <= l max|v| while l <= this)."""
@@ -663,18 +669,18 @@ def _forward_block(p, Q, Kt, V1, i0, i1, l_max, tiles, scratch, modify=None, out
             above_min = float(np.minimum.reduce(l_all, axis=None)) >= L_MIN
 
     if out is None:
-        return _normalised(O1, m)
+        return _normalised(O1[..., :D], O1[..., D], m)
     shape = out.shape[:3]
-    _, lse = _normalised(O1.reshape(*shape, D + 1), m.reshape(shape), out)
+    O1 = O1.reshape(*shape, D + 1)
+    _, lse = _normalised(O1[..., :D], O1[..., D], m.reshape(shape), out)
     return out, lse.reshape(heads, M)
 
 
-def _normalised(O1, m, out=None) -> tuple:
-    """(O / l, lse) from [O | l] and the reference m (base 2): lse = ln 2 m + ln l; a row that saw
+def _normalised(O, l, m, out=None) -> tuple:
+    """(O / l, lse) from O, l and the reference m (base 2): lse = ln 2 m + ln l; a row that saw
     no key (l = 0) gets out 0 and lse -inf, a NaN row stays NaN. O / l goes into out (O's shape),
-    else into O1."""
-    acc = O1.dtype
-    O, l = O1[..., :-1], O1[..., -1]
+    else into O."""
+    acc = O.dtype
     out = O if out is None else out
     seen = l > 0
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -888,15 +894,19 @@ def _band_forward(p, q, k, v, out, lse, width: int):
     Tiles of `step` query rows by the step + width - 1 keys those rows see (_band_step): every row
     meets all its keys in one tile, so a tile is the whole softmax of its rows and nothing
     accumulates from tile to tile. The tiles of a block are the same shape and lie `step` keys
-    apart, so one matmul over strided views of Kᵀ and [V | 1] computes many at once, and a tile's
+    apart, so one matmul over strided views of K and V computes many at once, and a tile's
     hidden pairs (its two corner triangles) are the same for every tile: P is multiplied by one 0/1
     mask. The per-tile Python overhead of _forward_block, which took a third of a 256-key window's
     time, is gone, and so is any -inf in exp2's input.
 
-    Kᵀ and [V | 1] are made for all kv heads of a batch at once, by every worker, with zero keys
-    (and a zero ones column) on both sides, so tiles that reach past the first or last key need no
-    other mask. Kᵀ is contiguous (BLAS ran QKᵀ of 32 rows, D = 64, at 120 GFLOP/s from it, 61 from
-    the transposed view), its rows padded so they do not lie a multiple of 4 KiB apart (73).
+    The tiles are computed transposed, Sᵀ = K_j Q_iᵀ and O = (Pᵀ)ᵀ V_j: BLAS ran those at 153 and
+    118 GFLOP/s on one core (32 rows, 287 keys, D = 64) against 130 and 104 for S = Q_i K_jᵀ from a
+    contiguous Kᵀ and P [V | 1], and it reads K and V where they lie, rows H x D apart (61 GFLOP/s
+    for Q_i K_jᵀ from K's rows as they lie). Nothing is copied but each tile's Q_iᵀ, scaled by
+    scale * log2(e) (_band_queries), and, for the blocks at the sequence's two ends or K and V of
+    another dtype, K and V themselves (_band_keys, zeros past the keys, masked out of P). l comes
+    from a matmul of P with ones (ten times faster than NumPy's add.reduce along the keys). Each
+    matmul takes up to TILE_VOLUME scores, and O / l goes into out from a buffer still in cache.
 
     Scores are not shifted (m = 0): a row whose sum leaves [L_MIN, l_max], or is NaN (an overflow
     times the mask's 0), is redone exactly: its visible scores, their max as m. Rows that see no key
@@ -908,77 +918,99 @@ def _band_forward(p, q, k, v, out, lse, width: int):
     step = _band_step(width, g)
     n = step + width - 1  # keys of a tile
     first, last = _query_range(p, 0, p.seqlen_k)  # the rows that see some key
-    end = _key_range(p, 0, p.seqlen_q)[1]  # keys at or past it no row sees: left as zeros
+    end = _key_range(p, 0, p.seqlen_q)[1]  # keys at or past it no row sees
     out[:, :first] = 0
     out[:, last:] = 0
     lse[:, :, :first] = -np.inf
     lse[:, :, last:] = -np.inf
     blocks = _blocks(first, last, tile_sizes(p)[0])
-    if not blocks:
-        return out.view(p.carrier), lse
-    # key columns: key j at base + j; the first tile starts at key first + diagonal - left, the last
-    # (its rows padded to a whole tile) ends below the last block's end + step + diagonal + right
-    base = max(0, left - first - p.diagonal)
-    columns = base + max(end, blocks[-1][1] + step + p.diagonal + width - left)
     units = p.batch * heads_kv * len(blocks)
     unit_volume = g * step * n
-    stacked = _heads_per_task(p, units, p.flops_forward() / units, unit_volume, TILE_VOLUME[acc.itemsize])
-    kv_groups = _blocks(0, heads_kv, stacked)
+    stacked = _heads_per_task(p, units, p.flops_forward() / max(1, units), unit_volume, TILE_VOLUME[acc.itemsize])
     heads = _HeadMap(p)
     # which pairs of a tile its rows see: the rule depends on j - i alone, so one mask serves every
-    # tile (row r of a tile sees its keys r .. r + width - 1), (rows, 1, keys) against the stack
-    keep = _visible(p, np.arange(step)[:, None], p.diagonal - left + np.arange(n)[None, :]).astype(acc)[:, None, :]
-    per_call = max(1, TILE_VOLUME[acc.itemsize] // 4 // (stacked * unit_volume))  # tiles per matmul: S within L2
+    # tile (row r of a tile sees its keys r .. r + width - 1), (keys, rows, 1) against Sᵀ's stack
+    keep = _visible(p, np.arange(step)[None, :, None], p.diagonal - left + np.arange(n)[:, None, None]).astype(acc)
+    # tiles per matmul: S up to TILE_VOLUME (its Python-level overhead weighs more than L2 here: at
+    # S = 16384, window 256, 8 heads stacked, 10 to 16 tiles a matmul took 71 ms, 3 (S within L2) 77)
+    per_call = max(1, TILE_VOLUME[acc.itemsize] // (stacked * unit_volume))
+    qk_scale = _base2_scale(p)
+    k_in, v_in = k, v
+    if k.dtype != acc:  # read where they lie, unless they need converting
+        k = v = None
+    # O straight into out, normalised there, where a tile's stack rows are rows of out a fixed stride apart
+    in_out = out.dtype == acc and heads.consecutive and (g == 1 or heads_kv == 1)
 
-    for b in range(p.batch):
-        Kt = np.empty((heads_kv, D, -(-columns // 64) * 64 + 16), dtype=acc)[:, :, :columns]
-        V1 = np.empty((heads_kv, columns, D + 1), dtype=acc)
+    def task(b, c0, c1, i0, i1):
+        def run(scratch):
+            T = -(-(i1 - i0) // step)
+            Qt = _band_queries(heads.read(q[b, i0:i1], c0, c1), T, step, qk_scale, acc, scratch)
+            k0 = i0 + p.diagonal - left  # the first tile's first key; k1: past the last tile's last
+            k1 = k0 + (T - 1) * step + n
+            lo, hi = min(max(k0, 0), end), min(max(k1, 0), end)  # the keys among them that some row sees
+            if k is not None and 0 <= k0 and k1 <= p.seqlen_k:
+                # K and V read in place; keys past end, which only padding rows see, are real
+                Kw, Vw = (_windows(x[b, :, c0:c1].transpose(1, 0, 2), k0, T, step, n, axis=1) for x in (k, v))
+                tile_keep = keep
+            else:  # at the sequence's ends, or K and V of another dtype: copies, zero past them
+                Kw, Vw = (_band_keys(x[b, lo:hi, c0:c1], lo - k0, k1 - k0, name, acc, scratch)
+                          for x, name in ((k_in, "K"), (v_in, "V")))
+                Kw, Vw = (_windows(x, 0, T, step, n, axis=1) for x in (Kw, Vw))
+                j = k0 + step * np.arange(T)[:, None] + np.arange(n)[None, :]
+                tile_keep = keep * ((j >= lo) & (j < hi)).astype(acc)[:, :, None, None]  # (tiles, keys, rows, 1)
+            v_part = v_in[b, lo:hi, c0:c1]
+            v_max = max(float(np.maximum.reduce(v_part, axis=None, initial=0)),
+                        -float(np.minimum.reduce(v_part, axis=None, initial=0)))
 
-        def operands(x0, x1):
-            # columns [x0, x1): keys x0 - base .. x1 - base, zero outside [0, end)
-            def run(scratch):
-                j0, j1 = min(max(x0 - base, 0), end), min(max(x1 - base, 0), end)
-                for z0, z1 in ((x0, base + j0), (base + j1, x1)):  # the zeros around the keys
-                    if z0 < z1:
-                        Kt[:, :, z0:z1] = 0
-                        V1[:, z0:z1] = 0
-                for y0, y1 in _blocks(j0, j1, 128):  # NumPy's gather ran fastest 64 to 128 keys at a time
-                    Kt[:, :, base + y0:base + y1] = k[b, y0:y1].transpose(1, 2, 0)
-                V1[:, base + j0:base + j1, :D] = v[b, j0:j1].transpose(1, 0, 2)
-                V1[:, base + j0:base + j1, D] = 1
-                part = V1[:, x0:x1]
-                return max(float(np.maximum.reduce(part, axis=None, initial=0)),
-                           -float(np.minimum.reduce(part, axis=None, initial=0)))
-            return run
-
-        v_max = max(_run([operands(x0, x1) for x0, x1 in _blocks(0, columns, 1024)]))
-        l_max = _l_max(acc, v_max)
-
-        def task(c0, c1, i0, i1):
-            def run(scratch):
-                T, rows = -(-(i1 - i0) // step), (i1 - i0) * g
-                Q = scratch.take("Q", (c1 - c0, T * step * g, D), acc)
-                Q[:, rows:] = 0  # rows past the block, to fill its last tile
-                np.multiply(heads.read(q[b, i0:i1], c0, c1), acc.type(p.scale * LOG2_E),
-                            out=Q[:, :rows].reshape(c1 - c0, i1 - i0, g, D), dtype=acc)
-                k0 = base + i0 + p.diagonal - left  # the first tile's first key column
-                Kw = _windows(Kt[c0:c1], k0, T, step, n, axis=2)
-                Vw = _windows(V1[c0:c1], k0, T, step, n, axis=1)
-                O1, m = _band_tiles(Q.reshape(c1 - c0, T, step * g, D), Kw, Vw, keep, per_call, l_max, scratch,
-                                    lambda u, r: _band_visible(p, i0 + u * step, k0 - base + u * step, r // g, n, end))
-                O1, m = O1.reshape(c1 - c0, -1, D + 1)[:, :rows], m.reshape(c1 - c0, -1)[:, :rows]
-                if heads.consecutive and out.dtype == acc:  # O / l written straight into out, a view
-                    shape = (c1 - c0, i1 - i0, g)
-                    _, L = _normalised(O1.reshape(*shape, D + 1), m.reshape(shape), heads.read(out[b, i0:i1], c0, c1))
-                    L = L.reshape(c1 - c0, rows)
+            def finish(u0, u1, O, l, m):  # O / l and lse of tiles u0 .. u1 - 1 into out and lse
+                r0, r1 = i0 + u0 * step, i0 + u1 * step
+                if in_out and r1 <= i1:  # straight into out, viewed as (kv heads, tiles, stack rows, D)
+                    rows = out[b, r0:r1, c0 * g:c1 * g].reshape(u1 - u0, step, c1 - c0, g, D)
+                    _, L = _normalised(O, l, m, rows.transpose(2, 0, 1, 3, 4).reshape(O.shape))
                 else:
-                    O, L = _normalised(O1, m)
-                    heads.unstack_into(out[b, i0:i1], c0, c1, O)
-                heads.unstack_into(lse[b].T[i0:i1], c0, c1, L)
-            return run
+                    r1 = min(r1, i1)
+                    O, L = _normalised(O, l, m)
+                    heads.unstack_into(out[b, r0:r1], c0, c1, O.reshape(c1 - c0, -1, D)[:, :(r1 - r0) * g])
+                heads.unstack_into(lse[b].T[r0:r1], c0, c1, L.reshape(c1 - c0, -1)[:, :(r1 - r0) * g])
 
-        _run([task(c0, c1, i0, i1) for c0, c1 in kv_groups for i0, i1 in blocks])
+            def visible(u, r):  # which keys of tile u stack rows r see
+                return _band_visible(p, i0 + u * step, k0 + u * step, r // g, n, end)
+
+            _band_tiles(Qt, Kw, Vw, tile_keep, per_call, _l_max(acc, v_max), scratch, visible, finish)
+        return run
+
+    _run([task(b, c0, c1, i0, i1) for b in range(p.batch) for c0, c1 in _blocks(0, heads_kv, stacked)
+          for i0, i1 in blocks])
     return out.view(p.carrier), lse
+
+
+def _band_queries(Q, T: int, step: int, scale, acc, scratch):
+    """Q (kv heads, rows, group, D) times scale as the tiles' Q_iᵀ, (kv heads, T, D, step x group)
+    in the accumulation dtype, the stack rows of each tile (row by row, a kv head's query heads
+    interleaved as _HeadMap stacks them) along the last axis, zeros past the last row."""
+    heads, rows, g, D = Q.shape
+    Qt = scratch.take("Qt", (heads, T, D, step * g), acc)
+    Q6 = Qt.reshape(heads, T, D, step, g)
+    whole = rows // step
+    np.multiply(Q[:, :whole * step].reshape(heads, whole, step, g, D).transpose(0, 1, 4, 2, 3), scale,
+                out=Q6[:, :whole], dtype=acc)
+    if whole < T:  # the last tile, part filled
+        Q6[:, whole] = 0
+        np.multiply(Q[:, whole * step:].transpose(0, 3, 1, 2), scale, out=Q6[:, whole, :, :rows - whole * step],
+                    dtype=acc)
+    return Qt
+
+
+def _band_keys(x, a: int, length: int, name: str, acc, scratch):
+    """x (keys, kv heads, D) as (kv heads, keys, D) in the accumulation dtype, at keys a .. a +
+    len(x) - 1 of a scratch buffer `length` keys long, zeros around them."""
+    heads, D = x.shape[1:]
+    z = a + x.shape[0]
+    buf = scratch.take(name, (heads, length, D), acc)
+    buf[:, :a] = 0
+    buf[:, z:] = 0
+    buf[:, a:z] = x.transpose(1, 0, 2)
+    return buf
 
 
 def _windows(x, start: int, count: int, step: int, width: int, axis: int):
@@ -999,44 +1031,50 @@ def _band_visible(p, i0: int, j0: int, rows, keys: int, end: int):
     return _visible(p, i0 + np.asarray(rows)[:, None], j) & (j >= 0) & (j < end)
 
 
-def _band_tiles(Q, Kw, Vw, keep, per_call, l_max, scratch, visible) -> tuple:
-    """([O | l], m) of tiles that each hold every key their rows see (_normalised makes out and lse
-    of them): Q (kv heads, tiles, rows, D), Kw
-    and Vw their keys' Kᵀ and [V | 1] windows (kv heads, tiles, D, keys) and (kv heads, tiles, keys,
-    D + 1), keep the 0/1 mask of the pairs a tile's rows see (rows, 1, keys) with rows stacked
-    group by group as in Q. visible(tile, stack rows) gives the bool mask of those rows' pairs, for
-    the rows redone. See _band_forward."""
-    acc = Q.dtype
-    heads, T, M, D = Q.shape
-    n = Kw.shape[3]
-    g = M // keep.shape[0]
-    O1 = np.empty((heads, T, M, D + 1), dtype=acc)
-    with np.errstate(over="ignore", invalid="ignore"):  # overflows and inf x 0 are redone below
-        for u0 in range(0, T, per_call):
-            u1 = min(T, u0 + per_call)
-            S = np.matmul(Q[:, u0:u1], Kw[:, u0:u1], out=scratch.take("S", (heads, u1 - u0, M, n), acc))
-            P = np.exp2(S, out=S)
-            P5 = P.reshape(heads, u1 - u0, -1, g, n)
-            np.multiply(P5, keep, out=P5)
-            np.matmul(P, Vw[:, u0:u1], out=O1[:, u0:u1])
-    m = np.zeros((heads, T, M), dtype=acc)
-    l = O1[..., D]
-    redo = ~((l >= L_MIN) & (l <= l_max))
-    if redo.any():
-        kk, uu, rr = np.nonzero(redo)
-        for kv, u in sorted(set(zip(kk.tolist(), uu.tolist()))):
-            rows = rr[(kk == kv) & (uu == u)]
-            S_r = _aligned_empty((rows.size, n), acc)  # exp2's bits depend on alignment
-            np.matmul(Q[kv, u, rows], Kw[kv, u], out=S_r)
-            S_r[~visible(u, rows)] = -np.inf
-            with np.errstate(invalid="ignore"):
-                d = S_r.max(axis=1)  # the new reference; NaN stays NaN
-            d[d == -np.inf] = 0  # no key seen: l stays 0
-            np.subtract(S_r, d[:, None], out=S_r)
-            np.exp2(S_r, out=S_r)
-            O1[kv, u, rows] = S_r @ Vw[kv, u]
-            m[kv, u, rows] = d
-    return O1, m
+def _band_tiles(Qt, Kw, Vw, keep, per_call, l_max, scratch, visible, finish) -> None:
+    """The tiles of a band block, each holding every key its rows see (_band_forward), per_call to a
+    matmul: Qt (kv heads, tiles, D, rows) their Q_iᵀ, Kw and Vw their keys' K and V windows
+    (kv heads, tiles, keys, D), keep the 0/1 mask of the pairs a tile's rows see, (keys, rows, 1)
+    with rows stacked group by group as in Qt, or one such mask per tile. visible(tile, stack
+    rows) gives the bool mask of those rows' pairs, for the rows redone. finish(u0, u1, O, l, m)
+    takes tiles u0 .. u1 - 1 while they are in cache: O (kv heads, tiles, rows, D), l and the
+    reference m (kv heads, tiles, rows), to be normalised (_normalised)."""
+    acc = Qt.dtype
+    heads, T, D, M = Qt.shape
+    n = Kw.shape[2]
+    g = M // keep.shape[-2]
+    ones = np.ones((1, n), dtype=acc)
+    per_call = -(-T // -(-T // per_call))  # chunks of equal size: 16 tiles as 8 + 8, not 14 + 2
+    for u0 in range(0, T, per_call):
+        u1 = min(T, u0 + per_call)
+        tile_keep = keep if keep.ndim == 3 else keep[u0:u1]
+        St = np.matmul(Kw[:, u0:u1], Qt[:, u0:u1], out=scratch.take("S", (heads, u1 - u0, n, M), acc))  # Sᵀ
+        O = scratch.take("O", (heads, u1 - u0, M, D), acc)  # in cache: O / l goes out from here (finish)
+        l = scratch.take("l", (heads, u1 - u0, M), acc)
+        with np.errstate(over="ignore", invalid="ignore"):  # overflows and inf x 0 are redone below
+            np.exp2(St, out=St)
+            St5 = St.reshape(heads, u1 - u0, n, -1, g)
+            np.multiply(St5, tile_keep, out=St5)
+            np.matmul(ones, St, out=l[:, :, None])  # l = rowsum P: BLAS ran it 10 times faster than add.reduce
+            np.matmul(St.swapaxes(2, 3), Vw[:, u0:u1], out=O)
+        m = scratch.take("m", (heads, u1 - u0, M), acc, fill=0)
+        redo = ~((l >= L_MIN) & (l <= l_max))
+        if redo.any():
+            kk, uu, rr = np.nonzero(redo)
+            for kv, u in sorted(set(zip(kk.tolist(), uu.tolist()))):
+                rows = rr[(kk == kv) & (uu == u)]
+                S_r = _aligned_empty((rows.size, n), acc)  # exp2's bits depend on alignment
+                np.matmul(Qt[kv, u0 + u][:, rows].T, Kw[kv, u0 + u].T, out=S_r)
+                S_r[~visible(u0 + u, rows)] = -np.inf
+                with np.errstate(invalid="ignore"):
+                    d = S_r.max(axis=1)  # the new reference; NaN stays NaN
+                d[d == -np.inf] = 0  # no key seen: l stays 0
+                np.subtract(S_r, d[:, None], out=S_r)
+                np.exp2(S_r, out=S_r)
+                O[kv, u, rows] = S_r @ Vw[kv, u0 + u]
+                l[kv, u, rows] = S_r.sum(axis=1)
+                m[kv, u, rows] = d
+        finish(u0, u1, O, l, m)
 
 
 @_one_call
@@ -1064,7 +1102,7 @@ def forward(p, q, k, v):
     heads = _HeadMap(p)
     mods = _Modifiers(p, heads) if p.modifiers - {"window"} else None
     in_place = p.seqlen_q * p.group <= IN_PLACE_ROWS and k.dtype == acc and v.dtype == acc
-    qk_scale = acc.type(p.scale * LOG2_E)  # scores in base 2: carried by Kᵀ, or by Q where K is read in place
+    qk_scale = _base2_scale(p)  # carried by Kᵀ, or by Q where K is read in place
 
     def kv_operands(b, c0, c1):
         # Kᵀ (kv heads, D, keys) and [V | 1] (kv heads, keys, D + 1) from key 0, in the
@@ -1294,7 +1332,7 @@ def _band_backward(p, dout, q, k, v, out, lse, dq, dk, dv, width: int):
                     x[c0:c1, pad + (last - first) * g:] = 0
                 shape = (c1 - c0, last - first, g)
                 Q = Q1[c0:c1, pad:pad + (last - first) * g, :D].reshape(*shape, D)
-                np.multiply(heads.read(q[b, first:last], c0, c1), acc.type(p.scale * LOG2_E), out=Q, dtype=acc)
+                np.multiply(heads.read(q[b, first:last], c0, c1), _base2_scale(p), out=Q, dtype=acc)
                 Lse = heads.read(lse[b].T[first:last], c0, c1)
                 Q1[c0:c1, pad:pad + (last - first) * g, D].reshape(shape)[...] = Lse * acc.type(-LOG2_E)
                 dO = dO1[c0:c1, pad:pad + (last - first) * g, :D].reshape(*shape, D)
@@ -1479,7 +1517,7 @@ def backward(p, dout, q, k, v, out, lse):
                 Q1 = Q1_all[c0:c1]
                 shape = (c1 - c0, p.seqlen_q, p.group)
                 Q = Q1[:, :, :D].reshape(*shape, D)  # views: splitting an axis needs no copy
-                np.multiply(heads.read(q[b], c0, c1), acc.type(p.scale * LOG2_E), out=Q, dtype=acc)
+                np.multiply(heads.read(q[b], c0, c1), _base2_scale(p), out=Q, dtype=acc)
                 L = heads.read(lse[b].T, c0, c1)
                 Q1[:, :, D].reshape(shape)[...] = np.where(L == -np.inf, np.inf, L) * acc.type(-LOG2_E)
                 dO1 = dO1_all[c0:c1]
@@ -1554,7 +1592,7 @@ def probs(p, q, k, lse, rows):
             for r0, r1 in chunks:
                 index = rows[r0:r1]
                 Q = heads.read(q[b, index], c, c + 1)  # (1, rows, group, D)
-                Q = np.multiply(Q.reshape(1, -1, p.head_dim), acc.type(p.scale * LOG2_E), dtype=acc)
+                Q = np.multiply(Q.reshape(1, -1, p.head_dim), _base2_scale(p), dtype=acc)
                 S = np.matmul(Q, Kt)
                 if mods is not None:
                     mods.apply(S, index, slice(0, p.seqlen_k), b=b, c0=c, c1=c + 1, scratch=scratch)
