@@ -1287,144 +1287,154 @@ def _band_backward(p, dout, q, k, v, out, lse, dq, dk, dv, width: int):
     some = np.flatnonzero(hidden.any(axis=0))  # the columns some row does not see: a prefix and a suffix
     pieces = [(int(x[0]), int(x[-1]) + 1) for x in np.split(some, np.flatnonzero(np.diff(some) > 1) + 1) if x.size]
     hidden = hidden[:, None, :]  # against (rows, group, keys)
-    pad = (NW - 1) * M  # zero stack rows before the first tile and after the last
     workers = worker_count()
     stacked = max(1, min(heads_kv, TILE_VOLUME[acc.itemsize] // 2 // (2 * 2 * NW * M * L)))  # P, dS of 2 NW tiles: L2
     kv_groups = _blocks(0, heads_kv, stacked)
-    ranges = max(1, min(-(-4 * workers // len(kv_groups)), T // (4 * NW)))  # tasks per kv group
+    # tasks per kv group: enough to spread, few enough that recomputing the NW - 1 tiles before each
+    # stays small, and each task's operands within SCRATCH_KEEP_BYTES, so that they are kept from
+    # task to task and call to call (fresh, they cost a page fault per page: 13 of 208 ms at S = 16384)
+    most = max(4 * NW, SCRATCH_KEEP_BYTES // (stacked * M * (D + 1) * acc.itemsize) - NW)
+    ranges = max(1, min(-(-4 * workers // len(kv_groups)), T // (4 * NW)), -(-T // most))
     tile_ranges = _blocks(0, T, -(-T // ranges))
-    U = NW  # tiles computed per matmul (2 NW and 4 NW measured no faster)
-    scale = acc.type(p.scale)
+    U = 2 * NW  # tiles computed per matmul: at S = 16384, window 256, NW took 192 ms, 2 NW to 4 NW 183-185
 
-    for b in range(p.batch):
-        # operands, every kv head of batch b: K1t = [K | 1]ᵀ and V1t = [V | 1]ᵀ (kv heads, D + 1,
-        # columns) for S and dP, Ks = scale K (kv heads, columns, D) for dQ, zero outside the keys;
-        # Q1 = [scale log2(e) Q | -log2(e) lse] and dO1 = [dO | -D] with pad zero rows either side
-        ld = -(-columns // 64) * 64 + 16  # rows not a multiple of 4 KiB apart (see _band_forward)
-        K1t = np.empty((heads_kv, D + 1, ld), dtype=acc)[:, :, :columns]
-        V1t = np.empty((heads_kv, D + 1, ld), dtype=acc)[:, :, :columns]
-        Ks = np.empty((heads_kv, columns, D), dtype=acc)
-        rows = pad + T * M + pad
-        Q1 = np.empty((heads_kv, rows, D + 1), dtype=acc)
-        dO1 = np.empty((heads_kv, rows, D + 1), dtype=acc)
+    def task(b, c0, c1, u0, u1):
+        def run(scratch):
+            h = c1 - c0
+            w1 = u1 if u1 < T else T + NW - 1  # the last task also owns the chunks past the last tile
+            f0 = u0 - (NW - 1)  # the first tile it computes: the NW - 1 before u0 only for their P and dS
+            nt = w1 - f0
+            Q_tiles, dO_tiles, K_tiles, V_tiles, Ks_tiles, Q_chunks, dO_chunks = _band_backward_operands(
+                p, scratch, b, c0, c1, f0, nt, first, last, base, (j0, j1), (step, M, NW, L), heads, dout, q, k, v, out, lse)
+            capacity = NW - 1 + U
+            size = capacity * (M * L + step) + NW * step
+            P_buf = scratch.take("P", (h, size), acc)
+            dS_buf = scratch.take("dS", (h, size), acc)
+            P_all, dS_all = (_skewed(x, capacity, M, L, step) for x in (P_buf, dS_buf))
+            # the same as (heads, tiles, M L), for the elementwise passes: NumPy ran them 2 to 4
+            # times slower over the 4-D view (it did not merge a tile's rows into one loop)
+            P_flat, dS_flat = (x.reshape(h, capacity, M * L) for x in (P_all, dS_all))
+            dQ = scratch.take("dQ", (h, (u1 - u0) * M, D), acc)
+            dK = scratch.take("dK", (h, (w1 - u0) * step, D), acc)
+            dV = scratch.take("dV", (h, (w1 - u0) * step, D), acc)
+            # the key chunks of the tiles at places x .. x + NW - 1 (_chunks), what they meet, where they go
+            chunks = [(_chunks(P_buf, capacity - NW + 1, NW, M, L, step), dO_chunks, dV),
+                      (_chunks(dS_buf, capacity - NW + 1, NW, M, L, step), Q_chunks, dK)]
+            t = f0  # the next tile to compute; the operands count tiles from f0, chunks from u0
+            t0, filled = t, 0  # the tile at the buffers' first place, and how many are there
+            while t < w1:
+                n = min(U, capacity - filled, w1 - t)
+                Pt, dSt = P_all[:, filled:filled + n], dS_all[:, filled:filled + n]
+                a, z = max(t, 0), min(t + n, T)  # tiles outside [0, T) hold no rows: P and dS 0
+                if a > t:
+                    Pt[:, :a - t] = 0
+                    dSt[:, :a - t] = 0
+                if z < t + n:
+                    Pt[:, max(z, a) - t:] = 0
+                    dSt[:, max(z, a) - t:] = 0
+                if a < z:
+                    Pa, dSa = Pt[:, a - t:z - t], dSt[:, a - t:z - t]
+                    span = slice(filled + a - t, filled + z - t)  # the same tiles in P_flat, dS_flat
+                    np.matmul(Q_tiles[:, a - f0:z - f0], K_tiles[:, a - f0:z - f0], out=Pa)
+                    with np.errstate(over="ignore"):  # a hidden pair may overflow: it is zeroed next
+                        np.exp2(P_flat[:, span], out=P_flat[:, span])
+                    P5 = Pa.reshape(h, z - a, step, g, L)
+                    for x0, x1 in pieces:
+                        np.copyto(P5[..., x0:x1], 0, where=hidden[..., x0:x1])
+                    np.matmul(dO_tiles[:, a - f0:z - f0], V_tiles[:, a - f0:z - f0], out=dSa)
+                    np.multiply(dS_flat[:, span], P_flat[:, span], out=dS_flat[:, span])
+                    o0 = max(a, u0)  # dQ of the tiles this task owns
+                    if o0 < z:
+                        np.matmul(dSa[:, o0 - a:], Ks_tiles[:, o0 - f0:z - f0],
+                                  out=dQ[:, (o0 - u0) * M:(z - u0) * M].reshape(h, z - o0, M, D))
+                # the key chunks whose last tile came now and that this task owns: chunk of tile
+                # w is w - A, its NW tiles w - NW + 1 .. w, here from place w - NW + 1 - t0 on
+                o0, o1 = max(t, u0), t + n
+                if o0 < o1:
+                    x = o0 - NW + 1 - t0
+                    for view, operand, grad in chunks:
+                        np.matmul(view[:, x:x + o1 - o0].transpose(0, 1, 3, 2), operand[:, o0 - u0:o1 - u0],
+                                  out=grad[:, (o0 - u0) * step:(o1 - u0) * step].reshape(h, o1 - o0, step, D))
+                t += n
+                filled += n
+                if filled == capacity:  # keep the last NW - 1 tiles, at the first places (one block)
+                    kept = (NW - 1) * (M * L + step)
+                    for x in (P_buf, dS_buf):
+                        np.copyto(x[:, :kept], x[:, U * (M * L + step):U * (M * L + step) + kept])
+                    t0 += capacity - (NW - 1)
+                    filled = NW - 1
+            # dQ rows of the tiles u0 .. u1 (query rows from first + u0 step), dK and dV of
+            # the chunks u0 - A .. w1 - A - 1 (keys from column u0 step, key column - base)
+            r0, r1 = first + u0 * step, min(last, first + u1 * step)
+            heads.unstack_into(dq[b, r0:r1], c0, c1, dQ[:, :(r1 - r0) * g])
+            k0, k1 = u0 * step - base, w1 * step - base
+            y0, y1 = max(k0, j0), min(k1, j1)
+            if y0 < y1:
+                np.multiply(dK[:, y0 - k0:y1 - k0].transpose(1, 0, 2), acc.type(LN2), out=dk[b, y0:y1, c0:c1])  # Q1 holds scale log2(e) Q
+                dv[b, y0:y1, c0:c1] = dV[:, y0 - k0:y1 - k0].transpose(1, 0, 2)
+        return run
 
-        def key_operands(x0, x1):
-            def run(scratch):
-                y0, y1 = min(max(x0 - base, j0), j1), min(max(x1 - base, j0), j1)
-                for z0, z1 in ((x0, base + y0), (base + y1, x1)):  # the zeros around the keys
-                    if z0 < z1:
-                        for x in (K1t, V1t):
-                            x[:, :, z0:z1] = 0
-                        Ks[:, z0:z1] = 0
-                for w0, w1 in _blocks(y0, y1, 128):  # NumPy's gather ran fastest 64 to 128 keys at a time
-                    K1t[:, :D, base + w0:base + w1] = k[b, w0:w1].transpose(1, 2, 0)
-                    V1t[:, :D, base + w0:base + w1] = v[b, w0:w1].transpose(1, 2, 0)
-                K1t[:, D, base + y0:base + y1] = 1
-                # scale K in rows for dQ: BLAS ran dS Kᵀᵀ from the transposed view at half the speed
-                np.multiply(k[b, y0:y1].transpose(1, 0, 2), scale, out=Ks[:, base + y0:base + y1], dtype=acc)
-                V1t[:, D, base + y0:base + y1] = 1
-            return run
+    _run([task(b, c0, c1, u0, u1) for b in range(p.batch) for c0, c1 in kv_groups for u0, u1 in tile_ranges])
 
-        def row_operands(c0, c1):
-            def run(scratch):
-                for x in (Q1, dO1):  # the rows before the first and after the last
-                    x[c0:c1, :pad] = 0
-                    x[c0:c1, pad + (last - first) * g:] = 0
-                shape = (c1 - c0, last - first, g)
-                Q = Q1[c0:c1, pad:pad + (last - first) * g, :D].reshape(*shape, D)
-                np.multiply(heads.read(q[b, first:last], c0, c1), _base2_scale(p), out=Q, dtype=acc)
-                Lse = heads.read(lse[b].T[first:last], c0, c1)
-                Q1[c0:c1, pad:pad + (last - first) * g, D].reshape(shape)[...] = Lse * acc.type(-LOG2_E)
-                dO = dO1[c0:c1, pad:pad + (last - first) * g, :D].reshape(*shape, D)
-                dO[...] = heads.read(dout[b, first:last], c0, c1)
-                O = _as_acc(heads.read(out[b, first:last], c0, c1), acc)
-                np.negative(np.einsum("csgd,csgd->csg", dO, O), out=dO1[c0:c1, pad:pad + (last - first) * g, D].reshape(shape))
-            return run
 
-        _run([key_operands(x0, x1) for x0, x1 in _blocks(0, columns, 1024)]
-             + [row_operands(c0, c1) for c0, c1 in _blocks(0, heads_kv, 1)])
-
-        def task(c0, c1, u0, u1):
-            def run(scratch):
-                h = c1 - c0
-                w1 = u1 if u1 < T else T + NW - 1  # the last task also owns the chunks past the last tile
-                capacity = NW - 1 + U
-                size = capacity * (M * L + step) + NW * step
-                P_buf = scratch.take("P", (h, size), acc)
-                dS_buf = scratch.take("dS", (h, size), acc)
-                P_all, dS_all = (_skewed(x, capacity, M, L, step) for x in (P_buf, dS_buf))
-                # the same as (heads, tiles, M L), for the elementwise passes: NumPy ran them 2 to 4
-                # times slower over the 4-D view (it did not merge a tile's rows into one loop)
-                P_flat, dS_flat = (x.reshape(h, capacity, M * L) for x in (P_all, dS_all))
-                dQ = scratch.take("dQ", (h, (u1 - u0) * M, D), acc)
-                dK = scratch.take("dK", (h, (w1 - u0) * step, D), acc)
-                dV = scratch.take("dV", (h, (w1 - u0) * step, D), acc)
-                # the key chunks of the tiles at places x .. x + NW - 1 (_chunks), what they meet, where they go
-                chunks = [(_chunks(P_buf, capacity - NW + 1, NW, M, L, step), dO_chunks[c0:c1], dV),
-                          (_chunks(dS_buf, capacity - NW + 1, NW, M, L, step), Q_chunks[c0:c1], dK)]
-                t = u0 - (NW - 1)  # the next tile to compute; the NW - 1 before u0 only for their P and dS
-                t0, filled = t, 0  # the tile at the buffers' first place, and how many are there
-                while t < w1:
-                    n = min(U, capacity - filled, w1 - t)
-                    Pt, dSt = P_all[:, filled:filled + n], dS_all[:, filled:filled + n]
-                    a, z = max(t, 0), min(t + n, T)  # tiles outside [0, T) hold no rows: P and dS 0
-                    if a > t:
-                        Pt[:, :a - t] = 0
-                        dSt[:, :a - t] = 0
-                    if z < t + n:
-                        Pt[:, max(z, a) - t:] = 0
-                        dSt[:, max(z, a) - t:] = 0
-                    if a < z:
-                        Pa, dSa = Pt[:, a - t:z - t], dSt[:, a - t:z - t]
-                        span = slice(filled + a - t, filled + z - t)  # the same tiles in P_flat, dS_flat
-                        np.matmul(Q_tiles[c0:c1, a:z], K_tiles[c0:c1, a:z], out=Pa)
-                        with np.errstate(over="ignore"):  # a hidden pair may overflow: it is zeroed next
-                            np.exp2(P_flat[:, span], out=P_flat[:, span])
-                        P5 = Pa.reshape(h, z - a, step, g, L)
-                        for x0, x1 in pieces:
-                            np.copyto(P5[..., x0:x1], 0, where=hidden[..., x0:x1])
-                        np.matmul(dO_tiles[c0:c1, a:z], V_tiles[c0:c1, a:z], out=dSa)
-                        np.multiply(dS_flat[:, span], P_flat[:, span], out=dS_flat[:, span])
-                        o0 = max(a, u0)  # dQ of the tiles this task owns
-                        if o0 < z:
-                            np.matmul(dSa[:, o0 - a:], Ks_tiles[c0:c1, o0:z],
-                                      out=dQ[:, (o0 - u0) * M:(z - u0) * M].reshape(h, z - o0, M, D))
-                    # the key chunks whose last tile came now and that this task owns: chunk of tile
-                    # w is w - A, its NW tiles w - NW + 1 .. w, here from place w - NW + 1 - t0 on
-                    o0, o1 = max(t, u0), t + n
-                    if o0 < o1:
-                        x = o0 - NW + 1 - t0
-                        for view, operand, grad in chunks:
-                            np.matmul(view[:, x:x + o1 - o0].transpose(0, 1, 3, 2), operand[:, o0:o1],
-                                      out=grad[:, (o0 - u0) * step:(o1 - u0) * step].reshape(h, o1 - o0, step, D))
-                    t += n
-                    filled += n
-                    if filled == capacity:  # keep the last NW - 1 tiles, at the first places (one block)
-                        kept = (NW - 1) * (M * L + step)
-                        for x in (P_buf, dS_buf):
-                            np.copyto(x[:, :kept], x[:, U * (M * L + step):U * (M * L + step) + kept])
-                        t0 += capacity - (NW - 1)
-                        filled = NW - 1
-                # dQ rows of the tiles u0 .. u1 (query rows from first + u0 step), dK and dV of
-                # the chunks u0 - A .. w1 - A - 1 (keys from column u0 step, key column - base)
-                r0, r1 = first + u0 * step, min(last, first + u1 * step)
-                heads.unstack_into(dq[b, r0:r1], c0, c1, dQ[:, :(r1 - r0) * g])
-                k0, k1 = u0 * step - base, w1 * step - base
-                y0, y1 = max(k0, j0), min(k1, j1)
-                if y0 < y1:
-                    dK *= acc.type(LN2)  # Q1 holds scale log2(e) Q
-                    dk[b, y0:y1, c0:c1] = dK[:, y0 - k0:y1 - k0].transpose(1, 0, 2)
-                    dv[b, y0:y1, c0:c1] = dV[:, y0 - k0:y1 - k0].transpose(1, 0, 2)
-            return run
-
-        # tile u: its rows of Q1 and dO1, its keys of K1t, V1t and Ks; the NW M rows of Q and dO
-        # that meet the chunk of tile w (from tile w - NW + 1 on)
-        Q_tiles, dO_tiles = (_windows(x, pad, T, M, M, axis=1) for x in (Q1, dO1))
-        K_tiles, V_tiles = (_windows(x, 0, T, step, L, axis=2) for x in (K1t, V1t))
-        Ks_tiles = _windows(Ks, 0, T, step, L, axis=1)
-        Q_chunks, dO_chunks = (_windows(x[:, :, :D], 0, T + NW - 1, M, NW * M, axis=1) for x in (Q1, dO1))
-
-        _run([task(c0, c1, u0, u1) for c0, c1 in kv_groups for u0, u1 in tile_ranges])
+def _band_backward_operands(p, scratch, b, c0, c1, f0, nt, first, last, base, keys, shape, heads, dout, q, k, v,
+                            out, lse):
+    """A _band_backward task's operands, for kv heads c0 .. c1 of batch b and the nt tiles from f0 on
+    (tiles before 0 or past the last are zero rows): views of tile t at t - f0 of Q1 = [scale
+    log2(e) Q | -log2(e) lse] and dO1 = [dO | -D] (its rows), K1t = [K | 1]ᵀ and V1t = [V | 1]ᵀ and Ks
+    = scale K (its keys), and at w - u0 the NW tiles' Q and dO rows that meet the key chunk of tile w
+    (u0 = f0 + NW - 1), all in the task's scratch buffers, zero outside the rows and keys: made per
+    task, they stay within SCRATCH_KEEP_BYTES and are reused rather than page-faulted in each call.
+    Key j lies in column base + j, tile t's keys are columns t step .. t step + L - 1; keys =
+    (j0, j1), the keys that some row sees."""
+    acc, g, D = p.acc_dtype, p.group, p.head_dim
+    step, M, NW, L = shape
+    h = c1 - c0
+    T = -(-(last - first) // step)
+    pitch = -(-(D + 1) // 16) * 16  # rows padded to whole 64-byte lines: 2-3 % faster than D + 1 at D = 64
+    Q1 = scratch.take("Q1", (h, nt * M, pitch), acc)[:, :, :D + 1]
+    dO1 = scratch.take("dO1", (h, nt * M, pitch), acc)[:, :, :D + 1]
+    a, z = max(f0, 0), min(f0 + nt, T)  # the tiles with rows
+    r0, r1 = first + a * step, min(last, first + z * step)  # their query rows
+    x0, x1 = (a - f0) * M, (a - f0) * M + (r1 - r0) * g  # those rows' places
+    for x in (Q1, dO1):
+        x[:, :x0] = 0
+        x[:, x1:] = 0
+    if r0 < r1:
+        shape3 = (h, r1 - r0, g)
+        np.multiply(heads.read(q[b, r0:r1], c0, c1), _base2_scale(p), out=Q1[:, x0:x1, :D].reshape(*shape3, D),
+                    dtype=acc)
+        Q1[:, x0:x1, D].reshape(shape3)[...] = heads.read(lse[b].T[r0:r1], c0, c1) * acc.type(-LOG2_E)
+        dO = dO1[:, x0:x1, :D].reshape(*shape3, D)
+        dO[...] = heads.read(dout[b, r0:r1], c0, c1)
+        O = _as_acc(heads.read(out[b, r0:r1], c0, c1), acc)
+        np.negative(np.einsum("csgd,csgd->csg", dO, O), out=dO1[:, x0:x1, D].reshape(shape3))
+    columns = (nt - 1) * step + L  # from column f0 step on
+    ld = -(-columns // 64) * 64 + 16  # rows not a multiple of 4 KiB apart (see _band_forward)
+    K1t = scratch.take("K1t", (h, D + 1, ld), acc)[:, :, :columns]
+    V1t = scratch.take("V1t", (h, D + 1, ld), acc)[:, :, :columns]
+    Ks = scratch.take("Ks", (h, columns, D), acc)
+    origin = f0 * step - base  # the key in the first column
+    y0, y1 = max(origin, keys[0]), min(origin + columns, keys[1])
+    if y0 >= y1:  # none of the keys
+        y0 = y1 = origin
+    for z0, z1 in ((0, y0 - origin), (y1 - origin, columns)):  # the zeros around the keys
+        if z0 < z1:
+            for x in (K1t, V1t):
+                x[:, :, z0:z1] = 0
+            Ks[:, z0:z1] = 0
+    for w0, w1 in _blocks(y0, y1, 128):  # NumPy's gather ran fastest 64 to 128 keys at a time (32: 20 % slower here)
+        K1t[:, :D, w0 - origin:w1 - origin] = k[b, w0:w1, c0:c1].transpose(1, 2, 0)
+        V1t[:, :D, w0 - origin:w1 - origin] = v[b, w0:w1, c0:c1].transpose(1, 2, 0)
+    K1t[:, D, y0 - origin:y1 - origin] = 1
+    V1t[:, D, y0 - origin:y1 - origin] = 1
+    # scale K in rows for dQ: BLAS ran dS Kᵀᵀ from the transposed view at half the speed
+    np.multiply(k[b, y0:y1, c0:c1].transpose(1, 0, 2), acc.type(p.scale), out=Ks[:, y0 - origin:y1 - origin], dtype=acc)
+    return (_windows(Q1, 0, nt, M, M, axis=1), _windows(dO1, 0, nt, M, M, axis=1),
+            _windows(K1t, 0, nt, step, L, axis=2), _windows(V1t, 0, nt, step, L, axis=2),
+            _windows(Ks, 0, nt, step, L, axis=1),
+            _windows(Q1[:, :, :D], 0, nt - NW + 1, M, NW * M, axis=1),
+            _windows(dO1[:, :, :D], 0, nt - NW + 1, M, NW * M, axis=1))
 
 
 def _skewed(buf, count: int, M: int, L: int, step: int):
