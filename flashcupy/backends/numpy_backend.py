@@ -929,17 +929,22 @@ def _band_forward(p, q, k, v, out, lse, width: int):
     stacked = _heads_per_task(p, units, p.flops_forward() / max(1, units), unit_volume, TILE_VOLUME[acc.itemsize])
     heads = _HeadMap(p)
     # which pairs of a tile its rows see: the rule depends on j - i alone, so one mask serves every
-    # tile (row r of a tile sees its keys r .. r + width - 1), (keys, rows, 1) against Sᵀ's stack
-    keep = _visible(p, np.arange(step)[None, :, None], p.diagonal - left + np.arange(n)[:, None, None]).astype(acc)
+    # tile (row r of a tile sees its keys r .. r + width - 1), (keys, stack rows) as Sᵀ: its rows
+    # repeated for the group, so that the multiply runs along whole stack rows (against a (rows, 1)
+    # mask it ran 4 times slower than exp2 at a group of 4)
+    keep = np.repeat(_visible(p, np.arange(step)[None, :], p.diagonal - left + np.arange(n)[:, None]), g, axis=1).astype(acc)
     # tiles per matmul: S up to TILE_VOLUME (its Python-level overhead weighs more than L2 here: at
     # S = 16384, window 256, 8 heads stacked, 10 to 16 tiles a matmul took 71 ms, 3 (S within L2) 77)
     per_call = max(1, TILE_VOLUME[acc.itemsize] // (stacked * unit_volume))
     qk_scale = _base2_scale(p)
-    k_in, v_in = k, v
-    if k.dtype != acc:  # read where they lie, unless they need converting
-        k = v = None
     # O straight into out, normalised there, where a tile's stack rows are rows of out a fixed stride apart
     in_out = out.dtype == acc and heads.consecutive and (g == 1 or heads_kv == 1)
+    # K and V are read where they lie, (kv heads, keys, D) views; of another dtype, they are converted
+    # once per batch into such arrays with `pad` zero keys on either side, where every tile fits
+    reach = [(i0 + p.diagonal - left, i0 + p.diagonal - left + (-(-(i1 - i0) // step) - 1) * step + n) for i0, i1 in blocks]
+    pad = max([0] + [-k0 for k0, _ in reach] + [k1 - p.seqlen_k for _, k1 in reach])
+    convert = k.dtype != acc
+    sources = {}
 
     def task(b, c0, c1, i0, i1):
         def run(scratch):
@@ -948,17 +953,20 @@ def _band_forward(p, q, k, v, out, lse, width: int):
             k0 = i0 + p.diagonal - left  # the first tile's first key; k1: past the last tile's last
             k1 = k0 + (T - 1) * step + n
             lo, hi = min(max(k0, 0), end), min(max(k1, 0), end)  # the keys among them that some row sees
-            if k is not None and 0 <= k0 and k1 <= p.seqlen_k:
-                # K and V read in place; keys past end, which only padding rows see, are real
+            inside = 0 <= k0 and k1 <= p.seqlen_k  # keys past end, which only padding rows see, are real
+            if convert:
+                Kw, Vw = (_windows(x[c0:c1], pad + k0, T, step, n, axis=1) for x in sources[b])
+            elif inside:
                 Kw, Vw = (_windows(x[b, :, c0:c1].transpose(1, 0, 2), k0, T, step, n, axis=1) for x in (k, v))
-                tile_keep = keep
-            else:  # at the sequence's ends, or K and V of another dtype: copies, zero past them
+            else:  # at the sequence's ends: copies, zero past the keys
                 Kw, Vw = (_band_keys(x[b, lo:hi, c0:c1], lo - k0, k1 - k0, name, acc, scratch)
-                          for x, name in ((k_in, "K"), (v_in, "V")))
+                          for x, name in ((k, "K"), (v, "V")))
                 Kw, Vw = (_windows(x, 0, T, step, n, axis=1) for x in (Kw, Vw))
+            tile_keep = keep
+            if not inside:  # zero keys count in l unless masked: a mask per tile, (tiles, keys, stack rows)
                 j = k0 + step * np.arange(T)[:, None] + np.arange(n)[None, :]
-                tile_keep = keep * ((j >= lo) & (j < hi)).astype(acc)[:, :, None, None]  # (tiles, keys, rows, 1)
-            v_part = v_in[b, lo:hi, c0:c1]
+                tile_keep = keep * ((j >= lo) & (j < hi)).astype(acc)[:, :, None]
+            v_part = sources[b][1][c0:c1, pad + lo:pad + hi] if convert else v[b, lo:hi, c0:c1]  # NumPy's float16 max crawls
             v_max = max(float(np.maximum.reduce(v_part, axis=None, initial=0)),
                         -float(np.minimum.reduce(v_part, axis=None, initial=0)))
 
@@ -979,8 +987,24 @@ def _band_forward(p, q, k, v, out, lse, width: int):
             _band_tiles(Qt, Kw, Vw, tile_keep, per_call, _l_max(acc, v_max), scratch, visible, finish)
         return run
 
-    _run([task(b, c0, c1, i0, i1) for b in range(p.batch) for c0, c1 in _blocks(0, heads_kv, stacked)
-          for i0, i1 in blocks])
+    kv_groups = _blocks(0, heads_kv, stacked)
+    if not convert:
+        _run([task(b, c0, c1, i0, i1) for b in range(p.batch) for c0, c1 in kv_groups for i0, i1 in blocks])
+    for b in range(p.batch) if convert else ():
+        sources[b] = [np.empty((heads_kv, pad + p.seqlen_k + pad, D), dtype=acc) for _ in range(2)]
+        for x in sources[b]:
+            x[:, :pad] = 0
+            x[:, pad + p.seqlen_k:] = 0
+
+        def converted(j0, j1):
+            def run(scratch):
+                for x, y in zip(sources[b], (k, v)):
+                    x[:, pad + j0:pad + j1] = y[b, j0:j1].transpose(1, 0, 2)
+            return run
+
+        _run([converted(j0, j1) for j0, j1 in _blocks(0, p.seqlen_k, 1024)])
+        _run([task(b, c0, c1, i0, i1) for c0, c1 in kv_groups for i0, i1 in blocks])
+        del sources[b]
     return out.view(p.carrier), lse
 
 
@@ -1034,7 +1058,7 @@ def _band_visible(p, i0: int, j0: int, rows, keys: int, end: int):
 def _band_tiles(Qt, Kw, Vw, keep, per_call, l_max, scratch, visible, finish) -> None:
     """The tiles of a band block, each holding every key its rows see (_band_forward), per_call to a
     matmul: Qt (kv heads, tiles, D, rows) their Q_iᵀ, Kw and Vw their keys' K and V windows
-    (kv heads, tiles, keys, D), keep the 0/1 mask of the pairs a tile's rows see, (keys, rows, 1)
+    (kv heads, tiles, keys, D), keep the 0/1 mask of the pairs a tile's rows see, (keys, rows)
     with rows stacked group by group as in Qt, or one such mask per tile. visible(tile, stack
     rows) gives the bool mask of those rows' pairs, for the rows redone. finish(u0, u1, O, l, m)
     takes tiles u0 .. u1 - 1 while they are in cache: O (kv heads, tiles, rows, D), l and the
@@ -1042,19 +1066,17 @@ def _band_tiles(Qt, Kw, Vw, keep, per_call, l_max, scratch, visible, finish) -> 
     acc = Qt.dtype
     heads, T, D, M = Qt.shape
     n = Kw.shape[2]
-    g = M // keep.shape[-2]
     ones = np.ones((1, n), dtype=acc)
     per_call = -(-T // -(-T // per_call))  # chunks of equal size: 16 tiles as 8 + 8, not 14 + 2
     for u0 in range(0, T, per_call):
         u1 = min(T, u0 + per_call)
-        tile_keep = keep if keep.ndim == 3 else keep[u0:u1]
+        tile_keep = keep if keep.ndim == 2 else keep[u0:u1]
         St = np.matmul(Kw[:, u0:u1], Qt[:, u0:u1], out=scratch.take("S", (heads, u1 - u0, n, M), acc))  # Sᵀ
         O = scratch.take("O", (heads, u1 - u0, M, D), acc)  # in cache: O / l goes out from here (finish)
         l = scratch.take("l", (heads, u1 - u0, M), acc)
         with np.errstate(over="ignore", invalid="ignore"):  # overflows and inf x 0 are redone below
             np.exp2(St, out=St)
-            St5 = St.reshape(heads, u1 - u0, n, -1, g)
-            np.multiply(St5, tile_keep, out=St5)
+            np.multiply(St, tile_keep, out=St)
             np.matmul(ones, St, out=l[:, :, None])  # l = rowsum P: BLAS ran it 10 times faster than add.reduce
             np.matmul(St.swapaxes(2, 3), Vw[:, u0:u1], out=O)
         m = scratch.take("m", (heads, u1 - u0, M), acc, fill=0)
