@@ -903,8 +903,9 @@ def _band_forward(p, q, k, v, out, lse, width: int):
     118 GFLOP/s on one core (32 rows, 287 keys, D = 64) against 130 and 104 for S = Q_i K_jᵀ from a
     contiguous Kᵀ and P [V | 1], and it reads K and V where they lie, rows H x D apart (61 GFLOP/s
     for Q_i K_jᵀ from K's rows as they lie). Nothing is copied but each tile's Q_iᵀ, scaled by
-    scale * log2(e) (_band_queries), and, for the blocks at the sequence's two ends or K and V of
-    another dtype, K and V themselves (_band_keys, zeros past the keys, masked out of P). l comes
+    scale * log2(e) (_band_queries), K and V of the blocks at the sequence's two ends (_band_keys,
+    zeros past the keys, masked out of P), and K and V of another dtype, converted once per batch
+    with zero keys either side. l comes
     from a matmul of P with ones (ten times faster than NumPy's add.reduce along the keys). Each
     matmul takes up to TILE_VOLUME scores, and O / l goes into out from a buffer still in cache.
 
