@@ -21,6 +21,7 @@ import tracemalloc
 import numpy as np
 
 import flashcupy
+from compare_cpu import sgemm_rate
 
 
 def best_pair(a, b, repeat=3):
@@ -76,6 +77,8 @@ def main(argv=None) -> int:
     print(f"# NumPy backend: score modifiers beside the plain call ({time.strftime('%Y-%m-%d %H:%M')}, "
           f"{os.cpu_count()} cores, numpy {np.__version__}, load average {os.getloadavg()[0]:.2f})\n")
     print("float32, B=1, H=8, D=64; best of alternating calls.\n")
+    # this machine's speed drifts by up to a third from hour to hour: only the pairs compare
+    sgemm_before = sgemm_rate()
     print("| case | pass | without | with | ratio | target |")
     print("|---|---|---|---|---|---|")
     fwd, bwd = window_case(S_window)
@@ -88,6 +91,8 @@ def main(argv=None) -> int:
               f"{mod / plain:.2f}x the cost | <= 1.5x |")
     print(f"\nBackward with the bias: peak traced memory during the call {peak / 2**20:.0f} MiB, of which dbias "
           f"{dbias / 2**20:.0f} MiB.")
+    print(f"\nNumPy sgemm (4096³) before and after the run: {sgemm_before:.0f} and {sgemm_rate():.0f} GFLOP/s "
+          "(the machine's state: the pairs above are compared within the run).")
     return 0
 
 
