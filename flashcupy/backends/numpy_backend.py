@@ -858,8 +858,8 @@ def _heads_per_task(p, units: int, unit_flops: float, unit_volume: int, volume: 
     in groups of equal size, fewer only where the tasks would not spread evenly over the workers (a
     task count that is a multiple of the worker count, or at least four tasks a worker), and at
     least MIN_TASK_FLOPS of work per task, so that its Python-level overhead (~0.1 ms) stays
-    small. Each task also copies
-    its operands and normalises its rows, so fewer, larger tasks win wherever they still balance:
+    small. Each task also copies its operands and normalises its rows, so fewer, larger tasks win
+    wherever they still balance:
     S = 512, H = 8, D = 64 on two threads took 4.55 ms as eight one-head tasks (the old rule, four
     tasks a worker) and 3.77 ms as two four-head ones."""
     top = max(1, min(p.heads_kv, volume // max(1, unit_volume)))
@@ -903,11 +903,10 @@ def _band_forward(p, q, k, v, out, lse, width: int):
     118 GFLOP/s on one core (32 rows, 287 keys, D = 64) against 130 and 104 for S = Q_i K_jᵀ from a
     contiguous Kᵀ and P [V | 1], and it reads K and V where they lie, rows H x D apart (61 GFLOP/s
     for Q_i K_jᵀ from K's rows as they lie). Nothing is copied but each tile's Q_iᵀ, scaled by
-    scale * log2(e) (_band_queries), K and V of the blocks at the sequence's two ends (_band_keys,
-    zeros past the keys, masked out of P), and K and V of another dtype, converted once per batch
-    with zero keys either side. l comes
-    from a matmul of P with ones (ten times faster than NumPy's add.reduce along the keys). Each
-    matmul takes up to TILE_VOLUME scores, and O / l goes into out from a buffer still in cache.
+    scale * log2(e) (_band_queries), and K and V of the blocks at the sequence's two ends or of
+    another dtype (_band_keys: zeros past the keys, masked out of P). l comes from a matmul of P
+    with ones (ten times faster than NumPy's add.reduce along the keys). Each matmul takes up to
+    TILE_VOLUME scores, and O / l goes into out from a buffer still in cache.
 
     Scores are not shifted (m = 0): a row whose sum leaves [L_MIN, l_max], or is NaN (an overflow
     times the mask's 0), is redone exactly: its visible scores, their max as m. Rows that see no key
@@ -940,12 +939,7 @@ def _band_forward(p, q, k, v, out, lse, width: int):
     qk_scale = _base2_scale(p)
     # O straight into out, normalised there, where a tile's stack rows are rows of out a fixed stride apart
     in_out = out.dtype == acc and heads.consecutive and (g == 1 or heads_kv == 1)
-    # K and V are read where they lie, (kv heads, keys, D) views; of another dtype, they are converted
-    # once per batch into such arrays with `pad` zero keys on either side, where every tile fits
-    reach = [(i0 + p.diagonal - left, i0 + p.diagonal - left + (-(-(i1 - i0) // step) - 1) * step + n) for i0, i1 in blocks]
-    pad = max([0] + [-k0 for k0, _ in reach] + [k1 - p.seqlen_k for _, k1 in reach])
-    convert = k.dtype != acc
-    sources = {}
+    in_place = k.dtype == acc  # K and V read where they lie, (kv heads, keys, D) views
 
     def task(b, c0, c1, i0, i1):
         def run(scratch):
@@ -955,19 +949,18 @@ def _band_forward(p, q, k, v, out, lse, width: int):
             k1 = k0 + (T - 1) * step + n
             lo, hi = min(max(k0, 0), end), min(max(k1, 0), end)  # the keys among them that some row sees
             inside = 0 <= k0 and k1 <= p.seqlen_k  # keys past end, which only padding rows see, are real
-            if convert:
-                Kw, Vw = (_windows(x[c0:c1], pad + k0, T, step, n, axis=1) for x in sources[b])
-            elif inside:
+            if in_place and inside:
                 Kw, Vw = (_windows(x[b, :, c0:c1].transpose(1, 0, 2), k0, T, step, n, axis=1) for x in (k, v))
-            else:  # at the sequence's ends: copies, zero past the keys
-                Kw, Vw = (_band_keys(x[b, lo:hi, c0:c1], lo - k0, k1 - k0, name, acc, scratch)
-                          for x, name in ((k, "K"), (v, "V")))
-                Kw, Vw = (_windows(x, 0, T, step, n, axis=1) for x in (Kw, Vw))
+                v_part = v[b, lo:hi, c0:c1]
+            else:  # at the sequence's ends, or of another dtype: copies, zero past the keys
+                K, V = (_band_keys(x[b, lo:hi, c0:c1], lo - k0, k1 - k0, name, acc, scratch)
+                        for x, name in ((k, "K"), (v, "V")))
+                Kw, Vw = (_windows(x, 0, T, step, n, axis=1) for x in (K, V))
+                v_part = V[:, lo - k0:hi - k0]  # of the copy: NumPy's float16 max and min crawl
             tile_keep = keep
             if not inside:  # zero keys count in l unless masked: a mask per tile, (tiles, keys, stack rows)
                 j = k0 + step * np.arange(T)[:, None] + np.arange(n)[None, :]
                 tile_keep = keep * ((j >= lo) & (j < hi)).astype(acc)[:, :, None]
-            v_part = sources[b][1][c0:c1, pad + lo:pad + hi] if convert else v[b, lo:hi, c0:c1]  # NumPy's float16 max crawls
             v_max = max(float(np.maximum.reduce(v_part, axis=None, initial=0)),
                         -float(np.minimum.reduce(v_part, axis=None, initial=0)))
 
@@ -988,24 +981,7 @@ def _band_forward(p, q, k, v, out, lse, width: int):
             _band_tiles(Qt, Kw, Vw, tile_keep, per_call, _l_max(acc, v_max), scratch, visible, finish)
         return run
 
-    kv_groups = _blocks(0, heads_kv, stacked)
-    if not convert:
-        _run([task(b, c0, c1, i0, i1) for b in range(p.batch) for c0, c1 in kv_groups for i0, i1 in blocks])
-    for b in range(p.batch) if convert else ():
-        sources[b] = [np.empty((heads_kv, pad + p.seqlen_k + pad, D), dtype=acc) for _ in range(2)]
-        for x in sources[b]:
-            x[:, :pad] = 0
-            x[:, pad + p.seqlen_k:] = 0
-
-        def converted(j0, j1):
-            def run(scratch):
-                for x, y in zip(sources[b], (k, v)):
-                    x[:, pad + j0:pad + j1] = y[b, j0:j1].transpose(1, 0, 2)
-            return run
-
-        _run([converted(j0, j1) for j0, j1 in _blocks(0, p.seqlen_k, 1024)])
-        _run([task(b, c0, c1, i0, i1) for c0, c1 in kv_groups for i0, i1 in blocks])
-        del sources[b]
+    _run([task(b, c0, c1, i0, i1) for b in range(p.batch) for c0, c1 in _blocks(0, heads_kv, stacked) for i0, i1 in blocks])
     return out.view(p.carrier), lse
 
 
@@ -1026,15 +1002,18 @@ def _band_queries(Q, T: int, step: int, scale, acc, scratch):
     return Qt
 
 
-def _band_keys(x, a: int, length: int, name: str, acc, scratch):
-    """x (keys, kv heads, D) as (kv heads, keys, D) in the accumulation dtype, at keys a .. a +
-    len(x) - 1 of a scratch buffer `length` keys long, zeros around them."""
+def _band_keys(x, a: int, length: int, name: str, acc, scratch, scale=None):
+    """x (keys, kv heads, D) as (kv heads, keys, D) in the accumulation dtype, times scale if given,
+    at keys a .. a + len(x) - 1 of a scratch buffer `length` keys long, zeros around them."""
     heads, D = x.shape[1:]
     z = a + x.shape[0]
     buf = scratch.take(name, (heads, length, D), acc)
     buf[:, :a] = 0
     buf[:, z:] = 0
-    buf[:, a:z] = x.transpose(1, 0, 2)
+    if scale is None:
+        buf[:, a:z] = x.transpose(1, 0, 2)
+    else:
+        np.multiply(x.transpose(1, 0, 2), scale, out=buf[:, a:z], dtype=acc)
     return buf
 
 
@@ -1436,7 +1415,6 @@ def _band_backward_operands(p, scratch, b, c0, c1, f0, nt, first, last, base, ke
     ld = -(-columns // 64) * 64 + 16  # rows not a multiple of 4 KiB apart (see _band_forward)
     K1t = scratch.take("K1t", (h, D + 1, ld), acc)[:, :, :columns]
     V1t = scratch.take("V1t", (h, D + 1, ld), acc)[:, :, :columns]
-    Ks = scratch.take("Ks", (h, columns, D), acc)
     origin = f0 * step - base  # the key in the first column
     y0, y1 = max(origin, keys[0]), min(origin + columns, keys[1])
     if y0 >= y1:  # none of the keys
@@ -1445,14 +1423,13 @@ def _band_backward_operands(p, scratch, b, c0, c1, f0, nt, first, last, base, ke
         if z0 < z1:
             for x in (K1t, V1t):
                 x[:, :, z0:z1] = 0
-            Ks[:, z0:z1] = 0
     for w0, w1 in _blocks(y0, y1, 128):  # NumPy's gather ran fastest 64 to 128 keys at a time (32: 20 % slower here)
         K1t[:, :D, w0 - origin:w1 - origin] = k[b, w0:w1, c0:c1].transpose(1, 2, 0)
         V1t[:, :D, w0 - origin:w1 - origin] = v[b, w0:w1, c0:c1].transpose(1, 2, 0)
     K1t[:, D, y0 - origin:y1 - origin] = 1
     V1t[:, D, y0 - origin:y1 - origin] = 1
     # scale K in rows for dQ: BLAS ran dS Kᵀᵀ from the transposed view at half the speed
-    np.multiply(k[b, y0:y1, c0:c1].transpose(1, 0, 2), acc.type(p.scale), out=Ks[:, y0 - origin:y1 - origin], dtype=acc)
+    Ks = _band_keys(k[b, y0:y1, c0:c1], y0 - origin, columns, "Ks", acc, scratch, acc.type(p.scale))
     return (_windows(Q1, 0, nt, M, M, axis=1), _windows(dO1, 0, nt, M, M, axis=1),
             _windows(K1t, 0, nt, step, L, axis=2), _windows(V1t, 0, nt, step, L, axis=2),
             _windows(Ks, 0, nt, step, L, axis=1),
