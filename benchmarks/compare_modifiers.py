@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     print(f"# NumPy backend: score modifiers beside the plain call ({time.strftime('%Y-%m-%d %H:%M')}, "
           f"{os.cpu_count()} cores, numpy {np.__version__}, load average {os.getloadavg()[0]:.2f})\n")
     print("float32, B=1, H=8, D=64; best of alternating calls.\n")
-    # this machine's speed drifts by up to a third from hour to hour: only the pairs compare
+    # this machine's speed drifts, at times to under half its sgemm rate: only the pairs compare
     sgemm_before = sgemm_rate()
     print("| case | pass | without | with | ratio | target |")
     print("|---|---|---|---|---|---|")
