@@ -18,7 +18,7 @@ import pytest
 from emulator import EmulatedModule
 from emulator.counters import CATEGORIES, Counters, recording
 
-from flashcupy.backends.cupy_backend import sources
+from flashcupy.backends.cupy_backend import sources, specs
 from flashcupy.tools import perfmodel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -138,8 +138,8 @@ TC_CASES = (("float16", 64), ("float16", 128))
 # GEMMs per (query block, key block) pass of the default kernels: forward S = Q Kᵀ, O += P V; dK/dV:
 # S, dP = dO Vᵀ, dV += Pᵀ dO, dK += dSᵀ Q and dQ += dS K (into the fp32 workspace, by atomics): the
 # backward's five (the deterministic one's separate dQ kernel computes S and dP again: seven)
-GEMMS = {"attn_fwd_tc": 2, "attn_bwd_dkdv_tc": 5}
-BARRIERS = {"attn_fwd_tc": 2, "attn_bwd_dkdv_tc": 3}  # a pass: + dS in shared memory for dQ's GEMM
+GEMMS = {"attn_fwd_tc": 2, "attn_fwd_tc_wide": 2, "attn_bwd_dkdv_tc": 5}
+BARRIERS = {"attn_fwd_tc": 2, "attn_fwd_tc_wide": 2, "attn_bwd_dkdv_tc": 3}  # a pass: + dS in shared memory for dQ's GEMM
 
 
 @pytest.fixture(scope="module")
@@ -179,22 +179,24 @@ def test_tensor_core_kernels_are_conflict_free_coalesced_and_do_the_implied_mma(
 
 
 def test_forward_shared_bytes_per_mma(tc_rows):
-    # A warp owns block_m / 64 row tiles of 16 (attn_fwd_tc.cu). Per warp and pass, each ldmatrix.x4
-    # (512 B) of K_j or V_j feeds 2 mma per row tile; with two row tiles Q_i's fragments are read again
-    # at every pass (registers are left to O and S); cp.async brings K_j and V_j once per query block.
-    # Issue 12's target is at most 200 B/mma: met with 128-row tiles (head_dim 64), not at 64 rows.
-    for row in tc_rows:
+    # A warp owns block_m / (16 warps) row tiles of 16 (attn_fwd_tc.cu). Per warp and pass, each
+    # ldmatrix.x4 (512 B) of K_j or V_j feeds 2 mma per row tile; with two row tiles Q_i's fragments are
+    # read again at every pass (registers are left to O and S), but for the k-steps the wide kernel
+    # keeps (k-step 0 at head_dim 128); cp.async brings K_j and V_j once per query block. Issue 12's
+    # target is at most 200 B/mma: 192 at head_dim 64 (128 x 64, 4 warps), 200 at 128 (256 x 32, 8).
+    forward = [row for row in tc_rows if row["kernel"].template in specs.TC_FORWARD_TEMPLATES]
+    for row in forward:
         k = row["kernel"]
-        if k.template == "attn_fwd_tc":
-            figures = perfmodel.pass_figures(row)
-            m_tiles, steps = k.block_m // 64, k.head_dim // 16
-            mma = 2 * m_tiles * (k.block_n // 8) * steps  # S = Q_i K_jᵀ, then O += P V_j
-            ldmatrix = 512 * (2 * (k.block_n // 16) * steps + (m_tiles * steps if m_tiles > 1 else 0))
-            assert figures["ldmatrix_bytes"] / figures["mma"] == ldmatrix / mma
-            assert figures["cp_async_bytes"] / figures["mma"] == 4096 / k.block_m
-            assert figures["shared_bytes"] / figures["mma"] == (192 if m_tiles == 2 else 320)
-    assert {(row["kernel"].head_dim, row["kernel"].block_m) for row in tc_rows
-            if row["kernel"].template == "attn_fwd_tc"} == {(64, 128), (128, 64)}
+        figures = perfmodel.pass_figures(row)
+        m_tiles, steps = k.block_m // (16 * (k.threads // 32)), k.head_dim // 16
+        kept = steps if m_tiles == 1 else int(k.template == "attn_fwd_tc_wide" and k.head_dim == 128)
+        mma = 2 * m_tiles * (k.block_n // 8) * steps  # S = Q_i K_jᵀ, then O += P V_j
+        ldmatrix = 512 * (2 * (k.block_n // 16) * steps + m_tiles * (steps - kept))
+        assert figures["ldmatrix_bytes"] / figures["mma"] == ldmatrix / mma
+        assert figures["cp_async_bytes"] / figures["mma"] == 4096 / k.block_m
+        assert figures["shared_bytes"] / figures["mma"] == {64: 192, 128: 200}[k.head_dim]
+    assert {(row["kernel"].template, row["kernel"].head_dim, row["kernel"].block_m) for row in forward} == \
+        {("attn_fwd_tc", 64, 128), ("attn_fwd_tc_wide", 128, 256)}
 
 
 SWIZZLE = "return row * TILE_ROW<HEAD_DIM> + ((chunk ^ (row & 7)) << 3);"  # tc_tile.cuh's swizzled()

@@ -113,8 +113,9 @@ def report(request):
 def test_every_specialization_compiles(report):
     what, rows = report
     kernels_per_dtype = 1 + 3 * len(specs.HEAD_DIM_BUCKETS)  # preprocess, then fwd, dkdv, dq per bucket
-    # attn_fwd_tc, attn_bwd_dkdv_tc, attn_bwd_dq_tc per bucket (their preprocess is the SIMT one)
-    tensor_core = len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS) * len(specs.TC_TEMPLATES)
+    # a forward (attn_fwd_tc or attn_fwd_tc_wide), attn_bwd_dkdv_tc, attn_bwd_dq_tc per bucket (their
+    # preprocess is the SIMT one)
+    tensor_core = len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS) * (len(specs.TC_TEMPLATES) - 1)
     # each SIMT attention kernel twice (specs.all_modules): plain and with every score modifier (the
     # preprocess has none); each tensor-core kernel three times, with a window alone as well
     simt, tc = len(specs.REPORT_MODS), len(specs.REPORT_TC_MODS)
@@ -151,7 +152,7 @@ def test_resources_fit(report):
         # opt in to more dynamic shared memory (up to 227 KiB on sm_90, 163 KiB on sm_80)
         assert r["static_smem"] <= 48 * 1024 and r["static_smem"] + r["dynamic_smem"] <= 163 * 1024
         assert r["registers"] > 0 and r["occupancy"] > 0
-        assert r["threads"] == specs.NUM_THREADS
+        assert r["threads"] == (32 * specs.WIDE_WARPS if r["kernel"] == "attn_fwd_tc_wide" else specs.NUM_THREADS)
 
 
 def test_tensor_core_head_dims_between_the_buckets_fit(monkeypatch):
@@ -171,7 +172,7 @@ def mmas_per_pass(kernel: str, head_dim: int, block_m: int, block_n: int) -> int
     headers: a (16 x n) (n x k) product takes (n / 16) (k / 8) of them."""
     def product(n, k):
         return n // 16 * k // 8
-    if kernel == "attn_fwd_tc":      # S = Q_i K_jᵀ; O += P V_j
+    if kernel in specs.TC_FORWARD_TEMPLATES:  # S = Q_i K_jᵀ; O += P V_j
         return product(head_dim, block_n) + product(block_n, head_dim)
     if kernel == "attn_bwd_dkdv_tc":  # Sᵀ, dPᵀ; dV += Pᵀ dO_i, dK += dSᵀ Q_i
         return 2 * product(head_dim, block_m) + 2 * product(block_m, head_dim)

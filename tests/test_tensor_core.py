@@ -71,6 +71,20 @@ def test_attn_fwd_tc_matches_oracle(case, fmt, schedule, rng):
     assert_matches_oracle((out, lse), q, k, v, causal=causal, dtype=fmt)
 
 
+# The wide forward (attn_fwd_tc_wide, head_dim 72-128: query blocks of 256 rows on 8 warps, key blocks of
+# 32): two query blocks, GQA; causal with Sq < Sk, so the diagonal crosses the second block's tiles; and
+# a window narrower than a query block, whose band leaves whole key blocks out of either block
+@pytest.mark.parametrize("schedule", SCHEDULES, ids="-".join)
+@pytest.mark.parametrize("causal, window", [(True, None), (False, (40, 3))], ids=["causal", "window"])
+def test_the_wide_forward_across_query_blocks(causal, window, schedule, rng):
+    q, k, v = tc_inputs(rng, (1, 300, 330, 2, 1, 128, causal), "float16")
+    launched, (order, cp_async) = [], schedule
+    with emulated(order, cp_async=cp_async, compile=recording(launched)):
+        out, lse = flashcupy.attention(q, k, v, causal=causal, window=window, return_lse=True, backend="cupy")
+    assert launched == [f"attn_fwd_tc_wide<__half, 128, 256, 32{', 1' if window else ''}>"]
+    assert_matches_oracle((out, lse), q, k, v, causal=causal, window=window)
+
+
 @pytest.mark.parametrize("case, why", [
     ((1, 20, 20, 1, 1, 100, False), "head_dim not a multiple of 8"),
     ((1, 20, 20, 1, 1, 256, False), "head_dim above 128"),
@@ -113,7 +127,7 @@ def test_a_cta_leaving_a_copy_in_flight_is_caught(rng):
     # attn_fwd_tc.cu as it was: the Q tile's cp.async issued even where there is no key block to visit
     def q_copy_always(source, names, options, thread_order, seed, cp_async):
         if any(name.startswith("attn_fwd_tc<") for name in names):
-            guard, q_load = r"(    if \(kv\.blocks > 0\) \{\n)", r"(\s*load_tile_async<BLOCK_M, HEAD_DIM>\(Q_s[^\n]*\n)"
+            guard, q_load = r"(    if \(kv\.blocks > 0\) \{\n)", r"(\s*load_tile_async<BLOCK_M, HEAD_DIM, THREADS>\(Q_s[^\n]*\n)"
             source, count = re.subn(guard + q_load, r"\2\1", source)
             assert count == 1, "the guarded Q tile load is not in attn_fwd_tc.cu"
         return compile_module(source, names, options, thread_order, seed, cp_async)

@@ -52,7 +52,7 @@ MMA_FLOPS = 2 * 16 * 8 * 16  # one mma.sync m16n8k16
 # the SIMT ones (which no other dtype changes in structure)
 CASES = (("float16", 64), ("float16", 128), ("float32", 64), ("float32", 128))
 BASE = 64  # the smaller launch: seqlen_q = seqlen_k = BASE; the larger one doubles the loop's side
-KEY_LOOP = {"attn_fwd_tc": "keys", "attn_bwd_dq_tc": "keys", "attn_bwd_dkdv_tc": "queries",
+KEY_LOOP = {"attn_fwd_tc": "keys", "attn_fwd_tc_wide": "keys", "attn_bwd_dq_tc": "keys", "attn_bwd_dkdv_tc": "queries",
             "flash_fwd": "keys", "flash_bwd_dq": "keys", "flash_bwd_dkdv": "queries"}
 
 
@@ -122,7 +122,7 @@ def kernel_counters(cases=None, progress=None, transform=None, templates=None) -
     (`launch`, at `launch_shape` = (seqlen_q, seqlen_k)), and `per_pass`: (Counters, pairs), the
     difference that `pairs` more passes of its loop make (None for a kernel without a loop).
     `templates` limits the rows (and skips the backward when no backward kernel is asked for)."""
-    backward = templates is None or any(t not in ("attn_fwd_tc", "flash_fwd") for t in templates)
+    backward = templates is None or any(t not in (*specs.TC_FORWARD_TEMPLATES, "flash_fwd") for t in templates)
     rows = []
     for dtype, head_dim in cases or CASES:
         if progress:

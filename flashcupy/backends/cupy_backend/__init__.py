@@ -351,7 +351,7 @@ def forward(p, q, k, v, num_splits=1):
             part_out, part_lse = _tensor(out), _tensor(lse)
             split_args = (np.int32(0), np.int64(0), np.int64(0))
         fwd(
-            (_launch_blocks(kernel, p)[1] * splits,), (specs.NUM_THREADS,),
+            (_launch_blocks(kernel, p)[1] * splits,), (kernel.threads,),
             (*_tensor(q), *_tensor(k), *_tensor(v), *part_out, *part_lse,
              *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
              *_modifier_args(p, lse, tensor_cores), *split_args),

@@ -354,9 +354,9 @@ def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, c
             spill_bytes=got["spill_stores"] + got["spill_loads"],
             static_smem=got["static_smem"],
             dynamic_smem=kernel.dynamic_smem,
-            threads=specs.NUM_THREADS,
+            threads=kernel.threads,
             occupancy=occupancy(arch, got["registers"], got["static_smem"] + kernel.dynamic_smem,
-                                specs.NUM_THREADS),
+                                kernel.threads),
             hmma=len(re.findall(r"\bHMMA\.16816\.F32", code)) if code is not None else None,
         ))
     return rows

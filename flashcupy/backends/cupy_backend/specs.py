@@ -89,10 +89,19 @@ PAIR_TILES = {("flash_fwd", 4, 32): (32, 32), ("flash_fwd", 8, 64): (16, 32),
 TC_DTYPES = ("float16", "bfloat16")
 TC_HEAD_DIM_BUCKETS = (64, 128)
 # The forward at head_dim 64 takes 128 query rows, two 16-row mma tiles a warp: each K_j or V_j
-# fragment feeds twice the mma (192 shared-memory bytes per mma, not 320). At head_dim 128 the two row
-# tiles' O alone take 128 registers: with 64 or 32 keys a pass ptxas reached 255 and spilled (NVRTC
-# 12.9 and 13.5), so it keeps 64 rows.
-TC_FORWARD_TILES = {64: (128, 64), 128: (64, 64)}
+# fragment feeds twice the mma (192 shared-memory bytes per mma, not 320 as with one). At head_dim 128
+# it takes 256 rows and 32 keys a pass, in the wide kernel (attn_fwd_tc_wide: 8 warps of two row
+# tiles, k-step 0 of Q_i kept in registers, a register cap): 200 bytes per mma. The two row tiles' O
+# alone take 128 registers there, and 4 warps of them (128 rows) with 32, 48 or 64 keys a pass reached
+# 255 registers and spilled (NVRTC 12.9 and 13.5); so did 8 warps with 48 or 64 keys.
+TC_FORWARD_TILES = {64: (128, 64), 128: (256, 32)}
+# The forward's warps a row count takes: 8 at 256 rows (WIDE_WARPS in tc_tile.cuh), else 4
+WIDE_WARPS = 8
+WIDE_BLOCK_M = 32 * WIDE_WARPS
+# With softcap or ALiBi the forward at head_dim 128 keeps 64 x 64 tiles in the 4-warp kernel: the
+# score's extra work per element of S took the two-row-tile kernels past 255 registers (64-204 bytes
+# of spills with 128 x 64).
+TC_FORWARD_TILES_SCORE = {64: (128, 64), 128: (64, 64)}
 TC_BACKWARD_DKDV_TILES = {64: (64, 64), 128: (32, 64)}
 TC_BACKWARD_DQ_TILES = {64: (64, 64), 128: (64, 32)}
 # With softcap or ALiBi (MOD_SCORE): dK/dV takes half the query rows a pass, and dQ at head_dim 64
@@ -116,7 +125,8 @@ TC_FORWARD_TILES_PAIRS = {64: (64, 64), 128: (64, 32)}
 # modifier). A decode's passes are few and memory-bound, so the smaller tile costs little.
 TC_FORWARD_TILES_SPLIT = {64: (64, 32), 128: (64, 32)}
 TC_FORWARD_TILES_SPLIT_PAIRS = {64: (64, 32), 128: (64, 16)}  # and a bias or mask: 254 registers at 128 on sm_90
-TC_TEMPLATES = ("attn_fwd_tc", "attn_bwd_dkdv_tc", "attn_bwd_dq_tc")
+TC_TEMPLATES = ("attn_fwd_tc", "attn_fwd_tc_wide", "attn_bwd_dkdv_tc", "attn_bwd_dq_tc")
+TC_FORWARD_TEMPLATES = TC_TEMPLATES[:2]
 
 
 # The MODS bits of the kernels (mask.cuh), per keyword of the interface (Problem.modifiers)
@@ -161,10 +171,15 @@ class Kernel:
         return self.template in TC_TEMPLATES
 
     @property
+    def threads(self) -> int:
+        """Threads a CTA (the launch's block size)."""
+        return 32 * WIDE_WARPS if self.template == "attn_fwd_tc_wide" else NUM_THREADS
+
+    @property
     def dynamic_smem(self) -> int:
         """Bytes of dynamic shared memory a launch asks for (the SIMT kernels use static tiles)."""
         m, n, d = self.block_m, self.block_n, tc_tile_row(self.head_dim)
-        if self.template == "attn_fwd_tc":
+        if self.template in TC_FORWARD_TEMPLATES:
             return (m + 4 * n) * d * 2
         if self.template == "attn_bwd_dkdv_tc":
             # with dQ by atomics: dS_s, and the warps' 16 x 16 float staging tiles
@@ -273,9 +288,11 @@ def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False) 
     """The tensor-core forward for float16/bfloat16 and head_dim <= 128 (a multiple of 8)."""
     bucket = _tc_bucket(head_dim)
     tiles = ((TC_FORWARD_TILES_SPLIT_PAIRS if mods & MOD_PAIRS else TC_FORWARD_TILES_SPLIT) if split
-             else TC_FORWARD_TILES_PAIRS if mods & MOD_PAIRS else TC_FORWARD_TILES)
+             else TC_FORWARD_TILES_PAIRS if mods & MOD_PAIRS else TC_FORWARD_TILES_SCORE if mods & MOD_SCORE
+             else TC_FORWARD_TILES)
     bm, bn = tiles[bucket]
-    return ModuleSpec("attn_fwd_tc.cu", (Kernel("attn_fwd_tc", _name(dtype), tc_head_dim(head_dim), bm, bn, mods, split),))
+    template = "attn_fwd_tc_wide" if bm == WIDE_BLOCK_M else "attn_fwd_tc"
+    return ModuleSpec("attn_fwd_tc.cu", (Kernel(template, _name(dtype), tc_head_dim(head_dim), bm, bn, mods, split),))
 
 
 # Split-KV: keys per split are a multiple of this, so that every forward tile (BLOCK_N of 8 to 64)

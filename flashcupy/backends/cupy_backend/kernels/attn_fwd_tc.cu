@@ -10,13 +10,15 @@
 // names are masked element by element.
 //
 // Grid: one CTA per (query block, batch * heads_q), flattened on x (query_block in mask.cuh).
-// CTA: NUM_WARPS = 4 warps; warp w owns M_TILES 16-row mma tiles, query rows WARP_ROWS w ..
-// WARP_ROWS w + WARP_ROWS - 1 of Q_i (WARP_ROWS = 16 M_TILES), so BLOCK_M = 64 M_TILES. Each K_j or
-// V_j fragment a warp reads from shared memory feeds 2 M_TILES mma: two row tiles halve the
-// shared-memory bytes per mma, at the price of twice the accumulator registers. In registers, per
-// warp and row tile (C fragments as in tc_tile.cuh):
-//     Q_frag  HEAD_DIM / 16 A fragments of its rows of Q_i, loaded once, with one row tile; with two,
-//             read from Q_s at every k-step of every pass instead (the registers go to O and S)
+// CTA: WARPS warps (attn_fwd_tc: NUM_WARPS = 4; attn_fwd_tc_wide: WIDE_WARPS = 8, tc_tile.cuh);
+// warp w owns M_TILES 16-row mma tiles, query rows WARP_ROWS w .. WARP_ROWS w + WARP_ROWS - 1 of Q_i
+// (WARP_ROWS = 16 M_TILES), so BLOCK_M = 16 M_TILES WARPS. Each K_j or V_j fragment a warp reads from
+// shared memory feeds 2 M_TILES mma: two row tiles halve the shared-memory bytes per mma, at the price
+// of twice the accumulator registers; twice the warps halve the cp.async bytes per mma. In registers,
+// per warp and row tile (C fragments as in tc_tile.cuh):
+//     Q_frag  the A fragments of its rows of Q_i for k-steps 0 .. Q_KEPT - 1, loaded once: all
+//             HEAD_DIM / 16 with one row tile; with two, none or one (the entry points say which),
+//             the other k-steps read from Q_s at every pass (the registers go to O and S)
 //     S       BLOCK_N / 8 C fragments: S = Q_i K_jᵀ, then P in place (fp32)
 //     O       HEAD_DIM / 8 C fragments (fp32); m, l for the lane's two rows (l is the lane's
 //             partial row sum, summed over the 4 lanes of a quad once, at the end)
@@ -26,7 +28,8 @@
 // so P never passes through shared memory.
 //
 // Shared memory (dynamic), T (2 bytes) tiles of HEAD_DIM elements a row, swizzled (tc_tile.cuh):
-//     Q_s   BLOCK_M x HEAD_DIM        Q_i; read once into registers, or at every pass (two row tiles)
+//     Q_s   BLOCK_M x HEAD_DIM        Q_i; read once into registers, or at every pass (two row tiles;
+//                                     the k-steps not kept)
 //     K_s   2 x BLOCK_N x HEAD_DIM    K_j, V_j of this pass and the next: cp.async fills one stage
 //     V_s   2 x BLOCK_N x HEAD_DIM    while the other is computed on (double buffering)
 //     total (BLOCK_M + 4 BLOCK_N) HEAD_DIM 2 bytes; above 48 KiB the launcher raises
@@ -57,9 +60,10 @@
 // in float, and lse, at its split's offsets.
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 128),
-// BLOCK_M (64 M_TILES, M_TILES 1 or 2), BLOCK_N (a multiple of 16), MODS the score modifiers (0:
-// none), SPLIT split-KV. The split kernels ask ptxas for one CTA an SM (__launch_bounds__): left to its
-// heuristic it held them to 128 registers and spilled; the others ask MIN_CTAS (tc_tile.cuh).
+// BLOCK_M (16 M_TILES WARPS, M_TILES 1 or 2), BLOCK_N (a multiple of 16), MODS the score modifiers
+// (0: none), SPLIT split-KV (attn_fwd_tc only). The split kernels ask ptxas for one CTA an SM
+// (__launch_bounds__): left to its heuristic it held them to 128 registers and spilled; the other
+// 4-warp ones ask MIN_CTAS, and the wide one has a register cap (tc_tile.cuh).
 
 #include "mask.cuh"
 #include "tc_tile.cuh"
@@ -96,14 +100,18 @@ __device__ __forceinline__ void online_softmax(float (&S)[N_TILES][4], float (&m
     }
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool SPLIT = false>
-__global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : MIN_CTAS<HEAD_DIM>) attn_fwd_tc(
+// The CTA's work, for WARPS warps (the two entry points at the end of the file). Q_KEPT: the k-steps
+// of Q_i whose A fragments a warp keeps in registers for the whole loop; the others are read from Q_s
+// at every pass.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS, bool SPLIT, int WARPS, int Q_KEPT>
+__device__ __forceinline__ void attn_fwd_tc_cta(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
     LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {
-    constexpr int M_TILES = BLOCK_M / (16 * NUM_WARPS);  // 16-row mma tiles a warp owns
+    constexpr int THREADS = WARPS * WARP_SIZE;
+    constexpr int M_TILES = BLOCK_M / (16 * WARPS);  // 16-row mma tiles a warp owns
     constexpr int WARP_ROWS = 16 * M_TILES;
-    static_assert(BLOCK_M == WARP_ROWS * NUM_WARPS && (M_TILES == 1 || M_TILES == 2),
+    static_assert(BLOCK_M == WARP_ROWS * WARPS && (M_TILES == 1 || M_TILES == 2),
                   "each warp owns one or two 16-row mma tiles");
     static_assert(BLOCK_N % 16 == 0, "BLOCK_N is a whole number of P V k-steps");
     static_assert(HEAD_DIM % 16 == 0, "k-steps of 16 columns");
@@ -111,9 +119,11 @@ __global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : MIN_CTAS<HEAD_DIM>) a
     constexpr int N_TILES = BLOCK_N / 8;     // 8-key column tiles of S
     constexpr int D_TILES = HEAD_DIM / 8;    // 8-column tiles of O
     constexpr int QK_STEPS = HEAD_DIM / 16;  // k-steps of Q_i K_jᵀ
-    // Q_i's A fragments stay in registers with one row tile; with two, O and S take the registers
-    // (kept, Q_frag took head_dim 64 to 246-254 registers under NVRTC 12.9 and 13.5)
-    constexpr bool Q_IN_REGISTERS = M_TILES == 1;
+    static_assert(0 <= Q_KEPT && Q_KEPT <= QK_STEPS, "Q_KEPT: k-steps of Q_i");
+    // Out is made before the key loop by the plain 4-warp kernel (made after it, it made ptxas spill),
+    // after the loop by the others (made before, it took the split kernel to 255 registers and made
+    // the 8-warp one spill under its register cap)
+    constexpr bool OUT_AFTER_LOOP = SPLIT || WARPS != NUM_WARPS;
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem);
@@ -127,19 +137,16 @@ __global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : MIN_CTAS<HEAD_DIM>) a
     const int row_w = blk.i0 + WARP_ROWS * warp;  // the warp's first row; row tile mt starts at row_w + 16 mt
     T* Q_w = Q_s + WARP_ROWS * warp * ROW;  // the warp's rows of Q_s
 
-    // Out: here, for the plain kernel (made after the key loop, it made ptxas spill); after the key
-    // loop for the split one (made here, it took 255 registers). The plain kernel's code is the same
-    // as before split-KV existed (tests/test_nvrtc.py holds it to the register limit).
     const auto make_out = [&] { return head_rows(out + split.index * out_split, out_sb, out_ss, out_sh, out_sd, blk.b, blk.h); };
     const auto Out = make_out();
-    const KVStream<BLOCK_N, HEAD_DIM, T> kv = [&] {
+    const KVStream<BLOCK_N, HEAD_DIM, T, THREADS> kv = [&] {
         if constexpr (SPLIT) {
             int j_start = mask.key_start(blk.i0), j_end = mask.key_end(blk.i0);
             split_range<BLOCK_N>(j_start, j_end, split.index * key_split, key_split);
-            return KVStream<BLOCK_N, HEAD_DIM, T>(K_s, V_s, HEAD_ROWS(k, blk.b, blk.kv_head),
+            return KVStream<BLOCK_N, HEAD_DIM, T, THREADS>(K_s, V_s, HEAD_ROWS(k, blk.b, blk.kv_head),
                                                   HEAD_ROWS(v, blk.b, blk.kv_head), j_start, j_end, seqlen_k, head_dim);
         } else {
-            return KVStream<BLOCK_N, HEAD_DIM, T>(K_s, V_s, HEAD_ROWS(k, blk.b, blk.kv_head),
+            return KVStream<BLOCK_N, HEAD_DIM, T, THREADS>(K_s, V_s, HEAD_ROWS(k, blk.b, blk.kv_head),
                                                   HEAD_ROWS(v, blk.b, blk.kv_head), mask, blk.i0, head_dim);
         }
     }();
@@ -148,7 +155,7 @@ __global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : MIN_CTAS<HEAD_DIM>) a
     // waits, and copies in flight when a CTA exits would land in shared memory that the next CTA on
     // the SM may own.
     if (kv.blocks > 0) {
-        load_tile_async<BLOCK_M, HEAD_DIM>(Q_s, HEAD_ROWS(q, blk.b, blk.h), blk.i0, seqlen_q, head_dim);
+        load_tile_async<BLOCK_M, HEAD_DIM, THREADS>(Q_s, HEAD_ROWS(q, blk.b, blk.h), blk.i0, seqlen_q, head_dim);
         kv.load(0);
         cp_async_commit();
     }
@@ -160,43 +167,39 @@ __global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : MIN_CTAS<HEAD_DIM>) a
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.0f;
     zero(O);
-    unsigned Q_frag[Q_IN_REGISTERS ? M_TILES : 1][Q_IN_REGISTERS ? QK_STEPS : 1][4];
+    unsigned Q_frag[M_TILES][Q_KEPT > 0 ? Q_KEPT : 1][4];  // k-steps 0 .. Q_KEPT - 1 of Q_i
 
     for (int jb = 0; jb < kv.blocks; ++jb) {
         const int j0 = kv.j0(jb);
         kv.next(jb);
         __syncthreads();  // every thread's copies of K_j, V_j (and Q_i) have landed: the stage is whole
 
-        if constexpr (Q_IN_REGISTERS) {
-            if (jb == 0) {
+        if (Q_KEPT > 0 && jb == 0) {
 #pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt)
+            for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-                    for (int ks = 0; ks < QK_STEPS; ++ks) load_a<HEAD_DIM>(Q_frag[mt][ks], Q_w + 16 * mt * ROW, ks);
-            }
+                for (int ks = 0; ks < Q_KEPT; ++ks) load_a<HEAD_DIM>(Q_frag[mt][ks], Q_w + 16 * mt * ROW, ks);
         }
 
         float S[M_TILES][N_TILES][4];
         zero(S);
-        if constexpr (Q_IN_REGISTERS) {
 #pragma unroll
-            for (int ks = 0; ks < QK_STEPS; ++ks) {
-                unsigned a[M_TILES][4];
+        for (int ks = 0; ks < Q_KEPT; ++ks) {
+            unsigned a[M_TILES][4];
 #pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt)
+            for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) a[mt][i] = Q_frag[mt][ks][i];
-                mma_abt_step<T, HEAD_DIM, BLOCK_N, M_TILES>(S, a, kv.K_j(jb), ks);
-            }
-        } else {
-            // not unrolled: ptxas would hoist the fragments of later k-steps, past the registers O and S leave
+                for (int i = 0; i < 4; ++i) a[mt][i] = Q_frag[mt][ks][i];
+            mma_abt_step<T, HEAD_DIM, BLOCK_N, M_TILES>(S, a, kv.K_j(jb), ks);
+        }
+        // the rest read from Q_s; not unrolled: ptxas would hoist the fragments of later k-steps, past
+        // the registers O and S leave
 #pragma unroll 1
-            for (int ks = 0; ks < QK_STEPS; ++ks) {
-                unsigned a[M_TILES][4];
+        for (int ks = Q_KEPT; ks < QK_STEPS; ++ks) {
+            unsigned a[M_TILES][4];
 #pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt) load_a<HEAD_DIM>(a[mt], Q_w + 16 * mt * ROW, ks);
-                mma_abt_step<T, HEAD_DIM, BLOCK_N, M_TILES>(S, a, kv.K_j(jb), ks);
-            }
+            for (int mt = 0; mt < M_TILES; ++mt) load_a<HEAD_DIM>(a[mt], Q_w + 16 * mt * ROW, ks);
+            mma_abt_step<T, HEAD_DIM, BLOCK_N, M_TILES>(S, a, kv.K_j(jb), ks);
         }
 
 #pragma unroll
@@ -238,7 +241,34 @@ __global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : MIN_CTAS<HEAD_DIM>) a
         } else {
             // staged through the row tile's own rows of Q_s, which only this warp reads (the last time in
             // the last pass)
-            store_fragments_staged<HEAD_DIM>(Out, O[mt], inv_l, Q_w + 16 * mt * ROW, row_t, seqlen_q, head_dim);
+            store_fragments_staged<HEAD_DIM>(OUT_AFTER_LOOP ? make_out() : Out, O[mt], inv_l, Q_w + 16 * mt * ROW, row_t, seqlen_q, head_dim);
         }
     }
+}
+
+// The entry points. attn_fwd_tc: NUM_WARPS warps of one or two row tiles, registers left to ptxas
+// (__launch_bounds__). attn_fwd_tc_wide: WIDE_WARPS warps of two row tiles under a register cap
+// (WIDE_MAX_REGISTERS, tc_tile.cuh). specs.py says which head dims and modifiers take which.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool SPLIT = false>
+__global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : MIN_CTAS<HEAD_DIM>) attn_fwd_tc(
+    TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
+    SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
+    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {
+    // Q_i's A fragments stay in registers with one row tile; with two, O and S take the registers
+    // (kept, Q_frag took head_dim 64 to 246-254 registers under NVRTC 12.9 and 13.5)
+    constexpr int Q_KEPT = BLOCK_M == 16 * NUM_WARPS ? HEAD_DIM / 16 : 0;
+    attn_fwd_tc_cta<T, HEAD_DIM, BLOCK_M, BLOCK_N, MODS, SPLIT, NUM_WARPS, Q_KEPT>(
+        TENSOR_ARGS(q), TENSOR_ARGS(k), TENSOR_ARGS(v), TENSOR_ARGS(out), LSE_ARGS(lse), PROBLEM_ARGS, SPLIT_ARGS);
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
+__global__ void WIDE_BOUNDS(MODS) attn_fwd_tc_wide(
+    TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
+    T* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
+    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {
+    // k-step 0 of Q_i kept at head_dim 128, where it takes the shared-memory bytes per mma from 208 to
+    // 200; below, Q_i is read at every pass (keeping k-step 0 made head_dim 112 spill under its cap)
+    constexpr int Q_KEPT = HEAD_DIM == 128 ? 1 : 0;
+    attn_fwd_tc_cta<T, HEAD_DIM, BLOCK_M, BLOCK_N, MODS, false, WIDE_WARPS, Q_KEPT>(
+        TENSOR_ARGS(q), TENSOR_ARGS(k), TENSOR_ARGS(v), TENSOR_ARGS(out), LSE_ARGS(lse), PROBLEM_ARGS, SPLIT_ARGS);
 }

@@ -134,6 +134,16 @@ __device__ __forceinline__ Rows<T> head_rows(T* x, index_t s_batch, index_t s_se
 // offsets between the splits' partial outs and lses; read only by kernels specialised for SPLIT.
 #define SPLIT_PARAMS int key_split, index_t out_split, index_t lse_split
 
+// The same argument lists passed on, name for name: a kernel entry point handing its arguments to the
+// device function that does its CTA's work (attn_fwd_tc.cu).
+#define TENSOR_ARGS(x) x, x##_sb, x##_ss, x##_sh, x##_sd
+#define LSE_ARGS(x) x, x##_sb, x##_sh, x##_ss
+#define PROBLEM_ARGS                                                                                        \
+    seqlen_q, seqlen_k, heads_q, group, head_dim, scale, causal, diagonal, window_left, window_right, cap_in, \
+        cap_out, alibi, alibi_sb, alibi_sh, bias, bias_sb, bias_sh, bias_sq, bias_sk, bias_f32, keep, keep_sb, \
+        keep_sh, keep_sq, keep_sk
+#define SPLIT_ARGS key_split, out_split, lse_split
+
 // A forward kernel's out: T, or with split-KV the partial out in Acc (the merge's input).
 template <bool SPLIT, typename T, typename Acc>
 struct SplitOutT { using type = T; };

@@ -33,6 +33,21 @@ constexpr int TILE_ROW = (HEAD_DIM + 63) / 64 * 64;
 template <int HEAD_DIM>
 constexpr int MIN_CTAS = HEAD_DIM % 64 ? 1 : 0;
 
+// The wide forward (attn_fwd_tc_wide in attn_fwd_tc.cu): WIDE_WARPS warps, each of two row tiles,
+// capped at WIDE_MAX_REGISTERS<MODS> registers a thread. Left to ptxas under __launch_bounds__ it took
+// 254-255 registers and spilled (NVRTC 12.9 and 13.5, sm_80 and sm_90); each cap is one at which none
+// of those four spills (tests/test_nvrtc.py checks; scanned from 232 to 247, the window variant
+// spilled at 247 and the plain one at 240). __maxnreg__ came with CUDA 12.4: older NVRTCs get the
+// launch bounds, and may spill.
+constexpr int WIDE_WARPS = 8;
+template <int MODS>
+constexpr int WIDE_MAX_REGISTERS = (MODS & MOD_WINDOW) ? 240 : 247;
+#if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
+#define WIDE_BOUNDS(MODS) __maxnreg__(WIDE_MAX_REGISTERS<MODS>)
+#else
+#define WIDE_BOUNDS(MODS) __launch_bounds__(WIDE_WARPS * WARP_SIZE, 1)
+#endif
+
 // Element offset of 8-element chunk `chunk` of row `row` in a swizzled tile.
 template <int HEAD_DIM>
 __device__ __forceinline__ int swizzled(int row, int chunk) {
@@ -40,16 +55,17 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
     return row * TILE_ROW<HEAD_DIM> + ((chunk ^ (row & 7)) << 3);
 }
 
-// cp.async the ROWS x HEAD_DIM tile of rows row0.. of src into `tile` (swizzled); zero-fill the
-// rows from seqlen on and the columns from head_dim on. Not committed.
-template <int ROWS, int HEAD_DIM, typename T>
+// cp.async the ROWS x HEAD_DIM tile of rows row0.. of src into `tile` (swizzled), shared among the
+// CTA's THREADS threads; zero-fill the rows from seqlen on and the columns from head_dim on. Not
+// committed.
+template <int ROWS, int HEAD_DIM, int THREADS = NUM_THREADS, typename T>
 __device__ __forceinline__ void load_tile_async(T* tile, const Rows<const T>& src, int row0, int seqlen,
                                                 int head_dim) {
     constexpr int CHUNKS = HEAD_DIM / 8;
-    constexpr bool WHOLE = ROWS * CHUNKS % NUM_THREADS == 0;  // every thread copies as many chunks
+    constexpr bool WHOLE = ROWS * CHUNKS % THREADS == 0;  // every thread copies as many chunks
 #pragma unroll
-    for (int pass = 0; pass < (ROWS * CHUNKS + NUM_THREADS - 1) / NUM_THREADS; ++pass) {
-        const int e = pass * NUM_THREADS + threadIdx.x;
+    for (int pass = 0; pass < (ROWS * CHUNKS + THREADS - 1) / THREADS; ++pass) {
+        const int e = pass * THREADS + threadIdx.x;
         if (!WHOLE && e >= ROWS * CHUNKS) break;  // the last pass of a head_dim not a multiple of 64
         const int r = e / CHUNKS, c = e % CHUNKS;
         const bool valid = row0 + r < seqlen && 8 * c < head_dim;
@@ -68,11 +84,11 @@ __device__ __forceinline__ void load_tile_async(T* tile, const Rows<const T>& sr
 
 // cp.async rows row0.. of A and B into stage `stage` of A_s and B_s (2 tiles of ROWS rows each). Not
 // committed.
-template <int ROWS, int HEAD_DIM, typename T>
+template <int ROWS, int HEAD_DIM, int THREADS = NUM_THREADS, typename T>
 __device__ __forceinline__ void load_stage_async(T* A_s, T* B_s, int stage, const Rows<const T>& A,
                                                  const Rows<const T>& B, int row0, int seqlen, int head_dim) {
-    load_tile_async<ROWS, HEAD_DIM>(A_s + stage * ROWS * TILE_ROW<HEAD_DIM>, A, row0, seqlen, head_dim);
-    load_tile_async<ROWS, HEAD_DIM>(B_s + stage * ROWS * TILE_ROW<HEAD_DIM>, B, row0, seqlen, head_dim);
+    load_tile_async<ROWS, HEAD_DIM, THREADS>(A_s + stage * ROWS * TILE_ROW<HEAD_DIM>, A, row0, seqlen, head_dim);
+    load_tile_async<ROWS, HEAD_DIM, THREADS>(B_s + stage * ROWS * TILE_ROW<HEAD_DIM>, B, row0, seqlen, head_dim);
 }
 
 // Commit this pass's prefetch and wait for this thread's copies of this pass's stage.
@@ -83,8 +99,8 @@ __device__ __forceinline__ void cp_async_next_stage() {
 
 // The key blocks that the query block at i0 sees (or keys j_start .. j_end - 1, as given), streamed
 // through the two stages of K_s, V_s: pass jb (of `blocks`) computes on K_j(jb), V_j(jb), the key
-// block at j0(jb).
-template <int BLOCK_N, int HEAD_DIM, typename T>
+// block at j0(jb). THREADS: the CTA's threads, which share the copies.
+template <int BLOCK_N, int HEAD_DIM, typename T, int THREADS = NUM_THREADS>
 struct KVStream {
     T* K_s;
     T* V_s;
@@ -108,7 +124,7 @@ struct KVStream {
 
     // cp.async the key block of pass jb into its stage. Not committed.
     __device__ __forceinline__ void load(int jb) const {
-        load_stage_async<BLOCK_N, HEAD_DIM>(K_s, V_s, jb & 1, K, V, j0(jb), seqlen_k, head_dim);
+        load_stage_async<BLOCK_N, HEAD_DIM, THREADS>(K_s, V_s, jb & 1, K, V, j0(jb), seqlen_k, head_dim);
     }
 
     // At the top of pass jb: prefetch pass jb + 1 and wait for this thread's copies of pass jb.
