@@ -12,8 +12,9 @@ Stages, in this order, each in its own process with its own time limit:
   check      every backend, kernel path and dtype against the float64 oracle, each row on its own
   sanitizer  compute-sanitizer memcheck and racecheck on tiny shapes, where the tool is installed
   sweep      forward and backward time, TFLOP/s and peak memory beside torch SDPA's flash, cuDNN
-             and math backends, bfloat16 and float16; inputs made on the device once per shape and
-             shared by every implementation; head_dim 128 and causal first, as they matter most
+             and math backends, bfloat16 and float16, and the forward at the tile a head dim had
+             before (cupy-previous); inputs made on the device once per shape and shared by every
+             implementation; head_dim 128 and causal first, as they matter most
   plot       the sweep as one PNG
 
 Every result is appended to OUT/results.jsonl the moment it exists, and OUT/report.md is written
@@ -85,7 +86,12 @@ STAGES = (("preflight", 60), ("blocks", 90), ("pytest", 120), ("check", 150), ("
 STAGE_NAMES = tuple(name for name, _ in STAGES)
 MAX_RESTARTS = 4  # fresh processes for a stage whose process keeps dying inside items
 
-SWEEP_IMPLS = ("cupy", "numba", "torch-flash", "torch-cudnn", "torch-math")
+SWEEP_IMPLS = ("cupy", "cupy-previous", "numba", "torch-flash", "torch-cudnn", "torch-math")
+# The forward tiles of the head dims whose tile changed since the last GPU measured them, timed as
+# "cupy-previous" (forward only) beside "cupy": head_dim 128 went from 4 warps of one row tile and 64
+# keys a pass (320 shared-memory bytes per mma, 0.58-0.72x torch's flash on the H200 in the README) to
+# the 8-warp kernel of 256 rows and 32 keys (200 bytes per mma), which no GPU has run yet
+PREVIOUS_FORWARD_TILES = {128: (64, 64)}
 
 
 # ----------------------------------------------------------------------------
@@ -330,6 +336,21 @@ def _median_seconds(fn, dry: bool, sizes: Sizes) -> float:
     return times[len(times) // 2]
 
 
+def previous_forward(forward, head_dim: int):
+    """The cupy forward `forward` (a closure of bench.closures) with head_dim's tile of before
+    (PREVIOUS_FORWARD_TILES), which the module cache keeps apart from today's."""
+    from flashcupy.backends.cupy_backend import specs
+
+    def call():
+        saved = specs.TC_FORWARD_TILES
+        specs.TC_FORWARD_TILES = {**saved, head_dim: PREVIOUS_FORWARD_TILES[head_dim]}
+        try:
+            return forward()
+        finally:
+            specs.TC_FORWARD_TILES = saved
+    return call
+
+
 def sweep_items(args):
     from flashcupy import backends
     from flashcupy._api import default_scale
@@ -338,14 +359,15 @@ def sweep_items(args):
     device = "cpu" if args.dry_run else "cuda"
     impls, missing = [], []
     for impl in SWEEP_IMPLS:
-        reason = (backends.unavailable_reason(impl) if impl in backends.NAMES else bench.torch_available())
+        reason = (backends.unavailable_reason(impl.split("-")[0]) if impl.split("-")[0] in backends.NAMES
+                  else bench.torch_available())
         if reason is None and impl == "torch-cudnn" and args.dry_run:
             reason = "cuDNN attention needs a GPU"
         if reason is None and impl == "numba" and args.dry_run:
             reason = "not timed in the dry run: the simulator takes minutes a call (the check stage runs it)"
         if reason is None:
             impls.append(impl)
-        elif impl != "torch-math":  # torch's absence is said by torch-flash and torch-cudnn
+        elif impl not in ("torch-math", "cupy-previous"):  # said by torch-flash and torch-cudnn, by cupy
             missing.append((impl, reason))
     inputs = {}  # the current shape's inputs, shared by every implementation
 
@@ -357,10 +379,12 @@ def sweep_items(args):
             inputs[shape] = _device_inputs((B, S, H, D), (B, S, H, D), dtype, zlib.crc32(repr(shape).encode()),
                                            args.dry_run)
         q, k, v, dout = inputs[shape]
-        forward, backward = bench.closures(impl, q, k, v, dout, causal, default_scale(D), device,
-                                            bf16_bits=dtype == "bfloat16")
+        forward, backward = bench.closures(impl.split("-")[0] if impl == "cupy-previous" else impl, q, k, v, dout,
+                                           causal, default_scale(D), device, bf16_bits=dtype == "bfloat16")
+        passes = ((("forward", previous_forward(forward, D)),) if impl == "cupy-previous"
+                  else (("forward", forward), ("backward", backward)))
         records = []
-        for pass_, fn in (("forward", forward), ("backward", backward)):
+        for pass_, fn in passes:
             seconds = _median_seconds(fn, args.dry_run, sizes)
             peak = None if args.dry_run else bench.gpu_peak(fn, impl)
             records.append({"type": "timing", "impl": impl, "pass": pass_, "dtype": dtype, "head_dim": D,
@@ -375,6 +399,8 @@ def sweep_items(args):
                     if impl == "numba" and (dtype == "bfloat16" or S > sizes.numba_max_seqlen):
                         continue  # numba has no bfloat16 arithmetic
                     if impl == "torch-math" and S > sizes.math_max_seqlen:
+                        continue
+                    if impl == "cupy-previous" and D not in PREVIOUS_FORWARD_TILES:
                         continue
                     key = f"{impl}/{dtype}/D{D}/{'causal' if causal else 'full'}/S{S}"
                     yield key, functools.partial(measure, impl, dtype, D, causal, S)
@@ -647,7 +673,8 @@ def _speed_tables(timings) -> list:
             if not rows:
                 continue
             lines += [f"### {dtype} {pass_}", "", "| D | causal | S | B x H | " + " | ".join(impls)
-                      + " | cupy / torch-flash | cupy / torch-cudnn |", "|---" * (len(impls) + 6) + "|"]
+                      + " | cupy / torch-flash | cupy / torch-cudnn | cupy / cupy-previous |",
+                      "|---" * (len(impls) + 7) + "|"]
             for D, causal, S in sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in rows},
                                        key=lambda k: (-k[0], not k[1], k[2])):
                 cell = {r["impl"]: r for r in rows if (r["head_dim"], r["causal"], r["seqlen"]) == (D, causal, S)}
@@ -666,7 +693,8 @@ def _speed_tables(timings) -> list:
                     return ""
 
                 lines.append(f"| {D} | {causal} | {S} | {any_row['batch']} x {any_row['heads']} | "
-                             + " | ".join(show(i) for i in impls) + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} |")
+                             + " | ".join(show(i) for i in impls)
+                             + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} | {ratio('cupy-previous')} |")
             lines.append("")
     return lines
 
@@ -680,10 +708,11 @@ def short_table(records) -> str:
     timings = {(r["impl"], r["dtype"], r["pass"], r["head_dim"], r["causal"], r["seqlen"]): r["tflops"]
                for r in records if r["type"] == "timing"}
     for (impl, dtype, pass_, D, causal, S), tf in sorted(timings.items()):
-        if impl == "cupy" and (("torch-flash",) + (dtype, pass_, D, causal, S)) in timings:
-            base = timings[("torch-flash", dtype, pass_, D, causal, S)]
-            out.append(f"{dtype} {pass_:<8} D={D} causal={causal!s:<5} S={S:<6} cupy {tf:6.1f}  flash {base:6.1f}"
-                       f"  {tf / base:.2f}x")
+        for other, name in (("torch-flash", "flash"), ("cupy-previous", "previous tile")):
+            if impl == "cupy" and ((other,) + (dtype, pass_, D, causal, S)) in timings:
+                base = timings[(other, dtype, pass_, D, causal, S)]
+                out.append(f"{dtype} {pass_:<8} D={D} causal={causal!s:<5} S={S:<6} cupy {tf:6.1f}  {name} "
+                           f"{base:6.1f}  {tf / base:.2f}x")
     return "\n".join(out)
 
 

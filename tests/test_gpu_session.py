@@ -84,3 +84,29 @@ def test_a_process_that_dies_inside_an_item_is_restarted_after_it(tmp_path):
     measured = [key for key in begun if not key.startswith("unavailable/")]
     assert begun[0] in timed and crash["key"] not in timed and set(measured[2:]) <= timed and len(measured) > 4
     assert f"`{crash['key']}`: crash" in report
+
+
+def test_the_previous_tile_runs_the_kernel_a_head_dim_had_before(monkeypatch):
+    # the sweep's "cupy-previous" times the forward at PREVIOUS_FORWARD_TILES: that kernel must be the one
+    # launched, give the oracle's answer, and leave the tile table as it was
+    import importlib.util
+
+    import numpy as np
+    from conftest import assert_matches_oracle
+    from cupy_emulation import emulated, recording
+
+    from flashcupy.backends.cupy_backend import specs
+    from flashcupy.tools import bench
+    spec = importlib.util.spec_from_file_location("gpu_session", os.path.join(ROOT, "benchmarks", "gpu_session.py"))
+    gpu_session = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_session", gpu_session)  # its dataclasses look their module up
+    spec.loader.exec_module(gpu_session)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 70, 2, 128)).astype(np.float16) for _ in range(3))
+    tables, launched = dict(specs.TC_FORWARD_TILES), []
+    with emulated(compile=recording(launched)):
+        forward, _ = bench.closures("cupy", q, k, v, q, True, 128 ** -0.5, "cpu")
+        out = gpu_session.previous_forward(forward, 128)()
+    assert launched == ["attn_fwd_tc_wide<__half, 128, 256, 32>", "attn_fwd_tc<__half, 128, 64, 64>"]
+    assert gpu_session.PREVIOUS_FORWARD_TILES[128] == (64, 64) and specs.TC_FORWARD_TILES == tables
+    assert_matches_oracle((out,), q, k, v, causal=True)
