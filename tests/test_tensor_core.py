@@ -73,8 +73,9 @@ def test_attn_fwd_tc_matches_oracle(case, fmt, schedule, rng):
 
 # The wide forward (attn_fwd_tc_wide, head_dim 72-128: query blocks of 256 rows on 8 warps, key blocks of
 # 32): two query blocks, GQA; causal with Sq < Sk, so the diagonal crosses the second block's tiles; and
-# a window narrower than a query block, whose band leaves whole key blocks out of either block
-@pytest.mark.parametrize("schedule", SCHEDULES, ids="-".join)
+# a window narrower than a query block, whose band leaves whole key blocks out of either block. Every
+# thread order of the emulator, and cp.async both ways
+@pytest.mark.parametrize("schedule", SCHEDULES + (("shuffled", "eager"),), ids="-".join)
 @pytest.mark.parametrize("causal, window", [(True, None), (False, (40, 3))], ids=["causal", "window"])
 def test_the_wide_forward_across_query_blocks(causal, window, schedule, rng):
     q, k, v = tc_inputs(rng, (1, 300, 330, 2, 1, 128, causal), "float16")
