@@ -129,11 +129,12 @@ def cmd_bench(args) -> int:
 
 
 def cmd_kernels(args) -> int:
-    from flashcupy.backends.cupy_backend import nvrtc, sources
+    from flashcupy.backends.cupy_backend import nvrtc, sources, specs
     if args.counters:
         return cmd_kernels_counters(args)
     toolkits = nvrtc.toolkits()
-    reports = {f"NVRTC {t.version}": nvrtc.kernel_report(args.arch, t) for t in toolkits}
+    modules = specs.every_tc_modifier_set_modules() if args.every_modifier_set else None
+    reports = {f"NVRTC {t.version}": nvrtc.kernel_report(args.arch, t, modules) for t in toolkits}
     for t in toolkits:
         print(f"NVRTC {t.version}: {t.nvrtc}, CUDA headers {t.include}")
     options = " ".join(sources.COMPILE_OPTIONS + sources.CUPY_NVRTC_OPTIONS)
@@ -222,6 +223,9 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--counters", action="store_true",
                    help="also run a small launch of each kernel on the CPU emulator (a checkout's tests/) and "
                         "print its memory counters and a roofline model for A100, H100 and H200")
+    k.add_argument("--every-modifier-set", action="store_true",
+                   help="the tensor-core kernels with each of the 32 sets of score modifiers, not only none, "
+                        "the window and all of them (464 modules an NVRTC: minutes)")
     return ap
 
 

@@ -167,26 +167,43 @@ def test_tensor_core_head_dims_between_the_buckets_fit(monkeypatch):
     assert not nvrtc.limits_exceeded(rows), nvrtc.limits_exceeded(rows)
 
 
-def mmas_per_pass(kernel: str, head_dim: int, block_m: int, block_n: int) -> int:
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_forward_with_a_bias_or_mask_fits(monkeypatch, arch):
+    # the reports compile a bias and a mask only beside every other modifier; the forward with each of
+    # the 24 sets of modifiers that hold one spilled in some under ptxas' own heuristic
+    # (specs.TC_FORWARD_TILES_PAIRS). Under NVRTC 12, in float16 (bfloat16 compiled alike)
+    modules = [specs.tc_forward_module("float16", d, m) for d in specs.TC_HEAD_DIM_BUCKETS
+               for m in range(specs.ALL_MODS + 1) if m & specs.MOD_PAIRS]
+    monkeypatch.setattr(specs, "all_modules", lambda: modules)
+    rows = nvrtc.kernel_report(arch, toolkit_of(12))
+    assert len(rows) == len(modules) == 48 and not nvrtc.limits_exceeded(rows), nvrtc.limits_exceeded(rows)
+
+
+def mmas_per_pass(kernel: str, head_dim: int, block_m: int, block_n: int, rolled: bool = False) -> int:
     """The m16n8k16 mmas one warp issues in one pass of the kernel's loop, its products as in the kernel
-    headers: a (16 x n) (n x k) product takes (n / 16) (k / 8) of them."""
+    headers: a (16 x n) (n x k) product takes (n / 16) (k / 8) of them. rolled: the backward's S and dP
+    products run their k-steps as a loop (with a score modifier, two_mma_abt's ROLLED), so the code
+    holds one k-step of them."""
     def product(n, k):
         return n // 16 * k // 8
+    k_steps = 16 if rolled else head_dim
     if kernel in specs.TC_FORWARD_TEMPLATES:  # S = Q_i K_jᵀ; O += P V_j
         return product(head_dim, block_n) + product(block_n, head_dim)
     if kernel == "attn_bwd_dkdv_tc":  # Sᵀ, dPᵀ; dV += Pᵀ dO_i, dK += dSᵀ Q_i
-        return 2 * product(head_dim, block_m) + 2 * product(block_m, head_dim)
-    return 2 * product(head_dim, block_n) + product(block_n, head_dim)  # dQ: S, dP; dQ += dS K_j
+        return 2 * product(k_steps, block_m) + 2 * product(block_m, head_dim)
+    return 2 * product(k_steps, block_n) + product(block_n, head_dim)  # dQ: S, dP; dQ += dS K_j
 
 
 def test_tensor_core_kernels_run_on_tensor_cores(report):
-    # the loops over tiles are unrolled: every mma of a pass is an HMMA of its own in the SASS
+    # the loops over tiles are unrolled: every mma of a pass is an HMMA of its own in the SASS (but the
+    # k-steps of rolled products)
     what, rows = report
     tc = [r for r in rows if r["kernel"] in specs.TC_TEMPLATES]
     assert {r["kernel"] for r in tc} == set(specs.TC_TEMPLATES)
     for r in tc:
         block_m, block_n = map(int, r["tile"].split("x"))
-        want = mmas_per_pass(r["kernel"], r["head_dim"], block_m, block_n)
+        modified = any(name in (r["mods"] or "").split("+") for name in specs.MOD_BITS)
+        want = mmas_per_pass(r["kernel"], r["head_dim"], block_m, block_n, rolled=modified)
         assert r["hmma"] >= want, f"{what}: {r['kernel']} {r['dtype']} {r['head_dim']}: {r['hmma']} HMMA < {want}"
     assert all(r["hmma"] is None for r in rows if r["kernel"] not in specs.TC_TEMPLATES)
 
@@ -235,3 +252,17 @@ def test_tensor_core_kernels_use_ldmatrix_and_cp_async(arch, build):
         # ldmatrix of tiles as stored (the B operand of a product with a transposed tile) and
         # transposed (of a product with the tile itself), cp.async for every tile
         assert "LDSM.16.M88.4" in sass and "LDSM.16.MT88.4" in sass and "LDGSTS" in sass, name
+
+
+def test_the_cli_compiles_every_set_of_modifiers_when_asked(monkeypatch, capsys):
+    # `kernels --every-modifier-set` hands the report the tensor-core modules of all 32 sets
+    from flashcupy import __main__ as cli
+    asked, toolkit = [], toolkit_of(12)
+    monkeypatch.setattr(nvrtc, "toolkits", lambda: (toolkit,))
+    monkeypatch.setattr(nvrtc, "kernel_report", lambda arch, toolkit, modules=None: asked.append(modules) or [])
+    assert cli.main(["kernels", "--every-modifier-set"]) == 0
+    (modules,) = asked
+    kernels = [k for m in modules for k in m.kernels if k.tensor_cores]
+    assert {k.mods for k in kernels} == set(range(specs.ALL_MODS + 1))
+    assert {k.template for k in kernels} == set(specs.TC_TEMPLATES) and any(k.split for k in kernels)
+    assert cli.main(["kernels"]) == 0 and asked[1] is None

@@ -362,14 +362,15 @@ def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, c
     return rows
 
 
-def kernel_report(arch: str = "sm_90", toolkit: Toolkit | None = None) -> list:
-    """One row per kernel specialization the cupy backend can launch (specs.all_modules: without score
-    modifiers and with all of them), compiled for `arch` by the NVRTC of `toolkit` (default: CuPy's)."""
+def kernel_report(arch: str = "sm_90", toolkit: Toolkit | None = None, modules=None) -> list:
+    """One row per kernel specialization the cupy backend can launch (`modules`, by default
+    specs.all_modules: without score modifiers and with all of them), compiled for `arch` by the NVRTC
+    of `toolkit` (default: CuPy's)."""
     if not re.fullmatch(r"sm_\d+a?", arch):
         raise ValueError(f"arch must look like sm_80 or sm_90, got {arch!r}")
     toolkit = toolkit or cupy_toolkit()
     options = compile_options(arch, toolkit)
-    modules = specs.all_modules()
+    modules = specs.all_modules() if modules is None else modules
     compiled = _results(toolkit, [(sources.read_source(m.source_file), m.name_expressions, options) for m in modules])
     # the preprocess kernel does not depend on the head-dim bucket: report it once per dtype
     rows, seen = [], set()

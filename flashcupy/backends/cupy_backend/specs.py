@@ -117,9 +117,12 @@ TC_BACKWARD_DKDV_TILES_ATOMIC = {64: (64, 64), 128: (16, 64)}
 # With a bias or mask at head_dim 128 it reached 252 registers even so (sm_90, NVRTC 12.9): those calls
 # keep the deterministic kernels.
 TC_ATOMIC_BUCKETS_PAIRS = (64,)
-# With a bias or a bool mask, the forward at head_dim 128 takes half the keys a pass: with every
-# modifier on, the full tile reached 255 registers and spilled.
-TC_FORWARD_TILES_PAIRS = {64: (64, 64), 128: (64, 32)}
+# With a bias or a bool mask the forward takes 64 rows and 32 keys a pass, and asks ptxas for two CTAs
+# an SM (attn_fwd_tc.cu): with 64 keys at head_dim 128 every modifier took it to 255 registers and
+# spills; under ptxas' own heuristic (168 registers) 64 x 64 at head_dim 64 and 64 x 32 at 128 spilled
+# with some of the 24 sets of modifiers that hold a bias or mask, and two CTAs with 64 x 64 at
+# head_dim 64 reached 255. With these, the most is 236 (tests/test_nvrtc.py compiles all 24).
+TC_FORWARD_TILES_PAIRS = {64: (64, 32), 128: (64, 32)}
 # Split-KV forwards take half the keys a pass: the split's offsets and the float partial out took the
 # full tiles past the register limit (255 registers and spills at head_dim 128; 64 with every
 # modifier). A decode's passes are few and memory-bound, so the smaller tile costs little.
@@ -349,6 +352,18 @@ def all_modules(mods=REPORT_MODS, tc_mods=REPORT_TC_MODS):
                for m in tc_mods for dtype in TC_DTYPES for bucket in TC_HEAD_DIM_BUCKETS
                for build in (tc_forward_module, tc_backward_module, deterministic_tc_backward_module)]
             + split_modules(mods))
+
+
+def every_tc_modifier_set_modules(dtypes=TC_DTYPES):
+    """The tensor-core modules with each of the 32 sets of score modifiers (the report above compiles
+    three: none, the window, all), at both head-dim buckets: the forward, split-KV forward, default and
+    deterministic backward. `python -m flashcupy kernels --every-modifier-set` compiles them
+    (minutes)."""
+    builds = (tc_forward_module, lambda d, b, m: tc_forward_module(d, b, m, True), tc_backward_module,
+              deterministic_tc_backward_module)
+    modules = [build(dtype, bucket, m) for m in range(ALL_MODS + 1) for dtype in dtypes
+               for bucket in TC_HEAD_DIM_BUCKETS for build in builds]
+    return list({m.name_expressions: m for m in modules}.values())  # a kernel once, where sets share it
 
 
 def deterministic_tc_backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:

@@ -76,7 +76,11 @@
 //
 // Registers: every loop over a tile is unrolled and ptxas hoists the ldmatrix of whole k-loops ahead
 // of their mmas, so it takes what __launch_bounds__ allows (MIN_CTAS, tc_tile.cuh): 2 CTAs (8 warps)
-// an SM by registers. Asking for 3 CTAs (168 registers a thread) makes ptxas spill.
+// an SM by registers. Asking for 3 CTAs (168 registers a thread) makes ptxas spill, and so did its own
+// heuristic, which chose 3 (or 4) for some sets of modifiers that the NVRTC report does not compile:
+// dQ with any modifier, and dK/dV at head_dim 64 with softcap, ALiBi or a bias, ask for 2. With any
+// modifier the S and dP products also run their k-steps as a loop (two_mma_abt's ROLLED, tc_tile.cuh),
+// which frees the registers the modifiers' work takes; the plain kernels keep the unrolled loop.
 //
 // Requirements on the arguments, checked by the launcher (as for attn_fwd_tc): head_dim a multiple
 // of 8 and at most HEAD_DIM (columns past head_dim are zero-filled); q, k, v, dout and the outputs
@@ -142,7 +146,7 @@ __device__ __forceinline__ void atomic_dq(const Rows<float>& dQ, const T* dS_s, 
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool DQ_ATOMIC = false>
-__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS<HEAD_DIM>) attn_bwd_dkdv_tc(
+__global__ void __launch_bounds__(NUM_THREADS, (MODS & MOD_SCORE) && HEAD_DIM == 64 ? 2 : MIN_CTAS<HEAD_DIM>) attn_bwd_dkdv_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
     PROBLEM_PARAMS(float), TENSOR_PARAMS(float, dqa)) {
@@ -213,7 +217,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS<HEAD_DIM>) attn_bwd_dkdv
 
         // Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ: the warp's 16 keys x BLOCK_M queries
         float S[M_TILES][4], dP[M_TILES][4];
-        two_mma_abt<T, HEAD_DIM, BLOCK_M>(S, dP, K_s + 16 * warp * ROW, Q_i, V_s + 16 * warp * ROW, dO_i);
+        two_mma_abt<T, HEAD_DIM, BLOCK_M, MODS != 0>(S, dP, K_s + 16 * warp * ROW, Q_i, V_s + 16 * warp * ROW, dO_i);
 
         // Sᵀ becomes Pᵀ, dPᵀ becomes dSᵀ: row r of the warp's tile is key key_w + r, column c query i0 + c
         const bool partial = (MODS & MOD_MASK) != 0 || mask.partial(i0, blk.j0);  // the bool mask: any tile
@@ -269,7 +273,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS<HEAD_DIM>) attn_bwd_dkdv
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
-__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS<HEAD_DIM>) attn_bwd_dq_tc(
+__global__ void __launch_bounds__(NUM_THREADS, MODS ? 2 : MIN_CTAS<HEAD_DIM>) attn_bwd_dq_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dq), PROBLEM_PARAMS(float)) {
     static_assert(BLOCK_M == 16 * NUM_WARPS, "each warp owns 16 query rows: one mma row tile");
@@ -323,7 +327,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS<HEAD_DIM>) attn_bwd_dq_t
 
         // S = Q_i K_jᵀ and dP = dO_i V_jᵀ: the warp's 16 rows x BLOCK_N keys
         float S[N_TILES][4], dP[N_TILES][4];
-        two_mma_abt<T, HEAD_DIM, BLOCK_N>(S, dP, Q_s + 16 * warp * ROW, kv.K_j(jb), dO_s + 16 * warp * ROW,
+        two_mma_abt<T, HEAD_DIM, BLOCK_N, MODS != 0>(S, dP, Q_s + 16 * warp * ROW, kv.K_j(jb), dO_s + 16 * warp * ROW,
                                           kv.V_j(jb));
 
         // dP becomes dS: row r of the warp's tile is query row_w + r (the lane's r / 8), column c key j0 + c

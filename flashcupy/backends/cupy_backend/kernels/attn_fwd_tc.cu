@@ -62,8 +62,9 @@
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 128),
 // BLOCK_M (16 M_TILES WARPS, M_TILES 1 or 2), BLOCK_N (a multiple of 16), MODS the score modifiers
 // (0: none), SPLIT split-KV (attn_fwd_tc only). The split kernels ask ptxas for one CTA an SM
-// (__launch_bounds__): left to its heuristic it held them to 128 registers and spilled; the other
-// 4-warp ones ask MIN_CTAS, and the wide one has a register cap (tc_tile.cuh).
+// (__launch_bounds__): left to its heuristic it held them to 128 registers and spilled; those with
+// a bias or mask ask for two; the other 4-warp ones ask MIN_CTAS, and the wide one has a register cap
+// (tc_tile.cuh).
 
 #include "mask.cuh"
 #include "tc_tile.cuh"
@@ -247,10 +248,13 @@ __device__ __forceinline__ void attn_fwd_tc_cta(
 }
 
 // The entry points. attn_fwd_tc: NUM_WARPS warps of one or two row tiles, registers left to ptxas
-// (__launch_bounds__). attn_fwd_tc_wide: WIDE_WARPS warps of two row tiles under a register cap
-// (WIDE_MAX_REGISTERS, tc_tile.cuh). specs.py says which head dims and modifiers take which.
+// (__launch_bounds__); with a bias or a bool mask it asks for two CTAs an SM (up to 255 registers):
+// left to its heuristic, ptxas held those to 168 registers and spilled 12-104 bytes in some of the
+// 24 sets of modifiers that hold one. attn_fwd_tc_wide: WIDE_WARPS warps of two row tiles under a
+// register cap (WIDE_MAX_REGISTERS, tc_tile.cuh). specs.py says which head dims and modifiers take
+// which.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool SPLIT = false>
-__global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : MIN_CTAS<HEAD_DIM>) attn_fwd_tc(
+__global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : (MODS & (MOD_BIAS | MOD_MASK)) ? 2 : MIN_CTAS<HEAD_DIM>) attn_fwd_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
     LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {

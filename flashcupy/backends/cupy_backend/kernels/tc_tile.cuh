@@ -198,13 +198,15 @@ __device__ __forceinline__ void mma_abt_step(float (&X)[COLS / 8][4], const unsi
 
 // X = A_s B_sᵀ and Y = C_s D_sᵀ: A_s, C_s the warp's 16 rows, B_s, D_s COLS rows each. The A
 // operands are read from shared memory at every k-step, one ldmatrix_x4 shared by the COLS / 8 mmas
-// of that step, which leaves the registers to the fp32 accumulators.
-template <typename T, int HEAD_DIM, int COLS>
+// of that step, which leaves the registers to the fp32 accumulators. ROLLED: the loop over k-steps is
+// not unrolled, so ptxas cannot load the fragments of every k-step ahead of their mmas (which took
+// the backward with a bool mask at head_dim 128 to 255 registers and spills; rolled, 154-184).
+template <typename T, int HEAD_DIM, int COLS, bool ROLLED = false>
 __device__ __forceinline__ void two_mma_abt(float (&X)[COLS / 8][4], float (&Y)[COLS / 8][4], const T* A_s,
                                             const T* B_s, const T* C_s, const T* D_s) {
     zero(X);
     zero(Y);
-#pragma unroll
+#pragma unroll(ROLLED ? 1 : HEAD_DIM / 16)
     for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
         unsigned a[4], c[4];
         load_a<HEAD_DIM>(a, A_s, ks);
