@@ -348,10 +348,17 @@ def all_modules(mods=REPORT_MODS, tc_mods=REPORT_TC_MODS):
              for m in mods for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS
              for build in (forward_module, backward_module, probs_module)
              + ((dbias_module,) if m & MOD_BITS["bias"] else ())]
-            + [build(dtype, bucket, m)
-               for m in tc_mods for dtype in TC_DTYPES for bucket in TC_HEAD_DIM_BUCKETS
-               for build in (tc_forward_module, tc_backward_module, deterministic_tc_backward_module)]
+            + tc_modules(tc_mods)
             + split_modules(mods))
+
+
+def tc_modules(tc_mods, dtypes=TC_DTYPES, split: bool = False) -> list:
+    """The tensor-core forward, backward and deterministic backward (and split-KV forward if asked)
+    for each MODS of `tc_mods`, dtype and bucket."""
+    builds = (tc_forward_module, tc_backward_module, deterministic_tc_backward_module)
+    builds += (lambda dtype, bucket, m: tc_forward_module(dtype, bucket, m, True),) if split else ()
+    return [build(dtype, bucket, m)
+            for m in tc_mods for dtype in dtypes for bucket in TC_HEAD_DIM_BUCKETS for build in builds]
 
 
 def every_tc_modifier_set_modules(dtypes=TC_DTYPES):
@@ -359,10 +366,7 @@ def every_tc_modifier_set_modules(dtypes=TC_DTYPES):
     three: none, the window, all), at both head-dim buckets: the forward, split-KV forward, default and
     deterministic backward. `python -m flashcupy kernels --every-modifier-set` compiles them
     (minutes)."""
-    builds = (tc_forward_module, lambda d, b, m: tc_forward_module(d, b, m, True), tc_backward_module,
-              deterministic_tc_backward_module)
-    modules = [build(dtype, bucket, m) for m in range(ALL_MODS + 1) for dtype in dtypes
-               for bucket in TC_HEAD_DIM_BUCKETS for build in builds]
+    modules = tc_modules(range(ALL_MODS + 1), dtypes, split=True)
     return list({m.name_expressions: m for m in modules}.values())  # a kernel once, where sets share it
 
 

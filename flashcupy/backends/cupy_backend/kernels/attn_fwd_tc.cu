@@ -242,7 +242,8 @@ __device__ __forceinline__ void attn_fwd_tc_cta(
         } else {
             // staged through the row tile's own rows of Q_s, which only this warp reads (the last time in
             // the last pass)
-            store_fragments_staged<HEAD_DIM>(OUT_AFTER_LOOP ? make_out() : Out, O[mt], inv_l, Q_w + 16 * mt * ROW, row_t, seqlen_q, head_dim);
+            store_fragments_staged<HEAD_DIM>(OUT_AFTER_LOOP ? make_out() : Out, O[mt], inv_l, Q_w + 16 * mt * ROW,
+                                             row_t, seqlen_q, head_dim);
         }
     }
 }
@@ -254,7 +255,7 @@ __device__ __forceinline__ void attn_fwd_tc_cta(
 // register cap (WIDE_MAX_REGISTERS, tc_tile.cuh). specs.py says which head dims and modifiers take
 // which.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool SPLIT = false>
-__global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : (MODS & (MOD_BIAS | MOD_MASK)) ? 2 : MIN_CTAS<HEAD_DIM>) attn_fwd_tc(
+__global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : (MODS & MOD_PAIRS) ? 2 : MIN_CTAS<HEAD_DIM>) attn_fwd_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
     LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {

@@ -32,6 +32,7 @@ constexpr int MOD_ALIBI = 4;    // s -> s - slope |i + diagonal - j|, a slope pe
 constexpr int MOD_BIAS = 8;     // s -> s + bias[b, h, i, j]
 constexpr int MOD_MASK = 16;    // the pair is hidden where mask[b, h, i, j] is false (the caller's bool mask)
 constexpr int MOD_SCORE = MOD_SOFTCAP | MOD_ALIBI | MOD_BIAS;  // the modifiers that change a score's value
+constexpr int MOD_PAIRS = MOD_BIAS | MOD_MASK;  // they read a rank-4 array per (query, key) pair
 
 template <int BLOCK_M, int BLOCK_N, bool WINDOW = false>  // query rows and keys of the kernel's tile
 struct Mask {
