@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from flashcupy._problem import default_scale
 from flashcupy.tools import bench
 from flashcupy.backends import numpy_backend
 
@@ -127,7 +128,7 @@ def set_threads(n: int) -> None:
 def run_case(dtype, batch, seqlen, head_dim, causal, threads, rounds, budget) -> dict:
     set_threads(threads)
     q, k, v, dout = bench.make_inputs(batch, HEADS, seqlen, head_dim, np.dtype(dtype), "cpu")
-    scale = head_dim ** -0.5
+    scale = default_scale(head_dim)
     ours = bench.closures("numpy", q, k, v, dout, causal, scale, "cpu")
     theirs = bench.closures("torch-sdpa", q, k, v, dout, causal, scale, "cpu")
     row = dict(dtype=dtype, batch=batch, heads=HEADS, seqlen=seqlen, head_dim=head_dim, causal=causal,
@@ -146,7 +147,7 @@ def low_precision_case(dtype, seqlen, head_dim, threads, rounds, budget) -> dict
     set_threads(threads)
     carrier = "uint16" if dtype == "bfloat16" else dtype
     q, k, v, dout = bench.make_inputs(1, HEADS, seqlen, head_dim, np.float32, "cpu")
-    scale = head_dim ** -0.5
+    scale = default_scale(head_dim)
     if dtype == "bfloat16":
         low = [bench_bf16_bits(x) for x in (q, k, v, dout)]
         to32 = lambda x: (x.astype(np.uint32) << 16).view(np.float32)  # noqa: E731

@@ -31,6 +31,7 @@ import numpy as np
 
 import flashcupy
 import flashcupy.dask as fdask
+from flashcupy._problem import default_scale
 from flashcupy.backends import numpy_backend
 
 
@@ -125,7 +126,7 @@ def long_forward(seqlen, heads, head_dim, chunk) -> dict:
         seconds, (out, lse) = _timed(lambda: dask.compute(out, lse, scheduler="threads", num_workers=2))
     # a few rows against the formula in float64: row i sees keys 0..i
     worst = 0.0
-    scale = 1 / np.sqrt(head_dim)
+    scale = default_scale(head_dim)
     for i in (0, 1, chunk - 1, chunk, seqlen // 2 + 3, seqlen - 1):
         s = np.einsum("hd,jhd->hj", q[0, i].astype(np.float64), k[0, :i + 1].astype(np.float64)) * scale
         m = s.max(1, keepdims=True)

@@ -353,7 +353,7 @@ def previous_forward(forward, head_dim: int):
 
 def sweep_items(args):
     from flashcupy import backends
-    from flashcupy._api import default_scale
+    from flashcupy._problem import default_scale
     from flashcupy.tools import bench
     sizes = DRY if args.dry_run else GPU
     device = "cpu" if args.dry_run else "cuda"

@@ -20,98 +20,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import _interop, backends
+from ._problem import FLOAT_DTYPES, LOG2E, MODIFIERS, Problem, accumulation_dtype, default_scale
 
-FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
-MODIFIERS = ("window", "softcap", "alibi_slopes", "bias", "mask")  # the keywords, in the order they apply
 BIT_CARRIERS = (np.dtype(np.uint16), np.dtype(np.int16))  # what dtype="bfloat16" reads
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Everything a backend needs to know besides q, k, v (and dout, out, lse): shapes, options,
-    and the score modifiers, the arrays among them (alibi_slopes, bias, mask) included."""
-
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    dtype: str          # the values' dtype, by name: float16, float32, float64 or bfloat16
-    causal: bool
-    scale: float
-    carrier: np.dtype   # the arrays' own dtype: dtype, or uint16/int16 holding bfloat16 bits
-    # Score modifiers (README, Semantics); None where absent. The window's sides as validated, None
-    # unbounded; with causal the window's right is dropped (causal is right = 0, see band).
-    window_left: int | None = None
-    window_right: int | None = None
-    softcap: float | None = None
-    # arrays of the inputs' library: (heads_q,) or (batch, heads_q); rank 4 and broadcastable to
-    # (batch, heads_q, seqlen_q, seqlen_k), bias in q's dtype (carrier) or float32, mask bool
-    alibi_slopes: object = field(default=None, compare=False, repr=False)
-    bias: object = field(default=None, compare=False, repr=False)
-    mask: object = field(default=None, compare=False, repr=False)
-    # The diagonal when this problem is a chunk of a larger one (flashcupy.dask: the chunks' global
-    # positions); None: seqlen_k - seqlen_q, the bottom-right alignment of the whole arrays.
-    offset: int | None = None
-
-    @property
-    def band(self) -> tuple:
-        """(left, right), each None when unbounded: query i sees key j only if
-        i + diagonal - left <= j <= i + diagonal + right (and the mask allows it). The one
-        statement of the causal and window rule: causal is right = 0."""
-        return self.window_left, (0 if self.causal else self.window_right)
-
-    @property
-    def modifiers(self) -> frozenset:
-        """The score modifiers this call uses, by keyword name (empty for plain and causal attention)."""
-        present = {"window": self.window_left is not None or self.window_right is not None,
-                   "softcap": self.softcap is not None, "alibi_slopes": self.alibi_slopes is not None,
-                   "bias": self.bias is not None, "mask": self.mask is not None}
-        return frozenset(name for name, there in present.items() if there)
-
-    @property
-    def group(self) -> int:
-        """Query heads per kv head (1 for plain multi-head attention)."""
-        return self.heads_q // self.heads_kv
-
-    @property
-    def acc_dtype(self) -> np.dtype:
-        return backends.accumulation_dtype(self.dtype)
-
-    @property
-    def lse_dtype(self) -> np.dtype:
-        return self.acc_dtype
-
-    @property
-    def lse_shape(self) -> tuple:
-        return (self.batch, self.heads_q, self.seqlen_q)
-
-    @property
-    def diagonal(self) -> int:
-        """Query i sees key j iff j <= i + diagonal (bottom-right alignment)."""
-        return self.seqlen_k - self.seqlen_q if self.offset is None else self.offset
-
-    def flops_forward(self) -> float:
-        """Standard count (FlashAttention papers): 4*B*H*Sq*Sk*D, halved when causal; with a window,
-        4*B*H*D per pair the band leaves visible."""
-        if self.window_left is not None or self.window_right is not None:
-            return 4.0 * self.batch * self.heads_q * self.head_dim * self.band_pairs()
-        f = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
-        return f / 2 if self.causal else f
-
-    def band_pairs(self) -> int:
-        """The (query, key) pairs that causal and window leave visible, per batch and head."""
-        left, right = self.band
-        i = np.arange(self.seqlen_q, dtype=np.int64) + self.diagonal
-        lo = np.zeros_like(i) if left is None else np.clip(i - left, 0, self.seqlen_k)
-        hi = np.full_like(i, self.seqlen_k) if right is None else np.clip(i + right + 1, 0, self.seqlen_k)
-        return int(np.maximum(hi - lo, 0).sum())
 
 
 # ----------------------------------------------------------------------------
@@ -176,14 +91,6 @@ def _check_strides(name: str, x) -> None:
     if interface is not None and interface["data"][0] % itemsize:
         raise ValueError(f"{name} must start at an address aligned to its itemsize {itemsize} (a GPU faults "
                          f"on misaligned loads), got address {interface['data'][0]:#x}")
-
-
-def default_scale(head_dim: int) -> float:
-    """The scale when none is given: 1/sqrt(head_dim), as in "Attention Is All You Need"."""
-    return 1.0 / math.sqrt(head_dim)
-
-
-LOG2E = math.log2(math.e)  # the kernels scale by scale * log2(e) and use exp2
 
 
 def _check_positive(name: str, x, acc_dtype: np.dtype) -> float:
@@ -326,7 +233,7 @@ def _problem(q, k, v, causal, scale, dtype, lib=None, window=None, softcap=None,
         raise ValueError(
             f"heads_q must be a multiple of heads_kv (GQA/MQA), got heads_q={Hq}, heads_kv={Hkv}")
     value_dtype, carrier = _check_dtypes({"q": q, "k": k, "v": v}, dtype)
-    scale = _check_scale(scale, D, backends.accumulation_dtype(value_dtype))
+    scale = _check_scale(scale, D, accumulation_dtype(value_dtype))
     if diagonal is not None and (isinstance(diagonal, bool) or not isinstance(diagonal, numbers.Integral)):
         raise TypeError(f"_diagonal must be an int or None, got {_describe(diagonal)}")
     p = Problem(B, Sq, Sk, Hq, Hkv, D, value_dtype, causal, scale, carrier,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _api, _interop, backends
+from ._problem import accumulation_dtype
 
 
 def _library(x):
@@ -50,7 +51,7 @@ def _check(outs, lses, dtype) -> tuple:
     _api._check_arrays(named)
     xp = _library(outs[0])
     value, carrier = _api._check_dtypes({f"outs[{i}]": x for i, x in enumerate(outs)}, dtype)
-    acc = backends.accumulation_dtype(value)
+    acc = accumulation_dtype(value)
     shape = tuple(outs[0].shape)
     if len(shape) != 4:
         raise ValueError(f"outs[0] must have rank 4 (batch, seqlen_q, heads_q, head_dim), got shape {shape}")

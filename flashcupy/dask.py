@@ -27,6 +27,7 @@ import itertools
 import numpy as np
 
 from . import _api, _merge, backends
+from ._problem import accumulation_dtype
 
 SPLIT_EVERY = 2  # parts per merge or sum task: a binary tree frees pair results soonest (fan-in 8: 2x the memory)
 
@@ -95,13 +96,7 @@ class _Plan:
 
     def sees(self, i: int, j: int) -> bool:
         """Whether some query of query chunk i sees some key of key chunk j (the band of p)."""
-        (qa, qb), (ka, kb) = self.q_off[i:i + 2], self.k_off[j:j + 2]
-        if qa == qb or ka == kb:
-            return False
-        left, right = self.p.band
-        lo = 0 if left is None else qa + self.p.diagonal - left
-        hi = self.p.seqlen_k if right is None else qb - 1 + self.p.diagonal + right + 1
-        return max(lo, ka) < min(hi, kb)
+        return self.p.band.sees_block(*self.q_off[i:i + 2], *self.k_off[j:j + 2])
 
     def pairs(self) -> dict:
         """{query chunk: [key chunks it sees]}, for every query chunk."""
@@ -127,22 +122,18 @@ class _Plan:
 # the tasks (plain functions of chunks: they run on whichever worker the scheduler picks)
 
 
-def _acc_dtype(dtype_name):
-    return backends.accumulation_dtype(dtype_name)
-
-
 def _pair_forward(q, k, v, diagonal, kw):
     """One pair: (out, lse) with out in the accumulation dtype, ready to merge."""
     out, lse = _api.attention(q, k, v, _diagonal=diagonal, return_lse=True, **kw)
     value, _ = _api._check_dtypes({"q": q}, kw["dtype"])
     xp = _merge._library(q)
-    return _merge._read(xp, out, value, _acc_dtype(value)), lse
+    return _merge._read(xp, out, value, accumulation_dtype(value)), lse
 
 
 def _no_keys(q, kw):
     """A query chunk that sees no key chunk: out 0 and lse -inf (the rule of attention)."""
     value, _ = _api._check_dtypes({"q": q}, kw["dtype"])
-    acc = _acc_dtype(value)
+    acc = accumulation_dtype(value)
     xp = _merge._library(q)
     B, S, H, D = q.shape
     return xp.zeros((B, S, H, D), acc), xp.full((B, H, S), -np.inf, acc)
@@ -171,7 +162,7 @@ def _pair_backward(dout, q, k, v, out, lse, diagonal, kw):
     grads = _api.attention_backward(dout, q, k, v, out, lse, _diagonal=diagonal, **kw)
     value, _ = _api._check_dtypes({"q": q}, kw["dtype"])
     xp = _merge._library(q)
-    return tuple(_merge._read(xp, g, value, _acc_dtype(value)) for g in grads)
+    return tuple(_merge._read(xp, g, value, accumulation_dtype(value)) for g in grads)
 
 
 def _add(*xs):
@@ -189,7 +180,7 @@ def _add_gradient(which, *parts):
 
 def _zeros_like(x, kw):
     value, _ = _api._check_dtypes({"x": x}, kw["dtype"])
-    return _merge._library(x).zeros(x.shape, _acc_dtype(value))
+    return _merge._library(x).zeros(x.shape, accumulation_dtype(value))
 
 
 def _store_grad(total, like, kw):

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flashcupy._problem import accumulation_dtype  # what the backends accumulate in: the model's u_a
+
 from . import _backward_terms, _forward_terms, _gradients, _heads_first, _modifiers, _per_kv_head, reduce_to, values
 
 # The battery every backend runs, in the tests and in `python -m flashcupy check`:
@@ -106,7 +108,7 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
     dtype = dtype_name(dtype if dtype is not None else q.dtype)
     u_s, u_a = ROUNDOFF[dtype]
     u_p = u_s if dtype in ("float16", "bfloat16") else u_a
-    acc = np.float64 if dtype == "float64" else np.float32
+    acc = accumulation_dtype(dtype).type
     round16 = 2.0**-25 if dtype == "float16" else 0.0
     p_floor = max(float(np.finfo(acc).tiny) * 2.0**60, round16)
     store_floor = 2.0**-25 if dtype == "float16" else float(np.finfo(acc).tiny)
@@ -151,7 +153,7 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
             want["dbias"] = reduce_to(dS, np.shape(bias))
             stored = "float32" if np.asarray(bias).dtype == np.float32 else dtype  # dbias has the bias's dtype
             u_b = ROUNDOFF[stored][0]
-            wide = np.float64 if stored == "float64" else np.float32
+            wide = accumulation_dtype(stored).type
             floor_b = 2.0**-25 if stored == "float16" else float(np.finfo(wide).tiny)
             tol["dbias"] = (reduce_to(dS_bound + gamma(n) * abs(dS), np.shape(bias))
                             + u_b * abs(want["dbias"]) + floor_b)

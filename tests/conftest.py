@@ -123,6 +123,17 @@ def mutated_module(module, old: str, new: str):
     return copy
 
 
+def mutate_band(monkeypatch, old: str, new: str) -> None:
+    """Apply a deliberate bug to the band rule (flashcupy._problem.Band) for the rest of the test:
+    the methods of a copy of the module with `old` replaced by `new` take the place of Band's own,
+    so every Problem's band, made before or after, runs the mutant."""
+    from flashcupy import _problem
+    mutant = mutated_module(_problem, old, new).Band
+    for name, attr in vars(mutant).items():
+        if callable(attr) and not name.startswith("__"):
+            monkeypatch.setattr(_problem.Band, name, attr)
+
+
 def case_id(case) -> str:
     """A battery case's test id: 1x17x129x4x2x72-causal."""
     return "x".join(map(str, case[:6])) + ("-causal" if case[6] else "")
@@ -177,7 +188,7 @@ BANDS = [(False, None), (True, None), (False, (1, 2)), (False, (0, 0)), (False, 
 
 def band_problem(Sq, Sk, causal, window):
     """A one-head Problem with this band (for the visibility helpers)."""
-    from flashcupy._api import Problem
+    from flashcupy._problem import Problem
     left, right = window or (None, None)
     return Problem(batch=1, seqlen_q=Sq, seqlen_k=Sk, heads_q=1, heads_kv=1, head_dim=1, dtype="float32",
                    causal=causal, scale=1.0, carrier=np.dtype(np.float32), window_left=left,
@@ -195,4 +206,4 @@ def small_tiles():
 
 
 __all__ = ["BANDS", "BF16", "band_problem", "CASES", "DTYPES", "MUTATION_BATTERY", "TILE_EDGE_CASE", "bf16_bits", "LAYOUTS", "assert_matches_oracle",
-           "battery_fails", "case_id", "mutated_module", "mutation_tests", "make_qkv", "reference", "strided_empty"]
+           "battery_fails", "case_id", "mutate_band", "mutated_module", "mutation_tests", "make_qkv", "reference", "strided_empty"]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import flashcupy
-from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv, mutated_module, reference
+from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv, mutate_band, mutated_module, reference
 from flashcupy.backends import numpy_backend
 from reference.compare import error_ratio, expected
 
@@ -223,7 +223,7 @@ def test_no_modifier_means_no_modifier(rng):
 def test_a_window_visits_only_the_band(small_tiles):
     """Key blocks outside the band are never visited: the tile plans of a window of w keys cover
     O(seqlen x (w + tile)) pairs, forward and backward, not O(seqlen^2)."""
-    from flashcupy._api import Problem
+    from flashcupy._problem import Problem
     S, w = 4096, 64
     numpy_backend.configure(block_m=256, block_n=128)
     p = Problem(batch=1, seqlen_q=S, seqlen_k=S, heads_q=1, heads_kv=1, head_dim=64, dtype="float32",
@@ -233,10 +233,10 @@ def test_a_window_visits_only_the_band(small_tiles):
               for r0, r1, j0, j1, _ in numpy_backend._forward_tiles(p, i0, i1, step))
     bwd = sum((i1 - i0) * (c1 - c0) for j0, j1 in numpy_backend._blocks(0, S, 128)
               for i0, i1, c0, c1, _ in numpy_backend._backward_tiles(p, j0, j1, step))
-    visible = p.band_pairs()
+    visible = p.band.pairs
     assert visible == S * w - w * (w - 1) // 2
     assert fwd <= S * (w + 2 * step) and bwd <= S * (w + 2 * step), (fwd, bwd, visible)
-    assert p.flops_forward() == 4.0 * 64 * visible
+    assert p.flops() == 4.0 * 64 * visible
 
 
 def test_the_backward_with_a_bias_needs_little_beyond_dbias(rng):
@@ -367,14 +367,17 @@ MODIFIER_MUTATIONS = {
     "softcap derivative dropped": ("np.subtract(1, T, out=T)", "np.subtract(1, 0 * T, out=T)"),
     "alibi sign": ("np.subtract(S4, alibi, out=S4)", "np.add(S4, alibi, out=S4)"),
     "alibi distance off by one": ("(i + self.p.diagonal)[:, None]", "(i + self.p.diagonal + 1)[:, None]"),
-    "bias not in base 2": ("self._heads(self.bias, b, c0, c1, rows, cols), acc.type(LOG2_E)",
+    "bias not in base 2": ("self._heads(self.bias, b, c0, c1, rows, cols), acc.type(LOG2E)",
                            "self._heads(self.bias, b, c0, c1, rows, cols), acc.type(1.0)"),
     "mask ignored": ("np.copyto(S4, -np.inf, where=hide)", "hide"),
     "dbias not summed over heads": ("t[0, rows, cols] += x.sum(axis=(0, 2))", "t[0, rows, cols] += x[0, :, 0]"),
     "dbias after the softcap": (DBIAS_THEN_SOFTCAP,
                                 DBIAS_THEN_SOFTCAP.replace("dbias(dS, slice(i0, i1), slice(c0, c1))", "pass")
                                 + "        if dbias is not None:\n            dbias(dS, slice(i0, i1), slice(c0, c1))\n"),
-    "window left off by one": ("max(0, i0 + p.diagonal - left))", "max(0, i0 + p.diagonal - left + 1))"),
+}
+# ... and in the band rule (flashcupy/_problem.py, Band), which the NumPy backend's tile plans ask
+BAND_MUTATIONS = {
+    "window left off by one": ("max(0, i0 + self.diagonal - self.left))", "max(0, i0 + self.diagonal - self.left + 1))"),
 }
 
 # (shape, keyword arguments): GQA with every modifier, a bias broadcast over heads, a causal window
@@ -412,6 +415,12 @@ def test_a_modifier_mutation_is_caught(monkeypatch, name):
     mutant = mutated_module(numpy_backend, *MODIFIER_MUTATIONS[name])
     mutant.configure(block_m=16, block_n=8, num_threads=2)
     monkeypatch.setitem(sys.modules, numpy_backend.__name__, mutant)
+    assert modifier_battery_fails(), f"the battery missed: {name}"
+
+
+@pytest.mark.parametrize("name", BAND_MUTATIONS)
+def test_a_band_mutation_is_caught(monkeypatch, small_tiles, name):
+    mutate_band(monkeypatch, *BAND_MUTATIONS[name])
     assert modifier_battery_fails(), f"the battery missed: {name}"
 
 

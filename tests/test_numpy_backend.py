@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import flashcupy
 from conftest import (BANDS, BF16, CASES, DTYPES, LAYOUTS, assert_matches_oracle, band_problem, battery_fails,
-                      bf16_bits, case_id, make_qkv, mutated_module, reference)
-from flashcupy._api import Problem
+                      bf16_bits, case_id, make_qkv, mutate_band, mutated_module, reference)
+from flashcupy._problem import Problem
 from flashcupy.backends import numpy_backend
 
 
@@ -142,16 +142,16 @@ def test_visibility_helpers_are_the_oracles_rule(causal, window):
         p = band_problem(Sq, Sk, causal, window)
         want = reference.visible(Sq, Sk, causal, window=window)
         for i0, i1 in itertools.combinations(range(Sq + 1), 2):
-            assert list(range(*numpy_backend._key_range(p, i0, i1))) == list(np.flatnonzero(want[i0:i1].any(0)))
+            assert list(range(*p.band.key_range(i0, i1))) == list(np.flatnonzero(want[i0:i1].any(0)))
             for j0, j1 in itertools.combinations(range(Sk + 1), 2):
                 S = np.zeros((i1 - i0, j1 - j0))
                 numpy_backend._mask_scores(S, p, i0, j0, -np.inf)
                 np.testing.assert_array_equal(S == 0, want[i0:i1, j0:j1])
         for j0, j1 in itertools.combinations(range(Sk + 1), 2):
-            assert list(range(*numpy_backend._query_range(p, j0, j1))) == list(np.flatnonzero(want[:, j0:j1].any(1)))
-            assert list(range(*numpy_backend._queries_seeing_all(p, j0, j1))) == list(np.flatnonzero(want[:, j0:j1].all(1)))
+            assert list(range(*p.band.query_range(j0, j1))) == list(np.flatnonzero(want[:, j0:j1].any(1)))
+            assert list(range(*p.band.queries_seeing_all(j0, j1))) == list(np.flatnonzero(want[:, j0:j1].all(1)))
         for i0, i1 in itertools.combinations(range(Sq + 1), 2):
-            assert list(range(*numpy_backend._keys_seen_by_all(p, i0, i1))) == list(np.flatnonzero(want[i0:i1].all(0)))
+            assert list(range(*p.band.keys_seen_by_all(i0, i1))) == list(np.flatnonzero(want[i0:i1].all(0)))
 
 
 @pytest.mark.parametrize("causal, window", BANDS)
@@ -346,10 +346,9 @@ def test_nan_in_dout_of_a_row_that_sees_no_key_goes_nowhere(rng, small_tiles):
 
 
 NUMPY_MUTATIONS = {  # see conftest.MUTATION_BATTERY
-    "scale ignored": ("return p.acc_dtype.type(p.scale * LOG2_E)", "return p.acc_dtype.type(LOG2_E / np.sqrt(p.head_dim))"),
+    "scale ignored": ("return p.acc_dtype.type(p.scale * LOG2E)", "return p.acc_dtype.type(LOG2E / np.sqrt(p.head_dim))"),
     "GQA head mapping": ("kv_head = h // p.group", "kv_head = h % p.heads_kv"),
     "D not subtracted": ('= -np.einsum("csgd', '= 0 * np.einsum("csgd'),
-    "key_end off by one": ("min(p.seqlen_k, i1 + p.diagonal + right))", "min(p.seqlen_k, i1 + p.diagonal + right - 1))"),
     "lse base": ("m * acc.type(LN2) + np.log(l)", "m * acc.type(LN2) + np.log2(l)"),
 }
 
@@ -358,7 +357,21 @@ def test_the_mutation_battery_passes_unmutated():
     assert not battery_fails("numpy")
 
 
+# Deliberate bugs in the band rule (flashcupy/_problem.py, Band), which the NumPy backend's tile
+# plans ask.
+BAND_MUTATIONS = {
+    "key_end off by one": ("min(self.seqlen_k, i1 + self.diagonal + self.right))",
+                           "min(self.seqlen_k, i1 + self.diagonal + self.right - 1))"),
+}
+
+
 @pytest.mark.parametrize("name", NUMPY_MUTATIONS)
 def test_a_mutation_is_caught(monkeypatch, name):
     monkeypatch.setitem(sys.modules, numpy_backend.__name__, mutated_module(numpy_backend, *NUMPY_MUTATIONS[name]))
+    assert battery_fails("numpy"), f"the battery missed: {name}"
+
+
+@pytest.mark.parametrize("name", BAND_MUTATIONS)
+def test_a_band_mutation_is_caught(monkeypatch, name):
+    mutate_band(monkeypatch, *BAND_MUTATIONS[name])
     assert battery_fails("numpy"), f"the battery missed: {name}"

@@ -12,7 +12,7 @@ GPU timings synchronise the stream inside the timed call; the warm-up call in
 import numpy as np
 
 from flashcupy import backends
-from flashcupy._api import default_scale
+from flashcupy._problem import default_scale
 from flashcupy.tools import bench
 
 IMPLS = ["numpy", "naive-numpy", "torch-sdpa", "cupy", "numba"]

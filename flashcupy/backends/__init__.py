@@ -18,7 +18,7 @@ A backend is a module with:
     split_plan(p, q, k, v, num_splits) # optional: forward takes num_splits= (split-KV in one launch)
 
 The interface checks every limit a backend declares before it runs (backends never re-validate);
-`p` is a validated `flashcupy._api.Problem`. Arrays hold p.dtype values in
+`p` is a validated `flashcupy._problem.Problem`. Arrays hold p.dtype values in
 p.carrier storage (uint16 bits for dtype="bfloat16"); outputs use p.carrier too. Modules are imported lazily, so a
 backend whose library is missing costs nothing until it is asked for.
 """
@@ -64,12 +64,6 @@ def bfloat16_dtype() -> np.dtype:
         raise TypeError("computing on bfloat16 values with NumPy needs the ml_dtypes package "
                         "(pip install 'flashcupy[bf16]')") from None
     return np.dtype(ml_dtypes.bfloat16)
-
-
-def accumulation_dtype(value_dtype: str) -> np.dtype:
-    """What every backend accumulates in (and stores lse in): float64 for float64 values, float32
-    for float32, float16 and bfloat16."""
-    return np.dtype(np.float64) if value_dtype == "float64" else np.dtype(np.float32)
 
 
 class BackendUnavailableError(RuntimeError):

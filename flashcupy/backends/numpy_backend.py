@@ -40,7 +40,7 @@ are score tiles, one set per worker thread, reused from tile to tile and kept fr
 up to SCRATCH_KEEP_BYTES each (_Scratch).
 
 Score modifiers (README, Semantics): a window narrows the band the tile plans
-come from (_key_range, _query_range, _visible), so key blocks outside it are
+come from (p.band), so key blocks outside it are
 never visited; softcap, ALiBi, bias and mask act on each tile's scores
 (_Modifiers), which then have m subtracted in a pass of their own (in the
 backward lse comes off in the matmul unless there is a softcap); dbias is dS
@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._problem import LN2, LOG2E
 from . import bfloat16_dtype
 
 NAME = "numpy"
@@ -138,13 +139,6 @@ class _SizeOnly:
     group: int = 1
 
 
-def _band_width(p):
-    """The most keys a query row sees when the band is bounded on both sides (a window's left with
-    causal or with a right side), else None."""
-    left, right = p.band
-    return None if left is None or right is None else left + right + 1
-
-
 def _band_step(width: int, group: int) -> int:
     """Query rows per tile of a bounded band `width` keys wide (_band_forward), whose matmuls stack
     `group` query heads: a tile of s rows spans s + width - 1 keys, s - 1 of them hidden from each
@@ -192,81 +186,24 @@ def _blocks(start: int, end: int, size: int):
     return [(s, min(s + step, end)) for s in range(start, end, step)]
 
 
-# Which keys a query sees, from p.band (causal and window) and p.diagonal: query i sees key j iff
-# i + diagonal - left <= j <= i + diagonal + right, a side None where unbounded (causal is
-# right = 0). The loops take both ends of their ranges from these helpers and mask tiles through
-# _visible, so the rule changes these three, not the loops (nor _keys_seen_by_all and
-# _queries_seeing_all, which derive from them). The rule must be a band: each query sees one
-# interval of keys, whose two ends never decrease from one query to the next. A user's mask is no
-# band: it is applied per tile, on top (_Modifiers).
-
-
-def _key_range(p, i0: int, i1: int) -> tuple:
-    """Keys [start, end) that some query row of [i0, i1) sees."""
-    left, right = p.band
-    start = 0 if left is None else min(p.seqlen_k, max(0, i0 + p.diagonal - left))
-    if right is None:
-        return start, p.seqlen_k
-    return start, max(start, min(p.seqlen_k, i1 + p.diagonal + right))
-
-
-def _query_range(p, j0: int, j1: int) -> tuple:
-    """Query rows [start, end) that see some key of [j0, j1)."""
-    left, right = p.band
-    start = 0 if right is None else min(p.seqlen_q, max(0, j0 - p.diagonal - right))
-    if left is None:
-        return start, p.seqlen_q
-    return start, max(start, min(p.seqlen_q, j1 - p.diagonal + left))
-
-
-def _visible(p, i, j):
-    """Query i sees key j; i and j are numbers or index arrays that broadcast."""
-    left, right = p.band
-    if left is None and right is None:
-        return np.ones(np.broadcast(i, j).shape, dtype=bool)
-    if left is None:
-        return j <= i + p.diagonal + right
-    if right is None:
-        return j >= i + p.diagonal - left
-    return (j <= i + p.diagonal + right) & (j >= i + p.diagonal - left)
-
-
-def _keys_seen_by_all(p, i0: int, i1: int) -> tuple:
-    """Keys [start, end) that every query row of [i0, i1) sees (none when start >= end): in a band,
-    those its first and its last row both see."""
-    first, last = _key_range(p, i0, i0 + 1), _key_range(p, i1 - 1, i1)
-    return max(first[0], last[0]), min(first[1], last[1])
-
-
-def _queries_seeing_all(p, j0: int, j1: int) -> tuple:
-    """Query rows [start, end) that see every key of [j0, j1) (none when start >= end)."""
-    first, last = _query_range(p, j0, j0 + 1), _query_range(p, j1 - 1, j1)
-    return max(first[0], last[0]), min(first[1], last[1])
-
-
-def _hidden(p, i0: int, i1: int, j0: int, j1: int):
-    """None when query rows [i0, i1) see every key of [j0, j1), else the bool (rows, keys) mask of
-    the pairs hidden."""
-    # the rule bounds j - i, which is largest at the top-right corner and smallest at the
-    # bottom-left one: both visible, every pair is
-    if _visible(p, i0, j1 - 1) and _visible(p, i1 - 1, j0):
-        return None
-    return ~_visible(p, np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :])
+# Which keys a query sees is p.band's to say (flashcupy/_problem.py, Band): the loops take both ends
+# of their ranges from it and mask tiles through it, so the rule changes there, not here. A user's
+# mask is no band: it is applied per tile, on top (_Modifiers).
 
 
 def _mask_scores(S, p, i0: int, j0: int, fill, group: int = 1, hidden=False) -> None:
     """Set S[..., r * group + h, c] = fill where query i0 + r does not see key j0 + c (S a
     contiguous stack of tiles whose rows interleave `group` heads, as _HeadMap stacks them);
-    hidden: the tile's _hidden mask when already known."""
+    hidden: the tile's p.band.hidden mask when already known."""
     rows, cols = S.shape[-2] // group, S.shape[-1]
     if hidden is False:
-        hidden = _hidden(p, i0, i0 + rows, j0, j0 + cols)
+        hidden = p.band.hidden(i0, i0 + rows, j0, j0 + cols)
     if hidden is None:
         return
     S4 = S.reshape(-1, rows, group, cols)
     # only the columns some row does not see: a band tile's hidden pairs lie in its first and last
     # columns (two triangles), and the keys between are seen by every row
-    all0, all1 = (min(max(x - j0, 0), cols) for x in _keys_seen_by_all(p, i0, i0 + rows))
+    all0, all1 = (min(max(x - j0, 0), cols) for x in p.band.keys_seen_by_all(i0, i0 + rows))
     for c0, c1 in ((0, all0), (all1, cols)) if all0 < all1 else ((0, cols),):
         if c0 < c1:
             np.copyto(S4[..., c0:c1], fill, where=hidden[:, None, c0:c1])
@@ -274,18 +211,18 @@ def _mask_scores(S, p, i0: int, j0: int, fill, group: int = 1, hidden=False) -> 
 
 def _forward_tiles(p, i0: int, i1: int, step: int, masks=None) -> list:
     """(r0, r1, j0, j1, hidden) tiles that cover every pair of a query row of [i0, i1) and a key
-    it sees, each pair once, hidden the tile's mask (_hidden): full-height tiles over the keys
+    it sees, each pair once, hidden the tile's mask (p.band.hidden): full-height tiles over the keys
     every row sees, then the rest (the causal diagonal) in a staircase of tiles of `step` rows,
     so that little of their area is masked. Keys every row sees but fewer than a step go to the
     staircase too. masks: a dict shared by the calls of one pass, so equal masks are kept once."""
     block_n = tile_sizes(p)[1]
-    start, end = _key_range(p, i0, i1)
-    all0, all1 = _keys_seen_by_all(p, i0, i1)
+    start, end = p.band.key_range(i0, i1)
+    all0, all1 = p.band.keys_seen_by_all(i0, i1)
     if all1 - all0 < min(step, i1 - i0):
         all0 = all1 = start
     tiles = [(i0, i1, j0, j1) for j0, j1 in _blocks(all0, all1, block_n)]
     for r0, r1 in _blocks(i0, i1, step):
-        seen0, seen1 = _key_range(p, r0, r1)
+        seen0, seen1 = p.band.key_range(r0, r1)
         for lo, hi in ((max(seen0, start), min(seen1, all0)), (max(seen0, all1), min(seen1, end))):
             tiles += [(r0, r1, j0, j1) for j0, j1 in _blocks(lo, hi, block_n)]
     return [(r0, r1, j0, j1, _tile_mask(p, r0, r1, j0, j1, masks)) for r0, r1, j0, j1 in tiles]
@@ -297,29 +234,29 @@ def _backward_tiles(p, j0: int, j1: int, step: int, masks=None) -> list:
     block, then a staircase of `step`-row tiles along the diagonal, each over the keys its rows
     see."""
     block_m = tile_sizes(p, backward=True)[0]
-    start, end = _query_range(p, j0, j1)
-    all0, all1 = _queries_seeing_all(p, j0, j1)
+    start, end = p.band.query_range(j0, j1)
+    all0, all1 = p.band.queries_seeing_all(j0, j1)
     if all1 - all0 < step:
         all0 = all1 = start
     tiles = [(i0, i1, j0, j1) for i0, i1 in _blocks(all0, all1, block_m)]
     for lo, hi in ((start, all0), (all1, end)):
         for r0, r1 in _blocks(lo, hi, step):
-            seen0, seen1 = _key_range(p, r0, r1)
+            seen0, seen1 = p.band.key_range(r0, r1)
             if max(seen0, j0) < min(seen1, j1):
                 tiles.append((r0, r1, max(seen0, j0), min(seen1, j1)))
     return [(i0, i1, c0, c1, _tile_mask(p, i0, i1, c0, c1, masks)) for i0, i1, c0, c1 in tiles]
 
 
 def _tile_mask(p, i0: int, i1: int, j0: int, j1: int, masks):
-    """_hidden(p, i0, i1, j0, j1), made once per height, width and j0 - i0 when masks (a dict shared
+    """p.band.hidden(i0, i1, j0, j1), made once per height, width and j0 - i0 when masks (a dict shared
     by the calls of one pass) is given: the rule depends on j - i alone, so the diagonal tiles of
     every block share a few masks (one per tile would take O(seqlen x BLOCK_M) bytes, and making
     each its own took a tenth of a narrow window's forward)."""
     if masks is None:
-        return _hidden(p, i0, i1, j0, j1)
+        return p.band.hidden(i0, i1, j0, j1)
     key = (i1 - i0, j1 - j0, j0 - i0)
     if key not in masks:
-        masks[key] = _hidden(p, i0, i1, j0, j1)
+        masks[key] = p.band.hidden(i0, i1, j0, j1)
     return masks[key]
 
 
@@ -521,14 +458,12 @@ def _run(tasks):
 # the same, and a tile costs one elementwise pass (exp) instead of three (max, subtract, exp).
 L_MAX = 2.0**60
 L_MIN = 2.0**-60
-LOG2_E = 1 / math.log(2)  # scores are scaled by it, so that exp2 gives P (see _forward_block)
-LN2 = math.log(2)
 
 
 def _base2_scale(p):
     """scale * log2(e) in the accumulation dtype: what Q or K carries so that scores come out in
     base 2 and P = exp2(S - m)."""
-    return p.acc_dtype.type(p.scale * LOG2_E)
+    return p.acc_dtype.type(p.scale * LOG2E)
 
 
 def _l_max(acc, v_max) -> float:
@@ -758,7 +693,7 @@ class _Modifiers:
     tiles (as _HeadMap stacks them) in the base-2 units the tiles use, scores times log2(e):
     s' = c' tanh(s / c') with c' = softcap log2(e), then - slope log2(e) |i + diagonal - j|, then
     + bias log2(e), then -inf where the mask is False. The window is no modifier here: it is part
-    of the band (_visible, _key_range), so key blocks outside it are never visited. Broadcast
+    of the band (p.band), so key blocks outside it are never visited. Broadcast
     bias and mask are read through zero-stride views a tile at a time, never materialised whole.
     Made only for calls that have one of these; plain calls never reach this code."""
 
@@ -766,10 +701,10 @@ class _Modifiers:
         self.p, self.heads, acc = p, heads, p.acc_dtype
         self.acc = acc
         full = (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k)
-        self.cap = None if p.softcap is None else acc.type(p.softcap * LOG2_E)
+        self.cap = None if p.softcap is None else acc.type(p.softcap * LOG2E)
         self.slopes = None
         if p.alibi_slopes is not None:  # (batch, heads_q), times log2(e), rounded once
-            slopes = np.asarray(p.alibi_slopes, dtype=np.float64) * LOG2_E
+            slopes = np.asarray(p.alibi_slopes, dtype=np.float64) * LOG2E
             self.slopes = np.broadcast_to(slopes.astype(acc), (p.batch, p.heads_q))
         self.bias = None
         if p.bias is not None:
@@ -813,7 +748,7 @@ class _Modifiers:
                                 out=scratch.take("alibi", S4.shape, acc))
             np.subtract(S4, alibi, out=S4)
         if self.bias is not None:
-            bias = np.multiply(self._heads(self.bias, b, c0, c1, rows, cols), acc.type(LOG2_E),
+            bias = np.multiply(self._heads(self.bias, b, c0, c1, rows, cols), acc.type(LOG2E),
                                out=scratch.take("bias", S4.shape, acc), dtype=acc)
             np.add(S4, bias, out=S4)
         if self.mask is not None:
@@ -914,11 +849,11 @@ def _band_forward(p, q, k, v, out, lse, width: int):
     """
     acc = p.acc_dtype
     g, D, heads_kv = p.group, p.head_dim, p.heads_kv
-    left = p.band[0]
+    left = p.band.left
     step = _band_step(width, g)
     n = step + width - 1  # keys of a tile
-    first, last = _query_range(p, 0, p.seqlen_k)  # the rows that see some key
-    end = _key_range(p, 0, p.seqlen_q)[1]  # keys at or past it no row sees
+    first, last = p.band.query_range(0, p.seqlen_k)  # the rows that see some key
+    end = p.band.key_range(0, p.seqlen_q)[1]  # keys at or past it no row sees
     out[:, :first] = 0
     out[:, last:] = 0
     lse[:, :, :first] = -np.inf
@@ -926,13 +861,13 @@ def _band_forward(p, q, k, v, out, lse, width: int):
     blocks = _blocks(first, last, tile_sizes(p)[0])
     units = p.batch * heads_kv * len(blocks)
     unit_volume = g * step * n
-    stacked = _heads_per_task(p, units, p.flops_forward() / max(1, units), unit_volume, TILE_VOLUME[acc.itemsize])
+    stacked = _heads_per_task(p, units, p.flops() / max(1, units), unit_volume, TILE_VOLUME[acc.itemsize])
     heads = _HeadMap(p)
     # which pairs of a tile its rows see: the rule depends on j - i alone, so one mask serves every
     # tile (row r of a tile sees its keys r .. r + width - 1), (keys, stack rows) as Sᵀ: its rows
     # repeated for the group, so that the multiply runs along whole stack rows (against a (rows, 1)
     # mask it ran 4 times slower than exp2 at a group of 4)
-    keep = np.repeat(_visible(p, np.arange(step)[None, :], p.diagonal - left + np.arange(n)[:, None]), g, axis=1).astype(acc)
+    keep = np.repeat(p.band.visible(np.arange(step)[None, :], p.diagonal - left + np.arange(n)[:, None]), g, axis=1).astype(acc)
     # tiles per matmul: S up to TILE_VOLUME (its Python-level overhead weighs more than L2 here: at
     # S = 16384, window 256, 8 heads stacked, 10 to 16 tiles a matmul took 71 ms, 3 (S within L2) 77)
     per_call = max(1, TILE_VOLUME[acc.itemsize] // (stacked * unit_volume))
@@ -1030,9 +965,9 @@ def _windows(x, start: int, count: int, step: int, width: int, axis: int):
 
 def _band_visible(p, i0: int, j0: int, rows, keys: int, end: int):
     """(len(rows), keys) bool: which of the keys j0 .. j0 + keys - 1 the query rows i0 + rows see,
-    by the band rule (_visible) and among the keys there are (below end)."""
+    by the band rule (p.band) and among the keys there are (below end)."""
     j = j0 + np.arange(keys)[None, :]
-    return _visible(p, i0 + np.asarray(rows)[:, None], j) & (j >= 0) & (j < end)
+    return p.band.visible(i0 + np.asarray(rows)[:, None], j) & (j >= 0) & (j < end)
 
 
 def _band_tiles(Qt, Kw, Vw, keep, per_call, l_max, scratch, visible, finish) -> None:
@@ -1085,7 +1020,7 @@ def forward(p, q, k, v):
     acc = p.acc_dtype
     out = np.empty(q.shape, dtype=q.dtype)
     lse = np.empty(p.lse_shape, dtype=p.lse_dtype)
-    width = _band_width(p)
+    width = p.band.width
     if (width is not None and width <= NARROW_BAND and p.modifiers == {"window"}
             and p.seqlen_q * p.group > IN_PLACE_ROWS):
         return _band_forward(p, q, k, v, out, lse, width)
@@ -1093,14 +1028,14 @@ def forward(p, q, k, v):
     blocks = _blocks(0, p.seqlen_q, block_m)
     if p.causal:
         blocks.reverse()  # the heaviest first, so the last tasks of a call are short
-    unit_flops = p.flops_forward() / (p.batch * p.heads_kv * len(blocks))
+    unit_flops = p.flops() / (p.batch * p.heads_kv * len(blocks))
     unit_volume = p.group * min(block_m, p.seqlen_q) * min(block_n, p.seqlen_k)
     stacked = _heads_per_task(p, p.batch * p.heads_kv * len(blocks), unit_flops, unit_volume, TILE_VOLUME[acc.itemsize])
     step = _staircase_step(block_m, stacked * p.group, p.head_dim)
     masks = {}
     tiles = {(i0, i1): _forward_tiles(p, i0, i1, step, masks) for i0, i1 in blocks}
     kv_groups = _blocks(0, p.heads_kv, stacked)
-    end = _key_range(p, 0, p.seqlen_q)[1]  # every key some query sees lies below this
+    end = p.band.key_range(0, p.seqlen_q)[1]  # every key some query sees lies below this
     heads = _HeadMap(p)
     mods = _Modifiers(p, heads) if p.modifiers - {"window"} else None
     in_place = p.seqlen_q * p.group <= IN_PLACE_ROWS and k.dtype == acc and v.dtype == acc
@@ -1262,11 +1197,11 @@ def _band_backward(p, dout, q, k, v, out, lse, dq, dk, dv, width: int):
     """
     acc = p.acc_dtype
     g, D, heads_kv = p.group, p.head_dim, p.heads_kv
-    left = p.band[0]
+    left = p.band.left
     step = _band_step(width, g)
     M = step * g  # stack rows of a tile
-    first, last = _query_range(p, 0, p.seqlen_k)  # the rows that see some key; the others get dq 0
-    end = _key_range(p, 0, p.seqlen_q)[1]
+    first, last = p.band.query_range(0, p.seqlen_k)  # the rows that see some key; the others get dq 0
+    end = p.band.key_range(0, p.seqlen_q)[1]
     dq[:, :first] = 0
     dq[:, last:] = 0
     T = -(-(last - first) // step)  # query tiles
@@ -1285,7 +1220,7 @@ def _band_backward(p, dout, q, k, v, out, lse, dq, dk, dv, width: int):
     dv[:, :j0] = 0
     dv[:, j1:] = 0
     heads = _HeadMap(p)
-    hidden = ~_visible(p, np.arange(step)[:, None], p.diagonal - A * step + np.arange(L)[None, :])
+    hidden = ~p.band.visible(np.arange(step)[:, None], p.diagonal - A * step + np.arange(L)[None, :])
     some = np.flatnonzero(hidden.any(axis=0))  # the columns some row does not see: a prefix and a suffix
     pieces = [(int(x[0]), int(x[-1]) + 1) for x in np.split(some, np.flatnonzero(np.diff(some) > 1) + 1) if x.size]
     hidden = hidden[:, None, :]  # against (rows, group, keys)
@@ -1406,7 +1341,7 @@ def _band_backward_operands(p, scratch, b, c0, c1, f0, nt, first, last, base, ke
         shape3 = (h, r1 - r0, g)
         np.multiply(heads.read(q[b, r0:r1], c0, c1), _base2_scale(p), out=Q1[:, x0:x1, :D].reshape(*shape3, D),
                     dtype=acc)
-        Q1[:, x0:x1, D].reshape(shape3)[...] = heads.read(lse[b].T[r0:r1], c0, c1) * acc.type(-LOG2_E)
+        Q1[:, x0:x1, D].reshape(shape3)[...] = heads.read(lse[b].T[r0:r1], c0, c1) * acc.type(-LOG2E)
         dO = dO1[:, x0:x1, :D].reshape(*shape3, D)
         dO[...] = heads.read(dout[b, r0:r1], c0, c1)
         O = _as_acc(heads.read(out[b, r0:r1], c0, c1), acc)
@@ -1479,13 +1414,13 @@ def backward(p, dout, q, k, v, out, lse):
     acc = p.acc_dtype
     D = p.head_dim
     dq, dk, dv = (np.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
-    width = _band_width(p)
+    width = p.band.width
     if width is not None and width <= NARROW_BAND and p.modifiers == {"window"}:
         _band_backward(p, dout, q, k, v, out, lse, dq, dk, dv, width)
         return dq.view(p.carrier), dk.view(p.carrier), dv.view(p.carrier)
     block_m, block_n = tile_sizes(p, backward=True)
     key_blocks = _blocks(0, p.seqlen_k, block_n)
-    unit_flops = 2.5 * p.flops_forward() / (p.batch * p.heads_kv * len(key_blocks))
+    unit_flops = p.flops(backward=True) / (p.batch * p.heads_kv * len(key_blocks))
     # a tile's P and dS together within about a core's L2 (BACKWARD_TILE_VOLUME), sized by the
     # largest tile of the plan: where every tile is a narrow step of a causal diagonal (S = 512),
     # more heads stack and spare Python-level steps. (Sized by the median tile instead, S = 1024
@@ -1529,7 +1464,7 @@ def backward(p, dout, q, k, v, out, lse):
                 Q = Q1[:, :, :D].reshape(*shape, D)  # views: splitting an axis needs no copy
                 np.multiply(heads.read(q[b], c0, c1), _base2_scale(p), out=Q, dtype=acc)
                 L = heads.read(lse[b].T, c0, c1)
-                Q1[:, :, D].reshape(shape)[...] = np.where(L == -np.inf, np.inf, L) * acc.type(-LOG2_E)
+                Q1[:, :, D].reshape(shape)[...] = np.where(L == -np.inf, np.inf, L) * acc.type(-LOG2E)
                 dO1 = dO1_all[c0:c1]
                 dO = dO1[:, :, :D].reshape(*shape, D)
                 dO[...] = heads.read(dout[b], c0, c1)
@@ -1607,11 +1542,11 @@ def probs(p, q, k, lse, rows):
                 if mods is not None:
                     mods.apply(S, index, slice(0, p.seqlen_k), b=b, c0=c, c1=c + 1, scratch=scratch)
                 S4 = S.reshape(1, r1 - r0, p.group, p.seqlen_k)
-                hidden = ~_visible(p, index[:, None], keys[None, :])
+                hidden = ~p.band.visible(index[:, None], keys[None, :])
                 if hidden.any():
                     np.copyto(S4, -np.inf, where=hidden[None, :, None, :])
                 L = heads.read(lse[b].T[index], c, c + 1)  # (1, rows, group)
-                np.subtract(S4, (np.where(L == -np.inf, np.inf, L) * acc.type(LOG2_E))[..., None], out=S4)
+                np.subtract(S4, (np.where(L == -np.inf, np.inf, L) * acc.type(LOG2E))[..., None], out=S4)
                 heads.unstack_into(P[b].transpose(1, 0, 2)[r0:r1], c, c + 1, np.exp2(S, out=S))
         return run
 

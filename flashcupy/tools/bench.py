@@ -32,7 +32,7 @@ import numpy as np
 
 import flashcupy
 from flashcupy import backends
-from flashcupy._api import default_scale
+from flashcupy._problem import Band, attention_flops, default_scale
 
 
 @dataclass
@@ -55,22 +55,10 @@ class Result:
 
 
 def flops(batch, heads, seqlen, head_dim, causal, pass_, window=None) -> float:
-    if window is None or window == (None, None):
-        f = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-    else:
-        f = 4.0 * batch * heads * head_dim * visible_pairs(seqlen, causal, window)
-    return f * (2.5 if pass_ == "backward" else 1.0)
-
-
-def visible_pairs(seqlen, causal, window) -> int:
-    """The (query, key) pairs causal and window=(left, right) leave visible, per batch and head,
-    with seqlen queries and keys: query i sees keys i - left .. i + right (right 0 when causal)."""
-    left, right = window
-    right = 0 if causal else right
-    i = np.arange(seqlen, dtype=np.int64)
-    lo = np.zeros_like(i) if left is None else np.clip(i - left, 0, seqlen)
-    hi = np.full_like(i, seqlen) if right is None else np.clip(i + right + 1, 0, seqlen)
-    return int(np.maximum(hi - lo, 0).sum())
+    """The standard FLOP count (flashcupy._problem.attention_flops) of seqlen queries and keys."""
+    windowed = window is not None and window != (None, None)
+    band = Band.of(seqlen, seqlen, causal, window if windowed else None)
+    return attention_flops(batch, heads, head_dim, band, windowed=windowed, backward=pass_ == "backward")
 
 
 def describe_modifiers(window=None, bias=False) -> str:

@@ -40,6 +40,7 @@ import functools
 import numpy as np
 
 from ... import _merge, backends
+from ..._problem import LOG2E
 from . import sources, specs
 
 NAME = "cupy"
@@ -168,7 +169,6 @@ def _cdiv(a: int, b: int) -> int:
 
 
 MAX_HEAD_DIM = specs.MAX_HEAD_DIM
-LOG2E = 1.4426950408889634  # the tensor-core kernels exponentiate in base 2 (LOG2E in tc_tile.cuh)
 MODIFIERS = frozenset(specs.MOD_BITS)  # the score modifiers the kernels compute; _api refuses the others
 
 
@@ -250,14 +250,8 @@ def backward_path(p, dout, q, k, v, out) -> str:
 
 
 def _window_args(p) -> tuple:
-    """The band's sides (Problem.band, causal as right = 0) as the kernels take them (mask.cuh): an
-    unbounded side, or one wider than the keys, becomes the narrowest that hides nothing, so that no
-    bound a kernel computes from it overflows int32."""
-    left, right = p.band
-    widest_left = max(0, p.seqlen_q - 1 + p.diagonal)   # i + diagonal - left <= 0 for every row
-    widest_right = max(0, p.seqlen_k - 1 - p.diagonal)  # i + diagonal + right >= seqlen_k - 1 for every row
-    return (np.int32(widest_left if left is None else min(left, widest_left)),
-            np.int32(widest_right if right is None else min(right, widest_right)))
+    """The band's sides as the kernels take them (Band.kernel_sides), as int32."""
+    return tuple(np.int32(side) for side in p.band.kernel_sides())
 
 
 def _modifier_args(p, unused, tensor_cores: bool) -> tuple:

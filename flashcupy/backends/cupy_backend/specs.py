@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..._problem import accumulation_dtype
+
 NUM_THREADS = 128  # NUM_WARPS * WARP_SIZE in flash_common.cuh
 SMEM_DEFAULT_LIMIT = 48 * 1024  # dynamic shared memory a launch gets without opting in
 HEAD_DIM_BUCKETS = (32, 64, 128, 256)
@@ -384,4 +386,4 @@ def split_modules(mods=(0, ALL_MODS)):
 
 
 def _acc_size(dtype: str) -> int:
-    return 8 if dtype == "float64" else 4
+    return accumulation_dtype(dtype).itemsize

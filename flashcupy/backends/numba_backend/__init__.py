@@ -281,8 +281,8 @@ def _dbias_blocks(shape):
 
 def _mask(p):
     """The kernels' `mask`: (diagonal, left, right) of the Problem's band, -1 for an unbounded side."""
-    left, right = p.band
-    return p.diagonal, -1 if left is None else left, -1 if right is None else right
+    band = p.band
+    return band.diagonal, -1 if band.left is None else band.left, -1 if band.right is None else band.right
 
 
 def _broadcast(place, x):

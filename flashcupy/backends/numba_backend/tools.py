@@ -22,7 +22,7 @@ def ptx(cc=(9, 0)) -> int:
     from numba import cuda, types
     from numba.np import numpy_support
 
-    from .. import accumulation_dtype
+    from ..._problem import accumulation_dtype
     from . import kernels as K
 
     if K.SIMULATOR:
