@@ -1,336 +1,66 @@
-"""The public interface: argument checks, degenerate shapes, and dispatch.
+"""The public interface: the entry points, their degenerate shapes, and dispatch.
 
-Every call goes through here once. All validation happens before any backend
-is touched, and backends never re-validate: they receive a `Problem` that
-describes shapes and options, plus arrays that are known to be consistent.
+Every call goes through here once. Its arguments are checked first (flashcupy/_checks.py), before
+any backend is touched, and backends never re-validate: they receive a `Problem`
+(flashcupy/_problem.py) that describes shapes and options, plus arrays known to be consistent.
+The semantics are documented once, in README.md ("Semantics").
 
-Semantics (documented once, in README.md, "Semantics"):
-- q is (batch, seqlen_q, heads_q, head_dim); k, v are (batch, seqlen_k, heads_kv, head_dim).
-- GQA/MQA: query head h reads kv head h // (heads_q // heads_kv).
-- causal is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
-- a query row that sees no key gets out 0, lse -inf and zero gradients.
-- lse is the natural-log logsumexp of the scaled scores, shape (batch, heads_q, seqlen_q).
-- score modifiers (window, softcap, alibi_slopes, bias, mask), applied in that README order:
-  s = scale q.k -> softcap -> + alibi -> + bias -> hidden pairs -inf -> softmax. A backend
-  declares the ones it computes (MODIFIERS); a call that asks another one of it is a ValueError.
+`forward` and `backward` are the package's own entry points: the public ones without the knobs
+only the package turns (a chunk's diagonal for flashcupy.dask and the KV cache, split-KV).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import numbers
 
 import numpy as np
 
-from . import _interop, backends
-from ._problem import FLOAT_DTYPES, LOG2E, MODIFIERS, Problem, accumulation_dtype, default_scale
-
-BIT_CARRIERS = (np.dtype(np.uint16), np.dtype(np.int16))  # what dtype="bfloat16" reads
-
-
-# ----------------------------------------------------------------------------
-# validation
+from . import _interop
+from ._checks import (check_arrays, check_backend_name, check_bool, check_like_q, check_lse, check_rows, problem,
+                      select_backend)
 
 
-def _describe(x) -> str:
-    t = type(x)
-    return f"{t.__module__}.{t.__qualname__}" if t.__module__ != "builtins" else t.__qualname__
+def forward(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
+            scale=None, backend="auto", dtype=None, diagonal=None, num_splits=1) -> tuple:
+    """attention's (out, lse) on NumPy or CuPy arrays, with two knobs of the package's own:
+    diagonal, that of a chunk of a larger problem, its queries' and keys' global positions folded
+    in (None: seqlen_k - seqlen_q); num_splits, split-KV inside the backend for backends that have
+    it (split_plan): 1 none, None by the backend's heuristic, an int at most that many."""
+    backend = check_backend_name(backend)
+    lib = check_arrays({"q": q, "k": k, "v": v})
+    p = problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal)
+    mod = select_backend(backend, lib, p)
+
+    if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
+        # Nothing to attend to: every query row is fully masked (out 0, lse -inf).
+        return mod.allocate(q, q.shape, p.carrier, 0), mod.allocate(q, p.lse_shape, p.lse_dtype, -np.inf)
+    if num_splits == 1:
+        return mod.forward(p, q, k, v)
+    return mod.forward(p, q, k, v, num_splits=num_splits)
 
 
-def _check_arrays(named: dict) -> str:
-    """Every argument is an array of one supported library; returns that library."""
-    libs = {}
-    for name, x in named.items():
-        lib = backends.array_library(x)
-        if lib is None:
-            raise TypeError(
-                f"{name} must be a numpy.ndarray, cupy.ndarray or numba device array, "
-                f"got {_describe(x)}")
-        if isinstance(x, np.ma.MaskedArray):
-            raise TypeError(f"{name} must not be a numpy.ma.MaskedArray: attention would ignore its mask "
-                            f"(pass {name}.filled(0) or {name}.data if that is what you mean)")
-        libs[name] = lib
-    if len(set(libs.values())) > 1:
-        which = ", ".join(f"{n} is {lib}" for n, lib in libs.items())
-        raise TypeError(f"q, k, v (and dout, out, lse) must come from one array library: {which}")
-    return next(iter(libs.values()))
+def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None,
+             mask=None, scale=None, backend="auto", dtype=None, deterministic=False, diagonal=None) -> tuple:
+    """attention_backward on NumPy or CuPy arrays, with forward's diagonal."""
+    backend = check_backend_name(backend)
+    deterministic = check_bool("deterministic", deterministic)
+    lib = check_arrays({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
+    p = problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal)
+    check_like_q(p, q, {"dout": dout, "out": out})
+    check_lse(p, lse)
+    mod = select_backend(backend, lib, p, backward=True)
 
-
-def _check_dtypes(named: dict, dtype) -> tuple:
-    """(value dtype name, carrier dtype) shared by every array in `named`."""
-    if dtype is not None and dtype != "bfloat16":
-        raise ValueError(f"dtype must be None or 'bfloat16', got {dtype!r}")
-    carriers = {name: np.dtype(x.dtype) for name, x in named.items()}
-    for name, carrier in carriers.items():
-        if not carrier.isnative:
-            raise TypeError(f"{name} must have native byte order, got {carrier.str} "
-                            f"(convert with {name}.astype({name}.dtype.newbyteorder('=')))")
-        if dtype == "bfloat16" and carrier.name != "bfloat16" and carrier not in BIT_CARRIERS:
-            raise TypeError(f"with dtype='bfloat16', {name} must hold bfloat16 bit patterns as uint16 or "
-                            f"int16 (CuPy has no bfloat16 dtype), got {carrier}")
-        if dtype is None and carrier.name not in FLOAT_DTYPES:
-            hint = " (bfloat16 bits in uint16? pass dtype='bfloat16')" if carrier in BIT_CARRIERS else ""
-            raise TypeError(f"{name} must have dtype float16, float32, float64 or bfloat16, got {carrier}{hint}")
-    if len(set(carriers.values())) > 1:
-        which = ", ".join(f"{n} is {dt}" for n, dt in carriers.items())
-        raise TypeError(f"{', '.join(named)} must share one dtype: {which}")
-    carrier = next(iter(carriers.values()))
-    return (dtype or carrier.name), carrier
-
-
-def _check_strides(name: str, x) -> None:
-    """Strides, and on a device the address, whole multiples of the itemsize: kernels read elements."""
-    itemsize = np.dtype(x.dtype).itemsize
-    strides = x.strides if x.strides is not None else ()
-    if any(s % itemsize for s in strides):
-        raise ValueError(
-            f"{name} must have strides that are whole multiples of its itemsize {itemsize}, "
-            f"got strides {tuple(strides)} (bytes)")
-    interface = getattr(x, "__cuda_array_interface__", None)
-    if interface is not None and interface["data"][0] % itemsize:
-        raise ValueError(f"{name} must start at an address aligned to its itemsize {itemsize} (a GPU faults "
-                         f"on misaligned loads), got address {interface['data'][0]:#x}")
-
-
-def _check_positive(name: str, x, acc_dtype: np.dtype) -> float:
-    """A real number that stays finite and positive in the accumulation dtype, also times log2(e)
-    (the kernels work in base 2): scale and softcap."""
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a real number or None, got {_describe(x)}")
-    value = float(x)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be finite and positive, got {value!r}")
-    with np.errstate(over="ignore", under="ignore"):
-        in_acc = acc_dtype.type(value), acc_dtype.type(value * LOG2E)
-    if not all(np.isfinite(y) and y > 0 for y in in_acc):
-        info = np.finfo(acc_dtype)
-        raise ValueError(f"{name} must be finite and positive in {acc_dtype}, the accumulation dtype "
-                         f"(between {info.tiny:.3g} and {float(info.max) / LOG2E:.3g}), got {value!r}")
-    return value
-
-
-def _check_scale(scale, head_dim: int, acc_dtype: np.dtype) -> float:
-    return default_scale(head_dim) if scale is None else _check_positive("scale", scale, acc_dtype)
-
-
-def _check_bool(name: str, x) -> bool:
-    if not isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {_describe(x)}")
-    return bool(x)
-
-
-def _check_backend_name(backend) -> str:
-    if not isinstance(backend, str) or (backend != "auto" and backend not in backends.NAMES):
-        raise ValueError(
-            f"backend must be 'auto' or one of {', '.join(map(repr, backends.NAMES))}, "
-            f"got {backend!r}")
-    return backend
-
-
-def _check_window(window) -> tuple:
-    """(left, right), each None or an int >= 0."""
-    expected = "None or a (left, right) pair, each None (unbounded) or an int >= 0"
-    if window is None:
-        return None, None
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"window must be {expected}, got {window!r}" if isinstance(window, (tuple, list))
-                        else f"window must be {expected}, got {_describe(window)}")
-    sides = []
-    for side, x in zip(("left", "right"), window):
-        if x is not None and (isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral)):
-            raise TypeError(f"window must be {expected}, got {_describe(x)} {x!r} as its {side}")
-        if x is not None and x < 0:
-            raise ValueError(f"window must be {expected}, got {int(x)} as its {side}")
-        sides.append(None if x is None else int(x))
-    return tuple(sides)
-
-
-def _check_softcap(softcap, acc_dtype: np.dtype):
-    return None if softcap is None else _check_positive("softcap", softcap, acc_dtype)
-
-
-def _check_modifier_array(name: str, x, lib: str) -> None:
-    """x is an array of q's library, with native byte order and whole-element strides."""
-    x_lib = backends.array_library(x)
-    if x_lib is None:
-        raise TypeError(f"{name} must be None or an array of q's library ({lib}), got {_describe(x)}")
-    if isinstance(x, np.ma.MaskedArray):
-        raise TypeError(f"{name} must not be a numpy.ma.MaskedArray: its mask would be ignored")
-    if x_lib != lib:
-        raise TypeError(f"{name} must come from q's array library ({lib}), got a {x_lib} array")
-    if not np.dtype(x.dtype).isnative:
-        raise TypeError(f"{name} must have native byte order, got {np.dtype(x.dtype).str}")
-    _check_strides(name, x)
-
-
-def _check_broadcastable(name: str, x, full: tuple) -> None:
-    what = f"broadcastable to (batch, heads_q, seqlen_q, seqlen_k) = {full}"
-    if x.ndim != 4:
-        raise ValueError(f"{name} must have rank 4, {what}, got shape {tuple(x.shape)}")
-    if any(n not in (1, f) for n, f in zip(x.shape, full)):
-        raise ValueError(f"{name} must be {what} (each dimension its full size or 1), got shape {tuple(x.shape)}")
-
-
-def _modifiers(lib, p: Problem, window, softcap, alibi_slopes, bias, mask) -> dict:
-    """The validated modifiers, as Problem's fields."""
-    left, right = _check_window(window)
-    if p.causal:
-        right = None  # causal is right = 0, which a window's right (>= 0) never narrows
-    found = dict(window_left=left, window_right=right, softcap=_check_softcap(softcap, p.acc_dtype))
-    full = (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k)
-    if alibi_slopes is not None:
-        _check_modifier_array("alibi_slopes", alibi_slopes, lib)
-        shapes = ((p.heads_q,), (p.batch, p.heads_q))
-        if tuple(alibi_slopes.shape) not in shapes:
-            raise ValueError(f"alibi_slopes must have shape (heads_q,) = {shapes[0]} or (batch, heads_q) = "
-                             f"{shapes[1]}, got {tuple(alibi_slopes.shape)}")
-        allowed = sorted({np.dtype(np.float32), p.acc_dtype}, key=lambda d: d.itemsize)
-        if np.dtype(alibi_slopes.dtype) not in allowed:
-            raise TypeError(f"alibi_slopes must have dtype {' or '.join(map(str, allowed))} for {p.dtype} inputs, "
-                            f"got {np.dtype(alibi_slopes.dtype)}")
-        found["alibi_slopes"] = alibi_slopes
-    if bias is not None:
-        _check_modifier_array("bias", bias, lib)
-        _check_broadcastable("bias", bias, full)
-        if np.dtype(bias.dtype) not in (p.carrier, np.dtype(np.float32)):
-            also = "" if p.carrier == np.float32 else " or float32"
-            raise TypeError(f"bias must have q's dtype {p.carrier}{also}, got {np.dtype(bias.dtype)}")
-        found["bias"] = bias
-    if mask is not None:
-        _check_modifier_array("mask", mask, lib)
-        _check_broadcastable("mask", mask, full)
-        if np.dtype(mask.dtype) != np.dtype(bool):
-            raise TypeError(f"mask must have dtype bool (True: may attend), got {np.dtype(mask.dtype)}")
-        found["mask"] = mask
-    return found
-
-
-def _problem(q, k, v, causal, scale, dtype, lib=None, window=None, softcap=None, alibi_slopes=None, bias=None,
-             mask=None, diagonal=None) -> Problem:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(
-                f"{name} must have rank 4 ({'batch, seqlen_q, heads_q' if name == 'q' else 'batch, seqlen_k, heads_kv'}"
-                f", head_dim), got shape {tuple(x.shape)}")
-        _check_strides(name, x)
-    causal = _check_bool("causal", causal)
-    B, Sq, Hq, D = q.shape
-    Bk, Sk, Hkv, Dk = k.shape
-    if k.shape != v.shape:
-        raise ValueError(
-            f"k and v must have the same shape (batch, seqlen_k, heads_kv, head_dim), "
-            f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if Bk != B:
-        raise ValueError(f"k and v must have q's batch size {B}, got {Bk}")
-    if Dk != D:
-        raise ValueError(f"k and v must have q's head_dim {D}, got {Dk}")
-    if D < 1:
-        raise ValueError(f"head_dim must be at least 1, got {D}")
-    if Hq < 1 or Hkv < 1:
-        raise ValueError(f"heads_q and heads_kv must be at least 1, got heads_q={Hq}, heads_kv={Hkv}")
-    if Hq % Hkv:
-        raise ValueError(
-            f"heads_q must be a multiple of heads_kv (GQA/MQA), got heads_q={Hq}, heads_kv={Hkv}")
-    value_dtype, carrier = _check_dtypes({"q": q, "k": k, "v": v}, dtype)
-    scale = _check_scale(scale, D, accumulation_dtype(value_dtype))
-    if diagonal is not None and (isinstance(diagonal, bool) or not isinstance(diagonal, numbers.Integral)):
-        raise TypeError(f"_diagonal must be an int or None, got {_describe(diagonal)}")
-    p = Problem(B, Sq, Sk, Hq, Hkv, D, value_dtype, causal, scale, carrier,
-                offset=None if diagonal is None else int(diagonal))
-    if window is softcap is alibi_slopes is bias is mask is None:
-        return p
-    return dataclasses.replace(p, **_modifiers(lib, p, window, softcap, alibi_slopes, bias, mask))
-
-
-def _select(backend: str, lib: str, p: Problem, backward: bool = False):
-    """The backend module for this call: TypeError if it cannot take these arrays or this dtype,
-    ValueError if the problem passes one of its limits (head_dim, CUDA's grid)."""
-    name = backends.DEFAULT_FOR_LIBRARY[lib] if backend == "auto" else backend
-    wanted = p.modifiers
-    if backend == "auto" and wanted:
-        name = _backend_for_modifiers(lib, p, name)
-    mod = backends.load(name)
-    if lib not in mod.ARRAY_LIBRARIES:
-        takes = " or ".join(mod.ARRAY_LIBRARIES)
-        raise TypeError(
-            f"backend {name!r} takes {takes} arrays, got {lib} arrays "
-            f"(flashcupy never copies between host and device behind your back)")
-    if p.dtype not in mod.DTYPES:
-        raise TypeError(f"backend {name!r} supports {', '.join(mod.DTYPES)}, got {p.dtype}")
-    if mod.MAX_HEAD_DIM is not None and p.head_dim > mod.MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be at most {mod.MAX_HEAD_DIM} for the {name} backend, got {p.head_dim}")
-    for what, blocks, axis in mod.grid_axes(p, backward):
-        if blocks > backends.MAX_GRID[axis]:
-            raise ValueError(f"too large for the {name} backend: {what} needs {blocks} thread blocks along "
-                             f"CUDA grid {'xyz'[axis]}, which holds at most {backends.MAX_GRID[axis]}")
-    missing = wanted and [m for m in MODIFIERS if m in wanted and m not in getattr(mod, "MODIFIERS", ())]
-    if missing:
-        others = [n for n in backends.NAMES if n != name and set(missing) <= _declared_modifiers(n)]
-        raise ValueError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not yet supported by "
-                         f"backend {name!r}" + (f" (backend {' or '.join(map(repr, others))} supports "
-                                                f"{'it' if len(missing) == 1 else 'them'})" if others else ""))
-    return mod
-
-
-def _declared_modifiers(name: str) -> frozenset:
-    """The modifiers backend `name` declares (none where its module cannot even be imported)."""
-    try:
-        return frozenset(getattr(backends.module(name), "MODIFIERS", ()))
-    except ImportError:
-        return frozenset()
-
-
-def _backend_for_modifiers(lib: str, p: Problem, default: str) -> str:
-    """backend="auto" with modifiers: the default backend for these arrays, else the first other
-    that takes them, computes every modifier asked and can run here; else the default (which
-    _select then refuses, naming the modifier)."""
-    for name in (default, *backends.NAMES):
-        if not p.modifiers <= _declared_modifiers(name):
-            continue
-        if lib in backends.module(name).ARRAY_LIBRARIES and backends.unavailable_reason(name) is None:
-            return name
-    return default
-
-
-# ----------------------------------------------------------------------------
-# public API
-
-
-def _check_lse(p: Problem, lse) -> None:
-    if tuple(lse.shape) != p.lse_shape:
-        raise ValueError(
-            f"lse must have shape (batch, heads_q, seqlen_q) = {p.lse_shape}, got {tuple(lse.shape)}")
-    if np.dtype(lse.dtype) != p.lse_dtype:
-        raise TypeError(f"lse must have dtype {p.lse_dtype} for {p.dtype} inputs, got {np.dtype(lse.dtype)}")
-    _check_strides("lse", lse)
-
-
-def _check_rows(rows, seqlen_q: int) -> np.ndarray:
-    """The query rows attention_probs is asked for, as an index array into [0, seqlen_q)."""
-    expected = "None, a slice or a 1-D array of ints"
-    if rows is None:
-        return np.arange(seqlen_q)
-    if isinstance(rows, slice):
-        return np.arange(seqlen_q)[rows]
-    if isinstance(rows, (bool, np.bool_)) or isinstance(rows, (numbers.Number, str)):
-        raise TypeError(f"rows must be {expected}, got {_describe(rows)}")
-    try:
-        index = np.asarray(rows)
-    except Exception:
-        raise TypeError(f"rows must be {expected} (NumPy-readable), got {_describe(rows)}") from None
-    if index.ndim != 1 or (index.dtype.kind not in "iu" and not (index.size == 0 and index.dtype.kind == "f")):
-        raise TypeError(f"rows must be {expected}, got {index.ndim}-D {index.dtype}")
-    index = index.astype(np.int64)
-    bad = index[(index < -seqlen_q) | (index >= seqlen_q)]
-    if bad.size:
-        raise ValueError(f"rows must lie in [-seqlen_q, seqlen_q) = [{-seqlen_q}, {seqlen_q}), got {int(bad[0])}")
-    return np.where(index < 0, index + seqlen_q, index).astype(np.intp)
+    if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
+        grads = tuple(mod.allocate(q, x.shape, p.carrier, 0) for x in (q, k, v))
+        return grads if bias is None else grads + (mod.allocate(q, bias.shape, bias.dtype, 0),)
+    if getattr(mod, "ATOMIC_BACKWARD", False):
+        return mod.backward(p, dout, q, k, v, out, lse, deterministic=deterministic)
+    return mod.backward(p, dout, q, k, v, out, lse)
 
 
 @_interop.accepts_foreign_arrays
 def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
-              scale=None, return_lse=False, backend="auto", dtype=None, _diagonal=None, _num_splits=1):
+              scale=None, return_lse=False, backend="auto", dtype=None):
     """Exact softmax(q kᵀ · scale) v, computed tile by tile (FlashAttention).
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
@@ -344,33 +74,16 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
     dtype=None reads the arrays as their own dtype (float16, float32, float64, or
     ml_dtypes.bfloat16 on NumPy); dtype="bfloat16" reads uint16/int16 arrays as
     bfloat16 bit patterns (CuPy has no bfloat16 dtype), and out comes back the same way.
-
-    _diagonal (private, for flashcupy.dask): the diagonal of a chunk of a larger problem, its
-    queries' and keys' global positions folded in; None: seqlen_k - seqlen_q.
-    _num_splits (private, for attention_with_kvcache): split-KV inside the backend, for backends
-    that have it (split_plan): 1 none, None by the backend's heuristic, an int at most that many.
     """
-    backend = _check_backend_name(backend)
-    return_lse = _check_bool("return_lse", return_lse)
-    lib = _check_arrays({"q": q, "k": k, "v": v})
-    p = _problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, _diagonal)
-    mod = _select(backend, lib, p)
-
-    if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
-        # Nothing to attend to: every query row is fully masked (out 0, lse -inf).
-        out = mod.allocate(q, q.shape, p.carrier, 0)
-        lse = mod.allocate(q, p.lse_shape, p.lse_dtype, -np.inf)
-    elif _num_splits == 1:
-        out, lse = mod.forward(p, q, k, v)
-    else:
-        out, lse = mod.forward(p, q, k, v, num_splits=_num_splits)
+    return_lse = check_bool("return_lse", return_lse)
+    out, lse = forward(q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
+                       mask=mask, scale=scale, backend=backend, dtype=dtype)
     return (out, lse) if return_lse else out
 
 
 @_interop.accepts_foreign_arrays
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None,
-                       bias=None, mask=None, scale=None, backend="auto", dtype=None, deterministic=False,
-                       _diagonal=None):
+                       bias=None, mask=None, scale=None, backend="auto", dtype=None, deterministic=False):
     """Gradients (dq, dk, dv) of attention, given dout and the forward's out and lse; with bias,
     (dq, dk, dv, dbias), dbias of the bias's own shape and dtype (summed over its broadcast
     dimensions).
@@ -383,26 +96,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, so
     GEMMs instead of seven), whose order, so whose rounding, varies; every other path is
     deterministic either way.
     """
-    backend = _check_backend_name(backend)
-    deterministic = _check_bool("deterministic", deterministic)
-    named = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
-    lib = _check_arrays(named)
-    p = _problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, _diagonal)
-    for name, x in (("dout", dout), ("out", out)):
-        if tuple(x.shape) != tuple(q.shape):
-            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
-        if np.dtype(x.dtype) != p.carrier:
-            raise TypeError(f"{name} must have q's dtype {p.carrier}, got {np.dtype(x.dtype)}")
-        _check_strides(name, x)
-    _check_lse(p, lse)
-    mod = _select(backend, lib, p, backward=True)
-
-    if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
-        grads = tuple(mod.allocate(q, x.shape, p.carrier, 0) for x in (q, k, v))
-        return grads if bias is None else grads + (mod.allocate(q, bias.shape, bias.dtype, 0),)
-    if getattr(mod, "ATOMIC_BACKWARD", False):
-        return mod.backward(p, dout, q, k, v, out, lse, deterministic=deterministic)
-    return mod.backward(p, dout, q, k, v, out, lse)
+    return backward(dout, q, k, v, out, lse, causal=causal, window=window, softcap=softcap,
+                    alibi_slopes=alibi_slopes, bias=bias, mask=mask, scale=scale, backend=backend, dtype=dtype,
+                    deterministic=deterministic)
 
 
 @_interop.accepts_foreign_arrays
@@ -410,7 +106,7 @@ def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slo
                   scale=None, backend="auto", dtype=None, deterministic=False):
     """Forward pass plus a closure for the backward: returns (out, vjp), vjp(dout) -> (dq, dk, dv),
     or (dq, dk, dv, dbias) with a bias. deterministic: as attention_backward's."""
-    deterministic = _check_bool("deterministic", deterministic)
+    deterministic = check_bool("deterministic", deterministic)
     mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask)
     out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend, dtype=dtype, **mods)
 
@@ -429,12 +125,12 @@ def attention_probs(q, k, lse, *, rows=None, causal=False, window=None, softcap=
     dtype. rows: None (all: O(seqlen_q x seqlen_k) memory), a slice or a 1-D array of ints (negative
     ones count from the end). A row sums to 1, or is 0 where it sees no key.
     """
-    backend = _check_backend_name(backend)
-    lib = _check_arrays({"q": q, "k": k, "lse": lse})
-    p = _problem(q, k, k, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask)
-    _check_lse(p, lse)
-    index = _check_rows(rows, p.seqlen_q)
-    mod = _select(backend, lib, p)
+    backend = check_backend_name(backend)
+    lib = check_arrays({"q": q, "k": k, "lse": lse})
+    p = problem(q, k, k, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask)
+    check_lse(p, lse)
+    index = check_rows(rows, p.seqlen_q)
+    mod = select_backend(backend, lib, p)
     if not hasattr(mod, "probs"):
         raise ValueError(f"attention_probs is not yet supported by backend {mod.NAME!r}")
     shape = (p.batch, p.heads_q, index.size, p.seqlen_k)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _api, _interop, backends
+from . import _checks, _interop, backends
 from ._problem import accumulation_dtype
 
 
@@ -37,20 +37,20 @@ def _library(x):
     if lib == "cupy":
         import cupy
         return cupy
-    raise TypeError(f"merge takes numpy or cupy arrays, got {_api._describe(x)}")
+    raise TypeError(f"merge takes numpy or cupy arrays, got {_checks.describe(x)}")
 
 
 def _check(outs, lses, dtype) -> tuple:
     """(xp, value dtype name, carrier, acc dtype): validated before any work."""
     for name, seq in (("outs", outs), ("lses", lses)):
         if not isinstance(seq, (list, tuple)) or not seq:
-            raise TypeError(f"{name} must be a non-empty list or tuple of arrays, got {_api._describe(seq)}")
+            raise TypeError(f"{name} must be a non-empty list or tuple of arrays, got {_checks.describe(seq)}")
     if len(outs) != len(lses):
         raise ValueError(f"outs and lses must have one entry per part, got {len(outs)} outs and {len(lses)} lses")
     named = {f"outs[{i}]": x for i, x in enumerate(outs)} | {f"lses[{i}]": x for i, x in enumerate(lses)}
-    _api._check_arrays(named)
+    _checks.check_arrays(named)
     xp = _library(outs[0])
-    value, carrier = _api._check_dtypes({f"outs[{i}]": x for i, x in enumerate(outs)}, dtype)
+    value, carrier = _checks.check_dtypes({f"outs[{i}]": x for i, x in enumerate(outs)}, dtype)
     acc = accumulation_dtype(value)
     shape = tuple(outs[0].shape)
     if len(shape) != 4:
@@ -135,7 +135,7 @@ def merge_backward(dout, outs, lses, out, lse, dlse=None, *, dtype=None):
     for name, (x, shape, want) in named.items():
         if x is None and name == "dlse":
             continue
-        _api._check_arrays({"outs[0]": outs[0], name: x})
+        _checks.check_arrays({"outs[0]": outs[0], name: x})
         if tuple(x.shape) != tuple(shape) or np.dtype(x.dtype) != want:
             raise ValueError(f"{name} must have shape {tuple(shape)} and dtype {want}, got "
                              f"{tuple(x.shape)} and {np.dtype(x.dtype)}")

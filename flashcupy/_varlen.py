@@ -21,14 +21,14 @@ import numbers
 
 import numpy as np
 
-from . import _api, _interop, _merge, backends
+from . import _api, _checks, _interop, _merge, backends
 
 
 def _host_ints(name: str, x, lib: str, ndim: int, shape_rule: str) -> np.ndarray:
     """An int32 array of the inputs' library, read on the host (a small device-to-host copy for
     CuPy: its values decide which memory is touched, so they are checked here, before any launch)."""
     if backends.array_library(x) != lib:
-        raise TypeError(f"{name} must be an int32 array of q's library ({lib}), got {_api._describe(x)}")
+        raise TypeError(f"{name} must be an int32 array of q's library ({lib}), got {_checks.describe(x)}")
     if np.dtype(x.dtype) != np.int32:
         raise TypeError(f"{name} must have dtype int32, got {np.dtype(x.dtype)}")
     values = x if lib == "numpy" else x.get()
@@ -64,9 +64,9 @@ def _slopes_for(alibi_slopes, b: int, batch: int):
 def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dtype,
                  modifiers, backend, backward=False):
     """Validate the whole packed call; returns (problem of the packed arrays, cu_q, cu_k, backend module)."""
-    backend = _api._check_backend_name(backend)
+    backend = _checks.check_backend_name(backend)
     _check_packed(q, k, v)
-    lib = _api._check_arrays({"q": q, "k": k, "v": v})
+    lib = _checks.check_arrays({"q": q, "k": k, "v": v})
     cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, lib, q.shape[0])
     cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, lib, k.shape[0])
     if cu_q.size != cu_k.size:
@@ -85,8 +85,8 @@ def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     # modifiers); slopes per sequence are checked here and sliced per call
     mods = dict(modifiers)
     mods["alibi_slopes"] = None if mods.get("alibi_slopes") is None else _slopes_for(mods["alibi_slopes"], 0, batch)
-    p = _api._problem(q[None], k[None], v[None], causal, scale, dtype, lib, **mods)
-    return p, cu_q, cu_k, _api._select(backend, lib, p, backward=backward)
+    p = _checks.problem(q[None], k[None], v[None], causal, scale, dtype, lib, **mods)
+    return p, cu_q, cu_k, _checks.select_backend(backend, lib, p, backward=backward)
 
 
 @_interop.accepts_foreign_arrays
@@ -101,7 +101,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     with (heads_q,) or (batch, heads_q) slopes). max_seqlen_* are checked hints. Returns out (q's
     shape and dtype), and lse (heads_q, total_q) with return_lse=True.
     """
-    return_lse = _api._check_bool("return_lse", return_lse)
+    return_lse = _checks.check_bool("return_lse", return_lse)
     mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     p, cu_q, cu_k, mod = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                       scale, dtype, mods, backend)
@@ -112,9 +112,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         (qa, qb), (ka, kb) = cu_q[b:b + 2], cu_k[b:b + 2]
         if qa == qb:
             continue
-        o, l = _api.attention(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], causal=causal, window=window,
-                              softcap=softcap, alibi_slopes=_slopes_for(alibi_slopes, b, batch), scale=scale,
-                              return_lse=True, backend=backend, dtype=dtype)
+        o, l = _api.forward(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], causal=causal, window=window,
+                            softcap=softcap, alibi_slopes=_slopes_for(alibi_slopes, b, batch), scale=scale,
+                            backend=backend, dtype=dtype)
         out[qa:qb] = o[0]
         lse[:, qa:qb] = l[0]
     return (out, lse) if return_lse else out
@@ -128,12 +128,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     p, cu_q, cu_k, mod = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                       scale, dtype, mods, backend, backward=True)
-    _api._check_arrays({"dout": dout, "q": q, "out": out, "lse": lse})
-    for name, x in (("dout", dout), ("out", out)):
-        if tuple(x.shape) != tuple(q.shape):
-            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
-        if np.dtype(x.dtype) != p.carrier:
-            raise TypeError(f"{name} must have q's dtype {p.carrier}, got {np.dtype(x.dtype)}")
+    _checks.check_arrays({"dout": dout, "q": q, "out": out, "lse": lse})
+    _checks.check_like_q(p, q, {"dout": dout, "out": out})
     if tuple(lse.shape) != (p.heads_q, q.shape[0]):
         raise ValueError(f"lse must have shape (heads_q, total_q) = {(p.heads_q, q.shape[0])}, got {tuple(lse.shape)}")
     if np.dtype(lse.dtype) != p.lse_dtype:
@@ -144,10 +140,10 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         (qa, qb), (ka, kb) = cu_q[b:b + 2], cu_k[b:b + 2]
         if qa == qb or ka == kb:
             continue  # no query, or no key: zero gradients
-        g = _api.attention_backward(dout[None, qa:qb], q[None, qa:qb], k[None, ka:kb], v[None, ka:kb],
-                                    out[None, qa:qb], lse[None, :, qa:qb], causal=causal, window=window,
-                                    softcap=softcap, alibi_slopes=_slopes_for(alibi_slopes, b, batch), scale=scale,
-                                    backend=backend, dtype=dtype)
+        g = _api.backward(dout[None, qa:qb], q[None, qa:qb], k[None, ka:kb], v[None, ka:kb],
+                          out[None, qa:qb], lse[None, :, qa:qb], causal=causal, window=window,
+                          softcap=softcap, alibi_slopes=_slopes_for(alibi_slopes, b, batch), scale=scale,
+                          backend=backend, dtype=dtype)
         dq[qa:qb], dk[ka:kb], dv[ka:kb] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv
 
@@ -170,7 +166,7 @@ def attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, **keywords):
 
 def _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits):
     """Validated (lib, paged, block_size, capacity, lengths before appending, new length, splits)."""
-    lib = _api._check_arrays({"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    lib = _checks.check_arrays({"q": q, "k_cache": k_cache, "v_cache": v_cache})
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.ndim != 4:
             raise ValueError(f"{name} must have rank 4, got shape {tuple(x.shape)}")
@@ -196,7 +192,7 @@ def _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_split
         raise ValueError("k and v must be given together (new tokens to append) or both left out")
     new = 0
     if k is not None:
-        _api._check_arrays({"q": q, "k": k, "v": v})
+        _checks.check_arrays({"q": q, "k": k, "v": v})
         want = (batch, k.shape[1], k_cache.shape[2], k_cache.shape[3]) if k.ndim == 4 else None
         for name, x in (("k", k), ("v", v)):
             if x.ndim != 4 or tuple(x.shape) != want:
@@ -287,15 +283,15 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     grid would hold at most two CTAs per SM (cupy_backend.split_plan); the others do not split.
     Returns out, or (out, lse).
     """
-    return_lse = _api._check_bool("return_lse", return_lse)
-    backend = _api._check_backend_name(backend)
+    return_lse = _checks.check_bool("return_lse", return_lse)
+    backend = _checks.check_backend_name(backend)
     lib, table, block_size, lengths, new, splits = _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens,
                                                                block_table, num_splits)
     batch = q.shape[0]
     slopes0 = None if alibi_slopes is None else _slopes_for(alibi_slopes, 0, batch)
-    p = _api._problem(q[:1], k_cache[:1, :1] if table is None else k_cache[None, 0], v_cache[:1, :1]
+    p = _checks.problem(q[:1], k_cache[:1, :1] if table is None else k_cache[None, 0], v_cache[:1, :1]
                       if table is None else v_cache[None, 0], causal, scale, dtype, lib, window, softcap, slopes0)
-    mod = _api._select(backend, lib, p)
+    mod = _checks.select_backend(backend, lib, p)
 
     # append the new tokens (after every check: nothing is written for a call that is refused)
     for b in range(batch if new else 0):
@@ -316,10 +312,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     for b in range(batch):
         n = int(lengths[b]) + new
         kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=_slopes_for(alibi_slopes, b, batch),
-                  scale=scale, return_lse=True, backend=mod.NAME, dtype=dtype)
-        if in_launch:
-            kw["_num_splits"] = num_splits
-        parts = [_api.attention(q[b:b + 1], kk, vv, _diagonal=n - Sq - j0, **kw)
+                  scale=scale, backend=mod.NAME, dtype=dtype, num_splits=num_splits if in_launch else 1)
+        parts = [_api.forward(q[b:b + 1], kk, vv, diagonal=n - Sq - j0, **kw)
                  for j0, kk, vv in _pieces(k_cache, v_cache, b, table, block_size, n, 1 if in_launch else splits)]
         if not parts:
             continue  # no key: out 0, lse -inf

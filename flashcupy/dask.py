@@ -26,7 +26,7 @@ import itertools
 
 import numpy as np
 
-from . import _api, _merge, backends
+from . import _api, _checks, _merge, backends
 from ._problem import accumulation_dtype
 
 SPLIT_EVERY = 2  # parts per merge or sum task: a binary tree frees pair results soonest (fan-in 8: 2x the memory)
@@ -59,20 +59,20 @@ class _Plan:
         for name, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, da.Array):
                 raise TypeError(f"{name} must be a dask.array.Array (use flashcupy.attention for "
-                                f"{_api._describe(x)}), got {_api._describe(x)}")
+                                f"{_checks.describe(x)}), got {_checks.describe(x)}")
         self.lib = backends.array_library(q._meta)
         if self.lib not in ("numpy", "cupy"):
-            raise TypeError(f"q's chunks must be numpy or cupy arrays, got {_api._describe(q._meta)}")
+            raise TypeError(f"q's chunks must be numpy or cupy arrays, got {_checks.describe(q._meta)}")
         for name, x in (("k", k), ("v", v)):
             if backends.array_library(x._meta) != self.lib:
                 raise TypeError(f"{name}'s chunks must be of q's array library {self.lib}, "
-                                f"got {_api._describe(x._meta)}")
-        backend = _api._check_backend_name(backend)
+                                f"got {_checks.describe(x._meta)}")
+        backend = _checks.check_backend_name(backend)
         # the whole arrays' checks, on stand-ins of their shape and dtype that hold no memory
         stand_in = {n: np.broadcast_to(np.empty((), x.dtype), x.shape) for n, x in (("q", q), ("k", k), ("v", v))}
-        self.p = _api._problem(stand_in["q"], stand_in["k"], stand_in["v"], causal, scale, dtype, self.lib,
+        self.p = _checks.problem(stand_in["q"], stand_in["k"], stand_in["v"], causal, scale, dtype, self.lib,
                                window, softcap, alibi_slopes)
-        _api._select(backend, self.lib, self.p)
+        _checks.select_backend(backend, self.lib, self.p)
         if k.chunks != v.chunks:
             raise ValueError(f"k and v must have the same chunks, got k {k.chunks} and v {v.chunks} "
                              f"(v.rechunk(k.chunks))")
@@ -124,15 +124,15 @@ class _Plan:
 
 def _pair_forward(q, k, v, diagonal, kw):
     """One pair: (out, lse) with out in the accumulation dtype, ready to merge."""
-    out, lse = _api.attention(q, k, v, _diagonal=diagonal, return_lse=True, **kw)
-    value, _ = _api._check_dtypes({"q": q}, kw["dtype"])
+    out, lse = _api.forward(q, k, v, diagonal=diagonal, **kw)
+    value, _ = _checks.check_dtypes({"q": q}, kw["dtype"])
     xp = _merge._library(q)
     return _merge._read(xp, out, value, accumulation_dtype(value)), lse
 
 
 def _no_keys(q, kw):
     """A query chunk that sees no key chunk: out 0 and lse -inf (the rule of attention)."""
-    value, _ = _api._check_dtypes({"q": q}, kw["dtype"])
+    value, _ = _checks.check_dtypes({"q": q}, kw["dtype"])
     acc = accumulation_dtype(value)
     xp = _merge._library(q)
     B, S, H, D = q.shape
@@ -149,7 +149,7 @@ def _merge_parts(*parts):
 
 
 def _store_out(part, q, kw):
-    value, carrier = _api._check_dtypes({"q": q}, kw["dtype"])
+    value, carrier = _checks.check_dtypes({"q": q}, kw["dtype"])
     return _merge._store(_merge._library(q), part[0], value, carrier)
 
 
@@ -159,8 +159,8 @@ def _lse(part):
 
 def _pair_backward(dout, q, k, v, out, lse, diagonal, kw):
     """One pair's (dq, dk, dv) in the accumulation dtype, ready to sum."""
-    grads = _api.attention_backward(dout, q, k, v, out, lse, _diagonal=diagonal, **kw)
-    value, _ = _api._check_dtypes({"q": q}, kw["dtype"])
+    grads = _api.backward(dout, q, k, v, out, lse, diagonal=diagonal, **kw)
+    value, _ = _checks.check_dtypes({"q": q}, kw["dtype"])
     xp = _merge._library(q)
     return tuple(_merge._read(xp, g, value, accumulation_dtype(value)) for g in grads)
 
@@ -179,12 +179,12 @@ def _add_gradient(which, *parts):
 
 
 def _zeros_like(x, kw):
-    value, _ = _api._check_dtypes({"x": x}, kw["dtype"])
+    value, _ = _checks.check_dtypes({"x": x}, kw["dtype"])
     return _merge._library(x).zeros(x.shape, accumulation_dtype(value))
 
 
 def _store_grad(total, like, kw):
-    value, carrier = _api._check_dtypes({"x": like}, kw["dtype"])
+    value, carrier = _checks.check_dtypes({"x": like}, kw["dtype"])
     return _merge._store(_merge._library(like), total, value, carrier)
 
 
@@ -270,7 +270,7 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
     in one chunk; q's head chunks the kv head chunks times the group size). Returns lazy out (q's
     chunks), and lse (batch, heads_q, seqlen_q) with return_lse=True. alibi_slopes is an array of
     the chunks' library, not a dask array."""
-    return_lse = _api._check_bool("return_lse", return_lse)
+    return_lse = _checks.check_bool("return_lse", return_lse)
     plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype)
     out, lse = _forward(plan, q, k, v)
     return (out, lse) if return_lse else out
@@ -325,7 +325,7 @@ def _summed(graph, name, index, parts, which, like, kw):
 def _check_like(name, x, shape, dtype):
     da, _, _ = _dask()
     if not isinstance(x, da.Array):
-        raise TypeError(f"{name} must be a dask.array.Array, got {_api._describe(x)}")
+        raise TypeError(f"{name} must be a dask.array.Array, got {_checks.describe(x)}")
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
     if np.dtype(x.dtype) != dtype:

@@ -90,7 +90,7 @@ def test_tensor_core_backward(rng, case, fmt):
     dtype = None if fmt == "float16" else "bfloat16"
     dq_, dk_, dv_, ddout = (cupy.asarray(bits(x)) for x in (q, k, v, dout))
     out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, dtype=dtype)
-    p = flashcupy._api._problem(dq_, dk_, dv_, causal, None, dtype)
+    p = flashcupy._checks.problem(dq_, dk_, dv_, causal, None, dtype)
     assert cupy_backend.backward_path(p, ddout, dq_, dk_, dv_, out) == "tensor-core"
     grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=causal, dtype=dtype)
     assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout, causal=causal)

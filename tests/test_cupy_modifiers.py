@@ -22,7 +22,7 @@ from emulator.driver import CompileError
 from test_modifiers import check, modifier_cases
 
 import flashcupy
-from flashcupy._api import MODIFIERS
+from flashcupy._problem import MODIFIERS
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import specs
 
@@ -41,7 +41,7 @@ CASE_NAMES = [name for name in cases(np.random.default_rng(0), (2, 9, 9, 2, 1, 8
 
 
 def assert_path(q, k, v, path, dtype=None, **kw):
-    p = flashcupy._api._problem(q, k, v, kw.get("causal", False), None, dtype, "numpy",
+    p = flashcupy._checks.problem(q, k, v, kw.get("causal", False), None, dtype, "numpy",
                                 **{m: kw.get(m) for m in MODIFIERS})
     assert cupy_backend.forward_path(p, q, k, v) == path
 

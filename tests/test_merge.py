@@ -16,8 +16,7 @@ def _parts(q, k, v, cuts, causal=False, **kw):
     outs, lses = [], []
     Sq, Sk = q.shape[1], k.shape[1]
     for a, b in zip(cuts[:-1], cuts[1:]):
-        out, lse = flashcupy.attention(q, k[:, a:b], v[:, a:b], causal=causal, return_lse=True,
-                                       _diagonal=Sk - Sq - a, **kw)
+        out, lse = flashcupy._api.forward(q, k[:, a:b], v[:, a:b], causal=causal, diagonal=Sk - Sq - a, **kw)
         outs.append(out)
         lses.append(lse)
     return outs, lses

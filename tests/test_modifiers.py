@@ -216,7 +216,7 @@ def test_no_modifier_means_no_modifier(rng):
     q, k, v = make_qkv(rng, 1, 50, 60, 2, 1, 16, np.float32)
     for kw, plain in [(dict(window=(None, None)), {}), (dict(window=[None, 5], causal=True), dict(causal=True))]:
         np.testing.assert_array_equal(flashcupy.attention(q, k, v, **kw), flashcupy.attention(q, k, v, **plain))
-        p = flashcupy._api._problem(q, k, v, kw.get("causal", False), None, None, "numpy", kw["window"])
+        p = flashcupy._checks.problem(q, k, v, kw.get("causal", False), None, None, "numpy", kw["window"])
         assert p.modifiers == frozenset()
 
 
@@ -289,7 +289,7 @@ def test_empty_sequences_with_a_bias(Sq, Sk):
 
 def test_every_backend_computes_every_modifier():
     for name in flashcupy.backends.NAMES:
-        assert flashcupy.backends.module(name).MODIFIERS == frozenset(flashcupy._api.MODIFIERS), name
+        assert flashcupy.backends.module(name).MODIFIERS == frozenset(flashcupy._problem.MODIFIERS), name
 
 
 # A backend that declares only window, softcap and ALiBi (as cupy and numba did before they computed
@@ -315,19 +315,19 @@ def test_a_backend_refuses_the_modifiers_it_does_not_declare_by_name(monkeypatch
 
 def test_auto_picks_a_backend_that_computes_the_modifiers(monkeypatch):
     # a stand-in for CuPy arrays whose default backend lacks the modifier while another has it
-    api = flashcupy._api
+    checks = flashcupy._checks
     monkeypatch.setitem(flashcupy.backends.DEFAULT_FOR_LIBRARY, "numpy", "cupy")
     monkeypatch.setattr(flashcupy.backends, "unavailable_reason", lambda name: None)
     monkeypatch.setattr(flashcupy.backends.module("cupy"), "MODIFIERS", PARTIAL)
     from cupy_emulation import emulated
     q, k, v = make_qkv(np.random.default_rng(0), 1, 8, 8, 2, 1, 8, np.float32)
     with emulated():
-        p = api._problem(q, k, v, False, None, None, "numpy", mask=np.ones((1, 1, 8, 8), bool))
-        assert api._select("auto", "numpy", p).NAME == "numpy"
-        windowed = api._problem(q, k, v, False, None, None, "numpy", (1, 1))  # cupy computes windows
-        assert api._select("auto", "numpy", windowed).NAME == "cupy"
-        plain = api._problem(q, k, v, False, None, None, "numpy")
-        assert api._select("auto", "numpy", plain).NAME == "cupy"
+        p = checks.problem(q, k, v, False, None, None, "numpy", mask=np.ones((1, 1, 8, 8), bool))
+        assert checks.select_backend("auto", "numpy", p).NAME == "numpy"
+        windowed = checks.problem(q, k, v, False, None, None, "numpy", (1, 1))  # cupy computes windows
+        assert checks.select_backend("auto", "numpy", windowed).NAME == "cupy"
+        plain = checks.problem(q, k, v, False, None, None, "numpy")
+        assert checks.select_backend("auto", "numpy", plain).NAME == "cupy"
 
 
 def test_attention_probs_refuses_bad_rows_and_lse(rng):

@@ -55,7 +55,7 @@ def tc_forward(q, k, v, fmt, causal, schedule, compile=compile_module, scale=Non
     dtype = "bfloat16" if fmt == "bfloat16" else None
     order, cp_async = schedule
     with emulated(order, cp_async=cp_async, compile=compile):
-        p = flashcupy._api._problem(q, k, v, causal, None, dtype)
+        p = flashcupy._checks.problem(q, k, v, causal, None, dtype)
         assert cupy_backend.forward_path(p, q, k, v) == "tensor-core"
         return flashcupy.attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend="cupy",
                                    dtype=dtype)
@@ -94,7 +94,7 @@ def test_the_wide_forward_across_query_blocks(causal, window, schedule, rng):
 def test_uncovered_shapes_fall_back_to_simt(case, why, order, rng):
     q, k, v = tc_inputs(rng, case, "float16")
     with emulated(order):
-        p = flashcupy._api._problem(q, k, v, False, None, None)
+        p = flashcupy._checks.problem(q, k, v, False, None, None)
         assert cupy_backend.forward_path(p, q, k, v) == "simt", why
         out = flashcupy.attention(q, k, v, backend="cupy")
     assert_matches_oracle((out,), q, k, v)
@@ -103,7 +103,7 @@ def test_uncovered_shapes_fall_back_to_simt(case, why, order, rng):
 def test_strided_head_dim_and_old_gpus_fall_back_to_simt(rng):
     q, k, v = tc_inputs(rng, (1, 20, 20, 1, 1, 64, False), "float16")
     with emulated():
-        p = flashcupy._api._problem(q, k, v, False, None, None)
+        p = flashcupy._checks.problem(q, k, v, False, None, None)
         assert cupy_backend.forward_path(p, q[..., ::-1], k, v) == "simt"
     with emulated(compute_capability=75):
         assert cupy_backend.forward_path(p, q, k, v) == "simt"
@@ -151,7 +151,7 @@ def tc_backward(dout, q, k, v, out, lse, fmt, causal, schedule, compile=compile_
     dtype = "bfloat16" if fmt == "bfloat16" else None
     order, cp_async = schedule
     with emulated(order, cp_async=cp_async, compile=compile):
-        p = flashcupy._api._problem(q, k, v, causal, None, dtype)
+        p = flashcupy._checks.problem(q, k, v, causal, None, dtype)
         assert cupy_backend.backward_path(p, dout, q, k, v, out) == "tensor-core"
         return flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend="cupy",
                                             dtype=dtype)
@@ -188,7 +188,7 @@ def test_backward_with_strided_dout_or_out_falls_back_to_simt(order, rng):
     dout = narrow(rng.standard_normal(q.shape), "float16")
     with emulated(order):
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy")
-        p = flashcupy._api._problem(q, k, v, False, None, None)
+        p = flashcupy._checks.problem(q, k, v, False, None, None)
         assert cupy_backend.backward_path(p, dout, q, k, v, out) == "tensor-core"
         assert cupy_backend.backward_path(p, dout, q, k, v, out[..., ::-1]) == "simt"
         strided = np.empty(dout.shape[:3] + (2 * dout.shape[3],), dout.dtype)[..., ::2]

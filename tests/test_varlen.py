@@ -256,7 +256,7 @@ def test_the_split_plan_fills_the_device_when_decoding():
         kv = np.zeros((1, 65536, 8, 128), dtype)
         with emulated() as runtime:
             runtime.sm_count = lambda x: 132
-            p = flashcupy._api._problem(q, kv, kv, True, None, None, "numpy")
+            p = flashcupy._checks.problem(q, kv, kv, True, None, None, "numpy")
             splits, key_split = cupy_backend.split_plan(p, q, kv, kv)
             assert key_split % specs.SPLIT_ALIGN == 0 and splits == -(-65536 // key_split)
             assert 32 * splits > 2 * 132, (splits, key_split)

@@ -7,7 +7,7 @@
 //    One CTA per (block of BLOCK_M asked rows, key block, batch * heads_q): the rows are gathered
 //    into Q_s (pre-scaled), K_j into K_s, and S = Q_s K_jᵀ as in flash_fwd.cu (warp w owns rows
 //    w R .. w R + R - 1, lane owns key c = lane % BLOCK_N). rows holds values in [0, seqlen_q),
-//    checked on the host (_api._check_rows) before it is copied to the device.
+//    checked on the host (_checks.check_rows) before it is copied to the device.
 //    Shared memory: Q_s BLOCK_M x HEAD_DIM, K_s BLOCK_N x HEAD_DIM, in Acc.
 //
 // 2. flash_bwd_dbias: the bias's gradient, dS of the final score (before the softcap's derivative,

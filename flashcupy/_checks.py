@@ -1,0 +1,323 @@
+"""Every argument check, in one place: each entry point (flashcupy._api, _varlen, _merge, dask)
+runs these before any backend is touched, and backends never re-validate. A check raises a
+TypeError or ValueError that names the argument, what was expected and what was got.
+
+`problem` turns validated q, k, v and options into the Problem a backend receives; `select_backend`
+picks the backend module for it and refuses a problem past one of the backend's declared limits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import numpy as np
+
+from . import backends
+from ._problem import FLOAT_DTYPES, LOG2E, MODIFIERS, Problem, accumulation_dtype, default_scale
+
+BIT_CARRIERS = (np.dtype(np.uint16), np.dtype(np.int16))  # what dtype="bfloat16" reads
+
+
+def describe(x) -> str:
+    t = type(x)
+    return f"{t.__module__}.{t.__qualname__}" if t.__module__ != "builtins" else t.__qualname__
+
+
+def check_arrays(named: dict) -> str:
+    """Every argument is an array of one supported library; returns that library."""
+    libs = {}
+    for name, x in named.items():
+        lib = backends.array_library(x)
+        if lib is None:
+            raise TypeError(
+                f"{name} must be a numpy.ndarray, cupy.ndarray or numba device array, "
+                f"got {describe(x)}")
+        if isinstance(x, np.ma.MaskedArray):
+            raise TypeError(f"{name} must not be a numpy.ma.MaskedArray: attention would ignore its mask "
+                            f"(pass {name}.filled(0) or {name}.data if that is what you mean)")
+        libs[name] = lib
+    if len(set(libs.values())) > 1:
+        which = ", ".join(f"{n} is {lib}" for n, lib in libs.items())
+        raise TypeError(f"q, k, v (and dout, out, lse) must come from one array library: {which}")
+    return next(iter(libs.values()))
+
+
+def check_dtypes(named: dict, dtype) -> tuple:
+    """(value dtype name, carrier dtype) shared by every array in `named`."""
+    if dtype is not None and dtype != "bfloat16":
+        raise ValueError(f"dtype must be None or 'bfloat16', got {dtype!r}")
+    carriers = {name: np.dtype(x.dtype) for name, x in named.items()}
+    for name, carrier in carriers.items():
+        if not carrier.isnative:
+            raise TypeError(f"{name} must have native byte order, got {carrier.str} "
+                            f"(convert with {name}.astype({name}.dtype.newbyteorder('=')))")
+        if dtype == "bfloat16" and carrier.name != "bfloat16" and carrier not in BIT_CARRIERS:
+            raise TypeError(f"with dtype='bfloat16', {name} must hold bfloat16 bit patterns as uint16 or "
+                            f"int16 (CuPy has no bfloat16 dtype), got {carrier}")
+        if dtype is None and carrier.name not in FLOAT_DTYPES:
+            hint = " (bfloat16 bits in uint16? pass dtype='bfloat16')" if carrier in BIT_CARRIERS else ""
+            raise TypeError(f"{name} must have dtype float16, float32, float64 or bfloat16, got {carrier}{hint}")
+    if len(set(carriers.values())) > 1:
+        which = ", ".join(f"{n} is {dt}" for n, dt in carriers.items())
+        raise TypeError(f"{', '.join(named)} must share one dtype: {which}")
+    carrier = next(iter(carriers.values()))
+    return (dtype or carrier.name), carrier
+
+
+def check_strides(name: str, x) -> None:
+    """Strides, and on a device the address, whole multiples of the itemsize: kernels read elements."""
+    itemsize = np.dtype(x.dtype).itemsize
+    strides = x.strides if x.strides is not None else ()
+    if any(s % itemsize for s in strides):
+        raise ValueError(
+            f"{name} must have strides that are whole multiples of its itemsize {itemsize}, "
+            f"got strides {tuple(strides)} (bytes)")
+    interface = getattr(x, "__cuda_array_interface__", None)
+    if interface is not None and interface["data"][0] % itemsize:
+        raise ValueError(f"{name} must start at an address aligned to its itemsize {itemsize} (a GPU faults "
+                         f"on misaligned loads), got address {interface['data'][0]:#x}")
+
+
+def check_positive(name: str, x, acc_dtype: np.dtype) -> float:
+    """A real number that stays finite and positive in the accumulation dtype, also times log2(e)
+    (the kernels work in base 2): scale and softcap."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number or None, got {describe(x)}")
+    value = float(x)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be finite and positive, got {value!r}")
+    with np.errstate(over="ignore", under="ignore"):
+        in_acc = acc_dtype.type(value), acc_dtype.type(value * LOG2E)
+    if not all(np.isfinite(y) and y > 0 for y in in_acc):
+        info = np.finfo(acc_dtype)
+        raise ValueError(f"{name} must be finite and positive in {acc_dtype}, the accumulation dtype "
+                         f"(between {info.tiny:.3g} and {float(info.max) / LOG2E:.3g}), got {value!r}")
+    return value
+
+
+def check_scale(scale, head_dim: int, acc_dtype: np.dtype) -> float:
+    return default_scale(head_dim) if scale is None else check_positive("scale", scale, acc_dtype)
+
+
+def check_bool(name: str, x) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {describe(x)}")
+    return bool(x)
+
+
+def check_backend_name(backend) -> str:
+    if not isinstance(backend, str) or (backend != "auto" and backend not in backends.NAMES):
+        raise ValueError(
+            f"backend must be 'auto' or one of {', '.join(map(repr, backends.NAMES))}, "
+            f"got {backend!r}")
+    return backend
+
+
+def check_window(window) -> tuple:
+    """(left, right), each None or an int >= 0."""
+    expected = "None or a (left, right) pair, each None (unbounded) or an int >= 0"
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be {expected}, got {window!r}" if isinstance(window, (tuple, list))
+                        else f"window must be {expected}, got {describe(window)}")
+    sides = []
+    for side, x in zip(("left", "right"), window):
+        if x is not None and (isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral)):
+            raise TypeError(f"window must be {expected}, got {describe(x)} {x!r} as its {side}")
+        if x is not None and x < 0:
+            raise ValueError(f"window must be {expected}, got {int(x)} as its {side}")
+        sides.append(None if x is None else int(x))
+    return tuple(sides)
+
+
+def check_softcap(softcap, acc_dtype: np.dtype):
+    return None if softcap is None else check_positive("softcap", softcap, acc_dtype)
+
+
+def check_modifier_array(name: str, x, lib: str) -> None:
+    """x is an array of q's library, with native byte order and whole-element strides."""
+    x_lib = backends.array_library(x)
+    if x_lib is None:
+        raise TypeError(f"{name} must be None or an array of q's library ({lib}), got {describe(x)}")
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} must not be a numpy.ma.MaskedArray: its mask would be ignored")
+    if x_lib != lib:
+        raise TypeError(f"{name} must come from q's array library ({lib}), got a {x_lib} array")
+    if not np.dtype(x.dtype).isnative:
+        raise TypeError(f"{name} must have native byte order, got {np.dtype(x.dtype).str}")
+    check_strides(name, x)
+
+
+def check_broadcastable(name: str, x, full: tuple) -> None:
+    what = f"broadcastable to (batch, heads_q, seqlen_q, seqlen_k) = {full}"
+    if x.ndim != 4:
+        raise ValueError(f"{name} must have rank 4, {what}, got shape {tuple(x.shape)}")
+    if any(n not in (1, f) for n, f in zip(x.shape, full)):
+        raise ValueError(f"{name} must be {what} (each dimension its full size or 1), got shape {tuple(x.shape)}")
+
+
+def check_modifiers(lib, p: Problem, window, softcap, alibi_slopes, bias, mask) -> dict:
+    """The validated modifiers, as Problem's fields."""
+    left, right = check_window(window)
+    if p.causal:
+        right = None  # causal is right = 0, which a window's right (>= 0) never narrows
+    found = dict(window_left=left, window_right=right, softcap=check_softcap(softcap, p.acc_dtype))
+    full = (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k)
+    if alibi_slopes is not None:
+        check_modifier_array("alibi_slopes", alibi_slopes, lib)
+        shapes = ((p.heads_q,), (p.batch, p.heads_q))
+        if tuple(alibi_slopes.shape) not in shapes:
+            raise ValueError(f"alibi_slopes must have shape (heads_q,) = {shapes[0]} or (batch, heads_q) = "
+                             f"{shapes[1]}, got {tuple(alibi_slopes.shape)}")
+        allowed = sorted({np.dtype(np.float32), p.acc_dtype}, key=lambda d: d.itemsize)
+        if np.dtype(alibi_slopes.dtype) not in allowed:
+            raise TypeError(f"alibi_slopes must have dtype {' or '.join(map(str, allowed))} for {p.dtype} inputs, "
+                            f"got {np.dtype(alibi_slopes.dtype)}")
+        found["alibi_slopes"] = alibi_slopes
+    if bias is not None:
+        check_modifier_array("bias", bias, lib)
+        check_broadcastable("bias", bias, full)
+        if np.dtype(bias.dtype) not in (p.carrier, np.dtype(np.float32)):
+            also = "" if p.carrier == np.float32 else " or float32"
+            raise TypeError(f"bias must have q's dtype {p.carrier}{also}, got {np.dtype(bias.dtype)}")
+        found["bias"] = bias
+    if mask is not None:
+        check_modifier_array("mask", mask, lib)
+        check_broadcastable("mask", mask, full)
+        if np.dtype(mask.dtype) != np.dtype(bool):
+            raise TypeError(f"mask must have dtype bool (True: may attend), got {np.dtype(mask.dtype)}")
+        found["mask"] = mask
+    return found
+
+
+def problem(q, k, v, causal, scale, dtype, lib=None, window=None, softcap=None, alibi_slopes=None, bias=None,
+            mask=None, diagonal=None) -> Problem:
+    """The Problem of q, k, v (rank 4, BSHD) and the options, every one of them checked; diagonal:
+    a chunk's own (flashcupy.dask, KV caches), None for seqlen_k - seqlen_q."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must have rank 4 ({'batch, seqlen_q, heads_q' if name == 'q' else 'batch, seqlen_k, heads_kv'}"
+                f", head_dim), got shape {tuple(x.shape)}")
+        check_strides(name, x)
+    causal = check_bool("causal", causal)
+    B, Sq, Hq, D = q.shape
+    Bk, Sk, Hkv, Dk = k.shape
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape (batch, seqlen_k, heads_kv, head_dim), "
+            f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if Bk != B:
+        raise ValueError(f"k and v must have q's batch size {B}, got {Bk}")
+    if Dk != D:
+        raise ValueError(f"k and v must have q's head_dim {D}, got {Dk}")
+    if D < 1:
+        raise ValueError(f"head_dim must be at least 1, got {D}")
+    if Hq < 1 or Hkv < 1:
+        raise ValueError(f"heads_q and heads_kv must be at least 1, got heads_q={Hq}, heads_kv={Hkv}")
+    if Hq % Hkv:
+        raise ValueError(
+            f"heads_q must be a multiple of heads_kv (GQA/MQA), got heads_q={Hq}, heads_kv={Hkv}")
+    value_dtype, carrier = check_dtypes({"q": q, "k": k, "v": v}, dtype)
+    scale = check_scale(scale, D, accumulation_dtype(value_dtype))
+    if diagonal is not None and (isinstance(diagonal, bool) or not isinstance(diagonal, numbers.Integral)):
+        raise TypeError(f"diagonal must be an int or None, got {describe(diagonal)}")
+    p = Problem(B, Sq, Sk, Hq, Hkv, D, value_dtype, causal, scale, carrier,
+                offset=None if diagonal is None else int(diagonal))
+    if window is softcap is alibi_slopes is bias is mask is None:
+        return p
+    return dataclasses.replace(p, **check_modifiers(lib, p, window, softcap, alibi_slopes, bias, mask))
+
+
+def select_backend(backend: str, lib: str, p: Problem, backward: bool = False):
+    """The backend module for this call: TypeError if it cannot take these arrays or this dtype,
+    ValueError if the problem passes one of its limits (head_dim, CUDA's grid)."""
+    name = backends.DEFAULT_FOR_LIBRARY[lib] if backend == "auto" else backend
+    wanted = p.modifiers
+    if backend == "auto" and wanted:
+        name = _backend_for_modifiers(lib, p, name)
+    mod = backends.load(name)
+    if lib not in mod.ARRAY_LIBRARIES:
+        takes = " or ".join(mod.ARRAY_LIBRARIES)
+        raise TypeError(
+            f"backend {name!r} takes {takes} arrays, got {lib} arrays "
+            f"(flashcupy never copies between host and device behind your back)")
+    if p.dtype not in mod.DTYPES:
+        raise TypeError(f"backend {name!r} supports {', '.join(mod.DTYPES)}, got {p.dtype}")
+    if mod.MAX_HEAD_DIM is not None and p.head_dim > mod.MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {mod.MAX_HEAD_DIM} for the {name} backend, got {p.head_dim}")
+    for what, blocks, axis in mod.grid_axes(p, backward):
+        if blocks > backends.MAX_GRID[axis]:
+            raise ValueError(f"too large for the {name} backend: {what} needs {blocks} thread blocks along "
+                             f"CUDA grid {'xyz'[axis]}, which holds at most {backends.MAX_GRID[axis]}")
+    missing = wanted and [m for m in MODIFIERS if m in wanted and m not in getattr(mod, "MODIFIERS", ())]
+    if missing:
+        others = [n for n in backends.NAMES if n != name and set(missing) <= _declared_modifiers(n)]
+        raise ValueError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not yet supported by "
+                         f"backend {name!r}" + (f" (backend {' or '.join(map(repr, others))} supports "
+                                                f"{'it' if len(missing) == 1 else 'them'})" if others else ""))
+    return mod
+
+
+def _declared_modifiers(name: str) -> frozenset:
+    """The modifiers backend `name` declares (none where its module cannot even be imported)."""
+    try:
+        return frozenset(getattr(backends.module(name), "MODIFIERS", ()))
+    except ImportError:
+        return frozenset()
+
+
+def _backend_for_modifiers(lib: str, p: Problem, default: str) -> str:
+    """backend="auto" with modifiers: the default backend for these arrays, else the first other
+    that takes them, computes every modifier asked and can run here; else the default (which
+    select_backend then refuses, naming the modifier)."""
+    for name in (default, *backends.NAMES):
+        if not p.modifiers <= _declared_modifiers(name):
+            continue
+        if lib in backends.module(name).ARRAY_LIBRARIES and backends.unavailable_reason(name) is None:
+            return name
+    return default
+
+
+def check_like_q(p: Problem, q, named: dict) -> None:
+    """dout and out (the `named` arrays) have q's shape and dtype, and strides a kernel can read."""
+    for name, x in named.items():
+        if tuple(x.shape) != tuple(q.shape):
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
+        if np.dtype(x.dtype) != p.carrier:
+            raise TypeError(f"{name} must have q's dtype {p.carrier}, got {np.dtype(x.dtype)}")
+        check_strides(name, x)
+
+
+def check_lse(p: Problem, lse) -> None:
+    if tuple(lse.shape) != p.lse_shape:
+        raise ValueError(
+            f"lse must have shape (batch, heads_q, seqlen_q) = {p.lse_shape}, got {tuple(lse.shape)}")
+    if np.dtype(lse.dtype) != p.lse_dtype:
+        raise TypeError(f"lse must have dtype {p.lse_dtype} for {p.dtype} inputs, got {np.dtype(lse.dtype)}")
+    check_strides("lse", lse)
+
+
+def check_rows(rows, seqlen_q: int) -> np.ndarray:
+    """The query rows attention_probs is asked for, as an index array into [0, seqlen_q)."""
+    expected = "None, a slice or a 1-D array of ints"
+    if rows is None:
+        return np.arange(seqlen_q)
+    if isinstance(rows, slice):
+        return np.arange(seqlen_q)[rows]
+    if isinstance(rows, (bool, np.bool_)) or isinstance(rows, (numbers.Number, str)):
+        raise TypeError(f"rows must be {expected}, got {describe(rows)}")
+    try:
+        index = np.asarray(rows)
+    except Exception:
+        raise TypeError(f"rows must be {expected} (NumPy-readable), got {describe(rows)}") from None
+    if index.ndim != 1 or (index.dtype.kind not in "iu" and not (index.size == 0 and index.dtype.kind == "f")):
+        raise TypeError(f"rows must be {expected}, got {index.ndim}-D {index.dtype}")
+    index = index.astype(np.int64)
+    bad = index[(index < -seqlen_q) | (index >= seqlen_q)]
+    if bad.size:
+        raise ValueError(f"rows must lie in [-seqlen_q, seqlen_q) = [{-seqlen_q}, {seqlen_q}), got {int(bad[0])}")
+    return np.where(index < 0, index + seqlen_q, index).astype(np.intp)
