@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle
+from conftest import assert_matches_oracle, bf16_ties
 
 import flashcupy
 
@@ -243,6 +243,20 @@ def test_a_split_that_reaches_into_the_next_is_caught(rng):
     with pytest.raises(AssertionError):
         _split_kv_case(rng, np.float32, False, None, mutate=("end = min(end, s0 + len);",
                                                               "end = min(end, s0 + len + BLOCK_N);"))
+
+
+def test_cupy_split_kv_rounds_bfloat16_ties_to_even(rng):
+    # the splits' partial outs (float32) are merged and stored as bfloat16 bits on the host: two
+    # splits whose outs are adjacent bfloat16 values, with equal lse, make every element a tie
+    from cupy_emulation import emulated
+    q, k, v, want = bf16_ties(rng, 1, 1, 256, 4, 2, 64)
+    grids = []
+    with emulated(compile=_recording(grids)):
+        out, lse = flashcupy.attention_with_kvcache(q, k, v, num_splits=2, return_lse=True, dtype="bfloat16",
+                                                    backend="cupy")
+    assert [(name.startswith("attn_fwd_tc<") and name.endswith(", true>"), ctas) for name, ctas in grids] == [(True, 8)]
+    np.testing.assert_array_equal(out, want)
+    assert_matches_oracle((out, lse), q, k, v, dtype="bfloat16")
 
 
 def test_the_split_plan_fills_the_device_when_decoding():
