@@ -58,7 +58,8 @@ import flashcupy  # noqa: E402
 from flashcupy.backends import MAX_GRID, numba_backend  # noqa: E402
 from flashcupy.backends.numba_backend import kernels  # noqa: E402
 from test_modifiers import check, modifier_cases  # noqa: E402
-from test_varlen import packed_batch_matches_the_oracle  # noqa: E402
+from test_varlen import (appends_across_a_block_boundary, packed_batch_matches_the_oracle,  # noqa: E402
+                         per_sequence_alibi_in_a_kvcache)
 
 SIMULATOR = kernels.SIMULATOR
 GPU = not SIMULATOR and cuda.is_available()
@@ -245,6 +246,18 @@ def test_bias_and_mask_views_are_read_in_place(rng, device):
 def test_packed_batches_match_the_oracle(rng, device):
     _require(device)
     packed_batch_matches_the_oracle(rng, "numba")
+
+
+@pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_kvcache_appends_across_a_block_boundary(rng, device):
+    _require(device)
+    appends_across_a_block_boundary(rng, "numba")
+
+
+@pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_kvcache_per_sequence_alibi_slopes(rng, device):
+    _require(device)
+    per_sequence_alibi_in_a_kvcache(rng, "numba")
 
 
 @pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])

@@ -3,6 +3,8 @@ hostile offsets and block tables refused before anything is read or written."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from conftest import assert_matches_oracle, bf16_ties
@@ -133,6 +135,65 @@ def test_kvcache_appends_and_attends(rng, paged, num_splits):
         # the new tokens landed where they should, and nothing else moved
         got_k = kc[b] if table is None else kc[table[b]].reshape(C, Hkv, D)
         np.testing.assert_array_equal(got_k, want_k[b])
+
+
+def appends_across_a_block_boundary(rng, backend):
+    """Two new tokens after 7 (and 15) cached ones in blocks of 8, through a block table whose blocks
+    are neither in order nor back to back: each token lands in the block its position names (and
+    nothing else moves), and attention, causal over the new queries, reads it. For every backend
+    (numba: tests/test_numba_backend.py)."""
+    B, bs, Hq, Hkv, D, new = 2, 8, 2, 1, 8, 2
+    table = np.array([[5, 2, 7], [0, 6, 3]], np.int32)
+    lengths = np.array([7, 15], np.int32)
+    k_pages, v_pages = _cache(rng, 8, bs, Hkv, D)
+    q = rng.standard_normal((B, new, Hq, D)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((B, new, Hkv, D)).astype(np.float32) for _ in range(2))
+    want_k, want_v = k_pages.copy(), v_pages.copy()
+    for b in range(B):
+        for j in range(new):
+            at = lengths[b] + j
+            want_k[table[b, at // bs], at % bs], want_v[table[b, at // bs], at % bs] = k_new[b, j], v_new[b, j]
+    out, lse = flashcupy.attention_with_kvcache(q, k_pages, v_pages, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                block_table=table, causal=True, return_lse=True, backend=backend)
+    np.testing.assert_array_equal(k_pages, want_k)
+    np.testing.assert_array_equal(v_pages, want_v)
+    for b in range(B):
+        n = lengths[b] + new
+        keys, values = (x[table[b]].reshape(1, -1, Hkv, D)[:, :n] for x in (want_k, want_v))
+        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], keys, values, causal=True)
+
+
+def per_sequence_alibi_in_a_kvcache(rng, backend):
+    """ALiBi slopes of shape (batch, heads_q) over a cache: each sequence uses its own row, as
+    `attention` on that sequence alone does (the same bits) and as the oracle says. For every
+    backend (numba: tests/test_numba_backend.py)."""
+    B, C, Hq, Hkv, D = 3, 16, 4, 2, 8
+    k_cache, v_cache = _cache(rng, B, C, Hkv, D)
+    lengths = np.array([9, 16, 4], np.int32)
+    slopes = rng.uniform(0.1, 1, (B, Hq)).astype(np.float32)
+    q = rng.standard_normal((B, 2, Hq, D)).astype(np.float32)
+    out, lse = flashcupy.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, alibi_slopes=slopes,
+                                                causal=True, return_lse=True, backend=backend)
+    for b in range(B):
+        one = (q[b:b + 1], k_cache[b:b + 1, :lengths[b]], v_cache[b:b + 1, :lengths[b]])
+        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), *one, causal=True, alibi_slopes=slopes[b])
+        alone = flashcupy.attention(*one, causal=True, alibi_slopes=slopes[b], return_lse=True, backend=backend)
+        np.testing.assert_array_equal(out[b:b + 1], alone[0])
+        np.testing.assert_array_equal(lse[b:b + 1], alone[1])
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cupy"], ids=["numpy", "cupy-emulated"])
+def test_appends_across_a_block_boundary_land_where_their_positions_say(rng, backend):
+    from cupy_emulation import emulated
+    with emulated() if backend == "cupy" else contextlib.nullcontext():
+        appends_across_a_block_boundary(rng, backend)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cupy"], ids=["numpy", "cupy-emulated"])
+def test_per_sequence_alibi_slopes_in_a_kvcache(rng, backend):
+    from cupy_emulation import emulated
+    with emulated() if backend == "cupy" else contextlib.nullcontext():
+        per_sequence_alibi_in_a_kvcache(rng, backend)
 
 
 def test_hostile_block_tables_and_lengths_are_refused_before_anything_is_written(rng):
