@@ -257,9 +257,10 @@ def _recording(grids, mutate=None):
     return compile
 
 
-def _split_kv_case(rng, dtype, paged, num_splits, order="ascending", mutate=None):
+def _split_kv_case(rng, dtype, paged, num_splits, order="ascending", mutate=None, window=None):
     """Decode on the emulated cupy backend (GQA, one cached sequence longer than several splits, one
-    empty, a new token appended) against the oracle; returns the recorded launches."""
+    empty, a new token appended; causal, with `window` if given) against the oracle; returns the
+    recorded launches."""
     from cupy_emulation import emulated
     B, C, Hq, Hkv, D = 3, 640, 4, 2, 64
     k_cache, v_cache = _cache(rng, B, C, Hkv, D, dtype)
@@ -273,12 +274,12 @@ def _split_kv_case(rng, dtype, paged, num_splits, order="ascending", mutate=None
     grids = []
     with emulated(order, compile=_recording(grids, mutate)):
         out, lse = flashcupy.attention_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=lengths,
-                                                    block_table=table, causal=True, return_lse=True,
-                                                    num_splits=num_splits, backend="cupy")
+                                                    block_table=table, causal=True, window=window,
+                                                    return_lse=True, num_splits=num_splits, backend="cupy")
     for b in range(B):
         n = lengths[b] + 1
         assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], want_k[b:b + 1, :n], want_v[b:b + 1, :n],
-                              causal=True)
+                              causal=True, window=window)
     return grids
 
 
@@ -299,11 +300,33 @@ def test_cupy_splits_the_keys_inside_one_launch(rng, dtype, paged, num_splits, o
         assert [ctas for _, ctas in split] == ([4 * 3, 4 * 2] if num_splits == 3 else [4 * 5, 4 * 2])
 
 
-def test_a_split_that_reaches_into_the_next_is_caught(rng):
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
+def test_cupy_split_kv_with_a_window_that_starts_inside_a_later_split(rng, dtype):
+    # 601 keys in 3 splits of 256, the last query's window (100, 0) from key 500 on: split 0 sees no
+    # key, split 1's loop starts inside it (on a tile aligned from the split's start), split 2 whole;
+    # the 251-key sequence's window starts inside its first split
+    grids = _split_kv_case(rng, dtype, False, 3, window=(100, 0))
+    assert [ctas for name, ctas in grids if name.endswith(", 1, true>")] == [4 * 3, 4 * 2]
+
+
+# deliberate bugs in split-KV's key ranges (mask.cuh's split_range), each caught by a case above
+SPLIT_MUTATIONS = {
     # the key loop of a split runs one tile past its end: those keys are counted twice
+    "a split reaches into the next": ((np.float32, None), ("end = min(end, s0 + len);",
+                                                           "end = min(end, s0 + len + BLOCK_N);")),
+    # a window's first key, not a tile from the split's start: the last tile reaches into the next split
+    "a split's start not aligned": ((np.float32, (100, 0)), ("start = s0 + max(0, start - s0) / BLOCK_N * BLOCK_N;",
+                                                             "start = s0 + max(0, start - s0);")),
+    "a split's start not aligned on tensor cores": (
+        (np.float16, (100, 0)), ("start = s0 + max(0, start - s0) / BLOCK_N * BLOCK_N;", "start = max(start, s0);")),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_MUTATIONS))
+def test_a_split_kv_bug_is_caught(rng, name):
+    (dtype, window), mutate = SPLIT_MUTATIONS[name]
     with pytest.raises(AssertionError):
-        _split_kv_case(rng, np.float32, False, None, mutate=("end = min(end, s0 + len);",
-                                                              "end = min(end, s0 + len + BLOCK_N);"))
+        _split_kv_case(rng, dtype, False, None if window is None else 3, mutate=mutate, window=window)
 
 
 def test_cupy_split_kv_rounds_bfloat16_ties_to_even(rng):
