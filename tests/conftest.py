@@ -45,9 +45,9 @@ def bf16_ties(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim):
     bfloat16 values in every element, and the oracle's out rounded to nearest even (ml_dtypes), as
     bits. k is zero, so every key weighs the same; v holds a on the first half of the keys and
     b = a + one ulp on the second (a random per kv head and head_dim element, either sign, a's
-    last bit even or odd, the first three fixed: see below): out = (a + b) / 2, exact in float32, and with
-    two halves' (out, lse) merged, each part's weight is exactly 1/2. A store that rounds ties
-    away from zero, or toward it, gets half of these wrong by one ulp, within the oracle's
+    last bit even or odd, the first three fixed: see below): out = (a + b) / 2, exact in float32,
+    and with two halves' (out, lse) merged, each part's weight is exactly 1/2. A store that rounds
+    ties away from zero, or toward it, gets half of these wrong by one ulp, within the oracle's
     tolerance: compare bits."""
     assert seqlen_k % 2 == 0
     q = bf16_bits(rng.standard_normal((batch, seqlen_q, heads_q, head_dim)).astype(BF16))
@@ -218,5 +218,6 @@ def small_tiles():
     numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS = old
 
 
-__all__ = ["BANDS", "BF16", "band_problem", "CASES", "DTYPES", "MUTATION_BATTERY", "TILE_EDGE_CASE", "bf16_bits", "bf16_ties", "LAYOUTS", "assert_matches_oracle",
+__all__ = ["BANDS", "BF16", "band_problem", "CASES", "DTYPES", "MUTATION_BATTERY", "TILE_EDGE_CASE", "bf16_bits",
+           "bf16_ties", "LAYOUTS", "assert_matches_oracle",
            "battery_fails", "case_id", "mutated_module", "mutation_tests", "make_qkv", "reference", "strided_empty"]
