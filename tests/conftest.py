@@ -40,6 +40,30 @@ def bf16_bits(x):
     return x.view(np.uint16)
 
 
+def bf16_ties(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim):
+    """(q, k, v, want): bfloat16 bit patterns (uint16) whose exact attention lies halfway between two
+    bfloat16 values in every element, and the oracle's out rounded to nearest even (ml_dtypes), as
+    bits. k is zero, so every key weighs the same; v holds a on the first half of the keys and
+    b = a + one ulp on the second (a random per kv head and head_dim element, either sign, a's
+    last bit even or odd, the first three fixed: see below): out = (a + b) / 2, exact in float32,
+    and with two halves' (out, lse) merged, each part's weight is exactly 1/2. A store that rounds
+    ties away from zero, or toward it, gets half of these wrong by one ulp, within the oracle's
+    tolerance: compare bits."""
+    assert seqlen_k % 2 == 0
+    q = bf16_bits(rng.standard_normal((batch, seqlen_q, heads_q, head_dim)).astype(BF16))
+    k = np.zeros((batch, seqlen_k, heads_kv, head_dim), np.uint16)
+    a = rng.integers(0x3F00, 0x4100, (batch, 1, heads_kv, head_dim)).astype(np.uint16)
+    a |= rng.choice(np.array([0, 0x8000], np.uint16), a.shape)  # a negative half
+    # 0x3F81 and 0x3F82 round up to 0x3F82, 0x3F82 and 0x3F83 down to it, 0x3FFF and 0x4000 into the next binade
+    a[..., :3] = 0x3F81, 0x3F82, 0x3FFF
+    v = np.empty_like(k)
+    v[:, :seqlen_k // 2], v[:, seqlen_k // 2:] = a, a + 1
+    out = reference.attention(q, k, v, dtype="bfloat16")
+    exact = out.astype(np.float32)
+    assert np.all(exact == out) and np.all(exact.view(np.uint32) & 0xFFFF == 0x8000)  # every element a tie
+    return q, k, v, bf16_bits(exact.astype(BF16))
+
+
 def assert_matches_oracle(got, q, k, v, dout=None, *, causal=False, scale=None, dtype=None, **modifiers):
     """Check a backend's (out, lse) or (out, lse, dq, dk, dv), or (out, lse, dq, dk, dv, dbias) with
     a bias, against the oracle, element by element, with the tolerance of reference/compare.py; q,
@@ -205,5 +229,6 @@ def small_tiles():
     numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS = old
 
 
-__all__ = ["BANDS", "BF16", "band_problem", "CASES", "DTYPES", "MUTATION_BATTERY", "TILE_EDGE_CASE", "bf16_bits", "LAYOUTS", "assert_matches_oracle",
-           "battery_fails", "case_id", "mutate_band", "mutated_module", "mutation_tests", "make_qkv", "reference", "strided_empty"]
+__all__ = ["BANDS", "BF16", "band_problem", "CASES", "DTYPES", "MUTATION_BATTERY", "TILE_EDGE_CASE", "bf16_bits",
+           "bf16_ties", "LAYOUTS", "assert_matches_oracle", "battery_fails", "case_id", "mutate_band", "mutated_module",
+           "mutation_tests", "make_qkv", "reference", "strided_empty"]

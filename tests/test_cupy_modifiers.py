@@ -257,7 +257,8 @@ def test_a_window_bug_is_caught(name, monkeypatch):
 
 
 # ----------------------------------------------------------------------------
-# deliberate bugs in the bias, mask and attention_probs paths: each must fail some case here
+# deliberate bugs in the bias, mask and attention_probs paths (and the tensor-core dQ kernel's
+# softcap): each must fail some case here
 
 PAIR_MUTATIONS = {
     "bias read with its strides swapped": ("min(i, last_q) * s_q + min(j, last_k) * s_k",
@@ -272,12 +273,16 @@ PAIR_MUTATIONS = {
     "dbias row sum misses a warp": ("for (int w = 0; w < NUM_WARPS; ++w)", "for (int w = 1; w < NUM_WARPS; ++w)"),
     "probs subtract the lse of the asked index": ("acc_exp(s - lse_for_p(lse_row, lse_ss, i,",
                                                   "acc_exp(s - lse_for_p(lse_row, lse_ss, n,"),
+    "tensor-core dQ drops the softcap's derivative": ("dp = hidden ? 0.0f : score.grad(P * (dp - D_r[r / 8]), t);",
+                                                      "dp = hidden ? 0.0f : P * (dp - D_r[r / 8]);"),
 }
 
 # (path, case of test_modifiers.modifier_cases): a full bias, one summed over rows, one over keys, masks;
-# the tensor-core backward both ways (its dQ kernel runs only when deterministic)
+# the tensor-core backward both ways (its dQ kernel runs only when deterministic), and that dQ kernel
+# with a softcap (the other kernels' softcap derivative fails test_modifier_matches_the_oracle)
 PAIR_CASES = (("simt", "bias"), ("simt", "bias-B11S"), ("simt", "bias-11S1-float32"),
-              ("tensor-core", "mask"), ("tensor-core", "bias"), ("tensor-core-deterministic", "mask"))
+              ("tensor-core", "mask"), ("tensor-core", "bias"), ("tensor-core-deterministic", "mask"),
+              ("tensor-core-deterministic", "softcap"))
 
 
 def pair_battery_fails(compile, monkeypatch) -> bool:

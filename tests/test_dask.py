@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import DTYPES, assert_matches_oracle, make_qkv
+from conftest import DTYPES, assert_matches_oracle, bf16_ties, make_qkv
 
 import flashcupy
 import flashcupy.dask as fdask
@@ -68,6 +68,17 @@ def test_modifiers_match_the_oracle(rng, mods):
     lse = fdask.attention(Q, K, V, return_lse=True, **mods)[1]
     got = dask.compute(out, lse, *vjp(da.from_array(dout, chunks=Q.chunks)))
     assert_matches_oracle(got, q, k, v, dout, **mods)
+
+
+def test_bfloat16_bits_round_ties_to_even(rng):
+    # two key chunks whose outs are adjacent bfloat16 values, with equal lse: the merged out, stored
+    # once as bits, lies halfway between two bfloat16 values in every element
+    q, k, v, want = bf16_ties(rng, 1, 6, 16, 4, 2, 8)
+    Q, K, V = _chunked(q, k, v, 3, 8)
+    out, lse = dask.compute(*fdask.attention(Q, K, V, return_lse=True, dtype="bfloat16"), scheduler="sync")
+    assert out.dtype == np.uint16
+    np.testing.assert_array_equal(out, want)
+    assert_matches_oracle((out, lse), q, k, v, dtype="bfloat16")
 
 
 def test_head_chunks_and_the_threaded_scheduler_give_the_single_calls_bits(rng):

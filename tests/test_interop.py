@@ -68,6 +68,35 @@ def test_vjp_and_merge_take_and_give_torch(rng):
     assert_matches_oracle((merged.numpy(), lse.numpy(), *(g.numpy() for g in grads)), q, k, v, dout)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_results_that_are_lists_come_back_as_torch_tensors(rng, dtype):
+    # merge_backward returns (douts, dlses), two lists: each of their arrays goes back as a torch
+    # tensor, bfloat16 viewed back from its bits, with the values of the same call on NumPy arrays
+    values = bfloat16_dtype() if dtype == "bfloat16" else np.dtype(dtype)
+    q, k, v = make_qkv(rng, 1, 5, 8, 2, 1, 8, values)
+    cuts = ((0, 3), (3, 8))
+    parts = [flashcupy.attention(q, k[:, a:b], v[:, a:b], return_lse=True) for a, b in cuts]
+    outs, lses = [o for o, _ in parts], [l for _, l in parts]
+    out, lse = flashcupy.merge(outs, lses)
+    dout = rng.standard_normal(q.shape).astype(values)
+    dlse = rng.standard_normal(lse.shape).astype(np.float32)
+    as_torch = (lambda x: _torch(x.view(np.int16)).view(torch.bfloat16)) if dtype == "bfloat16" else _torch
+    douts, dlses = flashcupy.merge_backward(as_torch(dout), [as_torch(o) for o in outs], [_torch(l) for l in lses],
+                                            as_torch(out), _torch(lse), _torch(dlse))
+    want_douts, want_dlses = flashcupy.merge_backward(dout, outs, lses, out, lse, dlse)
+    assert isinstance(douts, list) and isinstance(dlses, list) and len(douts) == len(dlses) == 2
+    assert all(isinstance(x, torch.Tensor) for x in douts + dlses)
+    assert [x.dtype for x in douts] == [as_torch(dout).dtype] * 2 and [x.dtype for x in dlses] == [torch.float32] * 2
+    def as_numpy(x):
+        return x.view(torch.int16).numpy().view(values) if x.dtype == torch.bfloat16 else x.numpy()
+
+    for got, want in zip(douts + dlses, want_douts + want_dlses):
+        np.testing.assert_array_equal(as_numpy(got), want)
+    # and merge's own results, checked against the oracle on the whole keys
+    merged, merged_lse = flashcupy.merge([as_torch(o) for o in outs], [_torch(l) for l in lses])
+    assert_matches_oracle((as_numpy(merged), merged_lse.numpy()), q, k, v)
+
+
 def test_jax_arrays_in_and_out(rng):
     jnp = pytest.importorskip("jax.numpy", reason="jax[cpu] is in the test extra")
     q, k, v = make_qkv(rng, 1, 6, 10, 4, 2, 8, np.float32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import DTYPES, assert_matches_oracle, bf16_bits, make_qkv
+from conftest import DTYPES, assert_matches_oracle, bf16_bits, bf16_ties, make_qkv
 
 import flashcupy
 from flashcupy.backends import bfloat16_dtype
@@ -44,6 +44,17 @@ def test_bfloat16_bits(rng):
     # the bit path rounds as ml_dtypes does
     want, _ = flashcupy.merge([o.view(bfloat16_dtype()) for o in outs], lses)
     np.testing.assert_array_equal(out, want.view(np.uint16))
+
+
+def test_bfloat16_bits_round_ties_to_even(rng):
+    # two halves of the keys whose outs are adjacent bfloat16 values, with equal lse: every merged
+    # element lies halfway between two bfloat16 values, and is stored as the even one
+    q, k, v, want = bf16_ties(rng, 1, 3, 16, 4, 2, 8)
+    outs, lses = _parts(q, k, v, [0, 8, 16], dtype="bfloat16")
+    np.testing.assert_array_equal(lses[0], lses[1])
+    out, lse = flashcupy.merge(outs, lses, dtype="bfloat16")
+    np.testing.assert_array_equal(out, want)
+    assert_matches_oracle((out, lse), q, k, v, dtype="bfloat16")
 
 
 def test_one_part_is_the_identity_and_empty_parts_weigh_nothing(rng):

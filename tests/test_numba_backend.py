@@ -58,7 +58,8 @@ import flashcupy  # noqa: E402
 from flashcupy.backends import MAX_GRID, numba_backend  # noqa: E402
 from flashcupy.backends.numba_backend import kernels  # noqa: E402
 from test_modifiers import check, modifier_cases  # noqa: E402
-from test_varlen import packed_batch_matches_the_oracle  # noqa: E402
+from test_varlen import (appends_across_a_block_boundary, packed_batch_matches_the_oracle,  # noqa: E402
+                         per_sequence_alibi_in_a_kvcache)
 
 SIMULATOR = kernels.SIMULATOR
 GPU = not SIMULATOR and cuda.is_available()
@@ -245,6 +246,18 @@ def test_bias_and_mask_views_are_read_in_place(rng, device):
 def test_packed_batches_match_the_oracle(rng, device):
     _require(device)
     packed_batch_matches_the_oracle(rng, "numba")
+
+
+@pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_kvcache_appends_across_a_block_boundary(rng, device):
+    _require(device)
+    appends_across_a_block_boundary(rng, "numba")
+
+
+@pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_kvcache_per_sequence_alibi_slopes(rng, device):
+    _require(device)
+    per_sequence_alibi_in_a_kvcache(rng, "numba")
 
 
 @pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
@@ -767,7 +780,14 @@ def _bias_and_mask(rng):
     return dict(bias=rng.standard_normal((1, 1, 7, 6)).astype(np.float32), mask=rng.random((2, 1, 1, 6)) < 0.7)
 
 
-NUMBA_BATTERY = MUTATION_BATTERY + ((2, 7, 6, 4, 2, 5, True, None, _bias_and_mask),)
+def _row_bias_and_window(rng):
+    """A bias broadcast along the query rows (dbias sums each key's column over the rows that see it)
+    and a window bounded on both sides, for the battery's case (1, 7, 6, 2, 1, 5)."""
+    return dict(bias=rng.standard_normal((1, 1, 1, 6)).astype(np.float32), window=(1, 2))
+
+
+NUMBA_BATTERY = MUTATION_BATTERY + ((2, 7, 6, 4, 2, 5, True, None, _bias_and_mask),
+                                    (1, 7, 6, 2, 1, 5, False, None, _row_bias_and_window))
 
 NUMBA_MUTATIONS = {
     "scale ignored": ("s, _, _ = _modify(s * scale, mods, slopes, bias, allow, mask, b, h, i, j0 + c,",
@@ -778,6 +798,8 @@ NUMBA_MUTATIONS = {
     "key_end off by one": ("min(seqlen_k, i_end + diagonal + right))", "min(seqlen_k, i_end + diagonal + right - 1))"),
     "lse base": ("m + math.log(l) if seen", "m + math.log2(l) if seen"),
     "dbias not summed over heads": ("h_end = hb + 1 if nh > 1 else heads_q", "h_end = hb + 1"),
+    "dbias rows of a key one short": ("i_start, i_end = _query_range(mask, jb, jb + 1, seqlen_q)",
+                                      "i_start, i_end = _query_range(mask, jb, jb, seqlen_q)"),
     "mask ignored": ("if not allow[_at(allow_st, b, h, i, j)]:", "if False:"),
 }
 

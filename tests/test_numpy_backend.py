@@ -213,6 +213,49 @@ def test_narrow_bands_match_the_oracle(rng, dtype, Sq, Sk, Hq, Hkv, causal, wind
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, **kw)
 
 
+def _narrow_band_redone_at_the_ends(rng, monkeypatch):
+    """Scores far below zero (q around +30, k around -30) leave every row's sum below L_MIN, so every
+    row of _band_forward is redone with its own max as the reference; the first and last tiles reach
+    past the sequence's ends (their copies of K and V hold zeros there, scores of 0), and the redo
+    must admit only the keys that exist. The spy proves the band path and its redo ran at both ends."""
+    backend = sys.modules[numpy_backend.__name__]  # a mutant's copy, where a test put one there
+    S, H, D, window = 64, 2, 8, (2, 3)
+    q = (30 + rng.standard_normal((1, S, H, D))).astype(np.float32)
+    k = (-30 + rng.standard_normal((1, S, H, D))).astype(np.float32)
+    v, dout = (rng.standard_normal((1, S, H, D)).astype(np.float32) for _ in range(2))
+    redone = []  # (first key, keys) of each tile a redo asked about
+    real = backend._band_visible
+
+    def spy(p, i0, j0, rows, keys, end):
+        redone.append((j0, keys))
+        return real(p, i0, j0, rows, keys, end)
+
+    monkeypatch.setattr(backend, "_band_visible", spy)
+    out, lse = flashcupy.attention(q, k, v, window=window, return_lse=True)
+    assert any(j0 < 0 for j0, _ in redone) and any(j0 + n > S for j0, n in redone), redone
+    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, window=window)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, window=window)
+
+
+def test_narrow_band_rows_redone_at_the_sequence_ends_see_only_their_keys(rng, monkeypatch):
+    _narrow_band_redone_at_the_ends(rng, monkeypatch)
+
+
+# deliberate bugs in the narrow band's redo, each caught by the test above
+NARROW_BAND_MUTATIONS = {
+    "redo admits keys past the end": ("j) & (j >= 0) & (j < end)", "j) & (j >= 0)"),
+    "redo admits keys before the start": ("j) & (j >= 0) & (j < end)", "j) & (j < end)"),
+}
+
+
+@pytest.mark.parametrize("name", NARROW_BAND_MUTATIONS)
+def test_a_narrow_band_redo_bug_is_caught(rng, monkeypatch, name):
+    monkeypatch.setitem(sys.modules, numpy_backend.__name__,
+                        mutated_module(numpy_backend, *NARROW_BAND_MUTATIONS[name]))
+    with pytest.raises(AssertionError, match="times the tolerance"):  # the oracle's check, not the spy's
+        _narrow_band_redone_at_the_ends(rng, monkeypatch)
+
+
 def test_narrow_band_backward_is_bitwise_reproducible(rng):
     q, k, v = make_qkv(rng, 1, 2000, 2000, 4, 2, 32, np.float32)
     out, vjp = flashcupy.attention_vjp(q, k, v, causal=True, window=(100, None))

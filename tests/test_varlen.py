@@ -3,9 +3,11 @@ hostile offsets and block tables refused before anything is read or written."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle
+from conftest import assert_matches_oracle, bf16_ties
 
 import flashcupy
 
@@ -135,6 +137,65 @@ def test_kvcache_appends_and_attends(rng, paged, num_splits):
         np.testing.assert_array_equal(got_k, want_k[b])
 
 
+def appends_across_a_block_boundary(rng, backend):
+    """Two new tokens after 7 (and 15) cached ones in blocks of 8, through a block table whose blocks
+    are neither in order nor back to back: each token lands in the block its position names (and
+    nothing else moves), and attention, causal over the new queries, reads it. For every backend
+    (numba: tests/test_numba_backend.py)."""
+    B, bs, Hq, Hkv, D, new = 2, 8, 2, 1, 8, 2
+    table = np.array([[5, 2, 7], [0, 6, 3]], np.int32)
+    lengths = np.array([7, 15], np.int32)
+    k_pages, v_pages = _cache(rng, 8, bs, Hkv, D)
+    q = rng.standard_normal((B, new, Hq, D)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((B, new, Hkv, D)).astype(np.float32) for _ in range(2))
+    want_k, want_v = k_pages.copy(), v_pages.copy()
+    for b in range(B):
+        for j in range(new):
+            at = lengths[b] + j
+            want_k[table[b, at // bs], at % bs], want_v[table[b, at // bs], at % bs] = k_new[b, j], v_new[b, j]
+    out, lse = flashcupy.attention_with_kvcache(q, k_pages, v_pages, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                block_table=table, causal=True, return_lse=True, backend=backend)
+    np.testing.assert_array_equal(k_pages, want_k)
+    np.testing.assert_array_equal(v_pages, want_v)
+    for b in range(B):
+        n = lengths[b] + new
+        keys, values = (x[table[b]].reshape(1, -1, Hkv, D)[:, :n] for x in (want_k, want_v))
+        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], keys, values, causal=True)
+
+
+def per_sequence_alibi_in_a_kvcache(rng, backend):
+    """ALiBi slopes of shape (batch, heads_q) over a cache: each sequence uses its own row, as
+    `attention` on that sequence alone does (the same bits) and as the oracle says. For every
+    backend (numba: tests/test_numba_backend.py)."""
+    B, C, Hq, Hkv, D = 3, 16, 4, 2, 8
+    k_cache, v_cache = _cache(rng, B, C, Hkv, D)
+    lengths = np.array([9, 16, 4], np.int32)
+    slopes = rng.uniform(0.1, 1, (B, Hq)).astype(np.float32)
+    q = rng.standard_normal((B, 2, Hq, D)).astype(np.float32)
+    out, lse = flashcupy.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, alibi_slopes=slopes,
+                                                causal=True, return_lse=True, backend=backend)
+    for b in range(B):
+        one = (q[b:b + 1], k_cache[b:b + 1, :lengths[b]], v_cache[b:b + 1, :lengths[b]])
+        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), *one, causal=True, alibi_slopes=slopes[b])
+        alone = flashcupy.attention(*one, causal=True, alibi_slopes=slopes[b], return_lse=True, backend=backend)
+        np.testing.assert_array_equal(out[b:b + 1], alone[0])
+        np.testing.assert_array_equal(lse[b:b + 1], alone[1])
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cupy"], ids=["numpy", "cupy-emulated"])
+def test_appends_across_a_block_boundary_land_where_their_positions_say(rng, backend):
+    from cupy_emulation import emulated
+    with emulated() if backend == "cupy" else contextlib.nullcontext():
+        appends_across_a_block_boundary(rng, backend)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cupy"], ids=["numpy", "cupy-emulated"])
+def test_per_sequence_alibi_slopes_in_a_kvcache(rng, backend):
+    from cupy_emulation import emulated
+    with emulated() if backend == "cupy" else contextlib.nullcontext():
+        per_sequence_alibi_in_a_kvcache(rng, backend)
+
+
 def test_hostile_block_tables_and_lengths_are_refused_before_anything_is_written(rng):
     k_cache, v_cache = _cache(rng, 2, 16, 1, 8)
     kc, vc, table = _paged(k_cache, v_cache, 4, rng)
@@ -196,9 +257,10 @@ def _recording(grids, mutate=None):
     return compile
 
 
-def _split_kv_case(rng, dtype, paged, num_splits, order="ascending", mutate=None):
+def _split_kv_case(rng, dtype, paged, num_splits, order="ascending", mutate=None, window=None):
     """Decode on the emulated cupy backend (GQA, one cached sequence longer than several splits, one
-    empty, a new token appended) against the oracle; returns the recorded launches."""
+    empty, a new token appended; causal, with `window` if given) against the oracle; returns the
+    recorded launches."""
     from cupy_emulation import emulated
     B, C, Hq, Hkv, D = 3, 640, 4, 2, 64
     k_cache, v_cache = _cache(rng, B, C, Hkv, D, dtype)
@@ -212,12 +274,12 @@ def _split_kv_case(rng, dtype, paged, num_splits, order="ascending", mutate=None
     grids = []
     with emulated(order, compile=_recording(grids, mutate)):
         out, lse = flashcupy.attention_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=lengths,
-                                                    block_table=table, causal=True, return_lse=True,
-                                                    num_splits=num_splits, backend="cupy")
+                                                    block_table=table, causal=True, window=window,
+                                                    return_lse=True, num_splits=num_splits, backend="cupy")
     for b in range(B):
         n = lengths[b] + 1
         assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], want_k[b:b + 1, :n], want_v[b:b + 1, :n],
-                              causal=True)
+                              causal=True, window=window)
     return grids
 
 
@@ -238,11 +300,47 @@ def test_cupy_splits_the_keys_inside_one_launch(rng, dtype, paged, num_splits, o
         assert [ctas for _, ctas in split] == ([4 * 3, 4 * 2] if num_splits == 3 else [4 * 5, 4 * 2])
 
 
-def test_a_split_that_reaches_into_the_next_is_caught(rng):
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
+def test_cupy_split_kv_with_a_window_that_starts_inside_a_later_split(rng, dtype):
+    # 601 keys in 3 splits of 256, the last query's window (100, 0) from key 500 on: split 0 sees no
+    # key, split 1's loop starts inside it (on a tile aligned from the split's start), split 2 whole;
+    # the 251-key sequence's window starts inside its first split
+    grids = _split_kv_case(rng, dtype, False, 3, window=(100, 0))
+    assert [ctas for name, ctas in grids if name.endswith(", 1, true>")] == [4 * 3, 4 * 2]
+
+
+# deliberate bugs in split-KV's key ranges (mask.cuh's split_range), each caught by a case above
+SPLIT_MUTATIONS = {
     # the key loop of a split runs one tile past its end: those keys are counted twice
+    "a split reaches into the next": ((np.float32, None), ("end = min(end, s0 + len);",
+                                                           "end = min(end, s0 + len + BLOCK_N);")),
+    # a window's first key, not a tile from the split's start: the last tile reaches into the next split
+    "a split's start not aligned": ((np.float32, (100, 0)), ("start = s0 + max(0, start - s0) / BLOCK_N * BLOCK_N;",
+                                                             "start = s0 + max(0, start - s0);")),
+    "a split's start not aligned on tensor cores": (
+        (np.float16, (100, 0)), ("start = s0 + max(0, start - s0) / BLOCK_N * BLOCK_N;", "start = max(start, s0);")),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_MUTATIONS))
+def test_a_split_kv_bug_is_caught(rng, name):
+    (dtype, window), mutate = SPLIT_MUTATIONS[name]
     with pytest.raises(AssertionError):
-        _split_kv_case(rng, np.float32, False, None, mutate=("end = min(end, s0 + len);",
-                                                              "end = min(end, s0 + len + BLOCK_N);"))
+        _split_kv_case(rng, dtype, False, None if window is None else 3, mutate=mutate, window=window)
+
+
+def test_cupy_split_kv_rounds_bfloat16_ties_to_even(rng):
+    # the splits' partial outs (float32) are merged and stored as bfloat16 bits on the host: two
+    # splits whose outs are adjacent bfloat16 values, with equal lse, make every element a tie
+    from cupy_emulation import emulated
+    q, k, v, want = bf16_ties(rng, 1, 1, 256, 4, 2, 64)
+    grids = []
+    with emulated(compile=_recording(grids)):
+        out, lse = flashcupy.attention_with_kvcache(q, k, v, num_splits=2, return_lse=True, dtype="bfloat16",
+                                                    backend="cupy")
+    assert [(name.startswith("attn_fwd_tc<") and name.endswith(", true>"), ctas) for name, ctas in grids] == [(True, 8)]
+    np.testing.assert_array_equal(out, want)
+    assert_matches_oracle((out, lse), q, k, v, dtype="bfloat16")
 
 
 def test_the_split_plan_fills_the_device_when_decoding():
