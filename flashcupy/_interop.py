@@ -66,6 +66,8 @@ def library(x) -> str | None:
     lib = backends.array_library(x)
     if lib is not None or not is_foreign(x):
         return lib
+    if _root(x) == "torch":  # its device, without a DLPack query (the slower way to the same answer)
+        return "torch" if x.device.type == "cpu" else f"torch ({x.device.type.upper()})"
     device = int(x.__dlpack_device__()[0]) if hasattr(x, "__dlpack__") else 2  # CUDA array interface: CUDA
     if device in _HOST:
         return _root(x)
@@ -141,13 +143,17 @@ def _items(value):
     return [("", value)]
 
 
+def _is_array(x) -> bool:
+    return backends.array_library(x) is not None or is_foreign(x)
+
+
 def array_arguments(fn, args, kwargs) -> dict:
     """{where (position or keyword): value} of the arguments that hold arrays, numbers excluded."""
     names = fn.__code__.co_varnames
     found = {}
     for where, value in list(enumerate(args)) + list(kwargs.items()):
         name = names[where] if isinstance(where, int) else where
-        if name not in NOT_ARRAYS and any(library(x) is not None for _, x in _items(value)):
+        if name not in NOT_ARRAYS and any(_is_array(x) for _, x in _items(value)):
             found[where] = value
     return found
 
@@ -155,7 +161,7 @@ def array_arguments(fn, args, kwargs) -> dict:
 def _named(fn, arrays: dict) -> dict:
     names = fn.__code__.co_varnames
     return {(names[w] if isinstance(w, int) else w) + suffix: x
-            for w, value in arrays.items() for suffix, x in _items(value) if library(x) is not None}
+            for w, value in arrays.items() for suffix, x in _items(value) if _is_array(x)}
 
 
 def _torch_compiling() -> bool:
