@@ -188,8 +188,8 @@ def test_float32_training_step_matches_torch_sdpa(rng):
             assert_matches_oracle([seen["out"], lse, *grads[:3]], seen["q"], seen["k"], seen["v"], grads[3],
                                   mask=seen["mask"])
     for (name, a), b in zip(ours.named_parameters(), sdpa.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, msg=lambda m: f"{name}.grad: {m}")
-        torch.testing.assert_close(a, b, msg=lambda m: f"{name} after the step: {m}")
+        torch.testing.assert_close(a.grad, b.grad, msg=lambda m, name=name: f"{name}.grad: {m}")
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name} after the step: {m}")
 
 
 def test_torch_compile_keeps_one_graph_and_eager_gradients(rng):
@@ -397,9 +397,9 @@ def test_readme_transformers_recipe_matches_torch_sdpa(rng, monkeypatch):
         dout = torch.randn_like(want)
         got_grads = torch.autograd.grad(out, (q, k, v), dout)
         want_grads = torch.autograd.grad(want, (q, k, v), dout)
-        torch.testing.assert_close(out, want, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(out, want, msg=lambda m, what=what: f"{what}: {m}")
         for g, w in zip(got_grads, want_grads):
-            torch.testing.assert_close(g, w, msg=lambda m: f"{what}: {m}")
+            torch.testing.assert_close(g, w, msg=lambda m, what=what: f"{what}: {m}")
     with pytest.raises(ValueError, match="dropout"):
         fn(module, q, k, v, None, dropout=0.1)
 
