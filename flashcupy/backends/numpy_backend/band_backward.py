@@ -15,6 +15,7 @@ and the result does not depend on their order.
 Vocabulary: u a query tile (u0, u1 a task's own), T_r the query tiles, step = B_r = B_c the rows of
 a tile and the keys of a chunk, M = step x group a tile's stack rows, tile u sees chunks u - lead ..
 u - lead + span - 1, tile_keys = span x step keys; "places" are the tiles' slots in the buffers.
+The measurements behind its choices: benchmarks/results/numpy_backend_choices.md.
 """
 
 from __future__ import annotations
@@ -287,7 +288,7 @@ def key_operands(p, grid, k, v, b, h0, h1, first_tile, nt, scratch) -> tuple:
         V1t[:, :D, w0 - origin:w1 - origin] = v[b, w0:w1, h0:h1].transpose(1, 2, 0)
     K1t[:, D, y0 - origin:y1 - origin] = 1
     V1t[:, D, y0 - origin:y1 - origin] = 1
-    # scale K in rows for dQ: BLAS ran dS Kᵀᵀ from the transposed view at half the speed
+    # scale K in rows for dQ: BLAS runs dS Kᵀᵀ much slower from the transposed view
     Ks = band_keys(k[b, y0:y1, h0:h1], y0 - origin, columns, "Ks", acc, scratch, acc.type(p.scale))
     return K1t, V1t, Ks
 

@@ -20,6 +20,8 @@ TILE_VOLUME scores, and O / l goes into out from a buffer still in cache.
 Scores are not shifted (m = 0): a row whose sum leaves [L_MIN, l_max], or is NaN (an overflow times
 the mask's 0), is redone exactly (softmax.redo_rows): its visible scores, their max as m. Rows that
 see no key at all are left out and keep out 0, lse -inf.
+
+The measurements behind these choices: benchmarks/results/numpy_backend_choices.md.
 """
 
 from __future__ import annotations
