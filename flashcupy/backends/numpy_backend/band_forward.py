@@ -52,6 +52,8 @@ class BandForwardPlan:
     keep: np.ndarray
     in_out: bool  # O straight into out, normalised there (a tile's stack rows are rows of out a fixed stride apart)
     in_place: bool  # K and V read where they lie, (kv heads, keys, D) views
+    qk_scale: object  # softmax.base2_scale, which the tiles' Q_iᵀ carry
+    key_offset: int  # query row i's tile starts at key i + key_offset (diagonal - left)
 
 
 def plan_band_forward(p, k, out, heads, width: int) -> BandForwardPlan:
@@ -71,7 +73,7 @@ def plan_band_forward(p, k, out, heads, width: int) -> BandForwardPlan:
     per_call = max(1, plan.TILE_VOLUME[acc.itemsize] // (stacked * unit_volume))
     in_out = out.dtype == acc and heads.consecutive and (g == 1 or p.heads_kv == 1)
     return BandForwardPlan(step, n, first, last, end, blocks, tiling.blocks(0, p.heads_kv, stacked), per_call, keep,
-                           in_out, k.dtype == acc)
+                           in_out, k.dtype == acc, softmax.base2_scale(p), p.diagonal - p.band.left)
 
 
 def forward(p, q, k, v, out, lse, width: int) -> None:
@@ -91,10 +93,10 @@ def forward(p, q, k, v, out, lse, width: int) -> None:
 
 def block(p, q, k, v, out, lse, bp, heads, b, h0, h1, i0, i1, scratch) -> None:
     """Query rows [i0, i1) of kv heads h0..h1 of batch b: their tiles, band_tiles per_call at a time."""
-    acc, step, n, end = p.acc_dtype, bp.step, bp.n, bp.end
+    acc, step, n, end = bp.keep.dtype, bp.step, bp.n, bp.end
     T = -(-(i1 - i0) // step)
-    Qt = band_queries(heads.read(q[b, i0:i1], h0, h1), T, step, softmax.base2_scale(p), acc, scratch)
-    k0 = i0 + p.diagonal - p.band.left  # the first tile's first key; k1: past the last tile's last
+    Qt = band_queries(heads.read(q[b, i0:i1], h0, h1), T, step, bp.qk_scale, acc, scratch)
+    k0 = i0 + bp.key_offset  # the first tile's first key; k1: past the last tile's last
     k1 = k0 + (T - 1) * step + n
     lo, hi = min(max(k0, 0), end), min(max(k1, 0), end)  # the keys among them that some row sees
     inside = 0 <= k0 and k1 <= p.seqlen_k  # keys past end, which only padding rows see, are real

@@ -119,8 +119,9 @@ class ForwardBlock:
         self.p, self.Q, self.Kt, self.V1, self.i0, self.l_max = p, Q, Kt, V1, i0, l_max
         self.scratch, self.modify = scratch, modify
         heads, M, D = Q.shape
-        self.m = np.zeros((heads, M), dtype=p.acc_dtype)  # the reference
-        self.O1 = scratch.take("O1", (heads, M, D + 1), p.acc_dtype, fill=0)  # [O | l]
+        self.acc, self.g, self.heads, self.D = p.acc_dtype, p.group, heads, D  # read per tile
+        self.m = np.zeros((heads, M), dtype=self.acc)  # the reference
+        self.O1 = scratch.take("O1", (heads, M, D + 1), self.acc, fill=0)  # [O | l]
         self.Q1 = self.K1t = None  # [Q | -m] and [K | 1]ᵀ, made when some m first moves
         self.eager = V1.shape[2] == D  # V itself (a strided view) rather than [V | 1]
         if self.eager:
@@ -140,10 +141,11 @@ class ForwardBlock:
         (kv heads, rows, group, D) (a view of the caller's output), else into O itself."""
         # exp2() overflowing to inf (or NaN from inf - inf), and log(0), are expected here: those
         # rows are redone
+        tile = self.tile
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            for tile in tiles:
-                self.tile(*tile)
-        D = self.Q.shape[2]
+            for i0, i1, j0, j1, hidden in tiles:
+                tile(i0, i1, j0, j1, hidden)
+        D = self.D
         if out is None:
             return normalised(self.O1[..., :D], self.O1[..., D], self.m)
         shape = out.shape[:3]
@@ -154,7 +156,7 @@ class ForwardBlock:
     def scores(self, s0, s1, j0, j1, hidden, out, dead=None, masked=True):
         """S - m of stack rows [s0, s1) and keys [j0, j1) into out, modified; the pairs the band
         hides -inf where masked. dead: where modify marks the rows it hides from every key."""
-        Q, Kt, g, i0 = self.Q, self.Kt, self.p.group, self.i0
+        Q, Kt, g, i0 = self.Q, self.Kt, self.g, self.i0
         if self.modify is not None:
             np.matmul(Q[:, s0:s1], Kt[:, :, j0:j1], out=out)
             filled = self.modify(out, slice(i0 + s0 // g, i0 + s1 // g), slice(j0, j1), dead=dead)
@@ -177,8 +179,7 @@ class ForwardBlock:
     def tile(self, i0, i1, j0, j1, hidden) -> None:
         """[O | l] += [P V_j | rowsum P] for query rows [i0, i1) and keys [j0, j1), redoing the rows
         whose sum would leave [L_MIN, l_max]."""
-        p, O1, scratch, heads, D = self.p, self.O1, self.scratch, self.Q.shape[0], self.Q.shape[2]
-        acc, g = p.acc_dtype, p.group
+        p, O1, scratch, heads, D, acc, g = self.p, self.O1, self.scratch, self.heads, self.D, self.acc, self.g
         s0, s1 = (i0 - self.i0) * g, (i1 - self.i0) * g  # the tile's rows within the stack
         dead = None if self.modify is None else scratch.take("dead", (heads, (s1 - s0) // g, g), np.bool_)
         # S - m; the band's hidden pairs are zeroed in P rather than set to -inf in S: NumPy's
@@ -221,7 +222,7 @@ class ForwardBlock:
         kk, rr = where
         if not kk.size:
             return
-        acc, D, O1, m = self.p.acc_dtype, self.Q.shape[2], self.O1, self.m
+        acc, D, O1, m = self.acc, self.D, self.O1, self.m
         S_r = aligned_empty((kk.size, j1 - j0), acc)  # exp2's bits depend on alignment
         S_r[...] = self.scores(s0, s1, j0, j1, hidden, S)[kk, rr]  # this is rare
         # fresh rows have nothing before: their [O | l] holds this tile's overflowed sums

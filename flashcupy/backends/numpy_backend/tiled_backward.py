@@ -93,7 +93,7 @@ class BackwardPlan:
     (h0, h1, j0, j1) items and which worker partition takes which, and whether each partition
     sums dbias into its own copy (a bias broadcast over keys)."""
     key_blocks: list
-    tiles: dict  # (j0, j1) -> the block's Tiles
+    tiles: dict  # (j0, j1) -> the block's tiles (tiling.backward_tiles)
     kv_groups: list
     work: list
     parts: list

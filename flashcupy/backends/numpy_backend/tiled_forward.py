@@ -17,7 +17,7 @@ class ForwardPlan:
     """What a tiled forward call does: its query blocks (heaviest first when causal), each block's
     tiles, the stacks of kv heads each task takes, and the keys some query sees (below end)."""
     blocks: list
-    tiles: dict  # (i0, i1) -> the block's Tiles
+    tiles: dict  # (i0, i1) -> the block's tiles (tiling.forward_tiles)
     kv_groups: list  # (h0, h1) of each stack
     end: int
     in_place: bool  # K and V read where they lie (decoding), the eager softmax

@@ -1,6 +1,10 @@
 """Which tiles the NumPy backend's loops visit: blocks of rows or keys, and the tile plans that
 cover every (query, key) pair of the band once, each tile with the band's mask of it.
 
+A tile is a tuple (i0, i1, j0, j1, hidden): query rows [i0, i1) against keys [j0, j1), hidden
+the band's bool (rows, keys) mask of the pairs it hides, None where the rows see every key of the
+tile (p.band.hidden). (Plain tuples: a plan holds hundreds, made per call.)
+
 Which keys a query sees is p.band's to say (flashcupy/_problem.py, Band): the plans take both ends
 of their ranges from it and mask tiles through it, so the rule changes there, not here. A user's
 mask is no band: it is applied per tile, on top (modifiers.py).
@@ -8,21 +12,9 @@ mask is no band: it is applied per tile, on top (modifiers.py).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
 from . import plan
-
-
-class Tile(NamedTuple):
-    """Query rows [i0, i1) against keys [j0, j1); hidden: the band's bool (rows, keys) mask of the
-    pairs it hides, None where the rows see every key of the tile (p.band.hidden)."""
-    i0: int
-    i1: int
-    j0: int
-    j1: int
-    hidden: object
 
 
 def blocks(start: int, end: int, size: int):
@@ -56,7 +48,7 @@ def mask_scores(S, p, i0: int, j0: int, fill, group: int = 1, hidden=False) -> N
 
 
 def forward_tiles(p, i0: int, i1: int, step: int, masks=None) -> list:
-    """The Tiles that cover every pair of a query row of [i0, i1) and a key it sees, each pair
+    """The tiles that cover every pair of a query row of [i0, i1) and a key it sees, each pair
     once: full-height tiles over the keys every row sees, then the rest (the causal diagonal) in a
     staircase of tiles of `step` rows, so that little of their area is masked. Keys every row sees
     but fewer than a step go to the staircase too. masks: a dict shared by the calls of one pass,
@@ -71,11 +63,11 @@ def forward_tiles(p, i0: int, i1: int, step: int, masks=None) -> list:
         seen0, seen1 = p.band.key_range(r0, r1)
         for lo, hi in ((max(seen0, start), min(seen1, all0)), (max(seen0, all1), min(seen1, end))):
             tiles += [(r0, r1, j0, j1) for j0, j1 in blocks(lo, hi, block_n)]
-    return [Tile(r0, r1, j0, j1, tile_mask(p, r0, r1, j0, j1, masks)) for r0, r1, j0, j1 in tiles]
+    return [(r0, r1, j0, j1, tile_mask(p, r0, r1, j0, j1, masks)) for r0, r1, j0, j1 in tiles]
 
 
 def backward_tiles(p, j0: int, j1: int, step: int, masks=None) -> list:
-    """The Tiles that cover every pair of a key of [j0, j1) and a query row that sees it, each pair
+    """The tiles that cover every pair of a key of [j0, j1) and a query row that sees it, each pair
     once: BLOCK_M-row tiles over the rows that see every key of the block, then a staircase of
     `step`-row tiles along the diagonal, each over the keys of the block its rows see."""
     block_m = plan.tile_sizes(p, backward=True)[0]
@@ -89,7 +81,7 @@ def backward_tiles(p, j0: int, j1: int, step: int, masks=None) -> list:
             seen0, seen1 = p.band.key_range(r0, r1)
             if max(seen0, j0) < min(seen1, j1):
                 tiles.append((r0, r1, max(seen0, j0), min(seen1, j1)))
-    return [Tile(i0, i1, y0, y1, tile_mask(p, i0, i1, y0, y1, masks)) for i0, i1, y0, y1 in tiles]
+    return [(i0, i1, y0, y1, tile_mask(p, i0, i1, y0, y1, masks)) for i0, i1, y0, y1 in tiles]
 
 
 def tile_mask(p, i0: int, i1: int, j0: int, j1: int, masks):
