@@ -215,12 +215,12 @@ class BandTask:
         grid, b, h0, h1, u0 = self.grid, self.b, self.h0, self.h1, self.u0
         r0, r1 = grid.first + u0 * grid.step, min(grid.last, grid.first + self.u1 * grid.step)
         self.heads.unstack_into(dq[b, r0:r1], h0, h1, self.dQ[:, :(r1 - r0) * self.p.group])
-        k0, k1 = u0 * grid.step - grid.base, self.end_tile * grid.step - grid.base
-        y0, y1 = max(k0, grid.j0), min(k1, grid.j1)
+        j0, j1 = u0 * grid.step - grid.base, self.end_tile * grid.step - grid.base
+        y0, y1 = max(j0, grid.j0), min(j1, grid.j1)
         if y0 < y1:
-            np.multiply(self.dK[:, y0 - k0:y1 - k0].transpose(1, 0, 2), self.p.acc_dtype.type(LN2),
+            np.multiply(self.dK[:, y0 - j0:y1 - j0].transpose(1, 0, 2), self.p.acc_dtype.type(LN2),
                         out=dk[b, y0:y1, h0:h1])  # Q1 holds scale log2(e) Q
-            dv[b, y0:y1, h0:h1] = self.dV[:, y0 - k0:y1 - k0].transpose(1, 0, 2)
+            dv[b, y0:y1, h0:h1] = self.dV[:, y0 - j0:y1 - j0].transpose(1, 0, 2)
 
 
 def band_operands(p, grid, heads, arrays, b, h0, h1, first_tile, end_tile, scratch) -> BandOperands:

@@ -96,21 +96,21 @@ def block(p, q, k, v, out, lse, bp, heads, b, h0, h1, i0, i1, scratch) -> None:
     acc, step, n, end = bp.keep.dtype, bp.step, bp.n, bp.end
     T = -(-(i1 - i0) // step)
     Qt = band_queries(heads.read(q[b, i0:i1], h0, h1), T, step, bp.qk_scale, acc, scratch)
-    k0 = i0 + bp.key_offset  # the first tile's first key; k1: past the last tile's last
-    k1 = k0 + (T - 1) * step + n
-    lo, hi = min(max(k0, 0), end), min(max(k1, 0), end)  # the keys among them that some row sees
-    inside = 0 <= k0 and k1 <= p.seqlen_k  # keys past end, which only padding rows see, are real
+    j0 = i0 + bp.key_offset  # the first tile's first key; j1: past the last tile's last
+    j1 = j0 + (T - 1) * step + n
+    lo, hi = min(max(j0, 0), end), min(max(j1, 0), end)  # the keys among them that some row sees
+    inside = 0 <= j0 and j1 <= p.seqlen_k  # keys past end, which only padding rows see, are real
     if bp.in_place and inside:
-        Kw, Vw = (windows(x[b, :, h0:h1].transpose(1, 0, 2), k0, T, step, n, axis=1) for x in (k, v))
+        Kw, Vw = (windows(x[b, :, h0:h1].transpose(1, 0, 2), j0, T, step, n, axis=1) for x in (k, v))
         v_part = v[b, lo:hi, h0:h1]
     else:  # at the sequence's ends, or of another dtype: copies, zero past the keys
-        K, V = (band_keys(x[b, lo:hi, h0:h1], lo - k0, k1 - k0, name, acc, scratch) for x, name in ((k, "K"), (v, "V")))
+        K, V = (band_keys(x[b, lo:hi, h0:h1], lo - j0, j1 - j0, name, acc, scratch) for x, name in ((k, "K"), (v, "V")))
         Kw, Vw = (windows(x, 0, T, step, n, axis=1) for x in (K, V))
-        v_part = V[:, lo - k0:hi - k0]  # of the copy: NumPy's float16 max and min crawl
+        v_part = V[:, lo - j0:hi - j0]  # of the copy: NumPy's float16 max and min crawl
     tile_keep = bp.keep
     if not inside:  # zero keys count in l unless masked: a mask per tile, (tiles, keys, stack rows)
-        j = k0 + step * np.arange(T)[:, None] + np.arange(n)[None, :]
-        tile_keep = bp.keep * ((j >= lo) & (j < hi)).astype(acc)[:, :, None]
+        keys = j0 + step * np.arange(T)[:, None] + np.arange(n)[None, :]
+        tile_keep = bp.keep * ((keys >= lo) & (keys < hi)).astype(acc)[:, :, None]
     v_max = max(float(np.maximum.reduce(v_part, axis=None, initial=0)),
                 -float(np.minimum.reduce(v_part, axis=None, initial=0)))
 
@@ -118,7 +118,7 @@ def block(p, q, k, v, out, lse, bp, heads, b, h0, h1, i0, i1, scratch) -> None:
         write_tiles(out[b], lse[b], bp, heads, h0, h1, i0, i1, u0, u1, O, l, m)
 
     def visible(u, r):  # which keys of tile u stack rows r see
-        return band_visible(p, i0 + u * step, k0 + u * step, r // p.group, n, end)
+        return band_visible(p, i0 + u * step, j0 + u * step, r // p.group, n, end)
 
     band_tiles(Qt, Kw, Vw, tile_keep, bp.per_call, softmax.largest_l(acc, v_max), scratch, visible, finish)
 
