@@ -267,4 +267,5 @@ def small_tiles():
 
 
 __all__ = ["BANDS", "BF16", "band_problem", "CASES", "DTYPES", "MUTATION_BATTERY", "TILE_EDGE_CASE", "bf16_bits", "LAYOUTS", "assert_matches_oracle",
-           "battery_fails", "case_id", "mutate_band", "mutated_module", "mutated_package", "mutation_tests", "make_qkv", "reference", "strided_empty"]
+           "battery_fails", "case_id", "mutate_band", "mutated_module", "mutated_package", "mutation_tests", "make_qkv",
+           "reference", "strided_empty"]

@@ -67,7 +67,8 @@ def band_grid(p, width: int) -> BandGrid:
     some = np.flatnonzero(hidden.any(axis=0))
     pieces = [(int(x[0]), int(x[-1]) + 1) for x in np.split(some, np.flatnonzero(np.diff(some) > 1) + 1) if x.size]
     M = step * g
-    stacked = max(1, min(p.heads_kv, plan.TILE_VOLUME[acc.itemsize] // 2 // (2 * 2 * span * M * L)))  # P, dS of 2 span tiles: L2
+    # P and dS of 2 span tiles within L2
+    stacked = max(1, min(p.heads_kv, plan.TILE_VOLUME[acc.itemsize] // 2 // (2 * 2 * span * M * L)))
     kv_groups = tiling.blocks(0, p.heads_kv, stacked)
     # tasks per kv group: enough to spread, few enough that recomputing the span - 1 tiles before
     # each stays small, and each task's operands within SCRATCH_KEEP_BYTES, so that they are kept
@@ -129,7 +130,8 @@ class BandTask:
         acc, span, M, L, step = p.acc_dtype, grid.span, grid.M, grid.tile_keys, grid.step
         self.p, self.grid, self.heads, self.b, self.h0, self.h1, self.u0, self.u1 = p, grid, heads, b, h0, h1, u0, u1
         h = h1 - h0
-        self.end_tile = u1 if u1 < grid.T_r else grid.T_r + span - 1  # the last task also owns the chunks past the last tile
+        # the last task also owns the chunks past the last tile
+        self.end_tile = u1 if u1 < grid.T_r else grid.T_r + span - 1
         self.first_tile = u0 - (span - 1)
         self.ops = band_operands(p, grid, heads, arrays, b, h0, h1, self.first_tile, self.end_tile, scratch)
         self.capacity = span - 1 + grid.per_matmul

@@ -60,7 +60,8 @@ def item(p, block_j0, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None
         if modify is None:
             S = np.matmul(Q1_i, K1t[:, :, x0:x1], out=scratch.take("S", (heads, s1 - s0, x1 - x0), acc))
         elif p.softcap is None:  # ALiBi, bias and mask add to the score: lse can come off first, in the matmul
-            with np.errstate(invalid="ignore"):  # -lse is -inf in a row a mask leaves no key (0 x inf in BLAS's padding)
+            # -lse is -inf in a row a mask leaves no key (0 x inf in BLAS's padding)
+            with np.errstate(invalid="ignore"):
                 S = np.matmul(Q1_i, K1t[:, :, x0:x1], out=scratch.take("S", (heads, s1 - s0, x1 - x0), acc))
             modify(S, slice(i0, i1), slice(j0, j1), T)
         else:
@@ -114,7 +115,8 @@ def plan_backward(p) -> BackwardPlan:
     stacked = plan.heads_per_task(p, p.heads_kv * len(key_blocks), unit_flops, unit_volume,
                                   plan.BACKWARD_TILE_VOLUME[p.acc_dtype.itemsize])
     kv_groups = tiling.blocks(0, p.heads_kv, stacked)
-    if plan.staircase_step(block_m, stacked * p.group, p.head_dim) != step:  # the plan above serves unless the step moved
+    # the plan above serves unless the stacked heads moved the step
+    if plan.staircase_step(block_m, stacked * p.group, p.head_dim) != step:
         step = plan.staircase_step(block_m, stacked * p.group, p.head_dim)
         tiles = {(j0, j1): tiling.backward_tiles(p, j0, j1, step, masks) for j0, j1 in key_blocks}
     work = [(h0, h1, j0, j1) for h0, h1 in kv_groups for j0, j1 in key_blocks]
