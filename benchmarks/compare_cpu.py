@@ -182,14 +182,14 @@ def bench_bf16_bits(x):
 
 
 def _git_commit() -> str:
-    """The commit of the flashcupy being measured, marked when its numpy_backend.py differs."""
+    """The commit of the flashcupy being measured, marked when its numpy_backend/ differs."""
     import subprocess
     here = os.path.dirname(os.path.abspath(numpy_backend.__file__))
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "numpy_backend.py"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."],
                                cwd=here, capture_output=True, text=True)
-        return head.stdout.strip() + (" + uncommitted numpy_backend.py" if dirty.stdout.strip() else "")
+        return head.stdout.strip() + (" + uncommitted numpy_backend/" if dirty.stdout.strip() else "")
     except OSError:
         return ""
 

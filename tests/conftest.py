@@ -147,6 +147,67 @@ def mutated_module(module, old: str, new: str):
     return copy
 
 
+def mutated_package(package, old: str, new: str):
+    """A fresh import of a package, its __init__ and every submodule beside it, with `old` (exactly
+    once in all their source) replaced by `new` in the file that holds it. The copy's modules
+    import one another, so the mutated line runs wherever the package's code reaches it, however
+    the other modules imported it (`from .x import f` included). The package itself, its modules
+    in sys.modules and its parent's attribute are left as they were: a test puts the copy in
+    sys.modules under the package's name for as long as it needs it, as with mutated_module."""
+    import glob
+    import importlib
+    import importlib.abc
+    import importlib.util
+
+    root = os.path.dirname(package.__file__)
+    sources = {}
+    for path in sorted(glob.glob(os.path.join(root, "*.py"))):
+        stem = os.path.splitext(os.path.basename(path))[0]
+        with open(path, encoding="utf-8") as f:
+            sources[package.__name__ if stem == "__init__" else f"{package.__name__}.{stem}"] = (path, f.read())
+    hits = [name for name, (_, text) in sources.items() if old in text]
+    assert len(hits) == 1 and sources[hits[0]][1].count(old) == 1, \
+        f"{old!r} is not in {package.__name__}'s source exactly once (found in {hits})"
+    path, text = sources[hits[0]]
+    sources[hits[0]] = (path, text.replace(old, new))
+
+    class Loader(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, search_path=None, target=None):
+            if name not in sources:
+                return None
+            is_package = name == package.__name__
+            spec = importlib.util.spec_from_loader(name, self, origin=sources[name][0], is_package=is_package)
+            if is_package:
+                spec.submodule_search_locations = [root]
+            return spec
+
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            path, text = sources[module.__name__]
+            module.__file__ = path
+            exec(compile(text, path, "exec"), module.__dict__)
+
+    ours = [name for name in sys.modules if name == package.__name__ or name.startswith(package.__name__ + ".")]
+    saved = {name: sys.modules.pop(name) for name in ours}
+    parent_name, _, child = package.__name__.rpartition(".")
+    parent = sys.modules[parent_name]
+    finder = Loader()
+    sys.meta_path.insert(0, finder)
+    try:
+        copy = importlib.import_module(package.__name__)
+        for name in sources:
+            importlib.import_module(name)  # a submodule the __init__ does not import runs mutated too
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n == package.__name__ or n.startswith(package.__name__ + ".")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+        setattr(parent, child, package)
+    return copy
+
+
 def mutate_band(monkeypatch, old: str, new: str) -> None:
     """Apply a deliberate bug to the band rule (flashcupy._problem.Band) for the rest of the test:
     the methods of a copy of the module with `old` replaced by `new` take the place of Band's own,
@@ -231,4 +292,4 @@ def small_tiles():
 
 __all__ = ["BANDS", "BF16", "band_problem", "CASES", "DTYPES", "MUTATION_BATTERY", "TILE_EDGE_CASE", "bf16_bits",
            "bf16_ties", "LAYOUTS", "assert_matches_oracle", "battery_fails", "case_id", "mutate_band", "mutated_module",
-           "mutation_tests", "make_qkv", "reference", "strided_empty"]
+           "mutated_package", "mutation_tests", "make_qkv", "reference", "strided_empty"]

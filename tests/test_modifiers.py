@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import flashcupy
-from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv, mutate_band, mutated_module, reference
+from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv, mutate_band, mutated_package, reference
 from flashcupy.backends import numpy_backend
 from reference.compare import error_ratio, expected
 
@@ -167,12 +167,12 @@ def test_dbias_is_reproducible_and_right_however_its_items_share_it(rng, monkeyp
     """Several kv-head groups and key blocks per batch (tasks of one kv head each), so that items of
     the backward meet in dbias: a bias broadcast over heads (items of one key block together),
     over keys (per-partition sums), over both, and not at all; each twice, bit for bit."""
-    monkeypatch.setattr(numpy_backend, "MIN_TASK_FLOPS", 1)
+    monkeypatch.setattr(numpy_backend.plan, "MIN_TASK_FLOPS", 1)
     old = (numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS)
     numpy_backend.configure(block_m=16, block_n=8, num_threads=8)  # 8 partitions of 4 kv groups x 9 key blocks
     groups = []
-    balanced = numpy_backend._balanced_parts
-    monkeypatch.setattr(numpy_backend, "_balanced_parts",
+    balanced = numpy_backend.plan.balanced_parts
+    monkeypatch.setattr(numpy_backend.plan, "balanced_parts",
                         lambda costs, n, together=None: groups.append(together) or balanced(costs, n, together))
     try:
         B, Sq, Sk, Hq, Hkv, D = 2, 33, 70, 8, 4, 8
@@ -228,11 +228,11 @@ def test_a_window_visits_only_the_band(small_tiles):
     numpy_backend.configure(block_m=256, block_n=128)
     p = Problem(batch=1, seqlen_q=S, seqlen_k=S, heads_q=1, heads_kv=1, head_dim=64, dtype="float32",
                 causal=True, scale=1.0, carrier=np.dtype(np.float32), window_left=w - 1)
-    step = numpy_backend._staircase_step(256, 1, 64)
-    fwd = sum((r1 - r0) * (j1 - j0) for i0, i1 in numpy_backend._blocks(0, S, 256)
-              for r0, r1, j0, j1, _ in numpy_backend._forward_tiles(p, i0, i1, step))
-    bwd = sum((i1 - i0) * (c1 - c0) for j0, j1 in numpy_backend._blocks(0, S, 128)
-              for i0, i1, c0, c1, _ in numpy_backend._backward_tiles(p, j0, j1, step))
+    step = numpy_backend.plan.staircase_step(256, 1, 64)
+    fwd = sum((r1 - r0) * (j1 - j0) for i0, i1 in numpy_backend.tiling.blocks(0, S, 256)
+              for r0, r1, j0, j1, _ in numpy_backend.tiling.forward_tiles(p, i0, i1, step))
+    bwd = sum((i1 - i0) * (y1 - y0) for j0, j1 in numpy_backend.tiling.blocks(0, S, 128)
+              for i0, i1, y0, y1, _ in numpy_backend.tiling.backward_tiles(p, j0, j1, step))
     visible = p.band.pairs
     assert visible == S * w - w * (w - 1) // 2
     assert fwd <= S * (w + 2 * step) and bwd <= S * (w + 2 * step), (fwd, bwd, visible)
@@ -254,7 +254,7 @@ def test_the_backward_with_a_bias_needs_little_beyond_dbias(rng):
         flashcupy.attention_backward(out, q, k, v, out, lse, **kw)
         peaks.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
-    scratch = numpy_backend.worker_count() * numpy_backend.TILE_VOLUME[4] * 4  # bytes of one tile per worker
+    scratch = numpy_backend.worker_count() * numpy_backend.plan.TILE_VOLUME[4] * 4  # bytes of one tile per worker
     assert peaks[1] - peaks[0] < bias.nbytes + scratch, (peaks, bias.nbytes)
 
 
@@ -356,7 +356,7 @@ def test_attention_probs_refuses_bad_rows_and_lse(rng):
 
 
 DBIAS_THEN_SOFTCAP = """        if dbias is not None:
-            dbias(dS, slice(i0, i1), slice(c0, c1))
+            dbias(dS, slice(i0, i1), slice(j0, j1))
         if T is not None:  # the gradient of q.k scale, before the softcap: dS (1 - tanh²)
             np.square(T, out=T)
             np.subtract(1, T, out=T)
@@ -367,13 +367,13 @@ MODIFIER_MUTATIONS = {
     "softcap derivative dropped": ("np.subtract(1, T, out=T)", "np.subtract(1, 0 * T, out=T)"),
     "alibi sign": ("np.subtract(S4, alibi, out=S4)", "np.add(S4, alibi, out=S4)"),
     "alibi distance off by one": ("(i + self.p.diagonal)[:, None]", "(i + self.p.diagonal + 1)[:, None]"),
-    "bias not in base 2": ("self._heads(self.bias, b, c0, c1, rows, cols), acc.type(LOG2E)",
-                           "self._heads(self.bias, b, c0, c1, rows, cols), acc.type(1.0)"),
+    "bias not in base 2": ("self._heads(self.bias, b, h0, h1, rows, cols), acc.type(LOG2E)",
+                           "self._heads(self.bias, b, h0, h1, rows, cols), acc.type(1.0)"),
     "mask ignored": ("np.copyto(S4, -np.inf, where=hide)", "hide"),
     "dbias not summed over heads": ("t[0, rows, cols] += x.sum(axis=(0, 2))", "t[0, rows, cols] += x[0, :, 0]"),
     "dbias after the softcap": (DBIAS_THEN_SOFTCAP,
-                                DBIAS_THEN_SOFTCAP.replace("dbias(dS, slice(i0, i1), slice(c0, c1))", "pass")
-                                + "        if dbias is not None:\n            dbias(dS, slice(i0, i1), slice(c0, c1))\n"),
+                                DBIAS_THEN_SOFTCAP.replace("dbias(dS, slice(i0, i1), slice(j0, j1))", "pass")
+                                + "        if dbias is not None:\n            dbias(dS, slice(i0, i1), slice(j0, j1))\n"),
 }
 # ... and in the band rule (flashcupy/_problem.py, Band), which the NumPy backend's tile plans ask
 BAND_MUTATIONS = {
@@ -412,7 +412,7 @@ def test_the_modifier_battery_passes_unmutated(small_tiles):
 
 @pytest.mark.parametrize("name", MODIFIER_MUTATIONS)
 def test_a_modifier_mutation_is_caught(monkeypatch, name):
-    mutant = mutated_module(numpy_backend, *MODIFIER_MUTATIONS[name])
+    mutant = mutated_package(numpy_backend, *MODIFIER_MUTATIONS[name])
     mutant.configure(block_m=16, block_n=8, num_threads=2)
     monkeypatch.setitem(sys.modules, numpy_backend.__name__, mutant)
     assert modifier_battery_fails(), f"the battery missed: {name}"

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import flashcupy
 from conftest import (BANDS, BF16, CASES, DTYPES, LAYOUTS, assert_matches_oracle, band_problem, battery_fails,
-                      bf16_bits, case_id, make_qkv, mutate_band, mutated_module, reference)
+                      bf16_bits, case_id, make_qkv, mutate_band, mutated_package, reference)
 from flashcupy._problem import Problem
 from flashcupy.backends import numpy_backend
 
@@ -38,7 +38,7 @@ def check_against_oracle(q, k, v, dtype, causal, scale=None, rng=None, backend="
 def kv_path(request, monkeypatch):
     """Both ways the forward reads K and V: copied into BLAS-friendly Kᵀ and [V | 1] with the lazy
     softmax, or (few query rows, float32/float64) read where they lie with the eager one."""
-    monkeypatch.setattr(numpy_backend, "IN_PLACE_ROWS", 0 if request.param == "copied" else 10**9)
+    monkeypatch.setattr(numpy_backend.plan, "IN_PLACE_ROWS", 0 if request.param == "copied" else 10**9)
     return request.param
 
 
@@ -80,7 +80,7 @@ def test_default_tiles(rng, dtype):
         assert numpy_backend.describe_tiles().startswith(f"{block_m}x{block_n},")
     Sq, Sk = block_m + block_m // 2 + 3, 2 * block_n + 300
     assert numpy_backend.tile_sizes(problem(Sq, Sk), backward=True) == (block_m, block_n)
-    assert any(r1 - r0 < block_m for r0, r1, *_ in numpy_backend._forward_tiles(problem(Sq, Sk), 0, block_m, step=32))
+    assert any(r1 - r0 < block_m for r0, r1, *_ in numpy_backend.tiling.forward_tiles(problem(Sq, Sk), 0, block_m, step=32))
     q, k, v = make_qkv(rng, 1, Sq, Sk, 2, 1, 32, dtype)
     check_against_oracle(q, k, v, dtype, True, rng=rng)
 
@@ -135,7 +135,7 @@ def test_nan_in_a_query_row_stays_in_that_row(rng, small_tiles, kv_path):
 # (causal, window): every shape of band the helpers must state, windows included
 @pytest.mark.parametrize("causal, window", BANDS)
 def test_visibility_helpers_are_the_oracles_rule(causal, window):
-    """On every tile of every small shape: _mask_scores hides exactly what the oracle hides, and a
+    """On every tile of every small shape: tiling.mask_scores hides exactly what the oracle hides, and a
     block's range holds exactly the keys (queries) that some row (key) of the block sees, so the
     loops skip no visible pair and visit no block that sees nothing."""
     for Sq, Sk in itertools.product(range(1, 7), repeat=2):
@@ -145,7 +145,7 @@ def test_visibility_helpers_are_the_oracles_rule(causal, window):
             assert list(range(*p.band.key_range(i0, i1))) == list(np.flatnonzero(want[i0:i1].any(0)))
             for j0, j1 in itertools.combinations(range(Sk + 1), 2):
                 S = np.zeros((i1 - i0, j1 - j0))
-                numpy_backend._mask_scores(S, p, i0, j0, -np.inf)
+                numpy_backend.tiling.mask_scores(S, p, i0, j0, -np.inf)
                 np.testing.assert_array_equal(S == 0, want[i0:i1, j0:j1])
         for j0, j1 in itertools.combinations(range(Sk + 1), 2):
             assert list(range(*p.band.query_range(j0, j1))) == list(np.flatnonzero(want[:, j0:j1].any(1)))
@@ -157,7 +157,7 @@ def test_visibility_helpers_are_the_oracles_rule(causal, window):
 @pytest.mark.parametrize("causal, window", BANDS)
 @pytest.mark.parametrize("step, block", [(1, 1), (2, 3), (3, 8), (4, 5), (8, 16)])
 def test_tiles_cover_every_visible_pair_once(causal, window, step, block):
-    """_forward_tiles over all query blocks, and _backward_tiles over all key blocks, each cover
+    """tiling.forward_tiles over all query blocks, and tiling.backward_tiles over all key blocks, each cover
     every (query, key) pair the oracle shows visible exactly once, after their masks, and no tile
     is wholly masked (work that buys nothing)."""
     old = (numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N)
@@ -166,10 +166,10 @@ def test_tiles_cover_every_visible_pair_once(causal, window, step, block):
         for Sq, Sk in itertools.product([1, 2, 5, 9, 17], repeat=2):
             p = band_problem(Sq, Sk, causal, window)
             want = reference.visible(Sq, Sk, causal, window=window)
-            for tiles in ([t for i0, i1 in numpy_backend._blocks(0, Sq, block)
-                           for t in numpy_backend._forward_tiles(p, i0, i1, step)],
-                          [t for j0, j1 in numpy_backend._blocks(0, Sk, block)
-                           for t in numpy_backend._backward_tiles(p, j0, j1, step)]):
+            for tiles in ([t for i0, i1 in numpy_backend.tiling.blocks(0, Sq, block)
+                           for t in numpy_backend.tiling.forward_tiles(p, i0, i1, step)],
+                          [t for j0, j1 in numpy_backend.tiling.blocks(0, Sk, block)
+                           for t in numpy_backend.tiling.backward_tiles(p, j0, j1, step)]):
                 covered = np.zeros((Sq, Sk), int)
                 for i0, i1, j0, j1, hidden in tiles:
                     seen = np.ones((i1 - i0, j1 - j0), bool) if hidden is None else ~hidden
@@ -203,7 +203,7 @@ def test_backward_is_bitwise_reproducible(rng):
     (130, 160, 2, 1, False, (0, 0)),  # one key a row
 ])
 def test_narrow_bands_match_the_oracle(rng, dtype, Sq, Sk, Hq, Hkv, causal, window):
-    """A window alone takes _band_forward and _band_backward (tiles that hold all their rows' keys,
+    """A window alone takes band_forward and band_backward (tiles that hold all their rows' keys,
     computed many per matmul); default tiles, so that blocks hold many tiles and tasks many chunks."""
     q, k, v = make_qkv(rng, 2, Sq, Sk, Hq, Hkv, 24, dtype)
     dout = rng.standard_normal(q.shape).astype(dtype)
@@ -215,7 +215,7 @@ def test_narrow_bands_match_the_oracle(rng, dtype, Sq, Sk, Hq, Hkv, causal, wind
 
 def _narrow_band_redone_at_the_ends(rng, monkeypatch):
     """Scores far below zero (q around +30, k around -30) leave every row's sum below L_MIN, so every
-    row of _band_forward is redone with its own max as the reference; the first and last tiles reach
+    row of the band forward is redone with its own max as the reference; the first and last tiles reach
     past the sequence's ends (their copies of K and V hold zeros there, scores of 0), and the redo
     must admit only the keys that exist. The spy proves the band path and its redo ran at both ends."""
     backend = sys.modules[numpy_backend.__name__]  # a mutant's copy, where a test put one there
@@ -224,13 +224,13 @@ def _narrow_band_redone_at_the_ends(rng, monkeypatch):
     k = (-30 + rng.standard_normal((1, S, H, D))).astype(np.float32)
     v, dout = (rng.standard_normal((1, S, H, D)).astype(np.float32) for _ in range(2))
     redone = []  # (first key, keys) of each tile a redo asked about
-    real = backend._band_visible
+    real = backend.band_forward.band_visible
 
     def spy(p, i0, j0, rows, keys, end):
         redone.append((j0, keys))
         return real(p, i0, j0, rows, keys, end)
 
-    monkeypatch.setattr(backend, "_band_visible", spy)
+    monkeypatch.setattr(backend.band_forward, "band_visible", spy)
     out, lse = flashcupy.attention(q, k, v, window=window, return_lse=True)
     assert any(j0 < 0 for j0, _ in redone) and any(j0 + n > S for j0, n in redone), redone
     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, window=window)
@@ -251,7 +251,7 @@ NARROW_BAND_MUTATIONS = {
 @pytest.mark.parametrize("name", NARROW_BAND_MUTATIONS)
 def test_a_narrow_band_redo_bug_is_caught(rng, monkeypatch, name):
     monkeypatch.setitem(sys.modules, numpy_backend.__name__,
-                        mutated_module(numpy_backend, *NARROW_BAND_MUTATIONS[name]))
+                        mutated_package(numpy_backend, *NARROW_BAND_MUTATIONS[name]))
     with pytest.raises(AssertionError, match="times the tolerance"):  # the oracle's check, not the spy's
         _narrow_band_redone_at_the_ends(rng, monkeypatch)
 
@@ -332,7 +332,7 @@ def test_calls_from_many_threads_give_the_serial_bits_and_leave_blas_alone(rng):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_buffers_kept_between_calls_carry_nothing_over_and_stay_small(rng, monkeypatch, threads):
-    """Scratch buffers outlive their call (_Scratch): a call on other data between two on the same
+    """Scratch buffers outlive their call (pool.Scratch): a call on other data between two on the same
     data changes no bit of the second; a call whose first rows see no key, after one whose rows all
     did, gives those rows 0 (their [O | l] is never written, and on one thread it lies where the
     earlier call's was); and after a call no kept buffer is larger than SCRATCH_KEEP_BYTES."""
@@ -356,17 +356,17 @@ def test_buffers_kept_between_calls_carry_nothing_over_and_stay_small(rng, monke
     # calls of other shapes reuse the same few names (no buffer kept for every name ever used):
     # the backward's per-partition dQ is one a worker at most (from here on: earlier tests in this
     # process may have run with more workers)
-    numpy_backend._call_scratch._buffers.clear()
+    numpy_backend.pool.call_scratch._buffers.clear()
     for S in (300, 450, 1100, 1600):  # shapes whose partitions start at other items
         x = make_qkv(rng, 1, S, S, 4, 2, 32, np.float32)
         out, lse = flashcupy.attention(*x, causal=True, return_lse=True)
         flashcupy.attention_backward(out, *x, out, lse, causal=True)
-    numbered = {n for s in (numpy_backend._call_scratch, *numpy_backend._scratches) for n in s._buffers
+    numbered = {n for s in (numpy_backend.pool.call_scratch, *numpy_backend.pool.scratches) for n in s._buffers
                 if isinstance(n, tuple)}
     assert numbered <= {("dQ", i) for i in range(threads)}
-    monkeypatch.setattr(numpy_backend, "SCRATCH_KEEP_BYTES", 4096)
+    monkeypatch.setattr(numpy_backend.pool, "SCRATCH_KEEP_BYTES", 4096)
     run(a, dout)
-    kept = [buf.nbytes for s in (numpy_backend._call_scratch, *numpy_backend._scratches) for buf in s._buffers.values()]
+    kept = [buf.nbytes for s in (numpy_backend.pool.call_scratch, *numpy_backend.pool.scratches) for buf in s._buffers.values()]
     assert max(kept, default=0) <= 4096
 
 
@@ -391,7 +391,7 @@ def test_nan_in_dout_of_a_row_that_sees_no_key_goes_nowhere(rng, small_tiles):
 NUMPY_MUTATIONS = {  # see conftest.MUTATION_BATTERY
     "scale ignored": ("return p.acc_dtype.type(p.scale * LOG2E)", "return p.acc_dtype.type(LOG2E / np.sqrt(p.head_dim))"),
     "GQA head mapping": ("kv_head = h // p.group", "kv_head = h % p.heads_kv"),
-    "D not subtracted": ('= -np.einsum("csgd', '= 0 * np.einsum("csgd'),
+    "D not subtracted": ('np.negative(np.einsum("hsgd', 'np.multiply(0, np.einsum("hsgd'),
     "lse base": ("m * acc.type(LN2) + np.log(l)", "m * acc.type(LN2) + np.log2(l)"),
 }
 
@@ -410,7 +410,7 @@ BAND_MUTATIONS = {
 
 @pytest.mark.parametrize("name", NUMPY_MUTATIONS)
 def test_a_mutation_is_caught(monkeypatch, name):
-    monkeypatch.setitem(sys.modules, numpy_backend.__name__, mutated_module(numpy_backend, *NUMPY_MUTATIONS[name]))
+    monkeypatch.setitem(sys.modules, numpy_backend.__name__, mutated_package(numpy_backend, *NUMPY_MUTATIONS[name]))
     assert battery_fails("numpy"), f"the battery missed: {name}"
 
 
