@@ -14,7 +14,7 @@ import numbers
 
 import numpy as np
 
-from . import _batch, backends
+from . import _batch, _interop, backends
 from ._problem import FLOAT_DTYPES, LOG2E, MODIFIERS, Problem, accumulation_dtype, default_scale
 
 BIT_CARRIERS = (np.dtype(np.uint16), np.dtype(np.int16))  # what dtype="bfloat16" reads
@@ -39,15 +39,18 @@ def check_arrays(named: dict) -> str:
                             f"(pass {name}.filled(0) or {name}.data if that is what you mean)")
         libs[name] = lib
     if len(set(libs.values())) > 1:
-        which = ", ".join(f"{n} is {lib}" for n, lib in libs.items())
-        raise TypeError(f"q, k, v (and dout, out, lse) must come from one array library: {which}")
+        raise _interop.mixed_libraries(libs)
     return next(iter(libs.values()))
+
+
+def check_dtype_name(dtype) -> None:
+    if dtype is not None and dtype != "bfloat16":
+        raise ValueError(f"dtype must be None or 'bfloat16', got {dtype!r}")
 
 
 def check_dtypes(named: dict, dtype) -> tuple:
     """(value dtype name, carrier dtype) shared by every array in `named`."""
-    if dtype is not None and dtype != "bfloat16":
-        raise ValueError(f"dtype must be None or 'bfloat16', got {dtype!r}")
+    check_dtype_name(dtype)
     carriers = {name: np.dtype(x.dtype) for name, x in named.items()}
     for name, carrier in carriers.items():
         if not carrier.isnative:
@@ -80,12 +83,29 @@ def check_strides(name: str, x) -> None:
                          f"on misaligned loads), got address {interface['data'][0]:#x}")
 
 
+def real(name: str, x) -> float:
+    """x read as a float: a real number, or a 0-d real array of any library (NumPy, CuPy, torch,
+    JAX, ...), which is a number too. Reading a device one copies it to the host and so waits for
+    the device (as float(x) does). A torch tensor that requires grad is refused: flashcupy gives
+    scale and softcap no gradient, and would drop it silently (under torch.no_grad() it is read)."""
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a real number, a 0-d array or None, got {describe(x)}")
+    if isinstance(x, numbers.Real):
+        return float(x)
+    shape, kind = getattr(x, "shape", None), str(getattr(x, "dtype", ""))
+    if shape is None or tuple(shape) != () or "bool" in kind or "complex" in kind or not kind:
+        got = describe(x) if shape is None else f"{describe(x)} of shape {tuple(shape)} and dtype {kind}"
+        raise TypeError(f"{name} must be a real number, a 0-d array or None, got {got}")
+    if _interop.tracked_by_autograd(x):
+        raise ValueError(f"{name} requires grad, but flashcupy gives {name} no gradient: pass "
+                         f"{name}.detach() (or float({name})) if it is a constant")
+    return float(x)
+
+
 def check_positive(name: str, x, acc_dtype: np.dtype) -> float:
-    """A real number that stays finite and positive in the accumulation dtype, also times log2(e)
-    (the kernels work in base 2): scale and softcap."""
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a real number or None, got {describe(x)}")
-    value = float(x)
+    """A real number (or 0-d array: real) that stays finite and positive in the accumulation dtype,
+    also times log2(e) (the kernels work in base 2): scale and softcap."""
+    value = real(name, x)
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be finite and positive, got {value!r}")
     with np.errstate(over="ignore", under="ignore"):
@@ -145,7 +165,7 @@ def check_modifier_array(name: str, x, lib: str) -> None:
     if isinstance(x, np.ma.MaskedArray):
         raise TypeError(f"{name} must not be a numpy.ma.MaskedArray: its mask would be ignored")
     if x_lib != lib:
-        raise TypeError(f"{name} must come from q's array library ({lib}), got a {x_lib} array")
+        raise _interop.mixed_libraries({"q": lib, name: x_lib})
     if not np.dtype(x.dtype).isnative:
         raise TypeError(f"{name} must have native byte order, got {np.dtype(x.dtype).str}")
     check_strides(name, x)

@@ -1,13 +1,24 @@
 """Arrays of other libraries (torch, JAX, PyCUDA, ...), viewed without a copy, results given back
-in the caller's library.
+in the caller's library; and the one rule on libraries that every entry point follows.
+
+One library a call: every array argument of an entry point (q, k, v, dout, out, lse, bias, mask,
+alibi_slopes, offsets, caches, outs and lses) comes from one array library, and for a DLPack
+library from one side (host or CUDA), or the call is a TypeError that names each argument's
+library as the caller knows it ("q is torch, k is numpy, v is numpy"). Numbers are not array
+arguments: scale and softcap take a Python number or a 0-d array of any library (_checks.real), the
+window, rows and lengths take ints, and none of them is viewed.
 
 An argument that is not a NumPy, CuPy or Numba array but exposes `__dlpack__` is viewed as a NumPy
 array when it lives in host memory and as a CuPy array when it lives on a CUDA device (DLPack
 shares the memory; nothing is copied); one that exposes only `__cuda_array_interface__` (PyCUDA)
 is viewed as a CuPy array. The entry point then runs on those views, and its array results are
 handed back through DLPack to the library of the arguments: torch tensors in, torch tensors out;
-JAX in, JAX out (CuPy for PyCUDA, which has no DLPack import). Torch tensors that require grad are
-read through `detach()` (the same memory): results are plain tensors, outside autograd.
+JAX in, JAX out (CuPy for PyCUDA, which has no DLPack import).
+
+torch: with grad mode on and a tensor that requires grad, attention and attention_varlen record
+autograd (flashcupy._torch, imported only when torch tensors arrive), and the other entry points,
+which record none, refuse such a tensor rather than detach it silently. CUDA tensors run on
+torch's current stream. Tensors read outside autograd are read through `detach()` (the same memory).
 
 bfloat16: NumPy and CuPy have no bfloat16 in DLPack, so a torch bfloat16 tensor is viewed as the
 int16 bit patterns it holds (`Tensor.view(torch.int16)`, no copy) and the call reads them as
@@ -18,8 +29,10 @@ way to pass it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import sys
 
 import numpy as np
 
@@ -28,6 +41,11 @@ from . import backends
 # DLPack device types (dlpack.h): host memory that NumPy can view, and CUDA memory for CuPy
 _HOST = {1, 3}   # kDLCPU, kDLCUDAHost
 _CUDA = {2, 13}  # kDLCUDA, kDLCUDAManaged
+
+# keywords that take numbers or indices, never arrays of the call's library: not viewed, and not
+# held to the one-library rule (a 0-d tensor scale is a number; rows is read with np.asarray)
+NOT_ARRAYS = frozenset({"scale", "softcap", "window", "rows", "max_seqlen_q", "max_seqlen_k", "num_splits",
+                        "dtype", "backend"})
 
 
 def _root(x) -> str:
@@ -40,6 +58,38 @@ def is_foreign(x) -> bool:
     if backends.array_library(x) is not None or isinstance(x, (str, bytes)):
         return False
     return hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")
+
+
+def library(x) -> str | None:
+    """x's array library as its caller knows it ('numpy', 'cupy', 'numba', 'torch', 'jax', ...),
+    one on a device marked so ('torch (CUDA)'); None for what is no array."""
+    lib = backends.array_library(x)
+    if lib is not None or not is_foreign(x):
+        return lib
+    if _root(x) == "torch":  # its device, without a DLPack query (the slower way to the same answer)
+        return "torch" if x.device.type == "cpu" else f"torch ({x.device.type.upper()})"
+    device = int(x.__dlpack_device__()[0]) if hasattr(x, "__dlpack__") else 2  # CUDA array interface: CUDA
+    if device in _HOST:
+        return _root(x)
+    return f"{_root(x)} (CUDA)" if device in _CUDA else f"{_root(x)} (DLPack device type {device})"
+
+
+def mixed_libraries(libraries: dict) -> TypeError:
+    """The one error for arguments of different libraries: {name: library} -> a TypeError naming each."""
+    which = ", ".join(f"{name} is {lib}" for name, lib in libraries.items())
+    return TypeError(f"{', '.join(libraries)} must come from one array library: {which}")
+
+
+def check_one_library(named: dict) -> None:
+    """The rule of the module docstring, over {name: argument}; non-arrays are left to the entry point."""
+    libraries = {name: lib for name, lib in ((name, library(x)) for name, x in named.items()) if lib is not None}
+    if len(set(libraries.values())) > 1:
+        raise mixed_libraries(libraries)
+
+
+def tracked_by_autograd(x) -> bool:
+    """A torch tensor that requires grad, with grad mode on: autograd would want its gradient."""
+    return _root(x) == "torch" and bool(getattr(x, "requires_grad", False)) and sys.modules["torch"].is_grad_enabled()
 
 
 def _is_bfloat16(x) -> bool:
@@ -86,62 +136,132 @@ def _exporter(root: str):
     return getattr(module, "from_dlpack", None)
 
 
+def _items(value):
+    """(display name suffix, item) of an argument: itself, or each entry of a list or tuple."""
+    if isinstance(value, (list, tuple)):
+        return [(f"[{i}]", x) for i, x in enumerate(value)]
+    return [("", value)]
+
+
+def _is_array(x) -> bool:
+    return backends.array_library(x) is not None or is_foreign(x)
+
+
+def array_arguments(fn, args, kwargs) -> dict:
+    """{where (position or keyword): value} of the arguments that hold arrays, numbers excluded."""
+    names = fn.__code__.co_varnames
+    found = {}
+    for where, value in list(enumerate(args)) + list(kwargs.items()):
+        name = names[where] if isinstance(where, int) else where
+        if name not in NOT_ARRAYS and any(_is_array(x) for _, x in _items(value)):
+            found[where] = value
+    return found
+
+
+def _named(fn, arrays: dict) -> dict:
+    names = fn.__code__.co_varnames
+    return {(names[w] if isinstance(w, int) else w) + suffix: x
+            for w, value in arrays.items() for suffix, x in _items(value) if _is_array(x)}
+
+
+def _torch_compiling() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
+
 def accepts_foreign_arrays(fn):
     """Let entry point fn take torch, JAX, PyCUDA (any DLPack or CUDA array interface) arrays: the
-    arguments are viewed as NumPy or CuPy arrays, and array results viewed back (see the module)."""
+    arguments are viewed as NumPy or CuPy arrays, and array results viewed back (see the module);
+    every call is held to the one-library rule first."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        foreign = {}  # where (position or keyword) -> the argument (an array, or a list of them)
-        for where, value in list(enumerate(args)) + list(kwargs.items()):
-            items = value if isinstance(value, (list, tuple)) else (value,)
-            if any(is_foreign(x) for x in items):
-                foreign[where] = value
-        if not foreign:
+        if _torch_compiling():  # torch.compile is tracing this call (torch was imported by then)
+            from . import _torch
+            return _torch.compiled(fn, wrapper, args, kwargs)
+        arrays = array_arguments(fn, args, kwargs)
+        named = _named(fn, arrays)
+        check_one_library(named)
+        if not any(is_foreign(x) for x in named.values()):
             return fn(*args, **kwargs)
-        roots = {_root(x) for value in foreign.values()
-                 for x in (value if isinstance(value, (list, tuple)) else (value,)) if is_foreign(x)}
-        if len(roots) > 1:
-            raise TypeError(f"array arguments must come from one library, got {', '.join(sorted(roots))}")
-        names = fn.__code__.co_varnames
-        args, bits = list(args), set()
-
-        def view(name, x):
-            if not is_foreign(x):
-                return x
-            v, is_bits = _view(name, x)
-            bits.add(is_bits)
-            return v
-
-        for where, value in foreign.items():
-            name = names[where] if isinstance(where, int) else where
-            if isinstance(value, (list, tuple)):
-                value = type(value)(view(f"{name}[{i}]", x) for i, x in enumerate(value))
-            else:
-                value = view(name, value)
-            if isinstance(where, int):
-                args[where] = value
-            else:
-                kwargs[where] = value
-        bits = True in bits
-        if bits:
-            if kwargs.get("dtype") not in (None, "bfloat16"):
-                raise ValueError(f"dtype must be None or 'bfloat16', got {kwargs['dtype']!r}")
-            kwargs["dtype"] = "bfloat16"
-        back = _exporter(roots.pop())
-        return _give_back(fn(*args, **kwargs), back, bits)
+        if _root(next(iter(named.values()))) == "torch":
+            from . import _torch
+            if _torch.records_autograd(fn.__name__, named):
+                return _torch.ENTRY_POINTS[fn.__name__](*args, **kwargs)
+        return through_views(fn, args, kwargs, arrays)
 
     return wrapper
 
 
-def _give_back(result, back, bits):
+def through_views(fn, args, kwargs, arrays=None):
+    """fn run on NumPy/CuPy views of its foreign arguments (all of one library: the caller checks),
+    its results given back in that library (torch CUDA tensors on torch's current stream)."""
+    arrays = array_arguments(fn, args, kwargs) if arrays is None else arrays
+    names = fn.__code__.co_varnames
+    args, kwargs, bits, first = list(args), dict(kwargs), set(), []
+
+    def view(name, x):
+        if not is_foreign(x):
+            return x
+        v, is_bits = _view(name, x)
+        bits.add(is_bits)
+        first.append(x)
+        return v
+
+    for where, value in arrays.items():
+        name = names[where] if isinstance(where, int) else where
+        if isinstance(value, (list, tuple)):
+            value = type(value)(view(f"{name}[{i}]", x) for i, x in enumerate(value))
+        else:
+            value = view(name, value)
+        if isinstance(where, int):
+            args[where] = value
+        else:
+            kwargs[where] = value
+    if not first:
+        return fn(*args, **kwargs)
+    code = fn.__code__
+    bits = True in bits
+    if bits and "dtype" in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
+        if kwargs.get("dtype") not in (None, "bfloat16"):
+            raise ValueError(f"dtype must be None or 'bfloat16', got {kwargs['dtype']!r}")
+        kwargs["dtype"] = "bfloat16"
+    like = first[0]
+    stream = contextlib.nullcontext()
+    if _root(like) == "torch" and library(like) != "torch":
+        from . import _torch
+        stream = _torch.current_stream(like)
+    with stream:
+        return _give_back(fn(*args, **kwargs), like, bits)
+
+
+def _give_back(result, like, bits):
+    """Array results in the library of `like` (an argument of the call); a closure (attention_vjp's
+    vjp) made to take and give arrays of that library too."""
     if isinstance(result, tuple):
-        return tuple(_give_back(r, back, bits) for r in result)
+        return tuple(_give_back(r, like, bits) for r in result)
     if isinstance(result, list):
-        return [_give_back(r, back, bits) for r in result]
+        return [_give_back(r, like, bits) for r in result]
+    if callable(result) and backends.array_library(result) is None:
+        return _closure(result, like)
+    back = _exporter(_root(like))
     if back is None or backends.array_library(result) not in ("numpy", "cupy"):
-        return result  # a closure (attention_vjp's vjp), or no DLPack import to go back through
+        return result  # no DLPack import to go back through (PyCUDA: CuPy arrays)
     out = back(result)
     if bits and np.dtype(result.dtype) == np.int16:
         out = out.view(importlib.import_module("torch").bfloat16)
     return out
+
+
+def _closure(vjp, like):
+    """vjp(dout) for dout of like's library, as the entry point that made it was called."""
+
+    @functools.wraps(vjp)
+    def foreign_vjp(dout):
+        check_one_library({"q": like, "dout": dout})
+        if _root(like) == "torch":
+            from . import _torch
+            _torch.records_autograd("attention_vjp", {"dout": dout})
+        return through_views(vjp, (dout,), {})
+
+    return foreign_vjp

@@ -1,0 +1,248 @@
+"""torch autograd (and torch.compile) through flashcupy.attention and attention_varlen.
+
+Imported only when torch tensors reach an entry point: torch stays an optional extra.
+
+With grad mode on and an input that requires grad, `flashcupy.attention` on torch tensors calls
+the custom op `torch.ops.flashcupy.attention` (torch.library.custom_op), whose autograd formula
+saves q, k, v, out and lse and whose backward is a second custom op,
+`torch.ops.flashcupy.attention_backward`, that runs flashcupy's backward on them (P recomputed
+from lse, as every flashcupy backward: no forward recompute). It returns dq, dk, dv, and dbias for
+a bias; the mask, alibi_slopes and the offsets take no gradient (a float tensor among them that
+requires grad is refused, not silently left without one), nor do scale and softcap (_checks.real).
+lse, when returned, is not differentiable, as torch SDPA's logsumexp: it comes back with
+requires_grad False. `attention_varlen` is the same with `flashcupy::attention_varlen`.
+
+Custom ops rather than a bare torch.autograd.Function because torch.compile then keeps each one
+as a single opaque node, forward and backward, with their fake (meta) implementations giving the
+shapes, where a Function's forward would be traced into (DLPack and NumPy: graph breaks). Under
+torch.compile these entry points always take the custom op, so a compiled model has no break there.
+
+Each op's implementation runs the ordinary entry point on views of its tensors (flashcupy._interop):
+CPU tensors on the NumPy backend, CUDA tensors on the cupy backend, on torch's current stream
+(current_stream; not yet run on a GPU). The backward follows torch.use_deterministic_algorithms
+(deterministic=True then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _api, _checks, _interop, _varlen
+
+_CUSTOM_OP = hasattr(torch.library, "custom_op")  # torch >= 2.4
+
+
+def current_stream(tensor):
+    """Run the cupy backend on torch's current stream of tensor's device, so that flashcupy's
+    kernels are ordered with torch's work on both sides without a synchronisation (DLPack then
+    finds producer and consumer on the same stream)."""
+    import cupy
+
+    index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    stack = contextlib.ExitStack()
+    stack.enter_context(cupy.cuda.Device(index))
+    stack.enter_context(cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index))
+    return stack
+
+
+def records_autograd(name: str, named: dict) -> bool:
+    """Whether this call of entry point `name` on torch tensors {argument: tensor} records autograd:
+    grad mode on and an argument that requires grad. An entry point that records none refuses it."""
+    wanting = [arg for arg, x in named.items() if _interop.tracked_by_autograd(x)]
+    if not wanting:
+        return False
+    if name not in ENTRY_POINTS:
+        raise ValueError(f"flashcupy.{name} records no autograd graph, and {', '.join(wanting)} "
+                         f"require{'s' if len(wanting) == 1 else ''} grad: call it under torch.no_grad(), or pass "
+                         f"{wanting[0]}.detach() (flashcupy.attention and attention_varlen record autograd)")
+    if not _CUSTOM_OP:
+        raise TypeError(f"flashcupy.{name} records autograd through torch.library.custom_op, which needs torch "
+                        f">= 2.4, got torch {torch.__version__} (or call it under torch.no_grad())")
+    return True
+
+
+def _check_tensors(named: dict) -> None:
+    """The one-library rule (flashcupy._interop) where torch.compile traces the call: every array
+    argument a torch tensor."""
+    if any(x is not None and not isinstance(x, Tensor) for x in named.values()):
+        raise _interop.mixed_libraries({n: "torch" if isinstance(x, Tensor) else type(x).__module__.split(".")[0]
+                                        for n, x in named.items() if x is not None})
+
+
+def _no_gradient(name: str, x) -> None:
+    if x is not None and _interop.tracked_by_autograd(x):
+        raise ValueError(f"{name} requires grad, but flashcupy gives {name} no gradient: pass {name}.detach() "
+                         f"if it is a constant")
+
+
+def _number(name: str, x):
+    return None if x is None else _checks.real(name, x)
+
+
+def _window(left, right):
+    return None if left is None and right is None else (left, right)
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _contiguous(xs):
+    # the fake implementations promise contiguous results (what the backends allocate)
+    return [x.contiguous() for x in xs]
+
+
+# ----------------------------------------------------------------------------
+# attention
+
+if _CUSTOM_OP:
+    @torch.library.custom_op("flashcupy::attention", mutates_args=())
+    def _attention_op(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
+                      alibi_slopes: Optional[Tensor], causal: bool, window_left: Optional[int],
+                      window_right: Optional[int], softcap: Optional[float], scale: Optional[float], backend: str,
+                      dtype: Optional[str]) -> tuple[Tensor, Tensor]:
+        kw = dict(causal=causal, window=_window(window_left, window_right), softcap=softcap,
+                  alibi_slopes=alibi_slopes, bias=bias, mask=mask, scale=scale, return_lse=True, backend=backend,
+                  dtype=dtype)
+        return tuple(_contiguous(_interop.through_views(_api.attention.__wrapped__, (q, k, v), kw)))
+
+    @_attention_op.register_fake
+    def _(q, k, v, bias, mask, alibi_slopes, causal, window_left, window_right, softcap, scale, backend, dtype):
+        return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
+
+    @torch.library.custom_op("flashcupy::attention_backward", mutates_args=())
+    def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                               bias: Optional[Tensor], mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                               causal: bool, window_left: Optional[int], window_right: Optional[int],
+                               softcap: Optional[float], scale: Optional[float], backend: str, dtype: Optional[str],
+                               deterministic: bool) -> list[Tensor]:
+        kw = dict(causal=causal, window=_window(window_left, window_right), softcap=softcap,
+                  alibi_slopes=alibi_slopes, bias=bias, mask=mask, scale=scale, backend=backend, dtype=dtype,
+                  deterministic=deterministic)
+        return _contiguous(_interop.through_views(_api.attention_backward.__wrapped__, (dout, q, k, v, out, lse), kw))
+
+    @_attention_backward_op.register_fake
+    def _(dout, q, k, v, out, lse, bias, mask, alibi_slopes, *options):
+        return [x.new_empty(x.shape) for x in (q, k, v) + (() if bias is None else (bias,))]
+
+    def _attention_setup(ctx, inputs, output):
+        q, k, v, bias, mask, alibi_slopes, *options = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, bias, mask, alibi_slopes)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse)
+
+    def _attention_backward(ctx, dout, _dlse):
+        q, k, v, out, lse, bias, mask, alibi_slopes = ctx.saved_tensors
+        grads = torch.ops.flashcupy.attention_backward(dout, q, k, v, out, lse, bias, mask, alibi_slopes, *ctx.options,
+                                                       torch.are_deterministic_algorithms_enabled())
+        dbias = grads[3] if bias is not None and ctx.needs_input_grad[3] else None
+        return (grads[0], grads[1], grads[2], dbias) + (None,) * (len(ctx.needs_input_grad) - 4)
+
+    _attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
+              scale=None, return_lse=False, backend="auto", dtype=None):
+    """flashcupy.attention recorded by autograd (the module docstring); the same arguments."""
+    _check_tensors(dict(q=q, k=k, v=v, bias=bias, mask=mask, alibi_slopes=alibi_slopes))
+    _no_gradient("alibi_slopes", alibi_slopes)
+    return_lse = _checks.check_bool("return_lse", return_lse)
+    left, right = _checks.check_window(window)
+    _checks.check_dtype_name(dtype)
+    out, lse = torch.ops.flashcupy.attention(q, k, v, bias, mask, alibi_slopes, _checks.check_bool("causal", causal),
+                                             left, right, _number("softcap", softcap), _number("scale", scale),
+                                             _checks.check_backend_name(backend), dtype)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------
+# attention_varlen
+
+if _CUSTOM_OP:
+    @torch.library.custom_op("flashcupy::attention_varlen", mutates_args=())
+    def _varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                   max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], alibi_slopes: Optional[Tensor],
+                   causal: bool, window_left: Optional[int], window_right: Optional[int], softcap: Optional[float],
+                   scale: Optional[float], backend: str, dtype: Optional[str]) -> tuple[Tensor, Tensor]:
+        kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+                  window=_window(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
+                  return_lse=True, backend=backend, dtype=dtype)
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+        return tuple(_contiguous(_interop.through_views(_varlen.attention_varlen.__wrapped__, args, kw)))
+
+    @_varlen_op.register_fake
+    def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
+        return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+
+    @torch.library.custom_op("flashcupy::attention_varlen_backward", mutates_args=())
+    def _varlen_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                            cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: Optional[int],
+                            max_seqlen_k: Optional[int], alibi_slopes: Optional[Tensor], causal: bool,
+                            window_left: Optional[int], window_right: Optional[int], softcap: Optional[float],
+                            scale: Optional[float], backend: str, dtype: Optional[str]) -> list[Tensor]:
+        kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+                  window=_window(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
+                  backend=backend, dtype=dtype)
+        args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        return _contiguous(_interop.through_views(_varlen.attention_varlen_backward.__wrapped__, args, kw))
+
+    @_varlen_backward_op.register_fake
+    def _(dout, q, k, v, *options):
+        return [x.new_empty(x.shape) for x in (q, k, v)]
+
+    def _varlen_setup(ctx, inputs, output):
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, *options = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+        ctx.options = (max_seqlen_q, max_seqlen_k)
+        ctx.more = options
+        ctx.mark_non_differentiable(lse)
+
+    def _varlen_backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+        dq, dk, dv = torch.ops.flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.options,
+                                                                   alibi_slopes, *ctx.more)
+        return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
+
+    _varlen_op.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+                     window=None, softcap=None, alibi_slopes=None, scale=None, return_lse=False, backend="auto",
+                     dtype=None):
+    """flashcupy.attention_varlen recorded by autograd (the module docstring); the same arguments."""
+    _check_tensors(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                        alibi_slopes=alibi_slopes))
+    _no_gradient("alibi_slopes", alibi_slopes)
+    return_lse = _checks.check_bool("return_lse", return_lse)
+    left, right = _checks.check_window(window)
+    _checks.check_dtype_name(dtype)
+    hints = []
+    for name, hint in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if hint is not None and (isinstance(hint, bool) or not isinstance(hint, numbers.Integral)):
+            raise TypeError(f"{name} must be None or an int >= 0, got {hint!r}")
+        hints.append(None if hint is None else int(hint))
+    out, lse = torch.ops.flashcupy.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *hints, alibi_slopes,
+                                                    _checks.check_bool("causal", causal), left, right,
+                                                    _number("softcap", softcap), _number("scale", scale),
+                                                    _checks.check_backend_name(backend), dtype)
+    return (out, lse) if return_lse else out
+
+
+ENTRY_POINTS = {"attention": attention, "attention_varlen": attention_varlen}
+
+
+def compiled(fn, wrapper, args, kwargs):
+    """An entry point called while torch.compile traces: the differentiable ones on a torch q as
+    their custom op (one node of the graph, whether or not anything requires grad), the others run
+    eagerly (a graph break: torch.compiler.disable)."""
+    entry = ENTRY_POINTS.get(fn.__name__)
+    if entry is not None and args and isinstance(args[0], Tensor):
+        return entry(*args, **kwargs)
+    return torch.compiler.disable(wrapper)(*args, **kwargs)
