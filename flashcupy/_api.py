@@ -28,8 +28,7 @@ def forward(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=No
     it (split_plan): 1 none, None by the backend's heuristic, an int at most that many."""
     backend = check_backend_name(backend)
     lib = check_arrays({"q": q, "k": k, "v": v})
-    if q.ndim != 4:  # leading batch dimensions: rank-4 calls on views (flashcupy/_batch.py)
-        check_leading(lib, q, k, v, alibi_slopes, bias, mask)
+    if len(check_leading(lib, q, k, v, alibi_slopes, bias, mask)) > 1:  # rank-4 calls on views (_batch.py)
         kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                   scale=scale, backend=backend, dtype=dtype, diagonal=diagonal, num_splits=num_splits)
         return _batch.forward(forward, q, k, v, kw)
@@ -50,8 +49,8 @@ def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None
     backend = check_backend_name(backend)
     deterministic = check_bool("deterministic", deterministic)
     lib = check_arrays({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
-    if q.ndim != 4:  # leading batch dimensions: rank-4 calls on views (flashcupy/_batch.py)
-        batch = check_leading(lib, q, k, v, alibi_slopes, bias, mask)
+    batch = check_leading(lib, q, k, v, alibi_slopes, bias, mask)
+    if len(batch) > 1:  # rank-4 calls on views (flashcupy/_batch.py)
         p = problem(*map(_batch.stand_in, (q, k, v)), causal, scale, dtype, lib)  # dtypes, scale: before any work
         check_like_q(p, q, {"dout": dout, "out": out})
         check_lse(p, lse, batch + (q.shape[-2], q.shape[-3]))
@@ -144,8 +143,8 @@ def attention_probs(q, k, lse, *, rows=None, causal=False, window=None, softcap=
     """
     backend = check_backend_name(backend)
     lib = check_arrays({"q": q, "k": k, "lse": lse})
-    if q.ndim != 4:  # leading batch dimensions: rank-4 calls on views (flashcupy/_batch.py)
-        batch = check_leading(lib, q, k, k, alibi_slopes, bias, mask)
+    batch = check_leading(lib, q, k, k, alibi_slopes, bias, mask)
+    if len(batch) > 1:  # rank-4 calls on views (flashcupy/_batch.py)
         check_lse(problem(*map(_batch.stand_in, (q, k, k)), causal, scale, dtype, lib), lse,
                   batch + (q.shape[-2], q.shape[-3]))
         index = check_rows(rows, q.shape[-3])

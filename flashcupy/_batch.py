@@ -179,22 +179,24 @@ def _empty(like, shape):
 
 
 class Sum:
-    """dbias of a bias that broadcasts over a looped dimension: the calls' dbias added in the
-    accumulation dtype, in the calls' order, rounded once to the bias's dtype."""
+    """dbias of a bias that broadcasts over a looped dimension: the calls' dbias added into a whole
+    dbias (of the bias padded to every leading dimension) in the accumulation dtype, in the calls'
+    order, and rounded once to the bias's dtype."""
 
-    def __init__(self, value: str, carrier, acc):
-        self.value, self.carrier, self.acc, self.total = value, carrier, acc, None
-
-    def add(self, x) -> None:
+    def __init__(self, fold: Fold, bias, value: str, acc):
         from . import _merge
-        xp = _merge._library(x)
-        part = _merge._read(xp, x, self.value, self.acc)
-        self.total = part if self.total is None else self.total + part
+        self.fold, self.value, self.carrier = fold, value, np.dtype(bias.dtype)
+        self.xp = _merge._library(bias)
+        self.total = self.xp.zeros(bias.shape, acc)
+
+    def add(self, index, x) -> None:
+        from . import _merge
+        place = self.fold.view(self.total, index)
+        place += _merge._read(self.xp, x, self.value, self.total.dtype)
 
     def result(self, shape):
         from . import _merge
-        xp = _merge._library(self.total)
-        return _merge._store(xp, self.total, self.value, self.carrier).reshape(shape)
+        return _merge._store(self.xp, self.total, self.value, self.carrier).reshape(shape)
 
 
 def _inputs(batch, named: dict, kw: dict) -> tuple:
@@ -232,7 +234,7 @@ def backward(fn, dout, q, k, v, out, lse, kw: dict, acc) -> tuple:
     summed = None
     if bias is not None and any(bias.shape[d] == 1 and batch[d] > 1 for d in fold.looped):
         value = "float32" if np.dtype(bias.dtype) == np.float32 else (kw.get("dtype") or np.dtype(bias.dtype).name)
-        summed = Sum(value, np.dtype(bias.dtype), acc)
+        summed = Sum(fold, bias, value, acc)
     elif bias is not None:
         results.shapes["dbias"] = tuple(bias.shape)
     for index, views in _calls(fold, full, broadcast):
@@ -240,7 +242,7 @@ def backward(fn, dout, q, k, v, out, lse, kw: dict, acc) -> tuple:
         grads = fn(*args, **(kw | views))
         named = dict(zip(("dq", "dk", "dv"), grads[:3]))
         if summed is not None:
-            summed.add(grads[3])
+            summed.add(index, grads[3])
         elif bias is not None:
             named["dbias"] = grads[3]
         results.add(index, named)

@@ -185,10 +185,12 @@ def check_broadcastable(name: str, x, full: tuple) -> None:
 
 
 def check_leading(lib: str, q, k, v, alibi_slopes=None, bias=None, mask=None) -> tuple:
-    """The checks of a call with more than one leading (batch) dimension that its rank-4 parts
-    cannot make on their views (flashcupy/_batch.py): the shared leading dimensions, and the
-    modifier arrays' shapes against them. Returns the leading dimensions."""
+    """The leading (batch) dimensions q, k and v share; with more than one, the checks its rank-4
+    parts cannot make on their views (flashcupy/_batch.py): the modifier arrays' shapes against
+    them."""
     batch = _batch.leading(q, k, v)
+    if len(batch) == 1:
+        return batch  # problem() checks the rest
     Sq, Hq, Sk = q.shape[-3], q.shape[-2], k.shape[-3]
     if alibi_slopes is not None:
         check_modifier_array("alibi_slopes", alibi_slopes, lib)
