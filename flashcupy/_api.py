@@ -15,9 +15,9 @@ import math
 
 import numpy as np
 
-from . import _interop
-from ._checks import (check_arrays, check_backend_name, check_bool, check_like_q, check_lse, check_rows, problem,
-                      select_backend)
+from . import _batch, _interop
+from ._checks import (check_arrays, check_backend_name, check_bool, check_leading, check_like_q, check_lse, check_rows,
+                      problem, select_backend)
 
 
 def forward(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
@@ -28,6 +28,10 @@ def forward(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=No
     it (split_plan): 1 none, None by the backend's heuristic, an int at most that many."""
     backend = check_backend_name(backend)
     lib = check_arrays({"q": q, "k": k, "v": v})
+    if len(check_leading(lib, q, k, v, alibi_slopes, bias, mask)) > 1:  # rank-4 calls on views (_batch.py)
+        kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
+                  scale=scale, backend=backend, dtype=dtype, diagonal=diagonal, num_splits=num_splits)
+        return _batch.forward(forward, q, k, v, kw)
     p = problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal)
     mod = select_backend(backend, lib, p)
 
@@ -45,6 +49,14 @@ def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None
     backend = check_backend_name(backend)
     deterministic = check_bool("deterministic", deterministic)
     lib = check_arrays({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
+    batch = check_leading(lib, q, k, v, alibi_slopes, bias, mask)
+    if len(batch) > 1:  # rank-4 calls on views (flashcupy/_batch.py)
+        p = problem(*map(_batch.stand_in, (q, k, v)), causal, scale, dtype, lib)  # dtypes, scale: before any work
+        check_like_q(p, q, {"dout": dout, "out": out})
+        check_lse(p, lse, batch + (q.shape[-2], q.shape[-3]))
+        kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
+                  scale=scale, backend=backend, dtype=dtype, deterministic=deterministic, diagonal=diagonal)
+        return _batch.backward(backward, dout, q, k, v, out, lse, kw, p.acc_dtype)
     p = problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal)
     check_like_q(p, q, {"dout": dout, "out": out})
     check_lse(p, lse)
@@ -54,8 +66,12 @@ def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None
         grads = tuple(mod.allocate(q, x.shape, p.carrier, 0) for x in (q, k, v))
         return grads if bias is None else grads + (mod.allocate(q, bias.shape, bias.dtype, 0),)
     if getattr(mod, "ATOMIC_BACKWARD", False):
-        return mod.backward(p, dout, q, k, v, out, lse, deterministic=deterministic)
-    return mod.backward(p, dout, q, k, v, out, lse)
+        grads = mod.backward(p, dout, q, k, v, out, lse, deterministic=deterministic)
+    else:
+        grads = mod.backward(p, dout, q, k, v, out, lse)
+    if bias is not None and bias.ndim != 4:  # the backend's dbias is of the bias padded to rank 4
+        return (*grads[:3], grads[3].reshape(bias.shape))
+    return grads
 
 
 @_interop.accepts_foreign_arrays
@@ -127,6 +143,14 @@ def attention_probs(q, k, lse, *, rows=None, causal=False, window=None, softcap=
     """
     backend = check_backend_name(backend)
     lib = check_arrays({"q": q, "k": k, "lse": lse})
+    batch = check_leading(lib, q, k, k, alibi_slopes, bias, mask)
+    if len(batch) > 1:  # rank-4 calls on views (flashcupy/_batch.py)
+        check_lse(problem(*map(_batch.stand_in, (q, k, k)), causal, scale, dtype, lib), lse,
+                  batch + (q.shape[-2], q.shape[-3]))
+        index = check_rows(rows, q.shape[-3])
+        kw = dict(rows=index, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
+                  mask=mask, scale=scale, backend=backend, dtype=dtype)
+        return _batch.probs(attention_probs.__wrapped__, q, k, lse, index.size, kw)
     p = problem(q, k, k, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask)
     check_lse(p, lse)
     index = check_rows(rows, p.seqlen_q)

@@ -14,7 +14,7 @@ import numbers
 
 import numpy as np
 
-from . import _interop, backends
+from . import _batch, _interop, backends
 from ._problem import FLOAT_DTYPES, LOG2E, MODIFIERS, Problem, accumulation_dtype, default_scale
 
 BIT_CARRIERS = (np.dtype(np.uint16), np.dtype(np.int16))  # what dtype="bfloat16" reads
@@ -172,11 +172,37 @@ def check_modifier_array(name: str, x, lib: str) -> None:
 
 
 def check_broadcastable(name: str, x, full: tuple) -> None:
-    what = f"broadcastable to (batch, heads_q, seqlen_q, seqlen_k) = {full}"
-    if x.ndim != 4:
-        raise ValueError(f"{name} must have rank 4, {what}, got shape {tuple(x.shape)}")
-    if any(n not in (1, f) for n, f in zip(x.shape, full)):
-        raise ValueError(f"{name} must be {what} (each dimension its full size or 1), got shape {tuple(x.shape)}")
+    """x broadcasts to `full` = (*batch, heads_q, seqlen_q, seqlen_k) the NumPy way: each dimension its
+    full size or 1, leading dimensions allowed to be missing."""
+    what = f"broadcastable to (*batch, heads_q, seqlen_q, seqlen_k) = {full}"
+    if x.ndim > len(full):
+        raise ValueError(f"{name} must have rank at most {len(full)}, {what}, got shape {tuple(x.shape)}")
+    names = [f"batch dimension {d}" for d in range(len(full) - 3)] + ["heads_q", "seqlen_q", "seqlen_k"]
+    for d, (n, f) in enumerate(zip(x.shape[::-1], full[::-1])):
+        if n not in (1, f):
+            raise ValueError(f"{name} must be {what} (each dimension its full size or 1): its {names[-1 - d]} is "
+                             f"{n}, not {f} or 1, in shape {tuple(x.shape)}")
+
+
+def check_leading(lib: str, q, k, v, alibi_slopes=None, bias=None, mask=None) -> tuple:
+    """The leading (batch) dimensions q, k and v share; with more than one, the checks its rank-4
+    parts cannot make on their views (flashcupy/_batch.py): the modifier arrays' shapes against
+    them."""
+    batch = _batch.leading(q, k, v)
+    if len(batch) == 1:
+        return batch  # problem() checks the rest
+    Sq, Hq, Sk = q.shape[-3], q.shape[-2], k.shape[-3]
+    if alibi_slopes is not None:
+        check_modifier_array("alibi_slopes", alibi_slopes, lib)
+        shapes = ((Hq,), batch + (Hq,))
+        if tuple(alibi_slopes.shape) not in shapes:
+            raise ValueError(f"alibi_slopes must have shape (heads_q,) = {shapes[0]} or (*batch, heads_q) = "
+                             f"{shapes[1]}, got {tuple(alibi_slopes.shape)}")
+    for name, x in (("bias", bias), ("mask", mask)):
+        if x is not None:
+            check_modifier_array(name, x, lib)
+            check_broadcastable(name, x, batch + (Hq, Sq, Sk))
+    return batch
 
 
 def check_modifiers(lib, p: Problem, window, softcap, alibi_slopes, bias, mask) -> dict:
@@ -203,13 +229,13 @@ def check_modifiers(lib, p: Problem, window, softcap, alibi_slopes, bias, mask) 
         if np.dtype(bias.dtype) not in (p.carrier, np.dtype(np.float32)):
             also = "" if p.carrier == np.float32 else " or float32"
             raise TypeError(f"bias must have q's dtype {p.carrier}{also}, got {np.dtype(bias.dtype)}")
-        found["bias"] = bias
+        found["bias"] = _batch.padded(bias, 4)  # the backends take rank 4: a view
     if mask is not None:
         check_modifier_array("mask", mask, lib)
         check_broadcastable("mask", mask, full)
         if np.dtype(mask.dtype) != np.dtype(bool):
             raise TypeError(f"mask must have dtype bool (True: may attend), got {np.dtype(mask.dtype)}")
-        found["mask"] = mask
+        found["mask"] = _batch.padded(mask, 4)
     return found
 
 
@@ -312,10 +338,11 @@ def check_like_q(p: Problem, q, named: dict) -> None:
         check_strides(name, x)
 
 
-def check_lse(p: Problem, lse) -> None:
-    if tuple(lse.shape) != p.lse_shape:
-        raise ValueError(
-            f"lse must have shape (batch, heads_q, seqlen_q) = {p.lse_shape}, got {tuple(lse.shape)}")
+def check_lse(p: Problem, lse, shape=None) -> None:
+    """lse of the shape (*batch, heads_q, seqlen_q) (p's own by default) and dtype the forward gives."""
+    shape = p.lse_shape if shape is None else tuple(shape)
+    if tuple(lse.shape) != shape:
+        raise ValueError(f"lse must have shape (*batch, heads_q, seqlen_q) = {shape}, got {tuple(lse.shape)}")
     if np.dtype(lse.dtype) != p.lse_dtype:
         raise TypeError(f"lse must have dtype {p.lse_dtype} for {p.dtype} inputs, got {np.dtype(lse.dtype)}")
     check_strides("lse", lse)

@@ -101,8 +101,8 @@ def _weights(xp, lses, acc):
 
 
 def _rows(w):
-    """(B, H, S) per-row factor as (B, S, H, 1), to scale (B, S, H, D) arrays."""
-    return w.transpose(0, 2, 1)[..., None]
+    """(*batch, H, S) per-row factor as (*batch, S, H, 1), to scale (*batch, S, H, D) arrays."""
+    return w.swapaxes(-1, -2)[..., None]
 
 
 @_interop.accepts_foreign_arrays

@@ -68,31 +68,41 @@ class _Plan:
                 raise TypeError(f"{name}'s chunks must be of q's array library {self.lib}, "
                                 f"got {_checks.describe(x._meta)}")
         backend = _checks.check_backend_name(backend)
-        # the whole arrays' checks, on stand-ins of their shape and dtype that hold no memory
+        # the whole arrays' checks, on stand-ins of their shape and dtype that hold no memory (their
+        # leading dimensions folded into one: the Problem of the whole call)
         stand_in = {n: np.broadcast_to(np.empty((), x.dtype), x.shape) for n, x in (("q", q), ("k", k), ("v", v))}
-        self.p = _checks.problem(stand_in["q"], stand_in["k"], stand_in["v"], causal, scale, dtype, self.lib,
-                               window, softcap, alibi_slopes)
+        self.batch = _checks.check_leading(self.lib, stand_in["q"], stand_in["k"], stand_in["v"], alibi_slopes)
+        L = self.lead = len(self.batch)
+        folded = {n: x.reshape((-1,) + x.shape[L:]) for n, x in stand_in.items()}
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.ndim == 1 else alibi_slopes.reshape(-1, q.shape[-2])
+        self.p = _checks.problem(folded["q"], folded["k"], folded["v"], causal, scale, dtype, self.lib,
+                                 window, softcap, slopes)
         _checks.select_backend(backend, self.lib, self.p)
         if k.chunks != v.chunks:
             raise ValueError(f"k and v must have the same chunks, got k {k.chunks} and v {v.chunks} "
                              f"(v.rechunk(k.chunks))")
-        if q.chunks[3] != (self.p.head_dim,) or k.chunks[3] != (self.p.head_dim,):
-            raise ValueError(f"q, k and v must hold head_dim in one chunk, got q {q.chunks[3]} and k "
-                             f"{k.chunks[3]} (x.rechunk({{3: -1}}))")
-        if q.chunks[0] != k.chunks[0]:
-            raise ValueError(f"q, k and v must have the same batch chunks, got q {q.chunks[0]} and k "
-                             f"{k.chunks[0]} (k.rechunk({{0: q.chunks[0]}}))")
+        if q.chunks[L + 2] != (self.p.head_dim,) or k.chunks[L + 2] != (self.p.head_dim,):
+            raise ValueError(f"q, k and v must hold head_dim in one chunk, got q {q.chunks[L + 2]} and k "
+                             f"{k.chunks[L + 2]} (x.rechunk({{{L + 2}: -1}}))")
+        if q.chunks[:L] != k.chunks[:L]:
+            raise ValueError(f"q, k and v must have the same batch chunks, got q {q.chunks[:L]} and k "
+                             f"{k.chunks[:L]} (k.rechunk({dict(enumerate(q.chunks[:L]))}))")
         g = self.p.group
-        if q.chunks[2] != tuple(g * c for c in k.chunks[2]):
+        if q.chunks[L + 1] != tuple(g * c for c in k.chunks[L + 1]):
             raise ValueError(
                 f"q's head chunks must be k's and v's times the group size {g} (each query head chunk "
-                f"holds the query heads of one kv head chunk), got q {q.chunks[2]} and k {k.chunks[2]} "
-                f"(q.rechunk({{2: {tuple(g * c for c in k.chunks[2])}}}))")
+                f"holds the query heads of one kv head chunk), got q {q.chunks[L + 1]} and k {k.chunks[L + 1]} "
+                f"(q.rechunk({{{L + 1}: {tuple(g * c for c in k.chunks[L + 1])}}}))")
         self.window, self.softcap, self.alibi = window, softcap, alibi_slopes
         self.causal, self.scale, self.backend, self.dtype = causal, scale, backend, dtype
-        self.q_chunks, self.k_chunks = q.chunks, k.chunks
-        self.q_off, self.k_off = _offsets(q.chunks[1]), _offsets(k.chunks[1])
-        self.b_off, self.h_off = _offsets(q.chunks[0]), _offsets(q.chunks[2])
+        self.q_chunks, self.k_chunks = q.chunks[L:], k.chunks[L:]  # (sequence, heads, head_dim)
+        self.batch_chunks = q.chunks[:L]
+        self.q_off, self.k_off = _offsets(q.chunks[L]), _offsets(k.chunks[L])
+        self.b_off, self.h_off = [_offsets(c) for c in q.chunks[:L]], _offsets(q.chunks[L + 1])
+
+    def batch_blocks(self):
+        """The chunk indices along the leading dimensions, one tuple per batch block."""
+        return itertools.product(*(range(len(c)) for c in self.batch_chunks))
 
     def sees(self, i: int, j: int) -> bool:
         """Whether some query of query chunk i sees some key of key chunk j (the band of p)."""
@@ -100,20 +110,22 @@ class _Plan:
 
     def pairs(self) -> dict:
         """{query chunk: [key chunks it sees]}, for every query chunk."""
-        return {i: [j for j in range(len(self.k_chunks[1])) if self.sees(i, j)]
-                for i in range(len(self.q_chunks[1]))}
+        return {i: [j for j in range(len(self.k_chunks[0])) if self.sees(i, j)]
+                for i in range(len(self.q_chunks[0]))}
 
     def diagonal(self, i: int, j: int) -> int:
         """The pair's own diagonal: query r of chunk i is global query q_off[i] + r, key c of chunk
         j global key k_off[j] + c, and j_global <= i_global + diagonal becomes c <= r + this."""
         return self.q_off[i] + self.p.diagonal - self.k_off[j]
 
-    def keywords(self, b: int, h: int) -> dict:
-        """attention's keywords for the chunks of batch chunk b and head chunk h."""
+    def keywords(self, b: tuple, h: int) -> dict:
+        """attention's keywords for the chunks of batch block b (a chunk index per leading dimension)
+        and head chunk h."""
         slopes = self.alibi
         if slopes is not None:
             hs = slice(self.h_off[h], self.h_off[h + 1])
-            slopes = slopes[hs] if slopes.ndim == 1 else slopes[self.b_off[b]:self.b_off[b + 1], hs]
+            lead = tuple(slice(off[n], off[n + 1]) for off, n in zip(self.b_off, b))
+            slopes = slopes[hs] if slopes.ndim == 1 else slopes[lead + (hs,)]
         return dict(causal=self.causal, window=self.window, softcap=self.softcap, alibi_slopes=slopes,
                     scale=self.scale, backend=self.backend, dtype=self.dtype)
 
@@ -222,23 +234,23 @@ def _forward_graph(plan: _Plan, q, k, v, token: str):
     graph, lse_graph = {}, {}
     out_name, lse_name = f"flashcupy-attention-out-{token}", f"flashcupy-attention-lse-{token}"
     part_name, merged_name = f"flashcupy-pair-{token}", f"flashcupy-merged-{token}"
-    nb, nh = len(plan.q_chunks[0]), len(plan.q_chunks[2])
-    for (i, js), b, h in itertools.product(plan.pairs().items(), range(nb), range(nh)):
+    nh = len(plan.q_chunks[1])
+    for (i, js), b, h in itertools.product(plan.pairs().items(), list(plan.batch_blocks()), range(nh)):
         kw = plan.keywords(b, h)
-        qk = (q.name, b, i, h, 0)
+        qk = (q.name, *b, i, h, 0)
         if js:
             parts = []
             for j in js:
-                key = (part_name, b, i, h, j)
-                graph[key] = (_pair_forward, qk, (k.name, b, j, h, 0), (v.name, b, j, h, 0),
+                key = (part_name, *b, i, h, j)
+                graph[key] = (_pair_forward, qk, (k.name, *b, j, h, 0), (v.name, *b, j, h, 0),
                               plan.diagonal(i, j), kw)
                 parts.append(key)
-            merged = _tree(graph, merged_name, (b, i, h), parts, _merge_parts)
+            merged = _tree(graph, merged_name, (*b, i, h), parts, _merge_parts)
         else:
-            merged = (merged_name, "empty", b, i, h)
+            merged = (merged_name, "empty", *b, i, h)
             graph[merged] = (_no_keys, qk, kw)
-        graph[(out_name, b, i, h, 0)] = (_store_out, merged, qk, kw)
-        lse_graph[(lse_name, b, h, i)] = (_lse, merged)
+        graph[(out_name, *b, i, h, 0)] = (_store_out, merged, qk, kw)
+        lse_graph[(lse_name, *b, h, i)] = (_lse, merged)
     return graph, lse_graph, out_name, lse_name
 
 
@@ -248,7 +260,8 @@ def _meta(x, shape_rank, dtype):
 
 
 def _lse_chunks(q):
-    return (q.chunks[0], q.chunks[2], q.chunks[1])
+    L = q.ndim - 3
+    return q.chunks[:L] + (q.chunks[L + 1], q.chunks[L])
 
 
 def _forward(plan: _Plan, q, k, v):
@@ -258,9 +271,9 @@ def _forward(plan: _Plan, q, k, v):
     graph, lse_graph, out_name, lse_name = _forward_graph(plan, q, k, v, token)
     # one layer per output array, as dask wants; lse's layer reads the merged parts in out's
     out = da.Array(HighLevelGraph.from_collections(out_name, graph, dependencies=[q, k, v]), out_name, q.chunks,
-                   meta=_meta(q, 4, plan.p.carrier))
+                   meta=_meta(q, q.ndim, plan.p.carrier))
     lse = da.Array(HighLevelGraph.from_collections(lse_name, lse_graph, dependencies=[out]), lse_name,
-                   _lse_chunks(q), meta=_meta(q, 3, plan.p.lse_dtype))
+                   _lse_chunks(q), meta=_meta(q, q.ndim - 1, plan.p.lse_dtype))
     return out, lse
 
 
@@ -283,29 +296,29 @@ def _backward(plan: _Plan, dout, q, k, v, out, lse):
     graph = {"dq": {}, "dk": {}, "dv": {}}  # one layer per output; dk's and dv's read dq's pairs
     pair_name = f"flashcupy-pair-grad-{token}"
     names = {g: f"flashcupy-attention-{g}-{token}" for g in ("dq", "dk", "dv")}
-    nb, nh, nk = len(plan.q_chunks[0]), len(plan.q_chunks[2]), len(plan.k_chunks[1])
+    nh, nk = len(plan.q_chunks[1]), len(plan.k_chunks[0])
     pairs = plan.pairs()
-    for b, h in itertools.product(range(nb), range(nh)):
+    for b, h in itertools.product(list(plan.batch_blocks()), range(nh)):
         kw = plan.keywords(b, h)
         by_key = {j: [] for j in range(nk)}
         for i, js in pairs.items():
-            qk = (q.name, b, i, h, 0)
+            qk = (q.name, *b, i, h, 0)
             parts = []
             for j in js:
-                key = (pair_name, b, i, h, j)
-                graph["dq"][key] = (_pair_backward, (dout.name, b, i, h, 0), qk, (k.name, b, j, h, 0),
-                              (v.name, b, j, h, 0), (out.name, b, i, h, 0), (lse.name, b, h, i),
-                              plan.diagonal(i, j), kw)
+                key = (pair_name, *b, i, h, j)
+                graph["dq"][key] = (_pair_backward, (dout.name, *b, i, h, 0), qk, (k.name, *b, j, h, 0),
+                                    (v.name, *b, j, h, 0), (out.name, *b, i, h, 0), (lse.name, *b, h, i),
+                                    plan.diagonal(i, j), kw)
                 parts.append(key)
                 by_key[j].append(key)
-            graph["dq"][(names["dq"], b, i, h, 0)] = _summed(graph["dq"], f"{names['dq']}-sum", (b, i, h), parts, 0,
-                                                             qk, kw)
+            graph["dq"][(names["dq"], *b, i, h, 0)] = _summed(graph["dq"], f"{names['dq']}-sum", (*b, i, h), parts,
+                                                              0, qk, kw)
         for j, parts in by_key.items():
-            kk = (k.name, b, j, h, 0)
+            kk = (k.name, *b, j, h, 0)
             for g, index in (("dk", 1), ("dv", 2)):
-                graph[g][(names[g], b, j, h, 0)] = _summed(graph[g], f"{names[g]}-sum", (b, j, h), parts, index,
-                                                           kk, kw)
-    meta = _meta(q, 4, plan.p.carrier)
+                graph[g][(names[g], *b, j, h, 0)] = _summed(graph[g], f"{names[g]}-sum", (*b, j, h), parts, index,
+                                                            kk, kw)
+    meta = _meta(q, q.ndim, plan.p.carrier)
     dq = da.Array(HighLevelGraph.from_collections(names["dq"], graph["dq"], dependencies=[dout, q, k, v, out, lse]),
                   names["dq"], q.chunks, meta=meta)
     dk, dv = (da.Array(HighLevelGraph.from_collections(names[g], graph[g], dependencies=[dq, k]), names[g],
@@ -340,7 +353,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, so
     plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype)
     _check_like("dout", dout, q.shape, plan.p.carrier)
     _check_like("out", out, q.shape, plan.p.carrier)
-    _check_like("lse", lse, plan.p.lse_shape, plan.p.lse_dtype)
+    _check_like("lse", lse, plan.batch + (q.shape[-2], q.shape[-3]), plan.p.lse_dtype)
     return _backward(plan, dout.rechunk(q.chunks), q, k, v, out.rechunk(q.chunks), lse.rechunk(_lse_chunks(q)))
 
 

@@ -68,7 +68,7 @@ class Expected:
 
 
 def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window=None, softcap=None,
-             alibi_slopes=None, bias=None, mask=None, probs=False) -> Expected:
+             alibi_slopes=None, bias=None, mask=None, probs=False, _dbias_shape=None) -> Expected:
     """Oracle results and tolerances for these inputs (dout None: forward only), with the score
     modifiers of the README (dbias too when bias and dout are given; P, the attention weights of
     attention_probs, too with probs=True).
@@ -104,7 +104,15 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
       gamma(n) |dS|, n the number of terms summed;
     - P_ij (attention_probs, from the backend's own lse): p_ij (eps_i + lse's bound) + p_floor.
     The tolerance is SAFETY times the bound.
+
+    q of rank above 4, (*batch, seqlen_q, heads_q, head_dim) with k and v alike, and a bias or mask
+    broadcastable to (*batch, heads_q, seqlen_q, seqlen_k) (README): the same model on the leading
+    dimensions folded into one (_expected_leading), dbias summed over every dimension the bias
+    broadcasts.
     """
+    if np.ndim(q) > 4:
+        return _expected_leading(q, k, v, dout, causal=causal, scale=scale, dtype=dtype, window=window,
+                                 softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, probs=probs)
     dtype = dtype_name(dtype if dtype is not None else q.dtype)
     u_s, u_a = ROUNDOFF[dtype]
     u_p = u_s if dtype in ("float16", "bfloat16") else u_a
@@ -149,14 +157,20 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
                    + np.sum(abs(dO) * tol["out"], axis=-1, keepdims=True))
         dS_bound = abs(dS) * eps + P * (dP_bound + D_bound) + (p_floor * (abs(dP) + abs(Di)) + round16) * seen
         if bias is not None:
-            n = max(1, (B * Hq * Sq * Sk) // max(1, math.prod(np.shape(bias))))  # terms per element
-            want["dbias"] = reduce_to(dS, np.shape(bias))
+            # _dbias_shape (from _expected_leading): (leading dimensions, the bias's shape padded to
+            # them); dS's batch is then their product, and dbias sums over the ones it broadcasts
+            leading, target = _dbias_shape or ((B,), np.shape(bias))
+            n = max(1, (B * Hq * Sq * Sk) // max(1, math.prod(target)))  # terms per element
+
+            def gather(x):
+                return reduce_to(x.reshape(tuple(leading) + x.shape[1:]), target)
+
+            want["dbias"] = gather(dS)
             stored = "float32" if np.asarray(bias).dtype == np.float32 else dtype  # dbias has the bias's dtype
             u_b = ROUNDOFF[stored][0]
             wide = accumulation_dtype(stored).type
             floor_b = 2.0**-25 if stored == "float16" else float(np.finfo(wide).tiny)
-            tol["dbias"] = (reduce_to(dS_bound + gamma(n) * abs(dS), np.shape(bias))
-                            + u_b * abs(want["dbias"]) + floor_b)
+            tol["dbias"] = gather(dS_bound + gamma(n) * abs(dS)) + u_b * abs(want["dbias"]) + floor_b
         if T is not None:  # dq and dk read dS (1 - t^2), the gradient of the score before the softcap
             squeeze = 1 - T**2
             dS_bound = dS_bound * squeeze + abs(dS) * (2 * squeeze * ds[..., None] / softcap + gamma(8))
@@ -177,6 +191,34 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
         if name in want:
             want[name], tol[name] = (x.transpose(0, 2, 1, 3) for x in (want[name], tol[name]))
     return Expected(want, {name: SAFETY * t for name, t in tol.items()}, dtype)
+
+
+def _expected_leading(q, k, v, dout, *, bias, mask, alibi_slopes, **keywords) -> Expected:
+    """expected() of a call with leading dimensions: q, k, v, dout with them folded into one (copies:
+    this is the oracle), the bias and mask expanded over them only (their last three dimensions as
+    given), per-batch slopes flattened; the results unfolded again, dbias of the bias's own shape."""
+    batch = tuple(np.shape(q)[:-3])
+    rank = len(batch) + 3
+
+    def fold(x):
+        return None if x is None else np.asarray(x).reshape((-1,) + np.shape(x)[-3:])
+
+    def expand(x):
+        if x is None:
+            return None
+        x = np.asarray(x).reshape((1,) * (rank - np.ndim(x)) + np.shape(x))
+        return np.broadcast_to(x, batch + x.shape[-3:]).reshape((-1,) + x.shape[-3:])
+
+    slopes = alibi_slopes
+    if slopes is not None and np.ndim(slopes) > 1:
+        slopes = np.asarray(slopes).reshape(-1, np.shape(slopes)[-1])
+    padded = None if bias is None else (1,) * (rank - np.ndim(bias)) + tuple(np.shape(bias))
+    e = expected(fold(q), fold(k), fold(v), fold(dout), bias=expand(bias), mask=expand(mask), alibi_slopes=slopes,
+                 _dbias_shape=None if bias is None else (batch, padded), **keywords)
+    for name, x in list(e.want.items()):
+        shape = np.shape(bias) if name == "dbias" else batch + x.shape[1:]
+        e.want[name], e.tol[name] = x.reshape(shape), e.tol[name].reshape(shape)
+    return e
 
 
 def _added_terms(q_shape, k_shape, alibi_slopes, bias, dtype):
@@ -205,7 +247,7 @@ def error_ratio(got, expect: Expected, name: str, rows=None) -> float:
     got = values(got, expect.dtype)
     want, tol = expect.want[name], expect.tol[name]
     if rows is not None:
-        want, tol = want[:, :, rows], tol[:, :, rows]
+        want, tol = want[..., rows, :], tol[..., rows, :]
     if got.shape != want.shape:
         raise AssertionError(f"{name}: shape {got.shape} != {want.shape}")
     for what, test in (("-inf", np.isneginf), ("NaN", np.isnan), ("+inf", np.isposinf)):

@@ -29,7 +29,7 @@ def fake_cupy(shape, dtype=F32):
 
 BAD_FORWARD = [
     # (description, args, kwargs, exception, words the message must contain)
-    ("rank", lambda: (np.zeros((4, 2, 8), F32),) + qkv()[1:], {}, ValueError, ["q", "rank 4", "(4, 2, 8)"]),
+    ("rank", lambda: (np.zeros((4, 2, 8), F32),) + qkv()[1:], {}, ValueError, ["q", "rank at least 4", "(4, 2, 8)"]),
     ("batch", lambda: (qkv(B=2)[0],) + qkv(B=3)[1:], {}, ValueError, ["batch", "2", "3"]),
     ("head_dim", lambda: (qkv(D=8)[0],) + qkv(D=16)[1:], {}, ValueError, ["head_dim", "8", "16"]),
     ("gqa", lambda: (qkv(Hq=3)[0],) + qkv(Hkv=2)[1:], {}, ValueError, ["multiple", "heads_q=3", "heads_kv=2"]),
@@ -74,8 +74,8 @@ BAD_FORWARD = [
     ("alibi list", lambda: qkv(), {"alibi_slopes": [0.5, 0.25]}, TypeError, ["alibi_slopes", "numpy", "list"]),
     ("alibi other library", lambda: qkv(), {"alibi_slopes": fake_cupy((2,))}, TypeError,
      ["alibi_slopes is cupy", "q is numpy", "one array library"]),
-    ("bias rank", lambda: qkv(), {"bias": np.zeros((2, 4, 4), F32)}, ValueError,
-     ["bias", "rank 4", "(1, 2, 4, 4)", "(2, 4, 4)"]),
+    ("bias rank", lambda: qkv(), {"bias": np.zeros((1, 1, 2, 4, 4), F32)}, ValueError,
+     ["bias", "rank at most 4", "(1, 2, 4, 4)", "(1, 1, 2, 4, 4)"]),
     ("bias not broadcastable", lambda: qkv(), {"bias": np.zeros((1, 3, 4, 4), F32)}, ValueError,
      ["bias", "broadcastable", "(1, 2, 4, 4)", "(1, 3, 4, 4)"]),
     ("bias dtype", lambda: qkv(), {"bias": np.zeros((1, 2, 4, 4), np.float64)}, TypeError,
@@ -87,7 +87,8 @@ BAD_FORWARD = [
     ("bias list", lambda: qkv(), {"bias": [[[[0.0]]]]}, TypeError, ["bias", "numpy", "list"]),
     ("mask dtype", lambda: qkv(), {"mask": np.ones((1, 1, 4, 4), np.int8)}, TypeError, ["mask", "bool", "int8"]),
     ("mask float", lambda: qkv(), {"mask": np.ones((1, 1, 4, 4), F32)}, TypeError, ["mask", "bool", "float32"]),
-    ("mask rank", lambda: qkv(), {"mask": np.ones((4, 4), bool)}, ValueError, ["mask", "rank 4", "(4, 4)"]),
+    ("mask rank", lambda: qkv(), {"mask": np.ones((2, 1, 1, 4, 4), bool)}, ValueError,
+     ["mask", "rank at most 4", "(2, 1, 1, 4, 4)"]),
     ("mask not broadcastable", lambda: qkv(), {"mask": np.ones((1, 1, 4, 5), bool)}, ValueError,
      ["mask", "broadcastable", "(1, 2, 4, 4)", "(1, 1, 4, 5)"]),
     ("mask other library", lambda: qkv(), {"mask": fake_cupy((1, 1, 4, 4), bool)}, TypeError,

@@ -154,7 +154,7 @@ BAD = [  # (what, arrays from (q, k, v) chunked as in _chunked(..., 4, 4), error
     ("batch chunks", lambda Q, K, V, q: (Q.rechunk({0: 2}), K, V), ValueError, "same batch chunks"),
     ("k and v chunks", lambda Q, K, V, q: (Q, K, V.rechunk({1: 3})), ValueError, "k and v must have the same chunks"),
     ("head chunks", lambda Q, K, V, q: (Q.rechunk({2: 1}), K, V), ValueError, "times the group size 2"),
-    ("rank", lambda Q, K, V, q: (Q[0], K, V), ValueError, "q must have rank 4"),
+    ("rank", lambda Q, K, V, q: (Q[0], K, V), ValueError, "q must have rank at least 4"),
     ("dtype", lambda Q, K, V, q: (Q.astype(np.int32), K, V), TypeError, "q must have dtype"),
 ]
 
@@ -176,3 +176,21 @@ def test_bad_dout_is_refused(rng):
         vjp(da.zeros(q.shape, np.float64))
     with pytest.raises(ValueError, match="dout must have shape"):
         vjp(da.zeros((1, 7, 1, 8), np.float32))
+
+
+def test_leading_batch_dimensions(rng):
+    """q (2, 3, S, H, D) chunked along both leading dimensions, the sequence and the heads; per-element
+    ALiBi slopes (2, 3, heads_q) sliced per chunk; a transposed (ending-node) view too."""
+    base = [rng.standard_normal((3, 2, S, H, 8)).astype(np.float32) for S, H in ((19, 4), (23, 2), (23, 2))]
+    slopes = rng.uniform(0.05, 0.5, (2, 3, 4)).astype(np.float32)
+    for q, k, v in ([np.ascontiguousarray(x.transpose(1, 0, 2, 3, 4)) for x in base],
+                    [x.transpose(1, 0, 2, 3, 4) for x in base]):
+        dout = rng.standard_normal(q.shape).astype(np.float32)
+        Q = da.from_array(q, chunks=(1, (2, 1), 7, 2, -1))
+        K = da.from_array(k, chunks=(1, (2, 1), 10, 1, -1))
+        V = da.from_array(v, chunks=K.chunks)
+        out, vjp = fdask.attention_vjp(Q, K, V, causal=True, alibi_slopes=slopes)
+        lse = fdask.attention(Q, K, V, causal=True, alibi_slopes=slopes, return_lse=True)[1]
+        got = dask.compute(out, lse, *vjp(da.from_array(dout, chunks=Q.chunks)), scheduler="sync")
+        assert lse.chunks == ((1, 1), (2, 1), (2, 2), (7, 7, 5))
+        assert_matches_oracle(got, q, k, v, dout, causal=True, alibi_slopes=slopes)

@@ -812,3 +812,20 @@ def _numba_mutant(old, new):
 
 test_the_mutation_battery_passes_unmutated, test_a_mutation_is_caught = mutation_tests(
     NUMBA_MUTATIONS, "numba", _numba_mutant, cases=NUMBA_BATTERY, require=lambda: _require("simulator"))
+
+
+# ----------------------------------------------------------------------------
+# leading batch dimensions (issue 30; tests/test_batch_dims.py has the rest)
+
+
+def test_leading_batch_dimensions(rng):
+    """q (2, 2, Sq, heads, head_dim): folded into one call, and (transposed) into one call per outer
+    index; a bias broadcast over a leading dimension, a mask over another."""
+    base = [rng.standard_normal((2, 2, S, H, 8)).astype(np.float32) for S, H in ((5, 2), (6, 1), (6, 1))]
+    dout = rng.standard_normal(base[0].shape).astype(np.float32)
+    for q, k, v in (base, [x.transpose(1, 0, 2, 3, 4) for x in base]):
+        kw = dict(bias=rng.standard_normal((2, 1, 2, 5, 6)).astype(np.float32), mask=rng.random((1, 2, 1, 1, 6)) < 0.8,
+                  window=(2, 1))
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numba", **kw)
+        grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numba", **kw)
+        assert_matches_oracle((out, lse, *grads), q, k, v, dout, **kw)
