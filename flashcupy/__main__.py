@@ -54,7 +54,7 @@ def cmd_info(args) -> int:
             print(f"  NVRTC not found: {e}")
     except ImportError:
         print("cupy not installed (pip install 'flashcupy[cuda12]' or '[cuda13]')")
-    from flashcupy.backends.cupy_backend import nvrtc
+    from flashcupy.tools import nvrtc
     try:
         toolkits = nvrtc.toolkits()
         print("NVRTC for `python -m flashcupy kernels` (no GPU needed):")
@@ -129,7 +129,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_kernels(args) -> int:
-    from flashcupy.backends.cupy_backend import nvrtc, sources, specs
+    from flashcupy.backends.cupy_backend import sources, specs
+    from flashcupy.tools import nvrtc
     if args.counters:
         return cmd_kernels_counters(args)
     toolkits = nvrtc.toolkits()
@@ -150,7 +151,7 @@ def cmd_kernels(args) -> int:
 def cmd_kernels_counters(args) -> int:
     """The NVRTC table as without --counters (when an NVRTC is here), then the emulator's counters
     of a small launch of each kernel and the roofline model (flashcupy/tools/perfmodel.py)."""
-    from flashcupy.backends.cupy_backend import nvrtc
+    from flashcupy.tools import nvrtc
     from flashcupy.tools import perfmodel
     if perfmodel.emulator_path() is None:
         print("--counters needs the CPU emulator in tests/emulator/, which ships with the source tree, not the "

@@ -254,7 +254,7 @@ def test_the_report_prints_every_kernel_and_the_model(tc_rows):
 def test_each_counted_kernel_shows_its_own_specializations_registers(tc_rows):
     # the report holds every variant of a template (modifiers, split-KV, dQ by atomics): the counted
     # kernel's row must take its own, whichever comes last
-    from flashcupy.backends.cupy_backend import nvrtc
+    from flashcupy.tools import nvrtc
     counted = [row for row in tc_rows if row["kernel"].template == "attn_fwd_tc"][:1]
     k = counted[0]["kernel"]
     report = [dict(kernel=k.template, dtype=k.dtype, head_dim=k.head_dim, mods=mods, registers=registers,
@@ -265,7 +265,7 @@ def test_each_counted_kernel_shows_its_own_specializations_registers(tc_rows):
 
 def test_the_cli_prints_counters_without_nvrtc_and_refuses_without_the_emulator(monkeypatch, capsys):
     from flashcupy import __main__ as cli
-    from flashcupy.backends.cupy_backend import nvrtc
+    from flashcupy.tools import nvrtc
 
     def no_nvrtc():
         raise nvrtc.NvrtcError("none in this test")

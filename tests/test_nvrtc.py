@@ -4,7 +4,7 @@ tensor-core kernels, and the emulator's tensor-core test kernels, compile to HMM
 
 Needs no GPU: NVRTC and the CUDA headers of both CUDA majors come from NVIDIA's wheels (the test
 extra installs both), ptxas reports registers, spills and shared memory through NVRTC's log
-(-Xptxas=-v), nvdisasm gives the SASS. See flashcupy/nvrtc.py for how each NVRTC is found and run.
+(-Xptxas=-v), nvdisasm gives the SASS. See flashcupy/tools/nvrtc.py for how each NVRTC is found and run.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import re
 import pytest
 import test_emulator_tensor_core as blocks
 
-from flashcupy.backends.cupy_backend import nvrtc, sources, specs
+from flashcupy.backends.cupy_backend import sources, specs
+from flashcupy.tools import nvrtc
 
 ARCHS = ("sm_80", "sm_90")
 CUDA_MAJORS = (12, 13)

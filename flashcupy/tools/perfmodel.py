@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 import flashcupy
-from flashcupy.backends.cupy_backend import nvrtc, specs
+from flashcupy.backends.cupy_backend import specs
+from flashcupy.tools import nvrtc
 
 
 @dataclass(frozen=True)

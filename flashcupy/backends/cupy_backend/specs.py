@@ -19,9 +19,9 @@ A further template parameter, MODS, specialises the attention kernels for score 
 call without modifiers instantiates exactly the kernels it did before they existed:
 ``flash_fwd<float, float, 64, 64, 32, 5>`` is the window-and-ALiBi forward.
 
-This module is imported by the backend, by nvrtc.py (the NVRTC resource report) and by the tests;
-it needs nothing but the standard library and NumPy. The sources and compile options are in
-sources.py.
+This module is imported by the backend, by flashcupy/tools/nvrtc.py (the NVRTC resource report) and
+by the tests; it needs nothing but the standard library and NumPy. The sources and compile options
+are in sources.py.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import sources, specs
+from flashcupy.backends.cupy_backend import sources, specs
 
 # Per-SM limits used for occupancy: max threads, max CTAs, registers, shared memory (bytes) and
 # the shared memory the driver reserves per CTA. sm_80: A100; sm_86/89: consumer Ampere/Ada.
@@ -223,9 +223,9 @@ def _serve() -> None:
 def _run(toolkit: Toolkit, jobs) -> tuple:
     """(NVRTC version, [(True, (log, lowered, cubin)) or (False, NvrtcError)] per job) from a worker
     process running `toolkit`'s NVRTC."""
-    # where flashcupy is imported from: three folders above this file
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    code = f"import sys; sys.path.insert(0, {root!r}); from flashcupy.backends.cupy_backend.nvrtc import _serve; _serve()"
+    # where flashcupy is imported from: the folder that holds the flashcupy package
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = f"import sys; sys.path.insert(0, {root!r}); from flashcupy.tools.nvrtc import _serve; _serve()"
     done = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((toolkit.nvrtc, list(jobs))),
                           capture_output=True)
     if done.returncode != 0:
