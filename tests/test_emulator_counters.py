@@ -19,7 +19,7 @@ from emulator import EmulatedModule
 from emulator.counters import CATEGORIES, Counters, recording
 
 from flashcupy.backends.cupy_backend import sources, specs
-from flashcupy.tools import perfmodel
+from flashcupy.tools import hardware, perfmodel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = ("shared_stride", "shared_vector16", "global_stride", "ldmatrix_rows", "cp_async_rows", "barriers_and_mma")
@@ -247,7 +247,7 @@ def test_the_report_prints_every_kernel_and_the_model(tc_rows):
     for name in GEMMS:
         assert name in text
     assert "model, not a measurement" in text
-    for gpu in perfmodel.HARDWARE:
+    for gpu in hardware.GPUS:
         assert gpu.name in text
 
 

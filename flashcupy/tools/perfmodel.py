@@ -7,10 +7,10 @@ Each kernel runs at two sizes that differ only along its key loop (forward, dQ: 
 more queries), and the difference divided by the added (query block, key block) pairs is the cost
 of one pass of the loop, free of the prologue and the epilogue.
 
-From a pass's mma count and shared-memory wavefronts, and the GPU figures in HARDWARE, a roofline
-gives the rate each resource would allow with every SM busy. It is a model, not a measurement: it
-knows nothing of latency, issue slots, occupancy or caches, and the tensor peak is the dense
-figure of the datasheet (on Hopper, wgmma's; mma.sync reaches well below it).
+From a pass's mma count and shared-memory wavefronts, and the GPU figures of tools/hardware.py, a
+roofline gives the rate each resource would allow with every SM busy. It is a model, not a
+measurement: it knows nothing of latency, issue slots, occupancy or caches, and the tensor peak is
+the dense figure of the datasheet (on Hopper, wgmma's; mma.sync reaches well below it).
 """
 
 from __future__ import annotations
@@ -19,34 +19,14 @@ import functools
 import math
 import os
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 
 import flashcupy
 from flashcupy.backends.cupy_backend import specs
 from flashcupy.tools import nvrtc
+from flashcupy.tools.hardware import GPUS, Gpu
 
-
-@dataclass(frozen=True)
-class Gpu:
-    name: str
-    part: str
-    sms: int
-    clock_ghz: float        # boost clock the dense tensor peak is quoted at
-    tensor_tflops: float    # dense fp16/bf16 with fp32 accumulation
-    hbm_tbs: float          # HBM bandwidth, TB/s
-    smem_bytes_per_clk: int  # shared memory per SM per clock: 32 banks x 4 bytes, one wavefront
-
-
-# The one table of hardware figures (vendor datasheets and whitepapers; ../shared/ANCHORS.md has the
-# H100/H200 peak and HBM figures; 128 B/clk/SM is 32 banks of 4 bytes, one wavefront a clock).
-# 312 = 108 SMs x 4 tensor cores x 512 FLOP/clk x 1.41 GHz; 989 = 132 x 4 x 1024 x 1.83 GHz.
-HARDWARE = (
-    Gpu("A100", "A100 SXM4 80GB", 108, 1.410, 312.0, 2.039, 128),
-    Gpu("H100", "H100 SXM5", 132, 1.830, 989.0, 3.35, 128),
-    Gpu("H200", "H200 SXM", 132, 1.830, 989.0, 4.8, 128),
-)
 
 MMA_FLOPS = 2 * 16 * 8 * 16  # one mma.sync m16n8k16
 # (dtype, head_dim) of the representative launches: float16 takes the tensor-core kernels, float32
@@ -232,7 +212,7 @@ def format_counters(rows: list, nvrtc_rows=None, nvrtc_heading: str = "") -> str
         "(0: fully coalesced; loads include cp.async's reads); *stores: of the whole launch, the loops\n"
         "store nothing; barriers: __syncthreads() per CTA. regs/occ: " + (nvrtc_heading or "no NVRTC here")
         + (" (! as in the table above)" if nvrtc_heading else "") + ".")
-    gpus = HARDWARE
+    gpus = GPUS
     table = [["kernel", "dtype", "D"] + [f"{g.name} {what}" for g in gpus for what in ("smem", "model")]
              + ["HBM bound (no L2 reuse)"]]
     for row in rows:
@@ -247,7 +227,7 @@ def format_counters(rows: list, nvrtc_rows=None, nvrtc_heading: str = "") -> str
     lines.append("\nRoofline, TFLOP/s: a model, not a measurement. Per pass, with every SM busy: 'smem' is the rate\n"
                  "shared memory allows at one wavefront (128 B) per clock per SM; 'model' is the least of that and\n"
                  "the tensor peak; HBM as if every global sector came from HBM. Hardware (one table,\n"
-                 "flashcupy/tools/perfmodel.py HARDWARE):")
+                 "flashcupy/tools/hardware.py):")
     for g in gpus:
         lines.append(f"  {g.name} ({g.part}): {g.sms} SMs at {g.clock_ghz} GHz, {g.tensor_tflops:g} TFLOP/s dense "
                      f"fp16/bf16, HBM {g.hbm_tbs:g} TB/s, shared {g.smem_bytes_per_clk} B/clk/SM")
