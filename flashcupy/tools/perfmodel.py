@@ -3,9 +3,9 @@
 The CPU emulator (tests/emulator/, in a checkout only) runs a small launch of each kernel built to
 count what its warps ask of memory (tests/emulator/counters.py has the model): shared-memory bytes
 and wavefronts (bank conflicts included), global-memory sectors per request, barriers and mma.sync.
-Each kernel runs at two sizes that differ only along its key loop (forward, dQ: more keys; dK/dV:
-more queries), and the difference divided by the added (query block, key block) pairs is the cost
-of one pass of the loop, free of the prologue and the epilogue.
+Each kernel runs at two sizes that differ only along its loop (specs.Kernel.loop; forward, dQ: more
+keys; dK/dV: more queries), and the difference divided by the added (query block, key block) pairs
+is the cost of one pass of the loop, free of the prologue and the epilogue.
 
 From a pass's mma count and shared-memory wavefronts, and the GPU figures of tools/hardware.py, a
 roofline gives the rate each resource would allow with every SM busy. It is a model, not a
@@ -33,8 +33,6 @@ MMA_FLOPS = 2 * 16 * 8 * 16  # one mma.sync m16n8k16
 # the SIMT ones (which no other dtype changes in structure)
 CASES = (("float16", 64), ("float16", 128), ("float32", 64), ("float32", 128))
 BASE = 64  # the smaller launch: seqlen_q = seqlen_k = BASE; the larger one doubles the loop's side
-KEY_LOOP = {"attn_fwd_tc": "keys", "attn_fwd_tc_wide": "keys", "attn_bwd_dq_tc": "keys", "attn_bwd_dkdv_tc": "queries",
-            "flash_fwd": "keys", "flash_bwd_dq": "keys", "flash_bwd_dkdv": "queries"}
 
 
 def emulator_path() -> str | None:
@@ -116,7 +114,7 @@ def kernel_counters(cases=None, progress=None, transform=None, templates=None) -
             if templates is not None and template not in templates:
                 continue
             base = logs["base"][kernel.name_expression].counters
-            loop = KEY_LOOP.get(template)
+            loop = kernel.loop
             per_pass = None
             if loop:
                 more = logs[loop][kernel.name_expression].counters
