@@ -1,6 +1,6 @@
-"""The emulator's performance counters (tests/emulator/counters.py has the model).
+"""The emulator's performance counters (flashcupy/tools/emulator/counters.py has the model).
 
-First on tiny kernels whose cost is known by construction (tests/emulator/testkernels/counters.cu):
+First on tiny kernels whose cost is known by construction (tests/emulator_kernels/counters.cu):
 bank conflicts of 1, 2, 8 and 32 ways, broadcast, ldmatrix and cp.async with and without the XOR
 swizzle, coalesced and strided global loads, barriers and mma. Then on the real kernels, through
 the CuPy backend's own launch path (flashcupy/tools/perfmodel.py, which `python -m flashcupy kernels
@@ -12,14 +12,15 @@ imply. A swizzle taken out of the tensor-core tiles must break the first propert
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
-from emulator import EmulatedModule
-from emulator.counters import CATEGORIES, Counters, recording
 
 from flashcupy.backends.cupy_backend import sources, specs
 from flashcupy.tools import hardware, perfmodel
+from flashcupy.tools.emulator import EmulatedModule
+from flashcupy.tools.emulator.counters import CATEGORIES, Counters, recording
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = ("shared_stride", "shared_vector16", "global_stride", "ldmatrix_rows", "cp_async_rows", "barriers_and_mma")
@@ -29,7 +30,7 @@ _modules = {}
 def kernel(name, order="ascending", counters=True):
     key = (order, counters)
     if key not in _modules:
-        with open(os.path.join(HERE, "emulator", "testkernels", "counters.cu")) as f:
+        with open(os.path.join(HERE, "emulator_kernels", "counters.cu")) as f:
             code = f.read()
         _modules[key] = EmulatedModule(code, NAMES, (f"-I{sources.KERNEL_DIR}",), thread_order=order,
                                        counters=counters)
@@ -275,6 +276,9 @@ def test_the_cli_prints_counters_without_nvrtc_and_refuses_without_the_emulator(
     assert cli.main(["kernels", "--counters"]) == 0
     out = capsys.readouterr().out
     assert "no NVRTC here" in out and "attn_fwd_tc" in out and "model, not a measurement" in out
-    monkeypatch.setattr(perfmodel, "emulator_path", lambda: None)
+    # as in an installed wheel, which leaves flashcupy/tools/emulator/ out (setup.cfg): its import fails
+    monkeypatch.setitem(sys.modules, "flashcupy.tools.emulator", None)
     assert cli.main(["kernels", "--counters"]) == 2
-    assert "checkout" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "needs the CPU emulator" in err and "flashcupy.tools.emulator is not importable" in err
+    assert "checkout" in err

@@ -1,7 +1,7 @@
 """A performance model that runs without a GPU: `python -m flashcupy kernels --counters`.
 
-The CPU emulator (tests/emulator/, in a checkout only) runs a small launch of each kernel built to
-count what its warps ask of memory (tests/emulator/counters.py has the model): shared-memory bytes
+The CPU emulator (flashcupy/tools/emulator/, in a checkout only) runs a small launch of each kernel
+built to count what its warps ask of memory (its counters.py has the model): shared-memory bytes
 and wavefronts (bank conflicts included), global-memory sectors per request, barriers and mma.sync.
 Each kernel runs at two sizes that differ only along its loop (specs.Kernel.loop; forward, dQ: more
 keys; dK/dV: more queries), and the difference divided by the added (query block, key block) pairs
@@ -16,9 +16,8 @@ the dense figure of the datasheet (on Hopper, wgmma's; mma.sync reaches well bel
 from __future__ import annotations
 
 import functools
+import importlib
 import math
-import os
-import sys
 
 import numpy as np
 
@@ -35,31 +34,26 @@ CASES = (("float16", 64), ("float16", 128), ("float32", 64), ("float32", 128))
 BASE = 64  # the smaller launch: seqlen_q = seqlen_k = BASE; the larger one doubles the loop's side
 
 
-def emulator_path() -> str | None:
-    """The checkout's tests/ folder when it holds the emulator (an installed wheel has no tests/)."""
-    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(flashcupy.__file__))), "tests")
-    ok = all(os.path.exists(os.path.join(tests, p)) for p in ("emulator/__init__.py", "emulator/counters.py",
-                                                              "cupy_emulation.py"))
-    return tests if ok else None
+EMULATOR = "flashcupy.tools.emulator"
 
 
-def _import_emulator():
-    tests = emulator_path()
-    if tests is None:
-        return None
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    import cupy_emulation
-    import emulator
-    from emulator import counters
-    return emulator, counters, cupy_emulation
+def emulator_missing() -> str | None:
+    """Why the CPU emulator cannot be imported here, or None when it can: a checkout has it
+    (flashcupy/tools/emulator/), an installed wheel leaves it out (setup.cfg)."""
+    try:
+        importlib.import_module(EMULATOR)
+    except ModuleNotFoundError as e:
+        if e.name != EMULATOR:  # the emulator is here, something it imports is not
+            raise
+        return f"{EMULATOR} is not importable ({e}): it ships with the source tree, not the wheel"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
 def _counting_module(source, names, options, thread_order="ascending", seed=0, cp_async="deferred"):
-    emulator, _, _ = _import_emulator()
-    return emulator.EmulatedModule(source, names, options, thread_order=thread_order, seed=seed,
-                                   cp_async=cp_async, counters=True)
+    from flashcupy.tools.emulator import EmulatedModule
+    return EmulatedModule(source, names, options, thread_order=thread_order, seed=seed, cp_async=cp_async,
+                          counters=True)
 
 
 def count_launches(dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int, backward: bool = True,
@@ -67,7 +61,8 @@ def count_launches(dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int, back
     """LaunchCounters of every kernel that a forward (and a backward) call launches, B = H = 1,
     non-causal. `transform(source)`, if given, rewrites each kernel source before it is compiled
     (the tests' deliberate bugs)."""
-    _, counters, cupy_emulation = _import_emulator()
+    from flashcupy.tools.emulator import counters
+    from flashcupy.tools.emulator.cupy import emulated
 
     def compile_module(source, names, options, *rest):
         return _counting_module(transform(source) if transform else source, names, options, *rest)
@@ -76,7 +71,7 @@ def count_launches(dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int, back
     q = rng.standard_normal((1, seqlen_q, 1, head_dim)).astype(dtype)
     k = rng.standard_normal((1, seqlen_k, 1, head_dim)).astype(dtype)
     v = rng.standard_normal((1, seqlen_k, 1, head_dim)).astype(dtype)
-    with cupy_emulation.emulated(compile=compile_module), counters.recording() as log:
+    with emulated(compile=compile_module), counters.recording() as log:
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy")
         if backward:
             flashcupy.attention_backward(np.ones_like(out), q, k, v, out, lse, backend="cupy")
@@ -131,7 +126,7 @@ def pass_figures(row: dict) -> dict:
         c, n, unit = row["launch"], 1, "launch"
     else:
         (c, n), unit = row["per_pass"], "pass"
-    _, counters, _ = _import_emulator()
+    from flashcupy.tools.emulator import counters
     shared, glob = counters.SHARED, counters.GLOBAL
     loads = ("global_load", "cp_async_global")
     mma = c.mma / n

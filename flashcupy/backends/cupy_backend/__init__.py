@@ -28,7 +28,7 @@ inputs' device.
 
 CuPy is imported at first use, never at import time. Everything the backend takes from CUDA
 goes through one `Runtime`: the array module for allocations and the module compiler. The
-tests install a runtime made of NumPy and a CPU emulator of CUDA (tests/cupy_emulation.py),
+tests install a runtime made of NumPy and a CPU emulator of CUDA (flashcupy/tools/emulator/cupy.py),
 which runs these same kernels and this same launch code without a GPU.
 """
 
