@@ -24,7 +24,7 @@ again after that item, which the report lists as crashed. Four files in all: rep
 results.jsonl, session.log (every stage's output) and speed.png.
 
 The dry run runs the same stages and writes the same report without a GPU: the cupy backend on
-the CPU emulator (tests/cupy_emulation.py), Numba on its CUDA simulator, torch on the CPU where it
+the CPU emulator (flashcupy/tools/emulator/cupy.py), Numba on its CUDA simulator, torch on the CPU where it
 is installed. CI runs it (tests/test_gpu_session.py), so this script cannot rot between GPUs.
 FLASHCUPY_SESSION_INJECT=STAGE:raise or STAGE:crash:N makes STAGE fail on purpose (the whole
 stage raises, or its process dies at its Nth item): the tests prove the report survives both.
@@ -51,7 +51,6 @@ import zlib
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS = os.path.join(ROOT, "tests")
 
 
 @dataclass(frozen=True)
@@ -196,8 +195,7 @@ def run_worker(stage: str, args) -> int:
 def _emulated():
     """The dry run's device: the cupy backend on the CPU emulator (Numba's simulator is chosen by
     NUMBA_ENABLE_CUDASIM in the environment, before numba is imported)."""
-    sys.path.insert(0, TESTS)
-    from cupy_emulation import emulated
+    from flashcupy.tools.emulator.cupy import emulated
     with emulated():
         yield
 

@@ -3,7 +3,7 @@
 Runs every kernel family on the oracle battery, with the default scale and with a larger one,
 and prints the worst error / tolerance seen: the margin a correct kernel keeps (a ratio far below
 1 everywhere) and how much room a wrong one has to hide. The CuPy kernels run on the CPU
-emulator (tests/), Numba's on its simulator; nothing needs a GPU.
+emulator (flashcupy/tools/emulator/), Numba's on its simulator; nothing needs a GPU.
 
     python benchmarks/tolerance_margins.py            # a markdown table, a few minutes on 2 cores
     python benchmarks/tolerance_margins.py --family numba
@@ -18,7 +18,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # before numba is imported
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path.insert(0, ROOT)  # flashcupy and the oracle (reference/, not installed) of this checkout
 
 import numpy as np  # noqa: E402
 
@@ -37,7 +37,7 @@ FAMILIES = {  # name: (backend, dtypes, context)
 
 @contextlib.contextmanager
 def _cupy(tensor_cores: bool):
-    from cupy_emulation import emulated
+    from flashcupy.tools.emulator.cupy import emulated
     saved = cupy_backend.USE_TENSOR_CORES
     cupy_backend.USE_TENSOR_CORES = tensor_cores
     try:

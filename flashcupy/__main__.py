@@ -54,7 +54,7 @@ def cmd_info(args) -> int:
             print(f"  NVRTC not found: {e}")
     except ImportError:
         print("cupy not installed (pip install 'flashcupy[cuda12]' or '[cuda13]')")
-    from flashcupy.backends.cupy_backend import nvrtc
+    from flashcupy.tools import nvrtc
     try:
         toolkits = nvrtc.toolkits()
         print("NVRTC for `python -m flashcupy kernels` (no GPU needed):")
@@ -129,7 +129,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_kernels(args) -> int:
-    from flashcupy.backends.cupy_backend import nvrtc, sources, specs
+    from flashcupy.backends.cupy_backend import sources, specs
+    from flashcupy.tools import nvrtc
     if args.counters:
         return cmd_kernels_counters(args)
     toolkits = nvrtc.toolkits()
@@ -150,11 +151,12 @@ def cmd_kernels(args) -> int:
 def cmd_kernels_counters(args) -> int:
     """The NVRTC table as without --counters (when an NVRTC is here), then the emulator's counters
     of a small launch of each kernel and the roofline model (flashcupy/tools/perfmodel.py)."""
-    from flashcupy.backends.cupy_backend import nvrtc
+    from flashcupy.tools import nvrtc
     from flashcupy.tools import perfmodel
-    if perfmodel.emulator_path() is None:
-        print("--counters needs the CPU emulator in tests/emulator/, which ships with the source tree, not the "
-              "wheel: run it from a checkout", file=sys.stderr)
+    missing = perfmodel.emulator_missing()
+    if missing:
+        print(f"--counters needs the CPU emulator (flashcupy/tools/emulator/), and {missing}: run it from a "
+              "checkout", file=sys.stderr)
         return 2
     nvrtc_rows, heading = None, ""
     try:
@@ -167,8 +169,8 @@ def cmd_kernels_counters(args) -> int:
     except nvrtc.NvrtcError as e:
         print(f"no NVRTC here ({e}): counters only\n")
     rows = perfmodel.kernel_counters(progress=lambda line: print(line, file=sys.stderr, flush=True))
-    print(f"Counters of the CPU emulator (tests/emulator/counters.py has the model), B = H = 1, non-causal, "
-          f"seqlen {perfmodel.BASE}, then {2 * perfmodel.BASE} along each kernel's loop:")
+    print(f"Counters of the CPU emulator (flashcupy/tools/emulator/counters.py has the model), B = H = 1, "
+          f"non-causal, seqlen {perfmodel.BASE}, then {2 * perfmodel.BASE} along each kernel's loop:")
     print(perfmodel.format_counters(rows, nvrtc_rows, heading))
     return 0
 
@@ -221,7 +223,7 @@ def parser() -> argparse.ArgumentParser:
     k = sub.add_parser("kernels", help="NVRTC resource table of every CUDA kernel (no GPU needed)")
     k.add_argument("--arch", default="sm_90")
     k.add_argument("--counters", action="store_true",
-                   help="also run a small launch of each kernel on the CPU emulator (a checkout's tests/) and "
+                   help="also run a small launch of each kernel on the CPU emulator (a checkout's, not the wheel's) and "
                         "print its memory counters and a roofline model for A100, H100 and H200")
     k.add_argument("--every-modifier-set", action="store_true",
                    help="the tensor-core kernels with each of the 32 sets of score modifiers, not only none, "

@@ -213,7 +213,7 @@ def test_float64_lse_is_float64():
 @pytest.mark.parametrize("backward", [False, True])
 def test_cupy_grid_limit_is_checked_before_any_work(backward):
     # broadcast views: a seqlen_q whose query blocks alone overflow CUDA's grid x, nothing allocated
-    from cupy_emulation import emulated
+    from flashcupy.tools.emulator.cupy import emulated
     from flashcupy.backends import MAX_GRID
     q = np.broadcast_to(F32(1), (1, 64 * MAX_GRID[0] + 1, 1, 8))
     k = v = np.broadcast_to(F32(1), (1, 4, 1, 8))
@@ -229,7 +229,7 @@ def test_cupy_grid_limit_is_checked_before_any_work(backward):
 def test_bfloat16_bits_need_no_ml_dtypes_until_numpy_computes_on_them(monkeypatch, rng):
     # CuPy users hold bfloat16 as uint16 bits and may not have ml_dtypes (the cuda extras do not bring it)
     import sys
-    from cupy_emulation import emulated
+    from flashcupy.tools.emulator.cupy import emulated
     from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv
     q, k, v = make_qkv(rng, 1, 9, 12, 2, 1, 16, BF16)
     monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import ml_dtypes now fails

@@ -221,7 +221,7 @@ def test_triangle_attention(rng, ending):
 @pytest.mark.parametrize("path", ["tensor-core", "simt"])
 def test_the_cupy_backend_on_both_kernel_paths(rng, path):
     """Emulated: float16 with head_dim 16 takes the tensor-core kernels, float32 the SIMT ones."""
-    from cupy_emulation import compile_module, emulated, recording
+    from flashcupy.tools.emulator.cupy import compile_module, emulated, recording
     dtype = np.float16 if path == "tensor-core" else F32
     q, k, v, dout = make(rng, (2, 2), 9, 11, 2, 1, 16, dtype)
     bias = rng.standard_normal((2, 1, 2, 9, 11)).astype(dtype)

@@ -1,7 +1,7 @@
 """The cupy backend's kernels, run by the CPU CUDA emulator and compared with the oracle.
 
-No GPU is needed: tests/cupy_emulation.py swaps NumPy and the emulator in for CuPy and NVRTC,
-and every test goes through the public API with backend="cupy", so dispatch, grid sizes,
+No GPU is needed: flashcupy/tools/emulator/cupy.py swaps NumPy and the emulator in for CuPy and
+NVRTC, and every test goes through the public API with backend="cupy", so dispatch, grid sizes,
 strides, argument packing and workspaces are exercised along with the .cu files.
 The last tests check that the emulator catches the bugs it is there to catch, in these kernels:
 every __syncthreads() and cp.async wait is needed, and an off-by-one in a bound is an
@@ -30,8 +30,8 @@ from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import sources, specs
 
 # Core tests: no skip. Without g++ the emulator cannot build and these fail loudly.
-import emulator  # noqa: E402
-from cupy_emulation import compile_module, emulated  # noqa: E402
+from flashcupy.tools import emulator  # noqa: E402
+from flashcupy.tools.emulator.cupy import compile_module, emulated  # noqa: E402
 from test_modifiers import check as check_modifiers  # noqa: E402
 
 ORDERS = ("ascending", "descending")

@@ -1,7 +1,7 @@
 """Score modifiers (issue 13) in the cupy backend's kernels, SIMT and tensor-core, under the emulator.
 
 Window, softcap, ALiBi, bias (with dbias) and bool masks, alone and together, forward, backward and
-attention_probs, through backend="cupy" on NumPy arrays (tests/cupy_emulation.py), against the
+attention_probs, through backend="cupy" on NumPy arrays (flashcupy/tools/emulator/cupy.py), against the
 float64 oracle by the one tolerance rule (test_modifiers.check, conftest.assert_matches_oracle),
 under two thread orders. The cases are test_modifiers.py's (the NumPy backend's): window edges inside
 tiles and across them, GQA, causal with a window, rows that see no key, every broadcast shape of a
@@ -17,14 +17,14 @@ import functools
 import numpy as np
 import pytest
 from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv
-from cupy_emulation import compile_module, emulated, recording
-from emulator.driver import CompileError
 from test_modifiers import check, modifier_cases
 
 import flashcupy
 from flashcupy._problem import MODIFIERS
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import specs
+from flashcupy.tools.emulator.cupy import compile_module, emulated, recording
+from flashcupy.tools.emulator.driver import CompileError
 
 ORDERS = ("ascending", "descending")
 

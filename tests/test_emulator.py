@@ -1,4 +1,4 @@
-"""The CUDA emulator itself, on small kernels in tests/emulator/testkernels/, against NumPy.
+"""The CUDA emulator itself, on small kernels in tests/emulator_kernels/, against NumPy.
 
 Each kernel file says what it computes; each test compares real numbers, or
 checks that a deliberate bug (missing barrier, off-by-one, wrong arguments)
@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from emulator import (
+from flashcupy.tools.emulator import (
     SHARED_MEM_OPTIN_MAX,
     THREAD_ORDERS,
     CompileError,
@@ -23,7 +23,7 @@ from emulator import (
     garbage,
 )
 
-KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "emulator", "testkernels")
+KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "emulator_kernels")
 TWO_ORDERS = ("ascending", "descending")
 
 

@@ -1,6 +1,6 @@
-"""The emulator's performance counters (tests/emulator/counters.py has the model).
+"""The emulator's performance counters (flashcupy/tools/emulator/counters.py has the model).
 
-First on tiny kernels whose cost is known by construction (tests/emulator/testkernels/counters.cu):
+First on tiny kernels whose cost is known by construction (tests/emulator_kernels/counters.cu):
 bank conflicts of 1, 2, 8 and 32 ways, broadcast, ldmatrix and cp.async with and without the XOR
 swizzle, coalesced and strided global loads, barriers and mma. Then on the real kernels, through
 the CuPy backend's own launch path (flashcupy/tools/perfmodel.py, which `python -m flashcupy kernels
@@ -12,14 +12,15 @@ imply. A swizzle taken out of the tensor-core tiles must break the first propert
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
-from emulator import EmulatedModule
-from emulator.counters import CATEGORIES, Counters, recording
 
 from flashcupy.backends.cupy_backend import sources, specs
-from flashcupy.tools import perfmodel
+from flashcupy.tools import hardware, perfmodel
+from flashcupy.tools.emulator import EmulatedModule
+from flashcupy.tools.emulator.counters import CATEGORIES, Counters, recording
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = ("shared_stride", "shared_vector16", "global_stride", "ldmatrix_rows", "cp_async_rows", "barriers_and_mma")
@@ -29,7 +30,7 @@ _modules = {}
 def kernel(name, order="ascending", counters=True):
     key = (order, counters)
     if key not in _modules:
-        with open(os.path.join(HERE, "emulator", "testkernels", "counters.cu")) as f:
+        with open(os.path.join(HERE, "emulator_kernels", "counters.cu")) as f:
             code = f.read()
         _modules[key] = EmulatedModule(code, NAMES, (f"-I{sources.KERNEL_DIR}",), thread_order=order,
                                        counters=counters)
@@ -247,14 +248,14 @@ def test_the_report_prints_every_kernel_and_the_model(tc_rows):
     for name in GEMMS:
         assert name in text
     assert "model, not a measurement" in text
-    for gpu in perfmodel.HARDWARE:
+    for gpu in hardware.GPUS:
         assert gpu.name in text
 
 
 def test_each_counted_kernel_shows_its_own_specializations_registers(tc_rows):
     # the report holds every variant of a template (modifiers, split-KV, dQ by atomics): the counted
     # kernel's row must take its own, whichever comes last
-    from flashcupy.backends.cupy_backend import nvrtc
+    from flashcupy.tools import nvrtc
     counted = [row for row in tc_rows if row["kernel"].template == "attn_fwd_tc"][:1]
     k = counted[0]["kernel"]
     report = [dict(kernel=k.template, dtype=k.dtype, head_dim=k.head_dim, mods=mods, registers=registers,
@@ -265,7 +266,7 @@ def test_each_counted_kernel_shows_its_own_specializations_registers(tc_rows):
 
 def test_the_cli_prints_counters_without_nvrtc_and_refuses_without_the_emulator(monkeypatch, capsys):
     from flashcupy import __main__ as cli
-    from flashcupy.backends.cupy_backend import nvrtc
+    from flashcupy.tools import nvrtc
 
     def no_nvrtc():
         raise nvrtc.NvrtcError("none in this test")
@@ -275,6 +276,9 @@ def test_the_cli_prints_counters_without_nvrtc_and_refuses_without_the_emulator(
     assert cli.main(["kernels", "--counters"]) == 0
     out = capsys.readouterr().out
     assert "no NVRTC here" in out and "attn_fwd_tc" in out and "model, not a measurement" in out
-    monkeypatch.setattr(perfmodel, "emulator_path", lambda: None)
+    # as in an installed wheel, which leaves flashcupy/tools/emulator/ out (setup.cfg): its import fails
+    monkeypatch.setitem(sys.modules, "flashcupy.tools.emulator", None)
     assert cli.main(["kernels", "--counters"]) == 2
-    assert "checkout" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "needs the CPU emulator" in err and "flashcupy.tools.emulator is not importable" in err
+    assert "checkout" in err

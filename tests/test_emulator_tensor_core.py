@@ -1,11 +1,11 @@
 """The emulator's model of the tensor-core instructions (kernels/tensor_core.cuh), against the PTX ISA.
 
 The emulator implements each PTX instruction of tensor_core.cuh as the PTX ISA defines it
-(tests/emulator/include/emu_tensor_core.h). These tests check it against the ISA's fragment
+(flashcupy/tools/emulator/include/emu_tensor_core.h). These tests check it against the ISA's fragment
 layouts computed here in NumPy, independently: mma's A, B and C/D layouts element by element,
 every ldmatrix variant, and the whole cp.async -> ldmatrix -> mma pipeline against NumPy's
 matmul; that a missing cp.async wait gives a wrong answer, as on a GPU; and that misuse is
-reported. The test kernels are tests/emulator/testkernels/tensor_core.cu; tests/test_nvrtc.py
+reported. The test kernels are tests/emulator_kernels/tensor_core.cu; tests/test_nvrtc.py
 compiles them for real GPUs, and tests/test_tensor_core_gpu.py runs these same checks on one.
 """
 
@@ -15,12 +15,12 @@ import os
 
 import numpy as np
 import pytest
-from emulator import CP_ASYNC_MODES, EmulatedModule, KernelError, garbage
 
 from flashcupy.backends.cupy_backend import sources
+from flashcupy.tools.emulator import CP_ASYNC_MODES, EmulatedModule, KernelError, garbage
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TEST_KERNELS = os.path.join(HERE, "emulator", "testkernels", "tensor_core.cu")
+TEST_KERNELS = os.path.join(HERE, "emulator_kernels", "tensor_core.cu")
 INCLUDE = f"-I{sources.KERNEL_DIR}"
 ORDERS = ("ascending", "descending")
 NARROW = ("float16", "bfloat16")

@@ -93,7 +93,7 @@ def test_the_previous_tile_runs_the_kernel_a_head_dim_had_before(monkeypatch):
 
     import numpy as np
     from conftest import assert_matches_oracle
-    from cupy_emulation import emulated, recording
+    from flashcupy.tools.emulator.cupy import emulated, recording
 
     from flashcupy.backends.cupy_backend import specs
     from flashcupy.tools import bench

@@ -298,7 +298,7 @@ PARTIAL = frozenset({"window", "softcap", "alibi_slopes"})
 
 
 def test_a_backend_refuses_the_modifiers_it_does_not_declare_by_name(monkeypatch):
-    from cupy_emulation import emulated
+    from flashcupy.tools.emulator.cupy import emulated
     monkeypatch.setattr(flashcupy.backends.module("cupy"), "MODIFIERS", PARTIAL)
     q, k, v = make_qkv(np.random.default_rng(0), 1, 8, 8, 2, 1, 8, np.float32)
     with emulated():
@@ -319,7 +319,7 @@ def test_auto_picks_a_backend_that_computes_the_modifiers(monkeypatch):
     monkeypatch.setitem(flashcupy.backends.DEFAULT_FOR_LIBRARY, "numpy", "cupy")
     monkeypatch.setattr(flashcupy.backends, "unavailable_reason", lambda name: None)
     monkeypatch.setattr(flashcupy.backends.module("cupy"), "MODIFIERS", PARTIAL)
-    from cupy_emulation import emulated
+    from flashcupy.tools.emulator.cupy import emulated
     q, k, v = make_qkv(np.random.default_rng(0), 1, 8, 8, 2, 1, 8, np.float32)
     with emulated():
         p = checks.problem(q, k, v, False, None, None, "numpy", mask=np.ones((1, 1, 8, 8), bool))

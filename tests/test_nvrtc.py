@@ -4,7 +4,7 @@ tensor-core kernels, and the emulator's tensor-core test kernels, compile to HMM
 
 Needs no GPU: NVRTC and the CUDA headers of both CUDA majors come from NVIDIA's wheels (the test
 extra installs both), ptxas reports registers, spills and shared memory through NVRTC's log
-(-Xptxas=-v), nvdisasm gives the SASS. See flashcupy/nvrtc.py for how each NVRTC is found and run.
+(-Xptxas=-v), nvdisasm gives the SASS. See flashcupy/tools/nvrtc.py for how each NVRTC is found and run.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import re
 import pytest
 import test_emulator_tensor_core as blocks
 
-from flashcupy.backends.cupy_backend import nvrtc, sources, specs
+from flashcupy.backends.cupy_backend import sources, specs
+from flashcupy.tools import hardware, nvrtc
 
 ARCHS = ("sm_80", "sm_90")
 CUDA_MAJORS = (12, 13)
@@ -53,6 +54,9 @@ def test_occupancy():
     # 48 KiB (+1 KiB reserved) per CTA: 3 CTAs on an A100 SM, 4 on an H100 SM
     assert nvrtc.occupancy("sm_80", 32, 48 * 1024, 128) == 12 / 64
     assert nvrtc.occupancy("sm_90", 32, 48 * 1024, 128) == 16 / 64
+    # the roofline's GPUs name their architectures in the same table
+    assert [(gpu.name, gpu.sm) for gpu in hardware.GPUS] == [
+        ("A100", hardware.SMS["sm_80"]), ("H100", hardware.SMS["sm_90"]), ("H200", hardware.SMS["sm_90"])]
 
 
 def test_both_cuda_majors_are_checked():

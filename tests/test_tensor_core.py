@@ -1,6 +1,6 @@
 """The tensor-core kernels (kernels/attn_fwd_tc.cu, kernels/attn_bwd_tc.cu) under the CPU emulator.
 
-Through the cupy backend's own dispatch and launch code (tests/cupy_emulation.py), against the
+Through the cupy backend's own dispatch and launch code (flashcupy/tools/emulator/cupy.py), against the
 float64 oracle, in float16 and bfloat16, under thread orders that drift the warps apart and with
 cp.async copies landing late or at once. Removing any one of their barriers or cp.async waits
 makes a test fail (tests/test_cupy_backend.py); the emulator's model of the instructions they use
@@ -14,16 +14,16 @@ import re
 import numpy as np
 import pytest
 from conftest import MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, case_id, make_qkv, mutation_tests
-from cupy_emulation import compile_module, emulated, recording
-from emulator import KernelError
 from test_emulator_tensor_core import NARROW, narrow
 
 import flashcupy
 from flashcupy.backends import cupy_backend
+from flashcupy.tools.emulator import KernelError
+from flashcupy.tools.emulator.cupy import compile_module, emulated, recording
 
 # ----------------------------------------------------------------------------
 # the tensor-core forward kernel (kernels/attn_fwd_tc.cu), through the cupy backend's own
-# dispatch and launch code under the emulator (tests/cupy_emulation.py)
+# dispatch and launch code under the emulator (flashcupy/tools/emulator/cupy.py)
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal): lengths not a multiple of
 # the 64-row tiles, Sq > Sk (fully masked rows) and Sq < Sk with causal, MQA and GQA (two kv heads
@@ -39,7 +39,7 @@ TC_CASES = (
 )
 
 # (thread order, cp.async mode): the two orders of every emulated test, and warps drifting apart
-# with copies landing as soon as they are issued (see tests/emulator/__init__.py)
+# with copies landing as soon as they are issued (see flashcupy/tools/emulator/__init__.py)
 SCHEDULES = (("ascending", "deferred"), ("descending", "deferred"), ("warp_skew", "eager"))
 
 

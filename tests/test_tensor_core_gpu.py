@@ -3,7 +3,7 @@ checked against silicon.
 
 tests/test_emulator_tensor_core.py checks the emulator's mma, ldmatrix, cp.async, pack and ex2 against the
 PTX ISA's fragment layouts written out in NumPy. Here the same test kernels
-(tests/emulator/testkernels/tensor_core.cu) and the same checks run through cupy.RawModule with
+(tests/emulator_kernels/tensor_core.cu) and the same checks run through cupy.RawModule with
 the backend's own compile options, so a GPU confirms both the ISA reading and the emulator in
 seconds, before any attention kernel is trusted. Marked `gpu`; the GPU session runs this file
 first (benchmarks/gpu_session.py). FLASHCUPY_BLOCKS_DEVICE=emulator runs it on the emulator

@@ -63,7 +63,7 @@ def packed_batch_matches_the_oracle(rng, backend):
 
 
 def test_the_emulated_cupy_backend_takes_packed_batches_too(rng):
-    from cupy_emulation import emulated
+    from flashcupy.tools.emulator.cupy import emulated
     with emulated():
         packed_batch_matches_the_oracle(rng, "cupy")
 
@@ -184,14 +184,14 @@ def per_sequence_alibi_in_a_kvcache(rng, backend):
 
 @pytest.mark.parametrize("backend", ["numpy", "cupy"], ids=["numpy", "cupy-emulated"])
 def test_appends_across_a_block_boundary_land_where_their_positions_say(rng, backend):
-    from cupy_emulation import emulated
+    from flashcupy.tools.emulator.cupy import emulated
     with emulated() if backend == "cupy" else contextlib.nullcontext():
         appends_across_a_block_boundary(rng, backend)
 
 
 @pytest.mark.parametrize("backend", ["numpy", "cupy"], ids=["numpy", "cupy-emulated"])
 def test_per_sequence_alibi_slopes_in_a_kvcache(rng, backend):
-    from cupy_emulation import emulated
+    from flashcupy.tools.emulator.cupy import emulated
     with emulated() if backend == "cupy" else contextlib.nullcontext():
         per_sequence_alibi_in_a_kvcache(rng, backend)
 
@@ -238,7 +238,7 @@ def test_paged_runs_are_consecutive_physical_blocks():
 def _recording(grids, mutate=None):
     """An emulator compile function that records (kernel, CTAs) of every launch; `mutate` (old, new)
     edits the kernel source first."""
-    from cupy_emulation import compile_module
+    from flashcupy.tools.emulator.cupy import compile_module
 
     def compile(source, names, options, *rest):
         if mutate is not None and mutate[0] in source:
@@ -261,7 +261,7 @@ def _split_kv_case(rng, dtype, paged, num_splits, order="ascending", mutate=None
     """Decode on the emulated cupy backend (GQA, one cached sequence longer than several splits, one
     empty, a new token appended; causal, with `window` if given) against the oracle; returns the
     recorded launches."""
-    from cupy_emulation import emulated
+    from flashcupy.tools.emulator.cupy import emulated
     B, C, Hq, Hkv, D = 3, 640, 4, 2, 64
     k_cache, v_cache = _cache(rng, B, C, Hkv, D, dtype)
     lengths = np.array([600, 0, 250], np.int32)
@@ -332,7 +332,7 @@ def test_a_split_kv_bug_is_caught(rng, name):
 def test_cupy_split_kv_rounds_bfloat16_ties_to_even(rng):
     # the splits' partial outs (float32) are merged and stored as bfloat16 bits on the host: two
     # splits whose outs are adjacent bfloat16 values, with equal lse, make every element a tie
-    from cupy_emulation import emulated
+    from flashcupy.tools.emulator.cupy import emulated
     q, k, v, want = bf16_ties(rng, 1, 1, 256, 4, 2, 64)
     grids = []
     with emulated(compile=_recording(grids)):
@@ -346,7 +346,7 @@ def test_cupy_split_kv_rounds_bfloat16_ties_to_even(rng):
 def test_the_split_plan_fills_the_device_when_decoding():
     # the issue's decode call (B=1, 32 query heads, 8 kv heads, D=128, one query, 64k cached keys) on
     # an H200's 132 SMs: one query block per head is 32 CTAs; the plan makes more than 2 per SM
-    from cupy_emulation import emulated
+    from flashcupy.tools.emulator.cupy import emulated
     from flashcupy.backends import cupy_backend
     from flashcupy.backends.cupy_backend import specs
     for dtype in (np.float16, np.float32):

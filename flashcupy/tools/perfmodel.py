@@ -1,86 +1,59 @@
 """A performance model that runs without a GPU: `python -m flashcupy kernels --counters`.
 
-The CPU emulator (tests/emulator/, in a checkout only) runs a small launch of each kernel built to
-count what its warps ask of memory (tests/emulator/counters.py has the model): shared-memory bytes
+The CPU emulator (flashcupy/tools/emulator/, in a checkout only) runs a small launch of each kernel
+built to count what its warps ask of memory (its counters.py has the model): shared-memory bytes
 and wavefronts (bank conflicts included), global-memory sectors per request, barriers and mma.sync.
-Each kernel runs at two sizes that differ only along its key loop (forward, dQ: more keys; dK/dV:
-more queries), and the difference divided by the added (query block, key block) pairs is the cost
-of one pass of the loop, free of the prologue and the epilogue.
+Each kernel runs at two sizes that differ only along its loop (specs.Kernel.loop; forward, dQ: more
+keys; dK/dV: more queries), and the difference divided by the added (query block, key block) pairs
+is the cost of one pass of the loop, free of the prologue and the epilogue.
 
-From a pass's mma count and shared-memory wavefronts, and the GPU figures in HARDWARE, a roofline
-gives the rate each resource would allow with every SM busy. It is a model, not a measurement: it
-knows nothing of latency, issue slots, occupancy or caches, and the tensor peak is the dense
-figure of the datasheet (on Hopper, wgmma's; mma.sync reaches well below it).
+From a pass's mma count and shared-memory wavefronts, and the GPU figures of tools/hardware.py, a
+roofline gives the rate each resource would allow with every SM busy. It is a model, not a
+measurement: it knows nothing of latency, issue slots, occupancy or caches, and the tensor peak is
+the dense figure of the datasheet (on Hopper, wgmma's; mma.sync reaches well below it).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import math
-import os
-import sys
-from dataclasses import dataclass
 
 import numpy as np
 
 import flashcupy
-from flashcupy.backends.cupy_backend import nvrtc, specs
+from flashcupy.backends.cupy_backend import specs
+from flashcupy.tools import nvrtc
+from flashcupy.tools.hardware import GPUS, Gpu
 
-
-@dataclass(frozen=True)
-class Gpu:
-    name: str
-    part: str
-    sms: int
-    clock_ghz: float        # boost clock the dense tensor peak is quoted at
-    tensor_tflops: float    # dense fp16/bf16 with fp32 accumulation
-    hbm_tbs: float          # HBM bandwidth, TB/s
-    smem_bytes_per_clk: int  # shared memory per SM per clock: 32 banks x 4 bytes, one wavefront
-
-
-# The one table of hardware figures (vendor datasheets and whitepapers; ../shared/ANCHORS.md has the
-# H100/H200 peak and HBM figures; 128 B/clk/SM is 32 banks of 4 bytes, one wavefront a clock).
-# 312 = 108 SMs x 4 tensor cores x 512 FLOP/clk x 1.41 GHz; 989 = 132 x 4 x 1024 x 1.83 GHz.
-HARDWARE = (
-    Gpu("A100", "A100 SXM4 80GB", 108, 1.410, 312.0, 2.039, 128),
-    Gpu("H100", "H100 SXM5", 132, 1.830, 989.0, 3.35, 128),
-    Gpu("H200", "H200 SXM", 132, 1.830, 989.0, 4.8, 128),
-)
 
 MMA_FLOPS = 2 * 16 * 8 * 16  # one mma.sync m16n8k16
 # (dtype, head_dim) of the representative launches: float16 takes the tensor-core kernels, float32
 # the SIMT ones (which no other dtype changes in structure)
 CASES = (("float16", 64), ("float16", 128), ("float32", 64), ("float32", 128))
 BASE = 64  # the smaller launch: seqlen_q = seqlen_k = BASE; the larger one doubles the loop's side
-KEY_LOOP = {"attn_fwd_tc": "keys", "attn_fwd_tc_wide": "keys", "attn_bwd_dq_tc": "keys", "attn_bwd_dkdv_tc": "queries",
-            "flash_fwd": "keys", "flash_bwd_dq": "keys", "flash_bwd_dkdv": "queries"}
 
 
-def emulator_path() -> str | None:
-    """The checkout's tests/ folder when it holds the emulator (an installed wheel has no tests/)."""
-    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(flashcupy.__file__))), "tests")
-    ok = all(os.path.exists(os.path.join(tests, p)) for p in ("emulator/__init__.py", "emulator/counters.py",
-                                                              "cupy_emulation.py"))
-    return tests if ok else None
+EMULATOR = "flashcupy.tools.emulator"
 
 
-def _import_emulator():
-    tests = emulator_path()
-    if tests is None:
-        return None
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    import cupy_emulation
-    import emulator
-    from emulator import counters
-    return emulator, counters, cupy_emulation
+def emulator_missing() -> str | None:
+    """Why the CPU emulator cannot be imported here, or None when it can: a checkout has it
+    (flashcupy/tools/emulator/), an installed wheel leaves it out (setup.cfg)."""
+    try:
+        importlib.import_module(EMULATOR)
+    except ModuleNotFoundError as e:
+        if e.name != EMULATOR:  # the emulator is here, something it imports is not
+            raise
+        return f"{EMULATOR} is not importable ({e}): it ships with the source tree, not the wheel"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
 def _counting_module(source, names, options, thread_order="ascending", seed=0, cp_async="deferred"):
-    emulator, _, _ = _import_emulator()
-    return emulator.EmulatedModule(source, names, options, thread_order=thread_order, seed=seed,
-                                   cp_async=cp_async, counters=True)
+    from flashcupy.tools.emulator import EmulatedModule
+    return EmulatedModule(source, names, options, thread_order=thread_order, seed=seed, cp_async=cp_async,
+                          counters=True)
 
 
 def count_launches(dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int, backward: bool = True,
@@ -88,7 +61,8 @@ def count_launches(dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int, back
     """LaunchCounters of every kernel that a forward (and a backward) call launches, B = H = 1,
     non-causal. `transform(source)`, if given, rewrites each kernel source before it is compiled
     (the tests' deliberate bugs)."""
-    _, counters, cupy_emulation = _import_emulator()
+    from flashcupy.tools.emulator import counters
+    from flashcupy.tools.emulator.cupy import emulated
 
     def compile_module(source, names, options, *rest):
         return _counting_module(transform(source) if transform else source, names, options, *rest)
@@ -97,7 +71,7 @@ def count_launches(dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int, back
     q = rng.standard_normal((1, seqlen_q, 1, head_dim)).astype(dtype)
     k = rng.standard_normal((1, seqlen_k, 1, head_dim)).astype(dtype)
     v = rng.standard_normal((1, seqlen_k, 1, head_dim)).astype(dtype)
-    with cupy_emulation.emulated(compile=compile_module), counters.recording() as log:
+    with emulated(compile=compile_module), counters.recording() as log:
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy")
         if backward:
             flashcupy.attention_backward(np.ones_like(out), q, k, v, out, lse, backend="cupy")
@@ -135,7 +109,7 @@ def kernel_counters(cases=None, progress=None, transform=None, templates=None) -
             if templates is not None and template not in templates:
                 continue
             base = logs["base"][kernel.name_expression].counters
-            loop = KEY_LOOP.get(template)
+            loop = kernel.loop
             per_pass = None
             if loop:
                 more = logs[loop][kernel.name_expression].counters
@@ -152,7 +126,7 @@ def pass_figures(row: dict) -> dict:
         c, n, unit = row["launch"], 1, "launch"
     else:
         (c, n), unit = row["per_pass"], "pass"
-    _, counters, _ = _import_emulator()
+    from flashcupy.tools.emulator import counters
     shared, glob = counters.SHARED, counters.GLOBAL
     loads = ("global_load", "cp_async_global")
     mma = c.mma / n
@@ -231,7 +205,7 @@ def format_counters(rows: list, nvrtc_rows=None, nvrtc_heading: str = "") -> str
         "(0: fully coalesced; loads include cp.async's reads); *stores: of the whole launch, the loops\n"
         "store nothing; barriers: __syncthreads() per CTA. regs/occ: " + (nvrtc_heading or "no NVRTC here")
         + (" (! as in the table above)" if nvrtc_heading else "") + ".")
-    gpus = HARDWARE
+    gpus = GPUS
     table = [["kernel", "dtype", "D"] + [f"{g.name} {what}" for g in gpus for what in ("smem", "model")]
              + ["HBM bound (no L2 reuse)"]]
     for row in rows:
@@ -246,7 +220,7 @@ def format_counters(rows: list, nvrtc_rows=None, nvrtc_heading: str = "") -> str
     lines.append("\nRoofline, TFLOP/s: a model, not a measurement. Per pass, with every SM busy: 'smem' is the rate\n"
                  "shared memory allows at one wavefront (128 B) per clock per SM; 'model' is the least of that and\n"
                  "the tensor peak; HBM as if every global sector came from HBM. Hardware (one table,\n"
-                 "flashcupy/tools/perfmodel.py HARDWARE):")
+                 "flashcupy/tools/hardware.py):")
     for g in gpus:
         lines.append(f"  {g.name} ({g.part}): {g.sms} SMs at {g.clock_ghz} GHz, {g.tensor_tflops:g} TFLOP/s dense "
                      f"fp16/bf16, HBM {g.hbm_tbs:g} TB/s, shared {g.smem_bytes_per_clk} B/clk/SM")

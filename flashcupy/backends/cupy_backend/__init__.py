@@ -28,7 +28,7 @@ inputs' device.
 
 CuPy is imported at first use, never at import time. Everything the backend takes from CUDA
 goes through one `Runtime`: the array module for allocations and the module compiler. The
-tests install a runtime made of NumPy and a CPU emulator of CUDA (tests/cupy_emulation.py),
+tests install a runtime made of NumPy and a CPU emulator of CUDA (flashcupy/tools/emulator/cupy.py),
 which runs these same kernels and this same launch code without a GPU.
 """
 
@@ -172,33 +172,6 @@ MAX_HEAD_DIM = specs.MAX_HEAD_DIM
 MODIFIERS = frozenset(specs.MOD_BITS)  # the score modifiers the kernels compute; _api refuses the others
 
 
-def _launch_blocks(kernel: specs.Kernel, p, rows: int | None = None) -> tuple:
-    """(what it counts, thread blocks) of one kernel's 1-D grid for p: what the launches use, and
-    what the interface checks against CUDA's limit (grid_axes) before any work."""
-    if kernel.template == "flash_bwd_preprocess":  # a warp a row
-        rows = specs.NUM_THREADS // 32
-        return f"batch x heads_q x seqlen_q / {rows}", _cdiv(p.batch * p.heads_q * p.seqlen_q, rows)
-    if kernel.template == "attn_bwd_dq_convert":  # a thread an element of dq
-        return (f"batch x seqlen_q x heads_q x head_dim / {specs.NUM_THREADS}",
-                _cdiv(p.batch * p.seqlen_q * p.heads_q * p.head_dim, specs.NUM_THREADS))
-    if kernel.template in ("flash_bwd_dkdv", "attn_bwd_dkdv_tc"):  # a block of keys, per kv head
-        return f"seqlen_k / {kernel.block_n} x batch x heads_kv", _cdiv(p.seqlen_k, kernel.block_n) * p.batch * p.heads_kv
-    if kernel.template == "flash_probs":  # a tile of (asked rows, keys), per query head; at most every row
-        return (f"rows / {kernel.block_m} x seqlen_k / {kernel.block_n} x batch x heads_q",
-                _cdiv(rows if rows is not None else p.seqlen_q, kernel.block_m) * _cdiv(p.seqlen_k, kernel.block_n)
-                * p.batch * p.heads_q)
-    if kernel.template == "flash_bwd_dbias":  # a tile of dbias's own shape
-        return "a tile of the bias's shape", _dbias_tiles(kernel, p)
-    return f"seqlen_q / {kernel.block_m} x batch x heads_q", _cdiv(p.seqlen_q, kernel.block_m) * p.batch * p.heads_q
-
-
-def _dbias_tiles(kernel: specs.Kernel, p) -> int:
-    """flash_bwd_dbias's CTAs: one per (bias batch, bias head, row block, key block) of the bias's shape,
-    a dimension of size 1 being one block (flash_pairs.cu)."""
-    batch, heads, rows, keys = p.bias.shape
-    return batch * heads * _cdiv(rows, kernel.block_m if rows > 1 else 1) * _cdiv(keys, kernel.block_n if keys > 1 else 1)
-
-
 def grid_axes(p, backward):
     """Every launch's grid (all 1-D) on either kernel path: the path is chosen per call, from strides."""
     builds = [specs.forward_module, specs.probs_module] + [specs.backward_module] * backward
@@ -208,7 +181,7 @@ def grid_axes(p, backward):
         builds += [specs.tc_forward_module] + [specs.tc_backward_module,
                                                specs.deterministic_tc_backward_module] * backward
     mods = _mods(p)
-    return [(*_launch_blocks(kernel, p), 0) for build in builds for kernel in build(p.dtype, p.head_dim, mods).kernels]
+    return [(*kernel.grid(p), 0) for build in builds for kernel in build(p.dtype, p.head_dim, mods).kernels]
 
 
 # ----------------------------------------------------------------------------
@@ -301,14 +274,14 @@ def split_plan(p, q, k, v, num_splits=None) -> tuple:
     align = specs.SPLIT_ALIGN
     if num_splits is None:
         (kernel,) = _forward_module(p, q, k, v, False)[1].kernels
-        ctas, target = _launch_blocks(kernel, p)[1], 2 * _runtime().sm_count(q)
+        ctas, target = kernel.blocks(p), 2 * _runtime().sm_count(q)
         if ctas > target:
             return 1, 0
         key_split = max(align, p.seqlen_k // _cdiv(target + 1, ctas) // align * align)
     else:
         key_split = _cdiv(_cdiv(p.seqlen_k, num_splits), align) * align
     (kernel,) = _forward_module(p, q, k, v, True)[1].kernels
-    room = backends.MAX_GRID[0] // _launch_blocks(kernel, p)[1]  # the splits CUDA's grid x holds
+    room = backends.MAX_GRID[0] // kernel.blocks(p)  # the splits CUDA's grid x holds
     if _cdiv(p.seqlen_k, key_split) > room:
         key_split = _cdiv(_cdiv(p.seqlen_k, room), align) * align
     splits = _cdiv(p.seqlen_k, key_split)
@@ -345,7 +318,7 @@ def forward(p, q, k, v, num_splits=1):
             part_out, part_lse = _tensor(out), _tensor(lse)
             split_args = (np.int32(0), np.int64(0), np.int64(0))
         fwd(
-            (_launch_blocks(kernel, p)[1] * splits,), (kernel.threads,),
+            (kernel.blocks(p) * splits,), (kernel.threads,),
             (*_tensor(q), *_tensor(k), *_tensor(v), *part_out, *part_lse,
              *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
              *_modifier_args(p, lse, tensor_cores), *split_args),
@@ -386,7 +359,7 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False):
         dqa = rt.xp.zeros(q.shape, dtype=np.float32) if dkdv.dq_atomic else None
 
         preprocess(
-            (_launch_blocks(prep_kernel, p)[1],), block,
+            (prep_kernel.blocks(p),), block,
             (*_tensor(dout), *_tensor(out), D,
              np.int32(p.batch), np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim)))
         shared = (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(dout), *_tensor(lse), D)
@@ -394,14 +367,14 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False):
                  *_modifier_args(p, D, tensor_cores))
         atomic = (*_tensor(dqa),) if dqa is not None else (D, *(np.int64(0),) * 4) if tensor_cores else ()
         bwd_dkdv(
-            (_launch_blocks(dkdv, p)[1],), block,
+            (dkdv.blocks(p),), block,
             (*shared, *_tensor(dk), *_tensor(dv), *flags, *atomic), shared_mem=dkdv.dynamic_smem)
         if dqa is None:
             bwd_dq(
-                (_launch_blocks(dq_kernel, p)[1],), block,
+                (dq_kernel.blocks(p),), block,
                 (*shared, *_tensor(dq), *flags), shared_mem=dq_kernel.dynamic_smem)
         else:
-            bwd_dq((_launch_blocks(dq_kernel, p)[1],), block, (dqa, dq, np.int64(dqa.size), np.float32(p.scale)))
+            bwd_dq((dq_kernel.blocks(p),), block, (dqa, dq, np.int64(dqa.size), np.float32(p.scale)))
         if p.bias is None:
             return dq, dk, dv
         # dbias (flash_pairs.cu, SIMT whichever path ran above): its own arguments are natural-unit ones
@@ -410,7 +383,7 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False):
         (bwd_dbias,) = _functions(rt, module, q)
         dbias = rt.xp.empty(p.bias.shape, dtype=p.bias.dtype)
         bwd_dbias(
-            (_launch_blocks(dbias_kernel, p)[1],), block,
+            (dbias_kernel.blocks(p),), block,
             (*shared, *_tensor(dbias), np.int32(p.batch), *(np.int32(n) for n in p.bias.shape),
              *_shape_args(p), acc(p.scale), np.int32(p.causal), np.int32(p.diagonal),
              *_modifier_args(p, D, False)))
@@ -428,7 +401,7 @@ def probs(p, q, k, lse, rows):
         index = rt.xp.asarray(np.asarray(rows, dtype=np.int64))
         P = rt.xp.empty((p.batch, p.heads_q, len(rows), p.seqlen_k), dtype=p.lse_dtype)
         fn(
-            (_launch_blocks(kernel, p, len(rows))[1],), (specs.NUM_THREADS,),
+            (kernel.blocks(p, len(rows)),), (specs.NUM_THREADS,),
             (*_tensor(q), *_tensor(k), *_tensor(lse), index, np.int32(len(rows)),
              P, *(np.int64(s // P.itemsize) for s in P.strides),
              *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),

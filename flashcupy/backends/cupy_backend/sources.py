@@ -1,8 +1,8 @@
 """The kernel sources as NVRTC compiles them, and the options it compiles them with.
 
-Shared by the backend (which hands them to cupy.RawModule), the NVRTC report (nvrtc.py) and the
-CPU emulator (tests/cupy_emulation.py), so all three compile the same text with the same options.
-Needs nothing but the standard library.
+Shared by the backend (which hands them to cupy.RawModule), the NVRTC report (flashcupy/tools/nvrtc.py)
+and the CPU emulator (flashcupy/tools/emulator/cupy.py), so all three compile the same text with the
+same options. Needs nothing but the standard library.
 """
 
 from __future__ import annotations
@@ -43,6 +43,6 @@ COMPILE_OPTIONS = ("-std=c++17",)
 # device). `assemble_cupy_compiler_options` in cupy/_core/core.pyx adds the -I options: the CUDA
 # headers cuda-pathfinder finds (`find_nvidia_header_directory("cudart")`), CuPy's own headers and
 # its copy of CCCL, and --std=c++17 only where no -std is given. The NVRTC report
-# (nvrtc.py) and the CPU emulator (tests/cupy_emulation.py) compile with these too, so
-# what they check is what runs.
+# (flashcupy/tools/nvrtc.py) and the CPU emulator (flashcupy/tools/emulator/cupy.py) compile with these
+# too, so what they check is what runs.
 CUPY_NVRTC_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")

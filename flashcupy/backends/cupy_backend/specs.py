@@ -19,13 +19,14 @@ A further template parameter, MODS, specialises the attention kernels for score 
 call without modifiers instantiates exactly the kernels it did before they existed:
 ``flash_fwd<float, float, 64, 64, 32, 5>`` is the window-and-ALiBi forward.
 
-This module is imported by the backend, by nvrtc.py (the NVRTC resource report) and by the tests;
-it needs nothing but the standard library and NumPy. The sources and compile options are in
-sources.py.
+This module is imported by the backend, by flashcupy/tools/nvrtc.py (the NVRTC resource report) and
+by the tests; it needs nothing but the standard library and NumPy. The sources and compile options
+are in sources.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -193,6 +194,22 @@ class Kernel:
             return (2 * m + 4 * n) * d * 2
         return 0
 
+    def grid(self, p, rows: int | None = None) -> tuple:
+        """(what it counts, thread blocks) of this kernel's 1-D grid for Problem p (GRIDS): what the
+        launches use, and what the interface checks against CUDA's limit (grid_axes) before any work.
+        `rows`: the query rows attention_probs asks for (flash_probs; default every row)."""
+        counts = GRIDS[self.template].counts.format(block_m=self.block_m, block_n=self.block_n)
+        return counts, self.blocks(p, rows)
+
+    def blocks(self, p, rows: int | None = None) -> int:
+        """The thread blocks of its grid for Problem p (grid's second half)."""
+        return GRIDS[self.template].blocks(self, p, rows)
+
+    @property
+    def loop(self) -> str | None:
+        """The side of the problem each CTA's main loop walks: "keys", "queries", or None (GRIDS)."""
+        return GRIDS[self.template].loop
+
     @property
     def name_expression(self) -> str:
         storage, acc = CUDA_TYPES[self.dtype]
@@ -205,6 +222,57 @@ class Kernel:
         if self.split or self.dq_atomic:  # the kernel's last template flag: SPLIT, DQ_ATOMIC
             args.append("true")
         return f"{self.template}<{', '.join(args)}>"
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The rule of a kernel's 1-D grid (mask.cuh decodes it): `counts`, what its thread blocks count
+    (formatted with the kernel's block_m and block_n), `blocks(kernel, p, rows)`, how many for Problem
+    p, and `loop`, the side of the problem each CTA walks block by block ("keys", "queries", or None
+    for a kernel without such a loop)."""
+
+    counts: str
+    blocks: Callable
+    loop: str | None = None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _dbias_tiles(kernel: Kernel, p, _rows) -> int:
+    """flash_bwd_dbias's CTAs: one per (bias batch, bias head, row block, key block) of the bias's shape,
+    a dimension of size 1 being one block (flash_pairs.cu)."""
+    batch, heads, rows, keys = p.bias.shape
+    return (batch * heads * _cdiv(rows, kernel.block_m if rows > 1 else 1)
+            * _cdiv(keys, kernel.block_n if keys > 1 else 1))
+
+
+# A block of query rows per query head, walking the keys (forward, dQ); a block of keys per kv head,
+# walking the queries (dK/dV)
+_QUERY_BLOCKS = Grid("seqlen_q / {block_m} x batch x heads_q",
+                     lambda k, p, rows: _cdiv(p.seqlen_q, k.block_m) * p.batch * p.heads_q, "keys")
+_KEY_BLOCKS = Grid("seqlen_k / {block_n} x batch x heads_kv",
+                   lambda k, p, rows: _cdiv(p.seqlen_k, k.block_n) * p.batch * p.heads_kv, "queries")
+_PREPROCESS_ROWS = NUM_THREADS // 32  # a warp a row
+# The grid of every template Kernel instantiates
+GRIDS = {
+    "flash_fwd": _QUERY_BLOCKS, "attn_fwd_tc": _QUERY_BLOCKS, "attn_fwd_tc_wide": _QUERY_BLOCKS,
+    "flash_bwd_dq": _QUERY_BLOCKS, "attn_bwd_dq_tc": _QUERY_BLOCKS,
+    "flash_bwd_dkdv": _KEY_BLOCKS, "attn_bwd_dkdv_tc": _KEY_BLOCKS,
+    "flash_bwd_preprocess": Grid(f"batch x heads_q x seqlen_q / {_PREPROCESS_ROWS}",
+                                 lambda k, p, rows: _cdiv(p.batch * p.heads_q * p.seqlen_q, _PREPROCESS_ROWS)),
+    # a thread an element of dQ
+    "attn_bwd_dq_convert": Grid(f"batch x seqlen_q x heads_q x head_dim / {NUM_THREADS}",
+                                lambda k, p, rows: _cdiv(p.batch * p.seqlen_q * p.heads_q * p.head_dim,
+                                                         NUM_THREADS)),
+    # a tile of (asked rows, keys), per query head; at most every row
+    "flash_probs": Grid("rows / {block_m} x seqlen_k / {block_n} x batch x heads_q",
+                        lambda k, p, rows: _cdiv(rows if rows is not None else p.seqlen_q, k.block_m)
+                        * _cdiv(p.seqlen_k, k.block_n) * p.batch * p.heads_q),
+    # a tile of dbias's own shape
+    "flash_bwd_dbias": Grid("a tile of the bias's shape", _dbias_tiles),
+}
 
 
 @dataclass(frozen=True)

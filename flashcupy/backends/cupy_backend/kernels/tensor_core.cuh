@@ -23,8 +23,8 @@
 //
 // Under NVRTC these are `asm volatile` (the ones that touch memory also clobber "memory", so the
 // compiler keeps ordinary loads and stores on their side). Under the CPU emulator
-// (FLASHCUPY_EMULATOR, defined by tests/emulator/include/cuda_emu.h) the same names come from
-// tests/emulator/include/emu_tensor_core.h, which implements each as the ISA defines it: mma and
+// (FLASHCUPY_EMULATOR, defined by flashcupy/tools/emulator/include/cuda_emu.h) the same names come
+// from its emu_tensor_core.h, which implements each as the ISA defines it: mma and
 // ldmatrix as warp rendezvous, cp.async copies landing only at the wait that completes them.
 
 #pragma once

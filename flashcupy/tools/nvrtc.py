@@ -46,18 +46,10 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import sources, specs
+from flashcupy.backends.cupy_backend import sources, specs
+from flashcupy.tools import hardware
+from flashcupy.tools.hardware import MAX_REGISTERS
 
-# Per-SM limits used for occupancy: max threads, max CTAs, registers, shared memory (bytes) and
-# the shared memory the driver reserves per CTA. sm_80: A100; sm_86/89: consumer Ampere/Ada.
-SM_LIMITS = {
-    "sm_80": dict(threads=2048, ctas=32, registers=65536, smem=167936, smem_reserved=1024),
-    "sm_86": dict(threads=1536, ctas=16, registers=65536, smem=102400, smem_reserved=1024),
-    "sm_89": dict(threads=1536, ctas=24, registers=65536, smem=102400, smem_reserved=1024),
-    "sm_90": dict(threads=2048, ctas=32, registers=65536, smem=233472, smem_reserved=1024),
-}
-REGISTER_GRANULE = 256  # registers are allocated per warp in multiples of this
-MAX_REGISTERS = 255  # per thread, on every architecture here
 # A kernel this close to MAX_REGISTERS is one compiler release from spilling: allocation moves by
 # more than this between NVRTC versions. tests/test_nvrtc.py fails on it; the report flags it.
 REGISTER_MARGIN = 8
@@ -223,9 +215,9 @@ def _serve() -> None:
 def _run(toolkit: Toolkit, jobs) -> tuple:
     """(NVRTC version, [(True, (log, lowered, cubin)) or (False, NvrtcError)] per job) from a worker
     process running `toolkit`'s NVRTC."""
-    # where flashcupy is imported from: three folders above this file
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    code = f"import sys; sys.path.insert(0, {root!r}); from flashcupy.backends.cupy_backend.nvrtc import _serve; _serve()"
+    # where flashcupy is imported from: the folder that holds the flashcupy package
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = f"import sys; sys.path.insert(0, {root!r}); from flashcupy.tools.nvrtc import _serve; _serve()"
     done = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((toolkit.nvrtc, list(jobs))),
                           capture_output=True)
     if done.returncode != 0:
@@ -320,15 +312,17 @@ def parse_ptxas(log: str) -> dict:
 
 
 def occupancy(arch: str, registers: int, smem: int, threads: int) -> float:
-    """Resident warps / maximum warps per SM, from registers, shared memory and threads."""
-    lim = SM_LIMITS.get(arch, SM_LIMITS["sm_80"])
+    """Resident warps / maximum warps per SM, from registers, shared memory and threads (the limits:
+    tools/hardware.py)."""
+    lim = hardware.sm(arch)
+    granule = hardware.REGISTER_GRANULE
     warps = -(-threads // 32)
-    by_threads = lim["threads"] // (warps * 32)
-    regs_per_warp = -(-max(registers, 1) * 32 // REGISTER_GRANULE) * REGISTER_GRANULE
-    by_registers = (lim["registers"] // regs_per_warp) // warps
-    by_smem = lim["smem"] // (smem + lim["smem_reserved"])
-    ctas = min(by_threads, by_registers, by_smem, lim["ctas"])
-    return ctas * warps / (lim["threads"] // 32)
+    by_threads = lim.threads // (warps * 32)
+    regs_per_warp = -(-max(registers, 1) * 32 // granule) * granule
+    by_registers = (lim.registers // regs_per_warp) // warps
+    by_smem = lim.smem // (smem + lim.smem_reserved)
+    ctas = min(by_threads, by_registers, by_smem, lim.ctas)
+    return ctas * warps / (lim.threads // 32)
 
 
 def variant(kernel: specs.Kernel) -> str | None:

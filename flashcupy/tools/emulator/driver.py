@@ -1,6 +1,6 @@
 """Compile .cu sources with g++ against the shim, load them, launch kernels.
 
-See the package docstring (tests/emulator/__init__.py) for the API and what is
+See the package docstring (flashcupy/tools/emulator/__init__.py) for the API and what is
 and is not faithful. Layout of this file: errors, build and cache, argument
 marshalling, launch and fault reports, the public classes.
 """

@@ -1,6 +1,10 @@
 """A CPU emulator for flashcupy's CUDA kernels: the very .cu files CuPy loads, run by g++.
 
-Import as ``from emulator import ...`` (tests/ is on sys.path under pytest).
+Import as ``from flashcupy.tools.emulator import ...``. Infrastructure of a checkout, not of the
+package: the tests, ``python -m flashcupy kernels --counters`` and the GPU session's dry run use it,
+and the wheel leaves it out (setup.cfg), with its C++ runtime and headers. ``cupy.py`` runs the
+cupy backend on it; ``counters.py`` is the counting build's model; the emulator's own test kernels
+are tests/emulator_kernels/.
 
 API
 ---

@@ -5,8 +5,13 @@ module and the module compiler) and lets the public API hand NumPy arrays to bac
 Everything else is the production code path: dispatch, specialization choice, grid sizes, strides,
 argument packing, workspace allocation, and the .cu files themselves.
 
+    from flashcupy.tools.emulator.cupy import emulated
+
     with emulated("descending"):
         out = flashcupy.attention(q, k, v, causal=True, backend="cupy")
+
+The tests, `python -m flashcupy kernels --counters` (tools/perfmodel.py) and the GPU session's dry
+run (benchmarks/gpu_session.py) all run the backend this way.
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ import contextlib
 import functools
 
 import numpy as np
-from emulator import EmulatedModule
 
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import sources
+
+from .driver import EmulatedModule
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,7 +42,7 @@ def emulated(thread_order="ascending", seed=0, compile=compile_module, cp_async=
     (sources.CUPY_NVRTC_OPTIONS: the emulator flushes subnormals for its -ftz=true) and -arch for the
     device (CuPy's -I for the CUDA headers has no use here: the emulator brings its own). Tests that
     alter the kernel source pass their own `compile`. cp_async="eager" lands copies at issue (see
-    tests/emulator/__init__.py); compute_capability is what the device reports (below 80 the
+    the package's docstring); compute_capability is what the device reports (below 80 the
     backend never picks the tensor-core kernels).
     """
     def compile_as_cupy(source, names, options):

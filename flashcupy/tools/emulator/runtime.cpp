@@ -354,7 +354,7 @@ Launch* active = nullptr;
 // A lane's n-th execution of one instruction (its site: the return address of the call) joins
 // the n-th execution of that instruction by the other lanes of its warp: one warp-wide request,
 // as SIMT execution of converged lanes issues it. At the end of each block every request is costed
-// (evaluate) and added to the launch's totals. tests/emulator/counters.py documents the model.
+// (evaluate) and added to the launch's totals. counters.py documents the model.
 
 enum Op : int { kOpLoad = 0, kOpStore = 1, kOpLdmatrix = 2, kOpCpAsync = 3, kOpCpAsyncSource = 4 };
 
