@@ -6,7 +6,8 @@ any backend is touched, and backends never re-validate: they receive a `Problem`
 The semantics are documented once, in README.md ("Semantics").
 
 `forward` and `backward` are the package's own entry points: the public ones without the knobs
-only the package turns (a chunk's diagonal for flashcupy.dask and the KV cache, split-KV).
+only the package turns (a chunk's diagonal for flashcupy.dask and the KV cache, split-KV, and
+`into`, the arrays to write the results into: XLA's own output buffers for flashcupy.jax).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from ._checks import (check_arrays, check_backend_name, check_bool, check_like_q
 
 
 def forward(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
-            scale=None, backend="auto", dtype=None, diagonal=None, num_splits=1) -> tuple:
-    """attention's (out, lse) on NumPy or CuPy arrays, with two knobs of the package's own:
+            scale=None, backend="auto", dtype=None, diagonal=None, num_splits=1, into=None) -> tuple:
+    """attention's (out, lse) on NumPy or CuPy arrays, with knobs of the package's own:
     diagonal, that of a chunk of a larger problem, its queries' and keys' global positions folded
     in (None: seqlen_k - seqlen_q); num_splits, split-KV inside the backend for backends that have
-    it (split_plan): 1 none, None by the backend's heuristic, an int at most that many."""
+    it (split_plan): 1 none, None by the backend's heuristic, an int at most that many; into, None
+    or (out, lse) arrays of the results' shapes and dtypes (carriers), written and returned."""
     backend = check_backend_name(backend)
     lib = check_arrays({"q": q, "k": k, "v": v})
     p = problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal)
@@ -33,15 +35,18 @@ def forward(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=No
 
     if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
         # Nothing to attend to: every query row is fully masked (out 0, lse -inf).
+        if into is not None:
+            return _filled(into, (0, -np.inf))
         return mod.allocate(q, q.shape, p.carrier, 0), mod.allocate(q, p.lse_shape, p.lse_dtype, -np.inf)
-    if num_splits == 1:
-        return mod.forward(p, q, k, v)
-    return mod.forward(p, q, k, v, num_splits=num_splits)
+    kw = {} if num_splits == 1 else {"num_splits": num_splits}
+    return _run_into(mod, mod.forward, into, p, q, k, v, **kw)
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None,
-             mask=None, scale=None, backend="auto", dtype=None, deterministic=False, diagonal=None) -> tuple:
-    """attention_backward on NumPy or CuPy arrays, with forward's diagonal."""
+             mask=None, scale=None, backend="auto", dtype=None, deterministic=False, diagonal=None,
+             into=None) -> tuple:
+    """attention_backward on NumPy or CuPy arrays, with forward's diagonal and into: None or
+    (dq, dk, dv), and dbias with a bias, arrays of the gradients' shapes and dtypes."""
     backend = check_backend_name(backend)
     deterministic = check_bool("deterministic", deterministic)
     lib = check_arrays({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
@@ -51,11 +56,30 @@ def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None
     mod = select_backend(backend, lib, p, backward=True)
 
     if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
+        if into is not None:
+            return _filled(into, (0,) * len(into))
         grads = tuple(mod.allocate(q, x.shape, p.carrier, 0) for x in (q, k, v))
         return grads if bias is None else grads + (mod.allocate(q, bias.shape, bias.dtype, 0),)
-    if getattr(mod, "ATOMIC_BACKWARD", False):
-        return mod.backward(p, dout, q, k, v, out, lse, deterministic=deterministic)
-    return mod.backward(p, dout, q, k, v, out, lse)
+    kw = {"deterministic": deterministic} if getattr(mod, "ATOMIC_BACKWARD", False) else {}
+    return _run_into(mod, mod.backward, into, p, dout, q, k, v, out, lse, **kw)
+
+
+def _filled(into, values) -> tuple:
+    for x, value in zip(into, values):
+        x.fill(value)
+    return tuple(into)
+
+
+def _run_into(mod, fn, into, *args, **kw) -> tuple:
+    """fn's results, written into `into` when given: by the backend itself where it declares
+    WRITES_INTO, else copied there."""
+    if into is None:
+        return fn(*args, **kw)
+    if getattr(mod, "WRITES_INTO", False):
+        return fn(*args, into=into, **kw)
+    for x, result in zip(into, fn(*args, **kw)):
+        x[...] = result
+    return tuple(into)
 
 
 @_interop.accepts_foreign_arrays

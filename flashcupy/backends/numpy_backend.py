@@ -1014,12 +1014,17 @@ def _band_tiles(Qt, Kw, Vw, keep, per_call, l_max, scratch, visible, finish) -> 
         finish(u0, u1, O, l, m)
 
 
+WRITES_INTO = True  # forward and backward write into given arrays (into=): XLA's buffers for flashcupy.jax
+
+
 @_one_call
-def forward(p, q, k, v):
+def forward(p, q, k, v, into=None):
     q, k, v = _values(p, q, k, v)
     acc = p.acc_dtype
-    out = np.empty(q.shape, dtype=q.dtype)
-    lse = np.empty(p.lse_shape, dtype=p.lse_dtype)
+    if into is None:
+        out, lse = np.empty(q.shape, dtype=q.dtype), np.empty(p.lse_shape, dtype=p.lse_dtype)
+    else:
+        out, lse = _values(p, into[0])[0], into[1]
     width = p.band.width
     if (width is not None and width <= NARROW_BAND and p.modifiers == {"window"}
             and p.seqlen_q * p.group > IN_PLACE_ROWS):
@@ -1409,11 +1414,14 @@ def _balanced_parts(costs, n, together=None):
 
 
 @_one_call
-def backward(p, dout, q, k, v, out, lse):
+def backward(p, dout, q, k, v, out, lse, into=None):
     dout, q, k, v, out = _values(p, dout, q, k, v, out)
     acc = p.acc_dtype
     D = p.head_dim
-    dq, dk, dv = (np.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+    if into is None:
+        dq, dk, dv = (np.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+    else:
+        dq, dk, dv = _values(p, *into[:3])
     width = p.band.width
     if width is not None and width <= NARROW_BAND and p.modifiers == {"window"}:
         _band_backward(p, dout, q, k, v, out, lse, dq, dk, dv, width)
@@ -1443,7 +1451,10 @@ def backward(p, dout, q, k, v, out, lse):
     # items write disjoint parts of it, unless the bias broadcasts over keys (then each partition
     # sums into its own copy, at most batch x heads_q x seqlen_q, added in a fixed order) or over
     # heads (then the items of one key block, which share elements, run in one partition, in order)
-    dB = None if p.bias is None else np.zeros(p.bias.shape, dtype=acc)
+    dB = None
+    if p.bias is not None:  # summed into where it is given in the accumulation dtype
+        dB = into[3] if into is not None and into[3].dtype == acc else np.empty(p.bias.shape, dtype=acc)
+        dB.fill(0)
     per_partition = dB is not None and dB.shape[3] == 1
     together = None
     if dB is not None and not per_partition and dB.shape[1] == 1 and len(kv_groups) > 1:
@@ -1510,8 +1521,13 @@ def backward(p, dout, q, k, v, out, lse):
         return grads
     # no copy where dbias's dtype is the accumulation dtype: the backward's extra memory is dbias itself
     if p.bias.dtype == p.carrier:  # q's dtype (bfloat16 bits included), else float32
-        return grads + (dB.astype(dq.dtype, copy=False).view(p.carrier),)
-    return grads + (dB.astype(p.bias.dtype, copy=False),)
+        dbias = dB.astype(dq.dtype, copy=False).view(p.carrier)
+    else:
+        dbias = dB.astype(p.bias.dtype, copy=False)
+    if into is not None and dbias is not into[3]:
+        into[3][...] = dbias  # rounded from the accumulation dtype: a copy of dbias's size
+        dbias = into[3]
+    return grads + (dbias,)
 
 
 # ----------------------------------------------------------------------------
