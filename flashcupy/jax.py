@@ -86,7 +86,7 @@ def _platform_library() -> str:
 def _check_jax(named: dict) -> None:
     for name, x in named.items():
         if x is not None and not isinstance(x, jax.Array):
-            raise TypeError(f"{name} must be a jax.Array{' or None' if name not in 'qkv' else ''}, "
+            raise TypeError(f"{name} must be a jax.Array{'' if name in ('q', 'k', 'v') else ' or None'}, "
                             f"got {_checks.describe(x)}")
 
 
@@ -110,6 +110,12 @@ class _Call:
     cu_q: tuple | None = None  # varlen: the host offsets
     cu_k: tuple | None = None
 
+    @classmethod
+    def of(cls, p, window, softcap, scale, backend, **varlen) -> _Call:
+        """The options of a checked call, p its Problem (made from stand-ins of JAX's dtypes)."""
+        return cls(p.causal, None if window is None else tuple(window), softcap, scale, backend,
+                   "bfloat16" if p.dtype == "bfloat16" else None, bits=p.carrier.kind in "iu", **varlen)
+
     def keywords(self) -> dict:
         return dict(causal=self.causal, window=self.window, softcap=self.softcap, scale=self.scale,
                     backend=self.backend, dtype=self.dtype)
@@ -121,9 +127,7 @@ def _plan(q, k, v, causal, window, softcap, alibi_slopes, bias, mask, scale, bac
     p = _checks.problem(*map(_stand_in, (q, k, v)), causal, scale, dtype, "numpy", window, softcap,
                         *map(_stand_in, (alibi_slopes, bias, mask)))
     _checks.select_backend(backend, _platform_library(), p)
-    call = _Call(p.causal, None if window is None else tuple(window), softcap, scale, backend,
-                 "bfloat16" if p.dtype == "bfloat16" else None, bits=p.carrier.kind in "iu")
-    return p, call
+    return p, _Call.of(p, window, softcap, scale, backend)
 
 
 def _aval(shape, dtype):
@@ -167,8 +171,8 @@ def _fold(x, batched: bool, n: int, batch: int, kind: str):
 def _unfold(y, n: int, like=None):
     """A result of the folded call as n results; dbias summed back over the batch it was broadcast to."""
     y = y.reshape((n, y.shape[0] // n) + y.shape[1:])
-    if like is not None and y.shape[1] != like:
-        y = y.sum(axis=1, keepdims=True, dtype=y.dtype)
+    if like is not None and y.shape[1] != like:  # summed in the accumulation dtype, rounded once
+        y = y.sum(axis=1, keepdims=True, dtype=_lse_dtype(y)).astype(y.dtype)
     return y
 
 
@@ -213,12 +217,11 @@ def _forward_call(call: _Call):
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_call(call: _Call, deterministic: bool = False):
+def _backward_call(call: _Call):
     def callback(ctx, grads, dout, q, k, v, out, lse, alibi_slopes, bias, mask):
         with _stream(ctx, q):
             _api.backward(*map(_view, (dout, q, k, v, out, lse)), alibi_slopes=_view(alibi_slopes),
-                          bias=_view(bias), mask=_view(mask), into=tuple(map(_view, grads)),
-                          deterministic=deterministic, **call.keywords())
+                          bias=_view(bias), mask=_view(mask), into=tuple(map(_view, grads)), **call.keywords())
 
     def run(dout, q, k, v, out, lse, alibi_slopes, bias, mask):
         avals = tuple(_aval(x.shape, x.dtype) for x in (q, k, v) + (() if bias is None else (bias,)))
@@ -408,8 +411,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     p, cu_q, cu_k, _ = _varlen._varlen_plan(*map(_stand_in, (q, k, v)), cu_q, cu_k, max_seqlen_q, max_seqlen_k,
                                             causal, scale, dtype, mods, "numpy")
     _checks.select_backend(backend, _platform_library(), p)
-    call = _Call(p.causal, None if window is None else tuple(window), softcap, scale, backend,
-                 "bfloat16" if p.dtype == "bfloat16" else None, bits=p.carrier.kind in "iu",
-                 cu_q=tuple(cu_q.tolist()), cu_k=tuple(cu_k.tolist()))
+    call = _Call.of(p, window, softcap, scale, backend, cu_q=tuple(cu_q.tolist()), cu_k=tuple(cu_k.tolist()))
     out, lse = _differentiable_packed(call)(q, k, v, alibi_slopes)
     return (out, lse) if return_lse else out

@@ -10,7 +10,6 @@ import pytest
 jax = pytest.importorskip("jax", reason="jax[cpu] is in the test extra")
 jnp = pytest.importorskip("jax.numpy")
 
-import flashcupy  # noqa: E402
 import flashcupy.jax as fj  # noqa: E402
 from flashcupy.backends import numpy_backend  # noqa: E402
 from conftest import BF16, assert_matches_oracle, expected  # noqa: E402
