@@ -6,7 +6,8 @@ any backend is touched, and backends never re-validate: they receive a `Problem`
 The semantics are documented once, in README.md ("Semantics").
 
 `forward` and `backward` are the package's own entry points: the public ones without the knobs
-only the package turns (a chunk's diagonal for flashcupy.dask and the KV cache, split-KV).
+only the package turns (a chunk's diagonal for flashcupy.dask and the KV cache, split-KV, and
+`into`, the arrays to write the results into: XLA's own output buffers for flashcupy.jax).
 """
 
 from __future__ import annotations
@@ -21,31 +22,36 @@ from ._checks import (check_arrays, check_backend_name, check_bool, check_leadin
 
 
 def forward(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
-            scale=None, backend="auto", dtype=None, diagonal=None, num_splits=1) -> tuple:
-    """attention's (out, lse) on NumPy or CuPy arrays, with two knobs of the package's own:
+            scale=None, backend="auto", dtype=None, diagonal=None, num_splits=1, into=None) -> tuple:
+    """attention's (out, lse) on NumPy or CuPy arrays, with knobs of the package's own:
     diagonal, that of a chunk of a larger problem, its queries' and keys' global positions folded
     in (None: seqlen_k - seqlen_q); num_splits, split-KV inside the backend for backends that have
-    it (split_plan): 1 none, None by the backend's heuristic, an int at most that many."""
+    it (split_plan): 1 none, None by the backend's heuristic, an int at most that many; into, None
+    or (out, lse) arrays of the results' shapes and dtypes (carriers), written and returned."""
     backend = check_backend_name(backend)
     lib = check_arrays({"q": q, "k": k, "v": v})
     if len(check_leading(lib, q, k, v, alibi_slopes, bias, mask)) > 1:  # rank-4 calls on views (_batch.py)
+        p = problem(*map(_batch.stand_in, (q, k, v)), causal, scale, dtype, lib)  # dtypes, scale: before any work
         kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                   scale=scale, backend=backend, dtype=dtype, diagonal=diagonal, num_splits=num_splits)
-        return _batch.forward(forward, q, k, v, kw)
+        return _batch.forward(forward, q, k, v, kw, p.carrier, p.lse_dtype, into)
     p = problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal)
     mod = select_backend(backend, lib, p)
 
     if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
         # Nothing to attend to: every query row is fully masked (out 0, lse -inf).
+        if into is not None:
+            return _filled(into, (0, -np.inf))
         return mod.allocate(q, q.shape, p.carrier, 0), mod.allocate(q, p.lse_shape, p.lse_dtype, -np.inf)
-    if num_splits == 1:
-        return mod.forward(p, q, k, v)
-    return mod.forward(p, q, k, v, num_splits=num_splits)
+    kw = {} if num_splits == 1 else {"num_splits": num_splits}
+    return _run_into(mod, mod.forward, into, p, q, k, v, **kw)
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None,
-             mask=None, scale=None, backend="auto", dtype=None, deterministic=False, diagonal=None) -> tuple:
-    """attention_backward on NumPy or CuPy arrays, with forward's diagonal."""
+             mask=None, scale=None, backend="auto", dtype=None, deterministic=False, diagonal=None,
+             into=None) -> tuple:
+    """attention_backward on NumPy or CuPy arrays, with forward's diagonal and into: None or
+    (dq, dk, dv), and dbias with a bias, arrays of the gradients' shapes and dtypes."""
     backend = check_backend_name(backend)
     deterministic = check_bool("deterministic", deterministic)
     lib = check_arrays({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
@@ -56,22 +62,43 @@ def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None
         check_lse(p, lse, batch + (q.shape[-2], q.shape[-3]))
         kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                   scale=scale, backend=backend, dtype=dtype, deterministic=deterministic, diagonal=diagonal)
-        return _batch.backward(backward, dout, q, k, v, out, lse, kw, p.acc_dtype)
+        return _batch.backward(backward, dout, q, k, v, out, lse, kw, p.carrier, p.acc_dtype, into)
     p = problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal)
     check_like_q(p, q, {"dout": dout, "out": out})
     check_lse(p, lse)
     mod = select_backend(backend, lib, p, backward=True)
 
     if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
+        if into is not None:
+            return _filled(into, (0,) * len(into))
         grads = tuple(mod.allocate(q, x.shape, p.carrier, 0) for x in (q, k, v))
         return grads if bias is None else grads + (mod.allocate(q, bias.shape, bias.dtype, 0),)
-    if getattr(mod, "ATOMIC_BACKWARD", False):
-        grads = mod.backward(p, dout, q, k, v, out, lse, deterministic=deterministic)
-    else:
-        grads = mod.backward(p, dout, q, k, v, out, lse)
     if bias is not None and bias.ndim != 4:  # the backend's dbias is of the bias padded to rank 4
+        into = None if into is None else (*into[:3], *(_batch.padded(x, 4) for x in into[3:]))
+    kw = {"deterministic": deterministic} if getattr(mod, "ATOMIC_BACKWARD", False) else {}
+    grads = _run_into(mod, mod.backward, into, p, dout, q, k, v, out, lse, **kw)
+    if bias is not None and bias.ndim != 4:
         return (*grads[:3], grads[3].reshape(bias.shape))
     return grads
+
+
+def _filled(into, values) -> tuple:
+    for x, value in zip(into, values):
+        x.fill(value)
+    return tuple(into)
+
+
+def _run_into(mod, fn, into, *args, **kw) -> tuple:
+    """fn's results, written into `into` when given (some of them: the rest are returned as the
+    backend made them): by the backend itself where it declares WRITES_INTO, else copied there."""
+    if into is None:
+        return fn(*args, **kw)
+    if getattr(mod, "WRITES_INTO", False):
+        return fn(*args, into=into, **kw)
+    results = fn(*args, **kw)
+    for x, result in zip(into, results):
+        x[...] = result
+    return (*into, *results[len(into):])
 
 
 @_interop.accepts_foreign_arrays
@@ -145,12 +172,12 @@ def attention_probs(q, k, lse, *, rows=None, causal=False, window=None, softcap=
     lib = check_arrays({"q": q, "k": k, "lse": lse})
     batch = check_leading(lib, q, k, k, alibi_slopes, bias, mask)
     if len(batch) > 1:  # rank-4 calls on views (flashcupy/_batch.py)
-        check_lse(problem(*map(_batch.stand_in, (q, k, k)), causal, scale, dtype, lib), lse,
-                  batch + (q.shape[-2], q.shape[-3]))
+        p = problem(*map(_batch.stand_in, (q, k, k)), causal, scale, dtype, lib)
+        check_lse(p, lse, batch + (q.shape[-2], q.shape[-3]))
         index = check_rows(rows, q.shape[-3])
         kw = dict(rows=index, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
                   mask=mask, scale=scale, backend=backend, dtype=dtype)
-        return _batch.probs(attention_probs.__wrapped__, q, k, lse, index.size, kw)
+        return _batch.probs(attention_probs.__wrapped__, q, k, lse, index.size, kw, p.lse_dtype)
     p = problem(q, k, k, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask)
     check_lse(p, lse)
     index = check_rows(rows, p.seqlen_q)

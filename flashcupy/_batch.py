@@ -150,32 +150,18 @@ def plan(batch: tuple, full: dict, broadcast: dict) -> Fold:
     return Fold(batch, list(full.values()), [x for x in broadcast.values() if x is not None])
 
 
-class Assembly:
-    """The whole outputs of a folded call: one call's results reshaped (they are fresh, contiguous
-    arrays: a view), or, over several calls, each written into its place of a whole output."""
-
-    def __init__(self, fold: Fold, shapes: dict):
-        self.fold, self.shapes, self.whole = fold, shapes, None
-
-    def add(self, index, results: dict) -> None:
-        if self.fold.looped == () or math.prod(self.fold.batch) == 0:
-            self.whole = {n: r.reshape(self.shapes[n]) for n, r in results.items()}
-            return
-        if self.whole is None:
-            self.whole = {n: _empty(r, self.shapes[n]) for n, r in results.items()}
-        for n, r in results.items():
-            self.fold.view(self.whole[n], index)[...] = r
-
-
-def _empty(like, shape):
-    lib = type(like).__module__.split(".")[0]
+def _empty(like, shape, dtype, calls: int):
+    """An uninitialised array of like's library (NumPy, CuPy; Numba for a call that folds whole)."""
     if isinstance(like, np.ndarray):
-        return np.empty(shape, like.dtype)
-    if lib == "cupy":
+        return np.empty(shape, dtype)
+    if type(like).__module__.split(".")[0] == "cupy":
         import cupy
-        return cupy.empty(shape, like.dtype)
-    raise ValueError("Numba device arrays whose leading (batch) dimensions do not fold into one (see "
-                     "flashcupy/_batch.py) are not supported: pass them contiguous, or as CuPy arrays")
+        return cupy.empty(shape, dtype)
+    if calls > 1:
+        raise ValueError("Numba device arrays whose leading (batch) dimensions do not fold into one (see "
+                         "flashcupy/_batch.py) are not supported: pass them contiguous, or as CuPy arrays")
+    from numba import cuda
+    return cuda.device_array(shape, dtype)
 
 
 class Sum:
@@ -210,56 +196,58 @@ def _inputs(batch, named: dict, kw: dict) -> tuple:
     return full, {n: padded(kw.get(n), rank) for n in ("bias", "mask")}
 
 
-def forward(fn, q, k, v, kw: dict) -> tuple:
-    """fn (the rank-4 forward: (out, lse)) over the folded views of q, k, v and the modifiers."""
+def forward(fn, q, k, v, kw: dict, carrier, lse_dtype, into=None) -> tuple:
+    """fn (the rank-4 forward) over the folded views of q, k, v and the modifiers, each call writing
+    its views of the whole out and lse (`into`, or new ones)."""
     batch = tuple(q.shape[:-3])
     full, broadcast = _inputs(batch, {"q": q, "k": k, "v": v}, kw)
     fold = plan(batch, full, broadcast)
-    Sq, Hq = q.shape[-3], q.shape[-2]
-    results = Assembly(fold, {"out": tuple(q.shape), "lse": batch + (Hq, Sq)})
+    calls = math.prod(batch[d] for d in fold.looped)
+    out, lse = into or (_empty(q, q.shape, carrier, calls),
+                        _empty(q, batch + (q.shape[-2], q.shape[-3]), lse_dtype, calls))
     for index, views in _calls(fold, full, broadcast):
         q4, k4, v4 = views.pop("q"), views.pop("k"), views.pop("v")
-        out, lse = fn(q4, k4, v4, **(kw | views))
-        results.add(index, {"out": out, "lse": lse})
-    return results.whole["out"], results.whole["lse"]
+        fn(q4, k4, v4, into=(fold.view(out, index), fold.view(lse, index)), **(kw | views))
+    return out, lse
 
 
-def backward(fn, dout, q, k, v, out, lse, kw: dict, acc) -> tuple:
-    """fn (the rank-4 backward) over the folded views; dbias of the bias's own shape."""
+def backward(fn, dout, q, k, v, out, lse, kw: dict, carrier, acc, into=None) -> tuple:
+    """fn (the rank-4 backward) over the folded views, each call writing its views of the whole dq,
+    dk, dv and (unless the bias broadcasts over a looped dimension: Sum) dbias, of the bias's shape."""
     batch = tuple(q.shape[:-3])
     full, broadcast = _inputs(batch, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}, kw)
     fold = plan(batch, full, broadcast)
+    calls = math.prod(batch[d] for d in fold.looped)
     bias = broadcast["bias"]
-    results = Assembly(fold, {"dq": tuple(q.shape), "dk": tuple(k.shape), "dv": tuple(v.shape)})
+    whole = list(into or [_empty(q, x.shape, carrier, calls) for x in (q, k, v)])
+    if bias is not None and len(whole) == 3:
+        whole.append(_empty(bias, kw["bias"].shape, bias.dtype, calls))
+    dbias = None if bias is None else padded(whole[3], len(batch) + 3)
     summed = None
     if bias is not None and any(bias.shape[d] == 1 and batch[d] > 1 for d in fold.looped):
         value = "float32" if np.dtype(bias.dtype) == np.float32 else (kw.get("dtype") or np.dtype(bias.dtype).name)
         summed = Sum(fold, bias, value, acc)
-    elif bias is not None:
-        results.shapes["dbias"] = tuple(bias.shape)
     for index, views in _calls(fold, full, broadcast):
         args = [views.pop(n) for n in ("dout", "q", "k", "v", "out", "lse")]
-        grads = fn(*args, **(kw | views))
-        named = dict(zip(("dq", "dk", "dv"), grads[:3]))
+        places = [fold.view(x, index) for x in whole[:3]]
+        if dbias is not None and summed is None:
+            places.append(fold.view(dbias, index))
+        grads = fn(*args, into=tuple(places), **(kw | views))
         if summed is not None:
             summed.add(index, grads[3])
-        elif bias is not None:
-            named["dbias"] = grads[3]
-        results.add(index, named)
-    grads = [results.whole[n] for n in ("dq", "dk", "dv")]
-    if bias is None:
-        return tuple(grads)
-    dbias = summed.result(kw["bias"].shape) if summed is not None else results.whole["dbias"].reshape(kw["bias"].shape)
-    return (*grads, dbias)
+    if summed is not None:
+        dbias[...] = summed.result(dbias.shape)
+    return tuple(whole)
 
 
-def probs(fn, q, k, lse, rows: int, kw: dict):
-    """fn (the rank-4 attention_probs) over the folded views: (*batch, heads_q, rows, seqlen_k)."""
+def probs(fn, q, k, lse, rows: int, kw: dict, lse_dtype):
+    """fn (the rank-4 attention_probs) over the folded views: (*batch, heads_q, rows, seqlen_k), each
+    call's result written into its view of the whole."""
     batch = tuple(q.shape[:-3])
     full, broadcast = _inputs(batch, {"q": q, "k": k, "lse": lse}, kw)
     fold = plan(batch, full, broadcast)
-    results = Assembly(fold, {"P": batch + (q.shape[-2], rows, k.shape[-3])})
+    P = _empty(q, batch + (q.shape[-2], rows, k.shape[-3]), lse_dtype, math.prod(batch[d] for d in fold.looped))
     for index, views in _calls(fold, full, broadcast):
         q4, k4, lse4 = views.pop("q"), views.pop("k"), views.pop("lse")
-        results.add(index, {"P": fn(q4, k4, lse4, **(kw | views))})
-    return results.whole["P"]
+        fold.view(P, index)[...] = fn(q4, k4, lse4, **(kw | views))
+    return P

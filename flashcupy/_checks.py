@@ -99,7 +99,11 @@ def real(name: str, x) -> float:
     if _interop.tracked_by_autograd(x):
         raise ValueError(f"{name} requires grad, but flashcupy gives {name} no gradient: pass "
                          f"{name}.detach() (or float({name})) if it is a constant")
-    return float(x)
+    try:
+        return float(x)
+    except Exception as e:  # a value that is not known yet: a traced JAX array inside jit
+        raise TypeError(f"{name} must be a real number, a 0-d array or None whose value is known, got "
+                        f"{describe(x)}, which has none yet ({type(e).__name__}): pass a Python float") from None
 
 
 def check_positive(name: str, x, acc_dtype: np.dtype) -> float:

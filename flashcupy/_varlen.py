@@ -107,17 +107,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                                       scale, dtype, mods, backend)
     out = mod.allocate(q, q.shape, p.carrier, 0)
     lse = mod.allocate(q, (p.heads_q, q.shape[0]), p.lse_dtype, -np.inf)
+    forward_packed(q, k, v, cu_q, cu_k, out, lse, causal=causal, scale=scale, backend=backend, dtype=dtype, **mods)
+    return (out, lse) if return_lse else out
+
+
+def forward_packed(q, k, v, cu_q, cu_k, out, lse, *, alibi_slopes=None, **keywords) -> None:
+    """attention_varlen of a validated call (_varlen_plan), its offsets cu_q, cu_k on the host: each
+    sequence's (out, lse) written into out and lse (flashcupy.jax passes XLA's buffers)."""
     batch = cu_q.size - 1
     for b in range(batch):
         (qa, qb), (ka, kb) = cu_q[b:b + 2], cu_k[b:b + 2]
         if qa == qb:
             continue
-        o, l = _api.forward(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], causal=causal, window=window,
-                            softcap=softcap, alibi_slopes=_slopes_for(alibi_slopes, b, batch), scale=scale,
-                            backend=backend, dtype=dtype)
+        o, l = _api.forward(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb],
+                            alibi_slopes=_slopes_for(alibi_slopes, b, batch), **keywords)
         out[qa:qb] = o[0]
         lse[:, qa:qb] = l[0]
-    return (out, lse) if return_lse else out
 
 
 @_interop.accepts_foreign_arrays
@@ -135,17 +140,24 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     if np.dtype(lse.dtype) != p.lse_dtype:
         raise TypeError(f"lse must have dtype {p.lse_dtype} for {p.dtype} inputs, got {np.dtype(lse.dtype)}")
     dq, dk, dv = (mod.allocate(q, x.shape, p.carrier, 0) for x in (q, k, v))
+    backward_packed(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, causal=causal, scale=scale, backend=backend,
+                    dtype=dtype, **mods)
+    return dq, dk, dv
+
+
+def backward_packed(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, *, alibi_slopes=None, **keywords) -> None:
+    """attention_varlen_backward of a validated call, its offsets on the host: every row of dq, dk
+    and dv written (zeros for a sequence without queries or keys)."""
     batch = cu_q.size - 1
     for b in range(batch):
         (qa, qb), (ka, kb) = cu_q[b:b + 2], cu_k[b:b + 2]
-        if qa == qb or ka == kb:
-            continue  # no query, or no key: zero gradients
+        if qa == qb or ka == kb:  # no query, or no key: zero gradients
+            dq[qa:qb], dk[ka:kb], dv[ka:kb] = 0, 0, 0
+            continue
         g = _api.backward(dout[None, qa:qb], q[None, qa:qb], k[None, ka:kb], v[None, ka:kb],
-                          out[None, qa:qb], lse[None, :, qa:qb], causal=causal, window=window,
-                          softcap=softcap, alibi_slopes=_slopes_for(alibi_slopes, b, batch), scale=scale,
-                          backend=backend, dtype=dtype)
+                          out[None, qa:qb], lse[None, :, qa:qb], alibi_slopes=_slopes_for(alibi_slopes, b, batch),
+                          **keywords)
         dq[qa:qb], dk[ka:kb], dv[ka:kb] = g[0][0], g[1][0], g[2][0]
-    return dq, dk, dv
 
 
 @_interop.accepts_foreign_arrays

@@ -295,10 +295,14 @@ def _forward_module(p, q, k, v, split: bool) -> tuple:
     return tensor_cores, build(p.dtype, p.head_dim, _mods(p), split)
 
 
-def forward(p, q, k, v, num_splits=1):
+WRITES_INTO = True  # forward and backward write into given arrays (into=): XLA's buffers for flashcupy.jax
+
+
+def forward(p, q, k, v, num_splits=1, into=None):
     """out, lse. num_splits (split_plan): 1, the default, one launch over all keys; None or an int >
     1, split-KV: the splits' partial outs (in the accumulation dtype) and lses from one launch,
-    merged by flashcupy.merge's rule."""
+    merged by flashcupy.merge's rule. into: None or (out, lse) arrays the kernel writes (the merge
+    of a split-KV call is copied there)."""
     rt = _runtime()
     splits, key_split = (1, 0) if num_splits == 1 else split_plan(p, q, k, v, num_splits)
     tensor_cores, module = _forward_module(p, q, k, v, splits > 1)
@@ -312,6 +316,10 @@ def forward(p, q, k, v, num_splits=1):
             part_out, part_lse = (_tensor(x)[:1] + _tensor(x[0])[1:] for x in (out, lse))
             split_args = (np.int32(key_split), np.int64(out.strides[0] // out.itemsize),
                           np.int64(lse.strides[0] // lse.itemsize))
+        elif into is not None:
+            out, lse = into
+            part_out, part_lse = _tensor(out), _tensor(lse)
+            split_args = (np.int32(0), np.int64(0), np.int64(0))
         else:
             out = rt.xp.empty(q.shape, dtype=p.carrier)
             lse = rt.xp.empty(p.lse_shape, dtype=p.lse_dtype)
@@ -326,6 +334,9 @@ def forward(p, q, k, v, num_splits=1):
         if splits > 1:
             merged, lse = _merge.merge(list(out), list(lse))
             out = _merge._store(rt.xp, merged, p.dtype, p.carrier)
+            if into is not None:
+                into[0][...], into[1][...] = out, lse
+                out, lse = into
     return out, lse
 
 
@@ -338,10 +349,11 @@ def _backward_module(p, tensor_cores: bool, deterministic: bool) -> specs.Module
     return specs.backward_module(p.dtype, p.head_dim, _mods(p))
 
 
-def backward(p, dout, q, k, v, out, lse, deterministic=False):
-    """dq, dk, dv (and dbias with a bias). On tensor cores, unless deterministic, the dK/dV kernel also
-    adds dQ into an fp32 workspace with atomics (five GEMMs, not seven; the sums' order, so the
-    rounding, varies from run to run); the SIMT kernels are deterministic either way."""
+def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
+    """dq, dk, dv (and dbias with a bias), written into `into` when given. On tensor cores, unless
+    deterministic, the dK/dV kernel also adds dQ into an fp32 workspace with atomics (five GEMMs,
+    not seven; the sums' order, so the rounding, varies from run to run); the SIMT kernels are
+    deterministic either way."""
     rt = _runtime()
     tensor_cores = backward_path(p, dout, q, k, v, out) == "tensor-core"
     module = _backward_module(p, tensor_cores, deterministic)
@@ -350,9 +362,10 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False):
     block = (specs.NUM_THREADS,)
     with rt.device_of(q):
         preprocess, bwd_dkdv, bwd_dq = _functions(rt, module, q)
-        dq = rt.xp.empty(q.shape, dtype=p.carrier)
-        dk = rt.xp.empty(k.shape, dtype=p.carrier)
-        dv = rt.xp.empty(v.shape, dtype=p.carrier)
+        if into is None:
+            dq, dk, dv = (rt.xp.empty(x.shape, dtype=p.carrier) for x in (q, k, v))
+        else:
+            dq, dk, dv = into[:3]
         D = rt.xp.empty(p.lse_shape, dtype=p.acc_dtype)  # workspace: rowsum(dO ∘ O), contiguous
         # workspace for dQ's atomics: zeros, q's shape, contiguous (the tensor-core dK/dV kernel takes
         # a never-read stand-in otherwise)
@@ -374,14 +387,19 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False):
                 (dq_kernel.blocks(p),), block,
                 (*shared, *_tensor(dq), *flags), shared_mem=dq_kernel.dynamic_smem)
         else:
-            bwd_dq((dq_kernel.blocks(p),), block, (dqa, dq, np.int64(dqa.size), np.float32(p.scale)))
+            # the convert kernel writes dq element by element in q's shape, contiguous: a given dq of
+            # other strides (a view of a larger one: flashcupy/_batch.py) takes a copy
+            flat = dq if dq.flags.c_contiguous else rt.xp.empty(q.shape, dtype=p.carrier)
+            bwd_dq((dq_kernel.blocks(p),), block, (dqa, flat, np.int64(dqa.size), np.float32(p.scale)))
+            if flat is not dq:
+                dq[...] = flat
         if p.bias is None:
             return dq, dk, dv
         # dbias (flash_pairs.cu, SIMT whichever path ran above): its own arguments are natural-unit ones
         module = specs.dbias_module(p.dtype, p.head_dim, _mods(p))
         (dbias_kernel,) = module.kernels
         (bwd_dbias,) = _functions(rt, module, q)
-        dbias = rt.xp.empty(p.bias.shape, dtype=p.bias.dtype)
+        dbias = rt.xp.empty(p.bias.shape, dtype=p.bias.dtype) if into is None or len(into) < 4 else into[3]
         bwd_dbias(
             (dbias_kernel.blocks(p),), block,
             (*shared, *_tensor(dbias), np.int32(p.batch), *(np.int32(n) for n in p.bias.shape),

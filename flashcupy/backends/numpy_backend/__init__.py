@@ -106,11 +106,16 @@ def allocate(like, shape, dtype, fill):
     return np.full(shape, fill, dtype=dtype)
 
 
+WRITES_INTO = True  # forward and backward write into given arrays (into=): XLA's buffers for flashcupy.jax
+
+
 @pool.one_call
-def forward(p, q, k, v):
+def forward(p, q, k, v, into=None):
     q, k, v = stacks.values(p, q, k, v)
-    out = np.empty(q.shape, dtype=q.dtype)
-    lse = np.empty(p.lse_shape, dtype=p.lse_dtype)
+    if into is None:
+        out, lse = np.empty(q.shape, dtype=q.dtype), np.empty(p.lse_shape, dtype=p.lse_dtype)
+    else:
+        out, lse = stacks.values(p, into[0])[0], into[1]
     width = plan.narrow_band(p)
     if width is not None:
         band_forward.forward(p, q, k, v, out, lse, width)
@@ -120,22 +125,31 @@ def forward(p, q, k, v):
 
 
 @pool.one_call
-def backward(p, dout, q, k, v, out, lse):
+def backward(p, dout, q, k, v, out, lse, into=None):
     dout, q, k, v, out = stacks.values(p, dout, q, k, v, out)
-    dq, dk, dv = (np.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+    if into is None:
+        dq, dk, dv = (np.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+    else:
+        dq, dk, dv = stacks.values(p, *into[:3])
     width = plan.narrow_band(p, backward=True)
     if width is not None:
         band_backward.backward(p, dout, q, k, v, out, lse, dq, dk, dv, width)
         dB = None
-    else:
-        dB = tiled_backward.backward(p, dout, q, k, v, out, lse, dq, dk, dv)
+    else:  # dbias summed straight into `into` where it is given in the accumulation dtype
+        given = into[3] if into is not None and len(into) > 3 and into[3].dtype == p.acc_dtype else None
+        dB = tiled_backward.backward(p, dout, q, k, v, out, lse, dq, dk, dv, dB=given)
     grads = dq.view(p.carrier), dk.view(p.carrier), dv.view(p.carrier)
     if dB is None:
         return grads
     # no copy where dbias's dtype is the accumulation dtype: the backward's extra memory is dbias itself
     if p.bias.dtype == p.carrier:  # q's dtype (bfloat16 bits included), else float32
-        return grads + (dB.astype(dq.dtype, copy=False).view(p.carrier),)
-    return grads + (dB.astype(p.bias.dtype, copy=False),)
+        dbias = dB.astype(dq.dtype, copy=False).view(p.carrier)
+    else:
+        dbias = dB.astype(p.bias.dtype, copy=False)
+    if into is not None and len(into) > 3 and dbias is not into[3]:
+        into[3][...] = dbias  # rounded from the accumulation dtype: a copy of dbias's size
+        dbias = into[3]
+    return grads + (dbias,)
 
 
 @pool.one_call

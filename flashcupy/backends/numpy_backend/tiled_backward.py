@@ -163,14 +163,19 @@ def prepare(p, b, dout, q, out, lse, heads, mods) -> tuple:
     return Q1_all, dO1_all
 
 
-def backward(p, dout, q, k, v, out, lse, dq, dk, dv):
+def backward(p, dout, q, k, v, out, lse, dq, dk, dv, dB=None):
     """dq, dk, dv of the views in the value dtype by the tile plans; returns dbias (the bias's
-    shape, the accumulation dtype) or None."""
+    shape, the accumulation dtype; summed into dB where given) or None."""
     acc = p.acc_dtype
     bplan = plan_backward(p)
     heads = stacks.HeadMap(p)
     mods = modifiers.Modifiers(p, heads) if p.modifiers - {"window"} else None
-    dB = None if p.bias is None else np.zeros(p.bias.shape, dtype=acc)  # in the accumulation dtype
+    if p.bias is None:
+        dB = None
+    elif dB is None:
+        dB = np.zeros(p.bias.shape, dtype=acc)  # in the accumulation dtype
+    else:
+        dB.fill(0)
     for b in range(p.batch):
         Q1_all, dO1_all = prepare(p, b, dout, q, out, lse, heads, mods)
         prepared = {(h0, h1): (Q1_all[h0:h1], dO1_all[h0:h1]) for h0, h1 in bplan.kv_groups}

@@ -1,0 +1,433 @@
+"""flashcupy inside JAX: attention and attention_varlen on jax.Arrays, under jit, grad and vmap.
+
+Each call is a `jax.experimental.buffer_callback`: XLA hands the callback its own buffers, which
+are viewed without a copy (NumPy views on a CPU, CuPy views on a GPU; bfloat16 as its uint16 bits,
+dtype="bfloat16"), and the package's entry points (flashcupy._api.forward and backward) write
+their results straight into XLA's output buffers (into=). On a GPU the kernels run on XLA's stream
+(cupy.cuda.ExternalStream(ctx.stream)): no host round trip, no synchronisation.
+
+Gradients: a jax.custom_vjp whose forward saves out and lse and whose backward is the package's
+backward on them (no recomputation of the forward); dbias when a bias is given; mask, ALiBi
+slopes and offsets get none (their cotangents are zero, as flash-attn's). Gradients flow through
+out only: differentiating through the lse of return_lse=True is refused.
+
+vmap: the mapped axis is folded into the batch axis (varlen: into the packing) of one call, by
+jax.custom_batching.custom_vmap; operands that are not mapped are broadcast to the mapped size
+first (an XLA copy) where the fold needs them whole.
+
+Every argument check runs when JAX traces the call, on stand-ins of the arrays' shapes and
+dtypes that hold no memory (flashcupy/_checks.py, as flashcupy.dask does), so a bad call raises
+its TypeError or ValueError at trace time; the callback runs the same checks on the real views.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_batching import custom_vmap
+from jax.custom_derivatives import SymbolicZero
+from jax.experimental.buffer_callback import buffer_callback
+
+from . import _api, _checks, _varlen
+from ._problem import accumulation_dtype
+
+__all__ = ["attention", "attention_varlen"]
+
+_CPU = 1  # kDLCPU, the DLPack device type of XLA's host buffers
+
+
+# ----------------------------------------------------------------------------
+# XLA's buffers as NumPy or CuPy arrays
+
+
+def _view(buf):
+    """A NumPy (host) or CuPy (CUDA) array over XLA's buffer, no copy; bfloat16 as uint16 bits."""
+    if buf is None:
+        return None
+    value = np.dtype(buf.dtype)
+    carrier = np.dtype(np.uint16) if value.name == "bfloat16" else value
+    device_type, ordinal = buf.__dlpack_device__()
+    if device_type == _CPU:
+        return np.asarray(buf).view(carrier)
+    import cupy
+    # XLA's buffers are dense, row-major; built from the pointer, since CuPy reads no bfloat16 typestr
+    nbytes = math.prod(buf.shape) * carrier.itemsize
+    memory = cupy.cuda.UnownedMemory(buf.__cuda_array_interface__["data"][0], nbytes, buf, device_id=ordinal)
+    return cupy.ndarray(tuple(buf.shape), carrier, cupy.cuda.MemoryPointer(memory, 0))
+
+
+@contextlib.contextmanager
+def _stream(ctx, buf):
+    """On a GPU, XLA's device and stream made CuPy's current (every launch goes on XLA's stream)."""
+    device_type, ordinal = buf.__dlpack_device__()
+    if device_type == _CPU:
+        yield
+        return
+    import cupy
+    with cupy.cuda.Device(ordinal), cupy.cuda.ExternalStream(ctx.stream, ordinal):
+        yield
+
+
+def _platform_library() -> str:
+    """The array library the callback will see: NumPy on a CPU, CuPy on a GPU."""
+    return "numpy" if jax.default_backend() == "cpu" else "cupy"
+
+
+# ----------------------------------------------------------------------------
+# trace-time checks, on stand-ins
+
+
+def _check_jax(named: dict) -> None:
+    for name, x in named.items():
+        if x is not None and not isinstance(x, jax.Array):
+            raise TypeError(f"{name} must be a jax.Array{'' if name in ('q', 'k', 'v') else ' or None'}, "
+                            f"got {_checks.describe(x)}")
+
+
+def _stand_in(x):
+    """x's shape and dtype (JAX's bfloat16 is ml_dtypes'), as a NumPy array that holds no memory."""
+    return None if x is None else np.broadcast_to(np.empty((), np.dtype(x.dtype)), tuple(x.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """A call's static options, as the callback passes them to flashcupy._api (hashable: one
+    compiled function per set of them)."""
+
+    causal: bool
+    window: tuple | None
+    softcap: float | None
+    scale: float | None
+    backend: str
+    dtype: str | None        # "bfloat16" where the buffers go as uint16 bits, else None
+    bits: bool = False       # q, k, v are JAX uint16/int16 arrays of bfloat16 bits (dtype="bfloat16")
+    cu_q: tuple | None = None  # varlen: the host offsets
+    cu_k: tuple | None = None
+
+    @classmethod
+    def of(cls, p, window, softcap, scale, backend, **varlen) -> _Call:
+        """The options of a checked call, p its Problem (made from stand-ins of JAX's dtypes)."""
+        return cls(p.causal, None if window is None else tuple(window), softcap, scale, backend,
+                   "bfloat16" if p.dtype == "bfloat16" else None, bits=p.carrier.kind in "iu", **varlen)
+
+    def keywords(self) -> dict:
+        return dict(causal=self.causal, window=self.window, softcap=self.softcap, scale=self.scale,
+                    backend=self.backend, dtype=self.dtype)
+
+
+def _rank4(q, k, v, alibi_slopes=None, bias=None, mask=None):
+    """Stand-ins of a call's arrays with their leading dimensions checked (flashcupy/_batch.py) and
+    folded into one: what the checks of the call's rank-4 parts read."""
+    arrays = [_stand_in(x) for x in (q, k, v, alibi_slopes, bias, mask)]
+    batch = _checks.check_leading("numpy", *arrays[:3], *arrays[3:])
+    if len(batch) == 1:
+        return arrays
+    q, k, v, slopes, bias, mask = arrays
+    folded = [x.reshape((-1,) + x.shape[-3:]) for x in (q, k, v)]
+    if slopes is not None and slopes.ndim > 1:
+        slopes = slopes.reshape(-1, slopes.shape[-1])
+    return folded + [slopes] + [None if x is None else x[(0,) * (x.ndim - 3)][None] for x in (bias, mask)]
+
+
+def _plan(q, k, v, causal, window, softcap, alibi_slopes, bias, mask, scale, backend, dtype):
+    """(the Problem, _Call) of a call, every argument checked on stand-ins."""
+    backend = _checks.check_backend_name(backend)
+    q4, k4, v4, slopes, bias4, mask4 = _rank4(q, k, v, alibi_slopes, bias, mask)
+    p = _checks.problem(q4, k4, v4, causal, scale, dtype, "numpy", window, softcap, slopes, bias4, mask4)
+    _checks.select_backend(backend, _platform_library(), p)
+    return p, _Call.of(p, window, softcap, scale, backend)
+
+
+def _aval(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
+
+
+def _lse_dtype(q) -> np.dtype:
+    return accumulation_dtype(np.dtype(q.dtype).name)  # bfloat16 bits (uint16): float32
+
+
+def _check_backward(call: _Call, q, k, v) -> None:
+    """The backend's limits for the backward (checked when JAX traces the gradient)."""
+    p = _checks.problem(*_rank4(q, k, v)[:3], call.causal, call.scale, "bfloat16" if call.bits else None)
+    _checks.select_backend(call.backend, _platform_library(), p, backward=True)
+
+
+# ----------------------------------------------------------------------------
+# vmap: the mapped axis folded into the batch axis
+
+
+def _fold(x, batched: bool, n: int, batch: int, kind: str):
+    """x of a mapped call as the argument of one call over n x batch: 'bshd' arrays (q, k, v, out,
+    dout) and lse have the batch axis first; 'slopes' are (heads,) or (batch, heads); 'pair' (bias,
+    mask) are (1 or batch, ...), and unmapped ones with a batch of 1 are left as they are, since
+    they broadcast over the folded batch too ('pair_each': every element its own, for dbias)."""
+    if x is None:
+        return None
+    if kind == "slopes" and not batched and x.ndim == 1:
+        return x
+    if kind == "pair" and not batched and x.shape[0] == 1:
+        return x
+    if not batched:
+        x = jnp.broadcast_to(x, (n,) + x.shape)
+    if kind == "slopes" and x.ndim == 2:  # (n, heads): every batch element's
+        x = jnp.broadcast_to(x[:, None], (n, batch) + x.shape[1:])
+    if kind in ("pair", "pair_each") and x.shape[1] != batch:
+        x = jnp.broadcast_to(x, (n, batch) + x.shape[2:])
+    return x.reshape((n * x.shape[1],) + x.shape[2:])
+
+
+def _unfold(y, n: int, like=None):
+    """A result of the folded call as n results; dbias summed back over the batch it was broadcast to."""
+    y = y.reshape((n, y.shape[0] // n) + y.shape[1:])
+    if like is not None and y.shape[1] != like:  # summed in the accumulation dtype, rounded once
+        y = y.sum(axis=1, keepdims=True, dtype=_lse_dtype(y)).astype(y.dtype)
+    return y
+
+
+def _folded(fn, kinds: tuple, dbias_of=None):
+    """fn (arrays -> tuple of arrays, each with the batch axis first) under custom_vmap: a mapped
+    call is one call of fn over the mapped axis folded into the batch axis. dbias_of: the index of
+    the bias argument whose gradient is fn's last result (its shape is restored)."""
+    fn = custom_vmap(fn)
+
+    @fn.def_vmap
+    def rule(n, in_batched, *args):
+        main = next(i for i, kind in enumerate(kinds) if kind == "bshd")
+        batch = args[main].shape[1 if in_batched[main] else 0]
+        folded = [_fold(x, b, n, batch, kind) for x, b, kind in zip(args, in_batched, kinds)]
+        results = fn(*folded)
+        unfolded = [_unfold(y, n) for y in results]
+        if dbias_of is not None and args[dbias_of] is not None:
+            bias, mapped = args[dbias_of], in_batched[dbias_of]
+            unfolded[-1] = _unfold(results[-1], n, bias.shape[1 if mapped else 0])
+        return tuple(unfolded), tuple(True for _ in unfolded)
+
+    return fn
+
+
+# ----------------------------------------------------------------------------
+# attention
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_call(call: _Call):
+    def callback(ctx, outs, q, k, v, alibi_slopes, bias, mask):
+        with _stream(ctx, q):
+            _api.forward(*map(_view, (q, k, v)), alibi_slopes=_view(alibi_slopes), bias=_view(bias),
+                         mask=_view(mask), into=tuple(map(_view, outs)), **call.keywords())
+
+    def run(q, k, v, alibi_slopes, bias, mask):
+        Sq, Hq = q.shape[-3:-1]
+        avals = (_aval(q.shape, q.dtype), _aval(q.shape[:-3] + (Hq, Sq), _lse_dtype(q)))
+        return tuple(buffer_callback(callback, avals)(q, k, v, alibi_slopes, bias, mask))
+
+    return _folded(run, ("bshd",) * 3 + ("slopes", "pair", "pair"))
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_call(call: _Call):
+    def callback(ctx, grads, dout, q, k, v, out, lse, alibi_slopes, bias, mask):
+        with _stream(ctx, q):
+            _api.backward(*map(_view, (dout, q, k, v, out, lse)), alibi_slopes=_view(alibi_slopes),
+                          bias=_view(bias), mask=_view(mask), into=tuple(map(_view, grads)), **call.keywords())
+
+    def run(dout, q, k, v, out, lse, alibi_slopes, bias, mask):
+        avals = tuple(_aval(x.shape, x.dtype) for x in (q, k, v) + (() if bias is None else (bias,)))
+        return tuple(buffer_callback(callback, avals)(dout, q, k, v, out, lse, alibi_slopes, bias, mask))
+
+    return _folded(run, ("bshd",) * 5 + ("bshd", "slopes", "pair_each", "pair"), dbias_of=7)
+
+
+def _no_lse_gradient(dlse) -> None:
+    if not isinstance(dlse, SymbolicZero):
+        raise NotImplementedError("flashcupy.jax differentiates through out only: the lse that return_lse=True "
+                                  "gives is not differentiable (use it through jax.lax.stop_gradient)")
+
+
+def _zeros_if_symbolic(x, like):
+    return jnp.zeros(like.shape, like.dtype) if isinstance(x, SymbolicZero) else x
+
+
+@functools.lru_cache(maxsize=None)
+def _differentiable(call: _Call):
+    forward = _forward_call(call)
+
+    @jax.custom_vjp
+    def attend(q, k, v, alibi_slopes, bias, mask):
+        return forward(q, k, v, alibi_slopes, bias, mask)
+
+    def attend_fwd(*primals):
+        q, k, v, alibi_slopes, bias, mask = (None if x is None else x.value for x in primals)
+        out, lse = forward(q, k, v, alibi_slopes, bias, mask)
+        return (out, lse), (q, k, v, alibi_slopes, bias, mask, out, lse)
+
+    def attend_bwd(residuals, cotangents):
+        q, k, v, alibi_slopes, bias, mask, out, lse = residuals
+        dout, dlse = cotangents
+        _no_lse_gradient(dlse)
+        _check_backward(call, q, k, v)
+        grads = _backward_call(call)(_zeros_if_symbolic(dout, out), q, k, v, out, lse, alibi_slopes, bias, mask)
+        dq, dk, dv = (None, None, None) if call.bits else grads[:3]  # integer bits have no gradient
+        return dq, dk, dv, None, grads[3] if bias is not None else None, None
+
+    attend.defvjp(attend_fwd, attend_bwd, symbolic_zeros=True)
+    return attend
+
+
+def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
+              scale=None, return_lse=False, backend="auto", dtype=None):
+    """flashcupy.attention on jax.Arrays, inside or outside jax.jit, differentiable (jax.grad,
+    jax.vjp) and batchable (jax.vmap): the same keywords, shapes and semantics (README,
+    "Semantics"). q (*batch, seqlen_q, heads_q, head_dim), k, v (*batch, seqlen_k, heads_kv,
+    head_dim); returns out, or (out, lse) with return_lse=True. float16, float32, float64 (under
+    jax_enable_x64) and bfloat16 (jnp.bfloat16 arrays, passed as their bits without a copy).
+
+    Gradients: dq, dk, dv, and dbias for a bias; none for mask and alibi_slopes (zero cotangents),
+    none through lse. Options (causal, window, softcap, scale, backend) are static: Python values.
+    """
+    return_lse = _checks.check_bool("return_lse", return_lse)
+    _check_jax({"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes, "bias": bias, "mask": mask})
+    _, call = _plan(q, k, v, causal, window, softcap, alibi_slopes, bias, mask, scale, backend, dtype)
+    # a bias or mask with fewer leading dimensions than q, given all of them (size 1), so that the
+    # vmap rule lines up its first one with q's
+    bias, mask = (None if x is None else x.reshape((1,) * (q.ndim - x.ndim) + x.shape) for x in (bias, mask))
+    out, lse = _differentiable(call)(q, k, v, alibi_slopes, bias, mask)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------
+# attention_varlen
+
+
+def _host_offsets(name: str, cu) -> np.ndarray:
+    """cu_seqlens as a NumPy array: known when JAX traces, since they decide which memory each
+    sequence reads (on a GPU, reading them at run time would be a device-to-host copy and a sync)."""
+    if not isinstance(cu, jax.Array):
+        return cu  # checked by _varlen_plan as NumPy's attention_varlen checks it
+    try:
+        return np.asarray(cu)
+    except jax.errors.TracerArrayConversionError:
+        raise TypeError(f"{name} must be known when JAX traces the call (a NumPy array or a concrete jax.Array, "
+                        f"closed over rather than passed through jax.jit), got a traced {cu.dtype} array: "
+                        f"each sequence's offsets decide which memory its attention reads") from None
+
+
+def _fold_packed(x, batched: bool, n: int, kind: str):
+    """x of a mapped varlen call as the argument of one call over n copies of the packing: 'packed'
+    (total, ...) arrays are concatenated along total, lse (heads, total) too, 'slopes' (heads,) are
+    shared and (batch, heads) ones repeated."""
+    if x is None or (kind == "slopes" and not batched and x.ndim == 1):
+        return x
+    if not batched:
+        x = jnp.broadcast_to(x, (n,) + x.shape)
+    if kind == "lse":  # (n, heads, total) -> (heads, n x total): a small transposed copy
+        return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1)
+    if kind == "slopes" and x.ndim == 2:  # (n, heads): every sequence's
+        raise ValueError("under jax.vmap, attention_varlen's alibi_slopes must be (heads_q,) or (batch, heads_q) "
+                         "slopes for every mapped element (a mapped (heads_q,) is not supported)")
+    return x.reshape((-1,) + x.shape[2:])
+
+
+def _folded_packed(make, call: _Call, kinds: tuple, out_kinds: tuple):
+    """make(call) (arrays -> tuple of arrays) under custom_vmap: a mapped call is one call over the
+    n packings concatenated, its offsets shifted (the same sequences, n times)."""
+    fn = custom_vmap(make(call))
+
+    @fn.def_vmap
+    def rule(n, in_batched, *args):
+        cu_q, cu_k = np.asarray(call.cu_q), np.asarray(call.cu_k)
+        total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+        shifted = dataclasses.replace(
+            call, cu_q=tuple(np.concatenate([cu_q[:1]] + [cu_q[1:] + i * total_q for i in range(n)]).tolist()),
+            cu_k=tuple(np.concatenate([cu_k[:1]] + [cu_k[1:] + i * total_k for i in range(n)]).tolist()))
+        folded = [_fold_packed(x, b, n, kind) for x, b, kind in zip(args, in_batched, kinds)]
+        results = _folded_packed(make, shifted, kinds, out_kinds)(*folded)
+        unfolded = [jnp.moveaxis(y.reshape(y.shape[0], n, -1), 1, 0) if kind == "lse"
+                    else y.reshape((n, -1) + y.shape[1:]) for y, kind in zip(results, out_kinds)]
+        return tuple(unfolded), tuple(True for _ in unfolded)
+
+    return fn
+
+
+def _packed_forward(call: _Call):
+    cu_q, cu_k = np.asarray(call.cu_q, np.int64), np.asarray(call.cu_k, np.int64)
+
+    def callback(ctx, outs, q, k, v, alibi_slopes):
+        with _stream(ctx, q):
+            _varlen.forward_packed(*map(_view, (q, k, v)), cu_q, cu_k, *map(_view, outs),
+                                   alibi_slopes=_view(alibi_slopes), **call.keywords())
+
+    def run(q, k, v, alibi_slopes):
+        avals = (_aval(q.shape, q.dtype), _aval((q.shape[1], q.shape[0]), _lse_dtype(q)))
+        return tuple(buffer_callback(callback, avals)(q, k, v, alibi_slopes))
+
+    return run
+
+
+def _packed_backward(call: _Call):
+    cu_q, cu_k = np.asarray(call.cu_q, np.int64), np.asarray(call.cu_k, np.int64)
+
+    def callback(ctx, grads, dout, q, k, v, out, lse, alibi_slopes):
+        with _stream(ctx, q):
+            _varlen.backward_packed(*map(_view, (dout, q, k, v, out, lse)), cu_q, cu_k, *map(_view, grads),
+                                    alibi_slopes=_view(alibi_slopes), **call.keywords())
+
+    def run(dout, q, k, v, out, lse, alibi_slopes):
+        avals = tuple(_aval(x.shape, x.dtype) for x in (q, k, v))
+        return tuple(buffer_callback(callback, avals)(dout, q, k, v, out, lse, alibi_slopes))
+
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def _differentiable_packed(call: _Call):
+    forward = _folded_packed(_packed_forward, call, ("packed",) * 3 + ("slopes",), ("packed", "lse"))
+    backward = _folded_packed(_packed_backward, call, ("packed",) * 5 + ("lse", "slopes"), ("packed",) * 3)
+
+    @jax.custom_vjp
+    def attend(q, k, v, alibi_slopes):
+        return forward(q, k, v, alibi_slopes)
+
+    def attend_fwd(*primals):
+        q, k, v, alibi_slopes = (None if x is None else x.value for x in primals)
+        out, lse = forward(q, k, v, alibi_slopes)
+        return (out, lse), (q, k, v, alibi_slopes, out, lse)
+
+    def attend_bwd(residuals, cotangents):
+        q, k, v, alibi_slopes, out, lse = residuals
+        dout, dlse = cotangents
+        _no_lse_gradient(dlse)
+        _check_backward(call, q[None], k[None], v[None])
+        grads = backward(_zeros_if_symbolic(dout, out), q, k, v, out, lse, alibi_slopes)
+        return (*((None,) * 3 if call.bits else grads), None)
+
+    attend.defvjp(attend_fwd, attend_bwd, symbolic_zeros=True)
+    return attend
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+                     window=None, softcap=None, alibi_slopes=None, scale=None, return_lse=False, backend="auto",
+                     dtype=None):
+    """flashcupy.attention_varlen on jax.Arrays (jit, grad, vmap as attention): q (total_q,
+    heads_q, head_dim), k, v (total_k, heads_kv, head_dim); cu_seqlens_q, cu_seqlens_k int32
+    (batch + 1,) known when JAX traces (NumPy arrays or concrete jax.Arrays: each new set of
+    offsets traces anew). Returns out, or (out, lse (heads_q, total_q)) with return_lse=True."""
+    return_lse = _checks.check_bool("return_lse", return_lse)
+    _check_jax({"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes})
+    cu_q, cu_k = _host_offsets("cu_seqlens_q", cu_seqlens_q), _host_offsets("cu_seqlens_k", cu_seqlens_k)
+    backend = _checks.check_backend_name(backend)
+    mods = dict(window=window, softcap=softcap, alibi_slopes=_stand_in(alibi_slopes))
+    # the checks of NumPy's attention_varlen on stand-ins (the NumPy backend takes every option),
+    # then the limits of the backend that will run
+    p, cu_q, cu_k, _ = _varlen._varlen_plan(*map(_stand_in, (q, k, v)), cu_q, cu_k, max_seqlen_q, max_seqlen_k,
+                                            causal, scale, dtype, mods, "numpy")
+    _checks.select_backend(backend, _platform_library(), p)
+    call = _Call.of(p, window, softcap, scale, backend, cu_q=tuple(cu_q.tolist()), cu_k=tuple(cu_k.tolist()))
+    out, lse = _differentiable_packed(call)(q, k, v, alibi_slopes)
+    return (out, lse) if return_lse else out

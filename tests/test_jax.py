@@ -1,0 +1,403 @@
+"""flashcupy.jax: attention and attention_varlen on jax.Arrays under jit, grad and vmap, checked
+against the oracle (and against jax.nn.dot_product_attention where it computes the same thing),
+XLA's buffers used without copies, and the checks raised when JAX traces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax", reason="jax[cpu] is in the test extra")
+jnp = pytest.importorskip("jax.numpy")
+
+import flashcupy.jax as fj  # noqa: E402
+from flashcupy.backends import numpy_backend  # noqa: E402
+from conftest import BF16, assert_matches_oracle, expected  # noqa: E402
+from reference.compare import error_ratio  # noqa: E402
+
+
+def to_jax(x):
+    return jnp.asarray(x, dtype=x.dtype)
+
+
+def arrays(rng, B, Sq, Sk, Hq, Hkv, D, dtype):
+    q, k, v, dout = (rng.standard_normal(shape).astype(dtype) for shape in
+                     ((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), (B, Sq, Hq, D)))
+    return q, k, v, dout
+
+
+@jax.jit
+def _dot(x, y):
+    """<x, y>: its gradient with respect to x is y exactly, so jax.grad of it gives the vjp of dout = y."""
+    return jnp.vdot(x, y)
+
+
+def _jitted(**static):
+    """A jitted (out, lse, dq, dk, dv[, dbias]) of flashcupy.jax.attention: the forward with lse,
+    and the gradient of <out, dout> through jax.grad."""
+    def run(q, k, v, dout, bias, mask, slopes):
+        kw = dict(static, bias=bias, mask=mask, alibi_slopes=slopes)
+        out, lse = fj.attention(q, k, v, return_lse=True, **kw)
+        wrt = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+        grads = jax.grad(lambda q, k, v, bias: _dot(fj.attention(q, k, v, **dict(kw, bias=bias)), dout),
+                         argnums=wrt)(q, k, v, bias)
+        return (out, lse) + grads
+    return jax.jit(run)
+
+
+# (B, Sq, Sk, Hq, Hkv, D, keywords, modifier arrays): GQA and MQA, causal with Sq < Sk and Sq > Sk
+# (rows that see no key), windows, a broadcast bias (dbias summed over batch), a mask, ALiBi, softcap
+CASES = {
+    "causal_gqa": (2, 9, 14, 4, 2, 8, dict(causal=True), {}),
+    "causal_sq_gt_sk_mqa": (1, 13, 6, 2, 1, 8, dict(causal=True, scale=0.7), {}),
+    "window": (1, 20, 20, 2, 2, 16, dict(window=(3, 2)), {}),
+    "bias_broadcast": (2, 7, 11, 2, 1, 8, dict(causal=True), {"bias": (1, 2, 7, 11)}),
+    "mask_alibi_softcap": (2, 8, 8, 2, 2, 8, dict(softcap=3.0), {"mask": (2, 1, 8, 8), "alibi_slopes": (2,)}),
+}
+
+
+def modifier_arrays(rng, shapes: dict, dtype):
+    made = {}
+    for name, shape in shapes.items():
+        if name == "mask":
+            m = rng.random(shape) < 0.7
+            m[..., 0] = True
+            made[name] = m
+        elif name == "alibi_slopes":
+            made[name] = rng.random(shape).astype(np.float32)
+        else:
+            made[name] = rng.standard_normal(shape).astype(dtype)
+    return made
+
+
+def check_case(rng, case, dtype, **extra):
+    B, Sq, Sk, Hq, Hkv, D, kw, shapes = CASES[case]
+    q, k, v, dout = arrays(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
+    mods = modifier_arrays(rng, shapes, dtype)
+    run = _jitted(**kw, **extra)
+    got = run(*map(to_jax, (q, k, v, dout)), *(None if mods.get(n) is None else to_jax(mods[n])
+                                                 for n in ("bias", "mask", "alibi_slopes")))
+    got = [np.asarray(x) for x in got]
+    assert got[0].dtype == q.dtype and got[2].dtype == q.dtype
+    assert_matches_oracle(got, q, k, v, dout, **kw, **mods)
+    return got
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_jit_and_grad_match_the_oracle_float32(rng, case):
+    check_case(rng, case, np.float32)
+
+
+@pytest.mark.parametrize("case", ["causal_gqa", "bias_broadcast"])
+def test_float64_under_x64(rng, case):
+    with jax.enable_x64(True):
+        got = check_case(rng, case, np.float64)
+    assert got[1].dtype == np.float64  # lse in the accumulation dtype
+
+
+@pytest.mark.parametrize("case", ["causal_gqa", "bias_broadcast"])
+def test_bfloat16_and_float16(rng, case):
+    check_case(rng, case, BF16)
+    check_case(rng, case, np.float16)
+
+
+def test_bfloat16_bits_with_dtype_bfloat16_forward(rng):
+    # the NumPy/CuPy way of passing bfloat16 (uint16 bits, dtype="bfloat16") works here too, forward
+    q, k, v, _ = arrays(rng, 1, 6, 9, 2, 1, 8, BF16)
+    bits = fj.attention(*(to_jax(x.view(np.uint16)) for x in (q, k, v)), causal=True, dtype="bfloat16")
+    assert bits.dtype == jnp.uint16
+    values = fj.attention(*map(to_jax, (q, k, v)), causal=True)
+    np.testing.assert_array_equal(np.asarray(bits), np.asarray(values).view(np.uint16))
+    assert_matches_oracle([np.asarray(bits)], q.view(np.uint16), k.view(np.uint16), v.view(np.uint16),
+                          causal=True, dtype="bfloat16")
+
+
+# ----------------------------------------------------------------------------
+# against jax.nn.dot_product_attention (XLA): both within the oracle's tolerance of each other
+
+
+def close_to_xla(ours, theirs, want, name):
+    """|ours - XLA's| within twice the oracle's tolerance for a correct kernel (each may be off by one)."""
+    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
+    tol = want.tol[name]
+    assert np.all(np.abs(ours - theirs) <= 2 * tol), f"{name}: {np.max(np.abs(ours - theirs) / (2 * tol))}"
+
+
+@pytest.mark.parametrize("what", ["causal_gqa_bias", "window_mask"])
+def test_matches_jax_dot_product_attention(rng, what):
+    B, S, Hq, Hkv, D = 2, 16, 4, 2, 8
+    q, k, v, dout = arrays(rng, B, S, S, Hq, Hkv, D, np.float32)
+    if what == "causal_gqa_bias":
+        ours_kw, xla_kw = dict(causal=True), dict(is_causal=True)
+        bias, mask = rng.standard_normal((1, Hq, S, S)).astype(np.float32), None
+    else:
+        ours_kw, xla_kw = dict(window=(4, 1)), dict(local_window_size=(4, 1))
+        bias, mask = None, rng.random((B, 1, S, S)) < 0.8
+        mask[..., :, :] |= np.eye(S, dtype=bool)  # every row sees its own key (in the window too)
+
+    def grads(fn, bias):
+        def loss(q, k, v, bias):
+            return _dot(fn(q, k, v, bias), to_jax(dout))
+        argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+        return jax.jit(jax.value_and_grad(loss, argnums=argnums))(*map(to_jax, (q, k, v)), bias)
+
+    m = None if mask is None else to_jax(mask)
+    b = None if bias is None else to_jax(bias)
+    ours = grads(lambda q, k, v, bias: fj.attention(q, k, v, bias=bias, mask=m, **ours_kw), b)
+    theirs = grads(lambda q, k, v, bias: jax.nn.dot_product_attention(q, k, v, bias=bias, mask=m,
+                                                                      implementation="xla", **xla_kw), b)
+    out_ours = fj.attention(*map(to_jax, (q, k, v)), bias=b, mask=m, **ours_kw)
+    out_theirs = jax.nn.dot_product_attention(*map(to_jax, (q, k, v)), bias=b, mask=m, **xla_kw)
+    want = expected(q, k, v, dout, bias=bias, mask=mask, **ours_kw)
+    close_to_xla(out_ours, out_theirs, want, "out")
+    for name, x, y in zip(("dq", "dk", "dv", "dbias"), ours[1], theirs[1]):
+        close_to_xla(x, y, want, name)
+
+
+# ----------------------------------------------------------------------------
+# vmap
+
+
+def test_vmap_folds_into_the_batch_and_grad_goes_through_jit_vmap(rng, monkeypatch):
+    # q mapped (axis 1), k and v shared, a bias shared with a batch of 1: per element, the oracle's
+    # answer; the gradient of the sum over elements through jit(vmap(...)), dbias summed over them
+    N, B, S, Hq, Hkv, D = 3, 2, 10, 2, 1, 8
+    q = rng.standard_normal((B, N, S, Hq, D)).astype(np.float32)
+    _, k, v, _ = arrays(rng, B, S, S, Hq, Hkv, D, np.float32)
+    dout = rng.standard_normal((N, B, S, Hq, D)).astype(np.float32)
+    bias = rng.standard_normal((1, Hq, S, S)).astype(np.float32)
+    calls = []
+    forward = numpy_backend.forward
+    monkeypatch.setattr(numpy_backend, "forward", lambda p, *a, **kw: calls.append(p.batch) or forward(p, *a, **kw))
+
+    def per_element(q, k, v, bias):
+        return fj.attention(q, k, v, bias=bias, causal=True)
+
+    mapped = jax.vmap(per_element, in_axes=(1, None, None, None))
+    loss = jax.jit(jax.value_and_grad(lambda q, k, v, bias: _dot(mapped(q, k, v, bias), to_jax(dout)),
+                                      argnums=(0, 1, 2, 3)))
+    out = jax.jit(mapped)(*map(to_jax, (q, k, v, bias)))
+    assert calls == [N * B]  # one call, the mapped axis folded into the batch
+    _, (dq, dk, dv, dbias) = loss(*map(to_jax, (q, k, v, bias)))
+    sums = [np.zeros_like(x) for x in (k, v, bias)]
+    for n in range(N):
+        want = expected(q[:, n], k, v, dout[n], causal=True, bias=bias)
+        got = [np.asarray(out[n]), None, np.asarray(dq[:, n])]
+        for name, x in zip(("out", "dq"), (got[0], got[2])):
+            assert error_ratio(x, want, name) <= 1, name
+        for s, name in zip(sums, ("dk", "dv", "dbias")):
+            s += want.want[name]
+    # dk, dv and dbias are sums over the mapped elements: compare with the sum of the oracle's, to
+    # the tolerance of each part added up
+    for got, s, name in zip((dk, dv, dbias), sums, ("dk", "dv", "dbias")):
+        tol = sum(expected(q[:, n], k, v, dout[n], causal=True, bias=bias).tol[name] for n in range(N))
+        assert np.all(np.abs(np.asarray(got) - s) <= tol), name
+
+
+def test_per_example_dbias_through_vmap_of_grad(rng):
+    # vmap(grad): each mapped element's own dbias, though the bias itself is not mapped
+    N, B, S, H, D = 2, 2, 6, 2, 8
+    q = rng.standard_normal((N, B, S, H, D)).astype(np.float32)
+    _, k, v, _ = arrays(rng, B, S, S, H, H, D, np.float32)
+    bias = rng.standard_normal((1, H, S, S)).astype(np.float32)
+    dout = rng.standard_normal((N, B, S, H, D)).astype(np.float32)
+
+    def dbias(q, dout, bias):
+        return jax.grad(lambda bias: _dot(fj.attention(q, to_jax(k), to_jax(v), bias=bias), dout))(bias)
+
+    got = jax.jit(jax.vmap(dbias, in_axes=(0, 0, None)))(to_jax(q), to_jax(dout), to_jax(bias))
+    assert got.shape == (N,) + bias.shape
+    for n in range(N):
+        want = expected(q[n], k, v, dout[n], bias=bias)
+        assert error_ratio(np.asarray(got[n]), want, "dbias") <= 1
+
+
+def test_vmap_of_every_argument_with_modifiers(rng):
+    # q, k, v, a bias with a batch of 1 (broadcast over the batch of 2 in the fold), a mask and
+    # per-head ALiBi slopes all mapped: each element's out and gradients (its own dbias) are the
+    # oracle's for that element
+    N, B, S, Hq, Hkv, D = 2, 2, 7, 2, 1, 8
+    q, k, v, dout = (rng.standard_normal((N,) + shape).astype(np.float32)
+                     for shape in ((B, S, Hq, D), (B, S, Hkv, D), (B, S, Hkv, D), (B, S, Hq, D)))
+    bias = rng.standard_normal((N, 1, Hq, S, S)).astype(np.float32)
+    mask = rng.random((N, B, 1, S, S)) < 0.7
+    mask[..., 0] = True
+    slopes = rng.random((N, Hq)).astype(np.float32)
+
+    def element(q, k, v, dout, bias, mask, slopes):
+        def loss(q, k, v, bias):
+            return _dot(fj.attention(q, k, v, bias=bias, mask=mask, alibi_slopes=slopes, causal=True), dout)
+        out = fj.attention(q, k, v, bias=bias, mask=mask, alibi_slopes=slopes, causal=True, return_lse=True)
+        return out + jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+    got = jax.jit(jax.vmap(element))(*map(to_jax, (q, k, v, dout, bias, mask, slopes)))
+    for n in range(N):
+        assert_matches_oracle([np.asarray(x[n]) for x in got], q[n], k[n], v[n], dout[n], causal=True,
+                              bias=bias[n], mask=mask[n], alibi_slopes=slopes[n])
+
+
+def test_nested_vmap_all_mapped(rng):
+    N1, N2, B, S, H, D = 2, 2, 1, 5, 1, 8
+    q, k, v = (rng.standard_normal((N1, N2, B, S, H, D)).astype(np.float32) for _ in range(3))
+    out = jax.jit(jax.vmap(jax.vmap(lambda q, k, v: fj.attention(q, k, v, causal=True))))(*map(to_jax, (q, k, v)))
+    for i in range(N1):
+        for j in range(N2):
+            assert_matches_oracle([np.asarray(out[i, j])], q[i, j], k[i, j], v[i, j], causal=True)
+
+
+# ----------------------------------------------------------------------------
+# varlen
+
+
+def test_varlen_jit_grad_vmap(rng):
+    lengths_q, lengths_k = [5, 0, 9, 3], [7, 4, 9, 0]
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    Hq, Hkv, D = 2, 1, 8
+    q = rng.standard_normal((cu_q[-1], Hq, D)).astype(np.float32)
+    k, v = (rng.standard_normal((cu_k[-1], Hkv, D)).astype(np.float32) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    kw = dict(causal=True, window=(4, None))
+
+    def attend(q, k, v):
+        return fj.attention_varlen(q, k, v, cu_q, cu_k, **kw)
+
+    run = jax.jit(jax.value_and_grad(lambda q, k, v, dout: _dot(attend(q, k, v), dout), argnums=(0, 1, 2)))
+    out, lse = jax.jit(lambda q, k, v: fj.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw))(
+        *map(to_jax, (q, k, v)))
+    _, (dq, dk, dv) = run(*map(to_jax, (q, k, v, dout)))
+    for b in range(len(lengths_q)):
+        (qa, qb), (ka, kb) = cu_q[b:b + 2], cu_k[b:b + 2]
+        got = [np.asarray(x)[None, qa:qb] for x in (out,)] + [np.asarray(lse)[None, :, qa:qb]]
+        got += [np.asarray(dq)[None, qa:qb], np.asarray(dk)[None, ka:kb], np.asarray(dv)[None, ka:kb]]
+        assert_matches_oracle(got, q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], dout[None, qa:qb], **kw)
+    # vmap: the mapped packings concatenated into one call; per element the unmapped answer
+    qs = np.stack([q, -q])
+    mapped = jax.jit(jax.vmap(attend, in_axes=(0, None, None)))(to_jax(qs), to_jax(k), to_jax(v))
+    np.testing.assert_array_equal(np.asarray(mapped[0]), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(mapped[1]), np.asarray(attend(to_jax(-q), to_jax(k), to_jax(v))))
+
+
+# ----------------------------------------------------------------------------
+# XLA's buffers, no copies
+
+
+def test_the_backend_reads_and_writes_xla_buffers_in_place(rng, monkeypatch):
+    # the arrays the NumPy backend gets are XLA's input buffers (same address as the jax.Arrays
+    # passed in) and the arrays it writes are XLA's output buffers (same address as the results);
+    # bfloat16 goes as the same memory read as uint16 bits
+    seen = {}
+    forward, backward = numpy_backend.forward, numpy_backend.backward
+
+    def spy_forward(p, q, k, v, into=None):
+        result = forward(p, q, k, v, into=into)
+        seen["forward"] = (q, result, into, p.dtype)
+        return result
+
+    def spy_backward(p, dout, q, k, v, out, lse, into=None):
+        result = backward(p, dout, q, k, v, out, lse, into=into)
+        seen["backward"] = (dout, result, into)
+        return result
+
+    monkeypatch.setattr(numpy_backend, "forward", spy_forward)
+    monkeypatch.setattr(numpy_backend, "backward", spy_backward)
+    address = lambda x: x.__array_interface__["data"][0]  # noqa: E731
+    for dtype in (np.float32, BF16):
+        q, k, v, dout = map(to_jax, arrays(rng, 1, 8, 8, 2, 2, 8, dtype))
+        bias = to_jax(rng.standard_normal((1, 2, 8, 8)).astype(np.float32))
+        out, lse = jax.jit(lambda q, k, v: fj.attention(q, k, v, causal=True, return_lse=True))(q, k, v)
+        q_seen, result, into, value = seen["forward"]
+        assert value == np.dtype(dtype).name and q_seen.dtype == (np.uint16 if dtype is BF16 else dtype)
+        assert address(q_seen) == q.unsafe_buffer_pointer()
+        assert [address(x) for x in into] == [address(x) for x in result]
+        assert [address(x) for x in into] == [out.unsafe_buffer_pointer(), lse.unsafe_buffer_pointer()]
+
+        grads = jax.jit(jax.vjp(lambda q, k, v, bias: fj.attention(q, k, v, bias=bias), q, k, v, bias)[1])(dout)
+        dout_seen, result, into = seen["backward"]
+        assert address(dout_seen) == dout.unsafe_buffer_pointer()
+        assert [address(x) for x in into] == [address(x) for x in result]
+        assert [address(x) for x in into] == [g.unsafe_buffer_pointer() for g in grads]
+
+
+def test_cupy_backend_writes_into_xla_buffers_on_the_emulator(rng):
+    # the GPU path's backend side (the cupy backend's into=, dbias included) on the CPU CUDA
+    # emulator, with XLA's host buffers standing in for device ones
+    from flashcupy.tools.emulator.cupy import emulated
+
+    B, S, H, D = 1, 9, 2, 8
+    q, k, v, dout = arrays(rng, B, S, S, H, H, D, np.float32)
+    bias = rng.standard_normal((1, H, S, S)).astype(np.float32)
+    with emulated():
+        got = _jitted(causal=True, backend="cupy")(*map(to_jax, (q, k, v, dout, bias)), None, None)
+    assert_matches_oracle([np.asarray(x) for x in got], q, k, v, dout, causal=True, bias=bias)
+
+
+# ----------------------------------------------------------------------------
+# errors, raised when JAX traces
+
+
+def traced(fn, *args):
+    """fn's abstract evaluation: only tracing runs, never the callback."""
+    return jax.eval_shape(fn, *args)
+
+
+def test_errors_are_raised_at_trace_time(rng):
+    q, k, v, _ = map(to_jax, arrays(rng, 1, 8, 8, 2, 2, 8, np.float32))
+    s = jax.ShapeDtypeStruct
+    with pytest.raises(ValueError, match="k and v must have q's head_dim 8, got 4"):
+        traced(fj.attention, q, s((1, 8, 2, 4), np.float32), s((1, 8, 2, 4), np.float32))
+    with pytest.raises(ValueError, match="heads_q must be a multiple of heads_kv"):
+        traced(fj.attention, s((1, 8, 3, 8), np.float32), k, v)
+    with pytest.raises(TypeError, match="must share one dtype"):
+        traced(fj.attention, q.astype(jnp.float16), k, v)
+    with pytest.raises(ValueError, match="bias must be broadcastable"):
+        traced(lambda q, b: fj.attention(q, k, v, bias=b), q, s((1, 2, 8, 7), np.float32))
+    with pytest.raises(TypeError, match="mask must have dtype bool"):
+        traced(lambda q, m: fj.attention(q, k, v, mask=m), q, s((1, 2, 8, 8), np.float32))
+    with pytest.raises(TypeError, match="window must be"):
+        traced(lambda q: fj.attention(q, k, v, window=3), q)
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        traced(lambda q, scale: fj.attention(q, k, v, scale=scale), q, s((), np.float32))
+    with pytest.raises(TypeError, match="q must be a jax.Array, got numpy.ndarray"):
+        fj.attention(np.asarray(q), k, v)
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        traced(lambda q: fj.attention(q, k, v, backend="torch"), q)
+    # gradients flow through out only
+    with pytest.raises(NotImplementedError, match="lse that return_lse=True gives is not differentiable"):
+        jax.eval_shape(jax.grad(lambda q: fj.attention(q, k, v, return_lse=True)[1].sum()), q)
+
+
+def test_varlen_errors_at_trace_time(rng):
+    q = jax.ShapeDtypeStruct((10, 2, 8), np.float32)
+    cu = np.array([0, 4, 10], np.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_k must start at 0, never decrease and end at 10"):
+        traced(lambda q: fj.attention_varlen(q, q, q, cu, np.array([0, 6, 9], np.int32)), q)
+    with pytest.raises(TypeError, match="cu_seqlens_q must have dtype int32"):
+        traced(lambda q: fj.attention_varlen(q, q, q, cu.astype(np.int64), cu), q)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be known when JAX traces"):
+        traced(lambda q, cu: fj.attention_varlen(q, q, q, cu, np.array([0, 4, 10], np.int32)), q, jax.ShapeDtypeStruct((3,), np.int32))
+    with pytest.raises(ValueError, match="q must have rank 3"):
+        traced(lambda q: fj.attention_varlen(q[None], q, q, cu, cu), q)
+
+
+def test_leading_batch_dimensions(rng):
+    """q (2, 3, S, H, D) with a pair bias (2, 1, H, S, S) shared over the second leading dimension and a
+    mask with fewer leading dimensions (flashcupy/_batch.py), under jit, grad (dbias of the bias's own
+    shape) and vmap over a further axis."""
+    q, k, v, dout = (rng.standard_normal((2, 3, 9, 4, 8)).astype(np.float32) for _ in range(4))
+    k, v = k[..., :2, :], v[..., :2, :]
+    bias = rng.standard_normal((2, 1, 4, 9, 9)).astype(np.float32)
+    mask = rng.random((9, 9)) < 0.8
+    mask[:, 0] = True
+
+    def loss(q, k, v, bias):
+        return jnp.sum(fj.attention(q, k, v, bias=bias, mask=jnp.asarray(mask), causal=True) * jnp.asarray(dout))
+
+    out, lse = jax.jit(lambda *a: fj.attention(*a, bias=jnp.asarray(bias), mask=jnp.asarray(mask), causal=True,
+                                                return_lse=True))(*map(jnp.asarray, (q, k, v)))
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*map(jnp.asarray, (q, k, v, bias)))
+    assert grads[3].shape == bias.shape
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, bias=bias, mask=mask, causal=True)
+    stacked = jax.vmap(jax.grad(loss, argnums=3), in_axes=(0, None, None, None))(
+        jnp.asarray(np.stack([q, q[::-1]])), *map(jnp.asarray, (k, v, bias)))
+    np.testing.assert_allclose(np.asarray(stacked[0]), np.asarray(grads[3]), rtol=1e-6, atol=1e-6)
