@@ -14,7 +14,8 @@ for it, 0 where a bias or mask broadcasts); so a call is cut here into calls on 
   multi-index for every array), each dimension's stride is the next one's times its size (dimensions
   of size 1 aside), and a bias or mask is either broadcast (size 1) or full along all of G; among
   sets of equal product, those that loop over no dimension a bias broadcasts over come first;
-- the outputs are allocated whole, contiguous, and each call writes its own views of them;
+- the outputs are allocated whole, contiguous (or given: flashcupy.jax's XLA buffers), and each
+  call writes its own views of them (into=, flashcupy/_api.py);
 - dbias: a call's dbias is the bias's view over G, summed by the backend over G where the bias
   broadcasts; where it broadcasts over a looped dimension too, the calls' dbias are added in the
   accumulation dtype, in a fixed order (the looped indices in row-major order), and rounded once.
