@@ -22,20 +22,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 import flashcupy  # noqa: E402
+from flashcupy.tools import bench  # noqa: E402
 
 F = torch.nn.functional
-
-
-def best(fns: dict, repeat: int) -> dict:
-    for fn in fns.values():
-        fn()
-    times = {name: float("inf") for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name] = min(times[name], time.perf_counter() - t0)
-    return times
 
 
 def shape_row(S: int, repeat: int) -> dict:
@@ -64,7 +53,7 @@ def shape_row(S: int, repeat: int) -> dict:
         sq.grad = sk.grad = sv.grad = None
         F.scaled_dot_product_attention(sq, sk, sv, is_causal=True, enable_gqa=True).backward(sdout)
 
-    times = best({
+    times = bench.best_alternating({
         "numpy forward": lambda: flashcupy.attention(q, k, v, causal=True),
         "torch views forward": lambda: flashcupy.attention(tq, tk, tv, causal=True),
         "torch autograd forward": lambda: flashcupy.attention(gq, gk, gv, causal=True),

@@ -24,19 +24,7 @@ import time
 import numpy as np
 
 import flashcupy
-
-
-def best(fns: dict, repeat: int = 5) -> dict:
-    """Best time per contender over `repeat` alternating rounds (after one warm-up call each)."""
-    for fn in fns.values():
-        fn()
-    times = {name: float("inf") for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name] = min(times[name], time.perf_counter() - t0)
-    return times
+from flashcupy.tools import bench
 
 
 def varlen(n_seq, max_len, heads, head_dim, seed=0) -> dict:
@@ -55,7 +43,7 @@ def varlen(n_seq, max_len, heads, head_dim, seed=0) -> dict:
     # padded keys and the causal pairs explicitly (row i sees keys j <= i of its own sequence)
     mask = keys[:, None, None, :] & (np.arange(longest)[None, None, :, None] >= np.arange(longest)[None, None, None, :])
     separate = [(q[None, a:b], k[None, a:b], v[None, a:b]) for a, b in zip(cu[:-1], cu[1:])]
-    times = best({
+    times = bench.best_alternating({
         "packed": lambda: flashcupy.attention_varlen(q, k, v, cu, cu, causal=True),
         "padded + mask": lambda: flashcupy.attention(*pad, mask=mask),
         "separate calls": lambda: [flashcupy.attention(*x, causal=True) for x in separate],
@@ -66,7 +54,7 @@ def varlen(n_seq, max_len, heads, head_dim, seed=0) -> dict:
 
 def bandwidth_seconds(k, v, repeat=5) -> float:
     """The best time to read k and v once (a sum: every byte read, nothing written)."""
-    return min(best({"read": lambda: (k.sum(dtype=np.float32), v.sum(dtype=np.float32))}, repeat).values())
+    return min(bench.best_alternating({"read": lambda: (k.sum(dtype=np.float32), v.sum(dtype=np.float32))}, repeat).values())
 
 
 def decode(cache, heads_q, heads_kv, head_dim, seed=0) -> dict:
@@ -81,7 +69,7 @@ def decode(cache, heads_q, heads_kv, head_dim, seed=0) -> dict:
         fns["torch SDPA"] = lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
     except ImportError:
         pass
-    times = best(fns)
+    times = bench.best_alternating(fns)
     read = bandwidth_seconds(k_cache, v_cache)
     nbytes = k_cache.nbytes + v_cache.nbytes
     return dict(cache=cache, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, times=times,

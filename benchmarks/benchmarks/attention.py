@@ -60,17 +60,23 @@ class _Attention:
         return bench.flops(self.batch, self.heads, seqlen, head_dim, causal, pass_) / seconds / 1e12
 
 
-class Forward(_Attention):
+class _Pass(_Attention):
+    PASS = None  # "forward" or "backward"
+
+    def track_tflops(self, impl, seqlen, head_dim, dtype, causal):
+        return self._tflops(self.PASS, seqlen, head_dim, causal)
+
+    track_tflops.unit = "TFLOP/s"
+
+
+class Forward(_Pass):
+    PASS = "forward"
+
     def time_forward(self, *args):
         self._call("forward")
 
     def peakmem_forward(self, *args):
         self._call("forward")
-
-    def track_tflops(self, impl, seqlen, head_dim, dtype, causal):
-        return self._tflops("forward", seqlen, head_dim, causal)
-
-    track_tflops.unit = "TFLOP/s"
 
     def track_extra_memory(self, impl, seqlen, head_dim, dtype, causal):
         return bench.peak_bytes(impl, self.batch, self.heads, seqlen, head_dim, causal, dtype,
@@ -79,17 +85,14 @@ class Forward(_Attention):
     track_extra_memory.unit = "MiB"
 
 
-class Backward(_Attention):
+class Backward(_Pass):
+    PASS = "backward"
+
     def time_backward(self, *args):
         self._call("backward")
 
     def peakmem_backward(self, *args):
         self._call("backward")
-
-    def track_tflops(self, impl, seqlen, head_dim, dtype, causal):
-        return self._tflops("backward", seqlen, head_dim, causal)
-
-    track_tflops.unit = "TFLOP/s"
 
 
 class SmallAndCausal(_Attention):

@@ -270,6 +270,21 @@ def best_time(fn, device, repeat: int, min_time: float) -> float:
     return best
 
 
+def best_alternating(fns: dict, repeat: int = 5) -> dict:
+    """{name: best time} of each contender over `repeat` rounds that call them in turn, after one
+    warm-up call each: side by side in one run, so that a machine whose speed drifts slows all of
+    them alike (CPU timings; a GPU call must synchronise inside fn)."""
+    for fn in fns.values():
+        fn()
+    times = {name: float("inf") for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name] = min(times[name], time.perf_counter() - t0)
+    return times
+
+
 def supports(impl, window=None, bias=False) -> bool:
     """Whether closures() can run impl with these modifiers (torch's kernels are run without)."""
     return impl not in TORCH_KERNELS or (window is None and not bias)

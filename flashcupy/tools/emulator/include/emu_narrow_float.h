@@ -98,3 +98,14 @@ using Binary16 = NarrowFormat<5, 10>;
 using BFloat16 = NarrowFormat<8, 7>;
 
 }  // namespace emu
+
+// The conversions CUDA's cuda_fp16.h and cuda_bf16.h declare for their type T (NAME: half,
+// bfloat16), plus its shuffles (EMU_SHUFFLES, cuda_emu.h).
+#define EMU_NARROW_FLOAT_API(T, NAME)                                                              \
+    inline T __float2##NAME(float f) { return T(f); }                                              \
+    inline T __float2##NAME##_rn(float f) { return T(f); }                                         \
+    inline T __double2##NAME(double d) { return T(d); }                                            \
+    inline float __##NAME##2float(T h) { return float(h); }                                        \
+    inline unsigned short __##NAME##_as_ushort(T h) { return h.__x; }                              \
+    inline T __ushort_as_##NAME(unsigned short bits) { return T::from_bits(bits); }                \
+    EMU_SHUFFLES(T)
