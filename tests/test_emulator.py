@@ -275,6 +275,27 @@ def test_strided_and_negative_stride_views(order, rng):
     np.testing.assert_array_equal(base_y, want_y)  # elements between y's are untouched
 
 
+def mappings():
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts mappings in Linux's /proc/self/maps")
+def test_a_process_holds_the_fiber_stacks_of_one_module_only(rng):
+    # Every module is its own library with its own pool of fiber stacks (two mappings each). One
+    # pytest worker loads hundreds of modules; when each kept its stacks, CI's worker ran out of its
+    # 65,530 mappings (vm.max_map_count) and crashed.
+    x = rng.standard_normal(1024).astype(np.float32)
+    y = np.zeros(1024, np.float32)
+    counts = []
+    for variant in range(4):  # the same kernel, four libraries (the build hash covers the source)
+        k = EmulatedModule(source("memory.cu") + f"\n// variant {variant}\n", ["strided_axpy"]).get_function("strided_axpy")
+        k((1,), (1024,), (x, np.int64(1), y, np.int64(1), np.float32(1.0), np.int32(1024)))
+        counts.append(mappings())
+    np.testing.assert_array_equal(y, 4 * x)
+    assert counts[-1] - counts[0] < 1024, f"mappings after each module's launch: {counts}"
+
+
 def test_aliased_arguments_share_memory(rng):
     y = rng.standard_normal(50).astype(np.float32)
     want = np.float32(2.0) * y + y

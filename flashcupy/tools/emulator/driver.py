@@ -311,6 +311,8 @@ def _load(path: str):
             lib.emu_page_size.restype = ctypes.c_uint64
             lib.emu_counters.restype = None
             lib.emu_counters.argtypes = [ctypes.POINTER(_Counters)]
+            lib.emu_release_stacks.restype = None
+            lib.emu_release_stacks.argtypes = []
             _memo[path] = lib
         return _memo[path]
 
@@ -424,6 +426,16 @@ _SCALAR_KINDS = {_SIGNED: "iu", _UNSIGNED: "iu", _FLOATING: "f", _BOOL: "b"}
 # the public classes
 
 _launch_lock = threading.Lock()  # the runtime is single-threaded: one launch at a time
+_stacks_held = [None]  # the library whose fiber stacks are mapped (runtime.cpp's emu_release_stacks)
+
+
+def _launch(lib, entry, argv, config, report) -> int:
+    with _launch_lock:
+        held = _stacks_held[0]
+        if held is not None and held is not lib:
+            held.emu_release_stacks()
+        _stacks_held[0] = lib
+        return lib.emu_launch(entry, argv, ctypes.byref(config), ctypes.byref(report))
 
 
 def _dim3(value, what: str) -> tuple:
@@ -551,8 +563,7 @@ class EmulatedFunction:
                                    module.stack_size, module.seed, THREAD_ORDERS.index(module.thread_order),
                                    int(module.cp_async == "eager"), int(module.ftz), int(module.counters))
             report = _LaunchReport()
-            with _launch_lock:
-                status = self._lib.emu_launch(self._entry, argv, ctypes.byref(config), ctypes.byref(report))
+            status = _launch(self._lib, self._entry, argv, config, report)
             if status != _OK:
                 raise self._error(report, regions, storage, shared_mem)
             if module.counters:

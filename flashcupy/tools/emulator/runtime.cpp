@@ -36,7 +36,9 @@
 #include <algorithm>
 #include <csetjmp>
 #include <csignal>
+#include <cerrno>
 #include <cstdarg>
+#include <cstring>
 #include <random>
 #include <unordered_map>
 #include <vector>
@@ -1024,7 +1026,8 @@ EMU_API int emu_launch(void (*entry)(void**), void** argv, const EmuLaunchConfig
     }
     std::size_t threads = std::size_t{config->block[0]} * config->block[1] * config->block[2];
     if (!stacks.reserve(threads, config->stack_bytes) || !l.shared.map(config->dynamic_shared_bytes)) {
-        std::snprintf(report->message, sizeof report->message, "mmap failed for %zu fiber stacks", threads);
+        std::snprintf(report->message, sizeof report->message, "mmap failed for %zu fiber stacks (%s)", threads,
+                      std::strerror(errno));
         return report->status = kResources;
     }
     emu::dynamic_shared = l.shared.base;
@@ -1047,6 +1050,12 @@ EMU_API int emu_launch(void (*entry)(void**), void** argv, const EmuLaunchConfig
     last_counters = counting.totals;
     return report->status = status;
 }
+
+// Unmap this module's fiber stacks. Every module is its own shared library with its own pool, and a
+// pool of 1,024 stacks holds 2,048 of the process's 65,530 mappings (vm.max_map_count): the driver
+// calls this on the module that launched last whenever another one launches, so that a process that
+// loads hundreds of modules (one pytest worker) holds one module's stacks, not all of them.
+EMU_API void emu_release_stacks() { stacks.release(); }
 
 // The counters of the last launch (zero unless it was a counted one).
 EMU_API void emu_counters(EmuCounters* out) { *out = last_counters; }
