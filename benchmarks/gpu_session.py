@@ -12,8 +12,9 @@ Stages, in this order, each in its own process with its own time limit:
   check      every backend, kernel path and dtype against the float64 oracle, each row on its own
   sanitizer  compute-sanitizer memcheck and racecheck on tiny shapes, where the tool is installed
   sweep      forward and backward time, TFLOP/s and peak memory beside torch SDPA's flash, cuDNN
-             and math backends, bfloat16 and float16, and the forward at the tile a head dim had
-             before (cupy-previous); inputs made on the device once per shape and shared by every
+             and math backends, bfloat16 and float16, the forward at the tile a head dim had
+             before (cupy-previous), and the Numba kernels (float16, up to numba_max_seqlen) beside
+             the CuPy ones; inputs made on the device once per shape and shared by every
              implementation; head_dim 128 and causal first, as they matter most
   plot       the sweep as one PNG
 
@@ -23,11 +24,20 @@ stage process that dies inside an item (an illegal address poisons its CUDA cont
 again after that item, which the report lists as crashed. Four files in all: report.md,
 results.jsonl, session.log (every stage's output) and speed.png.
 
+The Numba parts of preflight, pytest, check and sweep (items whose key starts with "numba/") run
+in processes of their own, after the others, with at least NUMBA_SHARE of the stage's time, and
+with FLASHCUPY_NUMBA_SITE first on their path: the folder where gpu_session.sh installed the
+wheels carried in .whl/numba/ (benchmarks/gpu_wheels.sh downloads a NumPy that numba-cuda works
+with: the H200 image's numpy 2.5 broke numba-cuda 0.30.4 at its first compile). Everything else
+runs on the image's own packages, as measured before. Without those wheels the Numba processes
+run on the image's NumPy, and the report says so.
+
 The dry run runs the same stages and writes the same report without a GPU: the cupy backend on
 the CPU emulator (flashcupy/tools/emulator/cupy.py), Numba on its CUDA simulator, torch on the CPU where it
 is installed. CI runs it (tests/test_gpu_session.py), so this script cannot rot between GPUs.
-FLASHCUPY_SESSION_INJECT=STAGE:raise or STAGE:crash:N makes STAGE fail on purpose (the whole
-stage raises, or its process dies at its Nth item): the tests prove the report survives both.
+FLASHCUPY_SESSION_INJECT=STAGE:raise or STAGE:crash:N makes STAGE fail on purpose (every process
+of the stage raises, or its process dies at its Nth item; numba/STAGE:crash:N, its Numba
+process): the tests prove the report survives both.
 """
 
 from __future__ import annotations
@@ -64,26 +74,40 @@ class Sizes:
     hidden: int  # heads = hidden // head_dim
     check_battery: tuple | None
     math_max_seqlen: int  # torch's math backend holds the whole score matrix
-    numba_max_seqlen: int  # the Numba kernels run on CUDA cores, an order of magnitude slower
+    numba_max_seqlen: int  # the Numba kernels run on CUDA cores, an order of magnitude slower (float16 only)
+    numba_configs: tuple  # the configs of `configs` they are timed at
     min_time: float  # seconds of timed calls per measurement, at least MIN_REPEAT calls
     max_repeat: int
 
 
 GPU = Sizes(seqlens=(512, 1024, 2048, 4096, 8192, 16384), configs=((128, True), (128, False), (64, True), (64, False)),
             dtypes=("bfloat16", "float16"), tokens=16384, hidden=2048, check_battery=None, math_max_seqlen=4096,
-            numba_max_seqlen=2048, min_time=0.1, max_repeat=30)
-DRY = Sizes(seqlens=(32, 64), configs=((64, True), (64, False)), dtypes=("bfloat16", "float16"), tokens=64,
-            hidden=128, math_max_seqlen=64, numba_max_seqlen=64, min_time=0.0, max_repeat=1,
+            numba_max_seqlen=2048, numba_configs=((128, True), (128, False), (64, True), (64, False)), min_time=0.1,
+            max_repeat=30)
+DRY = Sizes(seqlens=(16, 32, 64), configs=((64, True), (64, False)), dtypes=("bfloat16", "float16"), tokens=64,
+            hidden=128, math_max_seqlen=64, min_time=0.0, max_repeat=1,
+            # Numba's simulator takes some 10-25 s a causal forward and backward at S = 16 (B = 4, H = 2)
+            numba_max_seqlen=16, numba_configs=((64, True),),
             # one query and one key; then GQA, causal with Sq < Sk, head_dim 40 (tensor cores): Numba's
             # simulator runs a Python thread per CUDA thread, so the battery's larger cases take minutes
             check_battery=((1, 1, 1, 1, 1, 1, False), (1, 9, 12, 2, 1, 40, True)))
 MIN_REPEAT = 3
 
 # (stage, time limit in seconds); the sweep takes what the budget leaves after reserving the plot's
-STAGES = (("preflight", 60), ("blocks", 90), ("pytest", 120), ("check", 150), ("sanitizer", 100),
+STAGES = (("preflight", 60), ("blocks", 90), ("pytest", 180), ("check", 150), ("sanitizer", 100),
           ("sweep", None), ("plot", 30))
 STAGE_NAMES = tuple(name for name, _ in STAGES)
 MAX_RESTARTS = 4  # fresh processes for a stage whose process keeps dying inside items
+# The stages with Numba items ("numba/..." keys), run in processes of their own after the others'
+# (FLASHCUPY_NUMBA_SITE first on their path), which stop at 1 - NUMBA_SHARE of the stage's time
+NUMBA_STAGES = ("preflight", "pytest", "check", "sweep")
+NUMBA_SHARE = 0.25
+GROUPS = ("main", "numba")
+
+
+def group_of(key: str) -> str:
+    """The process group an item runs in: "numba" for the Numba backend's items, else "main"."""
+    return "numba" if key.startswith("numba/") else "main"
 
 SWEEP_IMPLS = ("cupy", "cupy-previous", "numba", "torch-flash", "torch-cudnn", "torch-math")
 # The forward tiles of the head dims whose tile changed since the last GPU measured them, timed as
@@ -121,17 +145,18 @@ class Results:
 # the stage processes (`gpu_session.py --worker STAGE`): items, each begun and ended in the record
 
 
-def _injected(stage: str):
-    """('raise',) or ('crash', n) when FLASHCUPY_SESSION_INJECT names this stage, else None."""
+def _injected(stage: str, group: str = "main"):
+    """('raise',) or ('crash', n) when FLASHCUPY_SESSION_INJECT names this stage (and for a crash,
+    this process group: numba/STAGE for the Numba process), else None."""
     spec = os.environ.get("FLASHCUPY_SESSION_INJECT", "")
     parts = spec.split(":")
-    if parts[0] != stage:
+    if parts[0] not in (stage, f"numba/{stage}"):
         return None
     if parts[1:] == ["raise"]:
         return ("raise",)
     if len(parts) == 3 and parts[1] == "crash":
-        return ("crash", int(parts[2]))
-    raise ValueError(f"FLASHCUPY_SESSION_INJECT must be STAGE:raise or STAGE:crash:N, got {spec!r}")
+        return ("crash", int(parts[2])) if parts[0] == (stage if group == "main" else f"numba/{stage}") else None
+    raise ValueError(f"FLASHCUPY_SESSION_INJECT must be [numba/]STAGE:raise or STAGE:crash:N, got {spec!r}")
 
 
 def _device_healthy(dry: bool) -> bool:
@@ -161,16 +186,22 @@ def _watchdog(deadline: float) -> None:
 
 def run_worker(stage: str, args) -> int:
     results = Results(args.out)
-    inject = _injected(stage)
+    inject = _injected(stage, args.group)
     if inject == ("raise",):
         raise RuntimeError(f"stage {stage!r} failed on purpose (FLASHCUPY_SESSION_INJECT)")
     deadline = float(os.environ.get("FLASHCUPY_SESSION_DEADLINE", "inf"))
     _watchdog(deadline)
     begun = {r["key"] for r in results.read() if r.get("stage") == stage and r["type"] == "begin"}
+    if args.dry_run and args.group == "numba":
+        sys.setswitchinterval(2e-4)  # 3-4x faster: the simulator's barriers busy-poll its Python threads
     with contextlib.ExitStack() as stack:
         if args.dry_run and stage in ("check", "sweep"):
             stack.enter_context(_emulated())
-        for index, (key, run) in enumerate(WORKERS[stage](args), 1):
+        index = 0
+        for key, run in WORKERS[stage](args):
+            if group_of(key) != args.group:  # the other process group's
+                continue
+            index += 1
             if key in begun:  # done, or crashed a process before this one
                 continue
             if time.time() > deadline - 3:
@@ -223,7 +254,8 @@ def preflight_items(args):
         from flashcupy import backends
         from flashcupy.backends import cupy_backend
         env = {"type": "env", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dry_run": args.dry_run,
-               "python": platform.python_version(), "numpy": np.__version__, "flashcupy": flashcupy.__version__,
+               "python": platform.python_version(), "numpy": np.__version__, "numpy_file": np.__file__,
+               "flashcupy": flashcupy.__version__,
                "gpu": "none: dry run on the CPU emulator" if args.dry_run else None}
         for dist in ("cupy-cuda12x", "cupy-cuda13x", "numba", "numba-cuda", "torch", "ml_dtypes", "pytest",
                      "hypothesis", "cuda-pathfinder", "cuda-bindings", "matplotlib"):
@@ -251,7 +283,22 @@ def preflight_items(args):
             env["installed"] = {"packages": missing, "returncode": done.returncode, "stderr": done.stderr[-500:]}
         return [env]
 
+    def numba_environment():
+        """What the Numba processes import: NumPy from the carried wheels' folder, or the image's."""
+        import numpy as np
+
+        from flashcupy import backends
+        site = os.environ.get("FLASHCUPY_NUMBA_SITE")
+        carried = sorted(n[:-len(".dist-info")] for n in os.listdir(site) if n.endswith(".dist-info")) if site else []
+        numpy_from = "the carried wheels" if site and os.path.abspath(np.__file__).startswith(os.path.abspath(site)) \
+            else "the image (no wheels carried in .whl/numba/: bash benchmarks/gpu_wheels.sh)" if not site \
+            else "the image, not the carried wheels"
+        return [{"type": "numba-env", "numpy": np.__version__, "numpy_from": numpy_from, "numpy_file": np.__file__,
+                 "carried": carried, "site": site, "numba": _version("numba"), "numba-cuda": _version("numba-cuda"),
+                 "backend": backends.unavailable_reason("numba") or "available"}]
+
     yield "environment", environment
+    yield "numba/environment", numba_environment
 
 
 def check_items(args):
@@ -266,6 +313,8 @@ def check_items(args):
     sizes = DRY if args.dry_run else GPU
     battery = sizes.check_battery or ref.compare.BATTERY
     for backend, path in (("cupy", "tensor-core"), ("cupy", "simt"), ("numba", "simt")):
+        if group_of(f"{backend}/") != args.group:  # the other process group's: its availability is not ours
+            continue
         reason = backends.unavailable_reason(backend)
         if reason is not None:
             yield f"{backend}/{path}", lambda backend=backend, reason=reason: [
@@ -311,10 +360,11 @@ def _device_inputs(shape_kv, shape_q, dtype, seed, dry):
 
 def _median_seconds(fn, dry: bool, sizes: Sizes) -> float:
     """The median of timed calls after one warm-up call (which also compiles): CUDA events on
-    the current stream on a GPU, the host clock in the dry run."""
-    fn()
+    the current stream on a GPU; the host clock in the dry run, without the warm-up (its figures
+    mean nothing, and a call on Numba's simulator takes seconds)."""
     times = []
     if not dry:
+        fn()
         import cupy
         cupy.cuda.get_current_stream().synchronize()
     while len(times) < sizes.max_repeat and (len(times) < min(MIN_REPEAT, sizes.max_repeat)
@@ -357,12 +407,12 @@ def sweep_items(args):
     device = "cpu" if args.dry_run else "cuda"
     impls, missing = [], []
     for impl in SWEEP_IMPLS:
+        if group_of(f"{impl}/") != args.group:  # the other process group's: its availability is not ours
+            continue
         reason = (backends.unavailable_reason(impl.split("-")[0]) if impl.split("-")[0] in backends.NAMES
                   else bench.torch_available())
         if reason is None and impl == "torch-cudnn" and args.dry_run:
             reason = "cuDNN attention needs a GPU"
-        if reason is None and impl == "numba" and args.dry_run:
-            reason = "not timed in the dry run: the simulator takes minutes a call (the check stage runs it)"
         if reason is None:
             impls.append(impl)
         elif impl not in ("torch-math", "cupy-previous"):  # said by torch-flash and torch-cudnn, by cupy
@@ -394,7 +444,8 @@ def sweep_items(args):
         for dtype in sizes.dtypes:
             for S in sizes.seqlens:
                 for impl in impls:
-                    if impl == "numba" and (dtype == "bfloat16" or S > sizes.numba_max_seqlen):
+                    if impl == "numba" and (dtype == "bfloat16" or S > sizes.numba_max_seqlen
+                                            or (D, causal) not in sizes.numba_configs):
                         continue  # numba has no bfloat16 arithmetic
                     if impl == "torch-math" and S > sizes.math_max_seqlen:
                         continue
@@ -403,7 +454,7 @@ def sweep_items(args):
                     key = f"{impl}/{dtype}/D{D}/{'causal' if causal else 'full'}/S{S}"
                     yield key, functools.partial(measure, impl, dtype, D, causal, S)
     for impl, reason in missing:
-        yield f"unavailable/{impl}", lambda impl=impl, reason=reason: [
+        yield "numba/unavailable" if impl == "numba" else f"unavailable/{impl}", lambda impl=impl, reason=reason: [
             {"type": "unavailable", "impl": impl, "reason": reason}]
 
 
@@ -466,6 +517,37 @@ def _stage_env(args, deadline: float) -> dict:
     return env
 
 
+def _group_env(env: dict, group: str) -> dict:
+    """A stage's environment for one process group: the Numba processes find the packages of
+    FLASHCUPY_NUMBA_SITE (the carried NumPy, gpu_session.sh) before the image's."""
+    site = env.get("FLASHCUPY_NUMBA_SITE")
+    if group != "numba" or not site:
+        return env
+    root, *rest = env["PYTHONPATH"].split(os.pathsep)
+    return dict(env, PYTHONPATH=os.pathsep.join([root, site, *rest]))
+
+
+def _groups(stage: str, start: float, limit: float) -> list:
+    """(group, deadline) for each process group of a stage, in the order they run: the main one
+    stops at 1 - NUMBA_SHARE of the limit where the Numba processes follow, which take the rest."""
+    if stage not in NUMBA_STAGES:
+        return [("main", start + limit)]
+    return [("main", start + limit * (1 - NUMBA_SHARE)), ("numba", start + limit)]
+
+
+def _combined(statuses: dict) -> str:
+    """A stage's status from its process groups' ({group: status}): the main group's alone where
+    the Numba processes' is "ok"; a failure or timeout of either first, so that it counts."""
+    if set(statuses) == {"main"} or statuses.get("numba") == "ok":
+        return statuses["main"]
+    label = {"main": "main", "numba": "Numba processes"}
+    bad = {g: x for g, x in statuses.items() if not x.startswith("ok")}
+    detail = "; ".join(f"{label[g]}: {x}" for g, x in statuses.items() if x != "ok")
+    if not bad:
+        return f"ok ({detail})"
+    return ("timeout" if all(x == "timeout" for x in bad.values()) else "failed") + f" ({detail})"
+
+
 def _run(command, env, limit: float, log) -> tuple:
     """(returncode or None on timeout, output) of `command` in a session of its own, so a timeout
     kills everything it started."""
@@ -484,23 +566,26 @@ def _run(command, env, limit: float, log) -> tuple:
     return code, output
 
 
+PYTEST_FILES = {"blocks": {"main": ["tests/test_tensor_core_gpu.py"]},
+                "pytest": {"main": ["tests/test_cupy_gpu.py"], "numba": ["tests/test_numba_backend.py"]}}
+
+
 def _pytest_stage(stage, args, env, limit, log, results):
-    files = (["tests/test_tensor_core_gpu.py"] if stage == "blocks"
-             else ["tests/test_cupy_gpu.py", "tests/test_numba_backend.py"])
-    # one process, without setup.cfg's addopts: its "-n auto" would start a pytest-xdist worker, and
-    # a CUDA context, per CPU of the device machine, and fail where pytest-xdist is missing
-    code, output = _run([sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                         *files], env, limit, log)
-    lines = output.strip().splitlines()
-    summary = lines[-1] if lines else ""
-    failed = [line.split(" ", 1)[1].split(" - ")[0] for line in lines if line.startswith(("FAILED ", "ERROR "))]
-    results.add(stage=stage, type="pytest", returncode=code, summary=summary, failed=failed[:30],
-                failed_count=len(failed))
-    if code is None:
-        return "timeout"
-    if code == 5:
-        return "failed: pytest ran no tests"
-    return "ok" if code == 0 else f"failed: {len(failed)} tests"
+    statuses = {}
+    for group, deadline in _groups(stage, time.time(), limit):
+        # one process a group, without setup.cfg's addopts: its "-n auto" would start a pytest-xdist
+        # worker, and a CUDA context, per CPU of the device machine, and fail where pytest-xdist is missing
+        code, output = _run([sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "gpu", "-q", "-p",
+                             "no:cacheprovider", *PYTEST_FILES[stage][group]], _group_env(env, group),
+                            deadline - time.time(), log)
+        lines = output.strip().splitlines()
+        summary = lines[-1] if lines else ""
+        failed = [line.split(" ", 1)[1].split(" - ")[0] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+        results.add(stage=stage, type="pytest", group=group, returncode=code, summary=summary, failed=failed[:30],
+                    failed_count=len(failed))
+        statuses[group] = ("timeout" if code is None else "failed: pytest ran no tests" if code == 5
+                           else "ok" if code == 0 else f"failed: {len(failed)} tests")
+    return _combined(statuses)
 
 
 def _sanitizer_stage(stage, args, env, limit, log, results):
@@ -521,14 +606,19 @@ def _sanitizer_stage(stage, args, env, limit, log, results):
 
 
 def _worker_stage(stage, args, env, limit, log, results):
-    """A worker stage, restarted in a fresh process after each item that killed its process."""
-    deadline = time.time() + limit
+    """A worker stage: a process for each process group, each restarted in a fresh process after
+    each item that killed it."""
+    return _combined({group: _worker_group(stage, group, args, _group_env(env, group), deadline, log, results)
+                      for group, deadline in _groups(stage, time.time(), limit)})
+
+
+def _worker_group(stage, group, args, env, deadline, log, results):
     for attempt in range(MAX_RESTARTS + 1):
-        command = [sys.executable, os.path.abspath(__file__), "--worker", stage, "--out", args.out] + \
-                  (["--dry-run"] if args.dry_run else [])
+        command = [sys.executable, os.path.abspath(__file__), "--worker", stage, "--group", group, "--out",
+                   args.out] + (["--dry-run"] if args.dry_run else [])
         code, output = _run(command, dict(env, FLASHCUPY_SESSION_DEADLINE=str(deadline)),
                             deadline - time.time(), log)
-        records = [r for r in results.read() if r.get("stage") == stage]
+        records = [r for r in results.read() if r.get("stage") == stage and group_of(r.get("key", "")) == group]
         ended = {r["key"] for r in records if r["type"] == "end"}
         open_items = [r["key"] for r in records if r["type"] == "begin" and r["key"] not in ended]
         for key in open_items:
@@ -541,7 +631,7 @@ def _worker_stage(stage, args, env, limit, log, results):
             return "timeout"
         if not open_items:  # it failed outside any item: starting again would fail the same way
             tail = "\n".join(output.strip().splitlines()[-3:])
-            results.add(stage=stage, type="error", key=stage, error=tail)
+            results.add(stage=stage, type="error", key=stage if group == "main" else f"numba/{stage}", error=tail)
             return f"failed: exit {code}"
         if time.time() > deadline - 5:
             return "timeout"
@@ -611,10 +701,16 @@ def render(records) -> str:
     lines = [title, "", f"{env.get('date', '')}" + (" · **dry run**: no GPU, every figure below is from the "
                                                      "CPU emulator and means nothing about speed" if env.get("dry_run") else ""), ""]
     if env:
-        shown = {k: v for k, v in env.items() if k not in ("type", "stage", "key", "date", "dry_run", "gpu", "backends")
-                 and v is not None}
+        shown = {k: v for k, v in env.items() if k not in ("type", "stage", "key", "date", "dry_run", "gpu", "backends",
+                                                           "numpy_file") and v is not None}
         lines += ["Environment: " + ", ".join(f"{k} {v}" for k, v in shown.items()), "",
                   "Backends: " + ", ".join(f"{k}: {v}" for k, v in env.get("backends", {}).items()), ""]
+    numba = next((r for r in records if r["type"] == "numba-env"), None)
+    if numba:
+        lines += [f"Numba processes: numpy {numba['numpy']} from {numba['numpy_from']}"
+                  + (f" ({', '.join(numba['carried'])} in {numba['site']})" if numba["carried"] else "")
+                  + f", numba {numba['numba']}, numba-cuda {numba['numba-cuda']}; the numba backend: {numba['backend']}",
+                  ""]
     lines += ["## Stages", "", "| stage | status | seconds |", "|---|---|---|"]
     lines += [f"| {r['stage']} | {r['status']} | {r['seconds']} |" for r in records if r["type"] == "stage"]
     lines.append("")
@@ -622,7 +718,8 @@ def render(records) -> str:
     if tests:
         lines += ["## Tests on the device", ""]
         for r in tests:
-            lines.append(f"- {r['stage']}: {r['summary']}" + (f" (exit {r['returncode']})" if r["returncode"] else ""))
+            lines.append(f"- {r['stage']}{' (Numba processes)' if r.get('group') == 'numba' else ''}: {r['summary']}"
+                         + (f" (exit {r['returncode']})" if r["returncode"] else ""))
             lines += [f"  - FAILED {name}" for name in r["failed"]]
             if r["failed_count"] > len(r["failed"]):
                 lines.append(f"  - ... and {r['failed_count'] - len(r['failed'])} more")
@@ -663,7 +760,8 @@ def _speed_tables(timings) -> list:
     lines = ["## Speed and memory", "",
              "TFLOP/s (forward 4·B·H·S²·D, halved when causal; backward 2.5x), median of timed calls after a "
              "warm-up; in brackets the peak extra memory in MiB. 16k tokens per batch (B = tokens / S), "
-             "hidden size 2048 (H = 2048 / D) on a GPU.", ""]
+             "hidden size 2048 (H = 2048 / D) on a GPU. numba / cupy: how far the Numba kernels (CUDA cores, "
+             "float16 only) are from the CuPy ones.", ""]
     impls = sorted({r["impl"] for r in timings}, key=lambda i: (i.startswith("torch"), i))
     for dtype in sorted({r["dtype"] for r in timings}):
         for pass_ in ("forward", "backward"):
@@ -671,8 +769,8 @@ def _speed_tables(timings) -> list:
             if not rows:
                 continue
             lines += [f"### {dtype} {pass_}", "", "| D | causal | S | B x H | " + " | ".join(impls)
-                      + " | cupy / torch-flash | cupy / torch-cudnn | cupy / cupy-previous |",
-                      "|---" * (len(impls) + 7) + "|"]
+                      + " | cupy / torch-flash | cupy / torch-cudnn | cupy / cupy-previous | numba / cupy |",
+                      "|---" * (len(impls) + 8) + "|"]
             for D, causal, S in sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in rows},
                                        key=lambda k: (-k[0], not k[1], k[2])):
                 cell = {r["impl"]: r for r in rows if (r["head_dim"], r["causal"], r["seqlen"]) == (D, causal, S)}
@@ -685,14 +783,15 @@ def _speed_tables(timings) -> list:
                     mem = f" ({r['peak_bytes'] / 2**20:.0f})" if r["peak_bytes"] is not None else ""
                     return f"{r['tflops']:.1f}{mem}" if r["tflops"] >= 0.1 else f"{r['tflops']:.2g}{mem}"
 
-                def ratio(other):
-                    if "cupy" in cell and other in cell:
-                        return f"{cell['cupy']['tflops'] / cell[other]['tflops']:.2f}x"
+                def ratio(other, impl="cupy"):
+                    if impl in cell and other in cell:
+                        return f"{cell[impl]['tflops'] / cell[other]['tflops']:.2f}x"
                     return ""
 
                 lines.append(f"| {D} | {causal} | {S} | {any_row['batch']} x {any_row['heads']} | "
                              + " | ".join(show(i) for i in impls)
-                             + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} | {ratio('cupy-previous')} |")
+                             + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} | {ratio('cupy-previous')} |"
+                             + f" {ratio('cupy', 'numba')} |")
             lines.append("")
     return lines
 
@@ -706,10 +805,11 @@ def short_table(records) -> str:
     timings = {(r["impl"], r["dtype"], r["pass"], r["head_dim"], r["causal"], r["seqlen"]): r["tflops"]
                for r in records if r["type"] == "timing"}
     for (impl, dtype, pass_, D, causal, S), tf in sorted(timings.items()):
-        for other, name in (("torch-flash", "flash"), ("cupy-previous", "previous tile")):
-            if impl == "cupy" and ((other,) + (dtype, pass_, D, causal, S)) in timings:
+        for mine, other, name in (("cupy", "torch-flash", "flash"), ("cupy", "cupy-previous", "previous tile"),
+                                  ("numba", "cupy", "cupy")):
+            if impl == mine and ((other,) + (dtype, pass_, D, causal, S)) in timings:
                 base = timings[(other, dtype, pass_, D, causal, S)]
-                out.append(f"{dtype} {pass_:<8} D={D} causal={causal!s:<5} S={S:<6} cupy {tf:6.1f}  {name} "
+                out.append(f"{dtype} {pass_:<8} D={D} causal={causal!s:<5} S={S:<6} {mine} {tf:6.1f}  {name} "
                            f"{base:6.1f}  {tf / base:.2f}x")
     return "\n".join(out)
 
@@ -723,6 +823,7 @@ def main(argv=None) -> int:
                     help="seconds for the whole session (default: 400 on a GPU, 900 in the dry run)")
     ap.add_argument("--only", help=f"comma-separated stages to run, of: {','.join(STAGE_NAMES)}")
     ap.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
+    ap.add_argument("--group", choices=GROUPS, default="main", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.out = os.path.abspath(args.out)
     if args.worker:

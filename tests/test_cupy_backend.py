@@ -33,6 +33,7 @@ from flashcupy.backends.cupy_backend import sources, specs
 from flashcupy.tools import emulator  # noqa: E402
 from flashcupy.tools.emulator.cupy import compile_module, emulated  # noqa: E402
 from test_modifiers import check as check_modifiers  # noqa: E402
+from test_modifiers import LARGE_SCALES, large_scores_check  # noqa: E402
 
 ORDERS = ("ascending", "descending")
 
@@ -404,6 +405,17 @@ def test_property_matches_oracle(B, Sq, Sk, Hkv, group, D, causal, dtype, layout
         out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
         grads = flashcupy.attention_backward(dout, q, k, v, out, lse, **kw)
     assert_matches_oracle((out, lse, *grads), *values, causal=causal)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(bias=True), dict(window=(2, 3))], ids=["plain", "bias", "window"])
+@pytest.mark.parametrize("dtype, scale", LARGE_SCALES, ids=lambda x: np.dtype(x).name if isinstance(x, type) else f"{x:g}")
+def test_scores_whose_rounding_exceeds_one_keep_the_gradients_finite(dtype, scale, kw, monkeypatch):
+    """The SIMT kernels at scales inside the accumulation dtype's range that make scores of inputs of
+    0.5 far larger than 1 / its roundoff (issue 31): the dK/dV kernel's Sᵀ = K Qᵀ, summed in another
+    order than the forward's S, put s - lse far above 0, P at inf and dk, dv at NaN or inf."""
+    monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", False)
+    with emulated():
+        large_scores_check("cupy", dtype, scale, **kw)
 
 
 # Deliberate bugs in the SIMT kernels (conftest.MUTATION_BATTERY, float32): each must fail the battery.

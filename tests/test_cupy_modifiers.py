@@ -165,6 +165,38 @@ def test_windows_past_the_ends_and_rows_that_see_no_key(rng, path, Sq, Sk, windo
     assert_matches_oracle((out, lse, dq, dk, dv), q, k, v, dout, **kw)
 
 
+@pytest.mark.parametrize("path, deterministic, kernel", [
+    ("tensor-core", False, "attn_bwd_dq_convert"),  # dQ added with atomics inside the dK/dV kernel
+    ("tensor-core", True, "attn_bwd_dq_tc"),
+    ("simt", True, "flash_bwd_dq"),
+])
+def test_rows_the_mask_hides_add_nothing_whatever_their_dout_holds(rng, monkeypatch, path, deterministic, kernel):
+    """A row the bool mask leaves no key lies inside tiles of rows that see keys: its dq is 0 and it adds
+    nothing to dk, dv or dbias, whatever its dout holds (README, Semantics: fully masked rows), on both
+    kernel paths, the tensor-core backward with dq by atomics and without. (The mask is the one
+    modifier that hides a whole row inside the query blocks a key block visits: causal and windows
+    start them at the first row that sees it.)"""
+    monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", path == "tensor-core")
+    dtype = np.float16 if path == "tensor-core" else np.float32
+    B, Sq, Sk, Hq = 2, 20, 70, 2  # two key blocks on both paths; GQA
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, 1, 64, dtype)
+    mask = rng.random((B, Hq, Sq, Sk)) < 0.8
+    mask[1, 1, 5] = mask[0, 0, 19] = False
+    bias = rng.standard_normal((1, Hq, Sq, Sk)).astype(np.float32)  # dbias sums the hidden row with one that sees
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    dout[1, 5, 1, 7] = dout[0, 19, 0] = np.nan
+    names = []
+    with emulated(compile=recording(names)):
+        out, lse = flashcupy.attention(q, k, v, mask=mask, bias=bias, return_lse=True, backend="cupy")
+        grads = flashcupy.attention_backward(dout, q, k, v, out, lse, mask=mask, bias=bias, backend="cupy",
+                                             deterministic=deterministic)
+    assert any(name.startswith(kernel + "<") for name in names), names
+    assert np.isneginf(lse[1, 1, 5]) and np.isneginf(lse[0, 0, 19])
+    assert [int(np.isnan(g).sum()) for g in grads] == [0, 0, 0, 0]
+    assert np.all(grads[0][1, 5, 1] == 0) and np.all(grads[0][0, 19, 0] == 0)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, mask=mask, bias=bias)
+
+
 def test_modifiers_choose_their_own_specialisation(rng):
     # a call without modifiers launches the kernels it launched before modifiers existed; each set of
     # modifiers launches its own (the MODS template argument)
@@ -271,8 +303,8 @@ PAIR_MUTATIONS = {
         "const bool partial = mask.partial(blk.i0, j0);"),
     "dbias not summed over keys": ("acc[r] = group_sum<BLOCK_N>(acc[r]);", "acc[r] = acc[r];"),
     "dbias row sum misses a warp": ("for (int w = 0; w < NUM_WARPS; ++w)", "for (int w = 1; w < NUM_WARPS; ++w)"),
-    "probs subtract the lse of the asked index": ("acc_exp(s - lse_for_p(lse_row, lse_ss, i,",
-                                                  "acc_exp(s - lse_for_p(lse_row, lse_ss, n,"),
+    "probs subtract the lse of the asked index": ("acc_exp(at_most_zero(s - lse_for_p(lse_row, lse_ss, i,",
+                                                  "acc_exp(at_most_zero(s - lse_for_p(lse_row, lse_ss, n,"),
     "tensor-core dQ drops the softcap's derivative": ("dp = hidden ? 0.0f : score.grad(P * (dp - D_r[r / 8]), t);",
                                                       "dp = hidden ? 0.0f : P * (dp - D_r[r / 8]);"),
 }

@@ -5,19 +5,24 @@ must work the first time, and a failing stage must not take the others' results 
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
 import subprocess
 import sys
+import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_session.sh")
 
 
-def session(out, *args, inject=None):
-    env = dict(os.environ, PYTHON=sys.executable)
+def session(out, *args, inject=None, **env_vars):
+    env = dict(os.environ, PYTHON=sys.executable, **env_vars)
     env.pop("FLASHCUPY_SESSION_INJECT", None)
+    env.setdefault("FLASHCUPY_NUMBA_WHEELS", str(out / "no-wheels"))  # not a checkout's .whl/numba/
     if inject:
         env["FLASHCUPY_SESSION_INJECT"] = inject
     done = subprocess.run(["bash", SCRIPT, "--dry-run", "--out", str(out), *args], env=env, capture_output=True,
@@ -31,8 +36,36 @@ def stages(records):
     return {r["stage"]: r["status"] for r in records if r["type"] == "stage"}
 
 
+def carried_numpy_wheel(folder) -> str:
+    """This interpreter's NumPy as a wheel, its installed files packed again: it stands in for the one
+    benchmarks/gpu_wheels.sh downloads for the device, so that the dry run takes the path the GPU
+    session takes (gpu_session.sh installs it into a folder that only the Numba processes see)."""
+    dist = importlib.metadata.distribution("numpy")
+    tag = next(line.split(": ", 1)[1] for line in dist.read_text("WHEEL").splitlines() if line.startswith("Tag: "))
+    info = f"numpy-{dist.version}.dist-info"
+    path = os.path.join(folder, f"numpy-{dist.version}-{tag}.whl")
+    record = []
+    os.makedirs(folder, exist_ok=True)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for f in dist.files:
+            name = str(f)
+            if name.startswith("..") or "__pycache__" in name or name in (
+                    f"{info}/{x}" for x in ("RECORD", "INSTALLER", "REQUESTED", "direct_url.json")):
+                continue  # the scripts in bin/, bytecode, and what pip wrote when it installed it
+            data = f.locate().read_bytes()
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            z.writestr(name, data)
+            record.append(f"{name},sha256={digest},{len(data)}")
+        z.writestr(f"{info}/RECORD", "\n".join(record + [f"{info}/RECORD,,"]) + "\n")
+    return path
+
+
 def test_dry_run_writes_a_complete_report(tmp_path):
-    done, records, report = session(tmp_path)
+    # with a NumPy wheel carried for the Numba processes, as the GPU session runs (benchmarks/gpu_wheels.sh)
+    wheel = carried_numpy_wheel(tmp_path / "wheels")
+    (tmp_path / "tmp").mkdir()
+    done, records, report = session(tmp_path, FLASHCUPY_NUMBA_WHEELS=str(tmp_path / "wheels"),
+                                    TMPDIR=str(tmp_path / "tmp"))
     assert done.returncode == 0, done.stdout + done.stderr
     status = stages(records)
     assert list(status) == ["preflight", "blocks", "pytest", "check", "sanitizer", "sweep", "plot"]
@@ -42,6 +75,15 @@ def test_dry_run_writes_a_complete_report(tmp_path):
         assert result.startswith(want), (stage, result)
     (env,) = [r for r in records if r["type"] == "env"]
     assert env["dry_run"] and env["numpy"]
+    # the Numba processes imported the carried NumPy (installed by gpu_session.sh, removed after), the others not
+    (numba,) = [r for r in records if r["type"] == "numba-env"]
+    site = numba["site"]
+    assert numba["numpy_from"] == "the carried wheels" and numba["carried"] == [os.path.basename(wheel).split("-cp")[0]]
+    assert numba["numpy_file"].startswith(site) and numba["backend"] == "available"
+    assert not env["numpy_file"].startswith(site) and not os.path.exists(site)
+    assert site.startswith(str(tmp_path / "tmp"))
+    assert f"Numba processes: numpy {numba['numpy']} from the carried wheels" in report
+    assert {r["group"] for r in records if r["type"] == "pytest" and r["stage"] == "pytest"} == {"main", "numba"}
     blocks = next(r for r in records if r["type"] == "pytest" and r["stage"] == "blocks")
     assert blocks["returncode"] == 0 and "passed" in blocks["summary"] and "skipped" not in blocks["summary"]
     checks = [r for r in records if r["type"] == "check"]
@@ -51,13 +93,17 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert all(r["ok"] is True and 0 <= r["worst"] <= 1 for r in checks)
     timings = [r for r in records if r["type"] == "timing"]
     assert {(r["impl"], r["dtype"]) for r in timings} >= {("cupy", "bfloat16"), ("cupy", "float16")}
-    assert any(r["type"] == "unavailable" and r["impl"] == "numba" and r["stage"] == "sweep" for r in records)
+    # the Numba kernels timed beside the CuPy ones (the simulator's figures: only the path is checked)
+    assert {(r["pass"], r["seqlen"]) for r in timings if r["impl"] == "numba"} == {("forward", 16), ("backward", 16)}
+    assert not [r for r in records if r["type"] == "unavailable" and r["stage"] == "sweep" and r["impl"] == "numba"]
     assert all(r["seconds"] > 0 and r["tflops"] > 0 for r in timings)
     assert not [r for r in records if r["type"] in ("error", "crash")]
     assert os.path.getsize(tmp_path / "speed.png") > 10_000
     for section in ("## Stages", "## Correctness against the float64 oracle", "### bfloat16 forward",
-                    "![speed and memory](speed.png)", "**dry run**"):
+                    "![speed and memory](speed.png)", "**dry run**", "| numba / cupy |"):
         assert section in report
+    (row,) = [line for line in report.split("### float16 backward")[1].splitlines() if line.startswith("| 64 | True | 16 |")]
+    assert row.endswith("x |") and "numba" in done.stdout  # the numba / cupy ratio, and the closing lines
 
 
 def test_a_stage_that_raises_leaves_the_stages_before_and_after(tmp_path):
@@ -68,6 +114,9 @@ def test_a_stage_that_raises_leaves_the_stages_before_and_after(tmp_path):
     assert status["check"].startswith("failed")
     assert any(r["type"] == "env" for r in records)
     assert not [r for r in records if r["type"] == "check"]
+    # without carried wheels the Numba processes import the image's NumPy, and the report says so
+    (numba,) = [r for r in records if r["type"] == "numba-env"]
+    assert numba["numpy_from"].startswith("the image (no wheels carried") and numba["site"] is None
     assert "failed on purpose" in report and "| preflight | ok |" in report and "| plot | ok |" in report
 
 

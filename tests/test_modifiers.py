@@ -61,6 +61,38 @@ def modifier_cases(rng, shape, dtype):
 CASE_NAMES = list(modifier_cases(np.random.default_rng(0), SHAPE, np.float32))
 
 
+# Scales inside the accumulation dtype's range, so accepted, at which the scores of inputs of magnitude
+# 0.5 dwarf 1 / the dtype's roundoff: the s - lse that the backward and attention_probs recompute is then
+# off by far more than 1, either way (issue 31: P = inf, and NaN gradients, before P was clamped to 1).
+# (float16 would hold no gradient of such scales; bfloat16, of float32's range, would.)
+LARGE_SCALES = [(np.float32, 1e11), (np.float32, 1e30), (np.float32, 1e38), (np.float64, 1e200),
+                (np.float64, 1e300)]
+
+
+def large_scores_check(backend, dtype, scale, head_dim=4, seeds=range(4), bits=False, **kw):
+    """The shapes issue 31 found it with, q (1, 6, 1, D) against k, v (1, 7, 1, D), inputs of magnitude
+    0.5, a few seeds (which way each score's rounding goes depends on the data): out, lse, dq, dk, dv
+    (and dbias with kw's bias=True) against the oracle, whose gradients are finite there, and
+    attention_probs against it and within [0, 1]. (Its rows need not sum to 1: a P of 1 can come out 0.)
+    bits: bfloat16 (dtype BF16) passed as uint16 bit patterns, as CuPy holds it."""
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        q, dout = ((0.5 * rng.standard_normal((1, 6, 1, head_dim))).astype(dtype) for _ in range(2))
+        k, v = ((0.5 * rng.standard_normal((1, 7, 1, head_dim))).astype(dtype) for _ in range(2))
+        call = dict(kw, scale=scale)
+        if call.get("bias") is True:
+            call["bias"] = (0.5 * rng.standard_normal((1, 1, 6, 7))).astype(dtype)
+        if bits:
+            q, k, v, dout = (bf16_bits(x) for x in (q, k, v, dout))
+            call = dict(call, dtype="bfloat16", **({"bias": bf16_bits(call["bias"])} if "bias" in call else {}))
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend=backend, **call)
+        grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend=backend, **call)
+        assert_matches_oracle((out, lse, *grads), q, k, v, dout, **call)
+        P = flashcupy.attention_probs(q, k, lse, backend=backend, **call)
+        assert np.all((P >= 0) & (P <= 1)), (seed, P)
+        assert error_ratio(P, expected(q, k, v, probs=True, **call), "P") <= 1
+
+
 def check(q, k, v, dout, rng=None, bits=False, rows=None, backend="numpy", **kw):
     """Forward, backward and attention_probs of `backend` against the oracle (the one tolerance
     rule); returns the ratios. bits: bfloat16 as uint16 bit patterns (bias too, when in bfloat16).

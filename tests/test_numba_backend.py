@@ -57,7 +57,7 @@ finally:
 import flashcupy  # noqa: E402
 from flashcupy.backends import MAX_GRID, numba_backend  # noqa: E402
 from flashcupy.backends.numba_backend import kernels  # noqa: E402
-from test_modifiers import check, modifier_cases  # noqa: E402
+from test_modifiers import LARGE_SCALES, check, large_scores_check, modifier_cases  # noqa: E402
 from test_varlen import (appends_across_a_block_boundary, packed_batch_matches_the_oracle,  # noqa: E402
                          per_sequence_alibi_in_a_kvcache)
 
@@ -282,6 +282,17 @@ def test_rows_the_mask_hides_give_zeros_and_keep_nan_in_dout_to_themselves(rng, 
     np.testing.assert_array_equal(again[3], grads[3])
 
 
+@pytest.mark.parametrize("kw", [{}, dict(bias=True)], ids=["plain", "bias"])
+@pytest.mark.parametrize("dtype, scale", LARGE_SCALES, ids=lambda x: np.dtype(x).name if isinstance(x, type) else f"{x:g}")
+@pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_scores_whose_rounding_exceeds_one_keep_the_gradients_finite(device, dtype, scale, kw):
+    """Scales that make scores of inputs of 0.5 far larger than 1 / the accumulation dtype's roundoff
+    (issue 31: the NumPy backend and the CuPy kernels gave NaN gradients there): every kernel here sums
+    a score as the forward does, and clamps the recomputed s - lse to 0 besides (_recomputed_p)."""
+    _require(device)
+    large_scores_check("numba", dtype, scale, seeds=range(2), **kw)
+
+
 # ----------------------------------------------------------------------------
 # device arrays: the simulator's arrays have no __cuda_array_interface__, so GPU only
 
@@ -387,11 +398,66 @@ def test_unavailable_reason_without_a_device():
 
 
 def test_kernels_compile_for_a_real_gpu():
-    """Every kernel x dtype through NVVM to PTX: the typing the simulator never does (no GPU needed)."""
+    """Every specialisation the backend launches (tools.signatures(): each kernel x dtype x kind of slopes,
+    bias and mask array; the next test checks that list) through NVVM to PTX: the typing the simulator
+    never does (no GPU needed)."""
     r = subprocess.run([sys.executable, "-m", "flashcupy.backends.numba_backend.tools", "ptx"],
                        capture_output=True, text=True, timeout=300,
                        env={k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"})
     assert r.returncode == 0, r.stdout + r.stderr  # 3: NVVM missing, which the test extra installs
+
+
+def _argument_kinds(args):
+    """What numba specialises a launch on, as comparable tuples: arrays by dtype, tuples by length,
+    floats by dtype, integers; from a launch's arguments or from a numba signature's types."""
+    from numba import types
+
+    def kind(a):
+        if isinstance(a, types.Array) or (hasattr(a, "dtype") and len(getattr(a, "shape", ())) == 1):
+            return ("array", np.dtype(str(a.dtype) if isinstance(a, types.Array) else a.dtype).name)
+        if isinstance(a, (tuple, types.BaseTuple)):
+            return ("tuple", len(a))
+        if isinstance(a, (np.floating, types.Float)):
+            return ("float", np.dtype(str(a) if isinstance(a, types.Float) else type(a)).name)
+        assert isinstance(a, (int, np.integer, types.Integer)), a
+        return ("int",)
+    return tuple(kind(a) for a in args)
+
+
+def test_the_ptx_compile_covers_every_specialisation_the_backend_launches(rng, monkeypatch):
+    """tools.signatures(), the list the previous test compiles, is exactly what the backend launches:
+    every kernel, recorded on the simulator over every input dtype and every kind of array a call
+    passes as the ALiBi slopes (float32, or float64 with float64 inputs), the bias (q's dtype or
+    float32) and the mask, forward, backward (dbias with a bias) and attention_probs."""
+    _require("simulator")
+    from flashcupy.backends.numba_backend import tools
+    launched = set()
+
+    class Recorder:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, config):
+            def launch(*args):
+                launched.add((self.name, _argument_kinds(args)))
+                return self.kernel[config](*args)
+            return launch
+
+    names = {name for name, _, _ in tools.signatures()}
+    for name in names:
+        monkeypatch.setattr(kernels, name, Recorder(name, getattr(kernels, name)))
+    for dtype in DTYPES:
+        q, k, v = make_qkv(rng, 1, 2, 3, 1, 1, 2, dtype)
+        slopes = [None, np.float32] + ([np.float64] if dtype == np.float64 else [])
+        for slope, bias, mask in itertools.product(slopes, [None, dtype, np.float32], [None, bool]):
+            kw = dict(alibi_slopes=None if slope is None else np.full(1, 0.5, slope),
+                      bias=None if bias is None else np.zeros((1, 1, 2, 3), bias),
+                      mask=None if mask is None else np.ones((1, 1, 2, 3), bool))
+            out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numba", **kw)
+            flashcupy.attention_backward(q, q, k, v, out, lse, backend="numba", **kw)
+            flashcupy.attention_probs(q, k, lse, backend="numba", **kw)
+    assert {name for name, _ in launched} == names == set(kernels.__dict__) & {n for n in dir(kernels) if n.startswith("_attn")}
+    assert launched == {(name, _argument_kinds(sig)) for name, _, sig in tools.signatures()}
 
 
 # ----------------------------------------------------------------------------
@@ -693,6 +759,32 @@ def test_each_unavailability_reason_is_reported_and_refuses_the_backend_before_a
         assert got["probes"] == ([] if name == "nvvm missing" else [[9, 0]])  # once, however often asked
         assert got["refused"] == [f"backend 'numba' is not available: {got['reason']}"] * 2
     assert results["working"] == {"reason": None, "same": True, "probes": [[9, 0]], "refused": []}
+
+
+_INFO_UNDER_NUMPY_2_5 = """
+import numpy as np
+from numba import cuda
+del np.row_stack  # what NumPy 2.5 removed, and numba-cuda 0.30.4 still registers an overload of
+cuda.is_available = lambda: True  # the device image's GPU
+cuda.get_current_device = lambda: type("Device", (), {"compute_capability": (9, 0)})()
+from flashcupy.__main__ import main
+main(["info"])
+"""
+
+
+def test_info_says_what_breaks_numba_cuda_and_how_to_fix_it():
+    """`python -m flashcupy info` on the H200 image of the first GPU session (numpy 2.5.2 with numba-cuda
+    0.30.4, whose first compile failed on np.row_stack): NumPy 2.5 made here by removing np.row_stack,
+    and numba-cuda's real first compile (the availability probe) meeting it. The numba line says the
+    cause and the fix."""
+    r = _python(_INFO_UNDER_NUMPY_2_5, NUMBA_ENABLE_CUDASIM="0")
+    assert r.returncode == 0, r.stderr
+    (line,) = [x for x in r.stdout.splitlines() if x.strip().startswith("numba ")]
+    from importlib.metadata import version
+    major_minor = ".".join(np.__version__.split(".")[:2])
+    for part in (f"unavailable: numba-cuda {version('numba-cuda')} does not work with numpy {np.__version__}",
+                 "row_stack", f'pip install "numpy<{major_minor}"', "a numba-cuda release that supports"):
+        assert part in line, (part, line)
 
 
 # ----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from conftest import (BANDS, BF16, CASES, DTYPES, LAYOUTS, assert_matches_oracle
                       bf16_bits, case_id, make_qkv, mutate_band, mutated_package, reference)
 from flashcupy._problem import Problem
 from flashcupy.backends import numpy_backend
+from test_modifiers import LARGE_SCALES, large_scores_check
 
 
 def check_against_oracle(q, k, v, dtype, causal, scale=None, rng=None, backend="numpy", bits=False):
@@ -418,3 +419,41 @@ def test_a_mutation_is_caught(monkeypatch, name):
 def test_a_band_mutation_is_caught(monkeypatch, name):
     mutate_band(monkeypatch, *BAND_MUTATIONS[name])
     assert battery_fails("numpy"), f"the battery missed: {name}"
+
+
+@pytest.mark.parametrize("kw", [{}, dict(bias=True), dict(window=(2, 3)), dict(softcap=1e30)],
+                         ids=["plain", "bias", "narrow-window", "softcap"])
+@pytest.mark.parametrize("dtype, scale", LARGE_SCALES, ids=lambda x: np.dtype(x).name if isinstance(x, type) else f"{x:g}")
+def test_scores_whose_rounding_exceeds_one_keep_the_gradients_finite(dtype, scale, kw):
+    """A scale inside float32's range, 1e30 say, with inputs of magnitude 0.5: the forward is right,
+    and the backward, which recomputes P = exp(s - lse) from scores whose rounding is far above 1, must
+    not turn it into inf (the NaN and -inf gradients of issue 31). A narrow window takes the band
+    backward, the others the tiled one."""
+    large_scores_check("numpy", dtype, scale, **kw)
+
+
+def test_the_recomputed_p_is_clamped_only_where_scores_can_round_past_one(rng):
+    """The clamp of the previous test costs a pass over every tile, so it is decided per call from q
+    and k: off for ordinary inputs (head_dim 64 at a scale of 1, head_dim 256 at the default; float16
+    and bfloat16 through their bits), on where rounding can pass 1, with a NaN or a bias (not bounded)."""
+    def decide(q, k, scale=None, **kw):
+        p = flashcupy._checks.problem(q, k, k, False, scale, None, "numpy", **kw)
+        return numpy_backend.softmax.recomputed_p_may_pass_one(p, q, k)
+
+    q, k, _ = make_qkv(rng, 2, 300, 300, 4, 2, 64, np.float32)
+    assert not any(decide(q.astype(t), k.astype(t), scale=1.0) for t in (np.float16, BF16, np.float32, np.float64))
+    assert not decide(q, k, window=(3, 3)) and not decide(q, k, alibi_slopes=np.full(4, 0.5, np.float32))
+    wide, _, _ = make_qkv(rng, 1, 20, 20, 1, 1, 256, np.float32)
+    assert not decide(wide, wide)
+    assert decide(q, k, scale=1e9) and decide(q.astype(BF16), k.astype(BF16), scale=1e9)
+    assert decide(q.astype(np.float64), k.astype(np.float64), scale=1e300)
+    assert not decide(q.astype(np.float64), k.astype(np.float64), scale=1e9)
+    assert decide(q, k, alibi_slopes=np.full(4, 1e8, np.float32))
+    assert decide(q, k, bias=np.zeros((1, 1, 1, 300), np.float32))
+    for t in (np.float16, BF16, np.float32):
+        x = q.astype(t)
+        x[0, 0, 0, 0] = np.nan
+        assert decide(x, k.astype(t))
+    x = q.astype(np.float16)
+    x[1, 2, 3, 4] = -60000.0  # the largest magnitude is a negative one
+    assert decide(x, k.astype(np.float16), scale=1.0)

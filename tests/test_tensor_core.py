@@ -13,8 +13,9 @@ import re
 
 import numpy as np
 import pytest
-from conftest import MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, case_id, make_qkv, mutation_tests
+from conftest import BF16, MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, case_id, make_qkv, mutation_tests
 from test_emulator_tensor_core import NARROW, narrow
+from test_modifiers import large_scores_check
 
 import flashcupy
 from flashcupy.backends import cupy_backend
@@ -210,12 +211,30 @@ def test_a_scale_other_than_the_default_reaches_both_passes(fmt, schedule, rng):
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True, scale=0.3, dtype=fmt)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
+@pytest.mark.parametrize("kw", [{}, dict(bias=True), dict(window=(2, 3))], ids=["plain", "bias", "window"])
+@pytest.mark.parametrize("scale", [1e11, 1e30, 1e37])  # 1e38 takes scores of head_dim 16 past float32's range
+def test_scores_whose_rounding_exceeds_one_keep_the_gradients_finite(scale, kw, deterministic, monkeypatch):
+    """bfloat16 (float32's range) at scales that make scores of inputs of 0.5 far larger than 1 /
+    float32's roundoff (issue 31): the backward's products, rounded otherwise than the forward's, put
+    s - lse far above 0 and P at inf; so did dbias and attention_probs, SIMT kernels of the SIMT
+    kernels' S against the tensor-core forward's lse. The kernel path is asserted."""
+    monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", True)
+    backward = cupy_backend.backward
+    monkeypatch.setattr(cupy_backend, "backward",
+                        lambda *a, **k: backward(*a, **dict(k, deterministic=deterministic)))
+    names = []
+    with emulated(compile=recording(names)):
+        large_scores_check("cupy", BF16, scale, head_dim=16, bits=True, **kw)
+    assert {"attn_fwd_tc", "attn_bwd_dkdv_tc"} <= {n.split("<")[0] for n in names}, names
+
+
 # Deliberate bugs in the tensor-core kernels (conftest.MUTATION_BATTERY, float16): each must fail the
 # battery. The GQA and key-range mutations are in mask.cuh, shared with the SIMT kernels.
 TC_MUTATIONS = {
     "scale ignored": ("const float scale_log2 = scale * LOG2E;", "const float scale_log2 = LOG2E / sqrtf(float(head_dim));"),
     "GQA head mapping": ("h, h / group};", "h, h % (heads_q / group)};"),
-    "D not subtracted": ("dp = P * (dp - D_i[c]);", "dp = P * dp;"),
+    "D not subtracted": (": P * (dp - D_i[c]);", ": P * dp;"),
     "key_end off by one": ("last_row + 1 + diagonal", "last_row + diagonal"),
     "lse base": ("m[mt][r] * LN2 + logf(l[mt][r])", "m[mt][r] * LN2 + log2f(l[mt][r])"),
 }

@@ -397,6 +397,15 @@ def _row_lse(lse, lst, b, h, i, seqlen_q):
 
 
 @cuda.jit(device=True)
+def _recomputed_p(x, acc):
+    """P = exp(x) of a recomputed x = s - lse, x clamped to at most 0 as it is by definition (P at
+    most 1): where scores are so large that their rounding passes 1 (about 2^22 / head_dim in
+    float32), a score summed otherwise than the forward's can put x far above 0 and P at inf, then
+    NaN gradients (README, Semantics: large scores). A NaN stays NaN."""
+    return math.exp(acc(0) if x > 0 else x)
+
+
+@cuda.jit(device=True)
 def _zero_rows_that_see_nothing(tile, lse, lst, b, h, row0, seqlen_q, tid):
     """0 in the rows of a tile this thread has just loaded (_load_tile's elements, so no barrier
     between) whose query row sees no key (lse -inf): dO_i in the dK/dV kernel, where P = 0 times a
@@ -455,7 +464,7 @@ def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dks
             ds = acc(0)
             s, t, seen = _modify(s * scale, mods, slopes, bias, allow, mask, b, h, i, j, seqlen_q, seqlen_k, acc)
             if seen:
-                p = math.exp(s - _row_lse(lse, lst, b, h, i, seqlen_q))
+                p = _recomputed_p(s - _row_lse(lse, lst, b, h, i, seqlen_q), acc)
                 ds = p * (dp - D[_at3(Dst, b, h, i)]) * (acc(1) - t * t) * scale
             P[r, c] = p
             dS[r, c] = ds
@@ -518,7 +527,7 @@ def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
         ds = acc(0)  # selected, not multiplied by P = 0: a row that sees no key gets dq 0 whatever its dout
         s, t, seen = _modify(s * scale, mods, slopes, bias, allow, mask, b, h, i, j0 + c, seqlen_q, seqlen_k, acc)
         if seen:
-            ds = math.exp(s - lse_r) * (dp - D_r) * (acc(1) - t * t) * scale
+            ds = _recomputed_p(s - lse_r, acc) * (dp - D_r) * (acc(1) - t * t) * scale
         dS[r, c] = ds
         cuda.syncthreads()  # the whole row of dS is written
 
@@ -598,7 +607,7 @@ def _attn_bwd_dbias(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dbias,
                         s, _, seen = _modify(s * scale, mods, slopes, bias, allow, mask, b, h, i, j,
                                              seqlen_q, seqlen_k, acc)
                         if seen:
-                            total += math.exp(s - lse_r) * (dp - D_r)
+                            total += _recomputed_p(s - lse_r, acc) * (dp - D_r)
         dbias[e] = total
 
 
@@ -623,4 +632,4 @@ def _attn_probs(q, qst, k, kst, lse, lst, P, Pst, rows,
         for d in range(head_dim):
             s += acc(q[_at(qst, b, i, h, d)]) * acc(k[_at(kst, b, j, kv_head, d)])
         s, _, _ = _modify(s * scale, mods, slopes, bias, allow, mask, b, h, i, j, seqlen_q, seqlen_k, acc)
-        P[_at(Pst, b, h, r, j)] = math.exp(s - _row_lse(lse, lst, b, h, i, seqlen_q))
+        P[_at(Pst, b, h, r, j)] = _recomputed_p(s - _row_lse(lse, lst, b, h, i, seqlen_q), acc)

@@ -50,6 +50,7 @@ class BandGrid:
     kv_groups: list
     tile_ranges: list  # (u0, u1) of each task
     per_matmul: int  # tiles computed per matmul
+    clamp: bool = False  # s - lse clamped to 0 before exp2 (softmax.recomputed_p_may_pass_one)
 
 
 def band_grid(p, width: int) -> BandGrid:
@@ -84,6 +85,7 @@ def band_grid(p, width: int) -> BandGrid:
 def backward(p, dout, q, k, v, out, lse, dq, dk, dv, width: int) -> None:
     """dq, dk, dv of the views in the value dtype, for a band `width` keys wide."""
     grid = band_grid(p, width)
+    grid.clamp = softmax.recomputed_p_may_pass_one(p, q, k)
     dq[:, :grid.first] = 0
     dq[:, grid.last:] = 0
     if grid.T_r <= 0:
@@ -185,6 +187,8 @@ class BandTask:
         Pa, dSa = Pt[:, a - u:z - u], dSt[:, a - u:z - u]
         flat = slice(self.filled + a - u, self.filled + z - u)  # the same tiles in P_flat, dS_flat
         np.matmul(ops.Q1[:, a - f0:z - f0], ops.K1t[:, a - f0:z - f0], out=Pa)
+        if grid.clamp:  # softmax.recomputed_p_may_pass_one
+            np.minimum(self.P_flat[:, flat], 0, out=self.P_flat[:, flat])
         with np.errstate(over="ignore"):  # a hidden pair may overflow: it is zeroed next
             np.exp2(self.P_flat[:, flat], out=self.P_flat[:, flat])
         P5 = Pa.reshape(h, z - a, step, g, grid.tile_keys)

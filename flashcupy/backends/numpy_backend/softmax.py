@@ -11,6 +11,8 @@ and a tile costs one elementwise pass (exp) instead of three (max, subtract, exp
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..._problem import LN2, LOG2E
@@ -25,6 +27,31 @@ def base2_scale(p):
     """scale * log2(e) in the accumulation dtype: what Q or K carries so that scores come out in
     base 2 and P = exp2(S - m)."""
     return p.acc_dtype.type(p.scale * LOG2E)
+
+
+def recomputed_p_may_pass_one(p, q, k) -> bool:
+    """Whether the backward and attention_probs must clamp the s - lse they recompute to 0 (P to 1).
+
+    P = exp2(s - lse) is at most 1, but they recompute s - lse with roundings other than the
+    forward's: off by up to some (head_dim + 2) u (|s| + |lse|) (reference/compare.py's ds), which
+    passes 1 once scores reach about 2^22 / head_dim in float32 (a scale of 1e30 with inputs of
+    0.5), and then exp2 gives P far above 1 or inf, and NaN gradients (issue 31). While a bound of
+    it (through head_dim max|q| max|k|) stays below 1/2, P stays below 2^(1/2) and no pass is spent
+    on clamping, which costs a pass over every tile; deciding costs a pass or two over q and k. A
+    bias's size is not bounded here: with a bias, always."""
+    if p.bias is not None:
+        return True
+
+    def amax(x):  # max |x|, NaN where some x is NaN
+        if x.dtype.itemsize == 2:  # float16, bfloat16: NumPy's max of them runs without SIMD, far slower
+            return float(np.array(np.bitwise_and(x.view(np.uint16), 0x7FFF).max(), np.uint16).view(x.dtype))
+        return max(float(np.max(x)), -float(np.min(x)))
+
+    top = p.scale * LOG2E * p.head_dim * amax(q) * amax(k)  # |s| and sum_d |q_d k_d| scale in base 2, at most
+    if p.alibi_slopes is not None:
+        top += LOG2E * amax(np.asarray(p.alibi_slopes)) * (p.seqlen_q + p.seqlen_k)
+    u = float(np.finfo(p.acc_dtype).eps) / 2
+    return not (p.head_dim + 2) * u * (2 * top + math.log2(p.seqlen_k + 1)) < 0.5  # NaN: clamp
 
 
 def largest_l(acc, v_max) -> float:

@@ -21,7 +21,7 @@ def delta_into(dO, O, out) -> None:
     np.negative(np.einsum("hsgd,hsgd->hsg", dO, O), out=out)
 
 
-def item(p, block_j0, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None) -> tuple:
+def item(p, block_j0, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None, clamp=False) -> tuple:
     """The key block from block_j0 on of a stack of kv heads (K, V: (kv heads, keys, D)) against
     their query heads: returns (dK_j, dV_j) and adds into dQ. Everything is stacked as in
     softmax.ForwardBlock.
@@ -69,6 +69,8 @@ def item(p, block_j0, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None
             T = scratch.take("T", S.shape, acc)
             modify(S, slice(i0, i1), slice(j0, j1), T)
             np.add(S, Q1_i[:, :, D:], out=S)  # - lse log2(e)
+        if clamp:  # softmax.recomputed_p_may_pass_one
+            np.minimum(S, 0, out=S)
         with np.errstate(over="ignore"):  # a hidden pair may overflow: it is zeroed next
             P = np.exp2(S, out=S)  # hidden pairs zeroed after it, not -inf before it: see ForwardBlock.tile
         tiling.mask_scores(P, p, i0, j0, 0, group=g, hidden=hidden)
@@ -167,6 +169,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, dB=None):
     """dq, dk, dv of the views in the value dtype by the tile plans; returns dbias (the bias's
     shape, the accumulation dtype; summed into dB where given) or None."""
     acc = p.acc_dtype
+    clamp = softmax.recomputed_p_may_pass_one(p, q, k)
     bplan = plan_backward(p)
     heads = stacks.HeadMap(p)
     mods = modifiers.Modifiers(p, heads) if p.modifiers - {"window"} else None
@@ -196,7 +199,8 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, dB=None):
                         modify = functools.partial(mods.apply, b=b, h0=h0, h1=h1, scratch=scratch)
                     if dB is not None:
                         dbias = functools.partial(mods.add_dbias, dB_own, b=b, h0=h0, h1=h1)
-                    dK_j, dV_j = item(p, j0, bplan.tiles[j0, j1], K, V, Q1, dO1, dQ[h0:h1], scratch, modify, dbias)
+                    dK_j, dV_j = item(p, j0, bplan.tiles[j0, j1], K, V, Q1, dO1, dQ[h0:h1], scratch, modify, dbias,
+                                      clamp)
                     dk[b, j0:j1, h0:h1, :] = dK_j.transpose(1, 0, 2)
                     dv[b, j0:j1, h0:h1, :] = dV_j.transpose(1, 0, 2)
                 return dQ if not bplan.per_partition else (dQ, dB_own)

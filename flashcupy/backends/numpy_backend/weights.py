@@ -20,6 +20,7 @@ def probs(p, q, k, lse, rows):
     P = np.empty((p.batch, p.heads_q, rows.size, p.seqlen_k), dtype=acc)
     row_blocks = tiling.blocks(0, rows.size, plan.tile_sizes(p)[0])
     keys = np.arange(p.seqlen_k)
+    clamp = softmax.recomputed_p_may_pass_one(p, q, k)
 
     def task(b, h):
         def run(scratch):
@@ -37,6 +38,8 @@ def probs(p, q, k, lse, rows):
                     np.copyto(S4, -np.inf, where=hidden[None, :, None, :])
                 L = heads.read(lse[b].T[index], h, h + 1)  # (1, rows, group)
                 np.subtract(S4, (np.where(L == -np.inf, np.inf, L) * acc.type(LOG2E))[..., None], out=S4)
+                if clamp:  # softmax.recomputed_p_may_pass_one
+                    np.minimum(S, 0, out=S)
                 heads.unstack_into(P[b].transpose(1, 0, 2)[r0:r1], h, h + 1, np.exp2(S, out=S))
         return run
 

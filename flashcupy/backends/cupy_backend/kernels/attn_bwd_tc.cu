@@ -179,10 +179,15 @@ __global__ void __launch_bounds__(NUM_THREADS, (MODS & MOD_SCORE) && HEAD_DIM ==
 
     // cp.async Q_i, dO_i of pass p into its stage (not committed); thread x < 2 BLOCK_M returns the
     // statistic it stores for that pass: lse log2 e (+inf where P = 0) of row x, or D of row x - BLOCK_M
+    // A row the bool mask leaves no key (lse -inf) can lie inside these query blocks (the band starts them at
+    // the first row that sees key block j): its dO is zero-filled and its dS selected 0, so that P = 0 times
+    // a NaN in its dout reaches neither dV nor dK (nor, with DQ_ATOMIC, dQ)
     auto prefetch = [&](int p) {
         const int h = blk.kv_head * group + p / q_blocks, i0 = i_start + p % q_blocks * BLOCK_M;
+        const float* lse_h = lse + blk.b * lse_sb + h * lse_sh;
+        const auto seen_row = [=](int i) { return (MODS & MOD_MASK) == 0 || lse_h[i * lse_ss] != -INFINITY; };
         load_stage_async<BLOCK_M, HEAD_DIM>(Q_s, dO_s, p & 1, HEAD_ROWS(q, blk.b, h), HEAD_ROWS(dout, blk.b, h), i0,
-                                            seqlen_q, head_dim);
+                                            seqlen_q, head_dim, seen_row);
         const int i = i0 + threadIdx.x % BLOCK_M;
         if (threadIdx.x < BLOCK_M) return lse_for_p(lse + blk.b * lse_sb + h * lse_sh, lse_ss, i, seqlen_q) * LOG2E;
         return i < seqlen_q ? Dvec[(index_t(blk.b) * heads_q + h) * seqlen_q + i] : 0.0f;
@@ -227,16 +232,16 @@ __global__ void __launch_bounds__(NUM_THREADS, (MODS & MOD_SCORE) && HEAD_DIM ==
             for_each_element([&](int r, int c, float& s, float& dp) {
                 const bool hidden = partial && !(mask.visible(i0 + c, key_w + r) && score.keeps(i0 + c, key_w + r));
                 float t = 0.0f;
-                const float P = hidden ? 0.0f : ex2_approx(score(s, i0 + c, key_w + r, t) - lse_i[c]);
+                const float P = hidden ? 0.0f : ex2_approx(at_most_zero(score(s, i0 + c, key_w + r, t) - lse_i[c]));
                 s = P;
-                dp = score.grad(P * (dp - D_i[c]), t);
+                dp = (MODS & MOD_MASK) != 0 && hidden ? 0.0f : score.grad(P * (dp - D_i[c]), t);  // see seen_row
             }, S, dP);
         } else {
             for_each_element([&](int r, int c, float& s, float& dp) {
                 const bool hidden = partial && !(mask.visible(i0 + c, key_w + r) && score.keeps(i0 + c, key_w + r));
-                const float P = hidden ? 0.0f : ex2_approx(s * scale_log2 - lse_i[c]);
+                const float P = hidden ? 0.0f : ex2_approx(at_most_zero(s * scale_log2 - lse_i[c]));
                 s = P;
-                dp = P * (dp - D_i[c]);
+                dp = (MODS & MOD_MASK) != 0 && hidden ? 0.0f : P * (dp - D_i[c]);  // see seen_row
             }, S, dP);
         }
 
@@ -336,7 +341,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MODS ? 2 : MIN_CTAS<HEAD_DIM>) at
             const bool hidden = partial && !(mask.visible(row_w + r, j0 + c) && score.keeps(row_w + r, j0 + c));
             float t = 0.0f;
             const float x = (MODS & MOD_SCORE) != 0 ? score(s, row_w + r, j0 + c, t) : s * scale_log2;
-            const float P = hidden ? 0.0f : ex2_approx(x - lse_r[r / 8]);
+            const float P = hidden ? 0.0f : ex2_approx(at_most_zero(x - lse_r[r / 8]));
             // selected: a NaN in an unseen row's dO stays out of dQ
             dp = hidden ? 0.0f : score.grad(P * (dp - D_r[r / 8]), t);
         }, S, dP);

@@ -70,10 +70,24 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
         const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, h, Acc(1), Acc(1));
         for (int i0 = mask.query_start(blk.j0), i_end = mask.query_end(blk.j0); i0 < i_end; i0 += BLOCK_M) {
             load_tile<BLOCK_M, HEAD_DIM>(Q_s, Q, i0, seqlen_q, head_dim, scale);
-            load_tile<BLOCK_M, HEAD_DIM>(dO_s, dO, i0, seqlen_q, head_dim, Acc(1));
+            if constexpr ((MODS & MOD_MASK) != 0) {
+                // A row the bool mask leaves no key (lse -inf) can lie inside these query blocks (the band
+                // starts them at the first row that sees key block j): its dO reads as 0, so that P = 0
+                // times a NaN in its dout reaches neither dV nor dK. load_tile's loop with that test, but
+                // rolled: unrolled, its loads of lse spilled float64 kernels.
+#pragma unroll 1
+                for (int e = threadIdx.x; e < BLOCK_M * HEAD_DIM; e += NUM_THREADS) {
+                    const int i = i0 + e / HEAD_DIM, d = e % HEAD_DIM;
+                    dO_s[e] = i < seqlen_q && d < head_dim && lse_row[i * lse_ss] != Acc(-INFINITY) ? to_acc(dO.at(i, d))
+                                                                                                  : Acc(0);
+                }
+            } else {
+                load_tile<BLOCK_M, HEAD_DIM>(dO_s, dO, i0, seqlen_q, head_dim, Acc(1));
+            }
             const int i = i0 + query;
             const Acc lse_i = lse_for_p(lse_row, lse_ss, i, seqlen_q);
-            const Acc D_i = i < seqlen_q ? D_row[i] : Acc(0);
+            // that row's D_i (NaN from its dout) 0 as well, so that its dS = P (dP - D_i) is 0 (see dO_s above)
+            const Acc D_i = i < seqlen_q && ((MODS & MOD_MASK) == 0 || lse_i != Acc(INFINITY)) ? D_row[i] : Acc(0);
             __syncthreads();  // Q_i, dO_i (and, on the first pass, K_j, V_j) are in shared memory for every warp
 
             Acc S[R], dP[R];
@@ -84,10 +98,10 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
                 if constexpr ((MODS & MOD_SCORE) != 0) {
                     Acc t = Acc(0);
                     const Acc s = score(S[r], i, key0 + r, t);
-                    S[r] = mask.visible(i, key0 + r) && score.keeps(i, key0 + r) ? acc_exp(s - lse_i) : Acc(0);
+                    S[r] = mask.visible(i, key0 + r) && score.keeps(i, key0 + r) ? acc_exp(at_most_zero(s - lse_i)) : Acc(0);
                     dP[r] = score.grad(S[r] * (dP[r] - D_i), t);
                 } else {
-                    S[r] = mask.visible(i, key0 + r) && score.keeps(i, key0 + r) ? acc_exp(S[r] - lse_i) : Acc(0);
+                    S[r] = mask.visible(i, key0 + r) && score.keeps(i, key0 + r) ? acc_exp(at_most_zero(S[r] - lse_i)) : Acc(0);
                     dP[r] = S[r] * (dP[r] - D_i);
                 }
             }
@@ -143,7 +157,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dq(
             const bool seen = mask.visible(i, j0 + key) && score.keeps(i, j0 + key);
             Acc t = Acc(0);
             if constexpr ((MODS & MOD_SCORE) != 0) S[r] = score(S[r], i, j0 + key, t);
-            const Acc P = seen ? acc_exp(S[r] - lse_for_p(lse_row, lse_ss, i, seqlen_q)) : Acc(0);
+            const Acc P = seen ? acc_exp(at_most_zero(S[r] - lse_for_p(lse_row, lse_ss, i, seqlen_q))) : Acc(0);
             dP[r] = seen ? score.grad(P * (dP[r] - (i < seqlen_q ? D_row[i] : Acc(0))), t) : Acc(0);
         }
         accumulate<R, BLOCK_N, HEAD_DIM>(dQ, dP, K_s);

@@ -25,6 +25,16 @@ __global__ void __launch_bounds__(NUM_THREADS) flash_bwd_preprocess(
     if (lane == 0) Dvec[n] = sum;
 }
 
+// s - lse of a score the backward (or attention_probs) recomputes, clamped to at most 0 as it is by
+// definition (P at most 1): where scores are so large that their rounding passes 1 (about 2^22 /
+// head_dim in float: a scale of 1e30 with inputs of 0.5), a product rounded otherwise than the
+// forward's S can put it far above 0, and P at inf, then NaN gradients. A NaN stays NaN (README,
+// Semantics: large scores). In either base.
+template <typename Acc>
+__device__ __forceinline__ Acc at_most_zero(Acc x) {
+    return x > Acc(0) ? Acc(0) : x;
+}
+
 // lse of row i for recomputing P = exp(S - lse): +inf for rows that saw no key (lse = -inf) and
 // for rows past seqlen_q, so that their P is 0 (for any finite score: the mask leaves the rows past
 // seqlen_q to this, mask.cuh).

@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_probs(
         Acc t = Acc(0);
         const Acc s = (MODS & MOD_SCORE) != 0 ? score(S[r], i, j, t) : S[r];
         P[b * P_sb + h * P_sh + n * P_sr + j * P_sk] =
-            mask.visible(i, j) && score.keeps(i, j) ? acc_exp(s - lse_for_p(lse_row, lse_ss, i, seqlen_q)) : Acc(0);
+            mask.visible(i, j) && score.keeps(i, j) ? acc_exp(at_most_zero(s - lse_for_p(lse_row, lse_ss, i, seqlen_q))) : Acc(0);
     }
 }
 
@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dbias(
                         if constexpr ((MODS & MOD_SCORE) != 0) S[r] = score(S[r], i, j, t);
                         // selected, not P = 0 times dP: a NaN in the dO of a row that sees no key stays out
                         if (mask.visible(i, j) && score.keeps(i, j) && i < seqlen_q)
-                            acc[r] += acc_exp(S[r] - lse_for_p(lse_row, lse_ss, i, seqlen_q)) *
+                            acc[r] += acc_exp(at_most_zero(S[r] - lse_for_p(lse_row, lse_ss, i, seqlen_q))) *
                                       (dP[r] - D_row[i]);
                     }
                     __syncthreads();  // every warp is done with the tiles before the next pass overwrites them

@@ -55,12 +55,17 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
     return row * TILE_ROW<HEAD_DIM> + ((chunk ^ (row & 7)) << 3);
 }
 
+// Every row: the row filter of the tile loaders below when none is given.
+struct EveryRow {
+    __device__ __forceinline__ bool operator()(int) const { return true; }
+};
+
 // cp.async the ROWS x HEAD_DIM tile of rows row0.. of src into `tile` (swizzled), shared among the
-// CTA's THREADS threads; zero-fill the rows from seqlen on and the columns from head_dim on. Not
-// committed.
-template <int ROWS, int HEAD_DIM, int THREADS = NUM_THREADS, typename T>
+// CTA's THREADS threads; zero-fill the rows from seqlen on, the columns from head_dim on and the rows
+// i for which keep(i) is false (EveryRow: none). Not committed.
+template <int ROWS, int HEAD_DIM, int THREADS = NUM_THREADS, typename T, typename Keep = EveryRow>
 __device__ __forceinline__ void load_tile_async(T* tile, const Rows<const T>& src, int row0, int seqlen,
-                                                int head_dim) {
+                                                int head_dim, Keep keep = {}) {
     constexpr int CHUNKS = HEAD_DIM / 8;
     constexpr bool WHOLE = ROWS * CHUNKS % THREADS == 0;  // every thread copies as many chunks
 #pragma unroll
@@ -68,7 +73,7 @@ __device__ __forceinline__ void load_tile_async(T* tile, const Rows<const T>& sr
         const int e = pass * THREADS + threadIdx.x;
         if (!WHOLE && e >= ROWS * CHUNKS) break;  // the last pass of a head_dim not a multiple of 64
         const int r = e / CHUNKS, c = e % CHUNKS;
-        const bool valid = row0 + r < seqlen && 8 * c < head_dim;
+        const bool valid = row0 + r < seqlen && 8 * c < head_dim && keep(row0 + r);
         cp_async_16(tile + swizzled<HEAD_DIM>(r, c), valid ? &src.at(row0 + r, 8 * c) : src.base, valid);
     }
 }
@@ -82,13 +87,15 @@ __device__ __forceinline__ void load_tile_async(T* tile, const Rows<const T>& sr
 // group completes this thread's copies of stage p % 2, on every pass alike. The other threads'
 // copies are visible only after a barrier, which the kernel places.
 
-// cp.async rows row0.. of A and B into stage `stage` of A_s and B_s (2 tiles of ROWS rows each). Not
-// committed.
-template <int ROWS, int HEAD_DIM, int THREADS = NUM_THREADS, typename T>
+// cp.async rows row0.. of A and B into stage `stage` of A_s and B_s (2 tiles of ROWS rows each), B's
+// rows filtered by keep_b (load_tile_async). Not committed.
+template <int ROWS, int HEAD_DIM, int THREADS = NUM_THREADS, typename T, typename Keep = EveryRow>
 __device__ __forceinline__ void load_stage_async(T* A_s, T* B_s, int stage, const Rows<const T>& A,
-                                                 const Rows<const T>& B, int row0, int seqlen, int head_dim) {
+                                                 const Rows<const T>& B, int row0, int seqlen, int head_dim,
+                                                 Keep keep_b = {}) {
     load_tile_async<ROWS, HEAD_DIM, THREADS>(A_s + stage * ROWS * TILE_ROW<HEAD_DIM>, A, row0, seqlen, head_dim);
-    load_tile_async<ROWS, HEAD_DIM, THREADS>(B_s + stage * ROWS * TILE_ROW<HEAD_DIM>, B, row0, seqlen, head_dim);
+    load_tile_async<ROWS, HEAD_DIM, THREADS>(B_s + stage * ROWS * TILE_ROW<HEAD_DIM>, B, row0, seqlen, head_dim,
+                                             keep_b);
 }
 
 // Commit this pass's prefetch and wait for this thread's copies of this pass's stage.
