@@ -63,16 +63,13 @@ BACKWARD_DQ_TILES = {
 
 # The SIMT tiles of kernels specialised for score modifiers (any MODS), where the plain tile spilled
 # under the MIN_CTAS_PER_SM register cap for some arch and NVRTC of tests/test_nvrtc.py:
-# (template, acc size, bucket) -> tile. The float forward at head_dim 64 (16 bytes, sm_90 NVRTC 13.5,
-# softcap), the float64 dQ at 64 (16 bytes), the float dK/dV at 128 (8 bytes, sm_80 NVRTC 12.9,
-# a window alone).
+# (template, acc size, bucket) -> tile. What each spilled: benchmarks/results/tile_choices.md.
 MODIFIED_TILES = {("flash_fwd", 4, 64): (32, 32), ("flash_bwd_dq", 8, 64): (16, 16),
                   ("flash_bwd_dkdv", 4, 128): (16, 16)}
 # With a bias or a bool mask (the address arithmetic of a rank-4 array's element, per element of a
 # tile), over MODIFIED_TILES, where tests/test_nvrtc.py saw spills with every modifier on: fewer rows
-# (or keys) per warp. flash_pairs.cu's kernels start from the dQ tiles (BACKWARD_DQ_TILES). The
-# float64 dQ at 32: where a bias without the window, a set the report does not compile, spilled
-# 44-88 bytes (NVRTC 12.9 and 13.5, sm_80 and sm_90; every set with a bias or mask fits at 16 x 32).
+# (or keys) per warp, the float64 dQ at 32 included (a bias without the window, a set the report does
+# not compile, spilled there). flash_pairs.cu's kernels start from the dQ tiles (BACKWARD_DQ_TILES).
 PAIR_TILES = {("flash_fwd", 4, 32): (32, 32), ("flash_fwd", 8, 64): (16, 32),
               ("flash_bwd_dq", 4, 32): (32, 32), ("flash_bwd_dq", 8, 32): (16, 32), ("flash_bwd_dq", 4, 128): (16, 16),
               ("flash_bwd_dkdv", 4, 32): (32, 32), ("flash_bwd_dkdv", 4, 64): (32, 32),
@@ -81,6 +78,7 @@ PAIR_TILES = {("flash_fwd", 4, 32): (32, 32), ("flash_fwd", 8, 64): (16, 32),
               ("flash_bwd_dbias", 4, 128): (16, 16)}
 
 
+# The register figures behind every tile table below: benchmarks/results/tile_choices.md.
 # Tensor-core kernels (attn_fwd_tc.cu, attn_bwd_tc.cu): float16/bfloat16 only, head_dim a multiple
 # of 8 up to 128; HEAD_DIM is head_dim rounded up to 16 (tc_head_dim), the tiles those of the bucket
 # 64 or 128 (TC_HEAD_DIM_BUCKETS, the tables' keys); no Acc template parameter (they accumulate in
@@ -97,42 +95,37 @@ TC_HEAD_DIM_BUCKETS = (64, 128)
 # fragment feeds twice the mma (192 shared-memory bytes per mma, not 320 as with one). At head_dim 128
 # it takes 256 rows and 32 keys a pass, in the wide kernel (attn_fwd_tc_wide: 8 warps of two row
 # tiles, k-step 0 of Q_i kept in registers, a register cap): 200 bytes per mma. The two row tiles' O
-# alone take 128 registers there, and 4 warps of them (128 rows) with 32, 48 or 64 keys a pass reached
-# 255 registers and spilled (NVRTC 12.9 and 13.5); so did 8 warps with 48 or 64 keys.
+# alone take 128 registers there; every other layout of two row tiles tried spilled
+# (benchmarks/results/tile_choices.md).
 TC_FORWARD_TILES = {64: (128, 64), 128: (256, 32)}
 # The forward's warps a row count takes: 8 at 256 rows (WIDE_WARPS in tc_tile.cuh), else 4
 WIDE_WARPS = 8
 WIDE_BLOCK_M = 32 * WIDE_WARPS
 # With softcap or ALiBi the forward at head_dim 128 keeps 64 x 64 tiles in the 4-warp kernel: the
-# score's extra work per element of S took the two-row-tile kernels past 255 registers (64-204 bytes
-# of spills with 128 x 64).
+# score's extra work per element of S took the two-row-tile kernels past 255 registers, into spills.
 TC_FORWARD_TILES_SCORE = {64: (128, 64), 128: (64, 64)}
 TC_BACKWARD_DKDV_TILES = {64: (64, 64), 128: (32, 64)}
 TC_BACKWARD_DQ_TILES = {64: (64, 64), 128: (64, 32)}
 # With softcap or ALiBi (MOD_SCORE): dK/dV takes half the query rows a pass, and dQ at head_dim 64
 # half the keys. The modified score (and, for softcap, its tanh) of every element of S took the full
-# tiles past the register limit of tests/test_nvrtc.py (dK/dV up to 255 registers, dQ 254 on sm_80);
-# a window alone keeps the full tiles.
+# tiles past the register limit of tests/test_nvrtc.py; a window alone keeps the full tiles.
 TC_BACKWARD_DKDV_TILES_SCORE = {64: (32, 64), 128: (16, 64)}
 TC_BACKWARD_DQ_TILES_SCORE = {64: (64, 32), 128: (64, 32)}
 # The dK/dV kernel that also adds dQ (five GEMMs, not deterministic) at head_dim 128 takes 16 query rows
-# a pass: with 32 it reached 249-255 registers (no spills) under NVRTC 12.9 and 13.5, inside the
-# margin tests/test_nvrtc.py keeps.
+# a pass: with 32 it went past the register limit tests/test_nvrtc.py keeps.
 TC_BACKWARD_DKDV_TILES_ATOMIC = {64: (64, 64), 128: (16, 64)}
-# With a bias or mask at head_dim 128 it reached 252 registers even so (sm_90, NVRTC 12.9): those calls
-# keep the deterministic kernels.
+# With a bias or mask at head_dim 128 it went past the limit even so: those calls keep the
+# deterministic kernels.
 TC_ATOMIC_BUCKETS_PAIRS = (64,)
 # With a bias or a bool mask the forward takes 64 rows and 32 keys a pass, and asks ptxas for two CTAs
-# an SM (attn_fwd_tc.cu): with 64 keys at head_dim 128 every modifier took it to 255 registers and
-# spills; under ptxas' own heuristic (168 registers) 64 x 64 at head_dim 64 and 64 x 32 at 128 spilled
-# with some of the 24 sets of modifiers that hold a bias or mask, and two CTAs with 64 x 64 at
-# head_dim 64 reached 255. With these, the most is 236 (tests/test_nvrtc.py compiles all 24).
+# an SM (attn_fwd_tc.cu): larger tiles, or ptxas' own register heuristic, spilled with some of the
+# 24 sets of modifiers that hold a bias or mask (tests/test_nvrtc.py compiles all 24).
 TC_FORWARD_TILES_PAIRS = {64: (64, 32), 128: (64, 32)}
 # Split-KV forwards take half the keys a pass: the split's offsets and the float partial out took the
-# full tiles past the register limit (255 registers and spills at head_dim 128; 64 with every
-# modifier). A decode's passes are few and memory-bound, so the smaller tile costs little.
+# full tiles past the register limit, into spills. A decode's passes are few and memory-bound, so the
+# smaller tile costs little.
 TC_FORWARD_TILES_SPLIT = {64: (64, 32), 128: (64, 32)}
-TC_FORWARD_TILES_SPLIT_PAIRS = {64: (64, 32), 128: (64, 16)}  # and a bias or mask: 254 registers at 128 on sm_90
+TC_FORWARD_TILES_SPLIT_PAIRS = {64: (64, 32), 128: (64, 16)}  # and a bias or mask: 64 x 32 passed the limit at 128
 TC_TEMPLATES = ("attn_fwd_tc", "attn_fwd_tc_wide", "attn_bwd_dkdv_tc", "attn_bwd_dq_tc")
 TC_FORWARD_TEMPLATES = TC_TEMPLATES[:2]
 
