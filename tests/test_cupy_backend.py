@@ -32,8 +32,8 @@ from flashcupy.backends.cupy_backend import sources, specs
 # Core tests: no skip. Without g++ the emulator cannot build and these fail loudly.
 from flashcupy.tools import emulator  # noqa: E402
 from flashcupy.tools.emulator.cupy import compile_module, emulated  # noqa: E402
-from test_modifiers import check as check_modifiers  # noqa: E402
-from test_modifiers import LARGE_SCALES, large_scores_check  # noqa: E402
+from modifier_checks import LARGE_SCALES, large_scores_check  # noqa: E402
+from modifier_checks import check as check_modifiers  # noqa: E402
 
 ORDERS = ("ascending", "descending")
 

@@ -2,8 +2,8 @@
 
 Window, softcap, ALiBi, bias (with dbias) and bool masks, alone and together, forward, backward and
 attention_probs, through backend="cupy" on NumPy arrays (flashcupy/tools/emulator/cupy.py), against the
-float64 oracle by the one tolerance rule (test_modifiers.check, conftest.assert_matches_oracle),
-under two thread orders. The cases are test_modifiers.py's (the NumPy backend's): window edges inside
+float64 oracle by the one tolerance rule (modifier_checks.check, conftest.assert_matches_oracle),
+under two thread orders. The cases are modifier_checks.py's (the NumPy backend's too): window edges inside
 tiles and across them, GQA, causal with a window, rows that see no key, every broadcast shape of a
 bias; each asserts the kernel path it meant to take. The last tests make deliberate off-by-one bugs
 in the window's bounds (mask.cuh) and bugs in the bias and mask paths, and check that the cases here
@@ -17,7 +17,7 @@ import functools
 import numpy as np
 import pytest
 from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv
-from test_modifiers import check, modifier_cases
+from modifier_checks import check, modifier_cases
 
 import flashcupy
 from flashcupy._problem import MODIFIERS
@@ -30,7 +30,7 @@ ORDERS = ("ascending", "descending")
 
 
 def cases(rng, shape, dtype):
-    """test_modifiers' cases, and a softcap far above the scores (acc_tanh's polynomial)."""
+    """modifier_checks' cases, and a softcap far above the scores (acc_tanh's polynomial)."""
     return dict(modifier_cases(rng, shape, dtype), **{"softcap-far-above-the-scores": dict(softcap=1e3)})
 
 
@@ -59,7 +59,7 @@ def run_cupy(q, k, v, dout, path, order, bits=False, compile=compile_module, **k
 
 
 def check_cupy(q, k, v, dout, path, order, bits=False, **kw):
-    """test_modifiers.check on the emulated cupy backend (attention_probs of a few rows included)."""
+    """modifier_checks.check on the emulated cupy backend (attention_probs of a few rows included)."""
     with emulated(order):
         assert_path(*((bf16_bits(x) for x in (q, k, v)) if bits else (q, k, v)), path, "bfloat16" if bits else None,
                     **(dict(kw, bias=bf16_bits(kw["bias"])) if bits and "bias" in kw and kw["bias"].dtype == BF16 else kw))
@@ -309,7 +309,7 @@ PAIR_MUTATIONS = {
                                                       "dp = hidden ? 0.0f : P * (dp - D_r[r / 8]);"),
 }
 
-# (path, case of test_modifiers.modifier_cases): a full bias, one summed over rows, one over keys, masks;
+# (path, case of modifier_checks.modifier_cases): a full bias, one summed over rows, one over keys, masks;
 # the tensor-core backward both ways (its dQ kernel runs only when deterministic), and that dQ kernel
 # with a softcap (the other kernels' softcap derivative fails test_modifier_matches_the_oracle)
 PAIR_CASES = (("simt", "bias"), ("simt", "bias-B11S"), ("simt", "bias-11S1-float32"),

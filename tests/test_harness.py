@@ -1,8 +1,17 @@
-"""The test suite's own configuration: under setup.cfg's pytest-xdist options a file's tests run on
-one worker, so a module-scoped fixture (compiled modules, kernel counters, an NVRTC report of
-minutes) is built once. pytest-xdist's loadgroup stopped doing this without a word under pytest 9.2
-(pytest-dev/pytest-xdist#1386), and CI's NVRTC reports were built twice each."""
+"""The test suite's own configuration and layout.
 
+Under setup.cfg's pytest-xdist options a file's tests run on one worker, so a module-scoped fixture
+(compiled modules, kernel counters, an NVRTC report of minutes) is built once. pytest-xdist's
+loadgroup stopped doing this without a word under pytest 9.2 (pytest-dev/pytest-xdist#1386), and
+CI's NVRTC reports were built twice each.
+
+No test file imports another: what several files share lives in a helper module named for what it
+holds (tests/README.md lists them), so each file reads on its own and no file's tests depend on
+another's being importable.
+"""
+
+import ast
+import glob
 import os
 import subprocess
 import sys
@@ -34,3 +43,38 @@ def test_a_files_module_fixture_is_built_once_on_two_workers(tmp_path):
     assert "12 passed" in done.stdout
     built = sorted(log.read_text().split("\n")[:-1])
     assert [line.split()[0] for line in built] == ["test_first", "test_second"], built
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TEST_MODULES = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(HERE, "test_*.py"))}
+
+
+def imported_test_modules(source: str) -> set:
+    """The test modules (tests/test_*.py) that `source` imports, at any depth and in any spelling:
+    import test_x, from test_x import y, from tests.test_x import y, from . import test_x and
+    from .test_x import y."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            dotted = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            dotted = [node.module or ""] + [f"{node.module or ''}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found |= {part for name in dotted for part in name.split(".") if part in TEST_MODULES}
+    return found
+
+
+def test_no_test_file_imports_another():
+    for spelling in ("import test_modifiers as m", "from test_varlen import packed_inputs",
+                     "from tests.test_nvrtc import ARCHS", "from . import test_modifiers",
+                     "from .test_varlen import LENGTHS", "def f():\n    import test_modifiers\n"):
+        assert imported_test_modules(spelling), spelling
+    assert not imported_test_modules("from conftest import make_qkv\nimport modifier_checks\nimport tests")
+    offenders = {}
+    for path in sorted(glob.glob(os.path.join(HERE, "test_*.py"))):
+        with open(path) as f:
+            imported = imported_test_modules(f.read())
+        if imported:
+            offenders[os.path.basename(path)] = sorted(imported)
+    assert not offenders, f"test files that import test files (move what they share to a helper module): {offenders}"

@@ -57,9 +57,9 @@ finally:
 import flashcupy  # noqa: E402
 from flashcupy.backends import MAX_GRID, numba_backend  # noqa: E402
 from flashcupy.backends.numba_backend import kernels  # noqa: E402
-from test_modifiers import LARGE_SCALES, check, large_scores_check, modifier_cases  # noqa: E402
-from test_varlen import (appends_across_a_block_boundary, packed_batch_matches_the_oracle,  # noqa: E402
-                         per_sequence_alibi_in_a_kvcache)
+from modifier_checks import LARGE_SCALES, check, large_scores_check, modifier_cases  # noqa: E402
+from varlen_checks import (appends_across_a_block_boundary, packed_batch_matches_the_oracle,  # noqa: E402
+                           per_sequence_alibi_in_a_kvcache)
 
 SIMULATOR = kernels.SIMULATOR
 GPU = not SIMULATOR and cuda.is_available()
@@ -207,7 +207,7 @@ def test_modifiers_match_the_oracle(rng, device, mods, dtype):
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, scale=0.8, **mods)
 
 
-# bias (with dbias), mask and attention_probs: test_modifiers' cases and check (forward, backward
+# bias (with dbias), mask and attention_probs: modifier_checks' cases and check (forward, backward
 # with dbias, attention_probs and its row sums against the oracle) at a shape the simulator runs in
 # a second or two: two batches (batch 0 of the key-padding mask sees no key), GQA, Sq < Sk, lengths
 # no tile divides. Each case in one dtype or two, float16 among them (a float32 bias with float16 q

@@ -16,7 +16,7 @@ from conftest import (BANDS, BF16, CASES, DTYPES, LAYOUTS, assert_matches_oracle
                       bf16_bits, case_id, make_qkv, mutate_band, mutated_package, reference)
 from flashcupy._problem import Problem
 from flashcupy.backends import numpy_backend
-from test_modifiers import LARGE_SCALES, large_scores_check
+from modifier_checks import LARGE_SCALES, large_scores_check
 
 
 def check_against_oracle(q, k, v, dtype, causal, scale=None, rng=None, backend="numpy", bits=False):

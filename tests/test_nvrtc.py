@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
-import test_emulator_tensor_core as blocks
+import tensor_core_blocks as blocks
 
 from flashcupy.backends.cupy_backend import sources, specs
 from flashcupy.tools import hardware, nvrtc

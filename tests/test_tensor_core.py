@@ -14,8 +14,8 @@ import re
 import numpy as np
 import pytest
 from conftest import BF16, MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, case_id, make_qkv, mutation_tests
-from test_emulator_tensor_core import NARROW, narrow
-from test_modifiers import large_scores_check
+from modifier_checks import large_scores_check
+from tensor_core_blocks import NARROW, narrow
 
 import flashcupy
 from flashcupy.backends import cupy_backend

@@ -3,9 +3,9 @@ checked against silicon.
 
 tests/test_emulator_tensor_core.py checks the emulator's mma, ldmatrix, cp.async, pack and ex2 against the
 PTX ISA's fragment layouts written out in NumPy. Here the same test kernels
-(tests/emulator_kernels/tensor_core.cu) and the same checks run through cupy.RawModule with
-the backend's own compile options, so a GPU confirms both the ISA reading and the emulator in
-seconds, before any attention kernel is trusted. Marked `gpu`; the GPU session runs this file
+(tests/emulator_kernels/tensor_core.cu) and the same checks (tests/tensor_core_blocks.py) run
+through cupy.RawModule with the backend's own compile options, so a GPU confirms both the ISA
+reading and the emulator in seconds, before any attention kernel is trusted. Marked `gpu`; the GPU session runs this file
 first (benchmarks/gpu_session.py). FLASHCUPY_BLOCKS_DEVICE=emulator runs it on the emulator
 instead, which is how the session's dry run exercises this stage without a GPU.
 
@@ -20,7 +20,7 @@ import os
 import numpy as np
 import pytest
 
-import test_emulator_tensor_core as blocks
+import tensor_core_blocks as blocks
 from flashcupy.backends import cupy_backend
 
 DEVICE = os.environ.get("FLASHCUPY_BLOCKS_DEVICE", "cupy")
@@ -60,34 +60,34 @@ def on_device(monkeypatch):
 
 @pytest.mark.parametrize("fmt", blocks.NARROW)
 def test_mma_c_and_d_layout(fmt):
-    blocks.test_mma_c_and_d_layout(fmt)
+    blocks.check_mma_c_and_d_layout(fmt)
 
 
 @pytest.mark.parametrize("fmt", blocks.NARROW)
 def test_mma_a_layout(fmt, rng):
-    blocks.test_mma_a_layout(fmt, rng)
+    blocks.check_mma_a_layout(fmt, rng)
 
 
 @pytest.mark.parametrize("fmt", blocks.NARROW)
 def test_mma_b_layout(fmt, rng):
-    blocks.test_mma_b_layout(fmt, rng)
+    blocks.check_mma_b_layout(fmt, rng)
 
 
 @pytest.mark.parametrize("fmt", blocks.NARROW)
 def test_mma_random(fmt, rng):
-    blocks.test_mma_random(fmt, rng)
+    blocks.check_mma_random(fmt, rng)
 
 
 @pytest.mark.parametrize("num,trans", blocks.LDMATRIX, ids=[f"x{n}{'.trans' if t else ''}" for n, t in blocks.LDMATRIX])
 def test_ldmatrix(num, trans, rng):
-    blocks.test_ldmatrix(num, trans, rng)
+    blocks.check_ldmatrix(num, trans, rng)
 
 
 @pytest.mark.parametrize("fmt", blocks.NARROW)
 @pytest.mark.parametrize("a_rows", [16, 11])
 def test_tile_matmul_matches_numpy(fmt, a_rows, rng):
-    blocks.test_tile_matmul_matches_numpy(fmt, "ascending", a_rows, rng)
+    blocks.check_tile_matmul_matches_numpy(fmt, "ascending", a_rows, rng)
 
 
 def test_pack_and_exp(rng):
-    blocks.test_pack_and_exp(rng)
+    blocks.check_pack_and_exp(rng)

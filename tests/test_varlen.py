@@ -8,15 +8,10 @@ import contextlib
 import numpy as np
 import pytest
 from conftest import assert_matches_oracle, bf16_ties
+from varlen_checks import (appends_across_a_block_boundary, cache_inputs, packed_batch_matches_the_oracle,
+                           packed_inputs, per_sequence_alibi_in_a_kvcache)
 
 import flashcupy
-
-
-def _packed(rng, lengths_q, lengths_k, Hq, Hkv, D, dtype=np.float32):
-    q = rng.standard_normal((sum(lengths_q), Hq, D)).astype(dtype)
-    k, v = (rng.standard_normal((sum(lengths_k), Hkv, D)).astype(dtype) for _ in range(2))
-    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lengths_q, lengths_k))
-    return q, k, v, cu_q, cu_k
 
 
 # (query lengths, key lengths): empty sequences, Sq > Sk and Sq < Sk under causal, a single token
@@ -33,7 +28,7 @@ MODS = {"plain": dict(), "causal": dict(causal=True),
 @pytest.mark.parametrize("lengths", LENGTHS, ids=["mixed", "decode-like"])
 def test_each_sequence_is_attention_on_it_alone(rng, lengths, mods, dtype):
     lengths_q, lengths_k = lengths
-    q, k, v, cu_q, cu_k = _packed(rng, lengths_q, lengths_k, 4, 2, 8, dtype)
+    q, k, v, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, 4, 2, 8, dtype)
     mods = dict(mods)
     batch = len(lengths_q)
     if mods.get("alibi_slopes") == "per-seq":
@@ -50,16 +45,6 @@ def test_each_sequence_is_attention_on_it_alone(rng, lengths, mods, dtype):
             one["alibi_slopes"] = one["alibi_slopes"][b]
         got = (out[None, sq], lse[None, :, sq], dq[None, sq], dk[None, sk], dv[None, sk])
         assert_matches_oracle(got, q[None, sq], k[None, sk], v[None, sk], dout[None, sq], **one)
-
-
-def packed_batch_matches_the_oracle(rng, backend):
-    """A packed causal batch with GQA, Sq < Sk and Sq > Sk, each sequence's out and lse against the
-    oracle: for the backends with a test file of their own (numba: tests/test_numba_backend.py)."""
-    q, k, v, cu_q, cu_k = _packed(rng, [3, 6], [7, 2], 2, 1, 8)
-    out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True, backend=backend)
-    for b in range(2):
-        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        assert_matches_oracle((out[None, sq], lse[None, :, sq]), q[None, sq], k[None, sk], v[None, sk], causal=True)
 
 
 def test_the_emulated_cupy_backend_takes_packed_batches_too(rng):
@@ -80,17 +65,13 @@ BAD_OFFSETS = [
 
 @pytest.mark.parametrize("what, cu, error, message", BAD_OFFSETS, ids=[b[0] for b in BAD_OFFSETS])
 def test_hostile_offsets_are_refused(rng, what, cu, error, message):
-    q, k, v, cu_q, cu_k = _packed(rng, [2, 3], [2, 3], 2, 2, 8)
+    q, k, v, cu_q, cu_k = packed_inputs(rng, [2, 3], [2, 3], 2, 2, 8)
     cu = [0, 5] if isinstance(cu, str) else np.asarray(cu, np.int32) if isinstance(cu, list) else cu
     for args in ((cu, cu_k), (cu_q, cu)):
         with pytest.raises(error, match=message):
             flashcupy.attention_varlen(q, k, v, *args)
     with pytest.raises(ValueError, match="max_seqlen_q must be at least the longest sequence, 3"):
         flashcupy.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=2)
-
-
-def _cache(rng, batch, capacity, Hkv, D, dtype=np.float32):
-    return (rng.standard_normal((batch, capacity, Hkv, D)).astype(dtype) for _ in range(2))
 
 
 def _paged(k_cache, v_cache, block_size, rng):
@@ -115,7 +96,7 @@ def _paged(k_cache, v_cache, block_size, rng):
 @pytest.mark.parametrize("paged", [False, True])
 def test_kvcache_appends_and_attends(rng, paged, num_splits):
     B, C, Hq, Hkv, D, new = 3, 32, 4, 2, 8, 2
-    k_cache, v_cache = _cache(rng, B, C, Hkv, D)
+    k_cache, v_cache = cache_inputs(rng, B, C, Hkv, D)
     lengths = np.array([5, 0, 30], np.int32)
     q = rng.standard_normal((B, 3, Hq, D)).astype(np.float32)
     k_new, v_new = (rng.standard_normal((B, new, Hkv, D)).astype(np.float32) for _ in range(2))
@@ -137,51 +118,6 @@ def test_kvcache_appends_and_attends(rng, paged, num_splits):
         np.testing.assert_array_equal(got_k, want_k[b])
 
 
-def appends_across_a_block_boundary(rng, backend):
-    """Two new tokens after 7 (and 15) cached ones in blocks of 8, through a block table whose blocks
-    are neither in order nor back to back: each token lands in the block its position names (and
-    nothing else moves), and attention, causal over the new queries, reads it. For every backend
-    (numba: tests/test_numba_backend.py)."""
-    B, bs, Hq, Hkv, D, new = 2, 8, 2, 1, 8, 2
-    table = np.array([[5, 2, 7], [0, 6, 3]], np.int32)
-    lengths = np.array([7, 15], np.int32)
-    k_pages, v_pages = _cache(rng, 8, bs, Hkv, D)
-    q = rng.standard_normal((B, new, Hq, D)).astype(np.float32)
-    k_new, v_new = (rng.standard_normal((B, new, Hkv, D)).astype(np.float32) for _ in range(2))
-    want_k, want_v = k_pages.copy(), v_pages.copy()
-    for b in range(B):
-        for j in range(new):
-            at = lengths[b] + j
-            want_k[table[b, at // bs], at % bs], want_v[table[b, at // bs], at % bs] = k_new[b, j], v_new[b, j]
-    out, lse = flashcupy.attention_with_kvcache(q, k_pages, v_pages, k=k_new, v=v_new, cache_seqlens=lengths,
-                                                block_table=table, causal=True, return_lse=True, backend=backend)
-    np.testing.assert_array_equal(k_pages, want_k)
-    np.testing.assert_array_equal(v_pages, want_v)
-    for b in range(B):
-        n = lengths[b] + new
-        keys, values = (x[table[b]].reshape(1, -1, Hkv, D)[:, :n] for x in (want_k, want_v))
-        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], keys, values, causal=True)
-
-
-def per_sequence_alibi_in_a_kvcache(rng, backend):
-    """ALiBi slopes of shape (batch, heads_q) over a cache: each sequence uses its own row, as
-    `attention` on that sequence alone does (the same bits) and as the oracle says. For every
-    backend (numba: tests/test_numba_backend.py)."""
-    B, C, Hq, Hkv, D = 3, 16, 4, 2, 8
-    k_cache, v_cache = _cache(rng, B, C, Hkv, D)
-    lengths = np.array([9, 16, 4], np.int32)
-    slopes = rng.uniform(0.1, 1, (B, Hq)).astype(np.float32)
-    q = rng.standard_normal((B, 2, Hq, D)).astype(np.float32)
-    out, lse = flashcupy.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, alibi_slopes=slopes,
-                                                causal=True, return_lse=True, backend=backend)
-    for b in range(B):
-        one = (q[b:b + 1], k_cache[b:b + 1, :lengths[b]], v_cache[b:b + 1, :lengths[b]])
-        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), *one, causal=True, alibi_slopes=slopes[b])
-        alone = flashcupy.attention(*one, causal=True, alibi_slopes=slopes[b], return_lse=True, backend=backend)
-        np.testing.assert_array_equal(out[b:b + 1], alone[0])
-        np.testing.assert_array_equal(lse[b:b + 1], alone[1])
-
-
 @pytest.mark.parametrize("backend", ["numpy", "cupy"], ids=["numpy", "cupy-emulated"])
 def test_appends_across_a_block_boundary_land_where_their_positions_say(rng, backend):
     from flashcupy.tools.emulator.cupy import emulated
@@ -197,7 +133,7 @@ def test_per_sequence_alibi_slopes_in_a_kvcache(rng, backend):
 
 
 def test_hostile_block_tables_and_lengths_are_refused_before_anything_is_written(rng):
-    k_cache, v_cache = _cache(rng, 2, 16, 1, 8)
+    k_cache, v_cache = cache_inputs(rng, 2, 16, 1, 8)
     kc, vc, table = _paged(k_cache, v_cache, 4, rng)
     q = rng.standard_normal((2, 1, 1, 8)).astype(np.float32)
     k_new = rng.standard_normal((2, 1, 1, 8)).astype(np.float32)
@@ -263,7 +199,7 @@ def _split_kv_case(rng, dtype, paged, num_splits, order="ascending", mutate=None
     recorded launches."""
     from flashcupy.tools.emulator.cupy import emulated
     B, C, Hq, Hkv, D = 3, 640, 4, 2, 64
-    k_cache, v_cache = _cache(rng, B, C, Hkv, D, dtype)
+    k_cache, v_cache = cache_inputs(rng, B, C, Hkv, D, dtype)
     lengths = np.array([600, 0, 250], np.int32)
     q = rng.standard_normal((B, 1, Hq, D)).astype(dtype)
     k_new, v_new = (rng.standard_normal((B, 1, Hkv, D)).astype(dtype) for _ in range(2))

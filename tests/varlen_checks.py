@@ -1,0 +1,78 @@
+"""Packed variable-length batches and KV caches: the inputs, and the checks every backend runs.
+
+tests/test_varlen.py runs these checks on NumPy and the emulated cupy backend,
+tests/test_numba_backend.py on numba; each takes the backend's name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from conftest import assert_matches_oracle
+
+import flashcupy
+
+
+def packed_inputs(rng, lengths_q, lengths_k, Hq, Hkv, D, dtype=np.float32):
+    """(q, k, v, cu_q, cu_k): random sequences packed along the tokens, and their int32 offsets."""
+    q = rng.standard_normal((sum(lengths_q), Hq, D)).astype(dtype)
+    k, v = (rng.standard_normal((sum(lengths_k), Hkv, D)).astype(dtype) for _ in range(2))
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lengths_q, lengths_k))
+    return q, k, v, cu_q, cu_k
+
+
+def packed_batch_matches_the_oracle(rng, backend):
+    """A packed causal batch with GQA, Sq < Sk and Sq > Sk, each sequence's out and lse against the
+    oracle."""
+    q, k, v, cu_q, cu_k = packed_inputs(rng, [3, 6], [7, 2], 2, 1, 8)
+    out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True, backend=backend)
+    for b in range(2):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        assert_matches_oracle((out[None, sq], lse[None, :, sq]), q[None, sq], k[None, sk], v[None, sk], causal=True)
+
+
+def cache_inputs(rng, batch, capacity, Hkv, D, dtype=np.float32):
+    """A random (k_cache, v_cache), each (batch, capacity, Hkv, D)."""
+    return (rng.standard_normal((batch, capacity, Hkv, D)).astype(dtype) for _ in range(2))
+
+
+def appends_across_a_block_boundary(rng, backend):
+    """Two new tokens after 7 (and 15) cached ones in blocks of 8, through a block table whose blocks
+    are neither in order nor back to back: each token lands in the block its position names (and
+    nothing else moves), and attention, causal over the new queries, reads it."""
+    B, bs, Hq, Hkv, D, new = 2, 8, 2, 1, 8, 2
+    table = np.array([[5, 2, 7], [0, 6, 3]], np.int32)
+    lengths = np.array([7, 15], np.int32)
+    k_pages, v_pages = cache_inputs(rng, 8, bs, Hkv, D)
+    q = rng.standard_normal((B, new, Hq, D)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((B, new, Hkv, D)).astype(np.float32) for _ in range(2))
+    want_k, want_v = k_pages.copy(), v_pages.copy()
+    for b in range(B):
+        for j in range(new):
+            at = lengths[b] + j
+            want_k[table[b, at // bs], at % bs], want_v[table[b, at // bs], at % bs] = k_new[b, j], v_new[b, j]
+    out, lse = flashcupy.attention_with_kvcache(q, k_pages, v_pages, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                block_table=table, causal=True, return_lse=True, backend=backend)
+    np.testing.assert_array_equal(k_pages, want_k)
+    np.testing.assert_array_equal(v_pages, want_v)
+    for b in range(B):
+        n = lengths[b] + new
+        keys, values = (x[table[b]].reshape(1, -1, Hkv, D)[:, :n] for x in (want_k, want_v))
+        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], keys, values, causal=True)
+
+
+def per_sequence_alibi_in_a_kvcache(rng, backend):
+    """ALiBi slopes of shape (batch, heads_q) over a cache: each sequence uses its own row, as
+    `attention` on that sequence alone does (the same bits) and as the oracle says."""
+    B, C, Hq, Hkv, D = 3, 16, 4, 2, 8
+    k_cache, v_cache = cache_inputs(rng, B, C, Hkv, D)
+    lengths = np.array([9, 16, 4], np.int32)
+    slopes = rng.uniform(0.1, 1, (B, Hq)).astype(np.float32)
+    q = rng.standard_normal((B, 2, Hq, D)).astype(np.float32)
+    out, lse = flashcupy.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, alibi_slopes=slopes,
+                                                causal=True, return_lse=True, backend=backend)
+    for b in range(B):
+        one = (q[b:b + 1], k_cache[b:b + 1, :lengths[b]], v_cache[b:b + 1, :lengths[b]])
+        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), *one, causal=True, alibi_slopes=slopes[b])
+        alone = flashcupy.attention(*one, causal=True, alibi_slopes=slopes[b], return_lse=True, backend=backend)
+        np.testing.assert_array_equal(out[b:b + 1], alone[0])
+        np.testing.assert_array_equal(lse[b:b + 1], alone[1])
