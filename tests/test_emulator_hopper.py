@@ -20,7 +20,7 @@ from flashcupy.tools.emulator import THREAD_ORDERS, DeadlockError, EmulatedModul
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEST_KERNELS = os.path.join(HERE, "emulator_kernels", "hopper.cu")
 INCLUDE = f"-I{sources.KERNEL_DIR}"
-NAMES = ["ring", "mbarrier_cases", "named", "elect", "maxnreg"]
+NAMES = ["ring", "mbarrier_cases", "named", "elect", "maxnreg", "spin_on_flag"]
 TILE = 64
 
 _modules = {}
@@ -191,3 +191,18 @@ def test_setmaxnreg_misuse_is_reported(mode, threads, message):
     with pytest.raises(KernelError, match=message) as info:
         maxnreg(mode, threads)
     assert info.value.kernel == "maxnreg" and info.value.thread is not None
+
+
+# ----------------------------------------------------------------------------
+# the launch's time limit
+
+
+def test_a_launch_past_its_time_limit_is_reported_not_hung():
+    with open(TEST_KERNELS) as f:
+        module = EmulatedModule(f.read(), ["spin_on_flag"], (INCLUDE,), time_limit=0.5)
+    with pytest.raises(KernelError, match=r"ran past its time limit of 0.5 s of CPU time") as info:
+        module.get_function("spin_on_flag")((1,), (32,), (garbage(32, np.int32),))
+    assert info.value.thread == (0, 0, 0)
+    # the same module launches again afterwards (the timer is disarmed, the handler restored)
+    with pytest.raises(KernelError, match="time limit"):
+        module.get_function("spin_on_flag")((1,), (32,), (garbage(32, np.int32),))

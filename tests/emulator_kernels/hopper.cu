@@ -28,6 +28,8 @@
 //                         out[tid] = 1. mode 1: dec<20>; 2: inc<264>; 3: warp 1 dec<32>; 4:
 //                         warpgroup 0 then dec<56>; 5: as 0, launched with 192 threads; 6: warp 3
 //                         exits first
+//   spin_on_flag          thread 0 spins until thread 1 sets a flag: a wait written as a polling loop
+//                         instead of an mbarrier wait, which never ends here (fibers are cooperative)
 
 #include "hopper.cuh"
 
@@ -146,6 +148,18 @@ extern "C" __global__ void maxnreg(int mode, int* __restrict__ out) {
         else
 #endif
         setmaxnreg_inc<240>();
+    }
+    out[threadIdx.x] = 1;
+}
+
+extern "C" __global__ void spin_on_flag(int* __restrict__ out) {
+    __shared__ volatile int flag;
+    if (threadIdx.x == 0) {
+        flag = 0;
+        while (flag == 0) {
+        }
+    } else {
+        flag = 1;
     }
     out[threadIdx.x] = 1;
 }

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include <sys/mman.h>
+#include <ctime>
 #include <ucontext.h>
 #include <unistd.h>
 
@@ -75,6 +76,7 @@ enum Status : int {
     kTrap = 4,            // __trap()
     kSharedOverrun = 5,   // a write into the slack around dynamic shared memory
     kResources = 6,       // mmap failed, or the CPU cannot do what the launch asks (-ftz=true)
+    kTimeout = 7,         // the launch used more CPU time than its limit
 };
 
 // kWarpSkew: warps run one at a time, the last first, each as far as it can (its warp
@@ -95,6 +97,7 @@ struct EmuLaunchConfig {
     int cp_async_eager;   // cp.async writes shared memory when issued instead of at its wait
     int flush_denormals;  // -ftz=true: subnormal operands and results are zero
     int count;            // fill EmuCounters (the module was built with counters=True)
+    double time_limit;    // seconds of this thread's CPU time the launch may use (0: no limit)
 };
 
 // What a counted launch did (counters.py mirrors it and documents the model). One row per
@@ -918,6 +921,25 @@ constexpr int kCaught[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
 struct sigaction previous[std::size(kCaught)];
 stack_t previous_altstack;
 
+// The launch's time limit: a CPU-time timer of the launching thread, signalling that thread only
+// (fibers never preempt one another, so a thread spinning on a flag that another thread sets
+// would otherwise hang the launch).
+constexpr int kTimerSignal = SIGVTALRM;
+#ifndef sigev_notify_thread_id
+#define sigev_notify_thread_id _sigev_un._tid
+#endif
+
+void on_timer(int, siginfo_t*, void*) {
+    if (!active) return;
+    if (active->current) record_thread(*active->current);
+    std::snprintf(active->report->message, sizeof active->report->message,
+                  "the launch ran past its time limit of %g s of CPU time (EmulatedModule's time_limit); "
+                  "a thread that spins on memory another thread writes never lets that thread run here "
+                  "(fibers are cooperative: wait with a barrier or mbarrier instead)",
+                  active->config->time_limit);
+    siglongjmp(active->escape, kTimeout);
+}
+
 void on_signal(int sig, siginfo_t* info, void* context) {
     if (!active) {  // not raised by a kernel: hand it to whoever handled it before us
         for (std::size_t i = 0; i < std::size(kCaught); ++i)
@@ -1282,6 +1304,27 @@ EMU_API int emu_launch(void (*entry)(void**), void** argv, const EmuLaunchConfig
     }
     emu::dynamic_shared = l.shared.base;
     install_handlers();
+    timer_t timer{};
+    bool timed = false;
+    struct sigaction previous_timer_action {};
+    if (config->time_limit > 0) {
+        struct sigaction action {};
+        action.sa_sigaction = &on_timer;
+        action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+        sigemptyset(&action.sa_mask);
+        sigaction(kTimerSignal, &action, &previous_timer_action);
+        sigevent event{};
+        event.sigev_notify = SIGEV_THREAD_ID;
+        event.sigev_signo = kTimerSignal;
+        event.sigev_notify_thread_id = static_cast<pid_t>(gettid());
+        timed = timer_create(CLOCK_THREAD_CPUTIME_ID, &event, &timer) == 0;
+        if (timed) {
+            itimerspec limit{};
+            limit.it_value.tv_sec = static_cast<time_t>(config->time_limit);
+            limit.it_value.tv_nsec = static_cast<long>((config->time_limit - static_cast<double>(limit.it_value.tv_sec)) * 1e9);
+            timer_settime(timer, 0, &limit, nullptr);
+        }
+    }
     // Before run_grid: the fibers' contexts (ucontext) are made from the thread's state as it is then.
     const unsigned float_state = float_control();
     if (config->flush_denormals) set_float_control(float_state | kFlushToZero);
@@ -1295,6 +1338,8 @@ EMU_API int emu_launch(void (*entry)(void**), void** argv, const EmuLaunchConfig
     if (status == kOk) run_grid(l);
     active = nullptr;
     set_float_control(float_state);
+    if (timed) timer_delete(timer);
+    if (config->time_limit > 0) sigaction(kTimerSignal, &previous_timer_action, nullptr);
     restore_handlers();
     l.shared.unmap();
     last_counters = counting.totals;
