@@ -131,7 +131,8 @@ extern "C" __global__ void elect(unsigned live, unsigned mask, int* __restrict__
     out[lane] = elect_one_sync(mask) ? 1 : 0;
 }
 
-extern "C" __global__ void maxnreg(int mode, int* __restrict__ out) {
+// a register cap at entry (one CTA per SM), without which ptxas drops setmaxnreg
+extern "C" __global__ void __launch_bounds__(256, 1) maxnreg(int mode, int* __restrict__ out) {
     const int warp = threadIdx.x / 32;
     if (mode == 6 && warp == 3) return;
     if (warp < 4) {
