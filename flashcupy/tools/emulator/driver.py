@@ -644,9 +644,9 @@ class EmulatedModule:
 
     EmulatedModule(code, name_expressions, options, *, thread_order='ascending',
     seed=0, shared_mem_limit=48 KiB, stack_size=256 KiB, oob_guard='end', cp_async='deferred',
-    counters=False, time_limit=600). time_limit: seconds of CPU time a launch may use before it is
-    reported as a KernelError (None: no limit). With counters=True the module is built to count its memory traffic, and each
-    launch sets the function's `last_counters` (emulator/counters.py).
+    counters=False, time_limit=600). With counters=True the module is built to count its memory
+    traffic, and each launch sets the function's `last_counters` (emulator/counters.py). time_limit:
+    the seconds of CPU time a launch may use before it is reported as a KernelError (None: no limit).
     """
 
     def __init__(self, code: str, name_expressions=(), options=(), *, thread_order: str = "ascending",

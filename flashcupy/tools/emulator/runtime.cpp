@@ -695,7 +695,8 @@ std::string shared_place(std::uintptr_t address) {
     char text[96];
     const auto dyn = reinterpret_cast<std::uintptr_t>(sh.base);
     const auto static_lo = reinterpret_cast<std::uintptr_t>(__start_emu_shared);
-    if (address >= reinterpret_cast<std::uintptr_t>(sh.data_lo) && address < reinterpret_cast<std::uintptr_t>(sh.data_hi))
+    const auto dyn_lo = reinterpret_cast<std::uintptr_t>(sh.data_lo), dyn_hi = reinterpret_cast<std::uintptr_t>(sh.data_hi);
+    if (address >= dyn_lo && address < dyn_hi)
         std::snprintf(text, sizeof text, "dynamic shared memory offset %ld", static_cast<long>(address - dyn));
     else if (static_lo && address >= static_lo && address < reinterpret_cast<std::uintptr_t>(__stop_emu_shared))
         std::snprintf(text, sizeof text, "static __shared__ offset %ld", static_cast<long>(address - static_lo));
@@ -711,7 +712,8 @@ std::string shared_place(std::uintptr_t address) {
     std::size_t used = 0;
     int described = 0;
     auto append = [&](const char* format, auto... args) {
-        if (used < sizeof detail) used += static_cast<std::size_t>(std::snprintf(detail + used, sizeof detail - used, format, args...));
+        if (used < sizeof detail)
+            used += static_cast<std::size_t>(std::snprintf(detail + used, sizeof detail - used, format, args...));
     };
     // Every mbarrier waited on, first: the usual culprit in a warp-specialised kernel.
     std::vector<std::uintptr_t> seen;
@@ -1321,7 +1323,8 @@ EMU_API int emu_launch(void (*entry)(void**), void** argv, const EmuLaunchConfig
         if (timed) {
             itimerspec limit{};
             limit.it_value.tv_sec = static_cast<time_t>(config->time_limit);
-            limit.it_value.tv_nsec = static_cast<long>((config->time_limit - static_cast<double>(limit.it_value.tv_sec)) * 1e9);
+            const double fraction = config->time_limit - static_cast<double>(limit.it_value.tv_sec);
+            limit.it_value.tv_nsec = static_cast<long>(fraction * 1e9);
             timer_settime(timer, 0, &limit, nullptr);
         }
     }
