@@ -10,6 +10,9 @@
 //                        the warp-wide PTX instructions of emu_tensor_core.h
 //                        (mma.sync, ldmatrix.sync) wait for all 32 lanes and
 //                        give each lane a copy of every lane's operands;
+//   sm_90 waits          (emu_hopper.h) mbarrier.try_wait.parity until its phase
+//                        completes, bar.sync until its named barrier's count has
+//                        arrived, setmaxnreg until the whole warpgroup is there;
 //   the kernel's return  ends the fiber (an exited thread drops out of later
 //                        barriers, as on a GPU).
 // Between blocking points the fibers of a block run one after another, in the
@@ -27,8 +30,8 @@
 // With -ftz=true the launch runs with the CPU's flush-to-zero (subnormal inputs
 // and results of floating-point operations become zero), as CUDA flushes float32.
 //
-// A memory fault, a failed assertion, a __trap(), a deadlock or a misused warp
-// collective ends the launch: the runtime jumps back to emu_launch and fills
+// A memory fault, a failed assertion, a __trap(), a deadlock, a misused warp
+// collective or barrier, or running past the launch's CPU-time limit ends the launch: the runtime jumps back to emu_launch and fills
 // EmuLaunchReport, which the Python driver turns into an exception.
 
 #include "cuda_emu.h"
