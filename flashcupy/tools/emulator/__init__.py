@@ -60,6 +60,9 @@ stands in for ``cupy.RawModule(code=..., name_expressions=..., options=...)``:
   after it exits, in shared memory that the next CTA on the SM may already own.
 - ``stack_size`` is each CUDA thread's stack; ``ucontext=True`` forces the portable fiber switch
   (glibc ucontext) that machines other than x86-64 use, so it can be tested here.
+- ``time_limit`` (default 600): seconds of CPU time one launch may use; past it the launch stops with
+  a ``KernelError`` naming the thread that was running (a thread spinning on a flag that another
+  thread sets never yields to it here). ``None``: no limit.
 - ``garbage(shape, dtype)``: an array of 0xFF bytes (NaN, or -1), for outputs a kernel must fully write.
 - ``counters=True`` builds the module to count its memory traffic (a separate build: g++'s
   kernel-address instrumentation calls the runtime before every load and store), and each launch
@@ -73,7 +76,8 @@ Blocks run one after another. Each CUDA thread is a fiber (hand-written x86-64 s
 on other machines) with its own stack of ``stack_size`` bytes and a guard page below it. A fiber runs
 until ``__syncthreads()`` (waits for every live thread of the block), a warp collective (``__syncwarp``,
 ``__shfl_sync``, ``__shfl_up/down/xor_sync``: waits for every live lane named in the mask, then
-exchanges and continues) or the end of the kernel; a thread that has returned drops out of later barriers, as on a GPU. Static ``__shared__`` objects (one per block, as
+exchanges and continues), an sm_90 wait (below) or the end of the kernel; a thread that has returned
+drops out of later barriers, as on a GPU. Static ``__shared__`` objects (one per block, as
 static storage in a dedicated section) and dynamic shared memory are filled with 0xFF at the start of
 every block, and locals start as garbage (``-ftrivial-auto-var-init=pattern``), so reading
 uninitialised memory gives wrong answers.
@@ -82,6 +86,28 @@ Errors (all subclasses of ``EmulatorError``): ``CompileError`` (g++ diagnostics)
 (invalid launch), ``KernelError`` (with ``.kernel``, ``.block``, ``.thread``): ``OutOfBoundsError``
 (``.argument``, ``.access``), ``DeadlockError``; a failed ``assert``, ``__trap()``, integer division
 by zero, a stack overflow or a misused warp collective are ``KernelError``.
+
+Hopper (sm_90) synchronisation
+------------------------------
+``flashcupy/backends/cupy_backend/kernels/hopper.cuh`` wraps one PTX instruction per function; under
+the emulator ``include/emu_hopper.h`` (which it includes when ``FLASHCUPY_EMULATOR`` is defined)
+provides the same names, modelled in runtime.cpp:
+
+- mbarrier: per block, by shared address, the phase, the arrivals pending of the init count and the
+  tx-count (``arrive.expect_tx`` adds bytes; ``complete_tx``, hopper.cuh's and the hook a TMA model
+  calls, subtracts them); a phase completes when both reach zero. ``try_wait.parity p`` returns at once
+  if the phase of parity p has completed, else blocks until it does (it never returns false). Use
+  before init, one arrival too many, an init count outside [1, 2^20 - 1] are ``KernelError``.
+- named barriers ``bar.sync`` / ``bar.arrive`` (id, count): ids 1..15 (0 is ``__syncthreads()``'s),
+  counts positive multiples of 32 no larger than the block, the same count for every arrival of one
+  instance; counted per thread (a GPU counts whole warps).
+- ``elect.sync``: a warp collective; the lowest live lane of the mask is elected.
+- ``setmaxnreg.{inc,dec}``: the 128 threads of a warpgroup meet; the count must be a multiple of 8
+  in [24, 256], the same in every warp, and not lower (.inc) or raise (.dec) the warpgroup's last
+  one. The register file itself is not modelled (nor that ptxas drops it without a register cap).
+- A block whose live threads all wait, none able to go on, is a ``DeadlockError`` naming every
+  mbarrier waited on (shared-memory offset, phase, arrivals and tx-count outstanding), named barrier
+  and warpgroup rendezvous.
 
 Out-of-bounds detection
 -----------------------
@@ -110,6 +136,8 @@ Not faithful (by design or not yet)
 - Cooperative fibers: a thread or block spinning on a flag set by another never finishes.
 - Static ``__shared__`` size is not counted against the shared-memory limit; static shared memory
   has no guard pages. Underflow reads just before dynamic shared memory are not caught.
+- Not modelled for sm_90 yet: wgmma, its shared-memory descriptors and swizzles, TMA and tensor maps,
+  the async proxy (``fence.proxy.async``), clusters; ``fence.mbarrier_init`` is a no-op.
 - Not provided: ``__half2``/``__nv_bfloat162`` and h* intrinsics, ``__ballot_sync`` and friends,
   cooperative groups, inline PTX, textures, ``RawModule.get_global``, streams (ignored). The inline PTX
   that ``flashcupy/backends/cupy_backend/kernels/tensor_core.cuh`` wraps (mma.sync m16n8k16,

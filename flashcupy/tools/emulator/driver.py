@@ -30,6 +30,7 @@ CP_ASYNC_MODES = ("deferred", "eager")
 SHARED_MEM_DEFAULT = 48 * 1024     # what a launch may request without opting in
 SHARED_MEM_OPTIN_MAX = 227 * 1024  # the most a kernel may opt in to (sm_90)
 STACK_SIZE_DEFAULT = 256 * 1024    # per CUDA thread; pages are only touched as used
+TIME_LIMIT_DEFAULT = 600.0         # seconds of CPU time per launch: a spinning kernel is reported, not hung
 MAX_THREADS_PER_BLOCK = 1024
 ARCH_DEFAULT = 900                 # __CUDA_ARCH__ unless an -arch option says otherwise
 
@@ -274,7 +275,7 @@ class _LaunchConfig(ctypes.Structure):
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
                 ("dynamic_shared_bytes", ctypes.c_uint64), ("stack_bytes", ctypes.c_uint64),
                 ("seed", ctypes.c_uint64), ("order", ctypes.c_int), ("cp_async_eager", ctypes.c_int),
-                ("flush_denormals", ctypes.c_int), ("count", ctypes.c_int)]
+                ("flush_denormals", ctypes.c_int), ("count", ctypes.c_int), ("time_limit", ctypes.c_double)]
 
 
 class _Counters(ctypes.Structure):  # runtime.cpp's EmuCounters
@@ -289,7 +290,7 @@ class _LaunchReport(ctypes.Structure):
 
 
 # runtime.cpp's enums
-_OK, _FAULT, _DEADLOCK, _WARP_MISUSE, _TRAP, _SHARED_OVERRUN, _RESOURCES = range(7)
+_OK, _FAULT, _DEADLOCK, _WARP_MISUSE, _TRAP, _SHARED_OVERRUN, _RESOURCES, _TIMEOUT = range(8)
 _ELSEWHERE, _DYNAMIC_SHARED, _STACK = range(3)
 _POINTER, _SIGNED, _UNSIGNED, _FLOATING, _BOOL, _OTHER = range(6)
 _PARAM_KIND_NAMES = {_POINTER: "pointer", _SIGNED: "signed integer", _UNSIGNED: "unsigned integer",
@@ -561,7 +562,8 @@ class EmulatedFunction:
             argv = (ctypes.c_void_p * max(1, len(args)))(*(ctypes.addressof(s) for s in storage))
             config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
                                    module.stack_size, module.seed, THREAD_ORDERS.index(module.thread_order),
-                                   int(module.cp_async == "eager"), int(module.ftz), int(module.counters))
+                                   int(module.cp_async == "eager"), int(module.ftz), int(module.counters),
+                                   float(module.time_limit or 0))
             report = _LaunchReport()
             status = _launch(self._lib, self._entry, argv, config, report)
             if status != _OK:
@@ -599,7 +601,7 @@ class EmulatedFunction:
             return DeadlockError(f"kernel {name!r}: {message}", name, block, thread)
         if status == _SHARED_OVERRUN:
             return OutOfBoundsError(f"kernel {name!r}: {message}", name, block, thread, access="write")
-        if status in (_WARP_MISUSE, _TRAP, _RESOURCES):
+        if status in (_WARP_MISUSE, _TRAP, _RESOURCES, _TIMEOUT):
             return KernelError(f"kernel {name!r}{where}: {message}", name, block, thread)
         access = {1: "read", 2: "write"}.get(report.access, "access")
         address = report.fault_address
@@ -642,14 +644,15 @@ class EmulatedModule:
 
     EmulatedModule(code, name_expressions, options, *, thread_order='ascending',
     seed=0, shared_mem_limit=48 KiB, stack_size=256 KiB, oob_guard='end', cp_async='deferred',
-    counters=False). With counters=True the module is built to count its memory traffic, and each
-    launch sets the function's `last_counters` (emulator/counters.py).
+    counters=False, time_limit=600). With counters=True the module is built to count its memory
+    traffic, and each launch sets the function's `last_counters` (emulator/counters.py). time_limit:
+    the seconds of CPU time a launch may use before it is reported as a KernelError (None: no limit).
     """
 
     def __init__(self, code: str, name_expressions=(), options=(), *, thread_order: str = "ascending",
                  seed: int = 0, shared_mem_limit: int = SHARED_MEM_DEFAULT, stack_size: int = STACK_SIZE_DEFAULT,
                  oob_guard: str = "end", ucontext: bool = False, cp_async: str = "deferred",
-                 counters: bool = False):
+                 counters: bool = False, time_limit: float | None = TIME_LIMIT_DEFAULT):
         if thread_order not in THREAD_ORDERS:
             raise ValueError(f"thread_order must be one of {THREAD_ORDERS}, got {thread_order!r}")
         if cp_async not in CP_ASYNC_MODES:
@@ -669,6 +672,9 @@ class EmulatedModule:
         self.cp_async = cp_async
         self._ucontext = ucontext
         self.counters = bool(counters)
+        if time_limit is not None and not time_limit > 0:
+            raise ValueError(f"time_limit must be a positive number of seconds or None, got {time_limit!r}")
+        self.time_limit = time_limit
         self._names = list(name_expressions or ())
         self._lib = self._compile() if self._names else None
         self._functions = {}

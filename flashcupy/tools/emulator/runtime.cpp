@@ -10,6 +10,9 @@
 //                        the warp-wide PTX instructions of emu_tensor_core.h
 //                        (mma.sync, ldmatrix.sync) wait for all 32 lanes and
 //                        give each lane a copy of every lane's operands;
+//   sm_90 waits          (emu_hopper.h) mbarrier.try_wait.parity until its phase
+//                        completes, bar.sync until its named barrier's count has
+//                        arrived, setmaxnreg until the whole warpgroup is there;
 //   the kernel's return  ends the fiber (an exited thread drops out of later
 //                        barriers, as on a GPU).
 // Between blocking points the fibers of a block run one after another, in the
@@ -27,11 +30,12 @@
 // With -ftz=true the launch runs with the CPU's flush-to-zero (subnormal inputs
 // and results of floating-point operations become zero), as CUDA flushes float32.
 //
-// A memory fault, a failed assertion, a __trap(), a deadlock or a misused warp
-// collective ends the launch: the runtime jumps back to emu_launch and fills
+// A memory fault, a failed assertion, a __trap(), a deadlock, a misused warp
+// collective or barrier, or running past the launch's CPU-time limit ends the launch: the runtime jumps back to emu_launch and fills
 // EmuLaunchReport, which the Python driver turns into an exception.
 
 #include "cuda_emu.h"
+#include "emu_hopper.h"
 
 #include <algorithm>
 #include <csetjmp>
@@ -40,10 +44,12 @@
 #include <cstdarg>
 #include <cstring>
 #include <random>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
 #include <sys/mman.h>
+#include <ctime>
 #include <ucontext.h>
 #include <unistd.h>
 
@@ -73,6 +79,7 @@ enum Status : int {
     kTrap = 4,            // __trap()
     kSharedOverrun = 5,   // a write into the slack around dynamic shared memory
     kResources = 6,       // mmap failed, or the CPU cannot do what the launch asks (-ftz=true)
+    kTimeout = 7,         // the launch used more CPU time than its limit
 };
 
 // kWarpSkew: warps run one at a time, the last first, each as far as it can (its warp
@@ -93,6 +100,7 @@ struct EmuLaunchConfig {
     int cp_async_eager;   // cp.async writes shared memory when issued instead of at its wait
     int flush_denormals;  // -ftz=true: subnormal operands and results are zero
     int count;            // fill EmuCounters (the module was built with counters=True)
+    double time_limit;    // seconds of this thread's CPU time the launch may use (0: no limit)
 };
 
 // What a counted launch did (counters.py mirrors it and documents the model). One row per
@@ -207,7 +215,10 @@ void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc);
 // ----------------------------------------------------------------------------
 // fibers and their stacks
 
-enum class State : unsigned char { kRunnable, kAtBarrier, kAtWarp, kDone };
+// kAtMbarrier: in mbarrier.try_wait.parity until the phase completes (Fiber::mbarrier);
+// kAtNamed: in bar.sync until its named barrier completes; kAtWarpgroup: in setmaxnreg until the
+// 128 threads of its warpgroup are there.
+enum class State : unsigned char { kRunnable, kAtBarrier, kAtWarp, kAtMbarrier, kAtNamed, kAtWarpgroup, kDone };
 
 struct Arrival {
     int kind;
@@ -237,6 +248,23 @@ struct Fiber {
     Arrival arrival;
     std::vector<PendingCopy> copies;  // issued, not yet waited for
     long groups_committed;
+    std::uintptr_t mbarrier;  // kAtMbarrier: the barrier's address
+    unsigned parity;          // kAtMbarrier: the parity of the phase awaited
+    unsigned named_id;        // kAtNamed: the named barrier
+};
+
+// An mbarrier object (emu_hopper.h): the state the PTX ISA describes, kept beside shared memory.
+struct Mbarrier {
+    unsigned phase;      // phases completed since init (its parity is what try_wait.parity tests)
+    unsigned expected;   // the init count: arrivals each phase waits for
+    unsigned pending;    // arrivals still to come in the current phase
+    long tx;             // bytes expected (expect_tx) and not yet completed (complete_tx)
+};
+
+// One of a block's 16 named barriers (bar.sync / bar.arrive): the instance in progress.
+struct NamedBarrier {
+    unsigned count = 0;    // threads it waits for (0: no arrival yet)
+    unsigned arrived = 0;
 };
 
 // Stacks outlive launches: mapping them is the costly part. Each mapping is a
@@ -343,6 +371,9 @@ struct Launch {
     std::mt19937_64 rng;
     sigjmp_buf escape;
     struct Counting* counting = nullptr;  // set for a counted launch (config->count)
+    std::unordered_map<std::uintptr_t, Mbarrier> mbarriers;  // this block's, by address
+    NamedBarrier named[16];
+    std::vector<unsigned> maxnreg;  // per warpgroup: the cap its last setmaxnreg set (0: none yet)
 };
 
 Launch* active = nullptr;
@@ -529,6 +560,7 @@ const char* collective_name(int kind) {
         case emu::kShflXor: return "__shfl_xor_sync";
         case emu::kMma: return "mma.sync";
         case emu::kLdmatrix: return "ldmatrix.sync";
+        case emu::kElect: return "elect.sync";
     }
     return "?";
 }
@@ -639,6 +671,10 @@ bool resolve_warps(Launch& l) {
             std::uint64_t received[32];
             for (std::uint32_t g = group; g; g &= g - 1) {
                 int lane = __builtin_ctz(g);
+                if (a.kind == emu::kElect) {  // the lowest lane present, as the ISA's is deterministic
+                    received[lane] = static_cast<std::uint64_t>(__builtin_ctz(group));
+                    continue;
+                }
                 int src = source_lane(warp[lane].arrival, lane);
                 // Reading a lane that is outside the mask is undefined on a GPU: garbage here.
                 received[lane] = (group >> src) & 1 ? warp[src].arrival.payload : kGarbagePayload;
@@ -656,12 +692,66 @@ bool resolve_warps(Launch& l) {
     return progressed;
 }
 
+// Where `address` lies in shared memory, for messages: "dynamic shared memory offset 16".
+std::string shared_place(std::uintptr_t address) {
+    const SharedRegion& sh = active->shared;
+    char text[96];
+    const auto dyn = reinterpret_cast<std::uintptr_t>(sh.base);
+    const auto static_lo = reinterpret_cast<std::uintptr_t>(__start_emu_shared);
+    const auto dyn_lo = reinterpret_cast<std::uintptr_t>(sh.data_lo), dyn_hi = reinterpret_cast<std::uintptr_t>(sh.data_hi);
+    if (address >= dyn_lo && address < dyn_hi)
+        std::snprintf(text, sizeof text, "dynamic shared memory offset %ld", static_cast<long>(address - dyn));
+    else if (static_lo && address >= static_lo && address < reinterpret_cast<std::uintptr_t>(__stop_emu_shared))
+        std::snprintf(text, sizeof text, "static __shared__ offset %ld", static_cast<long>(address - static_lo));
+    else
+        std::snprintf(text, sizeof text, "address %p (not shared memory)", reinterpret_cast<void*>(address));
+    return text;
+}
+
 [[noreturn]] void report_deadlock(Launch& l) {
     std::size_t at_barrier = 0;
     for (const Fiber& f : l.fibers) at_barrier += f.state == State::kAtBarrier;
-    char detail[1024] = "";
+    char detail[1536] = "";
     std::size_t used = 0;
     int described = 0;
+    auto append = [&](const char* format, auto... args) {
+        if (used < sizeof detail)
+            used += static_cast<std::size_t>(std::snprintf(detail + used, sizeof detail - used, format, args...));
+    };
+    // Every mbarrier waited on, first: the usual culprit in a warp-specialised kernel.
+    std::vector<std::uintptr_t> seen;
+    for (const Fiber& f : l.fibers) {
+        if (f.state != State::kAtMbarrier || std::find(seen.begin(), seen.end(), f.mbarrier) != seen.end()) continue;
+        seen.push_back(f.mbarrier);
+        if (seen.size() > 4) continue;
+        if (!described++) record_thread(f);
+        std::size_t waiters = 0;
+        for (const Fiber& g : l.fibers) waiters += g.state == State::kAtMbarrier && g.mbarrier == f.mbarrier;
+        const Mbarrier& b = l.mbarriers[f.mbarrier];
+        append("; %zu threads (the first: thread (%u,%u,%u)) wait on the mbarrier at %s for its phase %u "
+               "(parity %u) to complete, which still waits for %u of %u arrivals and a tx-count of %ld bytes",
+               waiters, f.tid.x, f.tid.y, f.tid.z, shared_place(f.mbarrier).c_str(), b.phase, f.parity,
+               b.pending, b.expected, b.tx);
+    }
+    for (unsigned id = 0; id < 16; ++id) {
+        std::size_t waiters = 0;
+        const Fiber* first = nullptr;
+        for (const Fiber& f : l.fibers)
+            if (f.state == State::kAtNamed && f.named_id == id && (++waiters, !first)) first = &f;
+        if (!first) continue;
+        if (!described++) record_thread(*first);
+        append("; %zu threads wait at named barrier %u (bar.sync), %u of its %u threads arrived", waiters, id,
+               l.named[id].arrived, l.named[id].count);
+    }
+    for (std::size_t g = 0; g * 128 < l.fibers.size(); ++g) {
+        std::size_t waiters = 0;
+        const Fiber* first = nullptr;
+        for (std::size_t i = g * 128; i < std::min(l.fibers.size(), g * 128 + 128); ++i)
+            if (l.fibers[i].state == State::kAtWarpgroup && (++waiters, !first)) first = &l.fibers[i];
+        if (!first) continue;
+        if (!described++) record_thread(*first);
+        append("; %zu threads of warpgroup %zu wait in setmaxnreg for the rest of the warpgroup", waiters, g);
+    }
     for (std::size_t warp_first = 0; warp_first < l.fibers.size() && described < 4; warp_first += 32) {
         std::uint32_t waiting = 0, alive = 0;
         for (std::size_t lane = 0; lane < 32 && warp_first + lane < l.fibers.size(); ++lane) {
@@ -672,14 +762,59 @@ bool resolve_warps(Launch& l) {
         if (!waiting) continue;
         const Fiber& lead = l.fibers[warp_first + __builtin_ctz(waiting)];
         if (!described++) record_thread(lead);
-        used += static_cast<std::size_t>(snprintf(
-            detail + used, sizeof detail - used,
-            "; in warp %u, %d lanes wait in %s(mask 0x%08x) for lanes 0x%08x, which wait at __syncthreads()",
-            lead.warp, __builtin_popcount(waiting), collective_name(lead.arrival.kind), lead.arrival.mask,
-            lead.arrival.mask & alive & ~waiting));
+        append("; in warp %u, %d lanes wait in %s(mask 0x%08x) for lanes 0x%08x, which wait elsewhere",
+               lead.warp, __builtin_popcount(waiting), collective_name(lead.arrival.kind), lead.arrival.mask,
+               lead.arrival.mask & alive & ~waiting);
     }
     abandon(kDeadlock, "deadlock in block (%u,%u,%u): %zu threads wait at __syncthreads()%s",
             emu::builtins.block_idx.x, emu::builtins.block_idx.y, emu::builtins.block_idx.z, at_barrier, detail);
+}
+
+// Complete every setmaxnreg whose warpgroup has all arrived (emu_hopper.h). Returns whether any did.
+bool resolve_warpgroups(Launch& l) {
+    bool progressed = false;
+    const std::size_t n = l.fibers.size();
+    for (std::size_t g = 0; g * 128 < n; ++g) {
+        const std::size_t first = g * 128, last = std::min(n, first + 128);
+        std::size_t waiting = 0, alive = 0;
+        const Fiber* lead = nullptr;
+        for (std::size_t i = first; i < last; ++i) {
+            const Fiber& f = l.fibers[i];
+            alive += f.state != State::kDone;
+            if (f.state == State::kAtWarpgroup && (++waiting, !lead)) lead = &f;
+        }
+        if (!waiting || waiting != alive) continue;
+        if (last - first != 128 || alive != 128) {
+            record_thread(*lead);
+            abandon(kWarpMisuse,
+                    "warpgroup %zu: setmaxnreg needs the 128 threads of the warpgroup (4 warps from a warp index "
+                    "divisible by 4), but %zu of them %s",
+                    g, 128 - alive, last - first != 128 ? "do not exist (the block is not a multiple of 128 threads)"
+                                                        : "have exited");
+        }
+        for (std::size_t i = first; i < last; ++i) {
+            const Fiber& f = l.fibers[i];
+            if (f.arrival.operand != lead->arrival.operand || f.arrival.kind != lead->arrival.kind) {
+                record_thread(f);
+                abandon(kWarpMisuse,
+                        "warpgroup %zu: setmaxnreg.%s %d in thread %u (warp %u) but setmaxnreg.%s %d in thread %u "
+                        "(warp %u): every warp of a warpgroup must execute the same setmaxnreg",
+                        g, f.arrival.kind ? "inc" : "dec", f.arrival.operand, f.tid.x, f.warp,
+                        lead->arrival.kind ? "inc" : "dec", lead->arrival.operand, lead->tid.x, lead->warp);
+            }
+        }
+        const unsigned regs = static_cast<unsigned>(lead->arrival.operand), before = l.maxnreg[g];
+        const bool increase = lead->arrival.kind != 0;
+        if (before && (increase ? regs < before : regs > before)) {
+            record_thread(*lead);
+            abandon(kWarpMisuse, "warpgroup %zu: setmaxnreg.%s %u after setmaxnreg set %u: .inc may not lower "
+                    "the register cap and .dec may not raise it", g, increase ? "inc" : "dec", regs, before);
+        }
+        l.maxnreg[g] = regs;
+        for (std::size_t i = first; i < last; ++i) l.fibers[i].state = State::kRunnable;
+        progressed = true;
+    }
+    return progressed;
 }
 
 void order_pass(Launch& l) {
@@ -692,6 +827,9 @@ void order_pass(Launch& l) {
 void run_block(Launch& l) {
     if (__start_emu_shared) std::memset(__start_emu_shared, kGarbage, __stop_emu_shared - __start_emu_shared);
     std::memset(l.shared.data_lo, kGarbage, l.shared.data_hi - l.shared.data_lo);
+    l.mbarriers.clear();
+    for (NamedBarrier& b : l.named) b = NamedBarrier{};
+    l.maxnreg.assign((l.fibers.size() + 127) / 128, 0);
     for (std::size_t i = 0; i < l.fibers.size(); ++i) {
         l.fibers[i].state = State::kRunnable;
         l.fibers[i].copies.clear();
@@ -726,6 +864,7 @@ void run_block(Launch& l) {
             }
         }
         resolve_warps(l);
+        resolve_warpgroups(l);
         bool done = true, runnable = false, all_at_barrier = true;
         for (const Fiber& f : l.fibers) {
             done &= f.state == State::kDone;
@@ -786,6 +925,25 @@ void run_grid(Launch& l) {
 constexpr int kCaught[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
 struct sigaction previous[std::size(kCaught)];
 stack_t previous_altstack;
+
+// The launch's time limit: a CPU-time timer of the launching thread, signalling that thread only
+// (fibers never preempt one another, so a thread spinning on a flag that another thread sets
+// would otherwise hang the launch).
+constexpr int kTimerSignal = SIGVTALRM;
+#ifndef sigev_notify_thread_id
+#define sigev_notify_thread_id _sigev_un._tid
+#endif
+
+void on_timer(int, siginfo_t*, void*) {
+    if (!active) return;
+    if (active->current) record_thread(*active->current);
+    std::snprintf(active->report->message, sizeof active->report->message,
+                  "the launch ran past its time limit of %g s of CPU time (EmulatedModule's time_limit); "
+                  "a thread that spins on memory another thread writes never lets that thread run here "
+                  "(fibers are cooperative: wait with a barrier or mbarrier instead)",
+                  active->config->time_limit);
+    siglongjmp(active->escape, kTimeout);
+}
 
 void on_signal(int sig, siginfo_t* info, void* context) {
     if (!active) {  // not raised by a kernel: hand it to whoever handled it before us
@@ -979,6 +1137,125 @@ void emu::trap(const char* why) {
 }
 
 // ----------------------------------------------------------------------------
+// sm_90 synchronisation (emu_hopper.h says what is modelled)
+
+namespace {
+[[noreturn]] void misuse(const char* format, ...) {
+    record_thread(*active->current);
+    va_list args;
+    va_start(args, format);
+    vsnprintf(active->report->message, sizeof active->report->message, format, args);
+    va_end(args);
+    siglongjmp(active->escape, kTrap);
+}
+
+constexpr long kMbarrierLimit = (1l << 20) - 1;  // the ISA's range of the counts and the tx-count
+
+Mbarrier& mbarrier_at(void* bar, const char* what) {
+    emu::check_shared(bar, 8, 8, what);
+    auto it = active->mbarriers.find(reinterpret_cast<std::uintptr_t>(bar));
+    if (it == active->mbarriers.end())
+        misuse("%s: the mbarrier at %s was not initialised (mbarrier.init) in this block", what,
+               shared_place(reinterpret_cast<std::uintptr_t>(bar)).c_str());
+    return it->second;
+}
+
+// The phase completes once nothing is pending: the next begins, and its waiters wake.
+void maybe_complete(std::uintptr_t address, Mbarrier& b) {
+    if (b.pending != 0 || b.tx != 0) return;
+    for (Fiber& f : active->fibers)
+        if (f.state == State::kAtMbarrier && f.mbarrier == address && f.parity == (b.phase & 1u))
+            f.state = State::kRunnable;
+    ++b.phase;
+    b.pending = b.expected;
+}
+}  // namespace
+
+void emu::mbarrier_init(void* bar, unsigned count) {
+    check_shared(bar, 8, 8, "mbarrier.init");
+    const auto address = reinterpret_cast<std::uintptr_t>(bar);
+    if (count < 1 || count > kMbarrierLimit)
+        misuse("mbarrier.init of the mbarrier at %s with count %u (it must be in [1, 2^20 - 1])",
+               shared_place(address).c_str(), count);
+    for (const Fiber& f : active->fibers)
+        if (f.state == State::kAtMbarrier && f.mbarrier == address)
+            misuse("mbarrier.init of the mbarrier at %s while thread (%u,%u,%u) waits on it",
+                   shared_place(address).c_str(), f.tid.x, f.tid.y, f.tid.z);
+    active->mbarriers[address] = Mbarrier{0, count, count, 0};
+}
+
+void emu::mbarrier_arrive(void* bar, unsigned expect_tx_bytes) {
+    const char* what = expect_tx_bytes ? "mbarrier.arrive.expect_tx" : "mbarrier.arrive";
+    Mbarrier& b = mbarrier_at(bar, what);
+    const auto address = reinterpret_cast<std::uintptr_t>(bar);
+    if (b.tx + static_cast<long>(expect_tx_bytes) > kMbarrierLimit)
+        misuse("%s of %u bytes: the tx-count of the mbarrier at %s would exceed 2^20 - 1", what, expect_tx_bytes,
+               shared_place(address).c_str());
+    if (b.pending == 0)
+        misuse("%s: the mbarrier at %s has had all %u arrivals of its phase %u (it waits for a tx-count of %ld "
+               "bytes); one arrival too many", what, shared_place(address).c_str(), b.expected, b.phase, b.tx);
+    b.tx += expect_tx_bytes;
+    --b.pending;
+    maybe_complete(address, b);
+}
+
+void emu::mbarrier_complete_tx(void* bar, unsigned bytes) {
+    Mbarrier& b = mbarrier_at(bar, "mbarrier.complete_tx");
+    const auto address = reinterpret_cast<std::uintptr_t>(bar);
+    if (b.tx - static_cast<long>(bytes) < -kMbarrierLimit)
+        misuse("mbarrier.complete_tx of %u bytes: the tx-count of the mbarrier at %s would fall below -(2^20 - 1)",
+               bytes, shared_place(address).c_str());
+    b.tx -= bytes;
+    maybe_complete(address, b);
+}
+
+bool emu::mbarrier_try_wait_parity(void* bar, unsigned parity) {
+    Mbarrier& b = mbarrier_at(bar, "mbarrier.try_wait.parity");
+    Fiber& self = *active->current;
+    if ((b.phase & 1u) == (parity & 1u)) {  // the phase of this parity is the current one: not complete
+        self.mbarrier = reinterpret_cast<std::uintptr_t>(bar);
+        self.parity = parity & 1u;
+        block_until_scheduled(self, State::kAtMbarrier);
+    }
+    return true;
+}
+
+void emu::named_barrier(unsigned id, unsigned count, bool wait) {
+    const char* what = wait ? "bar.sync" : "bar.arrive";
+    const std::size_t threads = active->fibers.size();
+    if (id == 0 || id > 15)
+        misuse("%s %u, %u: named barrier ids are 1..15 (0 is __syncthreads()'s)", what, id, count);
+    if (count == 0 || count % 32 || count > threads)
+        misuse("%s %u, %u: the thread count must be a positive multiple of 32 and at most the block's %zu threads",
+               what, id, count, threads);
+    NamedBarrier& b = active->named[id];
+    if (b.count && b.count != count)
+        misuse("%s %u, %u while %u threads have arrived at named barrier %u with a count of %u: every arrival "
+               "must name the same count", what, id, count, b.arrived, id, b.count);
+    b.count = count;
+    if (++b.arrived == count) {
+        for (Fiber& f : active->fibers)
+            if (f.state == State::kAtNamed && f.named_id == id) f.state = State::kRunnable;
+        b = NamedBarrier{};
+        return;
+    }
+    if (wait) {
+        Fiber& self = *active->current;
+        self.named_id = id;
+        block_until_scheduled(self, State::kAtNamed);
+    }
+}
+
+void emu::setmaxnreg(unsigned regs, bool increase) {
+    if (regs % 8 || regs < 24 || regs > 256)
+        misuse("setmaxnreg.%s %u: the register count must be a multiple of 8 in [24, 256]", increase ? "inc" : "dec",
+               regs);
+    Fiber& self = *active->current;
+    self.arrival = Arrival{increase ? 1 : 0, 0, 0, static_cast<int>(regs), 0, nullptr, nullptr};
+    block_until_scheduled(self, State::kAtWarpgroup);
+}
+
+// ----------------------------------------------------------------------------
 // what Python calls
 
 EMU_API std::uint64_t emu_page_size() { return page_size(); }
@@ -1032,6 +1309,28 @@ EMU_API int emu_launch(void (*entry)(void**), void** argv, const EmuLaunchConfig
     }
     emu::dynamic_shared = l.shared.base;
     install_handlers();
+    timer_t timer{};
+    bool timed = false;
+    struct sigaction previous_timer_action {};
+    if (config->time_limit > 0) {
+        struct sigaction action {};
+        action.sa_sigaction = &on_timer;
+        action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+        sigemptyset(&action.sa_mask);
+        sigaction(kTimerSignal, &action, &previous_timer_action);
+        sigevent event{};
+        event.sigev_notify = SIGEV_THREAD_ID;
+        event.sigev_signo = kTimerSignal;
+        event.sigev_notify_thread_id = static_cast<pid_t>(gettid());
+        timed = timer_create(CLOCK_THREAD_CPUTIME_ID, &event, &timer) == 0;
+        if (timed) {
+            itimerspec limit{};
+            limit.it_value.tv_sec = static_cast<time_t>(config->time_limit);
+            const double fraction = config->time_limit - static_cast<double>(limit.it_value.tv_sec);
+            limit.it_value.tv_nsec = static_cast<long>(fraction * 1e9);
+            timer_settime(timer, 0, &limit, nullptr);
+        }
+    }
     // Before run_grid: the fibers' contexts (ucontext) are made from the thread's state as it is then.
     const unsigned float_state = float_control();
     if (config->flush_denormals) set_float_control(float_state | kFlushToZero);
@@ -1045,6 +1344,8 @@ EMU_API int emu_launch(void (*entry)(void**), void** argv, const EmuLaunchConfig
     if (status == kOk) run_grid(l);
     active = nullptr;
     set_float_control(float_state);
+    if (timed) timer_delete(timer);
+    if (config->time_limit > 0) sigaction(kTimerSignal, &previous_timer_action, nullptr);
     restore_handlers();
     l.shared.unmap();
     last_counters = counting.totals;

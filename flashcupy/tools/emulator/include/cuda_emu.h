@@ -111,6 +111,7 @@ namespace emu {
 enum Collective : int {
     kSyncWarp = 0, kShflIdx = 1, kShflUp = 2, kShflDown = 3, kShflXor = 4,
     kMma = 5, kLdmatrix = 6,  // warp-wide PTX instructions (emu_tensor_core.h), done by warp_all_gather
+    kElect = 7,               // elect.sync (emu_hopper.h): every lane receives the elected lane
 };
 
 void block_barrier();

@@ -1,0 +1,65 @@
+// emu_hopper.h: the emulator's versions of the sm_90 instructions that
+// flashcupy/backends/cupy_backend/kernels/hopper.cuh wraps, under the same names. The models live
+// in runtime.cpp (they need the scheduler):
+//   mbarrier          a table, per block, keyed by the barrier's shared address: phase, arrivals
+//                     pending of the init count, tx-count. Arrivals and complete_tx complete the
+//                     phase when both reach zero, which wakes the threads waiting on its parity.
+//                     try_wait.parity returns true at once if the phase of that parity has
+//                     completed, else blocks (a scheduling point) until it does; it never
+//                     returns false, so a wait loop runs once. More arrivals than pending, a
+//                     barrier used before init or re-initialised with waiters are KernelErrors.
+//                     The 8 bytes themselves are not used: an ordinary store to them is not seen.
+//   bar.sync/arrive   16 per block, id 0 reserved for __syncthreads(); counted per thread (a GPU
+//                     counts whole warps: a warp arrives once every non-exited lane has); an id
+//                     outside 1..15, a count that is not a positive multiple of 32 or exceeds the
+//                     block, or an arrival naming another count than the ones before it in the
+//                     same instance are KernelErrors.
+//   elect.sync        a warp collective over the mask; the lowest lane of the mask is elected.
+//   setmaxnreg        a warpgroup rendezvous: the 128 threads of the warpgroup meet; the value
+//                     must be a multiple of 8 in [24, 256] and the same (and the same .inc/.dec)
+//                     in every thread, and .inc may not lower (.dec raise) the cap a previous
+//                     setmaxnreg of the warpgroup set. The register count itself is not modelled.
+// A block whose threads all wait (barriers, mbarriers, collectives) with none able to complete
+// is a DeadlockError that names each mbarrier waited on (its shared-memory offset and phase).
+
+#pragma once
+
+#include "cuda_emu.h"
+
+namespace emu {
+void mbarrier_init(void* bar, unsigned count);
+void mbarrier_arrive(void* bar, unsigned expect_tx_bytes);
+// What a TMA copy does to the barrier it signals as it lands (runtime.cpp; hopper.cuh's
+// mbarrier_complete_tx is the same operation issued by a thread).
+void mbarrier_complete_tx(void* bar, unsigned bytes);
+bool mbarrier_try_wait_parity(void* bar, unsigned parity);
+void named_barrier(unsigned id, unsigned count, bool wait);
+void setmaxnreg(unsigned regs, bool increase);
+}  // namespace emu
+
+inline void mbarrier_init(unsigned long long* bar, unsigned count) { emu::mbarrier_init(bar, count); }
+// Fibers share one address space and run one at a time: the init is visible at once.
+inline void mbarrier_init_fence() {}
+inline void mbarrier_arrive(unsigned long long* bar) { emu::mbarrier_arrive(bar, 0); }
+inline void mbarrier_arrive_expect_tx(unsigned long long* bar, unsigned bytes) { emu::mbarrier_arrive(bar, bytes); }
+inline void mbarrier_complete_tx(unsigned long long* bar, unsigned bytes) { emu::mbarrier_complete_tx(bar, bytes); }
+inline bool mbarrier_try_wait_parity(unsigned long long* bar, unsigned parity) {
+    return emu::mbarrier_try_wait_parity(bar, parity);
+}
+
+inline void named_barrier_sync(unsigned id, unsigned count) { emu::named_barrier(id, count, true); }
+inline void named_barrier_arrive(unsigned id, unsigned count) { emu::named_barrier(id, count, false); }
+
+inline bool elect_one_sync(unsigned mask = 0xffffffffu) {
+    return emu::warp_collective(emu::kElect, mask, 0, 0, 32) == emu::lane_id();
+}
+
+// Not static_asserted here, unlike under NVRTC, so that the emulator's tests can show the check.
+template <int REGS>
+inline void setmaxnreg_inc() {
+    emu::setmaxnreg(REGS, true);
+}
+template <int REGS>
+inline void setmaxnreg_dec() {
+    emu::setmaxnreg(REGS, false);
+}
