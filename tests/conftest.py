@@ -290,6 +290,22 @@ def small_tiles():
     numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N, numpy_backend.config.NUM_THREADS = old
 
 
-__all__ = ["BANDS", "BF16", "band_problem", "CASES", "DTYPES", "MUTATION_BATTERY", "TILE_EDGE_CASE", "bf16_bits",
+class DeviceFunction:
+    """A cupy kernel called like the emulator's: NumPy arguments in, NumPy arrays updated in place."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        import cupy
+        on_device = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+        self.function(grid, block, on_device, shared_mem=shared_mem)
+        cupy.cuda.get_current_stream().synchronize()
+        for host, device in zip(args, on_device):
+            if isinstance(host, np.ndarray):
+                host[...] = device.get()
+
+
+__all__ = ["DeviceFunction", "BANDS", "BF16", "band_problem", "CASES", "DTYPES", "MUTATION_BATTERY", "TILE_EDGE_CASE", "bf16_bits",
            "bf16_ties", "LAYOUTS", "assert_matches_oracle", "battery_fails", "case_id", "mutate_band", "mutated_module",
            "mutated_package", "mutation_tests", "make_qkv", "reference", "strided_empty"]

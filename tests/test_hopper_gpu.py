@@ -20,6 +20,7 @@ import os
 import numpy as np
 import pytest
 
+from conftest import DeviceFunction
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import sources
 
@@ -51,22 +52,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str
 def source():
     with open(TEST_KERNELS) as f:
         return f.read()
-
-
-class DeviceFunction:
-    """A cupy kernel called like the emulator's: NumPy arguments in, NumPy arrays updated in place."""
-
-    def __init__(self, function):
-        self.function = function
-
-    def __call__(self, grid, block, args, shared_mem=0):
-        import cupy
-        on_device = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
-        self.function(grid, block, on_device, shared_mem=shared_mem)
-        cupy.cuda.get_current_stream().synchronize()
-        for host, device in zip(args, on_device):
-            if isinstance(host, np.ndarray):
-                host[...] = device.get()
 
 
 @pytest.fixture(scope="module")

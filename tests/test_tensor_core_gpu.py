@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import tensor_core_blocks as blocks
+from conftest import DeviceFunction
 from flashcupy.backends import cupy_backend
 
 DEVICE = os.environ.get("FLASHCUPY_BLOCKS_DEVICE", "cupy")
@@ -28,22 +29,6 @@ if DEVICE not in ("cupy", "emulator"):
     raise ValueError(f"FLASHCUPY_BLOCKS_DEVICE must be 'cupy' or 'emulator', got {DEVICE!r}")
 REASON = cupy_backend.unavailable_reason() if DEVICE == "cupy" else None
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"no GPU for cupy: {REASON}")]
-
-
-class DeviceFunction:
-    """A cupy kernel called like the emulator's: NumPy arguments in, NumPy arrays updated in place."""
-
-    def __init__(self, function):
-        self.function = function
-
-    def __call__(self, grid, block, args, shared_mem=0):
-        import cupy
-        on_device = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
-        self.function(grid, block, on_device, shared_mem=shared_mem)
-        cupy.cuda.get_current_stream().synchronize()
-        for host, device in zip(args, on_device):
-            if isinstance(host, np.ndarray):
-                host[...] = device.get()
 
 
 @pytest.fixture(autouse=True)
