@@ -18,8 +18,9 @@ stands in for ``cupy.RawModule(code=..., name_expressions=..., options=...)``:
 
 - ``code`` is compiled with ``g++ -std=c++20 -O1`` against the shim in ``include/`` (force-included
   ``cuda_emu.h``; ``#include <cuda_fp16.h>`` / ``<cuda_bf16.h>`` resolve to the shim's), linked with
-  ``runtime.cpp`` into a shared library loaded with ctypes. Builds are cached by a hash of (source,
-  name expressions, defines, include-dir headers, arch, compiler, emulator sources) under
+  ``runtime.cpp`` (one translation unit with its parts in ``runtime/``) into a shared library loaded
+  with ctypes. Builds are cached by a hash of (source, name expressions, defines, include-dir
+  headers, arch, compiler, emulator sources) under
   ``$FLASHCUPY_EMULATOR_CACHE`` or ``$TMPDIR/flashcupy-emulator-$UID``, so a specialisation compiles
   once, across test sessions too.
 - ``options``: ``-D NAME=VALUE``/``-DNAME=VALUE``/``--define-macro=``, ``-I dir``/``-Idir``/
@@ -91,7 +92,7 @@ Hopper (sm_90) synchronisation
 ------------------------------
 ``flashcupy/backends/cupy_backend/kernels/hopper.cuh`` wraps one PTX instruction per function; under
 the emulator ``include/emu_hopper.h`` (which it includes when ``FLASHCUPY_EMULATOR`` is defined)
-provides the same names, modelled in runtime.cpp:
+provides the same names, modelled in runtime.cpp (its part runtime/hopper.h):
 
 - mbarrier: per block, by shared address, the phase, the arrivals pending of the init count and the
   tx-count (``arrive.expect_tx`` adds bytes; ``complete_tx``, hopper.cuh's and the hook a TMA model
