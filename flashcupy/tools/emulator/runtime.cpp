@@ -36,6 +36,7 @@
 
 #include "cuda_emu.h"
 #include "emu_hopper.h"
+#include "emu_wgmma.h"
 
 #include <algorithm>
 #include <csetjmp>
@@ -708,6 +709,11 @@ std::string shared_place(std::uintptr_t address) {
     return text;
 }
 
+void resolve_wgmma(Launch& l, std::size_t g, std::size_t first);  // emu_wgmma_runtime.inc
+void wgmma_reset_block(Launch& l);
+
+const char* warpgroup_instruction(int kind) { return kind == emu::kWarpgroupWgmma ? "wgmma.mma_async" : "setmaxnreg"; }
+
 [[noreturn]] void report_deadlock(Launch& l) {
     std::size_t at_barrier = 0;
     for (const Fiber& f : l.fibers) at_barrier += f.state == State::kAtBarrier;
@@ -750,7 +756,8 @@ std::string shared_place(std::uintptr_t address) {
             if (l.fibers[i].state == State::kAtWarpgroup && (++waiters, !first)) first = &l.fibers[i];
         if (!first) continue;
         if (!described++) record_thread(*first);
-        append("; %zu threads of warpgroup %zu wait in setmaxnreg for the rest of the warpgroup", waiters, g);
+        append("; %zu threads of warpgroup %zu wait in %s for the rest of the warpgroup", waiters, g,
+               warpgroup_instruction(first->arrival.kind));
     }
     for (std::size_t warp_first = 0; warp_first < l.fibers.size() && described < 4; warp_first += 32) {
         std::uint32_t waiting = 0, alive = 0;
@@ -770,7 +777,8 @@ std::string shared_place(std::uintptr_t address) {
             emu::builtins.block_idx.x, emu::builtins.block_idx.y, emu::builtins.block_idx.z, at_barrier, detail);
 }
 
-// Complete every setmaxnreg whose warpgroup has all arrived (emu_hopper.h). Returns whether any did.
+// Complete every setmaxnreg or wgmma.mma_async whose warpgroup has all arrived (emu_hopper.h,
+// emu_wgmma.h). Returns whether any did.
 bool resolve_warpgroups(Launch& l) {
     bool progressed = false;
     const std::size_t n = l.fibers.size();
@@ -787,10 +795,16 @@ bool resolve_warpgroups(Launch& l) {
         if (last - first != 128 || alive != 128) {
             record_thread(*lead);
             abandon(kWarpMisuse,
-                    "warpgroup %zu: setmaxnreg needs the 128 threads of the warpgroup (4 warps from a warp index "
+                    "warpgroup %zu: %s needs the 128 threads of the warpgroup (4 warps from a warp index "
                     "divisible by 4), but %zu of them %s",
-                    g, 128 - alive, last - first != 128 ? "do not exist (the block is not a multiple of 128 threads)"
+                    g, warpgroup_instruction(lead->arrival.kind), 128 - alive, last - first != 128 ? "do not exist (the block is not a multiple of 128 threads)"
                                                         : "have exited");
+        }
+        if (std::any_of(l.fibers.begin() + first, l.fibers.begin() + last,
+                        [](const Fiber& f) { return f.arrival.kind == emu::kWarpgroupWgmma; })) {
+            resolve_wgmma(l, g, first);
+            progressed = true;
+            continue;
         }
         for (std::size_t i = first; i < last; ++i) {
             const Fiber& f = l.fibers[i];
@@ -830,6 +844,7 @@ void run_block(Launch& l) {
     l.mbarriers.clear();
     for (NamedBarrier& b : l.named) b = NamedBarrier{};
     l.maxnreg.assign((l.fibers.size() + 127) / 128, 0);
+    wgmma_reset_block(l);
     for (std::size_t i = 0; i < l.fibers.size(); ++i) {
         l.fibers[i].state = State::kRunnable;
         l.fibers[i].copies.clear();
@@ -1254,6 +1269,8 @@ void emu::setmaxnreg(unsigned regs, bool increase) {
     self.arrival = Arrival{increase ? 1 : 0, 0, 0, static_cast<int>(regs), 0, nullptr, nullptr};
     block_until_scheduled(self, State::kAtWarpgroup);
 }
+
+#include "emu_wgmma_runtime.inc"
 
 // ----------------------------------------------------------------------------
 // what Python calls
