@@ -63,7 +63,7 @@ def test_gemm_other_swizzles_and_transposed_a(swizzle, trans_a, trans_b, rng):
 def test_gemm_under_other_thread_orders(order, rng):
     A, B, C = problem("float16", 64, 32, rng)
     got = run(lambda name: kernel(name, order), "float16", A, B, C)
-    np.testing.assert_allclose(got, want("float16", A, B, C), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, want("float16", A, B, C), rtol=blocks.RTOL, atol=blocks.ATOL)
 
 
 # ----------------------------------------------------------------------------
@@ -78,7 +78,7 @@ def test_reading_the_accumulators_before_the_wait_reads_nan(rng):
 def test_writing_the_accumulators_before_the_wait_is_lost(rng):
     A, B, C = problem("float16", 64, 32, rng)
     got, D = run(kernel, "float16", A, B, C, mode="early write"), want("float16", A, B, C)
-    np.testing.assert_allclose(got, D, rtol=1e-5, atol=1e-5)  # thread 0's d[0] = 0 was overwritten
+    np.testing.assert_allclose(got, D, rtol=blocks.RTOL, atol=blocks.ATOL)  # thread 0's d[0] = 0 was overwritten
 
 
 def test_wait_group_1_leaves_the_newest_group_in_flight(rng):
