@@ -90,10 +90,10 @@ def test_wait_group_1_leaves_the_newest_group_in_flight(rng):
 # misuse
 
 
-def misuse(mode, message, rng):
+def misuse(mode, message, rng, **run_options):
     A, B, _ = problem("float16", 64, 16, rng)
     with pytest.raises(KernelError, match=message) as info:
-        run(kernel, "float16", A, B, mode=mode)
+        run(kernel, "float16", A, B, mode=mode, **run_options)
     assert info.value.kernel == "wgmma_gemm<__half, 64>" and info.value.thread is not None
     return info.value
 
@@ -101,6 +101,19 @@ def misuse(mode, message, rng):
 def test_a_descriptor_not_aligned_to_its_swizzle_is_reported(rng):
     misuse("unaligned A", r"descriptor of A \(0x[0-9a-f]+\) starts at shared address 0x[0-9a-f]+, 128 bytes into "
                           r"the 128B swizzle's 1024-byte repeat", rng)
+
+
+@pytest.mark.parametrize("field, message", [
+    ("a_lbo", r"descriptor of A .* has LBO 0, which its K-major layout uses"),
+    ("b_sbo", r"descriptor of B .* has SBO 0, which its K-major layout uses"),
+])
+def test_a_zero_offset_the_layout_uses_is_reported(field, message, rng):
+    misuse("normal", message, rng, a_swizzle="none", b_swizzle="none", **{field: 0})
+
+
+def test_a_tile_reaching_past_shared_memory_is_reported(rng):
+    misuse("normal", r"descriptor of B .* puts element \(\d+, \d+\) at shared address 0x[0-9a-f]+, outside this "
+                     r"block's shared memory", rng, b_sbo=1 << 17)
 
 
 def test_a_base_offset_is_reported(rng):

@@ -145,6 +145,9 @@ MODES = {"normal": 0, "early read": 1, "two groups": 2, "mismatched warp": 3, "u
 RTOL, ATOL = 1e-5, 1e-4
 
 
+CFG_FIELDS = ("steps", "a_lbo", "a_sbo", "a_swizzle", "b_offset", "b_lbo", "b_sbo", "b_swizzle")
+
+
 def problem(fmt, n, K, rng):
     A = to_bits(rng.standard_normal((64, K)), fmt)
     B = to_bits(rng.standard_normal((K, n)), fmt)
@@ -158,9 +161,10 @@ def want(fmt, A, B, C=None):
 
 
 def run(kernel, fmt, A, B, C=None, a_swizzle="128B", b_swizzle="128B", trans_a=False, trans_b=False, rs=False,
-        mode="normal"):
+        mode="normal", **fields):
     """D (64 x N) of wgmma_gemm<fmt, N> on A (64 x K) and B (K x N), both uint16 bits; C: accumulate onto it.
-    Mode "two groups" returns the three matrices the kernel writes."""
+    Mode "two groups" returns the three matrices the kernel writes. `fields` (a_lbo=0, ...) replace the
+    descriptor fields the layout needs, wrong on purpose."""
     K, n = B.shape
     footprint = [int(swizzled(layout(rows, K, sw, mn)[0], sw).max()) + 2 for rows, sw, mn in
                  ((64, a_swizzle, trans_a), (n, b_swizzle, trans_b))]
@@ -172,6 +176,8 @@ def run(kernel, fmt, A, B, C=None, a_swizzle="128B", b_swizzle="128B", trans_a=F
     steps = K // 16
     cfg = [steps, a_lbo, a_sbo, SWIZZLE[a_swizzle][0], b_offset, b_lbo, b_sbo, SWIZZLE[b_swizzle][0],
            int(trans_a), int(trans_b), int(rs), int(C is not None), MODES[mode]]
+    for key, value in fields.items():
+        cfg[CFG_FIELDS.index(key)] = value
     for s in range(steps):
         cfg += [int(a_starts[s]), int(b_starts[s])]
     copies = 3 if mode == "two groups" else 1
