@@ -66,6 +66,10 @@ def test_gemm_under_other_thread_orders(order, rng):
     np.testing.assert_allclose(got, want("float16", A, B, C), rtol=blocks.RTOL, atol=blocks.ATOL)
 
 
+def test_tiles_in_static_shared_memory(rng):
+    blocks.check_static_shared_tiles(kernel, "float16", rng)
+
+
 # ----------------------------------------------------------------------------
 # asynchrony
 

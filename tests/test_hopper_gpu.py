@@ -155,5 +155,9 @@ def test_wgmma_other_swizzles_and_transposed_a(wgmma_kernel, swizzle, trans_a, t
     wgmma_blocks.check_gemm(wgmma_kernel, "bfloat16", 64, 64, swizzle, swizzle, trans_a, trans_b, False, False, rng)
 
 
+def test_wgmma_tiles_in_static_shared_memory(wgmma_kernel, rng):
+    wgmma_blocks.check_static_shared_tiles(wgmma_kernel, "float16", rng)
+
+
 def test_wgmma_wait_group_1_completes_the_older_group(wgmma_kernel, rng):
     wgmma_blocks.check_wait_group_1_completes_the_older_group(wgmma_kernel, "bfloat16", rng)

@@ -161,10 +161,10 @@ def want(fmt, A, B, C=None):
 
 
 def run(kernel, fmt, A, B, C=None, a_swizzle="128B", b_swizzle="128B", trans_a=False, trans_b=False, rs=False,
-        mode="normal", **fields):
+        mode="normal", static=False, **fields):
     """D (64 x N) of wgmma_gemm<fmt, N> on A (64 x K) and B (K x N), both uint16 bits; C: accumulate onto it.
     Mode "two groups" returns the three matrices the kernel writes. `fields` (a_lbo=0, ...) replace the
-    descriptor fields the layout needs, wrong on purpose."""
+    descriptor fields the layout needs, wrong on purpose. static: the tiles in static __shared__ memory."""
     K, n = B.shape
     footprint = [int(swizzled(layout(rows, K, sw, mn)[0], sw).max()) + 2 for rows, sw, mn in
                  ((64, a_swizzle, trans_a), (n, b_swizzle, trans_b))]
@@ -175,7 +175,7 @@ def run(kernel, fmt, A, B, C=None, a_swizzle="128B", b_swizzle="128B", trans_a=F
     b_lbo, b_sbo, b_starts = place(image, b_offset, np.ascontiguousarray(B.T), b_swizzle, trans_b)
     steps = K // 16
     cfg = [steps, a_lbo, a_sbo, SWIZZLE[a_swizzle][0], b_offset, b_lbo, b_sbo, SWIZZLE[b_swizzle][0],
-           int(trans_a), int(trans_b), int(rs), int(C is not None), MODES[mode]]
+           int(trans_a), int(trans_b), int(rs), int(C is not None), MODES[mode], int(static)]
     for key, value in fields.items():
         cfg[CFG_FIELDS.index(key)] = value
     for s in range(steps):
@@ -186,7 +186,7 @@ def run(kernel, fmt, A, B, C=None, a_swizzle="128B", b_swizzle="128B", trans_a=F
     a_global = A.view(np.float16) if fmt == "float16" else A
     kernel(name(fmt, n))((1,), (128,), (image.view(np.int32), np.int32(image.size // 4), np.array(cfg, np.int32),
                                         c.ravel(), np.ascontiguousarray(a_global), out),
-                         shared_mem=image.size + 1024)
+                         shared_mem=16 if static else image.size + 1024)
     if copies == 1:
         return from_fragments(out, n)
     return [from_fragments(part, n) for part in out.reshape(copies, -1)]
@@ -210,6 +210,13 @@ def check_gemm(kernel, fmt, n, K, a_swizzle, b_swizzle, trans_a, trans_b, rs, ac
     A, B, C = problem(fmt, n, K, rng)
     got = run(kernel, fmt, A, B, C if accumulate else None, a_swizzle, b_swizzle, trans_a, trans_b, rs)
     np.testing.assert_allclose(got, want(fmt, A, B, C if accumulate else None), rtol=RTOL, atol=ATOL)
+
+
+def check_static_shared_tiles(kernel, fmt, rng):
+    """The same GEMM with the tiles in a static __shared__ array (aligned by its declaration)."""
+    A, B, C = problem(fmt, 128, 64, rng)
+    got = run(kernel, fmt, A, B, C, trans_b=True, static=True)
+    np.testing.assert_allclose(got, want(fmt, A, B, C), rtol=RTOL, atol=ATOL)
 
 
 def check_wait_group_1_completes_the_older_group(kernel, fmt, rng):

@@ -8,8 +8,9 @@
 //       cfg[0] k16 steps of D (64 x N) = A B (+ C), one wgmma per step, with the descriptors
 //       make_descriptor(tile + start, lbo, sbo, swizzle) for each operand, start the step's byte
 //       offset: cfg = {steps, a_lbo, a_sbo, a_swizzle, b_offset, b_lbo, b_sbo, b_swizzle,
-//       trans_a, trans_b, rs, accumulate, mode, then per step a_start, b_start}. A is at byte 0
-//       of the buffer, B at b_offset. rs: A comes from registers instead, loaded from a_global
+//       trans_a, trans_b, rs, accumulate, mode, static, then per step a_start, b_start}. A is at
+//       byte 0 of the buffer, B at b_offset. static: the buffer is a static __shared__ array
+//       (__align__(1024), 24 KiB) instead. rs: A comes from registers instead, loaded from a_global
 //       (64 x 16 steps, row-major) in hopper.cuh's fragment layout. accumulate: the
 //       accumulators start as c (per thread, N/2 floats, fragment order) and the first step adds
 //       to them; otherwise they start as 12345 and the first step has scale-d 0.
@@ -29,7 +30,8 @@
 #include "hopper.cuh"
 
 enum { kSteps, kALbo, kASbo, kASwizzle, kBOffset, kBLbo, kBSbo, kBSwizzle, kTransA, kTransB, kRs, kAccumulate,
-       kMode, kStarts };
+       kMode, kStatic, kStarts };
+constexpr int kStaticBytes = 24 * 1024;  // the largest image the tests lay out: A 8 KiB, B 16 KiB
 
 template <typename T, int N>
 __device__ void issue(float* d, const unsigned char* tile, const int* cfg, int step, const T* a_global, bool scale_d,
@@ -66,7 +68,8 @@ __global__ void __launch_bounds__(128) wgmma_gemm(const int* __restrict__ image,
                                                   const float* __restrict__ c, const T* __restrict__ a_global,
                                                   float* __restrict__ out) {
     extern __shared__ __align__(16) unsigned char smem[];
-    unsigned char* tile = smem + ((1024u - (smem_address(smem) & 1023u)) & 1023u);
+    __shared__ __align__(1024) unsigned char static_tile[kStaticBytes];
+    unsigned char* tile = cfg[kStatic] ? static_tile : smem + ((1024u - (smem_address(smem) & 1023u)) & 1023u);
     const int tid = threadIdx.x, warp = tid / 32, mode = cfg[kMode];
     for (int i = tid; i < words; i += 128) reinterpret_cast<int*>(tile)[i] = image[i];
     fence_proxy_async();  // the tiles' ordinary stores before wgmma reads them
