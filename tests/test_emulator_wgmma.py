@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import wgmma_blocks as blocks
-from flashcupy.tools.emulator import EmulatedModule, KernelError
+from flashcupy.tools.emulator import DeadlockError, EmulatedModule, KernelError
 from wgmma_blocks import INCLUDE, NAMES, SWIZZLE, problem, run, source, want
 
 FORMATS = ("float16", "bfloat16")
@@ -137,3 +137,10 @@ def test_a_warp_missing_from_the_warpgroup_is_reported(rng):
 def test_a_missing_wgmma_fence_is_reported(rng):
     misuse("no fence", r"issued by a thread that has not executed wgmma.fence since it started", rng)
 
+
+
+def test_a_warp_waiting_elsewhere_is_a_deadlock_naming_the_wgmma(rng):
+    A, B, _ = problem("float16", 64, 16, rng)
+    with pytest.raises(DeadlockError, match=r"32 threads wait at __syncthreads\(\); 96 threads of warpgroup 0 wait "
+                                            r"in wgmma.mma_async for the rest of the warpgroup"):
+        run(kernel, "float16", A, B, mode="deadlock")

@@ -26,6 +26,7 @@
 //         6  no wgmma.fence
 //         7  warp 3 exits before the wgmma
 //         8  d[0] is set to 0 between the mma_async and the wait (an early write; emulator only)
+//         9  warp 3 waits at __syncthreads() instead (a deadlock)
 
 #include "hopper.cuh"
 
@@ -75,6 +76,7 @@ __global__ void __launch_bounds__(128) wgmma_gemm(const int* __restrict__ image,
     fence_proxy_async();  // the tiles' ordinary stores before wgmma reads them
     __syncthreads();
     if (mode == 7 && warp == 3) return;
+    if (mode == 9 && warp == 3) __syncthreads();
 
     constexpr int R = N / 2;
     float acc0[R], acc1[R];
