@@ -66,6 +66,11 @@ def test_gemm_under_other_thread_orders(order, rng):
     np.testing.assert_allclose(got, want("float16", A, B, C), rtol=blocks.RTOL, atol=blocks.ATOL)
 
 
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B K-major", "B transposed"])
+def test_d_packed_as_the_next_a(trans_b, rng):
+    blocks.check_d_packed_as_the_next_a(kernel, trans_b, rng)
+
+
 def test_tiles_in_static_shared_memory(rng):
     blocks.check_static_shared_tiles(kernel, "float16", rng)
 

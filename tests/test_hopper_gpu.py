@@ -155,6 +155,11 @@ def test_wgmma_other_swizzles_and_transposed_a(wgmma_kernel, swizzle, trans_a, t
     wgmma_blocks.check_gemm(wgmma_kernel, "bfloat16", 64, 64, swizzle, swizzle, trans_a, trans_b, False, False, rng)
 
 
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B K-major", "B transposed"])
+def test_wgmma_d_packed_as_the_next_a(wgmma_kernel, trans_b, rng):
+    wgmma_blocks.check_d_packed_as_the_next_a(wgmma_kernel, trans_b, rng)
+
+
 def test_wgmma_tiles_in_static_shared_memory(wgmma_kernel, rng):
     wgmma_blocks.check_static_shared_tiles(wgmma_kernel, "float16", rng)
 

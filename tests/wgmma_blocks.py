@@ -137,7 +137,8 @@ def from_fragments(frags, n):
 
 
 MODES = {"normal": 0, "early read": 1, "two groups": 2, "mismatched warp": 3, "unaligned A": 4,
-         "base offset B": 5, "no fence": 6, "warp exits": 7, "early write": 8, "deadlock": 9}
+         "base offset B": 5, "no fence": 6, "warp exits": 7, "early write": 8, "deadlock": 9,
+         "P V": 10}
 
 
 # The sums are of up to 64 exact products of magnitude ~1 (|D| ~ 8): the emulator rounds once; a
@@ -217,6 +218,17 @@ def check_static_shared_tiles(kernel, fmt, rng):
     A, B, C = problem(fmt, 128, 64, rng)
     got = run(kernel, fmt, A, B, C, trans_b=True, static=True)
     np.testing.assert_allclose(got, want(fmt, A, B, C), rtol=RTOL, atol=ATOL)
+
+
+def check_d_packed_as_the_next_a(kernel, trans_b, rng, n=64):
+    """D = A B (N = K = 64: at 128 the two tiles pass 48 KiB of shared memory) packed to f16 in registers as the A of an RS wgmma against B again: T(A B) B, exactly
+    (small integers: every sum exact in f32, every D exact in f16)."""
+    A = to_bits(rng.integers(-3, 4, (64, n)).astype(np.float32), "float16")
+    B = to_bits(rng.integers(-3, 4, (n, n)).astype(np.float32), "float16")
+    D = want("float16", A, B)
+    assert np.abs(D).max() <= 2048  # integers exact in f16
+    got = run(kernel, "float16", A, B, trans_b=trans_b, mode="P V")
+    np.testing.assert_array_equal(got, D @ from_bits(B, "float16"))
 
 
 def check_wait_group_1_completes_the_older_group(kernel, fmt, rng):

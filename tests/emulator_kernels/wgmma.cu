@@ -27,6 +27,8 @@
 //         7  warp 3 exits before the wgmma
 //         8  d[0] is set to 0 between the mma_async and the wait (an early write; emulator only)
 //         9  warp 3 waits at __syncthreads() instead (a deadlock)
+//        10  P V as attention does it: after the wait, d (64 x N) is packed to T in registers as the
+//            A fragments of N/16 RS k-steps against B again (K must equal N): out = T(A B) B
 
 #include "hopper.cuh"
 
@@ -34,15 +36,20 @@ enum { kSteps, kALbo, kASbo, kASwizzle, kBOffset, kBLbo, kBSbo, kBSwizzle, kTran
        kMode, kStatic, kStarts };
 constexpr int kStaticBytes = 24 * 1024;  // the largest image the tests lay out: A 8 KiB, B 16 KiB
 
+__device__ unsigned long long b_descriptor(const unsigned char* tile, const int* cfg, int step, int warp) {
+    const int b_start = cfg[kStarts + 2 * step + 1] + (cfg[kMode] == 3 && warp == 1 ? 16 : 0);
+    unsigned long long desc = make_descriptor(tile + cfg[kBOffset] + b_start, cfg[kBLbo], cfg[kBSbo],
+                                              WgmmaSwizzle(cfg[kBSwizzle]));
+    return cfg[kMode] == 5 ? desc | 1ull << 49 : desc;
+}
+
 template <typename T, int N>
 __device__ void issue(float* d, const unsigned char* tile, const int* cfg, int step, const T* a_global, bool scale_d,
                       int warp) {
-    const int a_start = cfg[kStarts + 2 * step], b_start = cfg[kStarts + 2 * step + 1] + (cfg[kMode] == 3 && warp == 1 ? 16 : 0);
-    unsigned long long desc_a = make_descriptor(tile + a_start + (cfg[kMode] == 4 ? 128 : 0), cfg[kALbo], cfg[kASbo],
-                                                WgmmaSwizzle(cfg[kASwizzle]));
-    unsigned long long desc_b = make_descriptor(tile + cfg[kBOffset] + b_start, cfg[kBLbo], cfg[kBSbo],
-                                                WgmmaSwizzle(cfg[kBSwizzle]));
-    if (cfg[kMode] == 5) desc_b |= 1ull << 49;
+    const int a_start = cfg[kStarts + 2 * step];
+    const unsigned long long desc_a = make_descriptor(tile + a_start + (cfg[kMode] == 4 ? 128 : 0), cfg[kALbo],
+                                                      cfg[kASbo], WgmmaSwizzle(cfg[kASwizzle]));
+    const unsigned long long desc_b = b_descriptor(tile, cfg, step, warp);
     if (cfg[kRs]) {
         // hopper.cuh's A fragment: a[i] = A[r + 8 (i & 1)][c + 8 (i >> 1) + {0, 1}] of this k16 step
         const int lane = threadIdx.x % 32, r = 16 * warp + lane / 4, c = 2 * (lane % 4);
@@ -94,6 +101,22 @@ __global__ void __launch_bounds__(128) wgmma_gemm(const int* __restrict__ image,
         wgmma_wait_group<0>();
         wgmma_fence_operand<R>(acc1);
         for (int i = 0; i < R; ++i) out[(256 + tid) * R + i] = acc1[i];
+        return;
+    }
+    if (mode == 10) {
+        wgmma_wait_group<0>();
+        wgmma_fence_operand<R>(acc0);
+        wgmma_fence();  // acc1 and the A fragments were written by ordinary instructions
+        for (int t = 0; t < N / 16; ++t) {
+            unsigned p[4];
+            for (int i = 0; i < 4; ++i) p[i] = pack2<T>(acc0[8 * t + 2 * i], acc0[8 * t + 2 * i + 1]);
+            if (cfg[kTransB]) wgmma_rs<T, N, true>(acc1, p, b_descriptor(tile, cfg, t, warp), t > 0);
+            else wgmma_rs<T, N, false>(acc1, p, b_descriptor(tile, cfg, t, warp), t > 0);
+        }
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        wgmma_fence_operand<R>(acc1);
+        for (int i = 0; i < R; ++i) out[tid * R + i] = acc1[i];
         return;
     }
 #ifdef FLASHCUPY_EMULATOR  // undefined on a GPU (and ptxas would serialise the pipeline for them)

@@ -1,5 +1,5 @@
-// hopper.cuh: the sm_90a synchronisation instructions a warp-specialised kernel uses, each in one
-// small function, as tensor_core.cuh does for mma.sync (compile for -arch=sm_90a).
+// hopper.cuh: the sm_90a synchronisation and wgmma instructions a warp-specialised kernel uses,
+// each in one small function, as tensor_core.cuh does for mma.sync (compile for -arch=sm_90a).
 //
 //   mbarrier_init(bar, count)          an mbarrier (8 bytes of shared memory, 8-byte aligned):
 //                                      phase 0, count arrivals pending, tx-count 0      sm_80+
@@ -53,8 +53,8 @@
 //   (per warp, the mma.sync m16n8k16 C layout repeated N/8 times along the columns).
 //   A fragment of wgmma_rs, unsigned a[4] (two 16-bit elements each, the smaller column in the low
 //   half), the mma.sync m16n8k16 A layout per warp: a[0] = A[r][c, c+1], a[1] = A[r+8][c, c+1],
-//   a[2] = A[r][c+8, c+9], a[3] = A[r+8][c+8, c+9]. So a D of one wgmma, packed in pairs
-//   (pack2<T>(d[8t + i], d[8t + i + 1])), is the A of k-step t of the next (P = softmax(S) for P V).
+//   a[2] = A[r][c+8, c+9], a[3] = A[r+8][c+8, c+9]. So a D of one wgmma, packed in pairs, is the
+//   A of the next: for k-step t, a[i] = pack2<T>(d[8t + 2i], d[8t + 2i + 1]) (P = softmax(S), P V).
 // Shared-memory operands: matrix descriptor (64 bits; PTX ISA "Matrix Descriptor Format"):
 //   bits  0-13  start address >> 4 (the shared-window address, 16-byte aligned)
 //   bits 16-29  leading dimension byte offset (LBO) >> 4
