@@ -6,8 +6,9 @@
 Stages, in this order, each in its own process with its own time limit:
   preflight  versions of everything that compiles or runs a kernel; what is missing, and why
   blocks     the building blocks on the device: the emulator's model of each PTX instruction against
-             silicon; first the sm_90 synchronisation (mbarrier ring and phases, named barriers,
-             elect.sync, setmaxnreg: tests/test_hopper_gpu.py, skipped below compute capability 9.0),
+             silicon; first the sm_90 blocks (mbarrier ring and phases, named barriers, elect.sync,
+             setmaxnreg, wgmma GEMMs on hand-laid tiles: tests/test_hopper_gpu.py, skipped below
+             compute capability 9.0),
              then the tensor-core blocks (mma, ldmatrix, cp.async, pack, ex2:
              tests/test_tensor_core_gpu.py); seconds, and first, because everything rests on it
   pytest     `pytest -m gpu`: the CuPy and Numba batteries on the device

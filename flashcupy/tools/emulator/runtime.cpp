@@ -12,7 +12,8 @@
 //                        give each lane a copy of every lane's operands;
 //   sm_90 waits          (emu_hopper.h) mbarrier.try_wait.parity until its phase
 //                        completes, bar.sync until its named barrier's count has
-//                        arrived, setmaxnreg until the whole warpgroup is there;
+//                        arrived, setmaxnreg and wgmma.mma_async until the whole
+//                        warpgroup is there (wgmma: runtime/wgmma.h);
 //   the kernel's return  ends the fiber (an exited thread drops out of later
 //                        barriers, as on a GPU).
 // Between blocking points the fibers of a block run one after another, in the
@@ -45,6 +46,7 @@
 
 #include "cuda_emu.h"
 #include "emu_hopper.h"
+#include "emu_wgmma.h"
 
 #include <algorithm>
 #include <csetjmp>
@@ -151,6 +153,7 @@ struct EmuLaunchReport {
 #include "runtime/signals.h"
 #include "runtime/kernel_api.h"
 #include "runtime/hopper.h"
+#include "runtime/wgmma.h"
 
 // ----------------------------------------------------------------------------
 // what Python calls

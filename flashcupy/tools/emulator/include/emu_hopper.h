@@ -19,8 +19,13 @@
 //                     must be a multiple of 8 in [24, 256] and the same (and the same .inc/.dec)
 //                     in every thread, and .inc may not lower (.dec raise) the cap a previous
 //                     setmaxnreg of the warpgroup set. The register count itself is not modelled.
+//   wgmma             emu_wgmma.h (hopper.cuh includes it beside this one) and
+//                     runtime/wgmma.h: mma_async a warpgroup rendezvous on decoded and
+//                     checked descriptors, results landing at the covering wait_group.
 // A block whose threads all wait (barriers, mbarriers, collectives) with none able to complete
 // is a DeadlockError that names each mbarrier waited on (its shared-memory offset and phase).
+// Not modelled yet: TMA and tensor maps, the async proxy (fence.proxy.async is a no-op),
+// clusters.
 
 #pragma once
 

@@ -68,7 +68,8 @@ std::string shared_place(std::uintptr_t address) {
             if (l.fibers[i].state == State::kAtWarpgroup && (++waiters, !first)) first = &l.fibers[i];
         if (!first) continue;
         if (!described++) record_thread(*first);
-        append("; %zu threads of warpgroup %zu wait in setmaxnreg for the rest of the warpgroup", waiters, g);
+        append("; %zu threads of warpgroup %zu wait in %s for the rest of the warpgroup", waiters, g,
+               warpgroup_instruction(first->arrival.kind));
     }
     for (std::size_t warp_first = 0; warp_first < l.fibers.size() && described < 4; warp_first += 32) {
         std::uint32_t waiting = 0, alive = 0;
@@ -101,6 +102,7 @@ void run_block(Launch& l) {
     l.mbarriers.clear();
     for (NamedBarrier& b : l.named) b = NamedBarrier{};
     l.maxnreg.assign((l.fibers.size() + 127) / 128, 0);
+    wgmma_reset_block(l);
     for (std::size_t i = 0; i < l.fibers.size(); ++i) {
         l.fibers[i].state = State::kRunnable;
         l.fibers[i].copies.clear();

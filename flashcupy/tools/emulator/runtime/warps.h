@@ -128,7 +128,13 @@ bool resolve_warps(Launch& l) {
     return progressed;
 }
 
-// Complete every setmaxnreg whose warpgroup has all arrived (emu_hopper.h). Returns whether any did.
+void resolve_wgmma(Launch& l, std::size_t g, std::size_t first);  // runtime/wgmma.h
+void wgmma_reset_block(Launch& l);
+
+const char* warpgroup_instruction(int kind) { return kind == emu::kWarpgroupWgmma ? "wgmma.mma_async" : "setmaxnreg"; }
+
+// Complete every setmaxnreg or wgmma.mma_async whose warpgroup has all arrived (emu_hopper.h,
+// emu_wgmma.h). Returns whether any did.
 bool resolve_warpgroups(Launch& l) {
     bool progressed = false;
     const std::size_t n = l.fibers.size();
@@ -145,10 +151,16 @@ bool resolve_warpgroups(Launch& l) {
         if (last - first != 128 || alive != 128) {
             record_thread(*lead);
             abandon(kWarpMisuse,
-                    "warpgroup %zu: setmaxnreg needs the 128 threads of the warpgroup (4 warps from a warp index "
+                    "warpgroup %zu: %s needs the 128 threads of the warpgroup (4 warps from a warp index "
                     "divisible by 4), but %zu of them %s",
-                    g, 128 - alive, last - first != 128 ? "do not exist (the block is not a multiple of 128 threads)"
-                                                        : "have exited");
+                    g, warpgroup_instruction(lead->arrival.kind), 128 - alive,
+                    last - first != 128 ? "do not exist (the block is not a multiple of 128 threads)" : "have exited");
+        }
+        if (std::any_of(l.fibers.begin() + first, l.fibers.begin() + last,
+                        [](const Fiber& f) { return f.arrival.kind == emu::kWarpgroupWgmma; })) {
+            resolve_wgmma(l, g, first);
+            progressed = true;
+            continue;
         }
         for (std::size_t i = first; i < last; ++i) {
             const Fiber& f = l.fibers[i];
