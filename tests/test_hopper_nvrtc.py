@@ -1,9 +1,9 @@
 """hopper.cuh's inline PTX is accepted for sm_90a by every NVRTC installed (CuPy's, and each CUDA
 major's wheels), and compiles to the SASS instructions it names; plain sm_90 rejects setmaxnreg and
-wgmma.
+wgmma, and TMA compiles to its UTMA* instructions.
 
 Needs no GPU (flashcupy/tools/nvrtc.py finds and runs each NVRTC). The kernels are the emulator's
-test kernels, tests/emulator_kernels/hopper.cu and wgmma.cu, so the code the emulator runs is the
+test kernels, tests/emulator_kernels/hopper.cu, wgmma.cu and tma.cu, so the code the emulator runs is the
 code ptxas accepts.
 """
 
@@ -20,6 +20,7 @@ from flashcupy.tools import nvrtc
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEST_KERNELS = os.path.join(HERE, "emulator_kernels", "hopper.cu")
 WGMMA_KERNELS = os.path.join(HERE, "emulator_kernels", "wgmma.cu")
+TMA_KERNELS = os.path.join(HERE, "emulator_kernels", "tma.cu")
 WGMMA_NAMES = tuple(f"wgmma_gemm<{t}, {n}>" for t in ("__half", "__nv_bfloat16") for n in (64, 128))
 
 # SASS of each wrapper (mbarrier: SYNCS.*; the empty-barrier arrive, the expect_tx and the
@@ -98,3 +99,26 @@ def test_plain_sm_90_rejects_wgmma():
     for toolkit in toolkits():
         with pytest.raises(nvrtc.NvrtcError, match="wgmma.* not supported on .target 'sm_90'"):
             compile_for("sm_90", toolkit, WGMMA_KERNELS, WGMMA_NAMES[:1])
+
+
+# SASS of the TMA wrappers (the tensor map's address is a param-space generic address: no copy of it)
+TMA_SASS = {
+    "tma_load_2d / 3d / 4d": "UTMALDG",
+    "tma_store_2d": "UTMASTG",
+    "tma_store_commit_group": "UTMACMDFLUSH",
+    "tma_store_wait_group_read": "DEPBAR",
+}
+
+
+def test_tma_compiles_for_sm_90a():
+    for toolkit in toolkits():
+        log, _, cubin = compile_for("sm_90a", toolkit, TMA_KERNELS)
+        warnings = [line for line in log.splitlines() if "warning" in line.lower()]
+        assert not warnings, f"NVRTC {toolkit.version}: {warnings}"
+        if nvrtc.nvdisasm_path() is None:
+            continue
+        sass = nvrtc.sass(cubin)
+        missing = {wrapper: op for wrapper, op in TMA_SASS.items() if op not in sass}
+        assert not missing, f"NVRTC {toolkit.version}: no SASS for {missing}"
+        assert {"UTMALDG.2D", "UTMALDG.3D", "UTMALDG.4D"} <= set(re.findall(r"UTMALDG\.\dD", sass)), \
+            f"NVRTC {toolkit.version}: not every rank of tma_load"

@@ -42,11 +42,12 @@
 // namespace): memory.h (guarded stacks and shared memory), fibers.h (the threads and their
 // switching), counters.h, warps.h (warp and warpgroup collectives), scheduler.h (blocks, passes,
 // barriers, deadlocks), signals.h (faults, the time limit, flush-to-zero), kernel_api.h (what a
-// kernel calls) and hopper.h (the sm_90 synchronisation model).
+// kernel calls), hopper.h (the sm_90 synchronisation model), wgmma.h (wgmma) and tma.h (TMA).
 
 #include "cuda_emu.h"
 #include "emu_hopper.h"
 #include "emu_wgmma.h"
+#include "emu_tma.h"
 
 #include <algorithm>
 #include <csetjmp>
@@ -154,6 +155,7 @@ struct EmuLaunchReport {
 #include "runtime/kernel_api.h"
 #include "runtime/hopper.h"
 #include "runtime/wgmma.h"
+#include "runtime/tma.h"
 
 // ----------------------------------------------------------------------------
 // what Python calls

@@ -27,6 +27,20 @@
 //                                      of this thread visible to wgmma (and TMA) reads after it
 //   wgmma_fence_operand<COUNT>(r)      keep the compiler from moving accesses to the COUNT floats
 //                                      of r across it (no instruction: an empty asm on each)
+//   TensorMap                          the 128-byte, 64-byte-aligned tensor map (CUtensorMap) a
+//                                      kernel takes as a `const __grid_constant__ TensorMap`
+//                                      parameter; built on the host (see TMA below)
+//   tma_load_2d/3d/4d(dst, map, c0.., bar)  cp.async.bulk.tensor.Nd.shared::cluster.global.tile
+//                                      .mbarrier::complete_tx::bytes: the box at coordinates
+//                                      (c0 innermost ..) of the map's tensor into shared memory at
+//                                      dst; the bytes of the box complete_tx on bar as they land sm_90
+//   tma_store_2d/3d/4d(map, c0.., src)  cp.async.bulk.tensor.Nd.global.shared::cta.tile.bulk_group:
+//                                      the box at src to global memory, out-of-bounds elements
+//                                      not written                                        sm_90
+//   tma_store_commit_group()           cp.async.bulk.commit_group: this thread's bulk stores so far
+//                                      become its newest bulk group
+//   tma_store_wait_group_read<N>()     cp.async.bulk.wait_group.read N: at most the newest N groups
+//                                      still read their shared-memory source (it may be reused)
 //
 // mbarrier semantics (PTX ISA, "Parallel Synchronization and Communication Instructions:
 // mbarrier"): a phase completes when its pending arrival count and its tx-count both reach zero;
@@ -75,6 +89,24 @@
 // address with its bits [7, 7 + log2(W/16)): tiles must start at a multiple of 8 W bytes (1024 for
 // 128B), plus at most W - 16 bytes (the K advance inside a row: +32 bytes per k16 step in 128B).
 //
+// TMA (PTX ISA, "Data Movement and Conversion Instructions: cp.async.bulk.tensor"; CUDA driver API
+// "Tensor Map Object Management"): the map is made on the host by the driver's
+// cuTensorMapEncodeTiled (cuda.bindings.driver; flashcupy/tools/emulator/tma.py documents the
+// arguments and makes the emulator's own map from the same ones): data type, rank 1..5, the global
+// address (16-byte aligned), globalDim (innermost first), globalStrides (bytes of dims 1..rank-1,
+// multiples of 16, < 2^40), boxDim (each 1..256; the inner one times the element size a multiple of
+// 16 bytes and, when swizzled, at most the swizzle span: 64 fp16 for 128B), elementStrides (1..8),
+// interleave none, swizzle none/32B/64B/128B, L2 promotion, OOB fill (none: zeros). The map is
+// passed by value as a `const __grid_constant__` kernel parameter, and the instructions take its
+// generic address (param space). A box is written to shared memory densely, dim 0 innermost: the
+// element at box index (i0, i1, ..) at byte ((.. i2) * box1 + i1) * box0 * size + i0 * size from
+// dst, then swizzled as the wgmma descriptor's swizzle (above): the 16-byte chunk bits [4, 4 + b)
+// of the absolute shared address XOR its bits [7, 7 + b). So a box of 64 fp16 x R rows loaded with
+// 128B swizzle to a 1024-byte aligned dst is the K-major 128B-swizzled wgmma operand (SBO 1024).
+// Elements outside the tensor (a coordinate < 0 or >= globalDim) are written as zeros and still
+// count: a box always completes its full byte count on the mbarrier. dst: 128-byte aligned
+// (1024 to line up with a wgmma swizzle repeat). Loads are issued by one thread (elect_one_sync).
+//
 // Under NVRTC these are inline PTX. Under the CPU emulator (FLASHCUPY_EMULATOR) the same names come
 // from its emu_hopper.h, which models each as above: waits are scheduling points, a barrier that
 // can never complete is a DeadlockError naming it and its phase, misuse is a KernelError. wgmma
@@ -88,7 +120,14 @@
 #ifdef FLASHCUPY_EMULATOR
 #include <emu_hopper.h>
 #include <emu_wgmma.h>
+#include <emu_tma.h>
 #else
+
+// The CUtensorMap of the driver API (cuda.h is not available under NVRTC): opaque, 128 bytes,
+// 64-byte aligned. Under the emulator emu_tma.h declares it, its bytes holding the emulator's map.
+struct __align__(64) TensorMap {
+    unsigned long long opaque[16];
+};
 
 __device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_address(bar)), "r"(count) : "memory");
@@ -243,6 +282,62 @@ FLASHCUPY_WGMMA(__nv_bfloat16, "bf16", 128, FLASHCUPY_WGMMA_D128, FLASHCUPY_WGMM
 #undef FLASHCUPY_WGMMA_D128
 #undef FLASHCUPY_WGMMA_D128_OPERANDS
 #undef FLASHCUPY_WGMMA
+
+// ---------------------------------------------------------------------------------------------
+// TMA
+
+__device__ __forceinline__ unsigned long long tensor_map_address(const TensorMap& map) {
+    return reinterpret_cast<unsigned long long>(&map);
+}
+
+__device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap& map, int c0, int c1, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];\n"
+                 :: "r"(smem_address(dst)), "l"(tensor_map_address(map)), "r"(c0), "r"(c1), "r"(smem_address(bar))
+                 : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap& map, int c0, int c1, int c2,
+                                            unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4}], [%5];\n"
+                 :: "r"(smem_address(dst)), "l"(tensor_map_address(map)), "r"(c0), "r"(c1), "r"(c2),
+                    "r"(smem_address(bar))
+                 : "memory");
+}
+
+__device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap& map, int c0, int c1, int c2, int c3,
+                                            unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+                 :: "r"(smem_address(dst)), "l"(tensor_map_address(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+                    "r"(smem_address(bar))
+                 : "memory");
+}
+
+__device__ __forceinline__ void tma_store_2d(const TensorMap& map, int c0, int c1, const void* src) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%1, %2}], [%3];\n"
+                 :: "l"(tensor_map_address(map)), "r"(c0), "r"(c1), "r"(smem_address(src)) : "memory");
+}
+
+__device__ __forceinline__ void tma_store_3d(const TensorMap& map, int c0, int c1, int c2, const void* src) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+                 :: "l"(tensor_map_address(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_address(src)) : "memory");
+}
+
+__device__ __forceinline__ void tma_store_4d(const TensorMap& map, int c0, int c1, int c2, int c3, const void* src) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+                 :: "l"(tensor_map_address(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_address(src))
+                 : "memory");
+}
+
+__device__ __forceinline__ void tma_store_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void tma_store_wait_group_read() {
+    static_assert(N >= 0 && N <= 7, "cp.async.bulk.wait_group.read: N in [0, 7]");
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
+}
 
 #endif  // FLASHCUPY_EMULATOR
 

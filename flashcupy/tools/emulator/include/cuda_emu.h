@@ -37,6 +37,8 @@
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
+// A kernel parameter whose address the kernel may take (a TMA tensor map): every parameter here.
+#define __grid_constant__
 
 // A __shared__ variable is one object per block. Blocks run one at a time, so a
 // static object is enough; the section lets the runtime fill every static

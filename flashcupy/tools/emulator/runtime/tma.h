@@ -1,0 +1,120 @@
+// runtime/tma.h: the room of the TMA model (include/emu_tma.h says what it models).
+//
+// Part of runtime.cpp, a unity build, included after runtime/wgmma.h; include it nowhere else.
+// It uses hopper.h's misuse and mbarrier_complete_tx, wgmma.h's shared window and swizzle, and
+// counters.h's global_regions (the guarded argument buffers).
+
+namespace {
+
+struct TmaBox {
+    const emu::TmaMapLayout* map;
+    int rank;
+    unsigned span;                 // swizzle span in bytes: 16 (none), 32, 64, 128
+    std::uint32_t count[5];        // elements of the box along each dim: ceil(box / element stride)
+    std::uint64_t elements, bytes;
+};
+
+const char* tma_swizzle_name(unsigned span) {
+    return span == 128 ? "128B" : span == 64 ? "64B" : span == 32 ? "32B" : "none";
+}
+
+TmaBox tma_box(const void* map, int rank, const char* what) {
+    const auto* m = static_cast<const emu::TmaMapLayout*>(map);
+    if (reinterpret_cast<std::uintptr_t>(map) % 64)
+        misuse("%s: the tensor map at %p is not 64-byte aligned", what, map);
+    if (m->magic != emu::kTmaMagic)
+        misuse("%s: the tensor map's bytes are not an emulator tensor map (magic 0x%08x): make it with "
+               "flashcupy.tools.emulator.encode_tiled and pass it as a `const __grid_constant__ TensorMap`",
+               what, m->magic);
+    if (static_cast<int>(m->rank) != rank)
+        misuse("%s: a %dd instruction on a tensor map of rank %u", what, rank, m->rank);
+    TmaBox b{m, rank, 16u << (m->swizzle & 3), {1, 1, 1, 1, 1}, 1, 0};  // 0 none, 1 32B, 2 64B, 3 128B
+    for (int d = 0; d < rank; ++d) {
+        b.count[d] = (m->box[d] + m->element_strides[d] - 1) / m->element_strides[d];
+        b.elements *= b.count[d];
+    }
+    b.bytes = b.elements * m->element_bytes;
+    return b;
+}
+
+// The destination (or source) in shared memory: aligned as the swizzle needs, the whole box inside.
+std::uint32_t tma_check_shared(const TmaBox& b, const void* smem, const char* what, const char* role) {
+    const unsigned align = b.span == 128 ? 128 : 16;
+    const auto p = reinterpret_cast<std::uintptr_t>(smem);
+    if (!in_shared(p, p + 1) || p % align)
+        misuse("%s: the shared-memory %s %p is not %u-byte aligned shared memory (swizzle %s)", what,
+               role, smem, align, tma_swizzle_name(b.span));
+    if (!in_shared(p, p + b.bytes))
+        misuse("%s: the box of %llu bytes at %p reaches outside this block's shared memory", what,
+               static_cast<unsigned long long>(b.bytes), smem);
+    return emu::shared_window_address(smem);
+}
+
+// The host pointer of box element `e` (linear, dim 0 fastest) at `smem` (window address `window`).
+unsigned char* tma_shared_element(const TmaBox& b, unsigned char* smem, std::uint32_t window, std::uint64_t e) {
+    WgmmaOperand o{};
+    o.span = b.span;
+    const std::uint64_t at = window + e * b.map->element_bytes;
+    return smem + (swizzled(o, at) - window);
+}
+
+// The global address of box element `e` at `coords`, or 0 when it lies outside the tensor.
+std::uintptr_t tma_global_element(const TmaBox& b, const int* coords, std::uint64_t e, const char* what) {
+    const emu::TmaMapLayout& m = *b.map;
+    std::uint64_t offset = 0;
+    for (int d = 0; d < b.rank; ++d) {
+        const long c = coords[d] + static_cast<long>(e % b.count[d]) * m.element_strides[d];
+        e /= b.count[d];
+        if (c < 0 || c >= static_cast<long>(m.dims[d])) return 0;
+        offset += static_cast<std::uint64_t>(c) * (d == 0 ? m.element_bytes : m.strides[d - 1]);
+    }
+    const std::uintptr_t a = static_cast<std::uintptr_t>(m.address + offset);
+    for (const GlobalRegion& g : global_regions)
+        if (a >= g.base && a + m.element_bytes <= g.hi) return a;
+    misuse("%s: the tensor map puts an element at %p (byte %llu from its global address 0x%llx), outside every "
+           "array argument of the launch: its dims or strides reach past the array it was made from", what,
+           reinterpret_cast<void*>(a), static_cast<unsigned long long>(offset),
+           static_cast<unsigned long long>(m.address));
+}
+
+}  // namespace
+
+void emu::tma_load(void* dst, const void* map, int rank, const int* coords, void* bar) {
+    const char* what = "cp.async.bulk.tensor (tma_load)";
+    const TmaBox b = tma_box(map, rank, what);
+    const std::uint32_t window = tma_check_shared(b, dst, what, "destination");
+    mbarrier_at(bar, what);  // the barrier must exist before the copy starts
+    auto* smem = static_cast<unsigned char*>(dst);
+    for (std::uint64_t e = 0; e < b.elements; ++e) {
+        unsigned char* to = tma_shared_element(b, smem, window, e);
+        if (!in_shared(reinterpret_cast<std::uintptr_t>(to), reinterpret_cast<std::uintptr_t>(to) + b.map->element_bytes))
+            misuse("%s: box element %llu lands at %p after the %s swizzle, outside shared memory", what,
+                   static_cast<unsigned long long>(e), static_cast<void*>(to), tma_swizzle_name(b.span));
+        const std::uintptr_t from = tma_global_element(b, coords, e, what);
+        if (from) std::memcpy(to, reinterpret_cast<const void*>(from), b.map->element_bytes);
+        else std::memset(to, 0, b.map->element_bytes);
+    }
+    mbarrier_complete_tx(bar, static_cast<unsigned>(b.bytes));
+}
+
+void emu::tma_store(const void* map, int rank, const int* coords, const void* src) {
+    const char* what = "cp.async.bulk.tensor store (tma_store)";
+    const TmaBox b = tma_box(map, rank, what);
+    const std::uint32_t window = tma_check_shared(b, src, what, "source");
+    auto* smem = static_cast<unsigned char*>(const_cast<void*>(src));
+    for (std::uint64_t e = 0; e < b.elements; ++e) {
+        const unsigned char* from = tma_shared_element(b, smem, window, e);
+        if (!in_shared(reinterpret_cast<std::uintptr_t>(from), reinterpret_cast<std::uintptr_t>(from) + b.map->element_bytes))
+            misuse("%s: box element %llu is read from %p after the %s swizzle, outside shared memory", what,
+                   static_cast<unsigned long long>(e), static_cast<const void*>(from), tma_swizzle_name(b.span));
+        const std::uintptr_t to = tma_global_element(b, coords, e, what);
+        if (to) std::memcpy(reinterpret_cast<void*>(to), from, b.map->element_bytes);
+    }
+}
+
+// A store has read its source at issue: there is nothing left for a group to wait for.
+void emu::tma_commit_group() {}
+
+void emu::tma_wait_group_read(int pending) {
+    if (pending < 0 || pending > 7) misuse("cp.async.bulk.wait_group.read %d: N must be in [0, 7]", pending);
+}

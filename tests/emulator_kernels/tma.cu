@@ -1,0 +1,96 @@
+// tma.cu: hopper.cuh's TMA wrappers (tests/test_emulator_tma.py, tests/test_hopper_gpu.py, and
+// tests/test_hopper_nvrtc.py for the SASS). Compiled with -I flashcupy/backends/cupy_backend/kernels,
+// by the emulator and by NVRTC (sm_90a). The map is the first parameter (64-byte aligned).
+//
+//   tma_box(map, rank, c0, c1, c2, c3, box_bytes, steps, mode, out)   32 threads
+//       thread 0 initialises an mbarrier (count 1); per step s (of `steps`), thread 0 arrives with
+//       expect_tx(box_bytes) and issues tma_load_<rank>d of the box at (c0, c1, c2, c3) into a
+//       1024-byte aligned tile of dynamic shared memory (rank 2: at (c0, c1 + s * c3), a walk down
+//       the rows of one map, reusing the barrier); every thread waits on parity s & 1, copies the
+//       tile's bytes as they lie (swizzled) to out + s * box_bytes, and syncs.
+//       Modes (the emulator's checks):
+//         0  as described
+//         1  the tile 16 bytes past its alignment (a misaligned destination)
+//         2  expect_tx of twice the box: the phase never completes (a deadlock)
+//   tma_copy(map_in, map_out, c0, c1)   32 threads: load the 2D box at (c0, c1), store it at the
+//       same coordinates through map_out (commit, wait_group.read 0).
+//   tma_qk(map_q, map_k, out)   128 threads: Q (64 x 64) and K (64 x 64) fp16 boxes loaded with 128B
+//       swizzle, then S = Q K^T by 4 k16 steps of wgmma_ss<__half, 64> with 128B K-major
+//       descriptors (SBO 1024, +32 bytes per step): out[tid * 32 + i] = d[i].
+
+#include "hopper.cuh"
+
+__device__ unsigned char* aligned_tile(unsigned char* smem) {
+    return smem + ((1024u - (smem_address(smem) & 1023u)) & 1023u);
+}
+
+extern "C" __global__ void tma_box(const __grid_constant__ TensorMap map, int rank, int c0, int c1, int c2, int c3,
+                                   int box_bytes, int steps, int mode, unsigned char* out) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ __align__(8) unsigned long long bar;
+    unsigned char* tile = aligned_tile(smem) + (mode == 1 ? 16 : 0);
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        mbarrier_init(&bar, 1);
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+    for (int s = 0; s < steps; ++s) {
+        if (tid == 0) {
+            mbarrier_arrive_expect_tx(&bar, mode == 2 ? 2 * box_bytes : box_bytes);
+            if (rank == 2) tma_load_2d(tile, map, c0, c1 + s * c3, &bar);
+            else if (rank == 3) tma_load_3d(tile, map, c0, c1, c2, &bar);
+            else tma_load_4d(tile, map, c0, c1, c2, c3, &bar);
+        }
+        mbarrier_wait_parity(&bar, s & 1);
+        for (int i = tid; i < box_bytes; i += 32) out[s * box_bytes + i] = tile[i];
+        __syncthreads();  // every thread has read the tile before the next box overwrites it
+    }
+}
+
+extern "C" __global__ void tma_copy(const __grid_constant__ TensorMap map_in, const __grid_constant__ TensorMap map_out,
+                                    int c0, int c1, int box_bytes) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ __align__(8) unsigned long long bar;
+    unsigned char* tile = aligned_tile(smem);
+    if (threadIdx.x == 0) {
+        mbarrier_init(&bar, 1);
+        mbarrier_init_fence();
+        mbarrier_arrive_expect_tx(&bar, box_bytes);
+        tma_load_2d(tile, map_in, c0, c1, &bar);
+        mbarrier_wait_parity(&bar, 0);
+        tma_store_2d(map_out, c0, c1, tile);
+        tma_store_commit_group();
+        tma_store_wait_group_read<0>();
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) tma_qk(const __grid_constant__ TensorMap map_q,
+                                                         const __grid_constant__ TensorMap map_k, float* out) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ __align__(8) unsigned long long bar;
+    unsigned char* q = aligned_tile(smem);
+    unsigned char* k = q + 64 * 128;
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        mbarrier_init(&bar, 1);
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+    if (tid == 0) {
+        mbarrier_arrive_expect_tx(&bar, 2 * 64 * 128);
+        tma_load_2d(q, map_q, 0, 0, &bar);
+        tma_load_2d(k, map_k, 0, 0, &bar);
+    }
+    mbarrier_wait_parity(&bar, 0);
+    float d[32];
+    for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+    wgmma_fence();
+    for (int s = 0; s < 4; ++s)
+        wgmma_ss<__half, 64>(d, make_descriptor(q + 32 * s, 16, 1024, kSwizzle128B),
+                             make_descriptor(k + 32 * s, 16, 1024, kSwizzle128B), s > 0);
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    wgmma_fence_operand<32>(d);
+    for (int i = 0; i < 32; ++i) out[tid * 32 + i] = d[i];
+}
