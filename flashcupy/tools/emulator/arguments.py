@@ -12,8 +12,9 @@ import ctypes
 
 import numpy as np
 
-from .abi import _BOOL, _FLOATING, _PARAM_KIND_NAMES, _POINTER, _SIGNED, _UNSIGNED
+from .abi import _BOOL, _FLOATING, _OTHER, _PARAM_KIND_NAMES, _POINTER, _SIGNED, _UNSIGNED
 from .errors import LaunchError
+from .tma import TensorMap, TensorMapError
 
 
 def _byte_span(a: np.ndarray) -> tuple:
@@ -131,8 +132,17 @@ def marshal(lib, kernel: str, params: tuple, args: tuple, at_end: bool):
     at_end: the buffers lie flush against their upper guard page (oob_guard="end").
     """
     prefix = f"kernel {kernel!r}:"
-    arrays, storage = [], [None] * len(args)
+    arrays, maps, storage = [], [], [None] * len(args)
     for i, (arg, (kind, size, pointee)) in enumerate(zip(args, params)):
+        if isinstance(arg, TensorMap):
+            if kind != _OTHER or size != 128:
+                raise LaunchError(f"{prefix} argument {i} is a tensor map, but the parameter is a {size}-byte "
+                                  f"{_PARAM_KIND_NAMES[kind]} (a TMA kernel takes `const __grid_constant__ "
+                                  f"TensorMap`)")
+            # guarded like a pointer argument; the map is packed with the guarded address below
+            arrays.append((i, arg.array, *_byte_span(arg.array)))
+            maps.append((i, arg))
+            continue
         if kind == _POINTER:
             if arg is None:
                 storage[i] = ctypes.c_uint64(0)
@@ -168,8 +178,24 @@ def marshal(lib, kernel: str, params: tuple, args: tuple, at_end: bool):
             regions.append(region)
             for index, _, _, _, first in members:
                 storage[index] = ctypes.c_uint64(region.pointer(first))
+        for index, tensor_map in maps:
+            storage[index] = _aligned(tensor_map.pack(storage[index].value), 64)
+    except TensorMapError as e:
+        for region in regions:
+            region.release()
+        raise LaunchError(f"{prefix} {e}") from None
     except BaseException:
         for region in regions:
             region.release()
         raise
     return regions, storage
+
+
+def _aligned(data: bytes, alignment: int):
+    """A ctypes array holding `data` at an address that is a multiple of `alignment` (a TensorMap
+    parameter is 64-byte aligned, and the kernel's trampoline copies it as one)."""
+    backing = (ctypes.c_ubyte * (len(data) + alignment))()
+    offset = -ctypes.addressof(backing) % alignment
+    view = (ctypes.c_ubyte * len(data)).from_buffer(backing, offset)
+    ctypes.memmove(view, data, len(data))
+    return view

@@ -204,7 +204,7 @@ class EmulatedFunction:
                 if side is None:
                     continue
                 index, array, lo, hi, first = region.members[0]
-                pointer = storage[index].value
+                pointer = region.pointer(first)  # what the kernel got (for a TensorMap: inside it)
                 others = [m[0] for m in region.members[1:]]
                 shared = f", sharing memory with arguments {others}" if others else ""
                 edge = "before the first" if side == "before" else "past the last"

@@ -1,0 +1,148 @@
+"""The emulator's model of TMA (kernels/hopper.cuh; flashcupy/tools/emulator/include/emu_tma.h,
+runtime/tma.h, tma.py).
+
+Boxes loaded by cp.async.bulk.tensor (2D and 4D, swizzle none/32B/64B/128B) byte for byte against
+NumPy, crossing the tensor's edges (zeros); a walk through one mbarrier's phases; a store that
+crosses an edge; a TMA-loaded 128B-swizzled tile read by wgmma (S = Q K^T); the mbarrier's phase
+waiting for the bytes; and each misuse reported: encode arguments the driver rejects, a
+misaligned destination, a map reaching past its array, the wrong rank, a map passed where it does
+not belong. tests/test_hopper_gpu.py runs the non-timing cases on an H100/H200.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tma_blocks as blocks
+from flashcupy.backends.cupy_backend import sources
+from flashcupy.tools.emulator import DeadlockError, EmulatedModule, KernelError, LaunchError
+from flashcupy.tools.emulator.tma import TensorMapError, encode_tiled
+
+_modules = {}
+
+
+def kernel(name, order="ascending"):
+    if order not in _modules:
+        _modules[order] = EmulatedModule(blocks.source(), blocks.NAMES, (f"-I{sources.KERNEL_DIR}",),
+                                         thread_order=order)
+    return _modules[order].get_function(name)
+
+
+# ----------------------------------------------------------------------------
+# values
+
+
+@pytest.mark.parametrize("swizzle", ["none", "32B", "64B", "128B"])
+def test_a_2d_box_inside_the_tensor(swizzle, rng):
+    inner = blocks.SPAN[swizzle] // 2 if swizzle != "none" else 24
+    blocks.check_box_load(kernel, encode_tiled, (48, 96), (inner, 16), (8, 8), swizzle, rng)
+
+
+@pytest.mark.parametrize("swizzle", ["none", "128B"])
+@pytest.mark.parametrize("coords", [(32, 40), (-8, -4)], ids=["past the end", "before the start"])
+def test_a_2d_box_crossing_the_edge_reads_zeros(swizzle, coords, rng):
+    blocks.check_box_load(kernel, encode_tiled, (48, 96), (64, 16), coords, swizzle, rng)
+
+
+def test_a_box_of_a_strided_view(rng):
+    # 48 of 56 columns: a row stride of 112 bytes, a multiple of 16 (the guarded buffer spans the view)
+    array = rng.standard_normal((24, 56)).astype(np.float16)[:, :48]
+    got = blocks.load_box(kernel, encode_tiled, array, (32, 16), (24, 16), "64B")[0]
+    want = blocks.swizzle_bytes(np.ascontiguousarray(blocks.expected_box(array, (32, 16), (24, 16))).view(np.uint8)
+                                .ravel(), "64B")
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_4d_box_of_an_attention_tensor(rng):
+    # (batch, seqlen, heads, head_dim) = (2, 40, 3, 64): one head's 32 rows from row 24, crossing seqlen's end
+    blocks.check_box_load(kernel, encode_tiled, (2, 40, 3, 64), (64, 1, 32, 1), (0, 2, 24, 1), "128B", rng)
+
+
+def test_a_4d_box_of_float32(rng):
+    blocks.check_box_load(kernel, encode_tiled, (1, 20, 2, 32), (32, 2, 16, 1), (0, 0, 8, 0), "128B", rng,
+                          dtype=np.float32)
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending", "warp_skew"])
+def test_boxes_through_the_phases_of_one_mbarrier(order, rng):
+    blocks.check_phases(lambda name: kernel(name, order), encode_tiled, rng)
+
+
+def test_a_store_crossing_the_edge_writes_only_inside(rng):
+    blocks.check_store_round_trip(kernel, encode_tiled, rng)
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+def test_a_tma_loaded_tile_read_by_wgmma(order, rng):
+    blocks.check_tma_then_wgmma(lambda name: kernel(name, order), encode_tiled, rng)
+
+
+def test_the_phase_waits_for_the_bytes(rng):
+    # expect_tx of two boxes, one box issued: the barrier's tx-count never reaches zero
+    array = rng.standard_normal((16, 64)).astype(np.float16)
+    with pytest.raises(DeadlockError, match=r"mbarrier"):
+        blocks.load_box(kernel, encode_tiled, array, (64, 16), (0, 0), "128B", mode="short")
+
+
+# ----------------------------------------------------------------------------
+# misuse
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: encode_tiled(np.zeros((8, 52), np.float16)[:, :48], (16, 8)),
+     r"globalStrides\[0\] = 104 bytes: it must be a positive multiple of 16"),
+    (lambda: encode_tiled(np.zeros((8, 50), np.float16), (16, 8)),
+     r"globalStrides\[0\] = 100 bytes"),
+    (lambda: encode_tiled(np.zeros((512, 64), np.float16), (64, 300)), r"boxDim\[1\] = 300: it must be in \[1, 256\]"),
+    (lambda: encode_tiled(np.zeros((8, 128), np.float16), (128, 8), "128B"),
+     r"boxDim\[0\] = 128 elements of 2 bytes is 256 bytes, more than the 128B swizzle's span of 128 bytes"),
+    (lambda: encode_tiled(np.zeros((8, 64), np.float16), (12, 8)), r"the inner box must be a multiple of 16 bytes"),
+    (lambda: encode_tiled(np.zeros(1000, np.float16)[1:65].reshape(8, 8), (8, 8)),
+     r"globalAddress 0x[0-9a-f]+ \(the array's first element\) is not 16-byte aligned"),
+    (lambda: encode_tiled(np.zeros((8, 64), np.float16), (64, 8), element_strides=(1, 9)),
+     r"elementStrides\[1\] = 9"),
+    (lambda: encode_tiled(np.zeros((8, 64), np.float16), (64,)), r"boxDim has 1 entries; a rank-2 map needs 2"),
+], ids=["row stride 104 of a view", "row stride 100", "box of 300", "inner box past the swizzle", "inner box 24 bytes",
+        "address", "element stride", "box rank"])
+def test_encode_rejects_what_the_driver_rejects(make, message):
+    with pytest.raises(TensorMapError, match=message):
+        make()
+
+
+def test_a_misaligned_destination_is_reported(rng):
+    array = rng.standard_normal((16, 64)).astype(np.float16)
+    with pytest.raises(KernelError, match=r"tma_load\): the shared-memory destination 0x[0-9a-f]+ is not 128-byte "
+                                          r"aligned shared memory \(swizzle 128B\)") as info:
+        blocks.load_box(kernel, encode_tiled, array, (64, 16), (0, 0), "128B", mode="misaligned")
+    assert info.value.kernel == "tma_box" and info.value.thread == (0, 0, 0)
+
+
+def test_16_byte_alignment_is_enough_without_swizzle(rng):
+    array = rng.standard_normal((16, 64)).astype(np.float16)
+    got = blocks.load_box(kernel, encode_tiled, array, (64, 16), (0, 0), "none", mode="misaligned")[0]
+    np.testing.assert_array_equal(got, array.view(np.uint8).ravel())  # the tile is 16 bytes past 1024
+
+
+def test_a_map_reaching_past_its_array_is_reported(rng):
+    array = rng.standard_normal((16, 64)).astype(np.float16)
+    with pytest.raises(KernelError, match=r"outside every array argument of the launch: its dims or strides reach "
+                                          r"past the array it was made from"):
+        blocks.load_box(kernel, encode_tiled, array, (64, 16), (0, 16), "128B", dims=(64, 64))
+
+
+def test_a_map_of_the_wrong_rank_is_reported(rng):
+    array = rng.standard_normal((16, 64)).astype(np.float16)
+    tmap = encode_tiled(array, (64, 16), "128B")
+    out = np.zeros(2048, np.uint8)
+    with pytest.raises(KernelError, match=r"a 3d instruction on a tensor map of rank 2"):
+        kernel("tma_box")((1,), (32,), (tmap, np.int32(3), *(np.int32(0),) * 4, np.int32(2048), np.int32(1),
+                                        np.int32(0), out), shared_mem=4096)
+
+
+def test_a_map_passed_to_a_pointer_is_a_launch_error(rng):
+    array = rng.standard_normal((16, 64)).astype(np.float16)
+    tmap = encode_tiled(array, (64, 16))
+    with pytest.raises(LaunchError, match=r"argument 9 is a tensor map, but the parameter is a 8-byte pointer"):
+        kernel("tma_box")((1,), (32,), (tmap, np.int32(2), *(np.int32(0),) * 4, np.int32(2048), np.int32(1),
+                                        np.int32(0), tmap), shared_mem=4096)
