@@ -6,8 +6,13 @@ producer/consumer ring through full and empty mbarriers (arrive.expect_tx, compl
 try_wait.parity), mbarrier phases and parities, named barriers passing data, elect.sync, and a
 legal setmaxnreg per warpgroup; and the wgmma cases of tests/test_emulator_wgmma.py (tests/wgmma_blocks.py):
 SS and RS, f16 and bf16, N 64 and 128, each swizzle, K-major and transposed operands against NumPy,
-and wait_group 1 completing the older of two groups. The kernels (tests/emulator_kernels/hopper.cu
-and wgmma.cu) are compiled for
+and wait_group 1 completing the older of two groups; and the TMA cases of tests/test_emulator_tma.py
+(tests/tma_blocks.py): 2D boxes with and without the 128B swizzle crossing the tensor's edge, a 4D
+box, a walk through one mbarrier's phases, a store crossing an edge, and a TMA-loaded tile read by
+wgmma, byte for byte. On a GPU their maps come from the driver's cuTensorMapEncodeTiled through
+cuda-bindings (flashcupy/tools/emulator/tma.py's gpu_tensor_map_bytes), from the same arguments the
+emulator's encode_tiled checks. The kernels (tests/emulator_kernels/hopper.cu, wgmma.cu and tma.cu)
+are compiled for
 sm_90a by NVRTC through flashcupy/tools/nvrtc.py (CuPy's RawModule(code=) cannot target sm_90a)
 and loaded from the cubin. Marked `gpu`; skipped without a compute capability 9.0 device.
 FLASHCUPY_BLOCKS_DEVICE=emulator runs them on the emulator instead (a dry run of this file).
@@ -24,6 +29,7 @@ import os
 import numpy as np
 import pytest
 
+import tma_blocks
 import wgmma_blocks
 from conftest import DeviceFunction
 from flashcupy.backends import cupy_backend
@@ -59,7 +65,46 @@ def source():
         return f.read()
 
 
-def load(text, names, tmp_path_factory):
+def _tma_unavailable():
+    if DEVICE == "emulator":
+        return None
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError as e:
+        return f"the GPU's tensor maps come from cuda-bindings' cuTensorMapEncodeTiled, which does not import: {e}"
+    return None
+
+
+TMA_REASON = _tma_unavailable()
+
+
+class TmaDeviceFunction(DeviceFunction):
+    """DeviceFunction whose TensorMap arguments (the emulator's encode_tiled, checked on the host) become
+    the driver's maps of the arrays' device copies, passed by value; those arrays are copied back."""
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        import cupy
+
+        from flashcupy.tools.emulator.tma import TensorMap, gpu_tensor_map_bytes
+        on_device, back = [], []
+        for a in args:
+            if isinstance(a, TensorMap):
+                device = cupy.asarray(a.array)
+                back.append((a.array, device))
+                on_device.append(gpu_tensor_map_bytes(device.data.ptr, a.array.dtype.name, a.arguments)[0])
+            elif isinstance(a, np.ndarray):
+                device = cupy.asarray(a)
+                back.append((a, device))
+                on_device.append(device)
+            else:
+                on_device.append(a)
+        self.function(grid, block, on_device, shared_mem=shared_mem)
+        cupy.cuda.get_current_stream().synchronize()
+        for host, device in back:
+            host[...] = device.get()
+
+
+def load(text, names, tmp_path_factory, wrap=DeviceFunction):
     """name -> a function called like the emulator's, for `names` of the kernels `text`."""
     if DEVICE == "emulator":
         from flashcupy.tools.emulator import EmulatedModule
@@ -72,7 +117,7 @@ def load(text, names, tmp_path_factory):
     path = tmp_path_factory.mktemp("hopper") / "kernels.cubin"
     path.write_bytes(cubin)
     module = cupy.RawModule(path=str(path))
-    return lambda name: DeviceFunction(module.get_function(lowered.get(name, name)))
+    return lambda name: wrap(module.get_function(lowered.get(name, name)))
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +128,13 @@ def kernel(tmp_path_factory):
 @pytest.fixture(scope="module")
 def wgmma_kernel(tmp_path_factory):
     return load(wgmma_blocks.source(), wgmma_blocks.NAMES, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tma_kernel(tmp_path_factory):
+    if TMA_REASON is not None:
+        pytest.skip(TMA_REASON)
+    return load(tma_blocks.source(), tma_blocks.NAMES, tmp_path_factory, TmaDeviceFunction)
 
 
 def filled(n, dtype):
@@ -166,3 +218,35 @@ def test_wgmma_tiles_in_static_shared_memory(wgmma_kernel, rng):
 
 def test_wgmma_wait_group_1_completes_the_older_group(wgmma_kernel, rng):
     wgmma_blocks.check_wait_group_1_completes_the_older_group(wgmma_kernel, "bfloat16", rng)
+
+
+# ----------------------------------------------------------------------------
+# TMA (the maps: the emulator's encode_tiled checks the arguments; on a GPU TmaDeviceFunction has
+# the driver encode the same ones)
+
+
+def encode(array, box, swizzle="none", **options):
+    from flashcupy.tools.emulator.tma import encode_tiled
+    return encode_tiled(array, box, swizzle, **options)
+
+
+@pytest.mark.parametrize("swizzle", ["none", "128B"])
+@pytest.mark.parametrize("coords", [(8, 8), (32, 40), (-8, -4)], ids=["inside", "past the end", "before the start"])
+def test_tma_2d_box(tma_kernel, swizzle, coords, rng):
+    tma_blocks.check_box_load(tma_kernel, encode, (48, 96), (64, 16), coords, swizzle, rng)
+
+
+def test_tma_4d_box_of_an_attention_tensor(tma_kernel, rng):
+    tma_blocks.check_box_load(tma_kernel, encode, (2, 40, 3, 64), (64, 1, 32, 1), (0, 2, 24, 1), "128B", rng)
+
+
+def test_tma_boxes_through_the_phases_of_one_mbarrier(tma_kernel, rng):
+    tma_blocks.check_phases(tma_kernel, encode, rng)
+
+
+def test_tma_store_crossing_the_edge_writes_only_inside(tma_kernel, rng):
+    tma_blocks.check_store_round_trip(tma_kernel, encode, rng)
+
+
+def test_tma_loaded_tile_read_by_wgmma(tma_kernel, rng):
+    tma_blocks.check_tma_then_wgmma(tma_kernel, encode, rng)
