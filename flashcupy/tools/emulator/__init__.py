@@ -88,8 +88,8 @@ Errors (all subclasses of ``EmulatorError``): ``CompileError`` (g++ diagnostics)
 (``.argument``, ``.access``), ``DeadlockError``; a failed ``assert``, ``__trap()``, integer division
 by zero, a stack overflow or a misused warp collective are ``KernelError``.
 
-Hopper (sm_90) synchronisation and wgmma
-----------------------------------------
+Hopper (sm_90) synchronisation, wgmma and TMA
+----------------------------------------------
 ``flashcupy/backends/cupy_backend/kernels/hopper.cuh`` wraps one PTX instruction per function; under
 the emulator ``include/emu_hopper.h`` (which it includes when ``FLASHCUPY_EMULATOR`` is defined)
 provides the same names, modelled in runtime.cpp (its part runtime/hopper.h):
@@ -117,6 +117,20 @@ provides the same names, modelled in runtime.cpp (its part runtime/hopper.h):
   covers their commit group, when the result is computed (shared memory read then) and written;
   chained operations into the same accumulators take the previous result. ``smem_address`` gives
   dynamic shared memory addresses from 0 and static ones after it, keeping the low 10 bits.
+- TMA (``include/emu_tma.h`` says exactly what is modelled, ``runtime/tma.h`` models it, ``tma.py``
+  makes the maps): ``tma_load_2d/3d/4d`` (cp.async.bulk.tensor onto an mbarrier) copies the box at
+  issue as the hardware lays it in shared memory (dense, dim 0 innermost, swizzled none/32B/64B/128B
+  with the wgmma descriptor's XOR on the absolute shared address, so wgmma reads a 128B-swizzled box
+  with a 128B descriptor), elements outside the tensor as zeros, then ``complete_tx`` of the whole
+  box on the mbarrier; ``tma_store_Nd`` writes the box back, skipping elements outside the tensor.
+  The map argument is ``encode_tiled(array, box, swizzle)`` (box and any ``dims``/``strides``/
+  ``element_strides`` innermost first, as ``cuTensorMapEncodeTiled``, whose argument checks it makes:
+  ``TensorMapError`` names the argument); the launch guards the array like a pointer argument and
+  packs the emulator's 128-byte map with the guarded address, 64-byte aligned, for the kernel's
+  ``const __grid_constant__ TensorMap`` parameter. A destination not 128-byte (128B swizzle) or
+  16-byte aligned, a box outside shared memory, a map reaching outside its array, a map of another
+  rank or not made by ``encode_tiled`` are ``KernelError`` naming the thread. ``tma.py`` documents
+  the GPU path (cuda-bindings' ``cuTensorMapEncodeTiled``); the cupy backend does not use TMA yet.
 - A block whose live threads all wait, none able to go on, is a ``DeadlockError`` naming every
   mbarrier waited on (shared-memory offset, phase, arrivals and tx-count outstanding), named barrier
   and warpgroup rendezvous.
@@ -148,7 +162,8 @@ Not faithful (by design or not yet)
 - Cooperative fibers: a thread or block spinning on a flag set by another never finishes.
 - Static ``__shared__`` size is not counted against the shared-memory limit; static shared memory
   has no guard pages. Underflow reads just before dynamic shared memory are not caught.
-- Not modelled for sm_90 yet: TMA and tensor maps, the async proxy (``fence.proxy.async`` is a
+- Not modelled for sm_90 yet: TMA's latency (a box lands at issue), L2 promotion, interleaved maps,
+  NaN OOB fill, im2col, reduce-adds and multicast, the async proxy (``fence.proxy.async`` is a
   no-op: wgmma sees ordinary writes at once), clusters, wgmma's base offset and its timing;
   ``fence.mbarrier_init`` is a no-op.
 - Not provided: ``__half2``/``__nv_bfloat162`` and h* intrinsics, ``__ballot_sync`` and friends,
@@ -179,6 +194,7 @@ from .driver import (
     cache_dir,
     garbage,
 )
+from .tma import TensorMap, TensorMapError, encode_tiled
 
 __all__ = [
     "CP_ASYNC_MODES",
@@ -193,6 +209,9 @@ __all__ = [
     "KernelError",
     "LaunchError",
     "OutOfBoundsError",
+    "TensorMap",
+    "TensorMapError",
     "cache_dir",
+    "encode_tiled",
     "garbage",
 ]

@@ -22,10 +22,13 @@
 //   wgmma             emu_wgmma.h (hopper.cuh includes it beside this one) and
 //                     runtime/wgmma.h: mma_async a warpgroup rendezvous on decoded and
 //                     checked descriptors, results landing at the covering wait_group.
+//   TMA               emu_tma.h (hopper.cuh includes it too) and runtime/tma.h: a box copied
+//                     at issue, swizzled as the wgmma descriptor's swizzle, zeros out of
+//                     bounds, then complete_tx of its bytes on the mbarrier named.
 // A block whose threads all wait (barriers, mbarriers, collectives) with none able to complete
 // is a DeadlockError that names each mbarrier waited on (its shared-memory offset and phase).
-// Not modelled yet: TMA and tensor maps, the async proxy (fence.proxy.async is a no-op),
-// clusters.
+// Not modelled yet: the async proxy (fence.proxy.async is a no-op), clusters, TMA's latency
+// (emu_tma.h lists the rest).
 
 #pragma once
 
