@@ -10,7 +10,8 @@ Room: tensor maps. A TMA kernel takes its map as a ``const __grid_constant__ Ten
     globalDim       rank sizes, each 1..2^32
     globalStrides   rank - 1 byte strides of dims 1.., each a multiple of 16 and < 2^40
     boxDim          rank box sizes, each 1..256; boxDim[0] * element size a multiple of 16 bytes,
-                    and at most the swizzle span (32, 64, 128 bytes) when swizzled
+                    and at most the swizzle span (32, 64, 128 bytes) when swizzled (the emulator
+                    also refuses less: a narrower swizzled box's layout is unverified)
     elementStrides  rank steps, each 1..8 (1: every element)
     interleave      CU_TENSOR_MAP_INTERLEAVE_NONE
     swizzle         CU_TENSOR_MAP_SWIZZLE_NONE, _32B, _64B, _128B (enum values 0..3)
@@ -129,6 +130,10 @@ def tiled_arguments(array: np.ndarray, box, swizzle: str = "none", *, dims=None,
     if swizzle != "none" and inner > span:
         raise TensorMapError(f"encode_tiled: boxDim[0] = {box[0]} elements of {size} bytes is {inner} bytes, more "
                              f"than the {swizzle} swizzle's span of {span} bytes")
+    if swizzle != "none" and inner < span:  # the driver accepts it; the emulator does not model it
+        raise TensorMapError(f"encode_tiled: boxDim[0] = {box[0]} elements of {size} bytes is {inner} bytes, less "
+                             f"than the {swizzle} swizzle's span of {span} bytes: not modelled (whether the "
+                             f"hardware pads each row to the span is unverified); make the inner box the span")
     return TiledArguments(size, dims, strides, box, element_strides, swizzle)
 
 

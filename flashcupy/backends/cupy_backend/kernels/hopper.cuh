@@ -106,6 +106,8 @@
 // Elements outside the tensor (a coordinate < 0 or >= globalDim) are written as zeros and still
 // count: a box always completes its full byte count on the mbarrier. dst: 128-byte aligned
 // (1024 to line up with a wgmma swizzle repeat). Loads are issued by one thread (elect_one_sync).
+// Keep a swizzled box's inner extent equal to the span (whether a narrower one is padded to the
+// span in shared memory is [verify]; the emulator refuses it).
 //
 // Under NVRTC these are inline PTX. Under the CPU emulator (FLASHCUPY_EMULATOR) the same names come
 // from its emu_hopper.h, which models each as above: waits are scheduling points, a barrier that

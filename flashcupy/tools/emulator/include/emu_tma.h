@@ -15,14 +15,15 @@
 //                 swizzled), so a 128B-swizzled box read by wgmma with a 128B descriptor is right.
 //                 Elements outside the tensor are written as zeros. Then complete_tx of the box's
 //                 full byte count on the named mbarrier (runtime/hopper.h). A destination not
-//                 128-byte aligned (swizzle 128B) or 16-byte aligned (otherwise), a box reaching
+//                 128-byte aligned (with or without swizzle), a box reaching
 //                 outside shared memory, or an element of the tensor outside the array the map
 //                 was made from (the guarded argument buffer) are KernelErrors naming the thread.
 //   tma_store     on issue, copies the box from shared memory (the same layout) to global memory;
 //                 elements outside the tensor are not written. The same checks.
 //   commit / wait no-ops (wait_group.read checks N): a store reads shared memory at issue, so a
 //                 missing wait before the source is overwritten is not caught.
-// Not modelled: L2 promotion, interleaved layouts, OOB fill NaN, im2col, multicast and clusters,
+// Not modelled: a swizzled box whose inner extent is narrower than the swizzle span (encode_tiled
+// refuses it: whether the hardware pads each row to the span is unverified), L2 promotion, interleaved layouts, OOB fill NaN, im2col, multicast and clusters,
 // the copy's latency (a load lands at issue, so a consumer's missing wait is only caught by
 // the mbarrier's phase, not by stale data), reduce-adds.
 

@@ -37,9 +37,10 @@ TmaBox tma_box(const void* map, int rank, const char* what) {
     return b;
 }
 
-// The destination (or source) in shared memory: aligned as the swizzle needs, the whole box inside.
+// The destination (or source) in shared memory: 128-byte aligned (the CUDA programming guide's
+// requirement for tensor copies, whatever the swizzle), the whole box inside.
 std::uint32_t tma_check_shared(const TmaBox& b, const void* smem, const char* what, const char* role) {
-    const unsigned align = b.span == 128 ? 128 : 16;
+    const unsigned align = 128;
     const auto p = reinterpret_cast<std::uintptr_t>(smem);
     if (!in_shared(p, p + 1) || p % align)
         misuse("%s: the shared-memory %s %p is not %u-byte aligned shared memory (swizzle %s)", what,
