@@ -91,7 +91,7 @@ class TmaDeviceFunction(DeviceFunction):
             if isinstance(a, TensorMap):
                 device = cupy.asarray(a.array)
                 back.append((a.array, device))
-                on_device.append(gpu_tensor_map_bytes(device.data.ptr, a.array.dtype.name, a.arguments)[0])
+                on_device.append(gpu_tensor_map_bytes(device.data.ptr, a.array.dtype.name, a.arguments))
             elif isinstance(a, np.ndarray):
                 device = cupy.asarray(a)
                 back.append((a, device))

@@ -34,10 +34,11 @@ On a GPU the Runtime seam (not wired yet: no kernel uses TMA) calls the driver t
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
 
-and passes the map's 128 bytes by value (``gpu_tensor_map_bytes`` below returns them as a size-1
-NumPy array of a 128-byte void dtype; that CuPy passes such an array by value, and at the 64-byte
-aligned offset the parameter needs when the map is the kernel's first parameter, is **[verify]**
-on a GPU). The arguments are the same on both sides: ``tiled_arguments`` computes them.
+and passes the map's 128 bytes by value: ``gpu_tensor_map_bytes`` below returns them as a size-one
+NumPy array of a 128-byte void dtype, which CuPy passes by value (cupy/cuda/function.pyx's
+CNumpyArray: a size-one numpy.ndarray argument is copied as the parameter; the driver places it at
+the parameter's 64-byte aligned offset). Not yet run on a GPU: **[verify]** on the first one. The
+arguments are the same on both sides: ``tiled_arguments`` computes them.
 """
 
 from __future__ import annotations
@@ -183,9 +184,11 @@ def gpu_tensor_map_bytes(pointer: int, dtype_name: str, arguments: TiledArgument
     from cuda.bindings import driver
 
     a = arguments
+    u32 = lambda values: [driver.cuuint32_t(v) for v in values]  # noqa: E731 (the bindings' integer types)
+    u64 = lambda values: [driver.cuuint64_t(v) for v in values]  # noqa: E731
     err, tmap = driver.cuTensorMapEncodeTiled(
-        getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{_GPU_DATA_TYPES[dtype_name]}"), a.rank,
-        pointer, list(a.dims), list(a.strides), list(a.box), list(a.element_strides),
+        getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{_GPU_DATA_TYPES[dtype_name]}"),
+        driver.cuuint32_t(a.rank), pointer, u64(a.dims), u64(a.strides), u32(a.box), u32(a.element_strides),
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle(SWIZZLES[a.swizzle][0]),
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
