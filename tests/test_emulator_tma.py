@@ -1,7 +1,7 @@
 """The emulator's model of TMA (kernels/hopper.cuh; flashcupy/tools/emulator/include/emu_tma.h,
 runtime/tma.h, tma.py).
 
-Boxes loaded by cp.async.bulk.tensor (2D and 4D, swizzle none/32B/64B/128B) byte for byte against
+Boxes loaded by cp.async.bulk.tensor (2D, 3D and 4D, swizzle none/32B/64B/128B) byte for byte against
 NumPy, crossing the tensor's edges (zeros); a walk through one mbarrier's phases; a store that
 crosses an edge; a TMA-loaded 128B-swizzled tile read by wgmma (S = Q K^T); the mbarrier's phase
 waiting for the bytes; and each misuse reported: encode arguments the driver rejects, a
@@ -52,6 +52,11 @@ def test_a_box_of_a_strided_view(rng):
     want = blocks.swizzle_bytes(np.ascontiguousarray(blocks.expected_box(array, (32, 16), (24, 16))).view(np.uint8)
                                 .ravel(), "64B")
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_3d_box_crossing_two_edges(rng):
+    # (seqlen, heads, head_dim) = (20, 4, 32): 2 heads from head 3 and 8 rows from row 16
+    blocks.check_box_load(kernel, encode_tiled, (20, 4, 32), (32, 2, 8), (0, 3, 16), "64B", rng)
 
 
 def test_a_4d_box_of_an_attention_tensor(rng):

@@ -7,8 +7,8 @@ try_wait.parity), mbarrier phases and parities, named barriers passing data, ele
 legal setmaxnreg per warpgroup; and the wgmma cases of tests/test_emulator_wgmma.py (tests/wgmma_blocks.py):
 SS and RS, f16 and bf16, N 64 and 128, each swizzle, K-major and transposed operands against NumPy,
 and wait_group 1 completing the older of two groups; and the TMA cases of tests/test_emulator_tma.py
-(tests/tma_blocks.py): 2D boxes with and without the 128B swizzle crossing the tensor's edge, a 4D
-box, a walk through one mbarrier's phases, a store crossing an edge, and a TMA-loaded tile read by
+(tests/tma_blocks.py): 2D boxes with and without the 128B swizzle crossing the tensor's edge, 3D
+and 4D boxes, a walk through one mbarrier's phases, a store crossing an edge, and a TMA-loaded tile read by
 wgmma, byte for byte. On a GPU their maps come from the driver's cuTensorMapEncodeTiled through
 cuda-bindings (flashcupy/tools/emulator/tma.py's gpu_tensor_map_bytes), from the same arguments the
 emulator's encode_tiled checks. The kernels (tests/emulator_kernels/hopper.cu, wgmma.cu and tma.cu)
@@ -234,6 +234,10 @@ def encode(array, box, swizzle="none", **options):
 @pytest.mark.parametrize("coords", [(8, 8), (32, 40), (-8, -4)], ids=["inside", "past the end", "before the start"])
 def test_tma_2d_box(tma_kernel, swizzle, coords, rng):
     tma_blocks.check_box_load(tma_kernel, encode, (48, 96), (64, 16), coords, swizzle, rng)
+
+
+def test_tma_3d_box_crossing_two_edges(tma_kernel, rng):
+    tma_blocks.check_box_load(tma_kernel, encode, (20, 4, 32), (32, 2, 8), (0, 3, 16), "64B", rng)
 
 
 def test_tma_4d_box_of_an_attention_tensor(tma_kernel, rng):
