@@ -78,6 +78,12 @@ def test_a_store_crossing_the_edge_writes_only_inside(rng):
     blocks.check_store_round_trip(kernel, encode_tiled, rng)
 
 
+@pytest.mark.parametrize("shape, box, coords", [((20, 4, 64), (64, 2, 8), (0, 3, 16)),
+                                                ((2, 20, 3, 64), (64, 1, 8, 1), (0, 1, 16, 1))], ids=["3d", "4d"])
+def test_3d_and_4d_stores_crossing_the_edge(shape, box, coords, rng):
+    blocks.check_store_round_trip(kernel, encode_tiled, rng, shape, box, coords)
+
+
 @pytest.mark.parametrize("order", ["ascending", "descending"])
 def test_a_tma_loaded_tile_read_by_wgmma(order, rng):
     blocks.check_tma_then_wgmma(lambda name: kernel(name, order), encode_tiled, rng)

@@ -252,5 +252,11 @@ def test_tma_store_crossing_the_edge_writes_only_inside(tma_kernel, rng):
     tma_blocks.check_store_round_trip(tma_kernel, encode, rng)
 
 
+@pytest.mark.parametrize("shape, box, coords", [((20, 4, 64), (64, 2, 8), (0, 3, 16)),
+                                                ((2, 20, 3, 64), (64, 1, 8, 1), (0, 1, 16, 1))], ids=["3d", "4d"])
+def test_tma_3d_and_4d_stores_crossing_the_edge(tma_kernel, shape, box, coords, rng):
+    tma_blocks.check_store_round_trip(tma_kernel, encode, rng, shape, box, coords)
+
+
 def test_tma_loaded_tile_read_by_wgmma(tma_kernel, rng):
     tma_blocks.check_tma_then_wgmma(tma_kernel, encode, rng)

@@ -104,7 +104,7 @@ def test_plain_sm_90_rejects_wgmma():
 # SASS of the TMA wrappers (the tensor map's address is a param-space generic address: no copy of it)
 TMA_SASS = {
     "tma_load_2d / 3d / 4d": "UTMALDG",
-    "tma_store_2d": "UTMASTG",
+    "tma_store_2d / 3d / 4d": "UTMASTG",
     "tma_store_commit_group": "UTMACMDFLUSH",
     "tma_store_wait_group_read": "DEPBAR",
 }
@@ -120,5 +120,6 @@ def test_tma_compiles_for_sm_90a():
         sass = nvrtc.sass(cubin)
         missing = {wrapper: op for wrapper, op in TMA_SASS.items() if op not in sass}
         assert not missing, f"NVRTC {toolkit.version}: no SASS for {missing}"
-        assert {"UTMALDG.2D", "UTMALDG.3D", "UTMALDG.4D"} <= set(re.findall(r"UTMALDG\.\dD", sass)), \
-            f"NVRTC {toolkit.version}: not every rank of tma_load"
+        ranks = set(re.findall(r"UTMA(?:LDG|STG)\.\dD", sass))
+        want = {f"UTMA{op}.{r}D" for op in ("LDG", "STG") for r in (2, 3, 4)}
+        assert want <= ranks, f"NVRTC {toolkit.version}: no SASS for {sorted(want - ranks)}"

@@ -89,16 +89,20 @@ def check_phases(kernel, encode, rng, steps=3, rows=16):
         np.testing.assert_array_equal(got[s], want, err_msg=f"step {s}")
 
 
-def check_store_round_trip(kernel, encode, rng):
-    """Load a box that crosses the bottom edge and store it back at the same place through another
-    map: the rows inside the tensor are copied, the rest of the output untouched (no store past it)."""
-    src = rng.standard_normal((40, 64)).astype(np.float16)
-    dst = np.full((40, 64), 7.0, np.float16)
-    box, coords = (64, 32), (0, 24)
-    kernel("tma_copy")((1,), (32,), (encode(src, box, "128B"), encode(dst, box, "128B"), np.int32(coords[0]),
-                                     np.int32(coords[1]), np.int32(64 * 32 * 2)), shared_mem=64 * 32 * 2 + 1024)
-    want = np.full((40, 64), 7.0, np.float16)
-    want[24:] = src[24:]
+def check_store_round_trip(kernel, encode, rng, shape=(40, 64), box=(64, 32), coords=(0, 24)):
+    """Load a box that crosses the tensor's edge and store it back at the same place through another
+    map: the elements inside the tensor are copied, the rest of the output untouched (no store past it)."""
+    src = rng.standard_normal(shape).astype(np.float16)
+    dst = np.full(shape, 7.0, np.float16)
+    box_bytes = int(np.prod(box)) * 2
+    c = list(coords) + [0] * (4 - len(coords))
+    kernel("tma_copy")((1,), (32,), (encode(src, box, "128B"), encode(dst, box, "128B"), np.int32(len(box)),
+                                     *(np.int32(v) for v in c), np.int32(box_bytes)), shared_mem=box_bytes + 1024)
+    want = np.full(shape, 7.0, np.float16)
+    inside = tuple(slice(max(coords[len(box) - 1 - a], 0), coords[len(box) - 1 - a] + box[len(box) - 1 - a])
+                   for a in range(len(shape)))
+    want[inside] = src[inside]
+    assert (want != 7.0).any() and (want == 7.0).any()  # the box covers part of the tensor, not all of it
     np.testing.assert_array_equal(dst, want)
 
 

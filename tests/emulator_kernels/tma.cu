@@ -12,8 +12,9 @@
 //         0  as described
 //         1  the tile 16 bytes past its alignment (a misaligned destination)
 //         2  expect_tx of twice the box: the phase never completes (a deadlock)
-//   tma_copy(map_in, map_out, c0, c1)   32 threads: load the 2D box at (c0, c1), store it at the
-//       same coordinates through map_out (commit, wait_group.read 0).
+//   tma_copy(map_in, map_out, rank, c0, c1, c2, c3, box_bytes)   32 threads: thread 0 loads the box
+//       at (c0, c1, ..) (rank 2, 3 or 4), stores it at the same coordinates through map_out (commit,
+//       wait_group.read 0).
 //   tma_qk(map_q, map_k, out)   128 threads: Q (64 x 64) and K (64 x 64) fp16 boxes loaded with 128B
 //       swizzle, then S = Q K^T by 4 k16 steps of wgmma_ss<__half, 64> with 128B K-major
 //       descriptors (SBO 1024, +32 bytes per step): out[tid * 32 + i] = d[i].
@@ -49,7 +50,7 @@ extern "C" __global__ void tma_box(const __grid_constant__ TensorMap map, int ra
 }
 
 extern "C" __global__ void tma_copy(const __grid_constant__ TensorMap map_in, const __grid_constant__ TensorMap map_out,
-                                    int c0, int c1, int box_bytes) {
+                                    int rank, int c0, int c1, int c2, int c3, int box_bytes) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ __align__(8) unsigned long long bar;
     unsigned char* tile = aligned_tile(smem);
@@ -57,9 +58,13 @@ extern "C" __global__ void tma_copy(const __grid_constant__ TensorMap map_in, co
         mbarrier_init(&bar, 1);
         mbarrier_init_fence();
         mbarrier_arrive_expect_tx(&bar, box_bytes);
-        tma_load_2d(tile, map_in, c0, c1, &bar);
+        if (rank == 2) tma_load_2d(tile, map_in, c0, c1, &bar);
+        else if (rank == 3) tma_load_3d(tile, map_in, c0, c1, c2, &bar);
+        else tma_load_4d(tile, map_in, c0, c1, c2, c3, &bar);
         mbarrier_wait_parity(&bar, 0);
-        tma_store_2d(map_out, c0, c1, tile);
+        if (rank == 2) tma_store_2d(map_out, c0, c1, tile);
+        else if (rank == 3) tma_store_3d(map_out, c0, c1, c2, tile);
+        else tma_store_4d(map_out, c0, c1, c2, c3, tile);
         tma_store_commit_group();
         tma_store_wait_group_read<0>();
     }
