@@ -57,7 +57,7 @@ def check(got, q, k, v, dout, *, causal, scale=None):
     assert out.dtype == q.dtype and lse.dtype == (np.float64 if q.dtype == np.float64 else np.float32)
     for g, x in zip(grads, (q, k, v)):
         assert g.dtype == x.dtype and g.shape == x.shape
-    assert_matches_oracle(got, q, k, v, dout, causal=causal, scale=scale)
+    assert_matches_oracle(got, q, k, v, dout, causal=causal, scale=scale, backend="cupy")
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -104,7 +104,7 @@ def test_bfloat16_bits_match_oracle(rng, order, case, tensor_cores, monkeypatch)
         grads = flashcupy.attention_backward(db, qb, kb, vb, out, lse, causal=causal, backend="cupy",
                                              dtype="bfloat16")
     assert out.dtype == np.uint16 and lse.dtype == np.float32 and all(g.dtype == np.uint16 for g in grads)
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, backend="cupy")
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -331,7 +331,7 @@ def test_each_barrier_and_wait_is_needed(rng, tmp_path, name, lineno):
             with emulated(order, cp_async=cp_async, compile=compile):
                 try:
                     got = flashcupy.attention(q, k, v, causal=causal, return_lse=True, backend="cupy")
-                    assert_matches_oracle(got, q, k, v, causal=causal)
+                    assert_matches_oracle(got, q, k, v, causal=causal, backend="cupy")
                 except (AssertionError, emulator.KernelError):
                     break
         else:
@@ -404,7 +404,7 @@ def test_property_matches_oracle(B, Sq, Sk, Hkv, group, D, causal, dtype, layout
     with emulated(order, seed=seed):
         out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
         grads = flashcupy.attention_backward(dout, q, k, v, out, lse, **kw)
-    assert_matches_oracle((out, lse, *grads), *values, causal=causal)
+    assert_matches_oracle((out, lse, *grads), *values, causal=causal, backend="cupy")
 
 
 @pytest.mark.parametrize("kw", [{}, dict(bias=True), dict(window=(2, 3))], ids=["plain", "bias", "window"])

@@ -162,7 +162,7 @@ def test_windows_past_the_ends_and_rows_that_see_no_key(rng, path, Sq, Sk, windo
     assert (out.transpose(0, 2, 1, 3)[hidden] == 0).all() and (dq.transpose(0, 2, 1, 3)[hidden] == 0).all()
     assert not any(np.isnan(g).any() for g in (dq, dk, dv))
     dout = np.nan_to_num(dout)  # the oracle's own dout: the NaN rows see no key, so this changes nothing
-    assert_matches_oracle((out, lse, dq, dk, dv), q, k, v, dout, **kw)
+    assert_matches_oracle((out, lse, dq, dk, dv), q, k, v, dout, backend="cupy", **kw)
 
 
 @pytest.mark.parametrize("path, deterministic, kernel", [
@@ -194,7 +194,7 @@ def test_rows_the_mask_hides_add_nothing_whatever_their_dout_holds(rng, monkeypa
     assert np.isneginf(lse[1, 1, 5]) and np.isneginf(lse[0, 0, 19])
     assert [int(np.isnan(g).sum()) for g in grads] == [0, 0, 0, 0]
     assert np.all(grads[0][1, 5, 1] == 0) and np.all(grads[0][0, 19, 0] == 0)
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, mask=mask, bias=bias)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, mask=mask, bias=bias, backend="cupy")
 
 
 def test_modifiers_choose_their_own_specialisation(rng):
@@ -274,7 +274,7 @@ def mutation_battery_fails(compile, monkeypatch) -> bool:
         q, k, v = make_qkv(rng, *shape, dtype)
         dout = rng.standard_normal(q.shape).astype(dtype)
         got = run_cupy(q, k, v, dout, path, "ascending", compile=compile, window=window)
-        assert_matches_oracle(got, q, k, v, dout, window=window)
+        assert_matches_oracle(got, q, k, v, dout, window=window, backend="cupy")
 
     return any_fails(functools.partial(attempt, *case) for case in MUTATION_CASES)
 

@@ -126,7 +126,7 @@ def _forward_and_backward(q, k, v, dtype, causal, rng, to_device=lambda x: x, to
     grads = tuple(map(to_host, grads))
     for g, x in zip(grads, (q, k, v)):
         assert g.dtype == x.dtype and g.shape == x.shape
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, backend="numba")
     return out, lse, grads
 
 
@@ -164,7 +164,7 @@ def test_strided_views_are_read_in_place(rng, device, layout):
     lse_s = np.empty((B, Sq, Hq), lse.dtype).transpose(0, 2, 1)  # (B, H, S) view of a (B, S, H) array
     lse_s[...] = lse
     grads = flashcupy.attention_backward(dout, q, k, v, out_s, lse_s, causal=True, backend="numba")
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True, backend="numba")
 
 
 @pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
@@ -178,7 +178,7 @@ def test_nan_in_dout_of_a_row_that_sees_no_key_goes_nowhere(rng, device):
     dout[:, :Sq - 4] = np.nan
     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True, backend="numba")
     assert np.all(grads[0][:, :Sq - 4] == 0)
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True, backend="numba")
 
 
 # score modifiers: window, softcap and ALiBi here, bias, mask and attention_probs below
@@ -204,7 +204,7 @@ def test_modifiers_match_the_oracle(rng, device, mods, dtype):
     dout = rng.standard_normal(q.shape).astype(dtype)
     out, lse = flashcupy.attention(q, k, v, scale=0.8, return_lse=True, backend="numba", **mods)
     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, scale=0.8, backend="numba", **mods)
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, scale=0.8, **mods)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, scale=0.8, backend="numba", **mods)
 
 
 # bias (with dbias), mask and attention_probs: modifier_checks' cases and check (forward, backward
@@ -277,7 +277,7 @@ def test_rows_the_mask_hides_give_zeros_and_keep_nan_in_dout_to_themselves(rng, 
     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numba", **kw)
     assert not any(np.isnan(g).any() for g in grads)
     assert np.all(grads[0][1, 4, 2] == 0)
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, **kw)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="numba", **kw)
     again = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numba", **kw)
     np.testing.assert_array_equal(again[3], grads[3])
 
@@ -494,7 +494,8 @@ def test_gpu_tile_sizes_on_the_simulator(rng, tmp_path):
     assert r.returncode == 0, r.stderr
     got = np.load(tmp_path / "out.npz")
     assert got["simulator"] and tuple(got["tiles"]) == kernels.TILE_TABLES["gpu"]
-    assert_matches_oracle([got[name] for name in ("out", "lse", "dq", "dk", "dv")], q, k, v, dout, causal=True)
+    assert_matches_oracle([got[name] for name in ("out", "lse", "dq", "dk", "dv")], q, k, v, dout, causal=True,
+                          backend="numba")
 
 
 def test_an_unknown_tile_table_is_refused_by_name():
@@ -591,7 +592,7 @@ def test_cupy_inputs_run_on_cupys_stream_with_cupys_memory(rng, monkeypatch):
     grads = flashcupy.attention_backward(dev["dout"], dev["q"], dev["k"], dev["v"], out, lse, causal=True,
                                          backend="numba")
     assert all(isinstance(g, _FakeCupyArray) for g in grads)
-    assert_matches_oracle([x.host for x in (out, lse, *grads)], q, k, v, dout, causal=True)
+    assert_matches_oracle([x.host for x in (out, lse, *grads)], q, k, v, dout, causal=True, backend="numba")
 
     assert [w.ptr for w in wrapped] == [stream_ptr, stream_ptr]  # one wrapper per call
     assert launches == [wrapped[0]] + [wrapped[1]] * 3  # forward; D pre-pass, dK/dV, dQ
@@ -827,7 +828,7 @@ def test_kernels_queue_behind_cupy_work_on_a_non_blocking_stream(rng):
         out, lse = flashcupy.attention(late(qd), kd, vd, causal=True, return_lse=True, backend="numba")
         grads = flashcupy.attention_backward(late(dd), qd, kd, vd, out, lse, causal=True, backend="numba")
         stream.synchronize()
-    assert_matches_oracle([cupy.asnumpy(x) for x in (out, lse, *grads)], q, k, v, dout, causal=True)
+    assert_matches_oracle([cupy.asnumpy(x) for x in (out, lse, *grads)], q, k, v, dout, causal=True, backend="numba")
 
 
 @pytest.mark.gpu
@@ -860,7 +861,7 @@ def test_a_call_on_cupys_stream_captures_into_a_cuda_graph(rng):
             x.fill(cupy.nan)
         graph.launch(stream)
         stream.synchronize()
-    assert_matches_oracle([cupy.asnumpy(x) for x in results], q, k, v, dout, causal=True)
+    assert_matches_oracle([cupy.asnumpy(x) for x in results], q, k, v, dout, causal=True, backend="numba")
 
 
 # ----------------------------------------------------------------------------
@@ -920,4 +921,4 @@ def test_leading_batch_dimensions(rng):
                   window=(2, 1))
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numba", **kw)
         grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numba", **kw)
-        assert_matches_oracle((out, lse, *grads), q, k, v, dout, **kw)
+        assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="numba", **kw)
