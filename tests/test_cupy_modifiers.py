@@ -279,13 +279,21 @@ def mutation_battery_fails(compile, monkeypatch) -> bool:
     return any_fails(functools.partial(attempt, *case) for case in MUTATION_CASES)
 
 
-def test_the_window_battery_passes_unmutated(monkeypatch):
-    assert not mutation_battery_fails(compile_module, monkeypatch)
+def battery_tests(fails, mutations):
+    """The two tests of a battery of deliberate bugs, `fails(compile, monkeypatch)`: it passes on the
+    kernels as they are, and fails with each mutation {name: (old, new)} applied."""
+    def passes_unmutated(monkeypatch):
+        assert not fails(compile_module, monkeypatch)
+
+    @pytest.mark.parametrize("name", list(mutations))
+    def catches(name, monkeypatch):
+        assert fails(_mutated(*mutations[name]), monkeypatch), f"missed: {name}"
+
+    return passes_unmutated, catches
 
 
-@pytest.mark.parametrize("name", list(WINDOW_MUTATIONS))
-def test_a_window_bug_is_caught(name, monkeypatch):
-    assert mutation_battery_fails(_mutated(*WINDOW_MUTATIONS[name]), monkeypatch), f"missed: {name}"
+test_the_window_battery_passes_unmutated, test_a_window_bug_is_caught = battery_tests(
+    mutation_battery_fails, WINDOW_MUTATIONS)
 
 
 # ----------------------------------------------------------------------------
@@ -333,10 +341,5 @@ def pair_battery_fails(compile, monkeypatch) -> bool:
     return any_fails(functools.partial(attempt, *case) for case in PAIR_CASES)
 
 
-def test_the_bias_and_mask_battery_passes_unmutated(monkeypatch):
-    assert not pair_battery_fails(compile_module, monkeypatch)
-
-
-@pytest.mark.parametrize("name", list(PAIR_MUTATIONS))
-def test_a_bias_or_mask_bug_is_caught(name, monkeypatch):
-    assert pair_battery_fails(_mutated(*PAIR_MUTATIONS[name]), monkeypatch), f"missed: {name}"
+test_the_bias_and_mask_battery_passes_unmutated, test_a_bias_or_mask_bug_is_caught = battery_tests(
+    pair_battery_fails, PAIR_MUTATIONS)
