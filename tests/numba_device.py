@@ -17,7 +17,7 @@ import sys
 import pytest
 
 
-def _gpu_present() -> bool:
+def gpu_present() -> bool:
     """A CUDA device answers the driver, asked without importing numba."""
     try:
         from cuda.bindings import driver
@@ -32,7 +32,7 @@ def _gpu_present() -> bool:
 
 _NUMBA_CUDA_PREIMPORTED = "numba.cuda" in sys.modules
 _WE_SET_SIM = (not _NUMBA_CUDA_PREIMPORTED and "NUMBA_ENABLE_CUDASIM" not in os.environ
-               and not _gpu_present())
+               and not gpu_present())
 if _WE_SET_SIM:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 try:

@@ -23,7 +23,7 @@ import pytest
 
 from conftest import (BANDS, CASES, DTYPES, LAYOUTS, MUTATION_BATTERY, assert_matches_oracle, band_problem, case_id, make_qkv,
                       mutated_module, mutation_tests, reference, strided_empty)
-from numba_device import GPU, SIMULATOR, cuda, quick_thread_switches, require  # noqa: F401 (an autouse fixture)
+from numba_device import GPU, SIMULATOR, cuda, gpu_present, quick_thread_switches, require  # noqa: F401 (autouse)
 
 import flashcupy  # noqa: E402
 from contract import SIMULATOR_CASES  # noqa: E402
@@ -286,7 +286,7 @@ def test_flashcupy_import_does_not_import_numba():
 
 
 def test_unavailable_reason_without_a_device():
-    if _gpu_present():
+    if gpu_present():
         pytest.skip("a GPU is present")
     r = _python("from flashcupy.backends import unavailable_reason; print(unavailable_reason('numba'))",
                 NUMBA_ENABLE_CUDASIM="0")
@@ -363,7 +363,7 @@ def test_the_ptx_compile_covers_every_specialisation_the_backend_launches(rng, m
 _RUN_AT_GPU_TILES = """
 import sys
 import numpy as np
-sys.setswitchinterval(2e-4)  # as _quick_thread_switches
+sys.setswitchinterval(2e-4)  # as numba_device.quick_thread_switches
 import flashcupy
 from flashcupy.backends.numba_backend import kernels
 a = np.load(sys.argv[1])
