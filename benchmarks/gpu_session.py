@@ -5,9 +5,12 @@
 
 Stages, in this order, each in its own process with its own time limit:
   preflight  versions of everything that compiles or runs a kernel; what is missing, and why
-  blocks     the tensor-core building blocks (mma, ldmatrix, cp.async, pack, ex2) on the device:
-             the emulator's model of each PTX instruction against silicon
-             (tests/test_tensor_core_gpu.py); seconds, and first, because everything rests on it
+  blocks     the building blocks on the device: the emulator's model of each PTX instruction against
+             silicon; first the sm_90 blocks (mbarrier ring and phases, named barriers, elect.sync,
+             setmaxnreg, wgmma GEMMs on hand-laid tiles: tests/test_hopper_gpu.py, skipped below
+             compute capability 9.0),
+             then the tensor-core blocks (mma, ldmatrix, cp.async, pack, ex2:
+             tests/test_tensor_core_gpu.py); seconds, and first, because everything rests on it
   pytest     `pytest -m gpu`: the CuPy and Numba batteries on the device
   check      every backend, kernel path and dtype against the float64 oracle, each row on its own
   sanitizer  compute-sanitizer memcheck and racecheck on tiny shapes, where the tool is installed
@@ -566,7 +569,8 @@ def _run(command, env, limit: float, log) -> tuple:
     return code, output
 
 
-PYTEST_FILES = {"blocks": {"main": ["tests/test_tensor_core_gpu.py"]},
+# the sm_90 synchronisation blocks first: the Hopper kernels' emulator models rest on them
+PYTEST_FILES = {"blocks": {"main": ["tests/test_hopper_gpu.py", "tests/test_tensor_core_gpu.py"]},
                 "pytest": {"main": ["tests/test_cupy_gpu.py"], "numba": ["tests/test_numba_backend.py"]}}
 
 
@@ -581,7 +585,8 @@ def _pytest_stage(stage, args, env, limit, log, results):
         lines = output.strip().splitlines()
         summary = lines[-1] if lines else ""
         failed = [line.split(" ", 1)[1].split(" - ")[0] for line in lines if line.startswith(("FAILED ", "ERROR "))]
-        results.add(stage=stage, type="pytest", group=group, returncode=code, summary=summary, failed=failed[:30],
+        results.add(stage=stage, type="pytest", group=group, files=PYTEST_FILES[stage][group], returncode=code,
+                    summary=summary, failed=failed[:30],
                     failed_count=len(failed))
         statuses[group] = ("timeout" if code is None else "failed: pytest ran no tests" if code == 5
                            else "ok" if code == 0 else f"failed: {len(failed)} tests")

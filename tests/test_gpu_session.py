@@ -86,6 +86,8 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert {r["group"] for r in records if r["type"] == "pytest" and r["stage"] == "pytest"} == {"main", "numba"}
     blocks = next(r for r in records if r["type"] == "pytest" and r["stage"] == "blocks")
     assert blocks["returncode"] == 0 and "passed" in blocks["summary"] and "skipped" not in blocks["summary"]
+    assert blocks["files"][0] == "tests/test_hopper_gpu.py"  # the sm_90 blocks run first, on the emulator here
+    assert int(blocks["summary"].split()[0]) > 8  # the hopper file's 8 cases and the tensor-core file's
     checks = [r for r in records if r["type"] == "check"]
     groups = {(r["backend"], r["path"], r["dtype"]) for r in checks}
     assert {("cupy", "tensor-core", "float16"), ("cupy", "tensor-core", "bfloat16"), ("cupy", "simt", "float64"),

@@ -1,16 +1,20 @@
-"""The sm_90 synchronisation building blocks (kernels/hopper.cuh) on an H100/H200: the emulator's
-models checked against silicon.
+"""The sm_90 building blocks (kernels/hopper.cuh) on an H100/H200: the emulator's models checked
+against silicon.
 
 The cases of tests/test_emulator_hopper.py whose outcome does not depend on timing: the 2-stage
 producer/consumer ring through full and empty mbarriers (arrive.expect_tx, complete_tx,
 try_wait.parity), mbarrier phases and parities, named barriers passing data, elect.sync, and a
-legal setmaxnreg per warpgroup. The kernels (tests/emulator_kernels/hopper.cu) are compiled for
+legal setmaxnreg per warpgroup; and the wgmma cases of tests/test_emulator_wgmma.py (tests/wgmma_blocks.py):
+SS and RS, f16 and bf16, N 64 and 128, each swizzle, K-major and transposed operands against NumPy,
+and wait_group 1 completing the older of two groups. The kernels (tests/emulator_kernels/hopper.cu
+and wgmma.cu) are compiled for
 sm_90a by NVRTC through flashcupy/tools/nvrtc.py (CuPy's RawModule(code=) cannot target sm_90a)
 and loaded from the cubin. Marked `gpu`; skipped without a compute capability 9.0 device.
 FLASHCUPY_BLOCKS_DEVICE=emulator runs them on the emulator instead (a dry run of this file).
 
 Not repeated here: the checks that only an emulator can make (deadlocks reported, misuse caught,
-a deleted wait giving a wrong answer); on silicon those hang, are undefined, or depend on timing.
+a deleted wait giving a wrong answer, accumulators read before their wait_group); on silicon those
+hang, are undefined, or depend on timing.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import numpy as np
 import pytest
 
+import wgmma_blocks
 from conftest import DeviceFunction
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import sources
@@ -54,21 +59,30 @@ def source():
         return f.read()
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
+def load(text, names, tmp_path_factory):
+    """name -> a function called like the emulator's, for `names` of the kernels `text`."""
     if DEVICE == "emulator":
         from flashcupy.tools.emulator import EmulatedModule
-        module = EmulatedModule(source(), NAMES, (f"-I{sources.KERNEL_DIR}",))
-        return module.get_function
+        return EmulatedModule(text, names, (f"-I{sources.KERNEL_DIR}",)).get_function
     import cupy
 
     from flashcupy.tools import nvrtc
-    _, _, cubin = nvrtc.compile_cubin(source(), (), nvrtc.compile_options("sm_90a")
-                                      + (f"-I{sources.KERNEL_DIR}",))
-    path = tmp_path_factory.mktemp("hopper") / "hopper.cubin"
+    _, lowered, cubin = nvrtc.compile_cubin(text, names, nvrtc.compile_options("sm_90a")
+                                            + (f"-I{sources.KERNEL_DIR}",))
+    path = tmp_path_factory.mktemp("hopper") / "kernels.cubin"
     path.write_bytes(cubin)
     module = cupy.RawModule(path=str(path))
-    return lambda name: DeviceFunction(module.get_function(name))
+    return lambda name: DeviceFunction(module.get_function(lowered.get(name, name)))
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    return load(source(), (), tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def wgmma_kernel(tmp_path_factory):
+    return load(wgmma_blocks.source(), wgmma_blocks.NAMES, tmp_path_factory)
 
 
 def filled(n, dtype):
@@ -114,3 +128,41 @@ def test_setmaxnreg_per_warpgroup(kernel):
     out = filled(256, np.int32)
     kernel("maxnreg")((1,), (256,), (np.int32(0), out))
     np.testing.assert_array_equal(out, 1)
+
+
+# ----------------------------------------------------------------------------
+# wgmma
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+@pytest.mark.parametrize("b_swizzle, trans_b", [("none", False), ("128B", False), ("none", True), ("128B", True)])
+def test_wgmma_identity_a_gives_b_back(wgmma_kernel, fmt, b_swizzle, trans_b):
+    wgmma_blocks.check_identity_picks_b(wgmma_kernel, fmt, 64, b_swizzle, trans_b)
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n", wgmma_blocks.SIZES)
+@pytest.mark.parametrize("swizzle", ["none", "128B"])
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B K-major", "B transposed"])
+@pytest.mark.parametrize("rs", [False, True], ids=["SS", "RS"])
+def test_wgmma_gemm_matches_numpy(wgmma_kernel, fmt, n, swizzle, trans_b, rs, rng):
+    wgmma_blocks.check_gemm(wgmma_kernel, fmt, n, 64, swizzle, swizzle, False, trans_b, rs, True, rng)
+
+
+@pytest.mark.parametrize("swizzle", ["32B", "64B"])
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, True)])
+def test_wgmma_other_swizzles_and_transposed_a(wgmma_kernel, swizzle, trans_a, trans_b, rng):
+    wgmma_blocks.check_gemm(wgmma_kernel, "bfloat16", 64, 64, swizzle, swizzle, trans_a, trans_b, False, False, rng)
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B K-major", "B transposed"])
+def test_wgmma_d_packed_as_the_next_a(wgmma_kernel, trans_b, rng):
+    wgmma_blocks.check_d_packed_as_the_next_a(wgmma_kernel, trans_b, rng)
+
+
+def test_wgmma_tiles_in_static_shared_memory(wgmma_kernel, rng):
+    wgmma_blocks.check_static_shared_tiles(wgmma_kernel, "float16", rng)
+
+
+def test_wgmma_wait_group_1_completes_the_older_group(wgmma_kernel, rng):
+    wgmma_blocks.check_wait_group_1_completes_the_older_group(wgmma_kernel, "bfloat16", rng)

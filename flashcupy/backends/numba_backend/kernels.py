@@ -190,6 +190,36 @@ def _query_block(group):
 
 
 @cuda.jit(device=True)
+def _start_query_block(total, group):
+    """A query-major kernel's start (forward, dQ): its thread's accumulator `total` (O or dQ, in
+    registers) zeroed, and _query_block's coordinates returned."""
+    for t in range(O_PER_THREAD):
+        total[t] = 0
+    return _query_block(group)
+
+
+@cuda.jit(device=True)
+def _store_query_row(x, xst, total, factor, b, i, h, head_dim, c):
+    """Row i of x (forward's out, dQ's dq) from the columns c, c + BLOCK_N, ... of `total` that its
+    thread accumulated, times `factor` (the forward's 1 / l; 1 for dQ, exact)."""
+    for t in range(O_PER_THREAD):
+        d = c + t * BLOCK_N
+        if d < head_dim:
+            x[_at(xst, b, i, h, d)] = total[t] * factor
+
+
+@cuda.jit(device=True)
+def _chunk_tiles(like):
+    """The shared tiles every tile kernel streams head_dim through, D_TILE columns at a time (plus PAD):
+    Q_i (BLOCK_M rows), K_j and V_j (BLOCK_N rows each), in the dtype of the array `like` (ACC).
+    Shared memory is static: each kernel that calls this gets its own three tiles."""
+    Q_i = cuda.shared.array((BLOCK_M, TILE_COLS), like.dtype)
+    K_j = cuda.shared.array((BLOCK_N, TILE_COLS), like.dtype)
+    V_j = cuda.shared.array((BLOCK_N, TILE_COLS), like.dtype)
+    return Q_i, K_j, V_j
+
+
+@cuda.jit(device=True)
 def _scores_and_dP(Q_i, K_j, dO_i, V_j, q, qst, k, kst, dout, dost, v, vst,
                    b, h, kv_head, i0, j0, seqlen_q, seqlen_k, head_dim, tid, r, c, acc):
     """(S[r, c], dP[r, c]) = (Q_i[r, :] . K_j[c, :], dO_i[r, :] . V_j[c, :]) over head_dim in
@@ -311,16 +341,11 @@ def _attn_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
     Shared: Q_i, K_j, V_j chunks + S, P tiles.
     """
     acc = lse.dtype.type  # ACC: the host allocates lse in p.acc_dtype
-    Q_i = cuda.shared.array((BLOCK_M, TILE_COLS), lse.dtype)
-    K_j = cuda.shared.array((BLOCK_N, TILE_COLS), lse.dtype)
-    V_j = cuda.shared.array((BLOCK_N, TILE_COLS), lse.dtype)
+    Q_i, K_j, V_j = _chunk_tiles(lse)
     S = cuda.shared.array((BLOCK_M, BLOCK_N), lse.dtype)
     P = cuda.shared.array((BLOCK_M, BLOCK_N), lse.dtype)
     O = cuda.local.array(O_PER_THREAD, lse.dtype)
-    c, r, tid, i0, i, h, kv_head, b = _query_block(group)
-
-    for t in range(O_PER_THREAD):
-        O[t] = 0
+    c, r, tid, i0, i, h, kv_head, b = _start_query_block(O, group)
     m = acc(-math.inf)
     l = acc(0)
 
@@ -360,10 +385,7 @@ def _attn_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
     if i < seqlen_q:
         seen = l != 0  # l >= 1 once a key was seen; NaN inputs keep NaN
         inv_l = acc(1) / l if seen else acc(0)
-        for t in range(O_PER_THREAD):
-            d = c + t * BLOCK_N
-            if d < head_dim:
-                out[_at(ost, b, i, h, d)] = O[t] * inv_l
+        _store_query_row(out, ost, O, inv_l, b, i, h, head_dim, c)
         if c == 0:
             lse[_at3(lst, b, h, i)] = m + math.log(l) if seen else acc(-math.inf)
 
@@ -430,10 +452,8 @@ def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dks
     Shared: Q_i, K_j, dO_i, V_j chunks + P, dS tiles.
     """
     acc = D.dtype.type
-    Q_i = cuda.shared.array((BLOCK_M, TILE_COLS), D.dtype)
-    K_j = cuda.shared.array((BLOCK_N, TILE_COLS), D.dtype)
+    Q_i, K_j, V_j = _chunk_tiles(D)
     dO_i = cuda.shared.array((BLOCK_M, TILE_COLS), D.dtype)
-    V_j = cuda.shared.array((BLOCK_N, TILE_COLS), D.dtype)
     P = cuda.shared.array((BLOCK_M, BLOCK_N), D.dtype)
     dS = cuda.shared.array((BLOCK_M, BLOCK_N), D.dtype)
     dK = cuda.local.array(DKV_PER_THREAD, D.dtype)
@@ -506,16 +526,11 @@ def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
     Shared: Q_i, K_j, dO_i, V_j chunks + dS tile.
     """
     acc = D.dtype.type
-    Q_i = cuda.shared.array((BLOCK_M, TILE_COLS), D.dtype)
-    K_j = cuda.shared.array((BLOCK_N, TILE_COLS), D.dtype)
+    Q_i, K_j, V_j = _chunk_tiles(D)
     dO_i = cuda.shared.array((BLOCK_M, TILE_COLS), D.dtype)
-    V_j = cuda.shared.array((BLOCK_N, TILE_COLS), D.dtype)
     dS = cuda.shared.array((BLOCK_M, BLOCK_N), D.dtype)
     dQ = cuda.local.array(O_PER_THREAD, D.dtype)
-    c, r, tid, i0, i, h, kv_head, b = _query_block(group)
-
-    for t in range(O_PER_THREAD):
-        dQ[t] = 0
+    c, r, tid, i0, i, h, kv_head, b = _start_query_block(dQ, group)
     lse_r = _row_lse(lse, lst, b, h, i, seqlen_q)
     D_r = D[_at3(Dst, b, h, i)] if i < seqlen_q else acc(0)
 
@@ -534,10 +549,7 @@ def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
         _add_row_times_tile(dQ, dS, K_j, k, kst, b, j0, seqlen_k, kv_head, head_dim, tid, r, c, acc)
 
     if i < seqlen_q:
-        for t in range(O_PER_THREAD):
-            d = c + t * BLOCK_N
-            if d < head_dim:
-                dq[_at(dqst, b, i, h, d)] = dQ[t]
+        _store_query_row(dq, dqst, dQ, acc(1), b, i, h, head_dim, c)
 
 
 # ----------------------------------------------------------------------------

@@ -18,8 +18,9 @@ stands in for ``cupy.RawModule(code=..., name_expressions=..., options=...)``:
 
 - ``code`` is compiled with ``g++ -std=c++20 -O1`` against the shim in ``include/`` (force-included
   ``cuda_emu.h``; ``#include <cuda_fp16.h>`` / ``<cuda_bf16.h>`` resolve to the shim's), linked with
-  ``runtime.cpp`` into a shared library loaded with ctypes. Builds are cached by a hash of (source,
-  name expressions, defines, include-dir headers, arch, compiler, emulator sources) under
+  ``runtime.cpp`` (one translation unit with its parts in ``runtime/``) into a shared library loaded
+  with ctypes. Builds are cached by a hash of (source, name expressions, defines, include-dir
+  headers, arch, compiler, emulator sources) under
   ``$FLASHCUPY_EMULATOR_CACHE`` or ``$TMPDIR/flashcupy-emulator-$UID``, so a specialisation compiles
   once, across test sessions too.
 - ``options``: ``-D NAME=VALUE``/``-DNAME=VALUE``/``--define-macro=``, ``-I dir``/``-Idir``/
@@ -87,11 +88,11 @@ Errors (all subclasses of ``EmulatorError``): ``CompileError`` (g++ diagnostics)
 (``.argument``, ``.access``), ``DeadlockError``; a failed ``assert``, ``__trap()``, integer division
 by zero, a stack overflow or a misused warp collective are ``KernelError``.
 
-Hopper (sm_90) synchronisation
-------------------------------
+Hopper (sm_90) synchronisation and wgmma
+----------------------------------------
 ``flashcupy/backends/cupy_backend/kernels/hopper.cuh`` wraps one PTX instruction per function; under
 the emulator ``include/emu_hopper.h`` (which it includes when ``FLASHCUPY_EMULATOR`` is defined)
-provides the same names, modelled in runtime.cpp:
+provides the same names, modelled in runtime.cpp (its part runtime/hopper.h):
 
 - mbarrier: per block, by shared address, the phase, the arrivals pending of the init count and the
   tx-count (``arrive.expect_tx`` adds bytes; ``complete_tx``, hopper.cuh's and the hook a TMA model
@@ -105,6 +106,17 @@ provides the same names, modelled in runtime.cpp:
 - ``setmaxnreg.{inc,dec}``: the 128 threads of a warpgroup meet; the count must be a multiple of 8
   in [24, 256], the same in every warp, and not lower (.inc) or raise (.dec) the warpgroup's last
   one. The register file itself is not modelled (nor that ptxas drops it without a register cap).
+- wgmma (``include/emu_wgmma.h`` says exactly what is modelled, ``runtime/wgmma.h``
+  models it): ``mma_async`` m64nNk16 f32 from f16/bf16, SS and RS, K-major or transposed operands, is
+  a warpgroup rendezvous (the 128 threads issue the same instruction, or a ``KernelError`` names the
+  warps that differ); each descriptor is decoded field by field (start address, LBO, SBO, base
+  offset, swizzle none/32B/64B/128B) and a tile not aligned to its swizzle's repeat, a non-zero base
+  offset, reserved bits, a zero LBO/SBO the layout uses, or an element outside shared memory is a
+  ``KernelError`` naming the thread; so is an ``mma_async`` without a ``wgmma.fence`` since the
+  thread's last ``wait_group``. The accumulators are NaN from issue until the ``wait_group`` that
+  covers their commit group, when the result is computed (shared memory read then) and written;
+  chained operations into the same accumulators take the previous result. ``smem_address`` gives
+  dynamic shared memory addresses from 0 and static ones after it, keeping the low 10 bits.
 - A block whose live threads all wait, none able to go on, is a ``DeadlockError`` naming every
   mbarrier waited on (shared-memory offset, phase, arrivals and tx-count outstanding), named barrier
   and warpgroup rendezvous.
@@ -136,8 +148,9 @@ Not faithful (by design or not yet)
 - Cooperative fibers: a thread or block spinning on a flag set by another never finishes.
 - Static ``__shared__`` size is not counted against the shared-memory limit; static shared memory
   has no guard pages. Underflow reads just before dynamic shared memory are not caught.
-- Not modelled for sm_90 yet: wgmma, its shared-memory descriptors and swizzles, TMA and tensor maps,
-  the async proxy (``fence.proxy.async``), clusters; ``fence.mbarrier_init`` is a no-op.
+- Not modelled for sm_90 yet: TMA and tensor maps, the async proxy (``fence.proxy.async`` is a
+  no-op: wgmma sees ordinary writes at once), clusters, wgmma's base offset and its timing;
+  ``fence.mbarrier_init`` is a no-op.
 - Not provided: ``__half2``/``__nv_bfloat162`` and h* intrinsics, ``__ballot_sync`` and friends,
   cooperative groups, inline PTX, textures, ``RawModule.get_global``, streams (ignored). The inline PTX
   that ``flashcupy/backends/cupy_backend/kernels/tensor_core.cuh`` wraps (mma.sync m16n8k16,

@@ -6,8 +6,8 @@ its callbacks), and each launch of its functions leaves a ``Counters`` in ``kern
 (and in every ``recording()`` list open at the time). A module built without it is the ordinary
 build, byte for byte: counting costs nothing when it is off.
 
-The model (runtime.cpp, ``note`` and ``evaluate``)
---------------------------------------------------
+The model (runtime/counters.h, ``note`` and ``evaluate``)
+--------------------------------------------------------
 Warp-wide requests. A lane's n-th execution of one memory instruction (its call site in the
 compiled kernel) is grouped with the n-th execution of that instruction by the other lanes of its
 warp, and the group is one warp-wide request, as converged SIMT lanes issue it; lanes that skip the

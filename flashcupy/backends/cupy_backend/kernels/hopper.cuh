@@ -1,5 +1,5 @@
-// hopper.cuh: the sm_90a synchronisation instructions a warp-specialised kernel uses, each in one
-// small function, as tensor_core.cuh does for mma.sync (compile for -arch=sm_90a).
+// hopper.cuh: the sm_90a synchronisation and wgmma instructions a warp-specialised kernel uses,
+// each in one small function, as tensor_core.cuh does for mma.sync (compile for -arch=sm_90a).
 //
 //   mbarrier_init(bar, count)          an mbarrier (8 bytes of shared memory, 8-byte aligned):
 //                                      phase 0, count arrivals pending, tx-count 0      sm_80+
@@ -14,6 +14,19 @@
 //   named_barrier_arrive(id, count)    bar.arrive id, count: arrive, do not wait
 //   elect_one_sync(mask)               true in one lane of `mask` (all of it must be here) sm_90
 //   setmaxnreg_inc<R>(), _dec<R>()     the warpgroup's register cap to R (24..256, x8)   sm_90a
+//   make_descriptor(tile, lbo, sbo, swizzle)  the 64-bit shared-memory matrix descriptor of wgmma
+//   wgmma_ss<T, N, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate)                     sm_90a
+//                                      wgmma.mma_async m64nNk16.f32.T.T, A and B by descriptor
+//   wgmma_rs<T, N, TRANS_B>(d, a, desc_b, accumulate)   the same with A from 4 registers sm_90a
+//   wgmma_fence()                      wgmma.fence.sync.aligned: before a warpgroup's first
+//                                      mma_async, and after ordinary writes to the registers one
+//                                      reads (its accumulators, the A fragment of wgmma_rs)
+//   wgmma_commit_group()               the thread's uncommitted mma_async become its newest group
+//   wgmma_wait_group<N>()              wait until at most the newest N groups are in flight
+//   fence_proxy_async()                fence.proxy.async.shared::cta: ordinary shared-memory writes
+//                                      of this thread visible to wgmma (and TMA) reads after it
+//   wgmma_fence_operand<COUNT>(r)      keep the compiler from moving accesses to the COUNT floats
+//                                      of r across it (no instruction: an empty asm on each)
 //
 // mbarrier semantics (PTX ISA, "Parallel Synchronization and Communication Instructions:
 // mbarrier"): a phase completes when its pending arrival count and its tx-count both reach zero;
@@ -28,9 +41,45 @@
 // same one; it only takes effect when the kernel has a register cap at entry
 // (__launch_bounds__(threads, 1)).
 //
+// wgmma (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions"): a
+// warpgroup is 4 consecutive warps from a warp index divisible by 4; its 128 threads all issue the
+// same wgmma.mma_async (same shape, types, descriptors, scale-d, transposes). D (64 x N, f32) =
+// A (64 x 16) B (16 x N) + (accumulate ? D : 0), T = __half or __nv_bfloat16, N a multiple of 8
+// up to 256 (wrapped here: 64, 128).
+//   Accumulators, float d[N / 2] per thread: warp w of the warpgroup holds rows 16 w .. 16 w + 15;
+//   with r = 16 w + lane / 4 and c = 2 (lane % 4), for j in 0 .. N/8 - 1:
+//     d[4 j + 0], d[4 j + 1] = D[r][8 j + c], D[r][8 j + c + 1]
+//     d[4 j + 2], d[4 j + 3] = D[r + 8][8 j + c], D[r + 8][8 j + c + 1]
+//   (per warp, the mma.sync m16n8k16 C layout repeated N/8 times along the columns).
+//   A fragment of wgmma_rs, unsigned a[4] (two 16-bit elements each, the smaller column in the low
+//   half), the mma.sync m16n8k16 A layout per warp: a[0] = A[r][c, c+1], a[1] = A[r+8][c, c+1],
+//   a[2] = A[r][c+8, c+9], a[3] = A[r+8][c+8, c+9]. So a D of one wgmma, packed in pairs, is the
+//   A of the next: for k-step t, a[i] = pack2<T>(d[8t + 2i], d[8t + 2i + 1]) (P = softmax(S), P V).
+// Shared-memory operands: matrix descriptor (64 bits; PTX ISA "Matrix Descriptor Format"):
+//   bits  0-13  start address >> 4 (the shared-window address, 16-byte aligned)
+//   bits 16-29  leading dimension byte offset (LBO) >> 4
+//   bits 32-45  stride dimension byte offset (SBO) >> 4
+//   bits 49-51  base offset (0 here: every tile is aligned to its swizzle pattern's repeat)
+//   bits 62-63  swizzle: 0 none, 1 128B, 2 64B, 3 32B
+// The layout of an operand X (A: 64 rows m, B: N rows n; 16 columns k), 16-bit elements, byte
+// offsets from the start address, with W the swizzle span (32, 64, 128 bytes):
+//   K-major (TRANS 0: X[mn][k] with k contiguous), no swizzle: core matrices of 8 rows x 16 bytes
+//     (128 contiguous bytes), 8-row groups SBO apart, the two 8-column halves of k LBO apart:
+//       (mn % 8) * 16 + (mn / 8) * SBO + (k / 8) * LBO + (k % 8) * 2
+//   K-major, swizzle W: rows of W bytes, 8-row groups SBO apart (1024 for 128B), LBO unused:
+//       (mn % 8) * W + (mn / 8) * SBO + k * 2
+//   MN-major (TRANS 1, "transposed": X[mn][k] with mn contiguous, e.g. B = V stored [key][d]),
+//     no swizzle: (mn % 8) * 2 + (mn / 8) * SBO + (k % 8) * 16 + (k / 8) * LBO
+//   MN-major, swizzle W: (mn % (W/2)) * 2 + (mn / (W/2)) * LBO + (k % 8) * W + (k / 8) * SBO
+// and swizzle W then XORs the 16-byte chunk bits [4, 4 + log2(W/16)) of the absolute shared
+// address with its bits [7, 7 + log2(W/16)): tiles must start at a multiple of 8 W bytes (1024 for
+// 128B), plus at most W - 16 bytes (the K advance inside a row: +32 bytes per k16 step in 128B).
+//
 // Under NVRTC these are inline PTX. Under the CPU emulator (FLASHCUPY_EMULATOR) the same names come
 // from its emu_hopper.h, which models each as above: waits are scheduling points, a barrier that
-// can never complete is a DeadlockError naming it and its phase, misuse is a KernelError.
+// can never complete is a DeadlockError naming it and its phase, misuse is a KernelError. wgmma
+// is emu_wgmma.h's: a warpgroup rendezvous whose results land at the covering wait_group, the
+// accumulators holding NaN in between; bad descriptors and mismatched warps are KernelErrors.
 
 #pragma once
 
@@ -38,6 +87,7 @@
 
 #ifdef FLASHCUPY_EMULATOR
 #include <emu_hopper.h>
+#include <emu_wgmma.h>
 #else
 
 __device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned count) {
@@ -97,10 +147,135 @@ __device__ __forceinline__ void setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REGS));
 }
 
+// ---------------------------------------------------------------------------------------------
+// wgmma
+
+// fence.proxy.async.shared::cta: this thread's ordinary shared-memory writes before it are seen by
+// the async proxy (wgmma's operand reads, TMA) after it; then a barrier for the other threads.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_commit_group() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait_group() {
+    static_assert(N >= 0 && N <= 7, "wgmma.wait_group: N in [0, 7]");
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+
+template <int COUNT>
+__device__ __forceinline__ void wgmma_fence_operand(float* r) {
+#pragma unroll
+    for (int i = 0; i < COUNT; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+
+// One specialisation per (type, N): the instructions differ in a suffix and in how many registers
+// they name, which an asm statement can only spell out. scale-d is a predicate made from
+// `accumulate`; imm-scale-a and -b are 1; the transposes are immediates.
+template <typename T, int N>
+struct Wgmma;
+
+#define FLASHCUPY_WGMMA(T, AB, N, DREGS, DOPERANDS, SS_SCALE, SS_TAIL, RS_SCALE, RS_TAIL)                  \
+    template <>                                                                                              \
+    struct Wgmma<T, N> {                                                                                     \
+        template <bool TRANS_A, bool TRANS_B>                                                                \
+        __device__ static __forceinline__ void ss(float* d, unsigned long long desc_a,                        \
+                                                  unsigned long long desc_b, bool accumulate) {               \
+            asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %" SS_SCALE ", 0;\n"                            \
+                         " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." AB "." AB " " DREGS ", " SS_TAIL   \
+                         ";\n}\n"                                                                             \
+                         : DOPERANDS(d)                                                                      \
+                         : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(int(TRANS_A)), "n"(int(TRANS_B)) \
+                         : "memory");                                                                        \
+        }                                                                                                    \
+        template <bool TRANS_B>                                                                              \
+        __device__ static __forceinline__ void rs(float* d, const unsigned a[4], unsigned long long desc_b,   \
+                                                  bool accumulate) {                                         \
+            asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %" RS_SCALE ", 0;\n"                            \
+                         " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." AB "." AB " " DREGS ", " RS_TAIL   \
+                         ";\n}\n"                                                                             \
+                         : DOPERANDS(d)                                                                      \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)),    \
+                           "n"(int(TRANS_B))                                                                 \
+                         : "memory");                                                                        \
+        }                                                                                                    \
+    };
+
+// m64n64k16: d is %0-%31; SS: desc_a %32, desc_b %33, scale-d %34, transposes %35, %36;
+// RS: a %32-%35, desc_b %36, scale-d %37, trans-b %38
+#define FLASHCUPY_WGMMA_D64 "{" \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31" \
+    "}"
+#define FLASHCUPY_WGMMA_D64_OPERANDS(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
+    "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), \
+    "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), \
+    "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+FLASHCUPY_WGMMA(__half, "f16", 64, FLASHCUPY_WGMMA_D64, FLASHCUPY_WGMMA_D64_OPERANDS, "34",
+                "%32, %33, p, 1, 1, %35, %36", "37", "{%32, %33, %34, %35}, %36, p, 1, 1, %38")
+FLASHCUPY_WGMMA(__nv_bfloat16, "bf16", 64, FLASHCUPY_WGMMA_D64, FLASHCUPY_WGMMA_D64_OPERANDS, "34",
+                "%32, %33, p, 1, 1, %35, %36", "37", "{%32, %33, %34, %35}, %36, p, 1, 1, %38")
+#undef FLASHCUPY_WGMMA_D64
+#undef FLASHCUPY_WGMMA_D64_OPERANDS
+
+// m64n128k16: d is %0-%63; SS: desc_a %64, desc_b %65, scale-d %66, transposes %67, %68;
+// RS: a %64-%67, desc_b %68, scale-d %69, trans-b %70
+#define FLASHCUPY_WGMMA_D128 "{" \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, " \
+    "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
+    "}"
+#define FLASHCUPY_WGMMA_D128_OPERANDS(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
+    "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), \
+    "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), \
+    "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), \
+    "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), \
+    "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
+    "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), \
+    "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+FLASHCUPY_WGMMA(__half, "f16", 128, FLASHCUPY_WGMMA_D128, FLASHCUPY_WGMMA_D128_OPERANDS, "66",
+                "%64, %65, p, 1, 1, %67, %68", "69", "{%64, %65, %66, %67}, %68, p, 1, 1, %70")
+FLASHCUPY_WGMMA(__nv_bfloat16, "bf16", 128, FLASHCUPY_WGMMA_D128, FLASHCUPY_WGMMA_D128_OPERANDS, "66",
+                "%64, %65, p, 1, 1, %67, %68", "69", "{%64, %65, %66, %67}, %68, p, 1, 1, %70")
+#undef FLASHCUPY_WGMMA_D128
+#undef FLASHCUPY_WGMMA_D128_OPERANDS
+#undef FLASHCUPY_WGMMA
+
 #endif  // FLASHCUPY_EMULATOR
 
 // try_wait returns false when the hardware's time limit passes first: loop until the phase completes.
 __device__ __forceinline__ void mbarrier_wait_parity(unsigned long long* bar, unsigned parity) {
     while (!mbarrier_try_wait_parity(bar, parity)) {
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// wgmma: descriptors and the calls by type (the same under NVRTC and the emulator)
+
+enum WgmmaSwizzle : unsigned { kSwizzleNone = 0, kSwizzle128B = 1, kSwizzle64B = 2, kSwizzle32B = 3 };
+
+// The descriptor of the operand whose first element (before the swizzle) is at `tile`; lbo and
+// sbo in bytes (multiples of 16), base offset 0. Adding (bytes >> 4) to it moves the start
+// address, as the K advance inside a swizzled row does.
+__device__ __forceinline__ unsigned long long make_descriptor(const void* tile, unsigned lbo_bytes, unsigned sbo_bytes,
+                                                              WgmmaSwizzle swizzle) {
+    const unsigned long long address = smem_address(tile);
+    return ((address & 0x3FFFFull) >> 4) | (static_cast<unsigned long long>((lbo_bytes >> 4) & 0x3FFFu) << 16) |
+           (static_cast<unsigned long long>((sbo_bytes >> 4) & 0x3FFFu) << 32) |
+           (static_cast<unsigned long long>(swizzle) << 62);
+}
+
+template <typename T, int N, bool TRANS_A = false, bool TRANS_B = false>
+__device__ __forceinline__ void wgmma_ss(float d[N / 2], unsigned long long desc_a, unsigned long long desc_b,
+                                         bool accumulate) {
+    Wgmma<T, N>::template ss<TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
+}
+
+template <typename T, int N, bool TRANS_B = false>
+__device__ __forceinline__ void wgmma_rs(float d[N / 2], const unsigned a[4], unsigned long long desc_b,
+                                         bool accumulate) {
+    Wgmma<T, N>::template rs<TRANS_B>(d, a, desc_b, accumulate);
 }

@@ -3,7 +3,7 @@
 //
 // The driver force-includes this header (g++ -include cuda_emu.h) ahead of the
 // kernel source. It declares only what a GPU provides; the machinery behind
-// barriers, warp collectives and traps lives in runtime.cpp.
+// barriers, warp collectives and traps lives in runtime.cpp and its parts (runtime/).
 //
 // Execution model, in one breath: the blocks of a grid run one after another;
 // each CUDA thread of a block is a fiber with its own stack; a fiber runs until

@@ -1,6 +1,6 @@
 // emu_hopper.h: the emulator's versions of the sm_90 instructions that
 // flashcupy/backends/cupy_backend/kernels/hopper.cuh wraps, under the same names. The models live
-// in runtime.cpp (they need the scheduler):
+// in runtime/hopper.h, a part of runtime.cpp (they need the scheduler):
 //   mbarrier          a table, per block, keyed by the barrier's shared address: phase, arrivals
 //                     pending of the init count, tx-count. Arrivals and complete_tx complete the
 //                     phase when both reach zero, which wakes the threads waiting on its parity.
@@ -19,8 +19,13 @@
 //                     must be a multiple of 8 in [24, 256] and the same (and the same .inc/.dec)
 //                     in every thread, and .inc may not lower (.dec raise) the cap a previous
 //                     setmaxnreg of the warpgroup set. The register count itself is not modelled.
+//   wgmma             emu_wgmma.h (hopper.cuh includes it beside this one) and
+//                     runtime/wgmma.h: mma_async a warpgroup rendezvous on decoded and
+//                     checked descriptors, results landing at the covering wait_group.
 // A block whose threads all wait (barriers, mbarriers, collectives) with none able to complete
 // is a DeadlockError that names each mbarrier waited on (its shared-memory offset and phase).
+// Not modelled yet: TMA and tensor maps, the async proxy (fence.proxy.async is a no-op),
+// clusters.
 
 #pragma once
 
@@ -29,7 +34,7 @@
 namespace emu {
 void mbarrier_init(void* bar, unsigned count);
 void mbarrier_arrive(void* bar, unsigned expect_tx_bytes);
-// What a TMA copy does to the barrier it signals as it lands (runtime.cpp; hopper.cuh's
+// What a TMA copy does to the barrier it signals as it lands (runtime/hopper.h; hopper.cuh's
 // mbarrier_complete_tx is the same operation issued by a thread).
 void mbarrier_complete_tx(void* bar, unsigned bytes);
 bool mbarrier_try_wait_parity(void* bar, unsigned parity);
