@@ -10,7 +10,7 @@ test_contract_numba.py each run one backend's rows (a file each: pytest-xdist pu
 on one worker, and the emulator and simulator rows are the slow ones); the context a row needs
 (the emulator, the NumPy backend's K/V path, tensor cores on or off) is entered by `check` itself.
 
-A new backend adds its entry to BACKENDS and a test_contract_<name>.py of three lines.
+A new backend adds its entries to BACKENDS and CONTEXTS and a test_contract_<name>.py of a few lines.
 """
 
 from __future__ import annotations
