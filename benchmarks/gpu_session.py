@@ -571,7 +571,8 @@ def _run(command, env, limit: float, log) -> tuple:
 
 # the sm_90 synchronisation blocks first: the Hopper kernels' emulator models rest on them
 PYTEST_FILES = {"blocks": {"main": ["tests/test_hopper_gpu.py", "tests/test_tensor_core_gpu.py"]},
-                "pytest": {"main": ["tests/test_cupy_gpu.py"], "numba": ["tests/test_numba_backend.py"]}}
+                "pytest": {"main": ["tests/test_cupy_gpu.py"],
+                           "numba": ["tests/test_contract_numba.py", "tests/test_numba_backend.py"]}}
 
 
 def _pytest_stage(stage, args, env, limit, log, results):

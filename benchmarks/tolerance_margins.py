@@ -1,7 +1,8 @@
 """How close each backend comes to the tolerance rule (reference/compare.py), per dtype and output.
 
 Runs every kernel family on the oracle battery, with the default scale and with a larger one,
-and prints the worst error / tolerance seen: the margin a correct kernel keeps (a ratio far below
+and prints the worst error / tolerance seen, each family charged only its own liberties
+(reference.compare.kernel_family): the margin a correct kernel keeps (a ratio far below
 1 everywhere) and how much room a wrong one has to hide. The CuPy kernels run on the CPU
 emulator (flashcupy/tools/emulator/), Numba's on its simulator; nothing needs a GPU.
 
@@ -24,7 +25,7 @@ import numpy as np  # noqa: E402
 
 import flashcupy  # noqa: E402
 from flashcupy.backends import bfloat16_dtype, cupy_backend  # noqa: E402
-from reference.compare import BATTERY, error_ratio, expected  # noqa: E402
+from reference.compare import BATTERY, error_ratio, expected, kernel_family  # noqa: E402
 
 OUTPUTS = ("out", "lse", "dq", "dk", "dv")
 FAMILIES = {  # name: (backend, dtypes, context)
@@ -63,7 +64,8 @@ def worst_ratios(family: str, dtype: str, rng) -> dict:
                 kw = dict(causal=causal, scale=scale, backend=backend, dtype="bfloat16" if bits else None)
                 out, lse = flashcupy.attention(*args[:3], return_lse=True, **kw)
                 grads = flashcupy.attention_backward(args[3], *args[:3], out, lse, **kw)
-                want = expected(q, k, v, dout, causal=causal, scale=scale, dtype=dtype)
+                family = kernel_family(backend, dtype, D)  # inside the context: USE_TENSOR_CORES as set
+                want = expected(q, k, v, dout, causal=causal, scale=scale, dtype=dtype, family=family)
                 for name, got in zip(OUTPUTS, (out, lse, *grads)):
                     worst[name] = max(worst[name], error_ratio(got, want, name))
     return worst

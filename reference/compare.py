@@ -53,8 +53,38 @@ def dtype_name(dtype) -> str:
 # rounding the kernels do, and only the final rounding into the storage dtype can come near it.
 SAFETY = 1.5
 # The NumPy backend subtracts a reference max that trails the row max by up to 60 ln 2 inside its
-# score matmul (lazy rescaling), so |m| joins the terms whose rounding reaches s - m.
+# score matmul (lazy rescaling), so |m| joins the terms whose rounding reaches s - m; and its row sum
+# may sink to 2^-60 before the reference moves, so a p that small times the smallest normal may be
+# flushed (softmax.py's L_MIN, L_MAX).
 LAZY_MAX = 60 * math.log(2)
+LAZY_RANGE = 2.0**60
+
+# The kernel families, each charged only its own liberties on top of the roundings every kernel does:
+# "numpy": the lazy maximum (LAZY_MAX, LAZY_RANGE); "simt" (the cupy SIMT kernels, numba): none, P and
+# dS stay in the accumulation dtype and m is the exact running max; "tensor_core": P and dS rounded
+# to the 16-bit storage dtype before their matmuls (u_p, and float16's subnormal floor round16).
+# None (a caller that cannot say which kernels ran) charges every family's liberties.
+FAMILIES = ("numpy", "simt", "tensor_core")
+
+
+def kernel_family(backend: str, dtype, head_dim: int) -> str:
+    """The kernel family a call of `backend` on `dtype` and `head_dim` runs, for expected(family=):
+    the one place the tests, the margins script and the check decide it.
+
+    numpy -> "numpy"; cupy -> "tensor_core" where its tensor-core kernels take the dtype and
+    head_dim (cupy_backend.USE_TENSOR_CORES and specs.tensor_core_eligible; a call whose strides
+    send it to the SIMT kernels after all is still judged as tensor-core, the looser of the two),
+    else "simt"; numba -> "simt"."""
+    if backend == "numpy":
+        return "numpy"
+    if backend == "numba":
+        return "simt"
+    if backend == "cupy":
+        from flashcupy.backends import cupy_backend
+        from flashcupy.backends.cupy_backend import specs
+        eligible = cupy_backend.USE_TENSOR_CORES and specs.tensor_core_eligible(dtype_name(dtype), head_dim)
+        return "tensor_core" if eligible else "simt"
+    raise ValueError(f"no kernel family known for backend {backend!r}")
 
 
 @dataclass
@@ -68,7 +98,7 @@ class Expected:
 
 
 def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window=None, softcap=None,
-             alibi_slopes=None, bias=None, mask=None, probs=False, _dbias_shape=None) -> Expected:
+             alibi_slopes=None, bias=None, mask=None, probs=False, family=None, _dbias_shape=None) -> Expected:
     """Oracle results and tolerances for these inputs (dout None: forward only), with the score
     modifiers of the README (dbias too when bias and dout are given; P, the attention weights of
     attention_probs, too with probs=True).
@@ -77,12 +107,13 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
     storage dtype's unit roundoff, u_a the accumulation dtype's, gamma(n) = n u_a (a sum of n
     products), and |.| products of absolute values:
     - scores: s_ij - m is off by at most ds_i = gamma(D + 2) (scale |q_i|.|k_j| + |m|), |m| up to
-      max_j scale |q_i|.|k_j| + LAZY_MAX; each p_ij = exp(s_ij - lse_i) is then off by a relative
-      eps_i = 2 ds_i + gamma(Sk) + 4 u_a (the row sum, exp2 and the division), plus u_p where the
-      tensor-core kernels round P and dS to the storage dtype (u_p = u_s for float16 and bfloat16),
-      and absolutely by p_floor (a p below it may be flushed: the accumulation dtype's smallest
-      normal times 2^60, the lazy rescaling's range; half float16's smallest subnormal once
-      rounded to float16);
+      max_j scale |q_i|.|k_j| (+ LAZY_MAX for the "numpy" family); each p_ij = exp(s_ij - lse_i) is
+      then off by a relative eps_i = 2 ds_i + gamma(Sk) + 4 u_a (the row sum, exp2 and the
+      division), plus u_p (u_s for float16 and bfloat16 in the "tensor_core" family, which rounds
+      P and dS to the storage dtype; u_a otherwise), and absolutely by p_floor (a p below it may be
+      flushed: the accumulation dtype's smallest normal, times 2^60 for "numpy", the lazy
+      rescaling's range; for float16 on "tensor_core", half float16's smallest subnormal, round16,
+      once rounded to float16);
     - lse_i: ds_i + gamma(Sk) + u_a |lse_i|;
     - out_i: (eps_i + u_p + gamma(Sk)) sum_j p_ij |v_j|;
     - dv_j: sum_i p_ij (eps_i + u_p + gamma(Sq group)) |dO_i|;
@@ -105,6 +136,9 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
     - P_ij (attention_probs, from the backend's own lse): p_ij (eps_i + lse's bound) + p_floor.
     The tolerance is SAFETY times the bound.
 
+    family: the kernel family that computed the results (FAMILIES, from kernel_family): only its
+    own liberties are charged; None charges all of them (LAZY_MAX, 2^60, u_p, round16).
+
     q of rank above 4, (*batch, seqlen_q, heads_q, head_dim) with k and v alike, and a bias or mask
     broadcastable to (*batch, heads_q, seqlen_q, seqlen_k) (README): the same model on the leading
     dimensions folded into one (_expected_leading), dbias summed over every dimension the bias
@@ -112,13 +146,19 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
     """
     if np.ndim(q) > 4:
         return _expected_leading(q, k, v, dout, causal=causal, scale=scale, dtype=dtype, window=window,
-                                 softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, probs=probs)
+                                 softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, probs=probs,
+                                 family=family)
+    if family not in FAMILIES + (None,):
+        raise ValueError(f"family must be one of {FAMILIES} or None, got {family!r}")
+    lazy = family in ("numpy", None)
+    sixteen_bit_p = family in ("tensor_core", None)
     dtype = dtype_name(dtype if dtype is not None else q.dtype)
     u_s, u_a = ROUNDOFF[dtype]
-    u_p = u_s if dtype in ("float16", "bfloat16") else u_a
+    u_p = u_s if sixteen_bit_p and dtype in ("float16", "bfloat16") else u_a
     acc = accumulation_dtype(dtype).type
-    round16 = 2.0**-25 if dtype == "float16" else 0.0
-    p_floor = max(float(np.finfo(acc).tiny) * 2.0**60, round16)
+    round16 = 2.0**-25 if sixteen_bit_p and dtype == "float16" else 0.0
+    p_floor = max(float(np.finfo(acc).tiny) * (LAZY_RANGE if lazy else 1.0), round16)
+    lazy_max = LAZY_MAX if lazy else 0.0
     store_floor = 2.0**-25 if dtype == "float16" else float(np.finfo(acc).tiny)
 
     mods = _modifiers(window, softcap, alibi_slopes, bias, mask)
@@ -135,7 +175,7 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
         return n * u_a
 
     Sabs = np.einsum("bhqd,bhkd->bhqk", abs(Q), abs(K)) * scale * seen
-    ds = gamma(D + 2) * (Sabs.max(axis=-1, initial=0.0) + LAZY_MAX) * seen.max(axis=-1, initial=0.0)
+    ds = gamma(D + 2) * (Sabs.max(axis=-1, initial=0.0) + lazy_max) * seen.max(axis=-1, initial=0.0)
     if modified:
         _, added = _added_terms(q.shape, k.shape, alibi_slopes, bias, dtype)
         capped = Sabs if T is None else abs(softcap * T) * seen

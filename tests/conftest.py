@@ -29,7 +29,7 @@ if ROOT not in sys.path:  # the oracle lives in reference/, which is not install
 
 import flashcupy  # noqa: E402
 import reference  # noqa: E402
-from reference.compare import BATTERY as CASES, error_ratio, expected  # noqa: E402
+from reference.compare import BATTERY as CASES, error_ratio, expected, kernel_family  # noqa: E402
 
 DTYPES = (np.float16, np.float32, np.float64)
 BF16 = np.dtype(ml_dtypes.bfloat16)  # NumPy's bfloat16 (ml_dtypes); uint16 bits with dtype="bfloat16"
@@ -64,13 +64,19 @@ def bf16_ties(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim):
     return q, k, v, bf16_bits(exact.astype(BF16))
 
 
-def assert_matches_oracle(got, q, k, v, dout=None, *, causal=False, scale=None, dtype=None, **modifiers):
+def assert_matches_oracle(got, q, k, v, dout=None, *, backend, causal=False, scale=None, dtype=None, **modifiers):
     """Check a backend's (out, lse) or (out, lse, dq, dk, dv), or (out, lse, dq, dk, dv, dbias) with
     a bias, against the oracle, element by element, with the tolerance of reference/compare.py; q,
     k, v, dout as the backend got them (NumPy arrays; bfloat16 as ml_dtypes arrays, or uint16 bits
     with dtype="bfloat16"); modifiers: window, softcap, alibi_slopes, bias, mask as the backend got
-    them. Returns {output: err/tol}."""
-    want = expected(q, k, v, dout, causal=causal, scale=scale, dtype=dtype, **modifiers)
+    them. backend (required): the backend that computed `got`; the tolerance charges only its kernel
+    family's liberties (reference.compare.kernel_family, decided while the test's settings, such as
+    cupy_backend.USE_TENSOR_CORES, still hold). None, said explicitly: results that are no one
+    kernel's (flashcupy.merge of parts each stored in the storage dtype), charged every family's
+    liberties. Returns {output: err/tol}."""
+    family = None if backend is None else kernel_family(backend, dtype if dtype is not None else q.dtype,
+                                                          np.shape(q)[-1])
+    want = expected(q, k, v, dout, causal=causal, scale=scale, dtype=dtype, family=family, **modifiers)
     ratios = {}
     for name, x in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got):
         ratios[name] = error_ratio(x, want, name)
@@ -111,7 +117,8 @@ def battery_fails(backend: str, dtype=np.float32, cases=MUTATION_BATTERY) -> boo
                                            **kw)
             grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
                                                  backend=backend, **kw)
-            assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, scale=scale, **kw)
+            assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend=backend, causal=causal, scale=scale,
+                                  **kw)
         except Exception:  # the oracle check failed, or the mutant could not run
             return True
     return False

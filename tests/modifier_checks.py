@@ -12,7 +12,7 @@ import numpy as np
 
 import flashcupy
 from conftest import BF16, assert_matches_oracle, bf16_bits
-from reference.compare import error_ratio, expected
+from reference.compare import error_ratio, expected, kernel_family
 
 
 def modifier_cases(rng, shape, dtype):
@@ -79,10 +79,11 @@ def large_scores_check(backend, dtype, scale, head_dim=4, seeds=range(4), bits=F
             call = dict(call, dtype="bfloat16", **({"bias": bf16_bits(call["bias"])} if "bias" in call else {}))
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend=backend, **call)
         grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend=backend, **call)
-        assert_matches_oracle((out, lse, *grads), q, k, v, dout, **call)
+        assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend=backend, **call)
         P = flashcupy.attention_probs(q, k, lse, backend=backend, **call)
         assert np.all((P >= 0) & (P <= 1)), (seed, P)
-        assert error_ratio(P, expected(q, k, v, probs=True, **call), "P") <= 1
+        family = kernel_family(backend, call.get("dtype", dtype), head_dim)
+        assert error_ratio(P, expected(q, k, v, probs=True, family=family, **call), "P") <= 1
 
 
 def check(q, k, v, dout, rng=None, bits=False, rows=None, backend="numpy", **kw):
@@ -101,9 +102,9 @@ def check(q, k, v, dout, rng=None, bits=False, rows=None, backend="numpy", **kw)
     assert len(grads) == (4 if "bias" in kw else 3)
     for g, x in zip(grads, (q, k, v, call.get("bias"))):
         assert g.dtype == x.dtype and g.shape == x.shape
-    ratios = assert_matches_oracle((out, lse, *grads), q, k, v, dout, **ref)
+    ratios = assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend=backend, **ref)
     P = flashcupy.attention_probs(q, k, lse, rows=rows, backend=backend, **call)
-    want = expected(q, k, v, probs=True, **ref)
+    want = expected(q, k, v, probs=True, family=kernel_family(backend, ref.get("dtype", q.dtype), q.shape[-1]), **ref)
     ratios["P"] = error_ratio(P, want, "P", rows=rows)
     assert ratios["P"] <= 1, f"P: error {ratios['P']:.3g} times the tolerance"
     sums = P.sum(axis=-1)

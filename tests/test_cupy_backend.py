@@ -1,4 +1,6 @@
-"""The cupy backend's kernels, run by the CPU CUDA emulator and compared with the oracle.
+"""The cupy backend's kernels, run by the CPU CUDA emulator and compared with the oracle: what is
+the backend's own (layouts, head dims, kernel handles, specialisation tables, barriers, deliberate
+bugs); the shared battery over every dtype, kernel path and shape is tests/test_contract_cupy.py's.
 
 No GPU is needed: flashcupy/tools/emulator/cupy.py swaps NumPy and the emulator in for CuPy and
 NVRTC, and every test goes through the public API with backend="cupy", so dispatch, grid sizes,
@@ -24,8 +26,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashcupy
-from conftest import (BF16, CASES, DTYPES, LAYOUTS, MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, bf16_bits,
-                      case_id, make_qkv, mutation_tests, reference, strided_empty)
+from conftest import (BF16, DTYPES, LAYOUTS, MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, bf16_bits, make_qkv,
+                      mutation_tests, reference, strided_empty)
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import sources, specs
 
@@ -57,54 +59,7 @@ def check(got, q, k, v, dout, *, causal, scale=None):
     assert out.dtype == q.dtype and lse.dtype == (np.float64 if q.dtype == np.float64 else np.float32)
     for g, x in zip(grads, (q, k, v)):
         assert g.dtype == x.dtype and g.shape == x.shape
-    assert_matches_oracle(got, q, k, v, dout, causal=causal, scale=scale)
-
-
-@pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_matches_oracle(rng, case, dtype, order):
-    B, Sq, Sk, Hq, Hkv, D, causal = case
-    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
-    dout = rng.standard_normal(q.shape).astype(dtype)
-    with emulated(order):
-        got = run(q, k, v, dout, causal=causal)
-    check(got, q, k, v, dout, causal=causal)
-
-
-@pytest.fixture
-def simt_only(monkeypatch):
-    """The SIMT forward and backward for float16/bfloat16 too (the tensor-core kernels take them by default)."""
-    monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", False)
-
-
-@pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_float16_on_the_simt_kernels(rng, order, case, simt_only):
-    B, Sq, Sk, Hq, Hkv, D, causal = case
-    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
-    dout = rng.standard_normal(q.shape).astype(np.float16)
-    with emulated(order):
-        got = run(q, k, v, dout, causal=causal)
-    check(got, q, k, v, dout, causal=causal)
-
-
-@pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-cores", "simt"])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_bfloat16_bits_match_oracle(rng, order, case, tensor_cores, monkeypatch):
-    """bfloat16 as CuPy users pass it: uint16 bit patterns with dtype="bfloat16"."""
-    B, Sq, Sk, Hq, Hkv, D, causal = case
-    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, BF16)
-    dout = rng.standard_normal(q.shape).astype(BF16)
-    qb, kb, vb, db = (bf16_bits(x) for x in (q, k, v, dout))
-    monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", tensor_cores)
-    with emulated(order):
-        out, lse = flashcupy.attention(qb, kb, vb, causal=causal, return_lse=True, backend="cupy", dtype="bfloat16")
-        grads = flashcupy.attention_backward(db, qb, kb, vb, out, lse, causal=causal, backend="cupy",
-                                             dtype="bfloat16")
-    assert out.dtype == np.uint16 and lse.dtype == np.float32 and all(g.dtype == np.uint16 for g in grads)
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal)
+    assert_matches_oracle(got, q, k, v, dout, causal=causal, scale=scale, backend="cupy")
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -331,7 +286,7 @@ def test_each_barrier_and_wait_is_needed(rng, tmp_path, name, lineno):
             with emulated(order, cp_async=cp_async, compile=compile):
                 try:
                     got = flashcupy.attention(q, k, v, causal=causal, return_lse=True, backend="cupy")
-                    assert_matches_oracle(got, q, k, v, causal=causal)
+                    assert_matches_oracle(got, q, k, v, causal=causal, backend="cupy")
                 except (AssertionError, emulator.KernelError):
                     break
         else:
@@ -404,7 +359,7 @@ def test_property_matches_oracle(B, Sq, Sk, Hkv, group, D, causal, dtype, layout
     with emulated(order, seed=seed):
         out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
         grads = flashcupy.attention_backward(dout, q, k, v, out, lse, **kw)
-    assert_matches_oracle((out, lse, *grads), *values, causal=causal)
+    assert_matches_oracle((out, lse, *grads), *values, causal=causal, backend="cupy")
 
 
 @pytest.mark.parametrize("kw", [{}, dict(bias=True), dict(window=(2, 3))], ids=["plain", "bias", "window"])

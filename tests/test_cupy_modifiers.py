@@ -162,7 +162,7 @@ def test_windows_past_the_ends_and_rows_that_see_no_key(rng, path, Sq, Sk, windo
     assert (out.transpose(0, 2, 1, 3)[hidden] == 0).all() and (dq.transpose(0, 2, 1, 3)[hidden] == 0).all()
     assert not any(np.isnan(g).any() for g in (dq, dk, dv))
     dout = np.nan_to_num(dout)  # the oracle's own dout: the NaN rows see no key, so this changes nothing
-    assert_matches_oracle((out, lse, dq, dk, dv), q, k, v, dout, **kw)
+    assert_matches_oracle((out, lse, dq, dk, dv), q, k, v, dout, backend="cupy", **kw)
 
 
 @pytest.mark.parametrize("path, deterministic, kernel", [
@@ -194,7 +194,7 @@ def test_rows_the_mask_hides_add_nothing_whatever_their_dout_holds(rng, monkeypa
     assert np.isneginf(lse[1, 1, 5]) and np.isneginf(lse[0, 0, 19])
     assert [int(np.isnan(g).sum()) for g in grads] == [0, 0, 0, 0]
     assert np.all(grads[0][1, 5, 1] == 0) and np.all(grads[0][0, 19, 0] == 0)
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, mask=mask, bias=bias)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, mask=mask, bias=bias, backend="cupy")
 
 
 def test_modifiers_choose_their_own_specialisation(rng):
@@ -274,18 +274,26 @@ def mutation_battery_fails(compile, monkeypatch) -> bool:
         q, k, v = make_qkv(rng, *shape, dtype)
         dout = rng.standard_normal(q.shape).astype(dtype)
         got = run_cupy(q, k, v, dout, path, "ascending", compile=compile, window=window)
-        assert_matches_oracle(got, q, k, v, dout, window=window)
+        assert_matches_oracle(got, q, k, v, dout, window=window, backend="cupy")
 
     return any_fails(functools.partial(attempt, *case) for case in MUTATION_CASES)
 
 
-def test_the_window_battery_passes_unmutated(monkeypatch):
-    assert not mutation_battery_fails(compile_module, monkeypatch)
+def battery_tests(fails, mutations):
+    """The two tests of a battery of deliberate bugs, `fails(compile, monkeypatch)`: it passes on the
+    kernels as they are, and fails with each mutation {name: (old, new)} applied."""
+    def passes_unmutated(monkeypatch):
+        assert not fails(compile_module, monkeypatch)
+
+    @pytest.mark.parametrize("name", list(mutations))
+    def catches(name, monkeypatch):
+        assert fails(_mutated(*mutations[name]), monkeypatch), f"missed: {name}"
+
+    return passes_unmutated, catches
 
 
-@pytest.mark.parametrize("name", list(WINDOW_MUTATIONS))
-def test_a_window_bug_is_caught(name, monkeypatch):
-    assert mutation_battery_fails(_mutated(*WINDOW_MUTATIONS[name]), monkeypatch), f"missed: {name}"
+test_the_window_battery_passes_unmutated, test_a_window_bug_is_caught = battery_tests(
+    mutation_battery_fails, WINDOW_MUTATIONS)
 
 
 # ----------------------------------------------------------------------------
@@ -333,10 +341,5 @@ def pair_battery_fails(compile, monkeypatch) -> bool:
     return any_fails(functools.partial(attempt, *case) for case in PAIR_CASES)
 
 
-def test_the_bias_and_mask_battery_passes_unmutated(monkeypatch):
-    assert not pair_battery_fails(compile_module, monkeypatch)
-
-
-@pytest.mark.parametrize("name", list(PAIR_MUTATIONS))
-def test_a_bias_or_mask_bug_is_caught(name, monkeypatch):
-    assert pair_battery_fails(_mutated(*PAIR_MUTATIONS[name]), monkeypatch), f"missed: {name}"
+test_the_bias_and_mask_battery_passes_unmutated, test_a_bias_or_mask_bug_is_caught = battery_tests(
+    pair_battery_fails, PAIR_MUTATIONS)

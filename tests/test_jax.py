@@ -79,7 +79,7 @@ def check_case(rng, case, dtype, **extra):
                                                  for n in ("bias", "mask", "alibi_slopes")))
     got = [np.asarray(x) for x in got]
     assert got[0].dtype == q.dtype and got[2].dtype == q.dtype
-    assert_matches_oracle(got, q, k, v, dout, **kw, **mods)
+    assert_matches_oracle(got, q, k, v, dout, backend="numpy", **kw, **mods)
     return got
 
 
@@ -109,7 +109,7 @@ def test_bfloat16_bits_with_dtype_bfloat16_forward(rng):
     values = fj.attention(*map(to_jax, (q, k, v)), causal=True)
     np.testing.assert_array_equal(np.asarray(bits), np.asarray(values).view(np.uint16))
     assert_matches_oracle([np.asarray(bits)], q.view(np.uint16), k.view(np.uint16), v.view(np.uint16),
-                          causal=True, dtype="bfloat16")
+                          causal=True, dtype="bfloat16", backend="numpy")
 
 
 # ----------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def test_matches_jax_dot_product_attention(rng, what):
                                                                       implementation="xla", **xla_kw), b)
     out_ours = fj.attention(*map(to_jax, (q, k, v)), bias=b, mask=m, **ours_kw)
     out_theirs = jax.nn.dot_product_attention(*map(to_jax, (q, k, v)), bias=b, mask=m, **xla_kw)
-    want = expected(q, k, v, dout, bias=bias, mask=mask, **ours_kw)
+    want = expected(q, k, v, dout, family="numpy", bias=bias, mask=mask, **ours_kw)
     close_to_xla(out_ours, out_theirs, want, "out")
     for name, x, y in zip(("dq", "dk", "dv", "dbias"), ours[1], theirs[1]):
         close_to_xla(x, y, want, name)
@@ -181,7 +181,7 @@ def test_vmap_folds_into_the_batch_and_grad_goes_through_jit_vmap(rng, monkeypat
     _, (dq, dk, dv, dbias) = loss(*map(to_jax, (q, k, v, bias)))
     sums = [np.zeros_like(x) for x in (k, v, bias)]
     for n in range(N):
-        want = expected(q[:, n], k, v, dout[n], causal=True, bias=bias)
+        want = expected(q[:, n], k, v, dout[n], causal=True, bias=bias, family="numpy")
         got = [np.asarray(out[n]), None, np.asarray(dq[:, n])]
         for name, x in zip(("out", "dq"), (got[0], got[2])):
             assert error_ratio(x, want, name) <= 1, name
@@ -190,7 +190,8 @@ def test_vmap_folds_into_the_batch_and_grad_goes_through_jit_vmap(rng, monkeypat
     # dk, dv and dbias are sums over the mapped elements: compare with the sum of the oracle's, to
     # the tolerance of each part added up
     for got, s, name in zip((dk, dv, dbias), sums, ("dk", "dv", "dbias")):
-        tol = sum(expected(q[:, n], k, v, dout[n], causal=True, bias=bias).tol[name] for n in range(N))
+        tol = sum(expected(q[:, n], k, v, dout[n], causal=True, bias=bias, family="numpy").tol[name]
+                  for n in range(N))
         assert np.all(np.abs(np.asarray(got) - s) <= tol), name
 
 
@@ -208,7 +209,7 @@ def test_per_example_dbias_through_vmap_of_grad(rng):
     got = jax.jit(jax.vmap(dbias, in_axes=(0, 0, None)))(to_jax(q), to_jax(dout), to_jax(bias))
     assert got.shape == (N,) + bias.shape
     for n in range(N):
-        want = expected(q[n], k, v, dout[n], bias=bias)
+        want = expected(q[n], k, v, dout[n], family="numpy", bias=bias)
         assert error_ratio(np.asarray(got[n]), want, "dbias") <= 1
 
 
@@ -233,7 +234,7 @@ def test_vmap_of_every_argument_with_modifiers(rng):
     got = jax.jit(jax.vmap(element))(*map(to_jax, (q, k, v, dout, bias, mask, slopes)))
     for n in range(N):
         assert_matches_oracle([np.asarray(x[n]) for x in got], q[n], k[n], v[n], dout[n], causal=True,
-                              bias=bias[n], mask=mask[n], alibi_slopes=slopes[n])
+                              bias=bias[n], mask=mask[n], alibi_slopes=slopes[n], backend="numpy")
 
 
 def test_nested_vmap_all_mapped(rng):
@@ -242,7 +243,7 @@ def test_nested_vmap_all_mapped(rng):
     out = jax.jit(jax.vmap(jax.vmap(lambda q, k, v: fj.attention(q, k, v, causal=True))))(*map(to_jax, (q, k, v)))
     for i in range(N1):
         for j in range(N2):
-            assert_matches_oracle([np.asarray(out[i, j])], q[i, j], k[i, j], v[i, j], causal=True)
+            assert_matches_oracle([np.asarray(out[i, j])], q[i, j], k[i, j], v[i, j], causal=True, backend="numpy")
 
 
 # ----------------------------------------------------------------------------
@@ -270,7 +271,8 @@ def test_varlen_jit_grad_vmap(rng):
         (qa, qb), (ka, kb) = cu_q[b:b + 2], cu_k[b:b + 2]
         got = [np.asarray(x)[None, qa:qb] for x in (out,)] + [np.asarray(lse)[None, :, qa:qb]]
         got += [np.asarray(dq)[None, qa:qb], np.asarray(dk)[None, ka:kb], np.asarray(dv)[None, ka:kb]]
-        assert_matches_oracle(got, q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], dout[None, qa:qb], **kw)
+        assert_matches_oracle(got, q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], dout[None, qa:qb], backend="numpy",
+                              **kw)
     # vmap: the mapped packings concatenated into one call; per element the unmapped answer
     qs = np.stack([q, -q])
     mapped = jax.jit(jax.vmap(attend, in_axes=(0, None, None)))(to_jax(qs), to_jax(k), to_jax(v))
@@ -329,7 +331,7 @@ def test_cupy_backend_writes_into_xla_buffers_on_the_emulator(rng):
     bias = rng.standard_normal((1, H, S, S)).astype(np.float32)
     with emulated():
         got = _jitted(causal=True, backend="cupy")(*map(to_jax, (q, k, v, dout, bias)), None, None)
-    assert_matches_oracle([np.asarray(x) for x in got], q, k, v, dout, causal=True, bias=bias)
+    assert_matches_oracle([np.asarray(x) for x in got], q, k, v, dout, causal=True, bias=bias, backend="cupy")
 
 
 # ----------------------------------------------------------------------------
@@ -397,7 +399,7 @@ def test_leading_batch_dimensions(rng):
                                                 return_lse=True))(*map(jnp.asarray, (q, k, v)))
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*map(jnp.asarray, (q, k, v, bias)))
     assert grads[3].shape == bias.shape
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, bias=bias, mask=mask, causal=True)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, bias=bias, mask=mask, causal=True, backend="numpy")
     stacked = jax.vmap(jax.grad(loss, argnums=3), in_axes=(0, None, None, None))(
         jnp.asarray(np.stack([q, q[::-1]])), *map(jnp.asarray, (k, v, bias)))
     np.testing.assert_allclose(np.asarray(stacked[0]), np.asarray(grads[3]), rtol=1e-6, atol=1e-6)

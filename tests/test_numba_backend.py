@@ -1,18 +1,13 @@
 """The numba backend against the float64 oracle: on the CUDA simulator here, on a GPU when present.
 
-numba.cuda decides once, when it is first imported, whether it is the simulator
-(NUMBA_ENABLE_CUDASIM=1) or the real thing. This module decides before importing it:
-- NUMBA_ENABLE_CUDASIM set in the environment: respected as it is;
-- unset and no CUDA device: the simulator, and the variable is removed again once
-  numba.cuda is imported, so subprocesses of later tests do not inherit it;
-- unset and a CUDA device present: the real device.
-The simulator runs the "simulator" battery (tiny shapes: every simulated CUDA
-thread is a Python thread); a real device runs the "gpu" battery (@pytest.mark.gpu:
-the same checks on the shared CASES too, and on CuPy and numba device arrays, on a
-CuPy stream of their own). Each battery skips cleanly where its device is absent.
-Tests that need numba.cuda in another mode run it in a subprocess, wherever this
-module runs: the kernels at the GPU's tile sizes on the simulator, and the
-availability checks of a real numba.cuda.
+numba_device.py decides which numba.cuda this process gets. The shared battery (every dtype and
+shape) is tests/test_contract_numba.py's; this file holds the numba backend's own checks: strided
+views, modifiers and varlen on the simulator ("simulator" parameters, tiny shapes: every simulated
+CUDA thread is a Python thread) and on a real device ("gpu", @pytest.mark.gpu: CuPy and numba
+device arrays, a CuPy stream of their own), each skipping cleanly where its device is absent; its
+deliberate bugs. Tests that need numba.cuda in another mode run it in a subprocess, wherever this
+module runs: the kernels at the GPU's tile sizes on the simulator, and the availability checks of
+a real numba.cuda.
 """
 
 import itertools
@@ -28,88 +23,15 @@ import pytest
 
 from conftest import (BANDS, CASES, DTYPES, LAYOUTS, MUTATION_BATTERY, assert_matches_oracle, band_problem, case_id, make_qkv,
                       mutated_module, mutation_tests, reference, strided_empty)
-
-
-def _gpu_present() -> bool:
-    """A CUDA device answers the driver, asked without importing numba."""
-    try:
-        from cuda.bindings import driver
-        err, = driver.cuInit(0)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            return False
-        err, count = driver.cuDeviceGetCount()
-        return err == driver.CUresult.CUDA_SUCCESS and count > 0
-    except Exception:  # no bindings, no driver library
-        return False
-
-
-_NUMBA_CUDA_PREIMPORTED = "numba.cuda" in sys.modules
-_WE_SET_SIM = (not _NUMBA_CUDA_PREIMPORTED and "NUMBA_ENABLE_CUDASIM" not in os.environ
-               and not _gpu_present())
-if _WE_SET_SIM:
-    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-try:
-    cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (pip install flashcupy[numba])")
-finally:
-    if _WE_SET_SIM:
-        del os.environ["NUMBA_ENABLE_CUDASIM"]
+from numba_device import GPU, SIMULATOR, cuda, gpu_present, quick_thread_switches, require  # noqa: F401 (autouse)
 
 import flashcupy  # noqa: E402
+from contract import SIMULATOR_CASES  # noqa: E402
 from flashcupy.backends import MAX_GRID, numba_backend  # noqa: E402
 from flashcupy.backends.numba_backend import kernels  # noqa: E402
 from modifier_checks import LARGE_SCALES, check, large_scores_check, modifier_cases  # noqa: E402
 from varlen_checks import (appends_across_a_block_boundary, packed_batch_matches_the_oracle,  # noqa: E402
                            per_sequence_alibi_in_a_kvcache)
-
-SIMULATOR = kernels.SIMULATOR
-GPU = not SIMULATOR and cuda.is_available()
-
-if _NUMBA_CUDA_PREIMPORTED and not SIMULATOR and not GPU:
-    raise RuntimeError(
-        "numba.cuda was imported without the simulator before tests/test_numba_backend.py, and there "
-        "is no GPU: the numba backend cannot be tested in this process. Set NUMBA_ENABLE_CUDASIM=1 in "
-        "the environment (or at the top of tests/conftest.py) so numba.cuda starts as the simulator.")
-
-# Tiny shapes for the simulator, chosen against its tiles (BLOCK_M 4, BLOCK_N 2, D_TILE 8):
-# lengths 1, 5, 17 leave partial tiles; head_dim 1, 3, 40 (40: five D_TILE chunks, partial
-# register lanes). (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal)
-SMALL_CASES = (
-    (1, 1, 1, 1, 1, 1, False),
-    (2, 5, 5, 2, 2, 3, True),
-    (1, 5, 17, 2, 1, 40, True),      # Sq < Sk, MQA, several head-dim chunks
-    (1, 17, 5, 4, 2, 3, True),       # Sq > Sk: rows 0..11 see no key, GQA
-    (2, 5, 17, 3, 3, 1, False),
-)
-
-
-@pytest.fixture(autouse=True)
-def _quick_thread_switches():
-    """Under the simulator, hand the GIL over every 0.2 ms instead of every 5 ms (3-4x faster).
-
-    Its block manager busy-polls the block's Python threads to release them from
-    cuda.syncthreads(); with the default switch interval every barrier costs milliseconds.
-    """
-    if not SIMULATOR:
-        yield
-        return
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(2e-4)
-    yield
-    sys.setswitchinterval(old)
-
-
-def _battery(cases):
-    """The simulator runs SMALL_CASES; a GPU runs them and the shared CASES."""
-    params = [pytest.param("simulator", c, id=f"sim-{c}") for c in cases]
-    params += [pytest.param("gpu", c, id=f"gpu-{c}", marks=pytest.mark.gpu) for c in cases + CASES]
-    return params
-
-
-def _require(device):
-    if device == "simulator" and not SIMULATOR:
-        pytest.skip("numba.cuda is not the simulator in this process (the gpu battery covers these cases)")
-    if device == "gpu" and not GPU:
-        pytest.skip("no CUDA GPU in this process" + (" (numba.cuda is the simulator)" if SIMULATOR else ""))
 
 
 def _forward_and_backward(q, k, v, dtype, causal, rng, to_device=lambda x: x, to_host=np.asarray):
@@ -126,33 +48,15 @@ def _forward_and_backward(q, k, v, dtype, causal, rng, to_device=lambda x: x, to
     grads = tuple(map(to_host, grads))
     for g, x in zip(grads, (q, k, v)):
         assert g.dtype == x.dtype and g.shape == x.shape
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, backend="numba")
     return out, lse, grads
-
-
-# ----------------------------------------------------------------------------
-# the battery: NumPy inputs (copied to the device and back)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("device, case", _battery(SMALL_CASES))
-def test_battery(rng, device, case, dtype):
-    _require(device)
-    B, Sq, Sk, Hq, Hkv, D, causal = case
-    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
-    out, lse, (dq, dk, dv) = _forward_and_backward(q, k, v, dtype, causal, rng)
-    if causal and Sq > Sk:  # rows that see no key: out 0, lse -inf, dq 0, never NaN
-        masked = slice(0, Sq - Sk)
-        assert np.all(out[:, masked] == 0) and np.all(np.isneginf(lse[:, :, masked]))
-        assert np.all(dq[:, masked] == 0)
-        assert not any(np.isnan(x).any() for x in (out, dq, dk, dv))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_strided_views_are_read_in_place(rng, device, layout):
     """Transposed, sliced and reversed q/k/v, and strided dout, out and lse in the backward."""
-    _require(device)
+    require(device)
     dtype = np.float32
     B, Sq, Sk, Hq, Hkv, D = (1, 5, 7, 2, 1, 10) if device == "simulator" else (2, 67, 45, 4, 2, 72)
     q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype, layout=layout)
@@ -164,13 +68,13 @@ def test_strided_views_are_read_in_place(rng, device, layout):
     lse_s = np.empty((B, Sq, Hq), lse.dtype).transpose(0, 2, 1)  # (B, H, S) view of a (B, S, H) array
     lse_s[...] = lse
     grads = flashcupy.attention_backward(dout, q, k, v, out_s, lse_s, causal=True, backend="numba")
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True, backend="numba")
 
 
 @pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_nan_in_dout_of_a_row_that_sees_no_key_goes_nowhere(rng, device):
     """Rows that see no key share a query tile with rows that do: dS there is 0 by selection."""
-    _require(device)
+    require(device)
     Sq = 10 if device == "simulator" else 90
     q, k, v = make_qkv(rng, 1, Sq, 4, 2, 1, 8, np.float32)  # causal: rows 0 .. Sq - 5 see no key
     out, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True, backend="numba")
@@ -178,7 +82,7 @@ def test_nan_in_dout_of_a_row_that_sees_no_key_goes_nowhere(rng, device):
     dout[:, :Sq - 4] = np.nan
     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True, backend="numba")
     assert np.all(grads[0][:, :Sq - 4] == 0)
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True, backend="numba")
 
 
 # score modifiers: window, softcap and ALiBi here, bias, mask and attention_probs below
@@ -187,15 +91,14 @@ MODIFIED = {
     "window-both-sides": dict(window=(1, 2)),
     "softcap": dict(softcap=1.5),
     "alibi-per-batch": dict(causal=True, alibi_slopes=(2, 2)),
-    "all-three": dict(window=(3, 0), softcap=4.0, alibi_slopes=(2,)),
-}
+}  # all of them at once: tests/contract.py's modified rows
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mods", MODIFIED.values(), ids=MODIFIED.keys())
 def test_modifiers_match_the_oracle(rng, device, mods, dtype):
-    _require(device)
+    require(device)
     mods = dict(mods)
     if "alibi_slopes" in mods:
         mods["alibi_slopes"] = rng.uniform(0.2, 1.0, mods["alibi_slopes"]).astype(np.float32)
@@ -204,7 +107,7 @@ def test_modifiers_match_the_oracle(rng, device, mods, dtype):
     dout = rng.standard_normal(q.shape).astype(dtype)
     out, lse = flashcupy.attention(q, k, v, scale=0.8, return_lse=True, backend="numba", **mods)
     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, scale=0.8, backend="numba", **mods)
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, scale=0.8, **mods)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, scale=0.8, backend="numba", **mods)
 
 
 # bias (with dbias), mask and attention_probs: modifier_checks' cases and check (forward, backward
@@ -216,13 +119,13 @@ ARRAY_SHAPE = (2, 7, 9, 4, 2, 5)
 ARRAY_CASES = [("bias", np.float32), ("bias", np.float64), ("bias-1HSS", np.float16), ("bias-B11S", np.float32),
                ("bias-11S1-float32", np.float16), ("bias-1111", np.float64), ("mask", np.float32),
                ("mask-key-padding", np.float16), ("all", np.float32), ("all", np.float16),
-               ("all-causal", np.float32), ("all-causal", np.float64)]
+               ("all-causal", np.float32)]  # all-causal's forward and backward in each dtype: tests/contract.py
 
 
 @pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name, dtype", ARRAY_CASES, ids=[f"{n}-{np.dtype(d).name}" for n, d in ARRAY_CASES])
 def test_bias_mask_and_probs_match_the_oracle(rng, device, name, dtype):
-    _require(device)
+    require(device)
     q, k, v = make_qkv(rng, *ARRAY_SHAPE, dtype)
     dout = rng.standard_normal(q.shape).astype(dtype)
     check(q, k, v, dout, backend="numba", rows=np.array([6, 0, -1, 3, 3]),
@@ -232,7 +135,7 @@ def test_bias_mask_and_probs_match_the_oracle(rng, device, name, dtype):
 @pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_bias_and_mask_views_are_read_in_place(rng, device):
     """Zero strides (a broadcast view of the full shape), reversed and transposed views."""
-    _require(device)
+    require(device)
     B, Sq, Sk, Hq, Hkv, D = ARRAY_SHAPE
     q, k, v = make_qkv(rng, *ARRAY_SHAPE, np.float32)
     dout = rng.standard_normal(q.shape).astype(np.float32)
@@ -242,29 +145,23 @@ def test_bias_and_mask_views_are_read_in_place(rng, device):
     check(q, k, v, dout, backend="numba", softcap=3.0, bias=bias, mask=mask)
 
 
-@pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_packed_batches_match_the_oracle(rng, device):
-    _require(device)
-    packed_batch_matches_the_oracle(rng, "numba")
+VARLEN_CHECKS = {"packed-batches": packed_batch_matches_the_oracle,
+                 "kvcache-appends-across-a-block-boundary": appends_across_a_block_boundary,
+                 "kvcache-per-sequence-alibi-slopes": per_sequence_alibi_in_a_kvcache}
 
 
 @pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_kvcache_appends_across_a_block_boundary(rng, device):
-    _require(device)
-    appends_across_a_block_boundary(rng, "numba")
-
-
-@pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_kvcache_per_sequence_alibi_slopes(rng, device):
-    _require(device)
-    per_sequence_alibi_in_a_kvcache(rng, "numba")
+@pytest.mark.parametrize("name", VARLEN_CHECKS)
+def test_varlen_and_kvcache_match_the_oracle(rng, device, name):
+    require(device)
+    VARLEN_CHECKS[name](rng, "numba")
 
 
 @pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_rows_the_mask_hides_give_zeros_and_keep_nan_in_dout_to_themselves(rng, device):
     """A row the mask leaves no key shares its tiles with rows that see keys: dq and dbias are 0
     there by selection, whatever its dout holds; dbias, summed in a fixed order, is the same bits twice."""
-    _require(device)
+    require(device)
     B, Sq, Sk, Hq, Hkv, D = ARRAY_SHAPE
     q, k, v = make_qkv(rng, *ARRAY_SHAPE, np.float32)
     mask = rng.random((B, Hq, Sq, Sk)) < 0.8
@@ -277,7 +174,7 @@ def test_rows_the_mask_hides_give_zeros_and_keep_nan_in_dout_to_themselves(rng, 
     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numba", **kw)
     assert not any(np.isnan(g).any() for g in grads)
     assert np.all(grads[0][1, 4, 2] == 0)
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, **kw)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="numba", **kw)
     again = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numba", **kw)
     np.testing.assert_array_equal(again[3], grads[3])
 
@@ -289,7 +186,7 @@ def test_scores_whose_rounding_exceeds_one_keep_the_gradients_finite(device, dty
     """Scales that make scores of inputs of 0.5 far larger than 1 / the accumulation dtype's roundoff
     (issue 31: the NumPy backend and the CuPy kernels gave NaN gradients there): every kernel here sums
     a score as the forward does, and clamps the recomputed s - lse to 0 besides (_recomputed_p)."""
-    _require(device)
+    require(device)
     large_scores_check("numba", dtype, scale, seeds=range(2), **kw)
 
 
@@ -298,9 +195,9 @@ def test_scores_whose_rounding_exceeds_one_keep_the_gradients_finite(device, dty
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", SMALL_CASES + CASES, ids=case_id)
+@pytest.mark.parametrize("case", SIMULATOR_CASES + CASES, ids=case_id)
 def test_numba_device_arrays_in_and_out(rng, case):
-    _require("gpu")
+    require("gpu")
     B, Sq, Sk, Hq, Hkv, D, causal = case
     q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
     out = flashcupy.attention(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), causal=causal,
@@ -313,7 +210,7 @@ def test_numba_device_arrays_in_and_out(rng, case):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_cupy_arrays_in_and_out(rng, layout, dtype):
-    _require("gpu")
+    require("gpu")
     cupy = pytest.importorskip("cupy")
     q, k, v = make_qkv(rng, 2, 67, 45, 4, 2, 72, dtype, layout=layout)
 
@@ -389,7 +286,7 @@ def test_flashcupy_import_does_not_import_numba():
 
 
 def test_unavailable_reason_without_a_device():
-    if _gpu_present():
+    if gpu_present():
         pytest.skip("a GPU is present")
     r = _python("from flashcupy.backends import unavailable_reason; print(unavailable_reason('numba'))",
                 NUMBA_ENABLE_CUDASIM="0")
@@ -429,7 +326,7 @@ def test_the_ptx_compile_covers_every_specialisation_the_backend_launches(rng, m
     every kernel, recorded on the simulator over every input dtype and every kind of array a call
     passes as the ALiBi slopes (float32, or float64 with float64 inputs), the bias (q's dtype or
     float32) and the mask, forward, backward (dbias with a bias) and attention_probs."""
-    _require("simulator")
+    require("simulator")
     from flashcupy.backends.numba_backend import tools
     launched = set()
 
@@ -466,7 +363,7 @@ def test_the_ptx_compile_covers_every_specialisation_the_backend_launches(rng, m
 _RUN_AT_GPU_TILES = """
 import sys
 import numpy as np
-sys.setswitchinterval(2e-4)  # as _quick_thread_switches
+sys.setswitchinterval(2e-4)  # as numba_device.quick_thread_switches
 import flashcupy
 from flashcupy.backends.numba_backend import kernels
 a = np.load(sys.argv[1])
@@ -494,7 +391,8 @@ def test_gpu_tile_sizes_on_the_simulator(rng, tmp_path):
     assert r.returncode == 0, r.stderr
     got = np.load(tmp_path / "out.npz")
     assert got["simulator"] and tuple(got["tiles"]) == kernels.TILE_TABLES["gpu"]
-    assert_matches_oracle([got[name] for name in ("out", "lse", "dq", "dk", "dv")], q, k, v, dout, causal=True)
+    assert_matches_oracle([got[name] for name in ("out", "lse", "dq", "dk", "dv")], q, k, v, dout, causal=True,
+                          backend="numba")
 
 
 def test_an_unknown_tile_table_is_refused_by_name():
@@ -545,7 +443,7 @@ def test_cupy_inputs_run_on_cupys_stream_with_cupys_memory(rng, monkeypatch):
     workspace comes from cupy.empty (numba's allocator is never called), and the pointer
     arithmetic that reads a view in place (negative strides here) gives the oracle's numbers.
     """
-    _require("simulator")
+    require("simulator")
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
     stream_ptr = 0x5EED
@@ -591,7 +489,7 @@ def test_cupy_inputs_run_on_cupys_stream_with_cupys_memory(rng, monkeypatch):
     grads = flashcupy.attention_backward(dev["dout"], dev["q"], dev["k"], dev["v"], out, lse, causal=True,
                                          backend="numba")
     assert all(isinstance(g, _FakeCupyArray) for g in grads)
-    assert_matches_oracle([x.host for x in (out, lse, *grads)], q, k, v, dout, causal=True)
+    assert_matches_oracle([x.host for x in (out, lse, *grads)], q, k, v, dout, causal=True, backend="numba")
 
     assert [w.ptr for w in wrapped] == [stream_ptr, stream_ptr]  # one wrapper per call
     assert launches == [wrapped[0]] + [wrapped[1]] * 3  # forward; D pre-pass, dK/dV, dQ
@@ -805,7 +703,7 @@ def test_kernels_queue_behind_cupy_work_on_a_non_blocking_stream(rng):
     """q and dout are written by a kernel that first spins on the GPU for a while, on a non-blocking
     stream (no implicit order with the default stream): only kernels launched on that same stream
     read them after they are written, which the oracle then checks."""
-    _require("gpu")
+    require("gpu")
     cupy = pytest.importorskip("cupy")
     dtype = np.float32
     q, k, v = make_qkv(rng, 1, 67, 45, 2, 1, 64, dtype)
@@ -827,7 +725,7 @@ def test_kernels_queue_behind_cupy_work_on_a_non_blocking_stream(rng):
         out, lse = flashcupy.attention(late(qd), kd, vd, causal=True, return_lse=True, backend="numba")
         grads = flashcupy.attention_backward(late(dd), qd, kd, vd, out, lse, causal=True, backend="numba")
         stream.synchronize()
-    assert_matches_oracle([cupy.asnumpy(x) for x in (out, lse, *grads)], q, k, v, dout, causal=True)
+    assert_matches_oracle([cupy.asnumpy(x) for x in (out, lse, *grads)], q, k, v, dout, causal=True, backend="numba")
 
 
 @pytest.mark.gpu
@@ -835,7 +733,7 @@ def test_a_call_on_cupys_stream_captures_into_a_cuda_graph(rng):
     """Stream capture fails on work sent to another stream and on a host synchronisation, so a
     forward + backward that captures on CuPy's current stream does neither; the graph, replayed
     into outputs overwritten with NaN, gives the oracle's numbers."""
-    _require("gpu")
+    require("gpu")
     cupy = pytest.importorskip("cupy")
     dtype = np.float32
     q, k, v = make_qkv(rng, 1, 67, 45, 2, 1, 64, dtype)
@@ -860,7 +758,7 @@ def test_a_call_on_cupys_stream_captures_into_a_cuda_graph(rng):
             x.fill(cupy.nan)
         graph.launch(stream)
         stream.synchronize()
-    assert_matches_oracle([cupy.asnumpy(x) for x in results], q, k, v, dout, causal=True)
+    assert_matches_oracle([cupy.asnumpy(x) for x in results], q, k, v, dout, causal=True, backend="numba")
 
 
 # ----------------------------------------------------------------------------
@@ -903,7 +801,7 @@ def _numba_mutant(old, new):
 
 
 test_the_mutation_battery_passes_unmutated, test_a_mutation_is_caught = mutation_tests(
-    NUMBA_MUTATIONS, "numba", _numba_mutant, cases=NUMBA_BATTERY, require=lambda: _require("simulator"))
+    NUMBA_MUTATIONS, "numba", _numba_mutant, cases=NUMBA_BATTERY, require=lambda: require("simulator"))
 
 
 # ----------------------------------------------------------------------------
@@ -920,4 +818,4 @@ def test_leading_batch_dimensions(rng):
                   window=(2, 1))
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numba", **kw)
         grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numba", **kw)
-        assert_matches_oracle((out, lse, *grads), q, k, v, dout, **kw)
+        assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="numba", **kw)

@@ -1,4 +1,6 @@
-"""The NumPy tiled backend against the float64 oracle."""
+"""The NumPy tiled backend against the float64 oracle: what is its own (layouts, huge values,
+narrow bands, tile plans, threads, buffers, deliberate bugs); the shared battery over every dtype
+and shape is tests/test_contract_numpy.py's."""
 
 import itertools
 import sys
@@ -12,27 +14,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashcupy
-from conftest import (BANDS, BF16, CASES, DTYPES, LAYOUTS, assert_matches_oracle, band_problem, battery_fails,
-                      bf16_bits, case_id, make_qkv, mutate_band, mutated_package, reference)
+from conftest import (BANDS, BF16, DTYPES, LAYOUTS, assert_matches_oracle, band_problem, battery_fails, make_qkv,
+                      mutate_band, mutated_package, reference)
 from flashcupy._problem import Problem
 from flashcupy.backends import numpy_backend
 from modifier_checks import LARGE_SCALES, large_scores_check
 
 
-def check_against_oracle(q, k, v, dtype, causal, scale=None, rng=None, backend="numpy", bits=False):
-    """bits=True passes bfloat16 as uint16 bit patterns with dtype="bfloat16", as CuPy users do."""
+def check_against_oracle(q, k, v, dtype, causal, scale=None, rng=None):
+    """Forward and backward of the NumPy backend: dtypes, shapes, and every output against the oracle."""
     dout = rng.standard_normal(q.shape).astype(dtype)
-    kw = dict(causal=causal, scale=scale, backend=backend)
-    if bits:
-        q, k, v, dout = (bf16_bits(x) for x in (q, k, v, dout))
-        kw["dtype"] = "bfloat16"
+    kw = dict(causal=causal, scale=scale, backend="numpy")
     out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == (np.float64 if dtype == np.float64 else np.float32)
     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, **kw)
     for g, x in zip(grads, (q, k, v)):
         assert g.dtype == x.dtype and g.shape == x.shape
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, scale=scale, dtype=kw.get("dtype"))
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, scale=scale, backend="numpy")
 
 
 @pytest.fixture(params=["copied", "in-place"])
@@ -41,22 +40,6 @@ def kv_path(request, monkeypatch):
     softmax, or (few query rows, float32/float64) read where they lie with the eager one."""
     monkeypatch.setattr(numpy_backend.plan, "IN_PLACE_ROWS", 0 if request.param == "copied" else 10**9)
     return request.param
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_battery(rng, small_tiles, kv_path, case, dtype):
-    B, Sq, Sk, Hq, Hkv, D, causal = case
-    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
-    check_against_oracle(q, k, v, dtype, causal, rng=rng)
-
-
-@pytest.mark.parametrize("bits", [False, True], ids=["ml_dtypes", "uint16-bits"])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_battery_bfloat16(rng, small_tiles, case, bits):
-    B, Sq, Sk, Hq, Hkv, D, causal = case
-    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, BF16)
-    check_against_oracle(q, k, v, BF16, causal, rng=rng, bits=bits)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -95,7 +78,7 @@ def test_huge_scale_neither_overflows_nor_gives_nan(rng, small_tiles, dtype):
     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, scale=1e3)
     # in float16 the rounding of the stored out reaches dq and dk through D = rowsum(dO∘O), times
     # the scale: the tolerance models it, so the gradients are checked in every dtype
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, scale=1e3)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, scale=1e3, backend="numpy")
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0], ids=["scores-far-above-0", "scores-far-below-0"])
@@ -105,7 +88,7 @@ def test_scores_far_from_zero_keep_full_precision(rng, kv_path, sign):
     k = (sign * 10 + rng.standard_normal((1, 50, 1, 16))).astype(np.float32)
     v = rng.standard_normal((1, 50, 1, 16)).astype(np.float32)
     out, lse = flashcupy.attention(q, k, v, scale=2.5, return_lse=True)
-    assert_matches_oracle((out, lse), q, k, v, scale=2.5)
+    assert_matches_oracle((out, lse), q, k, v, scale=2.5, backend="numpy")
 
 
 def test_fully_masked_rows_give_zero_output_and_gradients(rng, small_tiles, kv_path):
@@ -115,7 +98,7 @@ def test_fully_masked_rows_give_zero_output_and_gradients(rng, small_tiles, kv_p
     dout = rng.standard_normal(q.shape).astype(np.float32)
     dq, dk, dv = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True)
     assert np.all(dq[:, :31] == 0)
-    assert_matches_oracle((out, lse, dq, dk, dv), q, k, v, dout, causal=True)
+    assert_matches_oracle((out, lse, dq, dk, dv), q, k, v, dout, causal=True, backend="numpy")
     # masked rows contribute nothing to dk, dv: the same bits with those rows' dout zeroed
     dout[:, :31] = 0
     _, dk0, dv0 = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True)
@@ -211,7 +194,7 @@ def test_narrow_bands_match_the_oracle(rng, dtype, Sq, Sk, Hq, Hkv, causal, wind
     kw = dict(causal=causal, window=window)
     out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, **kw)
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, **kw)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="numpy", **kw)
 
 
 def _narrow_band_redone_at_the_ends(rng, monkeypatch):
@@ -235,7 +218,7 @@ def _narrow_band_redone_at_the_ends(rng, monkeypatch):
     out, lse = flashcupy.attention(q, k, v, window=window, return_lse=True)
     assert any(j0 < 0 for j0, _ in redone) and any(j0 + n > S for j0, n in redone), redone
     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, window=window)
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, window=window)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, window=window, backend="numpy")
 
 
 def test_narrow_band_rows_redone_at_the_sequence_ends_see_only_their_keys(rng, monkeypatch):
@@ -310,7 +293,7 @@ def test_huge_values_do_not_overflow_the_output_accumulator(kv_path, dtype, v_va
     v = np.full((1, 3, 1, 4), v_value, dtype)
     out, lse = flashcupy.attention(q, k, v, scale=1.0, return_lse=True)
     np.testing.assert_allclose(out, v_value, rtol=1e-6)
-    assert_matches_oracle((out, lse), q, k, v, scale=1.0)
+    assert_matches_oracle((out, lse), q, k, v, scale=1.0, backend="numpy")
 
 
 def test_calls_from_many_threads_give_the_serial_bits_and_leave_blas_alone(rng):
@@ -344,7 +327,7 @@ def test_buffers_kept_between_calls_carry_nothing_over_and_stay_small(rng, monke
     def run(x, dout):
         out, lse = flashcupy.attention(*x, causal=True, return_lse=True)
         got = out, lse, *flashcupy.attention_backward(dout, *x, out, lse, causal=True)
-        assert_matches_oracle(got, *x, dout, causal=True)
+        assert_matches_oracle(got, *x, dout, causal=True, backend="numpy")
         return got
 
     dout = rng.standard_normal(a[0].shape).astype(np.float32)
@@ -386,7 +369,7 @@ def test_nan_in_dout_of_a_row_that_sees_no_key_goes_nowhere(rng, small_tiles):
     dout[:, :21] = np.nan
     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True)
     assert not np.isnan(grads[0]).any() and np.all(grads[0][:, :21] == 0)
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True, backend="numpy")
 
 
 NUMPY_MUTATIONS = {  # see conftest.MUTATION_BATTERY

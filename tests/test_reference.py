@@ -167,3 +167,34 @@ def test_oracle_rows_that_see_no_key_with_a_mask_give_zero_everything(rng):
     dq, dk, dv, dbias = reference.attention_backward(dout, q, k, v, mask=mask, bias=bias)
     assert np.all(dq[:, 2] == 0) and np.all(dbias[:, :, 2] == 0)
     assert not any(np.isnan(g).any() for g in (dq, dk, dv, dbias))
+
+
+def test_the_kernel_family_of_a_call_is_the_kernels_it_ran(monkeypatch):
+    from flashcupy.backends import cupy_backend
+    from reference.compare import kernel_family
+    assert [kernel_family("numpy", t, 64) for t in ("float16", "bfloat16", "float32")] == ["numpy"] * 3
+    assert [kernel_family("numba", t, 64) for t in ("float16", "float64")] == ["simt"] * 2
+    assert kernel_family("cupy", np.float16, 64) == kernel_family("cupy", "bfloat16", 128) == "tensor_core"
+    assert kernel_family("cupy", np.float16, 100) == kernel_family("cupy", np.float32, 64) == "simt"  # not taken
+    monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", False)
+    assert kernel_family("cupy", np.float16, 64) == "simt"
+    with pytest.raises(ValueError, match="no kernel family known for backend 'torch'"):
+        kernel_family("torch", np.float32, 64)
+    with pytest.raises(ValueError, match="family must be one of"):
+        expected(*make_qkv(np.random.default_rng(0), 1, 2, 2, 1, 1, 4, np.float32), family="cuda")
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=lambda d: np.dtype(d).name)
+def test_each_family_is_charged_only_its_own_liberties(rng, dtype):
+    # SIMT takes neither liberty: the tightest everywhere; numpy's lazy maximum and the tensor cores'
+    # 16-bit P/dS each widen some tolerance; None, every family's liberties, is the widest
+    B, Sq, Sk, Hq, Hkv, D, causal = 1, 17, 129, 4, 2, 72, True
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    tol = {f: expected(q, k, v, dout, causal=causal, family=f).tol for f in ("simt", "numpy", "tensor_core", None)}
+    for name in tol[None]:
+        for family in ("numpy", "tensor_core"):
+            assert np.all(tol["simt"][name] <= tol[family][name]) and np.all(tol[family][name] <= tol[None][name])
+        assert np.any(tol["simt"][name] < tol["numpy"][name]), name  # LAZY_MAX is in every output's bound
+    sixteen = any(np.any(tol["simt"][n] < tol["tensor_core"][n]) for n in tol[None])
+    assert sixteen == (dtype == np.float16)  # u_p and round16 exist for 16-bit storage only

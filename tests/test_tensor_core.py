@@ -69,7 +69,7 @@ def test_attn_fwd_tc_matches_oracle(case, fmt, schedule, rng):
     q, k, v = tc_inputs(rng, case, fmt)
     causal = case[6]
     out, lse = tc_forward(q, k, v, fmt, causal, schedule)
-    assert_matches_oracle((out, lse), q, k, v, causal=causal, dtype=fmt)
+    assert_matches_oracle((out, lse), q, k, v, causal=causal, dtype=fmt, backend="cupy")
 
 
 # The wide forward (attn_fwd_tc_wide, head_dim 72-128: query blocks of 256 rows on 8 warps, key blocks of
@@ -84,7 +84,7 @@ def test_the_wide_forward_across_query_blocks(causal, window, schedule, rng):
     with emulated(order, cp_async=cp_async, compile=recording(launched)):
         out, lse = flashcupy.attention(q, k, v, causal=causal, window=window, return_lse=True, backend="cupy")
     assert launched == [f"attn_fwd_tc_wide<__half, 128, 256, 32{', 1' if window else ''}>"]
-    assert_matches_oracle((out, lse), q, k, v, causal=causal, window=window)
+    assert_matches_oracle((out, lse), q, k, v, causal=causal, window=window, backend="cupy")
 
 
 @pytest.mark.parametrize("case, why", [
@@ -98,7 +98,7 @@ def test_uncovered_shapes_fall_back_to_simt(case, why, order, rng):
         p = flashcupy._checks.problem(q, k, v, False, None, None)
         assert cupy_backend.forward_path(p, q, k, v) == "simt", why
         out = flashcupy.attention(q, k, v, backend="cupy")
-    assert_matches_oracle((out,), q, k, v)
+    assert_matches_oracle((out,), q, k, v, backend="cupy")
 
 
 def test_strided_head_dim_and_old_gpus_fall_back_to_simt(rng):
@@ -122,7 +122,7 @@ def test_ctas_without_a_key_block_write_zeros_and_leave_no_copy_in_flight(schedu
     out, lse = tc_forward(q, k, v, "float16", True, schedule)
     unseen = NO_KEY_CASE[1] - NO_KEY_CASE[2]
     assert (out[:, :unseen] == 0).all() and np.isneginf(lse[..., :unseen]).all()
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True, backend="cupy")
 
 
 def test_a_cta_leaving_a_copy_in_flight_is_caught(rng):
@@ -177,7 +177,7 @@ def test_attn_bwd_tc_matches_oracle(case, fmt, schedule, rng):
     for got, x in zip(grads, (q, k, v)):
         assert got.dtype == x.dtype and got.shape == x.shape
     out, lse = tc_forward(q, k, v, fmt, causal, SCHEDULES[0])
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, dtype=fmt)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, dtype=fmt, backend="cupy")
     if causal and Sq > Sk:  # the first Sq - Sk rows see no key: their dq is exactly 0
         assert (grads[0][:, :Sq - Sk] == 0).all()
 
@@ -196,7 +196,7 @@ def test_backward_with_strided_dout_or_out_falls_back_to_simt(order, rng):
         strided[...] = dout
         assert cupy_backend.backward_path(p, strided, q, k, v, out) == "simt"
         grads = flashcupy.attention_backward(strided, q, k, v, out, lse, backend="cupy")
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy")
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES[::2], ids="-".join)
@@ -208,7 +208,7 @@ def test_a_scale_other_than_the_default_reaches_both_passes(fmt, schedule, rng):
     dout = narrow(rng.standard_normal(q.shape), fmt)
     out, lse = tc_forward(q, k, v, fmt, True, schedule, scale=0.3)
     grads = tc_backward(dout, q, k, v, out, lse, fmt, True, schedule, scale=0.3)
-    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True, scale=0.3, dtype=fmt)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True, scale=0.3, dtype=fmt, backend="cupy")
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
@@ -293,8 +293,8 @@ def test_the_deterministic_backward_is_bitwise_the_same_under_every_schedule(rng
             grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True, backend="cupy",
                                                  deterministic=True)
             atomic = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True, backend="cupy")
-        assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True)
-        assert_matches_oracle((out, lse, *atomic), q, k, v, dout, causal=True)
+        assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True, backend="cupy")
+        assert_matches_oracle((out, lse, *atomic), q, k, v, dout, causal=True, backend="cupy")
         got[order] = grads
     for grads in got.values():
         for a, b in zip(grads, got["ascending"]):

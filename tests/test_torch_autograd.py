@@ -105,10 +105,10 @@ def test_autograd_gradients_match_the_oracle(rng, dtype):
         bits = lambda x: x.detach().view(torch.int16).numpy().view(np.uint16)  # noqa: E731
         got = [bits(out), _np(lse), *(bits(x.grad) for x in (tq, tk, tv)), _np(tb.grad)]
         assert_matches_oracle(got, *(x.view(np.uint16) for x in (q, k, v, dout)), causal=True, bias=bias,
-                              mask=mask, dtype="bfloat16")
+                              mask=mask, dtype="bfloat16", backend="numpy")
     else:
         got = [_np(out), _np(lse), *(_np(x.grad) for x in (tq, tk, tv, tb))]
-        assert_matches_oracle(got, q, k, v, dout, causal=True, bias=bias, mask=mask)
+        assert_matches_oracle(got, q, k, v, dout, causal=True, bias=bias, mask=mask, backend="numpy")
 
 
 def test_bias_gradients(rng):
@@ -124,7 +124,7 @@ def test_bias_gradients(rng):
         assert tb.grad.shape == shape
         assert_matches_oracle([_np(flashcupy.attention(tq, tk, tv, bias=tb)),
                                _np(flashcupy.attention(tq, tk, tv, bias=tb, return_lse=True)[1]),
-                               *(_np(x.grad) for x in (tq, tk, tv, tb))], q, k, v, dout, bias=bias)
+                               *(_np(x.grad) for x in (tq, tk, tv, tb))], q, k, v, dout, bias=bias, backend="numpy")
         fixed = _t(bias)
         grads = torch.autograd.grad(flashcupy.attention(tq, tk, tv, bias=fixed), (tq, tk, tv), _t(dout))
         assert fixed.grad is None
@@ -186,7 +186,7 @@ def test_float32_training_step_matches_torch_sdpa(rng):
             grads = [_np(ours.seen[n].grad) for n in ("q", "k", "v", "out")]
             lse = flashcupy.attention(seen["q"], seen["k"], seen["v"], mask=seen["mask"], return_lse=True)[1]
             assert_matches_oracle([seen["out"], lse, *grads[:3]], seen["q"], seen["k"], seen["v"], grads[3],
-                                  mask=seen["mask"])
+                                  mask=seen["mask"], backend="numpy")
     for (name, a), b in zip(ours.named_parameters(), sdpa.parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=lambda m, name=name: f"{name}.grad: {m}")
         torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name} after the step: {m}")
@@ -294,7 +294,8 @@ def test_scale_and_softcap_take_0d_arrays_of_any_library(rng):
             want = flashcupy.attention(*args, scale=value, softcap=value)
             assert np.array_equal(np.asarray(out), np.asarray(want)), name
     assert_matches_oracle((np.asarray(flashcupy.attention(tq, tk, tv, scale=torch.tensor(0.17, dtype=torch.float64))),
-                           flashcupy.attention(q, k, v, scale=0.17, return_lse=True)[1]), q, k, v, scale=0.17)
+                           flashcupy.attention(q, k, v, scale=0.17, return_lse=True)[1]), q, k, v, scale=0.17,
+                          backend="numpy")
     # not a number: refused, naming the caller's type and shape, never the converted one
     for bad, words in ((torch.tensor([0.17]), "torch.Tensor of shape (1,)"), (torch.tensor(True), "torch.bool"),
                        (np.array([0.1, 0.2]), "numpy.ndarray of shape (2,)"), ("0.17", "str")):
@@ -416,7 +417,7 @@ def test_varlen_autograd_is_per_sequence_attention(rng):
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         args = [_np(x)[None, a:b] for x in (q, k, v)]
         assert_matches_oracle([_np(out)[None, a:b], _np(lse)[None, :, a:b], *(_np(x.grad)[None, a:b] for x in (q, k, v))],
-                              *args, _np(dout)[None, a:b], causal=True)
+                              *args, _np(dout)[None, a:b], causal=True, backend="numpy")
 
 
 @pytest.mark.gpu
@@ -435,5 +436,5 @@ def test_cuda_tensors_record_autograd_on_the_cupy_backend(rng):
     torch.cuda.synchronize()
     lse = flashcupy.attention(q, k, v, causal=True, return_lse=True)[1]
     assert_matches_oracle([out.detach().cpu().numpy(), lse, *(x.grad.cpu().numpy() for x in (tq, tk, tv))],
-                          q, k, v, dout, causal=True)
+                          q, k, v, dout, causal=True, backend="cupy")
     assert math.isfinite(float(out.detach().sum()))

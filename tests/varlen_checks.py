@@ -27,7 +27,8 @@ def packed_batch_matches_the_oracle(rng, backend):
     out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True, backend=backend)
     for b in range(2):
         sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        assert_matches_oracle((out[None, sq], lse[None, :, sq]), q[None, sq], k[None, sk], v[None, sk], causal=True)
+        assert_matches_oracle((out[None, sq], lse[None, :, sq]), q[None, sq], k[None, sk], v[None, sk], causal=True,
+                              backend=backend)
 
 
 def cache_inputs(rng, batch, capacity, Hkv, D, dtype=np.float32):
@@ -57,7 +58,7 @@ def appends_across_a_block_boundary(rng, backend):
     for b in range(B):
         n = lengths[b] + new
         keys, values = (x[table[b]].reshape(1, -1, Hkv, D)[:, :n] for x in (want_k, want_v))
-        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], keys, values, causal=True)
+        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], keys, values, causal=True, backend=backend)
 
 
 def per_sequence_alibi_in_a_kvcache(rng, backend):
@@ -72,7 +73,7 @@ def per_sequence_alibi_in_a_kvcache(rng, backend):
                                                 causal=True, return_lse=True, backend=backend)
     for b in range(B):
         one = (q[b:b + 1], k_cache[b:b + 1, :lengths[b]], v_cache[b:b + 1, :lengths[b]])
-        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), *one, causal=True, alibi_slopes=slopes[b])
+        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), *one, causal=True, alibi_slopes=slopes[b], backend=backend)
         alone = flashcupy.attention(*one, causal=True, alibi_slopes=slopes[b], return_lse=True, backend=backend)
         np.testing.assert_array_equal(out[b:b + 1], alone[0])
         np.testing.assert_array_equal(lse[b:b + 1], alone[1])
