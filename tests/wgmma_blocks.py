@@ -23,6 +23,7 @@ import os
 import numpy as np
 
 from flashcupy.backends.cupy_backend import sources
+from tensor_core_blocks import from_bits as from_bits_32, to_bits  # noqa: F401 (tma_blocks uses to_bits)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEST_KERNELS = os.path.join(HERE, "emulator_kernels", "wgmma.cu")
@@ -43,21 +44,11 @@ def name(fmt, n):
 
 
 # ----------------------------------------------------------------------------
-# 16-bit formats (as tests/tensor_core_blocks.py)
-
-
-def to_bits(x, fmt):
-    x = np.asarray(x, np.float32)
-    if fmt == "float16":
-        return x.astype(np.float16).view(np.uint16)
-    bits = x.view(np.uint32).astype(np.uint64)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+# 16-bit formats: tensor_core_blocks.py's, the products' reference in float64
 
 
 def from_bits(bits, fmt):
-    bits = np.asarray(bits, np.uint16)
-    if fmt == "float16":
-        return bits.view(np.float16).astype(np.float64)
+    return from_bits_32(bits, fmt).astype(np.float64)
     return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 

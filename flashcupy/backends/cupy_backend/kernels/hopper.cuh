@@ -244,43 +244,37 @@ struct Wgmma;
     };
 
 // m64n64k16: d is %0-%31; SS: desc_a %32, desc_b %33, scale-d %34, transposes %35, %36;
-// RS: a %32-%35, desc_b %36, scale-d %37, trans-b %38
-#define FLASHCUPY_WGMMA_D64 "{" \
+// RS: a %32-%35, desc_b %36, scale-d %37, trans-b %38.
+// m64n128k16: d is %0-%63; SS: desc_a %64, desc_b %65, scale-d %66, transposes %67, %68;
+// RS: a %64-%67, desc_b %68, scale-d %69, trans-b %70. The n128 lists extend the n64 ones.
+#define FLASHCUPY_WGMMA_R32 \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
-    "%24, %25, %26, %27, %28, %29, %30, %31" \
+    "%24, %25, %26, %27, %28, %29, %30, %31"
+#define FLASHCUPY_WGMMA_D64 "{" FLASHCUPY_WGMMA_R32 "}"
+#define FLASHCUPY_WGMMA_D128 "{" FLASHCUPY_WGMMA_R32 ", " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, " \
+    "%54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
     "}"
 #define FLASHCUPY_WGMMA_D64_OPERANDS(d) \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
     "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), \
     "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), \
     "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-FLASHCUPY_WGMMA(__half, "f16", 64, FLASHCUPY_WGMMA_D64, FLASHCUPY_WGMMA_D64_OPERANDS, "34",
-                "%32, %33, p, 1, 1, %35, %36", "37", "{%32, %33, %34, %35}, %36, p, 1, 1, %38")
-FLASHCUPY_WGMMA(__nv_bfloat16, "bf16", 64, FLASHCUPY_WGMMA_D64, FLASHCUPY_WGMMA_D64_OPERANDS, "34",
-                "%32, %33, p, 1, 1, %35, %36", "37", "{%32, %33, %34, %35}, %36, p, 1, 1, %38")
+#define FLASHCUPY_WGMMA_D128_OPERANDS(d) FLASHCUPY_WGMMA_D64_OPERANDS(d), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define FLASHCUPY_WGMMA_SIZE(N, ss_scale, ss, rs_scale, rs) \
+    FLASHCUPY_WGMMA(__half, "f16", N, FLASHCUPY_WGMMA_D##N, FLASHCUPY_WGMMA_D##N##_OPERANDS, ss_scale, ss, rs_scale, rs) \
+    FLASHCUPY_WGMMA(__nv_bfloat16, "bf16", N, FLASHCUPY_WGMMA_D##N, FLASHCUPY_WGMMA_D##N##_OPERANDS, ss_scale, ss, \
+                    rs_scale, rs)
+FLASHCUPY_WGMMA_SIZE(64, "34", "%32, %33, p, 1, 1, %35, %36", "37", "{%32, %33, %34, %35}, %36, p, 1, 1, %38")
+FLASHCUPY_WGMMA_SIZE(128, "66", "%64, %65, p, 1, 1, %67, %68", "69", "{%64, %65, %66, %67}, %68, p, 1, 1, %70")
+#undef FLASHCUPY_WGMMA_SIZE
+#undef FLASHCUPY_WGMMA_R32
 #undef FLASHCUPY_WGMMA_D64
 #undef FLASHCUPY_WGMMA_D64_OPERANDS
-
-// m64n128k16: d is %0-%63; SS: desc_a %64, desc_b %65, scale-d %66, transposes %67, %68;
-// RS: a %64-%67, desc_b %68, scale-d %69, trans-b %70
-#define FLASHCUPY_WGMMA_D128 "{" \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
-    "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, " \
-    "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
-    "}"
-#define FLASHCUPY_WGMMA_D128_OPERANDS(d) \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
-    "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), \
-    "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), \
-    "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), \
-    "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), \
-    "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
-    "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), \
-    "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-FLASHCUPY_WGMMA(__half, "f16", 128, FLASHCUPY_WGMMA_D128, FLASHCUPY_WGMMA_D128_OPERANDS, "66",
-                "%64, %65, p, 1, 1, %67, %68", "69", "{%64, %65, %66, %67}, %68, p, 1, 1, %70")
-FLASHCUPY_WGMMA(__nv_bfloat16, "bf16", 128, FLASHCUPY_WGMMA_D128, FLASHCUPY_WGMMA_D128_OPERANDS, "66",
-                "%64, %65, p, 1, 1, %67, %68", "69", "{%64, %65, %66, %67}, %68, p, 1, 1, %70")
 #undef FLASHCUPY_WGMMA_D128
 #undef FLASHCUPY_WGMMA_D128_OPERANDS
 #undef FLASHCUPY_WGMMA
