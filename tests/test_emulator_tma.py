@@ -11,6 +11,8 @@ not belong. tests/test_hopper_gpu.py runs the non-timing cases on an H100/H200.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -160,3 +162,34 @@ def test_a_map_passed_to_a_pointer_is_a_launch_error(rng):
     with pytest.raises(LaunchError, match=r"argument 9 is a tensor map, but the parameter is a 8-byte pointer"):
         kernel("tma_box")((1,), (32,), (tmap, np.int32(2), *(np.int32(0),) * 4, np.int32(2048), np.int32(1),
                                         np.int32(0), tmap), shared_mem=4096)
+
+
+# ----------------------------------------------------------------------------
+# the async proxy (emu_hopper.h): ordinary stores a TMA store reads need fence.proxy.async
+
+
+_PROXY = (r"cp.async.bulk.tensor store \(tma_store\) by thread \(0,0,0\) reads the byte at shared address "
+          r"0x[0-9a-f]+ through the async proxy, but thread \((\d+),0,0\) last wrote it with an ordinary store "
+          r"and has not executed fence.proxy.async since")
+
+
+@pytest.mark.parametrize("mode", ["fenced", "load, overwrite, fenced"])
+def test_fenced_ordinary_stores_are_stored_by_tma(mode, rng):
+    # "load, overwrite": the untouched half is async-written (the TMA load) and needs no fence
+    dst, want = blocks.fill_store(kernel, encode_tiled, rng, mode)
+    np.testing.assert_array_equal(dst, want)
+
+
+@pytest.mark.parametrize("mode, writer", [("no proxy fence", 0), ("proxy fence in thread 0 only", 1),
+                                          ("load, overwrite, no proxy fence", 0)])
+def test_unfenced_ordinary_stores_read_by_a_tma_store_are_reported(mode, writer, rng):
+    # the first unfenced byte of the tile (byte 0, or byte 1 when thread 0 fenced) names its writer
+    with pytest.raises(KernelError, match=_PROXY) as info:
+        blocks.fill_store(kernel, encode_tiled, rng, mode)
+    assert info.value.kernel == "tma_fill_store" and info.value.thread == (writer, 0, 0)
+    assert re.search(_PROXY, str(info.value)).group(1) == str(writer)
+
+
+def test_ordinary_reads_of_a_tma_loaded_tile_after_the_wait_are_not_reported(rng):
+    # tma_box's threads read the box with ordinary loads after mbarrier_wait_parity: ordered by the mbarrier
+    blocks.check_box_load(kernel, encode_tiled, (48, 96), (64, 16), (8, 8), "128B", rng)

@@ -10,6 +10,8 @@ a missing wgmma.fence. tests/test_hopper_gpu.py runs the same non-timing cases o
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -141,6 +143,30 @@ def test_a_warp_missing_from_the_warpgroup_is_reported(rng):
 
 def test_a_missing_wgmma_fence_is_reported(rng):
     misuse("no fence", r"issued by a thread that has not executed wgmma.fence since it started", rng)
+
+
+_PROXY = (r"wgmma.mma_async m64n64k16 \(operand [AB], completing at wgmma.wait_group\) by thread \(\d+,0,0\) reads the "
+          r"byte at shared address 0x[0-9a-f]+ through the async proxy, but thread \((\d+),0,0\) last wrote it with "
+          r"an ordinary store and has not executed fence.proxy.async since")
+
+
+def test_ordinary_stores_without_fence_proxy_async_are_reported(rng):
+    # the tiles are written by ordinary stores: wgmma (the async proxy) may read stale bytes on a GPU
+    error = misuse("no proxy fence", _PROXY, rng)
+    assert int(re.search(_PROXY, str(error)).group(1)) == error.thread[0]  # the writer is the thread reported
+
+
+def test_a_fence_proxy_async_in_another_thread_does_not_count(rng):
+    # thread 0 fences; the bytes the other 127 threads wrote are not made visible by it
+    error = misuse("proxy fence in thread 0 only", _PROXY, rng)
+    assert error.thread[0] != 0
+
+
+def test_fenced_ordinary_stores_give_the_numpy_result(rng):
+    # the same tiles as the two misuses above, each writer fenced: the wgmma reference (wgmma_blocks.want)
+    A, B, _ = problem("float16", 64, 16, rng)
+    np.testing.assert_allclose(run(kernel, "float16", A, B), want("float16", A, B), rtol=blocks.RTOL,
+                               atol=blocks.ATOL)
 
 
 

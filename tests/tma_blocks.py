@@ -21,7 +21,7 @@ import wgmma_blocks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEST_KERNELS = os.path.join(HERE, "emulator_kernels", "tma.cu")
-NAMES = ("tma_box", "tma_copy", "tma_qk")
+NAMES = ("tma_box", "tma_copy", "tma_fill_store", "tma_qk")
 SPAN = {"none": 16, "32B": 32, "64B": 64, "128B": 128}
 MODES = {"normal": 0, "misaligned": 1, "short": 2}
 
@@ -104,6 +104,29 @@ def check_store_round_trip(kernel, encode, rng, shape=(40, 64), box=(64, 32), co
     want[inside] = src[inside]
     assert (want != 7.0).any() and (want == 7.0).any()  # the box covers part of the tensor, not all of it
     np.testing.assert_array_equal(dst, want)
+
+
+FILL_MODES = {"fenced": 0, "no proxy fence": 1, "proxy fence in thread 0 only": 2, "load, overwrite, fenced": 3,
+              "load, overwrite, no proxy fence": 4}
+
+
+def fill_store(kernel, encode, rng, mode, shape=(32, 64), box=(64, 16), coords=(0, 8)):
+    """tma_fill_store: what the TMA store writes (dst) and what it should (want, from NumPy)."""
+    loaded = rng.standard_normal(shape).astype(np.float16)
+    dst = np.full(shape, 7.0, np.float16)
+    box_bytes = int(np.prod(box)) * 2
+    src = rng.standard_normal((box[1], box[0])).astype(np.float16)
+    kernel("tma_fill_store")((1,), (32,), (encode(loaded, box, "none"), encode(dst, box, "none"), np.int32(coords[0]),
+                                           np.int32(coords[1]), np.int32(box_bytes), np.int32(FILL_MODES[mode]),
+                                           src.view(np.uint8).ravel()), shared_mem=box_bytes + 1024)
+    want = np.full(shape, 7.0, np.float16)
+    rows = slice(coords[1], coords[1] + box[1])
+    cols = slice(coords[0], coords[0] + box[0])
+    want[rows, cols] = src
+    if FILL_MODES[mode] >= 3:  # the tile's second half is still the TMA-loaded box
+        half = box[1] // 2
+        want[coords[1] + half:coords[1] + box[1], cols] = loaded[coords[1] + half:coords[1] + box[1], cols]
+    return dst, want
 
 
 def check_tma_then_wgmma(kernel, encode, rng):

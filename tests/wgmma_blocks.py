@@ -129,7 +129,7 @@ def from_fragments(frags, n):
 
 MODES = {"normal": 0, "early read": 1, "two groups": 2, "mismatched warp": 3, "unaligned A": 4,
          "base offset B": 5, "no fence": 6, "warp exits": 7, "early write": 8, "deadlock": 9,
-         "P V": 10}
+         "P V": 10, "no proxy fence": 11, "proxy fence in thread 0 only": 12}
 
 
 # The sums are of up to 64 exact products of magnitude ~1 (|D| ~ 8): the emulator rounds once; a

@@ -15,6 +15,17 @@
 //   tma_copy(map_in, map_out, rank, c0, c1, c2, c3, box_bytes)   32 threads: thread 0 loads the box
 //       at (c0, c1, ..) (rank 2, 3 or 4), stores it at the same coordinates through map_out (commit,
 //       wait_group.read 0).
+//   tma_fill_store(map_in, map_out, c0, c1, box_bytes, mode, src)   32 threads, rank 2, no swizzle:
+//       the tile's bytes written by ordinary stores (thread t writes bytes t, t + 32, ..: tile[i] =
+//       src[i]), __syncthreads, then thread 0 stores the box at (c0, c1) through map_out (commit,
+//       wait_group.read 0). Modes (the emulator's async-proxy checks):
+//         0  every writer executes fence_proxy_async after its stores
+//         1  no fence (emulator only: a KernelError)
+//         2  only thread 0 fences (emulator only: a KernelError naming another writer)
+//         3  thread 0 first loads the box at (c0, c1) of map_in by TMA, every thread waits on the
+//            mbarrier, then the first half of the tile is overwritten from src, fenced: out holds
+//            src's first half and the loaded second half
+//         4  as 3 without the fence (emulator only: a KernelError)
 //   tma_qk(map_q, map_k, out)   128 threads: Q (64 x 64) and K (64 x 64) fp16 boxes loaded with 128B
 //       swizzle, then S = Q K^T by 4 k16 steps of wgmma_ss<__half, 64> with 128B K-major
 //       descriptors (SBO 1024, +32 bytes per step): out[tid * 32 + i] = d[i].
@@ -65,6 +76,36 @@ extern "C" __global__ void tma_copy(const __grid_constant__ TensorMap map_in, co
         if (rank == 2) tma_store_2d(map_out, c0, c1, tile);
         else if (rank == 3) tma_store_3d(map_out, c0, c1, c2, tile);
         else tma_store_4d(map_out, c0, c1, c2, c3, tile);
+        tma_store_commit_group();
+        tma_store_wait_group_read<0>();
+    }
+}
+
+extern "C" __global__ void tma_fill_store(const __grid_constant__ TensorMap map_in,
+                                          const __grid_constant__ TensorMap map_out, int c0, int c1, int box_bytes,
+                                          int mode, const unsigned char* __restrict__ src) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ __align__(8) unsigned long long bar;
+    unsigned char* tile = aligned_tile(smem);
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        mbarrier_init(&bar, 1);
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+    if (mode >= 3) {
+        if (tid == 0) {
+            mbarrier_arrive_expect_tx(&bar, box_bytes);
+            tma_load_2d(tile, map_in, c0, c1, &bar);
+        }
+        mbarrier_wait_parity(&bar, 0);
+    }
+    for (int i = tid; i < (mode >= 3 ? box_bytes / 2 : box_bytes); i += 32) tile[i] = src[i];
+    if (mode == 0 || mode == 3 || (mode == 2 && tid == 0))
+        fence_proxy_async();  // this thread's ordinary stores, before the TMA store reads them
+    __syncthreads();
+    if (tid == 0) {
+        tma_store_2d(map_out, c0, c1, tile);
         tma_store_commit_group();
         tma_store_wait_group_read<0>();
     }

@@ -29,6 +29,9 @@
 //         9  warp 3 waits at __syncthreads() instead (a deadlock)
 //        10  P V as attention does it: after the wait, d (64 x N) is packed to T in registers as the
 //            A fragments of N/16 RS k-steps against B again (K must equal N): out = T(A B) B
+//        11  no fence.proxy.async after the tiles' ordinary stores (emulator only: a KernelError)
+//        12  only thread 0 executes fence.proxy.async (emulator only: the other writers' bytes are
+//            not fenced, a KernelError naming one of them)
 
 #include "hopper.cuh"
 
@@ -80,7 +83,8 @@ __global__ void __launch_bounds__(128) wgmma_gemm(const int* __restrict__ image,
     unsigned char* tile = cfg[kStatic] ? static_tile : smem + ((1024u - (smem_address(smem) & 1023u)) & 1023u);
     const int tid = threadIdx.x, warp = tid / 32, mode = cfg[kMode];
     for (int i = tid; i < words; i += 128) reinterpret_cast<int*>(tile)[i] = image[i];
-    fence_proxy_async();  // the tiles' ordinary stores before wgmma reads them
+    if (mode != 11 && (mode != 12 || tid == 0))
+        fence_proxy_async();  // each thread's ordinary stores of the tiles, before wgmma reads them
     __syncthreads();
     if (mode == 7 && warp == 3) return;
     if (mode == 9 && warp == 3) __syncthreads();

@@ -43,6 +43,41 @@ COUNTING_CXXFLAGS = (
     "--param", "asan-stack=0", "--param", "asan-globals=0", "-fno-sanitize-address-use-after-scope",
     "-DEMU_COUNTERS=1",
 )
+# A module whose source includes hopper.cuh (wgmma, TMA): g++ calls the runtime before every
+# store the kernel makes, so runtime/proxy.h can tell which thread's ordinary shared-memory writes
+# are fenced (fence.proxy.async) when wgmma or a TMA store reads them. Stores only: loads are not
+# instrumented. Every other module is built without it and pays nothing.
+PROXY_CXXFLAGS = (
+    "-fsanitize=kernel-address", "--param", "asan-instrumentation-with-call-threshold=0",
+    "--param", "asan-stack=0", "--param", "asan-globals=0", "-fno-sanitize-address-use-after-scope",
+    "--param", "asan-instrument-reads=0",
+)
+_INCLUDE = re.compile(r'#\s*include\s*[<"]([^<>"]+)[>"]')
+
+
+def _includes_hopper(source: str, include_dirs, seen=None) -> bool:
+    """Whether `source` includes hopper.cuh, itself or through headers found in include_dirs."""
+    seen = set() if seen is None else seen
+    for name in _INCLUDE.findall(source):
+        if os.path.basename(name) == "hopper.cuh":
+            return True
+        for d in include_dirs:
+            path = os.path.join(d, name)
+            if path in seen or not os.path.isfile(path):
+                continue
+            seen.add(path)
+            with open(path, errors="replace") as f:
+                if _includes_hopper(f.read(), include_dirs, seen):
+                    return True
+    return False
+
+
+def _instrumentation(source: str, include_dirs, counters: bool) -> tuple:
+    """The extra g++ flags of a module: counting's, the async proxy's, both, or none."""
+    proxy = _includes_hopper(source, include_dirs)
+    if counters:
+        return (*COUNTING_CXXFLAGS, *(("-DEMU_PROXY=1",) if proxy else ()))
+    return (*PROXY_CXXFLAGS, "-DEMU_PROXY=1") if proxy else ()
 
 # ----------------------------------------------------------------------------
 # cache
@@ -181,21 +216,24 @@ def _write_atomically(path: str, text: str) -> None:
 def _build(source: str, names: tuple, options: tuple, ucontext: bool = False, counters: bool = False) -> str:
     """Path of the shared library for (source, names, options), compiling it if not cached."""
     defines, include_dirs, arch, _ = _parse_options(options)  # ftz is set per launch, not built in
+    extra = _instrumentation(source, include_dirs, counters)
     key = _digest(_toolchain(), source, names, defines, include_dirs, arch, ucontext,
-                  _include_dir_contents(include_dirs), *((COUNTING_CXXFLAGS,) if counters else ()))
+                  _include_dir_contents(include_dirs), *((extra,) if extra else ()))
     stem = os.path.join(cache_dir(), f"module-{key}")
     if os.path.exists(stem + ".so"):
         return stem + ".so"
     runtime = _runtime_object(ucontext)
     _write_atomically(stem + ".cu", _rewrite_dynamic_shared(source))
     lines = [f'#include "{stem}.cu"', '#include "emu_trampoline.h"']
+    if "-DEMU_PROXY=1" in extra:  # runtime/proxy.h records stores only in modules that define it
+        lines.append('extern "C" __attribute__((visibility("hidden"))) const int emu_proxy_tracking = 1;')
     for i, name in enumerate(names):
         lines += [f'#line 1 "<name expression {i}: {name}>"',
                   f"EMU_EXPORT void emu_entry_{i}(void** argv) {{ emu::invoke(&{name}, argv); }}",
                   f"EMU_EXPORT int emu_params_{i}(emu::ParamInfo* out, int capacity) "
                   f"{{ return emu::describe(&{name}, out, capacity); }}"]
     _write_atomically(stem + ".cpp", "\n".join(lines) + "\n")
-    command = [CXX, *CXXFLAGS, *(COUNTING_CXXFLAGS if counters else ()), "-shared", "-I", INCLUDE,
+    command = [CXX, *CXXFLAGS, *extra, "-shared", "-I", INCLUDE,
                "-include", os.path.join(INCLUDE, "cuda_emu.h"),
                "-D__CUDACC__", "-D__CUDACC_RTC__", f"-D__CUDA_ARCH__={arch}",
                *(f"-D{d}" for d in defines), *(f"-I{d}" for d in include_dirs),

@@ -42,8 +42,10 @@
 // namespace): memory.h (guarded stacks and shared memory), fibers.h (the threads and their
 // switching), counters.h, warps.h (warp and warpgroup collectives), scheduler.h (blocks, passes,
 // barriers, deadlocks), signals.h (faults, the time limit, flush-to-zero), kernel_api.h (what a
-// kernel calls), hopper.h (the sm_90 synchronisation model), wgmma.h (wgmma) and tma.h (TMA).
+// kernel calls), hopper.h (the sm_90 synchronisation model), wgmma.h (wgmma), proxy.h (the async
+// proxy: which thread's ordinary shared-memory writes are fenced for wgmma and TMA) and tma.h (TMA).
 
+#define EMU_RUNTIME 1  // emu_hopper.h: the runtime is not a kernel module
 #include "cuda_emu.h"
 #include "emu_hopper.h"
 #include "emu_wgmma.h"
@@ -155,6 +157,7 @@ struct EmuLaunchReport {
 #include "runtime/kernel_api.h"
 #include "runtime/hopper.h"
 #include "runtime/wgmma.h"
+#include "runtime/proxy.h"
 #include "runtime/tma.h"
 
 // ----------------------------------------------------------------------------

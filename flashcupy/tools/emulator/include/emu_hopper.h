@@ -25,12 +25,33 @@
 //   TMA               emu_tma.h (hopper.cuh includes it too) and runtime/tma.h: a box copied
 //                     at issue, swizzled as the wgmma descriptor's swizzle, zeros out of
 //                     bounds, then complete_tx of its bytes on the mbarrier named.
+//   async proxy       wgmma and TMA read and write shared memory through the async proxy, ordinary
+//                     stores through the generic one (runtime/proxy.h). Per byte of the block's
+//                     shared memory (dynamic and static, by its smem_address), the thread that last
+//                     wrote it with an ordinary store (or a cp.async landing) and whether that
+//                     thread has executed fence.proxy.async (fence_proxy_async()) since. A wgmma
+//                     operand read (as the operation completes) or a TMA store's source read (at
+//                     issue) of a byte whose last ordinary write is not fenced by its own writer is
+//                     a KernelError naming the kernel, the writer (the reported thread), the reader,
+//                     the byte's shared address and the instruction: a fence in another thread does
+//                     not count. A TMA load's landing makes its bytes async-written (nothing pending);
+//                     ordinary reads are not checked (after the mbarrier wait they are ordered by
+//                     it); an ordinary write over them then an async read needs a fence again.
+//                     Seen: the stores of the kernel's own code (build.py compiles modules that
+//                     include hopper.cuh with store-only -fsanitize=kernel-address
+//                     callbacks; no other module is instrumented, so ordinary kernels pay nothing)
+//                     and cp.async landings; not seen: writes by the runtime's own code for the
+//                     kernel (none besides those), which no kernel here relies on.
 // A block whose threads all wait (barriers, mbarriers, collectives) with none able to complete
 // is a DeadlockError that names each mbarrier waited on (its shared-memory offset and phase).
-// Not modelled yet: the async proxy (fence.proxy.async is a no-op), clusters, TMA's latency
-// (emu_tma.h lists the rest).
+// Not modelled yet: clusters, TMA's latency (emu_tma.h lists the rest).
 
 #pragma once
+
+// A module that uses these without build.py's store callbacks would check nothing: refuse it.
+#if !defined(EMU_RUNTIME) && !defined(EMU_PROXY)
+#error "emu_hopper.h: the emulator records shared-memory stores only in modules that include hopper.cuh, from the source or a header in an -I directory (build.py's _includes_hopper)"
+#endif
 
 #include "cuda_emu.h"
 

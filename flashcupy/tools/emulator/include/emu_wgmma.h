@@ -41,8 +41,11 @@
 //                     order with their own adders: expect differences in the last bits).
 //                     Operations never committed never complete.
 //   wgmma.fence       marks the thread as fenced (see above); no other effect.
-// Not modelled: fence.proxy.async (proxies: ordinary writes are seen by wgmma at once), the
-// register count, the timing; commit and wait are per thread, not checked as warp collectives.
+//   fence_proxy_async  fence.proxy.async.shared::cta: the async-proxy model of emu_hopper.h. A
+//                     completing operation's read of an operand byte last written by an ordinary
+//                     store whose writer has not fenced since is a KernelError naming the writer.
+// Not modelled: the register count, the timing; commit and wait are per thread, not checked as
+// warp collectives.
 
 #pragma once
 
@@ -68,6 +71,7 @@ struct WgmmaIssue {
 unsigned shared_window_address(const void* p);
 void wgmma_mma_async(WgmmaIssue& issue);
 void wgmma_fence();
+void fence_proxy_async();
 void wgmma_commit_group();
 void wgmma_wait_group(int pending);
 
@@ -81,8 +85,9 @@ constexpr int wgmma_format() {
 inline unsigned smem_address(const void* p) { return emu::shared_window_address(p); }
 
 inline void wgmma_fence() { emu::wgmma_fence(); }
-// Proxies are not modelled: wgmma sees ordinary shared-memory writes at once.
-inline void fence_proxy_async() {}
+// fence.proxy.async.shared::cta: this thread's ordinary shared-memory writes so far become
+// visible to wgmma and TMA (runtime/proxy.h; emu_hopper.h states the model).
+inline void fence_proxy_async() { emu::fence_proxy_async(); }
 inline void wgmma_commit_group() { emu::wgmma_commit_group(); }
 template <int N>
 inline void wgmma_wait_group() {

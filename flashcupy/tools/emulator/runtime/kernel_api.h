@@ -5,7 +5,14 @@
 // it nowhere else. It uses what the parts before it declare.
 //
 // __syncthreads(), the warp collectives, the shared-memory checks, cp.async and its groups, the
-// counting build's callbacks (g++'s -fsanitize=kernel-address hooks) and __trap().
+// counting build's callbacks (g++'s -fsanitize=kernel-address hooks; the stores also feed the
+// async-proxy model of runtime/proxy.h, which defines the proxy_* functions) and __trap().
+
+namespace {
+void proxy_generic_write(std::uintptr_t a, std::size_t bytes);
+void proxy_async_write(std::uintptr_t a, std::size_t bytes);
+void proxy_async_read(std::uintptr_t a, std::size_t bytes, const Fiber& reader, const char* what);
+}  // namespace
 
 // ----------------------------------------------------------------------------
 // what the kernel calls
@@ -77,7 +84,10 @@ void emu::cp_async(void* dst, const void* src, int bytes, int src_bytes) {
     }
     PendingCopy copy{static_cast<unsigned char*>(dst), {}, bytes, -1, active->config->cp_async_eager != 0};
     std::memcpy(copy.data, src, static_cast<std::size_t>(src_bytes));  // a fault here names this thread
-    if (copy.landed) std::memcpy(copy.dst, copy.data, static_cast<std::size_t>(bytes));
+    if (copy.landed) {
+        std::memcpy(copy.dst, copy.data, static_cast<std::size_t>(bytes));
+        proxy_generic_write(reinterpret_cast<std::uintptr_t>(copy.dst), static_cast<std::size_t>(bytes));
+    }
     self.copies.push_back(copy);
 }
 
@@ -94,7 +104,10 @@ void emu::cp_async_wait(int pending) {
     std::size_t kept = 0;
     for (PendingCopy& c : self.copies) {
         if (c.group < 0 || c.group >= complete_below) self.copies[kept++] = c;
-        else if (!c.landed) std::memcpy(c.dst, c.data, static_cast<std::size_t>(c.bytes));
+        else if (!c.landed) {
+            std::memcpy(c.dst, c.data, static_cast<std::size_t>(c.bytes));
+            proxy_generic_write(reinterpret_cast<std::uintptr_t>(c.dst), static_cast<std::size_t>(c.bytes));
+        }
     }
     self.copies.resize(kept);
 }
@@ -115,6 +128,7 @@ void emu::copy_raw(void* dst, const void* src, std::size_t bytes) { std::memcpy(
         note(kOpLoad, reinterpret_cast<std::uintptr_t>(__builtin_return_address(0)), a, size);        \
     }                                                                                                 \
     extern "C" void __asan_store##size##_noabort(std::uintptr_t a) {                                  \
+        proxy_generic_write(a, size);                                                                 \
         note(kOpStore, reinterpret_cast<std::uintptr_t>(__builtin_return_address(0)), a, size);       \
     }
 EMU_ASAN_CALLBACKS(1)
@@ -126,6 +140,7 @@ extern "C" void __asan_loadN_noabort(std::uintptr_t a, std::size_t n) {
     note(kOpLoad, reinterpret_cast<std::uintptr_t>(__builtin_return_address(0)), a, static_cast<int>(n));
 }
 extern "C" void __asan_storeN_noabort(std::uintptr_t a, std::size_t n) {
+    proxy_generic_write(a, n);
     note(kOpStore, reinterpret_cast<std::uintptr_t>(__builtin_return_address(0)), a, static_cast<int>(n));
 }
 extern "C" void __asan_handle_no_return() {}

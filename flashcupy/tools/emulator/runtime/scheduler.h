@@ -103,6 +103,7 @@ void run_block(Launch& l) {
     for (NamedBarrier& b : l.named) b = NamedBarrier{};
     l.maxnreg.assign((l.fibers.size() + 127) / 128, 0);
     wgmma_reset_block(l);
+    proxy_reset_block(l);
     for (std::size_t i = 0; i < l.fibers.size(); ++i) {
         l.fibers[i].state = State::kRunnable;
         l.fibers[i].copies.clear();

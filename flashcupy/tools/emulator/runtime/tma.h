@@ -2,7 +2,7 @@
 //
 // Part of runtime.cpp, a unity build, included after runtime/wgmma.h; include it nowhere else.
 // It uses hopper.h's misuse and mbarrier_complete_tx, wgmma.h's shared window and swizzle, and
-// counters.h's global_regions (the guarded argument buffers).
+// counters.h's global_regions (the guarded argument buffers), proxy.h's async-proxy checks.
 
 namespace {
 
@@ -94,6 +94,7 @@ void emu::tma_load(void* dst, const void* map, int rank, const int* coords, void
         const std::uintptr_t from = tma_global_element(b, coords, e, what);
         if (from) std::memcpy(to, reinterpret_cast<const void*>(from), b.map->element_bytes);
         else std::memset(to, 0, b.map->element_bytes);
+        proxy_async_write(reinterpret_cast<std::uintptr_t>(to), b.map->element_bytes);
     }
     mbarrier_complete_tx(bar, static_cast<unsigned>(b.bytes));
 }
@@ -108,6 +109,7 @@ void emu::tma_store(const void* map, int rank, const int* coords, const void* sr
         if (!in_shared(reinterpret_cast<std::uintptr_t>(from), reinterpret_cast<std::uintptr_t>(from) + b.map->element_bytes))
             misuse("%s: box element %llu is read from %p after the %s swizzle, outside shared memory", what,
                    static_cast<unsigned long long>(e), static_cast<const void*>(from), tma_swizzle_name(b.span));
+        proxy_async_read(reinterpret_cast<std::uintptr_t>(from), b.map->element_bytes, *active->current, what);
         const std::uintptr_t to = tma_global_element(b, coords, e, what);
         if (to) std::memcpy(reinterpret_cast<void*>(to), from, b.map->element_bytes);
     }

@@ -130,6 +130,7 @@ bool resolve_warps(Launch& l) {
 
 void resolve_wgmma(Launch& l, std::size_t g, std::size_t first);  // runtime/wgmma.h
 void wgmma_reset_block(Launch& l);
+void proxy_reset_block(Launch& l);  // runtime/proxy.h
 
 const char* warpgroup_instruction(int kind) { return kind == emu::kWarpgroupWgmma ? "wgmma.mma_async" : "setmaxnreg"; }
 

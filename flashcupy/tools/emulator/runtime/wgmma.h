@@ -119,9 +119,12 @@ std::uint64_t swizzled(const WgmmaOperand& o, std::uint64_t address) {
     return address ^ (((address >> 7) & mask) << 4);
 }
 
-std::uint16_t element(const WgmmaOperand& o, int mn, int k) {
+// Read through the async proxy by `reader`'s share of the operation (runtime/proxy.h checks it).
+std::uint16_t element(const WgmmaOperand& o, int mn, int k, const Fiber& reader, const char* what) {
     std::uint16_t e;
-    std::memcpy(&e, window_pointer(swizzled(o, unswizzled(o, mn, k)), 2), 2);  // checked at issue
+    const unsigned char* p = window_pointer(swizzled(o, unswizzled(o, mn, k)), 2);  // checked at issue
+    proxy_async_read(reinterpret_cast<std::uintptr_t>(p), 2, reader, what);
+    std::memcpy(&e, p, 2);
     return e;
 }
 
@@ -247,14 +250,18 @@ void wgmma_compute(const WgmmaPending& p, const Fiber& f, float* out) {
         return static_cast<double>(op.format ? emu::BFloat16::widen(e) : emu::Binary16::widen(e));
     };
     const int r = 16 * static_cast<int>(f.warp % 4) + static_cast<int>(f.lane / 4), c = 2 * static_cast<int>(f.lane % 4);
+    char what_a[96], what_b[96];
+    std::snprintf(what_a, sizeof what_a, "wgmma.mma_async m64n%dk16 (operand A, completing at wgmma.wait_group)", op.n);
+    std::snprintf(what_b, sizeof what_b, "wgmma.mma_async m64n%dk16 (operand B, completing at wgmma.wait_group)", op.n);
     double A[2][16];
     for (int h = 0; h < 2; ++h)
-        for (int k = 0; k < 16; ++k) A[h][k] = widen(op.rs ? op.a_regs[r + 8 * h][k] : element(op.a, r + 8 * h, k));
+        for (int k = 0; k < 16; ++k)
+            A[h][k] = widen(op.rs ? op.a_regs[r + 8 * h][k] : element(op.a, r + 8 * h, k, f, what_a));
     for (int j = 0; j < op.n / 8; ++j)
         for (int v = 0; v < 2; ++v) {
             const int col = 8 * j + c + v;
             double B[16];
-            for (int k = 0; k < 16; ++k) B[k] = widen(element(op.b, col, k));
+            for (int k = 0; k < 16; ++k) B[k] = widen(element(op.b, col, k, f, what_b));
             for (int h = 0; h < 2; ++h) {
                 const int i = 4 * j + 2 * h + v;
                 double sum = p.scale_d ? p.c[i] : 0.0;
