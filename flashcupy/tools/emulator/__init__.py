@@ -131,6 +131,18 @@ provides the same names, modelled in runtime.cpp (its part runtime/hopper.h):
   16-byte aligned, a box outside shared memory, a map reaching outside its array, a map of another
   rank or not made by ``encode_tiled`` are ``KernelError`` naming the thread. ``tma.py`` documents
   the GPU path (cuda-bindings' ``cuTensorMapEncodeTiled``); the cupy backend does not use TMA yet.
+- The async proxy (``include/emu_hopper.h`` states the model, ``runtime/proxy.h`` implements it):
+  per byte of the block's shared memory (dynamic and static, by its ``smem_address``), the thread
+  that last wrote it with an ordinary store (or a cp.async landing) and whether that thread has
+  executed ``fence.proxy.async`` (``fence_proxy_async()``) since. A wgmma operand read (when the
+  operation completes) or a TMA store's source read of a byte whose last ordinary write its own
+  writer has not fenced is a ``KernelError`` naming the kernel, the writer (the reported thread),
+  the reader, the byte's shared address and the instruction; a fence in another thread does not
+  count. A TMA load's bytes are async-written: ordinary reads of them after the mbarrier wait are
+  legal (reads are not checked), an ordinary write over them needs a fence again before an async
+  read. Stores are seen through store-only ``-fsanitize=kernel-address`` callbacks, compiled in
+  only for modules that include ``hopper.cuh`` (from the source or a header in an ``-I``
+  directory): every other module is built as before and pays nothing.
 - A block whose live threads all wait, none able to go on, is a ``DeadlockError`` naming every
   mbarrier waited on (shared-memory offset, phase, arrivals and tx-count outstanding), named barrier
   and warpgroup rendezvous.
@@ -163,8 +175,7 @@ Not faithful (by design or not yet)
 - Static ``__shared__`` size is not counted against the shared-memory limit; static shared memory
   has no guard pages. Underflow reads just before dynamic shared memory are not caught.
 - Not modelled for sm_90 yet: TMA's latency (a box lands at issue), L2 promotion, interleaved maps,
-  NaN OOB fill, im2col, reduce-adds and multicast, the async proxy (``fence.proxy.async`` is a
-  no-op: wgmma sees ordinary writes at once), clusters, wgmma's base offset and its timing;
+  NaN OOB fill, im2col, reduce-adds and multicast, clusters, wgmma's base offset and its timing;
   ``fence.mbarrier_init`` is a no-op.
 - Not provided: ``__half2``/``__nv_bfloat162`` and h* intrinsics, ``__ballot_sync`` and friends,
   cooperative groups, inline PTX, textures, ``RawModule.get_global``, streams (ignored). The inline PTX

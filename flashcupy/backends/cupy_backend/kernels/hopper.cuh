@@ -114,6 +114,9 @@
 // can never complete is a DeadlockError naming it and its phase, misuse is a KernelError. wgmma
 // is emu_wgmma.h's: a warpgroup rendezvous whose results land at the covering wait_group, the
 // accumulators holding NaN in between; bad descriptors and mismatched warps are KernelErrors.
+// The emulator tracks which thread last wrote each shared-memory byte with an ordinary store:
+// wgmma or a TMA store reading one its writer has not followed with fence_proxy_async() is a
+// KernelError naming that thread (emu_hopper.h).
 
 #pragma once
 

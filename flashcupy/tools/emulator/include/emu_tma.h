@@ -20,6 +20,9 @@
 //                 was made from (the guarded argument buffer) are KernelErrors naming the thread.
 //   tma_store     on issue, copies the box from shared memory (the same layout) to global memory;
 //                 elements outside the tensor are not written. The same checks.
+//   async proxy   a load's landing makes its bytes async-written, a store's source read is an
+//                 async-proxy read: an ordinary store to it that its writer has not followed with
+//                 fence.proxy.async is a KernelError naming the writer (emu_hopper.h, runtime/proxy.h).
 //   commit / wait no-ops (wait_group.read checks N): a store reads shared memory at issue, so a
 //                 missing wait before the source is overwritten is not caught.
 // Not modelled: a swizzled box whose inner extent is narrower than the swizzle span (encode_tiled
