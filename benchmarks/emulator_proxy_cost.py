@@ -4,7 +4,8 @@
 Run from the repository root of the checkout to measure (its flashcupy is imported):
     nice -n 10 python benchmarks/emulator_proxy_cost.py
 block_sum (tests/emulator_kernels/block_reduce.cu) is an ordinary kernel: no instrumentation;
-wgmma_gemm<__half, 128> includes hopper.cuh, so its stores call the async-proxy model
+block_sum once more with hopper.cuh included and
+wgmma_gemm<__half, 128> include hopper.cuh, so their stores call the async-proxy model
 (runtime/proxy.h). The best of 11 launches each (process CPU time; the machine is shared).
 """
 import sys
@@ -32,6 +33,11 @@ with open("tests/emulator_kernels/block_reduce.cu") as file:
 x = np.random.default_rng(0).standard_normal(2048 * 128 * 8).astype(np.float32)
 out = np.zeros(2048, np.float32)
 print("block_sum 2048 blocks x 128 threads: min %.4f s, median %.4f s"
+      % best(lambda: k((2048,), (128,), (x, out, np.int32(x.size)))))
+# the same kernel in a module that includes hopper.cuh: every store of it goes through the callback
+with open("tests/emulator_kernels/block_reduce.cu") as file:
+    k = EmulatedModule('#include "hopper.cuh"\n' + file.read(), ["block_sum"], (blocks.INCLUDE,)).get_function("block_sum")
+print("block_sum, including hopper.cuh: min %.4f s, median %.4f s"
       % best(lambda: k((2048,), (128,), (x, out, np.int32(x.size)))))
 m = EmulatedModule(blocks.source(), blocks.NAMES, (blocks.INCLUDE,))
 A, B, _ = blocks.problem("float16", 128, 64, np.random.default_rng(0))
