@@ -6,7 +6,9 @@ NumPy, crossing the tensor's edges (zeros); a walk through one mbarrier's phases
 crosses an edge; a TMA-loaded 128B-swizzled tile read by wgmma (S = Q K^T); the mbarrier's phase
 waiting for the bytes; and each misuse reported: encode arguments the driver rejects, a
 misaligned destination, a map reaching past its array, the wrong rank, a map passed where it does
-not belong. tests/test_hopper_gpu.py runs the non-timing cases on an H100/H200.
+not belong; and the async proxy: a TMA store of ordinary stores needs fence.proxy.async in each
+writer (also after a TMA load the stores overwrite), ordinary reads after the wait need none.
+tests/test_hopper_gpu.py runs the non-timing cases on an H100/H200.
 """
 
 from __future__ import annotations

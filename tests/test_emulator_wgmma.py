@@ -5,7 +5,8 @@ operands, each swizzle mode, against NumPy's matmul of tiles laid out in shared 
 (tests/wgmma_blocks.py); the asynchronous semantics (the accumulators hold NaN until the wait that
 covers their group, wait_group 1 leaves the newest group in flight); and the misuses reported: a
 descriptor not aligned to its swizzle, a base offset, a warpgroup whose warps differ or are missing,
-a missing wgmma.fence. tests/test_hopper_gpu.py runs the same non-timing cases on an H100/H200.
+a missing wgmma.fence, tiles written by ordinary stores without fence.proxy.async in each writing
+thread (the async proxy). tests/test_hopper_gpu.py runs the same non-timing cases on an H100/H200.
 """
 
 from __future__ import annotations
