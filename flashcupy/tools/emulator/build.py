@@ -24,9 +24,8 @@ RUNTIME_PARTS = os.path.join(HERE, "runtime")  # runtime.cpp's parts, which it #
 ARCH_DEFAULT = 900                 # __CUDA_ARCH__ unless an -arch option says otherwise
 
 CXX = os.environ.get("CXX", "g++")
-# Measured on the test kernels (2-core CI box): compile time is ~0.6 s per module at
-# -O0, -O1 and -O2 alike (mostly headers and linking); -O1 ran the 20-barrier
-# benchmark fastest (10.6 ms vs 22 ms at -O0 and 13 ms at -O2).
+# -O1: it compiles no slower than -O0 (headers and linking dominate) and ran the barrier-heavy
+# test kernels fastest of -O0/-O1/-O2 (benchmarks/results/emulator_optimisation.md).
 CXXFLAGS = (
     "-std=c++20", "-O1", "-fPIC",
     "-fno-strict-aliasing",            # kernels reinterpret shared memory freely, as CUDA allows
