@@ -378,7 +378,7 @@ def test_scores_whose_rounding_exceeds_one_keep_the_gradients_finite(dtype, scal
 SIMT_MUTATIONS = {
     "scale ignored": ("blk.i0, seqlen_q, head_dim, scale);", "blk.i0, seqlen_q, head_dim, Acc(1) / sqrt(Acc(head_dim)));"),
     "GQA head mapping": ("h, h / group};", "h, h % (heads_q / group)};"),
-    "D not subtracted": ("dP[r] = S[r] * (dP[r] - D_i);", "dP[r] = S[r] * dP[r];"),
+    "D not subtracted": ("dP[r] = ds(score, S[r], dP[r], D_i, t);", "dP[r] = ds(score, S[r], dP[r], Acc(0), t);"),
     "key_end off by one": ("last_row + 1 + diagonal", "last_row + diagonal"),
     "lse base": ("m[r] + acc_log(l[r]);", "m[r] + acc_log(l[r]) / acc_log(Acc(2));"),
 }

@@ -311,9 +311,9 @@ PAIR_MUTATIONS = {
         "const bool partial = mask.partial(blk.i0, j0);"),
     "dbias not summed over keys": ("acc[r] = group_sum<BLOCK_N>(acc[r]);", "acc[r] = acc[r];"),
     "dbias row sum misses a warp": ("for (int w = 0; w < NUM_WARPS; ++w)", "for (int w = 1; w < NUM_WARPS; ++w)"),
-    "probs subtract the lse of the asked index": ("acc_exp(at_most_zero(s - lse_for_p(lse_row, lse_ss, i,",
-                                                  "acc_exp(at_most_zero(s - lse_for_p(lse_row, lse_ss, n,"),
-    "tensor-core dQ drops the softcap's derivative": ("dp = hidden ? 0.0f : score.grad(P * (dp - D_r[r / 8]), t);",
+    "probs subtract the lse of the asked index": ("prob(s - lse_for_p(lse_row, i,",
+                                                  "prob(s - lse_for_p(lse_row, n,"),
+    "tensor-core dQ drops the softcap's derivative": ("dp = hidden ? 0.0f : ds(score, P, dp, D_r[r / 8], t);",
                                                       "dp = hidden ? 0.0f : P * (dp - D_r[r / 8]);"),
 }
 

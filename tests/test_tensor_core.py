@@ -234,7 +234,7 @@ def test_scores_whose_rounding_exceeds_one_keep_the_gradients_finite(scale, kw, 
 TC_MUTATIONS = {
     "scale ignored": ("const float scale_log2 = scale * LOG2E;", "const float scale_log2 = LOG2E / sqrtf(float(head_dim));"),
     "GQA head mapping": ("h, h / group};", "h, h % (heads_q / group)};"),
-    "D not subtracted": (": P * (dp - D_i[c]);", ": P * dp;"),
+    "D not subtracted": ("return P * (dp - D);", "return P * dp;"),
     "key_end off by one": ("last_row + 1 + diagonal", "last_row + diagonal"),
     "lse base": ("m[mt][r] * LN2 + logf(l[mt][r])", "m[mt][r] * LN2 + log2f(l[mt][r])"),
 }

@@ -28,7 +28,10 @@ For each kernel: registers per thread, spill bytes (stores + loads), static and 
 memory per CTA, threads per CTA, the theoretical occupancy (resident warps / maximum warps per
 SM) on that architecture, and for the tensor-core kernels the count of HMMA.16816.F32
 instructions in their SASS (by nvdisasm, which cuda-pathfinder finds: the
-`nvidia-cuda-nvdisasm` wheel or a toolkit's).
+`nvidia-cuda-nvdisasm` wheel or a toolkit's). Asked (`kernel_report(..., instructions=True)`), every
+kernel's SASS is read: its instruction count and a digest of its instructions with addresses, labels
+and the kernel's own name taken out, so that two compilations of the same code compare equal even
+where the template arguments (and so the mangled name) differ (benchmarks/sass_counts.py).
 """
 
 from __future__ import annotations
@@ -287,6 +290,25 @@ def function_sass(text: str, mangled: str) -> str | None:
     return m.group(1) if m else None
 
 
+_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;?\s*$", re.M)
+_LABEL = re.compile(r"\.L_x_\d+")
+
+
+def sass_instructions(code: str, mangled: str) -> tuple:
+    """(instruction count, digest) of one function's SASS (function_sass's text): the digest is a
+    SHA-256 of its instructions in order with the addresses dropped, the labels renumbered in order of
+    first mention and the function's own mangled name replaced, so that it names the code alone."""
+    import hashlib
+
+    labels = {}
+    lines = []
+    for ins in _INSTRUCTION.findall(code):
+        ins = ins.replace(mangled, "SELF")
+        ins = _LABEL.sub(lambda m: labels.setdefault(m.group(0), f"L{len(labels)}"), ins)
+        lines.append(ins)
+    return len(lines), hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USAGE = re.compile(r"Used (\d+) registers")
@@ -331,13 +353,17 @@ def variant(kernel: specs.Kernel) -> str | None:
     return "+".join(x for x in (kernel.modifiers, "split" * kernel.split, "dq_atomic" * kernel.dq_atomic) if x) or None
 
 
-def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, cubin: bytes) -> list:
+def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, cubin: bytes,
+                 instructions: bool = False) -> list:
     info = parse_ptxas(log)
-    text = sass(cubin) if any(k.tensor_cores for k in module.kernels) else ""
+    text = sass(cubin) if instructions or any(k.tensor_cores for k in module.kernels) else ""
     rows = []
     for kernel in module.kernels:
         got = info[lowered[kernel.name_expression]]
-        code = function_sass(text, lowered[kernel.name_expression]) if kernel.tensor_cores else None
+        code = function_sass(text, lowered[kernel.name_expression]) if kernel.tensor_cores or instructions else None
+        extra = {}
+        if instructions:
+            extra["instructions"], extra["sass_digest"] = sass_instructions(code, lowered[kernel.name_expression])
         rows.append(dict(
             kernel=kernel.template,
             mods=variant(kernel),
@@ -351,15 +377,18 @@ def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, c
             threads=kernel.threads,
             occupancy=occupancy(arch, got["registers"], got["static_smem"] + kernel.dynamic_smem,
                                 kernel.threads),
-            hmma=len(re.findall(r"\bHMMA\.16816\.F32", code)) if code is not None else None,
+            hmma=len(re.findall(r"\bHMMA\.16816\.F32", code)) if kernel.tensor_cores else None,
+            **extra,
         ))
     return rows
 
 
-def kernel_report(arch: str = "sm_90", toolkit: Toolkit | None = None, modules=None) -> list:
+def kernel_report(arch: str = "sm_90", toolkit: Toolkit | None = None, modules=None,
+                  instructions: bool = False) -> list:
     """One row per kernel specialization the cupy backend can launch (`modules`, by default
     specs.all_modules: without score modifiers and with all of them), compiled for `arch` by the NVRTC
-    of `toolkit` (default: CuPy's)."""
+    of `toolkit` (default: CuPy's). `instructions`: every row also gets its SASS instruction count and
+    digest (sass_instructions)."""
     if not re.fullmatch(r"sm_\d+a?", arch):
         raise ValueError(f"arch must look like sm_80 or sm_90, got {arch!r}")
     toolkit = toolkit or cupy_toolkit()
@@ -369,7 +398,7 @@ def kernel_report(arch: str = "sm_90", toolkit: Toolkit | None = None, modules=N
     # the preprocess kernel does not depend on the head-dim bucket: report it once per dtype
     rows, seen = [], set()
     for module, result in zip(modules, compiled):
-        for row in _module_rows(arch, module, *result):
+        for row in _module_rows(arch, module, *result, instructions=instructions):
             key = (row["kernel"], row["mods"], row["dtype"], row["head_dim"])
             if key not in seen:
                 seen.add(key)

@@ -173,21 +173,15 @@ class Kernel:
 
     @property
     def threads(self) -> int:
-        """Threads a CTA (the launch's block size)."""
-        return 32 * WIDE_WARPS if self.template == "attn_fwd_tc_wide" else NUM_THREADS
+        """Threads a CTA (the launch's block size): the template's LAUNCH policy."""
+        return LAUNCH[self.template].threads
 
     @property
     def dynamic_smem(self) -> int:
-        """Bytes of dynamic shared memory a launch asks for (the SIMT kernels use static tiles)."""
-        m, n, d = self.block_m, self.block_n, tc_tile_row(self.head_dim)
-        if self.template in TC_FORWARD_TEMPLATES:
-            return (m + 4 * n) * d * 2
-        if self.template == "attn_bwd_dkdv_tc":
-            # with dQ by atomics: dS_s, and the warps' 16 x 16 float staging tiles
-            return (2 * n + 4 * m) * d * 2 + 2 * 2 * m * 4 + self.dq_atomic * (m * n * 2 + NUM_THREADS // 32 * 1024)
-        if self.template == "attn_bwd_dq_tc":
-            return (2 * m + 4 * n) * d * 2
-        return 0
+        """Bytes of dynamic shared memory a launch asks for (the SIMT kernels use static tiles): the
+        template's LAUNCH policy."""
+        smem = LAUNCH[self.template].dynamic_smem
+        return 0 if smem is None else smem(self.block_m, self.block_n, tc_tile_row(self.head_dim), self.dq_atomic)
 
     def grid(self, p, rows: int | None = None) -> tuple:
         """(what it counts, thread blocks) of this kernel's 1-D grid for Problem p (GRIDS): what the
@@ -217,6 +211,35 @@ class Kernel:
         if self.split or self.dq_atomic:  # the kernel's last template flag: SPLIT, DQ_ATOMIC
             args.append("true")
         return f"{self.template}<{', '.join(args)}>"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a template's launches take besides its grid: `threads` a CTA, and `dynamic_smem(block_m,
+    block_n, row, dq_atomic)`, the bytes of dynamic shared memory (row: a tile row's elements,
+    tc_tile_row), or None for a kernel with static shared memory only. The layouts behind the formulas:
+    the module docstring's tables, and the kernels' headers."""
+
+    threads: int = NUM_THREADS
+    dynamic_smem: Callable | None = None
+
+
+# The tensor-core kernels' shared memory, 2 bytes an element: the forward (Q_i; 2 x (K_j, V_j)), dK/dV
+# (K_j, V_j; 2 x (Q_i, dO_i); lse_i and D_i per stage; with dQ by atomics dS_s and the warps' 16 x 16
+# float staging tiles), dQ (Q_i, dO_i; 2 x (K_j, V_j))
+def _tc_forward_smem(m: int, n: int, d: int, atomic: bool) -> int:
+    return (m + 4 * n) * d * 2
+
+
+LAUNCH = {
+    **{t: Launch() for t in ("flash_fwd", "flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq", "flash_probs",
+                             "flash_bwd_dbias", "attn_bwd_dq_convert")},
+    "attn_fwd_tc": Launch(dynamic_smem=_tc_forward_smem),
+    "attn_fwd_tc_wide": Launch(32 * WIDE_WARPS, _tc_forward_smem),
+    "attn_bwd_dkdv_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * n + 4 * m) * d * 2 + 2 * 2 * m * 4
+                               + atomic * (m * n * 2 + NUM_THREADS // 32 * 1024)),
+    "attn_bwd_dq_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * m + 4 * n) * d * 2),
+}
 
 
 @dataclass(frozen=True)

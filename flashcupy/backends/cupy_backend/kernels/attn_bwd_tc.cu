@@ -184,13 +184,13 @@ __global__ void __launch_bounds__(NUM_THREADS, (MODS & MOD_SCORE) && HEAD_DIM ==
     // a NaN in its dout reaches neither dV nor dK (nor, with DQ_ATOMIC, dQ)
     auto prefetch = [&](int p) {
         const int h = blk.kv_head * group + p / q_blocks, i0 = i_start + p % q_blocks * BLOCK_M;
-        const float* lse_h = lse + blk.b * lse_sb + h * lse_sh;
-        const auto seen_row = [=](int i) { return (MODS & MOD_MASK) == 0 || lse_h[i * lse_ss] != -INFINITY; };
+        const Stats<const float> lse_h = LSE_ROW(lse, blk.b, h);
+        const auto seen_row = [=](int i) { return (MODS & MOD_MASK) == 0 || lse_h[i] != -INFINITY; };
         load_stage_async<BLOCK_M, HEAD_DIM>(Q_s, dO_s, p & 1, HEAD_ROWS(q, blk.b, h), HEAD_ROWS(dout, blk.b, h), i0,
                                             seqlen_q, head_dim, seen_row);
         const int i = i0 + threadIdx.x % BLOCK_M;
-        if (threadIdx.x < BLOCK_M) return lse_for_p(lse + blk.b * lse_sb + h * lse_sh, lse_ss, i, seqlen_q) * LOG2E;
-        return i < seqlen_q ? Dvec[(index_t(blk.b) * heads_q + h) * seqlen_q + i] : 0.0f;
+        if (threadIdx.x < BLOCK_M) return lse_for_p(LSE_ROW(lse, blk.b, h), i, seqlen_q) * LOG2E;
+        return i < seqlen_q ? d_row<true>(Dvec, heads_q, seqlen_q, blk.b, h)[i] : 0.0f;
     };
     auto store_stat = [&](int p, float stat) {
         if (threadIdx.x < 2 * BLOCK_M) stats_s[(p & 1) * 2 * BLOCK_M + threadIdx.x] = stat;
@@ -228,22 +228,13 @@ __global__ void __launch_bounds__(NUM_THREADS, (MODS & MOD_SCORE) && HEAD_DIM ==
         const bool partial = (MODS & MOD_MASK) != 0 || mask.partial(i0, blk.j0);  // the bool mask: any tile
         const int h = blk.kv_head * group + p / q_blocks;
         const auto score = MAKE_SCORE(T, float, MODS, blk.b, h, scale_log2, LOG2E);
-        if constexpr ((MODS & MOD_SCORE) != 0) {
-            for_each_element([&](int r, int c, float& s, float& dp) {
-                const bool hidden = partial && !(mask.visible(i0 + c, key_w + r) && score.keeps(i0 + c, key_w + r));
-                float t = 0.0f;
-                const float P = hidden ? 0.0f : ex2_approx(at_most_zero(score(s, i0 + c, key_w + r, t) - lse_i[c]));
-                s = P;
-                dp = (MODS & MOD_MASK) != 0 && hidden ? 0.0f : score.grad(P * (dp - D_i[c]), t);  // see seen_row
-            }, S, dP);
-        } else {
-            for_each_element([&](int r, int c, float& s, float& dp) {
-                const bool hidden = partial && !(mask.visible(i0 + c, key_w + r) && score.keeps(i0 + c, key_w + r));
-                const float P = hidden ? 0.0f : ex2_approx(at_most_zero(s * scale_log2 - lse_i[c]));
-                s = P;
-                dp = (MODS & MOD_MASK) != 0 && hidden ? 0.0f : P * (dp - D_i[c]);  // see seen_row
-            }, S, dP);
-        }
+        for_each_element([&](int r, int c, float& s, float& dp) {
+            const bool hidden = TC_PAIR_HIDDEN(partial, i0 + c, key_w + r);
+            float t = 0.0f;
+            const float P = hidden ? 0.0f : tc_prob(tc_final_score(score, s, i0 + c, key_w + r, t, scale_log2) - lse_i[c]);
+            s = P;
+            dp = (MODS & MOD_MASK) != 0 && hidden ? 0.0f : ds(score, P, dp, D_i[c], t);  // see seen_row
+        }, S, dP);
 
         if constexpr (DQ_ATOMIC) {  // dS, transposed back, for this pass's dQ_i (the previous pass's readers are done)
             for_each_element([&](int r, int c, float& dp) {
@@ -271,7 +262,7 @@ __global__ void __launch_bounds__(NUM_THREADS, (MODS & MOD_SCORE) && HEAD_DIM ==
                                          V_s + 16 * warp * ROW, key_w, seqlen_k, head_dim);
     } else {
         // straight from the fragments: staged, the deterministic kernel with every modifier at head_dim 64
-        // spilled 8 bytes (sm_80, NVRTC 12.9)
+        // spilled (benchmarks/results/tile_choices.md)
         store_fragments<HEAD_DIM>(HEAD_ROWS(dk, blk.b, blk.kv_head), dK, {scale, scale}, key_g, seqlen_k, head_dim);
         store_fragments<HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, {1.0f, 1.0f}, key_g, seqlen_k, head_dim);
     }
@@ -317,8 +308,8 @@ __global__ void __launch_bounds__(NUM_THREADS, MODS ? 2 : MIN_CTAS<HEAD_DIM>) at
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = row_g + 8 * r;
-        lse_r[r] = lse_for_p(lse + blk.b * lse_sb + blk.h * lse_sh, lse_ss, row, seqlen_q) * LOG2E;
-        D_r[r] = row < seqlen_q ? Dvec[(index_t(blk.b) * heads_q + blk.h) * seqlen_q + row] : 0.0f;
+        lse_r[r] = lse_for_p(LSE_ROW(lse, blk.b, blk.h), row, seqlen_q) * LOG2E;
+        D_r[r] = row < seqlen_q ? d_row<true>(Dvec, heads_q, seqlen_q, blk.b, blk.h)[row] : 0.0f;
     }
     const float scale_log2 = scale * LOG2E;
     const auto score = MAKE_SCORE(T, float, MODS, blk.b, blk.h, scale_log2, LOG2E);
@@ -338,12 +329,12 @@ __global__ void __launch_bounds__(NUM_THREADS, MODS ? 2 : MIN_CTAS<HEAD_DIM>) at
         // dP becomes dS: row r of the warp's tile is query row_w + r (the lane's r / 8), column c key j0 + c
         const bool partial = (MODS & MOD_MASK) != 0 || mask.partial(blk.i0, j0);  // the bool mask: any tile
         for_each_element([&](int r, int c, float& s, float& dp) {
-            const bool hidden = partial && !(mask.visible(row_w + r, j0 + c) && score.keeps(row_w + r, j0 + c));
+            const bool hidden = TC_PAIR_HIDDEN(partial, row_w + r, j0 + c);
             float t = 0.0f;
-            const float x = (MODS & MOD_SCORE) != 0 ? score(s, row_w + r, j0 + c, t) : s * scale_log2;
-            const float P = hidden ? 0.0f : ex2_approx(at_most_zero(x - lse_r[r / 8]));
+            const float x = tc_final_score(score, s, row_w + r, j0 + c, t, scale_log2);
+            const float P = hidden ? 0.0f : tc_prob(x - lse_r[r / 8]);
             // selected: a NaN in an unseen row's dO stays out of dQ
-            dp = hidden ? 0.0f : score.grad(P * (dp - D_r[r / 8]), t);
+            dp = hidden ? 0.0f : ds(score, P, dp, D_r[r / 8], t);
         }, S, dP);
 
         mma_ab<T, HEAD_DIM, BLOCK_N>(dQ, dP, kv.K_j(jb));
@@ -351,7 +342,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MODS ? 2 : MIN_CTAS<HEAD_DIM>) at
     }
 
     // straight from the fragments (twice the sectors of store_fragments_staged, which took this kernel, with
-    // every modifier at head_dim 128, one register past the limit of tests/test_nvrtc.py)
+    // every modifier at head_dim 128, past the register limit of tests/test_nvrtc.py)
     store_fragments<HEAD_DIM>(dQ_rows, dQ, {scale, scale}, row_g, seqlen_q, head_dim);
 }
 

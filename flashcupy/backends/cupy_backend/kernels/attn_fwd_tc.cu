@@ -62,8 +62,8 @@
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 128),
 // BLOCK_M (16 M_TILES WARPS, M_TILES 1 or 2), BLOCK_N (a multiple of 16), MODS the score modifiers
 // (0: none), SPLIT split-KV (attn_fwd_tc only). The split kernels ask ptxas for one CTA an SM
-// (__launch_bounds__): left to its heuristic it held them to 128 registers and spilled; those with
-// a bias or mask ask for two; the other 4-warp ones ask MIN_CTAS, and the wide one has a register cap
+// (__launch_bounds__): left to its heuristic it allowed them too few registers and they spilled;
+// those with a bias or mask ask for two; the other 4-warp ones ask MIN_CTAS, and the wide one has a register cap
 // (tc_tile.cuh).
 
 #include "mask.cuh"
@@ -122,7 +122,7 @@ __device__ __forceinline__ void attn_fwd_tc_cta(
     constexpr int QK_STEPS = HEAD_DIM / 16;  // k-steps of Q_i K_jᵀ
     static_assert(0 <= Q_KEPT && Q_KEPT <= QK_STEPS, "Q_KEPT: k-steps of Q_i");
     // Out is made before the key loop by the plain 4-warp kernel (made after it, it made ptxas spill),
-    // after the loop by the others (made before, it took the split kernel to 255 registers and made
+    // after the loop by the others (made before, it took the split kernel to every register and made
     // the 8-warp one spill under its register cap)
     constexpr bool OUT_AFTER_LOOP = SPLIT || WARPS != NUM_WARPS;
 
@@ -206,18 +206,18 @@ __device__ __forceinline__ void attn_fwd_tc_cta(
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
             const int row_t = row_w + 16 * mt;  // the row tile's first row
-            if constexpr ((MODS & MOD_SCORE) != 0) {
+            if constexpr ((MODS & MOD_SCORE) != 0) {  // else the softmax scales s (tc_softmax_scale)
                 for_each_element([&](int r, int c, float& s) {
                     float t = 0.0f;
-                    s = score(s, row_t + r, j0 + c, t);
+                    s = tc_final_score(score, s, row_t + r, j0 + c, t, scale_log2);
                 }, S[mt]);
             }
             if ((MODS & MOD_MASK) != 0 || mask.partial(blk.i0, j0)) {  // the bool mask may hide pairs of any tile
                 for_each_element([&](int r, int c, float& s) {
-                    if (!mask.visible(row_t + r, j0 + c) || !score.keeps(row_t + r, j0 + c)) s = -INFINITY;
+                    if (PAIR_HIDDEN(row_t + r, j0 + c)) s = -INFINITY;
                 }, S[mt]);
             }
-            online_softmax(S[mt], m[mt], l[mt], O[mt], (MODS & MOD_SCORE) != 0 ? 1.0f : scale_log2);  // Score took it to base 2
+            online_softmax(S[mt], m[mt], l[mt], O[mt], tc_softmax_scale(score, scale_log2));
         }
         mma_ab<T, HEAD_DIM, BLOCK_N, M_TILES>(O, S, kv.V_j(jb));
         __syncthreads();  // every warp is done with this stage before the next pass's prefetch overwrites it
@@ -234,7 +234,7 @@ __device__ __forceinline__ void attn_fwd_tc_cta(
             inv_l[r] = l[mt][r] == 0.0f ? 0.0f : 1.0f / l[mt][r];
             const int row = row_g + 8 * r;
             if (lane % 4 == 0 && row < seqlen_q)
-                lse[split.index * lse_split + blk.b * lse_sb + blk.h * lse_sh + row * lse_ss] =
+                LSE_ROW_AT(lse, split.index * lse_split, blk.b, blk.h)[row] =
                     l[mt][r] == 0.0f ? -INFINITY : m[mt][r] * LN2 + logf(l[mt][r]);
         }
         if constexpr (SPLIT) {
@@ -250,17 +250,18 @@ __device__ __forceinline__ void attn_fwd_tc_cta(
 
 // The entry points. attn_fwd_tc: NUM_WARPS warps of one or two row tiles, registers left to ptxas
 // (__launch_bounds__); with a bias or a bool mask it asks for two CTAs an SM (up to 255 registers):
-// left to its heuristic, ptxas held those to 168 registers and spilled 12-104 bytes in some of the
-// 24 sets of modifiers that hold one. attn_fwd_tc_wide: WIDE_WARPS warps of two row tiles under a
-// register cap (WIDE_MAX_REGISTERS, tc_tile.cuh). specs.py says which head dims and modifiers take
-// which.
+// left to its heuristic, ptxas allowed those fewer registers and spilled in some of the 24 sets of
+// modifiers that hold one (benchmarks/results/tile_choices.md). attn_fwd_tc_wide: WIDE_WARPS warps of
+// two row tiles under a register cap (WIDE_MAX_REGISTERS, tc_tile.cuh). specs.py says which head
+// dims and modifiers take which.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool SPLIT = false>
 __global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : (MODS & MOD_PAIRS) ? 2 : MIN_CTAS<HEAD_DIM>) attn_fwd_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
     LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {
     // Q_i's A fragments stay in registers with one row tile; with two, O and S take the registers
-    // (kept, Q_frag took head_dim 64 to 246-254 registers under NVRTC 12.9 and 13.5)
+    // (kept, Q_frag took head_dim 64 to the register limit of tests/test_nvrtc.py:
+    // benchmarks/results/tile_choices.md)
     constexpr int Q_KEPT = BLOCK_M == 16 * NUM_WARPS ? HEAD_DIM / 16 : 0;
     attn_fwd_tc_cta<T, HEAD_DIM, BLOCK_M, BLOCK_N, MODS, SPLIT, NUM_WARPS, Q_KEPT>(
         TENSOR_ARGS(q), TENSOR_ARGS(k), TENSOR_ARGS(v), TENSOR_ARGS(out), LSE_ARGS(lse), PROBLEM_ARGS, SPLIT_ARGS);

@@ -65,8 +65,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
     for (int h = blk.kv_head * group; h < (blk.kv_head + 1) * group; ++h) {
         const Rows<const T> Q = HEAD_ROWS(q, blk.b, h);
         const Rows<const T> dO = HEAD_ROWS(dout, blk.b, h);
-        const Acc* lse_row = lse + blk.b * lse_sb + h * lse_sh;
-        const Acc* D_row = Dvec + (index_t(blk.b) * heads_q + h) * seqlen_q;
+        const Stats<const Acc> lse_row = LSE_ROW(lse, blk.b, h), D_row = d_row(Dvec, heads_q, seqlen_q, blk.b, h);
         const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, h, Acc(1), Acc(1));
         for (int i0 = mask.query_start(blk.j0), i_end = mask.query_end(blk.j0); i0 < i_end; i0 += BLOCK_M) {
             load_tile<BLOCK_M, HEAD_DIM>(Q_s, Q, i0, seqlen_q, head_dim, scale);
@@ -78,14 +77,14 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
 #pragma unroll 1
                 for (int e = threadIdx.x; e < BLOCK_M * HEAD_DIM; e += NUM_THREADS) {
                     const int i = i0 + e / HEAD_DIM, d = e % HEAD_DIM;
-                    dO_s[e] = i < seqlen_q && d < head_dim && lse_row[i * lse_ss] != Acc(-INFINITY) ? to_acc(dO.at(i, d))
+                    dO_s[e] = i < seqlen_q && d < head_dim && lse_row[i] != Acc(-INFINITY) ? to_acc(dO.at(i, d))
                                                                                                   : Acc(0);
                 }
             } else {
                 load_tile<BLOCK_M, HEAD_DIM>(dO_s, dO, i0, seqlen_q, head_dim, Acc(1));
             }
             const int i = i0 + query;
-            const Acc lse_i = lse_for_p(lse_row, lse_ss, i, seqlen_q);
+            const Acc lse_i = lse_for_p(lse_row, i, seqlen_q);
             // that row's D_i (NaN from its dout) 0 as well, so that its dS = P (dP - D_i) is 0 (see dO_s above)
             const Acc D_i = i < seqlen_q && ((MODS & MOD_MASK) == 0 || lse_i != Acc(INFINITY)) ? D_row[i] : Acc(0);
             __syncthreads();  // Q_i, dO_i (and, on the first pass, K_j, V_j) are in shared memory for every warp
@@ -95,15 +94,10 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
             // S becomes Pᵀ, dP becomes dSᵀ
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                if constexpr ((MODS & MOD_SCORE) != 0) {
-                    Acc t = Acc(0);
-                    const Acc s = score(S[r], i, key0 + r, t);
-                    S[r] = mask.visible(i, key0 + r) && score.keeps(i, key0 + r) ? acc_exp(at_most_zero(s - lse_i)) : Acc(0);
-                    dP[r] = score.grad(S[r] * (dP[r] - D_i), t);
-                } else {
-                    S[r] = mask.visible(i, key0 + r) && score.keeps(i, key0 + r) ? acc_exp(at_most_zero(S[r] - lse_i)) : Acc(0);
-                    dP[r] = S[r] * (dP[r] - D_i);
-                }
+                Acc t = Acc(0);
+                const Acc s = final_score(score, S[r], i, key0 + r, t);
+                S[r] = PAIR_SEEN(i, key0 + r) ? prob(s - lse_i) : Acc(0);
+                dP[r] = ds(score, S[r], dP[r], D_i, t);
             }
             accumulate<R, BLOCK_M, HEAD_DIM>(dV, S, dO_s);
             accumulate<R, BLOCK_M, HEAD_DIM>(dK, dP, Q_s);
@@ -134,8 +128,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dq(
     load_tile<BLOCK_M, HEAD_DIM>(Q_s, HEAD_ROWS(q, blk.b, blk.h), blk.i0, seqlen_q, head_dim, scale);
     load_tile<BLOCK_M, HEAD_DIM>(dO_s, HEAD_ROWS(dout, blk.b, blk.h), blk.i0, seqlen_q, head_dim, Acc(1));
 
-    const Acc* lse_row = lse + blk.b * lse_sb + blk.h * lse_sh;
-    const Acc* D_row = Dvec + (index_t(blk.b) * heads_q + blk.h) * seqlen_q;
+    const Stats<const Acc> lse_row = LSE_ROW(lse, blk.b, blk.h), D_row = d_row(Dvec, heads_q, seqlen_q, blk.b, blk.h);
     const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, blk.h, Acc(1), Acc(1));
     Acc dQ[R][HEAD_DIM / WARP_SIZE];
     zero(dQ);
@@ -154,11 +147,11 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dq(
             const int i = row0 + r;
             // a hidden pair's dS is 0 by selection, not P = 0 times dP: a row that sees no key gets dQ 0
             // whatever its dO holds (a NaN times 0 is NaN)
-            const bool seen = mask.visible(i, j0 + key) && score.keeps(i, j0 + key);
+            const bool pair_seen = PAIR_SEEN(i, j0 + key);
             Acc t = Acc(0);
-            if constexpr ((MODS & MOD_SCORE) != 0) S[r] = score(S[r], i, j0 + key, t);
-            const Acc P = seen ? acc_exp(at_most_zero(S[r] - lse_for_p(lse_row, lse_ss, i, seqlen_q))) : Acc(0);
-            dP[r] = seen ? score.grad(P * (dP[r] - (i < seqlen_q ? D_row[i] : Acc(0))), t) : Acc(0);
+            S[r] = final_score(score, S[r], i, j0 + key, t);
+            const Acc P = pair_seen ? prob(S[r] - lse_for_p(lse_row, i, seqlen_q)) : Acc(0);
+            dP[r] = pair_seen ? ds(score, P, dP[r], i < seqlen_q ? D_row[i] : Acc(0), t) : Acc(0);
         }
         accumulate<R, BLOCK_N, HEAD_DIM>(dQ, dP, K_s);
         __syncthreads();  // every warp is done reading K_j, V_j before the next pass overwrites them

@@ -1,5 +1,6 @@
 // flash_bwd_common.cuh: what the SIMT backward (flash_bwd.cu) and the tensor-core backward
-// (attn_bwd_tc.cu) share: the D = rowsum(dO ∘ O) pre-pass, and the lse a recomputed P uses.
+// (attn_bwd_tc.cu) share: the D = rowsum(dO ∘ O) pre-pass, and the lse a recomputed P uses (the
+// exponent itself: the epilogues, mask.cuh and tc_tile.cuh).
 
 #pragma once
 
@@ -25,21 +26,11 @@ __global__ void __launch_bounds__(NUM_THREADS) flash_bwd_preprocess(
     if (lane == 0) Dvec[n] = sum;
 }
 
-// s - lse of a score the backward (or attention_probs) recomputes, clamped to at most 0 as it is by
-// definition (P at most 1): where scores are so large that their rounding passes 1 (about 2^22 /
-// head_dim in float: a scale of 1e30 with inputs of 0.5), a product rounded otherwise than the
-// forward's S can put it far above 0, and P at inf, then NaN gradients. A NaN stays NaN (README,
-// Semantics: large scores). In either base.
-template <typename Acc>
-__device__ __forceinline__ Acc at_most_zero(Acc x) {
-    return x > Acc(0) ? Acc(0) : x;
-}
-
 // lse of row i for recomputing P = exp(S - lse): +inf for rows that saw no key (lse = -inf) and
 // for rows past seqlen_q, so that their P is 0 (for any finite score: the mask leaves the rows past
 // seqlen_q to this, mask.cuh).
 template <typename Acc>
-__device__ __forceinline__ Acc lse_for_p(const Acc* lse_row, index_t stride, int i, int seqlen_q) {
-    const Acc x = i < seqlen_q ? lse_row[i * stride] : Acc(-INFINITY);
+__device__ __forceinline__ Acc lse_for_p(const Stats<const Acc>& lse_row, int i, int seqlen_q) {
+    const Acc x = i < seqlen_q ? lse_row[i] : Acc(-INFINITY);
     return x == -INFINITY ? Acc(INFINITY) : x;
 }

@@ -107,6 +107,43 @@ __device__ __forceinline__ Rows<T> head_rows(T* x, index_t s_batch, index_t s_se
     return Rows<T>{x + b * s_batch + h * s_head, s_seq, s_dim};
 }
 
+// The row of one (batch, head) of a per-row statistic: lse, (batch, heads, seqlen) with element
+// strides, or D, the backward's contiguous (batch, heads_q, seqlen_q) workspace. Every kernel that
+// reads or writes either addresses it through this view (LSE_ROW, d_row), so the layout is spelled once.
+// Row i is base[offset + i stride]: the row's start is a pointer (offset 0) where a kernel reads the
+// row many times, and an element offset from the array's own pointer where it stores each row once
+// (the forward's lse, with a split's offset; the tensor-core backward's D): the two forms the kernels
+// spelled inline, kept because NVRTC compiles them differently.
+template <typename Acc>
+struct Stats {
+    Acc* base;
+    index_t offset;
+    index_t stride;
+
+    __device__ __forceinline__ Acc& operator[](int i) const { return base[offset + i * stride]; }
+};
+
+// The row of (batch b, head h) of a (batch, heads, seqlen) statistic x (element strides s_batch,
+// s_head, s_seq), as a pointer; or, given an element offset `split` (a split-KV forward's), as an offset.
+template <typename Acc>
+__device__ __forceinline__ Stats<Acc> stat_row(Acc* x, index_t s_batch, index_t s_head, index_t s_seq, int b, int h) {
+    return Stats<Acc>{x + b * s_batch + h * s_head, 0, s_seq};
+}
+template <typename Acc>
+__device__ __forceinline__ Stats<Acc> stat_row(Acc* x, index_t split, index_t s_batch, index_t s_head, index_t s_seq,
+                                               int b, int h) {
+    return Stats<Acc>{x, split + b * s_batch + h * s_head, s_seq};
+}
+
+// D's row of (batch b, query head h): contiguous, heads_q rows of seqlen_q a batch; as a pointer, or
+// (AT_OFFSET) as an offset.
+template <bool AT_OFFSET = false, typename Acc>
+__device__ __forceinline__ Stats<Acc> d_row(Acc* D, int heads_q, int seqlen_q, int b, int h) {
+    const index_t start = (index_t(b) * heads_q + h) * seqlen_q;
+    if constexpr (AT_OFFSET) return Stats<Acc>{D, start, 1};
+    return Stats<Acc>{D + start, 0, 1};
+}
+
 // A kernel's (batch, seqlen, heads, head_dim) tensor argument x: TENSOR_PARAMS declares x, the address
 // of its first element, and x_sb, x_ss, x_sh, x_sd, its element strides, in the order the launcher
 // packs them (_tensor in cupy_backend/__init__.py); HEAD_ROWS(x, b, h) is its (batch b, head h) slice.
@@ -114,6 +151,10 @@ __device__ __forceinline__ Rows<T> head_rows(T* x, index_t s_batch, index_t s_se
 #define TENSOR_PARAMS(T, x) T* __restrict__ x, index_t x##_sb, index_t x##_ss, index_t x##_sh, index_t x##_sd
 #define HEAD_ROWS(x, b, h) head_rows(x, x##_sb, x##_ss, x##_sh, x##_sd, b, h)
 #define LSE_PARAMS(T, x) T* __restrict__ x, index_t x##_sb, index_t x##_sh, index_t x##_ss
+// LSE_ROW(x, b, h): the Stats of (batch b, head h) of such an argument; LSE_ROW_AT(x, split, b, h) the
+// same at element offset split (its row as an offset).
+#define LSE_ROW(x, b, h) stat_row(x, x##_sb, x##_sh, x##_ss, b, h)
+#define LSE_ROW_AT(x, split, b, h) stat_row(x, split, x##_sb, x##_sh, x##_ss, b, h)
 // The scalars that close every attention kernel's argument list, in the launcher's order; a Mask
 // (mask.cuh) is made of seqlen_q, seqlen_k, diagonal and causal, and with a window of window_left and
 // window_right. The score modifiers follow (Score in mask.cuh): the softcap's cap_in and cap_out in

@@ -36,6 +36,20 @@
 #include "flash_common.cuh"
 #include "mask.cuh"
 
+// The online softmax of one key block for one of the warp's rows, as attn_fwd_tc.cu's for the
+// lane's two: s (this lane's key's score, -inf where masked) becomes P; m and l move to the new
+// running max and sum over the BLOCK_N lanes that hold the row's keys, and O_row is rescaled by alpha.
+template <int BLOCK_N, typename Acc, int COLS>
+__device__ __forceinline__ void online_softmax(Acc& s, Acc& m, Acc& l, Acc (&O_row)[COLS]) {
+    const Acc m_new = acc_max(m, group_max<BLOCK_N>(s));
+    const Acc m_safe = m_new == -INFINITY ? Acc(0) : m_new;  // no key seen yet: exp(-inf) = 0, not NaN
+    const Acc alpha = acc_exp(m - m_safe);
+    s = acc_exp(s - m_safe);
+    l = alpha * l + group_sum<BLOCK_N>(s);
+    m = m_new;
+    scale_row(O_row, alpha);
+}
+
 template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool SPLIT = false>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_fwd(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
@@ -79,18 +93,10 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_fwd(
         // online softmax; S becomes P
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            if constexpr ((MODS & MOD_SCORE) != 0) {
-                Acc t = Acc(0);
-                S[r] = score(S[r], row0 + r, j0 + key, t);
-            }
-            if (!mask.visible(row0 + r, j0 + key) || !score.keeps(row0 + r, j0 + key)) S[r] = -INFINITY;
-            const Acc m_new = acc_max(m[r], group_max<BLOCK_N>(S[r]));
-            const Acc m_safe = m_new == -INFINITY ? Acc(0) : m_new;  // no key seen yet: exp(-inf) = 0, not NaN
-            const Acc alpha = acc_exp(m[r] - m_safe);
-            S[r] = acc_exp(S[r] - m_safe);
-            l[r] = alpha * l[r] + group_sum<BLOCK_N>(S[r]);
-            m[r] = m_new;
-            scale_row(O[r], alpha);
+            Acc t = Acc(0);
+            S[r] = final_score(score, S[r], row0 + r, j0 + key, t);
+            if (PAIR_HIDDEN(row0 + r, j0 + key)) S[r] = -INFINITY;
+            online_softmax<BLOCK_N>(S[r], m[r], l[r], O[r]);
         }
         accumulate<R, BLOCK_N, HEAD_DIM>(O, S, V_s);
         __syncthreads();  // every warp is done reading K_j, V_j before the next pass overwrites them
@@ -101,7 +107,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_fwd(
     for (int r = 0; r < R; ++r) {
         scale_row(O[r], l[r] == Acc(0) ? Acc(0) : Acc(1) / l[r]);
         if (lane == 0 && row0 + r < seqlen_q)
-            lse[split.index * lse_split + blk.b * lse_sb + blk.h * lse_sh + (row0 + r) * lse_ss] =
+            LSE_ROW_AT(lse, split.index * lse_split, blk.b, blk.h)[row0 + r] =
                 l[r] == Acc(0) ? -INFINITY : m[r] + acc_log(l[r]);
     }
     store_rows<R, HEAD_DIM>(Out, O, row0, seqlen_q, head_dim);

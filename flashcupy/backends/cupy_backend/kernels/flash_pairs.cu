@@ -4,16 +4,16 @@
 //
 // 1. flash_probs (attention_probs): P[b, h, r, j] = exp(s_ij - lse_i) for the query rows i = rows[r]
 //    that the caller asked for, 0 where the pair is hidden (or the row saw no key: lse = -inf).
-//    One CTA per (block of BLOCK_M asked rows, key block, batch * heads_q): the rows are gathered
-//    into Q_s (pre-scaled), K_j into K_s, and S = Q_s K_jᵀ as in flash_fwd.cu (warp w owns rows
+//    One CTA per (block of BLOCK_M asked rows, key block, batch * heads_q; pair_tile in mask.cuh):
+//    the rows are gathered into Q_s (pre-scaled), K_j into K_s, and S = Q_s K_jᵀ as in flash_fwd.cu (warp w owns rows
 //    w R .. w R + R - 1, lane owns key c = lane % BLOCK_N). rows holds values in [0, seqlen_q),
 //    checked on the host (_checks.check_rows) before it is copied to the device.
 //    Shared memory: Q_s BLOCK_M x HEAD_DIM, K_s BLOCK_N x HEAD_DIM, in Acc.
 //
 // 2. flash_bwd_dbias: the bias's gradient, dS of the final score (before the softcap's derivative,
 //    which acts before the bias is added): dS = P ∘ (dP - D), summed over the bias's broadcast
-//    dimensions. One CTA per tile of dbias's own shape (bias_batch, bias_heads, bias_rows,
-//    bias_keys; each either the problem's size or 1): a block of BLOCK_M rows (all rows when
+//    dimensions. One CTA per tile of dbias's own shape (pair_tile in mask.cuh; bias_batch,
+//    bias_heads, bias_rows, bias_keys; each either the problem's size or 1): a block of BLOCK_M rows (all rows when
 //    bias_rows = 1), a block of BLOCK_N keys (all keys when bias_keys = 1), one (batch, head) index
 //    of the bias. It loops over every (batch, head, query block, key block) whose dS lands in its
 //    tile, recomputing S = Q_i K_jᵀ and dP = dO_i V_jᵀ as flash_bwd_dq does, and adds dS into
@@ -53,9 +53,8 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_probs(
 
     const auto mask = MAKE_MASK(MODS);
     const int key_blocks = num_blocks(seqlen_k, BLOCK_N), row_blocks = num_blocks(num_rows, BLOCK_M);
-    const int j0 = int(blockIdx.x % key_blocks) * BLOCK_N;
-    const int r0 = int(blockIdx.x / key_blocks % row_blocks) * BLOCK_M;
-    const int bh = blockIdx.x / key_blocks / row_blocks, b = bh / heads_q, h = bh % heads_q;
+    const PairTile tile = pair_tile<BLOCK_M, BLOCK_N>(key_blocks, row_blocks, heads_q);
+    const int r0 = tile.r0, j0 = tile.j0, b = tile.b, h = tile.h;
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, key = lane % BLOCK_N;
 
     load_rows<BLOCK_M, HEAD_DIM>(Q_s, HEAD_ROWS(q, b, h), rows, r0, num_rows, head_dim, scale);
@@ -65,16 +64,15 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_probs(
     Acc S[R];
     row_dots<R, BLOCK_N, HEAD_DIM>(S, Q_s + warp * R * HEAD_DIM, K_s);
     const auto score = MAKE_SCORE(T, Acc, MODS, b, h, Acc(1), Acc(1));
-    const Acc* lse_row = lse + b * lse_sb + h * lse_sh;
+    const Stats<const Acc> lse_row = LSE_ROW(lse, b, h);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int n = r0 + warp * R + r, j = j0 + key;  // the asked row and the key of this lane
         if (n >= num_rows || j >= seqlen_k || lane >= BLOCK_N) continue;  // lanes past BLOCK_N hold copies
         const int i = int(rows[n]);
         Acc t = Acc(0);
-        const Acc s = (MODS & MOD_SCORE) != 0 ? score(S[r], i, j, t) : S[r];
-        P[b * P_sb + h * P_sh + n * P_sr + j * P_sk] =
-            mask.visible(i, j) && score.keeps(i, j) ? acc_exp(at_most_zero(s - lse_for_p(lse_row, lse_ss, i, seqlen_q))) : Acc(0);
+        const Acc s = final_score(score, S[r], i, j, t);
+        P[b * P_sb + h * P_sh + n * P_sr + j * P_sk] = PAIR_SEEN(i, j) ? prob(s - lse_for_p(lse_row, i, seqlen_q)) : Acc(0);
     }
 }
 
@@ -95,15 +93,15 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dbias(
     const bool all_rows = bias_rows == 1, all_keys = bias_keys == 1;  // sum over every row, every key
     const int key_blocks = all_keys ? 1 : num_blocks(seqlen_k, BLOCK_N);
     const int row_blocks = all_rows ? 1 : num_blocks(seqlen_q, BLOCK_M);
-    const int kb = blockIdx.x % key_blocks, rb = blockIdx.x / key_blocks % row_blocks;
-    const int bbh = blockIdx.x / key_blocks / row_blocks, bb = bbh / bias_heads, bh = bbh % bias_heads;
+    const PairTile tile = pair_tile<BLOCK_M, BLOCK_N>(key_blocks, row_blocks, bias_heads);
+    const int bb = tile.b, bh = tile.h;  // the bias's batch and head indices (0 where it broadcasts)
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, key = lane % BLOCK_N;
 
     // the members whose dS lands in this tile: a range of batches, heads, query blocks, key blocks
     const int b_first = bias_batch == 1 ? 0 : bb, b_last = bias_batch == 1 ? batch : bb + 1;
     const int h_first = bias_heads == 1 ? 0 : bh, h_last = bias_heads == 1 ? heads_q : bh + 1;
-    const int i_first = all_rows ? 0 : rb * BLOCK_M, i_last = all_rows ? seqlen_q : rb * BLOCK_M + 1;
-    const int j_first = all_keys ? 0 : kb * BLOCK_N, j_last = all_keys ? seqlen_k : kb * BLOCK_N + 1;
+    const int i_first = all_rows ? 0 : tile.r0, i_last = all_rows ? seqlen_q : tile.r0 + 1;
+    const int j_first = all_keys ? 0 : tile.j0, j_last = all_keys ? seqlen_k : tile.j0 + 1;
 
     Acc acc[R];
 #pragma unroll
@@ -112,8 +110,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dbias(
     for (int b = b_first; b < b_last; ++b) {
         for (int h = h_first; h < h_last; ++h) {
             const auto score = MAKE_SCORE(T, Acc, MODS, b, h, Acc(1), Acc(1));
-            const Acc* lse_row = lse + b * lse_sb + h * lse_sh;
-            const Acc* D_row = Dvec + (index_t(b) * heads_q + h) * seqlen_q;
+            const Stats<const Acc> lse_row = LSE_ROW(lse, b, h), D_row = d_row(Dvec, heads_q, seqlen_q, b, h);
             for (int i0 = i_first; i0 < i_last; i0 += BLOCK_M) {
                 const int j_start = max(j_first, mask.key_start(i0) / BLOCK_N * BLOCK_N);
                 const int j_end = min(j_last, mask.key_end(i0));
@@ -133,11 +130,10 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dbias(
                     for (int r = 0; r < R; ++r) {
                         const int i = i0 + warp * R + r, j = j0 + key;
                         Acc t = Acc(0);
-                        if constexpr ((MODS & MOD_SCORE) != 0) S[r] = score(S[r], i, j, t);
+                        S[r] = final_score(score, S[r], i, j, t);
                         // selected, not P = 0 times dP: a NaN in the dO of a row that sees no key stays out
-                        if (mask.visible(i, j) && score.keeps(i, j) && i < seqlen_q)
-                            acc[r] += acc_exp(at_most_zero(S[r] - lse_for_p(lse_row, lse_ss, i, seqlen_q))) *
-                                      (dP[r] - D_row[i]);
+                        if (PAIR_SEEN(i, j) && i < seqlen_q)
+                            acc[r] += final_ds(prob(S[r] - lse_for_p(lse_row, i, seqlen_q)), dP[r], D_row[i]);
                     }
                     __syncthreads();  // every warp is done with the tiles before the next pass overwrites them
                 }
@@ -166,7 +162,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dbias(
     const bool f32 = bias_f32 != 0;
 #pragma unroll
     for (int r = 0; r < (all_rows ? 1 : R); ++r) {
-        const int i = all_rows ? 0 : rb * BLOCK_M + warp * R + r, j = all_keys ? 0 : kb * BLOCK_N + key;
+        const int i = all_rows ? 0 : tile.r0 + warp * R + r, j = all_keys ? 0 : tile.j0 + key;
         if (i >= bias_rows || j >= bias_keys) continue;
         const index_t e = bb * dbias_sb + bh * dbias_sh + i * dbias_sq + j * dbias_sk;
         const Acc x = all_rows ? total : acc[r];

@@ -134,6 +134,8 @@ struct Score {
     bool bias_f32;
     PairSlice keep;  // of bool
 
+    static constexpr bool CHANGES = (MODS & MOD_SCORE) != 0;  // whether operator() changes a score's value
+
     __device__ __forceinline__ Acc operator()(Acc s, int i, int j, Acc& t) const {
         if constexpr ((MODS & MOD_SOFTCAP) != 0) {
             t = acc_tanh(s * cap_in);
@@ -158,6 +160,52 @@ struct Score {
         return ds;
     }
 };
+
+// s - lse of a score the backward (or attention_probs) recomputes, clamped to at most 0 as it is by
+// definition (P at most 1): where scores are so large that their rounding passes 1 (about 2^22 /
+// head_dim in float: a scale of 1e30 with inputs of 0.5), a product rounded otherwise than the
+// forward's S can put it far above 0, and P at inf, then NaN gradients. A NaN stays NaN (README,
+// Semantics: large scores). In either base.
+template <typename Acc>
+__device__ __forceinline__ Acc at_most_zero(Acc x) {
+    return x > Acc(0) ? Acc(0) : x;
+}
+
+// The per-element epilogue of a tile, one set of helpers per kernel family so that every kernel of the
+// family spells it alike: the score modifiers on a raw score, whether a pair is seen (the Mask and the
+// bool mask), the exponent of a recomputed P and dS. These are the SIMT kernels' (natural units, the
+// raw score already times scale, acc_exp); tc_tile.cuh has the tensor-core kernels' (base 2), which
+// share ds. Each kernel selects 0 for a hidden pair itself, where its comments say why (a NaN in dO).
+// Functions of the kernel's own Mask and Score rather than an object holding them: an object holding
+// references, or copies, compiled the kernels to other instructions than the code it replaced
+// (benchmarks/sass_counts.py compares); so did seen and hidden as functions, hence macros of the
+// kernel's mask and score.
+
+// Whether query i sees key j: the Mask and the bool mask; PAIR_HIDDEN its negation as the SIMT forward
+// spells it (the other spelling, too, compiled to other instructions)
+#define PAIR_SEEN(i, j) (mask.visible(i, j) && score.keeps(i, j))
+#define PAIR_HIDDEN(i, j) (!mask.visible(i, j) || !score.keeps(i, j))
+
+// The final score of pair (i, j) from the raw score s; t as Score's (softcap only). s as it is where
+// no modifier changes scores.
+template <typename ScoreT, typename Acc>
+__device__ __forceinline__ Acc final_score(const ScoreT& score, Acc s, int i, int j, Acc& t) {
+    if constexpr (ScoreT::CHANGES) return score(s, i, j, t);
+    return s;
+}
+
+// P = e^x of x = a seen pair's final score - lse
+template <typename Acc>
+__device__ __forceinline__ Acc prob(Acc x) { return acc_exp(at_most_zero(x)); }
+
+// dS of the final score (what dbias takes), and of the raw one (times the softcap's derivative); both
+// families
+template <typename Acc>
+__device__ __forceinline__ Acc final_ds(Acc P, Acc dp, Acc D) { return P * (dp - D); }
+template <typename ScoreT, typename Acc>
+__device__ __forceinline__ Acc ds(const ScoreT& score, Acc P, Acc dp, Acc D, Acc t) {
+    return score.grad(final_ds(P, dp, D), t);
+}
 
 // The slope of (batch b, query head h): alibi holds a (batch, heads_q) array, alibi_sb = 0 for a
 // (heads_q,) one; 0 without MOD_ALIBI (the pointer is then never read).
@@ -218,6 +266,23 @@ template <int BLOCK_N>
 __device__ __forceinline__ void split_range(int& start, int& end, int s0, int len) {
     start = s0 + max(0, start - s0) / BLOCK_N * BLOCK_N;
     end = min(end, s0 + len);
+}
+
+// A kernel with one CTA per (row block, key block, batch * heads) of a pair-shaped output
+// (flash_pairs.cu): attention_probs' tiles of P (row blocks of the asked rows, heads_q heads), or
+// the bias gradient's tiles of its own shape (row_blocks or key_blocks 1 where it is summed over; the
+// bias's batch and heads). The key blocks of one row block are adjacent, then its row blocks.
+struct PairTile {
+    int r0, j0;  // its first row (of its own rows) and key
+    int b, h;    // batch and head (of the output's own shape)
+};
+
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ PairTile pair_tile(int key_blocks, int row_blocks, int heads) {
+    const int j0 = int(blockIdx.x % key_blocks) * BLOCK_N;
+    const int r0 = int(blockIdx.x / key_blocks % row_blocks) * BLOCK_M;
+    const int bh = blockIdx.x / key_blocks / row_blocks;
+    return {r0, j0, bh / heads, bh % heads};
 }
 
 // A kernel with one CTA per (key block, batch * heads_kv), the key blocks of one kv head adjacent.

@@ -26,19 +26,41 @@ constexpr float LN2 = 0.6931471805599453f;
 template <int HEAD_DIM>
 constexpr int TILE_ROW = (HEAD_DIM + 63) / 64 * 64;
 
+// The tensor-core kernels' per-element epilogue (the SIMT kernels': mask.cuh, whose PAIR_SEEN and ds
+// these share), in base 2: s is q.k, unscaled; Score's constants carry scale and log2 e.
+
+// Whether a pair of a tile is hidden: never in a tile that needs no element-wise mask (not partial)
+#define TC_PAIR_HIDDEN(partial, i, j) ((partial) && !PAIR_SEEN(i, j))
+
+// The final score in base 2 of pair (i, j) from s; t as Score's (softcap only)
+template <typename ScoreT>
+__device__ __forceinline__ float tc_final_score(const ScoreT& score, float s, int i, int j, float& t, float scale_log2) {
+    if constexpr (ScoreT::CHANGES) return score(s, i, j, t);
+    return s * scale_log2;
+}
+
+// The forward's online softmax takes s as the modifiers leave it (modified in place where they change
+// scores: tc_final_score) and exponentiates s times this, folded into its exponent
+template <typename ScoreT>
+__device__ __forceinline__ float tc_softmax_scale(const ScoreT&, float scale_log2) {
+    return ScoreT::CHANGES ? 1.0f : scale_log2;
+}
+
+// P = 2^x of x = a seen pair's final score - lse log2 e
+__device__ __forceinline__ float tc_prob(float x) { return ex2_approx(at_most_zero(x)); }
+
 // The kernels' __launch_bounds__ minimum of CTAs an SM: 0 (ptxas' own choice, which the tile tables
-// were sized against) at head dims 64 and 128; 1 at the others, where ptxas' heuristic held some
-// kernels to 128 or 168 registers and spilled. Asking 1 at 64 and 128 too took the forward with every
-// modifier past the register limit tests/test_nvrtc.py keeps.
+// were sized against) at head dims 64 and 128; 1 at the others, where ptxas' heuristic allowed some
+// kernels fewer registers than they hold, and they spilled. Asking 1 at 64 and 128 too took the forward
+// with every modifier past the register limit tests/test_nvrtc.py keeps. The figures: benchmarks/results/tile_choices.md.
 template <int HEAD_DIM>
 constexpr int MIN_CTAS = HEAD_DIM % 64 ? 1 : 0;
 
 // The wide forward (attn_fwd_tc_wide in attn_fwd_tc.cu): WIDE_WARPS warps, each of two row tiles,
 // capped at WIDE_MAX_REGISTERS<MODS> registers a thread. Left to ptxas under __launch_bounds__ it took
-// 254-255 registers and spilled (NVRTC 12.9 and 13.5, sm_80 and sm_90); each cap is one at which none
-// of those four spills (tests/test_nvrtc.py checks; scanned from 232 to 247, the window variant
-// spilled at 247 and the plain one at 240). __maxnreg__ came with CUDA 12.4: older NVRTCs get the
-// launch bounds, and may spill.
+// every register and spilled; each cap is one at which none of the NVRTCs and archs that
+// tests/test_nvrtc.py compiles for spills (it checks; the scan of caps: benchmarks/results/tile_choices.md). __maxnreg__
+// came with CUDA 12.4: older NVRTCs get the launch bounds, and may spill.
 constexpr int WIDE_WARPS = 8;
 template <int MODS>
 constexpr int WIDE_MAX_REGISTERS = (MODS & MOD_WINDOW) ? 240 : 247;
@@ -207,7 +229,8 @@ __device__ __forceinline__ void mma_abt_step(float (&X)[COLS / 8][4], const unsi
 // operands are read from shared memory at every k-step, one ldmatrix_x4 shared by the COLS / 8 mmas
 // of that step, which leaves the registers to the fp32 accumulators. ROLLED: the loop over k-steps is
 // not unrolled, so ptxas cannot load the fragments of every k-step ahead of their mmas (which took
-// the backward with a bool mask at head_dim 128 to 255 registers and spills; rolled, 154-184).
+// the backward with a bool mask at head_dim 128 to every register, and spills:
+// benchmarks/results/tile_choices.md).
 template <typename T, int HEAD_DIM, int COLS, bool ROLLED = false>
 __device__ __forceinline__ void two_mma_abt(float (&X)[COLS / 8][4], float (&Y)[COLS / 8][4], const T* A_s,
                                             const T* B_s, const T* C_s, const T* D_s) {
