@@ -232,7 +232,7 @@ def test_the_cupy_backend_on_both_kernel_paths(rng, path):
         check(q, k, v, dout, bias=bias, mask=mask, causal=True, backend="cupy")
         q2, k2, v2 = (x.transpose(1, 0, 2, 3, 4) for x in (q, k, v))  # leading dimensions that do not fold
         check(q2, k2, v2, dout.transpose(1, 0, 2, 3, 4).copy(), bias=bias.transpose(1, 0, 2, 3, 4), backend="cupy")
-    assert any(name.startswith("attn_fwd_tc") for name in names) == (path == "tensor-core"), names
+    assert any(name.startswith("flash_fwd_tc") for name in names) == (path == "tensor-core"), names
 
 
 def test_attention_probs_and_vjp(rng):

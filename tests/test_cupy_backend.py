@@ -240,7 +240,7 @@ SYNC_PROBLEMS = {
                     (("ascending", "deferred"), ("descending", "deferred"), ("warp_skew", "deferred"),
                      ("warp_skew", "eager"))),
 }
-# attn_fwd_tc.cu's body also runs as the wide forward (head_dim 128: 8 warps, 32-key blocks): a sync point
+# flash_fwd_tc.cu's body also runs as the wide forward (head_dim 128: 8 warps, 32-key blocks): a sync point
 # there must break it too, forward only
 WIDE_SYNC_PROBLEM = (1, 70, 130, 2, 1, 128, True)
 
@@ -279,7 +279,7 @@ def test_each_barrier_and_wait_is_needed(rng, tmp_path, name, lineno):
                     wrong.append((path, order, cp_async, e))
                     break
     assert wrong, f"removing the call on {name}:{lineno} went unnoticed under every schedule"
-    if "attn_fwd_tc.cu" in changed:
+    if "flash_fwd_tc.cu" in changed:
         B, Sq, Sk, Hq, Hkv, D, causal = WIDE_SYNC_PROBLEM
         q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
         for order, cp_async in SYNC_PROBLEMS["tensor-core"][2]:

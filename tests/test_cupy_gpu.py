@@ -79,7 +79,7 @@ def test_long_sequence_has_no_nan(rng):
 @pytest.mark.parametrize("case", [(2, 300, 257, 4, 2, 128, True), (1, 200, 333, 2, 2, 64, False),
                                   (1, 333, 200, 2, 1, 40, True)], ids=case_id)
 def test_tensor_core_backward(rng, case, fmt):
-    """Many query and key blocks through both tensor-core backward kernels (attn_bwd_tc.cu)."""
+    """Many query and key blocks through both tensor-core backward kernels (flash_bwd_tc.cu)."""
     import cupy
     from flashcupy.backends import cupy_backend
     B, Sq, Sk, Hq, Hkv, D, causal = case

@@ -139,8 +139,8 @@ TC_CASES = (("float16", 64), ("float16", 128))
 # GEMMs per (query block, key block) pass of the default kernels: forward S = Q Kᵀ, O += P V; dK/dV:
 # S, dP = dO Vᵀ, dV += Pᵀ dO, dK += dSᵀ Q and dQ += dS K (into the fp32 workspace, by atomics): the
 # backward's five (the deterministic one's separate dQ kernel computes S and dP again: seven)
-GEMMS = {"attn_fwd_tc": 2, "attn_fwd_tc_wide": 2, "attn_bwd_dkdv_tc": 5}
-BARRIERS = {"attn_fwd_tc": 2, "attn_fwd_tc_wide": 2, "attn_bwd_dkdv_tc": 3}  # a pass: + dS in shared memory for dQ's GEMM
+GEMMS = {"flash_fwd_tc": 2, "flash_fwd_tc_wide": 2, "flash_bwd_dkdv_tc": 5}
+BARRIERS = {"flash_fwd_tc": 2, "flash_fwd_tc_wide": 2, "flash_bwd_dkdv_tc": 3}  # a pass: + dS in shared memory for dQ's GEMM
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +170,7 @@ def tensor_core_violations(rows) -> list:
 
 
 def test_tensor_core_kernels_are_conflict_free_coalesced_and_do_the_implied_mma(tc_rows):
-    assert {row["kernel"].template for row in tc_rows} == {"flash_bwd_preprocess", "attn_bwd_dq_convert", *GEMMS}
+    assert {row["kernel"].template for row in tc_rows} == {"flash_bwd_preprocess", "flash_bwd_dq_convert", *GEMMS}
     assert tensor_core_violations(tc_rows) == []
     for row in tc_rows:
         if row["kernel"].template in GEMMS:
@@ -180,7 +180,7 @@ def test_tensor_core_kernels_are_conflict_free_coalesced_and_do_the_implied_mma(
 
 
 def test_forward_shared_bytes_per_mma(tc_rows):
-    # A warp owns block_m / (16 warps) row tiles of 16 (attn_fwd_tc.cu). Per warp and pass, each
+    # A warp owns block_m / (16 warps) row tiles of 16 (flash_fwd_tc.cu). Per warp and pass, each
     # ldmatrix.x4 (512 B) of K_j or V_j feeds 2 mma per row tile; with two row tiles Q_i's fragments are
     # read again at every pass (registers are left to O and S), but for the k-steps the wide kernel
     # keeps (k-step 0 at head_dim 128); cp.async brings K_j and V_j once per query block. Issue 12's
@@ -190,14 +190,14 @@ def test_forward_shared_bytes_per_mma(tc_rows):
         k = row["kernel"]
         figures = perfmodel.pass_figures(row)
         m_tiles, steps = k.block_m // (16 * (k.threads // 32)), k.head_dim // 16
-        kept = steps if m_tiles == 1 else int(k.template == "attn_fwd_tc_wide" and k.head_dim == 128)
+        kept = steps if m_tiles == 1 else int(k.template == "flash_fwd_tc_wide" and k.head_dim == 128)
         mma = 2 * m_tiles * (k.block_n // 8) * steps  # S = Q_i K_jᵀ, then O += P V_j
         ldmatrix = 512 * (2 * (k.block_n // 16) * steps + m_tiles * (steps - kept))
         assert figures["ldmatrix_bytes"] / figures["mma"] == ldmatrix / mma
         assert figures["cp_async_bytes"] / figures["mma"] == 4096 / k.block_m
         assert figures["shared_bytes"] / figures["mma"] == {64: 192, 128: 200}[k.head_dim]
     assert {(row["kernel"].template, row["kernel"].head_dim, row["kernel"].block_m) for row in forward} == \
-        {("attn_fwd_tc", 64, 128), ("attn_fwd_tc_wide", 128, 256)}
+        {("flash_fwd_tc", 64, 128), ("flash_fwd_tc_wide", 128, 256)}
 
 
 SWIZZLE = "return row * TILE_ROW<HEAD_DIM> + ((chunk ^ (row & 7)) << 3);"  # tc_tile.cuh's swizzled()
@@ -217,7 +217,7 @@ def unswizzled_column_major(source):
 def test_an_unswizzled_tile_is_caught():
     # without the swizzle the 8 rows of each ldmatrix matrix lie in the same 4 banks; cp.async still
     # writes whole rows per quarter warp (conflict-free), and reads whole sectors
-    rows = perfmodel.kernel_counters((("float16", 64),), transform=unswizzled, templates=("attn_fwd_tc",))
+    rows = perfmodel.kernel_counters((("float16", 64),), transform=unswizzled, templates=("flash_fwd_tc",))
     bad = tensor_core_violations(rows)
     assert any("bank conflicts" in line and "ldmatrix" in line for line in bad), bad
     assert not any("cp_async" in line for line in bad), bad
@@ -227,7 +227,7 @@ def test_a_column_major_copy_into_an_unswizzled_tile_is_caught():
     # lanes taking a chunk column (8 rows 128 bytes apart a quarter warp): cp.async's writes conflict
     # and its reads take a sector per 16 bytes
     rows = perfmodel.kernel_counters((("float16", 64),), transform=unswizzled_column_major,
-                                     templates=("attn_fwd_tc",))
+                                     templates=("flash_fwd_tc",))
     bad = tensor_core_violations(rows)
     assert any("bank conflicts" in line and "cp_async_shared" in line for line in bad), bad
     assert any("excess sectors in cp_async_global" in line for line in bad), bad
@@ -256,11 +256,11 @@ def test_each_counted_kernel_shows_its_own_specializations_registers(tc_rows):
     # the report holds every variant of a template (modifiers, split-KV, dQ by atomics): the counted
     # kernel's row must take its own, whichever comes last
     from flashcupy.tools import nvrtc
-    counted = [row for row in tc_rows if row["kernel"].template == "attn_fwd_tc"][:1]
+    counted = [row for row in tc_rows if row["kernel"].template == "flash_fwd_tc"][:1]
     k = counted[0]["kernel"]
     report = [dict(kernel=k.template, dtype=k.dtype, head_dim=k.head_dim, mods=mods, registers=registers,
                    spill_bytes=0, occupancy=0.25) for mods, registers in ((nvrtc.variant(k), 111), ("split", 222))]
-    line = next(x for x in perfmodel.format_counters(counted, report).splitlines() if x.startswith("attn_fwd_tc"))
+    line = next(x for x in perfmodel.format_counters(counted, report).splitlines() if x.startswith("flash_fwd_tc"))
     assert line.split()[4] == "111"
 
 
@@ -275,7 +275,7 @@ def test_the_cli_prints_counters_without_nvrtc_and_refuses_without_the_emulator(
     monkeypatch.setattr(perfmodel, "CASES", (("float16", 64),))
     assert cli.main(["kernels", "--counters"]) == 0
     out = capsys.readouterr().out
-    assert "no NVRTC here" in out and "attn_fwd_tc" in out and "model, not a measurement" in out
+    assert "no NVRTC here" in out and "flash_fwd_tc" in out and "model, not a measurement" in out
     # as in an installed wheel, which leaves flashcupy/tools/emulator/ out (setup.cfg): its import fails
     monkeypatch.setitem(sys.modules, "flashcupy.tools.emulator", None)
     assert cli.main(["kernels", "--counters"]) == 2

@@ -353,7 +353,7 @@ def test_the_ptx_compile_covers_every_specialisation_the_backend_launches(rng, m
             out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numba", **kw)
             flashcupy.attention_backward(q, q, k, v, out, lse, backend="numba", **kw)
             flashcupy.attention_probs(q, k, lse, backend="numba", **kw)
-    assert {name for name, _ in launched} == names == set(kernels.__dict__) & {n for n in dir(kernels) if n.startswith("_attn")}
+    assert {name for name, _ in launched} == names == set(kernels.__dict__) & {n for n in dir(kernels) if n.startswith("_flash")}
     assert launched == {(name, _argument_kinds(sig)) for name, _, sig in tools.signatures()}
 
 
@@ -475,7 +475,7 @@ def test_cupy_inputs_run_on_cupys_stream_with_cupys_memory(rng, monkeypatch):
     monkeypatch.setattr(cuda, "from_cuda_array_interface", from_cuda_array_interface, raising=False)
     monkeypatch.setattr(cuda, "device_array", numba_allocator)
     monkeypatch.setattr(cuda, "to_device", numba_allocator)
-    for name in ("_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"):
+    for name in ("_flash_fwd", "_flash_bwd_preprocess", "_flash_bwd_dkdv", "_flash_bwd_dq"):
         monkeypatch.setattr(kernels, name, _LaunchRecorder(getattr(kernels, name), launches))
 
     dtype = np.float32

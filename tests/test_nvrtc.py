@@ -117,7 +117,7 @@ def report(request):
 def test_every_specialization_compiles(report):
     what, rows = report
     kernels_per_dtype = 1 + 3 * len(specs.HEAD_DIM_BUCKETS)  # preprocess, then fwd, dkdv, dq per bucket
-    # a forward (attn_fwd_tc or attn_fwd_tc_wide), attn_bwd_dkdv_tc, attn_bwd_dq_tc per bucket (their
+    # a forward (flash_fwd_tc or flash_fwd_tc_wide), flash_bwd_dkdv_tc, flash_bwd_dq_tc per bucket (their
     # preprocess is the SIMT one)
     tensor_core = len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS) * (len(specs.TC_TEMPLATES) - 1)
     # each SIMT attention kernel twice (specs.all_modules): plain and with every score modifier (the
@@ -156,7 +156,7 @@ def test_resources_fit(report):
         # opt in to more dynamic shared memory (up to 227 KiB on sm_90, 163 KiB on sm_80)
         assert r["static_smem"] <= 48 * 1024 and r["static_smem"] + r["dynamic_smem"] <= 163 * 1024
         assert r["registers"] > 0 and r["occupancy"] > 0
-        assert r["threads"] == (32 * specs.WIDE_WARPS if r["kernel"] == "attn_fwd_tc_wide" else specs.NUM_THREADS)
+        assert r["threads"] == (32 * specs.WIDE_WARPS if r["kernel"] == "flash_fwd_tc_wide" else specs.NUM_THREADS)
 
 
 def test_tensor_core_head_dims_between_the_buckets_fit(monkeypatch):
@@ -193,7 +193,7 @@ def mmas_per_pass(kernel: str, head_dim: int, block_m: int, block_n: int, rolled
     k_steps = 16 if rolled else head_dim
     if kernel in specs.TC_FORWARD_TEMPLATES:  # S = Q_i K_jᵀ; O += P V_j
         return product(head_dim, block_n) + product(block_n, head_dim)
-    if kernel == "attn_bwd_dkdv_tc":  # Sᵀ, dPᵀ; dV += Pᵀ dO_i, dK += dSᵀ Q_i
+    if kernel == "flash_bwd_dkdv_tc":  # Sᵀ, dPᵀ; dV += Pᵀ dO_i, dK += dSᵀ Q_i
         return 2 * product(k_steps, block_m) + 2 * product(block_m, head_dim)
     return 2 * product(k_steps, block_n) + product(block_n, head_dim)  # dQ: S, dP; dQ += dS K_j
 
@@ -242,7 +242,7 @@ def test_tile_matmul_is_cp_async_ldmatrix_and_hmma(arch):
 
 
 @pytest.mark.parametrize("build", [specs.tc_forward_module, specs.tc_backward_module],
-                         ids=["attn_fwd_tc", "attn_bwd_tc"])
+                         ids=["flash_fwd_tc", "flash_bwd_tc"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tensor_core_kernels_use_ldmatrix_and_cp_async(arch, build):
     modules = [build(fmt, d) for fmt in specs.TC_DTYPES for d in specs.TC_HEAD_DIM_BUCKETS]

@@ -1,4 +1,4 @@
-"""The tensor-core kernels (kernels/attn_fwd_tc.cu, kernels/attn_bwd_tc.cu) under the CPU emulator.
+"""The tensor-core kernels (kernels/flash_fwd_tc.cu, kernels/flash_bwd_tc.cu) under the CPU emulator.
 
 Through the cupy backend's own dispatch and launch code (flashcupy/tools/emulator/cupy.py), against the
 float64 oracle, in float16 and bfloat16, under thread orders that drift the warps apart and with
@@ -23,7 +23,7 @@ from flashcupy.tools.emulator import KernelError
 from flashcupy.tools.emulator.cupy import compile_module, emulated, recording
 
 # ----------------------------------------------------------------------------
-# the tensor-core forward kernel (kernels/attn_fwd_tc.cu), through the cupy backend's own
+# the tensor-core forward kernel (kernels/flash_fwd_tc.cu), through the cupy backend's own
 # dispatch and launch code under the emulator (flashcupy/tools/emulator/cupy.py)
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal): lengths not a multiple of
@@ -65,14 +65,14 @@ def tc_forward(q, k, v, fmt, causal, schedule, compile=compile_module, scale=Non
 @pytest.mark.parametrize("schedule", SCHEDULES, ids="-".join)
 @pytest.mark.parametrize("fmt", NARROW)
 @pytest.mark.parametrize("case", TC_CASES, ids=case_id)
-def test_attn_fwd_tc_matches_oracle(case, fmt, schedule, rng):
+def test_flash_fwd_tc_matches_oracle(case, fmt, schedule, rng):
     q, k, v = tc_inputs(rng, case, fmt)
     causal = case[6]
     out, lse = tc_forward(q, k, v, fmt, causal, schedule)
     assert_matches_oracle((out, lse), q, k, v, causal=causal, dtype=fmt, backend="cupy")
 
 
-# The wide forward (attn_fwd_tc_wide, head_dim 72-128: query blocks of 256 rows on 8 warps, key blocks of
+# The wide forward (flash_fwd_tc_wide, head_dim 72-128: query blocks of 256 rows on 8 warps, key blocks of
 # 32): two query blocks, GQA; causal with Sq < Sk, so the diagonal crosses the second block's tiles; and
 # a window narrower than a query block, whose band leaves whole key blocks out of either block. Every
 # thread order of the emulator, and cp.async both ways
@@ -83,7 +83,7 @@ def test_the_wide_forward_across_query_blocks(causal, window, schedule, rng):
     launched, (order, cp_async) = [], schedule
     with emulated(order, cp_async=cp_async, compile=recording(launched)):
         out, lse = flashcupy.attention(q, k, v, causal=causal, window=window, return_lse=True, backend="cupy")
-    assert launched == [f"attn_fwd_tc_wide<__half, 128, 256, 32{', 1' if window else ''}>"]
+    assert launched == [f"flash_fwd_tc_wide<__half, 128, 256, 32{', 1' if window else ''}>"]
     assert_matches_oracle((out, lse), q, k, v, causal=causal, window=window, backend="cupy")
 
 
@@ -126,12 +126,12 @@ def test_ctas_without_a_key_block_write_zeros_and_leave_no_copy_in_flight(schedu
 
 
 def test_a_cta_leaving_a_copy_in_flight_is_caught(rng):
-    # attn_fwd_tc.cu as it was: the Q tile's cp.async issued even where there is no key block to visit
+    # flash_fwd_tc.cu as it was: the Q tile's cp.async issued even where there is no key block to visit
     def q_copy_always(source, names, options, thread_order, seed, cp_async):
-        if any(name.startswith("attn_fwd_tc<") for name in names):
+        if any(name.startswith("flash_fwd_tc<") for name in names):
             guard, q_load = r"(    if \(kv\.blocks > 0\) \{\n)", r"(\s*load_tile_async<BLOCK_M, HEAD_DIM, THREADS>\(Q_s[^\n]*\n)"
             source, count = re.subn(guard + q_load, r"\2\1", source)
-            assert count == 1, "the guarded Q tile load is not in attn_fwd_tc.cu"
+            assert count == 1, "the guarded Q tile load is not in flash_fwd_tc.cu"
         return compile_module(source, names, options, thread_order, seed, cp_async)
 
     q, k, v = tc_inputs(rng, NO_KEY_CASE, "float16")
@@ -142,8 +142,8 @@ def test_a_cta_leaving_a_copy_in_flight_is_caught(rng):
 
 
 # ----------------------------------------------------------------------------
-# the tensor-core backward (kernels/attn_bwd_tc.cu): flash_bwd_preprocess, attn_bwd_dkdv_tc and
-# attn_bwd_dq_tc, through the backend's dispatch and launch code under the emulator, on the out
+# the tensor-core backward (kernels/flash_bwd_tc.cu): flash_bwd_preprocess, flash_bwd_dkdv_tc and
+# flash_bwd_dq_tc, through the backend's dispatch and launch code under the emulator, on the out
 # and lse of the tensor-core forward
 
 
@@ -171,7 +171,7 @@ def tc_gradients(rng, case, fmt, schedule=SCHEDULES[0], compile=compile_module):
 @pytest.mark.parametrize("schedule", SCHEDULES, ids="-".join)
 @pytest.mark.parametrize("fmt", NARROW)
 @pytest.mark.parametrize("case", TC_CASES, ids=case_id)
-def test_attn_bwd_tc_matches_oracle(case, fmt, schedule, rng):
+def test_flash_bwd_tc_matches_oracle(case, fmt, schedule, rng):
     q, k, v, dout, grads = tc_gradients(rng, case, fmt, schedule)
     B, Sq, Sk, Hq, Hkv, D, causal = case
     for got, x in zip(grads, (q, k, v)):
@@ -226,7 +226,7 @@ def test_scores_whose_rounding_exceeds_one_keep_the_gradients_finite(scale, kw, 
     names = []
     with emulated(compile=recording(names)):
         large_scores_check("cupy", BF16, scale, head_dim=16, bits=True, **kw)
-    assert {"attn_fwd_tc", "attn_bwd_dkdv_tc"} <= {n.split("<")[0] for n in names}, names
+    assert {"flash_fwd_tc", "flash_bwd_dkdv_tc"} <= {n.split("<")[0] for n in names}, names
 
 
 # Deliberate bugs in the tensor-core kernels (conftest.MUTATION_BATTERY, float16): each must fail the
@@ -259,7 +259,7 @@ test_the_mutation_battery_passes_unmutated, test_a_mutation_is_caught = mutation
 
 
 class _CapturingDqSums:
-    """A compiled module whose attn_bwd_dq_convert launches first append a copy of their float32
+    """A compiled module whose flash_bwd_dq_convert launches first append a copy of their float32
     workspace to `sums`: dQ as the dK/dV kernel's atomics summed it, before rounding. A wrapper, so
     the emulator's module (which may be shared) stays as it was."""
 
@@ -268,7 +268,7 @@ class _CapturingDqSums:
 
     def get_function(self, name):
         function = self.module.get_function(name)
-        if not name.startswith("attn_bwd_dq_convert"):
+        if not name.startswith("flash_bwd_dq_convert"):
             return function
 
         def launch(grid, block, arguments, **kw):
@@ -312,6 +312,6 @@ def test_each_backward_launches_its_own_kernels(rng):
         flashcupy.attention_backward(out, q, k, v, out, lse, backend="cupy")
         flashcupy.attention_backward(out, q, k, v, out, lse, backend="cupy", deterministic=True)
     backward = [n for n in launched if "bwd" in n]
-    assert backward == ["flash_bwd_preprocess<__half, float>", "attn_bwd_dkdv_tc<__half, 64, 64, 64, 0, true>",
-                        "attn_bwd_dq_convert<__half>", "flash_bwd_preprocess<__half, float>",
-                        "attn_bwd_dkdv_tc<__half, 64, 64, 64>", "attn_bwd_dq_tc<__half, 64, 64, 64>"]
+    assert backward == ["flash_bwd_preprocess<__half, float>", "flash_bwd_dkdv_tc<__half, 64, 64, 64, 0, true>",
+                        "flash_bwd_dq_convert<__half>", "flash_bwd_preprocess<__half, float>",
+                        "flash_bwd_dkdv_tc<__half, 64, 64, 64>", "flash_bwd_dq_tc<__half, 64, 64, 64>"]

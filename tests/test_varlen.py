@@ -225,7 +225,7 @@ def _split_kv_case(rng, dtype, paged, num_splits, order="ascending", mutate=None
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
 def test_cupy_splits_the_keys_inside_one_launch(rng, dtype, paged, num_splits, order):
     grids = _split_kv_case(rng, dtype, paged, num_splits, order)
-    want = "attn_fwd_tc<" if dtype == np.float16 else "flash_fwd<"
+    want = "flash_fwd_tc<" if dtype == np.float16 else "flash_fwd<"
     assert all(name.startswith(want) for name, _ in grids)
     split = [(name, ctas) for name, ctas in grids if name.endswith(", true>")]
     # a paged cache is read run by run (consecutive physical blocks, here mostly one block of 64 keys):
@@ -274,7 +274,7 @@ def test_cupy_split_kv_rounds_bfloat16_ties_to_even(rng):
     with emulated(compile=_recording(grids)):
         out, lse = flashcupy.attention_with_kvcache(q, k, v, num_splits=2, return_lse=True, dtype="bfloat16",
                                                     backend="cupy")
-    assert [(name.startswith("attn_fwd_tc<") and name.endswith(", true>"), ctas) for name, ctas in grids] == [(True, 8)]
+    assert [(name.startswith("flash_fwd_tc<") and name.endswith(", true>"), ctas) for name, ctas in grids] == [(True, 8)]
     np.testing.assert_array_equal(out, want)
     assert_matches_oracle((out, lse), q, k, v, dtype="bfloat16", backend="cupy")
 

@@ -414,7 +414,7 @@ def _over(row: dict, column: str) -> bool:
 
 
 def _kernel_name(row: dict) -> str:
-    """The kernel's template, with its score modifiers if any: attn_fwd_tc[window+softcap]."""
+    """The kernel's template, with its score modifiers if any: flash_fwd_tc[window+softcap]."""
     return row["kernel"] + (f"[{row['mods']}]" if row.get("mods") else "")
 
 

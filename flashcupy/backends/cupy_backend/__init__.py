@@ -4,17 +4,17 @@ The kernels live beside this file in kernels/*.cu (see the header of each file f
 computes, its tiles and its shared-memory budget); specs.py says which specializations exist.
 This module packs arguments, allocates outputs and workspaces, and launches:
 
-    forward   flash_fwd | attn_fwd_tc                 grid: query blocks x batch x heads_q
+    forward   flash_fwd | flash_fwd_tc                 grid: query blocks x batch x heads_q
               (split-KV: x splits, partial outs merged by flashcupy.merge's rule; split_plan)
     backward  flash_bwd_preprocess  D = rowsum(dO ∘ O)    grid: batch x heads_q x seqlen_q / 4
-              flash_bwd_dkdv | attn_bwd_dkdv_tc  dK, dV   grid: key blocks x batch x heads_kv
-              flash_bwd_dq | attn_bwd_dq_tc      dQ       grid: query blocks x batch x heads_q
-              (tensor cores, unless deterministic: dQ added by attn_bwd_dkdv_tc with atomics into an
-              fp32 workspace, then attn_bwd_dq_convert scales and rounds it; grid: elements / 128)
+              flash_bwd_dkdv | flash_bwd_dkdv_tc  dK, dV   grid: key blocks x batch x heads_kv
+              flash_bwd_dq | flash_bwd_dq_tc      dQ       grid: query blocks x batch x heads_q
+              (tensor cores, unless deterministic: dQ added by flash_bwd_dkdv_tc with atomics into an
+              fp32 workspace, then flash_bwd_dq_convert scales and rounds it; grid: elements / 128)
               flash_bwd_dbias (with a bias)      dbias    grid: tiles of the bias's own shape
     probs     flash_probs (attention_probs)      P        grid: row blocks x key blocks x batch x heads_q
 
-The SIMT kernels (flash_*.cu) take every dtype; the tensor-core ones (attn_*_tc.cu) take
+The SIMT kernels (flash_*.cu) take every dtype; the tensor-core ones (flash_*_tc.cu) take
 float16/bfloat16 where `forward_path` / `backward_path` say so, with the same arguments.
 
 Every tensor is passed as a pointer to its first element plus its element strides (any layout,
@@ -47,7 +47,7 @@ NAME = "cupy"
 ARRAY_LIBRARIES = ("cupy",)
 DTYPES = tuple(specs.CUDA_TYPES)  # bfloat16 as uint16 bit patterns: CuPy has no bfloat16 dtype
 
-# The float16/bfloat16 forward and backward run on tensor cores (attn_fwd_tc.cu, attn_bwd_tc.cu)
+# The float16/bfloat16 forward and backward run on tensor cores (flash_fwd_tc.cu, flash_bwd_tc.cu)
 # wherever they can; False forces the SIMT kernels (flash_fwd.cu, flash_bwd.cu) everywhere, to
 # compare the two.
 USE_TENSOR_CORES = True

@@ -2,7 +2,7 @@
 
 Every SIMT kernel is a template over (T, Acc, HEAD_DIM, BLOCK_M, BLOCK_N), instantiated through
 NVRTC name expressions such as ``flash_fwd<__half, float, 64, 64, 32>`` (the tensor-core kernels,
-further down, have no Acc: ``attn_fwd_tc<__half, 64, 64, 64>``). HEAD_DIM is the true
+further down, have no Acc: ``flash_fwd_tc<__half, 64, 64, 64>``). HEAD_DIM is the true
 head_dim rounded up to a bucket; the tiles of each bucket come from the tables below, which are
 sized so that the shared memory of one CTA stays within 48 KiB (the kernels static_assert it):
 
@@ -79,7 +79,7 @@ PAIR_TILES = {("flash_fwd", 4, 32): (32, 32), ("flash_fwd", 8, 64): (16, 32),
 
 
 # The register figures behind every tile table below: benchmarks/results/tile_choices.md.
-# Tensor-core kernels (attn_fwd_tc.cu, attn_bwd_tc.cu): float16/bfloat16 only, head_dim a multiple
+# Tensor-core kernels (flash_fwd_tc.cu, flash_bwd_tc.cu): float16/bfloat16 only, head_dim a multiple
 # of 8 up to 128; HEAD_DIM is head_dim rounded up to 16 (tc_head_dim), the tiles those of the bucket
 # 64 or 128 (TC_HEAD_DIM_BUCKETS, the tables' keys); no Acc template parameter (they accumulate in
 # float). The warps own 16-row mma tiles (two in the forward up to head_dim 64): BLOCK_M = 64 query
@@ -93,7 +93,7 @@ TC_DTYPES = ("float16", "bfloat16")
 TC_HEAD_DIM_BUCKETS = (64, 128)
 # The forward at head_dim 64 takes 128 query rows, two 16-row mma tiles a warp: each K_j or V_j
 # fragment feeds twice the mma (192 shared-memory bytes per mma, not 320 as with one). At head_dim 128
-# it takes 256 rows and 32 keys a pass, in the wide kernel (attn_fwd_tc_wide: 8 warps of two row
+# it takes 256 rows and 32 keys a pass, in the wide kernel (flash_fwd_tc_wide: 8 warps of two row
 # tiles, k-step 0 of Q_i kept in registers, a register cap): 200 bytes per mma. The two row tiles' O
 # alone take 128 registers there; every other layout of two row tiles tried spilled
 # (benchmarks/results/tile_choices.md).
@@ -118,7 +118,7 @@ TC_BACKWARD_DKDV_TILES_ATOMIC = {64: (64, 64), 128: (16, 64)}
 # deterministic kernels.
 TC_ATOMIC_BUCKETS_PAIRS = (64,)
 # With a bias or a bool mask the forward takes 64 rows and 32 keys a pass, and asks ptxas for two CTAs
-# an SM (attn_fwd_tc.cu): larger tiles, or ptxas' own register heuristic, spilled with some of the
+# an SM (flash_fwd_tc.cu): larger tiles, or ptxas' own register heuristic, spilled with some of the
 # 24 sets of modifiers that hold a bias or mask (tests/test_nvrtc.py compiles all 24).
 TC_FORWARD_TILES_PAIRS = {64: (64, 32), 128: (64, 32)}
 # Split-KV forwards take half the keys a pass: the split's offsets and the float partial out took the
@@ -126,7 +126,7 @@ TC_FORWARD_TILES_PAIRS = {64: (64, 32), 128: (64, 32)}
 # smaller tile costs little.
 TC_FORWARD_TILES_SPLIT = {64: (64, 32), 128: (64, 32)}
 TC_FORWARD_TILES_SPLIT_PAIRS = {64: (64, 32), 128: (64, 16)}  # and a bias or mask: 64 x 32 passed the limit at 128
-TC_TEMPLATES = ("attn_fwd_tc", "attn_fwd_tc_wide", "attn_bwd_dkdv_tc", "attn_bwd_dq_tc")
+TC_TEMPLATES = ("flash_fwd_tc", "flash_fwd_tc_wide", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc")
 TC_FORWARD_TEMPLATES = TC_TEMPLATES[:2]
 
 
@@ -203,7 +203,7 @@ class Kernel:
     def name_expression(self) -> str:
         storage, acc = CUDA_TYPES[self.dtype]
         # tensor cores accumulate in float
-        args = [storage] if self.tensor_cores or self.template == "attn_bwd_dq_convert" else [storage, acc]
+        args = [storage] if self.tensor_cores or self.template == "flash_bwd_dq_convert" else [storage, acc]
         if self.head_dim:
             args += [str(self.head_dim), str(self.block_m), str(self.block_n)]
         if self.mods or self.split or self.dq_atomic:
@@ -233,12 +233,12 @@ def _tc_forward_smem(m: int, n: int, d: int, atomic: bool) -> int:
 
 LAUNCH = {
     **{t: Launch() for t in ("flash_fwd", "flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq", "flash_probs",
-                             "flash_bwd_dbias", "attn_bwd_dq_convert")},
-    "attn_fwd_tc": Launch(dynamic_smem=_tc_forward_smem),
-    "attn_fwd_tc_wide": Launch(32 * WIDE_WARPS, _tc_forward_smem),
-    "attn_bwd_dkdv_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * n + 4 * m) * d * 2 + 2 * 2 * m * 4
+                             "flash_bwd_dbias", "flash_bwd_dq_convert")},
+    "flash_fwd_tc": Launch(dynamic_smem=_tc_forward_smem),
+    "flash_fwd_tc_wide": Launch(32 * WIDE_WARPS, _tc_forward_smem),
+    "flash_bwd_dkdv_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * n + 4 * m) * d * 2 + 2 * 2 * m * 4
                                + atomic * (m * n * 2 + NUM_THREADS // 32 * 1024)),
-    "attn_bwd_dq_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * m + 4 * n) * d * 2),
+    "flash_bwd_dq_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * m + 4 * n) * d * 2),
 }
 
 
@@ -275,13 +275,13 @@ _KEY_BLOCKS = Grid("seqlen_k / {block_n} x batch x heads_kv",
 _PREPROCESS_ROWS = NUM_THREADS // 32  # a warp a row
 # The grid of every template Kernel instantiates
 GRIDS = {
-    "flash_fwd": _QUERY_BLOCKS, "attn_fwd_tc": _QUERY_BLOCKS, "attn_fwd_tc_wide": _QUERY_BLOCKS,
-    "flash_bwd_dq": _QUERY_BLOCKS, "attn_bwd_dq_tc": _QUERY_BLOCKS,
-    "flash_bwd_dkdv": _KEY_BLOCKS, "attn_bwd_dkdv_tc": _KEY_BLOCKS,
+    "flash_fwd": _QUERY_BLOCKS, "flash_fwd_tc": _QUERY_BLOCKS, "flash_fwd_tc_wide": _QUERY_BLOCKS,
+    "flash_bwd_dq": _QUERY_BLOCKS, "flash_bwd_dq_tc": _QUERY_BLOCKS,
+    "flash_bwd_dkdv": _KEY_BLOCKS, "flash_bwd_dkdv_tc": _KEY_BLOCKS,
     "flash_bwd_preprocess": Grid(f"batch x heads_q x seqlen_q / {_PREPROCESS_ROWS}",
                                  lambda k, p, rows: _cdiv(p.batch * p.heads_q * p.seqlen_q, _PREPROCESS_ROWS)),
     # a thread an element of dQ
-    "attn_bwd_dq_convert": Grid(f"batch x seqlen_q x heads_q x head_dim / {NUM_THREADS}",
+    "flash_bwd_dq_convert": Grid(f"batch x seqlen_q x heads_q x head_dim / {NUM_THREADS}",
                                 lambda k, p, rows: _cdiv(p.batch * p.seqlen_q * p.heads_q * p.head_dim,
                                                          NUM_THREADS)),
     # a tile of (asked rows, keys), per query head; at most every row
@@ -382,8 +382,8 @@ def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False) 
              else TC_FORWARD_TILES_PAIRS if mods & MOD_PAIRS else TC_FORWARD_TILES_SCORE if mods & MOD_SCORE
              else TC_FORWARD_TILES)
     bm, bn = tiles[bucket]
-    template = "attn_fwd_tc_wide" if bm == WIDE_BLOCK_M else "attn_fwd_tc"
-    return ModuleSpec("attn_fwd_tc.cu", (Kernel(template, _name(dtype), tc_head_dim(head_dim), bm, bn, mods, split),))
+    template = "flash_fwd_tc_wide" if bm == WIDE_BLOCK_M else "flash_fwd_tc"
+    return ModuleSpec("flash_fwd_tc.cu", (Kernel(template, _name(dtype), tc_head_dim(head_dim), bm, bn, mods, split),))
 
 
 # Split-KV: keys per split are a multiple of this, so that every forward tile (BLOCK_N of 8 to 64)
@@ -402,13 +402,13 @@ def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool 
     tiles = (TC_BACKWARD_DKDV_TILES_SCORE if mods & MOD_SCORE else TC_BACKWARD_DKDV_TILES)[bucket]
     if not deterministic:
         tiles = min(tiles, TC_BACKWARD_DKDV_TILES_ATOMIC[bucket])  # the fewer query rows a pass
-    dkdv = Kernel("attn_bwd_dkdv_tc", dtype, tc_head_dim(head_dim), *tiles, mods, dq_atomic=not deterministic)
+    dkdv = Kernel("flash_bwd_dkdv_tc", dtype, tc_head_dim(head_dim), *tiles, mods, dq_atomic=not deterministic)
     if not deterministic:
-        return ModuleSpec("attn_bwd_tc.cu", (Kernel("flash_bwd_preprocess", dtype, 0), dkdv,
-                                             Kernel("attn_bwd_dq_convert", dtype, 0)))
-    return ModuleSpec("attn_bwd_tc.cu", (
+        return ModuleSpec("flash_bwd_tc.cu", (Kernel("flash_bwd_preprocess", dtype, 0), dkdv,
+                                             Kernel("flash_bwd_dq_convert", dtype, 0)))
+    return ModuleSpec("flash_bwd_tc.cu", (
         Kernel("flash_bwd_preprocess", dtype, 0), dkdv,
-        Kernel("attn_bwd_dq_tc", dtype, tc_head_dim(head_dim),
+        Kernel("flash_bwd_dq_tc", dtype, tc_head_dim(head_dim),
                *(TC_BACKWARD_DQ_TILES_SCORE if mods & MOD_SCORE else TC_BACKWARD_DQ_TILES)[bucket], mods),
     ))
 

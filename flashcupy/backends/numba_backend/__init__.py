@@ -329,7 +329,7 @@ def forward(p, q, k, v):
     lse = _Buffer(place, p.lse_shape, p.acc_dtype)  # the kernel computes in lse's dtype (p.lse_dtype is the same)
     common = _common(p, place, lse.flat)
 
-    K._attn_fwd[grid, (K.BLOCK_N, K.BLOCK_M), place.stream](
+    K._flash_fwd[grid, (K.BLOCK_N, K.BLOCK_M), place.stream](
         qf, qst, kf, kst, vf, vst, out.flat, out.st, lse.flat, lse.st,
         p.seqlen_q, p.seqlen_k, *common)
     return out.result(), lse.result()
@@ -347,14 +347,14 @@ def backward(p, dout, q, k, v, out, lse):
     D = _Buffer(place, p.lse_shape, p.acc_dtype)
     common = _common(p, place, D.flat)
 
-    K._attn_bwd_preprocess[prep_grid, K.PREP_THREADS, place.stream](
+    K._flash_bwd_preprocess[prep_grid, K.PREP_THREADS, place.stream](
         dof, dost, of, ost, D.flat, D.st, p.seqlen_q, p.head_dim)
     # dK, dV: one block per (key block, kv head, batch), over the query heads of its group
-    K._attn_bwd_dkdv[dkdv_grid, (K.BLOCK_M, K.BLOCK_N), place.stream](
+    K._flash_bwd_dkdv[dkdv_grid, (K.BLOCK_M, K.BLOCK_N), place.stream](
         qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dk.flat, dk.st, dv.flat, dv.st,
         p.seqlen_q, p.seqlen_k, *common)
     # dQ: one block per (query block, query head, batch)
-    K._attn_bwd_dq[dq_grid, (K.BLOCK_N, K.BLOCK_M), place.stream](
+    K._flash_bwd_dq[dq_grid, (K.BLOCK_N, K.BLOCK_M), place.stream](
         qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dq.flat, dq.st,
         p.seqlen_q, p.seqlen_k, *common)
     grads = dq.result(), dk.result(), dv.result()
@@ -363,7 +363,7 @@ def backward(p, dout, q, k, v, out, lse):
     # dbias in the bias's shape and dtype, one thread per element summing in registers (ACC): the
     # backward's extra memory is dbias itself
     dbias = _Buffer(place, p.bias.shape, p.bias.dtype)
-    K._attn_bwd_dbias[_dbias_blocks(p.bias.shape), K.PREP_THREADS, place.stream](
+    K._flash_bwd_dbias[_dbias_blocks(p.bias.shape), K.PREP_THREADS, place.stream](
         qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dbias.flat, dbias.shape,
         p.batch, p.heads_q, p.seqlen_q, p.seqlen_k, *common)
     return grads + (dbias.result(),)
@@ -391,6 +391,6 @@ def probs(p, q, k, lse, rows):
         from numba import cuda
         rows_flat = cuda.to_device(index)
     grid = (_cdiv(rows.size * p.seqlen_k, K.PREP_THREADS), p.heads_q, p.batch)
-    K._attn_probs[grid, K.PREP_THREADS, place.stream](
+    K._flash_probs[grid, K.PREP_THREADS, place.stream](
         qf, qst, kf, kst, lf, lst, P.flat, P.st, rows_flat, p.seqlen_q, p.seqlen_k, *_common(p, place, lf))
     return P.result()

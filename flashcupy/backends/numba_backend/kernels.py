@@ -2,16 +2,16 @@
 
 Four kernels, names after the FlashAttention-2 paper:
 
-    _attn_fwd            out, lse                  grid (Sq blocks, heads_q, batch)
-    _attn_bwd_preprocess D = rowsum(dO ∘ O)        grid (Sq / PREP_THREADS, heads_q, batch)
-    _attn_bwd_dkdv       dK, dV                    grid (Sk blocks, heads_kv, batch)
-    _attn_bwd_dq         dQ                        grid (Sq blocks, heads_q, batch)
+    _flash_fwd            out, lse                  grid (Sq blocks, heads_q, batch)
+    _flash_bwd_preprocess D = rowsum(dO ∘ O)        grid (Sq / PREP_THREADS, heads_q, batch)
+    _flash_bwd_dkdv       dK, dV                    grid (Sk blocks, heads_kv, batch)
+    _flash_bwd_dq         dQ                        grid (Sq blocks, heads_q, batch)
 
 and two element-wise ones, PREP_THREADS threads a block, for what a bias adds and for
 attention_probs:
 
-    _attn_bwd_dbias      dbias (with a bias)       grid (dbias elements / PREP_THREADS)
-    _attn_probs          P = exp(S - lse)          grid (rows x Sk / PREP_THREADS, heads_q, batch)
+    _flash_bwd_dbias      dbias (with a bias)       grid (dbias elements / PREP_THREADS)
+    _flash_probs          P = exp(S - lse)          grid (rows x Sk / PREP_THREADS, heads_q, batch)
 
 Every score goes through one helper, `_modify`: softcap, ALiBi, bias, then -inf where
 the band (causal, window) or the user's mask hides the pair.
@@ -329,7 +329,7 @@ def _modify(s, mods, slopes, bias, allow, mask, b, h, i, j, seqlen_q, seqlen_k, 
 
 
 @cuda.jit
-def _attn_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
+def _flash_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
               seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow):
     """out_i = softmax(Q_i K^T scale) V and lse_i, for one block of BLOCK_M query rows.
 
@@ -395,7 +395,7 @@ def _attn_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
 
 
 @cuda.jit
-def _attn_bwd_preprocess(dout, dost, out, ost, D, Dst, seqlen_q, head_dim):
+def _flash_bwd_preprocess(dout, dost, out, ost, D, Dst, seqlen_q, head_dim):
     """D[b, h, i] = rowsum(dO_i ∘ O_i) in ACC; one thread per query row, no shared memory."""
     acc = D.dtype.type
     i = cuda.blockIdx.x * PREP_THREADS + cuda.threadIdx.x
@@ -441,7 +441,7 @@ def _zero_rows_that_see_nothing(tile, lse, lst, b, h, row0, seqlen_q, tid):
 
 
 @cuda.jit
-def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dkst, dv, dvst,
+def _flash_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dkst, dv, dvst,
                    seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow):
     """dK_j, dV_j for one block of BLOCK_N keys, summed over the query heads of its GQA group.
 
@@ -515,7 +515,7 @@ def _attn_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dks
 
 
 @cuda.jit
-def _attn_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
+def _flash_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
                  seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow):
     """dQ_i for one block of BLOCK_M query rows; a separate pass, so no atomics.
 
@@ -568,7 +568,7 @@ def _score_and_dP(q, qst, k, kst, dout, dost, v, vst, b, i, h, j, kv_head, head_
 
 
 @cuda.jit
-def _attn_bwd_dbias(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dbias, shape, batch, heads_q,
+def _flash_bwd_dbias(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dbias, shape, batch, heads_q,
                     seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow):
     """dbias = dS = P ∘ (dP - D), the gradient of the final score (before the softcap's
     1 - tanh²), summed over the dimensions the bias broadcasts: one thread per element of the
@@ -624,7 +624,7 @@ def _attn_bwd_dbias(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dbias,
 
 
 @cuda.jit
-def _attn_probs(q, qst, k, kst, lse, lst, P, Pst, rows,
+def _flash_probs(q, qst, k, kst, lse, lst, P, Pst, rows,
                 seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow):
     """P[b, h, r, j] = exp(S - lse) for query row rows[r] and key j: the forward's final score
     (_modify) against the forward's lse, 0 where the pair is hidden and in a row that sees no key

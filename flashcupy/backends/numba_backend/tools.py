@@ -46,19 +46,19 @@ def signatures():
         dkdv = (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, x, st4, x, st4, i64, i64)
         dq = (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, x, st4, i64, i64)
         probs = (x, st4, x, st4, a, st3, a, st4, i64[::1], i64, i64)
-        out.append(("_attn_bwd_preprocess", f"[{dtype}]", (x, st4, x, st4, a, st3, i64, i64)))
+        out.append(("_flash_bwd_preprocess", f"[{dtype}]", (x, st4, x, st4, a, st3, i64, i64)))
         kinds = {"slopes": [None] + ([f32] if acc == types.float64 else []),
                  "bias": [None] + list(dict.fromkeys((x, f32))),
                  "mask": [None, types.boolean[::1]]}
         for slopes, bias, allow in itertools.product(*kinds.values()):
             arrays = tuple(t or a for t in (slopes, bias, allow))
             label = f"[{dtype}]" + "".join(f" {name} {t.dtype}" for name, t in zip(kinds, (slopes, bias, allow)) if t)
-            for name, args in (("_attn_fwd", fwd), ("_attn_bwd_dkdv", dkdv), ("_attn_bwd_dq", dq),
-                               ("_attn_probs", probs)):
+            for name, args in (("_flash_fwd", fwd), ("_flash_bwd_dkdv", dkdv), ("_flash_bwd_dq", dq),
+                               ("_flash_probs", probs)):
                 out.append((name, label, args + head + arrays))
             if bias is not None:
                 dbias = (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, bias, types.UniTuple(i64, 4), i64, i64, i64, i64)
-                out.append(("_attn_bwd_dbias", label, dbias + head + arrays))
+                out.append(("_flash_bwd_dbias", label, dbias + head + arrays))
     unique = {}
     for name, label, sig in out:  # types that coincide (float64's bias and its spare): once, named by the first
         unique.setdefault((name, sig), (name, label, sig))

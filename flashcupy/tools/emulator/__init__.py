@@ -12,8 +12,8 @@ API
 shared_mem_limit=48 KiB, stack_size=256 KiB, oob_guard="end", cp_async="deferred", counters=False)``
 stands in for ``cupy.RawModule(code=..., name_expressions=..., options=...)``:
 
-    mod = EmulatedModule(source, ["attn_fwd<float, 64>"], ("-DBLOCK_M=64",), thread_order="descending")
-    kern = mod.get_function("attn_fwd<float, 64>")
+    mod = EmulatedModule(source, ["flash_fwd<float, 64>"], ("-DBLOCK_M=64",), thread_order="descending")
+    kern = mod.get_function("flash_fwd<float, 64>")
     kern((blocks_x, blocks_y), (128,), (q, k, v, out, np.int32(n), np.float32(scale)), shared_mem=nbytes)
 
 - ``code`` is compiled with ``g++ -std=c++20 -O1`` against the shim in ``include/`` (force-included
@@ -29,7 +29,7 @@ stands in for ``cupy.RawModule(code=..., name_expressions=..., options=...)``:
   ``-ftz=true``, as in NVRTC; CuPy always passes ``-ftz=true``) are honoured; every other flag
   (``-std=...``, the rest of ``--use_fast_math``, ...) is ignored.
   ``__CUDACC__`` and ``__CUDACC_RTC__`` are defined, as under NVRTC.
-- ``name_expressions``: plain ``extern "C"`` names or template instantiations (``attn_fwd<float, 64>``).
+- ``name_expressions``: plain ``extern "C"`` names or template instantiations (``flash_fwd<float, 64>``).
   Each gets a generated trampoline that deduces the parameter types from the kernel's function
   pointer. ``get_function`` of a name not listed rebuilds the module with it added (one more compile).
 - The function object is called like ``cupy.RawKernel``: ``kern(grid, block, args, *, shared_mem=0)``;

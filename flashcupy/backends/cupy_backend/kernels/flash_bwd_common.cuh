@@ -1,5 +1,5 @@
 // flash_bwd_common.cuh: what the SIMT backward (flash_bwd.cu) and the tensor-core backward
-// (attn_bwd_tc.cu) share: the D = rowsum(dO ∘ O) pre-pass, and the lse a recomputed P uses (the
+// (flash_bwd_tc.cu) share: the D = rowsum(dO ∘ O) pre-pass, and the lse a recomputed P uses (the
 // exponent itself: the epilogues, mask.cuh and tc_tile.cuh).
 
 #pragma once

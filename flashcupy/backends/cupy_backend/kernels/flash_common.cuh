@@ -176,7 +176,7 @@ __device__ __forceinline__ Stats<Acc> d_row(Acc* D, int heads_q, int seqlen_q, i
 #define SPLIT_PARAMS int key_split, index_t out_split, index_t lse_split
 
 // The same argument lists passed on, name for name: a kernel entry point handing its arguments to the
-// device function that does its CTA's work (attn_fwd_tc.cu).
+// device function that does its CTA's work (flash_fwd_tc.cu).
 #define TENSOR_ARGS(x) x, x##_sb, x##_ss, x##_sh, x##_sd
 #define LSE_ARGS(x) x, x##_sb, x##_sh, x##_ss
 #define PROBLEM_ARGS                                                                                        \

@@ -36,7 +36,7 @@
 #include "flash_common.cuh"
 #include "mask.cuh"
 
-// The online softmax of one key block for one of the warp's rows, as attn_fwd_tc.cu's for the
+// The online softmax of one key block for one of the warp's rows, as flash_fwd_tc.cu's for the
 // lane's two: s (this lane's key's score, -inf where masked) becomes P; m and l move to the new
 // running max and sum over the BLOCK_N lanes that hold the row's keys, and O_row is rescaled by alpha.
 template <int BLOCK_N, typename Acc, int COLS>

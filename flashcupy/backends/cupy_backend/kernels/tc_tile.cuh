@@ -1,4 +1,4 @@
-// tc_tile.cuh: what the tensor-core kernels (attn_fwd_tc.cu, attn_bwd_tc.cu) share on top of
+// tc_tile.cuh: what the tensor-core kernels (flash_fwd_tc.cu, flash_bwd_tc.cu) share on top of
 // tensor_core.cuh: the swizzled shared-memory tile and its cp.async loader, double buffering (one
 // stage idiom for the three loops that stream tiles, and the K/V stream of the two that stream key
 // blocks), the products of one warp on mma fragments, and the constants of base-2 exponentials.
@@ -56,7 +56,7 @@ __device__ __forceinline__ float tc_prob(float x) { return ex2_approx(at_most_ze
 template <int HEAD_DIM>
 constexpr int MIN_CTAS = HEAD_DIM % 64 ? 1 : 0;
 
-// The wide forward (attn_fwd_tc_wide in attn_fwd_tc.cu): WIDE_WARPS warps, each of two row tiles,
+// The wide forward (flash_fwd_tc_wide in flash_fwd_tc.cu): WIDE_WARPS warps, each of two row tiles,
 // capped at WIDE_MAX_REGISTERS<MODS> registers a thread. Left to ptxas under __launch_bounds__ it took
 // every register and spilled; each cap is one at which none of the NVRTCs and archs that
 // tests/test_nvrtc.py compiles for spills (it checks; the scan of caps: benchmarks/results/tile_choices.md). __maxnreg__

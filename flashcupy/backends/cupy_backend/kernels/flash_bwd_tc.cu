@@ -1,4 +1,4 @@
-// attn_bwd_tc.cu: FlashAttention backward on tensor cores (mma.sync m16n8k16), float16 and bfloat16.
+// flash_bwd_tc.cu: FlashAttention backward on tensor cores (mma.sync m16n8k16), float16 and bfloat16.
 //
 // The same maths as flash_bwd.cu, with P recomputed from the forward's lse (natural log), in base 2:
 //     P = 2^(S c - lse log2 e),  c = scale log2 e;   dP = dO Vᵀ;   dS = P ∘ (dP - D),  D = rowsum(dO ∘ O)
@@ -9,7 +9,7 @@
 //
 // 1. flash_bwd_preprocess (flash_bwd_common.cuh, the SIMT one): D into a float workspace.
 //
-// 2. attn_bwd_dkdv_tc: one CTA per (key block j, batch * heads_kv), flattened on x (key_block in
+// 2. flash_bwd_dkdv_tc: one CTA per (key block j, batch * heads_kv), flattened on x (key_block in
 //    mask.cuh). K_j, V_j (BLOCK_N = 64 keys) stay in shared memory while the query blocks Q_i
 //    (BLOCK_M rows) of every query head of the GQA group that can see key block j stream past,
 //    double-buffered by cp.async (a "pass" is one (query head, query block)):
@@ -33,10 +33,10 @@
 //    barrier, then the warps share dQ_i's 16 x 16 output tiles (atomic_dq) and add them into an fp32
 //    workspace with atomics, a warp's tile at a time through a 16 x 16 float staging tile so that each
 //    atomic instruction covers whole 32-byte sectors. The dQ kernel below is then not launched:
-//    attn_bwd_dq_convert scales and rounds the workspace into dq. Five GEMMs a (query block, key
+//    flash_bwd_dq_convert scales and rounds the workspace into dq. Five GEMMs a (query block, key
 //    block) pair instead of seven; the price: the atomics' order varies, so dq's rounding does.
 //
-// 3. attn_bwd_dq_tc (deterministic=True): one CTA per (query block i, batch * heads_q), flattened on x (query_block in
+// 3. flash_bwd_dq_tc (deterministic=True): one CTA per (query block i, batch * heads_q), flattened on x (query_block in
 //    mask.cuh). Q_i, dO_i (BLOCK_M = 64 rows) stay in shared memory while the key blocks K_j, V_j
 //    (BLOCK_N keys) that Q_i can see stream past, double-buffered by cp.async:
 //        S = Q_i K_jᵀ;  dP = dO_i V_jᵀ;  P = 2^(S c - lse_i log2 e);  dS = P ∘ (dP - D_i);  dQ_i += dS K_j
@@ -49,7 +49,7 @@
 //    atomics, bitwise reproducible; the price is computing S and dP a second time.
 //
 // The A operands of the first two products (K_j, V_j in dK/dV; Q_i, dO_i in dQ) are read from
-// shared memory at every k-step rather than kept in registers as attn_fwd_tc keeps Q_i (two_mma_abt
+// shared memory at every k-step rather than kept in registers as flash_fwd_tc keeps Q_i (two_mma_abt
 // in tc_tile.cuh): the registers go to the fp32 accumulators, HEAD_DIM / 2 a thread for each of dK
 // and dV.
 //
@@ -67,7 +67,7 @@
 //     dim are TC_BACKWARD_DKDV_TILES and TC_BACKWARD_DQ_TILES in specs.py; `python -m flashcupy
 //     kernels` prints each specialization's shared memory, registers, spills and HMMA count.
 //
-// Barriers, the same two per pass in both kernels, as in attn_fwd_tc.cu: after the cp.async wait
+// Barriers, the same two per pass in both kernels, as in flash_fwd_tc.cu: after the cp.async wait
 // (the other threads' copies of this pass's stage, and in dK/dV the lse_i, D_i they stored, have
 // landed), and at the end of the pass (no warp still reads the stage that the next pass's prefetch,
 // or its lse_i, D_i, overwrites, nor, with DQ_ATOMIC, the dS_s the next pass stores). DQ_ATOMIC adds a
@@ -82,12 +82,12 @@
 // modifier the S and dP products also run their k-steps as a loop (two_mma_abt's ROLLED, tc_tile.cuh),
 // which frees the registers the modifiers' work takes; the plain kernels keep the unrolled loop.
 //
-// Requirements on the arguments, checked by the launcher (as for attn_fwd_tc): head_dim a multiple
+// Requirements on the arguments, checked by the launcher (as for flash_fwd_tc): head_dim a multiple
 // of 8 and at most HEAD_DIM (columns past head_dim are zero-filled); q, k, v, dout and the outputs
 // contiguous in head_dim, every row 16-byte aligned (pointers and the other strides multiples of 8
 // elements). lse may have any strides. Rows past seqlen are zero-filled and never written.
 //
-// Score modifiers (mask.cuh, the MODS template parameter): as in attn_fwd_tc.cu, Score gives the
+// Score modifiers (mask.cuh, the MODS template parameter): as in flash_fwd_tc.cu, Score gives the
 // final score in base 2 (in place of S c) before P is recomputed, and dS is multiplied by the
 // softcap's derivative 1 - tanh^2 (Score::grad); the caller's bool mask hides pairs of any tile;
 // with a window the Mask is the band, so the passes and KVStream take only its blocks. dbias is
@@ -146,7 +146,7 @@ __device__ __forceinline__ void atomic_dq(const Rows<float>& dQ, const T* dS_s, 
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool DQ_ATOMIC = false>
-__global__ void __launch_bounds__(NUM_THREADS, (MODS & MOD_SCORE) && HEAD_DIM == 64 ? 2 : MIN_CTAS<HEAD_DIM>) attn_bwd_dkdv_tc(
+__global__ void __launch_bounds__(NUM_THREADS, (MODS & MOD_SCORE) && HEAD_DIM == 64 ? 2 : MIN_CTAS<HEAD_DIM>) flash_bwd_dkdv_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
     PROBLEM_PARAMS(float), TENSOR_PARAMS(float, dqa)) {
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(NUM_THREADS, (MODS & MOD_SCORE) && HEAD_DIM ==
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
-__global__ void __launch_bounds__(NUM_THREADS, MODS ? 2 : MIN_CTAS<HEAD_DIM>) attn_bwd_dq_tc(
+__global__ void __launch_bounds__(NUM_THREADS, MODS ? 2 : MIN_CTAS<HEAD_DIM>) flash_bwd_dq_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dq), PROBLEM_PARAMS(float)) {
     static_assert(BLOCK_M == 16 * NUM_WARPS, "each warp owns 16 query rows: one mma row tile");
@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MODS ? 2 : MIN_CTAS<HEAD_DIM>) at
 // dq = scale dQ for the DQ_ATOMIC backward: the fp32 workspace the dK/dV kernel added into (contiguous,
 // q's shape), rounded to T, into dq (contiguous too). One thread an element.
 template <typename T>
-__global__ void __launch_bounds__(NUM_THREADS) attn_bwd_dq_convert(const float* __restrict__ dqa, T* __restrict__ dq,
+__global__ void __launch_bounds__(NUM_THREADS) flash_bwd_dq_convert(const float* __restrict__ dqa, T* __restrict__ dq,
                                                                     index_t size, float scale) {
     const index_t n = index_t(blockIdx.x) * NUM_THREADS + threadIdx.x;
     if (n < size) store(dq + n, scale * dqa[n]);

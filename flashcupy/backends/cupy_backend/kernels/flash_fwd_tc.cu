@@ -1,4 +1,4 @@
-// attn_fwd_tc.cu: FlashAttention forward on tensor cores (mma.sync m16n8k16), float16 and bfloat16.
+// flash_fwd_tc.cu: FlashAttention forward on tensor cores (mma.sync m16n8k16), float16 and bfloat16.
 //
 // The same maths as flash_fwd.cu, for one query block Q_i (BLOCK_M rows) of one (batch, query head):
 //     for each key block K_j, V_j (BLOCK_N keys) that some row of Q_i can see:
@@ -10,7 +10,7 @@
 // names are masked element by element.
 //
 // Grid: one CTA per (query block, batch * heads_q), flattened on x (query_block in mask.cuh).
-// CTA: WARPS warps (attn_fwd_tc: NUM_WARPS = 4; attn_fwd_tc_wide: WIDE_WARPS = 8, tc_tile.cuh);
+// CTA: WARPS warps (flash_fwd_tc: NUM_WARPS = 4; flash_fwd_tc_wide: WIDE_WARPS = 8, tc_tile.cuh);
 // warp w owns M_TILES 16-row mma tiles, query rows WARP_ROWS w .. WARP_ROWS w + WARP_ROWS - 1 of Q_i
 // (WARP_ROWS = 16 M_TILES), so BLOCK_M = 16 M_TILES WARPS. Each K_j or V_j fragment a warp reads from
 // shared memory feeds 2 M_TILES mma: two row tiles halve the shared-memory bytes per mma, at the price
@@ -61,7 +61,7 @@
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 128),
 // BLOCK_M (16 M_TILES WARPS, M_TILES 1 or 2), BLOCK_N (a multiple of 16), MODS the score modifiers
-// (0: none), SPLIT split-KV (attn_fwd_tc only). The split kernels ask ptxas for one CTA an SM
+// (0: none), SPLIT split-KV (flash_fwd_tc only). The split kernels ask ptxas for one CTA an SM
 // (__launch_bounds__): left to its heuristic it allowed them too few registers and they spilled;
 // those with a bias or mask ask for two; the other 4-warp ones ask MIN_CTAS, and the wide one has a register cap
 // (tc_tile.cuh).
@@ -105,7 +105,7 @@ __device__ __forceinline__ void online_softmax(float (&S)[N_TILES][4], float (&m
 // of Q_i whose A fragments a warp keeps in registers for the whole loop; the others are read from Q_s
 // at every pass.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS, bool SPLIT, int WARPS, int Q_KEPT>
-__device__ __forceinline__ void attn_fwd_tc_cta(
+__device__ __forceinline__ void flash_fwd_tc_cta(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
     LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {
@@ -248,14 +248,14 @@ __device__ __forceinline__ void attn_fwd_tc_cta(
     }
 }
 
-// The entry points. attn_fwd_tc: NUM_WARPS warps of one or two row tiles, registers left to ptxas
+// The entry points. flash_fwd_tc: NUM_WARPS warps of one or two row tiles, registers left to ptxas
 // (__launch_bounds__); with a bias or a bool mask it asks for two CTAs an SM (up to 255 registers):
 // left to its heuristic, ptxas allowed those fewer registers and spilled in some of the 24 sets of
-// modifiers that hold one (benchmarks/results/tile_choices.md). attn_fwd_tc_wide: WIDE_WARPS warps of
+// modifiers that hold one (benchmarks/results/tile_choices.md). flash_fwd_tc_wide: WIDE_WARPS warps of
 // two row tiles under a register cap (WIDE_MAX_REGISTERS, tc_tile.cuh). specs.py says which head
 // dims and modifiers take which.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool SPLIT = false>
-__global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : (MODS & MOD_PAIRS) ? 2 : MIN_CTAS<HEAD_DIM>) attn_fwd_tc(
+__global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : (MODS & MOD_PAIRS) ? 2 : MIN_CTAS<HEAD_DIM>) flash_fwd_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
     LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {
@@ -263,18 +263,18 @@ __global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : (MODS & MOD_PAIRS) ? 
     // (kept, Q_frag took head_dim 64 to the register limit of tests/test_nvrtc.py:
     // benchmarks/results/tile_choices.md)
     constexpr int Q_KEPT = BLOCK_M == 16 * NUM_WARPS ? HEAD_DIM / 16 : 0;
-    attn_fwd_tc_cta<T, HEAD_DIM, BLOCK_M, BLOCK_N, MODS, SPLIT, NUM_WARPS, Q_KEPT>(
+    flash_fwd_tc_cta<T, HEAD_DIM, BLOCK_M, BLOCK_N, MODS, SPLIT, NUM_WARPS, Q_KEPT>(
         TENSOR_ARGS(q), TENSOR_ARGS(k), TENSOR_ARGS(v), TENSOR_ARGS(out), LSE_ARGS(lse), PROBLEM_ARGS, SPLIT_ARGS);
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
-__global__ void WIDE_BOUNDS(MODS) attn_fwd_tc_wide(
+__global__ void WIDE_BOUNDS(MODS) flash_fwd_tc_wide(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     T* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
     LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {
     // k-step 0 of Q_i kept at head_dim 128, where it takes the shared-memory bytes per mma from 208 to
     // 200; below, Q_i is read at every pass (keeping k-step 0 made head_dim 112 spill under its cap)
     constexpr int Q_KEPT = HEAD_DIM == 128 ? 1 : 0;
-    attn_fwd_tc_cta<T, HEAD_DIM, BLOCK_M, BLOCK_N, MODS, false, WIDE_WARPS, Q_KEPT>(
+    flash_fwd_tc_cta<T, HEAD_DIM, BLOCK_M, BLOCK_N, MODS, false, WIDE_WARPS, Q_KEPT>(
         TENSOR_ARGS(q), TENSOR_ARGS(k), TENSOR_ARGS(v), TENSOR_ARGS(out), LSE_ARGS(lse), PROBLEM_ARGS, SPLIT_ARGS);
 }
