@@ -104,6 +104,13 @@ MUTATION_BATTERY = (
 # alone at the start of a 64-, 32- or 16-key tile.
 TILE_EDGE_CASE = (1, 65, 65, 2, 1, 16, True, None)
 
+# Deliberate bugs in mask.cuh, which the SIMT and the tensor-core kernels share: each family's
+# battery (tests/test_cupy_backend.py, tests/test_tensor_core.py) runs them against its own kernels.
+MASK_CUH_MUTATIONS = {
+    "GQA head mapping": ("h, h / group};", "h, h % (heads_q / group)};"),
+    "key_end off by one": ("last_row + 1 + diagonal", "last_row + diagonal"),
+}
+
 
 def battery_fails(backend: str, dtype=np.float32, cases=MUTATION_BATTERY) -> bool:
     """True when some case of `cases` disagrees with the oracle (or cannot run)."""

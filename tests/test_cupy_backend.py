@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashcupy
-from conftest import (BF16, DTYPES, LAYOUTS, MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, bf16_bits, make_qkv,
+from conftest import (BF16, DTYPES, LAYOUTS, MASK_CUH_MUTATIONS, MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, bf16_bits, make_qkv,
                       mutation_tests, reference, strided_empty)
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import sources, specs
@@ -374,12 +374,11 @@ def test_scores_whose_rounding_exceeds_one_keep_the_gradients_finite(dtype, scal
 
 
 # Deliberate bugs in the SIMT kernels (conftest.MUTATION_BATTERY, float32): each must fail the battery.
-# mask.cuh is shared with the tensor-core kernels, which tests/test_tensor_core.py mutates the same way.
+# mask.cuh's (conftest.MASK_CUH_MUTATIONS) are shared with the tensor-core kernels' battery.
 SIMT_MUTATIONS = {
+    **MASK_CUH_MUTATIONS,
     "scale ignored": ("blk.i0, seqlen_q, head_dim, scale);", "blk.i0, seqlen_q, head_dim, Acc(1) / sqrt(Acc(head_dim)));"),
-    "GQA head mapping": ("h, h / group};", "h, h % (heads_q / group)};"),
     "D not subtracted": ("dP[r] = ds(score, S[r], dP[r], D_i, t);", "dP[r] = ds(score, S[r], dP[r], Acc(0), t);"),
-    "key_end off by one": ("last_row + 1 + diagonal", "last_row + diagonal"),
     "lse base": ("m[r] + acc_log(l[r]);", "m[r] + acc_log(l[r]) / acc_log(Acc(2));"),
 }
 

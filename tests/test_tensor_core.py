@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import BF16, MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, case_id, make_qkv, mutation_tests
+from conftest import BF16, MASK_CUH_MUTATIONS, MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, case_id, make_qkv, mutation_tests
 from modifier_checks import large_scores_check
 from tensor_core_blocks import NARROW, narrow
 
@@ -230,12 +230,11 @@ def test_scores_whose_rounding_exceeds_one_keep_the_gradients_finite(scale, kw, 
 
 
 # Deliberate bugs in the tensor-core kernels (conftest.MUTATION_BATTERY, float16): each must fail the
-# battery. The GQA and key-range mutations are in mask.cuh, shared with the SIMT kernels.
+# battery. mask.cuh's (conftest.MASK_CUH_MUTATIONS) are shared with the SIMT kernels' battery.
 TC_MUTATIONS = {
+    **MASK_CUH_MUTATIONS,
     "scale ignored": ("const float scale_log2 = scale * LOG2E;", "const float scale_log2 = LOG2E / sqrtf(float(head_dim));"),
-    "GQA head mapping": ("h, h / group};", "h, h % (heads_q / group)};"),
     "D not subtracted": ("return P * (dp - D);", "return P * dp;"),
-    "key_end off by one": ("last_row + 1 + diagonal", "last_row + diagonal"),
     "lse base": ("m[mt][r] * LN2 + logf(l[mt][r])", "m[mt][r] * LN2 + log2f(l[mt][r])"),
 }
 
