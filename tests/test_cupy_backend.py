@@ -258,7 +258,7 @@ def test_each_barrier_and_wait_is_needed(rng, tmp_path, name, lineno):
 
     # flash_pairs.cu runs only for attention_probs and a bias's gradient: a bias broadcast over
     # everything makes each dbias CTA take many passes and sum over its rows through shared memory
-    paths = {"tensor-core" if f.startswith("attn_") else "pairs" if f == "flash_pairs.cu" else "simt"
+    paths = {"tensor-core" if f.endswith("_tc.cu") else "pairs" if f == "flash_pairs.cu" else "simt"
              for f in changed}
     wrong = []
     for path in sorted(paths):

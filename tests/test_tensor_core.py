@@ -242,7 +242,7 @@ TC_MUTATIONS = {
 def _tc_mutant(old, new):
     """The emulator, with `old` replaced by `new` in the tensor-core modules only."""
     def compile(source, names, options, thread_order, seed, cp_async):
-        if any(n.startswith("attn_") for n in names):
+        if any(n.split("<")[0].endswith(("_tc", "_tc_wide")) for n in names):
             source = source.replace(old, new)
         return compile_module(source, names, options, thread_order, seed, cp_async)
     return emulated(compile=compile)
