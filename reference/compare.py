@@ -69,7 +69,7 @@ FAMILIES = ("numpy", "simt", "tensor_core")
 
 def kernel_family(backend: str, dtype, head_dim: int) -> str:
     """The kernel family a call of `backend` on `dtype` and `head_dim` runs, for expected(family=):
-    the one place the tests, the margins script and the check decide it.
+    the one place the tests and the margins script decide it (`python -m flashcupy check` still uses family=None).
 
     numpy -> "numpy"; cupy -> "tensor_core" where its tensor-core kernels take the dtype and
     head_dim (cupy_backend.USE_TENSOR_CORES and specs.tensor_core_eligible; a call whose strides
