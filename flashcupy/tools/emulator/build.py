@@ -58,7 +58,7 @@ def _includes_hopper(source: str, include_dirs, seen=None) -> bool:
     """Whether `source` includes hopper.cuh, itself or through headers found in include_dirs."""
     seen = set() if seen is None else seen
     for name in _INCLUDE.findall(source):
-        if os.path.basename(name) == "hopper.cuh":
+        if os.path.basename(name) in ("hopper.cuh", "emu_hopper.h"):  # the header, or its text inlined
             return True
         for d in include_dirs:
             path = os.path.join(d, name)

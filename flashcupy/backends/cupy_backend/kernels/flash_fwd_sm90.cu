@@ -1,0 +1,240 @@
+// flash_fwd_sm90.cu: FlashAttention forward for Hopper (sm_90a): TMA loads into an mbarrier ring,
+// warpgroup MMA (wgmma), warp specialisation. float16 and bfloat16, head_dim up to 128.
+//
+// The maths of flash_fwd_tc.cu, for one query block Q_i (BLOCK_M rows) of one (batch, query head):
+//     for each key block K_j, V_j (BLOCK_N keys) that some row of Q_i can see:
+//         S = Q_i K_jᵀ                  -inf where the query does not see the key (mask.cuh)
+//         m_new = max(m, rowmax S · c)  with c = scale · log2(e): m, and the exponents, are in base 2
+//         P = 2^(S · c - m_new);  alpha = 2^(m - m_new);  l = alpha l + rowsum P;  O = alpha O + P V_j
+//     out_i = O / l,  lse_i = (m + log2 l) · ln 2  (natural log); a row that saw no key: out 0, lse -inf.
+// Key blocks that no row of Q_i sees are never loaded (Mask::key_start / key_end), and only the tiles
+// that Mask::partial names are masked element by element.
+//
+// Grid: one CTA per (query block, batch * heads_q), flattened on x (query_block in mask.cuh: the last
+// query blocks, which see the most keys when causal, first).
+// CTA: 1 + CONSUMERS warpgroups of 128 threads (SM90_THREADS), with different jobs:
+//   warpgroup 0, the producer: gives its registers back (setmaxnreg_dec) and one elected thread of its
+//     first warp issues every TMA load: Q_i once, then K_j and V_j of each key block into a ring of
+//     STAGES stages, waiting for a stage to be empty before refilling it. The other producer threads
+//     are done.
+//   warpgroups 1 .. CONSUMERS: take the registers (setmaxnreg_inc); consumer c owns query rows
+//     64 c .. 64 c + 63 of Q_i (one wgmma M of 64; warp w of it rows 16 w .., the lane's two rows
+//     as in tc_tile.cuh's C fragments). Per key block, in registers (fp32):
+//         S = Q_i K_jᵀ   wgmma_ss m64 n BLOCK_N, both operands from shared memory (K-major)
+//         the mask and the online softmax on S in place (tc_tile.cuh's online_softmax): S becomes P
+//         O += P V_j     wgmma_rs m64 n HEAD_DIM: P re-packed from S's accumulators as the 16-bit A
+//                        fragments (c_to_a: the accumulator layout is the A layout, no shuffle), V_j
+//                        from shared memory, MN-major (the B-transpose bit)
+//     then out = O / l through shared memory (its own 64 rows of Q_s) and a TMA store.
+// Shared memory (dynamic, aligned up to 1024 bytes here: the 128B swizzle's repeat). Every tile lies
+// as a TMA box with 128B swizzle lands it: atoms of 64 columns (128 bytes a row, rows 128 bytes apart,
+// the 16-byte chunk c of row r at chunk c ^ (r % 8)), the HEAD_DIM / 64 atoms of a tile one after
+// the other. That is wgmma's K-major 128B layout for Q and K (SBO 1024: 8 rows; k-step s at +32 s
+// bytes inside the atom) and its MN-major 128B layout for V (SBO 1024: 8 keys; LBO an atom: the
+// next 64 columns of head_dim; k-step t at +2048 t bytes).
+//     Q_s   BLOCK_M x HEAD_DIM                      Q_i; at the end each consumer's O, for its TMA store
+//     K_s   STAGES x BLOCK_N x HEAD_DIM             the ring: stage s holds key block jb (jb % STAGES == s)
+//     V_s   STAGES x BLOCK_N x HEAD_DIM
+//     total (BLOCK_M + 2 STAGES BLOCK_N) HEAD_DIM 2 bytes + 1024 of alignment (specs.py: LAUNCH).
+// mbarriers (static shared memory), and why each is waited on:
+//     q_full           Q_i's boxes have landed (count 1: the producer's arrive.expect_tx; the TMA
+//                      completes the bytes). Consumers wait before their first S = Q_i K_jᵀ.
+//     k_full[s]        K_j of stage s has landed: consumers wait before S = Q_i K_jᵀ.
+//     v_full[s]        V_j of stage s has landed: consumers wait before O += P V_j. Apart from K_j's
+//                      barrier, so that S and the softmax start before V_j lands.
+//     kv_empty[s]      every consumer thread has passed the wgmma_wait of its P V_j (count: the
+//                      consumer threads): no wgmma still reads stage s. The producer waits before
+//                      refilling the stage (parity 1 first: the first STAGES waits pass at once).
+// Barriers: one __syncthreads after the mbarrier inits (no thread arrives or waits on a barrier not yet
+// initialised); named barrier 1 + c (the consumer's 128 threads) between writing O to shared memory
+// (each thread fenced for the async proxy) and the TMA store that reads it.
+//
+// Requirements on the arguments, checked by the launcher (specs.sm90_eligible, flashcupy's
+// cupy_backend.forward_path): q, k, v, out contiguous along head_dim, 16-byte aligned, the other
+// strides positive multiples of 16 bytes (what a tensor map can describe); head_dim a multiple of 8 up
+// to HEAD_DIM: a box reads the columns past head_dim, and the rows past seqlen, as zeros, and the TMA
+// store writes neither. Modifiers: none or the window (MODS); the others run on flash_fwd_tc.cu.
+//
+// Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
+// BLOCK_M (64 CONSUMERS), BLOCK_N (a key block: 64 or 128), MODS (0 or MOD_WINDOW).
+
+#include "mask.cuh"
+#include "tc_tile.cuh"
+#include "hopper.cuh"
+
+constexpr int SM90_CONSUMERS = 2;                          // consumer warpgroups, 64 query rows each
+constexpr int SM90_THREADS = 128 * (1 + SM90_CONSUMERS);   // specs.py's LAUNCH says the same
+constexpr int SM90_STAGES = 2;                             // stages of the K, V ring
+// setmaxnreg: the producer needs few registers, the consumers hold S, P and O (FA3's split for two
+// consumer warpgroups); 24 x 128 + 240 x 256 fits the SM's 64 Ki registers
+constexpr int PRODUCER_REGISTERS = 24;
+constexpr int CONSUMER_REGISTERS = 240;
+constexpr int ATOM = 64;  // columns of a 128B-swizzled atom: 128 bytes of 16-bit elements
+
+// Bytes of an atom (64 columns) of a tile of ROWS rows
+template <int ROWS>
+constexpr int ATOM_BYTES = ROWS * 128;
+
+// The wgmma descriptor of k-step ks (16 columns) of a K-major operand whose first row is at `rows` in
+// a tile of ROWS rows: the step's atom, then 32 bytes a step inside its 128-byte rows
+template <int ROWS>
+__device__ __forceinline__ unsigned long long k_major(const unsigned char* rows, int ks) {
+    return make_descriptor(rows + (16 * ks / ATOM) * ATOM_BYTES<ROWS> + (16 * ks % ATOM) * 2, 16, 1024, kSwizzle128B);
+}
+
+// The descriptor of k-step kt (16 keys) of V_j as wgmma's MN-major B: 16 keys are 2048 bytes, the next
+// 64 columns of head_dim an atom further (LBO)
+template <int BLOCK_N>
+__device__ __forceinline__ unsigned long long mn_major(const unsigned char* V_j, int kt) {
+    return make_descriptor(V_j + kt * 16 * 128, ATOM_BYTES<BLOCK_N>, 1024, kSwizzle128B);
+}
+
+// TMA the ROWS x HEAD_DIM box at row `row` of head h of batch b (map: (head_dim, heads, seqlen, batch),
+// innermost first; its box 64 x 1 x ROWS x 1) into `tile`, atom by atom, completing on bar
+template <int ROWS, int HEAD_DIM>
+__device__ __forceinline__ void load_box(unsigned char* tile, const TensorMap& map, int h, int row, int b,
+                                         unsigned long long* bar) {
+#pragma unroll
+    for (int a = 0; a < HEAD_DIM / ATOM; ++a) tma_load_4d(tile + a * ATOM_BYTES<ROWS>, map, a * ATOM, h, row, b, bar);
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
+__global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
+    const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
+    const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_out,
+    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float)) {
+    static_assert(BLOCK_M == 64 * SM90_CONSUMERS, "a consumer warpgroup owns 64 query rows");
+    static_assert(HEAD_DIM % ATOM == 0 && HEAD_DIM <= 128, "head_dim in whole atoms; wgmma N of 64 or 128");
+    static_assert(BLOCK_N == 64 || BLOCK_N == 128, "wgmma N of 64 or 128");
+    static_assert((MODS & ~MOD_WINDOW) == 0, "the other modifiers run on flash_fwd_tc.cu");
+    constexpr int N_TILES = BLOCK_N / 8;     // 8-key column tiles of S (C fragments)
+    constexpr int D_TILES = HEAD_DIM / 8;    // 8-column tiles of O
+    constexpr int QK_STEPS = HEAD_DIM / 16;  // k-steps of Q_i K_jᵀ
+    constexpr int PV_STEPS = BLOCK_N / 16;   // k-steps of P V_j
+    constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2, KV_BYTES = BLOCK_N * HEAD_DIM * 2;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char* Q_s = smem_raw + ((1024u - (smem_address(smem_raw) & 1023u)) & 1023u);
+    unsigned char* K_s = Q_s + Q_BYTES;
+    unsigned char* V_s = K_s + SM90_STAGES * KV_BYTES;
+    __shared__ __align__(8) unsigned long long q_full, k_full[SM90_STAGES], v_full[SM90_STAGES],
+        kv_empty[SM90_STAGES];
+
+    const auto mask = MAKE_MASK(MODS);
+    const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
+    const int j_start = mask.key_start(blk.i0);
+    const int blocks = num_blocks(mask.key_end(blk.i0) - j_start, BLOCK_N);
+    const int warpgroup = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        mbarrier_init(&q_full, 1);
+        for (int s = 0; s < SM90_STAGES; ++s) {
+            mbarrier_init(&k_full[s], 1);
+            mbarrier_init(&v_full[s], 1);
+            mbarrier_init(&kv_empty[s], 128 * SM90_CONSUMERS);
+        }
+        mbarrier_init_fence();
+    }
+    __syncthreads();  // the barriers are initialised before any thread arrives on or waits for them
+
+    if (warpgroup == 0) {  // the producer
+        setmaxnreg_dec<PRODUCER_REGISTERS>();
+        if (threadIdx.x / WARP_SIZE == 0 && elect_one_sync() && blocks > 0) {
+            mbarrier_arrive_expect_tx(&q_full, Q_BYTES);
+            load_box<BLOCK_M, HEAD_DIM>(Q_s, map_q, blk.h, blk.i0, blk.b, &q_full);
+            for (int jb = 0; jb < blocks; ++jb) {
+                const int s = jb % SM90_STAGES;
+                const int j0 = j_start + jb * BLOCK_N;
+                // the consumers are done with the key block this stage held (the first round passes at once)
+                mbarrier_wait_parity(&kv_empty[s], (jb / SM90_STAGES + 1) & 1);
+                mbarrier_arrive_expect_tx(&k_full[s], KV_BYTES);
+                load_box<BLOCK_N, HEAD_DIM>(K_s + s * KV_BYTES, map_k, blk.kv_head, j0, blk.b, &k_full[s]);
+                mbarrier_arrive_expect_tx(&v_full[s], KV_BYTES);
+                load_box<BLOCK_N, HEAD_DIM>(V_s + s * KV_BYTES, map_v, blk.kv_head, j0, blk.b, &v_full[s]);
+            }
+        }
+        return;
+    }
+
+    // a consumer: query rows row_c .. row_c + 63, the warp's 16 from row_w
+    setmaxnreg_inc<CONSUMER_REGISTERS>();
+    const int c = warpgroup - 1;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int row_c = blk.i0 + 64 * c, row_w = row_c + 16 * (threadIdx.x / WARP_SIZE % 4);
+    unsigned char* Q_c = Q_s + 64 * c * 128;  // the consumer's rows of Q_s, in the first atom
+    const float scale_log2 = scale * LOG2E;
+    const auto score = MAKE_SCORE(T, float, MODS, blk.b, blk.h, scale_log2, LOG2E);
+
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float O[D_TILES][4];
+    zero(O);
+    if (blocks > 0) mbarrier_wait_parity(&q_full, 0);
+
+    for (int jb = 0; jb < blocks; ++jb) {
+        const int s = jb % SM90_STAGES;
+        const unsigned phase = (jb / SM90_STAGES) & 1;
+        const int j0 = j_start + jb * BLOCK_N;
+        const unsigned char* K_j = K_s + s * KV_BYTES;
+        const unsigned char* V_j = V_s + s * KV_BYTES;
+
+        float S[N_TILES][4];
+        mbarrier_wait_parity(&k_full[s], phase);
+        wgmma_fence();  // O and the last P were written by ordinary instructions
+#pragma unroll
+        for (int ks = 0; ks < QK_STEPS; ++ks)
+            wgmma_ss<T, BLOCK_N>(&S[0][0], k_major<BLOCK_M>(Q_c, ks), k_major<BLOCK_N>(K_j, ks), ks > 0);
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        wgmma_fence_operand<BLOCK_N / 2>(&S[0][0]);
+
+        if (mask.partial(blk.i0, j0)) {
+            for_each_element([&](int r, int col, float& x) {
+                if (PAIR_HIDDEN(row_w + r, j0 + col)) x = -INFINITY;
+            }, S);
+        }
+        online_softmax(S, m, l, O, scale_log2);
+        unsigned P[PV_STEPS][4];
+#pragma unroll
+        for (int kt = 0; kt < PV_STEPS; ++kt) c_to_a<T>(P[kt], S[2 * kt], S[2 * kt + 1]);
+
+        mbarrier_wait_parity(&v_full[s], phase);
+        wgmma_fence();  // O (rescaled) and P were written by ordinary instructions
+#pragma unroll
+        for (int kt = 0; kt < PV_STEPS; ++kt) wgmma_rs<T, HEAD_DIM, true>(&O[0][0], P[kt], mn_major<BLOCK_N>(V_j, kt), true);
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        wgmma_fence_operand<HEAD_DIM / 2>(&O[0][0]);
+        mbarrier_arrive(&kv_empty[s]);  // this thread's wgmma no longer read the stage
+    }
+
+    // out = O / l and lse = (m + log2 l) ln 2; a row that saw no key (l == 0) gets out 0, lse -inf
+    float inv_l[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] = group_sum<4>(l[r]);
+        inv_l[r] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
+        const int row = row_w + lane / 4 + 8 * r;
+        if (lane % 4 == 0 && row < seqlen_q)
+            LSE_ROW(lse, blk.b, blk.h)[row] = l[r] == 0.0f ? -INFINITY : m[r] * LN2 + logf(l[r]);
+    }
+    // O, rounded to T, into the consumer's own rows of Q_s as the TMA store reads a box (the 128B
+    // swizzle): only this consumer's wgmma read them, and they have all completed
+#pragma unroll
+    for (int dt = 0; dt < D_TILES; ++dt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row_w - row_c + lane / 4 + 8 * r, col = 8 * dt + c_col(0);
+            unsigned char* at = Q_c + (col / ATOM) * ATOM_BYTES<BLOCK_M> + row * 128 +
+                                (((col % ATOM / 8) ^ (row % 8)) * 16) + col % 8 * 2;
+            *reinterpret_cast<unsigned*>(at) = pack2<T>(O[dt][2 * r] * inv_l[r], O[dt][2 * r + 1] * inv_l[r]);
+        }
+    fence_proxy_async();                 // this thread's stores, before the TMA store reads them
+    named_barrier_sync(1 + c, 128);      // every thread of the consumer has stored and fenced its part
+    if (threadIdx.x % 128 == 0) {
+#pragma unroll
+        for (int a = 0; a < HEAD_DIM / ATOM; ++a)
+            tma_store_4d(map_out, a * ATOM, blk.h, row_c, blk.b, Q_c + a * ATOM_BYTES<BLOCK_M>);
+        tma_store_commit_group();
+        tma_store_wait_group_read<0>();  // the CTA's shared memory is read before it exits
+    }
+}
