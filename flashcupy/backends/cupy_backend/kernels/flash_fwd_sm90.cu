@@ -168,40 +168,72 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     float O[D_TILES][4];
     zero(O);
-    if (blocks > 0) mbarrier_wait_parity(&q_full, 0);
-
-    for (int jb = 0; jb < blocks; ++jb) {
-        const int s = jb % SM90_STAGES;
-        const unsigned phase = (jb / SM90_STAGES) & 1;
-        const int j0 = j_start + jb * BLOCK_N;
-        const unsigned char* K_j = K_s + s * KV_BYTES;
-        const unsigned char* V_j = V_s + s * KV_BYTES;
-
-        float S[N_TILES][4];
-        mbarrier_wait_parity(&k_full[s], phase);
-        wgmma_fence();  // O and the last P were written by ordinary instructions
+    float S[N_TILES][4];       // the scores of the newest key block, then its P in fp32
+    unsigned P[PV_STEPS][4];   // the P of the key block whose P V_j is in flight, as A fragments
+    // S = Q_i K_jᵀ of key block jb into S, issued (not waited for)
+    const auto issue_s = [&](int jb) {
+        mbarrier_wait_parity(&k_full[jb % SM90_STAGES], (jb / SM90_STAGES) & 1);
 #pragma unroll
         for (int ks = 0; ks < QK_STEPS; ++ks)
-            wgmma_ss<T, BLOCK_N>(&S[0][0], k_major<BLOCK_M>(Q_c, ks), k_major<BLOCK_N>(K_j, ks), ks > 0);
+            wgmma_ss<T, BLOCK_N>(&S[0][0], k_major<BLOCK_M>(Q_c, ks),
+                                 k_major<BLOCK_N>(K_s + jb % SM90_STAGES * KV_BYTES, ks), ks > 0);
         wgmma_commit_group();
-        wgmma_wait_group<0>();
+    };
+    // The mask and the softmax of key block jb's S, once it has landed: S becomes P, m and l move on;
+    // alpha: the factor of O's rows, applied by the caller once no wgmma adds into O
+    float alpha[2];
+    const auto softmax = [&](int jb) {
         wgmma_fence_operand<BLOCK_N / 2>(&S[0][0]);
-
+        const int j0 = j_start + jb * BLOCK_N;
         if (mask.partial(blk.i0, j0)) {
             for_each_element([&](int r, int col, float& x) {
                 if (PAIR_HIDDEN(row_w + r, j0 + col)) x = -INFINITY;
             }, S);
         }
-        online_softmax(S, m, l, O, scale_log2);
-        unsigned P[PV_STEPS][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) alpha[r] = online_softmax_row(S, m, l, r, scale_log2);
+    };
+    // Pingpong: the two consumers take turns to issue their GEMMs (named barriers 3 and 4, both
+    // consumers' 256 threads: one waits, the other arrives), so that one's softmax runs while the
+    // other's wgmma keep the tensor cores busy. Consumer 0 goes first; each of the blocks + 1 turns
+    // ends by letting the other go, except consumer 1's last (nobody waits for it).
+    const auto my_turn = [&] { named_barrier_sync(3 + c, 256); };
+    const auto your_turn = [&](int turn) {
+        if (c == 0 || turn < blocks) named_barrier_arrive(3 + (1 - c), 256);
+    };
+
+    if (blocks > 0) {
+        if (c == 1) named_barrier_arrive(3, 256);  // consumer 0's first turn
+        mbarrier_wait_parity(&q_full, 0);
+        // turn 0: S of key block 0
+        my_turn();
+        wgmma_fence();
+        issue_s(0);
+        your_turn(0);
+        wgmma_wait_group<0>();
+        softmax(0);
+    }
+    for (int jb = 0; jb < blocks; ++jb) {
+        // turn jb + 1: S of key block jb + 1, then O += P V_j of block jb; the softmax of jb + 1 runs
+        // while P V_j is in flight (O and P are not touched until it lands)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) rescale_row(O, r, alpha[r]);
 #pragma unroll
         for (int kt = 0; kt < PV_STEPS; ++kt) c_to_a<T>(P[kt], S[2 * kt], S[2 * kt + 1]);
-
-        mbarrier_wait_parity(&v_full[s], phase);
+        const int s = jb % SM90_STAGES;
+        mbarrier_wait_parity(&v_full[s], (jb / SM90_STAGES) & 1);
+        my_turn();
         wgmma_fence();  // O (rescaled) and P were written by ordinary instructions
+        if (jb + 1 < blocks) issue_s(jb + 1);
 #pragma unroll
-        for (int kt = 0; kt < PV_STEPS; ++kt) wgmma_rs<T, HEAD_DIM, true>(&O[0][0], P[kt], mn_major<BLOCK_N>(V_j, kt), true);
+        for (int kt = 0; kt < PV_STEPS; ++kt)
+            wgmma_rs<T, HEAD_DIM, true>(&O[0][0], P[kt], mn_major<BLOCK_N>(V_s + s * KV_BYTES, kt), true);
         wgmma_commit_group();
+        your_turn(jb + 1);
+        if (jb + 1 < blocks) {
+            wgmma_wait_group<1>();  // S of block jb + 1 has landed; P V_j may still run
+            softmax(jb + 1);
+        }
         wgmma_wait_group<0>();
         wgmma_fence_operand<HEAD_DIM / 2>(&O[0][0]);
         mbarrier_arrive(&kv_empty[s]);  // this thread's wgmma no longer read the stage

@@ -278,37 +278,50 @@ __device__ __forceinline__ void mma_ab(float (&acc)[HEAD_DIM / 8][4], const floa
                               reinterpret_cast<const float(&)[1][K / 8][4]>(X), B_s);
 }
 
-// The forward's online softmax of one key block for the lane's two rows of a warp's 16 (flash_fwd_tc.cu,
-// flash_fwd_sm90.cu, whose wgmma accumulators have the mma.sync C layout per warp), in base 2: S (the scores, -inf where
-// masked) becomes P; m and l move to the new running max and sum, and O is rescaled by alpha. Row r
-// of the lane is S[.][2 r] and S[.][2 r + 1], spread over the 4 lanes of a quad.
+// The forward's online softmax of one key block for row r (0 or 1) of the lane's two rows of a warp's
+// 16, in base 2: the row's scores in S (-inf where masked) become P, m[r] and l[r] move to the new
+// running max and sum, and the factor alpha that O's row must be rescaled by is returned. Row r of the
+// lane is S[.][2 r] and S[.][2 r + 1], spread over the 4 lanes of a quad. Used by flash_fwd_tc.cu and
+// flash_fwd_sm90.cu, whose wgmma accumulators have the mma.sync C layout per warp; the latter rescales
+// O later, once the wgmma still adding into it has completed.
+template <int N_TILES>
+__device__ __forceinline__ float online_softmax_row(float (&S)[N_TILES][4], float (&m)[2], float (&l)[2], int r,
+                                                    float scale_log2) {
+    float row_max = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt) row_max = fmaxf(row_max, fmaxf(S[nt][2 * r], S[nt][2 * r + 1]));
+    const float m_new = fmaxf(m[r], group_max<4>(row_max) * scale_log2);
+    const float m_safe = m_new == -INFINITY ? 0.0f : m_new;  // no key seen yet: 2^-inf = 0, not NaN
+    const float alpha = ex2_approx(m[r] - m_safe);
+    m[r] = m_new;
+    float row_sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+        for (int c = 2 * r; c < 2 * r + 2; ++c) {
+            S[nt][c] = ex2_approx(S[nt][c] * scale_log2 - m_safe);
+            row_sum += S[nt][c];
+        }
+    l[r] = alpha * l[r] + row_sum;
+    return alpha;
+}
+
+// Row r of the lane's O times alpha
+template <int D_TILES>
+__device__ __forceinline__ void rescale_row(float (&O)[D_TILES][4], int r, float alpha) {
+#pragma unroll
+    for (int dt = 0; dt < D_TILES; ++dt) {
+        O[dt][2 * r] *= alpha;
+        O[dt][2 * r + 1] *= alpha;
+    }
+}
+
+// The online softmax of one key block for both of the lane's rows, O rescaled at once
 template <int N_TILES, int D_TILES>
 __device__ __forceinline__ void online_softmax(float (&S)[N_TILES][4], float (&m)[2], float (&l)[2],
                                                float (&O)[D_TILES][4], float scale_log2) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float row_max = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt) row_max = fmaxf(row_max, fmaxf(S[nt][2 * r], S[nt][2 * r + 1]));
-        const float m_new = fmaxf(m[r], group_max<4>(row_max) * scale_log2);
-        const float m_safe = m_new == -INFINITY ? 0.0f : m_new;  // no key seen yet: 2^-inf = 0, not NaN
-        const float alpha = ex2_approx(m[r] - m_safe);
-        m[r] = m_new;
-        float row_sum = 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-            for (int c = 2 * r; c < 2 * r + 2; ++c) {
-                S[nt][c] = ex2_approx(S[nt][c] * scale_log2 - m_safe);
-                row_sum += S[nt][c];
-            }
-        l[r] = alpha * l[r] + row_sum;
-#pragma unroll
-        for (int dt = 0; dt < D_TILES; ++dt) {
-            O[dt][2 * r] *= alpha;
-            O[dt][2 * r + 1] *= alpha;
-        }
-    }
+    for (int r = 0; r < 2; ++r) rescale_row(O, r, online_softmax_row(S, m, l, r, scale_log2));
 }
 
 // Store the lane's rows row_g and row_g + 8 of acc (those < seqlen; columns < head_dim), row r times
