@@ -73,7 +73,8 @@ def kernel_family(backend: str, dtype, head_dim: int) -> str:
 
     numpy -> "numpy"; cupy -> "tensor_core" where its tensor-core kernels take the dtype and
     head_dim (cupy_backend.USE_TENSOR_CORES and specs.tensor_core_eligible; a call whose strides
-    send it to the SIMT kernels after all is still judged as tensor-core, the looser of the two),
+    send it to the SIMT kernels after all is still judged as tensor-core, the looser of the two; the
+    Hopper forward, flash_fwd_sm90.cu, rounds P to 16 bits as the mma.sync kernels do),
     else "simt"; numba -> "simt"."""
     if backend == "numpy":
         return "numpy"

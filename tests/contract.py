@@ -75,13 +75,16 @@ def _numpy_path(path):
 
 @contextlib.contextmanager
 def _cupy_path(path, order):
-    """The cupy kernels on the CPU emulator, tensor cores on or off, threads in `order`."""
+    """The cupy kernels on the CPU emulator, threads in `order`: "simt" (tensor cores off), "tensor-core"
+    (the mma.sync kernels, on an sm_80 device) or "hopper" (on an sm_90 device: the Hopper forward,
+    then the mma.sync backward)."""
     from flashcupy.backends import cupy_backend
+    from flashcupy.backends.cupy_backend import specs
     from flashcupy.tools.emulator.cupy import emulated
     saved = cupy_backend.USE_TENSOR_CORES
-    cupy_backend.USE_TENSOR_CORES = path == "tensor-core"
+    cupy_backend.USE_TENSOR_CORES = path != "simt"
     try:
-        with emulated(order):
+        with emulated(order, compute_capability=specs.SM90_COMPUTE_CAPABILITY if path == "hopper" else 80):
             yield
     finally:
         cupy_backend.USE_TENSOR_CORES = saved
@@ -98,7 +101,7 @@ CONTEXTS = {
 BACKENDS = {
     "numpy": Backend({"copied": ("float16", "bfloat16", "bfloat16-bits", "float32", "float64"),
                       "in-place": ("float16", "float32", "float64")}, CASES, modified=("all", "all-causal")),
-    "cupy": Backend({"tensor-core": ("float16", "bfloat16-bits"),
+    "cupy": Backend({"hopper": ("float16", "bfloat16-bits"), "tensor-core": ("float16", "bfloat16-bits"),
                      "simt": ("float16", "bfloat16-bits", "float32", "float64")}, CASES,
                     orders=("ascending", "descending"), modified=()),
     "numba": Backend({"simt": ("float16", "float32", "float64")}, SIMULATOR_CASES),

@@ -4,7 +4,7 @@ The kernels live beside this file in kernels/*.cu (see the header of each file f
 computes, its tiles and its shared-memory budget); specs.py says which specializations exist.
 This module packs arguments, allocates outputs and workspaces, and launches:
 
-    forward   flash_fwd | flash_fwd_tc                 grid: query blocks x batch x heads_q
+    forward   flash_fwd | flash_fwd_tc | flash_fwd_sm90  grid: query blocks x batch x heads_q
               (split-KV: x splits, partial outs merged by flashcupy.merge's rule; split_plan)
     backward  flash_bwd_preprocess  D = rowsum(dO ∘ O)    grid: batch x heads_q x seqlen_q / 4
               flash_bwd_dkdv | flash_bwd_dkdv_tc  dK, dV   grid: key blocks x batch x heads_kv
@@ -15,7 +15,9 @@ This module packs arguments, allocates outputs and workspaces, and launches:
     probs     flash_probs (attention_probs)      P        grid: row blocks x key blocks x batch x heads_q
 
 The SIMT kernels (flash_*.cu) take every dtype; the tensor-core ones (flash_*_tc.cu) take
-float16/bfloat16 where `forward_path` / `backward_path` say so, with the same arguments.
+float16/bfloat16 where `forward_path` / `backward_path` say so, with the same arguments; on compute
+capability 9.0 the Hopper forward (flash_fwd_sm90.cu, compiled for sm_90a by cubin.py) takes the
+calls it covers, its tensors passed as TMA tensor maps (tensor_maps.py) made through the Runtime.
 
 Every tensor is passed as a pointer to its first element plus its element strides (any layout,
 negative strides included); sizes as int32, the scale in the accumulation type, then causal and the
@@ -41,7 +43,7 @@ import numpy as np
 
 from ... import _merge, backends
 from ..._problem import LOG2E
-from . import sources, specs
+from . import sources, specs, tensor_maps
 
 NAME = "cupy"
 ARRAY_LIBRARIES = ("cupy",)
@@ -51,6 +53,9 @@ DTYPES = tuple(specs.CUDA_TYPES)  # bfloat16 as uint16 bit patterns: CuPy has no
 # wherever they can; False forces the SIMT kernels (flash_fwd.cu, flash_bwd.cu) everywhere, to
 # compare the two.
 USE_TENSOR_CORES = True
+# On compute capability 9.0 the forward runs on the Hopper kernel (flash_fwd_sm90.cu: TMA, wgmma,
+# warp specialisation) wherever it can; False forces the mma.sync kernel (flash_fwd_tc.cu), to compare.
+USE_WGMMA = True
 
 
 class Runtime:
@@ -64,10 +69,15 @@ class Runtime:
     data_ptr(x): the address of x's first element.
     device_id(x): which device x lives on (kernel handles are kept per device).
     sm_count(x): the streaming multiprocessors of x's device (split-KV fills them: split_plan).
+    tensor_map(x, arguments, dtype_name): the kernel argument that is the TMA tensor map of array x
+        with tensor_maps.TiledArguments `arguments` (the driver's map on a GPU, the emulator's own
+        under it); dtype_name the values' dtype ("bfloat16" for uint16 bits).
+    compile_module is also handed modules whose options name an -arch (ModuleSpec.arch: sm_90a),
+    compiled for that architecture rather than the device's (cubin.py on a GPU).
     """
 
     def __init__(self, xp, compile_module, device_of=None, compute_capability=None, data_ptr=None,
-                 device_id=None, sm_count=None):
+                 device_id=None, sm_count=None, tensor_map=None):
         self.xp = xp
         self.compile_module = compile_module
         self.device_of = device_of or (lambda x: contextlib.nullcontext())
@@ -75,6 +85,7 @@ class Runtime:
         self.data_ptr = data_ptr or (lambda x: x.ctypes.data)
         self.device_id = device_id or (lambda x: 0)
         self.sm_count = sm_count or (lambda x: 132)  # an H100's or H200's
+        self.tensor_map = tensor_map
         self.functions = {}  # (device, ModuleSpec) -> its kernels, ready to launch
 
 
@@ -84,14 +95,21 @@ runtime: Runtime | None = None  # the runtime in use; the CuPy one is created at
 def _cupy_runtime() -> Runtime:
     import cupy
 
+    from . import cubin, tensor_maps
+
     @cupy.memoize(for_each_device=True)
     def compile_module(source, name_expressions, options):
+        if any(option.startswith("-arch") for option in options):  # an arch CuPy's own -arch cannot name
+            return cubin.CubinModule(cupy, source, name_expressions, options)
         return cupy.RawModule(code=source, options=options, name_expressions=name_expressions)
+
+    def tensor_map(x, arguments, dtype_name):
+        return tensor_maps.gpu_tensor_map_bytes(x.data.ptr, dtype_name, arguments)
 
     return Runtime(cupy, compile_module, lambda x: x.device,
                    lambda x: int(cupy.cuda.Device(x.device.id).compute_capability), lambda x: x.data.ptr,
                    lambda x: x.device.id,
-                   lambda x: int(cupy.cuda.Device(x.device.id).attributes["MultiProcessorCount"]))
+                   lambda x: int(cupy.cuda.Device(x.device.id).attributes["MultiProcessorCount"]), tensor_map)
 
 
 def _runtime() -> Runtime:
@@ -130,10 +148,11 @@ def _source(source_file: str) -> str:
     return sources.read_source(source_file)
 
 
-def _options() -> tuple:
+def _options(module: specs.ModuleSpec) -> tuple:
     """Our NVRTC options. cupy.RawModule adds CuPy's own (sources.CUPY_NVRTC_OPTIONS, -arch for the
-    device, and -I for the CUDA headers, found by cuda-pathfinder), so none of those is passed here."""
-    return sources.COMPILE_OPTIONS
+    device, and -I for the CUDA headers, found by cuda-pathfinder), so none of those is passed here;
+    a module for an arch of its own (sm_90a) gets the whole list with that -arch (sources.arch_options)."""
+    return sources.COMPILE_OPTIONS if module.arch is None else sources.arch_options(module.arch)
 
 
 def _functions(rt: Runtime, module: specs.ModuleSpec, like) -> list:
@@ -146,7 +165,7 @@ def _functions(rt: Runtime, module: specs.ModuleSpec, like) -> list:
     key = (rt.device_id(like), module)
     functions = rt.functions.get(key)
     if functions is None:
-        compiled = rt.compile_module(_source(module.source_file), module.name_expressions, _options())
+        compiled = rt.compile_module(_source(module.source_file), module.name_expressions, _options(module))
         functions = [compiled.get_function(name) for name in module.name_expressions]
         for function, kernel in zip(functions, module.kernels):
             if kernel.dynamic_smem > specs.SMEM_DEFAULT_LIMIT:  # opt in above 48 KiB (sm_80+)
@@ -181,6 +200,8 @@ def grid_axes(p, backward):
         builds += [specs.tc_forward_module] + [specs.tc_backward_module,
                                                specs.deterministic_tc_backward_module] * backward
     mods = _mods(p)
+    if specs.sm90_eligible(p.dtype, p.head_dim, mods):
+        builds.append(specs.sm90_forward_module)
     return [(*kernel.grid(p), 0) for build in builds for kernel in build(p.dtype, p.head_dim, mods).kernels]
 
 
@@ -203,14 +224,32 @@ def _path(p, *tensors) -> str:
     return "tensor-core"
 
 
-def forward_path(p, q, k, v) -> str:
-    """'tensor-core' or 'simt': which forward kernel serves this call.
+def _tma_describable(rt, x) -> bool:
+    """Whether a tensor map (tensor_maps.py) can describe x, a (batch, seqlen, heads, head_dim) array:
+    contiguous along head_dim, 16-byte aligned, the other strides positive multiples of 16 bytes below
+    2^40; a dimension of size 1 may have any stride (never used: _map_strides)."""
+    return (x.strides[3] == x.itemsize and rt.data_ptr(x) % 16 == 0
+            and all(n == 1 or (0 < s < 2 ** 40 and s % 16 == 0) for n, s in zip(x.shape[:3], x.strides[:3])))
+
+
+def forward_path(p, q, k, v, out=None, split: bool = False) -> str:
+    """'hopper', 'tensor-core' or 'simt': which forward kernel serves this call.
 
     Tensor cores take float16/bfloat16 with head_dim a multiple of 8 up to 128, on sm_80 or
     newer, when q, k, v are contiguous along head_dim with 16-byte aligned rows (the other
-    strides multiples of 8 elements); everything else runs on the SIMT kernel.
+    strides multiples of 8 elements); everything else runs on the SIMT kernel. Of those, on compute
+    capability 9.0 the Hopper kernel takes the calls with no modifier but the window and no split-KV
+    whose q, k, v (and out, when given) a tensor map can describe (_tma_describable: positive strides
+    too); the others stay on the mma.sync kernel, never an error.
     """
-    return _path(p, q, k, v)
+    path = _path(p, q, k, v)
+    rt = _runtime()
+    tensors = (q, k, v) + (() if out is None else (out,))
+    if (path == "tensor-core" and USE_WGMMA and not split and specs.sm90_eligible(p.dtype, p.head_dim, _mods(p))
+            and rt.compute_capability(q) == specs.SM90_COMPUTE_CAPABILITY
+            and all(_tma_describable(rt, x) for x in tensors)):
+        return "hopper"
+    return path
 
 
 def backward_path(p, dout, q, k, v, out) -> str:
@@ -288,11 +327,30 @@ def split_plan(p, q, k, v, num_splits=None) -> tuple:
     return (splits, key_split) if splits > 1 else (1, 0)
 
 
-def _forward_module(p, q, k, v, split: bool) -> tuple:
-    """(tensor cores?, the forward's ModuleSpec) for this call."""
-    tensor_cores = forward_path(p, q, k, v) == "tensor-core"
-    build = specs.tc_forward_module if tensor_cores else specs.forward_module
-    return tensor_cores, build(p.dtype, p.head_dim, _mods(p), split)
+def _forward_module(p, q, k, v, split: bool, out=None) -> tuple:
+    """(forward_path, the forward's ModuleSpec) for this call."""
+    path = forward_path(p, q, k, v, out, split)
+    if path == "hopper":
+        return path, specs.sm90_forward_module(p.dtype, p.head_dim, _mods(p))
+    build = specs.tc_forward_module if path == "tensor-core" else specs.forward_module
+    return path, build(p.dtype, p.head_dim, _mods(p), split)
+
+
+def _map_strides(x) -> tuple:
+    """x's byte strides as a tensor map takes them (dims 1.. innermost first: heads, seqlen, batch),
+    a dimension of size 1 given 16 (its stride is never used, and the map wants a multiple of 16)."""
+    return tuple(s if n > 1 else 16 for n, s in zip(reversed(x.shape[:3]), reversed(x.strides[:3])))
+
+
+def _sm90_maps(rt, p, kernel, q, k, v, out) -> tuple:
+    """The tensor maps of flash_fwd_sm90's q, k, v and out: (head_dim, heads, seqlen, batch) innermost
+    first, boxes of one 128B-swizzled atom of columns (specs.SM90_ATOM), one head, one batch, and the
+    rows a load or store moves: Q_i's BLOCK_M, a key block's BLOCK_N, a consumer's rows of out."""
+    def tensor_map(x, rows):
+        arguments = tensor_maps.tiled_arguments(x, (specs.SM90_ATOM, 1, rows, 1), "128B", strides=_map_strides(x))
+        return rt.tensor_map(x, arguments, p.dtype)
+    return (tensor_map(q, kernel.block_m), tensor_map(k, kernel.block_n), tensor_map(v, kernel.block_n),
+            tensor_map(out, specs.SM90_CONSUMER_ROWS))
 
 
 WRITES_INTO = True  # forward and backward write into given arrays (into=): XLA's buffers for flashcupy.jax
@@ -305,10 +363,18 @@ def forward(p, q, k, v, num_splits=1, into=None):
     of a split-KV call is copied there)."""
     rt = _runtime()
     splits, key_split = (1, 0) if num_splits == 1 else split_plan(p, q, k, v, num_splits)
-    tensor_cores, module = _forward_module(p, q, k, v, splits > 1)
+    path, module = _forward_module(p, q, k, v, splits > 1, None if into is None else into[0])
     (kernel,) = module.kernels
     with rt.device_of(q):
         (fwd,) = _functions(rt, module, q)
+        if path == "hopper":
+            out, lse = into if into is not None else (rt.xp.empty(q.shape, dtype=p.carrier),
+                                                      rt.xp.empty(p.lse_shape, dtype=p.lse_dtype))
+            fwd((kernel.blocks(p),), (kernel.threads,),
+                (*_sm90_maps(rt, p, kernel, q, k, v, out), *_tensor(lse), *_shape_args(p), p.acc_dtype.type(p.scale),
+                 np.int32(p.causal), np.int32(p.diagonal), *_modifier_args(p, lse, True)),
+                shared_mem=kernel.dynamic_smem)
+            return out, lse
         if splits > 1:  # workspaces: (splits, *out's shape) and (splits, *lse's shape)
             out = rt.xp.empty((splits,) + tuple(q.shape), dtype=p.acc_dtype)
             lse = rt.xp.empty((splits,) + p.lse_shape, dtype=p.lse_dtype)
@@ -329,7 +395,7 @@ def forward(p, q, k, v, num_splits=1, into=None):
             (kernel.blocks(p) * splits,), (kernel.threads,),
             (*_tensor(q), *_tensor(k), *_tensor(v), *part_out, *part_lse,
              *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-             *_modifier_args(p, lse, tensor_cores), *split_args),
+             *_modifier_args(p, lse, path == "tensor-core"), *split_args),
             shared_mem=kernel.dynamic_smem)
         if splits > 1:
             merged, lse = _merge.merge(list(out), list(lse))

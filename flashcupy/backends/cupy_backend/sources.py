@@ -46,3 +46,10 @@ COMPILE_OPTIONS = ("-std=c++17",)
 # (flashcupy/tools/nvrtc.py) and the CPU emulator (flashcupy/tools/emulator/cupy.py) compile with these
 # too, so what they check is what runs.
 CUPY_NVRTC_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
+
+
+def arch_options(arch: str) -> tuple:
+    """The whole NVRTC option list of a module compiled for `arch` by the backend itself (a module
+    that needs sm_90a: cupy.RawModule(code=) appends its own -arch=sm_XY, which cannot name it): ours,
+    CuPy's, and -arch; the CUDA headers' -I is added where NVRTC runs (cubin.py)."""
+    return COMPILE_OPTIONS + CUPY_NVRTC_OPTIONS + (f"-arch={arch}",)

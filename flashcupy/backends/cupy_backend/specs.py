@@ -129,12 +129,25 @@ TC_FORWARD_TILES_SPLIT_PAIRS = {64: (64, 32), 128: (64, 16)}  # and a bias or ma
 TC_TEMPLATES = ("flash_fwd_tc", "flash_fwd_tc_wide", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc")
 TC_FORWARD_TEMPLATES = TC_TEMPLATES[:2]
 
+# The Hopper forward (flash_fwd_sm90.cu: TMA, wgmma, warp specialisation), compiled for sm_90a and run
+# on compute capability 9.0 only: float16/bfloat16, head_dim a multiple of 8 up to 128, no modifier but
+# the window, no split-KV. HEAD_DIM is head_dim rounded up to 64 (a 128B-swizzled TMA box is 64
+# columns); BLOCK_M is two consumer warpgroups of 64 query rows, BLOCK_N a key block (wgmma N).
+SM90_TEMPLATES = ("flash_fwd_sm90",)
+SM90_ARCH = "sm_90a"
+SM90_COMPUTE_CAPABILITY = 90
+SM90_THREADS = 3 * 128  # a producer and two consumer warpgroups (SM90_THREADS in the kernel)
+SM90_FORWARD_TILES = {64: (128, 128), 128: (128, 128)}
+SM90_ATOM = 64            # columns of a TMA box: 128 bytes, the 128B swizzle's span (ATOM in the kernel)
+SM90_CONSUMER_ROWS = 64   # query rows of a consumer warpgroup: one wgmma M, one TMA store of out
+
 
 # The MODS bits of the kernels (mask.cuh), per keyword of the interface (Problem.modifiers)
 MOD_BITS = {"window": 1, "softcap": 2, "alibi_slopes": 4, "bias": 8, "mask": 16}
 ALL_MODS = sum(MOD_BITS.values())
 MOD_SCORE = MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"] | MOD_BITS["bias"]  # they change a score's value
 MOD_PAIRS = MOD_BITS["bias"] | MOD_BITS["mask"]  # they read a rank-4 array per (query, key) pair
+SM90_MODS = MOD_BITS["window"]  # the Hopper forward's; the other modifiers run on flash_fwd_tc.cu
 
 
 def mods_of(modifiers) -> int:
@@ -169,7 +182,13 @@ class Kernel:
 
     @property
     def tensor_cores(self) -> bool:
+        """An mma.sync kernel (flash_*_tc.cu)."""
         return self.template in TC_TEMPLATES
+
+    @property
+    def wgmma(self) -> bool:
+        """A Hopper kernel (flash_*_sm90.cu, sm_90a)."""
+        return self.template in SM90_TEMPLATES
 
     @property
     def threads(self) -> int:
@@ -203,7 +222,8 @@ class Kernel:
     def name_expression(self) -> str:
         storage, acc = CUDA_TYPES[self.dtype]
         # tensor cores accumulate in float
-        args = [storage] if self.tensor_cores or self.template == "flash_bwd_dq_convert" else [storage, acc]
+        args = ([storage] if self.tensor_cores or self.wgmma or self.template == "flash_bwd_dq_convert"
+                else [storage, acc])
         if self.head_dim:
             args += [str(self.head_dim), str(self.block_m), str(self.block_n)]
         if self.mods or self.split or self.dq_atomic:
@@ -231,6 +251,12 @@ def _tc_forward_smem(m: int, n: int, d: int, atomic: bool) -> int:
     return (m + 4 * n) * d * 2
 
 
+# The Hopper forward: Q_i; STAGES (2) x (K_j, V_j), HEAD_DIM columns each; 1024 bytes to align the
+# tiles up to the 128B swizzle's repeat (the kernel does)
+def _sm90_forward_smem(m: int, n: int, d: int, atomic: bool) -> int:
+    return _tc_forward_smem(m, n, d, atomic) + 1024
+
+
 LAUNCH = {
     **{t: Launch() for t in ("flash_fwd", "flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq", "flash_probs",
                              "flash_bwd_dbias", "flash_bwd_dq_convert")},
@@ -239,6 +265,7 @@ LAUNCH = {
     "flash_bwd_dkdv_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * n + 4 * m) * d * 2 + 2 * 2 * m * 4
                                + atomic * (m * n * 2 + NUM_THREADS // 32 * 1024)),
     "flash_bwd_dq_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * m + 4 * n) * d * 2),
+    "flash_fwd_sm90": Launch(SM90_THREADS, _sm90_forward_smem),
 }
 
 
@@ -276,6 +303,7 @@ _PREPROCESS_ROWS = NUM_THREADS // 32  # a warp a row
 # The grid of every template Kernel instantiates
 GRIDS = {
     "flash_fwd": _QUERY_BLOCKS, "flash_fwd_tc": _QUERY_BLOCKS, "flash_fwd_tc_wide": _QUERY_BLOCKS,
+    "flash_fwd_sm90": _QUERY_BLOCKS,
     "flash_bwd_dq": _QUERY_BLOCKS, "flash_bwd_dq_tc": _QUERY_BLOCKS,
     "flash_bwd_dkdv": _KEY_BLOCKS, "flash_bwd_dkdv_tc": _KEY_BLOCKS,
     "flash_bwd_preprocess": Grid(f"batch x heads_q x seqlen_q / {_PREPROCESS_ROWS}",
@@ -295,10 +323,13 @@ GRIDS = {
 
 @dataclass(frozen=True)
 class ModuleSpec:
-    """One compilation unit: a source file and the kernels instantiated from it."""
+    """One compilation unit: a source file, the kernels instantiated from it, and the architecture it
+    is compiled for: None for the device's own (cupy.RawModule's -arch), or an arch such as "sm_90a"
+    that the module needs (the backend compiles it with NVRTC itself: sources.arch_options)."""
 
     source_file: str
     kernels: tuple
+    arch: str | None = None
 
     @property
     def name_expressions(self) -> tuple:
@@ -411,6 +442,27 @@ def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool 
         Kernel("flash_bwd_dq_tc", dtype, tc_head_dim(head_dim),
                *(TC_BACKWARD_DQ_TILES_SCORE if mods & MOD_SCORE else TC_BACKWARD_DQ_TILES)[bucket], mods),
     ))
+
+
+def sm90_forward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
+    """The Hopper forward (sm_90a) for float16/bfloat16, head_dim <= 128 (a multiple of 8), no
+    modifier but the window (sm90_eligible)."""
+    bucket = tc_tile_row(head_dim)
+    bm, bn = SM90_FORWARD_TILES[bucket]
+    return ModuleSpec("flash_fwd_sm90.cu", (Kernel("flash_fwd_sm90", _name(dtype), bucket, bm, bn, mods),), SM90_ARCH)
+
+
+def sm90_eligible(dtype, head_dim: int, mods: int) -> bool:
+    """Whether the Hopper forward covers this dtype, head_dim and set of modifiers (the device's
+    compute capability and the arrays' strides are checked apart)."""
+    return tensor_core_eligible(dtype, head_dim) and mods & ~SM90_MODS == 0
+
+
+def sm90_modules(dtypes=TC_DTYPES) -> list:
+    """Every Hopper module: each dtype, head-dim bucket, and the modifier sets it takes (none, the
+    window). The NVRTC report compiles them for SM90_ARCH only."""
+    return [sm90_forward_module(dtype, bucket, mods) for mods in (0, SM90_MODS) for dtype in dtypes
+            for bucket in SM90_FORWARD_TILES]
 
 
 def tensor_core_eligible(dtype, head_dim: int) -> bool:

@@ -25,6 +25,7 @@ from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import sources
 
 from .driver import EmulatedModule
+from .tma import TensorMap
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,7 +35,7 @@ def compile_module(source, name_expressions, options, thread_order="ascending", 
 
 @contextlib.contextmanager
 def emulated(thread_order="ascending", seed=0, compile=compile_module, cp_async="deferred",
-             compute_capability=90):
+             compute_capability=80):
     """Make backend="cupy" run on NumPy arrays through the emulator, inside the block.
 
     `compile(source, name_expressions, options, thread_order, seed, cp_async)` builds the modules,
@@ -42,14 +43,17 @@ def emulated(thread_order="ascending", seed=0, compile=compile_module, cp_async=
     (sources.CUPY_NVRTC_OPTIONS: the emulator flushes subnormals for its -ftz=true) and -arch for the
     device (CuPy's -I for the CUDA headers has no use here: the emulator brings its own). Tests that
     alter the kernel source pass their own `compile`. cp_async="eager" lands copies at issue (see
-    the package's docstring); compute_capability is what the device reports (below 80 the
-    backend never picks the tensor-core kernels).
+    the package's docstring); compute_capability is what the device reports: 80 by default, an A100,
+    where the forward runs on the mma.sync kernels; 90 (an H100) sends the calls it covers to the
+    Hopper forward (flash_fwd_sm90.cu); below 80 the backend never picks the tensor-core kernels.
     """
     def compile_as_cupy(source, names, options):
-        options = tuple(options) + sources.CUPY_NVRTC_OPTIONS + (f"-arch=sm_{compute_capability}",)
-        return compile(source, tuple(names), options, thread_order, seed, cp_async)
+        if not any(option.startswith("-arch") for option in options):  # else the backend's own arch (sm_90a)
+            options = tuple(options) + sources.CUPY_NVRTC_OPTIONS + (f"-arch=sm_{compute_capability}",)
+        return compile(source, tuple(names), tuple(options), thread_order, seed, cp_async)
 
-    runtime = cupy_backend.Runtime(np, compile_as_cupy, compute_capability=lambda x: compute_capability)
+    runtime = cupy_backend.Runtime(np, compile_as_cupy, compute_capability=lambda x: compute_capability,
+                                   tensor_map=lambda x, arguments, dtype_name: TensorMap(x, arguments))
     saved = cupy_backend.runtime, cupy_backend.ARRAY_LIBRARIES
     cupy_backend.runtime, cupy_backend.ARRAY_LIBRARIES = runtime, ("numpy",)
     try:
