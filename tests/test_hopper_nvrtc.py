@@ -123,3 +123,35 @@ def test_tma_compiles_for_sm_90a():
         ranks = set(re.findall(r"UTMA(?:LDG|STG)\.\dD", sass))
         want = {f"UTMA{op}.{r}D" for op in ("LDG", "STG") for r in (2, 3, 4)}
         assert want <= ranks, f"NVRTC {toolkit.version}: no SASS for {sorted(want - ranks)}"
+
+
+def test_the_hopper_forward_compiles_for_sm_90a_without_spills_or_serialised_wgmma():
+    """flash_fwd_sm90.cu, every specialisation the backend launches (specs.sm90_modules), with the
+    options the backend compiles it with (sources.arch_options): no ptxas warning (C7508: setmaxnreg
+    ignored; C7510-C7515: the wgmma pipeline serialised), no spills, and its SASS holds the HGMMA of
+    both GEMMs, the TMA loads and stores and the register reallocation of each role."""
+    from flashcupy.backends.cupy_backend import specs
+
+    modules = specs.sm90_modules()
+    assert {m.arch for m in modules} == {specs.SM90_ARCH}
+    source = sources.read_source(modules[0].source_file)
+    names = [k.name_expression for m in modules for k in m.kernels]
+    for toolkit in toolkits():
+        options = sources.arch_options(specs.SM90_ARCH) + (f"-I{toolkit.include}", "-Xptxas=-v")
+        log, lowered, cubin = nvrtc.compile_cubin(source, names, options, toolkit)
+        # ptxas' warnings (the front end's "declared but never referenced" of the shared headers' constants
+        # are no concern here)
+        warnings = [line for line in log.splitlines() if re.search(r"ptxas.*warning|C75\d\d", line, re.I)]
+        assert not warnings, f"NVRTC {toolkit.version}: {warnings}"
+        resources = nvrtc.parse_ptxas(log)
+        for name in names:
+            used = resources[lowered[name]]
+            assert used["spill_stores"] == used["spill_loads"] == 0, f"NVRTC {toolkit.version}: {name} spills"
+        if nvrtc.nvdisasm_path() is None:
+            continue
+        sass = nvrtc.sass(cubin)
+        for name in names:
+            code = nvrtc.function_sass(sass, lowered[name])
+            for op in ("HGMMA.64x128x16.F32", "UTMALDG", "UTMASTG", "USETMAXREG.DEALLOC", "USETMAXREG.TRY",
+                       "SYNCS.PHASECHK.TRANS64.TRYWAIT", "BAR.ARV"):
+                assert op in code, f"NVRTC {toolkit.version}: no {op} in {name}"

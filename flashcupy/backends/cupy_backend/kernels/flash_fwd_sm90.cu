@@ -170,9 +170,11 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     zero(O);
     float S[N_TILES][4];       // the scores of the newest key block, then its P in fp32
     unsigned P[PV_STEPS][4];   // the P of the key block whose P V_j is in flight, as A fragments
+    // Waits outside the stretches that issue wgmma: a wait is a loop, and a branch between
+    // wgmma_fence and the wgmma it orders made ptxas serialise the wgmma pipeline (C7520)
+    const auto wait_k = [&](int jb) { mbarrier_wait_parity(&k_full[jb % SM90_STAGES], (jb / SM90_STAGES) & 1); };
     // S = Q_i K_jᵀ of key block jb into S, issued (not waited for)
     const auto issue_s = [&](int jb) {
-        mbarrier_wait_parity(&k_full[jb % SM90_STAGES], (jb / SM90_STAGES) & 1);
 #pragma unroll
         for (int ks = 0; ks < QK_STEPS; ++ks)
             wgmma_ss<T, BLOCK_N>(&S[0][0], k_major<BLOCK_M>(Q_c, ks),
@@ -180,7 +182,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
         wgmma_commit_group();
     };
     // The mask and the softmax of key block jb's S, once it has landed: S becomes P, m and l move on;
-    // alpha: the factor of O's rows, applied by the caller once no wgmma adds into O
+    // alpha: the factor of O's rows, applied once no wgmma adds into O
     float alpha[2];
     const auto softmax = [&](int jb) {
         wgmma_fence_operand<BLOCK_N / 2>(&S[0][0]);
@@ -192,6 +194,26 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) alpha[r] = online_softmax_row(S, m, l, r, scale_log2);
+    };
+    // O rescaled, key block jb's P packed as A fragments, its V_j landed: O += P V_j can be issued
+    const auto ready_pv = [&](int jb) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) rescale_row(O, r, alpha[r]);
+#pragma unroll
+        for (int kt = 0; kt < PV_STEPS; ++kt) c_to_a<T>(P[kt], S[2 * kt], S[2 * kt + 1]);
+        mbarrier_wait_parity(&v_full[jb % SM90_STAGES], (jb / SM90_STAGES) & 1);
+    };
+    const auto issue_pv = [&](int jb) {
+#pragma unroll
+        for (int kt = 0; kt < PV_STEPS; ++kt)
+            wgmma_rs<T, HEAD_DIM, true>(&O[0][0], P[kt], mn_major<BLOCK_N>(V_s + jb % SM90_STAGES * KV_BYTES, kt), true);
+        wgmma_commit_group();
+    };
+    // P V_j has landed: O may be read and written again, and the stage refilled
+    const auto release = [&](int jb) {
+        wgmma_wait_group<0>();
+        wgmma_fence_operand<HEAD_DIM / 2>(&O[0][0]);
+        mbarrier_arrive(&kv_empty[jb % SM90_STAGES]);  // this thread's wgmma no longer read the stage
     };
     // Pingpong: the two consumers take turns to issue their GEMMs (named barriers 3 and 4, both
     // consumers' 256 threads: one waits, the other arrives), so that one's softmax runs while the
@@ -205,6 +227,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     if (blocks > 0) {
         if (c == 1) named_barrier_arrive(3, 256);  // consumer 0's first turn
         mbarrier_wait_parity(&q_full, 0);
+        wait_k(0);
         // turn 0: S of key block 0
         my_turn();
         wgmma_fence();
@@ -212,31 +235,27 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
         your_turn(0);
         wgmma_wait_group<0>();
         softmax(0);
-    }
-    for (int jb = 0; jb < blocks; ++jb) {
         // turn jb + 1: S of key block jb + 1, then O += P V_j of block jb; the softmax of jb + 1 runs
         // while P V_j is in flight (O and P are not touched until it lands)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) rescale_row(O, r, alpha[r]);
-#pragma unroll
-        for (int kt = 0; kt < PV_STEPS; ++kt) c_to_a<T>(P[kt], S[2 * kt], S[2 * kt + 1]);
-        const int s = jb % SM90_STAGES;
-        mbarrier_wait_parity(&v_full[s], (jb / SM90_STAGES) & 1);
-        my_turn();
-        wgmma_fence();  // O (rescaled) and P were written by ordinary instructions
-        if (jb + 1 < blocks) issue_s(jb + 1);
-#pragma unroll
-        for (int kt = 0; kt < PV_STEPS; ++kt)
-            wgmma_rs<T, HEAD_DIM, true>(&O[0][0], P[kt], mn_major<BLOCK_N>(V_s + s * KV_BYTES, kt), true);
-        wgmma_commit_group();
-        your_turn(jb + 1);
-        if (jb + 1 < blocks) {
+        for (int jb = 0; jb + 1 < blocks; ++jb) {
+            ready_pv(jb);
+            wait_k(jb + 1);
+            my_turn();
+            wgmma_fence();  // O (rescaled) and P were written by ordinary instructions, S read
+            issue_s(jb + 1);
+            issue_pv(jb);
+            your_turn(jb + 1);
             wgmma_wait_group<1>();  // S of block jb + 1 has landed; P V_j may still run
             softmax(jb + 1);
+            release(jb);
         }
-        wgmma_wait_group<0>();
-        wgmma_fence_operand<HEAD_DIM / 2>(&O[0][0]);
-        mbarrier_arrive(&kv_empty[s]);  // this thread's wgmma no longer read the stage
+        // the last turn: P V_j of the last block alone
+        ready_pv(blocks - 1);
+        my_turn();
+        wgmma_fence();
+        issue_pv(blocks - 1);
+        your_turn(blocks);
+        release(blocks - 1);
     }
 
     // out = O / l and lse = (m + log2 l) ln 2; a row that saw no key (l == 0) gets out 0, lse -inf
