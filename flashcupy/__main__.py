@@ -37,7 +37,11 @@ def cmd_info(args) -> int:
           f"tiles {numpy_backend.describe_tiles()}; BLAS {blas}")
     print("cupy kernel paths: forward and backward on tensor cores (mma.sync) for float16/bfloat16 with\n"
           "  head_dim a multiple of 8 up to 128, on sm_80+, q/k/v (and dout/out) contiguous along head_dim\n"
-          "  with 16-byte aligned rows; the SIMT kernels for everything else")
+          "  with 16-byte aligned rows; the SIMT kernels for everything else. On compute capability 9.0 the\n"
+          "  forward of those calls runs on the Hopper kernel (TMA, wgmma, warp specialisation; sm_90a)\n"
+          "  when it has no modifier but the window, no split-KV, and strides a tensor map describes\n"
+          "  (positive, multiples of 16 bytes); softcap, ALiBi, bias, mask and split-KV stay on mma.sync,\n"
+          "  and so does every backward (cupy_backend.forward_path says which kernel a call takes)")
     try:
         import cupy
         print(f"cupy {cupy.__version__}")
@@ -136,6 +140,9 @@ def cmd_kernels(args) -> int:
     toolkits = nvrtc.toolkits()
     modules = specs.every_tc_modifier_set_modules() if args.every_modifier_set else None
     reports = {f"NVRTC {t.version}": nvrtc.kernel_report(args.arch, t, modules) for t in toolkits}
+    if args.arch.startswith("sm_90"):  # and the Hopper kernels, which are compiled for sm_90a only
+        reports.update({f"NVRTC {t.version}, {specs.SM90_ARCH}": nvrtc.kernel_report(specs.SM90_ARCH, t, specs.sm90_modules())
+                        for t in toolkits})
     for t in toolkits:
         print(f"NVRTC {t.version}: {t.nvrtc}, CUDA headers {t.include}")
     options = " ".join(sources.COMPILE_OPTIONS + sources.CUPY_NVRTC_OPTIONS)

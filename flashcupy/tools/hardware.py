@@ -36,8 +36,8 @@ MAX_REGISTERS = 255  # per thread, on every architecture here
 
 
 def sm(arch: str) -> Sm:
-    """The per-SM limits of `arch` ("sm_90"); an architecture not in SMS gets sm_80's."""
-    return SMS.get(arch, SMS["sm_80"])
+    """The per-SM limits of `arch` ("sm_90"; "sm_90a" is sm_90's); an architecture not in SMS gets sm_80's."""
+    return SMS.get(arch.rstrip("a"), SMS["sm_80"])
 
 
 @dataclass(frozen=True)

@@ -356,11 +356,12 @@ def variant(kernel: specs.Kernel) -> str | None:
 def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, cubin: bytes,
                  instructions: bool = False) -> list:
     info = parse_ptxas(log)
-    text = sass(cubin) if instructions or any(k.tensor_cores for k in module.kernels) else ""
+    text = sass(cubin) if instructions or any(k.tensor_cores or k.wgmma for k in module.kernels) else ""
     rows = []
     for kernel in module.kernels:
         got = info[lowered[kernel.name_expression]]
-        code = function_sass(text, lowered[kernel.name_expression]) if kernel.tensor_cores or instructions else None
+        code = (function_sass(text, lowered[kernel.name_expression]) if kernel.tensor_cores or kernel.wgmma or instructions
+                else None)
         extra = {}
         if instructions:
             extra["instructions"], extra["sass_digest"] = sass_instructions(code, lowered[kernel.name_expression])
@@ -377,7 +378,9 @@ def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, c
             threads=kernel.threads,
             occupancy=occupancy(arch, got["registers"], got["static_smem"] + kernel.dynamic_smem,
                                 kernel.threads),
-            hmma=len(re.findall(r"\bHMMA\.16816\.F32", code)) if kernel.tensor_cores else None,
+            # mma.sync's HMMA, or wgmma's HGMMA for the Hopper kernels
+            hmma=(len(re.findall(r"\bHMMA\.16816\.F32", code)) if kernel.tensor_cores
+                  else len(re.findall(r"\bHGMMA\.", code)) if kernel.wgmma else None),
             **extra,
         ))
     return rows
