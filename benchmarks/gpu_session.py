@@ -15,8 +15,8 @@ Stages, in this order, each in its own process with its own time limit:
   check      every backend, kernel path and dtype against the float64 oracle, each row on its own
   sanitizer  compute-sanitizer memcheck and racecheck on tiny shapes, where the tool is installed
   sweep      forward and backward time, TFLOP/s and peak memory beside torch SDPA's flash, cuDNN
-             and math backends, bfloat16 and float16, the forward at the tile a head dim had
-             before (cupy-previous), and the Numba kernels (float16, up to numba_max_seqlen) beside
+             and math backends, bfloat16 and float16, the mma.sync forward beside the Hopper one
+             (cupy-mma: cupy_backend.USE_WGMMA off), and the Numba kernels (float16, up to numba_max_seqlen) beside
              the CuPy ones; inputs made on the device once per shape and shared by every
              implementation; head_dim 128 and causal first, as they matter most
   plot       the sweep as one PNG
@@ -112,12 +112,10 @@ def group_of(key: str) -> str:
     """The process group an item runs in: "numba" for the Numba backend's items, else "main"."""
     return "numba" if key.startswith("numba/") else "main"
 
-SWEEP_IMPLS = ("cupy", "cupy-previous", "numba", "torch-flash", "torch-cudnn", "torch-math")
-# The forward tiles of the head dims whose tile changed since the last GPU measured them, timed as
-# "cupy-previous" (forward only) beside "cupy": head_dim 128 went from 4 warps of one row tile and 64
-# keys a pass (320 shared-memory bytes per mma, 0.58-0.72x torch's flash on the H200 in the README) to
-# the 8-warp kernel of 256 rows and 32 keys (200 bytes per mma), which no GPU has run yet
-PREVIOUS_FORWARD_TILES = {128: (64, 64)}
+SWEEP_IMPLS = ("cupy", "cupy-mma", "numba", "torch-flash", "torch-cudnn", "torch-math")
+# "cupy-mma" (forward only) beside "cupy": on compute capability 9.0 "cupy" runs the Hopper forward
+# (flash_fwd_sm90.cu), "cupy-mma" the mma.sync one it replaces (flash_fwd_tc.cu, USE_WGMMA off), in
+# the same run; below 9.0 the two are the same kernel
 
 
 # ----------------------------------------------------------------------------
@@ -227,10 +225,10 @@ def run_worker(stage: str, args) -> int:
 
 @contextlib.contextmanager
 def _emulated():
-    """The dry run's device: the cupy backend on the CPU emulator (Numba's simulator is chosen by
-    NUMBA_ENABLE_CUDASIM in the environment, before numba is imported)."""
+    """The dry run's device: the cupy backend on the CPU emulator, an sm_90 as the H200 (Numba's
+    simulator is chosen by NUMBA_ENABLE_CUDASIM in the environment, before numba is imported)."""
     from flashcupy.tools.emulator.cupy import emulated
-    with emulated():
+    with emulated(compute_capability=90):
         yield
 
 
@@ -315,7 +313,7 @@ def check_items(args):
     ref = check.oracle()
     sizes = DRY if args.dry_run else GPU
     battery = sizes.check_battery or ref.compare.BATTERY
-    for backend, path in (("cupy", "tensor-core"), ("cupy", "simt"), ("numba", "simt")):
+    for backend, path in (("cupy", "hopper"), ("cupy", "tensor-core"), ("cupy", "simt"), ("numba", "simt")):
         if group_of(f"{backend}/") != args.group:  # the other process group's: its availability is not ours
             continue
         reason = backends.unavailable_reason(backend)
@@ -325,12 +323,14 @@ def check_items(args):
             continue
         for dtype in backends.module(backend).DTYPES:
             for case in battery:
-                if path == "tensor-core" and not specs.tensor_core_eligible(dtype, case[5]):
+                if path != "simt" and not specs.tensor_core_eligible(dtype, case[5]):
                     continue  # the SIMT group covers it
                 key = f"{backend}/{path}/{dtype}/{case}"
 
                 def run(backend=backend, path=path, dtype=dtype, case=case, key=key):
-                    cupy_backend.USE_TENSOR_CORES = path == "tensor-core"
+                    # "hopper": the Hopper forward where the device is an sm_90 (the mma.sync one below it)
+                    cupy_backend.USE_TENSOR_CORES = path != "simt"
+                    cupy_backend.USE_WGMMA = path == "hopper"
                     rng = np.random.default_rng(zlib.crc32(key.encode()))
                     row = check.check_case(ref, backend, dtype, case, rng)
                     return [{"type": "check", **row, "path": path, "case": list(case)}]
@@ -387,18 +387,18 @@ def _median_seconds(fn, dry: bool, sizes: Sizes) -> float:
     return times[len(times) // 2]
 
 
-def previous_forward(forward, head_dim: int):
-    """The cupy forward `forward` (a closure of bench.closures) with head_dim's tile of before
-    (PREVIOUS_FORWARD_TILES), which the module cache keeps apart from today's."""
-    from flashcupy.backends.cupy_backend import specs
+def mma_forward(forward):
+    """The cupy forward `forward` (a closure of bench.closures) on the mma.sync kernel
+    (cupy_backend.USE_WGMMA off for the call), whatever the device."""
+    from flashcupy.backends import cupy_backend
 
     def call():
-        saved = specs.TC_FORWARD_TILES
-        specs.TC_FORWARD_TILES = {**saved, head_dim: PREVIOUS_FORWARD_TILES[head_dim]}
+        saved = cupy_backend.USE_WGMMA
+        cupy_backend.USE_WGMMA = False
         try:
             return forward()
         finally:
-            specs.TC_FORWARD_TILES = saved
+            cupy_backend.USE_WGMMA = saved
     return call
 
 
@@ -418,7 +418,7 @@ def sweep_items(args):
             reason = "cuDNN attention needs a GPU"
         if reason is None:
             impls.append(impl)
-        elif impl not in ("torch-math", "cupy-previous"):  # said by torch-flash and torch-cudnn, by cupy
+        elif impl not in ("torch-math", "cupy-mma"):  # said by torch-flash and torch-cudnn, by cupy
             missing.append((impl, reason))
     inputs = {}  # the current shape's inputs, shared by every implementation
 
@@ -430,9 +430,9 @@ def sweep_items(args):
             inputs[shape] = _device_inputs((B, S, H, D), (B, S, H, D), dtype, zlib.crc32(repr(shape).encode()),
                                            args.dry_run)
         q, k, v, dout = inputs[shape]
-        forward, backward = bench.closures(impl.split("-")[0] if impl == "cupy-previous" else impl, q, k, v, dout,
+        forward, backward = bench.closures("cupy" if impl == "cupy-mma" else impl, q, k, v, dout,
                                            causal, default_scale(D), device, bf16_bits=dtype == "bfloat16")
-        passes = ((("forward", previous_forward(forward, D)),) if impl == "cupy-previous"
+        passes = ((("forward", mma_forward(forward)),) if impl == "cupy-mma"
                   else (("forward", forward), ("backward", backward)))
         records = []
         for pass_, fn in passes:
@@ -451,8 +451,6 @@ def sweep_items(args):
                                             or (D, causal) not in sizes.numba_configs):
                         continue  # numba has no bfloat16 arithmetic
                     if impl == "torch-math" and S > sizes.math_max_seqlen:
-                        continue
-                    if impl == "cupy-previous" and D not in PREVIOUS_FORWARD_TILES:
                         continue
                     key = f"{impl}/{dtype}/D{D}/{'causal' if causal else 'full'}/S{S}"
                     yield key, functools.partial(measure, impl, dtype, D, causal, S)
@@ -775,7 +773,7 @@ def _speed_tables(timings) -> list:
             if not rows:
                 continue
             lines += [f"### {dtype} {pass_}", "", "| D | causal | S | B x H | " + " | ".join(impls)
-                      + " | cupy / torch-flash | cupy / torch-cudnn | cupy / cupy-previous | numba / cupy |",
+                      + " | cupy / torch-flash | cupy / torch-cudnn | cupy / cupy-mma | numba / cupy |",
                       "|---" * (len(impls) + 8) + "|"]
             for D, causal, S in sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in rows},
                                        key=lambda k: (-k[0], not k[1], k[2])):
@@ -796,7 +794,7 @@ def _speed_tables(timings) -> list:
 
                 lines.append(f"| {D} | {causal} | {S} | {any_row['batch']} x {any_row['heads']} | "
                              + " | ".join(show(i) for i in impls)
-                             + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} | {ratio('cupy-previous')} |"
+                             + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} | {ratio('cupy-mma')} |"
                              + f" {ratio('cupy', 'numba')} |")
             lines.append("")
     return lines
@@ -811,7 +809,7 @@ def short_table(records) -> str:
     timings = {(r["impl"], r["dtype"], r["pass"], r["head_dim"], r["causal"], r["seqlen"]): r["tflops"]
                for r in records if r["type"] == "timing"}
     for (impl, dtype, pass_, D, causal, S), tf in sorted(timings.items()):
-        for mine, other, name in (("cupy", "torch-flash", "flash"), ("cupy", "cupy-previous", "previous tile"),
+        for mine, other, name in (("cupy", "torch-flash", "flash"), ("cupy", "cupy-mma", "mma.sync"),
                                   ("numba", "cupy", "cupy")):
             if impl == mine and ((other,) + (dtype, pass_, D, causal, S)) in timings:
                 base = timings[(other, dtype, pass_, D, causal, S)]

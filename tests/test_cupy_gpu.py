@@ -79,7 +79,8 @@ def test_long_sequence_has_no_nan(rng):
 @pytest.mark.parametrize("case", [(2, 300, 257, 4, 2, 128, True), (1, 200, 333, 2, 2, 64, False),
                                   (1, 333, 200, 2, 1, 40, True)], ids=case_id)
 def test_tensor_core_backward(rng, case, fmt):
-    """Many query and key blocks through both tensor-core backward kernels (flash_bwd_tc.cu)."""
+    """Many query and key blocks through the tensor-core backward kernels (flash_bwd_tc.cu; on compute
+    capability 9.0 the Hopper one, flash_bwd_sm90.cu, then the deterministic flash_bwd_tc.cu too)."""
     import cupy
     from flashcupy.backends import cupy_backend
     B, Sq, Sk, Hq, Hkv, D, causal = case
@@ -91,6 +92,9 @@ def test_tensor_core_backward(rng, case, fmt):
     dq_, dk_, dv_, ddout = (cupy.asarray(bits(x)) for x in (q, k, v, dout))
     out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, dtype=dtype)
     p = flashcupy._checks.problem(dq_, dk_, dv_, causal, None, dtype)
-    assert cupy_backend.backward_path(p, ddout, dq_, dk_, dv_, out) == "tensor-core"
-    grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=causal, dtype=dtype)
-    assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout, causal=causal, backend="cupy")
+    hopper = cupy.cuda.Device().compute_capability == "90"
+    assert cupy_backend.backward_path(p, ddout, dq_, dk_, dv_, out) == ("hopper" if hopper else "tensor-core")
+    for deterministic in (False, True):
+        grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=causal, dtype=dtype,
+                                             deterministic=deterministic)
+        assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout, causal=causal, backend="cupy")

@@ -137,16 +137,17 @@ def test_a_process_that_dies_inside_an_item_is_restarted_after_it(tmp_path):
     assert f"`{crash['key']}`: crash" in report
 
 
-def test_the_previous_tile_runs_the_kernel_a_head_dim_had_before(monkeypatch):
-    # the sweep's "cupy-previous" times the forward at PREVIOUS_FORWARD_TILES: that kernel must be the one
-    # launched, give the oracle's answer, and leave the tile table as it was
+def test_the_mma_forward_runs_the_kernel_the_hopper_one_replaces(monkeypatch):
+    # the sweep's "cupy-mma" times the forward with USE_WGMMA off: on an sm_90 device that must launch the
+    # mma.sync kernel where "cupy" launches the Hopper one, both give the oracle's answer, and the switch
+    # is left as it was
     import importlib.util
 
     import numpy as np
     from conftest import assert_matches_oracle
     from flashcupy.tools.emulator.cupy import emulated, recording
 
-    from flashcupy.backends.cupy_backend import specs
+    from flashcupy.backends import cupy_backend
     from flashcupy.tools import bench
     spec = importlib.util.spec_from_file_location("gpu_session", os.path.join(ROOT, "benchmarks", "gpu_session.py"))
     gpu_session = importlib.util.module_from_spec(spec)
@@ -154,10 +155,12 @@ def test_the_previous_tile_runs_the_kernel_a_head_dim_had_before(monkeypatch):
     spec.loader.exec_module(gpu_session)
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 70, 2, 128)).astype(np.float16) for _ in range(3))
-    tables, launched = dict(specs.TC_FORWARD_TILES), []
-    with emulated(compile=recording(launched)):
+    launched = []
+    with emulated(compile=recording(launched), compute_capability=90):
         forward, _ = bench.closures("cupy", q, k, v, q, True, 128 ** -0.5, "cpu")
-        out = gpu_session.previous_forward(forward, 128)()
-    assert launched == ["flash_fwd_tc_wide<__half, 128, 256, 32>", "flash_fwd_tc<__half, 128, 64, 64>"]
-    assert gpu_session.PREVIOUS_FORWARD_TILES[128] == (64, 64) and specs.TC_FORWARD_TILES == tables
-    assert_matches_oracle((out,), q, k, v, causal=True, backend="cupy")
+        hopper = forward()
+        mma = gpu_session.mma_forward(forward)()
+    assert launched == ["flash_fwd_sm90<__half, 128, 128, 128>", "flash_fwd_tc_wide<__half, 128, 256, 32>"]
+    assert cupy_backend.USE_WGMMA
+    for out in (hopper, mma):
+        assert_matches_oracle((out,), q, k, v, causal=True, backend="cupy")

@@ -125,22 +125,27 @@ def test_tma_compiles_for_sm_90a():
         assert want <= ranks, f"NVRTC {toolkit.version}: no SASS for {sorted(want - ranks)}"
 
 
-def test_the_hopper_forward_compiles_for_sm_90a_without_spills_or_serialised_wgmma():
-    """flash_fwd_sm90.cu, every specialisation the backend launches (specs.sm90_modules), with the
-    options the backend compiles it with (sources.arch_options): no ptxas warning (C7508: setmaxnreg
-    ignored; C7510-C7515: the wgmma pipeline serialised), no spills, and its SASS holds the HGMMA of
-    both GEMMs, the TMA loads and stores and the register reallocation of each role."""
+@pytest.mark.parametrize("source_file", ["flash_fwd_sm90.cu", "flash_bwd_sm90.cu"])
+def test_the_hopper_kernels_compile_for_sm_90a_without_spills_or_serialised_wgmma(source_file):
+    """The Hopper forward and backward, every specialisation the backend launches (specs.sm90_modules),
+    with the options the backend compiles them with (sources.arch_options): no ptxas warning (C7508:
+    setmaxnreg ignored; C7510-C7520: the wgmma pipeline serialised, or a warpgroup.arrive injected), no
+    spills, and the SASS of each warp-specialised kernel holds HGMMA, the TMA loads (and the forward's
+    stores), each role's register reallocation, mbarrier waits and named barriers."""
     from flashcupy.backends.cupy_backend import specs
 
-    modules = specs.sm90_modules()
-    assert {m.arch for m in modules} == {specs.SM90_ARCH}
-    source = sources.read_source(modules[0].source_file)
-    names = [k.name_expression for m in modules for k in m.kernels]
+    modules = [m for m in specs.sm90_modules() if m.source_file == source_file]
+    assert modules and {m.arch for m in modules} == {specs.SM90_ARCH}
+    source = sources.read_source(source_file)
+    names = list(dict.fromkeys(k.name_expression for m in modules for k in m.kernels))
+    wgmma = [k.name_expression for m in modules for k in m.kernels if k.wgmma]
+    ops = ["HGMMA.64x", "UTMALDG", "USETMAXREG.DEALLOC", "USETMAXREG.TRY", "SYNCS.PHASECHK.TRANS64.TRYWAIT",
+           "BAR.SYNC"] + (["UTMASTG"] if source_file == "flash_fwd_sm90.cu" else ["REDG.E.ADD.F32"])
     for toolkit in toolkits():
         options = sources.arch_options(specs.SM90_ARCH) + (f"-I{toolkit.include}", "-Xptxas=-v")
         log, lowered, cubin = nvrtc.compile_cubin(source, names, options, toolkit)
-        # ptxas' warnings (the front end's "declared but never referenced" of the shared headers' constants
-        # are no concern here)
+        # ptxas' warnings and performance remarks (the front end's "declared but never referenced" of the
+        # shared headers' constants are no concern here)
         warnings = [line for line in log.splitlines() if re.search(r"ptxas.*warning|C75\d\d", line, re.I)]
         assert not warnings, f"NVRTC {toolkit.version}: {warnings}"
         resources = nvrtc.parse_ptxas(log)
@@ -150,8 +155,7 @@ def test_the_hopper_forward_compiles_for_sm_90a_without_spills_or_serialised_wgm
         if nvrtc.nvdisasm_path() is None:
             continue
         sass = nvrtc.sass(cubin)
-        for name in names:
+        for name in wgmma:
             code = nvrtc.function_sass(sass, lowered[name])
-            for op in ("HGMMA.64x128x16.F32", "UTMALDG", "UTMASTG", "USETMAXREG.DEALLOC", "USETMAXREG.TRY",
-                       "SYNCS.PHASECHK.TRANS64.TRYWAIT", "BAR.ARV"):
+            for op in ops:
                 assert op in code, f"NVRTC {toolkit.version}: no {op} in {name}"

@@ -201,7 +201,7 @@ def grid_axes(p, backward):
                                                specs.deterministic_tc_backward_module] * backward
     mods = _mods(p)
     if specs.sm90_eligible(p.dtype, p.head_dim, mods):
-        builds.append(specs.sm90_forward_module)
+        builds += [specs.sm90_forward_module] + [specs.sm90_backward_module] * backward
     return [(*kernel.grid(p), 0) for build in builds for kernel in build(p.dtype, p.head_dim, mods).kernels]
 
 
@@ -252,13 +252,21 @@ def forward_path(p, q, k, v, out=None, split: bool = False) -> str:
     return path
 
 
-def backward_path(p, dout, q, k, v, out) -> str:
-    """'tensor-core' or 'simt': which backward kernels (dK/dV and dQ) serve this call.
+def backward_path(p, dout, q, k, v, out, deterministic: bool = False) -> str:
+    """'hopper', 'tensor-core' or 'simt': which backward kernels (dK/dV and dQ) serve this call.
 
     The forward's conditions, on dout and out as well as q, k, v (lse may have any strides;
-    dq, dk, dv are allocated contiguous).
+    dq, dk, dv are allocated contiguous); the Hopper backward takes what the Hopper forward takes
+    (q, k, v and dout through tensor maps), unless deterministic: it adds dQ with atomics.
     """
-    return _path(p, q, k, v, dout, out)
+    path = _path(p, q, k, v, dout, out)
+    rt = _runtime()
+    if (path == "tensor-core" and USE_WGMMA and not deterministic
+            and specs.sm90_eligible(p.dtype, p.head_dim, _mods(p))
+            and rt.compute_capability(q) == specs.SM90_COMPUTE_CAPABILITY
+            and all(_tma_describable(rt, x) for x in (q, k, v, dout))):
+        return "hopper"
+    return path
 
 
 def _window_args(p) -> tuple:
@@ -342,15 +350,14 @@ def _map_strides(x) -> tuple:
     return tuple(s if n > 1 else 16 for n, s in zip(reversed(x.shape[:3]), reversed(x.strides[:3])))
 
 
-def _sm90_maps(rt, p, kernel, q, k, v, out) -> tuple:
-    """The tensor maps of flash_fwd_sm90's q, k, v and out: (head_dim, heads, seqlen, batch) innermost
-    first, boxes of one 128B-swizzled atom of columns (specs.SM90_ATOM), one head, one batch, and the
-    rows a load or store moves: Q_i's BLOCK_M, a key block's BLOCK_N, a consumer's rows of out."""
+def _sm90_maps(rt, p, *boxes) -> tuple:
+    """The tensor maps of a Hopper kernel's (array, rows) `boxes`: (head_dim, heads, seqlen, batch)
+    innermost first, boxes of one 128B-swizzled atom of columns (specs.SM90_ATOM), one head, one batch,
+    and the rows one load or store moves."""
     def tensor_map(x, rows):
         arguments = tensor_maps.tiled_arguments(x, (specs.SM90_ATOM, 1, rows, 1), "128B", strides=_map_strides(x))
         return rt.tensor_map(x, arguments, p.dtype)
-    return (tensor_map(q, kernel.block_m), tensor_map(k, kernel.block_n), tensor_map(v, kernel.block_n),
-            tensor_map(out, specs.SM90_CONSUMER_ROWS))
+    return tuple(tensor_map(x, rows) for x, rows in boxes)
 
 
 WRITES_INTO = True  # forward and backward write into given arrays (into=): XLA's buffers for flashcupy.jax
@@ -371,7 +378,9 @@ def forward(p, q, k, v, num_splits=1, into=None):
             out, lse = into if into is not None else (rt.xp.empty(q.shape, dtype=p.carrier),
                                                       rt.xp.empty(p.lse_shape, dtype=p.lse_dtype))
             fwd((kernel.blocks(p),), (kernel.threads,),
-                (*_sm90_maps(rt, p, kernel, q, k, v, out), *_tensor(lse), *_shape_args(p), p.acc_dtype.type(p.scale),
+                # Q_i's BLOCK_M rows, a key block's BLOCK_N, a consumer's rows of out
+                (*_sm90_maps(rt, p, (q, kernel.block_m), (k, kernel.block_n), (v, kernel.block_n),
+                             (out, specs.SM90_CONSUMER_ROWS)), *_tensor(lse), *_shape_args(p), p.acc_dtype.type(p.scale),
                  np.int32(p.causal), np.int32(p.diagonal), *_modifier_args(p, lse, True)),
                 shared_mem=kernel.dynamic_smem)
             return out, lse
@@ -409,8 +418,10 @@ def forward(p, q, k, v, num_splits=1, into=None):
 ATOMIC_BACKWARD = True  # backward(..., deterministic=False) may add with atomics (the interface passes it)
 
 
-def _backward_module(p, tensor_cores: bool, deterministic: bool) -> specs.ModuleSpec:
-    if tensor_cores:
+def _backward_module(p, path: str, deterministic: bool) -> specs.ModuleSpec:
+    if path == "hopper":
+        return specs.sm90_backward_module(p.dtype, p.head_dim, _mods(p))
+    if path == "tensor-core":
         return specs.tc_backward_module(p.dtype, p.head_dim, _mods(p), deterministic)
     return specs.backward_module(p.dtype, p.head_dim, _mods(p))
 
@@ -421,8 +432,9 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
     not seven; the sums' order, so the rounding, varies from run to run); the SIMT kernels are
     deterministic either way."""
     rt = _runtime()
-    tensor_cores = backward_path(p, dout, q, k, v, out) == "tensor-core"
-    module = _backward_module(p, tensor_cores, deterministic)
+    path = backward_path(p, dout, q, k, v, out, deterministic)
+    tensor_cores = path != "simt"  # the units of the score modifiers' arguments
+    module = _backward_module(p, path, deterministic)
     prep_kernel, dkdv, dq_kernel = module.kernels
     acc = p.acc_dtype.type
     block = (specs.NUM_THREADS,)
@@ -435,7 +447,7 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
         D = rt.xp.empty(p.lse_shape, dtype=p.acc_dtype)  # workspace: rowsum(dO ∘ O), contiguous
         # workspace for dQ's atomics: zeros, q's shape, contiguous (the tensor-core dK/dV kernel takes
         # a never-read stand-in otherwise)
-        dqa = rt.xp.zeros(q.shape, dtype=np.float32) if dkdv.dq_atomic else None
+        dqa = rt.xp.zeros(q.shape, dtype=np.float32) if dkdv.dq_atomic or dkdv.wgmma else None
 
         preprocess(
             (prep_kernel.blocks(p),), block,
@@ -445,8 +457,11 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
         flags = (*_shape_args(p), acc(p.scale), np.int32(p.causal), np.int32(p.diagonal),
                  *_modifier_args(p, D, tensor_cores))
         atomic = (*_tensor(dqa),) if dqa is not None else (D, *(np.int64(0),) * 4) if tensor_cores else ()
+        if path == "hopper":  # q, dO_i: a pass's BLOCK_M rows; k, v: the key block's BLOCK_N
+            maps = _sm90_maps(rt, p, (q, dkdv.block_m), (k, dkdv.block_n), (v, dkdv.block_n), (dout, dkdv.block_m))
+            shared = (*maps, *_tensor(lse), D)
         bwd_dkdv(
-            (dkdv.blocks(p),), block,
+            (dkdv.blocks(p),), (dkdv.threads,),
             (*shared, *_tensor(dk), *_tensor(dv), *flags, *atomic), shared_mem=dkdv.dynamic_smem)
         if dqa is None:
             bwd_dq(

@@ -133,11 +133,14 @@ TC_FORWARD_TEMPLATES = TC_TEMPLATES[:2]
 # on compute capability 9.0 only: float16/bfloat16, head_dim a multiple of 8 up to 128, no modifier but
 # the window, no split-KV. HEAD_DIM is head_dim rounded up to 64 (a 128B-swizzled TMA box is 64
 # columns); BLOCK_M is two consumer warpgroups of 64 query rows, BLOCK_N a key block (wgmma N).
-SM90_TEMPLATES = ("flash_fwd_sm90",)
+SM90_TEMPLATES = ("flash_fwd_sm90", "flash_bwd_dkdv_sm90")
 SM90_ARCH = "sm_90a"
 SM90_COMPUTE_CAPABILITY = 90
 SM90_THREADS = 3 * 128  # a producer and two consumer warpgroups (SM90_THREADS in the kernel)
 SM90_FORWARD_TILES = {64: (128, 128), 128: (128, 128)}
+# The Hopper backward's dK/dV kernel (flash_bwd_sm90.cu): 64 query rows a pass, two consumer warpgroups
+# of 64 keys each (FA3's 64 x 128 at head_dim 128)
+SM90_BACKWARD_TILES = {64: (64, 128), 128: (64, 128)}
 SM90_ATOM = 64            # columns of a TMA box: 128 bytes, the 128B swizzle's span (ATOM in the kernel)
 SM90_CONSUMER_ROWS = 64   # query rows of a consumer warpgroup: one wgmma M, one TMA store of out
 
@@ -266,6 +269,9 @@ LAUNCH = {
                                + atomic * (m * n * 2 + NUM_THREADS // 32 * 1024)),
     "flash_bwd_dq_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * m + 4 * n) * d * 2),
     "flash_fwd_sm90": Launch(SM90_THREADS, _sm90_forward_smem),
+    # K_j, V_j; 2 x (Q_i, dO_i); each consumer's dSᵀ (64 keys x m); 2 x (lse_i, D_i); 1024 to align
+    "flash_bwd_dkdv_sm90": Launch(SM90_THREADS, lambda m, n, d, atomic: (2 * n + 4 * m) * d * 2 + 2 * 64 * m * 2
+                                  + 2 * 2 * m * 4 + 1024),
 }
 
 
@@ -305,7 +311,7 @@ GRIDS = {
     "flash_fwd": _QUERY_BLOCKS, "flash_fwd_tc": _QUERY_BLOCKS, "flash_fwd_tc_wide": _QUERY_BLOCKS,
     "flash_fwd_sm90": _QUERY_BLOCKS,
     "flash_bwd_dq": _QUERY_BLOCKS, "flash_bwd_dq_tc": _QUERY_BLOCKS,
-    "flash_bwd_dkdv": _KEY_BLOCKS, "flash_bwd_dkdv_tc": _KEY_BLOCKS,
+    "flash_bwd_dkdv": _KEY_BLOCKS, "flash_bwd_dkdv_tc": _KEY_BLOCKS, "flash_bwd_dkdv_sm90": _KEY_BLOCKS,
     "flash_bwd_preprocess": Grid(f"batch x heads_q x seqlen_q / {_PREPROCESS_ROWS}",
                                  lambda k, p, rows: _cdiv(p.batch * p.heads_q * p.seqlen_q, _PREPROCESS_ROWS)),
     # a thread an element of dQ
@@ -452,6 +458,18 @@ def sm90_forward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
     return ModuleSpec("flash_fwd_sm90.cu", (Kernel("flash_fwd_sm90", _name(dtype), bucket, bm, bn, mods),), SM90_ARCH)
 
 
+def sm90_backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
+    """The Hopper backward (sm_90a), kernels in launch order: preprocess (D), the dK/dV kernel that adds
+    dQ into an fp32 workspace with atomics, and the kernel that scales and rounds it (not
+    deterministic: deterministic=True keeps the mma.sync kernels)."""
+    bucket = tc_tile_row(head_dim)
+    dtype = _name(dtype)
+    bm, bn = SM90_BACKWARD_TILES[bucket]
+    return ModuleSpec("flash_bwd_sm90.cu", (Kernel("flash_bwd_preprocess", dtype, 0),
+                                            Kernel("flash_bwd_dkdv_sm90", dtype, bucket, bm, bn, mods),
+                                            Kernel("flash_bwd_dq_convert", dtype, 0)), SM90_ARCH)
+
+
 def sm90_eligible(dtype, head_dim: int, mods: int) -> bool:
     """Whether the Hopper forward covers this dtype, head_dim and set of modifiers (the device's
     compute capability and the arrays' strides are checked apart)."""
@@ -459,10 +477,10 @@ def sm90_eligible(dtype, head_dim: int, mods: int) -> bool:
 
 
 def sm90_modules(dtypes=TC_DTYPES) -> list:
-    """Every Hopper module: each dtype, head-dim bucket, and the modifier sets it takes (none, the
-    window). The NVRTC report compiles them for SM90_ARCH only."""
-    return [sm90_forward_module(dtype, bucket, mods) for mods in (0, SM90_MODS) for dtype in dtypes
-            for bucket in SM90_FORWARD_TILES]
+    """Every Hopper module: the forward and the backward for each dtype, head-dim bucket, and the
+    modifier sets they take (none, the window). The NVRTC report compiles them for SM90_ARCH only."""
+    return [build(dtype, bucket, mods) for build in (sm90_forward_module, sm90_backward_module)
+            for mods in (0, SM90_MODS) for dtype in dtypes for bucket in SM90_FORWARD_TILES]
 
 
 def tensor_core_eligible(dtype, head_dim: int) -> bool:

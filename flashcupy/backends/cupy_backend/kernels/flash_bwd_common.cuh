@@ -1,6 +1,7 @@
-// flash_bwd_common.cuh: what the SIMT backward (flash_bwd.cu) and the tensor-core backward
-// (flash_bwd_tc.cu) share: the D = rowsum(dO ∘ O) pre-pass, and the lse a recomputed P uses (the
-// exponent itself: the epilogues, mask.cuh and tc_tile.cuh).
+// flash_bwd_common.cuh: what the SIMT backward (flash_bwd.cu) and the tensor-core backwards
+// (flash_bwd_tc.cu, flash_bwd_sm90.cu) share: the D = rowsum(dO ∘ O) pre-pass, the lse a recomputed P
+// uses (the exponent itself: the epilogues, mask.cuh and tc_tile.cuh), and the kernel that scales and
+// rounds a dQ added with atomics.
 
 #pragma once
 
@@ -33,4 +34,14 @@ template <typename Acc>
 __device__ __forceinline__ Acc lse_for_p(const Stats<const Acc>& lse_row, int i, int seqlen_q) {
     const Acc x = i < seqlen_q ? lse_row[i] : Acc(-INFINITY);
     return x == -INFINITY ? Acc(INFINITY) : x;
+}
+
+// dq = scale dQ for the backwards that add dQ with atomics (flash_bwd_tc.cu's DQ_ATOMIC, flash_bwd_sm90.cu):
+// the fp32 workspace the dK/dV kernel added into (contiguous, q's shape), rounded to T, into dq
+// (contiguous too). One thread an element.
+template <typename T>
+__global__ void __launch_bounds__(NUM_THREADS) flash_bwd_dq_convert(const float* __restrict__ dqa, T* __restrict__ dq,
+                                                                    index_t size, float scale) {
+    const index_t n = index_t(blockIdx.x) * NUM_THREADS + threadIdx.x;
+    if (n < size) store(dq + n, scale * dqa[n]);
 }

@@ -345,12 +345,3 @@ __global__ void __launch_bounds__(NUM_THREADS, MODS ? 2 : MIN_CTAS<HEAD_DIM>) fl
     // every modifier at head_dim 128, past the register limit of tests/test_nvrtc.py)
     store_fragments<HEAD_DIM>(dQ_rows, dQ, {scale, scale}, row_g, seqlen_q, head_dim);
 }
-
-// dq = scale dQ for the DQ_ATOMIC backward: the fp32 workspace the dK/dV kernel added into (contiguous,
-// q's shape), rounded to T, into dq (contiguous too). One thread an element.
-template <typename T>
-__global__ void __launch_bounds__(NUM_THREADS) flash_bwd_dq_convert(const float* __restrict__ dqa, T* __restrict__ dq,
-                                                                    index_t size, float scale) {
-    const index_t n = index_t(blockIdx.x) * NUM_THREADS + threadIdx.x;
-    if (n < size) store(dq + n, scale * dqa[n]);
-}

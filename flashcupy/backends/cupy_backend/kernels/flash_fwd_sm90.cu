@@ -59,44 +59,7 @@
 // BLOCK_M (64 CONSUMERS), BLOCK_N (a key block: 64 or 128), MODS (0 or MOD_WINDOW).
 
 #include "mask.cuh"
-#include "tc_tile.cuh"
-#include "hopper.cuh"
-
-constexpr int SM90_CONSUMERS = 2;                          // consumer warpgroups, 64 query rows each
-constexpr int SM90_THREADS = 128 * (1 + SM90_CONSUMERS);   // specs.py's LAUNCH says the same
-constexpr int SM90_STAGES = 2;                             // stages of the K, V ring
-// setmaxnreg: the producer needs few registers, the consumers hold S, P and O (FA3's split for two
-// consumer warpgroups); 24 x 128 + 240 x 256 fits the SM's 64 Ki registers
-constexpr int PRODUCER_REGISTERS = 24;
-constexpr int CONSUMER_REGISTERS = 240;
-constexpr int ATOM = 64;  // columns of a 128B-swizzled atom: 128 bytes of 16-bit elements
-
-// Bytes of an atom (64 columns) of a tile of ROWS rows
-template <int ROWS>
-constexpr int ATOM_BYTES = ROWS * 128;
-
-// The wgmma descriptor of k-step ks (16 columns) of a K-major operand whose first row is at `rows` in
-// a tile of ROWS rows: the step's atom, then 32 bytes a step inside its 128-byte rows
-template <int ROWS>
-__device__ __forceinline__ unsigned long long k_major(const unsigned char* rows, int ks) {
-    return make_descriptor(rows + (16 * ks / ATOM) * ATOM_BYTES<ROWS> + (16 * ks % ATOM) * 2, 16, 1024, kSwizzle128B);
-}
-
-// The descriptor of k-step kt (16 keys) of V_j as wgmma's MN-major B: 16 keys are 2048 bytes, the next
-// 64 columns of head_dim an atom further (LBO)
-template <int BLOCK_N>
-__device__ __forceinline__ unsigned long long mn_major(const unsigned char* V_j, int kt) {
-    return make_descriptor(V_j + kt * 16 * 128, ATOM_BYTES<BLOCK_N>, 1024, kSwizzle128B);
-}
-
-// TMA the ROWS x HEAD_DIM box at row `row` of head h of batch b (map: (head_dim, heads, seqlen, batch),
-// innermost first; its box 64 x 1 x ROWS x 1) into `tile`, atom by atom, completing on bar
-template <int ROWS, int HEAD_DIM>
-__device__ __forceinline__ void load_box(unsigned char* tile, const TensorMap& map, int h, int row, int b,
-                                         unsigned long long* bar) {
-#pragma unroll
-    for (int a = 0; a < HEAD_DIM / ATOM; ++a) tma_load_4d(tile + a * ATOM_BYTES<ROWS>, map, a * ATOM, h, row, b, bar);
-}
+#include "sm90_tile.cuh"
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
 __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
@@ -114,7 +77,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2, KV_BYTES = BLOCK_N * HEAD_DIM * 2;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    unsigned char* Q_s = smem_raw + ((1024u - (smem_address(smem_raw) & 1023u)) & 1023u);
+    unsigned char* Q_s = aligned_smem(smem_raw);
     unsigned char* K_s = Q_s + Q_BYTES;
     unsigned char* V_s = K_s + SM90_STAGES * KV_BYTES;
     __shared__ __align__(8) unsigned long long q_full, k_full[SM90_STAGES], v_full[SM90_STAGES],
@@ -275,9 +238,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = row_w - row_c + lane / 4 + 8 * r, col = 8 * dt + c_col(0);
-            unsigned char* at = Q_c + (col / ATOM) * ATOM_BYTES<BLOCK_M> + row * 128 +
-                                (((col % ATOM / 8) ^ (row % 8)) * 16) + col % 8 * 2;
-            *reinterpret_cast<unsigned*>(at) = pack2<T>(O[dt][2 * r] * inv_l[r], O[dt][2 * r + 1] * inv_l[r]);
+            *reinterpret_cast<unsigned*>(Q_c + swizzled_byte<BLOCK_M>(row, col)) = pack2<T>(O[dt][2 * r] * inv_l[r], O[dt][2 * r + 1] * inv_l[r]);
         }
     fence_proxy_async();                 // this thread's stores, before the TMA store reads them
     named_barrier_sync(1 + c, 128);      // every thread of the consumer has stored and fenced its part

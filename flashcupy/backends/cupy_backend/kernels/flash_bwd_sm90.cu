@@ -1,0 +1,240 @@
+// flash_bwd_sm90.cu: FlashAttention backward for Hopper (sm_90a): TMA loads into an mbarrier ring,
+// warpgroup MMA (wgmma), warp specialisation. float16 and bfloat16, head_dim up to 128.
+//
+// The maths of flash_bwd_tc.cu, with P recomputed from the forward's lse (natural log), in base 2:
+//     P = 2^(S c - lse log2 e),  c = scale log2 e;   dP = dO Vᵀ;   dS = P ∘ (dP - D),  D = rowsum(dO ∘ O)
+//     dV = Pᵀ dO;   dK = scale dSᵀ Q;   dQ = scale dS K
+// Three kernels, launched in this order: flash_bwd_preprocess (D, flash_bwd_common.cuh), then
+// flash_bwd_dkdv_sm90 below, which adds dQ into an fp32 workspace with atomics, then
+// flash_bwd_dq_convert (flash_bwd_common.cuh), which scales and rounds it into dq. deterministic=True
+// runs flash_bwd_tc.cu's deterministic kernels instead (the launcher).
+//
+// flash_bwd_dkdv_sm90: one CTA per (key block j, batch * heads_kv), flattened on x (key_block in
+// mask.cuh), key-block stationary as FA3's: K_j, V_j (BLOCK_N keys) stay in shared memory while the
+// query blocks Q_i (BLOCK_M rows) of every query head of the GQA group that can see key block j
+// stream past (a "pass" is one (query head, query block); the band's Mask::query_start / query_end
+// skip the rest). CTA: 1 + CONSUMERS warpgroups (sm90_tile.cuh):
+//   warpgroup 0, the producer (setmaxnreg_dec): one elected thread of warp 0 issues the TMA loads, of
+//     K_j and V_j once and of Q_i and dO_i of each pass into a ring of STAGES stages; the 32 lanes of
+//     warp 1 store each pass's lse_i log2 e (+inf where P must be 0: lse_for_p) and D_i into its stage
+//     and arrive on the stage's full barrier with the TMA's transaction.
+//   warpgroups 1 .. CONSUMERS (setmaxnreg_inc): consumer c owns keys 64 c .. 64 c + 63 of K_j (one
+//     wgmma M; warp w of it keys 16 w .., the lane's two as in tc_tile.cuh's C fragments). Per pass,
+//     Sᵀ and dPᵀ (not S, dP) are computed, so that Pᵀ and dSᵀ are already A fragments in registers:
+//         Sᵀ = K_c Q_iᵀ      wgmma_ss m64 n BLOCK_M, both K-major from shared memory
+//         dPᵀ = V_c dO_iᵀ    wgmma_ss, the same
+//         Pᵀ = 2^(Sᵀ c - lse_i log2 e), dSᵀ = Pᵀ ∘ (dPᵀ - D_i) in place (lse_i, D_i per column: the stage)
+//         dV_c += Pᵀ dO_i    wgmma_rs m64 n HEAD_DIM: A = Pᵀ re-packed (c_to_a), B = dO_i MN-major
+//         dK_c += dSᵀ Q_i    wgmma_rs, the same with Q_i
+//         dQ_i += dS K_c     wgmma_ss: A = dS from dS_c (the consumer's dSᵀ stored to shared memory:
+//                            MN-major A, the A-transpose bit), B = K_c MN-major; then atomics into
+//                            the fp32 workspace (rows < seqlen_q, columns < head_dim)
+//     dK_c (times scale) and dV_c are stored once, from the accumulators, at the end.
+// Shared memory (dynamic, aligned up to 1024 bytes), tiles as sm90_tile.cuh lays them:
+//     K_s, V_s      BLOCK_N x HEAD_DIM each            K_j, V_j; loaded once
+//     Q_s, dO_s     STAGES x BLOCK_M x HEAD_DIM each   the ring: stage s holds pass p (p % STAGES == s)
+//     dS_s          CONSUMERS x 64 x BLOCK_M           each consumer's dSᵀ of this pass (keys x queries)
+//     stats_s       STAGES x 2 x BLOCK_M floats        lse_i log2 e, then D_i, per stage
+//     total (2 BLOCK_N + 4 BLOCK_M) HEAD_DIM 2 + 128 BLOCK_M + 16 BLOCK_M bytes + 1024 (specs.py: LAUNCH).
+// mbarriers (static shared memory), and why each is waited on:
+//     kv_full       K_j and V_j have landed (the producer's arrive.expect_tx): before the first pass.
+//     full[s]       Q_i, dO_i of stage s have landed, and warp 1's 32 lanes have stored lse_i, D_i
+//                   (count 33: the elected thread's arrive.expect_tx, each lane's arrive after its
+//                   stores): before the pass's first wgmma and its reads of the statistics.
+//     empty[s]      every consumer thread has passed the last wgmma_wait of its pass on stage s (count:
+//                   the consumer threads): no wgmma still reads Q_i or dO_i, nobody the statistics. The
+//                   producer (warp 0's elected thread and warp 1) waits before refilling (parity 1 first).
+// Barriers: one __syncthreads after the mbarrier inits; named barrier 1 + c (the consumer's 128 threads)
+// between storing dSᵀ to dS_c (each thread fenced for the async proxy) and the dQ wgmma that reads all of
+// it. The next pass's stores into dS_c come after this pass's wgmma_wait<0>: the dQ wgmma that read it
+// has completed.
+//
+// Requirements on the arguments, checked by the launcher (cupy_backend.backward_path): q, k, v, dout
+// as for flash_fwd_sm90.cu (strides a tensor map describes); lse any strides; dk, dv contiguous along
+// head_dim; the dQ workspace contiguous, q's shape. Modifiers: none or the window (MODS).
+//
+// Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
+// BLOCK_M (query rows a pass: 64), BLOCK_N (64 CONSUMERS keys), MODS (0 or MOD_WINDOW).
+
+#include "flash_bwd_common.cuh"
+#include "mask.cuh"
+#include "sm90_tile.cuh"
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
+__global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
+    const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
+    const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_dout,
+    LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
+    PROBLEM_PARAMS(float), TENSOR_PARAMS(float, dqa)) {
+    static_assert(BLOCK_N == 64 * SM90_CONSUMERS, "a consumer warpgroup owns 64 keys");
+    static_assert(BLOCK_M == 64, "a pass: 64 query rows, one atom of a dS row, one wgmma M of dQ");
+    static_assert(HEAD_DIM % ATOM == 0 && HEAD_DIM <= 128, "head_dim in whole atoms; wgmma N of 64 or 128");
+    static_assert((MODS & ~MOD_WINDOW) == 0, "the other modifiers run on flash_bwd_tc.cu");
+    constexpr int M_TILES = BLOCK_M / 8;     // 8-query column tiles of Sᵀ
+    constexpr int D_TILES = HEAD_DIM / 8;    // 8-column tiles of dK, dV, dQ
+    constexpr int QK_STEPS = HEAD_DIM / 16;  // k-steps of Sᵀ, dPᵀ
+    constexpr int Q_STEPS = BLOCK_M / 16;    // k-steps of dV, dK (over the queries)
+    constexpr int K_STEPS = 64 / 16;         // k-steps of dQ (over the consumer's keys)
+    constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2, QO_BYTES = BLOCK_M * HEAD_DIM * 2;
+    constexpr int DS_BYTES = 64 * BLOCK_M * 2;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char* K_s = aligned_smem(smem_raw);
+    unsigned char* V_s = K_s + KV_BYTES;
+    unsigned char* Q_s = V_s + KV_BYTES;
+    unsigned char* dO_s = Q_s + SM90_STAGES * QO_BYTES;
+    unsigned char* dS_s = dO_s + SM90_STAGES * QO_BYTES;
+    float* stats_s = reinterpret_cast<float*>(dS_s + SM90_CONSUMERS * DS_BYTES);
+    __shared__ __align__(8) unsigned long long kv_full, full[SM90_STAGES], empty[SM90_STAGES];
+
+    const auto mask = MAKE_MASK(MODS);
+    const KeyBlock blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);
+    // the passes: the query blocks that see key block j, in every query head of the group
+    const int i_start = mask.query_start(blk.j0);
+    const int q_blocks = num_blocks(mask.query_end(blk.j0) - i_start, BLOCK_M);
+    const int passes = group * q_blocks;
+    const auto head_of = [&](int p) { return blk.kv_head * group + p / q_blocks; };
+    const auto row_of = [&](int p) { return i_start + p % q_blocks * BLOCK_M; };
+    const int warpgroup = threadIdx.x / 128, warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+
+    if (threadIdx.x == 0) {
+        mbarrier_init(&kv_full, 1);
+        for (int s = 0; s < SM90_STAGES; ++s) {
+            mbarrier_init(&full[s], 1 + WARP_SIZE);
+            mbarrier_init(&empty[s], 128 * SM90_CONSUMERS);
+        }
+        mbarrier_init_fence();
+    }
+    __syncthreads();  // the barriers are initialised before any thread arrives on or waits for them
+
+    if (warpgroup == 0) {  // the producer
+        setmaxnreg_dec<PRODUCER_REGISTERS>();
+        if (warp == 0 && elect_one_sync() && passes > 0) {
+            mbarrier_arrive_expect_tx(&kv_full, 2 * KV_BYTES);
+            load_box<BLOCK_N, HEAD_DIM>(K_s, map_k, blk.kv_head, blk.j0, blk.b, &kv_full);
+            load_box<BLOCK_N, HEAD_DIM>(V_s, map_v, blk.kv_head, blk.j0, blk.b, &kv_full);
+            for (int p = 0; p < passes; ++p) {
+                const int s = p % SM90_STAGES;
+                // the consumers are done with the pass this stage held (the first round passes at once)
+                mbarrier_wait_parity(&empty[s], (p / SM90_STAGES + 1) & 1);
+                mbarrier_arrive_expect_tx(&full[s], 2 * QO_BYTES);
+                load_box<BLOCK_M, HEAD_DIM>(Q_s + s * QO_BYTES, map_q, head_of(p), row_of(p), blk.b, &full[s]);
+                load_box<BLOCK_M, HEAD_DIM>(dO_s + s * QO_BYTES, map_dout, head_of(p), row_of(p), blk.b, &full[s]);
+            }
+        } else if (warp == 1) {
+            for (int p = 0; p < passes; ++p) {
+                const int s = p % SM90_STAGES;
+                mbarrier_wait_parity(&empty[s], (p / SM90_STAGES + 1) & 1);  // as warp 0's
+                const int h = head_of(p), i0 = row_of(p);
+                float* stats = stats_s + s * 2 * BLOCK_M;
+                for (int r = lane; r < BLOCK_M; r += WARP_SIZE) {
+                    const int i = i0 + r;
+                    stats[r] = lse_for_p(LSE_ROW(lse, blk.b, h), i, seqlen_q) * LOG2E;
+                    stats[BLOCK_M + r] = i < seqlen_q ? d_row<true>(Dvec, heads_q, seqlen_q, blk.b, h)[i] : 0.0f;
+                }
+                mbarrier_arrive(&full[s]);  // this lane's statistics are stored
+            }
+        }
+        return;
+    }
+
+    // a consumer: keys key_c .. key_c + 63 of the block, the warp's 16 from key_w
+    setmaxnreg_inc<CONSUMER_REGISTERS>();
+    const int c = warpgroup - 1;
+    const int key_c = blk.j0 + 64 * c, key_w = key_c + 16 * (warp % 4);
+    const unsigned char* K_c = K_s + 64 * c * 128;  // the consumer's rows of K_s, V_s, in their first atoms
+    const unsigned char* V_c = V_s + 64 * c * 128;
+    unsigned char* dS_c = dS_s + c * DS_BYTES;
+    const float scale_log2 = scale * LOG2E;
+
+    float dK[D_TILES][4], dV[D_TILES][4];
+    zero(dK);
+    zero(dV);
+    if (passes > 0) mbarrier_wait_parity(&kv_full, 0);
+
+    for (int p = 0; p < passes; ++p) {
+        const int s = p % SM90_STAGES, h = head_of(p), i0 = row_of(p);
+        const unsigned char* Q_i = Q_s + s * QO_BYTES;
+        const unsigned char* dO_i = dO_s + s * QO_BYTES;
+        const float* lse_i = stats_s + s * 2 * BLOCK_M;
+        const float* D_i = lse_i + BLOCK_M;
+        mbarrier_wait_parity(&full[s], (p / SM90_STAGES) & 1);
+
+        // Sᵀ = K_c Q_iᵀ and dPᵀ = V_c dO_iᵀ: the consumer's 64 keys x BLOCK_M queries
+        float S[M_TILES][4], dP[M_TILES][4];
+        wgmma_fence();  // dK, dV and the last pass's fragments were written by ordinary instructions
+#pragma unroll
+        for (int ks = 0; ks < QK_STEPS; ++ks)
+            wgmma_ss<T, BLOCK_M>(&S[0][0], k_major<BLOCK_N>(K_c, ks), k_major<BLOCK_M>(Q_i, ks), ks > 0);
+#pragma unroll
+        for (int ks = 0; ks < QK_STEPS; ++ks)
+            wgmma_ss<T, BLOCK_M>(&dP[0][0], k_major<BLOCK_N>(V_c, ks), k_major<BLOCK_M>(dO_i, ks), ks > 0);
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        wgmma_fence_operand<BLOCK_M / 2>(&S[0][0]);
+        wgmma_fence_operand<BLOCK_M / 2>(&dP[0][0]);
+
+        // Sᵀ becomes Pᵀ, dPᵀ becomes dSᵀ: row r of the warp's tile is key key_w + r, column col query i0 + col
+        const bool partial = mask.partial(i0, blk.j0);
+        const auto score = MAKE_SCORE(T, float, MODS, blk.b, h, scale_log2, LOG2E);
+        for_each_element([&](int r, int col, float& x, float& dp) {
+            const bool hidden = TC_PAIR_HIDDEN(partial, i0 + col, key_w + r);
+            float t = 0.0f;
+            const float P = hidden ? 0.0f : tc_prob(tc_final_score(score, x, i0 + col, key_w + r, t, scale_log2) - lse_i[col]);
+            x = P;
+            dp = ds(score, P, dp, D_i[col], t);
+        }, S, dP);
+        unsigned Pa[Q_STEPS][4], dSa[Q_STEPS][4];
+#pragma unroll
+        for (int kt = 0; kt < Q_STEPS; ++kt) {
+            c_to_a<T>(Pa[kt], S[2 * kt], S[2 * kt + 1]);
+            c_to_a<T>(dSa[kt], dP[2 * kt], dP[2 * kt + 1]);
+        }
+        // dSᵀ into dS_c (keys x queries, the rows this warp owns): the A operand of dQ = dS K_c
+#pragma unroll
+        for (int kt = 0; kt < Q_STEPS; ++kt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int key = 16 * (warp % 4) + c_row(2 * (i & 1)), query = 16 * kt + 8 * (i >> 1) + c_col(0);
+                *reinterpret_cast<unsigned*>(dS_c + swizzled_byte<64>(key, query)) = dSa[kt][i];
+            }
+        fence_proxy_async();  // this thread's dSᵀ stores, before the dQ wgmma reads them
+
+        // dV_c += Pᵀ dO_i and dK_c += dSᵀ Q_i
+        wgmma_fence();  // Pa, dSa were written by ordinary instructions
+#pragma unroll
+        for (int kt = 0; kt < Q_STEPS; ++kt)
+            wgmma_rs<T, HEAD_DIM, true>(&dV[0][0], Pa[kt], mn_major<BLOCK_M>(dO_i, kt), true);
+#pragma unroll
+        for (int kt = 0; kt < Q_STEPS; ++kt)
+            wgmma_rs<T, HEAD_DIM, true>(&dK[0][0], dSa[kt], mn_major<BLOCK_M>(Q_i, kt), true);
+        wgmma_commit_group();
+        // Pa and dSa are free once these land: with dQ's accumulators too, the registers ran out at head_dim
+        // 128 and ptxas serialised the wgmma (C7512)
+        wgmma_wait_group<0>();
+
+        // dQ_i += dS K_c, the consumer's 64 keys; added into the workspace
+        named_barrier_sync(1 + c, 128);  // every thread of the consumer has stored and fenced its dSᵀ rows
+        float dQ[D_TILES][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kt = 0; kt < K_STEPS; ++kt)
+            wgmma_ss<T, HEAD_DIM, true, true>(&dQ[0][0], mn_major<64>(dS_c, kt), mn_major<BLOCK_N>(K_c, kt), kt > 0);
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        wgmma_fence_operand<HEAD_DIM / 2>(&dQ[0][0]);
+        wgmma_fence_operand<HEAD_DIM / 2>(&dK[0][0]);
+        wgmma_fence_operand<HEAD_DIM / 2>(&dV[0][0]);
+        mbarrier_arrive(&empty[s]);  // this thread's wgmma no longer read the stage, nor it the statistics
+
+        const Rows<float> dQ_rows = HEAD_ROWS(dqa, blk.b, h);
+        for_each_element([&](int r, int col, float& x) {
+            const int row = i0 + 16 * (warp % 4) + r;
+            if (row < seqlen_q && col < head_dim) atomicAdd(&dQ_rows.at(row, col), x);
+        }, dQ);
+    }
+
+    const int key_g = key_w + lane / 4;  // this lane's keys: key_g, key_g + 8
+    store_fragments<HEAD_DIM>(HEAD_ROWS(dk, blk.b, blk.kv_head), dK, {scale, scale}, key_g, seqlen_k, head_dim);
+    store_fragments<HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, {1.0f, 1.0f}, key_g, seqlen_k, head_dim);
+}

@@ -1,0 +1,64 @@
+// sm90_tile.cuh: what the Hopper kernels (flash_fwd_sm90.cu, flash_bwd_sm90.cu) share on top of
+// hopper.cuh and tc_tile.cuh: the CTA's roles (a producer warpgroup and CONSUMERS consumer warpgroups,
+// their register split), the shared-memory tile as a 128B-swizzled TMA box lands it, and the wgmma
+// descriptors of its k-steps.
+//
+// A tile of ROWS rows x HEAD_DIM columns (16-bit) lies as TMA boxes of 64 columns land it with the 128B
+// swizzle: atoms of 64 columns (128 bytes a row, rows 128 bytes apart, the 16-byte chunk c of row r at
+// chunk c ^ (r % 8)), the HEAD_DIM / 64 atoms of the tile one after the other (ATOM_BYTES<ROWS> apart),
+// each 1024-byte aligned (the swizzle's repeat). That is wgmma's K-major 128B layout when the product
+// runs along the columns (k_major: SBO 1024, 8 rows; k-step s at +32 s bytes inside its atom), and its
+// MN-major 128B layout when it runs along the rows (mn_major: SBO 1024, 8 rows; LBO an atom, the next
+// 64 columns; k-step t at +2048 t bytes).
+
+#pragma once
+
+#include "hopper.cuh"
+#include "tc_tile.cuh"
+
+constexpr int SM90_CONSUMERS = 2;                          // consumer warpgroups, 64 rows of the product each
+constexpr int SM90_THREADS = 128 * (1 + SM90_CONSUMERS);   // specs.py's LAUNCH says the same
+constexpr int SM90_STAGES = 2;                             // stages of a TMA ring
+// setmaxnreg: the producer needs few registers, the consumers hold the accumulators (FA3's split for
+// two consumer warpgroups); 24 x 128 + 240 x 256 fits the SM's 64 Ki registers
+constexpr int PRODUCER_REGISTERS = 24;
+constexpr int CONSUMER_REGISTERS = 240;
+constexpr int ATOM = 64;  // columns of a 128B-swizzled atom: 128 bytes of 16-bit elements
+
+// Bytes of an atom (64 columns) of a tile of ROWS rows
+template <int ROWS>
+constexpr int ATOM_BYTES = ROWS * 128;
+
+// The wgmma descriptor of k-step ks (16 columns) of a K-major operand whose first row is at `rows` in
+// a tile of ROWS rows: the step's atom, then 32 bytes a step inside its 128-byte rows
+template <int ROWS>
+__device__ __forceinline__ unsigned long long k_major(const unsigned char* rows, int ks) {
+    return make_descriptor(rows + (16 * ks / ATOM) * ATOM_BYTES<ROWS> + (16 * ks % ATOM) * 2, 16, 1024, kSwizzle128B);
+}
+
+// The descriptor of k-step kt (16 rows, from `rows`) of a tile of ROWS rows as wgmma's MN-major
+// operand: 16 rows are 2048 bytes, the next 64 columns an atom further (LBO)
+template <int ROWS>
+__device__ __forceinline__ unsigned long long mn_major(const unsigned char* rows, int kt) {
+    return make_descriptor(rows + kt * 16 * 128, ATOM_BYTES<ROWS>, 1024, kSwizzle128B);
+}
+
+// TMA the ROWS x HEAD_DIM box at row `row` of head h of batch b (map: (head_dim, heads, seqlen, batch),
+// innermost first; its box 64 x 1 x ROWS x 1) into `tile`, atom by atom, completing on bar
+template <int ROWS, int HEAD_DIM>
+__device__ __forceinline__ void load_box(unsigned char* tile, const TensorMap& map, int h, int row, int b,
+                                         unsigned long long* bar) {
+#pragma unroll
+    for (int a = 0; a < HEAD_DIM / ATOM; ++a) tma_load_4d(tile + a * ATOM_BYTES<ROWS>, map, a * ATOM, h, row, b, bar);
+}
+
+// The byte of element (row, col) of a ROWS-row tile in its swizzled atoms (an ordinary store's address)
+template <int ROWS>
+__device__ __forceinline__ int swizzled_byte(int row, int col) {
+    return (col / ATOM) * ATOM_BYTES<ROWS> + row * 128 + (((col % ATOM / 8) ^ (row % 8)) * 16) + col % 8 * 2;
+}
+
+// The dynamic shared memory, aligned up to the 128B swizzle's repeat (the launcher asks 1024 bytes more)
+__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* smem) {
+    return smem + ((1024u - (smem_address(smem) & 1023u)) & 1023u);
+}
