@@ -253,7 +253,7 @@ def preflight_items(args):
 
         import flashcupy
         from flashcupy import backends
-        from flashcupy.backends import cupy_backend
+        from flashcupy.backends.cupy_backend import cubin
         env = {"type": "env", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dry_run": args.dry_run,
                "python": platform.python_version(), "numpy": np.__version__, "numpy_file": np.__file__,
                "flashcupy": flashcupy.__version__,
@@ -263,7 +263,7 @@ def preflight_items(args):
             env[dist] = _version(dist)
         env["compute-sanitizer"] = shutil.which("compute-sanitizer")
         env["backends"] = {n: backends.unavailable_reason(n) or "available" for n in backends.NAMES}
-        env["cuda_headers"] = [o for o in cupy_backend._options() if o.startswith("-I")] or "not found"
+        env["cuda_headers"] = cubin.cuda_headers() or "not found"  # for the sm_90a modules; CuPy finds its own
         if not args.dry_run:
             import cupy
             props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)

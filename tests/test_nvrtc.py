@@ -263,9 +263,12 @@ def test_the_cli_compiles_every_set_of_modifiers_when_asked(monkeypatch, capsys)
     from flashcupy import __main__ as cli
     asked, toolkit = [], toolkit_of(12)
     monkeypatch.setattr(nvrtc, "toolkits", lambda: (toolkit,))
-    monkeypatch.setattr(nvrtc, "kernel_report", lambda arch, toolkit, modules=None: asked.append(modules) or [])
+    hopper = []  # `kernels` at sm_90 reports the Hopper modules too, for sm_90a
+    monkeypatch.setattr(nvrtc, "kernel_report", lambda arch, toolkit, modules=None: (
+        hopper if arch == specs.SM90_ARCH else asked).append(modules) or [])
     assert cli.main(["kernels", "--every-modifier-set"]) == 0
     (modules,) = asked
+    assert hopper == [specs.sm90_modules()]
     kernels = [k for m in modules for k in m.kernels if k.tensor_cores]
     assert {k.mods for k in kernels} == set(range(specs.ALL_MODS + 1))
     assert {k.template for k in kernels} == set(specs.TC_TEMPLATES) and any(k.split for k in kernels)

@@ -27,13 +27,22 @@ def _check(result, what: str):
     return value[0] if len(value) == 1 else value
 
 
+def cuda_headers() -> str | None:
+    """The directory of the CUDA runtime headers (cuda_fp16.h) that cuda-pathfinder finds, as CuPy does,
+    or None."""
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except ImportError:
+        return None
+    return find_nvidia_header_directory("cudart")
+
+
 def compile_cubin(source: str, name_expressions, options) -> tuple:
     """(cubin bytes, {name expression: lowered name}) of `source` by the NVRTC that cuda-pathfinder
     finds, with the CUDA headers' directory added to `options`."""
     from cuda.bindings import nvrtc
-    from cuda.pathfinder import find_nvidia_header_directory
 
-    include = find_nvidia_header_directory("cudart")
+    include = cuda_headers()
     opts = [o.encode() for o in (*options, *((f"-I{include}",) if include else ()))]
     prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), b"flashcupy.cu", 0, [], []), "nvrtcCreateProgram")
     try:

@@ -1,8 +1,9 @@
-"""The Hopper forward (kernels/flash_fwd_sm90.cu) on the CPU emulator: which calls take it, its numbers
-against the oracle in several thread orders, and each of its barriers, waits and fences removed in turn.
+"""The Hopper kernels (kernels/flash_fwd_sm90.cu, flash_bwd_sm90.cu) on the CPU emulator: which calls
+take them, their numbers against the oracle in several thread orders, each of their barriers, waits
+and fences removed in turn, and the backward's dQ reduction dropped.
 
-The emulated device is an sm_90 here (compute_capability=90); the backward after it is the mma.sync one.
-The contract suite runs its whole table on this kernel too (tests/contract.py, path "hopper").
+The emulated device is an sm_90 here (compute_capability=90). The contract suite runs its whole table
+on these kernels too (tests/contract.py, path "hopper").
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from flashcupy.tools import emulator
 from flashcupy.tools.emulator.cupy import compile_module, emulated, recording
 
 HOPPER = specs.SM90_COMPUTE_CAPABILITY
-KERNEL = "flash_fwd_sm90.cu"
+KERNELS = ("flash_fwd_sm90.cu", "flash_bwd_sm90.cu")
 
 
 def _templates(names):
@@ -34,6 +35,16 @@ def _forward_templates(q, k, v, compute_capability=HOPPER, **kw):
     with emulated(compile=recording(names), compute_capability=compute_capability):
         flashcupy.attention(q, k, v, backend="cupy", **kw)
     return _templates(names)
+
+
+def _backward_templates(q, k, v, compute_capability=HOPPER, deterministic=False, **kw):
+    """The dK/dV kernel (and dQ's) a backward launched."""
+    names = []
+    with emulated(compute_capability=compute_capability):
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+    with emulated(compile=recording(names), compute_capability=compute_capability):
+        flashcupy.attention_backward(q, q, k, v, out, lse, backend="cupy", deterministic=deterministic, **kw)
+    return _templates(names) - {"flash_bwd_preprocess", "flash_bwd_dq_convert"}
 
 
 # ----------------------------------------------------------------------------
@@ -52,16 +63,21 @@ def test_the_hopper_forward_takes_16_bit_calls_up_to_head_dim_128(rng, dtype, he
         q, k, v = (x.astype(dtype) for x in (q, k, v))
     assert _forward_templates(q, k, v, causal=True, **kw) == {"flash_fwd_sm90"}
     assert _forward_templates(q, k, v, window=(5, 3), **kw) == {"flash_fwd_sm90"}
+    assert _backward_templates(q, k, v, causal=True, **kw) == {"flash_bwd_dkdv_sm90"}
 
 
-def test_other_calls_keep_the_mma_sync_forward(rng):
-    q, k, v = make_qkv(rng, 2, 40, 40, 2, 2, 64, np.float16)
-    # another device, the switch, a modifier it does not take, split-KV
+def test_other_calls_keep_the_mma_sync_kernels(rng):
+    q, k, v = make_qkv(rng, 1, 20, 20, 1, 1, 64, np.float16)
+    # another device, the switch, a modifier they do not take, split-KV; deterministic for the backward
     assert _forward_templates(q, k, v, compute_capability=80) == {"flash_fwd_tc"}
+    assert _backward_templates(q, k, v, compute_capability=80) == {"flash_bwd_dkdv_tc"}
     with mock.patch.object(cupy_backend, "USE_WGMMA", False):
         assert _forward_templates(q, k, v) == {"flash_fwd_tc"}
+        assert _backward_templates(q, k, v) == {"flash_bwd_dkdv_tc"}
     assert _forward_templates(q, k, v, softcap=5.0) == {"flash_fwd_tc"}
-    _, k, v = make_qkv(rng, 2, 1, 300, 2, 2, 64, np.float16)  # 300 keys: two splits of 256 and 44
+    assert _backward_templates(q, k, v, softcap=5.0) == {"flash_bwd_dkdv_tc"}
+    assert _backward_templates(q, k, v, deterministic=True) == {"flash_bwd_dkdv_tc", "flash_bwd_dq_tc"}
+    _, k, v = make_qkv(rng, 1, 1, 300, 1, 1, 64, np.float16)  # 300 keys: two splits of 256 and 44
     names = []
     with emulated(compile=recording(names), compute_capability=HOPPER):
         flashcupy.attention_with_kvcache(q[:, :1], k, v, num_splits=2, backend="cupy")
@@ -91,37 +107,39 @@ def test_strides_a_tensor_map_cannot_describe_fall_back_never_fail(rng):
 # the numbers
 
 
-CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window)
+CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window); 384 threads a CTA: small
     (1, 1, 1, 1, 1, 64, False, None),
-    (2, 130, 200, 4, 2, 64, True, None),       # GQA, causal, two query blocks, ragged
-    (1, 300, 257, 2, 1, 128, True, None),      # three query blocks; the first ones see no key
-    (1, 17, 300, 2, 2, 128, False, None),      # three key blocks: the ring's stages reused
-    (1, 200, 400, 1, 1, 96, False, (50, 10)),  # the window: key blocks outside the band never loaded
-    (2, 65, 129, 2, 1, 40, True, (0, 0)),      # a window of one key a row
+    (2, 130, 70, 2, 1, 64, True, None),        # GQA, causal, batch 2, two forward query blocks, 3 backward passes
+    (1, 70, 260, 1, 1, 128, True, None),       # three key blocks: the rings' stages reused; rows that see no key
+    (1, 17, 150, 2, 2, 128, False, None),      # two key blocks, a pass of 17 rows
+    (1, 90, 300, 1, 1, 96, False, (50, 10)),   # the window: blocks outside the band never loaded
+    (1, 65, 70, 2, 1, 40, True, (0, 0)),       # a window of one key a row
 ]
 
 
-@pytest.mark.parametrize("order", ["ascending", "descending", "warp_skew"])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("order, dtype", [("ascending", "float16"), ("warp_skew", "float16"),
+                                          ("descending", "bfloat16")])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(str(x) for x in c[:6]) + ("-causal" if c[6] else "")
                          + (f"-w{c[7][0]}_{c[7][1]}" if c[7] else ""))
-def test_the_hopper_forward_matches_the_oracle(rng, order, dtype, case):
+def test_the_hopper_kernels_match_the_oracle(rng, order, dtype, case):
     B, Sq, Sk, Hq, Hkv, D, causal, window = case
     q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float32)
+    dout = rng.standard_normal(q.shape)
     kw = dict(causal=causal, window=window)
     if dtype == "bfloat16":
-        q, k, v = (bf16_bits(x.astype(BF16)) for x in (q, k, v))
+        q, k, v, dout = (bf16_bits(x.astype(BF16)) for x in (q, k, v, dout))
         kw["dtype"] = "bfloat16"
     else:
-        q, k, v = (x.astype(np.float16) for x in (q, k, v))
+        q, k, v, dout = (x.astype(np.float16) for x in (q, k, v, dout))
     names = []
     with emulated(order, compile=recording(names), compute_capability=HOPPER):
-        got = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
-    assert _templates(names) == {"flash_fwd_sm90"}
-    assert_matches_oracle(got, q, k, v, backend="cupy", **kw)
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+        grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", **kw)
+    assert {"flash_fwd_sm90", "flash_bwd_dkdv_sm90"} <= _templates(names)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", **kw)
 
 
-def test_a_packed_batch_and_a_cache_take_the_hopper_forward_too(rng):
+def test_a_packed_batch_takes_the_hopper_forward_too(rng):
     lengths = [1, 130, 0, 64]
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     q, k, v = make_qkv(rng, 1, int(cu[-1]), int(cu[-1]), 4, 2, 64, np.float16)
@@ -141,7 +159,7 @@ def test_a_packed_batch_and_a_cache_take_the_hopper_forward_too(rng):
 # each barrier, wait and fence is needed
 
 
-# The synchronisation of flash_fwd_sm90.cu, found in its text: each call removed in turn must give a
+# The synchronisation of the Hopper kernels, found in their text: each call removed in turn must give a
 # wrong answer or an emulator error (KernelError: a proxy or wgmma misuse; DeadlockError: a wait that
 # can never end) under some thread order. wgmma_fence_operand is no instruction (it keeps the compiler
 # from moving register accesses across a wait), so the emulator cannot miss it and it is not listed.
@@ -162,9 +180,9 @@ INVISIBLE = {
 }
 
 
-def _calls():
-    """(line number, call) of every synchronisation call in flash_fwd_sm90.cu."""
-    with open(f"{sources.KERNEL_DIR}/{KERNEL}", encoding="utf-8") as f:
+def _calls(kernel):
+    """(line number, call) of every synchronisation call in kernels/`kernel`."""
+    with open(f"{sources.KERNEL_DIR}/{kernel}", encoding="utf-8") as f:
         return [(n, m.group(0)) for n, line in enumerate(f, 1) for m in [SYNC.search(line.split("//")[0])] if m]
 
 
@@ -172,47 +190,66 @@ def _name(call):
     return re.split(r"[(<]", call)[0]
 
 
-SYNC_POINTS = [n for n, call in _calls() if _name(call) not in INVISIBLE]
-SYNC_PROBLEM = (1, 150, 300, 2, 1, 128, True)  # 2 query blocks, 3 key blocks: both stages reused
+SYNC_POINTS = [(kernel, n) for kernel in KERNELS for n, call in _calls(kernel) if _name(call) not in INVISIBLE]
+# forward: 2 query blocks, 3 key blocks; backward: 3 key blocks, 3 passes: both rings' stages reused
+SYNC_PROBLEM = (1, 130, 260, 1, 1, 64, True)
 
 
 def test_the_sync_points_are_found():
-    names = [_name(call) for _, call in _calls()]
-    assert {"mbarrier_wait_parity", "mbarrier_arrive", "wgmma_fence", "wgmma_wait_group", "wgmma_commit_group",
-            "fence_proxy_async", "named_barrier_sync", "named_barrier_arrive"} <= set(names)
-    # each call the emulator cannot see stands once in the kernel, where its reason says
-    assert sorted(n for n in names if n in INVISIBLE) == sorted(INVISIBLE)
+    for kernel in KERNELS:
+        names = [_name(call) for _, call in _calls(kernel)]
+        assert {"mbarrier_wait_parity", "mbarrier_arrive", "wgmma_fence", "wgmma_wait_group", "wgmma_commit_group",
+                "fence_proxy_async", "named_barrier_sync"} <= set(names), kernel
+    # each call the emulator cannot see stands once in a kernel, where its reason says (the TMA store's in
+    # the forward only)
+    names = [_name(call) for kernel in KERNELS for _, call in _calls(kernel)]
+    assert sorted({n for n in names if n in INVISIBLE}) == sorted(INVISIBLE)
+    assert all(names.count(n) == (2 if n in ("__syncthreads", "mbarrier_init_fence") else 1) for n in INVISIBLE)
 
 
-def _without(lineno, tmp_path):
-    """(the kernel's source, the same with the call on line `lineno` of flash_fwd_sm90.cu removed)."""
+def _without(kernel, lineno, tmp_path, pattern=SYNC, replacement=";"):
+    """(the call, the kernel's source, the same with the call on line `lineno` of kernels/`kernel` replaced)."""
     mutant_dir = tmp_path / "kernels"
     shutil.copytree(sources.KERNEL_DIR, mutant_dir)
-    lines = (mutant_dir / KERNEL).read_text(encoding="utf-8").splitlines(keepends=True)
-    call = SYNC.search(lines[lineno - 1]).group(0)
-    lines[lineno - 1] = lines[lineno - 1].replace(call, ";", 1)
-    (mutant_dir / KERNEL).write_text("".join(lines), encoding="utf-8")
+    lines = (mutant_dir / kernel).read_text(encoding="utf-8").splitlines(keepends=True)
+    call = pattern.search(lines[lineno - 1]).group(0)
+    lines[lineno - 1] = lines[lineno - 1].replace(call, replacement, 1)
+    (mutant_dir / kernel).write_text("".join(lines), encoding="utf-8")
     with mock.patch.object(sources, "KERNEL_DIR", str(mutant_dir)):
-        mutant = sources.read_source(KERNEL)
-    return call, sources.read_source(KERNEL), mutant
+        mutant = sources.read_source(kernel)
+    return call, sources.read_source(kernel), mutant
 
 
-@pytest.mark.parametrize("lineno", SYNC_POINTS)
-def test_each_barrier_wait_and_fence_is_needed(rng, tmp_path, lineno):
-    call, original, mutant = _without(lineno, tmp_path)
-
+def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew")) -> list:
+    """The thread orders (the first, and its error) under which the mutant kernel's forward and backward
+    miss the oracle or make the emulator report an error."""
     def compile(source, names, options, thread_order, seed, cp_async):
         return compile_module(mutant if source == original else source, names, options, thread_order, seed, cp_async)
 
     B, Sq, Sk, Hq, Hkv, D, causal = SYNC_PROBLEM
     q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
-    bitten = []
-    for order in ("ascending", "descending", "warp_skew"):
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    for order in orders:
         with emulated(order, compile=compile, compute_capability=HOPPER):
             try:
-                got = flashcupy.attention(q, k, v, causal=causal, return_lse=True, backend="cupy")
-                assert_matches_oracle(got, q, k, v, causal=causal, backend="cupy")
+                out, lse = flashcupy.attention(q, k, v, causal=causal, return_lse=True, backend="cupy")
+                grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, backend="cupy")
+                assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, backend="cupy")
             except (AssertionError, emulator.EmulatorError) as e:
-                bitten.append((order, type(e).__name__))
-                break
-    assert bitten, f"removing {call} on {KERNEL}:{lineno} went unnoticed under every thread order"
+                return [(order, type(e).__name__)]
+    return []
+
+
+@pytest.mark.parametrize("kernel, lineno", SYNC_POINTS, ids=[f"{k}:{n}" for k, n in SYNC_POINTS])
+def test_each_barrier_wait_and_fence_is_needed(rng, tmp_path, kernel, lineno):
+    call, original, mutant = _without(kernel, lineno, tmp_path)
+    assert _bitten(rng, original, mutant), f"removing {call} on {kernel}:{lineno} went unnoticed under every order"
+
+
+def test_a_dropped_dq_reduction_is_caught(rng, tmp_path):
+    atomic = re.compile(r"atomicAdd\(&dQ_rows\.at\(row, col\), x\)")
+    (lineno,) = [n for n, line in enumerate(open(f"{sources.KERNEL_DIR}/flash_bwd_sm90.cu", encoding="utf-8"), 1)
+                 if atomic.search(line)]
+    # the add replaced by a store: the last consumer's part wins, the other key blocks' and consumers' are lost
+    _, original, mutant = _without("flash_bwd_sm90.cu", lineno, tmp_path, atomic, "dQ_rows.at(row, col) = x")
+    assert _bitten(rng, original, mutant, orders=("ascending",))
