@@ -37,11 +37,11 @@ def cmd_info(args) -> int:
           f"tiles {numpy_backend.describe_tiles()}; BLAS {blas}")
     print("cupy kernel paths: forward and backward on tensor cores (mma.sync) for float16/bfloat16 with\n"
           "  head_dim a multiple of 8 up to 128, on sm_80+, q/k/v (and dout/out) contiguous along head_dim\n"
-          "  with 16-byte aligned rows; the SIMT kernels for everything else. On compute capability 9.0 the\n"
-          "  forward of those calls runs on the Hopper kernel (TMA, wgmma, warp specialisation; sm_90a)\n"
-          "  when it has no modifier but the window, no split-KV, and strides a tensor map describes\n"
-          "  (positive, multiples of 16 bytes); softcap, ALiBi, bias, mask and split-KV stay on mma.sync,\n"
-          "  and so does every backward (cupy_backend.forward_path says which kernel a call takes)")
+          "  with 16-byte aligned rows; the SIMT kernels for everything else. On compute capability 9.0\n"
+          "  those calls run on the Hopper kernels (TMA, wgmma, warp specialisation; sm_90a) when they have\n"
+          "  no modifier but the window, no split-KV, and strides a tensor map describes (positive,\n"
+          "  multiples of 16 bytes); softcap, ALiBi, bias, mask, split-KV and deterministic=True stay on\n"
+          "  mma.sync (cupy_backend.forward_path / backward_path say which kernel a call takes)")
     try:
         import cupy
         print(f"cupy {cupy.__version__}")
