@@ -199,7 +199,7 @@ def _mutated(old: str, new: str):
 
 # Every barrier and cp.async wait in the kernels and their headers, found in the source: each removed
 # in turn must make some test below give a wrong answer or an emulator error. The Hopper forward's
-# (flash_fwd_sm90.cu, with its mbarriers, wgmma waits and fences) are test_hopper_forward.py's.
+# (flash_*_sm90.cu, with their mbarriers, wgmma waits and fences) are test_hopper_kernels.py's.
 KERNEL_FILES = sorted(f for f in os.listdir(sources.KERNEL_DIR) if not f.endswith("_sm90.cu"))
 SYNC = re.compile(r"\b(?:__syncthreads|cp_async_wait<\d+>)\(\);")
 
