@@ -158,6 +158,6 @@ def test_the_previous_tile_runs_the_kernel_a_head_dim_had_before(monkeypatch):
     with emulated(compile=recording(launched)):
         forward, _ = bench.closures("cupy", q, k, v, q, True, 128 ** -0.5, "cpu")
         out = gpu_session.previous_forward(forward, 128)()
-    assert launched == ["flash_fwd_tc_wide<__half, 128, 256, 32>", "flash_fwd_tc<__half, 128, 64, 64>"]
+    assert launched == ["flash_fwd_tc_wide<__half, 128, 256, 32, 1, 247>", "flash_fwd_tc<__half, 128, 64, 64, 0>"]
     assert gpu_session.PREVIOUS_FORWARD_TILES[128] == (64, 64) and specs.TC_FORWARD_TILES == tables
     assert_matches_oracle((out,), q, k, v, causal=True, backend="cupy")

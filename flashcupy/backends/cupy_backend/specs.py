@@ -1,8 +1,9 @@
 """The CUDA side of the cupy backend, described without CuPy: sources, tile tables, specializations.
 
-Every SIMT kernel is a template over (T, Acc, HEAD_DIM, BLOCK_M, BLOCK_N), instantiated through
-NVRTC name expressions such as ``flash_fwd<__half, float, 64, 64, 32>`` (the tensor-core kernels,
-further down, have no Acc: ``flash_fwd_tc<__half, 64, 64, 64>``). HEAD_DIM is the true
+Every SIMT kernel is a template over (T, Acc, HEAD_DIM, BLOCK_M, BLOCK_N, MIN_CTAS), instantiated
+through NVRTC name expressions such as ``flash_fwd<__half, float, 64, 64, 32, 3>`` (the tensor-core
+kernels, further down, have no Acc: ``flash_fwd_tc<__half, 64, 64, 64, 0>``; MIN_CTAS and the wide
+forward's MAX_REGISTERS are the occupancy policy of LAUNCH, Bounds). HEAD_DIM is the true
 head_dim rounded up to a bucket; the tiles of each bucket come from the tables below, which are
 sized so that the shared memory of one CTA stays within 48 KiB (the kernels static_assert it):
 
@@ -17,7 +18,7 @@ two; the operand split between the 4 warps must be a multiple of 4 rows.
 A further template parameter, MODS, specialises the attention kernels for score modifiers
 (mask.cuh): the sum of the MOD_* bits below. It is left out of the name expression when 0, so a
 call without modifiers instantiates exactly the kernels it did before they existed:
-``flash_fwd<float, float, 64, 64, 32, 5>`` is the window-and-ALiBi forward.
+``flash_fwd<float, float, 64, 64, 32, 3, 5>`` is the window-and-ALiBi forward.
 
 This module is imported by the backend, by flashcupy/tools/nvrtc.py (the NVRTC resource report) and
 by the tests; it needs nothing but the standard library and NumPy. The sources and compile options
@@ -62,7 +63,7 @@ BACKWARD_DQ_TILES = {
 }
 
 # The SIMT tiles of kernels specialised for score modifiers (any MODS), where the plain tile spilled
-# under the MIN_CTAS_PER_SM register cap for some arch and NVRTC of tests/test_nvrtc.py:
+# under the SIMT_MIN_CTAS register cap for some arch and NVRTC of tests/test_nvrtc.py:
 # (template, acc size, bucket) -> tile. What each spilled: benchmarks/results/tile_choices.md.
 MODIFIED_TILES = {("flash_fwd", 4, 64): (32, 32), ("flash_bwd_dq", 8, 64): (16, 16),
                   ("flash_bwd_dkdv", 4, 128): (16, 16)}
@@ -200,12 +201,21 @@ class Kernel:
         return GRIDS[self.template].loop
 
     @property
+    def bounds(self) -> Bounds | None:
+        """Its occupancy policy (the template's LAUNCH bounds), template arguments after the tile; None
+        for a kernel without a tile, whose __launch_bounds__ names its threads only."""
+        rule = LAUNCH[self.template].bounds
+        return None if rule is None else rule(self)
+
+    @property
     def name_expression(self) -> str:
         storage, acc = CUDA_TYPES[self.dtype]
         # tensor cores accumulate in float
         args = [storage] if self.tensor_cores or self.template == "flash_bwd_dq_convert" else [storage, acc]
         if self.head_dim:
             args += [str(self.head_dim), str(self.block_m), str(self.block_n)]
+        if self.bounds is not None:
+            args += self.bounds.template_args
         if self.mods or self.split or self.dq_atomic:
             args.append(str(self.mods))
         if self.split or self.dq_atomic:  # the kernel's last template flag: SPLIT, DQ_ATOMIC
@@ -215,13 +225,89 @@ class Kernel:
 
 @dataclass(frozen=True)
 class Launch:
-    """What a template's launches take besides its grid: `threads` a CTA, and `dynamic_smem(block_m,
+    """What a template's launches take besides its grid: `threads` a CTA; `dynamic_smem(block_m,
     block_n, row, dq_atomic)`, the bytes of dynamic shared memory (row: a tile row's elements,
-    tc_tile_row), or None for a kernel with static shared memory only. The layouts behind the formulas:
-    the module docstring's tables, and the kernels' headers."""
+    tc_tile_row), or None for a kernel with static shared memory only (the layouts behind the formulas:
+    the module docstring's tables, and the kernels' headers); and `bounds(kernel)`, its occupancy
+    policy (Bounds), or None for a template without those parameters."""
 
     threads: int = NUM_THREADS
     dynamic_smem: Callable | None = None
+    bounds: Callable | None = None
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A tiled kernel's occupancy policy, its template arguments after BLOCK_N: `min_ctas` (MIN_CTAS),
+    the CTAs an SM that ptxas must leave registers for (__launch_bounds__(threads, MIN_CTAS); 0 leaves
+    the count to ptxas' own heuristic), and `max_registers` (MAX_REGISTERS), a register cap a thread
+    (__maxnreg__), for the template that takes one; before CUDA 12.4, which brought __maxnreg__, that
+    kernel asks for min_ctas instead (CAPPED_BOUNDS, tc_tile.cuh). None: the template takes no cap."""
+
+    min_ctas: int
+    max_registers: int | None = None
+
+    @property
+    def template_args(self) -> list:
+        return [str(self.min_ctas)] + ([] if self.max_registers is None else [str(self.max_registers)])
+
+
+# The occupancy policy of each tiled template (LAUNCH's bounds). Where a figure behind a choice is a
+# register count, it is in benchmarks/results/tile_choices.md (`python -m flashcupy kernels` prints
+# today's).
+#
+# SIMT: tiles of up to 48 KiB leave room for 3 CTAs on an A100 SM (4 on an H100). Asking ptxas for 3
+# caps registers at 168 a thread, so registers do not cut occupancy below what shared memory allows;
+# the SIMT tile tables are chosen so that no kernel spills under that cap (tests/test_nvrtc.py).
+SIMT_MIN_CTAS = 3
+
+
+def _simt_bounds(kernel: Kernel) -> Bounds:
+    return Bounds(SIMT_MIN_CTAS)
+
+
+# Tensor cores: every loop over a tile is unrolled and ptxas hoists the ldmatrix of whole k-loops ahead
+# of their mmas, so a kernel takes what its bounds allow. Their minimum: 0 (ptxas' own choice, which
+# the tile tables were sized against) at HEAD_DIM 64 and 128; 1 at the others, where ptxas' heuristic
+# allowed some kernels fewer registers than they hold, and they spilled. Asking 1 at 64 and 128 too
+# took the forward with every modifier past the register limit tests/test_nvrtc.py keeps.
+def _tc_min_ctas(head_dim: int) -> int:
+    return 1 if head_dim % 64 else 0
+
+
+def _tc_forward_bounds(kernel: Kernel) -> Bounds:
+    """flash_fwd_tc: split-KV asks for one CTA an SM (left to its heuristic, ptxas allowed those too
+    few registers and they spilled); with a bias or a bool mask, two (up to 255 registers: ptxas' own
+    choice spilled in some of the 24 sets of modifiers that hold one)."""
+    if kernel.split:
+        return Bounds(1)
+    return Bounds(2 if kernel.mods & MOD_PAIRS else _tc_min_ctas(kernel.head_dim))
+
+
+# The wide forward (flash_fwd_tc_wide: WIDE_WARPS warps of two row tiles) under a register cap: left to
+# ptxas under __launch_bounds__ it took every register and spilled; each cap is one at which none of
+# the NVRTCs and archs that tests/test_nvrtc.py compiles for spills (it checks; the scan of caps:
+# benchmarks/results/tile_choices.md). NVRTCs before 12.4 get one CTA an SM, and may spill.
+WIDE_MAX_REGISTERS = 247
+WIDE_MAX_REGISTERS_WINDOW = 240
+
+
+def _tc_wide_bounds(kernel: Kernel) -> Bounds:
+    window = kernel.mods & MOD_BITS["window"]
+    return Bounds(1, WIDE_MAX_REGISTERS_WINDOW if window else WIDE_MAX_REGISTERS)
+
+
+# The backward: 2 CTAs (8 warps) an SM by registers at head dims 64 and 128. Asking for 3 CTAs (168
+# registers a thread) makes ptxas spill, and so did its own heuristic, which chose 3 (or 4) for some
+# sets of modifiers that the NVRTC report does not compile: dQ with any modifier, and dK/dV at
+# HEAD_DIM 64 with softcap, ALiBi or a bias, ask for 2.
+def _tc_dkdv_bounds(kernel: Kernel) -> Bounds:
+    score_at_64 = kernel.mods & MOD_SCORE and kernel.head_dim == 64
+    return Bounds(2 if score_at_64 else _tc_min_ctas(kernel.head_dim))
+
+
+def _tc_dq_bounds(kernel: Kernel) -> Bounds:
+    return Bounds(2 if kernel.mods else _tc_min_ctas(kernel.head_dim))
 
 
 # The tensor-core kernels' shared memory, 2 bytes an element: the forward (Q_i; 2 x (K_j, V_j)), dK/dV
@@ -232,13 +318,14 @@ def _tc_forward_smem(m: int, n: int, d: int, atomic: bool) -> int:
 
 
 LAUNCH = {
-    **{t: Launch() for t in ("flash_fwd", "flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq", "flash_probs",
-                             "flash_bwd_dbias", "flash_bwd_dq_convert")},
-    "flash_fwd_tc": Launch(dynamic_smem=_tc_forward_smem),
-    "flash_fwd_tc_wide": Launch(32 * WIDE_WARPS, _tc_forward_smem),
+    **{t: Launch(bounds=_simt_bounds) for t in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq", "flash_probs",
+                                                "flash_bwd_dbias")},
+    **{t: Launch() for t in ("flash_bwd_preprocess", "flash_bwd_dq_convert")},
+    "flash_fwd_tc": Launch(dynamic_smem=_tc_forward_smem, bounds=_tc_forward_bounds),
+    "flash_fwd_tc_wide": Launch(32 * WIDE_WARPS, _tc_forward_smem, _tc_wide_bounds),
     "flash_bwd_dkdv_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * n + 4 * m) * d * 2 + 2 * 2 * m * 4
-                               + atomic * (m * n * 2 + NUM_THREADS // 32 * 1024)),
-    "flash_bwd_dq_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * m + 4 * n) * d * 2),
+                               + atomic * (m * n * 2 + NUM_THREADS // 32 * 1024), bounds=_tc_dkdv_bounds),
+    "flash_bwd_dq_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * m + 4 * n) * d * 2, bounds=_tc_dq_bounds),
 }
 
 
