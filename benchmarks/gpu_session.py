@@ -393,12 +393,12 @@ def previous_forward(forward, head_dim: int):
     from flashcupy.backends.cupy_backend import specs
 
     def call():
-        saved = specs.TC_FORWARD_TILES
-        specs.TC_FORWARD_TILES = {**saved, head_dim: PREVIOUS_FORWARD_TILES[head_dim]}
+        saved, plain = specs.TC_TILES, ("forward", "plain")
+        specs.TC_TILES = {**saved, plain: {**saved[plain], head_dim: PREVIOUS_FORWARD_TILES[head_dim]}}
         try:
             return forward()
         finally:
-            specs.TC_FORWARD_TILES = saved
+            specs.TC_TILES = saved
     return call
 
 

@@ -122,8 +122,8 @@ def test_modifiers_in_other_simt_dtypes(rng, dtype, order, monkeypatch):
 @pytest.mark.parametrize("dtype, head_dim, path, tiles", [
     (np.float64, 64, "simt", {"flash_bwd_dq": (16, 16)}),  # specs.MODIFIED_TILES
     (np.float32, 128, "simt", {"flash_bwd_dkdv": (16, 16)}),  # specs.MODIFIED_TILES
-    (np.float16, 128, "tensor-core", {"flash_bwd_dkdv_tc": (16, 64)}),  # specs.TC_BACKWARD_DKDV_TILES_SCORE
-    (np.float16, 64, "tensor-core", {"flash_bwd_dq_tc": (64, 32)}),  # specs.TC_BACKWARD_DQ_TILES_SCORE
+    (np.float16, 128, "tensor-core", {"flash_bwd_dkdv_tc": (16, 64)}),  # specs.TC_TILES["dkdv", "score"]
+    (np.float16, 64, "tensor-core", {"flash_bwd_dq_tc": (64, 32)}),  # specs.TC_TILES["dq", "score"]
 ])
 def test_the_tiles_modifiers_take_where_the_plain_ones_spill(rng, dtype, head_dim, path, tiles, order,
                                                                monkeypatch):

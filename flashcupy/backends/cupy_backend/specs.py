@@ -92,41 +92,45 @@ PAIR_TILES = {("flash_fwd", 4, 32): (32, 32), ("flash_fwd", 8, 64): (16, 32),
 #     dQ       (2 BLOCK_M + 4 BLOCK_N) ROW 2               Q_i, dO_i; 2 x (K_j, V_j)
 TC_DTYPES = ("float16", "bfloat16")
 TC_HEAD_DIM_BUCKETS = (64, 128)
-# The forward at head_dim 64 takes 128 query rows, two 16-row mma tiles a warp: each K_j or V_j
-# fragment feeds twice the mma (192 shared-memory bytes per mma, not 320 as with one). At head_dim 128
-# it takes 256 rows and 32 keys a pass, in the wide kernel (flash_fwd_tc_wide: 8 warps of two row
-# tiles, k-step 0 of Q_i kept in registers, a register cap): 200 bytes per mma. The two row tiles' O
-# alone take 128 registers there; every other layout of two row tiles tried spilled
-# (benchmarks/results/tile_choices.md).
-TC_FORWARD_TILES = {64: (128, 64), 128: (256, 32)}
 # The forward's warps a row count takes: 8 at 256 rows (WIDE_WARPS in tc_tile.cuh), else 4
 WIDE_WARPS = 8
 WIDE_BLOCK_M = 32 * WIDE_WARPS
-# With softcap or ALiBi the forward at head_dim 128 keeps 64 x 64 tiles in the 4-warp kernel: the
-# score's extra work per element of S took the two-row-tile kernels past 255 registers, into spills.
-TC_FORWARD_TILES_SCORE = {64: (128, 64), 128: (64, 64)}
-TC_BACKWARD_DKDV_TILES = {64: (64, 64), 128: (32, 64)}
-TC_BACKWARD_DQ_TILES = {64: (64, 64), 128: (64, 32)}
-# With softcap or ALiBi (MOD_SCORE): dK/dV takes half the query rows a pass, and dQ at head_dim 64
-# half the keys. The modified score (and, for softcap, its tanh) of every element of S took the full
-# tiles past the register limit of tests/test_nvrtc.py; a window alone keeps the full tiles.
-TC_BACKWARD_DKDV_TILES_SCORE = {64: (32, 64), 128: (16, 64)}
-TC_BACKWARD_DQ_TILES_SCORE = {64: (64, 32), 128: (64, 32)}
-# The dK/dV kernel that also adds dQ (five GEMMs, not deterministic) at head_dim 128 takes 16 query rows
-# a pass: with 32 it went past the register limit tests/test_nvrtc.py keeps.
-TC_BACKWARD_DKDV_TILES_ATOMIC = {64: (64, 64), 128: (16, 64)}
-# With a bias or mask at head_dim 128 it went past the limit even so: those calls keep the
-# deterministic kernels.
+# The tensor-core tiles: (pass, variant) -> {bucket: (BLOCK_M, BLOCK_N)}. The pass is "forward", "dkdv"
+# or "dq"; tc_tile chooses the variant from a call's modifiers, split-KV and dQ by atomics.
+TC_TILES = {
+    # The forward at head_dim 64 takes 128 query rows, two 16-row mma tiles a warp: each K_j or V_j
+    # fragment feeds twice the mma (192 shared-memory bytes per mma, not 320 as with one). At head_dim
+    # 128 it takes 256 rows and 32 keys a pass, in the wide kernel (flash_fwd_tc_wide: 8 warps of two
+    # row tiles, k-step 0 of Q_i kept in registers, a register cap): 200 bytes per mma. The two row
+    # tiles' O alone take 128 registers there; every other layout of two row tiles tried spilled
+    # (benchmarks/results/tile_choices.md).
+    ("forward", "plain"): {64: (128, 64), 128: (256, 32)},
+    # With softcap or ALiBi the forward at head_dim 128 keeps 64 x 64 tiles in the 4-warp kernel: the
+    # score's extra work per element of S took the two-row-tile kernels past 255 registers, into spills.
+    ("forward", "score"): {64: (128, 64), 128: (64, 64)},
+    # With a bias or a bool mask the forward takes 64 rows and 32 keys a pass, and asks ptxas for two
+    # CTAs an SM (Bounds): larger tiles, or ptxas' own register heuristic, spilled with some of the 24
+    # sets of modifiers that hold a bias or mask (tests/test_nvrtc.py compiles all 24).
+    ("forward", "pairs"): {64: (64, 32), 128: (64, 32)},
+    # Split-KV forwards take half the keys a pass: the split's offsets and the float partial out took
+    # the full tiles past the register limit, into spills. A decode's passes are few and memory-bound,
+    # so the smaller tile costs little.
+    ("forward", "split"): {64: (64, 32), 128: (64, 32)},
+    ("forward", "split+pairs"): {64: (64, 32), 128: (64, 16)},  # and a bias or mask: 64 x 32 passed the limit at 128
+    ("dkdv", "plain"): {64: (64, 64), 128: (32, 64)},
+    ("dq", "plain"): {64: (64, 64), 128: (64, 32)},
+    # With softcap or ALiBi (MOD_SCORE): dK/dV takes half the query rows a pass, and dQ at head_dim 64
+    # half the keys. The modified score (and, for softcap, its tanh) of every element of S took the full
+    # tiles past the register limit of tests/test_nvrtc.py; a window alone keeps the full tiles.
+    ("dkdv", "score"): {64: (32, 64), 128: (16, 64)},
+    ("dq", "score"): {64: (64, 32), 128: (64, 32)},
+    # The dK/dV kernel that also adds dQ (five GEMMs, not deterministic) takes at most these query rows
+    # a pass (16 at head_dim 128: with 32 it went past the register limit tests/test_nvrtc.py keeps)
+    ("dkdv", "dq_atomic"): {64: (64, 64), 128: (16, 64)},
+}
+# With a bias or mask at head_dim 128 the dK/dV kernel that adds dQ went past the limit even so: those
+# calls keep the deterministic kernels.
 TC_ATOMIC_BUCKETS_PAIRS = (64,)
-# With a bias or a bool mask the forward takes 64 rows and 32 keys a pass, and asks ptxas for two CTAs
-# an SM (flash_fwd_tc.cu): larger tiles, or ptxas' own register heuristic, spilled with some of the
-# 24 sets of modifiers that hold a bias or mask (tests/test_nvrtc.py compiles all 24).
-TC_FORWARD_TILES_PAIRS = {64: (64, 32), 128: (64, 32)}
-# Split-KV forwards take half the keys a pass: the split's offsets and the float partial out took the
-# full tiles past the register limit, into spills. A decode's passes are few and memory-bound, so the
-# smaller tile costs little.
-TC_FORWARD_TILES_SPLIT = {64: (64, 32), 128: (64, 32)}
-TC_FORWARD_TILES_SPLIT_PAIRS = {64: (64, 32), 128: (64, 16)}  # and a bias or mask: 64 x 32 passed the limit at 128
 TC_TEMPLATES = ("flash_fwd_tc", "flash_fwd_tc_wide", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc")
 TC_FORWARD_TEMPLATES = TC_TEMPLATES[:2]
 
@@ -462,13 +466,24 @@ def tc_tile_row(head_dim: int) -> int:
     return -(-head_dim // 64) * 64
 
 
+def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_atomic: bool = False) -> tuple:
+    """(BLOCK_M, BLOCK_N) of a tensor-core kernel, from TC_TILES: the forward's variant is split-KV's
+    (with or without a bias or mask), else the bias or mask's, else softcap or ALiBi's (MOD_SCORE),
+    else the plain one; the backward's MOD_SCORE's or the plain one, and with dQ by atomics dK/dV takes
+    the fewer query rows of that tile and the dq_atomic one."""
+    bucket = _tc_bucket(head_dim)
+    pairs, score = mods & MOD_PAIRS, mods & MOD_SCORE
+    if pass_ == "forward":
+        variant = ("split+pairs" if pairs else "split") if split else "pairs" if pairs else "score" if score else "plain"
+    else:
+        variant = "score" if score else "plain"
+    tile = TC_TILES[pass_, variant][bucket]
+    return min(tile, TC_TILES["dkdv", "dq_atomic"][bucket]) if dq_atomic else tile
+
+
 def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False) -> ModuleSpec:
     """The tensor-core forward for float16/bfloat16 and head_dim <= 128 (a multiple of 8)."""
-    bucket = _tc_bucket(head_dim)
-    tiles = ((TC_FORWARD_TILES_SPLIT_PAIRS if mods & MOD_PAIRS else TC_FORWARD_TILES_SPLIT) if split
-             else TC_FORWARD_TILES_PAIRS if mods & MOD_PAIRS else TC_FORWARD_TILES_SCORE if mods & MOD_SCORE
-             else TC_FORWARD_TILES)
-    bm, bn = tiles[bucket]
+    bm, bn = tc_tile("forward", head_dim, mods, split)
     template = "flash_fwd_tc_wide" if bm == WIDE_BLOCK_M else "flash_fwd_tc"
     return ModuleSpec("flash_fwd_tc.cu", (Kernel(template, _name(dtype), tc_head_dim(head_dim), bm, bn, mods, split),))
 
@@ -486,17 +501,14 @@ def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool 
     bucket = _tc_bucket(head_dim)
     dtype = _name(dtype)
     deterministic = deterministic or (mods & MOD_PAIRS != 0 and bucket not in TC_ATOMIC_BUCKETS_PAIRS)
-    tiles = (TC_BACKWARD_DKDV_TILES_SCORE if mods & MOD_SCORE else TC_BACKWARD_DKDV_TILES)[bucket]
-    if not deterministic:
-        tiles = min(tiles, TC_BACKWARD_DKDV_TILES_ATOMIC[bucket])  # the fewer query rows a pass
+    tiles = tc_tile("dkdv", head_dim, mods, dq_atomic=not deterministic)
     dkdv = Kernel("flash_bwd_dkdv_tc", dtype, tc_head_dim(head_dim), *tiles, mods, dq_atomic=not deterministic)
     if not deterministic:
         return ModuleSpec("flash_bwd_tc.cu", (Kernel("flash_bwd_preprocess", dtype, 0), dkdv,
                                              Kernel("flash_bwd_dq_convert", dtype, 0)))
     return ModuleSpec("flash_bwd_tc.cu", (
         Kernel("flash_bwd_preprocess", dtype, 0), dkdv,
-        Kernel("flash_bwd_dq_tc", dtype, tc_head_dim(head_dim),
-               *(TC_BACKWARD_DQ_TILES_SCORE if mods & MOD_SCORE else TC_BACKWARD_DQ_TILES)[bucket], mods),
+        Kernel("flash_bwd_dq_tc", dtype, tc_head_dim(head_dim), *tc_tile("dq", head_dim, mods), mods),
     ))
 
 

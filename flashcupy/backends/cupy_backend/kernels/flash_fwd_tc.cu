@@ -33,8 +33,8 @@
 //     K_s   2 x BLOCK_N x HEAD_DIM    K_j, V_j of this pass and the next: cp.async fills one stage
 //     V_s   2 x BLOCK_N x HEAD_DIM    while the other is computed on (double buffering)
 //     total (BLOCK_M + 4 BLOCK_N) HEAD_DIM 2 bytes; above 48 KiB the launcher raises
-//     max_dynamic_shared_size_bytes (sm_80+). The tiles per head dim are TC_FORWARD_TILES in
-//     flashcupy/backends/cupy_backend/specs.py; `python -m flashcupy kernels` prints each
+//     max_dynamic_shared_size_bytes (sm_80+). The tiles per head dim are TC_TILES' forward rows
+//     in flashcupy/backends/cupy_backend/specs.py; `python -m flashcupy kernels` prints each
 //     specialization's shared memory, registers, spills and HMMA count.
 //
 // Barriers, two per pass: after the cp.async wait (the other threads' copies of K_j, V_j, and on the
