@@ -301,10 +301,10 @@ def _tc_wide_bounds(kernel: Kernel) -> Bounds:
     return Bounds(1, WIDE_MAX_REGISTERS_WINDOW if window else WIDE_MAX_REGISTERS)
 
 
-# The backward: 2 CTAs (8 warps) an SM by registers at head dims 64 and 128. Asking for 3 CTAs (168
-# registers a thread) makes ptxas spill, and so did its own heuristic, which chose 3 (or 4) for some
-# sets of modifiers that the NVRTC report does not compile: dQ with any modifier, and dK/dV at
-# HEAD_DIM 64 with softcap, ALiBi or a bias, ask for 2.
+# The backward takes every register its bounds allow: at HEAD_DIM 64 and 128, ptxas' own choice, 2
+# CTAs (8 warps) an SM by registers. Asking for 3 CTAs (168 registers a thread) makes ptxas spill, and
+# so did its own heuristic, which chose 3 (or 4) for some sets of modifiers that the NVRTC report does
+# not compile: dQ with any modifier, and dK/dV at HEAD_DIM 64 with softcap, ALiBi or a bias, ask for 2.
 def _tc_dkdv_bounds(kernel: Kernel) -> Bounds:
     score_at_64 = kernel.mods & MOD_SCORE and kernel.head_dim == 64
     return Bounds(2 if score_at_64 else _tc_min_ctas(kernel.head_dim))
