@@ -64,8 +64,8 @@
 //             K_s, V_s        2 x BLOCK_N x HEAD_DIM each   K_j, V_j of this pass and the next
 //             total (2 BLOCK_M + 4 BLOCK_N) HEAD_DIM 2 bytes
 //     Above 48 KiB the launcher raises max_dynamic_shared_size_bytes (sm_80+). The tiles per head
-//     dim are TC_TILES' dkdv and dq rows in specs.py; `python -m flashcupy
-//     kernels` prints each specialization's shared memory, registers, spills and HMMA count.
+//     dim are TC_TILES' dkdv and dq rows in specs.py; `python -m flashcupy kernels` prints each
+//     specialization's shared memory, registers, spills and HMMA count.
 //
 // Barriers, the same two per pass in both kernels, as in flash_fwd_tc.cu: after the cp.async wait
 // (the other threads' copies of this pass's stage, and in dK/dV the lse_i, D_i they stored, have
