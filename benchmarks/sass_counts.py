@@ -36,8 +36,31 @@ def modules(all_mods: bool) -> list:
     return specs.all_modules(mods, tc_mods)
 
 
+# Kernels that results committed before a rename name as they were then (635338e: one naming scheme)
+RENAMED = {"attn_fwd_tc": "flash_fwd_tc", "attn_fwd_tc_wide": "flash_fwd_tc_wide",
+           "attn_bwd_dkdv_tc": "flash_bwd_dkdv_tc", "attn_bwd_dq_tc": "flash_bwd_dq_tc",
+           "attn_bwd_dq_convert": "flash_bwd_dq_convert"}
+FIELDS = ("registers", "spill_bytes", "static_smem", "dynamic_smem", "threads", "instructions", "sass_digest")
+
+
 def key(row: dict) -> str:
-    return f"{row['kernel']}[{row['mods'] or ''}] {row['dtype']} {row['head_dim']}"
+    """A kernel's identity across versions: template (today's name), variant, dtype, head_dim; not its
+    name expression, whose tile and bounds arguments a refactor may respell."""
+    kernel = RENAMED.get(row["kernel"], row["kernel"])
+    return f"{kernel}[{row['mods'] or ''}] {row['dtype']} {row['head_dim']}"
+
+
+def differences(before_rows, rows) -> list:
+    """A line for each kernel of `rows` that is new or differs from `before_rows` in FIELDS."""
+    before, after = {key(r): r for r in before_rows}, {key(r): r for r in rows}
+    lines = []
+    for name in sorted(after):
+        a, b = before.get(name), after[name]  # a subset of BEFORE's kernels may be compiled
+        if a is None:
+            lines.append(f"{name}: new")
+        elif any(a[c] != b[c] for c in FIELDS):
+            lines.append(f"{name}: " + ", ".join(f"{c} {a[c]} -> {b[c]}" for c in FIELDS if a[c] != b[c]))
+    return lines
 
 
 def markdown(rows, title: str) -> str:
@@ -72,17 +95,8 @@ def main(argv=None) -> None:
     print(f"{len(rows)} kernels -> {args.out}")
     if args.against:
         with open(args.against, encoding="utf-8") as f:
-            before = {key(r): r for r in json.load(f)["rows"]}
-        after = {key(r): r for r in rows}
-        fields = ("registers", "spill_bytes", "static_smem", "dynamic_smem", "threads", "instructions", "sass_digest")
-        for name in sorted(before.keys() | after.keys()):
-            a, b = before.get(name), after.get(name)
-            if b is None:
-                continue  # a subset of BEFORE's kernels compiled
-            if a is None:
-                print(f"{name}: new")
-            elif any(a[c] != b[c] for c in fields):
-                print(f"{name}: " + ", ".join(f"{c} {a[c]} -> {b[c]}" for c in fields if a[c] != b[c]))
+            lines = differences(json.load(f)["rows"], rows)
+        print("\n".join(lines) if lines else f"every kernel as in {args.against}")
 
 
 if __name__ == "__main__":

@@ -168,8 +168,8 @@ def test_tensor_cores_compute_head_dim_rounded_up_to_16_on_the_tiles_of_its_buck
     # 72 computes 80 columns, not 128: a quarter of the mma on zeros saved at 96
     for head_dim, computed, bucket in ((8, 16, 64), (40, 48, 64), (64, 64, 64), (72, 80, 128), (96, 96, 128),
                                        (128, 128, 128)):
-        for build, tiles in ((specs.tc_forward_module, specs.TC_FORWARD_TILES),
-                             (specs.tc_backward_module, specs.TC_BACKWARD_DKDV_TILES_ATOMIC)):
+        for build, tiles in ((specs.tc_forward_module, specs.TC_TILES["forward", "plain"]),
+                             (specs.tc_backward_module, specs.TC_TILES["dkdv", "dq_atomic"])):
             kernel = build("float16", head_dim).kernels[-1 if build is specs.tc_forward_module else 1]
             assert kernel.head_dim == computed and (kernel.block_m, kernel.block_n) == tiles[bucket]
             # shared-memory rows of 64 or 128 elements, what the bucket's kernel takes

@@ -122,8 +122,8 @@ def test_modifiers_in_other_simt_dtypes(rng, dtype, order, monkeypatch):
 @pytest.mark.parametrize("dtype, head_dim, path, tiles", [
     (np.float64, 64, "simt", {"flash_bwd_dq": (16, 16)}),  # specs.MODIFIED_TILES
     (np.float32, 128, "simt", {"flash_bwd_dkdv": (16, 16)}),  # specs.MODIFIED_TILES
-    (np.float16, 128, "tensor-core", {"flash_bwd_dkdv_tc": (16, 64)}),  # specs.TC_BACKWARD_DKDV_TILES_SCORE
-    (np.float16, 64, "tensor-core", {"flash_bwd_dq_tc": (64, 32)}),  # specs.TC_BACKWARD_DQ_TILES_SCORE
+    (np.float16, 128, "tensor-core", {"flash_bwd_dkdv_tc": (16, 64)}),  # specs.TC_TILES["dkdv", "score"]
+    (np.float16, 64, "tensor-core", {"flash_bwd_dq_tc": (64, 32)}),  # specs.TC_TILES["dq", "score"]
 ])
 def test_the_tiles_modifiers_take_where_the_plain_ones_spill(rng, dtype, head_dim, path, tiles, order,
                                                                monkeypatch):
@@ -198,14 +198,15 @@ def test_rows_the_mask_hides_add_nothing_whatever_their_dout_holds(rng, monkeypa
 
 
 def test_modifiers_choose_their_own_specialisation(rng):
-    # a call without modifiers launches the kernels it launched before modifiers existed; each set of
-    # modifiers launches its own (the MODS template argument)
+    # a call without modifiers launches the kernels it launched before modifiers existed (MODS left
+    # out); each set of modifiers launches its own (the MODS template argument, after the tile and
+    # MIN_CTAS, specs.Bounds)
     names = []
     q, k, v = make_qkv(rng, 1, 9, 9, 1, 1, 16, np.float32)
     with emulated(compile=recording(names)):
         flashcupy.attention(q, k, v, causal=True, backend="cupy")
         flashcupy.attention(q, k, v, window=(2, 0), softcap=1.0, backend="cupy")
-    assert names == ["flash_fwd<float, float, 32, 64, 32>", "flash_fwd<float, float, 32, 64, 32, 3>"]
+    assert names == ["flash_fwd<float, float, 32, 64, 32, 3>", "flash_fwd<float, float, 32, 64, 32, 3, 3>"]
     assert specs.mods_of(MODIFIERS) == specs.ALL_MODS == 31
 
 

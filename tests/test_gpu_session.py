@@ -160,7 +160,7 @@ def test_the_mma_forward_runs_the_kernel_the_hopper_one_replaces(monkeypatch):
         forward, _ = bench.closures("cupy", q, k, v, q, True, 128 ** -0.5, "cpu")
         hopper = forward()
         mma = gpu_session.mma_forward(forward)()
-    assert launched == ["flash_fwd_sm90<__half, 128, 128, 128>", "flash_fwd_tc_wide<__half, 128, 256, 32>"]
+    assert launched == ["flash_fwd_sm90<__half, 128, 128, 128>", "flash_fwd_tc_wide<__half, 128, 256, 32, 1, 247>"]
     assert cupy_backend.USE_WGMMA
     for out in (hopper, mma):
         assert_matches_oracle((out,), q, k, v, causal=True, backend="cupy")

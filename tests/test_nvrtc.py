@@ -174,7 +174,7 @@ def test_tensor_core_head_dims_between_the_buckets_fit(monkeypatch):
 def test_every_forward_with_a_bias_or_mask_fits(monkeypatch):
     # the reports compile a bias and a mask only beside every other modifier; the forward with each of
     # the 24 sets of modifiers that hold one spilled in some under ptxas' own heuristic
-    # (specs.TC_FORWARD_TILES_PAIRS). On sm_80 (where most of them did) under NVRTC 12, in float16
+    # (specs.TC_TILES["forward", "pairs"]). On sm_80 (where most of them did) under NVRTC 12, in float16
     # (bfloat16 compiled alike): 45 s of CI; `python -m flashcupy kernels --every-modifier-set` does all
     modules = [specs.tc_forward_module("float16", d, m) for d in specs.TC_HEAD_DIM_BUCKETS
                for m in range(specs.ALL_MODS + 1) if m & specs.MOD_PAIRS]

@@ -83,7 +83,7 @@ def test_the_wide_forward_across_query_blocks(causal, window, schedule, rng):
     launched, (order, cp_async) = [], schedule
     with emulated(order, cp_async=cp_async, compile=recording(launched)):
         out, lse = flashcupy.attention(q, k, v, causal=causal, window=window, return_lse=True, backend="cupy")
-    assert launched == [f"flash_fwd_tc_wide<__half, 128, 256, 32{', 1' if window else ''}>"]
+    assert launched == [f"flash_fwd_tc_wide<__half, 128, 256, 32, 1, {240 if window else 247}{', 1' if window else ''}>"]
     assert_matches_oracle((out, lse), q, k, v, causal=causal, window=window, backend="cupy")
 
 
@@ -311,6 +311,6 @@ def test_each_backward_launches_its_own_kernels(rng):
         flashcupy.attention_backward(out, q, k, v, out, lse, backend="cupy")
         flashcupy.attention_backward(out, q, k, v, out, lse, backend="cupy", deterministic=True)
     backward = [n for n in launched if "bwd" in n]
-    assert backward == ["flash_bwd_preprocess<__half, float>", "flash_bwd_dkdv_tc<__half, 64, 64, 64, 0, true>",
+    assert backward == ["flash_bwd_preprocess<__half, float>", "flash_bwd_dkdv_tc<__half, 64, 64, 64, 0, 0, true>",
                         "flash_bwd_dq_convert<__half>", "flash_bwd_preprocess<__half, float>",
-                        "flash_bwd_dkdv_tc<__half, 64, 64, 64>", "flash_bwd_dq_tc<__half, 64, 64, 64>"]
+                        "flash_bwd_dkdv_tc<__half, 64, 64, 64, 0>", "flash_bwd_dq_tc<__half, 64, 64, 64, 0>"]

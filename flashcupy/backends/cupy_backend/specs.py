@@ -1,8 +1,9 @@
 """The CUDA side of the cupy backend, described without CuPy: sources, tile tables, specializations.
 
-Every SIMT kernel is a template over (T, Acc, HEAD_DIM, BLOCK_M, BLOCK_N), instantiated through
-NVRTC name expressions such as ``flash_fwd<__half, float, 64, 64, 32>`` (the tensor-core kernels,
-further down, have no Acc: ``flash_fwd_tc<__half, 64, 64, 64>``). HEAD_DIM is the true
+Every SIMT kernel is a template over (T, Acc, HEAD_DIM, BLOCK_M, BLOCK_N, MIN_CTAS), instantiated
+through NVRTC name expressions such as ``flash_fwd<__half, float, 64, 64, 32, 3>`` (the tensor-core
+kernels, further down, have no Acc: ``flash_fwd_tc<__half, 64, 64, 64, 0>``; MIN_CTAS and the wide
+forward's MAX_REGISTERS are the occupancy policy of LAUNCH, Bounds). HEAD_DIM is the true
 head_dim rounded up to a bucket; the tiles of each bucket come from the tables below, which are
 sized so that the shared memory of one CTA stays within 48 KiB (the kernels static_assert it):
 
@@ -17,7 +18,7 @@ two; the operand split between the 4 warps must be a multiple of 4 rows.
 A further template parameter, MODS, specialises the attention kernels for score modifiers
 (mask.cuh): the sum of the MOD_* bits below. It is left out of the name expression when 0, so a
 call without modifiers instantiates exactly the kernels it did before they existed:
-``flash_fwd<float, float, 64, 64, 32, 5>`` is the window-and-ALiBi forward.
+``flash_fwd<float, float, 64, 64, 32, 3, 5>`` is the window-and-ALiBi forward.
 
 This module is imported by the backend, by flashcupy/tools/nvrtc.py (the NVRTC resource report) and
 by the tests; it needs nothing but the standard library and NumPy. The sources and compile options
@@ -62,7 +63,7 @@ BACKWARD_DQ_TILES = {
 }
 
 # The SIMT tiles of kernels specialised for score modifiers (any MODS), where the plain tile spilled
-# under the MIN_CTAS_PER_SM register cap for some arch and NVRTC of tests/test_nvrtc.py:
+# under the SIMT_MIN_CTAS register cap for some arch and NVRTC of tests/test_nvrtc.py:
 # (template, acc size, bucket) -> tile. What each spilled: benchmarks/results/tile_choices.md.
 MODIFIED_TILES = {("flash_fwd", 4, 64): (32, 32), ("flash_bwd_dq", 8, 64): (16, 16),
                   ("flash_bwd_dkdv", 4, 128): (16, 16)}
@@ -91,41 +92,45 @@ PAIR_TILES = {("flash_fwd", 4, 32): (32, 32), ("flash_fwd", 8, 64): (16, 32),
 #     dQ       (2 BLOCK_M + 4 BLOCK_N) ROW 2               Q_i, dO_i; 2 x (K_j, V_j)
 TC_DTYPES = ("float16", "bfloat16")
 TC_HEAD_DIM_BUCKETS = (64, 128)
-# The forward at head_dim 64 takes 128 query rows, two 16-row mma tiles a warp: each K_j or V_j
-# fragment feeds twice the mma (192 shared-memory bytes per mma, not 320 as with one). At head_dim 128
-# it takes 256 rows and 32 keys a pass, in the wide kernel (flash_fwd_tc_wide: 8 warps of two row
-# tiles, k-step 0 of Q_i kept in registers, a register cap): 200 bytes per mma. The two row tiles' O
-# alone take 128 registers there; every other layout of two row tiles tried spilled
-# (benchmarks/results/tile_choices.md).
-TC_FORWARD_TILES = {64: (128, 64), 128: (256, 32)}
 # The forward's warps a row count takes: 8 at 256 rows (WIDE_WARPS in tc_tile.cuh), else 4
 WIDE_WARPS = 8
 WIDE_BLOCK_M = 32 * WIDE_WARPS
-# With softcap or ALiBi the forward at head_dim 128 keeps 64 x 64 tiles in the 4-warp kernel: the
-# score's extra work per element of S took the two-row-tile kernels past 255 registers, into spills.
-TC_FORWARD_TILES_SCORE = {64: (128, 64), 128: (64, 64)}
-TC_BACKWARD_DKDV_TILES = {64: (64, 64), 128: (32, 64)}
-TC_BACKWARD_DQ_TILES = {64: (64, 64), 128: (64, 32)}
-# With softcap or ALiBi (MOD_SCORE): dK/dV takes half the query rows a pass, and dQ at head_dim 64
-# half the keys. The modified score (and, for softcap, its tanh) of every element of S took the full
-# tiles past the register limit of tests/test_nvrtc.py; a window alone keeps the full tiles.
-TC_BACKWARD_DKDV_TILES_SCORE = {64: (32, 64), 128: (16, 64)}
-TC_BACKWARD_DQ_TILES_SCORE = {64: (64, 32), 128: (64, 32)}
-# The dK/dV kernel that also adds dQ (five GEMMs, not deterministic) at head_dim 128 takes 16 query rows
-# a pass: with 32 it went past the register limit tests/test_nvrtc.py keeps.
-TC_BACKWARD_DKDV_TILES_ATOMIC = {64: (64, 64), 128: (16, 64)}
-# With a bias or mask at head_dim 128 it went past the limit even so: those calls keep the
-# deterministic kernels.
+# The tensor-core tiles: (pass, variant) -> {bucket: (BLOCK_M, BLOCK_N)}. The pass is "forward", "dkdv"
+# or "dq"; tc_tile chooses the variant from a call's modifiers, split-KV and dQ by atomics.
+TC_TILES = {
+    # The forward at head_dim 64 takes 128 query rows, two 16-row mma tiles a warp: each K_j or V_j
+    # fragment feeds twice the mma (192 shared-memory bytes per mma, not 320 as with one). At head_dim
+    # 128 it takes 256 rows and 32 keys a pass, in the wide kernel (flash_fwd_tc_wide: 8 warps of two
+    # row tiles, k-step 0 of Q_i kept in registers, a register cap): 200 bytes per mma. The two row
+    # tiles' O alone take 128 registers there; every other layout of two row tiles tried spilled
+    # (benchmarks/results/tile_choices.md).
+    ("forward", "plain"): {64: (128, 64), 128: (256, 32)},
+    # With softcap or ALiBi the forward at head_dim 128 keeps 64 x 64 tiles in the 4-warp kernel: the
+    # score's extra work per element of S took the two-row-tile kernels past 255 registers, into spills.
+    ("forward", "score"): {64: (128, 64), 128: (64, 64)},
+    # With a bias or a bool mask the forward takes 64 rows and 32 keys a pass, and asks ptxas for two
+    # CTAs an SM (Bounds): larger tiles, or ptxas' own register heuristic, spilled with some of the 24
+    # sets of modifiers that hold a bias or mask (tests/test_nvrtc.py compiles all 24).
+    ("forward", "pairs"): {64: (64, 32), 128: (64, 32)},
+    # Split-KV forwards take half the keys a pass: the split's offsets and the float partial out took
+    # the full tiles past the register limit, into spills. A decode's passes are few and memory-bound,
+    # so the smaller tile costs little.
+    ("forward", "split"): {64: (64, 32), 128: (64, 32)},
+    ("forward", "split+pairs"): {64: (64, 32), 128: (64, 16)},  # and a bias or mask: 64 x 32 passed the limit at 128
+    ("dkdv", "plain"): {64: (64, 64), 128: (32, 64)},
+    ("dq", "plain"): {64: (64, 64), 128: (64, 32)},
+    # With softcap or ALiBi (MOD_SCORE): dK/dV takes half the query rows a pass, and dQ at head_dim 64
+    # half the keys. The modified score (and, for softcap, its tanh) of every element of S took the full
+    # tiles past the register limit of tests/test_nvrtc.py; a window alone keeps the full tiles.
+    ("dkdv", "score"): {64: (32, 64), 128: (16, 64)},
+    ("dq", "score"): {64: (64, 32), 128: (64, 32)},
+    # The dK/dV kernel that also adds dQ (five GEMMs, not deterministic) takes at most these query rows
+    # a pass (16 at head_dim 128: with 32 it went past the register limit tests/test_nvrtc.py keeps)
+    ("dkdv", "dq_atomic"): {64: (64, 64), 128: (16, 64)},
+}
+# With a bias or mask at head_dim 128 the dK/dV kernel that adds dQ went past the limit even so: those
+# calls keep the deterministic kernels.
 TC_ATOMIC_BUCKETS_PAIRS = (64,)
-# With a bias or a bool mask the forward takes 64 rows and 32 keys a pass, and asks ptxas for two CTAs
-# an SM (flash_fwd_tc.cu): larger tiles, or ptxas' own register heuristic, spilled with some of the
-# 24 sets of modifiers that hold a bias or mask (tests/test_nvrtc.py compiles all 24).
-TC_FORWARD_TILES_PAIRS = {64: (64, 32), 128: (64, 32)}
-# Split-KV forwards take half the keys a pass: the split's offsets and the float partial out took the
-# full tiles past the register limit, into spills. A decode's passes are few and memory-bound, so the
-# smaller tile costs little.
-TC_FORWARD_TILES_SPLIT = {64: (64, 32), 128: (64, 32)}
-TC_FORWARD_TILES_SPLIT_PAIRS = {64: (64, 32), 128: (64, 16)}  # and a bias or mask: 64 x 32 passed the limit at 128
 TC_TEMPLATES = ("flash_fwd_tc", "flash_fwd_tc_wide", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc")
 TC_FORWARD_TEMPLATES = TC_TEMPLATES[:2]
 
@@ -222,6 +227,13 @@ class Kernel:
         return GRIDS[self.template].loop
 
     @property
+    def bounds(self) -> Bounds | None:
+        """Its occupancy policy (the template's LAUNCH bounds), template arguments after the tile; None
+        for a kernel without a tile, whose __launch_bounds__ names its threads only."""
+        rule = LAUNCH[self.template].bounds
+        return None if rule is None else rule(self)
+
+    @property
     def name_expression(self) -> str:
         storage, acc = CUDA_TYPES[self.dtype]
         # tensor cores accumulate in float
@@ -229,6 +241,8 @@ class Kernel:
                 else [storage, acc])
         if self.head_dim:
             args += [str(self.head_dim), str(self.block_m), str(self.block_n)]
+        if self.bounds is not None:
+            args += self.bounds.template_args
         if self.mods or self.split or self.dq_atomic:
             args.append(str(self.mods))
         if self.split or self.dq_atomic:  # the kernel's last template flag: SPLIT, DQ_ATOMIC
@@ -238,13 +252,89 @@ class Kernel:
 
 @dataclass(frozen=True)
 class Launch:
-    """What a template's launches take besides its grid: `threads` a CTA, and `dynamic_smem(block_m,
+    """What a template's launches take besides its grid: `threads` a CTA; `dynamic_smem(block_m,
     block_n, row, dq_atomic)`, the bytes of dynamic shared memory (row: a tile row's elements,
-    tc_tile_row), or None for a kernel with static shared memory only. The layouts behind the formulas:
-    the module docstring's tables, and the kernels' headers."""
+    tc_tile_row), or None for a kernel with static shared memory only (the layouts behind the formulas:
+    the module docstring's tables, and the kernels' headers); and `bounds(kernel)`, its occupancy
+    policy (Bounds), or None for a template without those parameters."""
 
     threads: int = NUM_THREADS
     dynamic_smem: Callable | None = None
+    bounds: Callable | None = None
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A tiled kernel's occupancy policy, its template arguments after BLOCK_N: `min_ctas` (MIN_CTAS),
+    the CTAs an SM that ptxas must leave registers for (__launch_bounds__(threads, MIN_CTAS); 0 leaves
+    the count to ptxas' own heuristic), and `max_registers` (MAX_REGISTERS), a register cap a thread
+    (__maxnreg__), for the template that takes one; before CUDA 12.4, which brought __maxnreg__, that
+    kernel asks for min_ctas instead (CAPPED_BOUNDS, tc_tile.cuh). None: the template takes no cap."""
+
+    min_ctas: int
+    max_registers: int | None = None
+
+    @property
+    def template_args(self) -> list:
+        return [str(self.min_ctas)] + ([] if self.max_registers is None else [str(self.max_registers)])
+
+
+# The occupancy policy of each tiled template (LAUNCH's bounds). Where a figure behind a choice is a
+# register count, it is in benchmarks/results/tile_choices.md (`python -m flashcupy kernels` prints
+# today's).
+#
+# SIMT: tiles of up to 48 KiB leave room for 3 CTAs on an A100 SM (4 on an H100). Asking ptxas for 3
+# caps registers at 168 a thread, so registers do not cut occupancy below what shared memory allows;
+# the SIMT tile tables are chosen so that no kernel spills under that cap (tests/test_nvrtc.py).
+SIMT_MIN_CTAS = 3
+
+
+def _simt_bounds(kernel: Kernel) -> Bounds:
+    return Bounds(SIMT_MIN_CTAS)
+
+
+# Tensor cores: every loop over a tile is unrolled and ptxas hoists the ldmatrix of whole k-loops ahead
+# of their mmas, so a kernel takes what its bounds allow. Their minimum: 0 (ptxas' own choice, which
+# the tile tables were sized against) at HEAD_DIM 64 and 128; 1 at the others, where ptxas' heuristic
+# allowed some kernels fewer registers than they hold, and they spilled. Asking 1 at 64 and 128 too
+# took the forward with every modifier past the register limit tests/test_nvrtc.py keeps.
+def _tc_min_ctas(head_dim: int) -> int:
+    return 1 if head_dim % 64 else 0
+
+
+def _tc_forward_bounds(kernel: Kernel) -> Bounds:
+    """flash_fwd_tc: split-KV asks for one CTA an SM (left to its heuristic, ptxas allowed those too
+    few registers and they spilled); with a bias or a bool mask, two (up to 255 registers: ptxas' own
+    choice spilled in some of the 24 sets of modifiers that hold one)."""
+    if kernel.split:
+        return Bounds(1)
+    return Bounds(2 if kernel.mods & MOD_PAIRS else _tc_min_ctas(kernel.head_dim))
+
+
+# The wide forward (flash_fwd_tc_wide: WIDE_WARPS warps of two row tiles) under a register cap: left to
+# ptxas under __launch_bounds__ it took every register and spilled; each cap is one at which none of
+# the NVRTCs and archs that tests/test_nvrtc.py compiles for spills (it checks; the scan of caps:
+# benchmarks/results/tile_choices.md). NVRTCs before 12.4 get one CTA an SM, and may spill.
+WIDE_MAX_REGISTERS = 247
+WIDE_MAX_REGISTERS_WINDOW = 240
+
+
+def _tc_wide_bounds(kernel: Kernel) -> Bounds:
+    window = kernel.mods & MOD_BITS["window"]
+    return Bounds(1, WIDE_MAX_REGISTERS_WINDOW if window else WIDE_MAX_REGISTERS)
+
+
+# The backward takes every register its bounds allow: at HEAD_DIM 64 and 128, ptxas' own choice, 2
+# CTAs (8 warps) an SM by registers. Asking for 3 CTAs (168 registers a thread) makes ptxas spill, and
+# so did its own heuristic, which chose 3 (or 4) for some sets of modifiers that the NVRTC report does
+# not compile: dQ with any modifier, and dK/dV at HEAD_DIM 64 with softcap, ALiBi or a bias, ask for 2.
+def _tc_dkdv_bounds(kernel: Kernel) -> Bounds:
+    score_at_64 = kernel.mods & MOD_SCORE and kernel.head_dim == 64
+    return Bounds(2 if score_at_64 else _tc_min_ctas(kernel.head_dim))
+
+
+def _tc_dq_bounds(kernel: Kernel) -> Bounds:
+    return Bounds(2 if kernel.mods else _tc_min_ctas(kernel.head_dim))
 
 
 # The tensor-core kernels' shared memory, 2 bytes an element: the forward (Q_i; 2 x (K_j, V_j)), dK/dV
@@ -261,13 +351,16 @@ def _sm90_forward_smem(m: int, n: int, d: int, atomic: bool) -> int:
 
 
 LAUNCH = {
-    **{t: Launch() for t in ("flash_fwd", "flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq", "flash_probs",
-                             "flash_bwd_dbias", "flash_bwd_dq_convert")},
-    "flash_fwd_tc": Launch(dynamic_smem=_tc_forward_smem),
-    "flash_fwd_tc_wide": Launch(32 * WIDE_WARPS, _tc_forward_smem),
+    **{t: Launch(bounds=_simt_bounds) for t in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq", "flash_probs",
+                                                "flash_bwd_dbias")},
+    **{t: Launch() for t in ("flash_bwd_preprocess", "flash_bwd_dq_convert")},
+    "flash_fwd_tc": Launch(dynamic_smem=_tc_forward_smem, bounds=_tc_forward_bounds),
+    "flash_fwd_tc_wide": Launch(32 * WIDE_WARPS, _tc_forward_smem, _tc_wide_bounds),
     "flash_bwd_dkdv_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * n + 4 * m) * d * 2 + 2 * 2 * m * 4
-                               + atomic * (m * n * 2 + NUM_THREADS // 32 * 1024)),
-    "flash_bwd_dq_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * m + 4 * n) * d * 2),
+                               + atomic * (m * n * 2 + NUM_THREADS // 32 * 1024), bounds=_tc_dkdv_bounds),
+    "flash_bwd_dq_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * m + 4 * n) * d * 2, bounds=_tc_dq_bounds),
+    # the Hopper kernels: one CTA an SM, always (their __launch_bounds__(SM90_THREADS, 1): the register
+    # cap at entry that setmaxnreg needs), so no bounds rule
     "flash_fwd_sm90": Launch(SM90_THREADS, _sm90_forward_smem),
     # K_j, V_j; 2 x (Q_i, dO_i); each consumer's dSᵀ (64 keys x m); 2 x (lse_i, D_i); 1024 to align
     "flash_bwd_dkdv_sm90": Launch(SM90_THREADS, lambda m, n, d, atomic: (2 * n + 4 * m) * d * 2 + 2 * 64 * m * 2
@@ -412,13 +505,24 @@ def tc_tile_row(head_dim: int) -> int:
     return -(-head_dim // 64) * 64
 
 
+def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_atomic: bool = False) -> tuple:
+    """(BLOCK_M, BLOCK_N) of a tensor-core kernel, from TC_TILES: the forward's variant is split-KV's
+    (with or without a bias or mask), else the bias or mask's, else softcap or ALiBi's (MOD_SCORE),
+    else the plain one; the backward's MOD_SCORE's or the plain one, and with dQ by atomics dK/dV takes
+    the fewer query rows of that tile and the dq_atomic one."""
+    bucket = _tc_bucket(head_dim)
+    pairs, score = mods & MOD_PAIRS, mods & MOD_SCORE
+    if pass_ == "forward":
+        variant = ("split+pairs" if pairs else "split") if split else "pairs" if pairs else "score" if score else "plain"
+    else:
+        variant = "score" if score else "plain"
+    tile = TC_TILES[pass_, variant][bucket]
+    return min(tile, TC_TILES["dkdv", "dq_atomic"][bucket]) if dq_atomic else tile
+
+
 def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False) -> ModuleSpec:
     """The tensor-core forward for float16/bfloat16 and head_dim <= 128 (a multiple of 8)."""
-    bucket = _tc_bucket(head_dim)
-    tiles = ((TC_FORWARD_TILES_SPLIT_PAIRS if mods & MOD_PAIRS else TC_FORWARD_TILES_SPLIT) if split
-             else TC_FORWARD_TILES_PAIRS if mods & MOD_PAIRS else TC_FORWARD_TILES_SCORE if mods & MOD_SCORE
-             else TC_FORWARD_TILES)
-    bm, bn = tiles[bucket]
+    bm, bn = tc_tile("forward", head_dim, mods, split)
     template = "flash_fwd_tc_wide" if bm == WIDE_BLOCK_M else "flash_fwd_tc"
     return ModuleSpec("flash_fwd_tc.cu", (Kernel(template, _name(dtype), tc_head_dim(head_dim), bm, bn, mods, split),))
 
@@ -436,17 +540,14 @@ def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool 
     bucket = _tc_bucket(head_dim)
     dtype = _name(dtype)
     deterministic = deterministic or (mods & MOD_PAIRS != 0 and bucket not in TC_ATOMIC_BUCKETS_PAIRS)
-    tiles = (TC_BACKWARD_DKDV_TILES_SCORE if mods & MOD_SCORE else TC_BACKWARD_DKDV_TILES)[bucket]
-    if not deterministic:
-        tiles = min(tiles, TC_BACKWARD_DKDV_TILES_ATOMIC[bucket])  # the fewer query rows a pass
+    tiles = tc_tile("dkdv", head_dim, mods, dq_atomic=not deterministic)
     dkdv = Kernel("flash_bwd_dkdv_tc", dtype, tc_head_dim(head_dim), *tiles, mods, dq_atomic=not deterministic)
     if not deterministic:
         return ModuleSpec("flash_bwd_tc.cu", (Kernel("flash_bwd_preprocess", dtype, 0), dkdv,
                                              Kernel("flash_bwd_dq_convert", dtype, 0)))
     return ModuleSpec("flash_bwd_tc.cu", (
         Kernel("flash_bwd_preprocess", dtype, 0), dkdv,
-        Kernel("flash_bwd_dq_tc", dtype, tc_head_dim(head_dim),
-               *(TC_BACKWARD_DQ_TILES_SCORE if mods & MOD_SCORE else TC_BACKWARD_DQ_TILES)[bucket], mods),
+        Kernel("flash_bwd_dq_tc", dtype, tc_head_dim(head_dim), *tc_tile("dq", head_dim, mods), mods),
     ))
 
 

@@ -39,8 +39,8 @@
 #include "flash_bwd_common.cuh"
 #include "mask.cuh"
 
-template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
-__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0>
+__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const Acc, lse), const Acc* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
     PROBLEM_PARAMS(Acc)) {
@@ -109,8 +109,8 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dkdv(
     store_rows<R, HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, key0, seqlen_k, head_dim);
 }
 
-template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
-__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dq(
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0>
+__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const Acc, lse), const Acc* __restrict__ Dvec, TENSOR_PARAMS(T, dq), PROBLEM_PARAMS(Acc)) {
     constexpr int R = rows_per_warp<BLOCK_M>();
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dq(
         Acc S[R], dP[R];
         two_row_dots<R, BLOCK_N, HEAD_DIM>(S, dP, Q_s + warp * R * HEAD_DIM, K_s, dO_s + warp * R * HEAD_DIM, V_s);
         // dP becomes dS. lse and D are read on every pass: held in registers across the loop, they made
-        // ptxas spill float64 under the MIN_CTAS_PER_SM cap.
+        // ptxas spill float64 under the register cap of MIN_CTAS.
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const int i = row0 + r;

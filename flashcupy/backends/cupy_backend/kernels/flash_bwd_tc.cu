@@ -64,8 +64,8 @@
 //             K_s, V_s        2 x BLOCK_N x HEAD_DIM each   K_j, V_j of this pass and the next
 //             total (2 BLOCK_M + 4 BLOCK_N) HEAD_DIM 2 bytes
 //     Above 48 KiB the launcher raises max_dynamic_shared_size_bytes (sm_80+). The tiles per head
-//     dim are TC_BACKWARD_DKDV_TILES and TC_BACKWARD_DQ_TILES in specs.py; `python -m flashcupy
-//     kernels` prints each specialization's shared memory, registers, spills and HMMA count.
+//     dim are TC_TILES' dkdv and dq rows in specs.py; `python -m flashcupy kernels` prints each
+//     specialization's shared memory, registers, spills and HMMA count.
 //
 // Barriers, the same two per pass in both kernels, as in flash_fwd_tc.cu: after the cp.async wait
 // (the other threads' copies of this pass's stage, and in dK/dV the lse_i, D_i they stored, have
@@ -75,12 +75,10 @@
 // tests/test_cupy_backend.py removes each in turn under the emulator.
 //
 // Registers: every loop over a tile is unrolled and ptxas hoists the ldmatrix of whole k-loops ahead
-// of their mmas, so it takes what __launch_bounds__ allows (MIN_CTAS, tc_tile.cuh): 2 CTAs (8 warps)
-// an SM by registers. Asking for 3 CTAs (168 registers a thread) makes ptxas spill, and so did its own
-// heuristic, which chose 3 (or 4) for some sets of modifiers that the NVRTC report does not compile:
-// dQ with any modifier, and dK/dV at head_dim 64 with softcap, ALiBi or a bias, ask for 2. With any
-// modifier the S and dP products also run their k-steps as a loop (two_mma_abt's ROLLED, tc_tile.cuh),
-// which frees the registers the modifiers' work takes; the plain kernels keep the unrolled loop.
+// of their mmas, so it takes what __launch_bounds__ allows (MIN_CTAS, chosen by specs.py's Bounds,
+// which says why). With any modifier the S and dP products also run their k-steps as a loop
+// (two_mma_abt's ROLLED, tc_tile.cuh), which frees the registers the modifiers' work takes; the plain
+// kernels keep the unrolled loop.
 //
 // Requirements on the arguments, checked by the launcher (as for flash_fwd_tc): head_dim a multiple
 // of 8 and at most HEAD_DIM (columns past head_dim are zero-filled); q, k, v, dout and the outputs
@@ -145,8 +143,8 @@ __device__ __forceinline__ void atomic_dq(const Rows<float>& dQ, const T* dS_s, 
     }
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool DQ_ATOMIC = false>
-__global__ void __launch_bounds__(NUM_THREADS, (MODS & MOD_SCORE) && HEAD_DIM == 64 ? 2 : MIN_CTAS<HEAD_DIM>) flash_bwd_dkdv_tc(
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0, bool DQ_ATOMIC = false>
+__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
     PROBLEM_PARAMS(float), TENSOR_PARAMS(float, dqa)) {
@@ -268,8 +266,8 @@ __global__ void __launch_bounds__(NUM_THREADS, (MODS & MOD_SCORE) && HEAD_DIM ==
     }
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
-__global__ void __launch_bounds__(NUM_THREADS, MODS ? 2 : MIN_CTAS<HEAD_DIM>) flash_bwd_dq_tc(
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0>
+__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dq), PROBLEM_PARAMS(float)) {
     static_assert(BLOCK_M == 16 * NUM_WARPS, "each warp owns 16 query rows: one mma row tile");

@@ -37,10 +37,9 @@ constexpr int NUM_WARPS = 4;
 constexpr int NUM_THREADS = NUM_WARPS * WARP_SIZE;
 constexpr unsigned FULL_MASK = 0xffffffffu;
 constexpr int SMEM_LIMIT = 48 * 1024;  // static shared memory per CTA without an opt-in
-// Tiles of up to 48 KiB leave room for 3 CTAs on an A100 SM (4 on an H100). Asking ptxas for 3
-// caps registers at 168 per thread, so registers do not cut occupancy below what shared memory
-// allows; the tile tables are chosen so that no kernel spills under that cap (tests/test_nvrtc.py).
-constexpr int MIN_CTAS_PER_SM = 3;
+// A tiled kernel's occupancy policy comes as template parameters after BLOCK_N: MIN_CTAS, the CTAs an
+// SM of __launch_bounds__(threads, MIN_CTAS), and for the wide tensor-core forward MAX_REGISTERS, a
+// register cap. specs.py chooses them for every kernel (LAUNCH, Bounds) and says why.
 
 __device__ constexpr bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
 
@@ -266,7 +265,7 @@ __device__ __forceinline__ void row_dots(Acc (&S)[R], const Acc* A_s, const Acc*
     };
     if constexpr (sizeof(Acc) == 8) {
         // Not unrolled: the float64 loads (two registers each) that unrolling lets ptxas hoist took
-        // the backward kernels past the MIN_CTAS_PER_SM register cap, and spilled.
+        // the backward kernels past the register cap of their MIN_CTAS, and spilled.
 #pragma unroll 1
         for (int u = 0; u < STEPS; ++u) step(u);
     } else {

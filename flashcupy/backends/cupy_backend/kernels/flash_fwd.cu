@@ -30,8 +30,9 @@
 // s lse_split), which the launcher merges.
 //
 // Template parameters: T storage type, Acc accumulation type, HEAD_DIM the padded head dim
-// (32, 64, 128 or 256; the true head_dim is a runtime bound), BLOCK_M, BLOCK_N the tile, MODS the
-// score modifiers (mask.cuh; 0: none), SPLIT split-KV.
+// (32, 64, 128 or 256; the true head_dim is a runtime bound), BLOCK_M, BLOCK_N the tile, MIN_CTAS the
+// CTAs an SM ptxas leaves registers for (specs.py), MODS the score modifiers (mask.cuh; 0: none),
+// SPLIT split-KV.
 
 #include "flash_common.cuh"
 #include "mask.cuh"
@@ -50,8 +51,9 @@ __device__ __forceinline__ void online_softmax(Acc& s, Acc& m, Acc& l, Acc (&O_r
     scale_row(O_row, alpha);
 }
 
-template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool SPLIT = false>
-__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_fwd(
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0,
+          bool SPLIT = false>
+__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_fwd(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, Acc>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
     LSE_PARAMS(Acc, lse), PROBLEM_PARAMS(Acc), SPLIT_PARAMS) {

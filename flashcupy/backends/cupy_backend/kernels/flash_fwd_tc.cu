@@ -33,8 +33,8 @@
 //     K_s   2 x BLOCK_N x HEAD_DIM    K_j, V_j of this pass and the next: cp.async fills one stage
 //     V_s   2 x BLOCK_N x HEAD_DIM    while the other is computed on (double buffering)
 //     total (BLOCK_M + 4 BLOCK_N) HEAD_DIM 2 bytes; above 48 KiB the launcher raises
-//     max_dynamic_shared_size_bytes (sm_80+). The tiles per head dim are TC_FORWARD_TILES in
-//     flashcupy/backends/cupy_backend/specs.py; `python -m flashcupy kernels` prints each
+//     max_dynamic_shared_size_bytes (sm_80+). The tiles per head dim are TC_TILES' forward rows
+//     in flashcupy/backends/cupy_backend/specs.py; `python -m flashcupy kernels` prints each
 //     specialization's shared memory, registers, spills and HMMA count.
 //
 // Barriers, two per pass: after the cp.async wait (the other threads' copies of K_j, V_j, and on the
@@ -60,11 +60,9 @@
 // in float, and lse, at its split's offsets.
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 128),
-// BLOCK_M (16 M_TILES WARPS, M_TILES 1 or 2), BLOCK_N (a multiple of 16), MODS the score modifiers
-// (0: none), SPLIT split-KV (flash_fwd_tc only). The split kernels ask ptxas for one CTA an SM
-// (__launch_bounds__): left to its heuristic it allowed them too few registers and they spilled;
-// those with a bias or mask ask for two; the other 4-warp ones ask MIN_CTAS, and the wide one has a register cap
-// (tc_tile.cuh).
+// BLOCK_M (16 M_TILES WARPS, M_TILES 1 or 2), BLOCK_N (a multiple of 16), MIN_CTAS (and in the wide
+// kernel MAX_REGISTERS) the occupancy policy (specs.py's Bounds, which says why), MODS the score
+// modifiers (0: none), SPLIT split-KV (flash_fwd_tc only).
 
 #include "mask.cuh"
 #include "tc_tile.cuh"
@@ -217,13 +215,11 @@ __device__ __forceinline__ void flash_fwd_tc_cta(
 }
 
 // The entry points. flash_fwd_tc: NUM_WARPS warps of one or two row tiles, registers left to ptxas
-// (__launch_bounds__); with a bias or a bool mask it asks for two CTAs an SM (up to 255 registers):
-// left to its heuristic, ptxas allowed those fewer registers and spilled in some of the 24 sets of
-// modifiers that hold one (benchmarks/results/tile_choices.md). flash_fwd_tc_wide: WIDE_WARPS warps of
-// two row tiles under a register cap (WIDE_MAX_REGISTERS, tc_tile.cuh). specs.py says which head
-// dims and modifiers take which.
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool SPLIT = false>
-__global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : (MODS & MOD_PAIRS) ? 2 : MIN_CTAS<HEAD_DIM>) flash_fwd_tc(
+// (__launch_bounds__ with MIN_CTAS). flash_fwd_tc_wide: WIDE_WARPS warps of two row tiles under a
+// register cap (MAX_REGISTERS). specs.py says which head dims and modifiers take which, and the bounds
+// of each (Bounds).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0, bool SPLIT = false>
+__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_fwd_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
     LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {
@@ -235,8 +231,8 @@ __global__ void __launch_bounds__(NUM_THREADS, SPLIT ? 1 : (MODS & MOD_PAIRS) ? 
         TENSOR_ARGS(q), TENSOR_ARGS(k), TENSOR_ARGS(v), TENSOR_ARGS(out), LSE_ARGS(lse), PROBLEM_ARGS, SPLIT_ARGS);
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
-__global__ void WIDE_BOUNDS(MODS) flash_fwd_tc_wide(
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MAX_REGISTERS, int MODS = 0>
+__global__ void CAPPED_BOUNDS(WIDE_WARPS * WARP_SIZE, MIN_CTAS, MAX_REGISTERS) flash_fwd_tc_wide(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     T* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
     LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {

@@ -27,7 +27,7 @@
 //    Shared memory: Q_s, dO_s BLOCK_M x HEAD_DIM; K_s, V_s BLOCK_N x HEAD_DIM, in Acc (the dQ tiles,
 //    BACKWARD_DQ_TILES in specs.py); the row sum's NUM_WARPS x BLOCK_N partial sums reuse Q_s.
 //
-// Template parameters as flash_bwd.cu's: T, Acc, HEAD_DIM, BLOCK_M, BLOCK_N, MODS.
+// Template parameters as flash_bwd.cu's: T, Acc, HEAD_DIM, BLOCK_M, BLOCK_N, MIN_CTAS, MODS.
 
 #include "flash_bwd_common.cuh"
 #include "mask.cuh"
@@ -42,8 +42,8 @@ __device__ __forceinline__ void load_rows(Acc* tile, const Rows<const T>& src, c
     }
 }
 
-template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
-__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_probs(
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0>
+__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_probs(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), LSE_PARAMS(const Acc, lse), const long long* __restrict__ rows,
     int num_rows, Acc* __restrict__ P, index_t P_sb, index_t P_sh, index_t P_sr, index_t P_sk, PROBLEM_PARAMS(Acc)) {
     constexpr int R = rows_per_warp<BLOCK_M>();
@@ -76,8 +76,8 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_probs(
     }
 }
 
-template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS>
-__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) flash_bwd_dbias(
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS>
+__global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dbias(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const Acc, lse), const Acc* __restrict__ Dvec, void* __restrict__ dbias, index_t dbias_sb,
     index_t dbias_sh, index_t dbias_sq, index_t dbias_sk, int batch, int bias_batch, int bias_heads, int bias_rows,

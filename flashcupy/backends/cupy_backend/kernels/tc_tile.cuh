@@ -49,25 +49,16 @@ __device__ __forceinline__ float tc_softmax_scale(const ScoreT&, float scale_log
 // P = 2^x of x = a seen pair's final score - lse log2 e
 __device__ __forceinline__ float tc_prob(float x) { return ex2_approx(at_most_zero(x)); }
 
-// The kernels' __launch_bounds__ minimum of CTAs an SM: 0 (ptxas' own choice, which the tile tables
-// were sized against) at head dims 64 and 128; 1 at the others, where ptxas' heuristic allowed some
-// kernels fewer registers than they hold, and they spilled. Asking 1 at 64 and 128 too took the forward
-// with every modifier past the register limit tests/test_nvrtc.py keeps. The figures: benchmarks/results/tile_choices.md.
-template <int HEAD_DIM>
-constexpr int MIN_CTAS = HEAD_DIM % 64 ? 1 : 0;
-
-// The wide forward (flash_fwd_tc_wide in flash_fwd_tc.cu): WIDE_WARPS warps, each of two row tiles,
-// capped at WIDE_MAX_REGISTERS<MODS> registers a thread. Left to ptxas under __launch_bounds__ it took
-// every register and spilled; each cap is one at which none of the NVRTCs and archs that
-// tests/test_nvrtc.py compiles for spills (it checks; the scan of caps: benchmarks/results/tile_choices.md). __maxnreg__
-// came with CUDA 12.4: older NVRTCs get the launch bounds, and may spill.
+// The wide forward (flash_fwd_tc_wide in flash_fwd_tc.cu): WIDE_WARPS warps, each of two row tiles.
 constexpr int WIDE_WARPS = 8;
-template <int MODS>
-constexpr int WIDE_MAX_REGISTERS = (MODS & MOD_WINDOW) ? 240 : 247;
+
+// The bounds of a kernel under a register cap, MAX_REGISTERS a thread (the kernels' occupancy policy,
+// MIN_CTAS and MAX_REGISTERS, is specs.py's Bounds). __maxnreg__ came with CUDA 12.4: older NVRTCs get
+// __launch_bounds__ with MIN_CTAS instead, and may spill.
 #if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
-#define WIDE_BOUNDS(MODS) __maxnreg__(WIDE_MAX_REGISTERS<MODS>)
+#define CAPPED_BOUNDS(THREADS, MIN_CTAS, MAX_REGISTERS) __maxnreg__(MAX_REGISTERS)
 #else
-#define WIDE_BOUNDS(MODS) __launch_bounds__(WIDE_WARPS * WARP_SIZE, 1)
+#define CAPPED_BOUNDS(THREADS, MIN_CTAS, MAX_REGISTERS) __launch_bounds__(THREADS, MIN_CTAS)
 #endif
 
 // Element offset of 8-element chunk `chunk` of row `row` in a swizzled tile.
