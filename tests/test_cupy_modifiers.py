@@ -200,7 +200,7 @@ def test_rows_the_mask_hides_add_nothing_whatever_their_dout_holds(rng, monkeypa
 def test_modifiers_choose_their_own_specialisation(rng):
     # a call without modifiers launches the kernels it launched before modifiers existed (MODS left
     # out); each set of modifiers launches its own (the MODS template argument, after the tile and
-    # MIN_CTAS, specs.Bounds)
+    # MIN_CTAS, launch.Bounds)
     names = []
     q, k, v = make_qkv(rng, 1, 9, 9, 1, 1, 16, np.float32)
     with emulated(compile=recording(names)):

@@ -35,7 +35,7 @@
 //     Q_s, dO_s     STAGES x BLOCK_M x HEAD_DIM each   the ring: stage s holds pass p (p % STAGES == s)
 //     dS_s          CONSUMERS x 64 x BLOCK_M           each consumer's dSᵀ of this pass (keys x queries)
 //     stats_s       STAGES x 2 x BLOCK_M floats        lse_i log2 e, then D_i, per stage
-//     total (2 BLOCK_N + 4 BLOCK_M) HEAD_DIM 2 + 128 BLOCK_M + 16 BLOCK_M bytes + 1024 (specs.py: LAUNCH).
+//     total (2 BLOCK_N + 4 BLOCK_M) HEAD_DIM 2 + 128 BLOCK_M + 16 BLOCK_M bytes + 1024 (launch.py: LAUNCH).
 // mbarriers (static shared memory), and why each is waited on:
 //     kv_full       K_j and V_j have landed (the producer's arrive.expect_tx): before the first pass.
 //     full[s]       Q_i, dO_i of stage s have landed, and warp 1's 32 lanes have stored lse_i, D_i

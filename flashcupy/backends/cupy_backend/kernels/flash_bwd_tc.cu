@@ -75,7 +75,7 @@
 // tests/test_cupy_backend.py removes each in turn under the emulator.
 //
 // Registers: every loop over a tile is unrolled and ptxas hoists the ldmatrix of whole k-loops ahead
-// of their mmas, so it takes what __launch_bounds__ allows (MIN_CTAS, chosen by specs.py's Bounds,
+// of their mmas, so it takes what __launch_bounds__ allows (MIN_CTAS, chosen by launch.py's Bounds,
 // which says why). With any modifier the S and dP products also run their k-steps as a loop
 // (two_mma_abt's ROLLED, tc_tile.cuh), which frees the registers the modifiers' work takes; the plain
 // kernels keep the unrolled loop.

@@ -39,7 +39,7 @@ constexpr unsigned FULL_MASK = 0xffffffffu;
 constexpr int SMEM_LIMIT = 48 * 1024;  // static shared memory per CTA without an opt-in
 // A tiled kernel's occupancy policy comes as template parameters after BLOCK_N: MIN_CTAS, the CTAs an
 // SM of __launch_bounds__(threads, MIN_CTAS), and for the wide tensor-core forward MAX_REGISTERS, a
-// register cap. specs.py chooses them for every kernel (LAUNCH, Bounds) and says why.
+// register cap. launch.py chooses them for every kernel (LAUNCH, Bounds) and says why.
 
 __device__ constexpr bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
 

@@ -35,7 +35,7 @@
 //     Q_s   BLOCK_M x HEAD_DIM                      Q_i; at the end each consumer's O, for its TMA store
 //     K_s   STAGES x BLOCK_N x HEAD_DIM             the ring: stage s holds key block jb (jb % STAGES == s)
 //     V_s   STAGES x BLOCK_N x HEAD_DIM
-//     total (BLOCK_M + 2 STAGES BLOCK_N) HEAD_DIM 2 bytes + 1024 of alignment (specs.py: LAUNCH).
+//     total (BLOCK_M + 2 STAGES BLOCK_N) HEAD_DIM 2 bytes + 1024 of alignment (launch.py: LAUNCH).
 // mbarriers (static shared memory), and why each is waited on:
 //     q_full           Q_i's boxes have landed (count 1: the producer's arrive.expect_tx; the TMA
 //                      completes the bytes). Consumers wait before their first S = Q_i K_jᵀ.

@@ -61,7 +61,7 @@
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 128),
 // BLOCK_M (16 M_TILES WARPS, M_TILES 1 or 2), BLOCK_N (a multiple of 16), MIN_CTAS (and in the wide
-// kernel MAX_REGISTERS) the occupancy policy (specs.py's Bounds, which says why), MODS the score
+// kernel MAX_REGISTERS) the occupancy policy (launch.py's Bounds, which says why), MODS the score
 // modifiers (0: none), SPLIT split-KV (flash_fwd_tc only).
 
 #include "mask.cuh"

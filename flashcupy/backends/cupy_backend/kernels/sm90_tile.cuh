@@ -17,7 +17,7 @@
 #include "tc_tile.cuh"
 
 constexpr int SM90_CONSUMERS = 2;                          // consumer warpgroups, 64 rows of the product each
-constexpr int SM90_THREADS = 128 * (1 + SM90_CONSUMERS);   // specs.py's LAUNCH says the same
+constexpr int SM90_THREADS = 128 * (1 + SM90_CONSUMERS);   // launch.py's LAUNCH says the same
 constexpr int SM90_STAGES = 2;                             // stages of a TMA ring
 // setmaxnreg: the producer needs few registers, the consumers hold the accumulators (FA3's split for
 // two consumer warpgroups); 24 x 128 + 240 x 256 fits the SM's 64 Ki registers

@@ -53,7 +53,7 @@ __device__ __forceinline__ float tc_prob(float x) { return ex2_approx(at_most_ze
 constexpr int WIDE_WARPS = 8;
 
 // The bounds of a kernel under a register cap, MAX_REGISTERS a thread (the kernels' occupancy policy,
-// MIN_CTAS and MAX_REGISTERS, is specs.py's Bounds). __maxnreg__ came with CUDA 12.4: older NVRTCs get
+// MIN_CTAS and MAX_REGISTERS, is launch.py's Bounds). __maxnreg__ came with CUDA 12.4: older NVRTCs get
 // __launch_bounds__ with MIN_CTAS instead, and may spill.
 #if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
 #define CAPPED_BOUNDS(THREADS, MIN_CTAS, MAX_REGISTERS) __maxnreg__(MAX_REGISTERS)
