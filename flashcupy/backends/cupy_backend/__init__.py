@@ -36,7 +36,6 @@ which runs these same kernels and this same launch code without a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import numpy as np
@@ -44,6 +43,7 @@ import numpy as np
 from ... import _merge, backends
 from ..._problem import LOG2E
 from . import sources, specs, tensor_maps
+from .runtime import Runtime, cupy_runtime
 
 NAME = "cupy"
 ARRAY_LIBRARIES = ("cupy",)
@@ -58,64 +58,13 @@ USE_TENSOR_CORES = True
 USE_WGMMA = True
 
 
-class Runtime:
-    """What the backend takes from CUDA.
-
-    xp: the array module outputs and workspaces are allocated with (cupy).
-    compile_module(source, name_expressions, options): an object whose get_function(name) gives
-        a kernel callable as kernel(grid, block, args), like cupy.RawModule; it should be memoized.
-    device_of(x): a context manager that makes x's device current (cupy: x.device).
-    compute_capability(x): of x's device, as an int (80 for sm_80).
-    data_ptr(x): the address of x's first element.
-    device_id(x): which device x lives on (kernel handles are kept per device).
-    sm_count(x): the streaming multiprocessors of x's device (split-KV fills them: split_plan).
-    tensor_map(x, arguments, dtype_name): the kernel argument that is the TMA tensor map of array x
-        with tensor_maps.TiledArguments `arguments` (the driver's map on a GPU, the emulator's own
-        under it); dtype_name the values' dtype ("bfloat16" for uint16 bits).
-    compile_module is also handed modules whose options name an -arch (ModuleSpec.arch: sm_90a),
-    compiled for that architecture rather than the device's (cubin.py on a GPU).
-    """
-
-    def __init__(self, xp, compile_module, device_of=None, compute_capability=None, data_ptr=None,
-                 device_id=None, sm_count=None, tensor_map=None):
-        self.xp = xp
-        self.compile_module = compile_module
-        self.device_of = device_of or (lambda x: contextlib.nullcontext())
-        self.compute_capability = compute_capability or (lambda x: 90)
-        self.data_ptr = data_ptr or (lambda x: x.ctypes.data)
-        self.device_id = device_id or (lambda x: 0)
-        self.sm_count = sm_count or (lambda x: 132)  # an H100's or H200's
-        self.tensor_map = tensor_map
-        self.functions = {}  # (device, ModuleSpec) -> its kernels, ready to launch
-
-
-runtime: Runtime | None = None  # the runtime in use; the CuPy one is created at first use
-
-
-def _cupy_runtime() -> Runtime:
-    import cupy
-
-    from . import cubin, tensor_maps
-
-    @cupy.memoize(for_each_device=True)
-    def compile_module(source, name_expressions, options):
-        if any(option.startswith("-arch") for option in options):  # an arch CuPy's own -arch cannot name
-            return cubin.CubinModule(cupy, source, name_expressions, options)
-        return cupy.RawModule(code=source, options=options, name_expressions=name_expressions)
-
-    def tensor_map(x, arguments, dtype_name):
-        return tensor_maps.gpu_tensor_map_bytes(x.data.ptr, dtype_name, arguments)
-
-    return Runtime(cupy, compile_module, lambda x: x.device,
-                   lambda x: int(cupy.cuda.Device(x.device.id).compute_capability), lambda x: x.data.ptr,
-                   lambda x: x.device.id,
-                   lambda x: int(cupy.cuda.Device(x.device.id).attributes["MultiProcessorCount"]), tensor_map)
+runtime: Runtime | None = None  # the runtime in use; the CuPy one (runtime.cupy_runtime) is created at first use
 
 
 def _runtime() -> Runtime:
     global runtime
     if runtime is None:
-        runtime = _cupy_runtime()
+        runtime = cupy_runtime()
     return runtime
 
 
