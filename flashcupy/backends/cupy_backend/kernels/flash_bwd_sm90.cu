@@ -178,11 +178,8 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         const bool partial = mask.partial(i0, blk.j0);
         const auto score = MAKE_SCORE(T, float, MODS, blk.b, h, scale_log2, LOG2E);
         for_each_element([&](int r, int col, float& x, float& dp) {
-            const bool hidden = TC_PAIR_HIDDEN(partial, i0 + col, key_w + r);
-            float t = 0.0f;
-            const float P = hidden ? 0.0f : tc_prob(tc_final_score(score, x, i0 + col, key_w + r, t, scale_log2) - lse_i[col]);
-            x = P;
-            dp = ds(score, P, dp, D_i[col], t);
+            tc_p_ds(score, TC_PAIR_HIDDEN(partial, i0 + col, key_w + r), false, i0 + col, key_w + r, x, dp, lse_i[col],
+                    D_i[col], scale_log2);
         }, S, dP);
         unsigned Pa[Q_STEPS][4], dSa[Q_STEPS][4];
 #pragma unroll

@@ -226,12 +226,9 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
         const bool partial = (MODS & MOD_MASK) != 0 || mask.partial(i0, blk.j0);  // the bool mask: any tile
         const int h = blk.kv_head * group + p / q_blocks;
         const auto score = MAKE_SCORE(T, float, MODS, blk.b, h, scale_log2, LOG2E);
-        for_each_element([&](int r, int c, float& s, float& dp) {
-            const bool hidden = TC_PAIR_HIDDEN(partial, i0 + c, key_w + r);
-            float t = 0.0f;
-            const float P = hidden ? 0.0f : tc_prob(tc_final_score(score, s, i0 + c, key_w + r, t, scale_log2) - lse_i[c]);
-            s = P;
-            dp = (MODS & MOD_MASK) != 0 && hidden ? 0.0f : ds(score, P, dp, D_i[c], t);  // see seen_row
+        for_each_element([&](int r, int c, float& s, float& dp) {  // a hidden row's dS 0 with the bool mask: see seen_row
+            tc_p_ds(score, TC_PAIR_HIDDEN(partial, i0 + c, key_w + r), (MODS & MOD_MASK) != 0, i0 + c, key_w + r, s, dp,
+                    lse_i[c], D_i[c], scale_log2);
         }, S, dP);
 
         if constexpr (DQ_ATOMIC) {  // dS, transposed back, for this pass's dQ_i (the previous pass's readers are done)

@@ -61,6 +61,19 @@ constexpr int WIDE_WARPS = 8;
 #define CAPPED_BOUNDS(THREADS, MIN_CTAS, MAX_REGISTERS) __launch_bounds__(THREADS, MIN_CTAS)
 #endif
 
+// Pᵀ and dSᵀ of one element of the transposed backward's tiles (flash_bwd_tc.cu's dK/dV kernel,
+// flash_bwd_sm90.cu), in place: s, Sᵀ's raw score of key j and query i, becomes P; dp becomes dS.
+// lse_log2: lse_i log2 e (+inf where P must be 0), D: D_i; hidden: the pair is masked (P = 0), and
+// with zero_hidden_ds its dS is 0 whatever dp holds (a NaN in a hidden row's dout: flash_bwd_tc.cu).
+template <typename ScoreT>
+__device__ __forceinline__ void tc_p_ds(const ScoreT& score, bool hidden, bool zero_hidden_ds, int i, int j, float& s,
+                                        float& dp, float lse_log2, float D, float scale_log2) {
+    float t = 0.0f;
+    const float P = hidden ? 0.0f : tc_prob(tc_final_score(score, s, i, j, t, scale_log2) - lse_log2);
+    s = P;
+    dp = zero_hidden_ds && hidden ? 0.0f : ds(score, P, dp, D, t);
+}
+
 // Element offset of 8-element chunk `chunk` of row `row` in a swizzled tile.
 template <int HEAD_DIM>
 __device__ __forceinline__ int swizzled(int row, int chunk) {
