@@ -160,24 +160,13 @@ def test_a_packed_batch_takes_the_hopper_forward_too(rng):
 
 
 # The synchronisation of the Hopper kernels, found in their text: each call removed in turn must give a
-# wrong answer or an emulator error (KernelError: a proxy or wgmma misuse; DeadlockError: a wait that
-# can never end) under some thread order. wgmma_fence_operand is no instruction (it keeps the compiler
+# wrong answer or an emulator error (KernelError: a proxy, wgmma, mbarrier or bulk-group misuse;
+# DeadlockError: a wait that can never end) under some thread order. wgmma_fence_operand is no instruction (it keeps the compiler
 # from moving register accesses across a wait), so the emulator cannot miss it and it is not listed.
 SYNC = re.compile(r"\b(?:__syncthreads\(\)|mbarrier_wait_parity\([^;]*\)|mbarrier_arrive\([^;]*\)|"
                   r"mbarrier_init_fence\(\)|wgmma_fence\(\)|wgmma_wait_group<\d+>\(\)|wgmma_commit_group\(\)|"
                   r"fence_proxy_async\(\)|named_barrier_sync\([^;]*\)|named_barrier_arrive\([^;]*\)|"
                   r"tma_store_wait_group_read<\d+>\(\)|tma_store_commit_group\(\));")
-
-
-# Removing these is invisible to the emulator (not modelled yet), each for its reason; they are left out
-# of the test below, and test_the_sync_points_are_found keeps the list exact.
-INVISIBLE = {
-    "__syncthreads": "after the mbarrier inits: every consumer warpgroup first meets at its setmaxnreg, a "
-                     "rendezvous the emulator completes only after thread 0 has run its inits, in every order",
-    "mbarrier_init_fence": "the emulator's mbarrier_init is visible to every thread and to TMA at once",
-    "tma_store_commit_group": "the emulator's TMA store reads its source at issue",
-    "tma_store_wait_group_read": "the emulator's TMA store reads its source at issue",
-}
 
 
 def _calls(kernel):
@@ -190,21 +179,35 @@ def _name(call):
     return re.split(r"[(<]", call)[0]
 
 
-SYNC_POINTS = [(kernel, n) for kernel in KERNELS for n, call in _calls(kernel) if _name(call) not in INVISIBLE]
+def _tagged(kernel, n, tag):
+    """Whether line n of kernels/`kernel`, or the comment line just above it, carries `tag`."""
+    with open(f"{sources.KERNEL_DIR}/{kernel}", encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    return tag in lines[n - 1] or tag in lines[n - 2]
+
+
+# Two kinds of call are not about ordering, so removing them changes no result and the emulator cannot
+# see it: "[registers]", a wgmma wait that frees registers before more accumulators are live (removed,
+# ptxas serialises the wgmma pipeline: test_a_wait_for_registers_is_needed checks that with NVRTC), and
+# "[pingpong]", the consumers' turns, a schedule for the tensor cores (only a GPU's timing shows it).
+REGISTERS, PINGPONG = "[registers]", "[pingpong]"
+SYNC_POINTS = [(kernel, n) for kernel in KERNELS for n, call in _calls(kernel)
+               if not _tagged(kernel, n, REGISTERS) and not _tagged(kernel, n, PINGPONG)]
+REGISTER_POINTS = [(kernel, n) for kernel in KERNELS for n, call in _calls(kernel) if _tagged(kernel, n, REGISTERS)]
 # forward: 2 query blocks, 3 key blocks; backward: 3 key blocks, 3 passes: both rings' stages reused
 SYNC_PROBLEM = (1, 130, 260, 1, 1, 64, True)
 
 
 def test_the_sync_points_are_found():
+    assert len(REGISTER_POINTS) == 2
+    pingpong = [(k, n) for k in KERNELS for n, call in _calls(k) if _tagged(k, n, PINGPONG)]
+    assert [_name(call) for k, n in pingpong for m, call in _calls(k) if m == n] == ["named_barrier_sync"]
     for kernel in KERNELS:
         names = [_name(call) for _, call in _calls(kernel)]
         assert {"mbarrier_wait_parity", "mbarrier_arrive", "wgmma_fence", "wgmma_wait_group", "wgmma_commit_group",
                 "fence_proxy_async", "named_barrier_sync"} <= set(names), kernel
-    # each call the emulator cannot see stands once in a kernel, where its reason says (the TMA store's in
-    # the forward only)
-    names = [_name(call) for kernel in KERNELS for _, call in _calls(kernel)]
-    assert sorted({n for n in names if n in INVISIBLE}) == sorted(INVISIBLE)
-    assert all(names.count(n) == (2 if n in ("__syncthreads", "mbarrier_init_fence") else 1) for n in INVISIBLE)
+        assert {"__syncthreads", "mbarrier_init_fence"} <= set(names), kernel
+    assert {"tma_store_commit_group", "tma_store_wait_group_read"} <= {_name(call) for _, call in _calls(KERNELS[0])}
 
 
 def _without(kernel, lineno, tmp_path, pattern=SYNC, replacement=";"):
@@ -244,6 +247,31 @@ def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew
 def test_each_barrier_wait_and_fence_is_needed(rng, tmp_path, kernel, lineno):
     call, original, mutant = _without(kernel, lineno, tmp_path)
     assert _bitten(rng, original, mutant), f"removing {call} on {kernel}:{lineno} went unnoticed under every order"
+
+
+def test_the_wait_for_registers_is_needed(tmp_path):
+    # the commit and the wait of the backward's dV, dK wgmma, removed together (one without the other
+    # changes nothing): dQ's accumulators are then live beside theirs and ptxas serialises the pipeline
+    from flashcupy.tools import nvrtc
+
+    (kernel,) = {k for k, _ in REGISTER_POINTS}
+    mutant_dir = tmp_path / "kernels"
+    shutil.copytree(sources.KERNEL_DIR, mutant_dir)
+    lines = (mutant_dir / kernel).read_text(encoding="utf-8").splitlines(keepends=True)
+    for _, n in REGISTER_POINTS:
+        lines[n - 1] = lines[n - 1].replace(SYNC.search(lines[n - 1]).group(0), ";", 1)
+    (mutant_dir / kernel).write_text("".join(lines), encoding="utf-8")
+    with mock.patch.object(sources, "KERNEL_DIR", str(mutant_dir)):
+        mutant = sources.read_source(kernel)
+    (module,) = [m for m in specs.sm90_modules() if m.source_file == kernel and m.kernels[1].head_dim == 128
+                 and m.kernels[1].dtype == "float16" and not m.kernels[1].mods]
+    try:
+        toolkit = nvrtc.cupy_toolkit()
+    except nvrtc.NvrtcError as e:
+        pytest.skip(f"no NVRTC: {e}")
+    options = sources.arch_options(specs.SM90_ARCH) + (f"-I{toolkit.include}", "-Xptxas=-v")
+    log, _, _ = nvrtc.compile_cubin(mutant, module.name_expressions[1:2], options, toolkit)
+    assert re.search(r"C751\d.*serialized", log), "without the wait for registers ptxas still pipelines the wgmma"
 
 
 def test_a_dropped_dq_reduction_is_caught(rng, tmp_path):

@@ -32,6 +32,11 @@ CXXFLAGS = (
     "-ftrivial-auto-var-init=pattern",  # uninitialised locals hold garbage, like registers
     "-fstack-clash-protection",        # a huge local array hits the stack's guard page
     "-U_FORTIFY_SOURCE",               # siglongjmp between fiber stacks is intended
+    # a template kernel's static __shared__ objects are function-local statics, which g++ otherwise makes
+    # STB_GNU_UNIQUE: the dynamic linker then binds every module that instantiates the same kernel (a
+    # test's mutant beside the original) to the first one loaded's objects, outside the later one's
+    # shared memory
+    "-fno-gnu-unique",
 )
 # A counting build (EmulatedModule(counters=True)): g++ calls the runtime before every load and
 # store the kernel makes (-fsanitize=kernel-address's callbacks, no shadow memory, no stack or

@@ -205,10 +205,11 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
 #pragma unroll
         for (int kt = 0; kt < Q_STEPS; ++kt)
             wgmma_rs<T, HEAD_DIM, true>(&dK[0][0], dSa[kt], mn_major<BLOCK_M>(Q_i, kt), true);
-        wgmma_commit_group();
         // Pa and dSa are free once these land: with dQ's accumulators too, the registers ran out at head_dim
-        // 128 and ptxas serialised the wgmma (C7512)
-        wgmma_wait_group<0>();
+        // 128 and ptxas serialised the wgmma (C7512). For registers, not ordering: test_hopper_kernels.py
+        // checks these two with NVRTC
+        wgmma_commit_group();     // [registers]
+        wgmma_wait_group<0>();    // [registers]
 
         // dQ_i += dS K_c, the consumer's 64 keys; added into the workspace
         named_barrier_sync(1 + c, 128);  // every thread of the consumer has stored and fenced its dSᵀ rows

@@ -182,6 +182,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     // consumers' 256 threads: one waits, the other arrives), so that one's softmax runs while the
     // other's wgmma keep the tensor cores busy. Consumer 0 goes first; each of the blocks + 1 turns
     // ends by letting the other go, except consumer 1's last (nobody waits for it).
+    // [pingpong] scheduling, not ordering: no result depends on it (tests/test_hopper_kernels.py says so)
     const auto my_turn = [&] { named_barrier_sync(3 + c, 256); };
     const auto your_turn = [&](int turn) {
         if (c == 0 || turn < blocks) named_barrier_arrive(3 + (1 - c), 256);

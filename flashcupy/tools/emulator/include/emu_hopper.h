@@ -61,14 +61,17 @@ void mbarrier_arrive(void* bar, unsigned expect_tx_bytes);
 // What a TMA copy does to the barrier it signals as it lands (runtime/hopper.h; hopper.cuh's
 // mbarrier_complete_tx is the same operation issued by a thread).
 void mbarrier_complete_tx(void* bar, unsigned bytes);
+void mbarrier_complete_tx_async(void* bar, unsigned bytes);  // a TMA's: the init must have been fenced
+void mbarrier_init_fence();
 bool mbarrier_try_wait_parity(void* bar, unsigned parity);
 void named_barrier(unsigned id, unsigned count, bool wait);
 void setmaxnreg(unsigned regs, bool increase);
 }  // namespace emu
 
 inline void mbarrier_init(unsigned long long* bar, unsigned count) { emu::mbarrier_init(bar, count); }
-// Fibers share one address space and run one at a time: the init is visible at once.
-inline void mbarrier_init_fence() {}
+// Marks this thread's inits as fenced for the async proxy: a TMA completing a transaction on a barrier
+// whose init was not fenced is a KernelError (runtime/hopper.h).
+inline void mbarrier_init_fence() { emu::mbarrier_init_fence(); }
 inline void mbarrier_arrive(unsigned long long* bar) { emu::mbarrier_arrive(bar, 0); }
 inline void mbarrier_arrive_expect_tx(unsigned long long* bar, unsigned bytes) { emu::mbarrier_arrive(bar, bytes); }
 inline void mbarrier_complete_tx(unsigned long long* bar, unsigned bytes) { emu::mbarrier_complete_tx(bar, bytes); }

@@ -107,6 +107,16 @@ struct PendingCopy {
     bool landed;  // written already (cp_async_eager), still to be waited for
 };
 
+// One TMA load in flight (runtime/tma.h): checked when issued, its box copied when a thread waits on its
+// mbarrier (a GPU's copy lands some time after the issue; a reader that skips the wait reads stale bytes).
+struct PendingTmaLoad {
+    void* dst;
+    const void* map;
+    int rank;
+    int coords[5];
+    std::uintptr_t bar;
+};
+
 struct Fiber {
     Context context;
     State state;
@@ -119,6 +129,8 @@ struct Fiber {
     std::uintptr_t mbarrier;  // kAtMbarrier: the barrier's address
     unsigned parity;          // kAtMbarrier: the parity of the phase awaited
     unsigned named_id;        // kAtNamed: the named barrier
+    int bulk_open;            // TMA stores issued and not yet committed (cp.async.bulk.commit_group)
+    int bulk_reading;         // committed bulk groups not yet waited for (cp.async.bulk.wait_group.read)
 };
 
 // An mbarrier object (emu_hopper.h): the state the PTX ISA describes, kept beside shared memory.
@@ -127,6 +139,9 @@ struct Mbarrier {
     unsigned expected;   // the init count: arrivals each phase waits for
     unsigned pending;    // arrivals still to come in the current phase
     long tx;             // bytes expected (expect_tx) and not yet completed (complete_tx)
+    std::size_t init_thread;  // the thread that initialised it
+    unsigned long epoch;      // the block's barrier epoch at the init (Launch::barrier_epoch)
+    bool fenced;              // its initialiser has run fence.mbarrier_init since
 };
 
 // One of a block's 16 named barriers (bar.sync / bar.arrive): the instance in progress.
@@ -152,6 +167,8 @@ struct Launch {
     sigjmp_buf escape;
     struct Counting* counting = nullptr;  // set for a counted launch (config->count)
     std::unordered_map<std::uintptr_t, Mbarrier> mbarriers;  // this block's, by address
+    unsigned long barrier_epoch = 0;  // __syncthreads and named barriers completed by this block
+    std::vector<PendingTmaLoad> tma_loads;  // issued, not landed (runtime/tma.h)
     NamedBarrier named[16];
     std::vector<unsigned> maxnreg;  // per warpgroup: the cap its last setmaxnreg set (0: none yet)
 };
@@ -190,6 +207,13 @@ void fiber_start() {
                 "copies of an exited CTA may land in shared memory that the next CTA on the SM already "
                 "owns; wait for every group (cp.async.wait_group 0) before exiting, or issue none",
                 self.copies.size(), self.copies.size() == 1 ? "y" : "ies", uncommitted);
+    }
+    if (self.bulk_open || self.bulk_reading) {
+        record_thread(self);
+        abandon(kTrap,
+                "the thread exited with %d TMA store(s) not committed (cp.async.bulk.commit_group) and %d bulk "
+                "group(s) not waited for (cp.async.bulk.wait_group.read 0): a store may still read the shared "
+                "memory that the next CTA on the SM already owns", self.bulk_open, self.bulk_reading);
     }
     self.state = State::kDone;
     switch_context(self.context, active->scheduler);

@@ -23,13 +23,28 @@ namespace {
 
 constexpr long kMbarrierLimit = (1l << 20) - 1;  // the ISA's range of the counts and the tx-count
 
+void land_tma_loads(std::uintptr_t bar);  // runtime/tma.h
+bool land_awaited_tma_loads();
+
+std::size_t self_index() { return static_cast<std::size_t>(active->current - active->fibers.data()); }
+
+// A thread's use of a barrier: initialised, and by another thread only once a block barrier
+// (__syncthreads, a named barrier) has completed since the init, which orders it before the use
 Mbarrier& mbarrier_at(void* bar, const char* what) {
     emu::check_shared(bar, 8, 8, what);
-    auto it = active->mbarriers.find(reinterpret_cast<std::uintptr_t>(bar));
+    const auto address = reinterpret_cast<std::uintptr_t>(bar);
+    auto it = active->mbarriers.find(address);
     if (it == active->mbarriers.end())
         misuse("%s: the mbarrier at %s was not initialised (mbarrier.init) in this block", what,
-               shared_place(reinterpret_cast<std::uintptr_t>(bar)).c_str());
-    return it->second;
+               shared_place(address).c_str());
+    Mbarrier& b = it->second;
+    if (active->current && self_index() != b.init_thread && active->barrier_epoch == b.epoch) {
+        const Fiber& init = active->fibers[b.init_thread];
+        misuse("%s: the mbarrier at %s was initialised by thread (%u,%u,%u) and no barrier (__syncthreads, "
+               "bar.sync) has completed since: nothing orders the init before this thread's use", what,
+               shared_place(address).c_str(), init.tid.x, init.tid.y, init.tid.z);
+    }
+    return b;
 }
 
 // The phase completes once nothing is pending: the next begins, and its waiters wake.
@@ -53,7 +68,25 @@ void emu::mbarrier_init(void* bar, unsigned count) {
         if (f.state == State::kAtMbarrier && f.mbarrier == address)
             misuse("mbarrier.init of the mbarrier at %s while thread (%u,%u,%u) waits on it",
                    shared_place(address).c_str(), f.tid.x, f.tid.y, f.tid.z);
-    active->mbarriers[address] = Mbarrier{0, count, count, 0};
+    active->mbarriers[address] = Mbarrier{0, count, count, 0, self_index(), active->barrier_epoch, false};
+}
+
+void emu::mbarrier_init_fence() {
+    for (auto& [address, b] : active->mbarriers)
+        if (b.init_thread == self_index()) b.fenced = true;
+}
+
+// What a TMA load does as it lands: complete_tx, by the async proxy, which sees the init only
+// through fence.mbarrier_init in the initialising thread
+void emu::mbarrier_complete_tx_async(void* bar, unsigned bytes) {
+    Mbarrier& b = mbarrier_at(bar, "cp.async.bulk.tensor's complete_tx");
+    if (!b.fenced) {
+        const Fiber& init = active->fibers[b.init_thread];
+        misuse("cp.async.bulk.tensor completes a transaction on the mbarrier at %s, which thread (%u,%u,%u) "
+               "initialised without fence.mbarrier_init after: the async proxy may not see the init",
+               shared_place(reinterpret_cast<std::uintptr_t>(bar)).c_str(), init.tid.x, init.tid.y, init.tid.z);
+    }
+    mbarrier_complete_tx(bar, bytes);
 }
 
 void emu::mbarrier_arrive(void* bar, unsigned expect_tx_bytes) {
@@ -82,6 +115,8 @@ void emu::mbarrier_complete_tx(void* bar, unsigned bytes) {
 }
 
 bool emu::mbarrier_try_wait_parity(void* bar, unsigned parity) {
+    mbarrier_at(bar, "mbarrier.try_wait.parity");
+    land_tma_loads(reinterpret_cast<std::uintptr_t>(bar));  // the TMA loads that complete on it land now
     Mbarrier& b = mbarrier_at(bar, "mbarrier.try_wait.parity");
     Fiber& self = *active->current;
     if ((b.phase & 1u) == (parity & 1u)) {  // the phase of this parity is the current one: not complete
@@ -109,6 +144,7 @@ void emu::named_barrier(unsigned id, unsigned count, bool wait) {
         for (Fiber& f : active->fibers)
             if (f.state == State::kAtNamed && f.named_id == id) f.state = State::kRunnable;
         b = NamedBarrier{};
+        ++active->barrier_epoch;
         return;
     }
     if (wait) {

@@ -11,7 +11,7 @@
 namespace {
 void proxy_generic_write(std::uintptr_t a, std::size_t bytes);
 void proxy_async_write(std::uintptr_t a, std::size_t bytes);
-void proxy_async_read(std::uintptr_t a, std::size_t bytes, const Fiber& reader, const char* what);
+void proxy_async_read(std::uintptr_t a, std::size_t bytes, const Fiber& reader, const char* what, unsigned long issued);
 }  // namespace
 
 // ----------------------------------------------------------------------------

@@ -15,7 +15,10 @@
 // checked: reads are not instrumented). An async-proxy read (a wgmma operand as the operation
 // completes, a TMA store's source at issue) of a byte whose last generic write is not yet
 // fenced by its writer is a KernelError naming the writer (the reported thread), the reader,
-// the byte's shared-window address and the instruction.
+// the byte's shared-window address and the instruction. So is one whose last generic write, by
+// another thread than the reader, no block barrier (__syncthreads, a named barrier) separates from the
+// reading instruction's issue: its writer's fence alone does not order the store before another warp
+// issues the wgmma (or the TMA store) that reads it.
 //
 // Only modules that include hopper.cuh (from the source or an -I header) record generic writes
 // (build.py compiles them with store-only -fsanitize=kernel-address callbacks and defines
@@ -31,6 +34,7 @@ struct ProxyState {
     // per window byte: 0 (no generic write pending) or (fences << 16 | writer + 1)
     std::vector<std::uint64_t> shadow;
     std::vector<std::uint64_t> fences;  // per fiber: fence.proxy.async executed in this block
+    std::vector<unsigned long> epochs;  // per window byte: the block's barrier epoch at its last generic write
 };
 ProxyState proxy;
 
@@ -41,6 +45,7 @@ void proxy_reset_block(Launch& l) {
     if (__start_emu_shared)
         bytes = static_window_base() + (reinterpret_cast<std::uintptr_t>(__stop_emu_shared) - static_window_lo());
     proxy.shadow.assign(bytes, 0);
+    proxy.epochs.assign(bytes, 0);
     proxy.fences.assign(l.fibers.size(), 0);
 }
 
@@ -61,7 +66,10 @@ void proxy_generic_write(std::uintptr_t a, std::size_t bytes) {
     const std::size_t self = static_cast<std::size_t>(active->current - active->fibers.data());
     const std::uint64_t entry = proxy.fences[self] << 16 | (self + 1);
     const std::size_t end = std::min(proxy.shadow.size(), static_cast<std::size_t>(w) + bytes);
-    for (std::size_t i = static_cast<std::size_t>(w); i < end; ++i) proxy.shadow[i] = entry;
+    for (std::size_t i = static_cast<std::size_t>(w); i < end; ++i) {
+        proxy.shadow[i] = entry;
+        proxy.epochs[i] = active->barrier_epoch;
+    }
 }
 
 void proxy_async_write(std::uintptr_t a, std::size_t bytes) {
@@ -72,8 +80,8 @@ void proxy_async_write(std::uintptr_t a, std::size_t bytes) {
     for (std::size_t i = static_cast<std::size_t>(w); i < end; ++i) proxy.shadow[i] = 0;
 }
 
-// `reader` reads `bytes` at host address a through the async proxy, in `what`.
-void proxy_async_read(std::uintptr_t a, std::size_t bytes, const Fiber& reader, const char* what) {
+// `reader` reads `bytes` at host address a through the async proxy, in `what`, issued at barrier epoch `issued`.
+void proxy_async_read(std::uintptr_t a, std::size_t bytes, const Fiber& reader, const char* what, unsigned long issued) {
     if (!proxy.on) return;
     const long w = proxy_window(a);
     if (w < 0) return;
@@ -82,8 +90,15 @@ void proxy_async_read(std::uintptr_t a, std::size_t bytes, const Fiber& reader, 
         const std::uint64_t e = proxy.shadow[i];
         if (!e) continue;
         const std::size_t writer = (e & 0xffff) - 1;
-        if (proxy.fences[writer] > (e >> 16)) continue;
         const Fiber& f = active->fibers[writer];
+        if (proxy.fences[writer] > (e >> 16)) {
+            if (&f == &reader || proxy.epochs[i] < issued) continue;
+            record_thread(f);
+            abandon(kTrap, "%s by thread (%u,%u,%u) reads the byte at shared address 0x%zx through the async proxy, "
+                    "which thread (%u,%u,%u) wrote with an ordinary store and fenced, but no barrier (__syncthreads, "
+                    "bar.sync) completed between that store and the issue: another warp may issue it first",
+                    what, reader.tid.x, reader.tid.y, reader.tid.z, i, f.tid.x, f.tid.y, f.tid.z);
+        }
         record_thread(f);
         abandon(kTrap, "%s by thread (%u,%u,%u) reads the byte at shared address 0x%zx through the async proxy, "
                 "but thread (%u,%u,%u) last wrote it with an ordinary store and has not executed "

@@ -10,6 +10,8 @@
 
 namespace {
 
+bool land_awaited_tma_loads();  // runtime/tma.h
+
 // Where `address` lies in shared memory, for messages: "dynamic shared memory offset 16".
 std::string shared_place(std::uintptr_t address) {
     const SharedRegion& sh = active->shared;
@@ -100,6 +102,8 @@ void run_block(Launch& l) {
     if (__start_emu_shared) std::memset(__start_emu_shared, kGarbage, __stop_emu_shared - __start_emu_shared);
     std::memset(l.shared.data_lo, kGarbage, l.shared.data_hi - l.shared.data_lo);
     l.mbarriers.clear();
+    l.barrier_epoch = 0;
+    l.tma_loads.clear();
     for (NamedBarrier& b : l.named) b = NamedBarrier{};
     l.maxnreg.assign((l.fibers.size() + 127) / 128, 0);
     wgmma_reset_block(l);
@@ -108,6 +112,7 @@ void run_block(Launch& l) {
         l.fibers[i].state = State::kRunnable;
         l.fibers[i].copies.clear();
         l.fibers[i].groups_committed = 0;
+        l.fibers[i].bulk_open = l.fibers[i].bulk_reading = 0;
         l.fibers[i].context.prepare(stacks.stack_lo(i), stacks.bytes);
     }
     auto run = [&l](Fiber& f) {
@@ -147,8 +152,10 @@ void run_block(Launch& l) {
         }
         if (done) break;
         if (runnable) continue;
+        if (!all_at_barrier && land_awaited_tma_loads()) continue;  // a waiter's TMA loads have landed
         if (!all_at_barrier) report_deadlock(l);
         if (l.counting) ++l.counting->totals.barriers;
+        ++l.barrier_epoch;
         for (Fiber& f : l.fibers)
             if (f.state == State::kAtBarrier) f.state = State::kRunnable;
     }
@@ -157,6 +164,10 @@ void run_block(Launch& l) {
         ++l.counting->totals.ctas;
         l.counting->totals.warps += (l.fibers.size() + 31) / 32;
     }
+    if (!l.tma_loads.empty())
+        abandon(kTrap, "block (%u,%u,%u) ended with %zu TMA load(s) in flight that no thread waited for on their "
+                "mbarrier: they may land in shared memory that the next CTA on the SM already owns",
+                emu::builtins.block_idx.x, emu::builtins.block_idx.y, emu::builtins.block_idx.z, l.tma_loads.size());
     long overrun = l.shared.overrun();
     if (overrun >= 0) {
         abandon(kSharedOverrun,

@@ -1,7 +1,7 @@
 // runtime/tma.h: the room of the TMA model (include/emu_tma.h says what it models).
 //
 // Part of runtime.cpp, a unity build, included after runtime/wgmma.h; include it nowhere else.
-// It uses hopper.h's misuse and mbarrier_complete_tx, wgmma.h's shared window and swizzle, and
+// It uses hopper.h's misuse and mbarrier_complete_tx_async, wgmma.h's shared window and swizzle, and
 // counters.h's global_regions (the guarded argument buffers), proxy.h's async-proxy checks.
 
 namespace {
@@ -78,8 +78,53 @@ std::uintptr_t tma_global_element(const TmaBox& b, const int* coords, std::uint6
            static_cast<unsigned long long>(m.address));
 }
 
+
+// The copy of one load's box into shared memory, then its complete_tx on its barrier (the async proxy's)
+void tma_land(const PendingTmaLoad& p) {
+    const char* what = "cp.async.bulk.tensor (tma_load)";
+    const TmaBox b = tma_box(p.map, p.rank, what);
+    const std::uint32_t window = emu::shared_window_address(p.dst);
+    auto* smem = static_cast<unsigned char*>(p.dst);
+    for (std::uint64_t e = 0; e < b.elements; ++e) {
+        unsigned char* to = tma_shared_element(b, smem, window, e);
+        const std::uintptr_t from = tma_global_element(b, p.coords, e, what);
+        if (from) std::memcpy(to, reinterpret_cast<const void*>(from), b.map->element_bytes);
+        else std::memset(to, 0, b.map->element_bytes);
+        proxy_async_write(reinterpret_cast<std::uintptr_t>(to), b.map->element_bytes);
+    }
+    emu::mbarrier_complete_tx_async(reinterpret_cast<void*>(p.bar), static_cast<unsigned>(b.bytes));
+}
+
+void land_tma_loads(std::uintptr_t bar) {
+    auto& loads = active->tma_loads;
+    for (std::size_t i = 0; i < loads.size();) {
+        if (loads[i].bar != bar) {
+            ++i;
+            continue;
+        }
+        const PendingTmaLoad p = loads[i];
+        loads.erase(loads.begin() + static_cast<long>(i));
+        tma_land(p);
+    }
+}
+
+// As the scheduler finds no thread that can run: the loads in flight on barriers that a thread waits on
+// land (their copies complete on their own; one issued after its waiter blocked lands here). Whether any did.
+bool land_awaited_tma_loads() {
+    bool landed = false;
+    for (const Fiber& f : active->fibers) {
+        if (f.state != State::kAtMbarrier) continue;
+        const std::size_t before = active->tma_loads.size();
+        land_tma_loads(f.mbarrier);
+        landed |= active->tma_loads.size() != before;
+    }
+    return landed;
+}
+
 }  // namespace
 
+// Checked at issue (the map, the destination, every element's place); the box lands when a thread
+// waits on the barrier (land_tma_loads)
 void emu::tma_load(void* dst, const void* map, int rank, const int* coords, void* bar) {
     const char* what = "cp.async.bulk.tensor (tma_load)";
     const TmaBox b = tma_box(map, rank, what);
@@ -91,12 +136,11 @@ void emu::tma_load(void* dst, const void* map, int rank, const int* coords, void
         if (!in_shared(reinterpret_cast<std::uintptr_t>(to), reinterpret_cast<std::uintptr_t>(to) + b.map->element_bytes))
             misuse("%s: box element %llu lands at %p after the %s swizzle, outside shared memory", what,
                    static_cast<unsigned long long>(e), static_cast<void*>(to), tma_swizzle_name(b.span));
-        const std::uintptr_t from = tma_global_element(b, coords, e, what);
-        if (from) std::memcpy(to, reinterpret_cast<const void*>(from), b.map->element_bytes);
-        else std::memset(to, 0, b.map->element_bytes);
-        proxy_async_write(reinterpret_cast<std::uintptr_t>(to), b.map->element_bytes);
+        tma_global_element(b, coords, e, what);
     }
-    mbarrier_complete_tx(bar, static_cast<unsigned>(b.bytes));
+    PendingTmaLoad p{dst, map, rank, {0, 0, 0, 0, 0}, reinterpret_cast<std::uintptr_t>(bar)};
+    for (int d = 0; d < rank; ++d) p.coords[d] = coords[d];
+    active->tma_loads.push_back(p);
 }
 
 void emu::tma_store(const void* map, int rank, const int* coords, const void* src) {
@@ -109,15 +153,24 @@ void emu::tma_store(const void* map, int rank, const int* coords, const void* sr
         if (!in_shared(reinterpret_cast<std::uintptr_t>(from), reinterpret_cast<std::uintptr_t>(from) + b.map->element_bytes))
             misuse("%s: box element %llu is read from %p after the %s swizzle, outside shared memory", what,
                    static_cast<unsigned long long>(e), static_cast<const void*>(from), tma_swizzle_name(b.span));
-        proxy_async_read(reinterpret_cast<std::uintptr_t>(from), b.map->element_bytes, *active->current, what);
+        proxy_async_read(reinterpret_cast<std::uintptr_t>(from), b.map->element_bytes, *active->current, what,
+                         active->barrier_epoch);
         const std::uintptr_t to = tma_global_element(b, coords, e, what);
         if (to) std::memcpy(reinterpret_cast<void*>(to), from, b.map->element_bytes);
     }
+    ++active->current->bulk_open;
 }
 
-// A store has read its source at issue: there is nothing left for a group to wait for.
-void emu::tma_commit_group() {}
+// A store reads its source at issue here, yet the groups are kept: a thread must wait for its stores'
+// reads before it exits (fibers.h), as a CTA's shared memory may be the next CTA's once it has.
+void emu::tma_commit_group() {
+    Fiber& self = *active->current;
+    self.bulk_open = 0;
+    ++self.bulk_reading;
+}
 
 void emu::tma_wait_group_read(int pending) {
     if (pending < 0 || pending > 7) misuse("cp.async.bulk.wait_group.read %d: N must be in [0, 7]", pending);
+    Fiber& self = *active->current;
+    self.bulk_reading = std::min(self.bulk_reading, pending);
 }

@@ -24,6 +24,7 @@ struct WgmmaOp {
     bool rs;
     WgmmaOperand a, b;  // a unused when rs
     std::uint16_t a_regs[64][16];  // rs: A gathered from the warpgroup's registers
+    unsigned long epoch;  // the block's barrier epoch when it was issued (proxy.h's ordering check)
 };
 
 // One thread's share of an operation in flight.
@@ -120,10 +121,10 @@ std::uint64_t swizzled(const WgmmaOperand& o, std::uint64_t address) {
 }
 
 // Read through the async proxy by `reader`'s share of the operation (runtime/proxy.h checks it).
-std::uint16_t element(const WgmmaOperand& o, int mn, int k, const Fiber& reader, const char* what) {
+std::uint16_t element(const WgmmaOperand& o, int mn, int k, const Fiber& reader, const char* what, unsigned long issued) {
     std::uint16_t e;
     const unsigned char* p = window_pointer(swizzled(o, unswizzled(o, mn, k)), 2);  // checked at issue
-    proxy_async_read(reinterpret_cast<std::uintptr_t>(p), 2, reader, what);
+    proxy_async_read(reinterpret_cast<std::uintptr_t>(p), 2, reader, what, issued);
     std::memcpy(&e, p, 2);
     return e;
 }
@@ -201,6 +202,7 @@ void resolve_wgmma(Launch& l, std::size_t g, std::size_t first) {
     op->format = x.format;
     op->n = x.n;
     op->rs = x.rs != 0;
+    op->epoch = l.barrier_epoch;
     if (!op->rs) op->a = decode(x.desc_a, x.trans_a != 0, 64, "A", lead);
     op->b = decode(x.desc_b, x.trans_b != 0, x.n, "B", lead);
     if (op->rs) {  // hopper.cuh's A fragment: per warp, mma.sync m16n8k16's
@@ -256,12 +258,12 @@ void wgmma_compute(const WgmmaPending& p, const Fiber& f, float* out) {
     double A[2][16];
     for (int h = 0; h < 2; ++h)
         for (int k = 0; k < 16; ++k)
-            A[h][k] = widen(op.rs ? op.a_regs[r + 8 * h][k] : element(op.a, r + 8 * h, k, f, what_a));
+            A[h][k] = widen(op.rs ? op.a_regs[r + 8 * h][k] : element(op.a, r + 8 * h, k, f, what_a, op.epoch));
     for (int j = 0; j < op.n / 8; ++j)
         for (int v = 0; v < 2; ++v) {
             const int col = 8 * j + c + v;
             double B[16];
-            for (int k = 0; k < 16; ++k) B[k] = widen(element(op.b, col, k, f, what_b));
+            for (int k = 0; k < 16; ++k) B[k] = widen(element(op.b, col, k, f, what_b, op.epoch));
             for (int h = 0; h < 2; ++h) {
                 const int i = 4 * j + 2 * h + v;
                 double sum = p.scale_d ? p.c[i] : 0.0;
