@@ -174,9 +174,12 @@ Not faithful (by design or not yet)
 - Cooperative fibers: a thread or block spinning on a flag set by another never finishes.
 - Static ``__shared__`` size is not counted against the shared-memory limit; static shared memory
   has no guard pages. Underflow reads just before dynamic shared memory are not caught.
-- Not modelled for sm_90 yet: TMA's latency (a box lands at issue), L2 promotion, interleaved maps,
-  NaN OOB fill, im2col, reduce-adds and multicast, clusters, wgmma's base offset and its timing;
-  ``fence.mbarrier_init`` is a no-op.
+- sm_90: a TMA load lands when a thread waits on its mbarrier (include/emu_tma.h), not at issue.
+  Not modelled yet: L2 promotion, interleaved maps, NaN OOB fill, im2col, reduce-adds and multicast,
+  clusters, wgmma's base offset and its timing.
+- Modules are built with ``-fno-gnu-unique``: a template kernel's static ``__shared__`` objects would
+  otherwise be bound, across modules that instantiate the same kernel (a test's mutant beside the
+  original), to the first module's.
 - Not provided: ``__half2``/``__nv_bfloat162`` and h* intrinsics, ``__ballot_sync`` and friends,
   cooperative groups, inline PTX, textures, ``RawModule.get_global``, streams (ignored). The inline PTX
   that ``flashcupy/backends/cupy_backend/kernels/tensor_core.cuh`` wraps (mma.sync m16n8k16,

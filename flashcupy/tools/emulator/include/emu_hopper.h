@@ -6,8 +6,12 @@
 //                     phase when both reach zero, which wakes the threads waiting on its parity.
 //                     try_wait.parity returns true at once if the phase of that parity has
 //                     completed, else blocks (a scheduling point) until it does; it never
-//                     returns false, so a wait loop runs once. More arrivals than pending, a
-//                     barrier used before init or re-initialised with waiters are KernelErrors.
+//                     returns false, so a wait loop runs once; it first lands the TMA loads in
+//                     flight on that barrier (emu_tma.h). More arrivals than pending, a barrier used
+//                     before init or re-initialised with waiters, a barrier used by another thread
+//                     than its initialiser before any block barrier (__syncthreads, a named barrier)
+//                     has completed since the init, and a TMA completing a transaction on a barrier
+//                     whose initialiser has not run fence.mbarrier_init since are KernelErrors.
 //                     The 8 bytes themselves are not used: an ordinary store to them is not seen.
 //   bar.sync/arrive   16 per block, id 0 reserved for __syncthreads(); counted per thread (a GPU
 //                     counts whole warps: a warp arrives once every non-exited lane has); an id
@@ -44,7 +48,9 @@
 //                     kernel (none besides those), which no kernel here relies on.
 // A block whose threads all wait (barriers, mbarriers, collectives) with none able to complete
 // is a DeadlockError that names each mbarrier waited on (its shared-memory offset and phase).
-// Not modelled yet: clusters, TMA's latency (emu_tma.h lists the rest).
+// The async proxy also needs a block barrier between another thread's fenced store and the wgmma or
+// TMA store that reads it (the fence orders the store, not another warp's issue): without one it is
+// a KernelError too (runtime/proxy.h). Not modelled yet: clusters (emu_tma.h lists the rest).
 
 #pragma once
 

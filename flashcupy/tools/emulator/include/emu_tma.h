@@ -23,12 +23,14 @@
 //   async proxy   a load's landing makes its bytes async-written, a store's source read is an
 //                 async-proxy read: an ordinary store to it that its writer has not followed with
 //                 fence.proxy.async is a KernelError naming the writer (emu_hopper.h, runtime/proxy.h).
-//   commit / wait no-ops (wait_group.read checks N): a store reads shared memory at issue, so a
-//                 missing wait before the source is overwritten is not caught.
+//   commit / wait a store reads shared memory at issue, yet its thread keeps count: stores not
+//                 committed, or groups not waited for (wait_group.read N leaves at most N), when the
+//                 thread exits are a KernelError (the next CTA on the SM may own that memory).
 // Not modelled: a swizzled box whose inner extent is narrower than the swizzle span (encode_tiled
 // refuses it: whether the hardware pads each row to the span is unverified), L2 promotion, interleaved layouts, OOB fill NaN, im2col, multicast and clusters,
-// the copy's latency (a load lands at issue, so a consumer's missing wait is only caught by
-// the mbarrier's phase, not by stale data), reduce-adds.
+// reduce-adds. A load is checked at issue and lands (the copy, then complete_tx) when a thread
+// waits on its mbarrier, or when every thread is blocked and one waits on it: a reader that skips
+// the wait reads stale bytes; loads nobody waited for when the block ends are a KernelError.
 
 #pragma once
 
