@@ -9,7 +9,7 @@
 //                 guarded buffer's address filled in at the launch. A map whose magic is wrong
 //                 (a driver-made CUtensorMap, garbage) or whose rank is not the instruction's is a
 //                 KernelError.
-//   tma_load      on issue, copies the box from global memory to shared memory as hopper.cuh
+//   tma_load      checked on issue; when it lands (below), copies the box from global memory to shared memory as hopper.cuh
 //                 writes it out: dense, dim 0 innermost, then swizzled (none/32B/64B/128B) on the
 //                 absolute shared-window address with the wgmma descriptor's XOR (runtime/wgmma.h's
 //                 swizzled), so a 128B-swizzled box read by wgmma with a 128B descriptor is right.
