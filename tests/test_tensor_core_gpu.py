@@ -23,6 +23,7 @@ import pytest
 import tensor_core_blocks as blocks
 from conftest import DeviceFunction
 from flashcupy.backends import cupy_backend
+from flashcupy.backends.cupy_backend import sources
 
 DEVICE = os.environ.get("FLASHCUPY_BLOCKS_DEVICE", "cupy")
 if DEVICE not in ("cupy", "emulator"):
@@ -38,7 +39,7 @@ def on_device(monkeypatch):
         return
     import cupy
     module = cupy.RawModule(code=blocks.source(), name_expressions=blocks.NAMES,
-                            options=cupy_backend._options() + (blocks.INCLUDE,))
+                            options=sources.COMPILE_OPTIONS + (blocks.INCLUDE,))
     monkeypatch.setattr(blocks, "kernel", lambda name, order="ascending": DeviceFunction(module.get_function(name)))
     yield
 
