@@ -313,7 +313,7 @@ class DeviceFunction:
     def __call__(self, grid, block, args, shared_mem=0):
         import cupy
         on_device = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
-        if shared_mem > 48 * 1024:  # opt in above the default, as the backend does (wgmma at n128 needs it)
+        if shared_mem:  # opt in: with a kernel's static shared memory the two may pass the default 48 KiB
             self.function.max_dynamic_shared_size_bytes = shared_mem
         self.function(grid, block, on_device, shared_mem=shared_mem)
         cupy.cuda.get_current_stream().synchronize()
