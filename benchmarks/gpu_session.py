@@ -598,7 +598,10 @@ def _sanitizer_stage(stage, args, env, limit, log, results):
         return "skipped: compute-sanitizer not found" + (" (dry run: no GPU)" if args.dry_run else "")
     status = "ok"
     for check in ("memcheck", "racecheck"):
-        code, output = _run([tool, "--tool", check, "--error-exitcode", "9", sys.executable, "-m", "flashcupy",
+        # kernels' errors only: cuda-bindings probes driver entry points with cuGetProcAddress, which the
+        # default reports as 34 API errors (benchmarks/results/h200_sm90/README.md)
+        code, output = _run([tool, "--tool", check, "--report-api-errors", "no", "--error-exitcode", "9",
+                             sys.executable, "-m", "flashcupy",
                              "check", "--backend", "cupy", "--cases", "3", "--dtype", "float16",
                              "--dtype", "bfloat16", "--dtype", "float32"], env, limit / 2, log)
         summary = [line for line in output.splitlines() if "SUMMARY" in line]
