@@ -7,20 +7,26 @@ the CuPy backend's own launch path (flashcupy/tools/perfmodel.py, which `python 
 --counters` prints): the tensor-core kernels' ldmatrix and cp.async are free of bank conflicts,
 their global loads are fully coalesced, and one pass of each loop does the mma that its tile shapes
 imply. A swizzle taken out of the tensor-core tiles must break the first property.
+Then the sm_90 instructions: wgmma, TMA loads and stores, mbarrier waits and named barriers, on
+tests/emulator_kernels/tma.cu's small kernels (values worked out by hand); and an ordinary build,
+which calls none of the counting hooks.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+import tma_blocks
 from flashcupy.backends.cupy_backend import sources, specs
 from flashcupy.tools import hardware, perfmodel
-from flashcupy.tools.emulator import EmulatedModule
-from flashcupy.tools.emulator.counters import CATEGORIES, Counters, recording
+from flashcupy.tools.emulator import EmulatedModule, build
+from flashcupy.tools.emulator.counters import CATEGORIES, SCALARS, Counters, recording
+from flashcupy.tools.emulator.tma import encode_tiled
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = ("shared_stride", "shared_vector16", "global_stride", "ldmatrix_rows", "cp_async_rows", "barriers_and_mma")
@@ -129,6 +135,82 @@ def test_counters_add_and_subtract():
     assert (c + c - c) == c
     assert (c - c) == Counters.zero()
     assert set(c.access) == set(CATEGORIES)
+    assert all(getattr(c + c, name) == 2 * getattr(c, name) for name in SCALARS)
+
+
+def test_an_ordinary_build_calls_no_counting_hook(tmp_path):
+    # a counting build calls the runtime before every load and store (g++'s __asan_* callbacks) and at
+    # each ldmatrix (record_access) and ex2_approx (count_ex2); an ordinary build of the same kernels
+    # references none of them: counting costs nothing when it is off
+    with open(os.path.join(HERE, "emulator_kernels", "tensor_core.cu")) as f:
+        kernels = build._rewrite_dynamic_shared(f.read())  # as a module's build does
+    source = tmp_path / "k.cpp"  # ldmatrix_variant's ldmatrix, pack_and_exp's ex2_approx
+    source.write_text(kernels + "\nvoid* const keep[] = {(void*)&ldmatrix_variant<4, false>};\n")
+    undefined = []
+    for extra in ((), build.COUNTING_CXXFLAGS):
+        out = tmp_path / f"k{len(undefined)}.o"
+        subprocess.run([build.CXX, *build.CXXFLAGS, *extra, "-I", build.INCLUDE, "-include",
+                        os.path.join(build.INCLUDE, "cuda_emu.h"), "-D__CUDACC__", "-D__CUDACC_RTC__",
+                        "-D__CUDA_ARCH__=800", f"-I{sources.KERNEL_DIR}", "-c", str(source), "-o", str(out)],
+                       check=True, capture_output=True)
+        nm = subprocess.run(["nm", "-u", "-C", str(out)], check=True, capture_output=True, text=True).stdout
+        undefined.append({hook for hook in ("emu::count_ex2", "emu::record_access", "__asan_load", "__asan_store")
+                          if hook in nm})
+    assert undefined == [set(), {"emu::count_ex2", "emu::record_access", "__asan_load", "__asan_store"}]
+
+
+# ----------------------------------------------------------------------------
+# the sm_90 instructions, on tests/emulator_kernels/tma.cu
+
+
+_tma_modules = {}
+
+
+def tma_kernel(name, order="ascending"):
+    if order not in _tma_modules:
+        _tma_modules[order] = EmulatedModule(tma_blocks.source(), tma_blocks.NAMES, (f"-I{sources.KERNEL_DIR}",),
+                                             thread_order=order, counters=True)
+    return _tma_modules[order].get_function(name)
+
+
+@pytest.mark.parametrize("order, blocked", [("ascending", 0), ("descending", 127)])
+def test_tma_loads_then_wgmma(order, blocked):
+    # tma_qk: thread 0 loads Q and K (64 x 64 fp16, 128B swizzle: two boxes of 8192 bytes) onto one
+    # mbarrier, the 128 threads wait on it, then S = Q K^T by 4 k-steps of wgmma m64n64k16 SS
+    k = tma_kernel("tma_qk", order)
+    Q = K = np.ones((64, 64), np.float16)
+    out = np.zeros(128 * 32, np.float32)
+    k((1,), (128,), (encode_tiled(Q, (64, 64), "128B"), encode_tiled(K, (64, 64), "128B"), out),
+      shared_mem=2 * 8192 + 1024)
+    assert (out == 64).all()
+    c = k.last_counters
+    assert (c.wgmma, c.wgmma_rs) == (4, 0)
+    assert c.wgmma_flops == 4 * 2 * 64 * 64 * 16
+    assert c.wgmma_shared_bytes == 4 * (64 * 16 * 2 + 64 * 16 * 2)  # A and B, 2048 bytes each a k-step
+    # each box: 8192 bytes, 64 lines of shared memory, 256 sectors of 32 bytes, all inside the tensor
+    assert c.access["tma_load_shared"] == (2, 16384, 128, 128)
+    assert c.access["tma_load_global"] == (2, 16384, 512, 512)
+    assert c.access["tma_store_shared"] == c.access["tma_store_global"] == (0, 0, 0, 0)
+    # every thread waits once; in descending order threads 127 .. 1 get there before thread 0 has
+    # issued the loads, in ascending order the phase has completed before anyone waits
+    assert (c.mbarrier_waits, c.mbarrier_blocked) == (128, blocked)
+    assert (c.barriers, c.named_barriers, c.mma, c.ex2) == (1, 0, 0, 0)
+    # none of it is an ordinary shared or global load: the old categories keep their meaning
+    assert c.shared_bytes == 0 and c.access["global_load"] == (0, 0, 0, 0)
+
+
+def test_a_tma_box_crossing_the_edge_moves_only_its_bytes_inside_the_tensor():
+    # tma_copy: a 64 x 32 box of a 40 x 64 fp16 tensor at row 24, loaded and stored back: 32 rows
+    # of 128 bytes in shared memory, 16 of them inside the tensor (rows 24 .. 39)
+    src, dst = np.ones((40, 64), np.float16), np.zeros((40, 64), np.float16)
+    k = tma_kernel("tma_copy")
+    k((1,), (32,), (encode_tiled(src, (64, 32), "128B"), encode_tiled(dst, (64, 32), "128B"), np.int32(2),
+                    np.int32(0), np.int32(24), np.int32(0), np.int32(0), np.int32(4096)), shared_mem=4096 + 1024)
+    np.testing.assert_array_equal(dst[24:], src[24:])
+    c = k.last_counters
+    assert c.access["tma_load_shared"] == c.access["tma_store_shared"] == (1, 4096, 32, 32)
+    assert c.access["tma_load_global"] == c.access["tma_store_global"] == (1, 2048, 64, 64)
+    assert (c.mbarrier_waits, c.mbarrier_blocked, c.wgmma) == (1, 0, 0)
 
 
 # ----------------------------------------------------------------------------
