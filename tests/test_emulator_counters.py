@@ -438,9 +438,11 @@ def test_the_cli_prints_counters_without_nvrtc_and_refuses_without_the_emulator(
 
     monkeypatch.setattr(nvrtc, "toolkits", no_nvrtc)
     monkeypatch.setattr(perfmodel, "CASES", (("float16", 64),))
+    monkeypatch.setattr(perfmodel, "SM90_CASES", (("float16", 128),))
     assert cli.main(["kernels", "--counters"]) == 0
     out = capsys.readouterr().out
     assert "no NVRTC here" in out and "flash_fwd_tc" in out and "model, not a measurement" in out
+    assert "flash_fwd_sm90" in out and "Issue 26's target" in out
     # as in an installed wheel, which leaves flashcupy/tools/emulator/ out (setup.cfg): its import fails
     monkeypatch.setitem(sys.modules, "flashcupy.tools.emulator", None)
     assert cli.main(["kernels", "--counters"]) == 2
