@@ -157,7 +157,9 @@ def cmd_kernels(args) -> int:
 
 def cmd_kernels_counters(args) -> int:
     """The NVRTC table as without --counters (when an NVRTC is here), then the emulator's counters
-    of a small launch of each kernel and the roofline model (flashcupy/tools/perfmodel.py)."""
+    of a small launch of each kernel and the roofline model (flashcupy/tools/perfmodel.py): the
+    mma.sync and SIMT kernels on an emulated sm_80 device, the Hopper forward on an sm_90 one."""
+    from flashcupy.backends.cupy_backend import specs
     from flashcupy.tools import nvrtc
     from flashcupy.tools import perfmodel
     missing = perfmodel.emulator_missing()
@@ -169,16 +171,26 @@ def cmd_kernels_counters(args) -> int:
     try:
         toolkits = nvrtc.toolkits()
         reports = {f"NVRTC {t.version}": nvrtc.kernel_report(args.arch, t) for t in toolkits}
+        if args.arch.startswith("sm_90"):  # and the Hopper kernels, which are compiled for sm_90a only
+            reports.update({f"NVRTC {t.version}, {specs.SM90_ARCH}": nvrtc.kernel_report(specs.SM90_ARCH, t,
+                                                                                         specs.sm90_modules())
+                            for t in toolkits})
         print(nvrtc.format_kernel_report(reports) + "\n")
-        heading = next(iter(reports))
-        nvrtc_rows = reports[heading]
-        heading = f"{heading}, {args.arch}"
+        first = f"NVRTC {toolkits[0].version}"
+        nvrtc_rows = reports[first] + reports.get(f"{first}, {specs.SM90_ARCH}", [])
+        heading = f"{first}, {args.arch}" + (f" ({specs.SM90_ARCH} for the Hopper kernels)"
+                                             if args.arch.startswith("sm_90") else "")
     except nvrtc.NvrtcError as e:
         print(f"no NVRTC here ({e}): counters only\n")
-    rows = perfmodel.kernel_counters(progress=lambda line: print(line, file=sys.stderr, flush=True))
+
+    def progress(line):
+        print(line, file=sys.stderr, flush=True)
+
+    rows = perfmodel.kernel_counters(progress=progress)
+    sm90_rows = perfmodel.kernel_counters(progress=progress, compute_capability=perfmodel.SM90)
     print(f"Counters of the CPU emulator (flashcupy/tools/emulator/counters.py has the model), B = H = 1, "
           f"non-causal, seqlen {perfmodel.BASE}, then {2 * perfmodel.BASE} along each kernel's loop:")
-    print(perfmodel.format_counters(rows, nvrtc_rows, heading))
+    print(perfmodel.format_counters(rows + sm90_rows, nvrtc_rows, heading))
     return 0
 
 

@@ -102,6 +102,13 @@ def test_limits_exceeded_and_their_marks():
     assert [c[:2] + c[4:6] for c in cells] == [[str(limit), "0", "100", "8!"],
                                                 [f"{limit + 1}!", "0", f"{limit + 1}!", "0"],
                                                 ["100", "8!", str(limit), "0"]]
+    # reports of other kernels (kernels --arch sm_90 adds the sm_90a Hopper ones): a table each, whole
+    other = [dict(row, kernel="hopper", registers=168, spill_bytes=0)]
+    tables = nvrtc.format_kernel_report({"NVRTC 12.9": rows, "NVRTC 13.0": rows, "NVRTC 12.9, sm_90a": other,
+                                         "NVRTC 13.0, sm_90a": other}).split("\n\n")
+    assert [t.splitlines()[0].split() for t in tables] == [["NVRTC", "12.9", "NVRTC", "13.0"],
+                                                           ["NVRTC", "12.9,", "sm_90a", "NVRTC", "13.0,", "sm_90a"]]
+    assert [len(t.splitlines()) for t in tables] == [2 + len(rows), 2 + len(other)]
 
 
 # the four reports (minutes of NVRTC each) one after another on this file's worker: each compiles on

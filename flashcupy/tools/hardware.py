@@ -50,6 +50,8 @@ class Gpu:
     tensor_tflops: float    # dense fp16/bf16 with fp32 accumulation
     hbm_tbs: float          # HBM bandwidth, TB/s
     smem_bytes_per_clk: int  # shared memory per SM per clock: 32 banks x 4 bytes, one wavefront
+    ex2_per_clk: int        # MUFU ex2 (2^x, ex2.approx.f32) results per SM per clock
+    gemm_tflops: float | None = None  # a dense bf16 GEMM measured on this part here (None: not measured)
 
     @property
     def sm(self) -> Sm:
@@ -60,8 +62,15 @@ class Gpu:
 # Vendor datasheets and whitepapers; ../shared/ANCHORS.md has the H100/H200 peak and HBM figures;
 # 128 B/clk/SM is 32 banks of 4 bytes, one wavefront a clock.
 # 312 = 108 SMs x 4 tensor cores x 512 FLOP/clk x 1.41 GHz; 989 = 132 x 4 x 1024 x 1.83 GHz.
+# ex2: 16 results per SM per clock. The FlashAttention-3 paper (arXiv 2407.08608, section 3.1): "the
+# H100 SXM5 GPU has 989 TFLOPS of FP16 matmul but only 3.9 TFLOPS of special functions such as
+# exponential" = 132 SMs x 16 x 1.83 GHz (3.87); the CUDA C++ Programming Guide's table of arithmetic
+# throughput (reciprocal, rsqrt, log2, exp2, sin, cos: the MUFU) gives 16 per SM per clock from
+# compute capability 8.0 on (not re-read for 9.0 here: the FA3 figure is the one checked).
+# gemm_tflops: bf16 8192^3 matmul on this workplace's H200, ~790 (../shared/SM90.md, section 1): what
+# wgmma reaches in practice there (clocks under load, the GEMM's own overheads), against 989 on paper.
 GPUS = (
-    Gpu("A100", "A100 SXM4 80GB", "sm_80", 108, 1.410, 312.0, 2.039, 128),
-    Gpu("H100", "H100 SXM5", "sm_90", 132, 1.830, 989.0, 3.35, 128),
-    Gpu("H200", "H200 SXM", "sm_90", 132, 1.830, 989.0, 4.8, 128),
+    Gpu("A100", "A100 SXM4 80GB", "sm_80", 108, 1.410, 312.0, 2.039, 128, 16),
+    Gpu("H100", "H100 SXM5", "sm_90", 132, 1.830, 989.0, 3.35, 128, 16),
+    Gpu("H200", "H200 SXM", "sm_90", 132, 1.830, 989.0, 4.8, 128, 16, gemm_tflops=790.0),
 )

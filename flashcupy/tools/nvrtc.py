@@ -442,7 +442,14 @@ def _cell(row: dict, column: str, fmt: str) -> str:
 def format_kernel_report(reports: dict) -> str:
     """{heading: rows} (the reports of the same kernels by different NVRTCs, e.g. {"NVRTC 12.9":
     rows}) as one aligned text table: the kernels' columns, then each report's under its heading.
-    Registers and spills that limits_exceeded reports are marked with "!"."""
+    Registers and spills that limits_exceeded reports are marked with "!". Reports of other kernels
+    (the sm_90a Hopper kernels beside the others) get a table of their own, one after the other."""
+    groups: dict = {}
+    for heading, rows in reports.items():
+        kernels = tuple(sorted(tuple(str(r.get(c)) for c in ("kernel", "mods", "dtype", "head_dim")) for r in rows))
+        groups.setdefault(kernels, {})[heading] = rows
+    if len(groups) > 1:
+        return "\n\n".join(format_kernel_report(group) for group in groups.values())
     names = [name for name, _ in _KERNEL_COLUMNS] + [name for _ in reports for name, _ in _NVRTC_COLUMNS]
     table = [names]
     for same_kernel in zip(*reports.values()):

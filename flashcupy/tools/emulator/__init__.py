@@ -68,8 +68,10 @@ stands in for ``cupy.RawModule(code=..., name_expressions=..., options=...)``:
 - ``counters=True`` builds the module to count its memory traffic (a separate build: g++'s
   kernel-address instrumentation calls the runtime before every load and store), and each launch
   leaves a ``Counters`` in ``kern.last_counters``: shared-memory bytes and wavefronts (bank
-  conflicts), global sectors per request, barriers and mma.sync. ``counters.recording()`` collects
-  every counted launch in a block. ``counters.py`` documents the model.
+  conflicts), global sectors per request, barriers and mma.sync; on sm_90, wgmma (with FLOPs and the
+  shared-memory operand bytes), TMA boxes (shared bytes, global sectors), mbarrier waits (and those
+  that blocked) and named barriers; and ex2.approx. ``counters.recording()`` collects every counted
+  launch in a block. ``counters.py`` documents the model.
 
 Execution model
 ---------------

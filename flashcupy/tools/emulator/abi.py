@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from .counters import CATEGORIES
+from .counters import CATEGORIES, SCALARS
 
 class _ParamInfo(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("size", ctypes.c_int), ("pointee_size", ctypes.c_int)]
@@ -24,8 +24,7 @@ class _LaunchConfig(ctypes.Structure):
 
 
 class _Counters(ctypes.Structure):  # runtime.cpp's EmuCounters
-    _fields_ = [("access", (ctypes.c_uint64 * 4) * len(CATEGORIES)), ("barriers", ctypes.c_uint64),
-                ("mma", ctypes.c_uint64), ("ctas", ctypes.c_uint64), ("warps", ctypes.c_uint64)]
+    _fields_ = [("access", (ctypes.c_uint64 * 4) * len(CATEGORIES))] + [(name, ctypes.c_uint64) for name in SCALARS]
 
 
 class _LaunchReport(ctypes.Structure):

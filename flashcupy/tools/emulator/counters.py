@@ -47,6 +47,31 @@ zero-fill copy with src-size 0) and its shared write (``cp_async_shared``).
 Barriers: ``__syncthreads()`` completed, once per CTA per barrier. mma: ``mma.sync`` instructions,
 one per warp. What this cannot show: caches (L1, L2: every sector is counted as requested, not as
 fetched from HBM), latency, overlap, issue rates; it is a model of traffic, not of time.
+
+The sm_90 instructions (runtime/wgmma.h, tma.h, hopper.h)
+---------------------------------------------------------
+wgmma: ``wgmma.mma_async`` issued, one per warpgroup (its 128 threads issue it together); of them
+``wgmma_rs`` with A from registers. ``wgmma_flops``: 2 * 64 * N * 16 for each m64nNk16, so a
+kernel's FLOPs are known whatever its shapes. ``wgmma_shared_bytes``: the operand bytes each reads
+from shared memory, 16-bit elements: A (64 x 16, 2048 bytes) for the SS form, none for RS; B
+(N x 16) for both. They are not wavefronts: wgmma reads its operands through its own path (the 128B
+swizzle makes the lines conflict-free), so they are bytes, not costed as ld.shared requests.
+
+TMA: each ``cp.async.bulk.tensor`` box is one request in two rows of ``access``: its shared side
+(``tma_load_shared``: bytes a load writes; ``tma_store_shared``: bytes a store reads), costed at 128
+bytes a wavefront (the unit moves whole swizzled lines; bank conflicts not modelled), and its global
+side (``tma_load_global``, ``tma_store_global``): the bytes of the box's elements inside the tensor,
+costed in 32-byte sectors as above (elements outside it are zero-filled or dropped and move none).
+They are in neither SHARED nor GLOBAL, whose meaning is unchanged: TMA_SHARED and TMA_GLOBAL.
+
+mbarrier: ``mbarrier_waits`` counts ``mbarrier.try_wait.parity`` per thread that executes it,
+``mbarrier_blocked`` those of them that found the awaited phase not yet complete and blocked. Which
+waits block depends on the emulator's schedule (its thread order, TMA landing at issue), not on a
+GPU's timing: a sign of where a pipeline waits, not a measurement. ``named_barriers``: named-barrier
+instances completed (``bar.sync`` / ``bar.arrive`` of one id reaching its count), like ``barriers``.
+
+ex2: ``ex2.approx`` executed (tensor_core.cuh's ex2_approx: the softmax's exponentials), per thread:
+results of the MUFU unit, whose throughput perfmodel.py takes from tools/hardware.py.
 """
 
 from __future__ import annotations
@@ -56,9 +81,15 @@ from dataclasses import dataclass, field
 
 # the order of runtime.cpp's enum Category
 CATEGORIES = ("shared_load", "shared_store", "ldmatrix", "cp_async_shared",
-              "global_load", "global_store", "cp_async_global")
-SHARED = CATEGORIES[:4]
-GLOBAL = CATEGORIES[4:]
+              "global_load", "global_store", "cp_async_global",
+              "tma_load_shared", "tma_load_global", "tma_store_shared", "tma_store_global")
+SHARED = CATEGORIES[:4]      # ordinary shared-memory instructions: wavefronts, bank conflicts
+GLOBAL = CATEGORIES[4:7]     # the instructions of the threads: sectors, coalescing
+TMA_SHARED = ("tma_load_shared", "tma_store_shared")
+TMA_GLOBAL = ("tma_load_global", "tma_store_global")
+# the counts after `access`, in the order of runtime.cpp's EmuCounters
+SCALARS = ("barriers", "mma", "ctas", "warps", "wgmma", "wgmma_rs", "wgmma_flops", "wgmma_shared_bytes",
+           "mbarrier_waits", "mbarrier_blocked", "named_barriers", "ex2")
 FIELDS = ("requests", "bytes", "cost", "ideal")  # cost: wavefronts (shared) or sectors (global)
 MMA_FLOPS = 2 * 16 * 8 * 16  # one m16n8k16
 
@@ -67,7 +98,8 @@ MMA_FLOPS = 2 * 16 * 8 * 16  # one m16n8k16
 class Counters:
     """One launch's counters (or a sum or difference of them).
 
-    access[category] = (requests, bytes, cost, ideal) for each of CATEGORIES.
+    access[category] = (requests, bytes, cost, ideal) for each of CATEGORIES; the other fields are
+    SCALARS (the module's docstring says what each counts).
     """
 
     access: dict
@@ -75,6 +107,14 @@ class Counters:
     mma: int = 0
     ctas: int = 0
     warps: int = 0
+    wgmma: int = 0
+    wgmma_rs: int = 0
+    wgmma_flops: int = 0
+    wgmma_shared_bytes: int = 0
+    mbarrier_waits: int = 0
+    mbarrier_blocked: int = 0
+    named_barriers: int = 0
+    ex2: int = 0
 
     def get(self, category: str, what: str) -> int:
         return self.access[category][FIELDS.index(what)]
@@ -115,8 +155,7 @@ class Counters:
 
     def _combine(self, other: "Counters", sign: int) -> "Counters":
         access = {c: tuple(a + sign * b for a, b in zip(self.access[c], other.access[c])) for c in CATEGORIES}
-        return Counters(access, self.barriers + sign * other.barriers, self.mma + sign * other.mma,
-                        self.ctas + sign * other.ctas, self.warps + sign * other.warps)
+        return Counters(access, **{name: getattr(self, name) + sign * getattr(other, name) for name in SCALARS})
 
     def __add__(self, other: "Counters") -> "Counters":
         return self._combine(other, 1)
@@ -127,7 +166,7 @@ class Counters:
     def scaled(self, factor: float) -> dict:
         """Every count divided by `factor` (e.g. per (query block, key block) pass), as a flat dict."""
         flat = {f"{c}.{w}": self.get(c, w) / factor for c in CATEGORIES for w in FIELDS}
-        flat.update(barriers=self.barriers / factor, mma=self.mma / factor)
+        flat.update({name: getattr(self, name) / factor for name in SCALARS if name not in ("ctas", "warps")})
         return flat
 
     @staticmethod

@@ -43,7 +43,7 @@ from .build import (  # noqa: F401  (re-exported: driver.py held them before the
     _parse_options,
     cache_dir,
 )
-from .counters import CATEGORIES, Counters, LaunchCounters, _record
+from .counters import CATEGORIES, SCALARS, Counters, LaunchCounters, _record
 from .errors import (  # noqa: F401  (re-exported: tests import CompileError from here)
     CompileError,
     DeadlockError,
@@ -157,7 +157,7 @@ class EmulatedFunction:
                 self._lib.emu_counters(ctypes.byref(raw))
                 self.last_counters = Counters(
                     access={c: tuple(int(x) for x in raw.access[i]) for i, c in enumerate(CATEGORIES)},
-                    barriers=raw.barriers, mma=raw.mma, ctas=raw.ctas, warps=raw.warps)
+                    **{name: int(getattr(raw, name)) for name in SCALARS})
                 _record(LaunchCounters(self.name, grid, block, shared_mem, self.last_counters))
             for region in regions:
                 side = region.slack_written()

@@ -121,9 +121,13 @@ struct EmuLaunchConfig {
 // category of warp-wide memory instruction: requests (warp instructions), bytes (summed over
 // lanes), cost (shared: wavefronts; global: 32-byte sectors) and ideal (the least that cost
 // could be: one wavefront per non-empty phase; the sectors of the distinct bytes requested).
+// The TMA rows (runtime/tma.h) count a box as one request: the bytes it writes to (load) or reads
+// from (store) shared memory, at 128 bytes a wavefront; the global sectors its in-bounds elements
+// fall in.
 enum Category : int {
     kSharedLoad = 0, kSharedStore = 1, kLdmatrixCat = 2, kCpAsyncShared = 3,
-    kGlobalLoad = 4, kGlobalStore = 5, kCpAsyncGlobal = 6, kCategories = 7,
+    kGlobalLoad = 4, kGlobalStore = 5, kCpAsyncGlobal = 6,
+    kTmaLoadShared = 7, kTmaLoadGlobal = 8, kTmaStoreShared = 9, kTmaStoreGlobal = 10, kCategories = 11,
 };
 struct EmuCounters {
     std::uint64_t access[kCategories][4];  // requests, bytes, cost, ideal
@@ -131,6 +135,15 @@ struct EmuCounters {
     std::uint64_t mma;                     // mma.sync executed, per warp
     std::uint64_t ctas;
     std::uint64_t warps;                   // warps launched, summed over CTAs
+    // sm_90 (runtime/wgmma.h, hopper.h) and the softmax's exponentials (emu_tensor_core.h)
+    std::uint64_t wgmma;                   // wgmma.mma_async issued, per warpgroup
+    std::uint64_t wgmma_rs;                // of them, with A from registers
+    std::uint64_t wgmma_flops;             // 2 * 64 * N * 16 each
+    std::uint64_t wgmma_shared_bytes;      // operand bytes read from shared memory: A (SS only) and B
+    std::uint64_t mbarrier_waits;          // mbarrier.try_wait executed, per thread
+    std::uint64_t mbarrier_blocked;        // of them, those whose phase had not completed: they blocked
+    std::uint64_t named_barriers;          // named-barrier instances completed (bar.sync / bar.arrive)
+    std::uint64_t ex2;                     // ex2.approx executed, per thread
 };
 
 struct EmuLaunchReport {

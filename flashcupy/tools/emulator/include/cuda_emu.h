@@ -139,6 +139,8 @@ void cp_async_wait(int pending);        // complete all but the newest `pending`
 // A lane's part in a warp-wide memory instruction, for the counters of a counted launch (runtime.cpp;
 // op: 2 ldmatrix); returns at once otherwise.
 void record_access(int op, const void* address, int bytes);
+// A counting build's ex2.approx (emu_tensor_core.h): one exponential of the MUFU, for counters.py.
+void count_ex2();
 // memcpy that the instrumentation of a counting build does not see (the emulator's own copies).
 void copy_raw(void* dst, const void* src, std::size_t bytes);
 

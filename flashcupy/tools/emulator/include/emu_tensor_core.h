@@ -124,6 +124,9 @@ inline void cp_async_wait() {
 }
 
 inline float ex2_approx(float x) {
+#ifdef EMU_COUNTERS  // a counting build (driver.py): one MUFU exponential
+    emu::count_ex2();
+#endif
     const float y = exp2f(x);
     return y < FLT_MIN ? 0.0f : y;
 }

@@ -119,7 +119,12 @@ bool emu::mbarrier_try_wait_parity(void* bar, unsigned parity) {
     land_tma_loads(reinterpret_cast<std::uintptr_t>(bar));  // the TMA loads that complete on it land now
     Mbarrier& b = mbarrier_at(bar, "mbarrier.try_wait.parity");
     Fiber& self = *active->current;
-    if ((b.phase & 1u) == (parity & 1u)) {  // the phase of this parity is the current one: not complete
+    const bool blocks = (b.phase & 1u) == (parity & 1u);  // the phase of this parity is the current one
+    if (active->counting) {
+        ++active->counting->totals.mbarrier_waits;
+        active->counting->totals.mbarrier_blocked += blocks;
+    }
+    if (blocks) {  // not complete: wait for it
         self.mbarrier = reinterpret_cast<std::uintptr_t>(bar);
         self.parity = parity & 1u;
         block_until_scheduled(self, State::kAtMbarrier);
@@ -141,6 +146,7 @@ void emu::named_barrier(unsigned id, unsigned count, bool wait) {
                "must name the same count", what, id, count, b.arrived, id, b.count);
     b.count = count;
     if (++b.arrived == count) {
+        if (active->counting) ++active->counting->totals.named_barriers;
         for (Fiber& f : active->fibers)
             if (f.state == State::kAtNamed && f.named_id == id) f.state = State::kRunnable;
         b = NamedBarrier{};

@@ -118,6 +118,10 @@ void emu::record_access(int op, const void* address, int bytes) {
              reinterpret_cast<std::uintptr_t>(address), bytes);
 }
 
+void emu::count_ex2() {
+    if (active && active->counting) ++active->counting->totals.ex2;
+}
+
 void emu::copy_raw(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
 
 // The callbacks of g++'s -fsanitize=kernel-address with --param

@@ -78,6 +78,36 @@ std::uintptr_t tma_global_element(const TmaBox& b, const int* coords, std::uint6
            static_cast<unsigned long long>(m.address));
 }
 
+// A counted launch's TMA box (counters.py, "TMA"): one request in its shared row (`shared`, the
+// bytes the box writes or reads there, at 128 bytes a wavefront: the unit moves whole lines, its bank
+// conflicts are not modelled) and one in its global row (`global`: the 32-byte sectors its in-bounds
+// elements fall in, from the start of their argument's bytes, as note() counts them; ideal, the
+// sectors of those bytes). Elements outside the tensor move no global bytes.
+struct TmaCount {
+    std::vector<std::int64_t> sectors;
+    std::uint64_t bytes = 0;
+
+    void element(std::uintptr_t a, unsigned element_bytes) {
+        for (const GlobalRegion& g : global_regions)
+            if (a >= g.lo && a < g.hi) {
+                const auto offset = static_cast<std::int64_t>(a - g.base);
+                for (std::int64_t s = floor_div(offset, 32); s <= floor_div(offset + element_bytes - 1, 32); ++s)
+                    sectors.push_back(s);
+                bytes += element_bytes;
+                return;
+            }
+    }
+
+    void add(int shared, int global, const TmaBox& b) {
+        std::uint64_t* s = active->counting->totals.access[shared];
+        const std::uint64_t lines = (b.bytes + 127) / 128;
+        s[0] += 1, s[1] += b.bytes, s[2] += lines, s[3] += lines;
+        std::sort(sectors.begin(), sectors.end());
+        sectors.erase(std::unique(sectors.begin(), sectors.end()), sectors.end());
+        std::uint64_t* g = active->counting->totals.access[global];
+        g[0] += 1, g[1] += bytes, g[2] += sectors.size(), g[3] += (bytes + 31) / 32;
+    }
+};
 
 // The copy of one load's box into shared memory, then its complete_tx on its barrier (the async proxy's)
 void tma_land(const PendingTmaLoad& p) {
@@ -131,13 +161,16 @@ void emu::tma_load(void* dst, const void* map, int rank, const int* coords, void
     const std::uint32_t window = tma_check_shared(b, dst, what, "destination");
     mbarrier_at(bar, what);  // the barrier must exist before the copy starts
     auto* smem = static_cast<unsigned char*>(dst);
+    TmaCount count;
     for (std::uint64_t e = 0; e < b.elements; ++e) {
         unsigned char* to = tma_shared_element(b, smem, window, e);
         if (!in_shared(reinterpret_cast<std::uintptr_t>(to), reinterpret_cast<std::uintptr_t>(to) + b.map->element_bytes))
             misuse("%s: box element %llu lands at %p after the %s swizzle, outside shared memory", what,
                    static_cast<unsigned long long>(e), static_cast<void*>(to), tma_swizzle_name(b.span));
-        tma_global_element(b, coords, e, what);
+        const std::uintptr_t from = tma_global_element(b, coords, e, what);
+        if (active->counting && from) count.element(from, b.map->element_bytes);
     }
+    if (active->counting) count.add(kTmaLoadShared, kTmaLoadGlobal, b);
     PendingTmaLoad p{dst, map, rank, {0, 0, 0, 0, 0}, reinterpret_cast<std::uintptr_t>(bar)};
     for (int d = 0; d < rank; ++d) p.coords[d] = coords[d];
     active->tma_loads.push_back(p);
@@ -148,6 +181,7 @@ void emu::tma_store(const void* map, int rank, const int* coords, const void* sr
     const TmaBox b = tma_box(map, rank, what);
     const std::uint32_t window = tma_check_shared(b, src, what, "source");
     auto* smem = static_cast<unsigned char*>(const_cast<void*>(src));
+    TmaCount count;
     for (std::uint64_t e = 0; e < b.elements; ++e) {
         const unsigned char* from = tma_shared_element(b, smem, window, e);
         if (!in_shared(reinterpret_cast<std::uintptr_t>(from), reinterpret_cast<std::uintptr_t>(from) + b.map->element_bytes))
@@ -157,8 +191,10 @@ void emu::tma_store(const void* map, int rank, const int* coords, const void* sr
                          active->barrier_epoch);
         const std::uintptr_t to = tma_global_element(b, coords, e, what);
         if (to) std::memcpy(reinterpret_cast<void*>(to), from, b.map->element_bytes);
+        if (active->counting && to) count.element(to, b.map->element_bytes);
     }
     ++active->current->bulk_open;
+    if (active->counting) count.add(kTmaStoreShared, kTmaStoreGlobal, b);
 }
 
 // A store reads its source at issue here, yet the groups are kept: a thread must wait for its stores'

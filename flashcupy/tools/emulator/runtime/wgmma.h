@@ -205,6 +205,13 @@ void resolve_wgmma(Launch& l, std::size_t g, std::size_t first) {
     op->epoch = l.barrier_epoch;
     if (!op->rs) op->a = decode(x.desc_a, x.trans_a != 0, 64, "A", lead);
     op->b = decode(x.desc_b, x.trans_b != 0, x.n, "B", lead);
+    if (l.counting) {  // one wgmma of the warpgroup: its FLOPs and the 16-bit operands it reads from shared memory
+        EmuCounters& c = l.counting->totals;
+        ++c.wgmma;
+        c.wgmma_rs += op->rs;
+        c.wgmma_flops += 2ull * 64 * static_cast<unsigned>(x.n) * 16;
+        c.wgmma_shared_bytes += (op->rs ? 0 : 64 * 16 * 2) + static_cast<unsigned>(x.n) * 16 * 2;
+    }
     if (op->rs) {  // hopper.cuh's A fragment: per warp, mma.sync m16n8k16's
         for (std::size_t i = first; i < first + 128; ++i) {
             const Fiber& f = l.fibers[i];
