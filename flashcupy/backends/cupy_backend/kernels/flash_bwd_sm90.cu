@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         const bool partial = mask.partial(i0, blk.j0);
         const auto score = MAKE_SCORE(T, float, MODS, blk.b, h, scale_log2, LOG2E);
         for_each_element([&](int r, int col, float& x, float& dp) {
-            tc_p_ds(score, TC_PAIR_HIDDEN(partial, i0 + col, key_w + r), false, i0 + col, key_w + r, x, dp, lse_i[col],
+            TC_P_DS(TC_PAIR_HIDDEN(partial, i0 + col, key_w + r), false, i0 + col, key_w + r, x, dp, lse_i[col],
                     D_i[col], scale_log2);
         }, S, dP);
         unsigned Pa[Q_STEPS][4], dSa[Q_STEPS][4];

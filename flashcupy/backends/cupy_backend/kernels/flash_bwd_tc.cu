@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
         const int h = blk.kv_head * group + p / q_blocks;
         const auto score = MAKE_SCORE(T, float, MODS, blk.b, h, scale_log2, LOG2E);
         for_each_element([&](int r, int c, float& s, float& dp) {  // a hidden row's dS 0 with the bool mask: see seen_row
-            tc_p_ds(score, TC_PAIR_HIDDEN(partial, i0 + c, key_w + r), (MODS & MOD_MASK) != 0, i0 + c, key_w + r, s, dp,
+            TC_P_DS(TC_PAIR_HIDDEN(partial, i0 + c, key_w + r), (MODS & MOD_MASK) != 0, i0 + c, key_w + r, s, dp,
                     lse_i[c], D_i[c], scale_log2);
         }, S, dP);
 

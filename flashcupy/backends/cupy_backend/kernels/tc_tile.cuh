@@ -65,14 +65,16 @@ constexpr int WIDE_WARPS = 8;
 // flash_bwd_sm90.cu), in place: s, Sᵀ's raw score of key j and query i, becomes P; dp becomes dS.
 // lse_log2: lse_i log2 e (+inf where P must be 0), D: D_i; hidden: the pair is masked (P = 0), and
 // with zero_hidden_ds its dS is 0 whatever dp holds (a NaN in a hidden row's dout: flash_bwd_tc.cu).
-template <typename ScoreT>
-__device__ __forceinline__ void tc_p_ds(const ScoreT& score, bool hidden, bool zero_hidden_ds, int i, int j, float& s,
-                                        float& dp, float lse_log2, float D, float scale_log2) {
-    float t = 0.0f;
-    const float P = hidden ? 0.0f : tc_prob(tc_final_score(score, s, i, j, t, scale_log2) - lse_log2);
-    s = P;
-    dp = zero_hidden_ds && hidden ? 0.0f : ds(score, P, dp, D, t);
-}
+// A macro of the kernel's score: as a function it took flash_bwd_tc.cu's deterministic dK/dV kernel at
+// head_dim 128 from 244 to 249 registers under NVRTC 12.9 (tests/test_nvrtc.py's limit is 247).
+#define TC_P_DS(hidden, zero_hidden_ds, i, j, s, dp, lse_log2, D, scale_log2)                                    \
+    do {                                                                                                      \
+        const bool hidden_ = (hidden);                                                                        \
+        float t_ = 0.0f;                                                                                      \
+        const float P_ = hidden_ ? 0.0f : tc_prob(tc_final_score(score, s, i, j, t_, scale_log2) - (lse_log2)); \
+        s = P_;                                                                                               \
+        dp = (zero_hidden_ds) && hidden_ ? 0.0f : ds(score, P_, dp, D, t_);                                   \
+    } while (0)
 
 // Element offset of 8-element chunk `chunk` of row `row` in a swizzled tile.
 template <int HEAD_DIM>
