@@ -2,7 +2,7 @@
 cuDNN, in one run; then the Hopper building blocks again. bash benchmarks/gpu_session.sh times
 the forwards; its sweep has no mma.sync backward.
 
-    python3 benchmarks/hopper_backward_check.py      (on the device machine; a table last)
+    PYTHONPATH=. python3 benchmarks/hopper_backward_check.py      (on the device machine; a table last)
 """
 
 from __future__ import annotations

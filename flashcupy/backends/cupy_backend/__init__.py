@@ -16,8 +16,9 @@ This module packs arguments, allocates outputs and workspaces, and launches:
 
 The SIMT kernels (flash_*.cu) take every dtype; the tensor-core ones (flash_*_tc.cu) take
 float16/bfloat16 where `forward_path` / `backward_path` say so, with the same arguments; on compute
-capability 9.0 the Hopper forward (flash_fwd_sm90.cu, compiled for sm_90a by cubin.py) takes the
-calls it covers, its tensors passed as TMA tensor maps (tensor_maps.py) made through the Runtime.
+capability 9.0 the Hopper kernels (flash_fwd_sm90.cu, flash_bwd_sm90.cu, compiled for sm_90a by
+cubin.py) take the calls they cover, their tensors passed as TMA tensor maps (tensor_maps.py) made
+through the Runtime.
 
 Every tensor is passed as a pointer to its first element plus its element strides (any layout,
 negative strides included); sizes as int32, the scale in the accumulation type, then causal and the
@@ -53,8 +54,9 @@ DTYPES = tuple(specs.CUDA_TYPES)  # bfloat16 as uint16 bit patterns: CuPy has no
 # wherever they can; False forces the SIMT kernels (flash_fwd.cu, flash_bwd.cu) everywhere, to
 # compare the two.
 USE_TENSOR_CORES = True
-# On compute capability 9.0 the forward runs on the Hopper kernel (flash_fwd_sm90.cu: TMA, wgmma,
-# warp specialisation) wherever it can; False forces the mma.sync kernel (flash_fwd_tc.cu), to compare.
+# On compute capability 9.0 the forward and backward run on the Hopper kernels (flash_fwd_sm90.cu,
+# flash_bwd_sm90.cu: TMA, wgmma, warp specialisation) wherever they can; False forces the mma.sync
+# kernels (flash_*_tc.cu), to compare.
 USE_WGMMA = True
 
 
@@ -181,6 +183,16 @@ def _tma_describable(rt, x) -> bool:
             and all(n == 1 or (0 < s < 2 ** 40 and s % 16 == 0) for n, s in zip(x.shape[:3], x.strides[:3])))
 
 
+def _hopper(p, path: str, *tensors) -> bool:
+    """Whether the Hopper kernels take a call that `path` puts on tensor cores: USE_WGMMA, compute
+    capability 9.0, no modifier but the window (specs.sm90_eligible), and `tensors`, read or written
+    through tensor maps, describable by one (_tma_describable)."""
+    rt = _runtime()
+    return (path == "tensor-core" and USE_WGMMA and specs.sm90_eligible(p.dtype, p.head_dim, _mods(p))
+            and rt.compute_capability(tensors[0]) == specs.SM90_COMPUTE_CAPABILITY
+            and all(_tma_describable(rt, x) for x in tensors))
+
+
 def forward_path(p, q, k, v, out=None, split: bool = False) -> str:
     """'hopper', 'tensor-core' or 'simt': which forward kernel serves this call.
 
@@ -192,13 +204,7 @@ def forward_path(p, q, k, v, out=None, split: bool = False) -> str:
     too); the others stay on the mma.sync kernel, never an error.
     """
     path = _path(p, q, k, v)
-    rt = _runtime()
-    tensors = (q, k, v) + (() if out is None else (out,))
-    if (path == "tensor-core" and USE_WGMMA and not split and specs.sm90_eligible(p.dtype, p.head_dim, _mods(p))
-            and rt.compute_capability(q) == specs.SM90_COMPUTE_CAPABILITY
-            and all(_tma_describable(rt, x) for x in tensors)):
-        return "hopper"
-    return path
+    return "hopper" if not split and _hopper(p, path, q, k, v, *(() if out is None else (out,))) else path
 
 
 def backward_path(p, dout, q, k, v, out, deterministic: bool = False) -> str:
@@ -209,13 +215,7 @@ def backward_path(p, dout, q, k, v, out, deterministic: bool = False) -> str:
     (q, k, v and dout through tensor maps), unless deterministic: it adds dQ with atomics.
     """
     path = _path(p, q, k, v, dout, out)
-    rt = _runtime()
-    if (path == "tensor-core" and USE_WGMMA and not deterministic
-            and specs.sm90_eligible(p.dtype, p.head_dim, _mods(p))
-            and rt.compute_capability(q) == specs.SM90_COMPUTE_CAPABILITY
-            and all(_tma_describable(rt, x) for x in (q, k, v, dout))):
-        return "hopper"
-    return path
+    return "hopper" if not deterministic and _hopper(p, path, q, k, v, dout) else path
 
 
 def _window_args(p) -> tuple:
