@@ -195,3 +195,24 @@ def test_unfenced_ordinary_stores_read_by_a_tma_store_are_reported(mode, writer,
 def test_ordinary_reads_of_a_tma_loaded_tile_after_the_wait_are_not_reported(rng):
     # tma_box's threads read the box with ordinary loads after mbarrier_wait_parity: ordered by the mbarrier
     blocks.check_box_load(kernel, encode_tiled, (48, 96), (64, 16), (8, 8), "128B", rng)
+
+
+# ----------------------------------------------------------------------------
+# bulk reduce-adds (cp.reduce.async.bulk .add.f32): the dQ of flash_bwd_sm90.cu
+
+
+def test_bulk_reduce_adds_every_round_of_every_cta(rng):
+    blocks.check_bulk_reduce(kernel, rng)
+
+
+def test_a_bulk_reduce_reads_its_source_at_the_wait(rng):
+    # thread 0 waits only after the last round: the model reads every round's tile there, so each adds
+    # the last round's values (on silicon a race: the next round overwrites a source not yet read)
+    dst, base, src = blocks.bulk_reduce(kernel, rng, "wait after the last round", ctas=2)
+    np.testing.assert_allclose(dst, base + 2 * 3 * src[-1], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(dst, base + 2 * src.sum(axis=0), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bulk_reduce_of_a_size_not_a_multiple_of_16_is_reported(rng):
+    with pytest.raises(KernelError, match=r"cp.reduce.async.bulk .add.f32.*not a positive multiple of 16"):
+        blocks.bulk_reduce(kernel, rng, "size not a multiple of 16")

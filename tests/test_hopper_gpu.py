@@ -258,5 +258,9 @@ def test_tma_3d_and_4d_stores_crossing_the_edge(tma_kernel, shape, box, coords, 
     tma_blocks.check_store_round_trip(tma_kernel, encode, rng, shape, box, coords)
 
 
+def test_bulk_reduce_adds_every_round_of_every_cta(tma_kernel, rng):
+    tma_blocks.check_bulk_reduce(tma_kernel, rng, ctas=264)
+
+
 def test_tma_loaded_tile_read_by_wgmma(tma_kernel, rng):
     tma_blocks.check_tma_then_wgmma(tma_kernel, encode, rng)

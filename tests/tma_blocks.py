@@ -21,7 +21,7 @@ import wgmma_blocks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEST_KERNELS = os.path.join(HERE, "emulator_kernels", "tma.cu")
-NAMES = ("tma_box", "tma_copy", "tma_fill_store", "tma_qk")
+NAMES = ("tma_box", "tma_copy", "tma_fill_store", "tma_qk", "tma_bulk_reduce")
 SPAN = {"none": 16, "32B": 32, "64B": 64, "128B": 128}
 MODES = {"normal": 0, "misaligned": 1, "short": 2}
 
@@ -140,3 +140,24 @@ def check_tma_then_wgmma(kernel, encode, rng):
     got = wgmma_blocks.from_fragments(out, 64)
     np.testing.assert_allclose(got, wgmma_blocks.want("float16", Q, K.T), rtol=wgmma_blocks.RTOL,
                                atol=wgmma_blocks.ATOL)
+
+
+REDUCE_MODES = {"normal": 0, "wait after the last round": 1, "size not a multiple of 16": 2}
+
+
+def bulk_reduce(kernel, rng, mode="normal", ctas=3, rounds=3, floats=320):
+    """tma_bulk_reduce: what `ctas` CTAs of `rounds` bulk reduce-adds each leave in dst (start: `base`),
+    with the rounds' sources and the start, for the caller's expectation."""
+    base = rng.standard_normal(floats).astype(np.float32)
+    src = rng.standard_normal((rounds, floats)).astype(np.float32)
+    dst = base.copy()
+    kernel("tma_bulk_reduce")((ctas,), (64,), (dst, src.ravel(), np.int32(floats), np.int32(rounds),
+                                                np.int32(REDUCE_MODES[mode])), shared_mem=floats * 4 + 1024)
+    return dst, base, src
+
+
+def check_bulk_reduce(kernel, rng, ctas=3):
+    """Every CTA's every round added once into the same floats (float32 sums in some order)."""
+    dst, base, src = bulk_reduce(kernel, rng, ctas=ctas)
+    want = base.astype(np.float64) + ctas * src.astype(np.float64).sum(axis=0)
+    np.testing.assert_allclose(dst, want, rtol=1e-5, atol=1e-5)

@@ -26,6 +26,16 @@
 //            mbarrier, then the first half of the tile is overwritten from src, fenced: out holds
 //            src's first half and the loaded second half
 //         4  as 3 without the fence (emulator only: a KernelError)
+//   tma_bulk_reduce(dst, src, floats, rounds, mode)   64 threads a CTA, any number of CTAs: per round r,
+//       each thread writes tile[i] = src[r * floats + i] (i = tid, tid + 64, ..) with ordinary stores,
+//       fences them for the async proxy, __syncthreads, and thread 0 adds the tile into dst by
+//       bulk_reduce_add_f32 (floats * 4 bytes) and commits; thread 0 waits (wait_group.read 0) before
+//       the __syncthreads that lets the next round overwrite the tile. dst[i] += sum over CTAs and
+//       rounds of src[r][i]: the CTAs add into the same floats. Modes:
+//         0  as described
+//         1  thread 0 waits only after the last round (emulator only: the reads of every round's
+//            tile happen at that wait, so each round adds the last round's values)
+//         2  a size of floats * 4 - 4 bytes (emulator only: not a multiple of 16, a KernelError)
 //   tma_qk(map_q, map_k, out)   128 threads: Q (64 x 64) and K (64 x 64) fp16 boxes loaded with 128B
 //       swizzle, then S = Q K^T by 4 k16 steps of wgmma_ss<__half, 64> with 128B K-major
 //       descriptors (SBO 1024, +32 bytes per step): out[tid * 32 + i] = d[i].
@@ -139,4 +149,23 @@ extern "C" __global__ void __launch_bounds__(128) tma_qk(const __grid_constant__
     wgmma_wait_group<0>();
     wgmma_fence_operand<32>(d);
     for (int i = 0; i < 32; ++i) out[tid * 32 + i] = d[i];
+}
+
+extern "C" __global__ void tma_bulk_reduce(float* dst, const float* __restrict__ src, int floats, int rounds,
+                                           int mode) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* tile = reinterpret_cast<float*>(aligned_tile(smem));
+    const int tid = threadIdx.x;
+    for (int r = 0; r < rounds; ++r) {
+        for (int i = tid; i < floats; i += 64) tile[i] = src[r * floats + i];
+        fence_proxy_async();  // this thread's stores, before the bulk reduce reads them
+        __syncthreads();      // every thread's stores are in the tile before thread 0 issues
+        if (tid == 0) {
+            bulk_reduce_add_f32(dst, tile, mode == 2 ? floats * 4 - 4 : floats * 4);
+            tma_store_commit_group();
+            if (mode != 1) tma_store_wait_group_read<0>();  // the reduce has read the tile
+        }
+        __syncthreads();  // the tile is free again before the next round's stores
+    }
+    if (tid == 0) tma_store_wait_group_read<0>();
 }

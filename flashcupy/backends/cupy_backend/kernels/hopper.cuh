@@ -37,8 +37,12 @@
 //   tma_store_2d/3d/4d(map, c0.., src)  cp.async.bulk.tensor.Nd.global.shared::cta.tile.bulk_group:
 //                                      the box at src to global memory, out-of-bounds elements
 //                                      not written                                        sm_90
-//   tma_store_commit_group()           cp.async.bulk.commit_group: this thread's bulk stores so far
-//                                      become its newest bulk group
+//   bulk_reduce_add_f32(dst, src, bytes)  cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32:
+//                                      dst[e] += src[e], bytes / 4 floats, added in the L2; src
+//                                      shared, dst global, both 16-byte aligned, bytes a multiple
+//                                      of 16                                              sm_90
+//   tma_store_commit_group()           cp.async.bulk.commit_group: this thread's bulk stores and
+//                                      reduce-adds so far become its newest bulk group
 //   tma_store_wait_group_read<N>()     cp.async.bulk.wait_group.read N: at most the newest N groups
 //                                      still read their shared-memory source (it may be reused)
 //
@@ -328,6 +332,13 @@ __device__ __forceinline__ void tma_store_4d(const TensorMap& map, int c0, int c
     asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
                  :: "l"(tensor_map_address(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_address(src))
                  : "memory");
+}
+
+// dst[e] += src[e] for the bytes / 4 floats at src (shared memory) into dst (global memory), in the L2:
+// one instruction for a whole tile, where per-element atomics ask the L2 an atomic each
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 :: "l"(dst), "r"(smem_address(src)), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void tma_store_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }

@@ -23,12 +23,16 @@
 //   async proxy   a load's landing makes its bytes async-written, a store's source read is an
 //                 async-proxy read: an ordinary store to it that its writer has not followed with
 //                 fence.proxy.async is a KernelError naming the writer (emu_hopper.h, runtime/proxy.h).
+//   reduce-add    bulk_reduce_add_f32 (cp.reduce.async.bulk .add.f32, no tensor map): checked at issue
+//                 (16-byte alignment and size, the source in shared memory and fenced, the destination
+//                 inside one array argument); its source is read and added into global memory when a
+//                 wait_group.read covers its group, so a source overwritten before that wait is wrong.
 //   commit / wait a store reads shared memory at issue, yet its thread keeps count: stores not
 //                 committed, or groups not waited for (wait_group.read N leaves at most N), when the
 //                 thread exits are a KernelError (the next CTA on the SM may own that memory).
 // Not modelled: a swizzled box whose inner extent is narrower than the swizzle span (encode_tiled
 // refuses it: whether the hardware pads each row to the span is unverified), L2 promotion, interleaved layouts, OOB fill NaN, im2col, multicast and clusters,
-// reduce-adds. A load is checked at issue and lands (the copy, then complete_tx) when a thread
+// tensor reduce-adds. A load is checked at issue and lands (the copy, then complete_tx) when a thread
 // waits on its mbarrier, or when every thread is blocked and one waits on it: a reader that skips
 // the wait reads stale bytes; loads nobody waited for when the block ends are a KernelError.
 
@@ -58,6 +62,7 @@ static_assert(sizeof(TmaMapLayout) == 128, "a tensor map is 128 bytes");
 
 void tma_load(void* dst, const void* map, int rank, const int* coords, void* bar);
 void tma_store(const void* map, int rank, const int* coords, const void* src);
+void bulk_reduce_add_f32(float* dst, const float* src, unsigned bytes);
 void tma_commit_group();
 void tma_wait_group_read(int pending);
 }  // namespace emu
@@ -92,6 +97,7 @@ inline void tma_store_4d(const TensorMap& map, int c0, int c1, int c2, int c3, c
     const int c[5] = {c0, c1, c2, c3, 0};
     emu::tma_store(&map, 4, c, src);
 }
+inline void bulk_reduce_add_f32(float* dst, const float* src, unsigned bytes) { emu::bulk_reduce_add_f32(dst, src, bytes); }
 inline void tma_store_commit_group() { emu::tma_commit_group(); }
 template <int N>
 inline void tma_store_wait_group_read() {

@@ -107,6 +107,14 @@ struct PendingCopy {
     bool landed;  // written already (cp_async_eager), still to be waited for
 };
 
+// One bulk reduce-add in flight (runtime/tma.h, cp.reduce.async.bulk .add.f32): checked when issued, its
+// source read and added into its destination when a wait_group.read covers its bulk group.
+struct PendingReduce {
+    std::uintptr_t dst, src;
+    unsigned bytes;
+    long group;  // -1 until cp.async.bulk.commit_group puts it in the thread's newest bulk group
+};
+
 // One TMA load in flight (runtime/tma.h): checked when issued, its box copied when a thread waits on its
 // mbarrier (a GPU's copy lands some time after the issue; a reader that skips the wait reads stale bytes).
 struct PendingTmaLoad {
@@ -131,6 +139,8 @@ struct Fiber {
     unsigned named_id;        // kAtNamed: the named barrier
     int bulk_open;            // TMA stores issued and not yet committed (cp.async.bulk.commit_group)
     int bulk_reading;         // committed bulk groups not yet waited for (cp.async.bulk.wait_group.read)
+    long bulk_committed;      // bulk groups committed since the block began
+    std::vector<PendingReduce> reduces;  // bulk reduce-adds whose group is not yet waited for
 };
 
 // An mbarrier object (emu_hopper.h): the state the PTX ISA describes, kept beside shared memory.
@@ -211,7 +221,7 @@ void fiber_start() {
     if (self.bulk_open || self.bulk_reading) {
         record_thread(self);
         abandon(kTrap,
-                "the thread exited with %d TMA store(s) not committed (cp.async.bulk.commit_group) and %d bulk "
+                "the thread exited with %d TMA store(s) or reduce-add(s) not committed (cp.async.bulk.commit_group) and %d bulk "
                 "group(s) not waited for (cp.async.bulk.wait_group.read 0): a store may still read the shared "
                 "memory that the next CTA on the SM already owns", self.bulk_open, self.bulk_reading);
     }

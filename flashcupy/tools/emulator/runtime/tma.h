@@ -197,16 +197,62 @@ void emu::tma_store(const void* map, int rank, const int* coords, const void* sr
     if (active->counting) count.add(kTmaStoreShared, kTmaStoreGlobal, b);
 }
 
+// cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32: checked at issue (size and both addresses
+// 16-byte aligned, the source inside shared memory and fenced for the async proxy as a store's, the
+// destination inside one array argument); the source is read and added into the destination when a
+// wait_group.read covers its bulk group, the latest the hardware may read it, so a source overwritten
+// before that wait is added as overwritten (and a reduce never waited for is the exit's error).
+void emu::bulk_reduce_add_f32(float* dst, const float* src, unsigned bytes) {
+    const char* what = "cp.reduce.async.bulk .add.f32 (bulk_reduce_add_f32)";
+    const auto s = reinterpret_cast<std::uintptr_t>(src), d = reinterpret_cast<std::uintptr_t>(dst);
+    if (bytes == 0 || bytes % 16) misuse("%s: %u bytes, not a positive multiple of 16", what, bytes);
+    if (s % 16 || d % 16) misuse("%s: the source %p or the destination %p is not 16-byte aligned", what, src, dst);
+    if (!in_shared(s, s + bytes))
+        misuse("%s: the source %p (%u bytes) is not inside this block's shared memory", what, src, bytes);
+    bool inside = false;
+    for (const GlobalRegion& g : global_regions) inside |= d >= g.base && d + bytes <= g.hi;
+    if (!inside)
+        misuse("%s: the destination %p (%u bytes) is not inside one array argument of the launch", what, dst, bytes);
+    proxy_async_read(s, bytes, *active->current, what, active->barrier_epoch);
+    Fiber& self = *active->current;
+    self.reduces.push_back({d, s, bytes, -1});
+    ++self.bulk_open;
+    if (active->counting) {  // the store rows: the same unit, the same direction (counters.py, "TMA")
+        TmaCount count;
+        for (std::uintptr_t a = d; a < d + bytes; a += 4) count.element(a, 4);
+        TmaBox b{};
+        b.bytes = bytes;
+        count.add(kTmaStoreShared, kTmaStoreGlobal, b);
+    }
+}
+
 // A store reads its source at issue here, yet the groups are kept: a thread must wait for its stores'
 // reads before it exits (fibers.h), as a CTA's shared memory may be the next CTA's once it has.
 void emu::tma_commit_group() {
     Fiber& self = *active->current;
+    for (PendingReduce& r : self.reduces)
+        if (r.group < 0) r.group = self.bulk_committed;
+    ++self.bulk_committed;
     self.bulk_open = 0;
     ++self.bulk_reading;
 }
 
+// The groups older than the newest `pending` are complete: their reduce-adds read their sources now.
 void emu::tma_wait_group_read(int pending) {
     if (pending < 0 || pending > 7) misuse("cp.async.bulk.wait_group.read %d: N must be in [0, 7]", pending);
     Fiber& self = *active->current;
     self.bulk_reading = std::min(self.bulk_reading, pending);
+    const long done = self.bulk_committed - self.bulk_reading;
+    auto& reduces = self.reduces;
+    for (std::size_t i = 0; i < reduces.size();) {
+        const PendingReduce r = reduces[i];
+        if (r.group < 0 || r.group >= done) {
+            ++i;
+            continue;
+        }
+        reduces.erase(reduces.begin() + static_cast<long>(i));
+        auto* to = reinterpret_cast<float*>(r.dst);
+        const auto* from = reinterpret_cast<const float*>(r.src);
+        for (unsigned e = 0; e < r.bytes / 4; ++e) to[e] += from[e];
+    }
 }
