@@ -140,7 +140,7 @@ def test_the_hopper_kernels_compile_for_sm_90a_without_spills_or_serialised_wgmm
     names = list(dict.fromkeys(k.name_expression for m in modules for k in m.kernels))
     wgmma = [k.name_expression for m in modules for k in m.kernels if k.wgmma]
     ops = ["HGMMA.64x", "UTMALDG", "USETMAXREG.DEALLOC", "USETMAXREG.TRY", "SYNCS.PHASECHK.TRANS64.TRYWAIT",
-           "BAR.SYNC"] + (["UTMASTG"] if source_file == "flash_fwd_sm90.cu" else ["REDG.E.ADD.F32"])
+           "BAR.SYNC"] + (["UTMASTG"] if source_file == "flash_fwd_sm90.cu" else ["UBLKRED"])
     for toolkit in toolkits():
         options = sources.arch_options(specs.SM90_ARCH) + (f"-I{toolkit.include}", "-Xptxas=-v")
         log, lowered, cubin = nvrtc.compile_cubin(source, names, options, toolkit)

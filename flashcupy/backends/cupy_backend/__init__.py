@@ -395,8 +395,11 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
             dq, dk, dv = into[:3]
         D = rt.xp.empty(p.lse_shape, dtype=p.acc_dtype)  # workspace: rowsum(dO ∘ O), contiguous
         # workspace for dQ's atomics: zeros, q's shape, contiguous (the tensor-core dK/dV kernel takes
-        # a never-read stand-in otherwise)
-        dqa = rt.xp.zeros(q.shape, dtype=np.float32) if dkdv.dq_atomic or dkdv.wgmma else None
+        # a never-read stand-in otherwise); the Hopper kernel's: zeros, a tile of block_m rows x its
+        # head_dim bucket and padding per (batch, query head, query block) (flash_bwd_sm90.cu)
+        dqa = (rt.xp.zeros((p.batch, p.heads_q, -(-p.seqlen_q // dkdv.block_m) * dkdv.block_m,
+                            dkdv.head_dim + specs.SM90_DQ_ROW_PAD), dtype=np.float32) if dkdv.wgmma
+               else rt.xp.zeros(q.shape, dtype=np.float32) if dkdv.dq_atomic else None)
 
         preprocess(
             (prep_kernel.blocks(p),), block,
@@ -405,7 +408,8 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
         shared = (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(dout), *_tensor(lse), D)
         flags = (*_shape_args(p), acc(p.scale), np.int32(p.causal), np.int32(p.diagonal),
                  *_modifier_args(p, D, tensor_cores))
-        atomic = (*_tensor(dqa),) if dqa is not None else (D, *(np.int64(0),) * 4) if tensor_cores else ()
+        atomic = ((dqa,) if dkdv.wgmma else (*_tensor(dqa),) if dqa is not None
+                  else (D, *(np.int64(0),) * 4) if tensor_cores else ())
         if path == "hopper":  # q, dO_i: a pass's BLOCK_M rows; k, v: the key block's BLOCK_N
             maps = _sm90_maps(rt, p, (q, dkdv.block_m), (k, dkdv.block_n), (v, dkdv.block_n), (dout, dkdv.block_m))
             shared = (*maps, *_tensor(lse), D)
@@ -420,7 +424,8 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
             # the convert kernel writes dq element by element in q's shape, contiguous: a given dq of
             # other strides (a view of a larger one: flashcupy/_batch.py) takes a copy
             flat = dq if dq.flags.c_contiguous else rt.xp.empty(q.shape, dtype=p.carrier)
-            bwd_dq((dq_kernel.blocks(p),), block, (dqa, flat, np.int64(dqa.size), np.float32(p.scale)))
+            tiles = (np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim)) if dkdv.wgmma else ()
+            bwd_dq((dq_kernel.blocks(p),), block, (dqa, flat, np.int64(flat.size), np.float32(p.scale), *tiles))
             if flat is not dq:
                 dq[...] = flat
         if p.bias is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .specs import Kernel, MOD_BITS, MOD_PAIRS, MOD_SCORE, NUM_THREADS, SM90_THREADS, WIDE_WARPS
+from .specs import Kernel, MOD_BITS, MOD_PAIRS, MOD_SCORE, NUM_THREADS, SM90_DQ_ROW_PAD, SM90_THREADS, WIDE_WARPS
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def _sm90_forward_smem(m: int, n: int, d: int, atomic: bool) -> int:
 LAUNCH = {
     **{t: Launch(bounds=_simt_bounds) for t in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq", "flash_probs",
                                                 "flash_bwd_dbias")},
-    **{t: Launch() for t in ("flash_bwd_preprocess", "flash_bwd_dq_convert")},
+    **{t: Launch() for t in ("flash_bwd_preprocess", "flash_bwd_dq_convert", "flash_bwd_dq_convert_sm90")},
     "flash_fwd_tc": Launch(dynamic_smem=_tc_forward_smem, bounds=_tc_forward_bounds),
     "flash_fwd_tc_wide": Launch(32 * WIDE_WARPS, _tc_forward_smem, _tc_wide_bounds),
     "flash_bwd_dkdv_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * n + 4 * m) * d * 2 + 2 * 2 * m * 4
@@ -126,9 +126,10 @@ LAUNCH = {
     # the Hopper kernels: one CTA an SM, always (their __launch_bounds__(SM90_THREADS, 1): the register
     # cap at entry that setmaxnreg needs), so no bounds rule
     "flash_fwd_sm90": Launch(SM90_THREADS, _sm90_forward_smem),
-    # K_j, V_j; 2 x (Q_i, dO_i); each consumer's dSᵀ (64 keys x m); 2 x (lse_i, D_i); 1024 to align
+    # K_j, V_j; 2 x (Q_i, dO_i); each consumer's dSᵀ (64 keys x m); the owner's dQ_i in fp32, rows padded;
+    # 2 x (lse_i, D_i); 1024 to align
     "flash_bwd_dkdv_sm90": Launch(SM90_THREADS, lambda m, n, d, atomic: (2 * n + 4 * m) * d * 2 + 2 * 64 * m * 2
-                                  + 2 * 2 * m * 4 + 1024),
+                                  + m * (d + SM90_DQ_ROW_PAD) * 4 + 2 * 2 * m * 4 + 1024),
 }
 
 
@@ -163,6 +164,8 @@ _QUERY_BLOCKS = Grid("seqlen_q / {block_m} x batch x heads_q",
 _KEY_BLOCKS = Grid("seqlen_k / {block_n} x batch x heads_kv",
                    lambda k, p, rows: _cdiv(p.seqlen_k, k.block_n) * p.batch * p.heads_kv, "queries")
 _PREPROCESS_ROWS = NUM_THREADS // 32  # a warp a row
+_DQ_ELEMENTS = Grid(f"batch x seqlen_q x heads_q x head_dim / {NUM_THREADS}",
+                    lambda k, p, rows: _cdiv(p.batch * p.seqlen_q * p.heads_q * p.head_dim, NUM_THREADS))
 # The grid of every template Kernel instantiates
 GRIDS = {
     "flash_fwd": _QUERY_BLOCKS, "flash_fwd_tc": _QUERY_BLOCKS, "flash_fwd_tc_wide": _QUERY_BLOCKS,
@@ -172,9 +175,7 @@ GRIDS = {
     "flash_bwd_preprocess": Grid(f"batch x heads_q x seqlen_q / {_PREPROCESS_ROWS}",
                                  lambda k, p, rows: _cdiv(p.batch * p.heads_q * p.seqlen_q, _PREPROCESS_ROWS)),
     # a thread an element of dQ
-    "flash_bwd_dq_convert": Grid(f"batch x seqlen_q x heads_q x head_dim / {NUM_THREADS}",
-                                lambda k, p, rows: _cdiv(p.batch * p.seqlen_q * p.heads_q * p.head_dim,
-                                                         NUM_THREADS)),
+    "flash_bwd_dq_convert": _DQ_ELEMENTS, "flash_bwd_dq_convert_sm90": _DQ_ELEMENTS,
     # a tile of (asked rows, keys), per query head; at most every row
     "flash_probs": Grid("rows / {block_m} x seqlen_k / {block_n} x batch x heads_q",
                         lambda k, p, rows: _cdiv(rows if rows is not None else p.seqlen_q, k.block_m)

@@ -145,6 +145,8 @@ SM90_FORWARD_TILES = {64: (128, 128), 128: (128, 128)}
 # The Hopper backward's dK/dV kernel (flash_bwd_sm90.cu): 64 query rows a pass, two consumer warpgroups
 # of 64 keys each (FA3's 64 x 128 at head_dim 128)
 SM90_BACKWARD_TILES = {64: (64, 128), 128: (64, 128)}
+# floats of padding a row of the Hopper backward's dQ tiles (its workspace; DQ_ROW in flash_bwd_sm90.cu)
+SM90_DQ_ROW_PAD = 8
 SM90_ATOM = 64            # columns of a TMA box: 128 bytes, the 128B swizzle's span (ATOM in the kernel)
 SM90_CONSUMER_ROWS = 64   # query rows of a consumer warpgroup: one wgmma M, one TMA store of out
 
@@ -242,7 +244,7 @@ class Kernel:
     def name_expression(self) -> str:
         storage, acc = CUDA_TYPES[self.dtype]
         # tensor cores accumulate in float
-        args = ([storage] if self.tensor_cores or self.wgmma or self.template == "flash_bwd_dq_convert"
+        args = ([storage] if self.tensor_cores or self.wgmma or self.template.startswith("flash_bwd_dq_convert")
                 else [storage, acc])
         if self.head_dim:
             args += [str(self.head_dim), str(self.block_m), str(self.block_n)]
@@ -396,14 +398,14 @@ def sm90_forward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
 
 def sm90_backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
     """The Hopper backward (sm_90a), kernels in launch order: preprocess (D), the dK/dV kernel that adds
-    dQ into an fp32 workspace with atomics, and the kernel that scales and rounds it (not
-    deterministic: deterministic=True keeps the mma.sync kernels)."""
+    dQ into an fp32 workspace of tiles by bulk reduce-adds, and the kernel that scales and rounds it
+    (not deterministic: deterministic=True keeps the mma.sync kernels)."""
     bucket = tc_tile_row(head_dim)
     dtype = _name(dtype)
     bm, bn = SM90_BACKWARD_TILES[bucket]
     return ModuleSpec("flash_bwd_sm90.cu", (Kernel("flash_bwd_preprocess", dtype, 0),
                                             Kernel("flash_bwd_dkdv_sm90", dtype, bucket, bm, bn, mods),
-                                            Kernel("flash_bwd_dq_convert", dtype, 0)), SM90_ARCH)
+                                            Kernel("flash_bwd_dq_convert_sm90", dtype, bucket, bm, bn)), SM90_ARCH)
 
 
 def sm90_eligible(dtype, head_dim: int, mods: int) -> bool:

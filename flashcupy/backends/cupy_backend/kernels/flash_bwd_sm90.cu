@@ -5,9 +5,16 @@
 //     P = 2^(S c - lse log2 e),  c = scale log2 e;   dP = dO Vᵀ;   dS = P ∘ (dP - D),  D = rowsum(dO ∘ O)
 //     dV = Pᵀ dO;   dK = scale dSᵀ Q;   dQ = scale dS K
 // Three kernels, launched in this order: flash_bwd_preprocess (D, flash_bwd_common.cuh), then
-// flash_bwd_dkdv_sm90 below, which adds dQ into an fp32 workspace with atomics, then
-// flash_bwd_dq_convert (flash_bwd_common.cuh), which scales and rounds it into dq. deterministic=True
-// runs flash_bwd_tc.cu's deterministic kernels instead (the launcher).
+// flash_bwd_dkdv_sm90 below, which adds dQ into an fp32 workspace by bulk reduce-adds, then
+// flash_bwd_dq_convert_sm90 below, which scales and rounds it into dq. deterministic=True runs
+// flash_bwd_tc.cu's deterministic kernels instead (the launcher).
+//
+// The dQ workspace: zeros, a tile of BLOCK_M rows x DQ_ROW (HEAD_DIM + 8) floats per (batch, query head,
+// query block of BLOCK_M), tiles in that order; columns from head_dim on and rows past seqlen_q receive
+// zeros. The dK/dV kernel stages dQ in the same layout, so that one bulk reduce-add moves a whole tile;
+// the 8 floats of padding a row make a half-warp's 8-byte fragment stores hit 32 distinct banks, with
+// offsets the compiler writes as immediates (an XOR swizzle needed registers for its addresses, and the
+// window kernel spilled at head_dim 128 under NVRTC 12.9).
 //
 // flash_bwd_dkdv_sm90: one CTA per (key block j, batch * heads_kv), flattened on x (key_block in
 // mask.cuh), key-block stationary as FA3's: K_j, V_j (BLOCK_N keys) stay in shared memory while the
@@ -26,16 +33,23 @@
 //         Pᵀ = 2^(Sᵀ c - lse_i log2 e), dSᵀ = Pᵀ ∘ (dPᵀ - D_i) in place (lse_i, D_i per column: the stage)
 //         dV_c += Pᵀ dO_i    wgmma_rs m64 n HEAD_DIM: A = Pᵀ re-packed (c_to_a), B = dO_i MN-major
 //         dK_c += dSᵀ Q_i    wgmma_rs, the same with Q_i
-//         dQ_i += dS K_c     wgmma_ss: A = dS from dS_c (the consumer's dSᵀ stored to shared memory:
-//                            MN-major A, the A-transpose bit), B = K_c MN-major; then atomics into
-//                            the fp32 workspace (rows < seqlen_q, columns < head_dim)
+//         dQ_i = dS K_j      by one consumer, the pass's owner (pass p: consumer p % CONSUMERS), over all
+//                            BLOCK_N keys: wgmma_ss, A = dS from every consumer's dSᵀ in dS_s (MN-major
+//                            A, the A-transpose bit), B = K_j MN-major. The owner stages dQ_i in dQ_s
+//                            (the workspace tile's layout) and its first thread adds it into the workspace with
+//                            one bulk reduce-add: a CTA adds each dQ element once a pass (per-element
+//                            atomics of each consumer's 64-key partial asked the L2 twice as often,
+//                            an atomic each), in whole lines.
 //     dK_c (times scale) and dV_c are stored once, from the accumulators, at the end.
 // Shared memory (dynamic, aligned up to 1024 bytes), tiles as sm90_tile.cuh lays them:
 //     K_s, V_s      BLOCK_N x HEAD_DIM each            K_j, V_j; loaded once
 //     Q_s, dO_s     STAGES x BLOCK_M x HEAD_DIM each   the ring: stage s holds pass p (p % STAGES == s)
-//     dS_s          CONSUMERS x 64 x BLOCK_M           each consumer's dSᵀ of this pass (keys x queries)
+//     dS_s          CONSUMERS x 64 x BLOCK_M           each consumer's dSᵀ of this pass (keys x queries):
+//                                                      together dSᵀ of the key block, the owner's A
+//     dQ_s          BLOCK_M x DQ_ROW floats            the owner's dQ_i, the workspace tile's layout
 //     stats_s       STAGES x 2 x BLOCK_M floats        lse_i log2 e, then D_i, per stage
-//     total (2 BLOCK_N + 4 BLOCK_M) HEAD_DIM 2 + 128 BLOCK_M + 16 BLOCK_M bytes + 1024 (launch.py: LAUNCH).
+//     total (2 BLOCK_N + 4 BLOCK_M) HEAD_DIM 2 + 256 BLOCK_M + 4 BLOCK_M DQ_ROW + 16 BLOCK_M bytes
+//     + 1024 (launch.py: LAUNCH).
 // mbarriers (static shared memory), and why each is waited on:
 //     kv_full       K_j and V_j have landed (the producer's arrive.expect_tx): before the first pass.
 //     full[s]       Q_i, dO_i of stage s have landed, and warp 1's 32 lanes have stored lse_i, D_i
@@ -44,10 +58,19 @@
 //     empty[s]      every consumer thread has passed the last wgmma_wait of its pass on stage s (count:
 //                   the consumer threads): no wgmma still reads Q_i or dO_i, nobody the statistics. The
 //                   producer (warp 0's elected thread and warp 1) waits before refilling (parity 1 first).
-// Barriers: one __syncthreads after the mbarrier inits; named barrier 1 + c (the consumer's 128 threads)
-// between storing dSᵀ to dS_c (each thread fenced for the async proxy) and the dQ wgmma that reads all of
-// it. The next pass's stores into dS_c come after this pass's wgmma_wait<0>: the dQ wgmma that read it
-// has completed.
+// Barriers: one __syncthreads after the mbarrier inits, then named barriers among the consumers (the two
+// alternate as owners: pass p's owner is the other's of pass p - 1):
+//     DS_READY   pass p's owner syncs, the other arrives after storing its dSᵀ rows (each thread fenced
+//                for the async proxy): the owner's dQ wgmma reads every consumer's. Before arriving or
+//                syncing there each consumer's first thread waits for its last bulk reduce-add to have
+//                read dQ_s (wait_group.read 0), so the owner's stores into dQ_s follow it.
+//     DQ_DONE    pass p's owner arrives once its dQ wgmma has completed (when a pass follows), pass
+//                p + 1's owner syncs before storing its dSᵀ rows: they overwrite what that wgmma read.
+//                The other consumer's rows were read by its own wgmma, or two passes ago (ordered by
+//                this barrier one pass earlier).
+//     1 + c      the owner's 128 threads, between their stores into dQ_s (fenced) and the bulk
+//                reduce-add that reads them.
+// A consumer runs at most one pass ahead of the other: each owner's DQ_DONE sync waits for the last.
 //
 // Requirements on the arguments, checked by the launcher (cupy_backend.backward_path): q, k, v, dout
 // as for flash_fwd_sm90.cu (strides a tensor map describes); lse any strides; dk, dv contiguous along
@@ -55,6 +78,11 @@
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
 // BLOCK_M (query rows a pass: 64), BLOCK_N (64 CONSUMERS keys), MODS (0 or MOD_WINDOW).
+
+// Floats a row of a dQ workspace tile (and of dQ_s): launch.py's LAUNCH and the launcher's workspace say
+// the same (specs.SM90_DQ_ROW_PAD)
+template <int HEAD_DIM>
+constexpr int DQ_ROW = HEAD_DIM + 8;
 
 #include "flash_bwd_common.cuh"
 #include "mask.cuh"
@@ -65,8 +93,9 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
     const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_dout,
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
-    PROBLEM_PARAMS(float), TENSOR_PARAMS(float, dqa)) {
+    PROBLEM_PARAMS(float), float* __restrict__ dqa) {
     static_assert(BLOCK_N == 64 * SM90_CONSUMERS, "a consumer warpgroup owns 64 keys");
+    static_assert(SM90_CONSUMERS == 2, "the owners of dQ alternate: the barriers below count on it");
     static_assert(BLOCK_M == 64, "a pass: 64 query rows, one atom of a dS row, one wgmma M of dQ");
     static_assert(HEAD_DIM % ATOM == 0 && HEAD_DIM <= 128, "head_dim in whole atoms; wgmma N of 64 or 128");
     static_assert((MODS & ~MOD_WINDOW) == 0, "the other modifiers run on flash_bwd_tc.cu");
@@ -74,9 +103,11 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     constexpr int D_TILES = HEAD_DIM / 8;    // 8-column tiles of dK, dV, dQ
     constexpr int QK_STEPS = HEAD_DIM / 16;  // k-steps of Sᵀ, dPᵀ
     constexpr int Q_STEPS = BLOCK_M / 16;    // k-steps of dV, dK (over the queries)
-    constexpr int K_STEPS = 64 / 16;         // k-steps of dQ (over the consumer's keys)
+    constexpr int K_STEPS = BLOCK_N / 16;    // k-steps of dQ (over the block's keys)
     constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2, QO_BYTES = BLOCK_M * HEAD_DIM * 2;
     constexpr int DS_BYTES = 64 * BLOCK_M * 2;
+    constexpr int DQ_BYTES = BLOCK_M * DQ_ROW<HEAD_DIM> * 4;
+    constexpr int DS_READY = 3, DQ_DONE = 4;  // named barriers (1 + c: the owner's staging of dQ_i)
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* K_s = aligned_smem(smem_raw);
@@ -84,13 +115,16 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     unsigned char* Q_s = V_s + KV_BYTES;
     unsigned char* dO_s = Q_s + SM90_STAGES * QO_BYTES;
     unsigned char* dS_s = dO_s + SM90_STAGES * QO_BYTES;
-    float* stats_s = reinterpret_cast<float*>(dS_s + SM90_CONSUMERS * DS_BYTES);
+    float* dQ_s = reinterpret_cast<float*>(dS_s + SM90_CONSUMERS * DS_BYTES);
+    float* stats_s = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(dQ_s) + DQ_BYTES);
     __shared__ __align__(8) unsigned long long kv_full, full[SM90_STAGES], empty[SM90_STAGES];
+    __shared__ int dq_tile[SM90_CONSUMERS];  // each consumer's lead thread's own (no other thread's)
 
     const auto mask = MAKE_MASK(MODS);
     const KeyBlock blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);
-    // the passes: the query blocks that see key block j, in every query head of the group
-    const int i_start = mask.query_start(blk.j0);
+    // the passes: the query blocks that see key block j, in every query head of the group, from a
+    // multiple of BLOCK_M (a dQ workspace tile; the rows before query_start see none of the block's keys)
+    const int i_start = mask.query_start(blk.j0) / BLOCK_M * BLOCK_M;
     const int q_blocks = num_blocks(mask.query_end(blk.j0) - i_start, BLOCK_M);
     const int passes = group * q_blocks;
     const auto head_of = [&](int p) { return blk.kv_head * group + p / q_blocks; };
@@ -144,7 +178,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     const int key_c = blk.j0 + 64 * c, key_w = key_c + 16 * (warp % 4);
     const unsigned char* K_c = K_s + 64 * c * 128;  // the consumer's rows of K_s, V_s, in their first atoms
     const unsigned char* V_c = V_s + 64 * c * 128;
-    unsigned char* dS_c = dS_s + c * DS_BYTES;
+    const bool lead = threadIdx.x % 128 == 0;  // the consumer's thread that issues its bulk reduce-adds
     const float scale_log2 = scale * LOG2E;
 
     float dK[D_TILES][4], dV[D_TILES][4];
@@ -154,6 +188,10 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
 
     for (int p = 0; p < passes; ++p) {
         const int s = p % SM90_STAGES, h = head_of(p), i0 = row_of(p);
+        const bool owner = p % SM90_CONSUMERS == c;  // this consumer computes the pass's dQ_i
+        // dQ_i's workspace tile, for the lead's reduce-add at the end: kept in a register across the pass
+        // (or made again there), it spilled the window kernel at head_dim 128 under NVRTC 12.9
+        if (lead) dq_tile[c] = (blk.b * heads_q + h) * num_blocks(seqlen_q, BLOCK_M) + i0 / BLOCK_M;
         const unsigned char* Q_i = Q_s + s * QO_BYTES;
         const unsigned char* dO_i = dO_s + s * QO_BYTES;
         const float* lse_i = stats_s + s * 2 * BLOCK_M;
@@ -187,7 +225,10 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
             c_to_a<T>(Pa[kt], S[2 * kt], S[2 * kt + 1]);
             c_to_a<T>(dSa[kt], dP[2 * kt], dP[2 * kt + 1]);
         }
-        // dSᵀ into dS_c (keys x queries, the rows this warp owns): the A operand of dQ = dS K_c
+        // dSᵀ into the consumer's rows of dS_s (keys x queries): the owner's A operand of dQ_i = dS K_j;
+        // the last pass's owner has read them when it arrived on DQ_DONE (a pass's owner owned none before)
+        if (owner && p > 0) named_barrier_sync(DQ_DONE, 128 * SM90_CONSUMERS);
+        unsigned char* dS_c = dS_s + c * DS_BYTES;
 #pragma unroll
         for (int kt = 0; kt < Q_STEPS; ++kt)
 #pragma unroll
@@ -195,7 +236,9 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
                 const int key = 16 * (warp % 4) + c_row(2 * (i & 1)), query = 16 * kt + 8 * (i >> 1) + c_col(0);
                 *reinterpret_cast<unsigned*>(dS_c + swizzled_byte<64>(key, query)) = dSa[kt][i];
             }
-        fence_proxy_async();  // this thread's dSᵀ stores, before the dQ wgmma reads them
+        fence_proxy_async();  // this thread's dSᵀ stores, before the owner's dQ wgmma reads them
+        if (lead) tma_store_wait_group_read<0>();  // this consumer's last reduce-add has read dQ_s
+        if (!owner) named_barrier_arrive(DS_READY, 128 * SM90_CONSUMERS);
 
         // dV_c += Pᵀ dO_i and dK_c += dSᵀ Q_i
         wgmma_fence();  // Pa, dSa were written by ordinary instructions
@@ -210,29 +253,65 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         // checks these two with NVRTC
         wgmma_commit_group();     // [registers]
         wgmma_wait_group<0>();    // [registers]
+        if (!owner) {
+            wgmma_fence_operand<HEAD_DIM / 2>(&dK[0][0]);
+            wgmma_fence_operand<HEAD_DIM / 2>(&dV[0][0]);
+            mbarrier_arrive(&empty[s]);  // this thread's wgmma no longer read the stage, nor it the statistics
+            continue;
+        }
 
-        // dQ_i += dS K_c, the consumer's 64 keys; added into the workspace
-        named_barrier_sync(1 + c, 128);  // every thread of the consumer has stored and fenced its dSᵀ rows
+        // the owner: dQ_i = dS K_j over the block's BLOCK_N keys, added into the workspace
+        named_barrier_sync(DS_READY, 128 * SM90_CONSUMERS);  // every consumer's dSᵀ rows, fenced
         float dQ[D_TILES][4];
         wgmma_fence();
 #pragma unroll
         for (int kt = 0; kt < K_STEPS; ++kt)
-            wgmma_ss<T, HEAD_DIM, true, true>(&dQ[0][0], mn_major<64>(dS_c, kt), mn_major<BLOCK_N>(K_c, kt), kt > 0);
+            wgmma_ss<T, HEAD_DIM, true, true>(&dQ[0][0], mn_major<64>(dS_s, kt), mn_major<BLOCK_N>(K_s, kt), kt > 0);
         wgmma_commit_group();
         wgmma_wait_group<0>();
+        if (p + 1 < passes) named_barrier_arrive(DQ_DONE, 128 * SM90_CONSUMERS);  // dS_s read: the next owner may store
         wgmma_fence_operand<HEAD_DIM / 2>(&dQ[0][0]);
         wgmma_fence_operand<HEAD_DIM / 2>(&dK[0][0]);
         wgmma_fence_operand<HEAD_DIM / 2>(&dV[0][0]);
         mbarrier_arrive(&empty[s]);  // this thread's wgmma no longer read the stage, nor it the statistics
 
-        const Rows<float> dQ_rows = HEAD_ROWS(dqa, blk.b, h);
-        for_each_element([&](int r, int col, float& x) {
-            const int row = i0 + 16 * (warp % 4) + r;
-            if (row < seqlen_q && col < head_dim) atomicAdd(&dQ_rows.at(row, col), x);
-        }, dQ);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = 16 * (warp % 4) + c_row(2 * r);
+#pragma unroll
+            for (int nt = 0; nt < D_TILES; ++nt)
+                *reinterpret_cast<float2*>(dQ_s + row * DQ_ROW<HEAD_DIM> + 8 * nt + c_col(0)) =
+                    make_float2(dQ[nt][2 * r], dQ[nt][2 * r + 1]);
+        }
+        fence_proxy_async();             // this thread's dQ_s stores, before the bulk reduce-add reads them
+        named_barrier_sync(1 + c, 128);  // every owner thread's
+        if (lead) {
+            float* tile = dqa + static_cast<size_t>(dq_tile[c]) * (BLOCK_M * DQ_ROW<HEAD_DIM>);
+            bulk_reduce_add_f32(tile, dQ_s, DQ_BYTES);
+            tma_store_commit_group();
+        }
     }
+    if (lead) tma_store_wait_group_read<0>();  // the last reduce-add has read dQ_s before the CTA ends
 
     const int key_g = key_w + lane / 4;  // this lane's keys: key_g, key_g + 8
     store_fragments<HEAD_DIM>(HEAD_ROWS(dk, blk.b, blk.kv_head), dK, {scale, scale}, key_g, seqlen_k, head_dim);
     store_fragments<HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, {1.0f, 1.0f}, key_g, seqlen_k, head_dim);
+}
+
+// flash_bwd_dq_convert_sm90: dq = scale * the dQ workspace, rounded to T; a thread an element of dq
+// (contiguous: batch, seqlen_q, heads_q, head_dim), read from its workspace tile. The
+// template's tile is the dK/dV kernel's (BLOCK_N unused: the one name scheme of specs.Kernel).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+__global__ void __launch_bounds__(NUM_THREADS) flash_bwd_dq_convert_sm90(const float* __restrict__ dqa,
+                                                                         T* __restrict__ dq, index_t size, float scale,
+                                                                         int seqlen_q, int heads_q, int head_dim) {
+    const index_t n = index_t(blockIdx.x) * NUM_THREADS + threadIdx.x;
+    if (n >= size) return;
+    const int d = static_cast<int>(n % head_dim);
+    const index_t row = n / head_dim;  // (b, i, h) flattened
+    const int h = static_cast<int>(row % heads_q);
+    const int i = static_cast<int>(row / heads_q % seqlen_q);
+    const index_t b = row / heads_q / seqlen_q;
+    const index_t tile = (b * heads_q + h) * num_blocks(seqlen_q, BLOCK_M) + i / BLOCK_M;
+    store(dq + n, scale * dqa[(tile * BLOCK_M + i % BLOCK_M) * DQ_ROW<HEAD_DIM> + d]);
 }
