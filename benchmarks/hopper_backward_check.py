@@ -1,6 +1,8 @@
-"""On a GPU: the Hopper backward (flash_bwd_sm90.cu) beside the mma.sync one it replaces, and
-cuDNN, in one run; then the Hopper building blocks again. bash benchmarks/gpu_session.sh times
-the forwards; its sweep has no mma.sync backward.
+"""On a GPU: the Hopper backward (flash_bwd_sm90.cu) beside the mma.sync one it replaces, its
+deterministic mode (deterministic=True: the mma.sync deterministic kernels), cuDNN and torch's flash
+(FA2), in one run, with how far the Hopper dq, dk, dv lie from cuDNN's (the largest difference over
+the largest magnitude). bash benchmarks/gpu_session.sh times the forwards; its sweep has no mma.sync
+backward.
 
     PYTHONPATH=. python3 benchmarks/hopper_backward_check.py      (on the device machine; a table last)
 """
@@ -47,19 +49,35 @@ def main() -> int:
                     out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
                     flops = bench.flops(B, H, S, D, causal, "backward")
                     row = [dtype, D, causal, S]
-                    for wgmma in (True, False):
+                    for wgmma, deterministic in ((True, False), (False, False), (True, True)):
                         cupy_backend.USE_WGMMA = wgmma
-                        row.append(flops / timed(lambda: flashcupy.attention_backward(do, q, k, v, out, lse, **kw)) / 1e12)
+                        row.append(flops / timed(lambda: flashcupy.attention_backward(
+                            do, q, k, v, out, lse, deterministic=deterministic, **kw)) / 1e12)
                     cupy_backend.USE_WGMMA = True
+                    grads = flashcupy.attention_backward(do, q, k, v, out, lse, **kw)
                     a, b, c, g = (x.transpose(1, 2).requires_grad_() for x in tq)
-                    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-                        o = F.scaled_dot_product_attention(a, b, c, is_causal=causal)
-                        row.append(flops / timed(lambda: torch.autograd.grad(o, (a, b, c), g, retain_graph=True)) / 1e12)
+                    for backend in (torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
+                                    torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                        with torch.nn.attention.sdpa_kernel(backend):
+                            o = F.scaled_dot_product_attention(a, b, c, is_causal=causal)
+                            row.append(flops / timed(lambda: torch.autograd.grad(o, (a, b, c), g, retain_graph=True))
+                                       / 1e12)
+                            if backend == torch.nn.attention.SDPBackend.CUDNN_ATTENTION:
+                                want = torch.autograd.grad(o, (a, b, c), g, retain_graph=True)
+                    worst = 0.0
+                    for got, ref in zip(grads, want):
+                        ref = ref.transpose(1, 2).float()
+                        got = torch.as_tensor(got.view(cupy.int16) if dtype == "bfloat16" else got, device="cuda")
+                        got = got.view(torch.bfloat16).float() if dtype == "bfloat16" else got.float()
+                        worst = max(worst, float((got - ref).abs().max() / ref.abs().max()))
+                    row.append(worst)
                     ROWS.append(row)
                     print(*row, flush=True)
-    print("\ndtype     D   causal  S      hopper  mma.sync  cudnn  (backward TFLOP/s)")
+    print("\nbackward TFLOP/s (median of 10); vs cudnn: max |hopper - cudnn| / max |cudnn| over dq, dk, dv")
+    print("dtype     D   causal  S      hopper  mma.sync  determ.  cudnn  flash  hop/cudnn  hop/flash  vs cudnn")
     for r in ROWS:
-        print(f"{r[0]:<9} {r[1]:<3} {str(r[2]):<7} {r[3]:<6} {r[4]:6.1f}  {r[5]:6.1f}  {r[6]:6.1f}")
+        print(f"{r[0]:<9} {r[1]:<3} {str(r[2]):<7} {r[3]:<6} {r[4]:6.1f}  {r[5]:6.1f}  {r[6]:7.1f}  {r[7]:6.1f} "
+              f"{r[8]:6.1f}  {r[4] / r[7]:8.2f}  {r[4] / r[8]:8.2f}  {r[9]:.2e}")
     return 0
 
 
