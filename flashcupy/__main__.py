@@ -187,7 +187,9 @@ def cmd_kernels_counters(args) -> int:
         print(line, file=sys.stderr, flush=True)
 
     rows = perfmodel.kernel_counters(progress=progress)
-    sm90_rows = perfmodel.kernel_counters(progress=progress, compute_capability=perfmodel.SM90)
+    # on sm_90 the wgmma kernels alone: the pre-pass and dQ's convert are the sm_80 rows' kind
+    sm90_rows = [row for row in perfmodel.kernel_counters(progress=progress, compute_capability=perfmodel.SM90)
+                 if row["kernel"].wgmma]
     print(f"Counters of the CPU emulator (flashcupy/tools/emulator/counters.py has the model), B = H = 1, "
           f"non-causal, seqlen {perfmodel.BASE}, then {2 * perfmodel.BASE} along each kernel's loop:")
     print(perfmodel.format_counters(rows + sm90_rows, nvrtc_rows, heading))

@@ -331,8 +331,43 @@ def test_the_simt_kernels_load_global_memory_coalesced():
 
 
 @pytest.fixture(scope="module")
-def sm90_rows():
+def sm90_all_rows():
     return perfmodel.kernel_counters(compute_capability=perfmodel.SM90)
+
+
+@pytest.fixture(scope="module")
+def sm90_rows(sm90_all_rows):
+    return [row for row in sm90_all_rows if row["kernel"].template == "flash_fwd_sm90"]
+
+
+def test_the_hopper_backward_does_per_pass_what_its_tiles_imply(sm90_all_rows):
+    # flash_bwd_sm90.cu, a pass (64 query rows past the CTA's 128 keys): each of the two consumers issues
+    # Sᵀ and dPᵀ as head_dim / 16 SS k-steps each (N = 64 queries), dV and dK as 4 RS k-steps each
+    # (N = head_dim); the pass's owner dQ as 8 SS k-steps over the 128 keys; the producer loads Q_i and
+    # dO_i, head_dim / 64 boxes each; the owner adds dQ_i (64 rows of head_dim + 8 floats) by one bulk
+    # reduce-add
+    rows = [row for row in sm90_all_rows if row["kernel"].template == "flash_bwd_dkdv_sm90"]
+    assert [row["head_dim"] for row in rows] == [64, 128]
+    for row in rows:
+        k = row["kernel"]
+        c, passes = row["per_pass"]
+        m, n, d = k.block_m, k.block_n, k.head_dim
+        assert (m, n, passes) == (64, 128, 2)
+        assert (c.wgmma, c.wgmma_rs) == (passes * (2 * (2 * d // 16 + 8) + 8), passes * 2 * 8)
+        assert c.wgmma_flops == passes * 2.5 * 4 * m * n * d  # the backward's 2.5 x the forward's FLOPs
+        boxes, qdo = passes * 2 * d // 64, passes * 2 * m * d * 2
+        assert c.access["tma_load_shared"] == (boxes, qdo, qdo // 128, qdo // 128)
+        assert c.access["tma_load_global"] == (boxes, qdo, qdo // 32, qdo // 32)
+        dq = m * (d + specs.SM90_DQ_ROW_PAD) * 4
+        assert c.access["tma_store_shared"] == (passes, passes * dq, passes * dq // 128, passes * dq // 128)
+        assert c.access["tma_store_global"] == (passes, passes * dq, passes * dq // 32, passes * dq // 32)
+        assert c.ex2 == passes * m * n  # P, recomputed: one exponential an element
+        assert c.mma == 0
+    f = perfmodel.pass_figures(rows[1])
+    r = perfmodel.wgmma_roofline(f, next(g for g in hardware.GPUS if g.name == "H200"))
+    assert r["tensor"] == pytest.approx(989) and r["overlapped"] <= 989
+    text = perfmodel.format_counters(rows)
+    assert "Issue 27's target" in text and "flash_bwd_dkdv_sm90" in text
 
 
 def test_the_hopper_forward_does_per_pass_what_its_tiles_imply(sm90_rows):

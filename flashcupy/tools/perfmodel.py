@@ -14,15 +14,15 @@ the dense figure of the datasheet (on Hopper, wgmma's; mma.sync reaches well bel
 one silicon figure (the mma.sync D=128 forward at cfbc799: 202-227 TFLOP/s on an H200, the model 396)
 it overestimates the mma.sync kernels about 1.8x.
 
-The Hopper forward (flash_fwd_sm90.cu) is counted on an emulated sm_90 device (SM90_CASES) and has a
-roofline of its own (wgmma_roofline): per pass, the time of each resource on one SM, from the
+The Hopper kernels (flash_fwd_sm90.cu, flash_bwd_sm90.cu) are counted on an emulated sm_90 device
+(SM90_CASES) and have a roofline of their own (wgmma_roofline): per pass, the time of each resource on one SM, from the
 counters: wgmma's FLOPs at the tensor peak; shared memory at 128 B/clk for wgmma's operand reads, the
-TMA boxes' shared side and any ld/st wavefronts; the softmax's ex2 at the MUFU's rate; HBM, as if
-every TMA sector came from it. With pingpong (two consumer warpgroups taking turns at the tensor
-cores, FA3's design, which the kernel follows) the softmax of one warpgroup runs under the GEMMs of
+TMA boxes' (and bulk reduce-adds') shared side and any ld/st wavefronts; the softmax's ex2 at the
+MUFU's rate; HBM, as if every TMA sector came from it. With two consumer warpgroups (taking turns at
+the tensor cores in the forward, FA3's pingpong) the element-wise work of one runs under the GEMMs of
 the other, so the pass takes the longest of those times ("overlapped"); "not overlapped" adds the
 ex2 time to the GEMMs' instead, the bound if no exponential were hidden. Both are models, not
-measurements, checked against no silicon figure of this kernel yet.
+measurements.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ MMA_FLOPS = 2 * 16 * 8 * 16  # one mma.sync m16n8k16
 # (dtype, head_dim) of the representative launches: float16 takes the tensor-core kernels, float32
 # the SIMT ones (which no other dtype changes in structure)
 CASES = (("float16", 64), ("float16", 128), ("float32", 64), ("float32", 128))
-# the same on an emulated sm_90 device, where the forward runs on flash_fwd_sm90.cu (forward only:
-# the backward kernels there are the mma.sync ones of CASES)
+# the same on an emulated sm_90 device, where the forward and backward run on flash_fwd_sm90.cu and
+# flash_bwd_sm90.cu
 SM90_CASES = (("float16", 64), ("float16", 128))
 SM90 = 90  # the compute capability of SM90_CASES (specs.SM90_COMPUTE_CAPABILITY)
 # the smaller launch: seqlen_q = seqlen_k = BASE (or one block of the loop's side, if larger: the
@@ -78,7 +78,7 @@ def count_launches(dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int, back
                    transform=None, compute_capability: int = 80) -> list:
     """LaunchCounters of every kernel that a forward (and a backward) call launches, B = H = 1,
     non-causal, on an emulated device of `compute_capability` (80: the mma.sync kernels; 90: the
-    forward on flash_fwd_sm90.cu). `transform(source)`, if given, rewrites each kernel source before
+    Hopper kernels). `transform(source)`, if given, rewrites each kernel source before
     it is compiled (the tests' deliberate bugs)."""
     from flashcupy.tools.emulator import counters
     from flashcupy.tools.emulator.cupy import emulated
@@ -99,11 +99,11 @@ def count_launches(dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int, back
 
 def _kernels(dtype: str, head_dim: int, compute_capability: int = 80) -> dict:
     """{template: specs.Kernel} of the kernels the backend launches for this dtype and head_dim (on
-    compute capability 9.0: the Hopper forward alone)."""
+    compute capability 9.0: the Hopper kernels)."""
     if compute_capability == specs.SM90_COMPUTE_CAPABILITY:
         if not specs.sm90_eligible(dtype, head_dim, 0):
-            raise ValueError(f"{dtype} head_dim={head_dim} does not run on the Hopper forward")
-        modules = (specs.sm90_forward_module(dtype, head_dim),)
+            raise ValueError(f"{dtype} head_dim={head_dim} does not run on the Hopper kernels")
+        modules = (specs.sm90_forward_module(dtype, head_dim), specs.sm90_backward_module(dtype, head_dim))
     elif specs.tensor_core_eligible(dtype, head_dim):
         modules = (specs.tc_forward_module(dtype, head_dim), specs.tc_backward_module(dtype, head_dim))
     else:
@@ -120,10 +120,10 @@ def kernel_counters(cases=None, progress=None, transform=None, templates=None, c
     (`launch`, at `launch_shape` = (seqlen_q, seqlen_k)), and `per_pass`: (Counters, pairs), the
     difference that `pairs` more passes of its loop make (None for a kernel without a loop).
     `templates` limits the rows (and skips the backward when no backward kernel is asked for).
-    compute_capability: of the emulated device (SM90: the Hopper forward; cases default to SM90_CASES)."""
+    compute_capability: of the emulated device (SM90: the Hopper kernels; cases default to SM90_CASES)."""
     sm90 = compute_capability == SM90
-    backward = not sm90 and (templates is None
-                             or any(t not in (*specs.TC_FORWARD_TEMPLATES, "flash_fwd") for t in templates))
+    backward = templates is None or any(t not in (*specs.TC_FORWARD_TEMPLATES, "flash_fwd", "flash_fwd_sm90")
+                                        for t in templates)
     rows = []
     for dtype, head_dim in cases or (SM90_CASES if sm90 else CASES):
         if progress:
@@ -319,8 +319,10 @@ def format_mma_counters(rows: list, nvrtc_rows=None, nvrtc_heading: str = "") ->
     return "\n".join(lines)
 
 
-# Issue 26's target for the Hopper forward: TFLOP/s predicted by the model at D=128, non-causal, H200
+# Issue 26's and 27's targets for the Hopper forward and backward: TFLOP/s predicted by the model at
+# D=128, non-causal, H200
 SM90_TARGET = dict(tflops=600.0, head_dim=128, gpu="H200")
+SM90_BACKWARD_TARGET = dict(tflops=450.0, head_dim=128, gpu="H200")
 
 
 def hidden_fraction_needed(figures: dict, gpu: Gpu, tflops: float, tensor_tflops: float) -> float:
@@ -337,7 +339,7 @@ def hidden_fraction_needed(figures: dict, gpu: Gpu, tflops: float, tensor_tflops
 
 
 def format_sm90_counters(rows: list, nvrtc_rows=None, nvrtc_heading: str = "") -> str:
-    """The Hopper forward (wgmma, TMA): its counters per pass, then its roofline for the sm_90 GPUs."""
+    """The Hopper kernels (wgmma, TMA): their counters per pass, then their roofline for the sm_90 GPUs."""
     regs = _registers(nvrtc_rows)
     table = [["kernel", "dtype", "D", "tile", "regs", "occ", "per", "wgmma", "of them RS", "FLOP/wgmma",
               "smem B/wgmma", "TMA ld B", "TMA ld B/wgmma", "TMA ld excess", "TMA st B*", "ex2", "mbar waits",
@@ -352,10 +354,12 @@ def format_sm90_counters(rows: list, nvrtc_rows=None, nvrtc_heading: str = "") -
                       f"{f['tma_store_bytes']:g} ({f['tma_store_excess_sectors']:g} excess)",
                       _fmt(f["ex2"], "{:g}"), _fmt(f["mbarrier_waits"], "{:g}"), _fmt(f["mbarrier_blocked"], "{:g}"),
                       _fmt(f["named_barriers"], "{:g}"), _fmt(f["barriers"], "{:g}")])
-    lines = [f"The Hopper forward (flash_fwd_sm90.cu, sm_90a), counted on an emulated sm_90 device, B = H = 1, "
-             f"non-causal, seqlen {rows[0]['launch_shape'][0]}, then twice the keys:", _align(table)]
+    lines = [f"The Hopper kernels (flash_fwd_sm90.cu, flash_bwd_sm90.cu, sm_90a), counted on an emulated sm_90 "
+             f"device, B = H = 1, non-causal, seqlen {rows[0]['launch_shape'][0]}, then twice the keys (forward) or "
+             f"the queries (backward):", _align(table)]
     lines.append(
-        "per pass (one 128-query x 128-key block; the difference of two launches): wgmma issued (per\n"
+        "per pass (forward: a 128-query x 128-key block; backward: a 64-query block past a 128-key block;\n"
+        "the difference of two launches): wgmma issued (per\n"
         "warpgroup; RS: A from registers, P V), FLOP/wgmma = 2 x 64 x N x 16; smem B/wgmma: operand bytes\n"
         "wgmma reads from shared memory (SS: A 64x16 + B Nx16, RS: B, 16-bit); TMA ld B: bytes the boxes write\n"
         "to shared memory (K_j, V_j), excess: global sectors beyond what their bytes need; *TMA st B: the\n"
@@ -376,8 +380,8 @@ def format_sm90_counters(rows: list, nvrtc_rows=None, nvrtc_heading: str = "") -
                               _fmt(r["ex2"]), _fmt(r["hbm_no_reuse"]), _fmt(r["overlapped"]),
                               _fmt(r["not_overlapped"])])
     lines.append(
-        "\nRoofline of the Hopper forward, TFLOP/s: a model, not a measurement (no silicon figure of this kernel\n"
-        "yet). Per pass on one SM, with every SM busy: 'tensor' wgmma's FLOPs at the dense peak (989: wgmma's\n"
+        "\nRoofline of the Hopper kernels, TFLOP/s: a model, not a measurement (silicon: the target lines\n"
+        "below). Per pass on one SM, with every SM busy: 'tensor' wgmma's FLOPs at the dense peak (989: wgmma's\n"
         "rate; 'at 790': a bf16 GEMM measured on this workplace's H200); 'smem' wgmma's operand reads plus the\n"
         f"TMA boxes' shared bytes at {gpus[0].smem_bytes_per_clk} B/clk; 'ex2' the softmax's exponentials at "
         f"{gpus[0].ex2_per_clk}/clk/SM (the MUFU;\n"
@@ -389,8 +393,11 @@ def format_sm90_counters(rows: list, nvrtc_rows=None, nvrtc_heading: str = "") -
     lines.append(_align(table))
     for row in rows:
         k, f = row["kernel"], pass_figures(row)
+        if k.template == "flash_bwd_dkdv_sm90":
+            lines += _backward_target_lines(k, f, gpus)
+            continue
         g = next((g for g in gpus if g.name == SM90_TARGET["gpu"]), None)
-        if k.head_dim != SM90_TARGET["head_dim"] or g is None:
+        if k.template != "flash_fwd_sm90" or k.head_dim != SM90_TARGET["head_dim"] or g is None:
             continue
         datasheet, measured = wgmma_roofline(f, g), wgmma_roofline(f, g, g.gemm_tflops)
         target = SM90_TARGET["tflops"]
@@ -403,13 +410,31 @@ def format_sm90_counters(rows: list, nvrtc_rows=None, nvrtc_heading: str = "") -
             "under the other warpgroup's GEMMs. Against silicon: FA3, this design, measured 638-648 at D=128 and",
             "476-497 at D=64 (H100, S >= 4k; 661 at D=128 in its ablation, ../shared/SM90.md), within 3% of",
             "'not overlapped' at the datasheet rates at both head dims: a fit, not an explanation (FA3 hides",
-            "exponentials and pays for what this model leaves out). No figure of this kernel yet; the mma.sync",
-            "kernels' model overestimated their silicon ~1.8x. Left out: the softmax's other instructions (max,",
+            "exponentials and pays for what this model leaves out). This kernel on an H200: 475-500 at S=16k",
+            "(benchmarks/results/h200_sm90/, h200_session3/). Left out: the softmax's other instructions (max,",
             "FMA, conversion to 16 bit, O's rescale: issue slots, not counted), wgmma and TMA latency and the",
             "2-stage ring's bubbles, the barriers' cost, clocks under load, the prologue and epilogue (S >= 4k:",
             "32+ passes a CTA), waves over the 132 SMs, L2.",
         ]
     return "\n".join(lines)
+
+
+def _backward_target_lines(k, f: dict, gpus) -> list:
+    """Issue 27's target lines for the Hopper backward's dK/dV kernel, at the target's head_dim."""
+    g = next((g for g in gpus if g.name == SM90_BACKWARD_TARGET["gpu"]), None)
+    if k.head_dim != SM90_BACKWARD_TARGET["head_dim"] or g is None:
+        return []
+    datasheet, measured = wgmma_roofline(f, g), wgmma_roofline(f, g, g.gemm_tflops)
+    target = SM90_BACKWARD_TARGET["tflops"]
+    return [
+        f"\nIssue 27's target, >= {target:g} TFLOP/s by the model at D={k.head_dim}, {g.name}, non-causal "
+        f"(the backward's 2.5 x 4 S^2 D): {datasheet['overlapped']:.0f} overlapped,",
+        f"{datasheet['not_overlapped']:.0f} not; with the GEMMs at {g.gemm_tflops:g}, {measured['overlapped']:.0f} "
+        f"and {measured['not_overlapped']:.0f}. A pass: five GEMMs (S, dP, dV, dK by each consumer",
+        "over its 64 keys, dQ by the pass's owner over all 128), P's exponentials, dQ's bulk reduce-add. Left",
+        "out as for the forward, and the consumers' waits for each other (DS_READY, DQ_DONE). Silicon at",
+        "cf03c04: 423-427 at S=16k (benchmarks/results/h200_session3/).",
+    ]
 
 
 def _align(table) -> str:
