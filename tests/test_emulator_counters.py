@@ -398,10 +398,10 @@ def test_the_hopper_forward_does_per_pass_what_its_tiles_imply(sm90_rows):
         assert row["launch_shape"] == (m, n)
         assert launch.access["tma_store_shared"] == (consumers * d // 64, out_bytes, out_bytes // 128, out_bytes // 128)
         assert launch.access["tma_store_global"] == (consumers * d // 64, out_bytes, out_bytes // 32, out_bytes // 32)
-        # Q_i, K_0, V_0 waited for by every consumer thread, the producer's first stage at once; turns:
-        # 2 (blocks + 1) and each consumer's barrier before its TMA store
-        assert launch.mbarrier_waits == consumers * 128 * 3 + 1
-        assert launch.named_barriers == 2 * 2 + consumers and launch.barriers == 1
+        # Q_i, K_0, V_0 waited for by every consumer thread, the producer's Q_s and first stage at once;
+        # turns: 2 (blocks + 1), and each consumer's two barriers around its staging of O
+        assert launch.mbarrier_waits == consumers * 128 * 3 + 2
+        assert launch.named_barriers == 2 * 2 + 2 * consumers and launch.barriers == 1
 
 
 def test_the_hopper_forward_roofline(sm90_rows):

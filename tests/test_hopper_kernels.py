@@ -114,7 +114,11 @@ CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, wi
     (1, 17, 150, 2, 2, 128, False, None),      # two key blocks, a pass of 17 rows
     (1, 90, 300, 1, 1, 96, False, (50, 10)),   # the window: blocks outside the band never loaded
     (1, 65, 70, 2, 1, 40, True, (0, 0)),       # a window of one key a row
+    (1, 300, 40, 1, 1, 64, True, None),        # two query blocks that see no key: tiles without a load
 ]
+# The persistent forward's grid is min(tiles, SMs): an emulated device of 1 or 2 SMs makes each CTA walk
+# several tiles (Q_s, O_s, the rings and the pingpong carried from one tile to the next)
+SM_COUNTS = {"ascending": 132, "warp_skew": 1, "descending": 2}
 
 
 @pytest.mark.parametrize("order, dtype", [("ascending", "float16"), ("warp_skew", "float16"),
@@ -132,7 +136,7 @@ def test_the_hopper_kernels_match_the_oracle(rng, order, dtype, case):
     else:
         q, k, v, dout = (x.astype(np.float16) for x in (q, k, v, dout))
     names = []
-    with emulated(order, compile=recording(names), compute_capability=HOPPER):
+    with emulated(order, compile=recording(names), compute_capability=HOPPER, sm_count=SM_COUNTS[order]):
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
         grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", **kw)
     assert {"flash_fwd_sm90", "flash_bwd_dkdv_sm90"} <= _templates(names)
@@ -194,8 +198,10 @@ REGISTERS, PINGPONG = "[registers]", "[pingpong]"
 SYNC_POINTS = [(kernel, n) for kernel in KERNELS for n, call in _calls(kernel)
                if not _tagged(kernel, n, REGISTERS) and not _tagged(kernel, n, PINGPONG)]
 REGISTER_POINTS = [(kernel, n) for kernel in KERNELS for n, call in _calls(kernel) if _tagged(kernel, n, REGISTERS)]
-# forward: 2 query blocks, 3 key blocks; backward: 3 key blocks, 3 passes: both rings' stages reused
-SYNC_PROBLEM = (1, 130, 260, 1, 1, 64, True)
+# forward: 2 query blocks, 3 key blocks; backward: 3 key blocks, 3 passes: both rings' stages reused.
+# Then two tiles of one key block each: the producer reaches the second tile's Q_i before the consumers
+# wait for the first's (a load lands when its barrier is waited on, with every load pending on it)
+SYNC_PROBLEMS = ((1, 130, 260, 1, 1, 64, True), (1, 256, 128, 1, 1, 64, False))
 
 
 def test_the_sync_points_are_found():
@@ -229,17 +235,18 @@ def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew
     def compile(source, names, options, thread_order, seed, cp_async):
         return compile_module(mutant if source == original else source, names, options, thread_order, seed, cp_async)
 
-    B, Sq, Sk, Hq, Hkv, D, causal = SYNC_PROBLEM
-    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
-    dout = rng.standard_normal(q.shape).astype(np.float16)
-    for order in orders:
-        with emulated(order, compile=compile, compute_capability=HOPPER):
-            try:
-                out, lse = flashcupy.attention(q, k, v, causal=causal, return_lse=True, backend="cupy")
-                grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, backend="cupy")
-                assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, backend="cupy")
-            except (AssertionError, emulator.EmulatorError) as e:
-                return [(order, type(e).__name__)]
+    for B, Sq, Sk, Hq, Hkv, D, causal in SYNC_PROBLEMS:
+        q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
+        dout = rng.standard_normal(q.shape).astype(np.float16)
+        for order in orders:
+            # one SM: both forward tiles in one CTA
+            with emulated(order, compile=compile, compute_capability=HOPPER, sm_count=1):
+                try:
+                    out, lse = flashcupy.attention(q, k, v, causal=causal, return_lse=True, backend="cupy")
+                    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, backend="cupy")
+                    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, backend="cupy")
+                except (AssertionError, emulator.EmulatorError) as e:
+                    return [(order, type(e).__name__)]
     return []
 
 

@@ -326,11 +326,13 @@ def forward(p, q, k, v, num_splits=1, into=None):
         if path == "hopper":
             out, lse = into if into is not None else (rt.xp.empty(q.shape, dtype=p.carrier),
                                                       rt.xp.empty(p.lse_shape, dtype=p.lse_dtype))
-            fwd((kernel.blocks(p),), (kernel.threads,),
+            # persistent: a CTA an SM (at most), each walking the tiles blockIdx.x, + gridDim.x, ..
+            tiles = kernel.blocks(p)
+            fwd((min(tiles, rt.sm_count(q)),), (kernel.threads,),
                 # Q_i's BLOCK_M rows, a key block's BLOCK_N, a consumer's rows of out
                 (*_sm90_maps(rt, p, (q, kernel.block_m), (k, kernel.block_n), (v, kernel.block_n),
                              (out, specs.SM90_CONSUMER_ROWS)), *_tensor(lse), *_shape_args(p), p.acc_dtype.type(p.scale),
-                 np.int32(p.causal), np.int32(p.diagonal), *_modifier_args(p, lse, True)),
+                 np.int32(p.causal), np.int32(p.diagonal), *_modifier_args(p, lse, True), np.int32(tiles)),
                 shared_mem=kernel.dynamic_smem)
             return out, lse
         if splits > 1:  # workspaces: (splits, *out's shape) and (splits, *lse's shape)

@@ -108,10 +108,10 @@ def _tc_forward_smem(m: int, n: int, d: int, atomic: bool) -> int:
     return (m + 4 * n) * d * 2
 
 
-# The Hopper forward: Q_i; STAGES (2) x (K_j, V_j), HEAD_DIM columns each; 1024 bytes to align the
-# tiles up to the 128B swizzle's repeat (the kernel does)
+# The Hopper forward: Q_i; STAGES (2) x (K_j, V_j), HEAD_DIM columns each; O (its staging for the TMA
+# store); 1024 bytes to align the tiles up to the 128B swizzle's repeat (the kernel does)
 def _sm90_forward_smem(m: int, n: int, d: int, atomic: bool) -> int:
-    return _tc_forward_smem(m, n, d, atomic) + 1024
+    return _tc_forward_smem(m, n, d, atomic) + m * d * 2 + 1024
 
 
 LAUNCH = {
@@ -169,7 +169,7 @@ _DQ_ELEMENTS = Grid(f"batch x seqlen_q x heads_q x head_dim / {NUM_THREADS}",
 # The grid of every template Kernel instantiates
 GRIDS = {
     "flash_fwd": _QUERY_BLOCKS, "flash_fwd_tc": _QUERY_BLOCKS, "flash_fwd_tc_wide": _QUERY_BLOCKS,
-    "flash_fwd_sm90": _QUERY_BLOCKS,
+    "flash_fwd_sm90": _QUERY_BLOCKS,  # its tiles: persistent, it launches min(tiles, SMs) CTAs
     "flash_bwd_dq": _QUERY_BLOCKS, "flash_bwd_dq_tc": _QUERY_BLOCKS,
     "flash_bwd_dkdv": _KEY_BLOCKS, "flash_bwd_dkdv_tc": _KEY_BLOCKS, "flash_bwd_dkdv_sm90": _KEY_BLOCKS,
     "flash_bwd_preprocess": Grid(f"batch x heads_q x seqlen_q / {_PREPROCESS_ROWS}",

@@ -35,7 +35,7 @@ def compile_module(source, name_expressions, options, thread_order="ascending", 
 
 @contextlib.contextmanager
 def emulated(thread_order="ascending", seed=0, compile=compile_module, cp_async="deferred",
-             compute_capability=80):
+             compute_capability=80, sm_count=132):
     """Make backend="cupy" run on NumPy arrays through the emulator, inside the block.
 
     `compile(source, name_expressions, options, thread_order, seed, cp_async)` builds the modules,
@@ -46,6 +46,8 @@ def emulated(thread_order="ascending", seed=0, compile=compile_module, cp_async=
     the package's docstring); compute_capability is what the device reports: 80 by default, an A100,
     where the forward runs on the mma.sync kernels; 90 (an H100) sends the calls it covers to the
     Hopper forward (flash_fwd_sm90.cu); below 80 the backend never picks the tensor-core kernels.
+    sm_count: the device's multiprocessors (split-KV's plan, the persistent Hopper forward's grid: a
+    small one makes each CTA walk several tiles).
     """
     def compile_as_cupy(source, names, options):
         if not any(option.startswith("-arch") for option in options):  # else the backend's own arch (sm_90a)
@@ -53,6 +55,7 @@ def emulated(thread_order="ascending", seed=0, compile=compile_module, cp_async=
         return compile(source, tuple(names), tuple(options), thread_order, seed, cp_async)
 
     runtime = cupy_backend.Runtime(np, compile_as_cupy, compute_capability=lambda x: compute_capability,
+                                   sm_count=lambda x: sm_count,
                                    tensor_map=lambda x, arguments, dtype_name: TensorMap(x, arguments))
     saved = cupy_backend.runtime, cupy_backend.ARRAY_LIBRARIES
     cupy_backend.runtime, cupy_backend.ARRAY_LIBRARIES = runtime, ("numpy",)

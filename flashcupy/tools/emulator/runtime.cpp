@@ -57,6 +57,7 @@
 #include <cerrno>
 #include <cstdarg>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <unordered_map>

@@ -10,13 +10,17 @@
 // Key blocks that no row of Q_i sees are never loaded (Mask::key_start / key_end), and only the tiles
 // that Mask::partial names are masked element by element.
 //
-// Grid: one CTA per (query block, batch * heads_q), flattened on x (query_block in mask.cuh: the last
-// query blocks, which see the most keys when causal, first).
+// Grid: persistent, min(tiles, SMs) CTAs (the launcher), a tile being a (query block, batch * heads_q)
+// in query_block's order (mask.cuh: the last query blocks, which see the most keys when causal, first);
+// CTA b walks tiles b, b + gridDim.x, .. (`tiles` of them in all). One CTA fills an SM (its registers and
+// shared memory), so a grid of one CTA a tile left each SM idle between its CTAs' loads and stores: now
+// the producer loads the next tile's Q_i and K_j while the consumers finish this one, whose out leaves
+// by TMA store under the next tile's GEMMs.
 // CTA: 1 + CONSUMERS warpgroups of 128 threads (SM90_THREADS), with different jobs:
 //   warpgroup 0, the producer: gives its registers back (setmaxnreg_dec) and one elected thread of its
-//     first warp issues every TMA load: Q_i once, then K_j and V_j of each key block into a ring of
-//     STAGES stages, waiting for a stage to be empty before refilling it. The other producer threads
-//     are done.
+//     first warp issues every TMA load: per tile Q_i once (once Q_s is free), then K_j and V_j of each
+//     key block into a ring of STAGES stages, waiting for a stage to be empty before refilling it; the
+//     ring runs on across tiles. The other producer threads are done.
 //   warpgroups 1 .. CONSUMERS: take the registers (setmaxnreg_inc); consumer c owns query rows
 //     64 c .. 64 c + 63 of Q_i (one wgmma M of 64; warp w of it rows 16 w .., the lane's two rows
 //     as in tc_tile.cuh's C fragments). Per key block, in registers (fp32):
@@ -25,20 +29,24 @@
 //         O += P V_j     wgmma_rs m64 n HEAD_DIM: P re-packed from S's accumulators as the 16-bit A
 //                        fragments (c_to_a: the accumulator layout is the A layout, no shuffle), V_j
 //                        from shared memory, MN-major (the B-transpose bit)
-//     then out = O / l through shared memory (its own 64 rows of Q_s) and a TMA store.
+//     then out = O / l through shared memory (its own 64 rows of O_s) and a TMA store.
 // Shared memory (dynamic, aligned up to 1024 bytes here: the 128B swizzle's repeat). Every tile lies
 // as a TMA box with 128B swizzle lands it: atoms of 64 columns (128 bytes a row, rows 128 bytes apart,
 // the 16-byte chunk c of row r at chunk c ^ (r % 8)), the HEAD_DIM / 64 atoms of a tile one after
 // the other. That is wgmma's K-major 128B layout for Q and K (SBO 1024: 8 rows; k-step s at +32 s
 // bytes inside the atom) and its MN-major 128B layout for V (SBO 1024: 8 keys; LBO an atom: the
 // next 64 columns of head_dim; k-step t at +2048 t bytes).
-//     Q_s   BLOCK_M x HEAD_DIM                      Q_i; at the end each consumer's O, for its TMA store
-//     K_s   STAGES x BLOCK_N x HEAD_DIM             the ring: stage s holds key block jb (jb % STAGES == s)
-//     V_s   STAGES x BLOCK_N x HEAD_DIM
-//     total (BLOCK_M + 2 STAGES BLOCK_N) HEAD_DIM 2 bytes + 1024 of alignment (launch.py: LAUNCH).
+//     Q_s   BLOCK_M x HEAD_DIM                      Q_i of the tile
+//     K_s   STAGES x BLOCK_N x HEAD_DIM             the ring: stage s holds the CTA's it-th key block
+//     V_s   STAGES x BLOCK_N x HEAD_DIM             (it % STAGES == s), counted across its tiles
+//     O_s   BLOCK_M x HEAD_DIM                      each consumer's rows of out, for its TMA store
+//     total (2 BLOCK_M + 2 STAGES BLOCK_N) HEAD_DIM 2 bytes + 1024 of alignment (launch.py: LAUNCH).
 // mbarriers (static shared memory), and why each is waited on:
 //     q_full           Q_i's boxes have landed (count 1: the producer's arrive.expect_tx; the TMA
-//                      completes the bytes). Consumers wait before their first S = Q_i K_jᵀ.
+//                      completes the bytes). Consumers wait before their first S = Q_i K_jᵀ of a tile.
+//     q_empty          every consumer thread's last S = Q_i K_jᵀ of the tile has landed (count: the
+//                      consumer threads): the producer waits before loading the next tile's Q_i
+//                      (parity 1 first). Tiles that see no key load nothing and count in neither.
 //     k_full[s]        K_j of stage s has landed: consumers wait before S = Q_i K_jᵀ.
 //     v_full[s]        V_j of stage s has landed: consumers wait before O += P V_j. Apart from K_j's
 //                      barrier, so that S and the softmax start before V_j lands.
@@ -46,8 +54,9 @@
 //                      consumer threads): no wgmma still reads stage s. The producer waits before
 //                      refilling the stage (parity 1 first: the first STAGES waits pass at once).
 // Barriers: one __syncthreads after the mbarrier inits (no thread arrives or waits on a barrier not yet
-// initialised); named barrier 1 + c (the consumer's 128 threads) between writing O to shared memory
-// (each thread fenced for the async proxy) and the TMA store that reads it.
+// initialised); named barrier 1 + c (the consumer's 128 threads) twice a tile: after the consumer's lead
+// thread waited for its last TMA store to have read O_c (wait_group.read 0), before anyone writes O_c;
+// and between writing O_c (each thread fenced for the async proxy) and the TMA store that reads it.
 //
 // Requirements on the arguments, checked by the launcher (specs.sm90_eligible, flashcupy's
 // cupy_backend.forward_path): q, k, v, out contiguous along head_dim, 16-byte aligned, the other
@@ -56,7 +65,8 @@
 // store writes neither. Modifiers: none or the window (MODS); the others run on flash_fwd_tc.cu.
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
-// BLOCK_M (64 CONSUMERS), BLOCK_N (a key block: 64 or 128), MODS (0 or MOD_WINDOW).
+// BLOCK_M (64 CONSUMERS), BLOCK_N (a key block: 64 or 128), MODS (0 or MOD_WINDOW). `tiles`: the
+// query blocks times batch times heads_q.
 
 #include "mask.cuh"
 #include "sm90_tile.cuh"
@@ -65,7 +75,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
 __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
     const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_out,
-    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float)) {
+    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), int tiles) {
     static_assert(BLOCK_M == 64 * SM90_CONSUMERS, "a consumer warpgroup owns 64 query rows");
     static_assert(HEAD_DIM % ATOM == 0 && HEAD_DIM <= 128, "head_dim in whole atoms; wgmma N of 64 or 128");
     static_assert(BLOCK_N == 64 || BLOCK_N == 128, "wgmma N of 64 or 128");
@@ -80,17 +90,26 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     unsigned char* Q_s = aligned_smem(smem_raw);
     unsigned char* K_s = Q_s + Q_BYTES;
     unsigned char* V_s = K_s + SM90_STAGES * KV_BYTES;
-    __shared__ __align__(8) unsigned long long q_full, k_full[SM90_STAGES], v_full[SM90_STAGES],
+    unsigned char* O_s = V_s + SM90_STAGES * KV_BYTES;
+    __shared__ __align__(8) unsigned long long q_full, q_empty, k_full[SM90_STAGES], v_full[SM90_STAGES],
         kv_empty[SM90_STAGES];
 
     const auto mask = MAKE_MASK(MODS);
-    const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
-    const int j_start = mask.key_start(blk.i0);
-    const int blocks = num_blocks(mask.key_end(blk.i0) - j_start, BLOCK_N);
+    // A tile: its query block, and the key blocks its rows see (none: no load, out 0 and lse -inf)
+    struct Tile {
+        QueryBlock blk;
+        int j_start, blocks;
+    };
+    const auto tile_at = [&](int t) {
+        const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group, t);
+        const int j_start = mask.key_start(blk.i0);
+        return Tile{blk, j_start, num_blocks(mask.key_end(blk.i0) - j_start, BLOCK_N)};
+    };
     const int warpgroup = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
         mbarrier_init(&q_full, 1);
+        mbarrier_init(&q_empty, 128 * SM90_CONSUMERS);
         for (int s = 0; s < SM90_STAGES; ++s) {
             mbarrier_init(&k_full[s], 1);
             mbarrier_init(&v_full[s], 1);
@@ -102,152 +121,180 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
 
     if (warpgroup == 0) {  // the producer
         setmaxnreg_dec<PRODUCER_REGISTERS>();
-        if (threadIdx.x / WARP_SIZE == 0 && elect_one_sync() && blocks > 0) {
-            mbarrier_arrive_expect_tx(&q_full, Q_BYTES);
-            load_box<BLOCK_M, HEAD_DIM>(Q_s, map_q, blk.h, blk.i0, blk.b, &q_full);
-            for (int jb = 0; jb < blocks; ++jb) {
-                const int s = jb % SM90_STAGES;
-                const int j0 = j_start + jb * BLOCK_N;
-                // the consumers are done with the key block this stage held (the first round passes at once)
-                mbarrier_wait_parity(&kv_empty[s], (jb / SM90_STAGES + 1) & 1);
-                mbarrier_arrive_expect_tx(&k_full[s], KV_BYTES);
-                load_box<BLOCK_N, HEAD_DIM>(K_s + s * KV_BYTES, map_k, blk.kv_head, j0, blk.b, &k_full[s]);
-                mbarrier_arrive_expect_tx(&v_full[s], KV_BYTES);
-                load_box<BLOCK_N, HEAD_DIM>(V_s + s * KV_BYTES, map_v, blk.kv_head, j0, blk.b, &v_full[s]);
+        if (threadIdx.x / WARP_SIZE == 0 && elect_one_sync()) {
+            int it = 0, n = 0;  // key blocks and Q tiles loaded so far: the rings' places
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+                const Tile tile = tile_at(t);
+                if (tile.blocks == 0) continue;
+                // the consumers' last S of the tile before is done reading Q_s (the first passes at once)
+                mbarrier_wait_parity(&q_empty, (n + 1) & 1);
+                mbarrier_arrive_expect_tx(&q_full, Q_BYTES);
+                load_box<BLOCK_M, HEAD_DIM>(Q_s, map_q, tile.blk.h, tile.blk.i0, tile.blk.b, &q_full);
+                ++n;
+                for (int jb = 0; jb < tile.blocks; ++jb, ++it) {
+                    const int s = it % SM90_STAGES;
+                    const int j0 = tile.j_start + jb * BLOCK_N;
+                    // the consumers are done with the key block this stage held (the first round passes at once)
+                    mbarrier_wait_parity(&kv_empty[s], (it / SM90_STAGES + 1) & 1);
+                    mbarrier_arrive_expect_tx(&k_full[s], KV_BYTES);
+                    load_box<BLOCK_N, HEAD_DIM>(K_s + s * KV_BYTES, map_k, tile.blk.kv_head, j0, tile.blk.b, &k_full[s]);
+                    mbarrier_arrive_expect_tx(&v_full[s], KV_BYTES);
+                    load_box<BLOCK_N, HEAD_DIM>(V_s + s * KV_BYTES, map_v, tile.blk.kv_head, j0, tile.blk.b, &v_full[s]);
+                }
             }
         }
         return;
     }
 
-    // a consumer: query rows row_c .. row_c + 63, the warp's 16 from row_w
+    // a consumer: query rows row_c .. row_c + 63 of each tile, the warp's 16 from row_w
     setmaxnreg_inc<CONSUMER_REGISTERS>();
     const int c = warpgroup - 1;
     const int lane = threadIdx.x % WARP_SIZE;
-    const int row_c = blk.i0 + 64 * c, row_w = row_c + 16 * (threadIdx.x / WARP_SIZE % 4);
-    unsigned char* Q_c = Q_s + 64 * c * 128;  // the consumer's rows of Q_s, in the first atom
+    const bool lead = threadIdx.x % 128 == 0;  // the consumer's thread that issues its TMA stores
+    const unsigned char* Q_c = Q_s + 64 * c * 128;  // the consumer's rows of Q_s, in the first atom
+    unsigned char* O_c = O_s + 64 * c * 128;        // and of O_s
     const float scale_log2 = scale * LOG2E;
-    const auto score = MAKE_SCORE(T, float, MODS, blk.b, blk.h, scale_log2, LOG2E);
+    int it = 0, n = 0;  // key blocks and Q tiles consumed so far: the rings' places
 
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    float O[D_TILES][4];
-    zero(O);
-    float S[N_TILES][4];       // the scores of the newest key block, then its P in fp32
-    unsigned P[PV_STEPS][4];   // the P of the key block whose P V_j is in flight, as A fragments
-    // Waits outside the stretches that issue wgmma: a wait is a loop, and a branch between
-    // wgmma_fence and the wgmma it orders made ptxas serialise the wgmma pipeline (C7520)
-    const auto wait_k = [&](int jb) { mbarrier_wait_parity(&k_full[jb % SM90_STAGES], (jb / SM90_STAGES) & 1); };
-    // S = Q_i K_jᵀ of key block jb into S, issued (not waited for)
-    const auto issue_s = [&](int jb) {
-#pragma unroll
-        for (int ks = 0; ks < QK_STEPS; ++ks)
-            wgmma_ss<T, BLOCK_N>(&S[0][0], k_major<BLOCK_M>(Q_c, ks),
-                                 k_major<BLOCK_N>(K_s + jb % SM90_STAGES * KV_BYTES, ks), ks > 0);
-        wgmma_commit_group();
-    };
-    // The mask and the softmax of key block jb's S, once it has landed: S becomes P, m and l move on;
-    // alpha: the factor of O's rows, applied once no wgmma adds into O
-    float alpha[2];
-    const auto softmax = [&](int jb) {
-        wgmma_fence_operand<BLOCK_N / 2>(&S[0][0]);
-        const int j0 = j_start + jb * BLOCK_N;
-        if (mask.partial(blk.i0, j0)) {
-            for_each_element([&](int r, int col, float& x) {
-                if (PAIR_HIDDEN(row_w + r, j0 + col)) x = -INFINITY;
-            }, S);
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) alpha[r] = online_softmax_row(S, m, l, r, scale_log2);
-    };
-    // O rescaled, key block jb's P packed as A fragments, its V_j landed: O += P V_j can be issued
-    const auto ready_pv = [&](int jb) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) rescale_row(O, r, alpha[r]);
-#pragma unroll
-        for (int kt = 0; kt < PV_STEPS; ++kt) c_to_a<T>(P[kt], S[2 * kt], S[2 * kt + 1]);
-        mbarrier_wait_parity(&v_full[jb % SM90_STAGES], (jb / SM90_STAGES) & 1);
-    };
-    const auto issue_pv = [&](int jb) {
-#pragma unroll
-        for (int kt = 0; kt < PV_STEPS; ++kt)
-            wgmma_rs<T, HEAD_DIM, true>(&O[0][0], P[kt], mn_major<BLOCK_N>(V_s + jb % SM90_STAGES * KV_BYTES, kt), true);
-        wgmma_commit_group();
-    };
-    // P V_j has landed: O may be read and written again, and the stage refilled
-    const auto release = [&](int jb) {
-        wgmma_wait_group<0>();
-        wgmma_fence_operand<HEAD_DIM / 2>(&O[0][0]);
-        mbarrier_arrive(&kv_empty[jb % SM90_STAGES]);  // this thread's wgmma no longer read the stage
-    };
-    // Pingpong: the two consumers take turns to issue their GEMMs (named barriers 3 and 4, both
-    // consumers' 256 threads: one waits, the other arrives), so that one's softmax runs while the
-    // other's wgmma keep the tensor cores busy. Consumer 0 goes first; each of the blocks + 1 turns
-    // ends by letting the other go, except consumer 1's last (nobody waits for it).
-    // [pingpong] scheduling, not ordering: no result depends on it (tests/test_hopper_kernels.py says so)
-    const auto my_turn = [&] { named_barrier_sync(3 + c, 256); };
-    const auto your_turn = [&](int turn) {
-        if (c == 0 || turn < blocks) named_barrier_arrive(3 + (1 - c), 256);
-    };
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const Tile tile = tile_at(t);
+        const QueryBlock& blk = tile.blk;
+        const int j_start = tile.j_start, blocks = tile.blocks;
+        const int row_c = blk.i0 + 64 * c, row_w = row_c + 16 * (threadIdx.x / WARP_SIZE % 4);
+        const auto score = MAKE_SCORE(T, float, MODS, blk.b, blk.h, scale_log2, LOG2E);
 
-    if (blocks > 0) {
-        if (c == 1) named_barrier_arrive(3, 256);  // consumer 0's first turn
-        mbarrier_wait_parity(&q_full, 0);
-        wait_k(0);
-        // turn 0: S of key block 0
-        my_turn();
-        wgmma_fence();
-        issue_s(0);
-        your_turn(0);
-        wgmma_wait_group<0>();
-        softmax(0);
-        // turn jb + 1: S of key block jb + 1, then O += P V_j of block jb; the softmax of jb + 1 runs
-        // while P V_j is in flight (O and P are not touched until it lands)
-        for (int jb = 0; jb + 1 < blocks; ++jb) {
-            ready_pv(jb);
-            wait_k(jb + 1);
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+        float O[D_TILES][4];
+        zero(O);
+        float S[N_TILES][4];       // the scores of the newest key block, then its P in fp32
+        unsigned P[PV_STEPS][4];   // the P of the key block whose P V_j is in flight, as A fragments
+        // key block jb of this tile: its stage of the ring, and the parity of that stage's phase
+        const auto stage = [&](int jb) { return (it + jb) % SM90_STAGES; };
+        const auto parity = [&](int jb) { return unsigned((it + jb) / SM90_STAGES) & 1; };
+        // Waits outside the stretches that issue wgmma: a wait is a loop, and a branch between
+        // wgmma_fence and the wgmma it orders made ptxas serialise the wgmma pipeline (C7520)
+        const auto wait_k = [&](int jb) { mbarrier_wait_parity(&k_full[stage(jb)], parity(jb)); };
+        // S = Q_i K_jᵀ of key block jb into S, issued (not waited for)
+        const auto issue_s = [&](int jb) {
+#pragma unroll
+            for (int ks = 0; ks < QK_STEPS; ++ks)
+                wgmma_ss<T, BLOCK_N>(&S[0][0], k_major<BLOCK_M>(Q_c, ks), k_major<BLOCK_N>(K_s + stage(jb) * KV_BYTES, ks),
+                                     ks > 0);
+            wgmma_commit_group();
+        };
+        // The mask and the softmax of key block jb's S, once it has landed: S becomes P, m and l move on;
+        // alpha: the factor of O's rows, applied once no wgmma adds into O. After the tile's last S, Q_s
+        // is read no more: the producer may load the next tile's Q_i
+        float alpha[2];
+        const auto softmax = [&](int jb) {
+            wgmma_fence_operand<BLOCK_N / 2>(&S[0][0]);
+            if (jb == blocks - 1) mbarrier_arrive(&q_empty);
+            const int j0 = j_start + jb * BLOCK_N;
+            if (mask.partial(blk.i0, j0)) {
+                for_each_element([&](int r, int col, float& x) {
+                    if (PAIR_HIDDEN(row_w + r, j0 + col)) x = -INFINITY;
+                }, S);
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) alpha[r] = online_softmax_row(S, m, l, r, scale_log2);
+        };
+        // O rescaled, key block jb's P packed as A fragments, its V_j landed: O += P V_j can be issued
+        const auto ready_pv = [&](int jb) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) rescale_row(O, r, alpha[r]);
+#pragma unroll
+            for (int kt = 0; kt < PV_STEPS; ++kt) c_to_a<T>(P[kt], S[2 * kt], S[2 * kt + 1]);
+            mbarrier_wait_parity(&v_full[stage(jb)], parity(jb));
+        };
+        const auto issue_pv = [&](int jb) {
+#pragma unroll
+            for (int kt = 0; kt < PV_STEPS; ++kt)
+                wgmma_rs<T, HEAD_DIM, true>(&O[0][0], P[kt], mn_major<BLOCK_N>(V_s + stage(jb) * KV_BYTES, kt), true);
+            wgmma_commit_group();
+        };
+        // P V_j has landed: O may be read and written again, and the stage refilled
+        const auto release = [&](int jb) {
+            wgmma_wait_group<0>();
+            wgmma_fence_operand<HEAD_DIM / 2>(&O[0][0]);
+            mbarrier_arrive(&kv_empty[stage(jb)]);  // this thread's wgmma no longer read the stage
+        };
+        // Pingpong: the two consumers take turns to issue their GEMMs (named barriers 3 and 4, both
+        // consumers' 256 threads: one waits, the other arrives), so that one's softmax runs while the
+        // other's wgmma keep the tensor cores busy. Consumer 0 goes first; each of the blocks + 1 turns
+        // of a tile ends by letting the other go, except consumer 1's last (nobody waits for it): every
+        // tile's turns balance, so the next tile's start the same way.
+        // [pingpong] scheduling, not ordering: no result depends on it (tests/test_hopper_kernels.py says so)
+        const auto my_turn = [&] { named_barrier_sync(3 + c, 256); };
+        const auto your_turn = [&](int turn) {
+            if (c == 0 || turn < blocks) named_barrier_arrive(3 + (1 - c), 256);
+        };
+
+        if (blocks > 0) {
+            if (c == 1) named_barrier_arrive(3, 256);  // consumer 0's first turn
+            mbarrier_wait_parity(&q_full, n & 1);
+            wait_k(0);
+            // turn 0: S of key block 0
             my_turn();
-            wgmma_fence();  // O (rescaled) and P were written by ordinary instructions, S read
-            issue_s(jb + 1);
-            issue_pv(jb);
-            your_turn(jb + 1);
-            wgmma_wait_group<1>();  // S of block jb + 1 has landed; P V_j may still run
-            softmax(jb + 1);
-            release(jb);
+            wgmma_fence();
+            issue_s(0);
+            your_turn(0);
+            wgmma_wait_group<0>();
+            softmax(0);
+            // turn jb + 1: S of key block jb + 1, then O += P V_j of block jb; the softmax of jb + 1 runs
+            // while P V_j is in flight (O and P are not touched until it lands)
+            for (int jb = 0; jb + 1 < blocks; ++jb) {
+                ready_pv(jb);
+                wait_k(jb + 1);
+                my_turn();
+                wgmma_fence();  // O (rescaled) and P were written by ordinary instructions, S read
+                issue_s(jb + 1);
+                issue_pv(jb);
+                your_turn(jb + 1);
+                wgmma_wait_group<1>();  // S of block jb + 1 has landed; P V_j may still run
+                softmax(jb + 1);
+                release(jb);
+            }
+            // the last turn: P V_j of the last block alone
+            ready_pv(blocks - 1);
+            my_turn();
+            wgmma_fence();
+            issue_pv(blocks - 1);
+            your_turn(blocks);
+            release(blocks - 1);
+            it += blocks;
+            ++n;
         }
-        // the last turn: P V_j of the last block alone
-        ready_pv(blocks - 1);
-        my_turn();
-        wgmma_fence();
-        issue_pv(blocks - 1);
-        your_turn(blocks);
-        release(blocks - 1);
-    }
 
-    // out = O / l and lse = (m + log2 l) ln 2; a row that saw no key (l == 0) gets out 0, lse -inf
-    float inv_l[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] = group_sum<4>(l[r]);
-        inv_l[r] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
-        const int row = row_w + lane / 4 + 8 * r;
-        if (lane % 4 == 0 && row < seqlen_q)
-            LSE_ROW(lse, blk.b, blk.h)[row] = l[r] == 0.0f ? -INFINITY : m[r] * LN2 + logf(l[r]);
-    }
-    // O, rounded to T, into the consumer's own rows of Q_s as the TMA store reads a box (the 128B
-    // swizzle): only this consumer's wgmma read them, and they have all completed
-#pragma unroll
-    for (int dt = 0; dt < D_TILES; ++dt)
+        // out = O / l and lse = (m + log2 l) ln 2; a row that saw no key (l == 0) gets out 0, lse -inf
+        float inv_l[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int row = row_w - row_c + lane / 4 + 8 * r, col = 8 * dt + c_col(0);
-            *reinterpret_cast<unsigned*>(Q_c + swizzled_byte<BLOCK_M>(row, col)) = pack2<T>(O[dt][2 * r] * inv_l[r], O[dt][2 * r + 1] * inv_l[r]);
+            l[r] = group_sum<4>(l[r]);
+            inv_l[r] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
+            const int row = row_w + lane / 4 + 8 * r;
+            if (lane % 4 == 0 && row < seqlen_q)
+                LSE_ROW(lse, blk.b, blk.h)[row] = l[r] == 0.0f ? -INFINITY : m[r] * LN2 + logf(l[r]);
         }
-    fence_proxy_async();                 // this thread's stores, before the TMA store reads them
-    named_barrier_sync(1 + c, 128);      // every thread of the consumer has stored and fenced its part
-    if (threadIdx.x % 128 == 0) {
+        // O, rounded to T, into the consumer's own rows of O_s as the TMA store reads a box (the 128B
+        // swizzle), once the consumer's last TMA store has read them
+        if (lead) tma_store_wait_group_read<0>();
+        named_barrier_sync(1 + c, 128);  // the lead's wait: O_c is free
 #pragma unroll
-        for (int a = 0; a < HEAD_DIM / ATOM; ++a)
-            tma_store_4d(map_out, a * ATOM, blk.h, row_c, blk.b, Q_c + a * ATOM_BYTES<BLOCK_M>);
-        tma_store_commit_group();
-        tma_store_wait_group_read<0>();  // the CTA's shared memory is read before it exits
+        for (int dt = 0; dt < D_TILES; ++dt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = row_w - row_c + lane / 4 + 8 * r, col = 8 * dt + c_col(0);
+                *reinterpret_cast<unsigned*>(O_c + swizzled_byte<BLOCK_M>(row, col)) =
+                    pack2<T>(O[dt][2 * r] * inv_l[r], O[dt][2 * r + 1] * inv_l[r]);
+            }
+        fence_proxy_async();             // this thread's stores, before the TMA store reads them
+        named_barrier_sync(1 + c, 128);  // every thread of the consumer has stored and fenced its part
+        if (lead) {
+#pragma unroll
+            for (int a = 0; a < HEAD_DIM / ATOM; ++a)
+                tma_store_4d(map_out, a * ATOM, blk.h, row_c, blk.b, O_c + a * ATOM_BYTES<BLOCK_M>);
+            tma_store_commit_group();
+        }
     }
+    if (lead) tma_store_wait_group_read<0>();  // the CTA's shared memory is read before it exits
 }

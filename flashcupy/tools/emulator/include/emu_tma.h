@@ -18,8 +18,10 @@
 //                 128-byte aligned (with or without swizzle), a box reaching
 //                 outside shared memory, or an element of the tensor outside the array the map
 //                 was made from (the guarded argument buffer) are KernelErrors naming the thread.
-//   tma_store     on issue, copies the box from shared memory (the same layout) to global memory;
-//                 elements outside the tensor are not written. The same checks.
+//   tma_store     checked on issue (the same checks); the box is copied from shared memory (the same
+//                 layout) to global memory when a wait_group.read covers its group, so a source
+//                 overwritten before that wait is stored as overwritten; elements outside the tensor
+//                 are not written.
 //   async proxy   a load's landing makes its bytes async-written, a store's source read is an
 //                 async-proxy read: an ordinary store to it that its writer has not followed with
 //                 fence.proxy.async is a KernelError naming the writer (emu_hopper.h, runtime/proxy.h).
@@ -27,9 +29,8 @@
 //                 (16-byte alignment and size, the source in shared memory and fenced, the destination
 //                 inside one array argument); its source is read and added into global memory when a
 //                 wait_group.read covers its group, so a source overwritten before that wait is wrong.
-//   commit / wait a store reads shared memory at issue, yet its thread keeps count: stores not
-//                 committed, or groups not waited for (wait_group.read N leaves at most N), when the
-//                 thread exits are a KernelError (the next CTA on the SM may own that memory).
+//   commit / wait stores not committed, or groups not waited for (wait_group.read N leaves at most N),
+//                 when the thread exits are a KernelError (the next CTA on the SM may own that memory).
 // Not modelled: a swizzled box whose inner extent is narrower than the swizzle span (encode_tiled
 // refuses it: whether the hardware pads each row to the span is unverified), L2 promotion, interleaved layouts, OOB fill NaN, im2col, multicast and clusters,
 // tensor reduce-adds. A load is checked at issue and lands (the copy, then complete_tx) when a thread

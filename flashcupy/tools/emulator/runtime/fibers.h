@@ -107,11 +107,11 @@ struct PendingCopy {
     bool landed;  // written already (cp_async_eager), still to be waited for
 };
 
-// One bulk reduce-add in flight (runtime/tma.h, cp.reduce.async.bulk .add.f32): checked when issued, its
-// source read and added into its destination when a wait_group.read covers its bulk group.
-struct PendingReduce {
-    std::uintptr_t dst, src;
-    unsigned bytes;
+// One bulk store or reduce-add in flight (runtime/tma.h: a TMA store, cp.reduce.async.bulk .add.f32):
+// checked when issued; `perform` reads its shared-memory source and writes (or adds) global memory when
+// a wait_group.read covers its bulk group.
+struct PendingBulk {
+    std::function<void()> perform;
     long group;  // -1 until cp.async.bulk.commit_group puts it in the thread's newest bulk group
 };
 
@@ -140,7 +140,7 @@ struct Fiber {
     int bulk_open;            // TMA stores issued and not yet committed (cp.async.bulk.commit_group)
     int bulk_reading;         // committed bulk groups not yet waited for (cp.async.bulk.wait_group.read)
     long bulk_committed;      // bulk groups committed since the block began
-    std::vector<PendingReduce> reduces;  // bulk reduce-adds whose group is not yet waited for
+    std::vector<PendingBulk> bulk;  // bulk stores and reduce-adds whose group is not yet waited for
 };
 
 // An mbarrier object (emu_hopper.h): the state the PTX ISA describes, kept beside shared memory.

@@ -114,7 +114,7 @@ void run_block(Launch& l) {
         l.fibers[i].groups_committed = 0;
         l.fibers[i].bulk_open = l.fibers[i].bulk_reading = 0;
         l.fibers[i].bulk_committed = 0;
-        l.fibers[i].reduces.clear();
+        l.fibers[i].bulk.clear();
         l.fibers[i].context.prepare(stacks.stack_lo(i), stacks.bytes);
     }
     auto run = [&l](Fiber& f) {

@@ -176,12 +176,16 @@ void emu::tma_load(void* dst, const void* map, int rank, const int* coords, void
     active->tma_loads.push_back(p);
 }
 
+// Checked at issue (the map, the source, every element's place, the async proxy); the box is read from
+// shared memory and written to global memory when a wait_group.read covers its group, the latest the
+// hardware may read it: a source overwritten before that wait is stored as overwritten.
 void emu::tma_store(const void* map, int rank, const int* coords, const void* src) {
     const char* what = "cp.async.bulk.tensor store (tma_store)";
     const TmaBox b = tma_box(map, rank, what);
     const std::uint32_t window = tma_check_shared(b, src, what, "source");
     auto* smem = static_cast<unsigned char*>(const_cast<void*>(src));
     TmaCount count;
+    std::vector<std::pair<std::uintptr_t, const unsigned char*>> copies;  // (global, shared) per element inside
     for (std::uint64_t e = 0; e < b.elements; ++e) {
         const unsigned char* from = tma_shared_element(b, smem, window, e);
         if (!in_shared(reinterpret_cast<std::uintptr_t>(from), reinterpret_cast<std::uintptr_t>(from) + b.map->element_bytes))
@@ -190,9 +194,13 @@ void emu::tma_store(const void* map, int rank, const int* coords, const void* sr
         proxy_async_read(reinterpret_cast<std::uintptr_t>(from), b.map->element_bytes, *active->current, what,
                          active->barrier_epoch);
         const std::uintptr_t to = tma_global_element(b, coords, e, what);
-        if (to) std::memcpy(reinterpret_cast<void*>(to), from, b.map->element_bytes);
+        if (to) copies.emplace_back(to, from);
         if (active->counting && to) count.element(to, b.map->element_bytes);
     }
+    const unsigned bytes = b.map->element_bytes;
+    active->current->bulk.push_back({[copies = std::move(copies), bytes] {
+        for (const auto& c : copies) std::memcpy(reinterpret_cast<void*>(c.first), c.second, bytes);
+    }, -1});
     ++active->current->bulk_open;
     if (active->counting) count.add(kTmaStoreShared, kTmaStoreGlobal, b);
 }
@@ -215,7 +223,11 @@ void emu::bulk_reduce_add_f32(float* dst, const float* src, unsigned bytes) {
         misuse("%s: the destination %p (%u bytes) is not inside one array argument of the launch", what, dst, bytes);
     proxy_async_read(s, bytes, *active->current, what, active->barrier_epoch);
     Fiber& self = *active->current;
-    self.reduces.push_back({d, s, bytes, -1});
+    self.bulk.push_back({[d, s, bytes] {
+        auto* to = reinterpret_cast<float*>(d);
+        const auto* from = reinterpret_cast<const float*>(s);
+        for (unsigned e = 0; e < bytes / 4; ++e) to[e] += from[e];
+    }, -1});
     ++self.bulk_open;
     if (active->counting) {  // the store rows: the same unit, the same direction (counters.py, "TMA")
         TmaCount count;
@@ -226,33 +238,28 @@ void emu::bulk_reduce_add_f32(float* dst, const float* src, unsigned bytes) {
     }
 }
 
-// A store reads its source at issue here, yet the groups are kept: a thread must wait for its stores'
-// reads before it exits (fibers.h), as a CTA's shared memory may be the next CTA's once it has.
+// A thread must wait for its bulk groups' reads before it exits (fibers.h), as a CTA's shared memory may
+// be the next CTA's once it has.
 void emu::tma_commit_group() {
     Fiber& self = *active->current;
-    for (PendingReduce& r : self.reduces)
+    for (PendingBulk& r : self.bulk)
         if (r.group < 0) r.group = self.bulk_committed;
     ++self.bulk_committed;
     self.bulk_open = 0;
     ++self.bulk_reading;
 }
 
-// The groups older than the newest `pending` are complete: their reduce-adds read their sources now.
+// The groups older than the newest `pending` are complete: their stores and reduce-adds read their
+// sources now, in issue order.
 void emu::tma_wait_group_read(int pending) {
     if (pending < 0 || pending > 7) misuse("cp.async.bulk.wait_group.read %d: N must be in [0, 7]", pending);
     Fiber& self = *active->current;
     self.bulk_reading = std::min(self.bulk_reading, pending);
     const long done = self.bulk_committed - self.bulk_reading;
-    auto& reduces = self.reduces;
-    for (std::size_t i = 0; i < reduces.size();) {
-        const PendingReduce r = reduces[i];
-        if (r.group < 0 || r.group >= done) {
-            ++i;
-            continue;
-        }
-        reduces.erase(reduces.begin() + static_cast<long>(i));
-        auto* to = reinterpret_cast<float*>(r.dst);
-        const auto* from = reinterpret_cast<const float*>(r.src);
-        for (unsigned e = 0; e < r.bytes / 4; ++e) to[e] += from[e];
+    std::vector<PendingBulk> later;
+    for (PendingBulk& op : self.bulk) {
+        if (op.group >= 0 && op.group < done) op.perform();
+        else later.push_back(std::move(op));
     }
+    self.bulk = std::move(later);
 }
