@@ -328,7 +328,7 @@ def forward(p, q, k, v, num_splits=1, into=None):
                                                       rt.xp.empty(p.lse_shape, dtype=p.lse_dtype))
             # persistent: a CTA an SM (at most), each walking the tiles blockIdx.x, + gridDim.x, ..
             tiles = kernel.blocks(p)
-            fwd((min(tiles, rt.sm_count(q)),), (kernel.threads,),
+            fwd((min(tiles, rt.sm_count(q)) if SM90_PERSISTENT else tiles,), (kernel.threads,),
                 # Q_i's BLOCK_M rows, a key block's BLOCK_N, a consumer's rows of out
                 (*_sm90_maps(rt, p, (q, kernel.block_m), (k, kernel.block_n), (v, kernel.block_n),
                              (out, specs.SM90_CONSUMER_ROWS)), *_tensor(lse), *_shape_args(p), p.acc_dtype.type(p.scale),
@@ -365,6 +365,10 @@ def forward(p, q, k, v, num_splits=1, into=None):
                 out, lse = into
     return out, lse
 
+
+# The Hopper forward's grid: min(tiles, SMs) CTAs, each walking its tiles; False: a CTA a tile (the grid
+# before it was persistent, kept for benchmarks/hopper_forward_check.py's side-by-side timing)
+SM90_PERSISTENT = True
 
 ATOMIC_BACKWARD = True  # backward(..., deterministic=False) may add with atomics (the interface passes it)
 

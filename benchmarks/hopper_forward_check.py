@@ -1,0 +1,75 @@
+"""On a GPU: the Hopper forward (flash_fwd_sm90.cu) persistent (a CTA an SM walking its tiles, the
+default) beside the same kernel launched a CTA a tile (cupy_backend.SM90_PERSISTENT = False, the grid
+before), the mma.sync forward (USE_WGMMA = False), cuDNN and torch's flash (FA2), in one run, with how
+far the Hopper out lies from cuDNN's (the largest difference over the largest magnitude).
+
+    PYTHONPATH=. python3 benchmarks/hopper_forward_check.py      (on the device machine; a table last)
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cupy
+
+import flashcupy
+from flashcupy.backends import cupy_backend
+from flashcupy.tools import bench
+
+ROWS = []
+
+
+def timed(fn, repeat=10):
+    fn()
+    cupy.cuda.get_current_stream().synchronize()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(repeat):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> int:
+    import torch
+    import torch.nn.functional as F
+    dtype = "bfloat16"
+    for D in (128, 64):
+        for causal in (False, True):
+            for S in (512, 1024, 2048, 4096, 16384):
+                B, H = 16384 // S, 2048 // D
+                tq = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+                q, k, v = (cupy.asarray(x.view(torch.int16)).view(cupy.uint16) for x in tq)
+                kw = dict(causal=causal, dtype="bfloat16")
+                flops = bench.flops(B, H, S, D, causal, "forward")
+                row = [dtype, D, causal, S]
+                for wgmma, persistent in ((True, True), (True, False), (False, True)):
+                    cupy_backend.USE_WGMMA, cupy_backend.SM90_PERSISTENT = wgmma, persistent
+                    row.append(flops / timed(lambda: flashcupy.attention(q, k, v, **kw)) / 1e12)
+                cupy_backend.USE_WGMMA = cupy_backend.SM90_PERSISTENT = True
+                out = flashcupy.attention(q, k, v, **kw)
+                a, b, c = (x.transpose(1, 2) for x in tq)
+                for backend in (torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
+                                torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                    with torch.nn.attention.sdpa_kernel(backend):
+                        row.append(flops / timed(lambda: F.scaled_dot_product_attention(a, b, c, is_causal=causal))
+                                   / 1e12)
+                        if backend == torch.nn.attention.SDPBackend.CUDNN_ATTENTION:
+                            want = F.scaled_dot_product_attention(a, b, c, is_causal=causal).transpose(1, 2).float()
+                got = torch.as_tensor(out.view(cupy.int16), device="cuda").view(torch.bfloat16).float()
+                row.append(float((got - want).abs().max() / want.abs().max()))
+                ROWS.append(row)
+                print(*row, flush=True)
+    print("\nforward TFLOP/s (median of 10); vs cudnn: max |hopper - cudnn| / max |cudnn| of out")
+    print("dtype     D   causal  S      persist  a-tile  mma.sync  cudnn  flash  pers/tile  pers/cudnn  pers/flash  vs cudnn")
+    for r in ROWS:
+        print(f"{r[0]:<9} {r[1]:<3} {str(r[2]):<7} {r[3]:<6} {r[4]:7.1f} {r[5]:7.1f}  {r[6]:7.1f}  {r[7]:6.1f} {r[8]:6.1f}"
+              f"  {r[4] / r[5]:8.2f}  {r[4] / r[7]:9.2f}  {r[4] / r[8]:9.2f}  {r[9]:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
