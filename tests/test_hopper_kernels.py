@@ -8,6 +8,7 @@ on these kernels too (tests/contract.py, path "hopper").
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 from unittest import mock
@@ -116,9 +117,18 @@ CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, wi
     (1, 65, 70, 2, 1, 40, True, (0, 0)),       # a window of one key a row
     (1, 300, 40, 1, 1, 64, True, None),        # two query blocks that see no key: tiles without a load
 ]
-# The persistent forward's grid is min(tiles, SMs): an emulated device of 1 or 2 SMs makes each CTA walk
-# several tiles (Q_s, O_s, the rings and the pingpong carried from one tile to the next)
-SM_COUNTS = {"ascending": 132, "warp_skew": 1, "descending": 2}
+# The persistent forward's grid (cupy_backend.SM90_PERSISTENT, off by default) is min(tiles, SMs): an
+# emulated device of 1 or 2 SMs makes each CTA walk several tiles (Q_s, O_s, the rings and the pingpong
+# carried from one tile to the next); ascending: the default grid, a CTA a tile
+SM_COUNTS = {"ascending": None, "warp_skew": 1, "descending": 2}
+
+
+def persistent(sm_count):
+    """emulated()'s keywords and a context that launch the Hopper forward persistent on sm_count SMs (None:
+    the default grid)."""
+    if sm_count is None:
+        return {}, contextlib.nullcontext()
+    return {"sm_count": sm_count}, mock.patch.object(cupy_backend, "SM90_PERSISTENT", True)
 
 
 @pytest.mark.parametrize("order, dtype", [("ascending", "float16"), ("warp_skew", "float16"),
@@ -136,7 +146,8 @@ def test_the_hopper_kernels_match_the_oracle(rng, order, dtype, case):
     else:
         q, k, v, dout = (x.astype(np.float16) for x in (q, k, v, dout))
     names = []
-    with emulated(order, compile=recording(names), compute_capability=HOPPER, sm_count=SM_COUNTS[order]):
+    grid, launch = persistent(SM_COUNTS[order])
+    with launch, emulated(order, compile=recording(names), compute_capability=HOPPER, **grid):
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
         grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", **kw)
     assert {"flash_fwd_sm90", "flash_bwd_dkdv_sm90"} <= _templates(names)
@@ -239,8 +250,8 @@ def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew
         q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
         dout = rng.standard_normal(q.shape).astype(np.float16)
         for order in orders:
-            # one SM: both forward tiles in one CTA
-            with emulated(order, compile=compile, compute_capability=HOPPER, sm_count=1):
+            grid, launch = persistent(1)  # both forward tiles in one CTA
+            with launch, emulated(order, compile=compile, compute_capability=HOPPER, **grid):
                 try:
                     out, lse = flashcupy.attention(q, k, v, causal=causal, return_lse=True, backend="cupy")
                     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, backend="cupy")

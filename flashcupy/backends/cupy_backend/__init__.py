@@ -366,9 +366,11 @@ def forward(p, q, k, v, num_splits=1, into=None):
     return out, lse
 
 
-# The Hopper forward's grid: min(tiles, SMs) CTAs, each walking its tiles; False: a CTA a tile (the grid
-# before it was persistent, kept for benchmarks/hopper_forward_check.py's side-by-side timing)
-SM90_PERSISTENT = True
+# The Hopper forward's grid: True, min(tiles, SMs) CTAs, each walking its tiles; False, the default, a
+# CTA a tile. Measured side by side on an H200 (benchmarks/results/h200_session3/forward_persistent.txt):
+# 0.92-1.03x a CTA a tile at S = 512..16384, and 0.72x causal at S=16k, D=128, where the static
+# round-robin of tiles over the CTAs loses the balance the hardware's dispatch of one CTA a tile gives
+SM90_PERSISTENT = False
 
 ATOMIC_BACKWARD = True  # backward(..., deterministic=False) may add with atomics (the interface passes it)
 

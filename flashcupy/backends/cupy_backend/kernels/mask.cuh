@@ -285,7 +285,12 @@ __device__ __forceinline__ PairTile pair_tile(int key_blocks, int row_blocks, in
     return {r0, j0, bh / heads, bh % heads};
 }
 
-// A kernel with one CTA per (key block, batch * heads_kv), the key blocks of one kv head adjacent.
+// A kernel with one CTA per (key block, batch * heads_kv) (the grid's x is their product): key block j of
+// every (batch, kv head) before key block j + 1 of any. Causal, the first key blocks are seen by the
+// most queries: the longest CTAs go first over the whole grid, not only within a head, and the last
+// wave holds the shortest (head by head, the last heads' long CTAs started late: on an H200 the Hopper
+// backward kept its SMs busy 78% of the time at S=4096, causal; benchmarks/results/h200_session3/).
+// The CTAs running together still walk the same query blocks in step: the L2 keeps serving them.
 struct KeyBlock {
     int j0;  // its first key
     int b, kv_head;
@@ -293,7 +298,7 @@ struct KeyBlock {
 
 template <int BLOCK_N>
 __device__ __forceinline__ KeyBlock key_block(int seqlen_k, int heads_kv) {
-    const int blocks = num_blocks(seqlen_k, BLOCK_N);
-    const int bk = blockIdx.x / blocks;
-    return {int(blockIdx.x % blocks) * BLOCK_N, bk / heads_kv, bk % heads_kv};
+    const int heads = gridDim.x / num_blocks(seqlen_k, BLOCK_N);  // batch * heads_kv
+    const int bk = blockIdx.x % heads;
+    return {int(blockIdx.x / heads) * BLOCK_N, bk / heads_kv, bk % heads_kv};
 }
