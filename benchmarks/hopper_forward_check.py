@@ -15,22 +15,9 @@ import cupy
 import flashcupy
 from flashcupy.backends import cupy_backend
 from flashcupy.tools import bench
+from flashcupy.tools.bench import median_gpu_time as timed
 
 ROWS = []
-
-
-def timed(fn, repeat=10):
-    fn()
-    cupy.cuda.get_current_stream().synchronize()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeat):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> int:

@@ -270,6 +270,23 @@ def best_time(fn, device, repeat: int, min_time: float) -> float:
     return best
 
 
+def median_gpu_time(fn, repeat: int = 10) -> float:
+    """Median seconds of `repeat` calls on the GPU, CUDA events bracketing each, after one warm-up call
+    (which excludes NVRTC compile time): the Hopper check scripts' timing (benchmarks/hopper_*_check.py)."""
+    import cupy
+    fn()
+    cupy.cuda.get_current_stream().synchronize()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(repeat):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def best_alternating(fns: dict, repeat: int = 5) -> dict:
     """{name: best time} of each contender over `repeat` rounds that call them in turn, after one
     warm-up call each: side by side in one run, so that a machine whose speed drifts slows all of
