@@ -212,7 +212,8 @@ def backward_path(p, dout, q, k, v, out, deterministic: bool = False) -> str:
 
     The forward's conditions, on dout and out as well as q, k, v (lse may have any strides;
     dq, dk, dv are allocated contiguous); the Hopper backward takes what the Hopper forward takes
-    (q, k, v and dout through tensor maps), unless deterministic: it adds dQ with atomics.
+    (q, k, v and dout through tensor maps), unless deterministic: its CTAs add dQ into one workspace
+    by bulk reduce-adds, in an order that varies from run to run.
     """
     path = _path(p, q, k, v, dout, out)
     return "hopper" if not deterministic and _hopper(p, path, q, k, v, dout) else path
