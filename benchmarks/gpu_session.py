@@ -15,8 +15,8 @@ Stages, in this order, each in its own process with its own time limit:
   check      every backend, kernel path and dtype against the float64 oracle, each row on its own
   sanitizer  compute-sanitizer memcheck and racecheck on tiny shapes, where the tool is installed
   sweep      forward and backward time, TFLOP/s and peak memory beside torch SDPA's flash, cuDNN
-             and math backends, bfloat16 and float16, the mma.sync forward beside the Hopper one
-             (cupy-mma: cupy_backend.USE_WGMMA off), and the Numba kernels (float16, up to numba_max_seqlen) beside
+             and math backends, bfloat16 and float16, the mma.sync forward and backward beside the
+             Hopper ones (cupy-mma: cupy_backend.USE_WGMMA off), and the Numba kernels (float16, up to numba_max_seqlen) beside
              the CuPy ones; inputs made on the device once per shape and shared by every
              implementation; head_dim 128 and causal first, as they matter most
   plot       the sweep as one PNG
@@ -113,9 +113,9 @@ def group_of(key: str) -> str:
     return "numba" if key.startswith("numba/") else "main"
 
 SWEEP_IMPLS = ("cupy", "cupy-mma", "numba", "torch-flash", "torch-cudnn", "torch-math")
-# "cupy-mma" (forward only) beside "cupy": on compute capability 9.0 "cupy" runs the Hopper forward
-# (flash_fwd_sm90.cu), "cupy-mma" the mma.sync one it replaces (flash_fwd_tc.cu, USE_WGMMA off), in
-# the same run; below 9.0 the two are the same kernel
+# "cupy-mma" beside "cupy": on compute capability 9.0 "cupy" runs the Hopper forward and backward
+# (flash_fwd_sm90.cu, flash_bwd_sm90.cu), "cupy-mma" the mma.sync ones they replace (flash_fwd_tc.cu,
+# flash_bwd_tc.cu: USE_WGMMA off), in the same run; below 9.0 they are the same kernels
 
 
 # ----------------------------------------------------------------------------
@@ -387,8 +387,8 @@ def _median_seconds(fn, dry: bool, sizes: Sizes) -> float:
     return times[len(times) // 2]
 
 
-def mma_forward(forward):
-    """The cupy forward `forward` (a closure of bench.closures) on the mma.sync kernel
+def on_mma(call_cupy):
+    """The cupy forward or backward `call_cupy` (a closure of bench.closures) on the mma.sync kernels
     (cupy_backend.USE_WGMMA off for the call), whatever the device."""
     from flashcupy.backends import cupy_backend
 
@@ -396,7 +396,7 @@ def mma_forward(forward):
         saved = cupy_backend.USE_WGMMA
         cupy_backend.USE_WGMMA = False
         try:
-            return forward()
+            return call_cupy()
         finally:
             cupy_backend.USE_WGMMA = saved
     return call
@@ -432,8 +432,9 @@ def sweep_items(args):
         q, k, v, dout = inputs[shape]
         forward, backward = bench.closures("cupy" if impl == "cupy-mma" else impl, q, k, v, dout,
                                            causal, default_scale(D), device, bf16_bits=dtype == "bfloat16")
-        passes = ((("forward", mma_forward(forward)),) if impl == "cupy-mma"
-                  else (("forward", forward), ("backward", backward)))
+        if impl == "cupy-mma":
+            forward, backward = on_mma(forward), on_mma(backward)
+        passes = (("forward", forward), ("backward", backward))
         records = []
         for pass_, fn in passes:
             seconds = _median_seconds(fn, args.dry_run, sizes)

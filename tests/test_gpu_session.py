@@ -138,9 +138,9 @@ def test_a_process_that_dies_inside_an_item_is_restarted_after_it(tmp_path):
 
 
 def test_the_mma_forward_runs_the_kernel_the_hopper_one_replaces(monkeypatch):
-    # the sweep's "cupy-mma" times the forward with USE_WGMMA off: on an sm_90 device that must launch the
-    # mma.sync kernel where "cupy" launches the Hopper one, both give the oracle's answer, and the switch
-    # is left as it was
+    # the sweep's "cupy-mma" times the forward (and backward) with USE_WGMMA off: on an sm_90 device that
+    # must launch the mma.sync kernel where "cupy" launches the Hopper one, both give the oracle's answer,
+    # and the switch is left as it was
     import importlib.util
 
     import numpy as np
@@ -159,7 +159,7 @@ def test_the_mma_forward_runs_the_kernel_the_hopper_one_replaces(monkeypatch):
     with emulated(compile=recording(launched), compute_capability=90):
         forward, _ = bench.closures("cupy", q, k, v, q, True, 128 ** -0.5, "cpu")
         hopper = forward()
-        mma = gpu_session.mma_forward(forward)()
+        mma = gpu_session.on_mma(forward)()
     assert launched == ["flash_fwd_sm90<__half, 128, 128, 128>", "flash_fwd_tc_wide<__half, 128, 256, 32, 1, 247>"]
     assert cupy_backend.USE_WGMMA
     for out in (hopper, mma):
