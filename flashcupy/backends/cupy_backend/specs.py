@@ -170,6 +170,12 @@ def head_dim_bucket(head_dim: int) -> int:
     return next(bucket for bucket in HEAD_DIM_BUCKETS if head_dim <= bucket)
 
 
+# The bool template flags that follow MODS, in order, per template (Kernel's fields of the same names):
+# a name expression spells them up to the last one set (the others default to false)
+TEMPLATE_FLAGS = {"flash_fwd": ("split", "varlen"), "flash_fwd_tc": ("split", "varlen"),
+                  "flash_fwd_tc_wide": ("varlen",), "flash_bwd_dkdv_tc": ("dq_atomic",)}
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One specialization: the template it instantiates and the tile it runs with."""
@@ -183,6 +189,7 @@ class Kernel:
     mods: int = 0            # the score modifiers it is specialised for (MOD_BITS); 0 for none
     split: bool = False      # a forward kernel for split-KV (partial outs in Acc, mask.cuh's Split)
     dq_atomic: bool = False  # the tensor-core dK/dV kernel that adds dQ into an fp32 workspace too
+    varlen: bool = False     # a forward kernel for a packed batch (the offsets read on the device, mask.cuh's Sequence)
 
     @property
     def modifiers(self) -> str:
@@ -250,10 +257,12 @@ class Kernel:
             args += [str(self.head_dim), str(self.block_m), str(self.block_n)]
         if self.bounds is not None:
             args += self.bounds.template_args
-        if self.mods or self.split or self.dq_atomic:
+        # the template's flags after MODS (TEMPLATE_FLAGS), up to the last one set, which MODS precedes
+        flags = [getattr(self, flag) for flag in TEMPLATE_FLAGS.get(self.template, ())]
+        flags = flags[:max((i + 1 for i, on in enumerate(flags) if on), default=0)]
+        if self.mods or flags:
             args.append(str(self.mods))
-        if self.split or self.dq_atomic:  # the kernel's last template flag: SPLIT, DQ_ATOMIC
-            args.append("true")
+        args += ["true" if on else "false" for on in flags]
         return f"{self.template}<{', '.join(args)}>"
 
 
@@ -276,11 +285,11 @@ def _name(dtype) -> str:
     return dtype if isinstance(dtype, str) else np.dtype(dtype).name
 
 
-def forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False) -> ModuleSpec:
+def forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False, varlen: bool = False) -> ModuleSpec:
     bucket = head_dim_bucket(head_dim)
     dtype = _name(dtype)
     bm, bn = _tile("flash_fwd", FORWARD_TILES[_acc_size(dtype)][bucket], _acc_size(dtype), bucket, mods)
-    return ModuleSpec("flash_fwd.cu", (Kernel("flash_fwd", dtype, bucket, bm, bn, mods, split),))
+    return ModuleSpec("flash_fwd.cu", (Kernel("flash_fwd", dtype, bucket, bm, bn, mods, split, varlen=varlen),))
 
 
 def backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
@@ -357,11 +366,13 @@ def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_at
     return min(tile, TC_TILES["dkdv", "dq_atomic"][bucket]) if dq_atomic else tile
 
 
-def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False) -> ModuleSpec:
-    """The tensor-core forward for float16/bfloat16 and head_dim <= 128 (a multiple of 8)."""
+def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False, varlen: bool = False) -> ModuleSpec:
+    """The tensor-core forward for float16/bfloat16 and head_dim <= 128 (a multiple of 8); varlen: for
+    a packed batch, with the plain call's tile."""
     bm, bn = tc_tile("forward", head_dim, mods, split)
     template = "flash_fwd_tc_wide" if bm == WIDE_BLOCK_M else "flash_fwd_tc"
-    return ModuleSpec("flash_fwd_tc.cu", (Kernel(template, _name(dtype), tc_head_dim(head_dim), bm, bn, mods, split),))
+    return ModuleSpec("flash_fwd_tc.cu", (Kernel(template, _name(dtype), tc_head_dim(head_dim), bm, bn, mods, split,
+                                                 varlen=varlen),))
 
 
 # Split-KV: keys per split are a multiple of this, so that every forward tile (BLOCK_N of 8 to 64)
