@@ -173,7 +173,7 @@ def head_dim_bucket(head_dim: int) -> int:
 # The bool template flags that follow MODS, in order, per template (Kernel's fields of the same names):
 # a name expression spells them up to the last one set (the others default to false)
 TEMPLATE_FLAGS = {"flash_fwd": ("split", "varlen"), "flash_fwd_tc": ("split", "varlen"),
-                  "flash_fwd_tc_wide": ("varlen",), "flash_bwd_dkdv_tc": ("dq_atomic",)}
+                  "flash_bwd_dkdv_tc": ("dq_atomic",)}
 
 
 @dataclass(frozen=True)
@@ -351,13 +351,19 @@ def tc_tile_row(head_dim: int) -> int:
     return -(-head_dim // 64) * 64
 
 
-def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_atomic: bool = False) -> tuple:
+def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_atomic: bool = False,
+            varlen: bool = False) -> tuple:
     """(BLOCK_M, BLOCK_N) of a tensor-core kernel, from TC_TILES: the forward's variant is split-KV's
-    (with or without a bias or mask), else the bias or mask's, else softcap or ALiBi's (MOD_SCORE),
-    else the plain one; the backward's MOD_SCORE's or the plain one, and with dQ by atomics dK/dV takes
-    the fewer query rows of that tile and the dq_atomic one."""
+    (with or without a bias or mask), else the bias or mask's, else softcap or ALiBi's (MOD_SCORE) or
+    a packed batch's (varlen), else the plain one; the backward's MOD_SCORE's or the plain one, and with
+    dQ by atomics dK/dV takes the fewer query rows of that tile and the dq_atomic one.
+
+    A packed batch takes the score tile: at head_dim 128, 64 query rows in the 4-warp kernel rather
+    than the wide kernel's 256, so that short sequences pad their last query block less, and the CTAs
+    of the grid that find no work (mask.cuh's Sequence: at most one a sequence) are fewer beside those
+    that work: 14 % of those launched for 256 sequences of 17-300 tokens, not 28 % (tests/test_varlen.py)."""
     bucket = _tc_bucket(head_dim)
-    pairs, score = mods & MOD_PAIRS, mods & MOD_SCORE
+    pairs, score = mods & MOD_PAIRS, mods & MOD_SCORE or varlen
     if pass_ == "forward":
         variant = ("split+pairs" if pairs else "split") if split else "pairs" if pairs else "score" if score else "plain"
     else:
@@ -368,8 +374,8 @@ def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_at
 
 def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False, varlen: bool = False) -> ModuleSpec:
     """The tensor-core forward for float16/bfloat16 and head_dim <= 128 (a multiple of 8); varlen: for
-    a packed batch, with the plain call's tile."""
-    bm, bn = tc_tile("forward", head_dim, mods, split)
+    a packed batch (tc_tile says its tile)."""
+    bm, bn = tc_tile("forward", head_dim, mods, split, varlen=varlen)
     template = "flash_fwd_tc_wide" if bm == WIDE_BLOCK_M else "flash_fwd_tc"
     return ModuleSpec("flash_fwd_tc.cu", (Kernel(template, _name(dtype), tc_head_dim(head_dim), bm, bn, mods, split,
                                                  varlen=varlen),))
@@ -487,6 +493,20 @@ def split_modules(mods=(0, ALL_MODS)):
     ends = sorted({mods[0], mods[-1]})
     return ([forward_module(dtype, bucket, m, True) for m in ends for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS]
             + [tc_forward_module(dtype, bucket, m, True) for m in ends for dtype in TC_DTYPES
+               for bucket in TC_HEAD_DIM_BUCKETS])
+
+
+# The modifiers attention_varlen takes (no bias, no mask): a packed batch's forwards are specialised for
+# none or some of them
+VARLEN_MODS = MOD_BITS["window"] | MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"]
+
+
+def varlen_modules(mods=(0, VARLEN_MODS)):
+    """The packed batch's forwards (SIMT and tensor-core), for each MODS of `mods` (plain, and the most
+    work in a tile's loop), every dtype and bucket: what tests/test_nvrtc.py compiles of them."""
+    return ([forward_module(dtype, bucket, m, varlen=True) for m in mods for dtype in CUDA_TYPES
+             for bucket in HEAD_DIM_BUCKETS]
+            + [tc_forward_module(dtype, bucket, m, varlen=True) for m in mods for dtype in TC_DTYPES
                for bucket in TC_HEAD_DIM_BUCKETS])
 
 

@@ -66,7 +66,8 @@
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 128),
 // BLOCK_M (16 M_TILES WARPS, M_TILES 1 or 2), BLOCK_N (a multiple of 16), MIN_CTAS (and in the wide
 // kernel MAX_REGISTERS) the occupancy policy (launch.py's Bounds, which says why), MODS the score
-// modifiers (0: none), SPLIT split-KV (flash_fwd_tc only), VARLEN a packed batch.
+// modifiers (0: none), SPLIT split-KV and VARLEN a packed batch (flash_fwd_tc only: a packed batch takes
+// its 64-row tile at head_dim 128, specs.tc_tile).
 
 #include "mask.cuh"
 #include "tc_tile.cuh"
@@ -246,8 +247,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_fwd_tc(
         VARLEN_ARGS);
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MAX_REGISTERS, int MODS = 0,
-          bool VARLEN = false>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MAX_REGISTERS, int MODS = 0>
 __global__ void CAPPED_BOUNDS(WIDE_WARPS * WARP_SIZE, MIN_CTAS, MAX_REGISTERS) flash_fwd_tc_wide(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     T* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
@@ -255,7 +255,7 @@ __global__ void CAPPED_BOUNDS(WIDE_WARPS * WARP_SIZE, MIN_CTAS, MAX_REGISTERS) f
     // k-step 0 of Q_i kept at head_dim 128, where it takes the shared-memory bytes per mma from 208 to
     // 200; below, Q_i is read at every pass (keeping k-step 0 made head_dim 112 spill under its cap)
     constexpr int Q_KEPT = HEAD_DIM == 128 ? 1 : 0;
-    flash_fwd_tc_cta<T, HEAD_DIM, BLOCK_M, BLOCK_N, MODS, false, VARLEN, WIDE_WARPS, Q_KEPT>(
+    flash_fwd_tc_cta<T, HEAD_DIM, BLOCK_M, BLOCK_N, MODS, false, false, WIDE_WARPS, Q_KEPT>(
         TENSOR_ARGS(q), TENSOR_ARGS(k), TENSOR_ARGS(v), TENSOR_ARGS(out), LSE_ARGS(lse), PROBLEM_ARGS, SPLIT_ARGS,
         VARLEN_ARGS);
 }
