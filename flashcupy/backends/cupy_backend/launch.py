@@ -67,10 +67,10 @@ def _tc_min_ctas(head_dim: int) -> int:
 
 
 def _tc_forward_bounds(kernel: Kernel) -> Bounds:
-    """flash_fwd_tc: split-KV asks for one CTA an SM (left to its heuristic, ptxas allowed those too
-    few registers and they spilled); with a bias or a bool mask, two (up to 255 registers: ptxas' own
-    choice spilled in some of the 24 sets of modifiers that hold one)."""
-    if kernel.split:
+    """flash_fwd_tc: split-KV and a packed batch ask for one CTA an SM (left to its heuristic, ptxas
+    allowed those too few registers and they spilled); with a bias or a bool mask, two (up to 255
+    registers: ptxas' own choice spilled in some of the 24 sets of modifiers that hold one)."""
+    if kernel.split or kernel.varlen:
         return Bounds(1)
     return Bounds(2 if kernel.mods & MOD_PAIRS else _tc_min_ctas(kernel.head_dim))
 

@@ -116,6 +116,14 @@ TC_TILES = {
     # so the smaller tile costs little.
     ("forward", "split"): {64: (64, 32), 128: (64, 32)},
     ("forward", "split+pairs"): {64: (64, 32), 128: (64, 16)},  # and a bias or mask: 64 x 32 passed the limit at 128
+    # A packed batch's forward (VARLEN: each CTA finds its sequence, mask.cuh's Sequence) takes 64 query
+    # rows, one row tile a warp: short sequences pad their last query block less, and the grid's CTAs
+    # that find no work (at most one a sequence) are fewer beside those that work (14 % of those launched
+    # for 256 sequences of 17-300 tokens, against 21 % with 128 rows and 28 % with 256: tests/test_varlen.py).
+    # With the larger tiles, the sequence's lengths and offsets took the kernel past the register limit
+    # of tests/test_nvrtc.py. 32 keys a pass at 128 (64 x 64 spilled there), and one CTA an SM asked of
+    # ptxas (launch.py), whose own heuristic gave them too few registers.
+    ("forward", "varlen"): {64: (64, 64), 128: (64, 32)},
     ("dkdv", "plain"): {64: (64, 64), 128: (32, 64)},
     ("dq", "plain"): {64: (64, 64), 128: (64, 32)},
     # With softcap or ALiBi (MOD_SCORE): dK/dV takes half the query rows a pass, and dQ at head_dim 64
@@ -288,7 +296,7 @@ def _name(dtype) -> str:
 def forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False, varlen: bool = False) -> ModuleSpec:
     bucket = head_dim_bucket(head_dim)
     dtype = _name(dtype)
-    bm, bn = _tile("flash_fwd", FORWARD_TILES[_acc_size(dtype)][bucket], _acc_size(dtype), bucket, mods)
+    bm, bn = _tile("flash_fwd", FORWARD_TILES[_acc_size(dtype)][bucket], _acc_size(dtype), bucket, mods, varlen)
     return ModuleSpec("flash_fwd.cu", (Kernel("flash_fwd", dtype, bucket, bm, bn, mods, split, varlen=varlen),))
 
 
@@ -325,13 +333,14 @@ def _pairs_module(template: str, dtype, head_dim: int, mods: int) -> ModuleSpec:
     return ModuleSpec("flash_pairs.cu", (Kernel(template, dtype, bucket, *tile, mods),))
 
 
-def _tile(template: str, tile: tuple, acc_size: int, bucket: int, mods: int) -> tuple:
+def _tile(template: str, tile: tuple, acc_size: int, bucket: int, mods: int, varlen: bool = False) -> tuple:
     """The SIMT kernel's tile: PAIR_TILES' for a kernel with a bias or mask, else MODIFIED_TILES' for
-    one with modifiers, where they list one."""
+    one with modifiers or for a packed batch (the float forward at 64, whose plain tile spilled with the
+    sequence's lengths and offsets too), where they list one."""
     key = (template, acc_size, bucket)
     if mods & MOD_PAIRS and key in PAIR_TILES:
         return PAIR_TILES[key]
-    return MODIFIED_TILES.get(key, tile) if mods else tile
+    return MODIFIED_TILES.get(key, tile) if mods or varlen else tile
 
 
 def _tc_bucket(head_dim: int) -> int:
@@ -353,19 +362,18 @@ def tc_tile_row(head_dim: int) -> int:
 
 def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_atomic: bool = False,
             varlen: bool = False) -> tuple:
-    """(BLOCK_M, BLOCK_N) of a tensor-core kernel, from TC_TILES: the forward's variant is split-KV's
-    (with or without a bias or mask), else the bias or mask's, else softcap or ALiBi's (MOD_SCORE) or
-    a packed batch's (varlen), else the plain one; the backward's MOD_SCORE's or the plain one, and with
+    """(BLOCK_M, BLOCK_N) of a tensor-core kernel, from TC_TILES: the forward's variant is a packed
+    batch's, else split-KV's (with or without a bias or mask), else the bias or mask's, else softcap or
+    ALiBi's (MOD_SCORE), else the plain one; the backward's MOD_SCORE's or the plain one, and with
     dQ by atomics dK/dV takes the fewer query rows of that tile and the dq_atomic one.
 
-    A packed batch takes the score tile: at head_dim 128, 64 query rows in the 4-warp kernel rather
-    than the wide kernel's 256, so that short sequences pad their last query block less, and the CTAs
-    of the grid that find no work (mask.cuh's Sequence: at most one a sequence) are fewer beside those
-    that work: 14 % of those launched for 256 sequences of 17-300 tokens, not 28 % (tests/test_varlen.py)."""
+    A packed batch takes its own (TC_TILES' varlen rows), whatever its modifiers (attention_varlen takes
+    no bias or mask)."""
     bucket = _tc_bucket(head_dim)
-    pairs, score = mods & MOD_PAIRS, mods & MOD_SCORE or varlen
+    pairs, score = mods & MOD_PAIRS, mods & MOD_SCORE
     if pass_ == "forward":
-        variant = ("split+pairs" if pairs else "split") if split else "pairs" if pairs else "score" if score else "plain"
+        variant = ("varlen" if varlen else ("split+pairs" if pairs else "split") if split else "pairs" if pairs
+                   else "score" if score else "plain")
     else:
         variant = "score" if score else "plain"
     tile = TC_TILES[pass_, variant][bucket]
