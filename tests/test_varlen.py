@@ -205,32 +205,13 @@ def test_paged_runs_are_consecutive_physical_blocks():
 def _recording(grids, mutate=None):
     """An emulator compile function that records (kernel, CTAs) of every launch; `mutate` (old, new)
     edits the kernel source first."""
-    from flashcupy.tools.emulator.cupy import compile_module
+    from flashcupy.tools.emulator.cupy import compile_module, launch_records
 
     def compile(source, names, options, *rest):
         if mutate is not None and mutate[0] in source:
             source = source.replace(*mutate)
-        module = compile_module(source, names, options, *rest)
-
-        class Launch:  # the function, its launches recorded (its attributes, such as the shared-memory opt-in, its own)
-            def __init__(self, name):
-                self.__dict__["name"], self.__dict__["fn"] = name, module.get_function(name)
-
-            def __call__(self, grid, block, args, **kw):
-                grids.append((self.name, grid[0]))
-                return self.fn(grid, block, args, **kw)
-
-            def __getattr__(self, attribute):
-                return getattr(self.fn, attribute)
-
-            def __setattr__(self, attribute, value):
-                setattr(self.fn, attribute, value)
-
-        class Recording:
-            def get_function(self, name):
-                return Launch(name)
-        return Recording()
-    return compile
+        return compile_module(source, names, options, *rest)
+    return launch_records(grids, compile=compile)
 
 
 def _split_kv_case(rng, dtype, paged, num_splits, order="ascending", mutate=None, window=None):
@@ -401,24 +382,11 @@ def test_few_ctas_of_a_packed_forward_find_no_work(rng, dtype, head_dim):
     # issue 28's target: for 256 sequences of 17-300 tokens, at most 25 % of the CTAs launched exit
     # without work. The launch is recorded, not run: which CTAs work is the grid's rule (mask.cuh's
     # Sequence), which the tests above run
-    from flashcupy.tools.emulator.cupy import emulated
+    from flashcupy.tools.emulator.cupy import emulated, launch_records
     lengths = rng.integers(17, 301, 256)
     q, k, v, cu_q, cu_k = packed_inputs(rng, lengths, lengths, 1, 1, head_dim, dtype)
     grids = []
-
-    class Recorded:  # a kernel whose launches are recorded, not run
-        max_dynamic_shared_size_bytes = 0
-
-        def __init__(self, name):
-            self.name = name
-
-        def __call__(self, grid, block, args, **kw):
-            grids.append((self.name, grid[0]))
-
-    class Uncompiled:
-        get_function = Recorded
-
-    with emulated(compile=lambda *args: Uncompiled()):
+    with emulated(compile=launch_records(grids, run=False)):
         flashcupy.attention_varlen(q, k, v, cu_q, cu_k, causal=True, backend="cupy", check_offsets=False)
     ((name, ctas),) = grids
     idle = 1 - _query_blocks(cu_q, name) / ctas
