@@ -61,6 +61,9 @@ def test_unchecked_offsets_are_checked_anyway_where_the_sequences_loop_on_the_ho
     with pytest.raises(ValueError, match="never decrease"):
         bad = np.array([0, 4, 3, 5], np.int32)
         flashcupy.attention_varlen(q, k, v, bad, bad, check_offsets=False)
+    # the backward takes the keyword too (attention_varlen_vjp passes its keywords to both)
+    out, vjp = flashcupy.attention_varlen_vjp(q, k, v, cu_q, cu_k, causal=True, check_offsets=False)
+    assert [g.shape for g in vjp(np.ones_like(out))] == [q.shape, k.shape, v.shape]
 
 
 BAD_OFFSETS = [
@@ -342,6 +345,33 @@ def test_cupy_packed_forward_in_one_launch_matches_the_oracle(rng, path, mods):
         packed_batch_matches_the_oracle(rng, "cupy", lengths, dtype, head_dim, (4, 2), mods)
     want = "flash_fwd_tc<" if dtype == np.float16 else "flash_fwd<"
     assert len(grids) == 2 and all(name.startswith(want) and name.endswith(", true>") for name, _ in grids), grids
+
+
+def test_cupy_packed_forward_reads_any_strides_and_stays_on_mma_sync_on_sm90(rng):
+    # q, k, v as views of head-major arrays (still tensor cores) and with every other element along
+    # head_dim (the SIMT kernel) give the bits of contiguous copies on their kernels; on compute
+    # capability 9.0 a packed batch runs on flash_fwd_tc.cu, not the Hopper kernel
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k, v, cu_q, cu_k = packed_inputs(rng, [7, 0, 70], [9, 4, 65], 4, 2, 64, np.float16)
+    head_major = [np.ascontiguousarray(x.transpose(1, 0, 2)).transpose(1, 0, 2) for x in (q, k, v)]
+    every_other = [np.stack([x, x], axis=-1)[..., 0] for x in (q, k, v)]
+    grids = []
+    call = dict(causal=True, return_lse=True, backend="cupy")
+    with emulated(compile=_recording(grids)):
+        tc = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, **call)
+        flashcupy.backends.cupy_backend.USE_TENSOR_CORES = False
+        try:
+            simt = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, **call)
+        finally:
+            flashcupy.backends.cupy_backend.USE_TENSOR_CORES = True
+        got = [flashcupy.attention_varlen(*x, cu_q, cu_k, **call) for x in (head_major, every_other)]
+    with emulated(compile=_recording(grids), compute_capability=90):
+        hopper = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, **call)
+    for want, other in ((tc, got[0]), (simt, got[1]), (tc, hopper)):
+        for a, b in zip(want, other):
+            np.testing.assert_array_equal(a, b)
+    assert [name.split("<")[0] for name, _ in grids] == ["flash_fwd_tc", "flash_fwd", "flash_fwd_tc", "flash_fwd",
+                                                         "flash_fwd_tc"]
 
 
 def _query_blocks(cu_q, kernel_name) -> int:
