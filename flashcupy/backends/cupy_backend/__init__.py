@@ -404,6 +404,10 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
     packed = (q[None], k[None], v[None])
     path, module = _forward_module(p, *packed, False, out[None], varlen=True)
     (kernel,) = module.kernels
+    blocks = launch.varlen_blocks(kernel, p, num_seqs)
+    if blocks > backends.MAX_GRID[0]:
+        raise ValueError(f"a packed batch of {num_seqs} sequences and {p.seqlen_q} query rows needs {blocks} thread "
+                         f"blocks, more than CUDA's grid holds ({backends.MAX_GRID[0]})")
     if alibi_slopes is not None:
         p = dataclasses.replace(p, alibi_slopes=alibi_slopes)
     with rt.device_of(q):
@@ -411,10 +415,10 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
         # batch strides 0: the kernel moves each tensor to its sequence's rows itself (TAKE_SEQUENCE)
         tensors = [(x, np.int64(0), *_tensor(x)[2:]) for x in packed + (out[None], lse[None])]
         fwd(
-            (launch.varlen_blocks(kernel, p, num_seqs),), (kernel.threads,),
+            (blocks,), (kernel.threads,),
             (*(a for t in tensors for a in t),
              *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-             *_modifier_args(p, lse, path == "tensor-core"), np.int32(0), np.int64(0), np.int64(0),
+             *_modifier_args(p, lse, path == "tensor-core"), np.int32(0), np.int64(0), np.int64(0),  # no split
              cu_seqlens_q, cu_seqlens_k, np.int32(num_seqs)),
             shared_mem=kernel.dynamic_smem)
 

@@ -4,7 +4,9 @@
 //
 // Query i sees key j iff j < seqlen_k and, when causal, j <= i + diagonal. The interface computes
 // diagonal once (Problem.diagonal in flashcupy/_api.py: seqlen_k - seqlen_q, the causal mask aligned
-// bottom-right) and every kernel takes it as an argument. The kernels' loops run over key_start ..
+// bottom-right) and every kernel takes it as an argument; a kernel over a packed batch (VARLEN) makes
+// its lengths and diagonal those of its CTA's sequence first (Sequence, TAKE_SEQUENCE below), so the
+// same Mask holds per sequence. The kernels' loops run over key_start ..
 // key_end (query_start .. query_end) and mask element by element only the tiles that partial()
 // names, so a sliding window changes the answers here, not the loops.
 //
