@@ -7,7 +7,7 @@ import contextlib
 
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle, bf16_ties
+from conftest import BF16, assert_matches_oracle, bf16_ties
 from varlen_checks import (appends_across_a_block_boundary, cache_inputs, packed_batch_matches_the_oracle,
                            packed_inputs, per_sequence_alibi_in_a_kvcache)
 
@@ -329,7 +329,7 @@ def test_the_split_plan_fills_the_device_when_decoding():
 
 
 ONE_LAUNCH_PATHS = {"simt": (np.float32, 32), "simt-float64": (np.float64, 32), "tensor-cores": (np.float16, 64),
-                    "tensor-cores-128": (np.float16, 128)}
+                    "tensor-cores-128": (np.float16, 128), "tensor-cores-bfloat16": (BF16, 64)}
 
 
 @pytest.mark.parametrize("mods", MODS.values(), ids=MODS.keys())
@@ -343,7 +343,7 @@ def test_cupy_packed_forward_in_one_launch_matches_the_oracle(rng, path, mods):
     grids = []
     with emulated(compile=_recording(grids)):
         packed_batch_matches_the_oracle(rng, "cupy", lengths, dtype, head_dim, (4, 2), mods)
-    want = "flash_fwd_tc<" if dtype == np.float16 else "flash_fwd<"
+    want = "flash_fwd_tc<" if dtype in (np.float16, BF16) else "flash_fwd<"
     assert len(grids) == 2 and all(name.startswith(want) and name.endswith(", true>") for name, _ in grids), grids
 
 

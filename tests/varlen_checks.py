@@ -7,7 +7,7 @@ tests/test_numba_backend.py on numba; each takes the backend's name.
 from __future__ import annotations
 
 import numpy as np
-from conftest import assert_matches_oracle
+from conftest import BF16, assert_matches_oracle, bf16_bits
 
 import flashcupy
 
@@ -25,10 +25,13 @@ def packed_batch_matches_the_oracle(rng, backend, lengths=([3, 6], [7, 2]), dtyp
     """A packed batch (by default causal, with GQA, Sq < Sk and Sq > Sk), each sequence's out and lse
     against the oracle, the same bits whether the offsets are checked on the host or not
     (check_offsets); mods: attention_varlen's keywords, alibi_slopes="per-seq" for (batch, heads_q)
-    random slopes."""
+    random slopes. dtype BF16: the inputs passed as bits with dtype="bfloat16"."""
     lengths_q, lengths_k = lengths
     q, k, v, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, *heads, head_dim, dtype)
     mods = dict(causal=True) if mods is None else dict(mods)
+    if dtype == BF16:
+        q, k, v = map(bf16_bits, (q, k, v))
+        mods["dtype"] = "bfloat16"
     if mods.get("alibi_slopes") == "per-seq":
         mods["alibi_slopes"] = rng.uniform(0.1, 1, (len(lengths_q), heads[0])).astype(np.float32)
     out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend=backend, **mods)
