@@ -7,7 +7,7 @@ This module packs arguments, allocates outputs and workspaces, and launches:
     forward   flash_fwd | flash_fwd_tc | flash_fwd_sm90  grid: query blocks x batch x heads_q
               (split-KV: x splits, partial outs merged by flashcupy.merge's rule; split_plan)
               (a packed batch, forward_varlen: flash_fwd | flash_fwd_tc reading the offsets themselves,
-              grid: (total_q / block_m + sequences) x heads_q, launch.varlen_blocks)
+              grid: (total_q / block_m + sequences) x heads_q, launch.varlen_blocks; varlen_in_one_launch)
     backward  flash_bwd_preprocess  D = rowsum(dO ∘ O)    grid: batch x heads_q x seqlen_q / 4
               flash_bwd_dkdv | flash_bwd_dkdv_tc  dK, dV   grid: key blocks x batch x heads_kv
               flash_bwd_dq | flash_bwd_dq_tc      dQ       grid: query blocks x batch x heads_q
@@ -196,20 +196,18 @@ def _hopper(p, path: str, *tensors) -> bool:
             and all(_tma_describable(rt, x) for x in tensors))
 
 
-def forward_path(p, q, k, v, out=None, split: bool = False, varlen: bool = False) -> str:
+def forward_path(p, q, k, v, out=None, split: bool = False) -> str:
     """'hopper', 'tensor-core' or 'simt': which forward kernel serves this call.
 
     Tensor cores take float16/bfloat16 with head_dim a multiple of 8 up to 128, on sm_80 or
     newer, when q, k, v are contiguous along head_dim with 16-byte aligned rows (the other
     strides multiples of 8 elements); everything else runs on the SIMT kernel. Of those, on compute
-    capability 9.0 the Hopper kernel takes the calls with no modifier but the window, no split-KV
-    and no packed batch (varlen: forward_varlen), whose q, k, v (and out, when given) a tensor map
-    can describe (_tma_describable: positive strides too); the others stay on the mma.sync kernel,
-    never an error.
+    capability 9.0 the Hopper kernel takes the calls with no modifier but the window and no split-KV
+    whose q, k, v (and out, when given) a tensor map can describe (_tma_describable: positive strides
+    too); the others stay on the mma.sync kernel, never an error.
     """
     path = _path(p, q, k, v)
-    hopper = not split and not varlen and _hopper(p, path, q, k, v, *(() if out is None else (out,)))
-    return "hopper" if hopper else path
+    return "hopper" if not split and _hopper(p, path, q, k, v, *(() if out is None else (out,))) else path
 
 
 def backward_path(p, dout, q, k, v, out, deterministic: bool = False) -> str:
@@ -290,8 +288,9 @@ def split_plan(p, q, k, v, num_splits=None) -> tuple:
 
 
 def _forward_module(p, q, k, v, split: bool, out=None, varlen: bool = False) -> tuple:
-    """(forward_path, the forward's ModuleSpec) for this call."""
-    path = forward_path(p, q, k, v, out, split, varlen)
+    """(forward_path, the forward's ModuleSpec) for this call; varlen: a packed batch's
+    (varlen_in_one_launch)."""
+    path = forward_path(p, q, k, v, out, split)
     if path == "hopper":
         return path, specs.sm90_forward_module(p.dtype, p.head_dim, _mods(p))
     build = specs.tc_forward_module if path == "tensor-core" else specs.forward_module
@@ -388,6 +387,13 @@ def _no_varlen(rt, like) -> tuple:
     return rt.stand_ins[key], rt.stand_ins[key], np.int32(0)
 
 
+def varlen_in_one_launch(p, q, k, v) -> bool:
+    """Whether forward_varlen takes this packed forward (q, k, v packed, p its packed problem): every
+    one the mma.sync kernels serve (forward_path's tensor-core or simt). One the Hopper forward takes
+    still runs sequence by sequence on it, its offsets read on the host (that kernel reads none yet)."""
+    return forward_path(p, q[None], k[None], v[None]) != "hopper"
+
+
 def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slopes=None) -> None:
     """A packed batch's forward in one launch (attention_varlen): q (total_q, heads_q, head_dim), k, v
     (total_k, heads_kv, head_dim), out like q and lse (heads_q, total_q) allocated with 0 and -inf,
@@ -395,14 +401,14 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
     kernel (mask.cuh's Sequence), never on the host: whatever they hold, no row outside the arrays is
     touched. p is the packed problem (q[None], k[None], v[None]: batch 1, seqlen_q the total;
     Problem.diagonal unused, each sequence's is its own), alibi_slopes (heads_q,) or (sequences,
-    heads_q). On the mma.sync kernels whichever the dtype and strides pick (forward_path's
-    tensor-core or simt; the Hopper kernel takes no packed batch); no split-KV."""
+    heads_q). On the mma.sync kernel the dtype and strides pick (varlen_in_one_launch says which
+    calls it takes); no split-KV."""
     rt = _runtime()
     num_seqs = int(cu_seqlens_q.shape[0]) - 1
     if num_seqs <= 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
         return  # no sequence, no query or no key: out 0, lse -inf, as allocated
     packed = (q[None], k[None], v[None])
-    path, module = _forward_module(p, *packed, False, out[None], varlen=True)
+    path, module = _forward_module(p, *packed, False, varlen=True)
     (kernel,) = module.kernels
     blocks = launch.varlen_blocks(kernel, p, num_seqs)
     if blocks > backends.MAX_GRID[0]:
