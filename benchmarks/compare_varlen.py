@@ -2,6 +2,7 @@
 
     python benchmarks/compare_varlen.py              # both targets, a few minutes on 2 cores
     python benchmarks/compare_varlen.py --quick      # smaller shapes
+    python benchmarks/compare_varlen.py --launches   # the cupy backend's launches, on the emulator (issue 28)
 
 1. Varlen: 64 sequences of random length 1..2048 (float32, H=8, D=64, causal), packed, against
    padding every sequence to the longest and masking the padded keys (a bool key-padding mask)
@@ -12,6 +13,13 @@
    machine's memory bandwidth as this process sees it) and torch's CPU SDPA on the same call.
    Targets: >= 50 % of that bandwidth; faster than torch.
 Each contender keeps its best of several calls, taken in alternating blocks.
+
+--launches (a checkout: it needs the emulator, flashcupy/tools/emulator): the kernel launches of a
+packed forward on the cupy backend, counted by the emulator's runtime with the kernels recorded, not
+run (launch_records), for batches of 1 to 1,000 sequences of 17-300 tokens: the per-sequence path
+(_varlen.forward_packed, the cupy backend's before issue 28, the NumPy backend's and JAX's still) and
+attention_varlen (one launch), with the share of its CTAs that find no work (past their sequence's
+query blocks: mask.cuh's Sequence).
 """
 
 from __future__ import annotations
@@ -76,10 +84,46 @@ def decode(cache, heads_q, heads_kv, head_dim, seed=0) -> dict:
                 read_seconds=read, bytes=nbytes)
 
 
+def launches(batches=(1, 7, 40, 256, 1000), heads=8, head_dim=64, seed=0) -> list:
+    """Rows (dtype, sequences, launches per sequence, launches in one, CTAs, idle share) of a causal
+    packed forward on the emulated cupy backend, the kernels recorded and not run."""
+    from flashcupy import _varlen
+    from flashcupy.tools.emulator.cupy import emulated, launch_records
+    rng = np.random.default_rng(seed)
+    rows = []
+    for dtype in (np.float16, np.float32):
+        for n in batches:
+            lengths = rng.integers(17, 301, n)
+            cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            q, k, v = (np.zeros((int(cu[-1]), heads, head_dim), dtype) for _ in range(3))
+            before, after = [], []
+            with emulated(compile=launch_records(before, run=False)):
+                out, lse = np.zeros_like(q), np.full((heads, q.shape[0]), -np.inf, np.float32)
+                _varlen.forward_packed(q, k, v, cu.astype(np.int64), cu.astype(np.int64), out, lse, causal=True,
+                                       backend="cupy")
+            with emulated(compile=launch_records(after, run=False)):
+                flashcupy.attention_varlen(q, k, v, cu, cu, causal=True, backend="cupy", check_offsets=False)
+            ((name, ctas),) = after
+            fields = name.split("<")[1].split(", ")
+            block_m = int(fields[3] if name.startswith("flash_fwd<") else fields[2])
+            working = int(sum(-(-lengths // block_m))) * heads
+            rows.append((np.dtype(dtype).name, n, len(before), len(after), name, ctas, 1 - working / ctas))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--launches", action="store_true", help="the cupy backend's launches (emulated), only")
     args = ap.parse_args(argv)
+    if args.launches:
+        print("# cupy backend, emulated: launches of a causal packed forward, sequences of 17-300 tokens, "
+              "H=8, D=64\n")
+        print("| dtype | sequences | per-sequence path | attention_varlen | kernel | CTAs | idle CTAs |")
+        print("|---|---|---|---|---|---|---|")
+        for dtype, n, before, after, name, ctas, idle in launches():
+            print(f"| {dtype} | {n} | {before} | {after} | `{name}` | {ctas} | {idle * 100:.0f} % |")
+        return 0
     print(f"# NumPy backend: packed batches and KV-cache decoding ({time.strftime('%Y-%m-%d %H:%M')}, "
           f"{os.cpu_count()} cores, numpy {np.__version__}, load average {os.getloadavg()[0]:.2f})\n")
     r = varlen(16 if args.quick else 64, 512 if args.quick else 2048, 8, 64)

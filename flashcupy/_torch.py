@@ -169,10 +169,11 @@ if _CUSTOM_OP:
     def _varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                    max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], alibi_slopes: Optional[Tensor],
                    causal: bool, window_left: Optional[int], window_right: Optional[int], softcap: Optional[float],
-                   scale: Optional[float], backend: str, dtype: Optional[str]) -> tuple[Tensor, Tensor]:
+                   scale: Optional[float], backend: str, dtype: Optional[str],
+                   check_offsets: bool) -> tuple[Tensor, Tensor]:
         kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
                   window=_window(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
-                  return_lse=True, backend=backend, dtype=dtype)
+                  return_lse=True, backend=backend, dtype=dtype, check_offsets=check_offsets)
         args = (q, k, v, cu_seqlens_q, cu_seqlens_k)
         return tuple(_contiguous(_interop.through_views(_varlen.attention_varlen.__wrapped__, args, kw)))
 
@@ -185,10 +186,11 @@ if _CUSTOM_OP:
                             cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: Optional[int],
                             max_seqlen_k: Optional[int], alibi_slopes: Optional[Tensor], causal: bool,
                             window_left: Optional[int], window_right: Optional[int], softcap: Optional[float],
-                            scale: Optional[float], backend: str, dtype: Optional[str]) -> list[Tensor]:
+                            scale: Optional[float], backend: str, dtype: Optional[str],
+                            check_offsets: bool) -> list[Tensor]:
         kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
                   window=_window(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
-                  backend=backend, dtype=dtype)
+                  backend=backend, dtype=dtype, check_offsets=check_offsets)
         args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         return _contiguous(_interop.through_views(_varlen.attention_varlen_backward.__wrapped__, args, kw))
 
@@ -215,7 +217,7 @@ if _CUSTOM_OP:
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      window=None, softcap=None, alibi_slopes=None, scale=None, return_lse=False, backend="auto",
-                     dtype=None):
+                     dtype=None, check_offsets=True):
     """flashcupy.attention_varlen recorded by autograd (the module docstring); the same arguments."""
     _check_tensors(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                         alibi_slopes=alibi_slopes))
@@ -231,7 +233,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     out, lse = torch.ops.flashcupy.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *hints, alibi_slopes,
                                                     _checks.check_bool("causal", causal), left, right,
                                                     _number("softcap", softcap), _number("scale", scale),
-                                                    _checks.check_backend_name(backend), dtype)
+                                                    _checks.check_backend_name(backend), dtype,
+                                                    _checks.check_bool("check_offsets", check_offsets))
     return (out, lse) if return_lse else out
 
 

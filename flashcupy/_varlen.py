@@ -8,11 +8,19 @@ cache's keys are visited where they lie: a paged cache as runs of consecutive ph
 each run an ordinary call told its global diagonal, the runs combined by `flashcupy.merge`'s rule
 (as are the splits of num_splits).
 
-Kernels that take the offsets themselves (one launch for the whole batch on the GPU) are not
-written yet; on the cupy backend each sequence (each run of a paged cache) is its own launch, and
-the offsets are copied to the host to be checked. Its forward splits a sequence's keys inside that
-launch (split-KV, cupy_backend.split_plan) where one CTA per query block and head would leave the
-device idle, as when decoding.
+On the cupy backend the packed forward is one launch whatever the number of sequences (on the
+mma.sync kernels: the calls the Hopper forward takes still run sequence by sequence on it): its
+kernels read the offsets from device memory themselves (cupy_backend.forward_varlen, mask.cuh's
+Sequence), clamped into the arrays, so that no offset can make them touch memory outside them. The offsets are
+still copied to the host and checked first unless check_offsets=False, which skips that copy (for
+serving loops and CUDA graphs: unchecked offsets give garbage, in bounds, never an access outside
+the arrays); for valid offsets the result is the same bits either way. The backends that loop over
+the sequences on the host (NumPy, Numba), the cupy backward and the calls the Hopper forward takes
+(which still runs sequence by sequence) need the offsets there, so they read and check them whatever
+check_offsets says. The KV cache and the backward still run one launch per
+sequence (per run of a paged cache) on the cupy backend; its KV-cache forward splits a sequence's
+keys inside that launch (split-KV, cupy_backend.split_plan) where one CTA per query block and head
+would leave the device idle, as when decoding.
 """
 
 from __future__ import annotations
@@ -35,6 +43,18 @@ def _host_ints(name: str, x, lib: str, ndim: int, shape_rule: str) -> np.ndarray
     if values.ndim != ndim:
         raise ValueError(f"{name} must have shape {shape_rule}, got {tuple(x.shape)}")
     return np.asarray(values, dtype=np.int64)
+
+
+def _offsets_unread(name: str, cu, lib: str) -> int:
+    """The checks of _host_ints on cu_seqlens that need no value (library, dtype, shape: no copy to the
+    host); returns the number of sequences."""
+    if backends.array_library(cu) != lib:
+        raise TypeError(f"{name} must be an int32 array of q's library ({lib}), got {_checks.describe(cu)}")
+    if np.dtype(cu.dtype) != np.int32:
+        raise TypeError(f"{name} must have dtype int32, got {np.dtype(cu.dtype)}")
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
+    return cu.shape[0] - 1
 
 
 def _check_cu_seqlens(name: str, cu, lib: str, total: int) -> np.ndarray:
@@ -61,53 +81,81 @@ def _slopes_for(alibi_slopes, b: int, batch: int):
     return alibi_slopes[b]
 
 
+def _one_launch(mod, p, q, k, v) -> bool:
+    """Whether backend `mod` runs the packed forward of (q, k, v), p its packed problem, in one launch
+    that reads the offsets on the device (cupy: varlen_in_one_launch, then forward_varlen); else the
+    sequences are looped over on the host (forward_packed)."""
+    return hasattr(mod, "varlen_in_one_launch") and mod.varlen_in_one_launch(p, q, k, v)
+
+
 def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dtype,
-                 modifiers, backend, backward=False):
-    """Validate the whole packed call; returns (problem of the packed arrays, cu_q, cu_k, backend module)."""
+                 modifiers, backend, backward=False, check_offsets=True):
+    """Validate the whole packed call; returns (problem of the packed arrays, cu_q, cu_k, backend module),
+    cu_q and cu_k the offsets read on the host and checked, or None and None where check_offsets is
+    False and the backend reads them on the device (_one_launch: only their library, dtype and shape
+    are checked, and the max_seqlen hints' types)."""
     backend = _checks.check_backend_name(backend)
     _check_packed(q, k, v)
     lib = _checks.check_arrays({"q": q, "k": k, "v": v})
-    cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, lib, q.shape[0])
-    cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, lib, k.shape[0])
-    if cu_q.size != cu_k.size:
+    if check_offsets:
+        cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, lib, q.shape[0])
+        cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, lib, k.shape[0])
+        batch, batch_k = cu_q.size - 1, cu_k.size - 1
+    else:
+        cu_q = cu_k = None
+        batch = _offsets_unread("cu_seqlens_q", cu_seqlens_q, lib)
+        batch_k = _offsets_unread("cu_seqlens_k", cu_seqlens_k, lib)
+    if batch != batch_k:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
-                         f"{cu_q.size - 1} and {cu_k.size - 1}")
-    batch = cu_q.size - 1
-    for name, hint, lengths in (("max_seqlen_q", max_seqlen_q, np.diff(cu_q)),
-                                ("max_seqlen_k", max_seqlen_k, np.diff(cu_k))):
+                         f"{batch} and {batch_k}")
+    for name, hint, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
         if hint is None:
             continue
         if isinstance(hint, bool) or not isinstance(hint, numbers.Integral) or hint < 0:
             raise TypeError(f"{name} must be None or an int >= 0, got {hint!r}")
-        if batch and hint < lengths.max():
+        lengths = None if cu is None else np.diff(cu)
+        if batch and lengths is not None and hint < lengths.max():
             raise ValueError(f"{name} must be at least the longest sequence, {int(lengths.max())}, got {hint}")
     # the checks of attention itself, on the packed arrays as one sequence (shapes, dtypes, scale,
     # modifiers); slopes per sequence are checked here and sliced per call
     mods = dict(modifiers)
     mods["alibi_slopes"] = None if mods.get("alibi_slopes") is None else _slopes_for(mods["alibi_slopes"], 0, batch)
     p = _checks.problem(q[None], k[None], v[None], causal, scale, dtype, lib, **mods)
-    return p, cu_q, cu_k, _checks.select_backend(backend, lib, p, backward=backward)
+    mod = _checks.select_backend(backend, lib, p, backward=backward)
+    if cu_q is None and (backward or not _one_launch(mod, p, q, k, v)):
+        # where the sequences are looped over on the host, the offsets are read there: checked, as by default
+        return _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dtype,
+                            modifiers, mod.NAME, backward)
+    return p, cu_q, cu_k, mod
 
 
 @_interop.accepts_foreign_arrays
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      window=None, softcap=None, alibi_slopes=None, scale=None, return_lse=False, backend="auto",
-                     dtype=None):
+                     dtype=None, check_offsets=True):
     """Attention over a packed batch of sequences of different lengths.
 
     q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim); cu_seqlens_q and
     cu_seqlens_k int32 (batch + 1,) of the same library: sequence b is rows cu[b]:cu[b + 1]. Each
     sequence is attention on it alone (causal bottom-right per sequence, windows, softcap, ALiBi
-    with (heads_q,) or (batch, heads_q) slopes). max_seqlen_* are checked hints. Returns out (q's
-    shape and dtype), and lse (heads_q, total_q) with return_lse=True.
+    with (heads_q,) or (batch, heads_q) slopes). max_seqlen_* are checked hints. check_offsets=False
+    skips the offsets' copy to the host and their checks where the kernels read them themselves (the
+    cupy backend: one launch): offsets that break the rule then give garbage rows, never an access
+    outside the arrays; the backends that loop on the host check them anyway (the module docstring).
+    Returns out (q's shape and dtype), and lse (heads_q, total_q) with return_lse=True.
     """
     return_lse = _checks.check_bool("return_lse", return_lse)
+    check_offsets = _checks.check_bool("check_offsets", check_offsets)
     mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     p, cu_q, cu_k, mod = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                      scale, dtype, mods, backend)
+                                      scale, dtype, mods, backend, check_offsets=check_offsets)
     out = mod.allocate(q, q.shape, p.carrier, 0)
     lse = mod.allocate(q, (p.heads_q, q.shape[0]), p.lse_dtype, -np.inf)
-    forward_packed(q, k, v, cu_q, cu_k, out, lse, causal=causal, scale=scale, backend=backend, dtype=dtype, **mods)
+    if _one_launch(mod, p, q, k, v):  # the offsets read on the device (the same bits, checked or not)
+        mod.forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slopes=alibi_slopes)
+    else:
+        forward_packed(q, k, v, cu_q, cu_k, out, lse, causal=causal, scale=scale, backend=backend, dtype=dtype,
+                       **mods)
     return (out, lse) if return_lse else out
 
 
@@ -128,8 +176,11 @@ def forward_packed(q, k, v, cu_q, cu_k, out, lse, *, alibi_slopes=None, **keywor
 @_interop.accepts_foreign_arrays
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                               max_seqlen_k=None, causal=False, window=None, softcap=None, alibi_slopes=None,
-                              scale=None, backend="auto", dtype=None):
-    """Gradients (dq, dk, dv) of attention_varlen, shaped like q, k and v."""
+                              scale=None, backend="auto", dtype=None, check_offsets=True):
+    """Gradients (dq, dk, dv) of attention_varlen, shaped like q, k and v. check_offsets is accepted
+    as attention_varlen's, and the offsets are checked whatever it says: the backward runs sequence by
+    sequence on the host on every backend for now."""
+    _checks.check_bool("check_offsets", check_offsets)
     mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     p, cu_q, cu_k, mod = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                       scale, dtype, mods, backend, backward=True)

@@ -190,6 +190,17 @@ def test_every_forward_with_a_bias_or_mask_fits(monkeypatch):
     assert len(rows) == len(modules) == 48 and not nvrtc.limits_exceeded(rows), nvrtc.limits_exceeded(rows)
 
 
+@pytest.mark.parametrize("arch, major", [(arch, major) for major in CUDA_MAJORS for arch in ARCHS],
+                         ids=lambda x: str(x))
+def test_every_packed_batch_forward_fits(monkeypatch, arch, major):
+    # the forwards for a packed batch (VARLEN: the offsets read and clamped, a binary search per CTA),
+    # SIMT and tensor-core, without modifiers and with every one attention_varlen takes
+    modules = specs.varlen_modules()
+    monkeypatch.setattr(specs, "all_modules", lambda: modules)
+    rows = nvrtc.kernel_report(arch, toolkit_of(major))
+    assert len(rows) == len(modules) and not nvrtc.limits_exceeded(rows), nvrtc.limits_exceeded(rows)
+
+
 def mmas_per_pass(kernel: str, head_dim: int, block_m: int, block_n: int, rolled: bool = False) -> int:
     """The m16n8k16 mmas one warp issues in one pass of the kernel's loop, its products as in the kernel
     headers: a (16 x n) (n x k) product takes (n / 16) (k / 8) of them. rolled: the backward's S and dP

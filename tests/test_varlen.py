@@ -7,7 +7,7 @@ import contextlib
 
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle, bf16_ties
+from conftest import BF16, assert_matches_oracle, bf16_ties
 from varlen_checks import (appends_across_a_block_boundary, cache_inputs, packed_batch_matches_the_oracle,
                            packed_inputs, per_sequence_alibi_in_a_kvcache)
 
@@ -53,6 +53,19 @@ def test_the_emulated_cupy_backend_takes_packed_batches_too(rng):
         packed_batch_matches_the_oracle(rng, "cupy")
 
 
+def test_unchecked_offsets_are_checked_anyway_where_the_sequences_loop_on_the_host(rng):
+    # NumPy reads the offsets on the host to loop over the sequences: it checks them whatever
+    # check_offsets says (and gives the same bits either way: packed_batch_matches_the_oracle)
+    packed_batch_matches_the_oracle(rng, "numpy")
+    q, k, v, cu_q, cu_k = packed_inputs(rng, [2, 3], [2, 3], 2, 2, 8)
+    with pytest.raises(ValueError, match="never decrease"):
+        bad = np.array([0, 4, 3, 5], np.int32)
+        flashcupy.attention_varlen(q, k, v, bad, bad, check_offsets=False)
+    # the backward takes the keyword too (attention_varlen_vjp passes its keywords to both)
+    out, vjp = flashcupy.attention_varlen_vjp(q, k, v, cu_q, cu_k, causal=True, check_offsets=False)
+    assert [g.shape for g in vjp(np.ones_like(out))] == [q.shape, k.shape, v.shape]
+
+
 BAD_OFFSETS = [
     ("not from 0", [1, 3, 5], ValueError, "must start at 0"),
     ("decreasing", [0, 4, 3, 5], ValueError, "never decrease"),
@@ -72,6 +85,27 @@ def test_hostile_offsets_are_refused(rng, what, cu, error, message):
             flashcupy.attention_varlen(q, k, v, *args)
     with pytest.raises(ValueError, match="max_seqlen_q must be at least the longest sequence, 3"):
         flashcupy.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=2)
+
+
+@pytest.mark.parametrize("what, cu, error, message", [b for b in BAD_OFFSETS if b[1] is not None and not
+                                                      isinstance(b[1], list)], ids=["int64", "rank 2", "a list"])
+def test_unchecked_offsets_keep_the_checks_that_read_no_value(rng, what, cu, error, message):
+    # check_offsets=False (the emulated cupy backend, which reads the offsets on the device) still
+    # refuses what their library, dtype and shape show, before any launch
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k, v, cu_q, cu_k = packed_inputs(rng, [2, 3], [2, 3], 2, 2, 8)
+    cu = [0, 5] if isinstance(cu, str) else cu
+    grids = []
+    with emulated(compile=_recording(grids)):
+        for args in ((cu, cu_k), (cu_q, cu)):
+            with pytest.raises(error, match=message):
+                flashcupy.attention_varlen(q, k, v, *args, backend="cupy", check_offsets=False)
+        with pytest.raises(ValueError, match="must describe the same number of sequences, got 2 and 1"):
+            flashcupy.attention_varlen(q, k, v, cu_q, np.array([0, 5], np.int32), backend="cupy",
+                                       check_offsets=False)
+        with pytest.raises(TypeError, match="check_offsets must be a bool, got"):
+            flashcupy.attention_varlen(q, k, v, cu_q, cu_k, backend="cupy", check_offsets="no")
+    assert grids == []
 
 
 def _paged(k_cache, v_cache, block_size, rng):
@@ -174,23 +208,13 @@ def test_paged_runs_are_consecutive_physical_blocks():
 def _recording(grids, mutate=None):
     """An emulator compile function that records (kernel, CTAs) of every launch; `mutate` (old, new)
     edits the kernel source first."""
-    from flashcupy.tools.emulator.cupy import compile_module
+    from flashcupy.tools.emulator.cupy import compile_module, launch_records
 
     def compile(source, names, options, *rest):
         if mutate is not None and mutate[0] in source:
             source = source.replace(*mutate)
-        module = compile_module(source, names, options, *rest)
-
-        class Recording:
-            def get_function(self, name):
-                fn = module.get_function(name)
-
-                def launch(grid, block, args, **kw):
-                    grids.append((name, grid[0]))
-                    return fn(grid, block, args, **kw)
-                return launch
-        return Recording()
-    return compile
+        return compile_module(source, names, options, *rest)
+    return launch_records(grids, compile=compile)
 
 
 def _split_kv_case(rng, dtype, paged, num_splits, order="ascending", mutate=None, window=None):
@@ -298,3 +322,149 @@ def test_the_split_plan_fills_the_device_when_decoding():
             assert cupy_backend.split_plan(p, q, kv, kv, 5)[0] <= 5
             runtime.sm_count = lambda x: 8
             assert cupy_backend.split_plan(p, q, kv, kv) == (1, 0)
+
+
+# ----------------------------------------------------------------------------
+# a packed batch's forward in one launch (the cupy backend, emulated): the kernels read the offsets
+
+
+ONE_LAUNCH_PATHS = {"simt": (np.float32, 32), "simt-float64": (np.float64, 32), "tensor-cores": (np.float16, 64),
+                    "tensor-cores-128": (np.float16, 128), "tensor-cores-bfloat16": (BF16, 64)}
+
+
+@pytest.mark.parametrize("mods", MODS.values(), ids=MODS.keys())
+@pytest.mark.parametrize("path", ONE_LAUNCH_PATHS, ids=ONE_LAUNCH_PATHS.keys())
+def test_cupy_packed_forward_in_one_launch_matches_the_oracle(rng, path, mods):
+    # empty sequences (no query, no key), Sq > Sk and Sq < Sk under causal, sequences of several query
+    # blocks; checked and unchecked offsets give the same bits (packed_batch_matches_the_oracle)
+    from flashcupy.tools.emulator.cupy import emulated
+    dtype, head_dim = ONE_LAUNCH_PATHS[path]
+    lengths = ([5, 0, 9, 1, 150, 13, 0], [5, 3, 4, 7, 140, 0, 0])
+    grids = []
+    with emulated(compile=_recording(grids)):
+        packed_batch_matches_the_oracle(rng, "cupy", lengths, dtype, head_dim, (4, 2), mods)
+    want = "flash_fwd_tc<" if dtype in (np.float16, BF16) else "flash_fwd<"
+    assert len(grids) == 2 and all(name.startswith(want) and name.endswith(", true>") for name, _ in grids), grids
+
+
+def test_cupy_packed_forward_reads_any_strides(rng):
+    # q, k, v as views of head-major arrays (still tensor cores) and with every other element along
+    # head_dim (the SIMT kernel) give the bits of contiguous copies on their kernels
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k, v, cu_q, cu_k = packed_inputs(rng, [7, 0, 70], [9, 4, 65], 4, 2, 64, np.float16)
+    head_major = [np.ascontiguousarray(x.transpose(1, 0, 2)).transpose(1, 0, 2) for x in (q, k, v)]
+    every_other = [np.stack([x, x], axis=-1)[..., 0] for x in (q, k, v)]
+    grids = []
+    call = dict(causal=True, return_lse=True, backend="cupy")
+    with emulated(compile=_recording(grids)):
+        tc = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, **call)
+        flashcupy.backends.cupy_backend.USE_TENSOR_CORES = False
+        try:
+            simt = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, **call)
+        finally:
+            flashcupy.backends.cupy_backend.USE_TENSOR_CORES = True
+        got = [flashcupy.attention_varlen(*x, cu_q, cu_k, **call) for x in (head_major, every_other)]
+    for want, other in ((tc, got[0]), (simt, got[1])):
+        for a, b in zip(want, other):
+            np.testing.assert_array_equal(a, b)
+    assert [name.split("<")[0] for name, _ in grids] == ["flash_fwd_tc", "flash_fwd", "flash_fwd_tc", "flash_fwd"]
+
+
+def test_on_sm90_the_hopper_forward_keeps_its_packed_batches_sequence_by_sequence(rng):
+    # a packed batch the Hopper forward takes runs on it, a launch a sequence with queries and keys
+    # (tests/test_hopper_kernels.py checks its numbers), its offsets checked on the host even when
+    # check_offsets=False; one it does not take (softcap) is one launch of flash_fwd_tc.cu
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k, v, cu_q, cu_k = packed_inputs(rng, [7, 0, 70], [9, 4, 65], 4, 2, 64, np.float16)
+    grids = []
+    with emulated(compile=_recording(grids), compute_capability=90):
+        flashcupy.attention_varlen(q, k, v, cu_q, cu_k, causal=True, backend="cupy", check_offsets=False)
+        assert [name.split("<")[0] for name, _ in grids] == ["flash_fwd_sm90"] * 2
+        with pytest.raises(ValueError, match="never decrease"):
+            bad = np.array([0, 70, 7, 77], np.int32)
+            flashcupy.attention_varlen(q, k, v, bad, cu_k, causal=True, backend="cupy", check_offsets=False)
+        grids.clear()
+        packed_batch_matches_the_oracle(rng, "cupy", ([7, 0, 70], [9, 4, 65]), np.float16, 64, (4, 2),
+                                        dict(causal=True, softcap=2.0))
+    assert [name.split("<")[0] for name, _ in grids] == ["flash_fwd_tc"] * 2
+
+
+def _query_blocks(cu_q, kernel_name) -> int:
+    """The query blocks of a packed batch's sequences, for the tile of the launched kernel: the CTAs that
+    have work, per query head."""
+    block_m = int(kernel_name.split(", ")[3 if kernel_name.startswith("flash_fwd<") else 2])
+    return int(sum(-(-np.diff(cu_q) // block_m)))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
+def test_cupy_packed_forward_is_one_launch_whatever_the_batch(rng, dtype):
+    # the per-sequence path made one launch per sequence with queries and keys; now 1, 7 or 40
+    # sequences (some empty) take one, whose idle CTAs (past their sequence's query blocks) are at
+    # most one a sequence
+    from flashcupy.tools.emulator.cupy import emulated
+    launches = {}
+    for batch in (1, 7, 40):
+        lengths_q = rng.integers(0, 40, batch)
+        lengths_k = np.where(rng.random(batch) < 0.2, 0, rng.integers(1, 40, batch))
+        lengths_q[0], lengths_k[0] = 33, 20  # one sequence with work at least
+        q, k, v, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, 2, 1, 32, dtype)
+        grids = []
+        with emulated(compile=_recording(grids)):
+            out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True, backend="cupy")
+        launches[batch] = len(grids)
+        ((name, ctas),) = grids
+        assert 0 <= ctas - 2 * _query_blocks(cu_q, name) <= 2 * batch
+        for b in range(batch):
+            sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            assert_matches_oracle((out[None, sq], lse[None, :, sq]), q[None, sq], k[None, sk], v[None, sk],
+                                  causal=True, backend="cupy")
+    assert launches == {1: 1, 7: 1, 40: 1}
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(np.float16, 64), (np.float16, 128), (np.float32, 64),
+                                             (np.float64, 64)])
+def test_few_ctas_of_a_packed_forward_find_no_work(rng, dtype, head_dim):
+    # issue 28's target: for 256 sequences of 17-300 tokens, at most 25 % of the CTAs launched exit
+    # without work. The launch is recorded, not run: which CTAs work is the grid's rule (mask.cuh's
+    # Sequence), which the tests above run
+    from flashcupy.tools.emulator.cupy import emulated, launch_records
+    lengths = rng.integers(17, 301, 256)
+    q, k, v, cu_q, cu_k = packed_inputs(rng, lengths, lengths, 1, 1, head_dim, dtype)
+    grids = []
+    with emulated(compile=launch_records(grids, run=False)):
+        flashcupy.attention_varlen(q, k, v, cu_q, cu_k, causal=True, backend="cupy", check_offsets=False)
+    ((name, ctas),) = grids
+    idle = 1 - _query_blocks(cu_q, name) / ctas
+    assert idle <= 0.25, (name, ctas, idle)
+
+
+HOSTILE_OFFSETS = {"decreasing": [0, 30, 10, 40], "negative": [0, -50, 5, 40], "past the end": [0, 10, 80, 40],
+                   "huge": [0, 2 ** 31 - 1, -2 ** 31, 2 ** 31 - 1], "wrapping": [2 ** 31 - 6, -2 ** 31, 3, 40],
+                   "short of the end": [0, 10, 20, 30]}
+
+
+def _hostile_calls(rng, dtype, mutate=None):
+    """attention_varlen over unchecked hostile offsets (each table for q, for k, for both) on the emulated
+    cupy backend, whose guard pages fail any access outside the arguments; `mutate` edits the kernels."""
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k, v, cu_q, cu_k = packed_inputs(rng, [10, 20, 10], [15, 5, 20], 2, 1, 64, dtype)
+    for name, bad in HOSTILE_OFFSETS.items():
+        bad = np.array(bad, np.int32)
+        for args in ((bad, cu_k), (cu_q, bad), (bad, bad)):
+            with emulated(compile=_recording([], mutate)):
+                out, lse = flashcupy.attention_varlen(q, k, v, *args, causal=True, return_lse=True, backend="cupy",
+                                                      check_offsets=False)
+            assert out.shape == q.shape and lse.shape == (2, q.shape[0])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
+def test_unchecked_hostile_offsets_stay_inside_the_arrays(rng, dtype):
+    _hostile_calls(rng, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
+def test_unclamped_offsets_would_reach_outside_the_arrays(rng, dtype):
+    # the deliberate bug: the offsets read as they are, unclamped; the guard pages catch it
+    from flashcupy.tools.emulator.errors import KernelError
+    with pytest.raises(KernelError, match="flash_fwd"):
+        _hostile_calls(rng, dtype, ("return min(max(cu[s], 0), total);", "return cu[s];"))

@@ -7,7 +7,7 @@ tests/test_numba_backend.py on numba; each takes the backend's name.
 from __future__ import annotations
 
 import numpy as np
-from conftest import assert_matches_oracle
+from conftest import BF16, assert_matches_oracle, bf16_bits
 
 import flashcupy
 
@@ -20,15 +20,32 @@ def packed_inputs(rng, lengths_q, lengths_k, Hq, Hkv, D, dtype=np.float32):
     return q, k, v, cu_q, cu_k
 
 
-def packed_batch_matches_the_oracle(rng, backend):
-    """A packed causal batch with GQA, Sq < Sk and Sq > Sk, each sequence's out and lse against the
-    oracle."""
-    q, k, v, cu_q, cu_k = packed_inputs(rng, [3, 6], [7, 2], 2, 1, 8)
-    out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True, backend=backend)
-    for b in range(2):
+def packed_batch_matches_the_oracle(rng, backend, lengths=([3, 6], [7, 2]), dtype=np.float32, head_dim=8,
+                                    heads=(2, 1), mods=None):
+    """A packed batch (by default causal, with GQA, Sq < Sk and Sq > Sk), each sequence's out and lse
+    against the oracle, the same bits whether the offsets are checked on the host or not
+    (check_offsets); mods: attention_varlen's keywords, alibi_slopes="per-seq" for (batch, heads_q)
+    random slopes. dtype BF16: the inputs passed as bits with dtype="bfloat16"."""
+    lengths_q, lengths_k = lengths
+    q, k, v, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, *heads, head_dim, dtype)
+    mods = dict(causal=True) if mods is None else dict(mods)
+    if dtype == BF16:
+        q, k, v = map(bf16_bits, (q, k, v))
+        mods["dtype"] = "bfloat16"
+    if mods.get("alibi_slopes") == "per-seq":
+        mods["alibi_slopes"] = rng.uniform(0.1, 1, (len(lengths_q), heads[0])).astype(np.float32)
+    out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend=backend, **mods)
+    unchecked = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend=backend,
+                                           check_offsets=False, **mods)
+    np.testing.assert_array_equal(out, unchecked[0])
+    np.testing.assert_array_equal(lse, unchecked[1])
+    for b in range(len(lengths_q)):
         sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        assert_matches_oracle((out[None, sq], lse[None, :, sq]), q[None, sq], k[None, sk], v[None, sk], causal=True,
-                              backend=backend)
+        one = dict(mods)
+        if one.get("alibi_slopes") is not None and one["alibi_slopes"].ndim == 2:
+            one["alibi_slopes"] = one["alibi_slopes"][b]
+        assert_matches_oracle((out[None, sq], lse[None, :, sq]), q[None, sq], k[None, sk], v[None, sk],
+                              backend=backend, **one)
 
 
 def cache_inputs(rng, batch, capacity, Hkv, D, dtype=np.float32):

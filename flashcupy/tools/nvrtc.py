@@ -348,9 +348,10 @@ def occupancy(arch: str, registers: int, smem: int, threads: int) -> float:
 
 
 def variant(kernel: specs.Kernel) -> str | None:
-    """A report row's "mods": the score modifiers, then split-KV and dQ by atomics, joined by "+";
-    None for the plain kernel."""
-    return "+".join(x for x in (kernel.modifiers, "split" * kernel.split, "dq_atomic" * kernel.dq_atomic) if x) or None
+    """A report row's "mods": the score modifiers, then split-KV, a packed batch and dQ by atomics, joined
+    by "+"; None for the plain kernel."""
+    flags = (kernel.modifiers, "split" * kernel.split, "varlen" * kernel.varlen, "dq_atomic" * kernel.dq_atomic)
+    return "+".join(x for x in flags if x) or None
 
 
 def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, cubin: bytes,

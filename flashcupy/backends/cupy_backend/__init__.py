@@ -6,6 +6,8 @@ This module packs arguments, allocates outputs and workspaces, and launches:
 
     forward   flash_fwd | flash_fwd_tc | flash_fwd_sm90  grid: query blocks x batch x heads_q
               (split-KV: x splits, partial outs merged by flashcupy.merge's rule; split_plan)
+              (a packed batch, forward_varlen: flash_fwd | flash_fwd_tc reading the offsets themselves,
+              grid: (total_q / block_m + sequences) x heads_q, launch.varlen_blocks; varlen_in_one_launch)
     backward  flash_bwd_preprocess  D = rowsum(dO ∘ O)    grid: batch x heads_q x seqlen_q / 4
               flash_bwd_dkdv | flash_bwd_dkdv_tc  dK, dV   grid: key blocks x batch x heads_kv
               flash_bwd_dq | flash_bwd_dq_tc      dQ       grid: query blocks x batch x heads_q
@@ -37,13 +39,14 @@ which runs these same kernels and this same launch code without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
 
 from ... import _merge, backends
 from ..._problem import LOG2E
-from . import sources, specs, tensor_maps
+from . import launch, sources, specs, tensor_maps
 from .runtime import Runtime, cupy_runtime
 
 NAME = "cupy"
@@ -285,13 +288,14 @@ def split_plan(p, q, k, v, num_splits=None) -> tuple:
     return (splits, key_split) if splits > 1 else (1, 0)
 
 
-def _forward_module(p, q, k, v, split: bool, out=None) -> tuple:
-    """(forward_path, the forward's ModuleSpec) for this call."""
+def _forward_module(p, q, k, v, split: bool, out=None, varlen: bool = False) -> tuple:
+    """(forward_path, the forward's ModuleSpec) for this call; varlen: a packed batch's
+    (varlen_in_one_launch)."""
     path = forward_path(p, q, k, v, out, split)
     if path == "hopper":
         return path, specs.sm90_forward_module(p.dtype, p.head_dim, _mods(p))
     build = specs.tc_forward_module if path == "tensor-core" else specs.forward_module
-    return path, build(p.dtype, p.head_dim, _mods(p), split)
+    return path, build(p.dtype, p.head_dim, _mods(p), split, varlen)
 
 
 def _map_strides(x) -> tuple:
@@ -356,7 +360,7 @@ def forward(p, q, k, v, num_splits=1, into=None):
             (kernel.blocks(p) * splits,), (kernel.threads,),
             (*_tensor(q), *_tensor(k), *_tensor(v), *part_out, *part_lse,
              *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-             *_modifier_args(p, lse, path == "tensor-core"), *split_args),
+             *_modifier_args(p, lse, path == "tensor-core"), *split_args, *_no_varlen(rt, q)),
             shared_mem=kernel.dynamic_smem)
         if splits > 1:
             merged, lse = _merge.merge(list(out), list(lse))
@@ -372,6 +376,59 @@ def forward(p, q, k, v, num_splits=1, into=None):
 # 0.92-1.03x a CTA a tile at S = 512..16384, and 0.72x causal at S=16k, D=128, where the static
 # round-robin of tiles over the CTAs loses the balance the hardware's dispatch of one CTA a tile gives
 SM90_PERSISTENT = False
+
+
+def _no_varlen(rt, like) -> tuple:
+    """The forward kernels' VARLEN_PARAMS for a kernel not specialised for a packed batch (never read): an
+    int32 stand-in for the offsets, made once per device, and no sequence. Call with like's device
+    current."""
+    key = (rt.device_id(like), "int32")
+    if key not in rt.stand_ins:
+        rt.stand_ins[key] = rt.xp.zeros(1, dtype=np.int32)
+    return rt.stand_ins[key], rt.stand_ins[key], np.int32(0)
+
+
+def varlen_in_one_launch(p, q, k, v) -> bool:
+    """Whether forward_varlen takes this packed forward (q, k, v packed, p its packed problem): every
+    one the mma.sync kernels serve (forward_path's tensor-core or simt). One the Hopper forward takes
+    still runs sequence by sequence on it, its offsets read on the host (that kernel reads none yet)."""
+    return forward_path(p, q[None], k[None], v[None]) != "hopper"
+
+
+def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slopes=None) -> None:
+    """A packed batch's forward in one launch (attention_varlen): q (total_q, heads_q, head_dim), k, v
+    (total_k, heads_kv, head_dim), out like q and lse (heads_q, total_q) allocated with 0 and -inf,
+    written in place; cu_seqlens_q, cu_seqlens_k int32 (sequences + 1,) device arrays, read by the
+    kernel (mask.cuh's Sequence), never on the host: whatever they hold, no row outside the arrays is
+    touched. p is the packed problem (q[None], k[None], v[None]: batch 1, seqlen_q the total;
+    Problem.diagonal unused, each sequence's is its own), alibi_slopes (heads_q,) or (sequences,
+    heads_q). On the mma.sync kernel the dtype and strides pick (varlen_in_one_launch says which
+    calls it takes); no split-KV."""
+    rt = _runtime()
+    num_seqs = int(cu_seqlens_q.shape[0]) - 1
+    if num_seqs <= 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
+        return  # no sequence, no query or no key: out 0, lse -inf, as allocated
+    packed = (q[None], k[None], v[None])
+    path, module = _forward_module(p, *packed, False, varlen=True)
+    (kernel,) = module.kernels
+    blocks = launch.varlen_blocks(kernel, p, num_seqs)
+    if blocks > backends.MAX_GRID[0]:
+        raise ValueError(f"a packed batch of {num_seqs} sequences and {p.seqlen_q} query rows needs {blocks} thread "
+                         f"blocks, more than CUDA's grid holds ({backends.MAX_GRID[0]})")
+    if alibi_slopes is not None:
+        p = dataclasses.replace(p, alibi_slopes=alibi_slopes)
+    with rt.device_of(q):
+        (fwd,) = _functions(rt, module, q)
+        # batch strides 0: the kernel moves each tensor to its sequence's rows itself (TAKE_SEQUENCE)
+        tensors = [(x, np.int64(0), *_tensor(x)[2:]) for x in packed + (out[None], lse[None])]
+        fwd(
+            (blocks,), (kernel.threads,),
+            (*(a for t in tensors for a in t),
+             *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
+             *_modifier_args(p, lse, path == "tensor-core"), np.int32(0), np.int64(0), np.int64(0),  # no split
+             cu_seqlens_q, cu_seqlens_k, np.int32(num_seqs)),
+            shared_mem=kernel.dynamic_smem)
+
 
 ATOMIC_BACKWARD = True  # backward(..., deterministic=False) may add with atomics (the interface passes it)
 

@@ -67,10 +67,10 @@ def _tc_min_ctas(head_dim: int) -> int:
 
 
 def _tc_forward_bounds(kernel: Kernel) -> Bounds:
-    """flash_fwd_tc: split-KV asks for one CTA an SM (left to its heuristic, ptxas allowed those too
-    few registers and they spilled); with a bias or a bool mask, two (up to 255 registers: ptxas' own
-    choice spilled in some of the 24 sets of modifiers that hold one)."""
-    if kernel.split:
+    """flash_fwd_tc: split-KV and a packed batch ask for one CTA an SM (left to its heuristic, ptxas
+    allowed those too few registers and they spilled); with a bias or a bool mask, two (up to 255
+    registers: ptxas' own choice spilled in some of the 24 sets of modifiers that hold one)."""
+    if kernel.split or kernel.varlen:
         return Bounds(1)
     return Bounds(2 if kernel.mods & MOD_PAIRS else _tc_min_ctas(kernel.head_dim))
 
@@ -163,6 +163,16 @@ _QUERY_BLOCKS = Grid("seqlen_q / {block_m} x batch x heads_q",
                      lambda k, p, rows: _cdiv(p.seqlen_q, k.block_m) * p.batch * p.heads_q, "keys")
 _KEY_BLOCKS = Grid("seqlen_k / {block_n} x batch x heads_kv",
                    lambda k, p, rows: _cdiv(p.seqlen_k, k.block_n) * p.batch * p.heads_kv, "queries")
+
+
+def varlen_blocks(kernel: Kernel, p, num_seqs: int) -> int:
+    """The CTAs of a forward kernel for a packed batch (kernel.varlen) of num_seqs sequences, p its
+    packed Problem (batch 1, seqlen_q the total): per query head, total_q // block_m + num_seqs
+    (varlen_slots in mask.cuh, whose Sequence says why that covers every sequence's query blocks,
+    and at most one CTA a sequence more)."""
+    return (p.seqlen_q // kernel.block_m + num_seqs) * p.heads_q
+
+
 _PREPROCESS_ROWS = NUM_THREADS // 32  # a warp a row
 _DQ_ELEMENTS = Grid(f"batch x seqlen_q x heads_q x head_dim / {NUM_THREADS}",
                     lambda k, p, rows: _cdiv(p.batch * p.seqlen_q * p.heads_q * p.head_dim, NUM_THREADS))

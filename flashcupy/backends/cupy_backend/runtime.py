@@ -39,6 +39,7 @@ class Runtime:
         self.sm_count = sm_count or (lambda x: 132)  # an H100's or H200's
         self.tensor_map = tensor_map
         self.functions = {}  # (device, ModuleSpec) -> its kernels, ready to launch
+        self.stand_ins = {}  # (device, dtype name) -> a one-element array passed for an argument never read
 
 
 def cupy_runtime() -> Runtime:

@@ -116,6 +116,14 @@ TC_TILES = {
     # so the smaller tile costs little.
     ("forward", "split"): {64: (64, 32), 128: (64, 32)},
     ("forward", "split+pairs"): {64: (64, 32), 128: (64, 16)},  # and a bias or mask: 64 x 32 passed the limit at 128
+    # A packed batch's forward (VARLEN: each CTA finds its sequence, mask.cuh's Sequence) takes 64 query
+    # rows, one row tile a warp: short sequences pad their last query block less, and the grid's CTAs
+    # that find no work (at most one a sequence) are fewer beside those that work (14 % of those launched
+    # for 256 sequences of 17-300 tokens, against 21 % with 128 rows and 28 % with 256: tests/test_varlen.py).
+    # With the larger tiles, the sequence's lengths and offsets took the kernel past the register limit
+    # of tests/test_nvrtc.py. 32 keys a pass at 128 (64 x 64 spilled there), and one CTA an SM asked of
+    # ptxas (launch.py), whose own heuristic gave them too few registers.
+    ("forward", "varlen"): {64: (64, 64), 128: (64, 32)},
     ("dkdv", "plain"): {64: (64, 64), 128: (32, 64)},
     ("dq", "plain"): {64: (64, 64), 128: (64, 32)},
     # With softcap or ALiBi (MOD_SCORE): dK/dV takes half the query rows a pass, and dQ at head_dim 64
@@ -170,6 +178,12 @@ def head_dim_bucket(head_dim: int) -> int:
     return next(bucket for bucket in HEAD_DIM_BUCKETS if head_dim <= bucket)
 
 
+# The bool template flags that follow MODS, in order, per template (Kernel's fields of the same names):
+# a name expression spells them up to the last one set (the others default to false)
+TEMPLATE_FLAGS = {"flash_fwd": ("split", "varlen"), "flash_fwd_tc": ("split", "varlen"),
+                  "flash_bwd_dkdv_tc": ("dq_atomic",)}
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One specialization: the template it instantiates and the tile it runs with."""
@@ -183,6 +197,7 @@ class Kernel:
     mods: int = 0            # the score modifiers it is specialised for (MOD_BITS); 0 for none
     split: bool = False      # a forward kernel for split-KV (partial outs in Acc, mask.cuh's Split)
     dq_atomic: bool = False  # the tensor-core dK/dV kernel that adds dQ into an fp32 workspace too
+    varlen: bool = False     # a forward kernel for a packed batch (the offsets read on the device, mask.cuh's Sequence)
 
     @property
     def modifiers(self) -> str:
@@ -250,10 +265,12 @@ class Kernel:
             args += [str(self.head_dim), str(self.block_m), str(self.block_n)]
         if self.bounds is not None:
             args += self.bounds.template_args
-        if self.mods or self.split or self.dq_atomic:
+        # the template's flags after MODS (TEMPLATE_FLAGS), up to the last one set, which MODS precedes
+        flags = [getattr(self, flag) for flag in TEMPLATE_FLAGS.get(self.template, ())]
+        flags = flags[:max((i + 1 for i, on in enumerate(flags) if on), default=0)]
+        if self.mods or flags:
             args.append(str(self.mods))
-        if self.split or self.dq_atomic:  # the kernel's last template flag: SPLIT, DQ_ATOMIC
-            args.append("true")
+        args += ["true" if on else "false" for on in flags]
         return f"{self.template}<{', '.join(args)}>"
 
 
@@ -276,11 +293,11 @@ def _name(dtype) -> str:
     return dtype if isinstance(dtype, str) else np.dtype(dtype).name
 
 
-def forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False) -> ModuleSpec:
+def forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False, varlen: bool = False) -> ModuleSpec:
     bucket = head_dim_bucket(head_dim)
     dtype = _name(dtype)
-    bm, bn = _tile("flash_fwd", FORWARD_TILES[_acc_size(dtype)][bucket], _acc_size(dtype), bucket, mods)
-    return ModuleSpec("flash_fwd.cu", (Kernel("flash_fwd", dtype, bucket, bm, bn, mods, split),))
+    bm, bn = _tile("flash_fwd", FORWARD_TILES[_acc_size(dtype)][bucket], _acc_size(dtype), bucket, mods, varlen)
+    return ModuleSpec("flash_fwd.cu", (Kernel("flash_fwd", dtype, bucket, bm, bn, mods, split, varlen=varlen),))
 
 
 def backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
@@ -316,13 +333,14 @@ def _pairs_module(template: str, dtype, head_dim: int, mods: int) -> ModuleSpec:
     return ModuleSpec("flash_pairs.cu", (Kernel(template, dtype, bucket, *tile, mods),))
 
 
-def _tile(template: str, tile: tuple, acc_size: int, bucket: int, mods: int) -> tuple:
+def _tile(template: str, tile: tuple, acc_size: int, bucket: int, mods: int, varlen: bool = False) -> tuple:
     """The SIMT kernel's tile: PAIR_TILES' for a kernel with a bias or mask, else MODIFIED_TILES' for
-    one with modifiers, where they list one."""
+    one with modifiers or for a packed batch (the float forward at 64, whose plain tile spilled with the
+    sequence's lengths and offsets too), where they list one."""
     key = (template, acc_size, bucket)
     if mods & MOD_PAIRS and key in PAIR_TILES:
         return PAIR_TILES[key]
-    return MODIFIED_TILES.get(key, tile) if mods else tile
+    return MODIFIED_TILES.get(key, tile) if mods or varlen else tile
 
 
 def _tc_bucket(head_dim: int) -> int:
@@ -342,26 +360,33 @@ def tc_tile_row(head_dim: int) -> int:
     return -(-head_dim // 64) * 64
 
 
-def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_atomic: bool = False) -> tuple:
-    """(BLOCK_M, BLOCK_N) of a tensor-core kernel, from TC_TILES: the forward's variant is split-KV's
-    (with or without a bias or mask), else the bias or mask's, else softcap or ALiBi's (MOD_SCORE),
-    else the plain one; the backward's MOD_SCORE's or the plain one, and with dQ by atomics dK/dV takes
-    the fewer query rows of that tile and the dq_atomic one."""
+def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_atomic: bool = False,
+            varlen: bool = False) -> tuple:
+    """(BLOCK_M, BLOCK_N) of a tensor-core kernel, from TC_TILES: the forward's variant is a packed
+    batch's, else split-KV's (with or without a bias or mask), else the bias or mask's, else softcap or
+    ALiBi's (MOD_SCORE), else the plain one; the backward's MOD_SCORE's or the plain one, and with
+    dQ by atomics dK/dV takes the fewer query rows of that tile and the dq_atomic one.
+
+    A packed batch takes its own (TC_TILES' varlen rows), whatever its modifiers (attention_varlen takes
+    no bias or mask)."""
     bucket = _tc_bucket(head_dim)
     pairs, score = mods & MOD_PAIRS, mods & MOD_SCORE
     if pass_ == "forward":
-        variant = ("split+pairs" if pairs else "split") if split else "pairs" if pairs else "score" if score else "plain"
+        variant = ("varlen" if varlen else ("split+pairs" if pairs else "split") if split else "pairs" if pairs
+                   else "score" if score else "plain")
     else:
         variant = "score" if score else "plain"
     tile = TC_TILES[pass_, variant][bucket]
     return min(tile, TC_TILES["dkdv", "dq_atomic"][bucket]) if dq_atomic else tile
 
 
-def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False) -> ModuleSpec:
-    """The tensor-core forward for float16/bfloat16 and head_dim <= 128 (a multiple of 8)."""
-    bm, bn = tc_tile("forward", head_dim, mods, split)
+def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False, varlen: bool = False) -> ModuleSpec:
+    """The tensor-core forward for float16/bfloat16 and head_dim <= 128 (a multiple of 8); varlen: for
+    a packed batch (tc_tile says its tile)."""
+    bm, bn = tc_tile("forward", head_dim, mods, split, varlen=varlen)
     template = "flash_fwd_tc_wide" if bm == WIDE_BLOCK_M else "flash_fwd_tc"
-    return ModuleSpec("flash_fwd_tc.cu", (Kernel(template, _name(dtype), tc_head_dim(head_dim), bm, bn, mods, split),))
+    return ModuleSpec("flash_fwd_tc.cu", (Kernel(template, _name(dtype), tc_head_dim(head_dim), bm, bn, mods, split,
+                                                 varlen=varlen),))
 
 
 # Split-KV: keys per split are a multiple of this, so that every forward tile (BLOCK_N of 8 to 64)
@@ -476,6 +501,20 @@ def split_modules(mods=(0, ALL_MODS)):
     ends = sorted({mods[0], mods[-1]})
     return ([forward_module(dtype, bucket, m, True) for m in ends for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS]
             + [tc_forward_module(dtype, bucket, m, True) for m in ends for dtype in TC_DTYPES
+               for bucket in TC_HEAD_DIM_BUCKETS])
+
+
+# The modifiers attention_varlen takes (no bias, no mask): a packed batch's forwards are specialised for
+# none or some of them
+VARLEN_MODS = MOD_BITS["window"] | MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"]
+
+
+def varlen_modules(mods=(0, VARLEN_MODS)):
+    """The packed batch's forwards (SIMT and tensor-core), for each MODS of `mods` (plain, and the most
+    work in a tile's loop), every dtype and bucket: what tests/test_nvrtc.py compiles of them."""
+    return ([forward_module(dtype, bucket, m, varlen=True) for m in mods for dtype in CUDA_TYPES
+             for bucket in HEAD_DIM_BUCKETS]
+            + [tc_forward_module(dtype, bucket, m, varlen=True) for m in mods for dtype in TC_DTYPES
                for bucket in TC_HEAD_DIM_BUCKETS])
 
 

@@ -72,3 +72,33 @@ def recording(names: list, compile=compile_module):
         names.extend(name_expressions)
         return compile(source, name_expressions, options, *rest)
     return record
+
+
+def launch_records(records: list, run: bool = True, compile=compile_module):
+    """A compile function for emulated() whose kernels append (name expression, CTAs) to `records` at
+    every launch: how many launches a call makes, and of what grid. run=False records each launch
+    without running it (no result, no cost: what the grids hold); `compile` builds the modules
+    (compile_module, or a test's that alters the source)."""
+    class Launch:  # one kernel, its launches recorded; its attributes (the shared-memory opt-in) are its own
+        def __init__(self, module, name):
+            self.__dict__.update(name=name, function=module.get_function(name) if run else None)
+
+        def __call__(self, grid, block, args, **kw):
+            records.append((self.name, grid[0]))
+            return self.function(grid, block, args, **kw) if run else None
+
+        def __getattr__(self, attribute):
+            return getattr(self.function, attribute)
+
+        def __setattr__(self, attribute, value):
+            if run:
+                setattr(self.function, attribute, value)
+
+    class Module:
+        def __init__(self, *arguments):
+            self.module = compile(*arguments) if run else None
+
+        def get_function(self, name):
+            return Launch(self.module, name)
+
+    return Module

@@ -8,7 +8,9 @@
 //     out_i = O / l,  lse_i = m + log l  (natural log); a row that saw no key: out 0, lse -inf.
 // Key blocks that no row of Q_i can see are never loaded.
 //
-// Grid: one CTA per (query block, batch * heads_q), flattened on x (query_block in mask.cuh).
+// Grid: one CTA per (query block, batch * heads_q), flattened on x (query_block in mask.cuh); with
+// VARLEN, a packed batch, total_q / BLOCK_M + num_seqs CTAs per query head, each finding its sequence
+// and query block in the offsets (mask.cuh's Sequence), those past their sequence's blocks exiting.
 // CTA: NUM_WARPS = 4 warps. Warp w owns query rows w R .. w R + R - 1 (R = BLOCK_M / 4) and keeps
 // their m, l (in every lane) and O (lane owns head-dim columns lane, lane + 32, ...) in registers.
 // For S, lane owns key c = lane % BLOCK_N of K_j (see row_dots in flash_common.cuh).
@@ -29,10 +31,14 @@
 // split's keys only, and out is a partial one in Acc (split s at out + s out_split, its lse at lse +
 // s lse_split), which the launcher merges.
 //
+// Varlen (VARLEN, mask.cuh's Sequence): q, k, v, out, lse are packed batches of num_seqs sequences
+// (batch strides 0), seqlen_q and seqlen_k their total lengths; each CTA reads cu_seqlens_q and
+// cu_seqlens_k, clamped into the arrays, and then runs as on its sequence alone (TAKE_SEQUENCE).
+//
 // Template parameters: T storage type, Acc accumulation type, HEAD_DIM the padded head dim
 // (32, 64, 128 or 256; the true head_dim is a runtime bound), BLOCK_M, BLOCK_N the tile, MIN_CTAS the
 // CTAs an SM ptxas leaves registers for (specs.py), MODS the score modifiers (mask.cuh; 0: none),
-// SPLIT split-KV.
+// SPLIT split-KV, VARLEN a packed batch.
 
 #include "flash_common.cuh"
 #include "mask.cuh"
@@ -52,20 +58,29 @@ __device__ __forceinline__ void online_softmax(Acc& s, Acc& m, Acc& l, Acc (&O_r
 }
 
 template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0,
-          bool SPLIT = false>
+          bool SPLIT = false, bool VARLEN = false>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_fwd(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, Acc>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
-    LSE_PARAMS(Acc, lse), PROBLEM_PARAMS(Acc), SPLIT_PARAMS) {
+    LSE_PARAMS(Acc, lse), PROBLEM_PARAMS(Acc), SPLIT_PARAMS, VARLEN_PARAMS) {
     constexpr int R = rows_per_warp<BLOCK_M>();
+    static_assert(!(SPLIT && VARLEN), "split-KV of a packed batch is not written yet");
 
     __shared__ Acc Q_s[BLOCK_M * HEAD_DIM];
     __shared__ Acc K_s[BLOCK_N * HEAD_DIM], V_s[BLOCK_N * HEAD_DIM];
     static_assert(sizeof(Q_s) + sizeof(K_s) + sizeof(V_s) <= SMEM_LIMIT, "tiles exceed 48 KiB");
 
-    const auto mask = MAKE_MASK(MODS);
     const Split split = SPLIT ? split_of(seqlen_k, key_split) : Split{0, int(blockIdx.x)};
-    const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group, split.cta);
+    QueryBlock blk;
+    if constexpr (VARLEN) {
+        const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, heads_q, group);
+        if (seq.i0 < 0) return;  // past its sequence's query blocks: no work (the whole CTA)
+        TAKE_SEQUENCE(seq);
+        blk = {seq.i0, seq.index, seq.h, seq.kv_head};
+    } else {
+        blk = query_block<BLOCK_M>(seqlen_q, heads_q, group, split.cta);
+    }
+    const auto mask = MAKE_MASK(MODS);
     const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, blk.h, Acc(1), Acc(1));
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int row0 = blk.i0 + warp * R, key = lane % BLOCK_N;  // this warp's first query row, this lane's key in K_j

@@ -9,7 +9,10 @@
 // Key blocks that no row of Q_i can see are never loaded, and only the tiles that Mask::partial
 // names are masked element by element.
 //
-// Grid: one CTA per (query block, batch * heads_q), flattened on x (query_block in mask.cuh).
+// Grid: one CTA per (query block, batch * heads_q), flattened on x (query_block in mask.cuh); with
+// VARLEN, a packed batch, total_q / BLOCK_M + num_seqs CTAs per query head, each finding its sequence
+// and query block in the offsets (mask.cuh's Sequence), those past their sequence's blocks exiting
+// before any copy.
 // CTA: WARPS warps (flash_fwd_tc: NUM_WARPS = 4; flash_fwd_tc_wide: WIDE_WARPS = 8, tc_tile.cuh);
 // warp w owns M_TILES 16-row mma tiles, query rows WARP_ROWS w .. WARP_ROWS w + WARP_ROWS - 1 of Q_i
 // (WARP_ROWS = 16 M_TILES), so BLOCK_M = 16 M_TILES WARPS. Each K_j or V_j fragment a warp reads from
@@ -57,12 +60,14 @@
 // key blocks.
 //
 // Split-KV (SPLIT): as in flash_fwd.cu, each CTA attends to its split's keys and stores a partial out
-// in float, and lse, at its split's offsets.
+// in float, and lse, at its split's offsets. Varlen (VARLEN): as in flash_fwd.cu, each CTA reads the
+// offsets, clamped into the arrays, and runs as on its sequence alone (mask.cuh's TAKE_SEQUENCE).
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 128),
 // BLOCK_M (16 M_TILES WARPS, M_TILES 1 or 2), BLOCK_N (a multiple of 16), MIN_CTAS (and in the wide
 // kernel MAX_REGISTERS) the occupancy policy (launch.py's Bounds, which says why), MODS the score
-// modifiers (0: none), SPLIT split-KV (flash_fwd_tc only).
+// modifiers (0: none), SPLIT split-KV and VARLEN a packed batch (flash_fwd_tc only: a packed batch takes
+// its 64-row tile at head_dim 128, specs.tc_tile).
 
 #include "mask.cuh"
 #include "tc_tile.cuh"
@@ -70,11 +75,11 @@
 // The CTA's work, for WARPS warps (the two entry points at the end of the file). Q_KEPT: the k-steps
 // of Q_i whose A fragments a warp keeps in registers for the whole loop; the others are read from Q_s
 // at every pass.
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS, bool SPLIT, int WARPS, int Q_KEPT>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS, bool SPLIT, bool VARLEN, int WARPS, int Q_KEPT>
 __device__ __forceinline__ void flash_fwd_tc_cta(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
-    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {
+    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS, VARLEN_PARAMS) {
     constexpr int THREADS = WARPS * WARP_SIZE;
     constexpr int M_TILES = BLOCK_M / (16 * WARPS);  // 16-row mma tiles a warp owns
     constexpr int WARP_ROWS = 16 * M_TILES;
@@ -87,6 +92,7 @@ __device__ __forceinline__ void flash_fwd_tc_cta(
     constexpr int D_TILES = HEAD_DIM / 8;    // 8-column tiles of O
     constexpr int QK_STEPS = HEAD_DIM / 16;  // k-steps of Q_i K_jᵀ
     static_assert(0 <= Q_KEPT && Q_KEPT <= QK_STEPS, "Q_KEPT: k-steps of Q_i");
+    static_assert(!(SPLIT && VARLEN), "split-KV of a packed batch is not written yet");
     // Out is made before the key loop by the plain 4-warp kernel (made after it, it made ptxas spill),
     // after the loop by the others (made before, it took the split kernel to every register and made
     // the 8-warp one spill under its register cap)
@@ -97,9 +103,17 @@ __device__ __forceinline__ void flash_fwd_tc_cta(
     T* K_s = Q_s + BLOCK_M * ROW;
     T* V_s = K_s + 2 * BLOCK_N * ROW;
 
-    const auto mask = MAKE_MASK(MODS);
     const Split split = SPLIT ? split_of(seqlen_k, key_split) : Split{0, int(blockIdx.x)};
-    const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group, split.cta);
+    QueryBlock blk;
+    if constexpr (VARLEN) {
+        const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, heads_q, group);
+        if (seq.i0 < 0) return;  // past its sequence's query blocks: no work (the whole CTA, before any copy)
+        TAKE_SEQUENCE(seq);
+        blk = {seq.i0, seq.index, seq.h, seq.kv_head};
+    } else {
+        blk = query_block<BLOCK_M>(seqlen_q, heads_q, group, split.cta);
+    }
+    const auto mask = MAKE_MASK(MODS);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int row_w = blk.i0 + WARP_ROWS * warp;  // the warp's first row; row tile mt starts at row_w + 16 mt
     T* Q_w = Q_s + WARP_ROWS * warp * ROW;  // the warp's rows of Q_s
@@ -218,27 +232,30 @@ __device__ __forceinline__ void flash_fwd_tc_cta(
 // (__launch_bounds__ with MIN_CTAS). flash_fwd_tc_wide: WIDE_WARPS warps of two row tiles under a
 // register cap (MAX_REGISTERS). specs.py says which head dims and modifiers take which, and the bounds
 // of each (Bounds).
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0, bool SPLIT = false>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0, bool SPLIT = false,
+          bool VARLEN = false>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_fwd_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
-    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {
+    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS, VARLEN_PARAMS) {
     // Q_i's A fragments stay in registers with one row tile; with two, O and S take the registers
     // (kept, Q_frag took head_dim 64 to the register limit of tests/test_nvrtc.py:
     // benchmarks/results/tile_choices.md)
     constexpr int Q_KEPT = BLOCK_M == 16 * NUM_WARPS ? HEAD_DIM / 16 : 0;
-    flash_fwd_tc_cta<T, HEAD_DIM, BLOCK_M, BLOCK_N, MODS, SPLIT, NUM_WARPS, Q_KEPT>(
-        TENSOR_ARGS(q), TENSOR_ARGS(k), TENSOR_ARGS(v), TENSOR_ARGS(out), LSE_ARGS(lse), PROBLEM_ARGS, SPLIT_ARGS);
+    flash_fwd_tc_cta<T, HEAD_DIM, BLOCK_M, BLOCK_N, MODS, SPLIT, VARLEN, NUM_WARPS, Q_KEPT>(
+        TENSOR_ARGS(q), TENSOR_ARGS(k), TENSOR_ARGS(v), TENSOR_ARGS(out), LSE_ARGS(lse), PROBLEM_ARGS, SPLIT_ARGS,
+        VARLEN_ARGS);
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MAX_REGISTERS, int MODS = 0>
 __global__ void CAPPED_BOUNDS(WIDE_WARPS * WARP_SIZE, MIN_CTAS, MAX_REGISTERS) flash_fwd_tc_wide(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     T* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
-    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS) {
+    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS, VARLEN_PARAMS) {
     // k-step 0 of Q_i kept at head_dim 128, where it takes the shared-memory bytes per mma from 208 to
     // 200; below, Q_i is read at every pass (keeping k-step 0 made head_dim 112 spill under its cap)
     constexpr int Q_KEPT = HEAD_DIM == 128 ? 1 : 0;
-    flash_fwd_tc_cta<T, HEAD_DIM, BLOCK_M, BLOCK_N, MODS, false, WIDE_WARPS, Q_KEPT>(
-        TENSOR_ARGS(q), TENSOR_ARGS(k), TENSOR_ARGS(v), TENSOR_ARGS(out), LSE_ARGS(lse), PROBLEM_ARGS, SPLIT_ARGS);
+    flash_fwd_tc_cta<T, HEAD_DIM, BLOCK_M, BLOCK_N, MODS, false, false, WIDE_WARPS, Q_KEPT>(
+        TENSOR_ARGS(q), TENSOR_ARGS(k), TENSOR_ARGS(v), TENSOR_ARGS(out), LSE_ARGS(lse), PROBLEM_ARGS, SPLIT_ARGS,
+        VARLEN_ARGS);
 }

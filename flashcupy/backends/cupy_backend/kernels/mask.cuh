@@ -4,7 +4,9 @@
 //
 // Query i sees key j iff j < seqlen_k and, when causal, j <= i + diagonal. The interface computes
 // diagonal once (Problem.diagonal in flashcupy/_api.py: seqlen_k - seqlen_q, the causal mask aligned
-// bottom-right) and every kernel takes it as an argument. The kernels' loops run over key_start ..
+// bottom-right) and every kernel takes it as an argument; a kernel over a packed batch (VARLEN) makes
+// its lengths and diagonal those of its CTA's sequence first (Sequence, TAKE_SEQUENCE below), so the
+// same Mask holds per sequence. The kernels' loops run over key_start ..
 // key_end (query_start .. query_end) and mask element by element only the tiles that partial()
 // names, so a sliding window changes the answers here, not the loops.
 //
@@ -242,6 +244,72 @@ __device__ __forceinline__ QueryBlock query_block(int seqlen_q, int heads_q, int
     const int bh = cta / blocks, h = bh % heads_q;
     return {int(blocks - 1 - cta % blocks) * BLOCK_M, bh / heads_q, h, h / group};
 }
+
+// Varlen (the forward kernels' VARLEN flag): a packed batch of num_seqs sequences, sequence s being
+// rows cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1 of q (out, lse) and cu_seqlens_k[s] ..
+// cu_seqlens_k[s + 1] - 1 of k and v, offsets that the kernel reads from device memory itself. Each
+// offset is clamped to [0, total] (the packed length: the kernel's seqlen_q or seqlen_k argument) and
+// a sequence's end to at least its start, so that no table, checked on the host or not, makes a CTA
+// touch a row outside the arrays: a hostile one gives garbage, in bounds.
+//
+// The grid holds varlen_slots(total_q, num_seqs) = total_q / BLOCK_M + num_seqs CTAs per query head
+// (launch.py's varlen_blocks), the slots of one head adjacent, the last first (as query_block's).
+// Sequence s owns slots first_slot(s) = cu_q[s] / BLOCK_M + s .. first_slot(s + 1) - 1: its query
+// blocks, ceil(len / BLOCK_M) <= cu_q[s + 1] / BLOCK_M - cu_q[s] / BLOCK_M + 1, and at most one slot
+// more, whose CTA has no work and exits (about half a CTA per sequence, whatever the batch). A CTA
+// finds its sequence by binary search over first_slot, increasing for valid offsets; over others the
+// search still ends, on some sequence in [0, num_seqs).
+struct Sequence {
+    int index;             // which sequence (the ALiBi slopes' batch index)
+    int q_start, k_start;  // its first rows in q (out, lse) and in k, v
+    int seqlen_q, seqlen_k;
+    int i0;                // the CTA's query block's first row within the sequence; -1: no work
+    int h, kv_head;        // query head, and the key/value head it reads (GQA)
+};
+
+__device__ __forceinline__ int varlen_slots(int total_q, int num_seqs, int block_m) {
+    return total_q / block_m + num_seqs;
+}
+
+// cu[s] clamped to [0, total]
+__device__ __forceinline__ int clamped_offset(const int* cu, int s, int total) { return min(max(cu[s], 0), total); }
+
+template <int BLOCK_M>
+__device__ __forceinline__ int first_slot(const int* cu_q, int s, int total_q) {
+    return clamped_offset(cu_q, s, total_q) / BLOCK_M + s;
+}
+
+template <int BLOCK_M>
+__device__ __forceinline__ Sequence sequence_of(const int* cu_q, const int* cu_k, int num_seqs, int total_q,
+                                                int total_k, int heads_q, int group) {
+    const int slots = varlen_slots(total_q, num_seqs, BLOCK_M);
+    const int h = blockIdx.x / slots, slot = slots - 1 - int(blockIdx.x % slots);
+    if (num_seqs <= 0) return {0, 0, 0, 0, 0, -1, h, h / group};  // no offset to read
+    int s = 0, last = num_seqs - 1;  // the sequence lies in s .. last
+    while (s < last) {
+        const int mid = (s + last + 1) / 2;
+        if (first_slot<BLOCK_M>(cu_q, mid, total_q) <= slot) s = mid;
+        else last = mid - 1;
+    }
+    const int q_start = clamped_offset(cu_q, s, total_q), k_start = clamped_offset(cu_k, s, total_k);
+    const int seqlen_q = max(q_start, clamped_offset(cu_q, s + 1, total_q)) - q_start;
+    const int seqlen_k = max(k_start, clamped_offset(cu_k, s + 1, total_k)) - k_start;
+    const int block = slot - (q_start / BLOCK_M + s);
+    const bool works = block >= 0 && block < num_blocks(seqlen_q, BLOCK_M);
+    return {s, q_start, k_start, seqlen_q, seqlen_k, works ? block * BLOCK_M : -1, h, h / group};
+}
+
+// A VARLEN kernel's CTA takes its sequence's problem: its lengths, the causal diagonal bottom-right in
+// it (seqlen_k - seqlen_q), and q, k, v, out and lse from its first rows, so that the Mask, the Score
+// and the rest of the kernel run as on that sequence alone. Made of the kernel's PROBLEM_PARAMS and
+// tensor arguments, before MAKE_MASK and MAKE_SCORE; the launcher passes batch strides 0, so that the
+// QueryBlock's b, the sequence, moves nothing but the ALiBi slopes.
+#define TAKE_SEQUENCE(seq)                                                                                 \
+    do {                                                                                                  \
+        seqlen_q = (seq).seqlen_q, seqlen_k = (seq).seqlen_k, diagonal = (seq).seqlen_k - (seq).seqlen_q; \
+        q += (seq).q_start * q_ss, out += (seq).q_start * out_ss, lse += (seq).q_start * lse_ss;           \
+        k += (seq).k_start * k_ss, v += (seq).k_start * v_ss;                                              \
+    } while (0)
 
 // Split-KV (the forward kernels' SPLIT flag): the keys are cut into splits of key_split keys (a
 // multiple of BLOCK_N; the launcher's split_plan), and the grid holds one copy of the usual grid per
