@@ -9,15 +9,14 @@ each run an ordinary call told its global diagonal, the runs combined by `flashc
 (as are the splits of num_splits).
 
 On the cupy backend the packed forward is one launch whatever the number of sequences (on the
-mma.sync kernels: the calls the Hopper forward takes still run sequence by sequence on it): its
+mma.sync kernels, on compute capability 9.0 too: the Hopper forward reads no offsets yet): its
 kernels read the offsets from device memory themselves (cupy_backend.forward_varlen, mask.cuh's
 Sequence), clamped into the arrays, so that no offset can make them touch memory outside them. The offsets are
 still copied to the host and checked first unless check_offsets=False, which skips that copy (for
 serving loops and CUDA graphs: unchecked offsets give garbage, in bounds, never an access outside
 the arrays); for valid offsets the result is the same bits either way. The backends that loop over
-the sequences on the host (NumPy, Numba), the cupy backward and the calls the Hopper forward takes
-(which still runs sequence by sequence) need the offsets there, so they read and check them whatever
-check_offsets says. The KV cache and the backward still run one launch per
+the sequences on the host (NumPy, Numba) and the cupy backward need the offsets there, so they read
+and check them whatever check_offsets says. The KV cache and the backward still run one launch per
 sequence (per run of a paged cache) on the cupy backend; its KV-cache forward splits a sequence's
 keys inside that launch (split-KV, cupy_backend.split_plan) where one CTA per query block and head
 would leave the device idle, as when decoding.
@@ -81,11 +80,10 @@ def _slopes_for(alibi_slopes, b: int, batch: int):
     return alibi_slopes[b]
 
 
-def _one_launch(mod, p, q, k, v) -> bool:
-    """Whether backend `mod` runs the packed forward of (q, k, v), p its packed problem, in one launch
-    that reads the offsets on the device (cupy: varlen_in_one_launch, then forward_varlen); else the
-    sequences are looped over on the host (forward_packed)."""
-    return hasattr(mod, "varlen_in_one_launch") and mod.varlen_in_one_launch(p, q, k, v)
+def _one_launch(mod) -> bool:
+    """Whether backend `mod` runs a packed forward in one launch that reads the offsets on the device
+    (cupy: forward_varlen); else the sequences are looped over on the host (forward_packed)."""
+    return hasattr(mod, "forward_varlen")
 
 
 def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dtype,
@@ -122,7 +120,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     mods["alibi_slopes"] = None if mods.get("alibi_slopes") is None else _slopes_for(mods["alibi_slopes"], 0, batch)
     p = _checks.problem(q[None], k[None], v[None], causal, scale, dtype, lib, **mods)
     mod = _checks.select_backend(backend, lib, p, backward=backward)
-    if cu_q is None and (backward or not _one_launch(mod, p, q, k, v)):
+    if cu_q is None and (backward or not _one_launch(mod)):
         # where the sequences are looped over on the host, the offsets are read there: checked, as by default
         return _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dtype,
                             modifiers, mod.NAME, backward)
@@ -151,7 +149,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                                       scale, dtype, mods, backend, check_offsets=check_offsets)
     out = mod.allocate(q, q.shape, p.carrier, 0)
     lse = mod.allocate(q, (p.heads_q, q.shape[0]), p.lse_dtype, -np.inf)
-    if _one_launch(mod, p, q, k, v):  # the offsets read on the device (the same bits, checked or not)
+    if _one_launch(mod):  # the offsets read on the device (the same bits, checked or not)
         mod.forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slopes=alibi_slopes)
     else:
         forward_packed(q, k, v, cu_q, cu_k, out, lse, causal=causal, scale=scale, backend=backend, dtype=dtype,

@@ -7,7 +7,7 @@ This module packs arguments, allocates outputs and workspaces, and launches:
     forward   flash_fwd | flash_fwd_tc | flash_fwd_sm90  grid: query blocks x batch x heads_q
               (split-KV: x splits, partial outs merged by flashcupy.merge's rule; split_plan)
               (a packed batch, forward_varlen: flash_fwd | flash_fwd_tc reading the offsets themselves,
-              grid: (total_q / block_m + sequences) x heads_q, launch.varlen_blocks; varlen_in_one_launch)
+              grid: (total_q / block_m + sequences) x heads_q, launch.varlen_blocks; on sm_90 too)
     backward  flash_bwd_preprocess  D = rowsum(dO ∘ O)    grid: batch x heads_q x seqlen_q / 4
               flash_bwd_dkdv | flash_bwd_dkdv_tc  dK, dV   grid: key blocks x batch x heads_kv
               flash_bwd_dq | flash_bwd_dq_tc      dQ       grid: query blocks x batch x heads_q
@@ -196,18 +196,20 @@ def _hopper(p, path: str, *tensors) -> bool:
             and all(_tma_describable(rt, x) for x in tensors))
 
 
-def forward_path(p, q, k, v, out=None, split: bool = False) -> str:
+def forward_path(p, q, k, v, out=None, split: bool = False, varlen: bool = False) -> str:
     """'hopper', 'tensor-core' or 'simt': which forward kernel serves this call.
 
     Tensor cores take float16/bfloat16 with head_dim a multiple of 8 up to 128, on sm_80 or
     newer, when q, k, v are contiguous along head_dim with 16-byte aligned rows (the other
     strides multiples of 8 elements); everything else runs on the SIMT kernel. Of those, on compute
-    capability 9.0 the Hopper kernel takes the calls with no modifier but the window and no split-KV
-    whose q, k, v (and out, when given) a tensor map can describe (_tma_describable: positive strides
-    too); the others stay on the mma.sync kernel, never an error.
+    capability 9.0 the Hopper kernel takes the calls with no modifier but the window, no split-KV and
+    not a packed batch in one launch (varlen: it reads no offsets), whose q, k, v (and out, when given)
+    a tensor map can describe (_tma_describable: positive strides too); the others stay on the
+    mma.sync kernel, never an error.
     """
     path = _path(p, q, k, v)
-    return "hopper" if not split and _hopper(p, path, q, k, v, *(() if out is None else (out,))) else path
+    hopper = not split and not varlen and _hopper(p, path, q, k, v, *(() if out is None else (out,)))
+    return "hopper" if hopper else path
 
 
 def backward_path(p, dout, q, k, v, out, deterministic: bool = False) -> str:
@@ -289,9 +291,9 @@ def split_plan(p, q, k, v, num_splits=None) -> tuple:
 
 
 def _forward_module(p, q, k, v, split: bool, out=None, varlen: bool = False) -> tuple:
-    """(forward_path, the forward's ModuleSpec) for this call; varlen: a packed batch's
-    (varlen_in_one_launch)."""
-    path = forward_path(p, q, k, v, out, split)
+    """(forward_path, the forward's ModuleSpec) for this call; varlen: a packed batch's, in one launch
+    (forward_varlen)."""
+    path = forward_path(p, q, k, v, out, split, varlen)
     if path == "hopper":
         return path, specs.sm90_forward_module(p.dtype, p.head_dim, _mods(p))
     build = specs.tc_forward_module if path == "tensor-core" else specs.forward_module
@@ -388,13 +390,6 @@ def _no_varlen(rt, like) -> tuple:
     return rt.stand_ins[key], rt.stand_ins[key], np.int32(0)
 
 
-def varlen_in_one_launch(p, q, k, v) -> bool:
-    """Whether forward_varlen takes this packed forward (q, k, v packed, p its packed problem): every
-    one the mma.sync kernels serve (forward_path's tensor-core or simt). One the Hopper forward takes
-    still runs sequence by sequence on it, its offsets read on the host (that kernel reads none yet)."""
-    return forward_path(p, q[None], k[None], v[None]) != "hopper"
-
-
 def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slopes=None) -> None:
     """A packed batch's forward in one launch (attention_varlen): q (total_q, heads_q, head_dim), k, v
     (total_k, heads_kv, head_dim), out like q and lse (heads_q, total_q) allocated with 0 and -inf,
@@ -402,8 +397,9 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
     kernel (mask.cuh's Sequence), never on the host: whatever they hold, no row outside the arrays is
     touched. p is the packed problem (q[None], k[None], v[None]: batch 1, seqlen_q the total;
     Problem.diagonal unused, each sequence's is its own), alibi_slopes (heads_q,) or (sequences,
-    heads_q). On the mma.sync kernel the dtype and strides pick (varlen_in_one_launch says which
-    calls it takes); no split-KV."""
+    heads_q). On the mma.sync kernel the dtype and strides pick, on compute capability 9.0 too: the
+    Hopper forward reads no offsets yet, and at the lengths packed batches hold (S <= 1024) it ran
+    no faster than the mma.sync one on an H200 (benchmarks/results/h200_session3/); no split-KV."""
     rt = _runtime()
     num_seqs = int(cu_seqlens_q.shape[0]) - 1
     if num_seqs <= 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
