@@ -179,7 +179,7 @@ _DQ_ELEMENTS = Grid(f"batch x seqlen_q x heads_q x head_dim / {NUM_THREADS}",
 # The grid of every template Kernel instantiates
 GRIDS = {
     "flash_fwd": _QUERY_BLOCKS, "flash_fwd_tc": _QUERY_BLOCKS, "flash_fwd_tc_wide": _QUERY_BLOCKS,
-    "flash_fwd_sm90": _QUERY_BLOCKS,  # its tiles: persistent, it launches min(tiles, SMs) CTAs
+    "flash_fwd_sm90": _QUERY_BLOCKS,  # its tiles (SM90_PERSISTENT: min(tiles, SMs) CTAs walk them)
     "flash_bwd_dq": _QUERY_BLOCKS, "flash_bwd_dq_tc": _QUERY_BLOCKS,
     "flash_bwd_dkdv": _KEY_BLOCKS, "flash_bwd_dkdv_tc": _KEY_BLOCKS, "flash_bwd_dkdv_sm90": _KEY_BLOCKS,
     "flash_bwd_preprocess": Grid(f"batch x heads_q x seqlen_q / {_PREPROCESS_ROWS}",

@@ -58,7 +58,8 @@ from shared memory, 16-bit elements: A (64 x 16, 2048 bytes) for the SS form, no
 swizzle makes the lines conflict-free), so they are bytes, not costed as ld.shared requests.
 
 TMA: each ``cp.async.bulk.tensor`` box is one request in two rows of ``access``: its shared side
-(``tma_load_shared``: bytes a load writes; ``tma_store_shared``: bytes a store reads), costed at 128
+(``tma_load_shared``: bytes a load writes; ``tma_store_shared``: bytes a store, or a bulk reduce-add
+of ``cp.reduce.async.bulk``, reads), costed at 128
 bytes a wavefront (the unit moves whole swizzled lines; bank conflicts not modelled), and its global
 side (``tma_load_global``, ``tma_store_global``): the bytes of the box's elements inside the tensor,
 costed in 32-byte sectors as above (elements outside it are zero-filled or dropped and move none).

@@ -12,9 +12,8 @@
 // The dQ workspace: zeros, a tile of BLOCK_M rows x DQ_ROW (HEAD_DIM + 8) floats per (batch, query head,
 // query block of BLOCK_M), tiles in that order; columns from head_dim on and rows past seqlen_q receive
 // zeros. The dK/dV kernel stages dQ in the same layout, so that one bulk reduce-add moves a whole tile;
-// the 8 floats of padding a row make a half-warp's 8-byte fragment stores hit 32 distinct banks, with
-// offsets the compiler writes as immediates (an XOR swizzle needed registers for its addresses, and the
-// window kernel spilled at head_dim 128 under NVRTC 12.9).
+// the 8 floats of padding a row make a half-warp's 8-byte fragment stores hit 32 distinct banks, at
+// offsets the compiler writes as immediates (an XOR swizzle would hold them in registers).
 //
 // flash_bwd_dkdv_sm90: one CTA per (key block j, batch * heads_kv), flattened on x (key_block in
 // mask.cuh), key-block stationary as FA3's: K_j, V_j (BLOCK_N keys) stay in shared memory while the

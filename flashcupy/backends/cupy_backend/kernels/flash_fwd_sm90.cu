@@ -10,12 +10,12 @@
 // Key blocks that no row of Q_i sees are never loaded (Mask::key_start / key_end), and only the tiles
 // that Mask::partial names are masked element by element.
 //
-// Grid: persistent, min(tiles, SMs) CTAs (the launcher), a tile being a (query block, batch * heads_q)
-// in query_block's order (mask.cuh: the last query blocks, which see the most keys when causal, first);
-// CTA b walks tiles b, b + gridDim.x, .. (`tiles` of them in all). One CTA fills an SM (its registers and
-// shared memory), so a grid of one CTA a tile left each SM idle between its CTAs' loads and stores: now
-// the producer loads the next tile's Q_i and K_j while the consumers finish this one, whose out leaves
-// by TMA store under the next tile's GEMMs.
+// Grid: a tile is a (query block, batch * heads_q) in query_block's order (mask.cuh: the last query
+// blocks, which see the most keys when causal, first); CTA b walks tiles b, b + gridDim.x, .. (`tiles`
+// of them in all). The launcher gives a CTA a tile by default; with cupy_backend.SM90_PERSISTENT,
+// min(tiles, SMs) CTAs, each walking several: the producer then loads the next tile's Q_i and K_j while
+// the consumers finish this one, whose out leaves by TMA store under the next tile's GEMMs (measured no
+// faster on an H200, and slower causal: benchmarks/results/h200_session3/).
 // CTA: 1 + CONSUMERS warpgroups of 128 threads (SM90_THREADS), with different jobs:
 //   warpgroup 0, the producer: gives its registers back (setmaxnreg_dec) and one elected thread of its
 //     first warp issues every TMA load: per tile Q_i once (once Q_s is free), then K_j and V_j of each
