@@ -8,18 +8,19 @@ cache's keys are visited where they lie: a paged cache as runs of consecutive ph
 each run an ordinary call told its global diagonal, the runs combined by `flashcupy.merge`'s rule
 (as are the splits of num_splits).
 
-On the cupy backend the packed forward is one launch whatever the number of sequences (on the
-mma.sync kernels, on compute capability 9.0 too: the Hopper forward reads no offsets yet): its
-kernels read the offsets from device memory themselves (cupy_backend.forward_varlen, mask.cuh's
-Sequence), clamped into the arrays, so that no offset can make them touch memory outside them. The offsets are
-still copied to the host and checked first unless check_offsets=False, which skips that copy (for
-serving loops and CUDA graphs: unchecked offsets give garbage, in bounds, never an access outside
-the arrays); for valid offsets the result is the same bits either way. The backends that loop over
-the sequences on the host (NumPy, Numba) and the cupy backward need the offsets there, so they read
-and check them whatever check_offsets says. The KV cache and the backward still run one launch per
-sequence (per run of a paged cache) on the cupy backend; its KV-cache forward splits a sequence's
-keys inside that launch (split-KV, cupy_backend.split_plan) where one CTA per query block and head
-would leave the device idle, as when decoding.
+On the cupy backend a packed batch is one launch per kernel whatever the number of sequences: the
+forward one, the backward three (the D pre-pass; dK/dV; dQ, or the conversion of the dQ the dK/dV
+kernel added), on the mma.sync kernels where the dtype and strides allow, on compute capability 9.0
+too (the Hopper kernels read no offsets yet). Its kernels read the offsets from device memory
+themselves (cupy_backend.forward_varlen and backward_varlen, mask.cuh's Sequence), clamped into the
+arrays, so that no offset can make them touch memory outside them. The offsets are still copied to
+the host and checked first unless check_offsets=False, which skips that copy (for serving loops and
+CUDA graphs: unchecked offsets give garbage, in bounds, never an access outside the arrays); for
+valid offsets the result is the same bits either way. The backends that loop over the sequences on
+the host (NumPy, Numba) need the offsets there, so they read and check them whatever check_offsets
+says. The KV cache still runs one launch per sequence (per run of a paged cache) on the cupy backend;
+its KV-cache forward splits a sequence's keys inside that launch (split-KV, cupy_backend.split_plan)
+where one CTA per query block and head would leave the device idle, as when decoding.
 """
 
 from __future__ import annotations
@@ -80,10 +81,11 @@ def _slopes_for(alibi_slopes, b: int, batch: int):
     return alibi_slopes[b]
 
 
-def _one_launch(mod) -> bool:
-    """Whether backend `mod` runs a packed forward in one launch that reads the offsets on the device
-    (cupy: forward_varlen); else the sequences are looped over on the host (forward_packed)."""
-    return hasattr(mod, "forward_varlen")
+def _one_launch(mod, backward: bool = False) -> bool:
+    """Whether backend `mod` runs a packed forward (backward) in launches that read the offsets on the
+    device (cupy: forward_varlen, backward_varlen); else the sequences are looped over on the host
+    (forward_packed, backward_packed)."""
+    return hasattr(mod, "backward_varlen" if backward else "forward_varlen")
 
 
 def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dtype,
@@ -120,7 +122,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     mods["alibi_slopes"] = None if mods.get("alibi_slopes") is None else _slopes_for(mods["alibi_slopes"], 0, batch)
     p = _checks.problem(q[None], k[None], v[None], causal, scale, dtype, lib, **mods)
     mod = _checks.select_backend(backend, lib, p, backward=backward)
-    if cu_q is None and (backward or not _one_launch(mod)):
+    if cu_q is None and not _one_launch(mod, backward):
         # where the sequences are looped over on the host, the offsets are read there: checked, as by default
         return _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dtype,
                             modifiers, mod.NAME, backward)
@@ -174,14 +176,16 @@ def forward_packed(q, k, v, cu_q, cu_k, out, lse, *, alibi_slopes=None, **keywor
 @_interop.accepts_foreign_arrays
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                               max_seqlen_k=None, causal=False, window=None, softcap=None, alibi_slopes=None,
-                              scale=None, backend="auto", dtype=None, check_offsets=True):
-    """Gradients (dq, dk, dv) of attention_varlen, shaped like q, k and v. check_offsets is accepted
-    as attention_varlen's, and the offsets are checked whatever it says: the backward runs sequence by
-    sequence on the host on every backend for now."""
-    _checks.check_bool("check_offsets", check_offsets)
+                              scale=None, backend="auto", dtype=None, check_offsets=True, deterministic=False):
+    """Gradients (dq, dk, dv) of attention_varlen, shaped like q, k and v; deterministic as
+    attention_backward's. check_offsets as attention_varlen's: the cupy backend's kernels read the
+    offsets themselves (a launch per kernel whatever the batch), the other backends loop over the
+    sequences on the host and check them whatever it says."""
+    check_offsets = _checks.check_bool("check_offsets", check_offsets)
+    deterministic = _checks.check_bool("deterministic", deterministic)
     mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     p, cu_q, cu_k, mod = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                      scale, dtype, mods, backend, backward=True)
+                                      scale, dtype, mods, backend, backward=True, check_offsets=check_offsets)
     _checks.check_arrays({"dout": dout, "q": q, "out": out, "lse": lse})
     _checks.check_like_q(p, q, {"dout": dout, "out": out})
     if tuple(lse.shape) != (p.heads_q, q.shape[0]):
@@ -189,8 +193,12 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     if np.dtype(lse.dtype) != p.lse_dtype:
         raise TypeError(f"lse must have dtype {p.lse_dtype} for {p.dtype} inputs, got {np.dtype(lse.dtype)}")
     dq, dk, dv = (mod.allocate(q, x.shape, p.carrier, 0) for x in (q, k, v))
-    backward_packed(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, causal=causal, scale=scale, backend=backend,
-                    dtype=dtype, **mods)
+    if _one_launch(mod, backward=True):  # the offsets read on the device (the same bits, checked or not)
+        mod.backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv,
+                            alibi_slopes=alibi_slopes, deterministic=deterministic)
+    else:
+        backward_packed(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, causal=causal, scale=scale, backend=backend,
+                        dtype=dtype, deterministic=deterministic, **mods)
     return dq, dk, dv
 
 
@@ -211,9 +219,11 @@ def backward_packed(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, *, alibi_sl
 
 @_interop.accepts_foreign_arrays
 def attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, **keywords):
-    """attention_varlen plus a closure for its backward: (out, vjp), vjp(dout) -> (dq, dk, dv)."""
+    """attention_varlen plus a closure for its backward: (out, vjp), vjp(dout) -> (dq, dk, dv);
+    deterministic reaches the backward only."""
     keywords.pop("return_lse", None)
-    out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, return_lse=True, **keywords)
+    forward_keywords = {name: x for name, x in keywords.items() if name != "deterministic"}
+    out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, return_lse=True, **forward_keywords)
 
     def vjp(dout):
         return attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, **keywords)

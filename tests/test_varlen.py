@@ -325,26 +325,49 @@ def test_the_split_plan_fills_the_device_when_decoding():
 
 
 # ----------------------------------------------------------------------------
-# a packed batch's forward in one launch (the cupy backend, emulated): the kernels read the offsets
+# a packed batch in one launch per kernel (the cupy backend, emulated): the kernels read the offsets
 
 
 ONE_LAUNCH_PATHS = {"simt": (np.float32, 32), "simt-float64": (np.float64, 32), "tensor-cores": (np.float16, 64),
                     "tensor-cores-128": (np.float16, 128), "tensor-cores-bfloat16": (BF16, 64)}
+# the kernels of each path's forward and backward, in launch order (the default backward: dQ added by
+# the tensor-core dK/dV kernel, then converted)
+ONE_LAUNCH_KERNELS = {"simt": ["flash_fwd", "flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq"],
+                      "tensor-cores": ["flash_fwd_tc", "flash_bwd_preprocess", "flash_bwd_dkdv_tc",
+                                       "flash_bwd_dq_convert"]}
+PACKED_LENGTHS = ([5, 0, 9, 1, 150, 13, 0], [5, 3, 4, 7, 140, 0, 0])
 
 
 @pytest.mark.parametrize("mods", MODS.values(), ids=MODS.keys())
 @pytest.mark.parametrize("path", ONE_LAUNCH_PATHS, ids=ONE_LAUNCH_PATHS.keys())
-def test_cupy_packed_forward_in_one_launch_matches_the_oracle(rng, path, mods):
+def test_cupy_packed_batch_in_one_launch_per_kernel_matches_the_oracle(rng, path, mods):
     # empty sequences (no query, no key), Sq > Sk and Sq < Sk under causal, sequences of several query
-    # blocks; checked and unchecked offsets give the same bits (packed_batch_matches_the_oracle)
+    # and key blocks; forward and backward; checked and unchecked offsets give the same bits
+    # (packed_batch_matches_the_oracle), each call one launch per kernel
     from flashcupy.tools.emulator.cupy import emulated
     dtype, head_dim = ONE_LAUNCH_PATHS[path]
-    lengths = ([5, 0, 9, 1, 150, 13, 0], [5, 3, 4, 7, 140, 0, 0])
     grids = []
     with emulated(compile=_recording(grids)):
-        packed_batch_matches_the_oracle(rng, "cupy", lengths, dtype, head_dim, (4, 2), mods)
-    want = "flash_fwd_tc<" if dtype in (np.float16, BF16) else "flash_fwd<"
-    assert len(grids) == 2 and all(name.startswith(want) and name.endswith(", true>") for name, _ in grids), grids
+        packed_batch_matches_the_oracle(rng, "cupy", PACKED_LENGTHS, dtype, head_dim, (4, 2), mods, backward=True)
+    kernels = ONE_LAUNCH_KERNELS["simt" if path.startswith("simt") else "tensor-cores"]
+    assert [name.split("<")[0] for name, _ in grids] == kernels[:1] * 2 + kernels[1:] * 2
+    assert all(name.endswith(", true>") for name, _ in grids if name.split("<")[0] in ("flash_fwd", "flash_fwd_tc",
+                                                                                     "flash_bwd_dkdv", "flash_bwd_dq",
+                                                                                     "flash_bwd_dkdv_tc")), grids
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cupy_packed_deterministic_backward_in_one_launch_per_kernel(rng, head_dim):
+    # deterministic=True: the tensor-core dK/dV and dQ kernels, each reading the offsets
+    from flashcupy.tools.emulator.cupy import emulated
+    grids = []
+    with emulated(compile=_recording(grids)):
+        packed_batch_matches_the_oracle(rng, "cupy", PACKED_LENGTHS, np.float16, head_dim, (4, 2),
+                                        MODS["causal-window-alibi"], backward=True, deterministic=True)
+    backward = [name for name, _ in grids][2:]
+    assert [name.split("<")[0] for name in backward] == ["flash_bwd_preprocess", "flash_bwd_dkdv_tc",
+                                                         "flash_bwd_dq_tc"] * 2
+    assert all(name.endswith(", true>") for name in backward[1::3] + backward[2::3]), backward
 
 
 def test_cupy_packed_forward_reads_any_strides(rng):
@@ -381,18 +404,23 @@ def test_on_sm90_a_packed_batch_is_one_launch_of_the_mma_sync_forward(rng):
     assert [name.split("<")[0] for name, _ in grids] == ["flash_fwd_tc"] * 2  # checked, then not
 
 
-def _query_blocks(cu_q, kernel_name) -> int:
-    """The query blocks of a packed batch's sequences, for the tile of the launched kernel: the CTAs that
-    have work, per query head."""
-    block_m = int(kernel_name.split(", ")[3 if kernel_name.startswith("flash_fwd<") else 2])
-    return int(sum(-(-np.diff(cu_q) // block_m)))
+VARLEN_KERNELS = ("flash_fwd", "flash_fwd_tc", "flash_bwd_dkdv", "flash_bwd_dkdv_tc", "flash_bwd_dq", "flash_bwd_dq_tc")
+
+
+def _working_blocks(cu_q, cu_k, kernel_name) -> int:
+    """The blocks of a packed batch's sequences that the launched kernel's CTAs work on, per head, for
+    its tile: query blocks (forward, dQ), key blocks (dK/dV)."""
+    template, args = kernel_name.split("<")[0], kernel_name.split("<")[1].split(", ")
+    block_m = 3 if template in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq") else 2  # after T (, Acc), HEAD_DIM
+    keys = template.startswith("flash_bwd_dkdv")
+    return int(sum(-(-np.diff(cu_k if keys else cu_q) // int(args[block_m + keys]))))
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
-def test_cupy_packed_forward_is_one_launch_whatever_the_batch(rng, dtype):
-    # the per-sequence path made one launch per sequence with queries and keys; now 1, 7 or 40
-    # sequences (some empty) take one, whose idle CTAs (past their sequence's query blocks) are at
-    # most one a sequence
+def test_cupy_packed_batch_is_one_launch_per_kernel_whatever_the_batch(rng, dtype):
+    # the per-sequence path made a launch per kernel and sequence with queries and keys; now 1, 7 or 40
+    # sequences (some empty) take one forward launch and three backward ones, whose idle CTAs (past
+    # their sequence's blocks) are at most one a sequence and head
     from flashcupy.tools.emulator.cupy import emulated
     launches = {}
     for batch in (1, 7, 40):
@@ -400,34 +428,42 @@ def test_cupy_packed_forward_is_one_launch_whatever_the_batch(rng, dtype):
         lengths_k = np.where(rng.random(batch) < 0.2, 0, rng.integers(1, 40, batch))
         lengths_q[0], lengths_k[0] = 33, 20  # one sequence with work at least
         q, k, v, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, 2, 1, 32, dtype)
+        dout = rng.standard_normal(q.shape).astype(dtype)
         grids = []
         with emulated(compile=_recording(grids)):
             out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True, backend="cupy")
+            dq, dk, dv = flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True,
+                                                             backend="cupy")
         launches[batch] = len(grids)
-        ((name, ctas),) = grids
-        assert 0 <= ctas - 2 * _query_blocks(cu_q, name) <= 2 * batch
+        for name, ctas in grids:
+            if name.split("<")[0] in VARLEN_KERNELS:
+                heads = 1 if name.startswith("flash_bwd_dkdv") else 2
+                assert 0 <= ctas - heads * _working_blocks(cu_q, cu_k, name) <= heads * batch, (name, ctas)
         for b in range(batch):
             sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-            assert_matches_oracle((out[None, sq], lse[None, :, sq]), q[None, sq], k[None, sk], v[None, sk],
-                                  causal=True, backend="cupy")
-    assert launches == {1: 1, 7: 1, 40: 1}
+            assert_matches_oracle((out[None, sq], lse[None, :, sq], dq[None, sq], dk[None, sk], dv[None, sk]),
+                                  q[None, sq], k[None, sk], v[None, sk], dout[None, sq], causal=True, backend="cupy")
+    assert launches == {1: 4, 7: 4, 40: 4}
 
 
 @pytest.mark.parametrize("dtype, head_dim", [(np.float16, 64), (np.float16, 128), (np.float32, 64),
                                              (np.float64, 64)])
-def test_few_ctas_of_a_packed_forward_find_no_work(rng, dtype, head_dim):
-    # issue 28's target: for 256 sequences of 17-300 tokens, at most 25 % of the CTAs launched exit
-    # without work. The launch is recorded, not run: which CTAs work is the grid's rule (mask.cuh's
-    # Sequence), which the tests above run
+def test_few_ctas_of_a_packed_batch_find_no_work(rng, dtype, head_dim):
+    # issue 28's target: for 256 sequences of 17-300 tokens, at most 25 % of the CTAs each forward and
+    # backward kernel launches exit without work. The launches are recorded, not run: which CTAs work
+    # is the grid's rule (mask.cuh's Sequence), which the tests above run
     from flashcupy.tools.emulator.cupy import emulated, launch_records
     lengths = rng.integers(17, 301, 256)
     q, k, v, cu_q, cu_k = packed_inputs(rng, lengths, lengths, 1, 1, head_dim, dtype)
     grids = []
     with emulated(compile=launch_records(grids, run=False)):
-        flashcupy.attention_varlen(q, k, v, cu_q, cu_k, causal=True, backend="cupy", check_offsets=False)
-    ((name, ctas),) = grids
-    idle = 1 - _query_blocks(cu_q, name) / ctas
-    assert idle <= 0.25, (name, ctas, idle)
+        out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True, backend="cupy",
+                                              check_offsets=False)
+        flashcupy.attention_varlen_backward(q, q, k, v, out, lse, cu_q, cu_k, causal=True, backend="cupy",
+                                            check_offsets=False)
+    idle = {name: 1 - _working_blocks(cu_q, cu_k, name) / ctas for name, ctas in grids
+            if name.split("<")[0] in VARLEN_KERNELS}
+    assert len(idle) == (2 if dtype == np.float16 else 3) and max(idle.values()) <= 0.25, idle
 
 
 HOSTILE_OFFSETS = {"decreasing": [0, 30, 10, 40], "negative": [0, -50, 5, 40], "past the end": [0, 10, 80, 40],
@@ -435,28 +471,70 @@ HOSTILE_OFFSETS = {"decreasing": [0, 30, 10, 40], "negative": [0, -50, 5, 40], "
                    "short of the end": [0, 10, 20, 30]}
 
 
-def _hostile_calls(rng, dtype, mutate=None):
-    """attention_varlen over unchecked hostile offsets (each table for q, for k, for both) on the emulated
-    cupy backend, whose guard pages fail any access outside the arguments; `mutate` edits the kernels."""
+def _hostile_calls(rng, dtype, mutate=None, deterministic=False):
+    """attention_varlen and its backward over unchecked hostile offsets (each table for q, for k, for
+    both) on the emulated cupy backend, whose guard pages fail any access outside the arguments;
+    `mutate` edits the kernels. Returns the kernels launched."""
     from flashcupy.tools.emulator.cupy import emulated
     q, k, v, cu_q, cu_k = packed_inputs(rng, [10, 20, 10], [15, 5, 20], 2, 1, 64, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    grids = []
     for name, bad in HOSTILE_OFFSETS.items():
         bad = np.array(bad, np.int32)
         for args in ((bad, cu_k), (cu_q, bad), (bad, bad)):
-            with emulated(compile=_recording([], mutate)):
+            with emulated(compile=_recording(grids, mutate)):
                 out, lse = flashcupy.attention_varlen(q, k, v, *args, causal=True, return_lse=True, backend="cupy",
                                                       check_offsets=False)
+                grads = flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, *args, causal=True,
+                                                            backend="cupy", check_offsets=False,
+                                                            deterministic=deterministic)
             assert out.shape == q.shape and lse.shape == (2, q.shape[0])
+            assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    return {name.split("<")[0] for name, _ in grids}
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
-def test_unchecked_hostile_offsets_stay_inside_the_arrays(rng, dtype):
-    _hostile_calls(rng, dtype)
+HOSTILE_PATHS = {"simt": (np.float32, False), "tensor-cores": (np.float16, False),
+                 "tensor-cores-deterministic": (np.float16, True)}
+
+
+@pytest.mark.parametrize("path", HOSTILE_PATHS)
+def test_unchecked_hostile_offsets_stay_inside_the_arrays(rng, path):
+    # the forward and every backward kernel that reads the offsets (dK/dV, dQ, the dQ added by atomics)
+    dtype, deterministic = HOSTILE_PATHS[path]
+    kernels = _hostile_calls(rng, dtype, deterministic=deterministic)
+    assert kernels >= ({"flash_fwd_tc", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc" if deterministic else
+                        "flash_bwd_dq_convert"} if dtype == np.float16 else {"flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"})
+
+
+UNCLAMPED = ("return min(max(cu[s], 0), total);", "return cu[s];")
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
 def test_unclamped_offsets_would_reach_outside_the_arrays(rng, dtype):
-    # the deliberate bug: the offsets read as they are, unclamped; the guard pages catch it
+    # the deliberate bug: the offsets read as they are, unclamped; the guard pages catch it (in the
+    # forward, the first kernel launched)
     from flashcupy.tools.emulator.errors import KernelError
     with pytest.raises(KernelError, match="flash_fwd"):
-        _hostile_calls(rng, dtype, ("return min(max(cu[s], 0), total);", "return cu[s];"))
+        _hostile_calls(rng, dtype, UNCLAMPED)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
+def test_unclamped_offsets_in_the_backward_would_reach_outside_the_arrays(rng, dtype):
+    # the same bug in the backward's module only (the forward's offsets still clamped): the guard pages
+    # catch its first kernel that reads them, dK/dV
+    from flashcupy.tools.emulator.cupy import compile_module, emulated
+    from flashcupy.tools.emulator.errors import KernelError
+
+    def compile(source, names, options, *rest):
+        if any(name.startswith("flash_bwd_dkdv") for name in names):
+            source = source.replace(*UNCLAMPED)
+        return compile_module(source, names, options, *rest)
+
+    q, k, v, cu_q, cu_k = packed_inputs(rng, [10, 20, 10], [15, 5, 20], 2, 1, 64, dtype)
+    bad = np.array(HOSTILE_OFFSETS["past the end"], np.int32)
+    with emulated(compile=compile):
+        out, lse = flashcupy.attention_varlen(q, k, v, bad, bad, causal=True, return_lse=True, backend="cupy",
+                                              check_offsets=False)
+        with pytest.raises(KernelError, match="flash_bwd_dkdv"):
+            flashcupy.attention_varlen_backward(q, q, k, v, out, lse, bad, bad, causal=True, backend="cupy",
+                                                check_offsets=False)

@@ -21,11 +21,13 @@ def packed_inputs(rng, lengths_q, lengths_k, Hq, Hkv, D, dtype=np.float32):
 
 
 def packed_batch_matches_the_oracle(rng, backend, lengths=([3, 6], [7, 2]), dtype=np.float32, head_dim=8,
-                                    heads=(2, 1), mods=None):
+                                    heads=(2, 1), mods=None, backward=False, deterministic=False):
     """A packed batch (by default causal, with GQA, Sq < Sk and Sq > Sk), each sequence's out and lse
     against the oracle, the same bits whether the offsets are checked on the host or not
     (check_offsets); mods: attention_varlen's keywords, alibi_slopes="per-seq" for (batch, heads_q)
-    random slopes. dtype BF16: the inputs passed as bits with dtype="bfloat16"."""
+    random slopes. dtype BF16: the inputs passed as bits with dtype="bfloat16". backward: dq, dk, dv
+    too (attention_varlen_backward, `deterministic` passed on), checked and unchecked the same bits (on
+    the emulator: its thread order is the same from run to run, so are the atomics' sums)."""
     lengths_q, lengths_k = lengths
     q, k, v, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, *heads, head_dim, dtype)
     mods = dict(causal=True) if mods is None else dict(mods)
@@ -37,14 +39,25 @@ def packed_batch_matches_the_oracle(rng, backend, lengths=([3, 6], [7, 2]), dtyp
     out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend=backend, **mods)
     unchecked = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend=backend,
                                            check_offsets=False, **mods)
-    np.testing.assert_array_equal(out, unchecked[0])
-    np.testing.assert_array_equal(lse, unchecked[1])
+    got = [out, lse]
+    if backward:
+        dout = rng.standard_normal(q.shape).astype(np.float32)
+        dout = bf16_bits(dout.astype(BF16)) if dtype == BF16 else dout.astype(dtype)
+        keywords = dict(backend=backend, deterministic=deterministic, **mods)
+        got += flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **keywords)
+        unchecked += flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, check_offsets=False,
+                                                         **keywords)
+    for a, b in zip(got, unchecked):
+        np.testing.assert_array_equal(a, b)
     for b in range(len(lengths_q)):
         sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         one = dict(mods)
         if one.get("alibi_slopes") is not None and one["alibi_slopes"].ndim == 2:
             one["alibi_slopes"] = one["alibi_slopes"][b]
-        assert_matches_oracle((out[None, sq], lse[None, :, sq]), q[None, sq], k[None, sk], v[None, sk],
+        mine = (out[None, sq], lse[None, :, sq])
+        if backward:
+            mine += (got[2][None, sq], got[3][None, sk], got[4][None, sk])
+        assert_matches_oracle(mine, q[None, sq], k[None, sk], v[None, sk], *((dout[None, sq],) if backward else ()),
                               backend=backend, **one)
 
 

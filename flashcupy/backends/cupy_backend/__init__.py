@@ -429,12 +429,12 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
 ATOMIC_BACKWARD = True  # backward(..., deterministic=False) may add with atomics (the interface passes it)
 
 
-def _backward_module(p, path: str, deterministic: bool) -> specs.ModuleSpec:
+def _backward_module(p, path: str, deterministic: bool, varlen: bool = False) -> specs.ModuleSpec:
     if path == "hopper":
         return specs.sm90_backward_module(p.dtype, p.head_dim, _mods(p))
     if path == "tensor-core":
-        return specs.tc_backward_module(p.dtype, p.head_dim, _mods(p), deterministic)
-    return specs.backward_module(p.dtype, p.head_dim, _mods(p))
+        return specs.tc_backward_module(p.dtype, p.head_dim, _mods(p), deterministic, varlen)
+    return specs.backward_module(p.dtype, p.head_dim, _mods(p), varlen)
 
 
 def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
@@ -444,52 +444,13 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
     deterministic either way."""
     rt = _runtime()
     path = backward_path(p, dout, q, k, v, out, deterministic)
-    tensor_cores = path != "simt"  # the units of the score modifiers' arguments
-    module = _backward_module(p, path, deterministic)
-    prep_kernel, dkdv, dq_kernel = module.kernels
-    acc = p.acc_dtype.type
-    block = (specs.NUM_THREADS,)
     with rt.device_of(q):
-        preprocess, bwd_dkdv, bwd_dq = _functions(rt, module, q)
         if into is None:
             dq, dk, dv = (rt.xp.empty(x.shape, dtype=p.carrier) for x in (q, k, v))
         else:
             dq, dk, dv = into[:3]
-        D = rt.xp.empty(p.lse_shape, dtype=p.acc_dtype)  # workspace: rowsum(dO ∘ O), contiguous
-        # workspace for dQ's atomics: zeros, q's shape, contiguous (the tensor-core dK/dV kernel takes
-        # a never-read stand-in otherwise); the Hopper kernel's: zeros, a tile of block_m rows x its
-        # head_dim bucket and padding per (batch, query head, query block) (flash_bwd_sm90.cu)
-        dqa = (rt.xp.zeros((p.batch, p.heads_q, -(-p.seqlen_q // dkdv.block_m) * dkdv.block_m,
-                            dkdv.head_dim + specs.SM90_DQ_ROW_PAD), dtype=np.float32) if dkdv.wgmma
-               else rt.xp.zeros(q.shape, dtype=np.float32) if dkdv.dq_atomic else None)
-
-        preprocess(
-            (prep_kernel.blocks(p),), block,
-            (*_tensor(dout), *_tensor(out), D,
-             np.int32(p.batch), np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim)))
-        shared = (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(dout), *_tensor(lse), D)
-        flags = (*_shape_args(p), acc(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-                 *_modifier_args(p, D, tensor_cores))
-        atomic = ((dqa,) if dkdv.wgmma else (*_tensor(dqa),) if dqa is not None
-                  else (D, *(np.int64(0),) * 4) if tensor_cores else ())
-        if path == "hopper":  # q, dO_i: a pass's BLOCK_M rows; k, v: the key block's BLOCK_N
-            maps = _sm90_maps(rt, p, (q, dkdv.block_m), (k, dkdv.block_n), (v, dkdv.block_n), (dout, dkdv.block_m))
-            shared = (*maps, *_tensor(lse), D)
-        bwd_dkdv(
-            (dkdv.blocks(p),), (dkdv.threads,),
-            (*shared, *_tensor(dk), *_tensor(dv), *flags, *atomic), shared_mem=dkdv.dynamic_smem)
-        if dqa is None:
-            bwd_dq(
-                (dq_kernel.blocks(p),), block,
-                (*shared, *_tensor(dq), *flags), shared_mem=dq_kernel.dynamic_smem)
-        else:
-            # the convert kernel writes dq element by element in q's shape, contiguous: a given dq of
-            # other strides (a view of a larger one: flashcupy/_batch.py) takes a copy
-            flat = dq if dq.flags.c_contiguous else rt.xp.empty(q.shape, dtype=p.carrier)
-            tiles = (np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim)) if dkdv.wgmma else ()
-            bwd_dq((dq_kernel.blocks(p),), block, (dqa, flat, np.int64(flat.size), np.float32(p.scale), *tiles))
-            if flat is not dq:
-                dq[...] = flat
+        D = _backward_launches(rt, p, path, _backward_module(p, path, deterministic), dout, q, k, v, out, lse,
+                               dq, dk, dv)
         if p.bias is None:
             return dq, dk, dv
         # dbias (flash_pairs.cu, SIMT whichever path ran above): its own arguments are natural-unit ones
@@ -498,11 +459,91 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
         (bwd_dbias,) = _functions(rt, module, q)
         dbias = rt.xp.empty(p.bias.shape, dtype=p.bias.dtype) if into is None or len(into) < 4 else into[3]
         bwd_dbias(
-            (dbias_kernel.blocks(p),), block,
-            (*shared, *_tensor(dbias), np.int32(p.batch), *(np.int32(n) for n in p.bias.shape),
-             *_shape_args(p), acc(p.scale), np.int32(p.causal), np.int32(p.diagonal),
+            (dbias_kernel.blocks(p),), (specs.NUM_THREADS,),
+            (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(dout), *_tensor(lse), D, *_tensor(dbias),
+             np.int32(p.batch), *(np.int32(n) for n in p.bias.shape),
+             *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
              *_modifier_args(p, D, False)))
     return dq, dk, dv, dbias
+
+
+def _backward_launches(rt, p, path: str, module, dout, q, k, v, out, lse, dq, dk, dv, varlen=None):
+    """The backward's launches (module: _backward_module's for `path`) into dq, dk, dv; returns D. varlen:
+    (cu_seqlens_q, cu_seqlens_k, num_seqs) for a packed batch (backward_varlen: every tensor a batch of
+    one, passed with batch stride 0, and the dK/dV and dQ grids varlen_blocks'). Call with q's device
+    current."""
+    tensor_cores = path != "simt"  # the units of the score modifiers' arguments
+    prep_kernel, dkdv, dq_kernel = module.kernels
+    preprocess, bwd_dkdv, bwd_dq = _functions(rt, module, q)
+    if varlen is None:
+        arg, tail, blocks = _tensor, _no_varlen(rt, q), lambda kernel: kernel.blocks(p)
+    else:
+        # batch strides 0: each CTA moves the tensors to its sequence's rows itself (mask.cuh's Sequence)
+        arg, tail = (lambda x: (x, np.int64(0), *_tensor(x)[2:])), (varlen[0], varlen[1], np.int32(varlen[2]))
+        blocks = lambda kernel: launch.varlen_blocks(kernel, p, varlen[2])  # noqa: E731
+    D = rt.xp.empty(p.lse_shape, dtype=p.acc_dtype)  # workspace: rowsum(dO ∘ O), contiguous
+    # workspace for dQ's atomics: zeros, q's shape, contiguous (the tensor-core dK/dV kernel takes
+    # a never-read stand-in otherwise); the Hopper kernel's: zeros, a tile of block_m rows x its
+    # head_dim bucket and padding per (batch, query head, query block) (flash_bwd_sm90.cu)
+    dqa = (rt.xp.zeros((p.batch, p.heads_q, -(-p.seqlen_q // dkdv.block_m) * dkdv.block_m,
+                        dkdv.head_dim + specs.SM90_DQ_ROW_PAD), dtype=np.float32) if dkdv.wgmma
+           else rt.xp.zeros(q.shape, dtype=np.float32) if dkdv.dq_atomic else None)
+
+    block = (specs.NUM_THREADS,)
+    preprocess(  # a packed batch's rows are those of one sequence of its total length here
+        (prep_kernel.blocks(p),), block,
+        (*_tensor(dout), *_tensor(out), D,
+         np.int32(p.batch), np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim)))
+    shared = (*arg(q), *arg(k), *arg(v), *arg(dout), *arg(lse), D)
+    flags = (*_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
+             *_modifier_args(p, D, tensor_cores))
+    atomic = ((dqa,) if dkdv.wgmma else (*arg(dqa),) if dqa is not None
+              else (D, *(np.int64(0),) * 4) if tensor_cores else ())
+    if path == "hopper":  # q, dO_i: a pass's BLOCK_M rows; k, v: the key block's BLOCK_N
+        maps = _sm90_maps(rt, p, (q, dkdv.block_m), (k, dkdv.block_n), (v, dkdv.block_n), (dout, dkdv.block_m))
+        shared = (*maps, *_tensor(lse), D)
+    bwd_dkdv(
+        (blocks(dkdv),), (dkdv.threads,),
+        (*shared, *arg(dk), *arg(dv), *flags, *atomic, *(() if dkdv.wgmma else tail)), shared_mem=dkdv.dynamic_smem)
+    if dqa is None:
+        bwd_dq(
+            (blocks(dq_kernel),), block,
+            (*shared, *arg(dq), *flags, *tail), shared_mem=dq_kernel.dynamic_smem)
+    else:
+        # the convert kernel writes dq element by element in q's shape, contiguous: a given dq of
+        # other strides (a view of a larger one: flashcupy/_batch.py) takes a copy
+        flat = dq if dq.flags.c_contiguous else rt.xp.empty(q.shape, dtype=p.carrier)
+        tiles = (np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim)) if dkdv.wgmma else ()
+        bwd_dq((dq_kernel.blocks(p),), block, (dqa, flat, np.int64(flat.size), np.float32(p.scale), *tiles))
+        if flat is not dq:
+            dq[...] = flat
+    return D
+
+
+def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, alibi_slopes=None,
+                    deterministic=False) -> None:
+    """A packed batch's backward (attention_varlen_backward) in forward_varlen's manner: the preprocess,
+    dK/dV and dQ (or the dQ conversion) each one launch whatever the number of sequences, the offsets
+    read by the kernels (mask.cuh's Sequence) and never on the host. dout, q, out (total_q, heads_q,
+    head_dim), k, v (total_k, heads_kv, head_dim), lse (heads_q, total_q); dq, dk, dv allocated with
+    zeros, written in place (rows of no sequence, and the sequences without a query or a key, keep
+    them). On the mma.sync kernels where forward_path's conditions hold, on compute capability 9.0
+    too (the Hopper backward reads no offsets yet); deterministic as backward's."""
+    rt = _runtime()
+    num_seqs = int(cu_seqlens_q.shape[0]) - 1
+    if num_seqs <= 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
+        return  # no sequence, no query or no key: zero gradients, as allocated
+    packed = [x[None] for x in (dout, q, k, v, out, lse, dq, dk, dv)]
+    path = _path(p, *packed[:5])  # never the Hopper kernels: they read no offsets
+    module = _backward_module(p, path, deterministic, varlen=True)
+    for kernel in module.kernels[1:]:
+        if kernel.varlen and launch.varlen_blocks(kernel, p, num_seqs) > backends.MAX_GRID[0]:
+            raise ValueError(f"a packed batch of {num_seqs} sequences, {p.seqlen_q} query rows and {p.seqlen_k} keys "
+                             f"needs more thread blocks than CUDA's grid holds ({backends.MAX_GRID[0]})")
+    if alibi_slopes is not None:
+        p = dataclasses.replace(p, alibi_slopes=alibi_slopes)
+    with rt.device_of(q):
+        _backward_launches(rt, p, path, module, *packed, varlen=(cu_seqlens_q, cu_seqlens_k, num_seqs))
 
 
 def probs(p, q, k, lse, rows):

@@ -166,10 +166,13 @@ _KEY_BLOCKS = Grid("seqlen_k / {block_n} x batch x heads_kv",
 
 
 def varlen_blocks(kernel: Kernel, p, num_seqs: int) -> int:
-    """The CTAs of a forward kernel for a packed batch (kernel.varlen) of num_seqs sequences, p its
-    packed Problem (batch 1, seqlen_q the total): per query head, total_q // block_m + num_seqs
-    (varlen_slots in mask.cuh, whose Sequence says why that covers every sequence's query blocks,
-    and at most one CTA a sequence more)."""
+    """The CTAs of a kernel for a packed batch (kernel.varlen) of num_seqs sequences, p its packed
+    Problem (batch 1, seqlen_q and seqlen_k the totals): per query head, total_q // block_m + num_seqs
+    for a kernel that owns query blocks (forward, dQ); per key/value head, total_k // block_n + num_seqs
+    for one that owns key blocks (dK/dV). varlen_slots in mask.cuh, whose Sequence says why that covers
+    every sequence's blocks, and at most one CTA a sequence more."""
+    if kernel.loop == "queries":  # it owns key blocks
+        return (p.seqlen_k // kernel.block_n + num_seqs) * p.heads_kv
     return (p.seqlen_q // kernel.block_m + num_seqs) * p.heads_q
 
 

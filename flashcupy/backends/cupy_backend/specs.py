@@ -76,6 +76,9 @@ PAIR_TILES = {("flash_fwd", 4, 32): (32, 32), ("flash_fwd", 8, 64): (16, 32),
               ("flash_bwd_dkdv", 4, 256): (8, 8), ("flash_bwd_dkdv", 8, 32): (32, 16),
               ("flash_bwd_dbias", 4, 32): (16, 32), ("flash_bwd_dbias", 4, 64): (16, 32),
               ("flash_bwd_dbias", 4, 128): (16, 16)}
+# A packed batch's dK/dV kernel (VARLEN: the sequence's offsets and lengths besides), over
+# MODIFIED_TILES, where tests/test_nvrtc.py saw spills: fewer keys a pass
+VARLEN_TILES = {("flash_bwd_dkdv", 4, 64): (32, 32), ("flash_bwd_dkdv", 4, 256): (8, 8)}
 
 
 # The register figures behind every tile table below: benchmarks/results/tile_choices.md.
@@ -134,6 +137,9 @@ TC_TILES = {
     # The dK/dV kernel that also adds dQ (five GEMMs, not deterministic) takes at most these query rows
     # a pass (16 at head_dim 128: with 32 it went past the register limit tests/test_nvrtc.py keeps)
     ("dkdv", "dq_atomic"): {64: (64, 64), 128: (16, 64)},
+    # A packed batch's dK/dV kernel takes at most these (the deterministic one at head_dim 128 went past
+    # the limit with 32 rows: its sequence's offsets and lengths besides)
+    ("dkdv", "varlen"): {64: (64, 64), 128: (16, 64)},
 }
 # With a bias or mask at head_dim 128 the dK/dV kernel that adds dQ went past the limit even so: those
 # calls keep the deterministic kernels.
@@ -181,7 +187,8 @@ def head_dim_bucket(head_dim: int) -> int:
 # The bool template flags that follow MODS, in order, per template (Kernel's fields of the same names):
 # a name expression spells them up to the last one set (the others default to false)
 TEMPLATE_FLAGS = {"flash_fwd": ("split", "varlen"), "flash_fwd_tc": ("split", "varlen"),
-                  "flash_bwd_dkdv_tc": ("dq_atomic",)}
+                  "flash_bwd_dkdv": ("varlen",), "flash_bwd_dq": ("varlen",),
+                  "flash_bwd_dkdv_tc": ("dq_atomic", "varlen"), "flash_bwd_dq_tc": ("varlen",)}
 
 
 @dataclass(frozen=True)
@@ -197,7 +204,8 @@ class Kernel:
     mods: int = 0            # the score modifiers it is specialised for (MOD_BITS); 0 for none
     split: bool = False      # a forward kernel for split-KV (partial outs in Acc, mask.cuh's Split)
     dq_atomic: bool = False  # the tensor-core dK/dV kernel that adds dQ into an fp32 workspace too
-    varlen: bool = False     # a forward kernel for a packed batch (the offsets read on the device, mask.cuh's Sequence)
+    varlen: bool = False     # a forward, dK/dV or dQ kernel for a packed batch (the offsets read on the device,
+                             # mask.cuh's Sequence)
 
     @property
     def modifiers(self) -> str:
@@ -300,17 +308,20 @@ def forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False, var
     return ModuleSpec("flash_fwd.cu", (Kernel("flash_fwd", dtype, bucket, bm, bn, mods, split, varlen=varlen),))
 
 
-def backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
-    """Kernels in launch order: preprocess (D, the same for every MODS), dK/dV, dQ."""
+def backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False) -> ModuleSpec:
+    """Kernels in launch order: preprocess (D, the same for every MODS, and for a packed batch the
+    same as for one sequence of its total length), dK/dV, dQ; varlen: those two for a packed batch."""
     bucket = head_dim_bucket(head_dim)
     dtype = _name(dtype)
     size = _acc_size(dtype)
     return ModuleSpec("flash_bwd.cu", (
         Kernel("flash_bwd_preprocess", dtype, 0),
         Kernel("flash_bwd_dkdv", dtype, bucket,
-               *_tile("flash_bwd_dkdv", BACKWARD_DKDV_TILES[size][bucket], size, bucket, mods), mods),
+               *_tile("flash_bwd_dkdv", BACKWARD_DKDV_TILES[size][bucket], size, bucket, mods, varlen), mods,
+               varlen=varlen),
         Kernel("flash_bwd_dq", dtype, bucket,
-               *_tile("flash_bwd_dq", BACKWARD_DQ_TILES[size][bucket], size, bucket, mods), mods),
+               *_tile("flash_bwd_dq", BACKWARD_DQ_TILES[size][bucket], size, bucket, mods, varlen), mods,
+               varlen=varlen),
     ))
 
 
@@ -334,12 +345,15 @@ def _pairs_module(template: str, dtype, head_dim: int, mods: int) -> ModuleSpec:
 
 
 def _tile(template: str, tile: tuple, acc_size: int, bucket: int, mods: int, varlen: bool = False) -> tuple:
-    """The SIMT kernel's tile: PAIR_TILES' for a kernel with a bias or mask, else MODIFIED_TILES' for
-    one with modifiers or for a packed batch (the float forward at 64, whose plain tile spilled with the
-    sequence's lengths and offsets too), where they list one."""
+    """The SIMT kernel's tile: PAIR_TILES' for a kernel with a bias or mask, else VARLEN_TILES' for one
+    for a packed batch, else MODIFIED_TILES' for one with modifiers or for a packed batch (the float
+    forward at 64, whose plain tile spilled with the sequence's lengths and offsets too), where they
+    list one."""
     key = (template, acc_size, bucket)
     if mods & MOD_PAIRS and key in PAIR_TILES:
         return PAIR_TILES[key]
+    if varlen and key in VARLEN_TILES:
+        return VARLEN_TILES[key]
     return MODIFIED_TILES.get(key, tile) if mods or varlen else tile
 
 
@@ -367,8 +381,8 @@ def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_at
     ALiBi's (MOD_SCORE), else the plain one; the backward's MOD_SCORE's or the plain one, and with
     dQ by atomics dK/dV takes the fewer query rows of that tile and the dq_atomic one.
 
-    A packed batch takes its own (TC_TILES' varlen rows), whatever its modifiers (attention_varlen takes
-    no bias or mask)."""
+    A packed batch's forward takes its own (TC_TILES' varlen rows), whatever its modifiers
+    (attention_varlen takes no bias or mask); its dK/dV the fewer query rows of the above and its own."""
     bucket = _tc_bucket(head_dim)
     pairs, score = mods & MOD_PAIRS, mods & MOD_SCORE
     if pass_ == "forward":
@@ -377,6 +391,8 @@ def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_at
     else:
         variant = "score" if score else "plain"
     tile = TC_TILES[pass_, variant][bucket]
+    if varlen and pass_ == "dkdv":
+        tile = min(tile, TC_TILES["dkdv", "varlen"][bucket])
     return min(tile, TC_TILES["dkdv", "dq_atomic"][bucket]) if dq_atomic else tile
 
 
@@ -394,22 +410,25 @@ def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False, 
 SPLIT_ALIGN = 128
 
 
-def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool = False) -> ModuleSpec:
+def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool = False,
+                       varlen: bool = False) -> ModuleSpec:
     """The tensor-core backward, kernels in launch order: preprocess (D, the SIMT one), then dK/dV and
     dQ (deterministic: each output element written once, S and dP computed twice, seven GEMMs), or
     dK/dV adding dQ into an fp32 workspace with atomics and the kernel that scales and rounds it (five
-    GEMMs, the default)."""
+    GEMMs, the default); varlen: dK/dV and dQ for a packed batch (the preprocess and the conversion
+    run on it as on one sequence of its total length)."""
     bucket = _tc_bucket(head_dim)
     dtype = _name(dtype)
     deterministic = deterministic or (mods & MOD_PAIRS != 0 and bucket not in TC_ATOMIC_BUCKETS_PAIRS)
-    tiles = tc_tile("dkdv", head_dim, mods, dq_atomic=not deterministic)
-    dkdv = Kernel("flash_bwd_dkdv_tc", dtype, tc_head_dim(head_dim), *tiles, mods, dq_atomic=not deterministic)
+    tiles = tc_tile("dkdv", head_dim, mods, dq_atomic=not deterministic, varlen=varlen)
+    dkdv = Kernel("flash_bwd_dkdv_tc", dtype, tc_head_dim(head_dim), *tiles, mods, dq_atomic=not deterministic,
+                  varlen=varlen)
     if not deterministic:
         return ModuleSpec("flash_bwd_tc.cu", (Kernel("flash_bwd_preprocess", dtype, 0), dkdv,
                                              Kernel("flash_bwd_dq_convert", dtype, 0)))
     return ModuleSpec("flash_bwd_tc.cu", (
         Kernel("flash_bwd_preprocess", dtype, 0), dkdv,
-        Kernel("flash_bwd_dq_tc", dtype, tc_head_dim(head_dim), *tc_tile("dq", head_dim, mods), mods),
+        Kernel("flash_bwd_dq_tc", dtype, tc_head_dim(head_dim), *tc_tile("dq", head_dim, mods), mods, varlen=varlen),
     ))
 
 
@@ -491,8 +510,8 @@ def every_tc_modifier_set_modules(dtypes=TC_DTYPES):
     return list({m.name_expressions: m for m in modules}.values())  # a kernel once, where sets share it
 
 
-def deterministic_tc_backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
-    return tc_backward_module(dtype, head_dim, mods, deterministic=True)
+def deterministic_tc_backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False) -> ModuleSpec:
+    return tc_backward_module(dtype, head_dim, mods, deterministic=True, varlen=varlen)
 
 
 def split_modules(mods=(0, ALL_MODS)):
@@ -510,12 +529,14 @@ VARLEN_MODS = MOD_BITS["window"] | MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"
 
 
 def varlen_modules(mods=(0, VARLEN_MODS)):
-    """The packed batch's forwards (SIMT and tensor-core), for each MODS of `mods` (plain, and the most
-    work in a tile's loop), every dtype and bucket: what tests/test_nvrtc.py compiles of them."""
-    return ([forward_module(dtype, bucket, m, varlen=True) for m in mods for dtype in CUDA_TYPES
-             for bucket in HEAD_DIM_BUCKETS]
-            + [tc_forward_module(dtype, bucket, m, varlen=True) for m in mods for dtype in TC_DTYPES
-               for bucket in TC_HEAD_DIM_BUCKETS])
+    """The packed batch's forwards and backwards (SIMT, and tensor-core: the default backward and the
+    deterministic one), for each MODS of `mods` (plain, and the most work in a tile's loop), every dtype
+    and bucket: what tests/test_nvrtc.py compiles of them."""
+    return ([build(dtype, bucket, m, varlen=True) for m in mods for dtype in CUDA_TYPES
+             for bucket in HEAD_DIM_BUCKETS for build in (forward_module, backward_module)]
+            + [build(dtype, bucket, m, varlen=True) for m in mods for dtype in TC_DTYPES
+               for bucket in TC_HEAD_DIM_BUCKETS
+               for build in (tc_forward_module, tc_backward_module, deterministic_tc_backward_module)])
 
 
 def _acc_size(dtype: str) -> int:

@@ -39,19 +39,30 @@
 #include "flash_bwd_common.cuh"
 #include "mask.cuh"
 
-template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0>
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0,
+          bool VARLEN = false>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const Acc, lse), const Acc* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
-    PROBLEM_PARAMS(Acc)) {
+    PROBLEM_PARAMS(Acc), VARLEN_PARAMS) {
     constexpr int R = rows_per_warp<BLOCK_N>();
 
     __shared__ Acc K_s[BLOCK_N * HEAD_DIM], V_s[BLOCK_N * HEAD_DIM];
     __shared__ Acc Q_s[BLOCK_M * HEAD_DIM], dO_s[BLOCK_M * HEAD_DIM];
     static_assert(sizeof(K_s) + sizeof(V_s) + sizeof(Q_s) + sizeof(dO_s) <= SMEM_LIMIT, "tiles exceed 48 KiB");
 
+    DRows<const Acc, VARLEN> D{Dvec, heads_q, seqlen_q};
+    KeyBlock blk;
+    if constexpr (VARLEN) {
+        const Sequence seq = sequence_of<BLOCK_N, true>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
+        if (seq.start < 0) return;  // past its sequence's key blocks: no work (the whole CTA)
+        TAKE_SEQUENCE_BACKWARD(seq, D);
+        AT_SEQUENCE_K(seq, dk), AT_SEQUENCE_K(seq, dv);
+        blk = {seq.start, seq.index, seq.kv_head};
+    } else {
+        blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);
+    }
     const auto mask = MAKE_MASK(MODS);
-    const KeyBlock blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int key0 = blk.j0 + warp * R, query = lane % BLOCK_M;  // this warp's first key, this lane's row in Q_i
 
@@ -65,7 +76,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv(
     for (int h = blk.kv_head * group; h < (blk.kv_head + 1) * group; ++h) {
         const Rows<const T> Q = HEAD_ROWS(q, blk.b, h);
         const Rows<const T> dO = HEAD_ROWS(dout, blk.b, h);
-        const Stats<const Acc> lse_row = LSE_ROW(lse, blk.b, h), D_row = d_row(Dvec, heads_q, seqlen_q, blk.b, h);
+        const Stats<const Acc> lse_row = LSE_ROW(lse, blk.b, h), D_row = D.row(blk.b, h);
         const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, h, Acc(1), Acc(1));
         for (int i0 = mask.query_start(blk.j0), i_end = mask.query_end(blk.j0); i0 < i_end; i0 += BLOCK_M) {
             load_tile<BLOCK_M, HEAD_DIM>(Q_s, Q, i0, seqlen_q, head_dim, scale);
@@ -109,18 +120,30 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv(
     store_rows<R, HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, key0, seqlen_k, head_dim);
 }
 
-template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0>
+template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0,
+          bool VARLEN = false>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
-    LSE_PARAMS(const Acc, lse), const Acc* __restrict__ Dvec, TENSOR_PARAMS(T, dq), PROBLEM_PARAMS(Acc)) {
+    LSE_PARAMS(const Acc, lse), const Acc* __restrict__ Dvec, TENSOR_PARAMS(T, dq), PROBLEM_PARAMS(Acc),
+    VARLEN_PARAMS) {
     constexpr int R = rows_per_warp<BLOCK_M>();
 
     __shared__ Acc Q_s[BLOCK_M * HEAD_DIM], dO_s[BLOCK_M * HEAD_DIM];
     __shared__ Acc K_s[BLOCK_N * HEAD_DIM], V_s[BLOCK_N * HEAD_DIM];
     static_assert(sizeof(Q_s) + sizeof(dO_s) + sizeof(K_s) + sizeof(V_s) <= SMEM_LIMIT, "tiles exceed 48 KiB");
 
+    DRows<const Acc, VARLEN> D{Dvec, heads_q, seqlen_q};
+    QueryBlock blk;
+    if constexpr (VARLEN) {
+        const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
+        if (seq.start < 0) return;  // past its sequence's query blocks: no work (the whole CTA)
+        TAKE_SEQUENCE_BACKWARD(seq, D);
+        AT_SEQUENCE_Q(seq, dq);
+        blk = {seq.start, seq.index, seq.h, seq.kv_head};
+    } else {
+        blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
+    }
     const auto mask = MAKE_MASK(MODS);
-    const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int row0 = blk.i0 + warp * R, key = lane % BLOCK_N;  // this warp's first query row, this lane's key in K_j
 
@@ -128,7 +151,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq(
     load_tile<BLOCK_M, HEAD_DIM>(Q_s, HEAD_ROWS(q, blk.b, blk.h), blk.i0, seqlen_q, head_dim, scale);
     load_tile<BLOCK_M, HEAD_DIM>(dO_s, HEAD_ROWS(dout, blk.b, blk.h), blk.i0, seqlen_q, head_dim, Acc(1));
 
-    const Stats<const Acc> lse_row = LSE_ROW(lse, blk.b, blk.h), D_row = d_row(Dvec, heads_q, seqlen_q, blk.b, blk.h);
+    const Stats<const Acc> lse_row = LSE_ROW(lse, blk.b, blk.h), D_row = D.row(blk.b, blk.h);
     const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, blk.h, Acc(1), Acc(1));
     Acc dQ[R][HEAD_DIM / WARP_SIZE];
     zero(dQ);

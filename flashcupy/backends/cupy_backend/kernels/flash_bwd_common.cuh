@@ -27,6 +27,22 @@ __global__ void __launch_bounds__(NUM_THREADS) flash_bwd_preprocess(
     if (lane == 0) Dvec[n] = sum;
 }
 
+// D as the dK/dV and dQ kernels read it: d_row's rows of the launch's seqlen_q. In a kernel over a
+// packed batch (PACKED: VARLEN) that is one batch of total_q rows a head, which the CTA reads from its
+// sequence's first row on (at_row, TAKE_SEQUENCE_BACKWARD in mask.cuh), its batch index ignored as the
+// tensors' batch strides 0 ignore it.
+template <typename Acc, bool PACKED = false>
+struct DRows {
+    Acc* D;
+    int heads_q, seqlen_q;  // the launch's: a packed batch's total_q, whichever sequence the CTA takes
+
+    __device__ __forceinline__ void at_row(int q_start) { D += q_start; }
+    template <bool AT_OFFSET = false>
+    __device__ __forceinline__ Stats<Acc> row(int b, int h) const {
+        return d_row<AT_OFFSET>(D, heads_q, seqlen_q, PACKED ? 0 : b, h);
+    }
+};
+
 // lse of row i for recomputing P = exp(S - lse): +inf for rows that saw no key (lse = -inf) and
 // for rows past seqlen_q, so that their P is 0 (for any finite score: the mask leaves the rows past
 // seqlen_q to this, mask.cuh).

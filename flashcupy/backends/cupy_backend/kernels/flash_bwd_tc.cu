@@ -143,11 +143,12 @@ __device__ __forceinline__ void atomic_dq(const Rows<float>& dQ, const T* dS_s, 
     }
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0, bool DQ_ATOMIC = false>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0, bool DQ_ATOMIC = false,
+          bool VARLEN = false>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
-    PROBLEM_PARAMS(float), TENSOR_PARAMS(float, dqa)) {
+    PROBLEM_PARAMS(float), TENSOR_PARAMS(float, dqa), VARLEN_PARAMS) {
     static_assert(BLOCK_N == 16 * NUM_WARPS, "each warp owns 16 keys: one mma row tile of Sᵀ");
     static_assert(BLOCK_M % 16 == 0 && 2 * BLOCK_M <= NUM_THREADS, "BLOCK_M: whole k-steps, one thread a statistic");
     static_assert(HEAD_DIM % 16 == 0, "k-steps of 16 columns");
@@ -164,8 +165,19 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
     T* dS_s = reinterpret_cast<T*>(stats_s + 2 * 2 * BLOCK_M);  // DQ_ATOMIC: this pass's dS, BLOCK_M x BLOCK_N
     float* dQ_stage = reinterpret_cast<float*>(dS_s + BLOCK_M * BLOCK_N);  // DQ_ATOMIC: 16 x 16 floats a warp
 
+    DRows<const float, VARLEN> D{Dvec, heads_q, seqlen_q};
+    KeyBlock blk;
+    if constexpr (VARLEN) {
+        const Sequence seq = sequence_of<BLOCK_N, true>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
+        if (seq.start < 0) return;  // past its sequence's key blocks: no work (the whole CTA, before any copy)
+        TAKE_SEQUENCE_BACKWARD(seq, D);
+        AT_SEQUENCE_K(seq, dk), AT_SEQUENCE_K(seq, dv);
+        if constexpr (DQ_ATOMIC) AT_SEQUENCE_Q(seq, dqa);
+        blk = {seq.start, seq.index, seq.kv_head};
+    } else {
+        blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);
+    }
     const auto mask = MAKE_MASK(MODS);
-    const KeyBlock blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);
     const int warp = threadIdx.x / WARP_SIZE;
     const int key_w = blk.j0 + 16 * warp;                   // the warp's first key
     [[maybe_unused]] const int key_g = key_w + threadIdx.x % WARP_SIZE / 4;  // this lane's keys: key_g, key_g + 8
@@ -188,7 +200,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
                                             seqlen_q, head_dim, seen_row);
         const int i = i0 + threadIdx.x % BLOCK_M;
         if (threadIdx.x < BLOCK_M) return lse_for_p(LSE_ROW(lse, blk.b, h), i, seqlen_q) * LOG2E;
-        return i < seqlen_q ? d_row<true>(Dvec, heads_q, seqlen_q, blk.b, h)[i] : 0.0f;
+        return i < seqlen_q ? D.template row<true>(blk.b, h)[i] : 0.0f;
     };
     auto store_stat = [&](int p, float stat) {
         if (threadIdx.x < 2 * BLOCK_M) stats_s[(p & 1) * 2 * BLOCK_M + threadIdx.x] = stat;
@@ -263,10 +275,11 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
     }
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0, bool VARLEN = false>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v), TENSOR_PARAMS(const T, dout),
-    LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dq), PROBLEM_PARAMS(float)) {
+    LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dq), PROBLEM_PARAMS(float),
+    VARLEN_PARAMS) {
     static_assert(BLOCK_M == 16 * NUM_WARPS, "each warp owns 16 query rows: one mma row tile");
     static_assert(BLOCK_N % 16 == 0, "BLOCK_N is a whole number of dS K_j k-steps");
     static_assert(HEAD_DIM % 16 == 0, "k-steps of 16 columns");
@@ -280,8 +293,18 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
     T* K_s = dO_s + BLOCK_M * ROW;
     T* V_s = K_s + 2 * BLOCK_N * ROW;
 
+    DRows<const float, VARLEN> D{Dvec, heads_q, seqlen_q};
+    QueryBlock blk;
+    if constexpr (VARLEN) {
+        const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
+        if (seq.start < 0) return;  // past its sequence's query blocks: no work (the whole CTA, before any copy)
+        TAKE_SEQUENCE_BACKWARD(seq, D);
+        AT_SEQUENCE_Q(seq, dq);
+        blk = {seq.start, seq.index, seq.h, seq.kv_head};
+    } else {
+        blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
+    }
     const auto mask = MAKE_MASK(MODS);
-    const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
     const int warp = threadIdx.x / WARP_SIZE;
     const int row_w = blk.i0 + 16 * warp;                   // the warp's first row
     const int row_g = row_w + threadIdx.x % WARP_SIZE / 4;  // this lane's rows: row_g and row_g + 8
@@ -304,7 +327,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
     for (int r = 0; r < 2; ++r) {
         const int row = row_g + 8 * r;
         lse_r[r] = lse_for_p(LSE_ROW(lse, blk.b, blk.h), row, seqlen_q) * LOG2E;
-        D_r[r] = row < seqlen_q ? d_row<true>(Dvec, heads_q, seqlen_q, blk.b, blk.h)[row] : 0.0f;
+        D_r[r] = row < seqlen_q ? D.template row<true>(blk.b, blk.h)[row] : 0.0f;
     }
     const float scale_log2 = scale * LOG2E;
     const auto score = MAKE_SCORE(T, float, MODS, blk.b, blk.h, scale_log2, LOG2E);

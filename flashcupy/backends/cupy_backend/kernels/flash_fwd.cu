@@ -73,10 +73,10 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_fwd(
     const Split split = SPLIT ? split_of(seqlen_k, key_split) : Split{0, int(blockIdx.x)};
     QueryBlock blk;
     if constexpr (VARLEN) {
-        const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, heads_q, group);
-        if (seq.i0 < 0) return;  // past its sequence's query blocks: no work (the whole CTA)
+        const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
+        if (seq.start < 0) return;  // past its sequence's query blocks: no work (the whole CTA)
         TAKE_SEQUENCE(seq);
-        blk = {seq.i0, seq.index, seq.h, seq.kv_head};
+        blk = {seq.start, seq.index, seq.h, seq.kv_head};
     } else {
         blk = query_block<BLOCK_M>(seqlen_q, heads_q, group, split.cta);
     }

@@ -106,10 +106,10 @@ __device__ __forceinline__ void flash_fwd_tc_cta(
     const Split split = SPLIT ? split_of(seqlen_k, key_split) : Split{0, int(blockIdx.x)};
     QueryBlock blk;
     if constexpr (VARLEN) {
-        const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, heads_q, group);
-        if (seq.i0 < 0) return;  // past its sequence's query blocks: no work (the whole CTA, before any copy)
+        const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
+        if (seq.start < 0) return;  // past its sequence's query blocks: no work (the whole CTA, before any copy)
         TAKE_SEQUENCE(seq);
-        blk = {seq.i0, seq.index, seq.h, seq.kv_head};
+        blk = {seq.start, seq.index, seq.h, seq.kv_head};
     } else {
         blk = query_block<BLOCK_M>(seqlen_q, heads_q, group, split.cta);
     }

@@ -245,70 +245,89 @@ __device__ __forceinline__ QueryBlock query_block(int seqlen_q, int heads_q, int
     return {int(blocks - 1 - cta % blocks) * BLOCK_M, bh / heads_q, h, h / group};
 }
 
-// Varlen (the forward kernels' VARLEN flag): a packed batch of num_seqs sequences, sequence s being
-// rows cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1 of q (out, lse) and cu_seqlens_k[s] ..
-// cu_seqlens_k[s + 1] - 1 of k and v, offsets that the kernel reads from device memory itself. Each
-// offset is clamped to [0, total] (the packed length: the kernel's seqlen_q or seqlen_k argument) and
-// a sequence's end to at least its start, so that no table, checked on the host or not, makes a CTA
-// touch a row outside the arrays: a hostile one gives garbage, in bounds.
+// Varlen (the VARLEN flag of the forward, dK/dV and dQ kernels): a packed batch of num_seqs sequences,
+// sequence s being rows cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1 of q (out, lse, dout, dq) and
+// cu_seqlens_k[s] .. cu_seqlens_k[s + 1] - 1 of k and v (dk, dv), offsets that the kernel reads from
+// device memory itself. Each offset is clamped to [0, total] (the packed length: the kernel's seqlen_q
+// or seqlen_k argument) and a sequence's end to at least its start, so that no table, checked on the
+// host or not, makes a CTA touch a row outside the arrays: a hostile one gives garbage, in bounds.
 //
-// The grid holds varlen_slots(total_q, num_seqs) = total_q / BLOCK_M + num_seqs CTAs per query head
-// (launch.py's varlen_blocks), the slots of one head adjacent, the last first (as query_block's).
-// Sequence s owns slots first_slot(s) = cu_q[s] / BLOCK_M + s .. first_slot(s + 1) - 1: its query
-// blocks, ceil(len / BLOCK_M) <= cu_q[s + 1] / BLOCK_M - cu_q[s] / BLOCK_M + 1, and at most one slot
-// more, whose CTA has no work and exits (about half a CTA per sequence, whatever the batch). A CTA
-// finds its sequence by binary search over first_slot, increasing for valid offsets; over others the
-// search still ends, on some sequence in [0, num_seqs).
+// A kernel whose CTAs own query blocks (forward, dQ) finds them in cu_seqlens_q; one whose CTAs own key
+// blocks (dK/dV, KEYS) in cu_seqlens_k, the same rule on the other side. The grid holds
+// varlen_slots(total, num_seqs) = total / BLOCK + num_seqs CTAs per head (a query head; a key/value head
+// for KEYS; launch.py's varlen_blocks), the slots of one head adjacent, the last first (as query_block's).
+// Sequence s owns slots first_slot(s) = cu[s] / BLOCK + s .. first_slot(s + 1) - 1: its blocks,
+// ceil(len / BLOCK) <= cu[s + 1] / BLOCK - cu[s] / BLOCK + 1, and at most one slot more, whose CTA has
+// no work and exits (about half a CTA per sequence, whatever the batch). A CTA finds its sequence by
+// binary search over first_slot, increasing for valid offsets; over others the search still ends, on
+// some sequence in [0, num_seqs).
 struct Sequence {
     int index;             // which sequence (the ALiBi slopes' batch index)
-    int q_start, k_start;  // its first rows in q (out, lse) and in k, v
+    int q_start, k_start;  // its first rows in q (out, lse, dout, dq) and in k, v (dk, dv)
     int seqlen_q, seqlen_k;
-    int i0;                // the CTA's query block's first row within the sequence; -1: no work
-    int h, kv_head;        // query head, and the key/value head it reads (GQA)
+    int start;             // the CTA's block's first row within the sequence: a query row (a key for KEYS);
+                           // -1: no work
+    int h, kv_head;        // query head (for KEYS the group's first), and the key/value head it reads (GQA)
 };
 
-__device__ __forceinline__ int varlen_slots(int total_q, int num_seqs, int block_m) {
-    return total_q / block_m + num_seqs;
-}
+__device__ __forceinline__ int varlen_slots(int total, int num_seqs, int block) { return total / block + num_seqs; }
 
 // cu[s] clamped to [0, total]
 __device__ __forceinline__ int clamped_offset(const int* cu, int s, int total) { return min(max(cu[s], 0), total); }
 
-template <int BLOCK_M>
-__device__ __forceinline__ int first_slot(const int* cu_q, int s, int total_q) {
-    return clamped_offset(cu_q, s, total_q) / BLOCK_M + s;
+template <int BLOCK>
+__device__ __forceinline__ int first_slot(const int* cu, int s, int total) {
+    return clamped_offset(cu, s, total) / BLOCK + s;
 }
 
-template <int BLOCK_M>
+template <int BLOCK, bool KEYS = false>
 __device__ __forceinline__ Sequence sequence_of(const int* cu_q, const int* cu_k, int num_seqs, int total_q,
-                                                int total_k, int heads_q, int group) {
-    const int slots = varlen_slots(total_q, num_seqs, BLOCK_M);
-    const int h = blockIdx.x / slots, slot = slots - 1 - int(blockIdx.x % slots);
-    if (num_seqs <= 0) return {0, 0, 0, 0, 0, -1, h, h / group};  // no offset to read
+                                                int total_k, int group) {
+    const int* cu = KEYS ? cu_k : cu_q;
+    const int total = KEYS ? total_k : total_q;
+    const int slots = varlen_slots(total, num_seqs, BLOCK);
+    const int head = blockIdx.x / slots, slot = slots - 1 - int(blockIdx.x % slots);
+    const int h = KEYS ? head * group : head, kv_head = KEYS ? head : head / group;
+    if (num_seqs <= 0) return {0, 0, 0, 0, 0, -1, h, kv_head};  // no offset to read
     int s = 0, last = num_seqs - 1;  // the sequence lies in s .. last
     while (s < last) {
         const int mid = (s + last + 1) / 2;
-        if (first_slot<BLOCK_M>(cu_q, mid, total_q) <= slot) s = mid;
+        if (first_slot<BLOCK>(cu, mid, total) <= slot) s = mid;
         else last = mid - 1;
     }
     const int q_start = clamped_offset(cu_q, s, total_q), k_start = clamped_offset(cu_k, s, total_k);
     const int seqlen_q = max(q_start, clamped_offset(cu_q, s + 1, total_q)) - q_start;
     const int seqlen_k = max(k_start, clamped_offset(cu_k, s + 1, total_k)) - k_start;
-    const int block = slot - (q_start / BLOCK_M + s);
-    const bool works = block >= 0 && block < num_blocks(seqlen_q, BLOCK_M);
-    return {s, q_start, k_start, seqlen_q, seqlen_k, works ? block * BLOCK_M : -1, h, h / group};
+    const int block = slot - ((KEYS ? k_start : q_start) / BLOCK + s);
+    const bool works = block >= 0 && block < num_blocks(KEYS ? seqlen_k : seqlen_q, BLOCK);
+    return {s, q_start, k_start, seqlen_q, seqlen_k, works ? block * BLOCK : -1, h, kv_head};
 }
 
-// A VARLEN kernel's CTA takes its sequence's problem: its lengths, the causal diagonal bottom-right in
-// it (seqlen_k - seqlen_q), and q, k, v, out and lse from its first rows, so that the Mask, the Score
-// and the rest of the kernel run as on that sequence alone. Made of the kernel's PROBLEM_PARAMS and
-// tensor arguments, before MAKE_MASK and MAKE_SCORE; the launcher passes batch strides 0, so that the
-// QueryBlock's b, the sequence, moves nothing but the ALiBi slopes.
-#define TAKE_SEQUENCE(seq)                                                                                 \
-    do {                                                                                                  \
-        seqlen_q = (seq).seqlen_q, seqlen_k = (seq).seqlen_k, diagonal = (seq).seqlen_k - (seq).seqlen_q; \
-        q += (seq).q_start * q_ss, out += (seq).q_start * out_ss, lse += (seq).q_start * lse_ss;           \
-        k += (seq).k_start * k_ss, v += (seq).k_start * v_ss;                                              \
+// A VARLEN kernel's CTA takes its sequence's problem: its lengths and the causal diagonal bottom-right in
+// it (seqlen_k - seqlen_q, SEQUENCE_LENGTHS), and each tensor argument from its sequence's first row
+// (AT_SEQUENCE_Q for those with q's rows, AT_SEQUENCE_K for k's), so that the Mask, the Score and the rest
+// of the kernel run as on that sequence alone. Made of the kernel's PROBLEM_PARAMS and tensor arguments,
+// before MAKE_MASK and MAKE_SCORE; the launcher passes batch strides 0, so that the block's b, the
+// sequence, moves nothing but the ALiBi slopes.
+#define SEQUENCE_LENGTHS(seq) \
+    (seqlen_q = (seq).seqlen_q, seqlen_k = (seq).seqlen_k, diagonal = (seq).seqlen_k - (seq).seqlen_q)
+#define AT_SEQUENCE_Q(seq, x) (x += (seq).q_start * x##_ss)
+#define AT_SEQUENCE_K(seq, x) (x += (seq).k_start * x##_ss)
+// the forward's: q, out, lse and k, v
+#define TAKE_SEQUENCE(seq)                                                                    \
+    do {                                                                                     \
+        SEQUENCE_LENGTHS(seq);                                                               \
+        AT_SEQUENCE_Q(seq, q), AT_SEQUENCE_Q(seq, out), AT_SEQUENCE_Q(seq, lse);             \
+        AT_SEQUENCE_K(seq, k), AT_SEQUENCE_K(seq, v);                                        \
+    } while (0)
+// the backward's common arguments: q, dout, lse, k, v, and D (flash_bwd_common.cuh's DRows); each kernel
+// moves its outputs itself
+#define TAKE_SEQUENCE_BACKWARD(seq, D)                                                        \
+    do {                                                                                     \
+        SEQUENCE_LENGTHS(seq);                                                               \
+        AT_SEQUENCE_Q(seq, q), AT_SEQUENCE_Q(seq, dout), AT_SEQUENCE_Q(seq, lse);            \
+        AT_SEQUENCE_K(seq, k), AT_SEQUENCE_K(seq, v);                                        \
+        (D).at_row((seq).q_start);                                                           \
     } while (0)
 
 // Split-KV (the forward kernels' SPLIT flag): the keys are cut into splits of key_split keys (a
