@@ -15,11 +15,12 @@
 Each contender keeps its best of several calls, taken in alternating blocks.
 
 --launches (a checkout: it needs the emulator, flashcupy/tools/emulator): the kernel launches of a
-packed forward on the cupy backend, counted by the emulator's runtime with the kernels recorded, not
-run (launch_records), for batches of 1 to 1,000 sequences of 17-300 tokens: the per-sequence path
-(_varlen.forward_packed, the cupy backend's before issue 28, the NumPy backend's and JAX's still) and
-attention_varlen (one launch), with the share of its CTAs that find no work (past their sequence's
-query blocks: mask.cuh's Sequence).
+packed forward and backward on the cupy backend, counted by the emulator's runtime with the kernels
+recorded, not run (launch_records), for batches of 1 to 1,000 sequences of 17-300 tokens: the
+per-sequence path (_varlen.forward_packed and backward_packed, the cupy backend's before issue 28,
+the NumPy backend's and JAX's still) and attention_varlen, attention_varlen_backward (one launch per
+kernel), with the share of the CTAs of each kernel that reads the offsets that find no work (past
+their sequence's blocks: mask.cuh's Sequence).
 """
 
 from __future__ import annotations
@@ -84,9 +85,20 @@ def decode(cache, heads_q, heads_kv, head_dim, seed=0) -> dict:
                 read_seconds=read, bytes=nbytes)
 
 
+def _working_blocks(lengths, name: str) -> int:
+    """The blocks of a packed batch's sequences that kernel `name`'s CTAs work on, per head: query blocks
+    (forward, dQ), key blocks (dK/dV), for its tile (the name expression's BLOCK_M, BLOCK_N)."""
+    template, fields = name.split("<")[0], name.split("<")[1].split(", ")
+    block_m = 3 if template in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq") else 2  # after T (, Acc), HEAD_DIM
+    block = int(fields[block_m + template.startswith("flash_bwd_dkdv")])
+    return int(sum(-(-lengths // block)))
+
+
 def launches(batches=(1, 7, 40, 256, 1000), heads=8, head_dim=64, seed=0) -> list:
-    """Rows (dtype, sequences, launches per sequence, launches in one, CTAs, idle share) of a causal
-    packed forward on the emulated cupy backend, the kernels recorded and not run."""
+    """Rows (dtype, sequences, pass, launches per sequence, launches in one, [(kernel, CTAs, idle
+    share)]) of a causal packed forward and backward on the emulated cupy backend, the kernels recorded
+    and not run; the idle share for the kernels that read the offsets (the others run over the packed
+    rows)."""
     from flashcupy import _varlen
     from flashcupy.tools.emulator.cupy import emulated, launch_records
     rng = np.random.default_rng(seed)
@@ -96,18 +108,23 @@ def launches(batches=(1, 7, 40, 256, 1000), heads=8, head_dim=64, seed=0) -> lis
             lengths = rng.integers(17, 301, n)
             cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
             q, k, v = (np.zeros((int(cu[-1]), heads, head_dim), dtype) for _ in range(3))
-            before, after = [], []
-            with emulated(compile=launch_records(before, run=False)):
-                out, lse = np.zeros_like(q), np.full((heads, q.shape[0]), -np.inf, np.float32)
-                _varlen.forward_packed(q, k, v, cu.astype(np.int64), cu.astype(np.int64), out, lse, causal=True,
-                                       backend="cupy")
-            with emulated(compile=launch_records(after, run=False)):
-                flashcupy.attention_varlen(q, k, v, cu, cu, causal=True, backend="cupy", check_offsets=False)
-            ((name, ctas),) = after
-            fields = name.split("<")[1].split(", ")
-            block_m = int(fields[3] if name.startswith("flash_fwd<") else fields[2])
-            working = int(sum(-(-lengths // block_m))) * heads
-            rows.append((np.dtype(dtype).name, n, len(before), len(after), name, ctas, 1 - working / ctas))
+            out, lse = np.zeros_like(q), np.full((heads, q.shape[0]), -np.inf, np.float32)
+            grads = [np.zeros_like(x) for x in (q, k, v)]
+            records = {name: [] for name in ("forward before", "forward after", "backward before", "backward after")}
+            host = dict(causal=True, backend="cupy")
+            with emulated(compile=launch_records(records["forward before"], run=False)):
+                _varlen.forward_packed(q, k, v, cu.astype(np.int64), cu.astype(np.int64), out, lse, **host)
+            with emulated(compile=launch_records(records["forward after"], run=False)):
+                flashcupy.attention_varlen(q, k, v, cu, cu, check_offsets=False, **host)
+            with emulated(compile=launch_records(records["backward before"], run=False)):
+                _varlen.backward_packed(q, q, k, v, out, lse, cu.astype(np.int64), cu.astype(np.int64), *grads, **host)
+            with emulated(compile=launch_records(records["backward after"], run=False)):
+                flashcupy.attention_varlen_backward(q, q, k, v, out, lse, cu, cu, check_offsets=False, **host)
+            for pass_ in ("forward", "backward"):
+                after = records[f"{pass_} after"]
+                kernels = [(name, ctas, 1 - _working_blocks(lengths, name) * heads / ctas) for name, ctas in after
+                           if name.endswith(", true>")]
+                rows.append((np.dtype(dtype).name, n, pass_, len(records[f"{pass_} before"]), len(after), kernels))
     return rows
 
 
@@ -117,12 +134,14 @@ def main(argv=None) -> int:
     ap.add_argument("--launches", action="store_true", help="the cupy backend's launches (emulated), only")
     args = ap.parse_args(argv)
     if args.launches:
-        print("# cupy backend, emulated: launches of a causal packed forward, sequences of 17-300 tokens, "
-              "H=8, D=64\n")
-        print("| dtype | sequences | per-sequence path | attention_varlen | kernel | CTAs | idle CTAs |")
-        print("|---|---|---|---|---|---|---|")
-        for dtype, n, before, after, name, ctas, idle in launches():
-            print(f"| {dtype} | {n} | {before} | {after} | `{name}` | {ctas} | {idle * 100:.0f} % |")
+        print("# cupy backend, emulated: launches of a causal packed forward and backward, sequences of 17-300 "
+              "tokens, H=8, D=64\n")
+        print("| dtype | sequences | pass | per-sequence path | one launch per kernel | kernels reading the offsets: "
+              "CTAs, idle share |")
+        print("|---|---|---|---|---|---|")
+        for dtype, n, pass_, before, after, kernels in launches():
+            cells = "; ".join(f"`{name}` {ctas}, {idle * 100:.0f} %" for name, ctas, idle in kernels)
+            print(f"| {dtype} | {n} | {pass_} | {before} | {after} | {cells} |")
         return 0
     print(f"# NumPy backend: packed batches and KV-cache decoding ({time.strftime('%Y-%m-%d %H:%M')}, "
           f"{os.cpu_count()} cores, numpy {np.__version__}, load average {os.getloadavg()[0]:.2f})\n")

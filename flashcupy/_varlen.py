@@ -288,11 +288,20 @@ def _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_split
                          f"sequence and {new} are appended), got {lengths.min()}..{lengths.max()}")
     if paged and batch:
         used = -(-(lengths + new) // block_size)  # blocks each sequence reads
+        writer = {}  # physical block -> the sequence that appends into it
         for b in range(batch):
             ids = table[b, :used[b]]
             if ids.size and (ids.min() < 0 or ids.max() >= k_cache.shape[0]):
                 raise ValueError(f"block_table[{b}] must hold block indices in [0, {k_cache.shape[0]}) for its "
                                  f"{used[b]} used blocks, got {ids.min()}..{ids.max()}")
+            # blocks shared between sequences (a common prefix) are read by both; appended into by two
+            # in one call, the later write would win in some order: refused
+            for block in (table[b, lengths[b] // block_size:used[b]] if new else ()):
+                other = writer.setdefault(int(block), b)
+                if other != b:
+                    raise ValueError(f"block_table maps the tokens appended to sequences {other} and {b} into the "
+                                     f"same physical block {int(block)}: each sequence must append into blocks of "
+                                     f"its own")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
@@ -348,7 +357,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     physical block. cache_seqlens: None (the whole cache), an int, or int32 (batch,): the tokens
     cached per sequence. k, v (batch, seqlen_new, heads_kv, head_dim), optional: written into the
     cache in place at cache_seqlens[b] ..., then attention runs over cache_seqlens[b] + seqlen_new
-    keys, causal aligned bottom-right per sequence; the caller advances cache_seqlens. num_splits
+    keys, causal aligned bottom-right per sequence; the caller advances cache_seqlens. A paged cache's
+    blocks may be shared between sequences (a common prefix) for reading; two sequences that append
+    into the same physical block in one call are refused (ValueError), as the write order between
+    them is not defined. num_splits
     splits each sequence's keys into (at most) that many parts, merged by the lse rule: the result
     depends on it only through rounding. None: the cupy backend splits inside one launch when the
     grid would hold at most two CTAs per SM (cupy_backend.split_plan); the others do not split.

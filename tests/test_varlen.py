@@ -188,6 +188,18 @@ def test_hostile_block_tables_and_lengths_are_refused_before_anything_is_written
     flashcupy.attention_with_kvcache(q, kc, vc, cache_seqlens=np.array([5, 12], np.int32), block_table=short)
     with pytest.raises(TypeError, match="block_table must have dtype int32"):
         flashcupy.attention_with_kvcache(q, kc, vc, block_table=table.astype(np.int64))
+    # two sequences appending into one physical block (where sequence 0 appends, at length 5: its logical
+    # block 1) is refused, before anything is written; the same shared block only read is allowed
+    clash = table.copy()
+    clash[1, 2] = clash[0, 1]
+    with pytest.raises(ValueError, match=rf"sequences 0 and 1 into the same physical block {clash[0, 1]}"):
+        flashcupy.attention_with_kvcache(q, kc, vc, k=k_new, v=k_new, cache_seqlens=np.array([5, 9], np.int32),
+                                         block_table=clash)
+    np.testing.assert_array_equal(kc, before)
+    shared = table.copy()
+    shared[1, 0] = shared[0, 0]  # a common first block, read by both; each appends into its own
+    flashcupy.attention_with_kvcache(q, kc, vc, k=k_new, v=k_new, cache_seqlens=np.array([5, 9], np.int32),
+                                     block_table=shared)
     with pytest.raises(ValueError, match="k and v must be given together"):
         flashcupy.attention_with_kvcache(q, kc, vc, k=k_new, block_table=table)
     with pytest.raises(ValueError, match="num_splits must be None or an int >= 1"):

@@ -14,6 +14,9 @@ This module packs arguments, allocates outputs and workspaces, and launches:
               (tensor cores, unless deterministic: dQ added by flash_bwd_dkdv_tc with atomics into an
               fp32 workspace, then flash_bwd_dq_convert scales and rounds it; grid: elements / 128)
               flash_bwd_dbias (with a bias)      dbias    grid: tiles of the bias's own shape
+              (a packed batch, backward_varlen: dK/dV and dQ reading the offsets themselves, grids
+              (total_k / block_n + sequences) x heads_kv and (total_q / block_m + sequences) x heads_q;
+              the preprocess and the conversion over the packed rows as over one sequence)
     probs     flash_probs (attention_probs)      P        grid: row blocks x key blocks x batch x heads_q
 
 The SIMT kernels (flash_*.cu) take every dtype; the tensor-core ones (flash_*_tc.cu) take
