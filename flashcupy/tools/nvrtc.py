@@ -236,13 +236,18 @@ def _version(toolkit: Toolkit) -> str:
     return _run(toolkit, ())[0]
 
 
+def _workers(jobs: int) -> int:
+    """The worker processes _results runs for `jobs` jobs: one per CPU, at most one a job."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(jobs, cpus))
+
+
 def _results(toolkit: Toolkit, jobs) -> list:
     """_compile's result per job, compiled by `toolkit`'s NVRTC; the first job's NvrtcError if any failed.
     The jobs are shared round-robin among one worker process per CPU (NVRTC compiles on one thread;
     the report's few hundred kernels took minutes in one worker)."""
     jobs = list(jobs)
-    workers = max(1, min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                         else os.cpu_count() or 1))
+    workers = _workers(len(jobs))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # each thread waits on its process
         parts = list(pool.map(lambda w: _run(toolkit, jobs[w::workers])[1], range(workers)))
     outcomes = [parts[n % workers][n // workers] for n in range(len(jobs))]
@@ -355,9 +360,12 @@ def variant(kernel: specs.Kernel) -> str | None:
 
 
 def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, cubin: bytes,
-                 instructions: bool = False) -> list:
-    info = parse_ptxas(log)
-    text = sass(cubin) if instructions or any(k.tensor_cores or k.wgmma for k in module.kernels) else ""
+                 instructions: bool = False, info: dict | None = None, text: str | None = None) -> list:
+    """The report's rows of `module`'s kernels from a compile that holds them (log, lowered, cubin);
+    info and text: that compile's parse_ptxas(log) and sass(cubin) where the caller has them."""
+    info = parse_ptxas(log) if info is None else info
+    if text is None:
+        text = sass(cubin) if instructions or any(k.tensor_cores or k.wgmma for k in module.kernels) else ""
     rows = []
     for kernel in module.kernels:
         got = info[lowered[kernel.name_expression]]
@@ -398,16 +406,42 @@ def kernel_report(arch: str = "sm_90", toolkit: Toolkit | None = None, modules=N
     toolkit = toolkit or cupy_toolkit()
     options = compile_options(arch, toolkit)
     modules = specs.all_modules() if modules is None else modules
-    compiled = _results(toolkit, [(sources.read_source(m.source_file), m.name_expressions, options) for m in modules])
+    jobs, job_of = _shared_programs(modules, options)
+    compiled = _results(toolkit, jobs)
+    parsed = [parse_ptxas(log) for log, _, _ in compiled]
+    texts = {}  # a job's SASS, disassembled once for all its modules that need it
     # the preprocess kernel does not depend on the head-dim bucket: report it once per dtype
     rows, seen = [], set()
-    for module, result in zip(modules, compiled):
-        for row in _module_rows(arch, module, *result, instructions=instructions):
+    for module, j in zip(modules, job_of):
+        if (instructions or any(k.tensor_cores or k.wgmma for k in module.kernels)) and j not in texts:
+            texts[j] = sass(compiled[j][2])
+        for row in _module_rows(arch, module, *compiled[j], instructions=instructions, info=parsed[j],
+                                text=texts.get(j, "")):
             key = (row["kernel"], row["mods"], row["dtype"], row["head_dim"])
             if key not in seen:
                 seen.add(key)
                 rows.append(row)
     return rows
+
+
+def _shared_programs(modules, options) -> tuple:
+    """(jobs, the job of each module): the modules' kernels compiled in fewer NVRTC programs, those of
+    one source file shared among as many programs as _results runs at once (a program per module parsed
+    the same headers again each time: a quarter of the CPU time of the report). ptxas compiles each
+    kernel of a program apart: its registers and SASS do not depend on the others."""
+    workers = _workers(len(modules))
+    by_source = {}
+    for n, module in enumerate(modules):
+        by_source.setdefault(module.source_file, []).append(n)
+    jobs, job_of = [], [0] * len(modules)
+    for source_file, members in by_source.items():
+        for part in range(min(workers, len(members))):
+            chunk = members[part::workers]
+            names = tuple(dict.fromkeys(name for n in chunk for name in modules[n].name_expressions))
+            for n in chunk:
+                job_of[n] = len(jobs)
+            jobs.append((sources.read_source(source_file), names, tuple(options)))
+    return jobs, job_of
 
 
 def _over(row: dict, column: str) -> bool:
