@@ -376,8 +376,19 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
                       if table is None else v_cache[None, 0], causal, scale, dtype, lib, window, softcap, slopes0)
     mod = _checks.select_backend(backend, lib, p)
 
-    # append the new tokens (after every check: nothing is written for a call that is refused)
-    for b in range(batch if new else 0):
+    # append the new tokens (after every check: nothing is written for a call that is refused): in one
+    # launch where the backend has a kernel for it (cupy: append_kv, which reads the lengths and the
+    # table on the device), else token by token
+    if new and batch and hasattr(mod, "append_kv"):
+        device_lengths = (cache_seqlens if backends.array_library(cache_seqlens) == lib
+                          else mod.allocate(q, (batch,), np.int32, 0))
+        if device_lengths is not cache_seqlens:
+            device_lengths[...] = lengths.astype(np.int32)
+        mod.append_kv(p.dtype, k_cache, v_cache, k, v, device_lengths, block_table)
+        new_written = True
+    else:
+        new_written = False
+    for b in range(batch if new and not new_written else 0):
         start = int(lengths[b])
         if table is None:
             k_cache[b, start:start + new], v_cache[b, start:start + new] = k[b], v[b]

@@ -262,6 +262,8 @@ def _split_kv_case(rng, dtype, paged, num_splits, order="ascending", mutate=None
 def test_cupy_splits_the_keys_inside_one_launch(rng, dtype, paged, num_splits, order):
     grids = _split_kv_case(rng, dtype, paged, num_splits, order)
     want = "flash_fwd_tc<" if dtype == np.float16 else "flash_fwd<"
+    append, *grids = grids  # the new tokens appended in one launch first (flash_append.cu)
+    assert append[0].startswith("flash_kv_append<")
     assert all(name.startswith(want) for name, _ in grids)
     split = [(name, ctas) for name, ctas in grids if name.endswith(", true>")]
     # a paged cache is read run by run (consecutive physical blocks, here mostly one block of 64 keys):
@@ -550,3 +552,88 @@ def test_unclamped_offsets_in_the_backward_would_reach_outside_the_arrays(rng, d
         with pytest.raises(KernelError, match="flash_bwd_dkdv"):
             flashcupy.attention_varlen_backward(q, q, k, v, out, lse, bad, bad, causal=True, backend="cupy",
                                                 check_offsets=False)
+
+
+# ----------------------------------------------------------------------------
+# the KV-cache append in one launch (the cupy backend, emulated): flash_append.cu
+
+
+def _append_case(rng, block_size, dtype=np.float32):
+    """(k_cache, v_cache, block_table, lengths, k_new, v_new, want_k, want_v): a cache of 96 positions a
+    sequence for 5 sequences, contiguous (block_size None) or paged through a shuffled table, and 3 new
+    tokens a sequence at random lengths, with the caches the append must leave."""
+    B, C, Hkv, D, new = 5, 96, 2, 8, 3
+    lengths = rng.integers(0, C - new + 1, B).astype(np.int32)
+    k_new, v_new = (rng.standard_normal((B, new, Hkv, D)).astype(dtype) for _ in range(2))
+    if block_size is None:
+        k_cache, v_cache = cache_inputs(rng, B, C, Hkv, D, dtype)
+        table = None
+    else:
+        per_seq = C // block_size
+        k_cache, v_cache = cache_inputs(rng, B * per_seq, block_size, Hkv, D, dtype)
+        table = rng.permutation(B * per_seq).reshape(B, per_seq).astype(np.int32)
+    want_k, want_v = k_cache.copy(), v_cache.copy()
+    for b in range(B):
+        for j in range(new):
+            n = lengths[b] + j
+            at = (b, n) if table is None else (table[b, n // block_size], n % block_size)
+            want_k[at], want_v[at] = k_new[b, j], v_new[b, j]
+    return k_cache, v_cache, table, lengths, k_new, v_new, want_k, want_v
+
+
+@pytest.mark.parametrize("block_size", [None, 1, 16, 48], ids=["contiguous", "page-1", "page-16", "page-48"])
+def test_cupy_appends_every_new_token_in_one_launch(rng, block_size):
+    # the append was one assignment per sequence (per token of a paged cache, a launch each on CuPy)
+    from flashcupy.tools.emulator.cupy import emulated
+    k_cache, v_cache, table, lengths, k_new, v_new, want_k, want_v = _append_case(rng, block_size)
+    q = rng.standard_normal((5, 3, 4, 8)).astype(np.float32)
+    grids = []
+    with emulated(compile=_recording(grids)):
+        out, lse = flashcupy.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                    block_table=table, causal=True, return_lse=True, backend="cupy")
+    np.testing.assert_array_equal(k_cache, want_k)
+    np.testing.assert_array_equal(v_cache, want_v)
+    names = [name for name, _ in grids]
+    assert names[0] == "flash_kv_append<float>" and names.count(names[0]) == 1, names
+    for b in range(5):  # attention reads what was appended
+        n = lengths[b] + 3
+        keys, values = ((x[b:b + 1] if table is None else x[table[b]].reshape(1, -1, 2, 8))[:, :n]
+                        for x in (want_k, want_v))
+        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], keys, values, causal=True, backend="cupy")
+
+
+HOSTILE_APPENDS = {"negative length": ([-7, 5, 0, 2, 1], None), "length past the cache": ([2 ** 31 - 1, 90, 3, 0, 1], None),
+                   "table entries outside the cache": ([5, 40, 93, 0, 60], [-1, 10 ** 6, 2 ** 31 - 1])}
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("unclamped", [False, True], ids=["clamped", "unclamped (a deliberate bug)"])
+def test_append_kernel_keeps_hostile_lengths_and_tables_inside_the_cache(rng, paged, unclamped):
+    # cupy_backend.append_kv reads the lengths and the table on the device (the interface checks them
+    # first; the kernel must not depend on it): whatever they hold it writes inside the cache, where the
+    # emulator's guard pages stay silent; with the clamps removed they catch it
+    from flashcupy.backends import cupy_backend
+    from flashcupy.tools.emulator.cupy import emulated
+    from flashcupy.tools.emulator.errors import KernelError
+    k_cache, v_cache, table, _, k_new, v_new, _, _ = _append_case(rng, 16 if paged else None)
+    mutate = ("const int n = min(max(cache_seqlens[b], 0), capacity - seqlen_new) + j;",
+              "const int n = cache_seqlens[b] + j;") if not paged else (
+              "slot = min(max(block_table[b * table_sb + logical * table_sn], 0), num_blocks - 1);",
+              "slot = block_table[b * table_sb + logical * table_sn];")
+    for name, (lengths, entries) in HOSTILE_APPENDS.items():
+        if paged != (entries is not None):
+            continue
+        bad_table = None
+        if paged:
+            bad_table = table.copy()
+            bad_table[:, :len(entries)] = entries[0]
+            bad_table[1::2, :len(entries)] = entries[1]
+            bad_table[4, :] = entries[2]
+        with emulated(compile=_recording([], mutate if unclamped else None)):
+            call = lambda: cupy_backend.append_kv("float32", k_cache, v_cache, k_new, v_new,  # noqa: E731
+                                                  np.array(lengths, np.int32), bad_table)
+            if unclamped:
+                with pytest.raises(KernelError, match="flash_kv_append"):
+                    call()
+            else:
+                call()

@@ -18,6 +18,7 @@ This module packs arguments, allocates outputs and workspaces, and launches:
               (total_k / block_n + sequences) x heads_kv and (total_q / block_m + sequences) x heads_q;
               the preprocess and the conversion over the packed rows as over one sequence)
     probs     flash_probs (attention_probs)      P        grid: row blocks x key blocks x batch x heads_q
+    append    flash_kv_append (attention_with_kvcache's new k, v into the cache)  grid: elements / 128
 
 The SIMT kernels (flash_*.cu) take every dtype; the tensor-core ones (flash_*_tc.cu) take
 float16/bfloat16 where `forward_path` / `backward_path` say so, with the same arguments; on compute
@@ -547,6 +548,35 @@ def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, 
         p = dataclasses.replace(p, alibi_slopes=alibi_slopes)
     with rt.device_of(q):
         _backward_launches(rt, p, path, module, *packed, varlen=(cu_seqlens_q, cu_seqlens_k, num_seqs))
+
+
+def append_kv(dtype, k_cache, v_cache, k, v, cache_seqlens, block_table=None) -> None:
+    """attention_with_kvcache's append in one launch (flash_kv_append, flash_append.cu): k, v (batch,
+    seqlen_new, heads_kv, head_dim) written into k_cache, v_cache (contiguous, or paged through
+    block_table) from position cache_seqlens[b] of each sequence on. cache_seqlens int32 (batch,) and
+    block_table int32 (batch, max_blocks) or None: device arrays the kernel reads and clamps into the
+    cache itself; dtype the values' (a key of specs.CUDA_TYPES; bfloat16 as uint16 bits). The shapes are
+    the interface's to check (capacity at least seqlen_new)."""
+    rt = _runtime()
+    if k.size == 0:
+        return
+    batch, new, heads_kv, head_dim = k.shape
+    module = specs.append_module(dtype)
+    (kernel,) = module.kernels
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    blocks = _cdiv(k.size, specs.NUM_THREADS)
+    if blocks > backends.MAX_GRID[0]:
+        raise ValueError(f"appending {k.size} elements needs {blocks} thread blocks, more than CUDA's grid holds "
+                         f"({backends.MAX_GRID[0]})")
+    with rt.device_of(k_cache):
+        (fn,) = _functions(rt, module, k_cache)
+        table = block_table if paged else _no_varlen(rt, k_cache)[0]  # a never-read stand-in
+        table_strides = (np.int64(s // 4) for s in table.strides) if paged else (np.int64(0), np.int64(0))
+        fn((blocks,), (kernel.threads,),
+           (*_tensor(k), *_tensor(v), *_tensor(k_cache), *_tensor(v_cache), cache_seqlens, table, *table_strides,
+            np.int32(paged), np.int32(batch), np.int32(new), np.int32(heads_kv), np.int32(head_dim),
+            np.int32(capacity), np.int32(k_cache.shape[1] if paged else 0), np.int32(k_cache.shape[0])))
 
 
 def probs(p, q, k, lse, rows):

@@ -117,7 +117,8 @@ def _sm90_forward_smem(m: int, n: int, d: int, atomic: bool) -> int:
 LAUNCH = {
     **{t: Launch(bounds=_simt_bounds) for t in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq", "flash_probs",
                                                 "flash_bwd_dbias")},
-    **{t: Launch() for t in ("flash_bwd_preprocess", "flash_bwd_dq_convert", "flash_bwd_dq_convert_sm90")},
+    **{t: Launch() for t in ("flash_bwd_preprocess", "flash_bwd_dq_convert", "flash_bwd_dq_convert_sm90",
+                             "flash_kv_append")},
     "flash_fwd_tc": Launch(dynamic_smem=_tc_forward_smem, bounds=_tc_forward_bounds),
     "flash_fwd_tc_wide": Launch(32 * WIDE_WARPS, _tc_forward_smem, _tc_wide_bounds),
     "flash_bwd_dkdv_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * n + 4 * m) * d * 2 + 2 * 2 * m * 4
@@ -189,6 +190,9 @@ GRIDS = {
                                  lambda k, p, rows: _cdiv(p.batch * p.heads_q * p.seqlen_q, _PREPROCESS_ROWS)),
     # a thread an element of dQ
     "flash_bwd_dq_convert": _DQ_ELEMENTS, "flash_bwd_dq_convert_sm90": _DQ_ELEMENTS,
+    # a thread an element of the new keys (flash_append.cu); rows: the new tokens a sequence
+    "flash_kv_append": Grid(f"batch x seqlen_new x heads_kv x head_dim / {NUM_THREADS}",
+                            lambda k, p, rows: _cdiv(p.batch * rows * p.heads_kv * p.head_dim, NUM_THREADS)),
     # a tile of (asked rows, keys), per query head; at most every row
     "flash_probs": Grid("rows / {block_m} x seqlen_k / {block_n} x batch x heads_q",
                         lambda k, p, rows: _cdiv(rows if rows is not None else p.seqlen_q, k.block_m)

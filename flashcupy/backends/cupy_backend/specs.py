@@ -191,6 +191,10 @@ TEMPLATE_FLAGS = {"flash_fwd": ("split", "varlen"), "flash_fwd_tc": ("split", "v
                   "flash_bwd_dkdv_tc": ("dq_atomic", "varlen"), "flash_bwd_dq_tc": ("varlen",)}
 
 
+# The templates without an Acc parameter besides the tensor-core ones: they move or round elements
+STORAGE_ONLY_TEMPLATES = ("flash_bwd_dq_convert", "flash_bwd_dq_convert_sm90", "flash_kv_append")
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One specialization: the template it instantiates and the tile it runs with."""
@@ -267,7 +271,7 @@ class Kernel:
     def name_expression(self) -> str:
         storage, acc = CUDA_TYPES[self.dtype]
         # tensor cores accumulate in float
-        args = ([storage] if self.tensor_cores or self.wgmma or self.template.startswith("flash_bwd_dq_convert")
+        args = ([storage] if self.tensor_cores or self.wgmma or self.template in STORAGE_ONLY_TEMPLATES
                 else [storage, acc])
         if self.head_dim:
             args += [str(self.head_dim), str(self.block_m), str(self.block_n)]
@@ -323,6 +327,12 @@ def backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False) -
                *_tile("flash_bwd_dq", BACKWARD_DQ_TILES[size][bucket], size, bucket, mods, varlen), mods,
                varlen=varlen),
     ))
+
+
+def append_module(dtype) -> ModuleSpec:
+    """attention_with_kvcache's append of the new k, v into the cache (flash_append.cu), for the cache's
+    dtype."""
+    return ModuleSpec("flash_append.cu", (Kernel("flash_kv_append", _name(dtype), 0),))
 
 
 def probs_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
@@ -482,14 +492,15 @@ def all_modules(mods=REPORT_MODS, tc_mods=REPORT_TC_MODS):
     """Every module the backend can request, for each MODS of `mods` (of `tc_mods` on tensor cores):
     the forward, backward and attention_probs for each dtype and bucket (and the bias's gradient
     where MODS has a bias), the tensor-core forward and backward for each of their dtypes and
-    buckets, and the split-KV forwards (split_modules, for the first and last of `mods`). The
-    defaults are what the NVRTC report checks."""
+    buckets, the split-KV forwards (split_modules, for the first and last of `mods`), and the KV-cache
+    append for each dtype. The defaults are what the NVRTC report checks."""
     return ([build(dtype, bucket, m)
              for m in mods for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS
              for build in (forward_module, backward_module, probs_module)
              + ((dbias_module,) if m & MOD_BITS["bias"] else ())]
             + tc_modules(tc_mods)
-            + split_modules(mods))
+            + split_modules(mods)
+            + [append_module(dtype) for dtype in CUDA_TYPES])
 
 
 def tc_modules(tc_mods, dtypes=TC_DTYPES, split: bool = False) -> list:
