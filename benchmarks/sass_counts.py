@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's flashcupy
 
-from flashcupy.backends.cupy_backend import specs
+from flashcupy.backends.cupy_backend import catalog, specs
 from flashcupy.tools import nvrtc
 
 COLUMNS = ("kernel", "mods", "dtype", "head_dim", "tile", "registers", "spill_bytes", "static_smem",
@@ -33,7 +33,7 @@ COLUMNS = ("kernel", "mods", "dtype", "head_dim", "tile", "registers", "spill_by
 def modules(all_mods: bool) -> list:
     mods = (0, specs.ALL_MODS) if all_mods else (0,)
     tc_mods = (0, specs.MOD_BITS["window"], specs.ALL_MODS) if all_mods else (0, specs.MOD_BITS["window"])
-    return specs.all_modules(mods, tc_mods)
+    return catalog.all_modules(mods, tc_mods)
 
 
 # Kernels that results committed before a rename name as they were then (635338e: one naming scheme)

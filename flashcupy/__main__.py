@@ -133,15 +133,15 @@ def cmd_bench(args) -> int:
 
 
 def cmd_kernels(args) -> int:
-    from flashcupy.backends.cupy_backend import sources, specs
+    from flashcupy.backends.cupy_backend import catalog, sources, specs
     from flashcupy.tools import nvrtc
     if args.counters:
         return cmd_kernels_counters(args)
     toolkits = nvrtc.toolkits()
-    modules = specs.every_tc_modifier_set_modules() if args.every_modifier_set else None
+    modules = catalog.every_tc_modifier_set_modules() if args.every_modifier_set else None
     reports = {f"NVRTC {t.version}": nvrtc.kernel_report(args.arch, t, modules) for t in toolkits}
     if args.arch.startswith("sm_90"):  # and the Hopper kernels, which are compiled for sm_90a only
-        reports.update({f"NVRTC {t.version}, {specs.SM90_ARCH}": nvrtc.kernel_report(specs.SM90_ARCH, t, specs.sm90_modules())
+        reports.update({f"NVRTC {t.version}, {specs.SM90_ARCH}": nvrtc.kernel_report(specs.SM90_ARCH, t, catalog.sm90_modules())
                         for t in toolkits})
     for t in toolkits:
         print(f"NVRTC {t.version}: {t.nvrtc}, CUDA headers {t.include}")
@@ -159,7 +159,7 @@ def cmd_kernels_counters(args) -> int:
     """The NVRTC table as without --counters (when an NVRTC is here), then the emulator's counters
     of a small launch of each kernel and the roofline model (flashcupy/tools/perfmodel.py): the
     mma.sync and SIMT kernels on an emulated sm_80 device, the Hopper forward on an sm_90 one."""
-    from flashcupy.backends.cupy_backend import specs
+    from flashcupy.backends.cupy_backend import catalog, specs
     from flashcupy.tools import nvrtc
     from flashcupy.tools import perfmodel
     missing = perfmodel.emulator_missing()
@@ -173,7 +173,7 @@ def cmd_kernels_counters(args) -> int:
         reports = {f"NVRTC {t.version}": nvrtc.kernel_report(args.arch, t) for t in toolkits}
         if args.arch.startswith("sm_90"):  # and the Hopper kernels, which are compiled for sm_90a only
             reports.update({f"NVRTC {t.version}, {specs.SM90_ARCH}": nvrtc.kernel_report(specs.SM90_ARCH, t,
-                                                                                         specs.sm90_modules())
+                                                                                         catalog.sm90_modules())
                             for t in toolkits})
         print(nvrtc.format_kernel_report(reports) + "\n")
         first = f"NVRTC {toolkits[0].version}"

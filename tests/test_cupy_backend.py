@@ -29,7 +29,7 @@ import flashcupy
 from conftest import (BF16, DTYPES, LAYOUTS, MASK_CUH_MUTATIONS, MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, bf16_bits, make_qkv,
                       mutation_tests, reference, strided_empty)
 from flashcupy.backends import cupy_backend
-from flashcupy.backends.cupy_backend import sources, specs
+from flashcupy.backends.cupy_backend import catalog, sources, specs
 
 # Core tests: no skip. Without g++ the emulator cannot build and these fail loudly.
 from flashcupy.tools import emulator  # noqa: E402
@@ -177,7 +177,7 @@ def test_tensor_cores_compute_head_dim_rounded_up_to_16_on_the_tiles_of_its_buck
 
 
 def test_every_specialization_is_in_the_tables():
-    for module in specs.all_modules():
+    for module in catalog.all_modules():
         assert module.name_expressions
     for d in range(1, specs.MAX_HEAD_DIM + 1):
         assert specs.head_dim_bucket(d) >= d

@@ -19,7 +19,7 @@ import pytest
 import flashcupy
 from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv
 from flashcupy.backends import cupy_backend
-from flashcupy.backends.cupy_backend import sources, specs
+from flashcupy.backends.cupy_backend import catalog, sources, specs
 from flashcupy.tools import emulator
 from flashcupy.tools.emulator.cupy import compile_module, emulated, recording
 
@@ -265,7 +265,7 @@ def test_the_wait_for_registers_is_needed(tmp_path):
     (mutant_dir / kernel).write_text("".join(lines), encoding="utf-8")
     with mock.patch.object(sources, "KERNEL_DIR", str(mutant_dir)):
         mutant = sources.read_source(kernel)
-    (module,) = [m for m in specs.sm90_modules() if m.source_file == kernel and m.kernels[1].head_dim == 128
+    (module,) = [m for m in catalog.sm90_modules() if m.source_file == kernel and m.kernels[1].head_dim == 128
                  and m.kernels[1].dtype == "float16" and not m.kernels[1].mods]
     try:
         toolkit = nvrtc.cupy_toolkit()

@@ -127,14 +127,14 @@ def test_tma_compiles_for_sm_90a():
 
 @pytest.mark.parametrize("source_file", ["flash_fwd_sm90.cu", "flash_bwd_sm90.cu"])
 def test_the_hopper_kernels_compile_for_sm_90a_without_spills_or_serialised_wgmma(source_file):
-    """The Hopper forward and backward, every specialisation the backend launches (specs.sm90_modules),
+    """The Hopper forward and backward, every specialisation the backend launches (catalog.sm90_modules),
     with the options the backend compiles them with (sources.arch_options): no ptxas warning (C7508:
     setmaxnreg ignored; C7510-C7520: the wgmma pipeline serialised, or a warpgroup.arrive injected), no
     spills, and the SASS of each warp-specialised kernel holds HGMMA, the TMA loads (and the forward's
     stores), each role's register reallocation, mbarrier waits and named barriers."""
-    from flashcupy.backends.cupy_backend import specs
+    from flashcupy.backends.cupy_backend import catalog, specs
 
-    modules = [m for m in specs.sm90_modules() if m.source_file == source_file]
+    modules = [m for m in catalog.sm90_modules() if m.source_file == source_file]
     assert modules and {m.arch for m in modules} == {specs.SM90_ARCH}
     source = sources.read_source(source_file)
     names = list(dict.fromkeys(k.name_expression for m in modules for k in m.kernels))

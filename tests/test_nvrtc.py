@@ -14,7 +14,7 @@ import re
 import pytest
 import tensor_core_blocks as blocks
 
-from flashcupy.backends.cupy_backend import sources, specs
+from flashcupy.backends.cupy_backend import catalog, sources, specs
 from flashcupy.tools import hardware, nvrtc
 
 ARCHS = ("sm_80", "sm_90")
@@ -135,7 +135,7 @@ def report(request):
     toolkit = toolkit_of(major)
     simt_dtypes = len(specs.CUDA_TYPES) - ((arch, major) != PRIMARY)
     return (f"{arch}, NVRTC {toolkit.version}", simt_dtypes,
-            nvrtc.kernel_report(arch, toolkit, simt_modules(specs.all_modules(), arch, major)))
+            nvrtc.kernel_report(arch, toolkit, simt_modules(catalog.all_modules(), arch, major)))
 
 
 def test_every_specialization_compiles(report):
@@ -144,9 +144,9 @@ def test_every_specialization_compiles(report):
     # a forward (flash_fwd_tc or flash_fwd_tc_wide), flash_bwd_dkdv_tc, flash_bwd_dq_tc per bucket (their
     # preprocess is the SIMT one)
     tensor_core = len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS) * (len(specs.TC_TEMPLATES) - 1)
-    # each SIMT attention kernel twice (specs.all_modules): plain and with every score modifier (the
+    # each SIMT attention kernel twice (catalog.all_modules): plain and with every score modifier (the
     # preprocess has none); each tensor-core kernel three times, with a window alone as well
-    simt, tc = len(specs.REPORT_MODS), len(specs.REPORT_TC_MODS)
+    simt, tc = len(catalog.REPORT_MODS), len(catalog.REPORT_TC_MODS)
     attention = simt * simt_dtypes * (kernels_per_dtype - 1) + tc * tensor_core
     # flash_pairs.cu: attention_probs per dtype and bucket, as often; dbias with the bias only
     pairs = simt_dtypes * len(specs.HEAD_DIM_BUCKETS) * (simt + 1)
@@ -155,7 +155,7 @@ def test_every_specialization_compiles(report):
     # the tensor-core dK/dV kernel that adds dQ by atomics (the default backward), where a call can
     # take it (not with a bias or mask at head_dim 128), and the kernel that converts dQ, per dtype
     atomic = sum(specs.tc_backward_module(dtype, bucket, mods).kernels[1].dq_atomic
-                 for mods in specs.REPORT_TC_MODS for dtype in specs.TC_DTYPES
+                 for mods in catalog.REPORT_TC_MODS for dtype in specs.TC_DTYPES
                  for bucket in specs.TC_HEAD_DIM_BUCKETS)
     assert atomic == tc * len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS) - len(specs.TC_DTYPES)
     # the preprocess (the tensor-core backwards' too) and the KV-cache append per dtype, the dQ conversion
@@ -189,9 +189,9 @@ def test_tensor_core_head_dims_between_the_buckets_fit(monkeypatch):
     # a head_dim that is not a multiple of 64 compiles for itself (specs.tc_head_dim: 48, 96), in
     # shared-memory rows of 64 or 128, and asks ptxas for one CTA an SM; the reports cover 64 and 128.
     # Checked where they came closest to the limit: sm_80 under NVRTC 12 (48 with every modifier)
-    modules = [build("float16", d, m) for d in (48, 96) for m in specs.REPORT_TC_MODS
+    modules = [build("float16", d, m) for d in (48, 96) for m in catalog.REPORT_TC_MODS
                for build in (specs.tc_forward_module, specs.tc_backward_module, specs.deterministic_tc_backward_module)]
-    monkeypatch.setattr(specs, "all_modules", lambda: modules)
+    monkeypatch.setattr(catalog, "all_modules", lambda: modules)
     rows = nvrtc.kernel_report("sm_80", toolkit_of(12))
     assert {r["head_dim"] for r in rows if r["kernel"] in specs.TC_TEMPLATES} == {48, 96}
     assert not nvrtc.limits_exceeded(rows), nvrtc.limits_exceeded(rows)
@@ -204,7 +204,7 @@ def test_every_forward_with_a_bias_or_mask_fits(monkeypatch):
     # (bfloat16 compiled alike): 45 s of CI; `python -m flashcupy kernels --every-modifier-set` does all
     modules = [specs.tc_forward_module("float16", d, m) for d in specs.TC_HEAD_DIM_BUCKETS
                for m in range(specs.ALL_MODS + 1) if m & specs.MOD_PAIRS]
-    monkeypatch.setattr(specs, "all_modules", lambda: modules)
+    monkeypatch.setattr(catalog, "all_modules", lambda: modules)
     rows = nvrtc.kernel_report("sm_80", toolkit_of(12))
     assert len(rows) == len(modules) == 48 and not nvrtc.limits_exceeded(rows), nvrtc.limits_exceeded(rows)
 
@@ -215,7 +215,7 @@ def test_every_packed_batch_kernel_fits(arch, major):
     # the forward, dK/dV and dQ kernels for a packed batch (VARLEN: the offsets read and clamped, a binary
     # search per CTA), SIMT and tensor-core (the default and the deterministic backward), without
     # modifiers and with every one attention_varlen takes
-    modules = simt_modules(specs.varlen_modules(), arch, major)
+    modules = simt_modules(catalog.varlen_modules(), arch, major)
     rows = nvrtc.kernel_report(arch, toolkit_of(major), modules)
     varlen = {k.name_expression for m in modules for k in m.kernels if k.varlen}
     # forward, dK/dV, dQ: 3 SIMT kernels per dtype, bucket and MODS; 4 on tensor cores (two dK/dV kernels)
@@ -310,7 +310,7 @@ def test_the_cli_compiles_every_set_of_modifiers_when_asked(monkeypatch, capsys)
         hopper if arch == specs.SM90_ARCH else asked).append(modules) or [])
     assert cli.main(["kernels", "--every-modifier-set"]) == 0
     (modules,) = asked
-    assert hopper == [specs.sm90_modules()]
+    assert hopper == [catalog.sm90_modules()]
     kernels = [k for m in modules for k in m.kernels if k.tensor_cores]
     assert {k.mods for k in kernels} == set(range(specs.ALL_MODS + 1))
     assert {k.template for k in kernels} == set(specs.TC_TEMPLATES) and any(k.split for k in kernels)

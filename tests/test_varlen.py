@@ -637,3 +637,64 @@ def test_append_kernel_keeps_hostile_lengths_and_tables_inside_the_cache(rng, pa
                     call()
             else:
                 call()
+
+
+# ----------------------------------------------------------------------------
+# a contiguous cache's decode in one launch (the cupy backend, emulated): forward_varlen with seqused_k
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
+def test_cupy_contiguous_cache_step_is_two_launches_whatever_the_batch(rng, dtype):
+    # append and attention: two launches for 1, 7 or 40 sequences (an empty one, one full, GQA, causal
+    # bottom-right per sequence, per-sequence ALiBi), num_splits=1; with num_splits=None where the grid
+    # fills the emulated device's 132 SMs (40 sequences x 8 query heads), else split-KV per sequence
+    from flashcupy.tools.emulator.cupy import emulated
+    launches = {}
+    for batch, heads_q, num_splits in ((1, 4, 1), (7, 4, 1), (40, 8, None), (7, 4, None)):
+        C, Hkv, D, Sq = 24, 2, 32, 2
+        k_cache, v_cache = cache_inputs(rng, batch, C, Hkv, D, dtype)
+        lengths = rng.integers(0, C - Sq + 1, batch).astype(np.int32)
+        lengths[0] = C - Sq
+        q = rng.standard_normal((batch, Sq, heads_q, D)).astype(dtype)
+        k_new, v_new = (rng.standard_normal((batch, Sq, Hkv, D)).astype(dtype) for _ in range(2))
+        slopes = rng.uniform(0.1, 1, (batch, heads_q)).astype(np.float32)
+        grids = []
+        with emulated(compile=_recording(grids)):
+            out, lse = flashcupy.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                        causal=True, alibi_slopes=slopes, return_lse=True,
+                                                        num_splits=num_splits, backend="cupy")
+        launches[batch, num_splits] = [name.split("<")[0] for name, _ in grids]
+        for b in range(batch):
+            n = lengths[b] + Sq
+            assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], k_cache[b:b + 1, :n],
+                                  v_cache[b:b + 1, :n], causal=True, alibi_slopes=slopes[b], backend="cupy")
+    forward = "flash_fwd_tc" if dtype == np.float16 else "flash_fwd"
+    assert launches[1, 1] == launches[7, 1] == launches[40, None] == ["flash_kv_append", forward]
+    assert launches[7, None] == ["flash_kv_append"] + [forward] * 7  # 28 CTAs: split per sequence instead
+
+
+SEQUSED_CLAMP = ("!KEYS && has_seqused ? min(max(seqused_k[s], 0), total_k - k_start)",
+                 "!KEYS && has_seqused ? seqused_k[s]")
+
+
+@pytest.mark.parametrize("unclamped", [False, True], ids=["clamped", "unclamped (a deliberate bug)"])
+def test_cached_lengths_read_on_the_device_stay_inside_the_cache(rng, unclamped):
+    # forward_varlen's seqused_k (a contiguous cache's lengths, checked by the interface before): whatever
+    # they hold, the kernel reads inside k and v, where the guard pages stay silent; unclamped, they catch it
+    from flashcupy._checks import problem
+    from flashcupy.backends import cupy_backend
+    from flashcupy.tools.emulator.cupy import emulated
+    from flashcupy.tools.emulator.errors import KernelError
+    q, k, v = (rng.standard_normal((3 * n, 2, 32)).astype(np.float32) for n in (2, 8, 8))
+    cu_q, cu_k = np.arange(4, dtype=np.int32) * 2, np.arange(4, dtype=np.int32) * 8
+    p = problem(q[None], k[None], v[None], True, None, None, "numpy")
+    for used in ([-5, 8, 2 ** 31 - 1], [9, 100, 3]):
+        out, lse = np.zeros_like(q), np.full((2, 6), -np.inf, np.float32)
+        with emulated(compile=_recording([], SEQUSED_CLAMP if unclamped else None)):
+            call = lambda: cupy_backend.forward_varlen(p, q, k, v, cu_q, cu_k, out, lse,  # noqa: E731
+                                                       seqused_k=np.array(used, np.int32))
+            if unclamped:
+                with pytest.raises(KernelError, match="flash_fwd"):
+                    call()
+            else:
+                call()

@@ -49,7 +49,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from flashcupy.backends.cupy_backend import sources, specs
+from flashcupy.backends.cupy_backend import catalog, sources, specs
 from flashcupy.tools import hardware
 from flashcupy.tools.hardware import MAX_REGISTERS
 
@@ -398,14 +398,14 @@ def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, c
 def kernel_report(arch: str = "sm_90", toolkit: Toolkit | None = None, modules=None,
                   instructions: bool = False) -> list:
     """One row per kernel specialization the cupy backend can launch (`modules`, by default
-    specs.all_modules: without score modifiers and with all of them), compiled for `arch` by the NVRTC
+    catalog.all_modules: without score modifiers and with all of them), compiled for `arch` by the NVRTC
     of `toolkit` (default: CuPy's). `instructions`: every row also gets its SASS instruction count and
     digest (sass_instructions)."""
     if not re.fullmatch(r"sm_\d+a?", arch):
         raise ValueError(f"arch must look like sm_80 or sm_90, got {arch!r}")
     toolkit = toolkit or cupy_toolkit()
     options = compile_options(arch, toolkit)
-    modules = specs.all_modules() if modules is None else modules
+    modules = catalog.all_modules() if modules is None else modules
     jobs, job_of = _shared_programs(modules, options)
     compiled = _results(toolkit, jobs)
     parsed = [parse_ptxas(log) for log, _, _ in compiled]

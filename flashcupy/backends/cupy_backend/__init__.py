@@ -43,7 +43,6 @@ which runs these same kernels and this same launch code without a GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import numpy as np
@@ -384,199 +383,19 @@ def forward(p, q, k, v, num_splits=1, into=None):
 SM90_PERSISTENT = False
 
 
-def _no_varlen(rt, like) -> tuple:
-    """The forward kernels' VARLEN_PARAMS for a kernel not specialised for a packed batch (never read): an
-    int32 stand-in for the offsets, made once per device, and no sequence. Call with like's device
-    current."""
+def _int32_stand_in(rt, like):
+    """A never-read int32 array argument, made once per device. Call with like's device current."""
     key = (rt.device_id(like), "int32")
     if key not in rt.stand_ins:
         rt.stand_ins[key] = rt.xp.zeros(1, dtype=np.int32)
-    return rt.stand_ins[key], rt.stand_ins[key], np.int32(0)
+    return rt.stand_ins[key]
 
 
-def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slopes=None) -> None:
-    """A packed batch's forward in one launch (attention_varlen): q (total_q, heads_q, head_dim), k, v
-    (total_k, heads_kv, head_dim), out like q and lse (heads_q, total_q) allocated with 0 and -inf,
-    written in place; cu_seqlens_q, cu_seqlens_k int32 (sequences + 1,) device arrays, read by the
-    kernel (mask.cuh's Sequence), never on the host: whatever they hold, no row outside the arrays is
-    touched. p is the packed problem (q[None], k[None], v[None]: batch 1, seqlen_q the total;
-    Problem.diagonal unused, each sequence's is its own), alibi_slopes (heads_q,) or (sequences,
-    heads_q). On the mma.sync kernel the dtype and strides pick, on compute capability 9.0 too: the
-    Hopper forward reads no offsets yet, and at the lengths packed batches hold (S <= 1024) it ran
-    no faster than the mma.sync one on an H200 (benchmarks/results/h200_session3/); no split-KV."""
-    rt = _runtime()
-    num_seqs = int(cu_seqlens_q.shape[0]) - 1
-    if num_seqs <= 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
-        return  # no sequence, no query or no key: out 0, lse -inf, as allocated
-    packed = (q[None], k[None], v[None])
-    path, module = _forward_module(p, *packed, False, varlen=True)
-    (kernel,) = module.kernels
-    blocks = launch.varlen_blocks(kernel, p, num_seqs)
-    if blocks > backends.MAX_GRID[0]:
-        raise ValueError(f"a packed batch of {num_seqs} sequences and {p.seqlen_q} query rows needs {blocks} thread "
-                         f"blocks, more than CUDA's grid holds ({backends.MAX_GRID[0]})")
-    if alibi_slopes is not None:
-        p = dataclasses.replace(p, alibi_slopes=alibi_slopes)
-    with rt.device_of(q):
-        (fwd,) = _functions(rt, module, q)
-        # batch strides 0: the kernel moves each tensor to its sequence's rows itself (TAKE_SEQUENCE)
-        tensors = [(x, np.int64(0), *_tensor(x)[2:]) for x in packed + (out[None], lse[None])]
-        fwd(
-            (blocks,), (kernel.threads,),
-            (*(a for t in tensors for a in t),
-             *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-             *_modifier_args(p, lse, path == "tensor-core"), np.int32(0), np.int64(0), np.int64(0),  # no split
-             cu_seqlens_q, cu_seqlens_k, np.int32(num_seqs)),
-            shared_mem=kernel.dynamic_smem)
-
-
-ATOMIC_BACKWARD = True  # backward(..., deterministic=False) may add with atomics (the interface passes it)
-
-
-def _backward_module(p, path: str, deterministic: bool, varlen: bool = False) -> specs.ModuleSpec:
-    if path == "hopper":
-        return specs.sm90_backward_module(p.dtype, p.head_dim, _mods(p))
-    if path == "tensor-core":
-        return specs.tc_backward_module(p.dtype, p.head_dim, _mods(p), deterministic, varlen)
-    return specs.backward_module(p.dtype, p.head_dim, _mods(p), varlen)
-
-
-def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
-    """dq, dk, dv (and dbias with a bias), written into `into` when given. On tensor cores, unless
-    deterministic, the dK/dV kernel also adds dQ into an fp32 workspace with atomics (five GEMMs,
-    not seven; the sums' order, so the rounding, varies from run to run); the SIMT kernels are
-    deterministic either way."""
-    rt = _runtime()
-    path = backward_path(p, dout, q, k, v, out, deterministic)
-    with rt.device_of(q):
-        if into is None:
-            dq, dk, dv = (rt.xp.empty(x.shape, dtype=p.carrier) for x in (q, k, v))
-        else:
-            dq, dk, dv = into[:3]
-        D = _backward_launches(rt, p, path, _backward_module(p, path, deterministic), dout, q, k, v, out, lse,
-                               dq, dk, dv)
-        if p.bias is None:
-            return dq, dk, dv
-        # dbias (flash_pairs.cu, SIMT whichever path ran above): its own arguments are natural-unit ones
-        module = specs.dbias_module(p.dtype, p.head_dim, _mods(p))
-        (dbias_kernel,) = module.kernels
-        (bwd_dbias,) = _functions(rt, module, q)
-        dbias = rt.xp.empty(p.bias.shape, dtype=p.bias.dtype) if into is None or len(into) < 4 else into[3]
-        bwd_dbias(
-            (dbias_kernel.blocks(p),), (specs.NUM_THREADS,),
-            (*_tensor(q), *_tensor(k), *_tensor(v), *_tensor(dout), *_tensor(lse), D, *_tensor(dbias),
-             np.int32(p.batch), *(np.int32(n) for n in p.bias.shape),
-             *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-             *_modifier_args(p, D, False)))
-    return dq, dk, dv, dbias
-
-
-def _backward_launches(rt, p, path: str, module, dout, q, k, v, out, lse, dq, dk, dv, varlen=None):
-    """The backward's launches (module: _backward_module's for `path`) into dq, dk, dv; returns D. varlen:
-    (cu_seqlens_q, cu_seqlens_k, num_seqs) for a packed batch (backward_varlen: every tensor a batch of
-    one, passed with batch stride 0, and the dK/dV and dQ grids varlen_blocks'). Call with q's device
-    current."""
-    tensor_cores = path != "simt"  # the units of the score modifiers' arguments
-    prep_kernel, dkdv, dq_kernel = module.kernels
-    preprocess, bwd_dkdv, bwd_dq = _functions(rt, module, q)
-    if varlen is None:
-        arg, tail, blocks = _tensor, _no_varlen(rt, q), lambda kernel: kernel.blocks(p)
-    else:
-        # batch strides 0: each CTA moves the tensors to its sequence's rows itself (mask.cuh's Sequence)
-        arg, tail = (lambda x: (x, np.int64(0), *_tensor(x)[2:])), (varlen[0], varlen[1], np.int32(varlen[2]))
-        blocks = lambda kernel: launch.varlen_blocks(kernel, p, varlen[2])  # noqa: E731
-    D = rt.xp.empty(p.lse_shape, dtype=p.acc_dtype)  # workspace: rowsum(dO ∘ O), contiguous
-    # workspace for dQ's atomics: zeros, q's shape, contiguous (the tensor-core dK/dV kernel takes
-    # a never-read stand-in otherwise); the Hopper kernel's: zeros, a tile of block_m rows x its
-    # head_dim bucket and padding per (batch, query head, query block) (flash_bwd_sm90.cu)
-    dqa = (rt.xp.zeros((p.batch, p.heads_q, -(-p.seqlen_q // dkdv.block_m) * dkdv.block_m,
-                        dkdv.head_dim + specs.SM90_DQ_ROW_PAD), dtype=np.float32) if dkdv.wgmma
-           else rt.xp.zeros(q.shape, dtype=np.float32) if dkdv.dq_atomic else None)
-
-    block = (specs.NUM_THREADS,)
-    preprocess(  # a packed batch's rows are those of one sequence of its total length here
-        (prep_kernel.blocks(p),), block,
-        (*_tensor(dout), *_tensor(out), D,
-         np.int32(p.batch), np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim)))
-    shared = (*arg(q), *arg(k), *arg(v), *arg(dout), *arg(lse), D)
-    flags = (*_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-             *_modifier_args(p, D, tensor_cores))
-    atomic = ((dqa,) if dkdv.wgmma else (*arg(dqa),) if dqa is not None
-              else (D, *(np.int64(0),) * 4) if tensor_cores else ())
-    if path == "hopper":  # q, dO_i: a pass's BLOCK_M rows; k, v: the key block's BLOCK_N
-        maps = _sm90_maps(rt, p, (q, dkdv.block_m), (k, dkdv.block_n), (v, dkdv.block_n), (dout, dkdv.block_m))
-        shared = (*maps, *_tensor(lse), D)
-    bwd_dkdv(
-        (blocks(dkdv),), (dkdv.threads,),
-        (*shared, *arg(dk), *arg(dv), *flags, *atomic, *(() if dkdv.wgmma else tail)), shared_mem=dkdv.dynamic_smem)
-    if dqa is None:
-        bwd_dq(
-            (blocks(dq_kernel),), block,
-            (*shared, *arg(dq), *flags, *tail), shared_mem=dq_kernel.dynamic_smem)
-    else:
-        # the convert kernel writes dq element by element in q's shape, contiguous: a given dq of
-        # other strides (a view of a larger one: flashcupy/_batch.py) takes a copy
-        flat = dq if dq.flags.c_contiguous else rt.xp.empty(q.shape, dtype=p.carrier)
-        tiles = (np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim)) if dkdv.wgmma else ()
-        bwd_dq((dq_kernel.blocks(p),), block, (dqa, flat, np.int64(flat.size), np.float32(p.scale), *tiles))
-        if flat is not dq:
-            dq[...] = flat
-    return D
-
-
-def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, alibi_slopes=None,
-                    deterministic=False) -> None:
-    """A packed batch's backward (attention_varlen_backward) in forward_varlen's manner: the preprocess,
-    dK/dV and dQ (or the dQ conversion) each one launch whatever the number of sequences, the offsets
-    read by the kernels (mask.cuh's Sequence) and never on the host. dout, q, out (total_q, heads_q,
-    head_dim), k, v (total_k, heads_kv, head_dim), lse (heads_q, total_q); dq, dk, dv allocated with
-    zeros, written in place (rows of no sequence, and the sequences without a query or a key, keep
-    them). On the mma.sync kernels where forward_path's conditions hold, on compute capability 9.0
-    too (the Hopper backward reads no offsets yet); deterministic as backward's."""
-    rt = _runtime()
-    num_seqs = int(cu_seqlens_q.shape[0]) - 1
-    if num_seqs <= 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
-        return  # no sequence, no query or no key: zero gradients, as allocated
-    packed = [x[None] for x in (dout, q, k, v, out, lse, dq, dk, dv)]
-    path = _path(p, *packed[:5])  # never the Hopper kernels: they read no offsets
-    module = _backward_module(p, path, deterministic, varlen=True)
-    for kernel in module.kernels[1:]:
-        if kernel.varlen and launch.varlen_blocks(kernel, p, num_seqs) > backends.MAX_GRID[0]:
-            raise ValueError(f"a packed batch of {num_seqs} sequences, {p.seqlen_q} query rows and {p.seqlen_k} keys "
-                             f"needs more thread blocks than CUDA's grid holds ({backends.MAX_GRID[0]})")
-    if alibi_slopes is not None:
-        p = dataclasses.replace(p, alibi_slopes=alibi_slopes)
-    with rt.device_of(q):
-        _backward_launches(rt, p, path, module, *packed, varlen=(cu_seqlens_q, cu_seqlens_k, num_seqs))
-
-
-def append_kv(dtype, k_cache, v_cache, k, v, cache_seqlens, block_table=None) -> None:
-    """attention_with_kvcache's append in one launch (flash_kv_append, flash_append.cu): k, v (batch,
-    seqlen_new, heads_kv, head_dim) written into k_cache, v_cache (contiguous, or paged through
-    block_table) from position cache_seqlens[b] of each sequence on. cache_seqlens int32 (batch,) and
-    block_table int32 (batch, max_blocks) or None: device arrays the kernel reads and clamps into the
-    cache itself; dtype the values' (a key of specs.CUDA_TYPES; bfloat16 as uint16 bits). The shapes are
-    the interface's to check (capacity at least seqlen_new)."""
-    rt = _runtime()
-    if k.size == 0:
-        return
-    batch, new, heads_kv, head_dim = k.shape
-    module = specs.append_module(dtype)
-    (kernel,) = module.kernels
-    paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    blocks = _cdiv(k.size, specs.NUM_THREADS)
-    if blocks > backends.MAX_GRID[0]:
-        raise ValueError(f"appending {k.size} elements needs {blocks} thread blocks, more than CUDA's grid holds "
-                         f"({backends.MAX_GRID[0]})")
-    with rt.device_of(k_cache):
-        (fn,) = _functions(rt, module, k_cache)
-        table = block_table if paged else _no_varlen(rt, k_cache)[0]  # a never-read stand-in
-        table_strides = (np.int64(s // 4) for s in table.strides) if paged else (np.int64(0), np.int64(0))
-        fn((blocks,), (kernel.threads,),
-           (*_tensor(k), *_tensor(v), *_tensor(k_cache), *_tensor(v_cache), cache_seqlens, table, *table_strides,
-            np.int32(paged), np.int32(batch), np.int32(new), np.int32(heads_kv), np.int32(head_dim),
-            np.int32(capacity), np.int32(k_cache.shape[1] if paged else 0), np.int32(k_cache.shape[0])))
+def _no_varlen(rt, like) -> tuple:
+    """The VARLEN_PARAMS of a kernel not specialised for a packed batch (never read): int32 stand-ins for
+    the offsets, no sequence, no seqused_k. Call with like's device current."""
+    stand_in = _int32_stand_in(rt, like)
+    return stand_in, stand_in, np.int32(0), stand_in, np.int32(0)
 
 
 def probs(p, q, k, lse, rows):
@@ -596,3 +415,9 @@ def probs(p, q, k, lse, rows):
              *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
              *_modifier_args(p, lse, False)))
     return P
+
+
+# the backward, the packed batches and the KV cache: their launchers use the helpers above (imported
+# last, so that they find them)
+from .backward import ATOMIC_BACKWARD, backward  # noqa: E402,F401
+from .packed import append_kv, backward_varlen, fills_device, forward_varlen  # noqa: E402,F401

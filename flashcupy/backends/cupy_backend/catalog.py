@@ -1,0 +1,83 @@
+"""Every module the cupy backend can request, as lists: what the NVRTC report
+(flashcupy/tools/nvrtc.py, `python -m flashcupy kernels`), benchmarks/sass_counts.py and the tests
+compile. specs.py builds each module; this file only enumerates them.
+"""
+
+from __future__ import annotations
+
+from .specs import (ALL_MODS, CUDA_TYPES, HEAD_DIM_BUCKETS, MOD_BITS, TC_DTYPES, TC_HEAD_DIM_BUCKETS,
+                    SM90_FORWARD_TILES, SM90_MODS, append_module, backward_module, dbias_module,
+                    deterministic_tc_backward_module, forward_module, probs_module, sm90_backward_module,
+                    sm90_forward_module, tc_backward_module, tc_forward_module)
+
+# What the NVRTC report compiles of each kernel family: the plain kernels and every modifier (the most
+# work in a tile's loop) everywhere; the window alone on tensor cores only, whose window variants sit
+# near the register limit. A SIMT kernel's window alone is its plain loop with the band's bounds: far
+# below the limit when it left the report, whose minutes of NVRTC are CI's largest cost.
+REPORT_MODS = (0, ALL_MODS)
+REPORT_TC_MODS = (0, MOD_BITS["window"], ALL_MODS)
+
+
+def all_modules(mods=REPORT_MODS, tc_mods=REPORT_TC_MODS):
+    """Every module the backend can request, for each MODS of `mods` (of `tc_mods` on tensor cores):
+    the forward, backward and attention_probs for each dtype and bucket (and the bias's gradient
+    where MODS has a bias), the tensor-core forward and backward for each of their dtypes and
+    buckets, the split-KV forwards (split_modules, for the first and last of `mods`), and the KV-cache
+    append for each dtype. The defaults are what the NVRTC report checks."""
+    return ([build(dtype, bucket, m)
+             for m in mods for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS
+             for build in (forward_module, backward_module, probs_module)
+             + ((dbias_module,) if m & MOD_BITS["bias"] else ())]
+            + tc_modules(tc_mods)
+            + split_modules(mods)
+            + [append_module(dtype) for dtype in CUDA_TYPES])
+
+
+def tc_modules(tc_mods, dtypes=TC_DTYPES, split: bool = False) -> list:
+    """The tensor-core forward, backward and deterministic backward (and split-KV forward if asked)
+    for each MODS of `tc_mods`, dtype and bucket."""
+    builds = (tc_forward_module, tc_backward_module, deterministic_tc_backward_module)
+    builds += (lambda dtype, bucket, m: tc_forward_module(dtype, bucket, m, True),) if split else ()
+    return [build(dtype, bucket, m)
+            for m in tc_mods for dtype in dtypes for bucket in TC_HEAD_DIM_BUCKETS for build in builds]
+
+
+def every_tc_modifier_set_modules(dtypes=TC_DTYPES):
+    """The tensor-core modules with each of the 32 sets of score modifiers (the report above compiles
+    three: none, the window, all), at both head-dim buckets: the forward, split-KV forward, default and
+    deterministic backward. `python -m flashcupy kernels --every-modifier-set` compiles them
+    (minutes)."""
+    modules = tc_modules(range(ALL_MODS + 1), dtypes, split=True)
+    return list({m.name_expressions: m for m in modules}.values())  # a kernel once, where sets share it
+
+
+def split_modules(mods=(0, ALL_MODS)):
+    """The split-KV forwards (SIMT and tensor-core), for the first and last MODS of `mods` (plain,
+    and the most work in a tile's loop)."""
+    ends = sorted({mods[0], mods[-1]})
+    return ([forward_module(dtype, bucket, m, True) for m in ends for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS]
+            + [tc_forward_module(dtype, bucket, m, True) for m in ends for dtype in TC_DTYPES
+               for bucket in TC_HEAD_DIM_BUCKETS])
+
+
+# The modifiers attention_varlen takes (no bias, no mask): a packed batch's forwards are specialised for
+# none or some of them
+VARLEN_MODS = MOD_BITS["window"] | MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"]
+
+
+def varlen_modules(mods=(0, VARLEN_MODS)):
+    """The packed batch's forwards and backwards (SIMT, and tensor-core: the default backward and the
+    deterministic one), for each MODS of `mods` (plain, and the most work in a tile's loop), every dtype
+    and bucket: what tests/test_nvrtc.py compiles of them."""
+    return ([build(dtype, bucket, m, varlen=True) for m in mods for dtype in CUDA_TYPES
+             for bucket in HEAD_DIM_BUCKETS for build in (forward_module, backward_module)]
+            + [build(dtype, bucket, m, varlen=True) for m in mods for dtype in TC_DTYPES
+               for bucket in TC_HEAD_DIM_BUCKETS
+               for build in (tc_forward_module, tc_backward_module, deterministic_tc_backward_module)])
+
+
+def sm90_modules(dtypes=TC_DTYPES) -> list:
+    """Every Hopper module: the forward and the backward for each dtype, head-dim bucket, and the
+    modifier sets they take (none, the window). The NVRTC report compiles them for SM90_ARCH only."""
+    return [build(dtype, bucket, mods) for build in (sm90_forward_module, sm90_backward_module)
+            for mods in (0, SM90_MODS) for dtype in dtypes for bucket in SM90_FORWARD_TILES]

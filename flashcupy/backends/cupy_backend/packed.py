@@ -1,0 +1,120 @@
+"""The cupy backend's launches for packed batches and KV caches (flashcupy/_varlen.py calls them through
+the backend module, which re-exports them): a packed batch's forward and backward in one launch per
+kernel (the kernels read the offsets: mask.cuh's Sequence), and the KV-cache append (flash_append.cu).
+They pack arguments as the backend's own launches do, through its helpers (backend._tensor, ...),
+looked up at call time so that the emulator's Runtime and the tests' switches reach them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+import flashcupy.backends.cupy_backend as backend
+
+from .. import MAX_GRID
+from . import launch, specs
+from .backward import _backward_launches, _backward_module
+
+
+def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slopes=None, seqused_k=None) -> None:
+    """A packed batch's forward in one launch (attention_varlen): q (total_q, heads_q, head_dim), k, v
+    (total_k, heads_kv, head_dim), out like q and lse (heads_q, total_q) allocated with 0 and -inf,
+    written in place; cu_seqlens_q, cu_seqlens_k int32 (sequences + 1,) device arrays, read by the
+    kernel (mask.cuh's Sequence), never on the host: whatever they hold, no row outside the arrays is
+    touched. p is the packed problem (q[None], k[None], v[None]: batch 1, seqlen_q the total;
+    Problem.diagonal unused, each sequence's is its own), alibi_slopes (heads_q,) or (sequences,
+    heads_q). On the mma.sync kernel the dtype and strides pick, on compute capability 9.0 too: the
+    Hopper forward reads no offsets yet, and at the lengths packed batches hold (S <= 1024) it ran
+    no faster than the mma.sync one on an H200 (benchmarks/results/h200_session3/); no split-KV.
+    seqused_k: int32 (sequences,) device array, sequence b's keys the first seqused_k[b] rows from
+    cu_seqlens_k[b] on (a contiguous KV cache: attention_with_kvcache), clamped into k as the offsets are."""
+    rt = backend._runtime()
+    num_seqs = int(cu_seqlens_q.shape[0]) - 1
+    if num_seqs <= 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
+        return  # no sequence, no query or no key: out 0, lse -inf, as allocated
+    packed = (q[None], k[None], v[None])
+    path, module = backend._forward_module(p, *packed, False, varlen=True)
+    (kernel,) = module.kernels
+    blocks = launch.varlen_blocks(kernel, p, num_seqs)
+    if blocks > MAX_GRID[0]:
+        raise ValueError(f"a packed batch of {num_seqs} sequences and {p.seqlen_q} query rows needs {blocks} thread "
+                         f"blocks, more than CUDA's grid holds ({MAX_GRID[0]})")
+    if alibi_slopes is not None:
+        p = dataclasses.replace(p, alibi_slopes=alibi_slopes)
+    with rt.device_of(q):
+        (fwd,) = backend._functions(rt, module, q)
+        # batch strides 0: the kernel moves each tensor to its sequence's rows itself (TAKE_SEQUENCE)
+        tensors = [(x, np.int64(0), *backend._tensor(x)[2:]) for x in packed + (out[None], lse[None])]
+        fwd(
+            (blocks,), (kernel.threads,),
+            (*(a for t in tensors for a in t),
+             *backend._shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
+             *backend._modifier_args(p, lse, path == "tensor-core"), np.int32(0), np.int64(0), np.int64(0),  # no split
+             cu_seqlens_q, cu_seqlens_k, np.int32(num_seqs),
+             *((backend._int32_stand_in(rt, q), np.int32(0)) if seqused_k is None else (seqused_k, np.int32(1)))),
+            shared_mem=kernel.dynamic_smem)
+
+
+def fills_device(p, q, k, v, num_seqs: int) -> bool:
+    """Whether forward_varlen's grid for a packed batch of num_seqs sequences (p its packed problem, q, k,
+    v its packed arrays) holds more than two CTAs an SM: where split_plan would not split its sequences
+    either. attention_with_kvcache runs a contiguous cache in that one launch where it does."""
+    (kernel,) = backend._forward_module(p, q[None], k[None], v[None], False, varlen=True)[1].kernels
+    return launch.varlen_blocks(kernel, p, num_seqs) > 2 * backend._runtime().sm_count(q)
+
+
+def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, alibi_slopes=None,
+                    deterministic=False) -> None:
+    """A packed batch's backward (attention_varlen_backward) in forward_varlen's manner: the preprocess,
+    dK/dV and dQ (or the dQ conversion) each one launch whatever the number of sequences, the offsets
+    read by the kernels (mask.cuh's Sequence) and never on the host. dout, q, out (total_q, heads_q,
+    head_dim), k, v (total_k, heads_kv, head_dim), lse (heads_q, total_q); dq, dk, dv allocated with
+    zeros, written in place (rows of no sequence, and the sequences without a query or a key, keep
+    them). On the mma.sync kernels where forward_path's conditions hold, on compute capability 9.0
+    too (the Hopper backward reads no offsets yet); deterministic as backward's."""
+    rt = backend._runtime()
+    num_seqs = int(cu_seqlens_q.shape[0]) - 1
+    if num_seqs <= 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
+        return  # no sequence, no query or no key: zero gradients, as allocated
+    packed = [x[None] for x in (dout, q, k, v, out, lse, dq, dk, dv)]
+    path = backend._path(p, *packed[:5])  # never the Hopper kernels: they read no offsets
+    module = _backward_module(p, path, deterministic, varlen=True)
+    for kernel in module.kernels[1:]:
+        if kernel.varlen and launch.varlen_blocks(kernel, p, num_seqs) > MAX_GRID[0]:
+            raise ValueError(f"a packed batch of {num_seqs} sequences, {p.seqlen_q} query rows and {p.seqlen_k} keys "
+                             f"needs more thread blocks than CUDA's grid holds ({MAX_GRID[0]})")
+    if alibi_slopes is not None:
+        p = dataclasses.replace(p, alibi_slopes=alibi_slopes)
+    with rt.device_of(q):
+        _backward_launches(rt, p, path, module, *packed, varlen=(cu_seqlens_q, cu_seqlens_k, num_seqs))
+
+
+def append_kv(dtype, k_cache, v_cache, k, v, cache_seqlens, block_table=None) -> None:
+    """attention_with_kvcache's append in one launch (flash_kv_append, flash_append.cu): k, v (batch,
+    seqlen_new, heads_kv, head_dim) written into k_cache, v_cache (contiguous, or paged through
+    block_table) from position cache_seqlens[b] of each sequence on. cache_seqlens int32 (batch,) and
+    block_table int32 (batch, max_blocks) or None: device arrays the kernel reads and clamps into the
+    cache itself; dtype the values' (a key of specs.CUDA_TYPES; bfloat16 as uint16 bits). The shapes are
+    the interface's to check (capacity at least seqlen_new)."""
+    rt = backend._runtime()
+    if k.size == 0:
+        return
+    batch, new, heads_kv, head_dim = k.shape
+    module = specs.append_module(dtype)
+    (kernel,) = module.kernels
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    blocks = backend._cdiv(k.size, specs.NUM_THREADS)
+    if blocks > MAX_GRID[0]:
+        raise ValueError(f"appending {k.size} elements needs {blocks} thread blocks, more than CUDA's grid holds "
+                         f"({MAX_GRID[0]})")
+    with rt.device_of(k_cache):
+        (fn,) = backend._functions(rt, module, k_cache)
+        table = block_table if paged else backend._int32_stand_in(rt, k_cache)
+        table_strides = (np.int64(s // 4) for s in table.strides) if paged else (np.int64(0), np.int64(0))
+        fn((blocks,), (kernel.threads,),
+           (*backend._tensor(k), *backend._tensor(v), *backend._tensor(k_cache), *backend._tensor(v_cache), cache_seqlens, table, *table_strides,
+            np.int32(paged), np.int32(batch), np.int32(new), np.int32(heads_kv), np.int32(head_dim),
+            np.int32(capacity), np.int32(k_cache.shape[1] if paged else 0), np.int32(k_cache.shape[0])))
