@@ -20,7 +20,8 @@ recorded, not run (launch_records), for batches of 1 to 1,000 sequences of 17-30
 per-sequence path (_varlen.forward_packed and backward_packed, the cupy backend's before issue 28,
 the NumPy backend's and JAX's still) and attention_varlen, attention_varlen_backward (one launch per
 kernel), with the share of the CTAs of each kernel that reads the offsets that find no work (past
-their sequence's blocks: mask.cuh's Sequence).
+their sequence's blocks: mask.cuh's Sequence); and the launches of a decode step over a contiguous KV
+cache (the append and attention_with_kvcache's attention).
 """
 
 from __future__ import annotations
@@ -128,6 +129,29 @@ def launches(batches=(1, 7, 40, 256, 1000), heads=8, head_dim=64, seed=0) -> lis
     return rows
 
 
+def cache_steps(batches=(1, 7, 40, 256, 1000), heads_q=8, heads_kv=2, head_dim=64, cache=512, seed=0) -> list:
+    """Rows (dtype, sequences, launches, kernels) of one decode step over a contiguous KV cache on the
+    emulated cupy backend (attention_with_kvcache: one new token a sequence appended, then one query
+    over the cache, causal, num_splits=None), the kernels recorded and not run."""
+    from flashcupy.tools.emulator.cupy import emulated, launch_records
+    rng = np.random.default_rng(seed)
+    rows = []
+    for dtype in (np.float16, np.float32):
+        for n in batches:
+            k_cache, v_cache = (np.zeros((n, cache, heads_kv, head_dim), dtype) for _ in range(2))
+            q = np.zeros((n, 1, heads_q, head_dim), dtype)
+            k_new = np.zeros((n, 1, heads_kv, head_dim), dtype)
+            lengths = rng.integers(0, cache, n).astype(np.int32)
+            grids = []
+            with emulated(compile=launch_records(grids, run=False)):
+                flashcupy.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=k_new, cache_seqlens=lengths,
+                                                 causal=True, backend="cupy")
+            names = [name.split("<")[0] for name, _ in grids]
+            rows.append((np.dtype(dtype).name, n, len(grids), ", ".join(f"{names.count(x)} {x}"
+                                                                       for x in dict.fromkeys(names))))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -142,6 +166,12 @@ def main(argv=None) -> int:
         for dtype, n, pass_, before, after, kernels in launches():
             cells = "; ".join(f"`{name}` {ctas}, {idle * 100:.0f} %" for name, ctas, idle in kernels)
             print(f"| {dtype} | {n} | {pass_} | {before} | {after} | {cells} |")
+        print("\n# cupy backend, emulated (132 SMs): launches of a decode step over a contiguous KV cache, one new "
+              "token a sequence, heads 8/2, D=64, 512 cached positions\n")
+        print("| dtype | sequences | launches | kernels |")
+        print("|---|---|---|---|")
+        for dtype, n, count, kernels in cache_steps():
+            print(f"| {dtype} | {n} | {count} | {kernels} |")
         return 0
     print(f"# NumPy backend: packed batches and KV-cache decoding ({time.strftime('%Y-%m-%d %H:%M')}, "
           f"{os.cpu_count()} cores, numpy {np.__version__}, load average {os.getloadavg()[0]:.2f})\n")

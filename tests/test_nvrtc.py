@@ -243,7 +243,7 @@ def mmas_per_pass(kernel: str, head_dim: int, block_m: int, block_n: int, rolled
 def test_tensor_core_kernels_run_on_tensor_cores(report):
     # the loops over tiles are unrolled: every mma of a pass is an HMMA of its own in the SASS (but the
     # k-steps of rolled products)
-    what, rows = report
+    what, _, rows = report
     tc = [r for r in rows if r["kernel"] in specs.TC_TEMPLATES]
     assert {r["kernel"] for r in tc} == set(specs.TC_TEMPLATES)
     for r in tc:
