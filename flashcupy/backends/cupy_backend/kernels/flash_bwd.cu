@@ -52,16 +52,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv(
     static_assert(sizeof(K_s) + sizeof(V_s) + sizeof(Q_s) + sizeof(dO_s) <= SMEM_LIMIT, "tiles exceed 48 KiB");
 
     DRows<const Acc, VARLEN> D{Dvec, heads_q, seqlen_q};
-    KeyBlock blk;
-    if constexpr (VARLEN) {
-        const Sequence seq = sequence_of<BLOCK_N, true>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
-        if (seq.start < 0) return;  // past its sequence's key blocks: no work (the whole CTA)
-        TAKE_SEQUENCE_BACKWARD(seq, D);
-        AT_SEQUENCE_K(seq, dk), AT_SEQUENCE_K(seq, dv);
-        blk = {seq.start, seq.index, seq.kv_head};
-    } else {
-        blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);
-    }
+    BACKWARD_KEY_BLOCK(blk, D, AT_SEQUENCE_K(seq, dk), AT_SEQUENCE_K(seq, dv));
     const auto mask = MAKE_MASK(MODS);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int key0 = blk.j0 + warp * R, query = lane % BLOCK_M;  // this warp's first key, this lane's row in Q_i
@@ -133,16 +124,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq(
     static_assert(sizeof(Q_s) + sizeof(dO_s) + sizeof(K_s) + sizeof(V_s) <= SMEM_LIMIT, "tiles exceed 48 KiB");
 
     DRows<const Acc, VARLEN> D{Dvec, heads_q, seqlen_q};
-    QueryBlock blk;
-    if constexpr (VARLEN) {
-        const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
-        if (seq.start < 0) return;  // past its sequence's query blocks: no work (the whole CTA)
-        TAKE_SEQUENCE_BACKWARD(seq, D);
-        AT_SEQUENCE_Q(seq, dq);
-        blk = {seq.start, seq.index, seq.h, seq.kv_head};
-    } else {
-        blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
-    }
+    BACKWARD_QUERY_BLOCK(blk, D, AT_SEQUENCE_Q(seq, dq));
     const auto mask = MAKE_MASK(MODS);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int row0 = blk.i0 + warp * R, key = lane % BLOCK_N;  // this warp's first query row, this lane's key in K_j

@@ -166,17 +166,8 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
     float* dQ_stage = reinterpret_cast<float*>(dS_s + BLOCK_M * BLOCK_N);  // DQ_ATOMIC: 16 x 16 floats a warp
 
     DRows<const float, VARLEN> D{Dvec, heads_q, seqlen_q};
-    KeyBlock blk;
-    if constexpr (VARLEN) {
-        const Sequence seq = sequence_of<BLOCK_N, true>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
-        if (seq.start < 0) return;  // past its sequence's key blocks: no work (the whole CTA, before any copy)
-        TAKE_SEQUENCE_BACKWARD(seq, D);
-        AT_SEQUENCE_K(seq, dk), AT_SEQUENCE_K(seq, dv);
-        if constexpr (DQ_ATOMIC) AT_SEQUENCE_Q(seq, dqa);
-        blk = {seq.start, seq.index, seq.kv_head};
-    } else {
-        blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);
-    }
+    // dqa, with DQ_ATOMIC the dQ workspace (q's rows), else a stand-in of strides 0 that no move changes
+    BACKWARD_KEY_BLOCK(blk, D, AT_SEQUENCE_K(seq, dk), AT_SEQUENCE_K(seq, dv), AT_SEQUENCE_Q(seq, dqa));
     const auto mask = MAKE_MASK(MODS);
     const int warp = threadIdx.x / WARP_SIZE;
     const int key_w = blk.j0 + 16 * warp;                   // the warp's first key
@@ -294,16 +285,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
     T* V_s = K_s + 2 * BLOCK_N * ROW;
 
     DRows<const float, VARLEN> D{Dvec, heads_q, seqlen_q};
-    QueryBlock blk;
-    if constexpr (VARLEN) {
-        const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
-        if (seq.start < 0) return;  // past its sequence's query blocks: no work (the whole CTA, before any copy)
-        TAKE_SEQUENCE_BACKWARD(seq, D);
-        AT_SEQUENCE_Q(seq, dq);
-        blk = {seq.start, seq.index, seq.h, seq.kv_head};
-    } else {
-        blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);
-    }
+    BACKWARD_QUERY_BLOCK(blk, D, AT_SEQUENCE_Q(seq, dq));
     const auto mask = MAKE_MASK(MODS);
     const int warp = threadIdx.x / WARP_SIZE;
     const int row_w = blk.i0 + 16 * warp;                   // the warp's first row

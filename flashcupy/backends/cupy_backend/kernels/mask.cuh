@@ -334,6 +334,33 @@ __device__ __forceinline__ Sequence sequence_of(const int* cu_q, const int* cu_k
         (D).at_row((seq).q_start);                                                           \
     } while (0)
 
+// A backward kernel's block: blk, a QueryBlock (dQ) or a KeyBlock (dK/dV) from the usual grid decode, or
+// for VARLEN its sequence's (sequence_of on the side it owns: cu_seqlens_k for dK/dV) with the problem
+// and the common arguments moved to that sequence, then the kernel's outputs (the statements in the
+// trailing arguments, of `seq`); a CTA past its sequence's blocks returns at once (the whole CTA).
+#define BACKWARD_QUERY_BLOCK(blk, D, ...)                                                    \
+    QueryBlock blk;                                                                         \
+    if constexpr (VARLEN) {                                                                 \
+        const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, group);   \
+        if (seq.start < 0) return;                                                          \
+        TAKE_SEQUENCE_BACKWARD(seq, D);                                                     \
+        __VA_ARGS__;                                                                        \
+        blk = {seq.start, seq.index, seq.h, seq.kv_head};                                   \
+    } else {                                                                                \
+        blk = query_block<BLOCK_M>(seqlen_q, heads_q, group);                               \
+    }
+#define BACKWARD_KEY_BLOCK(blk, D, ...)                                                      \
+    KeyBlock blk;                                                                           \
+    if constexpr (VARLEN) {                                                                 \
+        const Sequence seq = sequence_of<BLOCK_N, true>(VARLEN_ARGS, seqlen_q, seqlen_k, group); \
+        if (seq.start < 0) return;                                                          \
+        TAKE_SEQUENCE_BACKWARD(seq, D);                                                     \
+        __VA_ARGS__;                                                                        \
+        blk = {seq.start, seq.index, seq.kv_head};                                          \
+    } else {                                                                                \
+        blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);                                \
+    }
+
 // Split-KV (the forward kernels' SPLIT flag): the keys are cut into splits of key_split keys (a
 // multiple of BLOCK_N; the launcher's split_plan), and the grid holds one copy of the usual grid per
 // split, split s being CTAs s P .. s P + P - 1 (P = gridDim.x / splits). Each CTA attends to its
