@@ -168,8 +168,8 @@ def main(argv=None) -> int:
             print(f"| {dtype} | {n} | {pass_} | {before} | {after} | {cells} |")
         print("\n# cupy backend, emulated (132 SMs): launches of a decode step over a contiguous KV cache, one new "
               "token a sequence, heads 8/2, D=64, 512 cached positions\n\nThe backend's own kernels; where "
-              "split-KV runs per sequence (a batch too small to fill the device) its merge adds CuPy array "
-              "operations per sequence, which the emulator's records do not count.\n")
+              "split-KV runs (a batch too small to fill the device) its merge adds CuPy array operations, "
+              "which the emulator's records do not count.\n")
         print("| dtype | sequences | launches | kernels |")
         print("|---|---|---|---|")
         for dtype, n, count, kernels in cache_steps():

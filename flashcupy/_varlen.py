@@ -19,12 +19,11 @@ CUDA graphs: unchecked offsets give garbage, in bounds, never an access outside 
 valid offsets the result is the same bits either way. The backends that loop over the sequences on
 the host (NumPy, Numba) need the offsets there, so they read and check them whatever check_offsets
 says. A KV cache's new tokens are appended in one launch on the cupy backend (cupy_backend.append_kv),
-and attention over a contiguous cache is one more launch where its grid fills the device (the cache
-as a packed batch whose sequences use their cache_seqlens + seqlen_new first rows: forward_varlen's
-seqused_k) or num_splits is 1. Elsewhere, and for a paged cache, attention runs one launch per
-sequence (per run of a paged cache), splitting a sequence's keys inside that launch (split-KV,
-cupy_backend.split_plan) where one CTA per query block and head would leave the device idle, as when
-decoding a few sequences.
+and attention over a contiguous cache is one more launch (the cache as a packed batch whose sequences
+use their cache_seqlens + seqlen_new first rows: forward_varlen's seqused_k), split-KV inside it as
+cupy_backend.cache_plan says. A paged cache's attention still runs one launch per sequence (per run
+of a paged cache), splitting a sequence's keys inside that launch (split-KV, cupy_backend.split_plan)
+where one CTA per query block and head would leave the device idle, as when decoding.
 """
 
 from __future__ import annotations
@@ -368,9 +367,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     splits each sequence's keys into (at most) that many parts, merged by the lse rule: the result
     depends on it only through rounding. None: the cupy backend splits inside one launch when the
     grid would hold at most two CTAs per SM (cupy_backend.split_plan); the others do not split.
-    On the cupy backend a contiguous cache whose whole batch fills the device (or num_splits=1) is
-    one launch for every sequence, after one for the append (the module docstring); its lse is then
-    a (batch, heads_q, seqlen_q) view of a (heads_q, batch x seqlen_q) array.
+    On the cupy backend a contiguous cache is one launch for every sequence (split-KV inside it), after
+    one for the append (the module docstring); its lse is then a (batch, heads_q, seqlen_q) view of a
+    (heads_q, batch x seqlen_q) array.
     Returns out, or (out, lse).
     """
     return_lse = _checks.check_bool("return_lse", return_lse)
@@ -404,7 +403,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
             block, at = int(table[b, (start + j) // block_size]), (start + j) % block_size
             k_cache[block, at], v_cache[block, at] = k[b, j], v[b, j]
 
-    if table is None and (num_splits is None or num_splits == 1) and hasattr(mod, "forward_varlen"):
+    if table is None and hasattr(mod, "cache_plan"):
         done = _cache_in_one_launch(mod, q, k_cache, v_cache, lengths + new, causal, scale, dtype, lib, window,
                                     softcap, alibi_slopes, num_splits)
         if done is not None:
@@ -440,10 +439,10 @@ def _rows(x):
 def _cache_in_one_launch(mod, q, k_cache, v_cache, used, causal, scale, dtype, lib, window, softcap, alibi_slopes,
                          num_splits):
     """attention_with_kvcache over a contiguous cache as one packed batch in one launch (forward_varlen:
-    sequence b's queries q[b], its keys the first used[b] positions of k_cache[b], as seqused_k), where
-    the backend says that grid fills the device (else split-KV per sequence runs: num_splits None) or
-    num_splits is 1, and q and the cache are views of packed rows; returns (out, lse), or None to say it
-    ran nothing. lse is a (batch, heads_q, seqlen_q) view of a (heads_q, batch x seqlen_q) array."""
+    sequence b's queries q[b], its keys the first used[b] positions of k_cache[b], as seqused_k), split-KV
+    inside that launch as the backend's cache_plan says (num_splits), where q and the cache are views of
+    packed rows; returns (out, lse), or None to say it ran nothing (the per-sequence path runs). lse is a
+    (batch, heads_q, seqlen_q) view of a (heads_q, batch x seqlen_q) array."""
     batch, Sq, heads_q, _ = q.shape
     packed = [_rows(x) for x in (q, k_cache, v_cache)]
     if any(x is None for x in packed) or batch == 0 or Sq == 0:
@@ -451,9 +450,8 @@ def _cache_in_one_launch(mod, q, k_cache, v_cache, used, causal, scale, dtype, l
     pq, pk, pv = packed
     slopes0 = None if alibi_slopes is None else _slopes_for(alibi_slopes, 0, batch)
     p = _checks.problem(pq[None], pk[None], pv[None], causal, scale, dtype, lib, window, softcap, slopes0)
-    if num_splits is None and not mod.fills_device(p, pq, pk, pv, batch):
-        return None
     capacity = k_cache.shape[1]
+    split = mod.cache_plan(p, pq, pk, pv, batch, capacity, num_splits)
     offsets = [mod.allocate(q, (batch + 1,), np.int32, 0) for _ in range(3)]
     cu_q, cu_k, seqused = offsets[0], offsets[1], offsets[2][:batch]
     cu_q[...] = np.arange(batch + 1, dtype=np.int32) * Sq
@@ -461,5 +459,6 @@ def _cache_in_one_launch(mod, q, k_cache, v_cache, used, causal, scale, dtype, l
     seqused[...] = np.asarray(used, dtype=np.int32)
     out = mod.allocate(q, pq.shape, p.carrier, 0)
     lse = mod.allocate(q, (heads_q, batch * Sq), p.lse_dtype, -np.inf)
-    mod.forward_varlen(p, pq, pk, pv, cu_q, cu_k, out, lse, alibi_slopes=alibi_slopes, seqused_k=seqused)
+    mod.forward_varlen(p, pq, pk, pv, cu_q, cu_k, out, lse, alibi_slopes=alibi_slopes, seqused_k=seqused,
+                       split=split)
     return out.reshape(q.shape), lse.reshape(heads_q, batch, Sq).transpose(1, 0, 2)

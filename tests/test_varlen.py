@@ -268,10 +268,12 @@ def test_cupy_splits_the_keys_inside_one_launch(rng, dtype, paged, num_splits, o
     split = [(name, ctas) for name, ctas in grids if name.endswith(", true>")]
     # a paged cache is read run by run (consecutive physical blocks, here mostly one block of 64 keys):
     # runs shorter than two splits' alignment are not split
-    if not paged:  # one launch per sequence; 4 CTAs (query heads) a split, the empty sequence unsplit
-        # 601 keys: 3 splits of 256 keys (forced), or 5 of 128 (the smallest, as 4 CTAs fill no device);
-        # 251 keys: 2 splits of 128 either way
-        assert [ctas for _, ctas in split] == ([4 * 3, 4 * 2] if num_splits == 3 else [4 * 5, 4 * 2])
+    if not paged:  # the three sequences as one packed batch (cupy_backend.cache_plan), in one launch: a
+        # copy of the packed grid (3 query blocks + 3 slots, x 4 query heads, the flash_fwd.cu Sequence rule:
+        # here 12 CTAs) per split of the cache's 640 positions: 3 of 256 (forced), or 5 of 128 (the smallest,
+        # as 12 CTAs fill no device); the 251-key and the empty sequence's CTAs find no key in the later ones
+        assert [(name.endswith(", true, true>"), ctas) for name, ctas in split] == [(True, 12 * (3 if num_splits == 3
+                                                                                             else 5))]
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
@@ -280,7 +282,7 @@ def test_cupy_split_kv_with_a_window_that_starts_inside_a_later_split(rng, dtype
     # key, split 1's loop starts inside it (on a tile aligned from the split's start), split 2 whole;
     # the 251-key sequence's window starts inside its first split
     grids = _split_kv_case(rng, dtype, False, 3, window=(100, 0))
-    assert [ctas for name, ctas in grids if name.endswith(", 1, true>")] == [4 * 3, 4 * 2]
+    assert [ctas for name, ctas in grids if name.endswith(", 1, true, true>")] == [12 * 3]  # one packed launch
 
 
 # deliberate bugs in split-KV's key ranges (mask.cuh's split_range), each caught by a case above
@@ -644,14 +646,16 @@ def test_append_kernel_keeps_hostile_lengths_and_tables_inside_the_cache(rng, pa
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
-def test_cupy_contiguous_cache_step_is_two_launches_whatever_the_batch(rng, dtype):
+def test_cupy_contiguous_cache_step_is_two_launches_whatever_the_batch_and_splits(rng, dtype):
     # append and attention: two launches for 1, 7 or 40 sequences (an empty one, one full, GQA, causal
-    # bottom-right per sequence, per-sequence ALiBi), num_splits=1; with num_splits=None where the grid
-    # fills the emulated device's 132 SMs (40 sequences x 8 query heads), else split-KV per sequence
+    # bottom-right per sequence, per-sequence ALiBi), whatever num_splits: split-KV runs inside the one
+    # attention launch where the grid leaves the emulated device's 132 SMs idle (cupy_backend.cache_plan:
+    # 3 sequences x 4 query heads over 384 positions, 3 splits of 128)
     from flashcupy.tools.emulator.cupy import emulated
     launches = {}
-    for batch, heads_q, num_splits in ((1, 4, 1), (7, 4, 1), (40, 8, None), (7, 4, None)):
-        C, Hkv, D, Sq = 24, 2, 32, 2
+    for batch, heads_q, num_splits, C in ((1, 4, 1, 24), (7, 4, 1, 24), (40, 8, None, 24), (7, 4, None, 24),
+                                          (3, 4, None, 384), (3, 4, 2, 384)):
+        Hkv, D, Sq = 2, 32, 2
         k_cache, v_cache = cache_inputs(rng, batch, C, Hkv, D, dtype)
         lengths = rng.integers(0, C - Sq + 1, batch).astype(np.int32)
         lengths[0] = C - Sq
@@ -663,14 +667,16 @@ def test_cupy_contiguous_cache_step_is_two_launches_whatever_the_batch(rng, dtyp
             out, lse = flashcupy.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
                                                         causal=True, alibi_slopes=slopes, return_lse=True,
                                                         num_splits=num_splits, backend="cupy")
-        launches[batch, num_splits] = [name.split("<")[0] for name, _ in grids]
+        launches[batch, num_splits, C] = [name for name, _ in grids]
         for b in range(batch):
             n = lengths[b] + Sq
             assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], k_cache[b:b + 1, :n],
                                   v_cache[b:b + 1, :n], causal=True, alibi_slopes=slopes[b], backend="cupy")
-    forward = "flash_fwd_tc" if dtype == np.float16 else "flash_fwd"
-    assert launches[1, 1] == launches[7, 1] == launches[40, None] == ["flash_kv_append", forward]
-    assert launches[7, None] == ["flash_kv_append"] + [forward] * 7  # 28 CTAs: split per sequence instead
+    forward = "flash_fwd_tc<" if dtype == np.float16 else "flash_fwd<"
+    for case, names in launches.items():
+        assert len(names) == 2 and names[0].startswith("flash_kv_append<") and names[1].startswith(forward), case
+        # the packed forward (VARLEN), split (SPLIT) where the cache is longer than one split
+        assert names[1].endswith(", true, true>" if case[2] == 384 else ", false, true>"), case
 
 
 SEQUSED_CLAMP = ("!KEYS && has_seqused ? min(max(seqused_k[s], 0), total_k - k_start)",

@@ -66,14 +66,17 @@ VARLEN_MODS = MOD_BITS["window"] | MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"
 
 
 def varlen_modules(mods=(0, VARLEN_MODS)):
-    """The packed batch's forwards and backwards (SIMT, and tensor-core: the default backward and the
-    deterministic one), for each MODS of `mods` (plain, and the most work in a tile's loop), every dtype
-    and bucket: what tests/test_nvrtc.py compiles of them."""
+    """The packed batch's forwards (and with split-KV: a contiguous KV cache's) and backwards (SIMT, and
+    tensor-core: the default backward and the deterministic one), for each MODS of `mods` (plain, and the
+    most work in a tile's loop), every dtype and bucket: what tests/test_nvrtc.py compiles of them."""
+    split_forward = (lambda dtype, bucket, m, varlen: forward_module(dtype, bucket, m, True, varlen),
+                     lambda dtype, bucket, m, varlen: tc_forward_module(dtype, bucket, m, True, varlen))
     return ([build(dtype, bucket, m, varlen=True) for m in mods for dtype in CUDA_TYPES
-             for bucket in HEAD_DIM_BUCKETS for build in (forward_module, backward_module)]
+             for bucket in HEAD_DIM_BUCKETS for build in (forward_module, split_forward[0], backward_module)]
             + [build(dtype, bucket, m, varlen=True) for m in mods for dtype in TC_DTYPES
                for bucket in TC_HEAD_DIM_BUCKETS
-               for build in (tc_forward_module, tc_backward_module, deterministic_tc_backward_module)])
+               for build in (tc_forward_module, split_forward[1], tc_backward_module,
+                             deterministic_tc_backward_module)])
 
 
 def sm90_modules(dtypes=TC_DTYPES) -> list:

@@ -13,12 +13,14 @@ import numpy as np
 
 import flashcupy.backends.cupy_backend as backend
 
+from ... import _merge
 from .. import MAX_GRID
 from . import launch, specs
 from .backward import _backward_launches, _backward_module
 
 
-def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slopes=None, seqused_k=None) -> None:
+def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slopes=None, seqused_k=None,
+                   split=(1, 0)) -> None:
     """A packed batch's forward in one launch (attention_varlen): q (total_q, heads_q, head_dim), k, v
     (total_k, heads_kv, head_dim), out like q and lse (heads_q, total_q) allocated with 0 and -inf,
     written in place; cu_seqlens_q, cu_seqlens_k int32 (sequences + 1,) device arrays, read by the
@@ -27,17 +29,21 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
     Problem.diagonal unused, each sequence's is its own), alibi_slopes (heads_q,) or (sequences,
     heads_q). On the mma.sync kernel the dtype and strides pick, on compute capability 9.0 too: the
     Hopper forward reads no offsets yet, and at the lengths packed batches hold (S <= 1024) it ran
-    no faster than the mma.sync one on an H200 (benchmarks/results/h200_session3/); no split-KV.
+    no faster than the mma.sync one on an H200 (benchmarks/results/h200_session3/).
     seqused_k: int32 (sequences,) device array, sequence b's keys the first seqused_k[b] rows from
-    cu_seqlens_k[b] on (a contiguous KV cache: attention_with_kvcache), clamped into k as the offsets are."""
+    cu_seqlens_k[b] on (a contiguous KV cache: attention_with_kvcache), clamped into k as the offsets are.
+    split: (splits, keys per split) of split-KV in the same launch (cache_plan's), (1, 0) for none: a
+    copy of the grid per split, each CTA over its split of its sequence's keys, the partial outs merged
+    by flashcupy.merge's rule (every query row must belong to a sequence: the workspaces are not filled)."""
     rt = backend._runtime()
     num_seqs = int(cu_seqlens_q.shape[0]) - 1
     if num_seqs <= 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
         return  # no sequence, no query or no key: out 0, lse -inf, as allocated
+    splits, key_split = split
     packed = (q[None], k[None], v[None])
-    path, module = backend._forward_module(p, *packed, False, varlen=True)
+    path, module = backend._forward_module(p, *packed, splits > 1, varlen=True)
     (kernel,) = module.kernels
-    blocks = launch.varlen_blocks(kernel, p, num_seqs)
+    blocks = launch.varlen_blocks(kernel, p, num_seqs) * splits
     if blocks > MAX_GRID[0]:
         raise ValueError(f"a packed batch of {num_seqs} sequences and {p.seqlen_q} query rows needs {blocks} thread "
                          f"blocks, more than CUDA's grid holds ({MAX_GRID[0]})")
@@ -45,24 +51,53 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
         p = dataclasses.replace(p, alibi_slopes=alibi_slopes)
     with rt.device_of(q):
         (fwd,) = backend._functions(rt, module, q)
+        if splits > 1:  # workspaces: (splits, *out's shape) and (splits, *lse's shape); the kernel adds a split's offset
+            outs = rt.xp.empty((splits,) + tuple(out.shape), dtype=p.acc_dtype)
+            lses = rt.xp.empty((splits,) + tuple(lse.shape), dtype=p.lse_dtype)
+            # the whole workspaces, with one split's strides: the kernel adds the split's offset
+            parts = [(x, np.int64(0), *backend._tensor(x[0])[1:]) for x in (outs, lses)]
+            split_args = (np.int32(key_split), np.int64(outs.strides[0] // outs.itemsize),
+                          np.int64(lses.strides[0] // lses.itemsize))
+        else:
+            parts = [(x, np.int64(0), *backend._tensor(x)[1:]) for x in (out, lse)]
+            split_args = (np.int32(0), np.int64(0), np.int64(0))
         # batch strides 0: the kernel moves each tensor to its sequence's rows itself (TAKE_SEQUENCE)
-        tensors = [(x, np.int64(0), *backend._tensor(x)[2:]) for x in packed + (out[None], lse[None])]
+        tensors = [(x, np.int64(0), *backend._tensor(x)[2:]) for x in packed] + parts
         fwd(
             (blocks,), (kernel.threads,),
             (*(a for t in tensors for a in t),
              *backend._shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-             *backend._modifier_args(p, lse, path == "tensor-core"), np.int32(0), np.int64(0), np.int64(0),  # no split
+             *backend._modifier_args(p, lse, path == "tensor-core"), *split_args,
              cu_seqlens_q, cu_seqlens_k, np.int32(num_seqs),
              *((backend._int32_stand_in(rt, q), np.int32(0)) if seqused_k is None else (seqused_k, np.int32(1)))),
             shared_mem=kernel.dynamic_smem)
+        if splits > 1:
+            merged, merged_lse = _merge.merge([o[None] for o in outs], [x[None] for x in lses])
+            out[...] = _merge._store(rt.xp, merged, p.dtype, p.carrier)[0]
+            lse[...] = merged_lse[0]
 
 
-def fills_device(p, q, k, v, num_seqs: int) -> bool:
-    """Whether forward_varlen's grid for a packed batch of num_seqs sequences (p its packed problem, q, k,
-    v its packed arrays) holds more than two CTAs an SM: where split_plan would not split its sequences
-    either. attention_with_kvcache runs a contiguous cache in that one launch where it does."""
+def cache_plan(p, q, k, v, num_seqs: int, capacity: int, num_splits=None) -> tuple:
+    """attention_with_kvcache's split of a contiguous cache run as a packed batch (forward_varlen's
+    split): (1, 0), none, where its grid holds more than two CTAs an SM (split_plan's rule) or num_splits
+    is 1; else (splits, keys per split), a multiple of specs.SPLIT_ALIGN, enough splits of the cache's
+    capacity to fill the device (num_splits None) or at most num_splits of about equal length."""
+    if num_splits == 1:
+        return 1, 0
+    align = specs.SPLIT_ALIGN
     (kernel,) = backend._forward_module(p, q[None], k[None], v[None], False, varlen=True)[1].kernels
-    return launch.varlen_blocks(kernel, p, num_seqs) > 2 * backend._runtime().sm_count(q)
+    ctas, target = launch.varlen_blocks(kernel, p, num_seqs), 2 * backend._runtime().sm_count(q)
+    if num_splits is None:
+        if ctas > target:
+            return 1, 0
+        key_split = max(align, capacity // backend._cdiv(target + 1, ctas) // align * align)
+    else:
+        key_split = backend._cdiv(backend._cdiv(capacity, num_splits), align) * align
+    room = MAX_GRID[0] // ctas  # the splits CUDA's grid x holds
+    if backend._cdiv(capacity, key_split) > room:
+        key_split = backend._cdiv(backend._cdiv(capacity, room), align) * align
+    splits = backend._cdiv(capacity, key_split)
+    return (splits, key_split) if splits > 1 else (1, 0)
 
 
 def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, alibi_slopes=None,

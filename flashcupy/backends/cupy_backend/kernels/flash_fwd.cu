@@ -64,16 +64,15 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_fwd(
     SplitOut<SPLIT, T, Acc>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
     LSE_PARAMS(Acc, lse), PROBLEM_PARAMS(Acc), SPLIT_PARAMS, VARLEN_PARAMS) {
     constexpr int R = rows_per_warp<BLOCK_M>();
-    static_assert(!(SPLIT && VARLEN), "split-KV of a packed batch is not written yet");
 
     __shared__ Acc Q_s[BLOCK_M * HEAD_DIM];
     __shared__ Acc K_s[BLOCK_N * HEAD_DIM], V_s[BLOCK_N * HEAD_DIM];
     static_assert(sizeof(Q_s) + sizeof(K_s) + sizeof(V_s) <= SMEM_LIMIT, "tiles exceed 48 KiB");
 
-    const Split split = SPLIT ? split_of(seqlen_k, key_split) : Split{0, int(blockIdx.x)};
+    const Split split = split_of_cta<BLOCK_M, SPLIT, VARLEN>(seqlen_q, seqlen_k, key_split, num_seqs, heads_q);
     QueryBlock blk;
     if constexpr (VARLEN) {
-        const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
+        const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, group, split.cta);
         if (seq.start < 0) return;  // past its sequence's query blocks: no work (the whole CTA)
         TAKE_SEQUENCE(seq);
         blk = {seq.start, seq.index, seq.h, seq.kv_head};

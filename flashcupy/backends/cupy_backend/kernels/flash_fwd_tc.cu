@@ -92,7 +92,6 @@ __device__ __forceinline__ void flash_fwd_tc_cta(
     constexpr int D_TILES = HEAD_DIM / 8;    // 8-column tiles of O
     constexpr int QK_STEPS = HEAD_DIM / 16;  // k-steps of Q_i K_jᵀ
     static_assert(0 <= Q_KEPT && Q_KEPT <= QK_STEPS, "Q_KEPT: k-steps of Q_i");
-    static_assert(!(SPLIT && VARLEN), "split-KV of a packed batch is not written yet");
     // Out is made before the key loop by the plain 4-warp kernel (made after it, it made ptxas spill),
     // after the loop by the others (made before, it took the split kernel to every register and made
     // the 8-warp one spill under its register cap)
@@ -103,10 +102,10 @@ __device__ __forceinline__ void flash_fwd_tc_cta(
     T* K_s = Q_s + BLOCK_M * ROW;
     T* V_s = K_s + 2 * BLOCK_N * ROW;
 
-    const Split split = SPLIT ? split_of(seqlen_k, key_split) : Split{0, int(blockIdx.x)};
+    const Split split = split_of_cta<BLOCK_M, SPLIT, VARLEN>(seqlen_q, seqlen_k, key_split, num_seqs, heads_q);
     QueryBlock blk;
     if constexpr (VARLEN) {
-        const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
+        const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, group, split.cta);
         if (seq.start < 0) return;  // past its sequence's query blocks: no work (the whole CTA, before any copy)
         TAKE_SEQUENCE(seq);
         blk = {seq.start, seq.index, seq.h, seq.kv_head};

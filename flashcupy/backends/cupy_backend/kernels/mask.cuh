@@ -284,11 +284,12 @@ __device__ __forceinline__ int first_slot(const int* cu, int s, int total) {
 
 template <int BLOCK, bool KEYS = false>
 __device__ __forceinline__ Sequence sequence_of(const int* cu_q, const int* cu_k, int num_seqs, const int* seqused_k,
-                                                int has_seqused, int total_q, int total_k, int group) {
+                                                int has_seqused, int total_q, int total_k, int group,
+                                                int cta = blockIdx.x) {
     const int* cu = KEYS ? cu_k : cu_q;
     const int total = KEYS ? total_k : total_q;
     const int slots = varlen_slots(total, num_seqs, BLOCK);
-    const int head = blockIdx.x / slots, slot = slots - 1 - int(blockIdx.x % slots);
+    const int head = cta / slots, slot = slots - 1 - cta % slots;
     const int h = KEYS ? head * group : head, kv_head = KEYS ? head : head / group;
     if (num_seqs <= 0) return {0, 0, 0, 0, 0, -1, h, kv_head};  // no offset to read
     int s = 0, last = num_seqs - 1;  // the sequence lies in s .. last
@@ -374,6 +375,23 @@ struct Split {
 __device__ __forceinline__ Split split_of(int seqlen_k, int key_split) {
     const int per_split = gridDim.x / num_blocks(seqlen_k, key_split);
     return {int(blockIdx.x / per_split), int(blockIdx.x % per_split)};
+}
+
+// A packed batch's split (SPLIT and VARLEN: a KV cache's sequences): one copy of the packed grid
+// (varlen_slots per query head, total_q the launch's seqlen_q) per split, the CTA's place in it for
+// sequence_of. A split past a sequence's keys leaves its CTAs no key: they store out 0, lse -inf.
+template <int BLOCK_M>
+__device__ __forceinline__ Split packed_split_of(int total_q, int num_seqs, int heads_q) {
+    const int per_split = varlen_slots(total_q, num_seqs, BLOCK_M) * heads_q;
+    return {int(blockIdx.x / per_split), int(blockIdx.x % per_split)};
+}
+
+// The split of a forward kernel's CTA: none, a packed batch's, or the usual grid's
+template <int BLOCK_M, bool SPLIT, bool VARLEN>
+__device__ __forceinline__ Split split_of_cta(int seqlen_q, int seqlen_k, int key_split, int num_seqs, int heads_q) {
+    if constexpr (!SPLIT) return Split{0, int(blockIdx.x)};
+    if constexpr (VARLEN) return packed_split_of<BLOCK_M>(seqlen_q, num_seqs, heads_q);
+    return split_of(seqlen_k, key_split);
 }
 
 // The keys [start, end) a CTA's key loop visits: the Mask's range for its query block, within split
