@@ -238,8 +238,9 @@ def attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, **keywords):
 # KV cache
 
 
-def _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits):
-    """Validated (lib, paged, block_size, capacity, lengths before appending, new length, splits)."""
+def _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, read_lengths=True):
+    """Validated (lib, paged, block_size, capacity, lengths before appending, new length, splits); lengths
+    None where read_lengths is False (cache_seqlens an array: its library, dtype and shape checked only)."""
     lib = _checks.check_arrays({"q": q, "k_cache": k_cache, "v_cache": v_cache})
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.ndim != 4:
@@ -282,11 +283,15 @@ def _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_split
         lengths = np.full(batch, capacity - new, np.int64)
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         lengths = np.full(batch, int(cache_seqlens), np.int64)
+    elif not read_lengths:
+        if _offsets_unread("cache_seqlens", cache_seqlens, lib) != batch - 1:
+            raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},), got {tuple(cache_seqlens.shape)}")
+        lengths = None
     else:
         lengths = _host_ints("cache_seqlens", cache_seqlens, lib, 1, "(batch,)")
         if lengths.shape != (batch,):
             raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},), got {tuple(cache_seqlens.shape)}")
-    if lengths.size and (lengths.min() < 0 or lengths.max() + new > capacity):
+    if lengths is not None and lengths.size and (lengths.min() < 0 or lengths.max() + new > capacity):
         raise ValueError(f"cache_seqlens must lie in [0, {capacity - new}] (the cache holds {capacity} tokens per "
                          f"sequence and {new} are appended), got {lengths.min()}..{lengths.max()}")
     if paged and batch:
@@ -351,7 +356,7 @@ def _pieces(k_cache, v_cache, b, table, block_size, n, splits) -> list:
 @_interop.accepts_foreign_arrays
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, block_table=None,
                            causal=False, window=None, softcap=None, alibi_slopes=None, scale=None,
-                           return_lse=False, num_splits=None, backend="auto", dtype=None):
+                           return_lse=False, num_splits=None, backend="auto", dtype=None, check_offsets=True):
     """Attention of q over a KV cache (forward only, as flash-attn's flash_attn_with_kvcache).
 
     q (batch, seqlen_q, heads_q, head_dim). A contiguous cache: k_cache, v_cache (batch,
@@ -370,26 +375,42 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     On the cupy backend a contiguous cache is one launch for every sequence (split-KV inside it), after
     one for the append (the module docstring); its lse is then a (batch, heads_q, seqlen_q) view of a
     (heads_q, batch x seqlen_q) array.
+    check_offsets=False (a contiguous cache, cache_seqlens an int32 array of q's library) skips the
+    lengths' copy to the host and their checks where the backend reads them itself (cupy: the append and
+    the one-launch attention clamp them into the cache): lengths that break the rule give garbage, in
+    bounds, never an access outside the arrays; valid ones the same bits as checked. Elsewhere (a paged
+    cache, a backend that loops over the sequences on the host) they are read and checked anyway.
     Returns out, or (out, lse).
     """
+    keywords = dict(k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table, causal=causal, window=window,
+                    softcap=softcap, alibi_slopes=alibi_slopes, scale=scale, return_lse=return_lse,
+                    num_splits=num_splits, backend=backend, dtype=dtype)
     return_lse = _checks.check_bool("return_lse", return_lse)
+    check_offsets = _checks.check_bool("check_offsets", check_offsets)
     backend = _checks.check_backend_name(backend)
+    unread = not check_offsets and block_table is None and hasattr(cache_seqlens, "shape")
     lib, table, block_size, lengths, new, splits = _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens,
-                                                               block_table, num_splits)
+                                                               block_table, num_splits, read_lengths=not unread)
     batch = q.shape[0]
     slopes0 = None if alibi_slopes is None else _slopes_for(alibi_slopes, 0, batch)
     p = _checks.problem(q[:1], k_cache[:1, :1] if table is None else k_cache[None, 0], v_cache[:1, :1]
                       if table is None else v_cache[None, 0], causal, scale, dtype, lib, window, softcap, slopes0)
     mod = _checks.select_backend(backend, lib, p)
+    if lengths is None and not (hasattr(mod, "cache_plan") and hasattr(mod, "append_kv") and batch and q.shape[1]
+                                and all(_rows(x) is not None for x in (q, k_cache, v_cache))):
+        # the lengths are needed on the host (the sequences looped over there): read and checked, as by default
+        return attention_with_kvcache(q, k_cache, v_cache, **keywords)
 
     # append the new tokens (after every check: nothing is written for a call that is refused): in one
     # launch where the backend has a kernel for it (cupy: append_kv, which reads the lengths and the
     # table on the device), else token by token
-    if new and batch and hasattr(mod, "append_kv"):
+    device_lengths = None  # the lengths as the backend's kernels read them
+    if batch and hasattr(mod, "append_kv"):
         device_lengths = (cache_seqlens if backends.array_library(cache_seqlens) == lib
                           else mod.allocate(q, (batch,), np.int32, 0))
         if device_lengths is not cache_seqlens:
             device_lengths[...] = lengths.astype(np.int32)
+    if new and device_lengths is not None:
         mod.append_kv(p.dtype, k_cache, v_cache, k, v, device_lengths, block_table)
         new_written = True
     else:
@@ -403,8 +424,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
             block, at = int(table[b, (start + j) // block_size]), (start + j) % block_size
             k_cache[block, at], v_cache[block, at] = k[b, j], v[b, j]
 
-    if table is None and hasattr(mod, "cache_plan"):
-        done = _cache_in_one_launch(mod, q, k_cache, v_cache, lengths + new, causal, scale, dtype, lib, window,
+    if table is None and hasattr(mod, "cache_plan") and device_lengths is not None:
+        done = _cache_in_one_launch(mod, q, k_cache, v_cache, device_lengths, new, causal, scale, dtype, lib, window,
                                     softcap, alibi_slopes, num_splits)
         if done is not None:
             return done if return_lse else done[0]
@@ -436,10 +457,11 @@ def _rows(x):
     return x.reshape((x.shape[0] * x.shape[1],) + tuple(x.shape[2:]))
 
 
-def _cache_in_one_launch(mod, q, k_cache, v_cache, used, causal, scale, dtype, lib, window, softcap, alibi_slopes,
-                         num_splits):
+def _cache_in_one_launch(mod, q, k_cache, v_cache, lengths, new, causal, scale, dtype, lib, window, softcap,
+                         alibi_slopes, num_splits):
     """attention_with_kvcache over a contiguous cache as one packed batch in one launch (forward_varlen:
-    sequence b's queries q[b], its keys the first used[b] positions of k_cache[b], as seqused_k), split-KV
+    sequence b's queries q[b], its keys the first lengths[b] + new positions of k_cache[b], lengths the
+    device array the kernel reads as seqused_k), split-KV
     inside that launch as the backend's cache_plan says (num_splits), where q and the cache are views of
     packed rows; returns (out, lse), or None to say it ran nothing (the per-sequence path runs). lse is a
     (batch, heads_q, seqlen_q) view of a (heads_q, batch x seqlen_q) array."""
@@ -452,13 +474,11 @@ def _cache_in_one_launch(mod, q, k_cache, v_cache, used, causal, scale, dtype, l
     p = _checks.problem(pq[None], pk[None], pv[None], causal, scale, dtype, lib, window, softcap, slopes0)
     capacity = k_cache.shape[1]
     split = mod.cache_plan(p, pq, pk, pv, batch, capacity, num_splits)
-    offsets = [mod.allocate(q, (batch + 1,), np.int32, 0) for _ in range(3)]
-    cu_q, cu_k, seqused = offsets[0], offsets[1], offsets[2][:batch]
+    cu_q, cu_k = (mod.allocate(q, (batch + 1,), np.int32, 0) for _ in range(2))
     cu_q[...] = np.arange(batch + 1, dtype=np.int32) * Sq
     cu_k[...] = np.arange(batch + 1, dtype=np.int32) * capacity
-    seqused[...] = np.asarray(used, dtype=np.int32)
     out = mod.allocate(q, pq.shape, p.carrier, 0)
     lse = mod.allocate(q, (heads_q, batch * Sq), p.lse_dtype, -np.inf)
-    mod.forward_varlen(p, pq, pk, pv, cu_q, cu_k, out, lse, alibi_slopes=alibi_slopes, seqused_k=seqused,
-                       split=split)
+    mod.forward_varlen(p, pq, pk, pv, cu_q, cu_k, out, lse, alibi_slopes=alibi_slopes, seqused_k=lengths,
+                       split=split, seqused_add=new)
     return out.reshape(q.shape), lse.reshape(heads_q, batch, Sq).transpose(1, 0, 2)

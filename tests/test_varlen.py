@@ -679,8 +679,8 @@ def test_cupy_contiguous_cache_step_is_two_launches_whatever_the_batch_and_split
         assert names[1].endswith(", true, true>" if case[2] == 384 else ", false, true>"), case
 
 
-SEQUSED_CLAMP = ("!KEYS && has_seqused ? min(max(seqused_k[s], 0), total_k - k_start)",
-                 "!KEYS && has_seqused ? seqused_k[s]")
+SEQUSED_CLAMP = ("? int(min(max(index_t(seqused_k[s]) + seqused_add, index_t(0)), index_t(total_k - k_start)))",
+                 "? seqused_k[s] + seqused_add")
 
 
 @pytest.mark.parametrize("unclamped", [False, True], ids=["clamped", "unclamped (a deliberate bug)"])
@@ -704,3 +704,38 @@ def test_cached_lengths_read_on_the_device_stay_inside_the_cache(rng, unclamped)
                     call()
             else:
                 call()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
+def test_unchecked_cache_lengths_are_never_read_on_the_host(rng, dtype, monkeypatch):
+    # check_offsets=False over a contiguous cache: the lengths go to the kernels only (the append and the
+    # one-launch attention), the same bits and cache as checked; hostile ones stay inside the arrays
+    # (the guard pages); a paged cache reads and checks them anyway
+    from flashcupy import _varlen
+    from flashcupy.tools.emulator.cupy import emulated
+    B, C, Hq, Hkv, D, new = 3, 200, 4, 2, 32, 2
+    k_cache, v_cache = cache_inputs(rng, B, C, Hkv, D, dtype)
+    q = rng.standard_normal((B, new, Hq, D)).astype(dtype)
+    k_new, v_new = (rng.standard_normal((B, new, Hkv, D)).astype(dtype) for _ in range(2))
+    lengths = np.array([150, 0, 30], np.int32)
+    call = dict(k=k_new, v=v_new, causal=True, return_lse=True, backend="cupy")
+    results = {}
+    for checked in (True, False):
+        kc, vc = k_cache.copy(), v_cache.copy()
+        with emulated(compile=_recording([])), monkeypatch.context() as m:
+            if not checked:
+                m.setattr(_varlen, "_host_ints", lambda *a: pytest.fail("the lengths were read on the host"))
+            out, lse = flashcupy.attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, check_offsets=checked,
+                                                        **call)
+        results[checked] = (out, lse, kc, vc)
+    for a, b in zip(results[True], results[False]):
+        np.testing.assert_array_equal(a, b)
+    for bad in ([-5, 2 ** 31 - 1, C], [C + 10, C - 1, -2 ** 31]):
+        with emulated(compile=_recording([])):
+            out, lse = flashcupy.attention_with_kvcache(q, k_cache.copy(), v_cache.copy(), check_offsets=False,
+                                                        cache_seqlens=np.array(bad, np.int32), **call)
+        assert out.shape == q.shape and lse.shape == (B, Hq, new)
+    kp, vp, table = _paged(k_cache, v_cache, 8, rng)
+    with pytest.raises(ValueError, match="cache_seqlens must lie in"):
+        flashcupy.attention_with_kvcache(q, kp, vp, block_table=table, check_offsets=False,
+                                         cache_seqlens=np.array([-1, 0, 0], np.int32), **call)

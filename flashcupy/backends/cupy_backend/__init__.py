@@ -395,7 +395,7 @@ def _no_varlen(rt, like) -> tuple:
     """The VARLEN_PARAMS of a kernel not specialised for a packed batch (never read): int32 stand-ins for
     the offsets, no sequence, no seqused_k. Call with like's device current."""
     stand_in = _int32_stand_in(rt, like)
-    return stand_in, stand_in, np.int32(0), stand_in, np.int32(0)
+    return stand_in, stand_in, np.int32(0), stand_in, np.int32(0), np.int32(0)
 
 
 def probs(p, q, k, lse, rows):

@@ -68,7 +68,7 @@ def _backward_launches(rt, p, path: str, module, dout, q, k, v, out, lse, dq, dk
     else:
         # batch strides 0: each CTA moves the tensors to its sequence's rows itself (mask.cuh's Sequence)
         arg = lambda x: (x, np.int64(0), *backend._tensor(x)[2:])  # noqa: E731
-        tail = (varlen[0], varlen[1], np.int32(varlen[2]), backend._int32_stand_in(rt, q), np.int32(0))
+        tail = (varlen[0], varlen[1], np.int32(varlen[2]), backend._int32_stand_in(rt, q), np.int32(0), np.int32(0))
         blocks = lambda kernel: launch.varlen_blocks(kernel, p, varlen[2])  # noqa: E731
     D = rt.xp.empty(p.lse_shape, dtype=p.acc_dtype)  # workspace: rowsum(dO ∘ O), contiguous
     # workspace for dQ's atomics: zeros, q's shape, contiguous (the tensor-core dK/dV kernel takes

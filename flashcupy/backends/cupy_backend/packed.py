@@ -20,7 +20,7 @@ from .backward import _backward_launches, _backward_module
 
 
 def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slopes=None, seqused_k=None,
-                   split=(1, 0)) -> None:
+                   split=(1, 0), seqused_add: int = 0) -> None:
     """A packed batch's forward in one launch (attention_varlen): q (total_q, heads_q, head_dim), k, v
     (total_k, heads_kv, head_dim), out like q and lse (heads_q, total_q) allocated with 0 and -inf,
     written in place; cu_seqlens_q, cu_seqlens_k int32 (sequences + 1,) device arrays, read by the
@@ -30,8 +30,9 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
     heads_q). On the mma.sync kernel the dtype and strides pick, on compute capability 9.0 too: the
     Hopper forward reads no offsets yet, and at the lengths packed batches hold (S <= 1024) it ran
     no faster than the mma.sync one on an H200 (benchmarks/results/h200_session3/).
-    seqused_k: int32 (sequences,) device array, sequence b's keys the first seqused_k[b] rows from
-    cu_seqlens_k[b] on (a contiguous KV cache: attention_with_kvcache), clamped into k as the offsets are.
+    seqused_k: int32 (sequences,) device array, sequence b's keys the first seqused_k[b] + seqused_add rows
+    from cu_seqlens_k[b] on (a contiguous KV cache: attention_with_kvcache, its lengths before the new
+    tokens, and their count), clamped into k as the offsets are.
     split: (splits, keys per split) of split-KV in the same launch (cache_plan's), (1, 0) for none: a
     copy of the grid per split, each CTA over its split of its sequence's keys, the partial outs merged
     by flashcupy.merge's rule (every query row must belong to a sequence: the workspaces are not filled)."""
@@ -69,7 +70,8 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
              *backend._shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
              *backend._modifier_args(p, lse, path == "tensor-core"), *split_args,
              cu_seqlens_q, cu_seqlens_k, np.int32(num_seqs),
-             *((backend._int32_stand_in(rt, q), np.int32(0)) if seqused_k is None else (seqused_k, np.int32(1)))),
+             *((backend._int32_stand_in(rt, q), np.int32(0), np.int32(0)) if seqused_k is None
+               else (seqused_k, np.int32(1), np.int32(seqused_add)))),
             shared_mem=kernel.dynamic_smem)
         if splits > 1:
             merged, merged_lse = _merge.merge([o[None] for o in outs], [x[None] for x in lses])

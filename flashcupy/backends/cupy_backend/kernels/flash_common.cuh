@@ -175,10 +175,11 @@ __device__ __forceinline__ Stats<Acc> d_row(Acc* D, int heads_q, int seqlen_q, i
 #define SPLIT_PARAMS int key_split, index_t out_split, index_t lse_split
 // Then a packed batch's (mask.cuh's Sequence): the int32 offsets of its num_seqs sequences in q and in
 // k, v (num_seqs + 1 each, device memory), and where has_seqused is 1 the keys each sequence uses from its
-// offset on (seqused_k, num_seqs of them: a KV cache's lengths); read only by kernels specialised for VARLEN.
+// offset on, seqused_k[s] + seqused_add (num_seqs of them: a KV cache's lengths before its new tokens, and
+// their count); read only by kernels specialised for VARLEN.
 #define VARLEN_PARAMS                                                                                  \
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k, int num_seqs, \
-        const int* __restrict__ seqused_k, int has_seqused
+        const int* __restrict__ seqused_k, int has_seqused, int seqused_add
 
 // The same argument lists passed on, name for name: a kernel entry point handing its arguments to the
 // device function that does its CTA's work (flash_fwd_tc.cu).
@@ -189,7 +190,7 @@ __device__ __forceinline__ Stats<Acc> d_row(Acc* D, int heads_q, int seqlen_q, i
         cap_out, alibi, alibi_sb, alibi_sh, bias, bias_sb, bias_sh, bias_sq, bias_sk, bias_f32, keep, keep_sb, \
         keep_sh, keep_sq, keep_sk
 #define SPLIT_ARGS key_split, out_split, lse_split
-#define VARLEN_ARGS cu_seqlens_q, cu_seqlens_k, num_seqs, seqused_k, has_seqused
+#define VARLEN_ARGS cu_seqlens_q, cu_seqlens_k, num_seqs, seqused_k, has_seqused, seqused_add
 
 // A forward kernel's out: T, or with split-KV the partial out in Acc (the merge's input).
 template <bool SPLIT, typename T, typename Acc>

@@ -261,7 +261,7 @@ __device__ __forceinline__ QueryBlock query_block(int seqlen_q, int heads_q, int
 // no work and exits (about half a CTA per sequence, whatever the batch). A CTA finds its sequence by
 // binary search over first_slot, increasing for valid offsets; over others the search still ends, on
 // some sequence in [0, num_seqs). With seqused_k (a KV cache's contiguous rows, has_seqused) sequence
-// s's keys are seqused_k[s] rows from cu_seqlens_k[s] on, clamped into the array likewise; the search
+// s's keys are seqused_k[s] + seqused_add rows from cu_seqlens_k[s] on, clamped into the array likewise; the search
 // over key blocks (KEYS, the backward's) takes no seqused_k.
 struct Sequence {
     int index;             // which sequence (the ALiBi slopes' batch index)
@@ -284,7 +284,8 @@ __device__ __forceinline__ int first_slot(const int* cu, int s, int total) {
 
 template <int BLOCK, bool KEYS = false>
 __device__ __forceinline__ Sequence sequence_of(const int* cu_q, const int* cu_k, int num_seqs, const int* seqused_k,
-                                                int has_seqused, int total_q, int total_k, int group,
+                                                int has_seqused, int seqused_add, int total_q, int total_k,
+                                                int group,
                                                 int cta = blockIdx.x) {
     const int* cu = KEYS ? cu_k : cu_q;
     const int total = KEYS ? total_k : total_q;
@@ -301,7 +302,9 @@ __device__ __forceinline__ Sequence sequence_of(const int* cu_q, const int* cu_k
     const int q_start = clamped_offset(cu_q, s, total_q), k_start = clamped_offset(cu_k, s, total_k);
     const int seqlen_q = max(q_start, clamped_offset(cu_q, s + 1, total_q)) - q_start;
     // the keys from its offset to the next sequence's, or (seqused_k) as many as it uses, into the array
-    const int seqlen_k = !KEYS && has_seqused ? min(max(seqused_k[s], 0), total_k - k_start)
+    // (the sum in 64 bits: a hostile length near 2^31 must not wrap into the array's range)
+    const int seqlen_k = !KEYS && has_seqused
+                             ? int(min(max(index_t(seqused_k[s]) + seqused_add, index_t(0)), index_t(total_k - k_start)))
                                      : max(k_start, clamped_offset(cu_k, s + 1, total_k)) - k_start;
     const int block = slot - ((KEYS ? k_start : q_start) / BLOCK + s);
     const bool works = block >= 0 && block < num_blocks(KEYS ? seqlen_k : seqlen_q, BLOCK);
