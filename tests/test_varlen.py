@@ -616,7 +616,6 @@ def test_append_kernel_keeps_hostile_lengths_and_tables_inside_the_cache(rng, pa
     # emulator's guard pages stay silent; with the clamps removed they catch it
     from flashcupy.backends import cupy_backend
     from flashcupy.tools.emulator.cupy import emulated
-    from flashcupy.tools.emulator.errors import KernelError
     k_cache, v_cache, table, _, k_new, v_new, _, _ = _append_case(rng, 16 if paged else None)
     mutate = ("const int n = min(max(cache_seqlens[b], 0), capacity - seqlen_new) + j;",
               "const int n = cache_seqlens[b] + j;") if not paged else (
@@ -632,13 +631,18 @@ def test_append_kernel_keeps_hostile_lengths_and_tables_inside_the_cache(rng, pa
             bad_table[1::2, :len(entries)] = entries[1]
             bad_table[4, :] = entries[2]
         with emulated(compile=_recording([], mutate if unclamped else None)):
-            call = lambda: cupy_backend.append_kv("float32", k_cache, v_cache, k_new, v_new,  # noqa: E731
-                                                  np.array(lengths, np.int32), bad_table)
-            if unclamped:
-                with pytest.raises(KernelError, match="flash_kv_append"):
-                    call()
-            else:
-                call()
+            _fails_only_if(unclamped, "flash_kv_append", lambda: cupy_backend.append_kv(
+                "float32", k_cache, v_cache, k_new, v_new, np.array(lengths, np.int32), bad_table))
+
+
+def _fails_only_if(bug: bool, kernel: str, call) -> None:
+    """call() under the emulator: a KernelError naming `kernel` where `bug` (a deliberate one), else none."""
+    from flashcupy.tools.emulator.errors import KernelError
+    if bug:
+        with pytest.raises(KernelError, match=kernel):
+            call()
+    else:
+        call()
 
 
 # ----------------------------------------------------------------------------
@@ -690,20 +694,14 @@ def test_cached_lengths_read_on_the_device_stay_inside_the_cache(rng, unclamped)
     from flashcupy._checks import problem
     from flashcupy.backends import cupy_backend
     from flashcupy.tools.emulator.cupy import emulated
-    from flashcupy.tools.emulator.errors import KernelError
     q, k, v = (rng.standard_normal((3 * n, 2, 32)).astype(np.float32) for n in (2, 8, 8))
     cu_q, cu_k = np.arange(4, dtype=np.int32) * 2, np.arange(4, dtype=np.int32) * 8
     p = problem(q[None], k[None], v[None], True, None, None, "numpy")
     for used in ([-5, 8, 2 ** 31 - 1], [9, 100, 3]):
         out, lse = np.zeros_like(q), np.full((2, 6), -np.inf, np.float32)
         with emulated(compile=_recording([], SEQUSED_CLAMP if unclamped else None)):
-            call = lambda: cupy_backend.forward_varlen(p, q, k, v, cu_q, cu_k, out, lse,  # noqa: E731
-                                                       seqused_k=np.array(used, np.int32))
-            if unclamped:
-                with pytest.raises(KernelError, match="flash_fwd"):
-                    call()
-            else:
-                call()
+            _fails_only_if(unclamped, "flash_fwd", lambda: cupy_backend.forward_varlen(
+                p, q, k, v, cu_q, cu_k, out, lse, seqused_k=np.array(used, np.int32)))
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
