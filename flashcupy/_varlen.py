@@ -283,8 +283,13 @@ def _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_split
         lengths = np.full(batch, capacity - new, np.int64)
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         lengths = np.full(batch, int(cache_seqlens), np.int64)
-    elif not read_lengths:
-        if _offsets_unread("cache_seqlens", cache_seqlens, lib) != batch - 1:
+    elif not read_lengths:  # _host_ints' checks that read no value
+        if backends.array_library(cache_seqlens) != lib:
+            raise TypeError(f"cache_seqlens must be an int32 array of q's library ({lib}), got "
+                            f"{_checks.describe(cache_seqlens)}")
+        if np.dtype(cache_seqlens.dtype) != np.int32:
+            raise TypeError(f"cache_seqlens must have dtype int32, got {np.dtype(cache_seqlens.dtype)}")
+        if tuple(cache_seqlens.shape) != (batch,):
             raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},), got {tuple(cache_seqlens.shape)}")
         lengths = None
     else:
@@ -461,9 +466,8 @@ def _cache_in_one_launch(mod, q, k_cache, v_cache, lengths, new, causal, scale, 
                          alibi_slopes, num_splits):
     """attention_with_kvcache over a contiguous cache as one packed batch in one launch (forward_varlen:
     sequence b's queries q[b], its keys the first lengths[b] + new positions of k_cache[b], lengths the
-    device array the kernel reads as seqused_k), split-KV
-    inside that launch as the backend's cache_plan says (num_splits), where q and the cache are views of
-    packed rows; returns (out, lse), or None to say it ran nothing (the per-sequence path runs). lse is a
+    device array the kernel reads as seqused_k), split-KV inside that launch as the backend's cache_plan
+    says (num_splits), where q and the cache are views of packed rows; returns (out, lse), or None to say it ran nothing (the per-sequence path runs). lse is a
     (batch, heads_q, seqlen_q) view of a (heads_q, batch x seqlen_q) array."""
     batch, Sq, heads_q, _ = q.shape
     packed = [_rows(x) for x in (q, k_cache, v_cache)]

@@ -737,3 +737,14 @@ def test_unchecked_cache_lengths_are_never_read_on_the_host(rng, dtype, monkeypa
     with pytest.raises(ValueError, match="cache_seqlens must lie in"):
         flashcupy.attention_with_kvcache(q, kp, vp, block_table=table, check_offsets=False,
                                          cache_seqlens=np.array([-1, 0, 0], np.int32), **call)
+
+
+def test_unchecked_cache_lengths_keep_the_checks_that_read_no_value(rng):
+    # check_offsets=False still refuses lengths of the wrong library, dtype or shape, before any work
+    k_cache, v_cache = cache_inputs(rng, 2, 8, 1, 8)
+    q = rng.standard_normal((2, 1, 1, 8)).astype(np.float32)
+    for bad, error, message in ((np.zeros(3, np.int32), ValueError, r"cache_seqlens must have shape \(batch,\) = \(2,\)"),
+                                (np.zeros(2, np.int64), TypeError, "cache_seqlens must have dtype int32"),
+                                ([0, 0], TypeError, "cache_seqlens must be an int32 array of q's library")):
+        with pytest.raises(error, match=message):
+            flashcupy.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=bad, check_offsets=False)
