@@ -276,20 +276,26 @@ def split_plan(p, q, k, v, num_splits=None) -> tuple:
     each of at least specs.SPLIT_ALIGN keys (so there may be fewer). An int: at most that many, of
     about equal length. Keys per split are a multiple of specs.SPLIT_ALIGN, so no tile crosses a split.
     """
+    ctas = _forward_module(p, q, k, v, False)[1].kernels[0].blocks(p) if num_splits is None else 0
+    split_ctas = _forward_module(p, q, k, v, True)[1].kernels[0].blocks(p)
+    return _split_rule(p.seqlen_k, ctas, split_ctas, num_splits, q)
+
+
+def _split_rule(keys: int, ctas: int, split_ctas: int, num_splits, like) -> tuple:
+    """split_plan's rule, shared with packed.cache_plan: (splits, keys per split) of `keys` keys for a
+    grid of `ctas` CTAs unsplit and `split_ctas` per split (on like's device), or (1, 0)."""
     align = specs.SPLIT_ALIGN
     if num_splits is None:
-        (kernel,) = _forward_module(p, q, k, v, False)[1].kernels
-        ctas, target = kernel.blocks(p), 2 * _runtime().sm_count(q)
+        target = 2 * _runtime().sm_count(like)
         if ctas > target:
             return 1, 0
-        key_split = max(align, p.seqlen_k // _cdiv(target + 1, ctas) // align * align)
+        key_split = max(align, keys // _cdiv(target + 1, ctas) // align * align)
     else:
-        key_split = _cdiv(_cdiv(p.seqlen_k, num_splits), align) * align
-    (kernel,) = _forward_module(p, q, k, v, True)[1].kernels
-    room = backends.MAX_GRID[0] // kernel.blocks(p)  # the splits CUDA's grid x holds
-    if _cdiv(p.seqlen_k, key_split) > room:
-        key_split = _cdiv(_cdiv(p.seqlen_k, room), align) * align
-    splits = _cdiv(p.seqlen_k, key_split)
+        key_split = _cdiv(_cdiv(keys, num_splits), align) * align
+    room = backends.MAX_GRID[0] // split_ctas  # the splits CUDA's grid x holds
+    if _cdiv(keys, key_split) > room:
+        key_split = _cdiv(_cdiv(keys, room), align) * align
+    splits = _cdiv(keys, key_split)
     return (splits, key_split) if splits > 1 else (1, 0)
 
 

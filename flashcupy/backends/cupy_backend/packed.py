@@ -86,20 +86,9 @@ def cache_plan(p, q, k, v, num_seqs: int, capacity: int, num_splits=None) -> tup
     capacity to fill the device (num_splits None) or at most num_splits of about equal length."""
     if num_splits == 1:
         return 1, 0
-    align = specs.SPLIT_ALIGN
     (kernel,) = backend._forward_module(p, q[None], k[None], v[None], False, varlen=True)[1].kernels
-    ctas, target = launch.varlen_blocks(kernel, p, num_seqs), 2 * backend._runtime().sm_count(q)
-    if num_splits is None:
-        if ctas > target:
-            return 1, 0
-        key_split = max(align, capacity // backend._cdiv(target + 1, ctas) // align * align)
-    else:
-        key_split = backend._cdiv(backend._cdiv(capacity, num_splits), align) * align
-    room = MAX_GRID[0] // ctas  # the splits CUDA's grid x holds
-    if backend._cdiv(capacity, key_split) > room:
-        key_split = backend._cdiv(backend._cdiv(capacity, room), align) * align
-    splits = backend._cdiv(capacity, key_split)
-    return (splits, key_split) if splits > 1 else (1, 0)
+    ctas = launch.varlen_blocks(kernel, p, num_seqs)
+    return backend._split_rule(capacity, ctas, ctas, num_splits, q)
 
 
 def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, alibi_slopes=None,
