@@ -17,11 +17,11 @@ Each contender keeps its best of several calls, taken in alternating blocks.
 --launches (a checkout: it needs the emulator, flashcupy/tools/emulator): the kernel launches of a
 packed forward and backward on the cupy backend, counted by the emulator's runtime with the kernels
 recorded, not run (launch_records), for batches of 1 to 1,000 sequences of 17-300 tokens: the
-per-sequence path (_varlen.forward_packed and backward_packed, the cupy backend's before issue 28,
-the NumPy backend's and JAX's still) and attention_varlen, attention_varlen_backward (one launch per
+per-sequence path (_varlen.forward_packed and backward_packed without device offsets: the cupy
+backend's, and JAX's, before issue 28, the NumPy backend's still) and attention_varlen, attention_varlen_backward (one launch per
 kernel), with the share of the CTAs of each kernel that reads the offsets that find no work (past
-their sequence's blocks: mask.cuh's Sequence); and the launches of a decode step over a contiguous KV
-cache (the append and attention_with_kvcache's attention).
+their sequence's blocks: mask.cuh's Sequence); and the launches of a decode step over a KV cache,
+contiguous or paged (the append and attention_with_kvcache's attention).
 """
 
 from __future__ import annotations
@@ -129,26 +129,34 @@ def launches(batches=(1, 7, 40, 256, 1000), heads=8, head_dim=64, seed=0) -> lis
     return rows
 
 
-def cache_steps(batches=(1, 7, 40, 256, 1000), heads_q=8, heads_kv=2, head_dim=64, cache=512, seed=0) -> list:
-    """Rows (dtype, sequences, launches, kernels) of one decode step over a contiguous KV cache on the
-    emulated cupy backend (attention_with_kvcache: one new token a sequence appended, then one query
-    over the cache, causal, num_splits=None), the kernels recorded and not run."""
+def cache_steps(batches=(1, 7, 40, 256, 1000), heads_q=8, heads_kv=2, head_dim=64, cache=512, page=16,
+                seed=0) -> list:
+    """Rows (dtype, cache, sequences, launches, kernels) of one decode step over a KV cache, contiguous or
+    paged (blocks of `page` positions, a shuffled block table), on the emulated cupy backend
+    (attention_with_kvcache: one new token a sequence appended, then one query over the cache, causal,
+    num_splits=None), the kernels recorded and not run."""
     from flashcupy.tools.emulator.cupy import emulated, launch_records
     rng = np.random.default_rng(seed)
     rows = []
     for dtype in (np.float16, np.float32):
-        for n in batches:
-            k_cache, v_cache = (np.zeros((n, cache, heads_kv, head_dim), dtype) for _ in range(2))
-            q = np.zeros((n, 1, heads_q, head_dim), dtype)
-            k_new = np.zeros((n, 1, heads_kv, head_dim), dtype)
-            lengths = rng.integers(0, cache, n).astype(np.int32)
-            grids = []
-            with emulated(compile=launch_records(grids, run=False)):
-                flashcupy.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=k_new, cache_seqlens=lengths,
-                                                 causal=True, backend="cupy")
-            names = [name.split("<")[0] for name, _ in grids]
-            rows.append((np.dtype(dtype).name, n, len(grids), ", ".join(f"{names.count(x)} {x}"
-                                                                       for x in dict.fromkeys(names))))
+        for layout in ("contiguous", f"paged, page {page}"):
+            for n in batches:
+                paged = layout != "contiguous"
+                per = cache // page  # blocks a sequence
+                shape = (n * per, page) if paged else (n, cache)
+                # zeros never touched (the kernels are not run): no memory is written
+                k_cache, v_cache = (np.zeros(shape + (heads_kv, head_dim), dtype) for _ in range(2))
+                table = rng.permutation(n * per).reshape(n, per).astype(np.int32) if paged else None
+                q = np.zeros((n, 1, heads_q, head_dim), dtype)
+                k_new = np.zeros((n, 1, heads_kv, head_dim), dtype)
+                lengths = rng.integers(0, cache, n).astype(np.int32)
+                grids = []
+                with emulated(compile=launch_records(grids, run=False)):
+                    flashcupy.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=k_new, cache_seqlens=lengths,
+                                                     block_table=table, causal=True, backend="cupy")
+                names = [name.split("<")[0] for name, _ in grids]
+                rows.append((np.dtype(dtype).name, layout, n, len(grids),
+                             ", ".join(f"{names.count(x)} {x}" for x in dict.fromkeys(names))))
     return rows
 
 
@@ -166,14 +174,14 @@ def main(argv=None) -> int:
         for dtype, n, pass_, before, after, kernels in launches():
             cells = "; ".join(f"`{name}` {ctas}, {idle * 100:.0f} %" for name, ctas, idle in kernels)
             print(f"| {dtype} | {n} | {pass_} | {before} | {after} | {cells} |")
-        print("\n# cupy backend, emulated (132 SMs): launches of a decode step over a contiguous KV cache, one new "
+        print("\n# cupy backend, emulated (132 SMs): launches of a decode step over a KV cache, one new "
               "token a sequence, heads 8/2, D=64, 512 cached positions\n\nThe backend's own kernels; where "
-              "split-KV runs (a batch too small to fill the device) its merge adds CuPy array operations, "
-              "which the emulator's records do not count.\n")
-        print("| dtype | sequences | launches | kernels |")
-        print("|---|---|---|---|")
-        for dtype, n, count, kernels in cache_steps():
-            print(f"| {dtype} | {n} | {count} | {kernels} |")
+              "split-KV runs (a batch too small to fill the device) its merge is one launch more "
+              "(flash_split_merge).\n")
+        print("| dtype | cache | sequences | launches | kernels |")
+        print("|---|---|---|---|---|")
+        for dtype, layout, n, count, kernels in cache_steps():
+            print(f"| {dtype} | {layout} | {n} | {count} | {kernels} |")
         return 0
     print(f"# NumPy backend: packed batches and KV-cache decoding ({time.strftime('%Y-%m-%d %H:%M')}, "
           f"{os.cpu_count()} cores, numpy {np.__version__}, load average {os.getloadavg()[0]:.2f})\n")

@@ -19,15 +19,17 @@ CUDA graphs: unchecked offsets give garbage, in bounds, never an access outside 
 valid offsets the result is the same bits either way. The backends that loop over the sequences on
 the host (NumPy, Numba) need the offsets there, so they read and check them whatever check_offsets
 says. A KV cache's new tokens are appended in one launch on the cupy backend (cupy_backend.append_kv),
-and attention over a contiguous cache is one more launch (the cache as a packed batch whose sequences
-use their cache_seqlens + seqlen_new first rows: forward_varlen's seqused_k), split-KV inside it as
-cupy_backend.cache_plan says. A paged cache's attention still runs one launch per sequence (per run
-of a paged cache), splitting a sequence's keys inside that launch (split-KV, cupy_backend.split_plan)
-where one CTA per query block and head would leave the device idle, as when decoding.
+and attention over the cache is one more launch (the cache as a packed batch whose sequences use their
+cache_seqlens + seqlen_new first positions: forward_varlen's seqused_k; a paged cache's read through
+block_table by the kernel), split-KV inside it as cupy_backend.cache_plan says. Where q (or a contiguous
+cache) is no view of packed rows, the cache's attention runs one launch per sequence (per run of a
+paged cache), splitting a sequence's keys inside that launch (cupy_backend.split_plan) where one CTA
+per query block and head would leave the device idle, as when decoding.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 import numpy as np
@@ -48,13 +50,18 @@ def _host_ints(name: str, x, lib: str, ndim: int, shape_rule: str) -> np.ndarray
     return np.asarray(values, dtype=np.int64)
 
 
+def _ints_unread(name: str, x, lib: str) -> None:
+    """The checks of _host_ints that need no value (library and dtype: no copy to the host)."""
+    if backends.array_library(x) != lib:
+        raise TypeError(f"{name} must be an int32 array of q's library ({lib}), got {_checks.describe(x)}")
+    if np.dtype(x.dtype) != np.int32:
+        raise TypeError(f"{name} must have dtype int32, got {np.dtype(x.dtype)}")
+
+
 def _offsets_unread(name: str, cu, lib: str) -> int:
     """The checks of _host_ints on cu_seqlens that need no value (library, dtype, shape: no copy to the
     host); returns the number of sequences."""
-    if backends.array_library(cu) != lib:
-        raise TypeError(f"{name} must be an int32 array of q's library ({lib}), got {_checks.describe(cu)}")
-    if np.dtype(cu.dtype) != np.int32:
-        raise TypeError(f"{name} must have dtype int32, got {np.dtype(cu.dtype)}")
+    _ints_unread(name, cu, lib)
     if cu.ndim != 1 or cu.shape[0] < 1:
         raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
     return cu.shape[0] - 1
@@ -239,8 +246,10 @@ def attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, **keywords):
 
 
 def _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, read_lengths=True):
-    """Validated (lib, paged, block_size, capacity, lengths before appending, new length, splits); lengths
-    None where read_lengths is False (cache_seqlens an array: its library, dtype and shape checked only)."""
+    """Validated (lib, the block table on the host, block_size, lengths before appending, new length,
+    splits); the table None for a contiguous cache. Where read_lengths is False (cache_seqlens an array),
+    lengths and table are None: cache_seqlens and block_table have their library, dtype and shape checked
+    only, no value read."""
     lib = _checks.check_arrays({"q": q, "k_cache": k_cache, "v_cache": v_cache})
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.ndim != 4:
@@ -251,12 +260,16 @@ def _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_split
     batch = q.shape[0]
     paged = block_table is not None
     if paged:
-        table = _host_ints("block_table", block_table, lib, 2, "(batch, max_blocks_per_seq)")
-        if table.shape[0] != batch:
+        if read_lengths:
+            table = _host_ints("block_table", block_table, lib, 2, "(batch, max_blocks_per_seq)")
+        else:
+            _ints_unread("block_table", block_table, lib)
+            table = None
+        if block_table.ndim != 2 or block_table.shape[0] != batch:
             raise ValueError(f"block_table must have shape (batch, max_blocks_per_seq) with batch = {batch}, "
                              f"got {tuple(block_table.shape)}")
         block_size = k_cache.shape[1]
-        capacity = table.shape[1] * block_size
+        capacity = block_table.shape[1] * block_size
     else:
         table, block_size = None, None
         if k_cache.shape[0] != batch:
@@ -284,11 +297,7 @@ def _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_split
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         lengths = np.full(batch, int(cache_seqlens), np.int64)
     elif not read_lengths:  # _host_ints' checks that read no value
-        if backends.array_library(cache_seqlens) != lib:
-            raise TypeError(f"cache_seqlens must be an int32 array of q's library ({lib}), got "
-                            f"{_checks.describe(cache_seqlens)}")
-        if np.dtype(cache_seqlens.dtype) != np.int32:
-            raise TypeError(f"cache_seqlens must have dtype int32, got {np.dtype(cache_seqlens.dtype)}")
+        _ints_unread("cache_seqlens", cache_seqlens, lib)
         if tuple(cache_seqlens.shape) != (batch,):
             raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},), got {tuple(cache_seqlens.shape)}")
         lengths = None
@@ -299,7 +308,7 @@ def _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_split
     if lengths is not None and lengths.size and (lengths.min() < 0 or lengths.max() + new > capacity):
         raise ValueError(f"cache_seqlens must lie in [0, {capacity - new}] (the cache holds {capacity} tokens per "
                          f"sequence and {new} are appended), got {lengths.min()}..{lengths.max()}")
-    if paged and batch:
+    if table is not None and batch:
         used = -(-(lengths + new) // block_size)  # blocks each sequence reads
         writer = {}  # physical block -> the sequence that appends into it
         for b in range(batch):
@@ -377,14 +386,15 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     splits each sequence's keys into (at most) that many parts, merged by the lse rule: the result
     depends on it only through rounding. None: the cupy backend splits inside one launch when the
     grid would hold at most two CTAs per SM (cupy_backend.split_plan); the others do not split.
-    On the cupy backend a contiguous cache is one launch for every sequence (split-KV inside it), after
-    one for the append (the module docstring); its lse is then a (batch, heads_q, seqlen_q) view of a
+    On the cupy backend the attention is one launch for every sequence (split-KV inside it), after one
+    for the append (the module docstring); its lse is then a (batch, heads_q, seqlen_q) view of a
     (heads_q, batch x seqlen_q) array.
-    check_offsets=False (a contiguous cache, cache_seqlens an int32 array of q's library) skips the
-    lengths' copy to the host and their checks where the backend reads them itself (cupy: the append and
-    the one-launch attention clamp them into the cache): lengths that break the rule give garbage, in
-    bounds, never an access outside the arrays; valid ones the same bits as checked. Elsewhere (a paged
-    cache, a backend that loops over the sequences on the host) they are read and checked anyway.
+    check_offsets=False (cache_seqlens an int32 array of q's library) skips the copy of the lengths and
+    of block_table to the host, and their checks, where the backend reads them itself (cupy: the append
+    and the one-launch attention clamp them into the cache): lengths or blocks that break the rule give
+    garbage, in bounds, never an access outside the arrays; valid ones the same bits as checked. Two
+    sequences appending into one physical block are then not refused: their write order is undefined.
+    Where the backend loops over the sequences on the host they are read and checked anyway.
     Returns out, or (out, lse).
     """
     keywords = dict(k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table, causal=causal, window=window,
@@ -393,16 +403,16 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     return_lse = _checks.check_bool("return_lse", return_lse)
     check_offsets = _checks.check_bool("check_offsets", check_offsets)
     backend = _checks.check_backend_name(backend)
-    unread = not check_offsets and block_table is None and hasattr(cache_seqlens, "shape")
+    unread = not check_offsets and hasattr(cache_seqlens, "shape")
     lib, table, block_size, lengths, new, splits = _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens,
                                                                block_table, num_splits, read_lengths=not unread)
-    batch = q.shape[0]
+    batch, paged = q.shape[0], block_table is not None
     slopes0 = None if alibi_slopes is None else _slopes_for(alibi_slopes, 0, batch)
-    p = _checks.problem(q[:1], k_cache[:1, :1] if table is None else k_cache[None, 0], v_cache[:1, :1]
-                      if table is None else v_cache[None, 0], causal, scale, dtype, lib, window, softcap, slopes0)
+    p = _checks.problem(q[:1], k_cache[None, 0] if paged else k_cache[:1, :1], v_cache[None, 0] if paged
+                        else v_cache[:1, :1], causal, scale, dtype, lib, window, softcap, slopes0)
     mod = _checks.select_backend(backend, lib, p)
     if lengths is None and not (hasattr(mod, "cache_plan") and hasattr(mod, "append_kv") and batch and q.shape[1]
-                                and all(_rows(x) is not None for x in (q, k_cache, v_cache))):
+                                and all(_rows(x) is not None for x in ((q,) if paged else (q, k_cache, v_cache)))):
         # the lengths are needed on the host (the sequences looped over there): read and checked, as by default
         return attention_with_kvcache(q, k_cache, v_cache, **keywords)
 
@@ -429,9 +439,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
             block, at = int(table[b, (start + j) // block_size]), (start + j) % block_size
             k_cache[block, at], v_cache[block, at] = k[b, j], v[b, j]
 
-    if table is None and hasattr(mod, "cache_plan") and device_lengths is not None:
-        done = _cache_in_one_launch(mod, q, k_cache, v_cache, device_lengths, new, causal, scale, dtype, lib, window,
-                                    softcap, alibi_slopes, num_splits)
+    if hasattr(mod, "cache_plan") and device_lengths is not None:
+        done = _cache_in_one_launch(mod, q, k_cache, v_cache, device_lengths, new, block_table, causal, scale, dtype,
+                                    lib, window, softcap, alibi_slopes, num_splits)
         if done is not None:
             return done if return_lse else done[0]
     out = mod.allocate(q, q.shape, p.carrier, 0)
@@ -462,27 +472,37 @@ def _rows(x):
     return x.reshape((x.shape[0] * x.shape[1],) + tuple(x.shape[2:]))
 
 
-def _cache_in_one_launch(mod, q, k_cache, v_cache, lengths, new, causal, scale, dtype, lib, window, softcap,
-                         alibi_slopes, num_splits):
-    """attention_with_kvcache over a contiguous cache as one packed batch in one launch (forward_varlen:
-    sequence b's queries q[b], its keys the first lengths[b] + new positions of k_cache[b], lengths the
-    device array the kernel reads as seqused_k), split-KV inside that launch as the backend's cache_plan
-    says (num_splits), where q and the cache are views of packed rows; returns (out, lse), or None to say it ran nothing (the per-sequence path runs). lse is a
-    (batch, heads_q, seqlen_q) view of a (heads_q, batch x seqlen_q) array."""
+def _cache_in_one_launch(mod, q, k_cache, v_cache, lengths, new, block_table, causal, scale, dtype, lib, window,
+                         softcap, alibi_slopes, num_splits):
+    """attention_with_kvcache as one packed batch in one launch (forward_varlen: sequence b's queries
+    q[b], its keys the first lengths[b] + new positions of its cache, lengths the device array the kernel
+    reads as seqused_k): a contiguous cache's k_cache[b], packed rows; a paged cache's blocks, read
+    through block_table by the kernel. Split-KV inside that launch as the backend's cache_plan says
+    (num_splits). Where q (or a contiguous cache) is no view of packed rows, returns None: it ran nothing
+    (the per-sequence path runs); else (out, lse), lse a (batch, heads_q, seqlen_q) view of a (heads_q,
+    batch x seqlen_q) array."""
     batch, Sq, heads_q, _ = q.shape
-    packed = [_rows(x) for x in (q, k_cache, v_cache)]
+    paged = block_table is not None
+    packed = [_rows(q)] + ([k_cache, v_cache] if paged else [_rows(x) for x in (k_cache, v_cache)])
     if any(x is None for x in packed) or batch == 0 or Sq == 0:
         return None
     pq, pk, pv = packed
     slopes0 = None if alibi_slopes is None else _slopes_for(alibi_slopes, 0, batch)
-    p = _checks.problem(pq[None], pk[None], pv[None], causal, scale, dtype, lib, window, softcap, slopes0)
-    capacity = k_cache.shape[1]
+    # the keys a sequence can address: its cache row, or its table's blocks (none in a cache of no block)
+    if paged:
+        capacity = block_table.shape[1] * k_cache.shape[1] if k_cache.shape[0] else 0
+    else:
+        capacity = k_cache.shape[1]
+    p = _checks.problem(pq[None], *((x[None, 0] for x in (k_cache, v_cache)) if paged else (pk[None], pv[None])),
+                        causal, scale, dtype, lib, window, softcap, slopes0)
+    p = dataclasses.replace(p, seqlen_k=capacity) if paged else p
     split = mod.cache_plan(p, pq, pk, pv, batch, capacity, num_splits)
     cu_q, cu_k = (mod.allocate(q, (batch + 1,), np.int32, 0) for _ in range(2))
     cu_q[...] = np.arange(batch + 1, dtype=np.int32) * Sq
-    cu_k[...] = np.arange(batch + 1, dtype=np.int32) * capacity
+    if not paged:  # a paged sequence's keys start at its table's first block: offsets 0
+        cu_k[...] = np.arange(batch + 1, dtype=np.int32) * capacity
     out = mod.allocate(q, pq.shape, p.carrier, 0)
     lse = mod.allocate(q, (heads_q, batch * Sq), p.lse_dtype, -np.inf)
     mod.forward_varlen(p, pq, pk, pv, cu_q, cu_k, out, lse, alibi_slopes=alibi_slopes, seqused_k=lengths,
-                       split=split, seqused_add=new)
+                       split=split, seqused_add=new, block_table=block_table)
     return out.reshape(q.shape), lse.reshape(heads_q, batch, Sq).transpose(1, 0, 2)

@@ -158,9 +158,9 @@ def test_every_specialization_compiles(report):
                  for mods in catalog.REPORT_TC_MODS for dtype in specs.TC_DTYPES
                  for bucket in specs.TC_HEAD_DIM_BUCKETS)
     assert atomic == tc * len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS) - len(specs.TC_DTYPES)
-    # the preprocess (the tensor-core backwards' too) and the KV-cache append per dtype, the dQ conversion
-    # per tensor-core dtype
-    assert len(rows) == 2 * len(specs.CUDA_TYPES) + attention + pairs + split + atomic + len(specs.TC_DTYPES)
+    # the preprocess (the tensor-core backwards' too), the KV-cache append and split-KV's merge per dtype, the
+    # dQ conversion per tensor-core dtype
+    assert len(rows) == 3 * len(specs.CUDA_TYPES) + attention + pairs + split + atomic + len(specs.TC_DTYPES)
     every = "+".join(specs.MOD_BITS)
     assert {r["mods"] for r in rows} == {None, "window", every, "split", every + "+split", "dq_atomic",
                                          "window+dq_atomic", every + "+dq_atomic"}

@@ -4,6 +4,7 @@ hostile offsets and block tables refused before anything is read or written."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
@@ -262,18 +263,16 @@ def _split_kv_case(rng, dtype, paged, num_splits, order="ascending", mutate=None
 def test_cupy_splits_the_keys_inside_one_launch(rng, dtype, paged, num_splits, order):
     grids = _split_kv_case(rng, dtype, paged, num_splits, order)
     want = "flash_fwd_tc<" if dtype == np.float16 else "flash_fwd<"
-    append, *grids = grids  # the new tokens appended in one launch first (flash_append.cu)
-    assert append[0].startswith("flash_kv_append<")
+    # the new tokens appended in one launch first (flash_append.cu), the splits merged in one after
+    append, *grids, merge = grids
+    assert append[0].startswith("flash_kv_append<") and merge[0].startswith("flash_split_merge<")
     assert all(name.startswith(want) for name, _ in grids)
-    split = [(name, ctas) for name, ctas in grids if name.endswith(", true>")]
-    # a paged cache is read run by run (consecutive physical blocks, here mostly one block of 64 keys):
-    # runs shorter than two splits' alignment are not split
-    if not paged:  # the three sequences as one packed batch (cupy_backend.cache_plan), in one launch: a
-        # copy of the packed grid (3 query blocks + 3 slots, x 4 query heads, the flash_fwd.cu Sequence rule:
-        # here 12 CTAs) per split of the cache's 640 positions: 3 of 256 (forced), or 5 of 128 (the smallest,
-        # as 12 CTAs fill no device); the 251-key and the empty sequence's CTAs find no key in the later ones
-        assert [(name.endswith(", true, true>"), ctas) for name, ctas in split] == [(True, 12 * (3 if num_splits == 3
-                                                                                             else 5))]
+    # the three sequences as one packed batch (cupy_backend.cache_plan), in one launch, paged or not: a
+    # copy of the packed grid (3 query blocks + 3 slots, x 4 query heads, the flash_fwd.cu Sequence rule:
+    # here 12 CTAs) per split of the cache's 640 positions: 3 of 256 (forced), or 5 of 128 (the smallest,
+    # as 12 CTAs fill no device); the 251-key and the empty sequence's CTAs find no key in the later ones
+    assert [(name.endswith(", true, true>"), ctas) for name, ctas in grids] == [(True, 12 * (3 if num_splits == 3
+                                                                                         else 5))]
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
@@ -306,7 +305,7 @@ def test_a_split_kv_bug_is_caught(rng, name):
 
 
 def test_cupy_split_kv_rounds_bfloat16_ties_to_even(rng):
-    # the splits' partial outs (float32) are merged and stored as bfloat16 bits on the host: two
+    # the splits' partial outs (float32) are merged and stored as bfloat16 by flash_merge.cu: two
     # splits whose outs are adjacent bfloat16 values, with equal lse, make every element a tie
     from flashcupy.tools.emulator.cupy import emulated
     q, k, v, want = bf16_ties(rng, 1, 1, 256, 4, 2, 64)
@@ -314,9 +313,48 @@ def test_cupy_split_kv_rounds_bfloat16_ties_to_even(rng):
     with emulated(compile=_recording(grids)):
         out, lse = flashcupy.attention_with_kvcache(q, k, v, num_splits=2, return_lse=True, dtype="bfloat16",
                                                     backend="cupy")
-    assert [(name.startswith("flash_fwd_tc<") and name.endswith(", true>"), ctas) for name, ctas in grids] == [(True, 8)]
+    # the split forward, then the merge: a thread an element of out (256 of them, two CTAs)
+    assert [(name.split("<")[0], name.endswith(", true>"), ctas) for name, ctas in grids] == [
+        ("flash_fwd_tc", True, 8), ("flash_split_merge", False, 2)]
     np.testing.assert_array_equal(out, want)
     assert_matches_oracle((out, lse), q, k, v, dtype="bfloat16", backend="cupy")
+
+
+MERGE_MUTATIONS = {"no shift by the largest lse": ("const Acc m_safe = m == -INFINITY ? Acc(0) : m;", "const Acc m_safe = 0;"),
+                   "a row that saw no key": ("const Acc merged_safe = merged == -INFINITY ? Acc(0) : merged;",
+                                             "const Acc merged_safe = merged;")}
+
+
+@pytest.mark.parametrize("mutation", [None] + list(MERGE_MUTATIONS), ids=lambda m: m or "as written")
+@pytest.mark.parametrize("dtype", [np.float16, np.float64], ids=["float16", "float64"])
+def test_the_merge_kernel_is_flashcupy_merge(rng, dtype, mutation):
+    # flash_merge.cu against flashcupy.merge on the same workspaces: 5 splits, lses far from 0 (exp overflows
+    # without the shift by the largest), splits that saw no key (-inf), a row that saw none at all (out 0,
+    # lse -inf), a NaN lse (the row NaN, as the rule's array form); each deliberate bug fails the comparison
+    from flashcupy._checks import problem
+    from flashcupy.backends import cupy_backend
+    from flashcupy.tools.emulator.cupy import emulated
+    splits, B, S, H, D = 5, 2, 7, 3, 16
+    acc = np.float64 if dtype == np.float64 else np.float32
+    outs = rng.standard_normal((splits, B, S, H, D)).astype(acc)
+    lses = (rng.uniform(-3, 3, (splits, B, H, S)) + (800 if acc is np.float64 else 200)).astype(acc)
+    lses[1:3, 0] = -np.inf
+    lses[:, 1, 2, 4] = -np.inf
+    lses[2, 1, 0, 6] = np.nan
+    q = np.zeros((B, S, H, D), dtype)
+    p = problem(q, q, q, False, None, None, "numpy")
+    out, lse = np.zeros_like(q), np.zeros((B, H, S), acc)
+    args = [cupy_backend._tensor(x)[:1] + cupy_backend._tensor(x[0])[1:] for x in (outs, lses)]
+    split_args = (np.int32(0), np.int64(outs[0].size), np.int64(lses[0].size))
+    with emulated(compile=_recording([], MERGE_MUTATIONS.get(mutation))):
+        cupy_backend._merge_splits(cupy_backend._runtime(), p, q, splits, *args, split_args, cupy_backend._tensor(out),
+                                   cupy_backend._tensor(lse), B, S)
+    want_out, want_lse = flashcupy.merge(list(outs), list(lses))
+    with pytest.raises(AssertionError) if mutation else contextlib.nullcontext():
+        np.testing.assert_allclose(lse, want_lse, rtol=4 * np.finfo(acc).eps, atol=0)
+        np.testing.assert_allclose(out, want_out.astype(dtype), rtol=np.finfo(dtype).eps, atol=4 * np.finfo(acc).eps)
+    if not mutation:
+        assert np.all(out[1, 4, 2] == 0) and lse[1, 2, 4] == -np.inf and np.all(np.isnan(out[1, 6, 0]))
 
 
 def test_the_split_plan_fills_the_device_when_decoding():
@@ -651,7 +689,7 @@ def _fails_only_if(bug: bool, kernel: str, call) -> None:
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
 def test_cupy_contiguous_cache_step_is_two_launches_whatever_the_batch_and_splits(rng, dtype):
-    # append and attention: two launches for 1, 7 or 40 sequences (an empty one, one full, GQA, causal
+    # append and attention: two launches (three with split-KV's merge) for 1, 7 or 40 sequences (an empty one, one full, GQA, causal
     # bottom-right per sequence, per-sequence ALiBi), whatever num_splits: split-KV runs inside the one
     # attention launch where the grid leaves the emulated device's 132 SMs idle (cupy_backend.cache_plan:
     # 3 sequences x 4 query heads over 384 positions, 3 splits of 128)
@@ -678,9 +716,11 @@ def test_cupy_contiguous_cache_step_is_two_launches_whatever_the_batch_and_split
                                   v_cache[b:b + 1, :n], causal=True, alibi_slopes=slopes[b], backend="cupy")
     forward = "flash_fwd_tc<" if dtype == np.float16 else "flash_fwd<"
     for case, names in launches.items():
-        assert len(names) == 2 and names[0].startswith("flash_kv_append<") and names[1].startswith(forward), case
-        # the packed forward (VARLEN), split (SPLIT) where the cache is longer than one split
-        assert names[1].endswith(", true, true>" if case[2] == 384 else ", false, true>"), case
+        split = case[2] == 384  # the cache longer than one split: the packed forward split (SPLIT), then the merge
+        assert len(names) == 2 + split and names[0].startswith("flash_kv_append<") and names[1].startswith(forward), case
+        assert names[1].endswith(", true, true>" if split else ", false, true>"), case
+        assert names[2:] == (["flash_split_merge<__half, float>" if dtype == np.float16 else "flash_split_merge<float, float>"]
+                             if split else []), case
 
 
 SEQUSED_CLAMP = ("? int(min(max(index_t(seqused_k[s]) + seqused_add, index_t(0)), index_t(total_k - k_start)))",
@@ -708,7 +748,7 @@ def test_cached_lengths_read_on_the_device_stay_inside_the_cache(rng, unclamped)
 def test_unchecked_cache_lengths_are_never_read_on_the_host(rng, dtype, monkeypatch):
     # check_offsets=False over a contiguous cache: the lengths go to the kernels only (the append and the
     # one-launch attention), the same bits and cache as checked; hostile ones stay inside the arrays
-    # (the guard pages); a paged cache reads and checks them anyway
+    # (the guard pages). A paged cache's: test_cupy_paged_cache_step_is_two_launches_in_both_checking_modes
     from flashcupy import _varlen
     from flashcupy.tools.emulator.cupy import emulated
     B, C, Hq, Hkv, D, new = 3, 200, 4, 2, 32, 2
@@ -733,10 +773,7 @@ def test_unchecked_cache_lengths_are_never_read_on_the_host(rng, dtype, monkeypa
             out, lse = flashcupy.attention_with_kvcache(q, k_cache.copy(), v_cache.copy(), check_offsets=False,
                                                         cache_seqlens=np.array(bad, np.int32), **call)
         assert out.shape == q.shape and lse.shape == (B, Hq, new)
-    kp, vp, table = _paged(k_cache, v_cache, 8, rng)
-    with pytest.raises(ValueError, match="cache_seqlens must lie in"):
-        flashcupy.attention_with_kvcache(q, kp, vp, block_table=table, check_offsets=False,
-                                         cache_seqlens=np.array([-1, 0, 0], np.int32), **call)
+
 
 
 def test_unchecked_cache_lengths_keep_the_checks_that_read_no_value(rng):
@@ -748,3 +785,95 @@ def test_unchecked_cache_lengths_keep_the_checks_that_read_no_value(rng):
                                 ([0, 0], TypeError, "cache_seqlens must be an int32 array of q's library")):
         with pytest.raises(error, match=message):
             flashcupy.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=bad, check_offsets=False)
+
+
+# ----------------------------------------------------------------------------
+# a paged cache's decode in one launch (the cupy backend, emulated): forward_varlen with a block table
+
+
+def _paged_step_case(rng, dtype, block_size):
+    """(q, k_cache, v_cache, block_table, lengths, k_new, v_new, keys): a paged cache of 4 sequences, 2 new
+    tokens each, GQA; sequence 1 shares sequence 0's first blocks (a common prefix it only reads), sequence 2
+    has no cached token, sequence 0 fills its blocks; keys[b] the (keys, values) sequence b attends to once
+    the new tokens are in, gathered on the host from the table."""
+    B, Hq, Hkv, D, new = 4, 4, 2, 32, 2
+    per = max(2, -(-40 // block_size))  # blocks a sequence
+    C = per * block_size
+    k_cache, v_cache = cache_inputs(rng, per * B + 3, block_size, Hkv, D, dtype)
+    table = rng.permutation(per * B + 3)[:per * B].reshape(B, per).astype(np.int32)
+    shared = per // 2
+    table[1, :shared] = table[0, :shared]
+    lengths = np.array([C - new, shared * block_size + 1, 0, rng.integers(0, C - new + 1)], np.int32)
+    q = rng.standard_normal((B, new, Hq, D)).astype(dtype)
+    k_new, v_new = (rng.standard_normal((B, new, Hkv, D)).astype(dtype) for _ in range(2))
+    want_k, want_v = k_cache.copy(), v_cache.copy()
+    for b in range(B):
+        for j in range(new):
+            n = lengths[b] + j
+            want_k[table[b, n // block_size], n % block_size] = k_new[b, j]
+            want_v[table[b, n // block_size], n % block_size] = v_new[b, j]
+    keys = [tuple(x[table[b]].reshape(1, C, Hkv, D)[:, :lengths[b] + new] for x in (want_k, want_v)) for b in range(B)]
+    return q, k_cache, v_cache, table, lengths, k_new, v_new, keys
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 48, 256], ids=lambda n: f"page-{n}")
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
+def test_cupy_paged_cache_step_is_two_launches_in_both_checking_modes(rng, dtype, block_size, monkeypatch):
+    # append and attention over a paged cache, two launches (three with split-KV's merge): the forward reads
+    # every key through the block
+    # table (CacheRows), for pages that divide no tile (1, 48), match one (16) or hold several (256),
+    # blocks shared between sequences, split-KV where the cache is longer than a split; check_offsets=False
+    # reads neither the lengths nor the table on the host and gives the same bits and cache
+    from flashcupy import _varlen
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k_cache, v_cache, table, lengths, k_new, v_new, keys = _paged_step_case(rng, dtype, block_size)
+    results = {}
+    for checked in (True, False):
+        kc, vc, grids = k_cache.copy(), v_cache.copy(), []
+        with emulated(compile=_recording(grids)), monkeypatch.context() as m:
+            if not checked:
+                m.setattr(_varlen, "_host_ints", lambda *a: pytest.fail("the lengths or the table were read on the host"))
+            out, lse = flashcupy.attention_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                        block_table=table, causal=True, return_lse=True,
+                                                        backend="cupy", check_offsets=checked)
+        names = [name for name, _ in grids]
+        forward = "flash_fwd_tc<" if dtype == np.float16 else "flash_fwd<"
+        # the packed forward (VARLEN), split (SPLIT, then the merge) where the cache is longer than one split
+        split = table.shape[1] * block_size > 128
+        assert len(names) == 2 + split and names[0].startswith("flash_kv_append<") and names[1].startswith(forward)
+        assert names[1].endswith(", true, true>" if split else ", false, true>"), names
+        assert [name.split("<")[0] for name in names[2:]] == (["flash_split_merge"] if split else []), names
+        results[checked] = (out, lse, kc, vc)
+    for a, b in zip(results[True], results[False]):
+        np.testing.assert_array_equal(a, b)
+    out, lse, kc, vc = results[True]
+    for b, (keys_b, values_b) in enumerate(keys):
+        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], keys_b, values_b, causal=True, backend="cupy")
+
+
+PAGE_CLAMP = ("const int page = min(max(table[(i / page_size) * table_stride], 0), last_page);",
+              "const int page = table[(i / page_size) * table_stride];")
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["tensor-cores", "simt"])
+@pytest.mark.parametrize("unclamped", [False, True], ids=["clamped", "unclamped (a deliberate bug)"])
+def test_paged_attention_keeps_hostile_tables_inside_the_cache(rng, dtype, unclamped):
+    # forward_varlen through a block table (checked by the interface before; the kernel must not depend on
+    # it): table entries and lengths outside the cache read inside it, where the guard pages stay silent;
+    # with the clamp of the table's entries removed they catch it
+    from flashcupy._checks import problem
+    from flashcupy.backends import cupy_backend
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k_cache, v_cache, table, _, _, _, _ = _paged_step_case(rng, dtype, 16)
+    B, Sq, Hq, D = q.shape
+    pq = q.reshape(B * Sq, Hq, D)
+    p = problem(pq[None], k_cache[None, 0], v_cache[None, 0], True, None, None, "numpy")
+    p = dataclasses.replace(p, seqlen_k=table.shape[1] * 16)
+    cu_q, cu_k = np.arange(B + 1, dtype=np.int32) * Sq, np.zeros(B + 1, np.int32)
+    bad = table.copy()
+    bad[0, :2], bad[1, 1:], bad[3, :] = -1, 10 ** 6, 2 ** 31 - 1
+    for used in ([40, 2, 64, 2 ** 31 - 1], [-5, 30, 17, 50]):
+        out, lse = np.zeros_like(pq), np.full((Hq, B * Sq), -np.inf, np.float32)
+        with emulated(compile=_recording([], PAGE_CLAMP if unclamped else None)):
+            _fails_only_if(unclamped, "flash_fwd", lambda: cupy_backend.forward_varlen(
+                p, pq, k_cache, v_cache, cu_q, cu_k, out, lse, seqused_k=np.array(used, np.int32), block_table=bad))

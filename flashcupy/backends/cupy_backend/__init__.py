@@ -47,7 +47,7 @@ import functools
 
 import numpy as np
 
-from ... import _merge, backends
+from ... import backends
 from ..._problem import LOG2E
 from . import launch, sources, specs, tensor_maps
 from .runtime import Runtime, cupy_runtime
@@ -331,8 +331,8 @@ WRITES_INTO = True  # forward and backward write into given arrays (into=): XLA'
 def forward(p, q, k, v, num_splits=1, into=None):
     """out, lse. num_splits (split_plan): 1, the default, one launch over all keys; None or an int >
     1, split-KV: the splits' partial outs (in the accumulation dtype) and lses from one launch,
-    merged by flashcupy.merge's rule. into: None or (out, lse) arrays the kernel writes (the merge
-    of a split-KV call is copied there)."""
+    merged by flashcupy.merge's rule in a second (flash_merge.cu). into: None or (out, lse) arrays the
+    kernels write."""
     rt = _runtime()
     splits, key_split = (1, 0) if num_splits == 1 else split_plan(p, q, k, v, num_splits)
     path, module = _forward_module(p, q, k, v, splits > 1, None if into is None else into[0])
@@ -351,35 +351,43 @@ def forward(p, q, k, v, num_splits=1, into=None):
                  np.int32(p.causal), np.int32(p.diagonal), *_modifier_args(p, lse, True), np.int32(tiles)),
                 shared_mem=kernel.dynamic_smem)
             return out, lse
+        out, lse = into if into is not None else (rt.xp.empty(q.shape, dtype=p.carrier),
+                                                  rt.xp.empty(p.lse_shape, dtype=p.lse_dtype))
         if splits > 1:  # workspaces: (splits, *out's shape) and (splits, *lse's shape)
-            out = rt.xp.empty((splits,) + tuple(q.shape), dtype=p.acc_dtype)
-            lse = rt.xp.empty((splits,) + p.lse_shape, dtype=p.lse_dtype)
+            outs = rt.xp.empty((splits,) + tuple(q.shape), dtype=p.acc_dtype)
+            lses = rt.xp.empty((splits,) + p.lse_shape, dtype=p.lse_dtype)
             # the whole workspaces, with one split's strides: the kernel adds the split's offset
-            part_out, part_lse = (_tensor(x)[:1] + _tensor(x[0])[1:] for x in (out, lse))
-            split_args = (np.int32(key_split), np.int64(out.strides[0] // out.itemsize),
-                          np.int64(lse.strides[0] // lse.itemsize))
-        elif into is not None:
-            out, lse = into
-            part_out, part_lse = _tensor(out), _tensor(lse)
-            split_args = (np.int32(0), np.int64(0), np.int64(0))
+            part_out, part_lse = (_tensor(x)[:1] + _tensor(x[0])[1:] for x in (outs, lses))
+            split_args = (np.int32(key_split), np.int64(outs.strides[0] // outs.itemsize),
+                          np.int64(lses.strides[0] // lses.itemsize))
         else:
-            out = rt.xp.empty(q.shape, dtype=p.carrier)
-            lse = rt.xp.empty(p.lse_shape, dtype=p.lse_dtype)
             part_out, part_lse = _tensor(out), _tensor(lse)
             split_args = (np.int32(0), np.int64(0), np.int64(0))
         fwd(
             (kernel.blocks(p) * splits,), (kernel.threads,),
             (*_tensor(q), *_tensor(k), *_tensor(v), *part_out, *part_lse,
              *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-             *_modifier_args(p, lse, path == "tensor-core"), *split_args, *_no_varlen(rt, q)),
+             *_modifier_args(p, lse, path == "tensor-core"), *split_args, *_no_varlen(rt, q), *_no_pages(rt, q)),
             shared_mem=kernel.dynamic_smem)
         if splits > 1:
-            merged, lse = _merge.merge(list(out), list(lse))
-            out = _merge._store(rt.xp, merged, p.dtype, p.carrier)
-            if into is not None:
-                into[0][...], into[1][...] = out, lse
-                out, lse = into
+            _merge_splits(rt, p, q, splits, part_out, part_lse, split_args, _tensor(out), _tensor(lse),
+                          p.batch, p.seqlen_q)
     return out, lse
+
+
+def _merge_splits(rt, p, like, splits, outs, lses, split_args, out, lse, batch, seqlen) -> None:
+    """split-KV's merge in one launch (flash_merge.cu, flashcupy.merge's rule): the partial outs and lses
+    that a SPLIT forward kernel wrote into its workspaces, given as that kernel's out and lse arguments
+    (outs, lses: the workspace, split 0's strides) and its split_args (the offsets between splits), into
+    out and lse, kernel arguments likewise (a packed batch's with batch strides 0: batch 1, seqlen its
+    rows). Call with like's device current."""
+    module = specs.merge_module(p.dtype)
+    (kernel,) = module.kernels
+    (merge,) = _functions(rt, module, like)
+    elements = batch * seqlen * p.heads_q * p.head_dim
+    merge((_cdiv(elements, specs.NUM_THREADS),), (kernel.threads,),
+          (*outs, *lses, *out, *lse, np.int32(splits), *split_args[1:], np.int32(batch), np.int32(seqlen),
+           np.int32(p.heads_q), np.int32(p.head_dim)))
 
 
 # The Hopper forward's grid: True, min(tiles, SMs) CTAs, each walking its tiles; False, the default, a
@@ -402,6 +410,12 @@ def _no_varlen(rt, like) -> tuple:
     the offsets, no sequence, no seqused_k. Call with like's device current."""
     stand_in = _int32_stand_in(rt, like)
     return stand_in, stand_in, np.int32(0), stand_in, np.int32(0), np.int32(0)
+
+
+def _no_pages(rt, like) -> tuple:
+    """The PAGED_PARAMS of a forward kernel whose keys are not a paged cache's: no block table (page_size
+    0). Call with like's device current."""
+    return _int32_stand_in(rt, like), np.int64(0), np.int64(0), np.int32(0), np.int32(0)
 
 
 def probs(p, q, k, lse, rows):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from .specs import (ALL_MODS, CUDA_TYPES, HEAD_DIM_BUCKETS, MOD_BITS, TC_DTYPES, TC_HEAD_DIM_BUCKETS,
                     SM90_FORWARD_TILES, SM90_MODS, append_module, backward_module, dbias_module,
-                    deterministic_tc_backward_module, forward_module, probs_module, sm90_backward_module,
-                    sm90_forward_module, tc_backward_module, tc_forward_module)
+                    deterministic_tc_backward_module, forward_module, merge_module, probs_module,
+                    sm90_backward_module, sm90_forward_module, tc_backward_module, tc_forward_module)
 
 # What the NVRTC report compiles of each kernel family: the plain kernels and every modifier (the most
 # work in a tile's loop) everywhere; the window alone on tensor cores only, whose window variants sit
@@ -23,14 +23,14 @@ def all_modules(mods=REPORT_MODS, tc_mods=REPORT_TC_MODS):
     the forward, backward and attention_probs for each dtype and bucket (and the bias's gradient
     where MODS has a bias), the tensor-core forward and backward for each of their dtypes and
     buckets, the split-KV forwards (split_modules, for the first and last of `mods`), and the KV-cache
-    append for each dtype. The defaults are what the NVRTC report checks."""
+    append and split-KV's merge for each dtype. The defaults are what the NVRTC report checks."""
     return ([build(dtype, bucket, m)
              for m in mods for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS
              for build in (forward_module, backward_module, probs_module)
              + ((dbias_module,) if m & MOD_BITS["bias"] else ())]
             + tc_modules(tc_mods)
             + split_modules(mods)
-            + [append_module(dtype) for dtype in CUDA_TYPES])
+            + [append_module(dtype) for dtype in CUDA_TYPES] + [merge_module(dtype) for dtype in CUDA_TYPES])
 
 
 def tc_modules(tc_mods, dtypes=TC_DTYPES, split: bool = False) -> list:

@@ -13,14 +13,13 @@ import numpy as np
 
 import flashcupy.backends.cupy_backend as backend
 
-from ... import _merge
 from .. import MAX_GRID
 from . import launch, specs
 from .backward import _backward_launches, _backward_module
 
 
 def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slopes=None, seqused_k=None,
-                   split=(1, 0), seqused_add: int = 0) -> None:
+                   split=(1, 0), seqused_add: int = 0, block_table=None) -> None:
     """A packed batch's forward in one launch (attention_varlen): q (total_q, heads_q, head_dim), k, v
     (total_k, heads_kv, head_dim), out like q and lse (heads_q, total_q) allocated with 0 and -inf,
     written in place; cu_seqlens_q, cu_seqlens_k int32 (sequences + 1,) device arrays, read by the
@@ -35,13 +34,20 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
     tokens, and their count), clamped into k as the offsets are.
     split: (splits, keys per split) of split-KV in the same launch (cache_plan's), (1, 0) for none: a
     copy of the grid per split, each CTA over its split of its sequence's keys, the partial outs merged
-    by flashcupy.merge's rule (every query row must belong to a sequence: the workspaces are not filled)."""
+    by flashcupy.merge's rule in a second launch (flash_merge.cu; every query row must belong to a
+    sequence: the workspaces are not filled).
+    block_table: int32 (sequences, max_blocks) device array, a paged KV cache's (with seqused_k): k and v
+    are then the cache, (num_blocks, block_size, heads_kv, head_dim), sequence b's key n at row n %
+    block_size of block block_table[b, n // block_size], read by the kernel through the table (CacheRows
+    in flash_common.cuh: a block index clamped into the cache); cu_seqlens_k all zeros and p.seqlen_k
+    max_blocks x block_size, the rows a sequence can address, which its lengths are clamped to."""
     rt = backend._runtime()
     num_seqs = int(cu_seqlens_q.shape[0]) - 1
     if num_seqs <= 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
         return  # no sequence, no query or no key: out 0, lse -inf, as allocated
     splits, key_split = split
-    packed = (q[None], k[None], v[None])
+    paged = block_table is not None
+    packed = (q[None], k, v) if paged else (q[None], k[None], v[None])
     path, module = backend._forward_module(p, *packed, splits > 1, varlen=True)
     (kernel,) = module.kernels
     blocks = launch.varlen_blocks(kernel, p, num_seqs) * splits
@@ -62,8 +68,12 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
         else:
             parts = [(x, np.int64(0), *backend._tensor(x)[1:]) for x in (out, lse)]
             split_args = (np.int32(0), np.int64(0), np.int64(0))
-        # batch strides 0: the kernel moves each tensor to its sequence's rows itself (TAKE_SEQUENCE)
-        tensors = [(x, np.int64(0), *backend._tensor(x)[2:]) for x in packed] + parts
+        # batch strides 0: the kernel moves each tensor to its sequence's rows itself (TAKE_SEQUENCE); a
+        # paged cache's k and v keep theirs, the blocks' strides
+        tensors = [backend._tensor(x) if paged and i else (x, np.int64(0), *backend._tensor(x)[2:])
+                   for i, x in enumerate(packed)] + parts
+        pages = ((block_table, *(np.int64(n // 4) for n in block_table.strides), np.int32(k.shape[1]),
+                  np.int32(k.shape[0])) if paged else backend._no_pages(rt, q))
         fwd(
             (blocks,), (kernel.threads,),
             (*(a for t in tensors for a in t),
@@ -71,22 +81,22 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
              *backend._modifier_args(p, lse, path == "tensor-core"), *split_args,
              cu_seqlens_q, cu_seqlens_k, np.int32(num_seqs),
              *((backend._int32_stand_in(rt, q), np.int32(0), np.int32(0)) if seqused_k is None
-               else (seqused_k, np.int32(1), np.int32(seqused_add)))),
+               else (seqused_k, np.int32(1), np.int32(seqused_add))), *pages),
             shared_mem=kernel.dynamic_smem)
-        if splits > 1:
-            merged, merged_lse = _merge.merge([o[None] for o in outs], [x[None] for x in lses])
-            out[...] = _merge._store(rt.xp, merged, p.dtype, p.carrier)[0]
-            lse[...] = merged_lse[0]
+        if splits > 1:  # into out and lse, batch strides 0 as the forward's
+            merged = [(x, np.int64(0), *backend._tensor(x)[1:]) for x in (out, lse)]
+            backend._merge_splits(rt, p, q, splits, *parts, split_args, *merged, 1, p.seqlen_q)
 
 
 def cache_plan(p, q, k, v, num_seqs: int, capacity: int, num_splits=None) -> tuple:
-    """attention_with_kvcache's split of a contiguous cache run as a packed batch (forward_varlen's
-    split): (1, 0), none, where its grid holds more than two CTAs an SM (split_plan's rule) or num_splits
+    """attention_with_kvcache's split of a cache run as a packed batch (forward_varlen's split; k, v its
+    packed rows, or a paged cache's blocks): (1, 0), none, where its grid holds more than two CTAs an SM (split_plan's rule) or num_splits
     is 1; else (splits, keys per split), a multiple of specs.SPLIT_ALIGN, enough splits of the cache's
     capacity to fill the device (num_splits None) or at most num_splits of about equal length."""
     if num_splits == 1:
         return 1, 0
-    (kernel,) = backend._forward_module(p, q[None], k[None], v[None], False, varlen=True)[1].kernels
+    k, v = (x if x.ndim == 4 else x[None] for x in (k, v))  # a paged cache as it is, else packed rows
+    (kernel,) = backend._forward_module(p, q[None], k, v, False, varlen=True)[1].kernels
     ctas = launch.varlen_blocks(kernel, p, num_seqs)
     return backend._split_rule(capacity, ctas, ctas, num_splits, q)
 

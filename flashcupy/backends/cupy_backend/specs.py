@@ -335,6 +335,11 @@ def append_module(dtype) -> ModuleSpec:
     return ModuleSpec("flash_append.cu", (Kernel("flash_kv_append", _name(dtype), 0),))
 
 
+def merge_module(dtype) -> ModuleSpec:
+    """split-KV's merge of the partial outs and lses (flash_merge.cu), for the values' dtype."""
+    return ModuleSpec("flash_merge.cu", (Kernel("flash_split_merge", _name(dtype), 0),))
+
+
 def probs_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
     """attention_probs (flash_pairs.cu): the dQ kernel's tile, two of its four operands."""
     return _pairs_module("flash_probs", dtype, head_dim, mods)

@@ -106,6 +106,30 @@ __device__ __forceinline__ Rows<T> head_rows(T* x, index_t s_batch, index_t s_se
     return Rows<T>{x + b * s_batch + h * s_head, s_seq, s_dim};
 }
 
+// The key (or value) rows of one (sequence, head) of a packed forward's k (v), VARLEN kernels' K and V:
+// contiguous (table nullptr: as Rows), or a paged KV cache's, row i of the sequence being row
+// i % page_size of physical block ("page") table[i / page_size] (the sequence's row of the block table,
+// element stride table_stride along it). A page index read from the table is clamped into
+// [0, last_page], so that no table makes a read leave the cache; the row index i / page_size stays in
+// the table's row because the loaders read rows below the Sequence's seqlen_k only, which is clamped
+// to the launch's seqlen_k: the table's row length times page_size (mask.cuh's sequence_of).
+template <typename T>
+struct CacheRows {
+    T* base;  // row 0 of the head: of the sequence (contiguous), of page 0 (paged)
+    index_t row_stride;
+    index_t dim_stride;
+    const int* table;  // nullptr: contiguous
+    index_t table_stride, page_stride;
+    int page_size, last_page;
+
+    __device__ __forceinline__ T* row(int i) const {
+        if (table == nullptr) return base + i * row_stride;
+        const int page = min(max(table[(i / page_size) * table_stride], 0), last_page);
+        return base + page * page_stride + (i % page_size) * row_stride;
+    }
+    __device__ __forceinline__ T& at(int i, int d) const { return row(i)[d * dim_stride]; }
+};
+
 // The row of one (batch, head) of a per-row statistic: lse, (batch, heads, seqlen) with element
 // strides, or D, the backward's contiguous (batch, heads_q, seqlen_q) workspace. Every kernel that
 // reads or writes either addresses it through this view (LSE_ROW, d_row), so the layout is spelled once.
@@ -181,6 +205,13 @@ __device__ __forceinline__ Stats<Acc> d_row(Acc* D, int heads_q, int seqlen_q, i
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k, int num_seqs, \
         const int* __restrict__ seqused_k, int has_seqused, int seqused_add
 
+// Then, a forward kernel's, a paged KV cache's (CacheRows; read only by kernels specialised for VARLEN): its
+// block table (int32 (sequences, max_blocks) in device memory, element strides table_sb, table_sn), the
+// rows of a page (a physical block; 0: no table, the keys are the packed rows of cu_seqlens_k) and the
+// pages the cache holds. With a table, k's and v's batch strides (k_sb, v_sb) are the pages' strides.
+#define PAGED_PARAMS \
+    const int* __restrict__ block_table, index_t table_sb, index_t table_sn, int page_size, int num_pages
+
 // The same argument lists passed on, name for name: a kernel entry point handing its arguments to the
 // device function that does its CTA's work (flash_fwd_tc.cu).
 #define TENSOR_ARGS(x) x, x##_sb, x##_ss, x##_sh, x##_sd
@@ -191,6 +222,29 @@ __device__ __forceinline__ Stats<Acc> d_row(Acc* D, int heads_q, int seqlen_q, i
         keep_sh, keep_sq, keep_sk
 #define SPLIT_ARGS key_split, out_split, lse_split
 #define VARLEN_ARGS cu_seqlens_q, cu_seqlens_k, num_seqs, seqused_k, has_seqused, seqused_add
+#define PAGED_ARGS block_table, table_sb, table_sn, page_size, num_pages
+
+// A forward kernel's key and value rows of (batch or sequence b, key/value head h) of its argument x (k or v):
+// Rows, or for VARLEN (KeyRows<VARLEN, T>) CacheRows, through the block table when PAGED_PARAMS give one.
+template <bool VARLEN, typename T>
+struct KeyRowsT { using type = Rows<T>; };
+template <typename T>
+struct KeyRowsT<true, T> { using type = CacheRows<T>; };
+template <bool VARLEN, typename T>
+using KeyRows = typename KeyRowsT<VARLEN, T>::type;
+
+template <bool VARLEN, typename T>
+__device__ __forceinline__ KeyRows<VARLEN, T> key_rows(T* x, index_t s_batch, index_t s_seq, index_t s_head,
+                                                       index_t s_dim, int b, int h, PAGED_PARAMS) {
+    if constexpr (!VARLEN) {
+        return head_rows(x, s_batch, s_seq, s_head, s_dim, b, h);
+    } else {
+        if (page_size > 0)
+            return {x + h * s_head, s_seq, s_dim, block_table + b * table_sb, table_sn, s_batch, page_size, num_pages - 1};
+        return {x + b * s_batch + h * s_head, s_seq, s_dim, nullptr, 0, 0, 1, 0};
+    }
+}
+#define KEY_ROWS(VARLEN, x, b, h) key_rows<VARLEN>(x, x##_sb, x##_ss, x##_sh, x##_sd, b, h, PAGED_ARGS)
 
 // A forward kernel's out: T, or with split-KV the partial out in Acc (the merge's input).
 template <bool SPLIT, typename T, typename Acc>
@@ -202,8 +256,8 @@ using SplitOut = typename SplitOutT<SPLIT, T, Acc>::type;
 
 // tile[r][d] = scale * src(row0 + r, d) for r < ROWS, d < HEAD_DIM; zero where row0 + r >= seqlen
 // or d >= head_dim. Consecutive threads take consecutive d: coalesced when head_dim is contiguous.
-template <int ROWS, int HEAD_DIM, typename T, typename Acc>
-__device__ __forceinline__ void load_tile(Acc* tile, const Rows<const T>& src, int row0, int seqlen,
+template <int ROWS, int HEAD_DIM, typename Src, typename Acc>
+__device__ __forceinline__ void load_tile(Acc* tile, const Src& src, int row0, int seqlen,
                                           int head_dim, Acc scale) {
     for (int e = threadIdx.x; e < ROWS * HEAD_DIM; e += NUM_THREADS) {
         const int r = e / HEAD_DIM, d = e % HEAD_DIM;

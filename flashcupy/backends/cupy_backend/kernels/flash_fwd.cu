@@ -29,11 +29,13 @@
 //
 // Split-KV (SPLIT, mask.cuh's Split): the grid is one copy per split of keys, each CTA attends to its
 // split's keys only, and out is a partial one in Acc (split s at out + s out_split, its lse at lse +
-// s lse_split), which the launcher merges.
+// s lse_split), which flash_merge.cu merges.
 //
 // Varlen (VARLEN, mask.cuh's Sequence): q, k, v, out, lse are packed batches of num_seqs sequences
 // (batch strides 0), seqlen_q and seqlen_k their total lengths; each CTA reads cu_seqlens_q and
-// cu_seqlens_k, clamped into the arrays, and then runs as on its sequence alone (TAKE_SEQUENCE).
+// cu_seqlens_k, clamped into the arrays, and then runs as on its sequence alone (TAKE_SEQUENCE). The
+// keys and values of a KV cache's sequence may be paged (PAGED_PARAMS: a block table, read per key row
+// by flash_common.cuh's CacheRows, its page indices clamped into the cache).
 //
 // Template parameters: T storage type, Acc accumulation type, HEAD_DIM the padded head dim
 // (32, 64, 128 or 256; the true head_dim is a runtime bound), BLOCK_M, BLOCK_N the tile, MIN_CTAS the
@@ -62,7 +64,7 @@ template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int 
 __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_fwd(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, Acc>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
-    LSE_PARAMS(Acc, lse), PROBLEM_PARAMS(Acc), SPLIT_PARAMS, VARLEN_PARAMS) {
+    LSE_PARAMS(Acc, lse), PROBLEM_PARAMS(Acc), SPLIT_PARAMS, VARLEN_PARAMS, PAGED_PARAMS) {
     constexpr int R = rows_per_warp<BLOCK_M>();
 
     __shared__ Acc Q_s[BLOCK_M * HEAD_DIM];
@@ -84,7 +86,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_fwd(
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int row0 = blk.i0 + warp * R, key = lane % BLOCK_N;  // this warp's first query row, this lane's key in K_j
 
-    const Rows<const T> K = HEAD_ROWS(k, blk.b, blk.kv_head), V = HEAD_ROWS(v, blk.b, blk.kv_head);
+    const KeyRows<VARLEN, const T> K = KEY_ROWS(VARLEN, k, blk.b, blk.kv_head), V = KEY_ROWS(VARLEN, v, blk.b, blk.kv_head);
     // here: made after the key loop, it made ptxas spill
     const auto Out = head_rows(out + split.index * out_split, out_sb, out_ss, out_sh, out_sd, blk.b, blk.h);
     load_tile<BLOCK_M, HEAD_DIM>(Q_s, HEAD_ROWS(q, blk.b, blk.h), blk.i0, seqlen_q, head_dim, scale);

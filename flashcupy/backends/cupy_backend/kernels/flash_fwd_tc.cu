@@ -61,7 +61,9 @@
 //
 // Split-KV (SPLIT): as in flash_fwd.cu, each CTA attends to its split's keys and stores a partial out
 // in float, and lse, at its split's offsets. Varlen (VARLEN): as in flash_fwd.cu, each CTA reads the
-// offsets, clamped into the arrays, and runs as on its sequence alone (mask.cuh's TAKE_SEQUENCE).
+// offsets, clamped into the arrays, and runs as on its sequence alone (mask.cuh's TAKE_SEQUENCE), its
+// keys and values through a KV cache's block table where PAGED_PARAMS give one (CacheRows: a table
+// entry read per row copied, each cp.async's source computed from it).
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 128),
 // BLOCK_M (16 M_TILES WARPS, M_TILES 1 or 2), BLOCK_N (a multiple of 16), MIN_CTAS (and in the wide
@@ -79,7 +81,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS, bool SPL
 __device__ __forceinline__ void flash_fwd_tc_cta(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
-    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS, VARLEN_PARAMS) {
+    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS, VARLEN_PARAMS, PAGED_PARAMS) {
     constexpr int THREADS = WARPS * WARP_SIZE;
     constexpr int M_TILES = BLOCK_M / (16 * WARPS);  // 16-row mma tiles a warp owns
     constexpr int WARP_ROWS = 16 * M_TILES;
@@ -119,15 +121,15 @@ __device__ __forceinline__ void flash_fwd_tc_cta(
 
     const auto make_out = [&] { return head_rows(out + split.index * out_split, out_sb, out_ss, out_sh, out_sd, blk.b, blk.h); };
     const auto Out = make_out();
-    const KVStream<BLOCK_N, HEAD_DIM, T, THREADS> kv = [&] {
+    using Stream = KVStream<BLOCK_N, HEAD_DIM, T, THREADS, KeyRows<VARLEN, const T>>;
+    const Stream kv = [&] {
+        const auto K = KEY_ROWS(VARLEN, k, blk.b, blk.kv_head), V = KEY_ROWS(VARLEN, v, blk.b, blk.kv_head);
         if constexpr (SPLIT) {
             int j_start = mask.key_start(blk.i0), j_end = mask.key_end(blk.i0);
             split_range<BLOCK_N>(j_start, j_end, split.index * key_split, key_split);
-            return KVStream<BLOCK_N, HEAD_DIM, T, THREADS>(K_s, V_s, HEAD_ROWS(k, blk.b, blk.kv_head),
-                                                  HEAD_ROWS(v, blk.b, blk.kv_head), j_start, j_end, seqlen_k, head_dim);
+            return Stream(K_s, V_s, K, V, j_start, j_end, seqlen_k, head_dim);
         } else {
-            return KVStream<BLOCK_N, HEAD_DIM, T, THREADS>(K_s, V_s, HEAD_ROWS(k, blk.b, blk.kv_head),
-                                                  HEAD_ROWS(v, blk.b, blk.kv_head), mask, blk.i0, head_dim);
+            return Stream(K_s, V_s, K, V, mask, blk.i0, head_dim);
         }
     }();
 
@@ -236,25 +238,25 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int 
 __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_fwd_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
-    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS, VARLEN_PARAMS) {
+    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS, VARLEN_PARAMS, PAGED_PARAMS) {
     // Q_i's A fragments stay in registers with one row tile; with two, O and S take the registers
     // (kept, Q_frag took head_dim 64 to the register limit of tests/test_nvrtc.py:
     // benchmarks/results/tile_choices.md)
     constexpr int Q_KEPT = BLOCK_M == 16 * NUM_WARPS ? HEAD_DIM / 16 : 0;
     flash_fwd_tc_cta<T, HEAD_DIM, BLOCK_M, BLOCK_N, MODS, SPLIT, VARLEN, NUM_WARPS, Q_KEPT>(
         TENSOR_ARGS(q), TENSOR_ARGS(k), TENSOR_ARGS(v), TENSOR_ARGS(out), LSE_ARGS(lse), PROBLEM_ARGS, SPLIT_ARGS,
-        VARLEN_ARGS);
+        VARLEN_ARGS, PAGED_ARGS);
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MAX_REGISTERS, int MODS = 0>
 __global__ void CAPPED_BOUNDS(WIDE_WARPS * WARP_SIZE, MIN_CTAS, MAX_REGISTERS) flash_fwd_tc_wide(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     T* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
-    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS, VARLEN_PARAMS) {
+    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS, VARLEN_PARAMS, PAGED_PARAMS) {
     // k-step 0 of Q_i kept at head_dim 128, where it takes the shared-memory bytes per mma from 208 to
     // 200; below, Q_i is read at every pass (keeping k-step 0 made head_dim 112 spill under its cap)
     constexpr int Q_KEPT = HEAD_DIM == 128 ? 1 : 0;
     flash_fwd_tc_cta<T, HEAD_DIM, BLOCK_M, BLOCK_N, MODS, false, false, WIDE_WARPS, Q_KEPT>(
         TENSOR_ARGS(q), TENSOR_ARGS(k), TENSOR_ARGS(v), TENSOR_ARGS(out), LSE_ARGS(lse), PROBLEM_ARGS, SPLIT_ARGS,
-        VARLEN_ARGS);
+        VARLEN_ARGS, PAGED_ARGS);
 }

@@ -369,7 +369,7 @@ __device__ __forceinline__ Sequence sequence_of(const int* cu_q, const int* cu_k
 // multiple of BLOCK_N; the launcher's split_plan), and the grid holds one copy of the usual grid per
 // split, split s being CTAs s P .. s P + P - 1 (P = gridDim.x / splits). Each CTA attends to its
 // split's keys only and stores a partial out (in Acc) and lse, merged afterwards by the lse rule
-// (flashcupy.merge).
+// (flashcupy.merge) in one launch of flash_merge.cu.
 struct Split {
     int index;  // which split
     int cta;    // the CTA's place in that split's grid, for query_block

@@ -91,8 +91,8 @@ struct EveryRow {
 // cp.async the ROWS x HEAD_DIM tile of rows row0.. of src into `tile` (swizzled), shared among the
 // CTA's THREADS threads; zero-fill the rows from seqlen on, the columns from head_dim on and the rows
 // i for which keep(i) is false (EveryRow: none). Not committed.
-template <int ROWS, int HEAD_DIM, int THREADS = NUM_THREADS, typename T, typename Keep = EveryRow>
-__device__ __forceinline__ void load_tile_async(T* tile, const Rows<const T>& src, int row0, int seqlen,
+template <int ROWS, int HEAD_DIM, int THREADS = NUM_THREADS, typename T, typename Src, typename Keep = EveryRow>
+__device__ __forceinline__ void load_tile_async(T* tile, const Src& src, int row0, int seqlen,
                                                 int head_dim, Keep keep = {}) {
     constexpr int CHUNKS = HEAD_DIM / 8;
     constexpr bool WHOLE = ROWS * CHUNKS % THREADS == 0;  // every thread copies as many chunks
@@ -117,9 +117,9 @@ __device__ __forceinline__ void load_tile_async(T* tile, const Rows<const T>& sr
 
 // cp.async rows row0.. of A and B into stage `stage` of A_s and B_s (2 tiles of ROWS rows each), B's
 // rows filtered by keep_b (load_tile_async). Not committed.
-template <int ROWS, int HEAD_DIM, int THREADS = NUM_THREADS, typename T, typename Keep = EveryRow>
-__device__ __forceinline__ void load_stage_async(T* A_s, T* B_s, int stage, const Rows<const T>& A,
-                                                 const Rows<const T>& B, int row0, int seqlen, int head_dim,
+template <int ROWS, int HEAD_DIM, int THREADS = NUM_THREADS, typename T, typename Src, typename Keep = EveryRow>
+__device__ __forceinline__ void load_stage_async(T* A_s, T* B_s, int stage, const Src& A,
+                                                 const Src& B, int row0, int seqlen, int head_dim,
                                                  Keep keep_b = {}) {
     load_tile_async<ROWS, HEAD_DIM, THREADS>(A_s + stage * ROWS * TILE_ROW<HEAD_DIM>, A, row0, seqlen, head_dim);
     load_tile_async<ROWS, HEAD_DIM, THREADS>(B_s + stage * ROWS * TILE_ROW<HEAD_DIM>, B, row0, seqlen, head_dim,
@@ -134,21 +134,22 @@ __device__ __forceinline__ void cp_async_next_stage() {
 
 // The key blocks that the query block at i0 sees (or keys j_start .. j_end - 1, as given), streamed
 // through the two stages of K_s, V_s: pass jb (of `blocks`) computes on K_j(jb), V_j(jb), the key
-// block at j0(jb). THREADS: the CTA's threads, which share the copies.
-template <int BLOCK_N, int HEAD_DIM, typename T, int THREADS = NUM_THREADS>
+// block at j0(jb). THREADS: the CTA's threads, which share the copies; Src the rows K and V are read
+// through (Rows, or a packed forward's CacheRows).
+template <int BLOCK_N, int HEAD_DIM, typename T, int THREADS = NUM_THREADS, typename Src = Rows<const T>>
 struct KVStream {
     T* K_s;
     T* V_s;
-    Rows<const T> K, V;
+    Src K, V;
     int j_start, blocks, seqlen_k, head_dim;
 
     template <int BLOCK_M, bool WINDOW>
-    __device__ __forceinline__ KVStream(T* K_s, T* V_s, const Rows<const T>& K, const Rows<const T>& V,
+    __device__ __forceinline__ KVStream(T* K_s, T* V_s, const Src& K, const Src& V,
                                         const Mask<BLOCK_M, BLOCK_N, WINDOW>& mask, int i0, int head_dim)
         : K_s(K_s), V_s(V_s), K(K), V(V), j_start(mask.key_start(i0)),
           blocks(num_blocks(mask.key_end(i0) - j_start, BLOCK_N)), seqlen_k(mask.seqlen_k), head_dim(head_dim) {}
 
-    __device__ __forceinline__ KVStream(T* K_s, T* V_s, const Rows<const T>& K, const Rows<const T>& V, int j_start,
+    __device__ __forceinline__ KVStream(T* K_s, T* V_s, const Src& K, const Src& V, int j_start,
                                         int j_end, int seqlen_k, int head_dim)
         : K_s(K_s), V_s(V_s), K(K), V(V), j_start(j_start), blocks(num_blocks(j_end - j_start, BLOCK_N)),
           seqlen_k(seqlen_k), head_dim(head_dim) {}
