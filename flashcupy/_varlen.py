@@ -164,14 +164,43 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     if _one_launch(mod):  # the offsets read on the device (the same bits, checked or not)
         mod.forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slopes=alibi_slopes)
     else:
-        forward_packed(q, k, v, cu_q, cu_k, out, lse, causal=causal, scale=scale, backend=backend, dtype=dtype,
-                       **mods)
+        _forward_loop(q, k, v, cu_q, cu_k, out, lse, causal=causal, scale=scale, backend=backend, dtype=dtype,
+                      **mods)
     return (out, lse) if return_lse else out
 
 
-def forward_packed(q, k, v, cu_q, cu_k, out, lse, *, alibi_slopes=None, **keywords) -> None:
-    """attention_varlen of a validated call (_varlen_plan), its offsets cu_q, cu_k on the host: each
-    sequence's (out, lse) written into out and lse (flashcupy.jax passes XLA's buffers)."""
+def _packed_backend(q, k, v, batch: int, alibi_slopes, keywords: dict, backward: bool = False) -> tuple:
+    """(Problem of the packed arrays, backend module) of a call _varlen_plan validated before (the
+    keywords forward_packed and backward_packed take)."""
+    kw = dict(keywords)
+    kw.pop("deterministic", None)
+    backend, causal, scale, dtype = (kw.pop(name, None) for name in ("backend", "causal", "scale", "dtype"))
+    lib = backends.array_library(q)
+    slopes0 = None if alibi_slopes is None else _slopes_for(alibi_slopes, 0, batch)
+    p = _checks.problem(q[None], k[None], v[None], bool(causal), scale, dtype, lib, alibi_slopes=slopes0, **kw)
+    return p, _checks.select_backend(backend or "auto", lib, p, backward=backward)
+
+
+def forward_packed(q, k, v, cu_q, cu_k, out, lse, *, alibi_slopes=None, device_offsets=None, **keywords) -> None:
+    """attention_varlen of a validated call (flashcupy.jax's), its offsets cu_q, cu_k on the host, every
+    row of out and lse written (XLA's buffers: nothing is allocated with zeros for it). device_offsets
+    (cu_q, cu_k as int32 arrays of q's library, or None): where the backend reads offsets on the device
+    (_one_launch: cupy), one launch over the packed batch; else each sequence a call."""
+    batch = cu_q.size - 1
+    if device_offsets is not None:
+        p, mod = _packed_backend(q, k, v, batch, alibi_slopes, keywords)
+        if _one_launch(mod):
+            if not (batch and p.seqlen_q and p.seqlen_k):  # forward_varlen then writes nothing: no key seen
+                out.fill(0)
+                lse.fill(-np.inf)
+            mod.forward_varlen(p, q, k, v, *device_offsets, out, lse, alibi_slopes=alibi_slopes)
+            return
+    _forward_loop(q, k, v, cu_q, cu_k, out, lse, alibi_slopes=alibi_slopes, **keywords)
+
+
+def _forward_loop(q, k, v, cu_q, cu_k, out, lse, *, alibi_slopes=None, **keywords) -> None:
+    """forward_packed's, and attention_varlen's on a backend that loops on the host: each sequence's
+    (out, lse) written into out and lse."""
     batch = cu_q.size - 1
     for b in range(batch):
         (qa, qb), (ka, kb) = cu_q[b:b + 2], cu_k[b:b + 2]
@@ -207,14 +236,31 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         mod.backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv,
                             alibi_slopes=alibi_slopes, deterministic=deterministic)
     else:
-        backward_packed(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, causal=causal, scale=scale, backend=backend,
-                        dtype=dtype, deterministic=deterministic, **mods)
+        _backward_loop(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, causal=causal, scale=scale, backend=backend,
+                       dtype=dtype, deterministic=deterministic, **mods)
     return dq, dk, dv
 
 
-def backward_packed(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, *, alibi_slopes=None, **keywords) -> None:
-    """attention_varlen_backward of a validated call, its offsets on the host: every row of dq, dk
-    and dv written (zeros for a sequence without queries or keys)."""
+def backward_packed(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, *, alibi_slopes=None, device_offsets=None,
+                    **keywords) -> None:
+    """attention_varlen_backward of a validated call (flashcupy.jax's), its offsets on the host: every
+    row of dq, dk and dv written (zeros for a sequence without queries or keys; XLA's buffers). With
+    device_offsets, as forward_packed's: one launch per kernel where the backend reads offsets on the
+    device, after zeroing dq, dk, dv (its kernels leave the rows of sequences without queries or keys)."""
+    batch = cu_q.size - 1
+    if device_offsets is not None:
+        p, mod = _packed_backend(q, k, v, batch, alibi_slopes, keywords, backward=True)
+        if _one_launch(mod, backward=True):
+            for x in (dq, dk, dv):
+                x.fill(0)
+            mod.backward_varlen(p, dout, q, k, v, out, lse, *device_offsets, dq, dk, dv, alibi_slopes=alibi_slopes,
+                                deterministic=bool(keywords.get("deterministic", False)))
+            return
+    _backward_loop(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, alibi_slopes=alibi_slopes, **keywords)
+
+
+def _backward_loop(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, *, alibi_slopes=None, **keywords) -> None:
+    """backward_packed's, and attention_varlen_backward's on a backend that loops on the host."""
     batch = cu_q.size - 1
     for b in range(batch):
         (qa, qb), (ka, kb) = cu_q[b:b + 2], cu_k[b:b + 2]

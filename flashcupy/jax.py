@@ -355,17 +355,25 @@ def _folded_packed(make, call: _Call, kinds: tuple, out_kinds: tuple):
     return fn
 
 
+def _offset_constants(cu_q, cu_k) -> tuple:
+    """A packed call's offsets (host arrays, static when JAX traces) as int32 constants of the traced
+    program: XLA keeps them on the device, so that a backend whose kernels read the offsets there (cupy:
+    one launch per kernel, _varlen.forward_packed) gets them without a copy per call."""
+    return tuple(jnp.asarray(cu.astype(np.int32)) for cu in (cu_q, cu_k))
+
+
 def _packed_forward(call: _Call):
     cu_q, cu_k = np.asarray(call.cu_q, np.int64), np.asarray(call.cu_k, np.int64)
 
-    def callback(ctx, outs, q, k, v, alibi_slopes):
+    def callback(ctx, outs, q, k, v, alibi_slopes, device_q, device_k):
         with _stream(ctx, q):
             _varlen.forward_packed(*map(_view, (q, k, v)), cu_q, cu_k, *map(_view, outs),
-                                   alibi_slopes=_view(alibi_slopes), **call.keywords())
+                                   alibi_slopes=_view(alibi_slopes), device_offsets=(_view(device_q), _view(device_k)),
+                                   **call.keywords())
 
     def run(q, k, v, alibi_slopes):
         avals = (_aval(q.shape, q.dtype), _aval((q.shape[1], q.shape[0]), _lse_dtype(q)))
-        return tuple(buffer_callback(callback, avals)(q, k, v, alibi_slopes))
+        return tuple(buffer_callback(callback, avals)(q, k, v, alibi_slopes, *_offset_constants(cu_q, cu_k)))
 
     return run
 
@@ -373,14 +381,16 @@ def _packed_forward(call: _Call):
 def _packed_backward(call: _Call):
     cu_q, cu_k = np.asarray(call.cu_q, np.int64), np.asarray(call.cu_k, np.int64)
 
-    def callback(ctx, grads, dout, q, k, v, out, lse, alibi_slopes):
+    def callback(ctx, grads, dout, q, k, v, out, lse, alibi_slopes, device_q, device_k):
         with _stream(ctx, q):
             _varlen.backward_packed(*map(_view, (dout, q, k, v, out, lse)), cu_q, cu_k, *map(_view, grads),
-                                    alibi_slopes=_view(alibi_slopes), **call.keywords())
+                                    alibi_slopes=_view(alibi_slopes), device_offsets=(_view(device_q), _view(device_k)),
+                                    **call.keywords())
 
     def run(dout, q, k, v, out, lse, alibi_slopes):
         avals = tuple(_aval(x.shape, x.dtype) for x in (q, k, v))
-        return tuple(buffer_callback(callback, avals)(dout, q, k, v, out, lse, alibi_slopes))
+        return tuple(buffer_callback(callback, avals)(dout, q, k, v, out, lse, alibi_slopes,
+                                                      *_offset_constants(cu_q, cu_k)))
 
     return run
 

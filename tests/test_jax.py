@@ -334,6 +334,35 @@ def test_cupy_backend_writes_into_xla_buffers_on_the_emulator(rng):
     assert_matches_oracle([np.asarray(x) for x in got], q, k, v, dout, causal=True, bias=bias, backend="cupy")
 
 
+def test_cupy_packed_batch_is_one_launch_per_kernel_through_jax_on_the_emulator(rng):
+    # attention_varlen under jit and grad on the cupy backend (emulated, XLA's host buffers standing in for
+    # device ones): the offsets are constants of the program, and the kernels read them (forward 1 launch,
+    # backward 3: the D pre-pass, dK/dV, dQ), whatever the number of sequences; empty sequences included
+    from flashcupy.tools.emulator.cupy import emulated, launch_records
+    lengths_q, lengths_k = [5, 0, 9, 3, 1], [7, 4, 9, 0, 2]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lengths_q, lengths_k))
+    q = rng.standard_normal((cu_q[-1], 2, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((cu_k[-1], 1, 8)).astype(np.float32) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    kw = dict(causal=True, backend="cupy")
+    grids = []
+    with emulated(compile=launch_records(grids)):
+        out, lse = jax.jit(lambda q, k, v: fj.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw))(
+            *map(to_jax, (q, k, v)))
+        forward = [name for name, _ in grids]
+        grads = jax.jit(jax.grad(lambda q, k, v: _dot(fj.attention_varlen(q, k, v, cu_q, cu_k, **kw), to_jax(dout)),
+                                 argnums=(0, 1, 2)))(*map(to_jax, (q, k, v)))
+    assert [name.split("<")[0] for name in forward] == ["flash_fwd"] and forward[0].endswith(", true>"), forward
+    backward = [name.split("<")[0] for name, _ in grids[2:]]  # the grad's own forward first
+    assert backward == ["flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq"], grids
+    for b in range(len(lengths_q)):
+        (qa, qb), (ka, kb) = cu_q[b:b + 2], cu_k[b:b + 2]
+        got = [np.asarray(out)[None, qa:qb], np.asarray(lse)[None, :, qa:qb], np.asarray(grads[0])[None, qa:qb],
+               np.asarray(grads[1])[None, ka:kb], np.asarray(grads[2])[None, ka:kb]]
+        assert_matches_oracle(got, q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], dout[None, qa:qb], causal=True,
+                              backend="cupy")
+
+
 # ----------------------------------------------------------------------------
 # errors, raised when JAX traces
 
