@@ -3,6 +3,7 @@
     python benchmarks/compare_varlen.py              # both targets, a few minutes on 2 cores
     python benchmarks/compare_varlen.py --quick      # smaller shapes
     python benchmarks/compare_varlen.py --launches   # the cupy backend's launches, on the emulator (issue 28)
+    python benchmarks/compare_varlen.py --gpu        # issue 28's GPU timings (benchmarks/gpu_session.sh runs them)
 
 1. Varlen: 64 sequences of random length 1..2048 (float32, H=8, D=64, causal), packed, against
    padding every sequence to the longest and masking the padded keys (a bool key-padding mask)
@@ -160,11 +161,135 @@ def cache_steps(batches=(1, 7, 40, 256, 1000), heads_q=8, heads_kv=2, head_dim=6
     return rows
 
 
+# ----------------------------------------------------------------------------
+# issue 28's GPU targets: --gpu here, and benchmarks/gpu_session.py's varlen stage on a lent GPU
+
+GPU_SHAPES = dict(sequences=1000, lengths=(100, 500), heads=8, head_dim=64,
+                  decode=dict(batch=64, cache=8192, heads_q=16, heads_kv=2, head_dim=128, page=16))
+# the dry run's (the emulator: tiny, its times mean nothing)
+DRY_SHAPES = dict(sequences=5, lengths=(3, 20), heads=2, head_dim=64,
+                  decode=dict(batch=3, cache=48, heads_q=4, heads_kv=2, head_dim=64, page=16))
+
+
+def _bf16_normal(xp, rng, shape):
+    """Random normal bfloat16 values as uint16 bits (nearest even), made by xp (cupy: on the device)."""
+    bits = rng.standard_normal(shape, dtype=xp.float32).view(xp.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(xp.uint16)
+
+
+def gpu_timings(median, xp, shapes=GPU_SHAPES, seed=0):
+    """Records {"type": "varlen", case, path, pass, seconds} of issue 28's GPU targets on the cupy
+    backend, bfloat16: a causal packed batch of shapes' sequences forward and backward in one launch per
+    kernel (checked offsets, and check_offsets=False), per sequence (the path before issue 28,
+    _varlen._forward_loop), and the same tokens as one dense batch of equal lengths; a decode step over
+    a paged cache (append and attention, and attention alone) beside torch SDPA over a dense cache of
+    the same length (enable_gqa). median(fn): seconds a call (gpu_session's CUDA-event timing); xp: the
+    array library (cupy; numpy under the emulator)."""
+    import flashcupy
+    from flashcupy import _varlen
+    host = np.random.default_rng(seed)
+    rng = xp.random.default_rng(seed)
+    n, (lo, hi), H, D = shapes["sequences"], shapes["lengths"], shapes["heads"], shapes["head_dim"]
+    cu = np.concatenate([[0], np.cumsum(host.integers(lo, hi + 1, n))]).astype(np.int32)
+    total, S = int(cu[-1]), int(cu[-1]) // n
+    q, k, v, dout = (_bf16_normal(xp, rng, (total, H, D)) for _ in range(4))
+    cu_dev, cu_host = xp.asarray(cu), cu.astype(np.int64)
+    kw = dict(causal=True, dtype="bfloat16", backend="cupy")
+    out, lse = flashcupy.attention_varlen(q, k, v, cu_dev, cu_dev, return_lse=True, **kw)
+    out2, lse2, *grads = (xp.empty_like(x) for x in (out, lse, q, k, v))
+    dense = [x[:n * S].reshape(n, S, H, D) for x in (q, k, v, dout)]
+    dense_out, dense_lse = flashcupy.attention(*dense[:3], return_lse=True, **kw)
+    unchecked = dict(kw, check_offsets=False)
+    paths = {
+        "one launch": (lambda: flashcupy.attention_varlen(q, k, v, cu_dev, cu_dev, **kw),
+                       lambda: flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_dev, cu_dev, **kw)),
+        "one launch, check_offsets=False": (
+            lambda: flashcupy.attention_varlen(q, k, v, cu_dev, cu_dev, **unchecked),
+            lambda: flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_dev, cu_dev, **unchecked)),
+        "per sequence (before issue 28)": (
+            lambda: _varlen._forward_loop(q, k, v, cu_host, cu_host, out2, lse2, **kw),
+            lambda: _varlen._backward_loop(dout, q, k, v, out, lse, cu_host, cu_host, *grads, **kw)),
+        f"dense batch {n} x {S}": (
+            lambda: flashcupy.attention(*dense[:3], **kw),
+            lambda: flashcupy.attention_backward(dense[3], *dense[:3], dense_out, dense_lse, **kw)),
+    }
+    case = f"packed: {n} sequences of {lo}-{hi} tokens ({total} in all), H={H}, D={D}, causal"
+    for path, fns in paths.items():
+        for pass_, fn in zip(("forward", "backward"), fns):
+            yield {"type": "varlen", "case": case, "path": path, "pass": pass_, "seconds": median(fn)}
+
+    d = shapes["decode"]
+    B, C, page = d["batch"], d["cache"], d["page"]
+    per = C // page
+    k_cache, v_cache = (_bf16_normal(xp, rng, (B * per, page, d["heads_kv"], d["head_dim"])) for _ in range(2))
+    table = xp.asarray(host.permutation(B * per).reshape(B, per).astype(np.int32))
+    q1 = _bf16_normal(xp, rng, (B, 1, d["heads_q"], d["head_dim"]))
+    k1, v1 = (_bf16_normal(xp, rng, (B, 1, d["heads_kv"], d["head_dim"])) for _ in range(2))
+    before, full = xp.full(B, C - 1, dtype=xp.int32), xp.full(B, C, dtype=xp.int32)
+    step = dict(k=k1, v=v1, cache_seqlens=before, block_table=table, **kw)
+    fns = {"append + attention": lambda: flashcupy.attention_with_kvcache(q1, k_cache, v_cache, **step),
+           "append + attention, check_offsets=False": lambda: flashcupy.attention_with_kvcache(
+               q1, k_cache, v_cache, check_offsets=False, **step),
+           "attention alone": lambda: flashcupy.attention_with_kvcache(q1, k_cache, v_cache, cache_seqlens=full,
+                                                                       block_table=table, **kw)}
+    try:
+        import torch
+        device = "cpu" if xp is np else "cuda"
+        tq = torch.randn(B, d["heads_q"], 1, d["head_dim"], dtype=torch.bfloat16, device=device)
+        tk, tv = (torch.randn(B, d["heads_kv"], C, d["head_dim"], dtype=torch.bfloat16, device=device)
+                  for _ in range(2))
+        fns["torch SDPA, dense cache (attention alone)"] = (
+            lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True))
+    except ImportError:
+        pass
+    case = (f"decode step: {B} sequences, {C} cached keys, heads {d['heads_q']}/{d['heads_kv']}, D={d['head_dim']}, "
+            f"paged (page {page})")
+    for path, fn in fns.items():
+        yield {"type": "varlen", "case": case, "path": path, "pass": "forward", "seconds": median(fn)}
+
+
+def timing_table(records) -> list:
+    """Markdown lines of gpu_timings' records, with the ratios the issue's targets name."""
+    if not records:
+        return []
+    lines = ["## Packed batches and KV-cache decoding (issue 28)", "",
+             "bfloat16, cupy backend, median of timed calls after a warm-up.", ""]
+    for case in dict.fromkeys(r["case"] for r in records):
+        rows = [r for r in records if r["case"] == case]
+        t = {(r["path"], r["pass"]): r["seconds"] for r in rows}
+        lines += [f"### {case}", "", "| path | forward ms | backward ms |", "|---|---|---|"]
+        for path in dict.fromkeys(r["path"] for r in rows):
+            cells = [f"{t[path, p] * 1e3:.3f}" if (path, p) in t else "" for p in ("forward", "backward")]
+            lines.append(f"| {path} | {' | '.join(cells)} |")
+        ratios = []
+        dense = next((path for path, _ in t if path.startswith("dense batch")), None)
+        for p in ("forward", "backward"):
+            one = t.get(("one launch", p))
+            if one and ("per sequence (before issue 28)", p) in t:
+                ratios.append(f"{p}: per sequence / one launch {t['per sequence (before issue 28)', p] / one:.1f}x "
+                              f"(target >= 10x)")
+            if one and dense and (dense, p) in t:
+                ratios.append(f"{p}: one launch / dense batch {one / t[dense, p]:.2f}x (target <= 1.2x)")
+        torch_t = t.get(("torch SDPA, dense cache (attention alone)", "forward"))
+        if torch_t and ("append + attention", "forward") in t:
+            ratios.append(f"decode: torch / flashcupy's step {torch_t / t['append + attention', 'forward']:.2f}x "
+                          f"(target >= 1.0x)")
+        lines += [""] + [f"- {x}" for x in ratios] + [""]
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--launches", action="store_true", help="the cupy backend's launches (emulated), only")
+    ap.add_argument("--gpu", action="store_true", help="issue 28's GPU timings (cupy on a GPU), only")
     args = ap.parse_args(argv)
+    if args.gpu:
+        import cupy
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from gpu_session import GPU, _median_seconds
+        print("\n".join(timing_table(list(gpu_timings(lambda fn: _median_seconds(fn, False, GPU), cupy)))))
+        return 0
     if args.launches:
         print("# cupy backend, emulated: launches of a causal packed forward and backward, sequences of 17-300 "
               "tokens, H=8, D=64\n")

@@ -14,6 +14,9 @@ Stages, in this order, each in its own process with its own time limit:
   pytest     `pytest -m gpu`: the CuPy and Numba batteries on the device
   check      every backend, kernel path and dtype against the float64 oracle, each row on its own
   sanitizer  compute-sanitizer memcheck and racecheck on tiny shapes, where the tool is installed
+  varlen     issue 28's targets (benchmarks/compare_varlen.py's gpu_timings): 1,000 packed sequences
+             forward and backward in one launch per kernel beside the per-sequence path and a dense
+             batch; a paged decode step beside torch SDPA on a dense cache
   sweep      forward and backward time, TFLOP/s and peak memory beside torch SDPA's flash, cuDNN
              and math backends, bfloat16 and float16, the mma.sync forward and backward beside the
              Hopper ones (cupy-mma: cupy_backend.USE_WGMMA off), and the Numba kernels (float16, up to numba_max_seqlen) beside
@@ -98,7 +101,7 @@ MIN_REPEAT = 3
 
 # (stage, time limit in seconds); the sweep takes what the budget leaves after reserving the plot's
 STAGES = (("preflight", 60), ("blocks", 90), ("pytest", 180), ("check", 150), ("sanitizer", 100),
-          ("sweep", None), ("plot", 30))
+          ("varlen", 60), ("sweep", None), ("plot", 30))
 STAGE_NAMES = tuple(name for name, _ in STAGES)
 MAX_RESTARTS = 4  # fresh processes for a stage whose process keeps dying inside items
 # The stages with Numba items ("numba/..." keys), run in processes of their own after the others'
@@ -196,7 +199,7 @@ def run_worker(stage: str, args) -> int:
     if args.dry_run and args.group == "numba":
         sys.setswitchinterval(2e-4)  # 3-4x faster: the simulator's barriers busy-poll its Python threads
     with contextlib.ExitStack() as stack:
-        if args.dry_run and stage in ("check", "sweep"):
+        if args.dry_run and stage in ("check", "varlen", "sweep"):
             stack.enter_context(_emulated())
         index = 0
         for key, run in WORKERS[stage](args):
@@ -460,6 +463,23 @@ def sweep_items(args):
             {"type": "unavailable", "impl": impl, "reason": reason}]
 
 
+def varlen_items(args):
+    """Issue 28's GPU targets (compare_varlen.gpu_timings: a packed batch in one launch per kernel beside
+    the per-sequence path and a dense batch, a paged decode step beside torch SDPA), one item."""
+    sizes = DRY if args.dry_run else GPU
+
+    def run():
+        import compare_varlen
+        if args.dry_run:
+            import numpy as xp
+        else:
+            import cupy as xp
+        shapes = compare_varlen.DRY_SHAPES if args.dry_run else compare_varlen.GPU_SHAPES
+        return list(compare_varlen.gpu_timings(lambda fn: _median_seconds(fn, args.dry_run, sizes), xp, shapes))
+
+    yield "varlen/timings", run
+
+
 def plot_items(args):
     def draw():
         timings = [r for r in Results(args.out).read() if r["type"] == "timing"]
@@ -504,7 +524,8 @@ def plot_items(args):
     yield "plot", draw
 
 
-WORKERS = {"preflight": preflight_items, "check": check_items, "sweep": sweep_items, "plot": plot_items}
+WORKERS = {"preflight": preflight_items, "check": check_items, "varlen": varlen_items, "sweep": sweep_items,
+           "plot": plot_items}
 
 
 # ----------------------------------------------------------------------------
@@ -747,6 +768,8 @@ def render(records) -> str:
     if sanitizer:
         lines += ["## compute-sanitizer", ""] + [f"- {r['tool']}: exit {r['returncode']}, {r['summary']}"
                                                  for r in sanitizer] + [""]
+    import compare_varlen
+    lines += compare_varlen.timing_table([r for r in records if r["type"] == "varlen"])
     lines += _speed_tables([r for r in records if r["type"] == "timing"])
     plots = [r for r in records if r["type"] == "plot"]
     if plots:

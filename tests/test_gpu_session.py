@@ -68,7 +68,7 @@ def test_dry_run_writes_a_complete_report(tmp_path):
                                     TMPDIR=str(tmp_path / "tmp"))
     assert done.returncode == 0, done.stdout + done.stderr
     status = stages(records)
-    assert list(status) == ["preflight", "blocks", "pytest", "check", "sanitizer", "sweep", "plot"]
+    assert list(status) == ["preflight", "blocks", "pytest", "check", "sanitizer", "varlen", "sweep", "plot"]
     for stage, result in status.items():
         want = "skipped: compute-sanitizer not found" if stage == "sanitizer" and not shutil.which(
             "compute-sanitizer") else "ok"
@@ -99,9 +99,15 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert {(r["pass"], r["seqlen"]) for r in timings if r["impl"] == "numba"} == {("forward", 16), ("backward", 16)}
     assert not [r for r in records if r["type"] == "unavailable" and r["stage"] == "sweep" and r["impl"] == "numba"]
     assert all(r["seconds"] > 0 and r["tflops"] > 0 for r in timings)
+    # issue 28's timings: every path of the packed batch both ways, the decode step's, torch's dense cache
+    varlen = {(r["path"], r["pass"]) for r in records if r["type"] == "varlen" and r["seconds"] > 0}
+    assert {("one launch", "backward"), ("per sequence (before issue 28)", "backward"), ("dense batch 5 x 11", "forward"),
+            ("append + attention, check_offsets=False", "forward"),
+            ("torch SDPA, dense cache (attention alone)", "forward")} <= varlen, varlen
     assert not [r for r in records if r["type"] in ("error", "crash")]
     assert os.path.getsize(tmp_path / "speed.png") > 10_000
     for section in ("## Stages", "## Correctness against the float64 oracle", "### bfloat16 forward",
+                    "## Packed batches and KV-cache decoding (issue 28)", "per sequence / one launch",
                     "![speed and memory](speed.png)", "**dry run**", "| numba / cupy |"):
         assert section in report
     (row,) = [line for line in report.split("### float16 backward")[1].splitlines() if line.startswith("| 64 | True | 16 |")]
