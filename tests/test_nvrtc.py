@@ -111,14 +111,21 @@ def test_limits_exceeded_and_their_marks():
     assert [len(t.splitlines()) for t in tables] == [2 + len(rows), 2 + len(other)]
 
 
-# the four reports (minutes of NVRTC each) one after another on this file's worker: each compiles on
+# the reports (REPORTS: minutes of NVRTC each) one after another on this file's worker: each compiles on
 # a process per CPU. CuPy's own NVRTC for the Hopper GPUs (PRIMARY) compiles every specialization; the
-# other three leave out the SIMT kernels in bfloat16 (simt_modules), which compiled to float16's
+# others leave out the SIMT kernels in bfloat16 (simt_modules), which compiled to float16's
 # registers and spills in every row of all four reports (benchmarks/results/nvrtc_bfloat16_simt.md:
 # none of 70 rows differs at sm_90, nine by at most 2 registers at sm_80, none at the register cap)
 # and cost a quarter of their SIMT compiles
 PRIMARY = ("sm_90", 13)
 SIMT_SOURCES = ("flash_fwd.cu", "flash_bwd.cu", "flash_pairs.cu")
+# The (arch, NVRTC major) reports CI compiles: three of the four. sm_80 under NVRTC 13 saw no kernel closer
+# to the register limit than the others did, neither in the whole report (benchmarks/results/
+# nvrtc_bfloat16_simt.md: it bound no row) nor among the packed-batch kernels (benchmarks/results/
+# nvrtc_reports.md: every row within 8 registers of the limit there stood as high or higher in sm_80
+# under NVRTC 12, but one row two registers above it and below the sm_90 NVRTC 13 figure), and it cost some
+# 200 worker-seconds of CI; `python -m flashcupy kernels --arch sm_80` still compiles its whole report
+REPORTS = (("sm_90", 13), ("sm_90", 12), ("sm_80", 12))
 
 
 def simt_modules(modules, arch, major):
@@ -128,8 +135,7 @@ def simt_modules(modules, arch, major):
             or not (m.source_file in SIMT_SOURCES and m.kernels[0].dtype == "bfloat16")]
 
 
-@pytest.fixture(scope="module", params=[(arch, major) for major in CUDA_MAJORS for arch in ARCHS],
-                ids=lambda p: f"{p[0]}-nvrtc{p[1]}")
+@pytest.fixture(scope="module", params=REPORTS, ids=lambda p: f"{p[0]}-nvrtc{p[1]}")
 def report(request):
     arch, major = request.param
     toolkit = toolkit_of(major)
@@ -209,22 +215,31 @@ def test_every_forward_with_a_bias_or_mask_fits(monkeypatch):
     assert len(rows) == len(modules) == 48 and not nvrtc.limits_exceeded(rows), nvrtc.limits_exceeded(rows)
 
 
-@pytest.mark.parametrize("arch, major", [(arch, major) for major in CUDA_MAJORS for arch in ARCHS],
-                         ids=lambda x: str(x))
+@pytest.mark.parametrize("arch, major", REPORTS, ids=lambda x: str(x))
 def test_every_packed_batch_kernel_fits(arch, major):
     # the forward (and split-KV forward: a contiguous KV cache's), dK/dV and dQ kernels for a packed batch
     # (VARLEN: the offsets read and clamped, a binary search per CTA), SIMT and tensor-core (the default and
     # the deterministic backward), without
-    # modifiers and with every one attention_varlen takes
-    modules = simt_modules(catalog.varlen_modules(), arch, major)
+    # modifiers and with every one attention_varlen takes. The tensor-core ones in bfloat16 in the PRIMARY
+    # report only, where each must compile to its float16 twin's registers and spills, as all did in all four
+    # reports (benchmarks/results/nvrtc_reports.md)
+    primary = (arch, major) == PRIMARY
+    modules = [m for m in simt_modules(catalog.varlen_modules(), arch, major)
+               if primary or not (any(k.tensor_cores for k in m.kernels) and m.kernels[0].dtype == "bfloat16")]
     rows = nvrtc.kernel_report(arch, toolkit_of(major), modules)
     varlen = {k.name_expression for m in modules for k in m.kernels if k.varlen}
     # forward, split-KV forward, dK/dV, dQ: 4 SIMT kernels per dtype, bucket and MODS; 5 on tensor cores (two
     # dK/dV kernels)
-    simt_dtypes = len(specs.CUDA_TYPES) - ((arch, major) != PRIMARY)
-    want = 2 * (4 * simt_dtypes * len(specs.HEAD_DIM_BUCKETS) + 5 * len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS))
+    simt_dtypes = len(specs.CUDA_TYPES) - (not primary)
+    tc_dtypes = len(specs.TC_DTYPES) - (not primary)
+    want = 2 * (4 * simt_dtypes * len(specs.HEAD_DIM_BUCKETS) + 5 * tc_dtypes * len(specs.TC_HEAD_DIM_BUCKETS))
     assert len([r for r in rows if "varlen" in (r["mods"] or "")]) == len(varlen) == want
     assert not nvrtc.limits_exceeded(rows), nvrtc.limits_exceeded(rows)
+    twins = {(r["kernel"], r["mods"], r["head_dim"]): (r["registers"], r["spill_bytes"]) for r in rows
+             if r["dtype"] == "float16" and r["kernel"] in specs.TC_TEMPLATES}
+    bf16 = {(r["kernel"], r["mods"], r["head_dim"]): (r["registers"], r["spill_bytes"]) for r in rows
+            if r["dtype"] == "bfloat16" and r["kernel"] in specs.TC_TEMPLATES}
+    assert bf16 == (twins if primary else {}), (bf16, twins)
 
 
 def mmas_per_pass(kernel: str, head_dim: int, block_m: int, block_n: int, rolled: bool = False) -> int:
