@@ -98,3 +98,22 @@ def test_tensor_core_backward(rng, case, fmt):
         grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=causal, dtype=dtype,
                                              deterministic=deterministic)
         assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout, causal=causal, backend="cupy")
+
+
+def test_packed_batch_keeps_each_sequence_to_itself(rng):
+    # attention_varlen and its backward on the device (the backward on the Hopper kernels on an H100/H200,
+    # whose boxes reach into the next sequence's rows), each sequence against the oracle; NaN in every
+    # row of the second sequence stays there
+    from varlen_checks import packed_inputs
+    lengths_q, lengths_k = [70, 30, 0, 200, 1], [150, 20, 5, 260, 3]
+    q, k, v, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, 4, 2, 64, np.float16)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    q[70:100, 0, 0], v[150:170, 1, :] = np.nan, np.nan
+    dq_, dk_, dv_, ddout, dcu_q, dcu_k = on_device(q, k, v, dout, cu_q, cu_k)
+    out, lse = flashcupy.attention_varlen(dq_, dk_, dv_, dcu_q, dcu_k, causal=True, return_lse=True)
+    grads = flashcupy.attention_varlen_backward(ddout, dq_, dk_, dv_, out, lse, dcu_q, dcu_k, causal=True)
+    out, lse, dq, dk, dv = (x.get() for x in (out, lse, *grads))
+    for b in (0, 3, 4):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        assert_matches_oracle((out[None, sq], lse[None, :, sq], dq[None, sq], dk[None, sk], dv[None, sk]),
+                              q[None, sq], k[None, sk], v[None, sk], dout[None, sq], causal=True, backend="cupy")

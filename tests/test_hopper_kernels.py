@@ -18,6 +18,7 @@ import pytest
 
 import flashcupy
 from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv
+from varlen_checks import packed_batch_matches_the_oracle
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import catalog, sources, specs
 from flashcupy.tools import emulator
@@ -224,9 +225,14 @@ def _without(kernel, lineno, tmp_path, pattern=SYNC, replacement=";"):
     return call, sources.read_source(kernel), mutant
 
 
+# and a packed batch's backward (VARLEN: the rows of a box past its sequence zeroed), both sequences'
+# last key block and last query block reaching into the next sequence (or past the tensor's end)
+PACKED_SYNC_PROBLEM = ([70, 50], [150, 40])
+
+
 def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew")) -> list:
     """The thread orders (the first, and its error) under which the mutant kernel's forward and backward
-    miss the oracle or make the emulator report an error."""
+    miss the oracle or make the emulator report an error; then a packed batch's (PACKED_SYNC_PROBLEM)."""
     def compile(source, names, options, thread_order, seed, cp_async):
         return compile_module(mutant if source == original else source, names, options, thread_order, seed, cp_async)
 
@@ -242,6 +248,13 @@ def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew
                     assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, backend="cupy")
                 except (AssertionError, emulator.EmulatorError) as e:
                     return [(order, type(e).__name__)]
+    for order in orders:
+        with emulated(order, compile=compile, compute_capability=HOPPER):
+            try:
+                packed_batch_matches_the_oracle(rng, "cupy", PACKED_SYNC_PROBLEM, np.float16, 64, (1, 1),
+                                                dict(causal=False), backward=True)
+            except (AssertionError, emulator.EmulatorError) as e:
+                return [(order, type(e).__name__)]
     return []
 
 
@@ -266,6 +279,7 @@ def test_the_wait_for_registers_is_needed(tmp_path):
     with mock.patch.object(sources, "KERNEL_DIR", str(mutant_dir)):
         mutant = sources.read_source(kernel)
     (module,) = [m for m in catalog.sm90_modules() if m.source_file == kernel and m.kernels[1].head_dim == 128
+                 and not m.kernels[1].varlen
                  and m.kernels[1].dtype == "float16" and not m.kernels[1].mods]
     try:
         toolkit = nvrtc.cupy_toolkit()

@@ -447,15 +447,57 @@ def test_cupy_packed_forward_reads_any_strides(rng):
     assert [name.split("<")[0] for name, _ in grids] == ["flash_fwd_tc", "flash_fwd", "flash_fwd_tc", "flash_fwd"]
 
 
-def test_on_sm90_a_packed_batch_is_one_launch_of_the_mma_sync_forward(rng):
-    # the Hopper forward reads no offsets: on compute capability 9.0 a packed batch is one launch of
-    # flash_fwd_tc.cu, offsets unchecked when asked, the same bits as checked, the oracle's numbers
+HOPPER_PACKED = {"float16-64-causal": (np.float16, 64, dict(causal=True)),
+                 "bfloat16-128-window": (BF16, 128, dict(causal=True, window=(40, 3))),
+                 "float16-72": (np.float16, 72, dict())}
+
+
+@pytest.mark.parametrize("case", HOPPER_PACKED.values(), ids=HOPPER_PACKED.keys())
+def test_on_sm90_a_packed_backward_is_one_launch_of_each_hopper_kernel(rng, case):
+    # compute capability 9.0: the forward stays one launch of flash_fwd_tc.cu (the Hopper forward reads
+    # no offsets), the backward's dK/dV and dQ conversion are flash_bwd_sm90.cu's, reading the offsets;
+    # sequences empty, of one row, shorter and longer than a box (64 queries, 128 keys), GQA; checked
+    # and unchecked offsets give the same bits, and the oracle's numbers
     from flashcupy.tools.emulator.cupy import emulated
+    dtype, head_dim, mods = case
     grids = []
     with emulated(compile=_recording(grids), compute_capability=90):
-        packed_batch_matches_the_oracle(rng, "cupy", ([7, 0, 70], [9, 4, 65]), np.float16, 64, (4, 2),
-                                        dict(causal=True))
-    assert [name.split("<")[0] for name, _ in grids] == ["flash_fwd_tc"] * 2  # checked, then not
+        packed_batch_matches_the_oracle(rng, "cupy", ([7, 0, 70, 130, 1], [9, 4, 65, 150, 0]), dtype, head_dim,
+                                        (4, 2), mods, backward=True)
+    assert [name.split("<")[0] for name, _ in grids] == ["flash_fwd_tc"] * 2 + [
+        "flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_convert_sm90_varlen"] * 2
+    assert all(name.endswith(", true>") for name, _ in grids if name.startswith("flash_bwd_dkdv_sm90")), grids
+
+
+# zero_rows (sm90_tile.cuh) zeroing nothing: a box's rows past its sequence keep the next sequence's values
+NO_ZEROS = ("const int chunks = (ROWS - r0) * 8;", "const int chunks = 0;")
+
+
+@pytest.mark.parametrize("unzeroed", [False, True], ids=["zeroed", "unzeroed"])
+def test_on_sm90_no_value_of_one_packed_sequence_reaches_anothers_gradients(rng, unzeroed):
+    # NaN and inf in every row of the middle sequence, which the Hopper backward's boxes of the first
+    # sequence reach into (its queries past 64, its keys past 128); the other sequences' gradients are
+    # still the oracle's, as on the mma.sync kernels, which never load those rows. Without the zeros in
+    # shared memory, P = 0 times those values makes the first sequence's NaN
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k, v, cu_q, cu_k = packed_inputs(rng, [70, 30, 50], [150, 20, 40], 2, 1, 64, np.float16)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    q[70:100, 0, 0], dout[70:100, 1, 5], k[150:170, 0, 3], v[150:170, 0, :] = np.nan, np.inf, -np.inf, np.nan
+    grids = []
+    with emulated(compile=_recording(grids, NO_ZEROS if unzeroed else None), compute_capability=90):
+        out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend="cupy")
+        dq, dk, dv = flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, backend="cupy")
+    assert "flash_bwd_dkdv_sm90" in {name.split("<")[0] for name, _ in grids}
+    assert np.isnan(dk[150:170]).all() and np.isnan(dv[150:170]).any()  # the middle sequence's own
+    for b in (0, 2):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        try:
+            assert_matches_oracle((out[None, sq], lse[None, :, sq], dq[None, sq], dk[None, sk], dv[None, sk]),
+                                  q[None, sq], k[None, sk], v[None, sk], dout[None, sq], backend="cupy")
+        except AssertionError:
+            assert unzeroed and b == 0, f"sequence {b}"
+        else:
+            assert not unzeroed or b == 2, "the first sequence's gradients stayed finite without the zeros"
 
 
 VARLEN_KERNELS = ("flash_fwd", "flash_fwd_tc", "flash_bwd_dkdv", "flash_bwd_dkdv_tc", "flash_bwd_dq", "flash_bwd_dq_tc")
@@ -525,7 +567,7 @@ HOSTILE_OFFSETS = {"decreasing": [0, 30, 10, 40], "negative": [0, -50, 5, 40], "
                    "short of the end": [0, 10, 20, 30]}
 
 
-def _hostile_calls(rng, dtype, mutate=None, deterministic=False):
+def _hostile_calls(rng, dtype, mutate=None, deterministic=False, compute_capability=80):
     """attention_varlen and its backward over unchecked hostile offsets (each table for q, for k, for
     both) on the emulated cupy backend, whose guard pages fail any access outside the arguments;
     `mutate` edits the kernels. Returns the kernels launched."""
@@ -536,7 +578,7 @@ def _hostile_calls(rng, dtype, mutate=None, deterministic=False):
     for name, bad in HOSTILE_OFFSETS.items():
         bad = np.array(bad, np.int32)
         for args in ((bad, cu_k), (cu_q, bad), (bad, bad)):
-            with emulated(compile=_recording(grids, mutate)):
+            with emulated(compile=_recording(grids, mutate), compute_capability=compute_capability):
                 out, lse = flashcupy.attention_varlen(q, k, v, *args, causal=True, return_lse=True, backend="cupy",
                                                       check_offsets=False)
                 grads = flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, *args, causal=True,
@@ -547,17 +589,20 @@ def _hostile_calls(rng, dtype, mutate=None, deterministic=False):
     return {name.split("<")[0] for name, _ in grids}
 
 
-HOSTILE_PATHS = {"simt": (np.float32, False), "tensor-cores": (np.float16, False),
-                 "tensor-cores-deterministic": (np.float16, True)}
+HOSTILE_PATHS = {"simt": (np.float32, False, 80), "tensor-cores": (np.float16, False, 80),
+                 "tensor-cores-deterministic": (np.float16, True, 80), "hopper": (np.float16, False, 90)}
 
 
 @pytest.mark.parametrize("path", HOSTILE_PATHS)
 def test_unchecked_hostile_offsets_stay_inside_the_arrays(rng, path):
-    # the forward and every backward kernel that reads the offsets (dK/dV, dQ, the dQ added by atomics)
-    dtype, deterministic = HOSTILE_PATHS[path]
-    kernels = _hostile_calls(rng, dtype, deterministic=deterministic)
-    assert kernels >= ({"flash_fwd_tc", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc" if deterministic else
-                        "flash_bwd_dq_convert"} if dtype == np.float16 else {"flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"})
+    # the forward and every backward kernel that reads the offsets (dK/dV, dQ, the dQ added by atomics,
+    # the Hopper dK/dV and its dQ conversion)
+    dtype, deterministic, compute_capability = HOSTILE_PATHS[path]
+    kernels = _hostile_calls(rng, dtype, deterministic=deterministic, compute_capability=compute_capability)
+    want = ({"flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"} if dtype == np.float32
+            else {"flash_fwd_tc", "flash_bwd_dkdv_sm90", "flash_bwd_dq_convert_sm90_varlen"} if path == "hopper"
+            else {"flash_fwd_tc", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc" if deterministic else "flash_bwd_dq_convert"})
+    assert kernels >= want
 
 
 UNCLAMPED = ("return min(max(cu[s], 0), total);", "return cu[s];")

@@ -206,7 +206,8 @@ def forward_path(p, q, k, v, out=None, split: bool = False, varlen: bool = False
     newer, when q, k, v are contiguous along head_dim with 16-byte aligned rows (the other
     strides multiples of 8 elements); everything else runs on the SIMT kernel. Of those, on compute
     capability 9.0 the Hopper kernel takes the calls with no modifier but the window, no split-KV and
-    not a packed batch in one launch (varlen: it reads no offsets), whose q, k, v (and out, when given)
+    not a packed batch in one launch (varlen: the Hopper forward reads no offsets; at the lengths packed
+    batches hold it ran no faster than the mma.sync one on an H200), whose q, k, v (and out, when given)
     a tensor map can describe (_tma_describable: positive strides too); the others stay on the
     mma.sync kernel, never an error.
     """

@@ -19,7 +19,7 @@ ATOMIC_BACKWARD = True  # backward(..., deterministic=False) may add with atomic
 
 def _backward_module(p, path: str, deterministic: bool, varlen: bool = False) -> specs.ModuleSpec:
     if path == "hopper":
-        return specs.sm90_backward_module(p.dtype, p.head_dim, backend._mods(p))
+        return specs.sm90_backward_module(p.dtype, p.head_dim, backend._mods(p), varlen)
     if path == "tensor-core":
         return specs.tc_backward_module(p.dtype, p.head_dim, backend._mods(p), deterministic, varlen)
     return specs.backward_module(p.dtype, p.head_dim, backend._mods(p), varlen)
@@ -74,9 +74,11 @@ def _backward_launches(rt, p, path: str, module, dout, q, k, v, out, lse, dq, dk
     # workspace for dQ's atomics: zeros, q's shape, contiguous (the tensor-core dK/dV kernel takes
     # a never-read stand-in otherwise); the Hopper kernel's: zeros, a tile of block_m rows x its
     # head_dim bucket and padding per (batch, query head, query block) (flash_bwd_sm90.cu)
-    dqa = (rt.xp.zeros((p.batch, p.heads_q, -(-p.seqlen_q // dkdv.block_m) * dkdv.block_m,
-                        dkdv.head_dim + specs.SM90_DQ_ROW_PAD), dtype=np.float32) if dkdv.wgmma
-           else rt.xp.zeros(q.shape, dtype=np.float32) if dkdv.dq_atomic else None)
+    # (a packed batch's: a tile per query head and slot, launch.varlen_blocks' of block_m rows)
+    tiles = (0 if not dkdv.wgmma else launch.varlen_blocks(dq_kernel, p, varlen[2]) if varlen is not None
+             else p.batch * p.heads_q * -(-p.seqlen_q // dkdv.block_m))
+    dqa = (rt.xp.zeros((tiles, dkdv.block_m, dkdv.head_dim + specs.SM90_DQ_ROW_PAD), dtype=np.float32)
+           if dkdv.wgmma else rt.xp.zeros(q.shape, dtype=np.float32) if dkdv.dq_atomic else None)
 
     block = (specs.NUM_THREADS,)
     preprocess(  # a packed batch's rows are those of one sequence of its total length here
@@ -90,10 +92,10 @@ def _backward_launches(rt, p, path: str, module, dout, q, k, v, out, lse, dq, dk
               else (D, *(np.int64(0),) * 4) if tensor_cores else ())
     if path == "hopper":  # q, dO_i: a pass's BLOCK_M rows; k, v: the key block's BLOCK_N
         maps = backend._sm90_maps(rt, p, (q, dkdv.block_m), (k, dkdv.block_n), (v, dkdv.block_n), (dout, dkdv.block_m))
-        shared = (*maps, *backend._tensor(lse), D)
+        shared = (*maps, *arg(lse), D)
     bwd_dkdv(
         (blocks(dkdv),), (dkdv.threads,),
-        (*shared, *arg(dk), *arg(dv), *flags, *atomic, *(() if dkdv.wgmma else tail)), shared_mem=dkdv.dynamic_smem)
+        (*shared, *arg(dk), *arg(dv), *flags, *atomic, *tail), shared_mem=dkdv.dynamic_smem)
     if dqa is None:
         bwd_dq(
             (blocks(dq_kernel),), block,
@@ -102,8 +104,12 @@ def _backward_launches(rt, p, path: str, module, dout, q, k, v, out, lse, dq, dk
         # the convert kernel writes dq element by element in q's shape, contiguous: a given dq of
         # other strides (a view of a larger one: flashcupy/_batch.py) takes a copy
         flat = dq if dq.flags.c_contiguous else rt.xp.empty(q.shape, dtype=p.carrier)
-        tiles = (np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim)) if dkdv.wgmma else ()
-        bwd_dq((dq_kernel.blocks(p),), block, (dqa, flat, np.int64(flat.size), np.float32(p.scale), *tiles))
+        shape = (np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim))
+        if dq_kernel.varlen:  # a CTA a workspace tile; the rows of no sequence keep dq's zeros
+            bwd_dq((tiles,), block, (dqa, flat, np.float32(p.scale), *shape, *tail))
+        else:
+            bwd_dq((dq_kernel.blocks(p),), block,
+                   (dqa, flat, np.int64(flat.size), np.float32(p.scale), *(shape if dkdv.wgmma else ())))
         if flat is not dq:
             dq[...] = flat
     return D

@@ -118,6 +118,7 @@ LAUNCH = {
     **{t: Launch(bounds=_simt_bounds) for t in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq", "flash_probs",
                                                 "flash_bwd_dbias")},
     **{t: Launch() for t in ("flash_bwd_preprocess", "flash_bwd_dq_convert", "flash_bwd_dq_convert_sm90",
+                             "flash_bwd_dq_convert_sm90_varlen",
                              "flash_kv_append", "flash_split_merge")},
     "flash_fwd_tc": Launch(dynamic_smem=_tc_forward_smem, bounds=_tc_forward_bounds),
     "flash_fwd_tc_wide": Launch(32 * WIDE_WARPS, _tc_forward_smem, _tc_wide_bounds),
@@ -190,6 +191,9 @@ GRIDS = {
                                  lambda k, p, rows: _cdiv(p.batch * p.heads_q * p.seqlen_q, _PREPROCESS_ROWS)),
     # a thread an element of dQ; of out (split-KV's merge, flash_merge.cu: q's shape)
     "flash_bwd_dq_convert": _DQ_ELEMENTS, "flash_bwd_dq_convert_sm90": _DQ_ELEMENTS, "flash_split_merge": _DQ_ELEMENTS,
+    # a CTA a tile of a packed batch's Hopper dQ workspace (varlen_blocks: varlen_slots a query head)
+    "flash_bwd_dq_convert_sm90_varlen": Grid("seqlen_q / {block_m} x batch x heads_q",
+                                             lambda k, p, rows: _cdiv(p.seqlen_q, k.block_m) * p.batch * p.heads_q),
     # a thread an element of the new keys (flash_append.cu); rows: the new tokens a sequence
     "flash_kv_append": Grid(f"batch x seqlen_new x heads_kv x head_dim / {NUM_THREADS}",
                             lambda k, p, rows: _cdiv(p.batch * rows * p.heads_kv * p.head_dim, NUM_THREADS)),

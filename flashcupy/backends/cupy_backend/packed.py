@@ -108,14 +108,15 @@ def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, 
     read by the kernels (mask.cuh's Sequence) and never on the host. dout, q, out (total_q, heads_q,
     head_dim), k, v (total_k, heads_kv, head_dim), lse (heads_q, total_q); dq, dk, dv allocated with
     zeros, written in place (rows of no sequence, and the sequences without a query or a key, keep
-    them). On the mma.sync kernels where forward_path's conditions hold, on compute capability 9.0
-    too (the Hopper backward reads no offsets yet); deterministic as backward's."""
+    them). On the kernels backward_path chooses, the Hopper ones included (their boxes reach past a
+    sequence into the next one's rows: the kernel zeros those rows in shared memory, so that no value
+    of one sequence reaches another's gradients); deterministic as backward's."""
     rt = backend._runtime()
     num_seqs = int(cu_seqlens_q.shape[0]) - 1
     if num_seqs <= 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
         return  # no sequence, no query or no key: zero gradients, as allocated
     packed = [x[None] for x in (dout, q, k, v, out, lse, dq, dk, dv)]
-    path = backend._path(p, *packed[:5])  # never the Hopper kernels: they read no offsets
+    path = backend.backward_path(p, *packed[:5], deterministic)
     module = _backward_module(p, path, deterministic, varlen=True)
     for kernel in module.kernels[1:]:
         if kernel.varlen and launch.varlen_blocks(kernel, p, num_seqs) > MAX_GRID[0]:

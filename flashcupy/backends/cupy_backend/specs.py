@@ -188,11 +188,13 @@ def head_dim_bucket(head_dim: int) -> int:
 # a name expression spells them up to the last one set (the others default to false)
 TEMPLATE_FLAGS = {"flash_fwd": ("split", "varlen"), "flash_fwd_tc": ("split", "varlen"),
                   "flash_bwd_dkdv": ("varlen",), "flash_bwd_dq": ("varlen",),
-                  "flash_bwd_dkdv_tc": ("dq_atomic", "varlen"), "flash_bwd_dq_tc": ("varlen",)}
+                  "flash_bwd_dkdv_tc": ("dq_atomic", "varlen"), "flash_bwd_dq_tc": ("varlen",),
+                  "flash_bwd_dkdv_sm90": ("varlen",)}
 
 
 # The templates without an Acc parameter besides the tensor-core ones: they move or round elements
-STORAGE_ONLY_TEMPLATES = ("flash_bwd_dq_convert", "flash_bwd_dq_convert_sm90", "flash_kv_append")
+STORAGE_ONLY_TEMPLATES = ("flash_bwd_dq_convert", "flash_bwd_dq_convert_sm90", "flash_bwd_dq_convert_sm90_varlen",
+                          "flash_kv_append")
 
 
 @dataclass(frozen=True)
@@ -455,16 +457,18 @@ def sm90_forward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
     return ModuleSpec("flash_fwd_sm90.cu", (Kernel("flash_fwd_sm90", _name(dtype), bucket, bm, bn, mods),), SM90_ARCH)
 
 
-def sm90_backward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
+def sm90_backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False) -> ModuleSpec:
     """The Hopper backward (sm_90a), kernels in launch order: preprocess (D), the dK/dV kernel that adds
     dQ into an fp32 workspace of tiles by bulk reduce-adds, and the kernel that scales and rounds it
-    (not deterministic: deterministic=True keeps the mma.sync kernels)."""
+    (not deterministic: deterministic=True keeps the mma.sync kernels); varlen: the dK/dV kernel and the
+    conversion for a packed batch (the preprocess is the same for one sequence of its total length)."""
     bucket = tc_tile_row(head_dim)
     dtype = _name(dtype)
     bm, bn = SM90_BACKWARD_TILES[bucket]
+    convert = "flash_bwd_dq_convert_sm90_varlen" if varlen else "flash_bwd_dq_convert_sm90"
     return ModuleSpec("flash_bwd_sm90.cu", (Kernel("flash_bwd_preprocess", dtype, 0),
-                                            Kernel("flash_bwd_dkdv_sm90", dtype, bucket, bm, bn, mods),
-                                            Kernel("flash_bwd_dq_convert_sm90", dtype, bucket, bm, bn)), SM90_ARCH)
+                                            Kernel("flash_bwd_dkdv_sm90", dtype, bucket, bm, bn, mods, varlen=varlen),
+                                            Kernel(convert, dtype, bucket, bm, bn, varlen=varlen)), SM90_ARCH)
 
 
 def sm90_eligible(dtype, head_dim: int, mods: int) -> bool:

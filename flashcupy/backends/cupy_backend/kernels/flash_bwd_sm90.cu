@@ -15,8 +15,15 @@
 // the 8 floats of padding a row make a half-warp's 8-byte fragment stores hit 32 distinct banks, at
 // offsets the compiler writes as immediates (an XOR swizzle would hold them in registers).
 //
+// A packed batch (VARLEN; packed.backward_varlen): sequence s is rows cu_seqlens_q[s] .. of q, dout (and
+// lse, D) and cu_seqlens_k[s] .. of k, v, dk, dv, read by the kernels (mask.cuh's Sequence, clamped into
+// the arrays); the dQ workspace holds a tile per (query head, slot), varlen_slots(total_q) slots a head,
+// sequence s's query blocks from slot first_slot(s) on, and flash_bwd_dq_convert_sm90_varlen (below)
+// writes them into dq.
+//
 // flash_bwd_dkdv_sm90: one CTA per (key block j, batch * heads_kv), flattened on x (key_block in
-// mask.cuh), key-block stationary as FA3's: K_j, V_j (BLOCK_N keys) stay in shared memory while the
+// mask.cuh; VARLEN: per (slot of cu_seqlens_k, heads_kv), a slot past its sequence's blocks exiting at
+// once), key-block stationary as FA3's: K_j, V_j (BLOCK_N keys) stay in shared memory while the
 // query blocks Q_i (BLOCK_M rows) of every query head of the GQA group that can see key block j
 // stream past (a "pass" is one (query head, query block); the band's Mask::query_start / query_end
 // skip the rest). CTA: 1 + CONSUMERS warpgroups (sm90_tile.cuh):
@@ -69,6 +76,10 @@
 //                this barrier one pass earlier).
 //     1 + c      the owner's 128 threads, between their stores into dQ_s (fenced) and the bulk
 //                reduce-add that reads them.
+//     ZEROED     VARLEN: the consumers' 256 threads, between zeroing the rows of a box past its sequence
+//                (each thread fenced) and the first wgmma that reads the box: K_j, V_j's once, Q_i,
+//                dO_i's in each pass whose block ends past seqlen_q. Those rows are the next sequence's
+//                (a box past the tensor's end lands zeros): P = 0 times a NaN there would be NaN.
 // A consumer runs at most one pass ahead of the other: each owner's DQ_DONE sync waits for the last.
 //
 // Requirements on the arguments, checked by the launcher (cupy_backend.backward_path): q, k, v, dout
@@ -76,7 +87,8 @@
 // head_dim; the dQ workspace contiguous, q's shape. Modifiers: none or the window (MODS).
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
-// BLOCK_M (query rows a pass: 64), BLOCK_N (64 CONSUMERS keys), MODS (0 or MOD_WINDOW).
+// BLOCK_M (query rows a pass: 64), BLOCK_N (64 CONSUMERS keys), MODS (0 or MOD_WINDOW), VARLEN (a packed
+// batch: the tensor maps over its (1, total, heads, head_dim) tensors, dk, dv, lse with batch strides 0).
 
 // Floats a row of a dQ workspace tile (and of dQ_s): launch.py's LAUNCH and the launcher's workspace say
 // the same (specs.SM90_DQ_ROW_PAD)
@@ -87,12 +99,12 @@ constexpr int DQ_ROW = HEAD_DIM + 8;
 #include "mask.cuh"
 #include "sm90_tile.cuh"
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool VARLEN = false>
 __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
     const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_dout,
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
-    PROBLEM_PARAMS(float), float* __restrict__ dqa) {
+    PROBLEM_PARAMS(float), float* __restrict__ dqa, VARLEN_PARAMS) {
     static_assert(BLOCK_N == 64 * SM90_CONSUMERS, "a consumer warpgroup owns 64 keys");
     static_assert(SM90_CONSUMERS == 2, "the owners of dQ alternate: the barriers below count on it");
     static_assert(BLOCK_M == 64, "a pass: 64 query rows, one atom of a dS row, one wgmma M of dQ");
@@ -106,7 +118,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2, QO_BYTES = BLOCK_M * HEAD_DIM * 2;
     constexpr int DS_BYTES = 64 * BLOCK_M * 2;
     constexpr int DQ_BYTES = BLOCK_M * DQ_ROW<HEAD_DIM> * 4;
-    constexpr int DS_READY = 3, DQ_DONE = 4;  // named barriers (1 + c: the owner's staging of dQ_i)
+    constexpr int DS_READY = 3, DQ_DONE = 4, ZEROED = 5;  // named barriers (1 + c: the owner's staging of dQ_i)
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* K_s = aligned_smem(smem_raw);
@@ -119,8 +131,25 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     __shared__ __align__(8) unsigned long long kv_full, full[SM90_STAGES], empty[SM90_STAGES];
     __shared__ int dq_tile[SM90_CONSUMERS];  // each consumer's lead thread's own (no other thread's)
 
+    // The key block; for VARLEN its sequence's (a tile of the grid over cu_seqlens_k, mask.cuh's Sequence),
+    // the problem that sequence's, and the TMA's rows and the dQ workspace's tiles counted from its first
+    const int total_q = seqlen_q;  // the launch's: a packed batch's total
+    DRows<const float, VARLEN> D{Dvec, heads_q, seqlen_q};
+    int q_row0 = 0, k_row0 = 0, dq_slot0 = 0;
+    KeyBlock blk;
+    if constexpr (VARLEN) {
+        const Sequence seq = sequence_of<BLOCK_N, true>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
+        if (seq.start < 0) return;  // the whole CTA, before any barrier
+        SEQUENCE_LENGTHS(seq);
+        AT_SEQUENCE_Q(seq, lse), AT_SEQUENCE_K(seq, dk), AT_SEQUENCE_K(seq, dv);
+        D.at_row(seq.q_start);
+        q_row0 = seq.q_start, k_row0 = seq.k_start;
+        dq_slot0 = first_slot<BLOCK_M>(cu_seqlens_q, seq.index, total_q);
+        blk = {seq.start, 0, seq.kv_head};  // batch 0: the packed tensors' (their batch strides are 0)
+    } else {
+        blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);
+    }
     const auto mask = MAKE_MASK(MODS);
-    const KeyBlock blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);
     // the passes: the query blocks that see key block j, in every query head of the group, from a
     // multiple of BLOCK_M (a dQ workspace tile; the rows before query_start see none of the block's keys)
     const int i_start = mask.query_start(blk.j0) / BLOCK_M * BLOCK_M;
@@ -128,6 +157,15 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     const int passes = group * q_blocks;
     const auto head_of = [&](int p) { return blk.kv_head * group + p / q_blocks; };
     const auto row_of = [&](int p) { return i_start + p % q_blocks * BLOCK_M; };
+    // dQ_i's workspace tile: (batch, query head, query block), or for VARLEN (query head, the sequence's
+    // first slot + query block): varlen_slots a head, a sequence's blocks from first_slot (mask.cuh)
+    const auto dq_tile_of = [&](int h, int i0) {
+        return VARLEN ? h * varlen_slots(total_q, num_seqs, BLOCK_M) + dq_slot0 + i0 / BLOCK_M
+                      : (blk.b * heads_q + h) * num_blocks(seqlen_q, BLOCK_M) + i0 / BLOCK_M;
+    };
+    // VARLEN: whether the keys of the block, the rows of pass p, reach past the sequence
+    const bool k_tail = VARLEN && blk.j0 + BLOCK_N > seqlen_k;
+    const auto q_tail = [&](int p) { return VARLEN && row_of(p) + BLOCK_M > seqlen_q; };
     const int warpgroup = threadIdx.x / 128, warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
 
     if (threadIdx.x == 0) {
@@ -144,15 +182,16 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         setmaxnreg_dec<PRODUCER_REGISTERS>();
         if (warp == 0 && elect_one_sync() && passes > 0) {
             mbarrier_arrive_expect_tx(&kv_full, 2 * KV_BYTES);
-            load_box<BLOCK_N, HEAD_DIM>(K_s, map_k, blk.kv_head, blk.j0, blk.b, &kv_full);
-            load_box<BLOCK_N, HEAD_DIM>(V_s, map_v, blk.kv_head, blk.j0, blk.b, &kv_full);
+            load_box<BLOCK_N, HEAD_DIM>(K_s, map_k, blk.kv_head, k_row0 + blk.j0, blk.b, &kv_full);
+            load_box<BLOCK_N, HEAD_DIM>(V_s, map_v, blk.kv_head, k_row0 + blk.j0, blk.b, &kv_full);
             for (int p = 0; p < passes; ++p) {
                 const int s = p % SM90_STAGES;
                 // the consumers are done with the pass this stage held (the first round passes at once)
                 mbarrier_wait_parity(&empty[s], (p / SM90_STAGES + 1) & 1);
                 mbarrier_arrive_expect_tx(&full[s], 2 * QO_BYTES);
-                load_box<BLOCK_M, HEAD_DIM>(Q_s + s * QO_BYTES, map_q, head_of(p), row_of(p), blk.b, &full[s]);
-                load_box<BLOCK_M, HEAD_DIM>(dO_s + s * QO_BYTES, map_dout, head_of(p), row_of(p), blk.b, &full[s]);
+                load_box<BLOCK_M, HEAD_DIM>(Q_s + s * QO_BYTES, map_q, head_of(p), q_row0 + row_of(p), blk.b, &full[s]);
+                load_box<BLOCK_M, HEAD_DIM>(dO_s + s * QO_BYTES, map_dout, head_of(p), q_row0 + row_of(p), blk.b,
+                                            &full[s]);
             }
         } else if (warp == 1) {
             for (int p = 0; p < passes; ++p) {
@@ -163,7 +202,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
                 for (int r = lane; r < BLOCK_M; r += WARP_SIZE) {
                     const int i = i0 + r;
                     stats[r] = lse_for_p(LSE_ROW(lse, blk.b, h), i, seqlen_q) * LOG2E;
-                    stats[BLOCK_M + r] = i < seqlen_q ? d_row<true>(Dvec, heads_q, seqlen_q, blk.b, h)[i] : 0.0f;
+                    stats[BLOCK_M + r] = i < seqlen_q ? D.template row<true>(blk.b, h)[i] : 0.0f;
                 }
                 mbarrier_arrive(&full[s]);  // this lane's statistics are stored
             }
@@ -180,22 +219,39 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     const bool lead = threadIdx.x % 128 == 0;  // the consumer's thread that issues its bulk reduce-adds
     const float scale_log2 = scale * LOG2E;
 
+    // VARLEN: a box reaches past its sequence into the next one's rows (a box past the tensor's end lands
+    // zeros, one inside it the rows there): the consumers' 256 threads zero those rows of the stage before
+    // any wgmma reads it, so that the kernel runs as on the sequence alone (tail rows of K_j, V_j once,
+    // of Q_i, dO_i in the passes whose block ends past seqlen_q)
+    const int zeroer = threadIdx.x - 128;
     float dK[D_TILES][4], dV[D_TILES][4];
     zero(dK);
     zero(dV);
     if (passes > 0) mbarrier_wait_parity(&kv_full, 0);
+    if (k_tail && passes > 0) {
+        zero_rows<BLOCK_N, HEAD_DIM>(K_s, seqlen_k - blk.j0, zeroer, 128 * SM90_CONSUMERS);
+        zero_rows<BLOCK_N, HEAD_DIM>(V_s, seqlen_k - blk.j0, zeroer, 128 * SM90_CONSUMERS);
+        fence_proxy_async();                                  // this thread's zeros, before any wgmma reads them
+        named_barrier_sync(ZEROED, 128 * SM90_CONSUMERS);     // every consumer thread's
+    }
 
     for (int p = 0; p < passes; ++p) {
         const int s = p % SM90_STAGES, h = head_of(p), i0 = row_of(p);
         const bool owner = p % SM90_CONSUMERS == c;  // this consumer computes the pass's dQ_i
         // dQ_i's workspace tile, for the lead's reduce-add at the end: kept in a register across the pass
         // (or made again there), it spilled the window kernel at head_dim 128 under NVRTC 12.9
-        if (lead) dq_tile[c] = (blk.b * heads_q + h) * num_blocks(seqlen_q, BLOCK_M) + i0 / BLOCK_M;
+        if (lead) dq_tile[c] = dq_tile_of(h, i0);
         const unsigned char* Q_i = Q_s + s * QO_BYTES;
         const unsigned char* dO_i = dO_s + s * QO_BYTES;
         const float* lse_i = stats_s + s * 2 * BLOCK_M;
         const float* D_i = lse_i + BLOCK_M;
         mbarrier_wait_parity(&full[s], (p / SM90_STAGES) & 1);
+        if (q_tail(p)) {
+            zero_rows<BLOCK_M, HEAD_DIM>(Q_s + s * QO_BYTES, seqlen_q - i0, zeroer, 128 * SM90_CONSUMERS);
+            zero_rows<BLOCK_M, HEAD_DIM>(dO_s + s * QO_BYTES, seqlen_q - i0, zeroer, 128 * SM90_CONSUMERS);
+            fence_proxy_async();                               // this thread's zeros, before any wgmma reads them
+            named_barrier_sync(ZEROED, 128 * SM90_CONSUMERS);  // every consumer thread's
+        }
 
         // Sᵀ = K_c Q_iᵀ and dPᵀ = V_c dO_iᵀ: the consumer's 64 keys x BLOCK_M queries
         float S[M_TILES][4], dP[M_TILES][4];
@@ -313,4 +369,28 @@ __global__ void __launch_bounds__(NUM_THREADS) flash_bwd_dq_convert_sm90(const f
     const index_t b = row / heads_q / seqlen_q;
     const index_t tile = (b * heads_q + h) * num_blocks(seqlen_q, BLOCK_M) + i / BLOCK_M;
     store(dq + n, scale * dqa[(tile * BLOCK_M + i % BLOCK_M) * DQ_ROW<HEAD_DIM> + d]);
+}
+
+// flash_bwd_dq_convert_sm90_varlen: the same for a packed batch (the VARLEN dK/dV kernel's workspace), a
+// CTA a workspace tile: tile (query head h, slot) of varlen_slots a head. The CTA finds the sequence and
+// query block its slot holds as a VARLEN kernel's CTA does (sequence_of over cu_seqlens_q: a slot no
+// block holds exits) and writes that block's rows of dq (total_q, heads_q, head_dim; contiguous) within
+// the sequence, clamped as the offsets are: rows of no sequence keep the zeros dq was allocated with.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+__global__ void __launch_bounds__(NUM_THREADS) flash_bwd_dq_convert_sm90_varlen(
+    const float* __restrict__ dqa, T* __restrict__ dq, float scale, int total_q, int heads_q, int head_dim,
+    VARLEN_PARAMS) {
+    const int slots = varlen_slots(total_q, num_seqs, BLOCK_M);
+    const int h = blockIdx.x / slots, slot = blockIdx.x % slots;
+    // sequence_of numbers a head's slots last first; the keys' side is not asked (cu_seqlens_q twice)
+    const Sequence seq = sequence_of<BLOCK_M>(cu_seqlens_q, cu_seqlens_q, num_seqs, seqused_k, 0, 0, total_q, total_q,
+                                              1, h * slots + slots - 1 - slot);
+    if (seq.start < 0) return;
+    const int rows = min(BLOCK_M, seq.seqlen_q - seq.start);
+    const float* tile = dqa + static_cast<size_t>(blockIdx.x) * (BLOCK_M * DQ_ROW<HEAD_DIM>);
+    T* dst = dq + (static_cast<index_t>(seq.q_start + seq.start) * heads_q + h) * head_dim;
+    for (int e = threadIdx.x; e < rows * head_dim; e += NUM_THREADS) {
+        const int r = e / head_dim, d = e % head_dim;
+        store(dst + static_cast<index_t>(r) * heads_q * head_dim + d, scale * tile[r * DQ_ROW<HEAD_DIM> + d]);
+    }
 }

@@ -62,3 +62,17 @@ __device__ __forceinline__ int swizzled_byte(int row, int col) {
 __device__ __forceinline__ unsigned char* aligned_smem(unsigned char* smem) {
     return smem + ((1024u - (smem_address(smem) & 1023u)) & 1023u);
 }
+
+// Zeros rows r0 .. ROWS - 1 of a ROWS x HEAD_DIM tile, thread `lane` of `lanes`: whole 128-byte rows of
+// each atom, which the swizzle only permutes inside. A packed batch's (VARLEN) box reaches past its
+// sequence into the next one's rows, which the kernel must see as the zeros a box past the tensor's end
+// lands: P = 0 times a NaN in another sequence's row would be NaN
+template <int ROWS, int HEAD_DIM>
+__device__ __forceinline__ void zero_rows(unsigned char* tile, int r0, int lane, int lanes) {
+    r0 = max(r0, 0);
+    const int chunks = (ROWS - r0) * 8;  // 16 bytes each
+#pragma unroll
+    for (int a = 0; a < HEAD_DIM / ATOM; ++a)
+        for (int c = lane; c < chunks; c += lanes)
+            *reinterpret_cast<int4*>(tile + a * ATOM_BYTES<ROWS> + r0 * 128 + 16 * c) = make_int4(0, 0, 0, 0);
+}
