@@ -40,10 +40,9 @@ def cmd_info(args) -> int:
           "  with 16-byte aligned rows; the SIMT kernels for everything else. On compute capability 9.0\n"
           "  those calls run on the Hopper kernels (TMA, wgmma, warp specialisation; sm_90a) when they have\n"
           "  no modifier but the window, no split-KV, and strides a tensor map describes (positive,\n"
-          "  multiples of 16 bytes); softcap, ALiBi, bias, mask, split-KV, deterministic=True and packed\n"
-          "  batches' forwards (attention_varlen, KV caches: the offsets and block tables read by the\n"
-          "  kernels) stay on mma.sync; a packed batch's backward takes the Hopper kernels too\n"
-          "  (cupy_backend.forward_path / backward_path say which kernel a call takes)")
+          "  multiples of 16 bytes), packed batches (attention_varlen, contiguous KV caches) included;\n"
+          "  softcap, ALiBi, bias, mask, split-KV, paged KV caches and deterministic=True stay on\n"
+          "  mma.sync (cupy_backend.forward_path / backward_path say which kernel a call takes)")
     try:
         import cupy
         print(f"cupy {cupy.__version__}")

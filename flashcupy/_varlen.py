@@ -10,8 +10,8 @@ each run an ordinary call told its global diagonal, the runs combined by `flashc
 
 On the cupy backend a packed batch is one launch per kernel whatever the number of sequences: the
 forward one, the backward three (the D pre-pass; dK/dV; dQ, or the conversion of the dQ the dK/dV
-kernel added), on the mma.sync kernels where the dtype and strides allow, on compute capability 9.0
-too (the Hopper kernels read no offsets yet). Its kernels read the offsets from device memory
+kernel added), on the kernels a batch of its sequences would take (on compute capability 9.0 the
+Hopper ones, but for a paged cache, split-KV or a modifier they do not take). Its kernels read the offsets from device memory
 themselves (cupy_backend.forward_varlen and backward_varlen, mask.cuh's Sequence), clamped into the
 arrays, so that no offset can make them touch memory outside them. The offsets are still copied to
 the host and checked first unless check_offsets=False, which skips that copy (for serving loops and

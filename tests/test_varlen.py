@@ -453,20 +453,40 @@ HOPPER_PACKED = {"float16-64-causal": (np.float16, 64, dict(causal=True)),
 
 
 @pytest.mark.parametrize("case", HOPPER_PACKED.values(), ids=HOPPER_PACKED.keys())
-def test_on_sm90_a_packed_backward_is_one_launch_of_each_hopper_kernel(rng, case):
-    # compute capability 9.0: the forward stays one launch of flash_fwd_tc.cu (the Hopper forward reads
-    # no offsets), the backward's dK/dV and dQ conversion are flash_bwd_sm90.cu's, reading the offsets;
-    # sequences empty, of one row, shorter and longer than a box (64 queries, 128 keys), GQA; checked
-    # and unchecked offsets give the same bits, and the oracle's numbers
+def test_on_sm90_a_packed_batch_is_one_launch_of_each_hopper_kernel(rng, case):
+    # compute capability 9.0: the forward is one launch of flash_fwd_sm90.cu, the backward's dK/dV and dQ
+    # conversion are flash_bwd_sm90.cu's, each reading the offsets; sequences empty, of one row, shorter
+    # and longer than a box (128 queries and keys in the forward, 64 queries and 128 keys in the
+    # backward), GQA; checked and unchecked offsets give the same bits, and the oracle's numbers
     from flashcupy.tools.emulator.cupy import emulated
     dtype, head_dim, mods = case
     grids = []
     with emulated(compile=_recording(grids), compute_capability=90):
         packed_batch_matches_the_oracle(rng, "cupy", ([7, 0, 70, 130, 1], [9, 4, 65, 150, 0]), dtype, head_dim,
                                         (4, 2), mods, backward=True)
-    assert [name.split("<")[0] for name, _ in grids] == ["flash_fwd_tc"] * 2 + [
+    assert [name.split("<")[0] for name, _ in grids] == ["flash_fwd_sm90"] * 2 + [
         "flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_convert_sm90_varlen"] * 2
-    assert all(name.endswith(", true>") for name, _ in grids if name.startswith("flash_bwd_dkdv_sm90")), grids
+    assert all(name.endswith(", true>") for name, _ in grids if name.startswith(("flash_fwd_sm90", "flash_bwd_dkdv"))), grids
+
+
+def test_on_sm90_a_contiguous_kv_cache_step_is_one_launch_of_the_hopper_forward(rng):
+    # a decode step over a contiguous cache without split-KV: the append, then flash_fwd_sm90.cu reading
+    # the cached lengths (seqused_k) as the other packed forwards do, against the oracle
+    from flashcupy.tools.emulator.cupy import emulated
+    batch, C, Hq, Hkv, D, Sq = 3, 200, 4, 2, 64, 2
+    k_cache, v_cache = cache_inputs(rng, batch, C, Hkv, D, np.float16)
+    lengths = np.array([C - Sq, 0, 131], np.int32)
+    q = rng.standard_normal((batch, Sq, Hq, D)).astype(np.float16)
+    k_new, v_new = (rng.standard_normal((batch, Sq, Hkv, D)).astype(np.float16) for _ in range(2))
+    grids = []
+    with emulated(compile=_recording(grids), compute_capability=90):
+        out, lse = flashcupy.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                    causal=True, return_lse=True, num_splits=1, backend="cupy")
+    assert [name.split("<")[0] for name, _ in grids] == ["flash_kv_append", "flash_fwd_sm90"]
+    for b in range(batch):
+        n = lengths[b] + Sq
+        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
+                              causal=True, backend="cupy")
 
 
 # zero_rows (sm90_tile.cuh) zeroing nothing: a box's rows past its sequence keep the next sequence's values
@@ -475,10 +495,10 @@ NO_ZEROS = ("const int chunks = (ROWS - r0) * 8;", "const int chunks = 0;")
 
 @pytest.mark.parametrize("unzeroed", [False, True], ids=["zeroed", "unzeroed"])
 def test_on_sm90_no_value_of_one_packed_sequence_reaches_anothers_gradients(rng, unzeroed):
-    # NaN and inf in every row of the middle sequence, which the Hopper backward's boxes of the first
-    # sequence reach into (its queries past 64, its keys past 128); the other sequences' gradients are
-    # still the oracle's, as on the mma.sync kernels, which never load those rows. Without the zeros in
-    # shared memory, P = 0 times those values makes the first sequence's NaN
+    # NaN and inf in every row of the middle sequence, which the Hopper kernels' boxes of the first
+    # sequence reach into (its queries past 64, its keys past 128); the other sequences' out, lse and
+    # gradients are still the oracle's, as on the mma.sync kernels, which never load those rows. Without
+    # the zeros in shared memory, P = 0 times those values makes the first sequence's NaN
     from flashcupy.tools.emulator.cupy import emulated
     q, k, v, cu_q, cu_k = packed_inputs(rng, [70, 30, 50], [150, 20, 40], 2, 1, 64, np.float16)
     dout = rng.standard_normal(q.shape).astype(np.float16)
@@ -487,7 +507,7 @@ def test_on_sm90_no_value_of_one_packed_sequence_reaches_anothers_gradients(rng,
     with emulated(compile=_recording(grids, NO_ZEROS if unzeroed else None), compute_capability=90):
         out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend="cupy")
         dq, dk, dv = flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, backend="cupy")
-    assert "flash_bwd_dkdv_sm90" in {name.split("<")[0] for name, _ in grids}
+    assert {"flash_fwd_sm90", "flash_bwd_dkdv_sm90"} <= {name.split("<")[0] for name, _ in grids}
     assert np.isnan(dk[150:170]).all() and np.isnan(dv[150:170]).any()  # the middle sequence's own
     for b in (0, 2):
         sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
@@ -596,11 +616,11 @@ HOSTILE_PATHS = {"simt": (np.float32, False, 80), "tensor-cores": (np.float16, F
 @pytest.mark.parametrize("path", HOSTILE_PATHS)
 def test_unchecked_hostile_offsets_stay_inside_the_arrays(rng, path):
     # the forward and every backward kernel that reads the offsets (dK/dV, dQ, the dQ added by atomics,
-    # the Hopper dK/dV and its dQ conversion)
+    # the Hopper forward, dK/dV and its dQ conversion)
     dtype, deterministic, compute_capability = HOSTILE_PATHS[path]
     kernels = _hostile_calls(rng, dtype, deterministic=deterministic, compute_capability=compute_capability)
     want = ({"flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"} if dtype == np.float32
-            else {"flash_fwd_tc", "flash_bwd_dkdv_sm90", "flash_bwd_dq_convert_sm90_varlen"} if path == "hopper"
+            else {"flash_fwd_sm90", "flash_bwd_dkdv_sm90", "flash_bwd_dq_convert_sm90_varlen"} if path == "hopper"
             else {"flash_fwd_tc", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc" if deterministic else "flash_bwd_dq_convert"})
     assert kernels >= want
 

@@ -199,20 +199,20 @@ def _hopper(p, path: str, *tensors) -> bool:
             and all(_tma_describable(rt, x) for x in tensors))
 
 
-def forward_path(p, q, k, v, out=None, split: bool = False, varlen: bool = False) -> str:
+def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False) -> str:
     """'hopper', 'tensor-core' or 'simt': which forward kernel serves this call.
 
     Tensor cores take float16/bfloat16 with head_dim a multiple of 8 up to 128, on sm_80 or
     newer, when q, k, v are contiguous along head_dim with 16-byte aligned rows (the other
     strides multiples of 8 elements); everything else runs on the SIMT kernel. Of those, on compute
     capability 9.0 the Hopper kernel takes the calls with no modifier but the window, no split-KV and
-    not a packed batch in one launch (varlen: the Hopper forward reads no offsets; at the lengths packed
-    batches hold it ran no faster than the mma.sync one on an H200), whose q, k, v (and out, when given)
-    a tensor map can describe (_tma_describable: positive strides too); the others stay on the
-    mma.sync kernel, never an error.
+    no paged KV cache (paged: its keys are read through the block table, a row at a time), whose q, k,
+    v (and out, when given) a tensor map can describe (_tma_describable: positive strides too); the
+    others stay on the mma.sync kernel, never an error. A packed batch (q, k, v a batch of one) takes
+    the same kernels as a batch of its sequences would.
     """
     path = _path(p, q, k, v)
-    hopper = not split and not varlen and _hopper(p, path, q, k, v, *(() if out is None else (out,)))
+    hopper = not split and not paged and _hopper(p, path, q, k, v, *(() if out is None else (out,)))
     return "hopper" if hopper else path
 
 
@@ -300,12 +300,12 @@ def _split_rule(keys: int, ctas: int, split_ctas: int, num_splits, like) -> tupl
     return (splits, key_split) if splits > 1 else (1, 0)
 
 
-def _forward_module(p, q, k, v, split: bool, out=None, varlen: bool = False) -> tuple:
+def _forward_module(p, q, k, v, split: bool, out=None, varlen: bool = False, paged: bool = False) -> tuple:
     """(forward_path, the forward's ModuleSpec) for this call; varlen: a packed batch's, in one launch
-    (forward_varlen)."""
-    path = forward_path(p, q, k, v, out, split, varlen)
+    (forward_varlen), paged: its keys a paged KV cache's."""
+    path = forward_path(p, q, k, v, out, split, paged)
     if path == "hopper":
-        return path, specs.sm90_forward_module(p.dtype, p.head_dim, _mods(p))
+        return path, specs.sm90_forward_module(p.dtype, p.head_dim, _mods(p), varlen)
     build = specs.tc_forward_module if path == "tensor-core" else specs.forward_module
     return path, build(p.dtype, p.head_dim, _mods(p), split, varlen)
 
@@ -349,7 +349,8 @@ def forward(p, q, k, v, num_splits=1, into=None):
                 # Q_i's BLOCK_M rows, a key block's BLOCK_N, a consumer's rows of out
                 (*_sm90_maps(rt, p, (q, kernel.block_m), (k, kernel.block_n), (v, kernel.block_n),
                              (out, specs.SM90_CONSUMER_ROWS)), *_tensor(lse), *_shape_args(p), p.acc_dtype.type(p.scale),
-                 np.int32(p.causal), np.int32(p.diagonal), *_modifier_args(p, lse, True), np.int32(tiles)),
+                 np.int32(p.causal), np.int32(p.diagonal), *_modifier_args(p, lse, True), np.int32(tiles),
+                 *_tensor(out), *_no_varlen(rt, q)),
                 shared_mem=kernel.dynamic_smem)
             return out, lse
         out, lse = into if into is not None else (rt.xp.empty(q.shape, dtype=p.carrier),

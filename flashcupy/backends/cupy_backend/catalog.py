@@ -81,7 +81,7 @@ def varlen_modules(mods=(0, VARLEN_MODS)):
 
 def sm90_modules(dtypes=TC_DTYPES) -> list:
     """Every Hopper module: the forward and the backward for each dtype, head-dim bucket, and the
-    modifier sets they take (none, the window). The NVRTC report compiles them for SM90_ARCH only."""
-    packed_backward = lambda dtype, bucket, mods: sm90_backward_module(dtype, bucket, mods, varlen=True)  # noqa: E731
-    return [build(dtype, bucket, mods) for build in (sm90_forward_module, sm90_backward_module, packed_backward)
-            for mods in (0, SM90_MODS) for dtype in dtypes for bucket in SM90_FORWARD_TILES]
+    modifier sets they take (none, the window), for one batch and for a packed one. The NVRTC report
+    compiles them for SM90_ARCH only."""
+    return [build(dtype, bucket, mods, varlen) for build in (sm90_forward_module, sm90_backward_module)
+            for varlen in (False, True) for mods in (0, SM90_MODS) for dtype in dtypes for bucket in SM90_FORWARD_TILES]

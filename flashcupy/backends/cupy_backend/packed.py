@@ -26,9 +26,10 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
     kernel (mask.cuh's Sequence), never on the host: whatever they hold, no row outside the arrays is
     touched. p is the packed problem (q[None], k[None], v[None]: batch 1, seqlen_q the total;
     Problem.diagonal unused, each sequence's is its own), alibi_slopes (heads_q,) or (sequences,
-    heads_q). On the mma.sync kernel the dtype and strides pick, on compute capability 9.0 too: the
-    Hopper forward reads no offsets yet, and at the lengths packed batches hold (S <= 1024) it ran
-    no faster than the mma.sync one on an H200 (benchmarks/results/h200_session3/).
+    heads_q). On the kernel forward_path picks, as for a batch of the sequences: on compute capability
+    9.0 the Hopper one (a CTA a query block, the last key block's rows past the sequence zeroed in
+    shared memory, out stored row by row) unless split-KV, a paged cache or a modifier keeps the
+    mma.sync one.
     seqused_k: int32 (sequences,) device array, sequence b's keys the first seqused_k[b] + seqused_add rows
     from cu_seqlens_k[b] on (a contiguous KV cache: attention_with_kvcache, its lengths before the new
     tokens, and their count), clamped into k as the offsets are.
@@ -48,7 +49,8 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
     splits, key_split = split
     paged = block_table is not None
     packed = (q[None], k, v) if paged else (q[None], k[None], v[None])
-    path, module = backend._forward_module(p, *packed, splits > 1, varlen=True)
+    # out too: the Hopper kernel stores it 16 bytes at a time, which _tma_describable's alignment allows
+    path, module = backend._forward_module(p, *packed, splits > 1, out[None], varlen=True, paged=paged)
     (kernel,) = module.kernels
     blocks = launch.varlen_blocks(kernel, p, num_seqs) * splits
     if blocks > MAX_GRID[0]:
@@ -74,14 +76,20 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
                    for i, x in enumerate(packed)] + parts
         pages = ((block_table, *(np.int64(n // 4) for n in block_table.strides), np.int32(k.shape[1]),
                   np.int32(k.shape[0])) if paged else backend._no_pages(rt, q))
+        offsets = (cu_seqlens_q, cu_seqlens_k, np.int32(num_seqs),
+                   *((backend._int32_stand_in(rt, q), np.int32(0), np.int32(0)) if seqused_k is None
+                     else (seqused_k, np.int32(1), np.int32(seqused_add))))
+        scalars = (*backend._shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
+                   *backend._modifier_args(p, lse, path != "simt"))
+        if path == "hopper":  # tensor maps over the packed tensors (a batch of one); out by pointer: row by row
+            maps = backend._sm90_maps(rt, p, (packed[0], kernel.block_m), (packed[1], kernel.block_n),
+                                      (packed[2], kernel.block_n), (out[None], specs.SM90_CONSUMER_ROWS))
+            fwd((blocks,), (kernel.threads,), (*maps, *parts[1], *scalars, np.int32(blocks), *parts[0], *offsets),
+                shared_mem=kernel.dynamic_smem)
+            return
         fwd(
             (blocks,), (kernel.threads,),
-            (*(a for t in tensors for a in t),
-             *backend._shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-             *backend._modifier_args(p, lse, path == "tensor-core"), *split_args,
-             cu_seqlens_q, cu_seqlens_k, np.int32(num_seqs),
-             *((backend._int32_stand_in(rt, q), np.int32(0), np.int32(0)) if seqused_k is None
-               else (seqused_k, np.int32(1), np.int32(seqused_add))), *pages),
+            (*(a for t in tensors for a in t), *scalars, *split_args, *offsets, *pages),
             shared_mem=kernel.dynamic_smem)
         if splits > 1:  # into out and lse, batch strides 0 as the forward's
             merged = [(x, np.int64(0), *backend._tensor(x)[1:]) for x in (out, lse)]
@@ -95,8 +103,9 @@ def cache_plan(p, q, k, v, num_seqs: int, capacity: int, num_splits=None) -> tup
     capacity to fill the device (num_splits None) or at most num_splits of about equal length."""
     if num_splits == 1:
         return 1, 0
-    k, v = (x if x.ndim == 4 else x[None] for x in (k, v))  # a paged cache as it is, else packed rows
-    (kernel,) = backend._forward_module(p, q[None], k, v, False, varlen=True)[1].kernels
+    paged = k.ndim == 4
+    k, v = (x if paged else x[None] for x in (k, v))  # a paged cache as it is, else packed rows
+    (kernel,) = backend._forward_module(p, q[None], k, v, False, varlen=True, paged=paged)[1].kernels
     ctas = launch.varlen_blocks(kernel, p, num_seqs)
     return backend._split_rule(capacity, ctas, ctas, num_splits, q)
 

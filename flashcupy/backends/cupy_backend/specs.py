@@ -189,7 +189,7 @@ def head_dim_bucket(head_dim: int) -> int:
 TEMPLATE_FLAGS = {"flash_fwd": ("split", "varlen"), "flash_fwd_tc": ("split", "varlen"),
                   "flash_bwd_dkdv": ("varlen",), "flash_bwd_dq": ("varlen",),
                   "flash_bwd_dkdv_tc": ("dq_atomic", "varlen"), "flash_bwd_dq_tc": ("varlen",),
-                  "flash_bwd_dkdv_sm90": ("varlen",)}
+                  "flash_fwd_sm90": ("varlen",), "flash_bwd_dkdv_sm90": ("varlen",)}
 
 
 # The templates without an Acc parameter besides the tensor-core ones: they move or round elements
@@ -449,12 +449,14 @@ def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool 
     ))
 
 
-def sm90_forward_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
+def sm90_forward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False) -> ModuleSpec:
     """The Hopper forward (sm_90a) for float16/bfloat16, head_dim <= 128 (a multiple of 8), no
-    modifier but the window (sm90_eligible)."""
+    modifier but the window (sm90_eligible); varlen: for a packed batch (a CTA a query block, out stored
+    row by row)."""
     bucket = tc_tile_row(head_dim)
     bm, bn = SM90_FORWARD_TILES[bucket]
-    return ModuleSpec("flash_fwd_sm90.cu", (Kernel("flash_fwd_sm90", _name(dtype), bucket, bm, bn, mods),), SM90_ARCH)
+    return ModuleSpec("flash_fwd_sm90.cu", (Kernel("flash_fwd_sm90", _name(dtype), bucket, bm, bn, mods, varlen=varlen),),
+                      SM90_ARCH)
 
 
 def sm90_backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False) -> ModuleSpec:

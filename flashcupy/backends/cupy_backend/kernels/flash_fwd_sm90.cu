@@ -71,11 +71,11 @@
 #include "mask.cuh"
 #include "sm90_tile.cuh"
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool VARLEN = false>
 __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
     const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_out,
-    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), int tiles) {
+    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), int tiles, TENSOR_PARAMS(T, out), VARLEN_PARAMS) {
     static_assert(BLOCK_M == 64 * SM90_CONSUMERS, "a consumer warpgroup owns 64 query rows");
     static_assert(HEAD_DIM % ATOM == 0 && HEAD_DIM <= 128, "head_dim in whole atoms; wgmma N of 64 or 128");
     static_assert(BLOCK_N == 64 || BLOCK_N == 128, "wgmma N of 64 or 128");
@@ -85,6 +85,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     constexpr int QK_STEPS = HEAD_DIM / 16;  // k-steps of Q_i K_jᵀ
     constexpr int PV_STEPS = BLOCK_N / 16;   // k-steps of P V_j
     constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2, KV_BYTES = BLOCK_N * HEAD_DIM * 2;
+    constexpr int ZEROED = 5;  // named barrier (1 + c: a consumer's O_s; 3, 4: the pingpong)
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* Q_s = aligned_smem(smem_raw);
@@ -94,6 +95,18 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     __shared__ __align__(8) unsigned long long q_full, q_empty, k_full[SM90_STAGES], v_full[SM90_STAGES],
         kv_empty[SM90_STAGES];
 
+    // VARLEN: the CTA's one tile is a query block of a sequence (a slot of the grid over cu_seqlens_q,
+    // mask.cuh's Sequence), the problem that sequence's, the TMA's rows counted from its first ones
+    int q_row0 = 0, k_row0 = 0;
+    QueryBlock packed_blk{};
+    if constexpr (VARLEN) {
+        const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
+        if (seq.start < 0) return;  // the whole CTA, before any barrier
+        SEQUENCE_LENGTHS(seq);
+        AT_SEQUENCE_Q(seq, lse), AT_SEQUENCE_Q(seq, out);
+        q_row0 = seq.q_start, k_row0 = seq.k_start;
+        packed_blk = {seq.start, 0, seq.h, seq.kv_head};  // batch 0: the packed tensors' (batch strides 0)
+    }
     const auto mask = MAKE_MASK(MODS);
     // A tile: its query block, and the key blocks its rows see (none: no load, out 0 and lse -inf)
     struct Tile {
@@ -101,7 +114,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
         int j_start, blocks;
     };
     const auto tile_at = [&](int t) {
-        const QueryBlock blk = query_block<BLOCK_M>(seqlen_q, heads_q, group, t);
+        const QueryBlock blk = VARLEN ? packed_blk : query_block<BLOCK_M>(seqlen_q, heads_q, group, t);
         const int j_start = mask.key_start(blk.i0);
         return Tile{blk, j_start, num_blocks(mask.key_end(blk.i0) - j_start, BLOCK_N)};
     };
@@ -129,7 +142,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
                 // the consumers' last S of the tile before is done reading Q_s (the first passes at once)
                 mbarrier_wait_parity(&q_empty, (n + 1) & 1);
                 mbarrier_arrive_expect_tx(&q_full, Q_BYTES);
-                load_box<BLOCK_M, HEAD_DIM>(Q_s, map_q, tile.blk.h, tile.blk.i0, tile.blk.b, &q_full);
+                load_box<BLOCK_M, HEAD_DIM>(Q_s, map_q, tile.blk.h, q_row0 + tile.blk.i0, tile.blk.b, &q_full);
                 ++n;
                 for (int jb = 0; jb < tile.blocks; ++jb, ++it) {
                     const int s = it % SM90_STAGES;
@@ -137,9 +150,11 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
                     // the consumers are done with the key block this stage held (the first round passes at once)
                     mbarrier_wait_parity(&kv_empty[s], (it / SM90_STAGES + 1) & 1);
                     mbarrier_arrive_expect_tx(&k_full[s], KV_BYTES);
-                    load_box<BLOCK_N, HEAD_DIM>(K_s + s * KV_BYTES, map_k, tile.blk.kv_head, j0, tile.blk.b, &k_full[s]);
+                    load_box<BLOCK_N, HEAD_DIM>(K_s + s * KV_BYTES, map_k, tile.blk.kv_head, k_row0 + j0, tile.blk.b,
+                                                &k_full[s]);
                     mbarrier_arrive_expect_tx(&v_full[s], KV_BYTES);
-                    load_box<BLOCK_N, HEAD_DIM>(V_s + s * KV_BYTES, map_v, tile.blk.kv_head, j0, tile.blk.b, &v_full[s]);
+                    load_box<BLOCK_N, HEAD_DIM>(V_s + s * KV_BYTES, map_v, tile.blk.kv_head, k_row0 + j0, tile.blk.b,
+                                                &v_full[s]);
                 }
             }
         }
@@ -256,6 +271,17 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
             }
             // the last turn: P V_j of the last block alone
             ready_pv(blocks - 1);
+            // VARLEN: V_j's rows past the sequence's keys are the next sequence's (a box past the tensor's
+            // end lands zeros): P = 0 times a NaN there would be NaN. Both consumers' 256 threads zero them
+            // before either issues P V_j. Only the last key block reaches past (key_end <= seqlen_k), so
+            // the loop above is the non-packed kernel's (registers: the window's spilled at head_dim 128)
+            const int j_last = j_start + (blocks - 1) * BLOCK_N;
+            if (VARLEN && j_last + BLOCK_N > seqlen_k) {
+                zero_rows<BLOCK_N, HEAD_DIM>(V_s + stage(blocks - 1) * KV_BYTES, seqlen_k - j_last, threadIdx.x - 128,
+                                             128 * SM90_CONSUMERS);
+                fence_proxy_async();                               // this thread's zeros, before the wgmma reads them
+                named_barrier_sync(ZEROED, 128 * SM90_CONSUMERS);  // every consumer thread's
+            }
             my_turn();
             wgmma_fence();
             issue_pv(blocks - 1);
@@ -289,7 +315,20 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
             }
         fence_proxy_async();             // this thread's stores, before the TMA store reads them
         named_barrier_sync(1 + c, 128);  // every thread of the consumer has stored and fenced its part
-        if (lead) {
+        if constexpr (VARLEN) {
+            // a box would reach into the next sequence's rows: the consumer's threads copy its rows of O_c
+            // within the sequence, 16 bytes each, a copy at a time (fragment by fragment from the registers,
+            // or unrolled, the window's epilogue spilled at head_dim 128 under NVRTC 12.9)
+            const Rows<T> out_h = HEAD_ROWS(out, blk.b, blk.h);
+            const int rows = min(64, seqlen_q - row_c);
+#pragma unroll 1
+            for (int e = threadIdx.x % 128; e < rows * (HEAD_DIM / 8); e += 128) {
+                const int row = e / (HEAD_DIM / 8), col = 8 * (e % (HEAD_DIM / 8));
+                if (col < head_dim)
+                    *reinterpret_cast<int4*>(&out_h.at(row_c + row, col)) =
+                        *reinterpret_cast<const int4*>(O_c + swizzled_byte<BLOCK_M>(row, col));
+            }
+        } else if (lead) {
 #pragma unroll
             for (int a = 0; a < HEAD_DIM / ATOM; ++a)
                 tma_store_4d(map_out, a * ATOM, blk.h, row_c, blk.b, O_c + a * ATOM_BYTES<BLOCK_M>);
