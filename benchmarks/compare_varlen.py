@@ -98,14 +98,14 @@ def _working_blocks(lengths, name: str) -> int:
 
 def launches(batches=(1, 7, 40, 256, 1000), heads=8, head_dim=64, seed=0) -> list:
     """Rows (dtype, sequences, pass, launches per sequence, launches in one, [(kernel, CTAs, idle
-    share)]) of a causal packed forward and backward on the emulated cupy backend, the kernels recorded
-    and not run; the idle share for the kernels that read the offsets (the others run over the packed
-    rows)."""
+    share)]) of a causal packed forward and backward on the emulated cupy backend (an sm_80, and for
+    float16 an sm_90 too: the Hopper kernels), the kernels recorded and not run; the idle share for the
+    kernels that read the offsets (the others run over the packed rows)."""
     from flashcupy import _varlen
     from flashcupy.tools.emulator.cupy import emulated, launch_records
     rng = np.random.default_rng(seed)
     rows = []
-    for dtype in (np.float16, np.float32):
+    for dtype, device in ((np.float16, 80), (np.float32, 80), (np.float16, 90)):
         for n in batches:
             lengths = rng.integers(17, 301, n)
             cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
@@ -114,19 +114,20 @@ def launches(batches=(1, 7, 40, 256, 1000), heads=8, head_dim=64, seed=0) -> lis
             grads = [np.zeros_like(x) for x in (q, k, v)]
             records = {name: [] for name in ("forward before", "forward after", "backward before", "backward after")}
             host = dict(causal=True, backend="cupy")
-            with emulated(compile=launch_records(records["forward before"], run=False)):
+            with emulated(compile=launch_records(records["forward before"], run=False), compute_capability=device):
                 _varlen.forward_packed(q, k, v, cu.astype(np.int64), cu.astype(np.int64), out, lse, **host)
-            with emulated(compile=launch_records(records["forward after"], run=False)):
+            with emulated(compile=launch_records(records["forward after"], run=False), compute_capability=device):
                 flashcupy.attention_varlen(q, k, v, cu, cu, check_offsets=False, **host)
-            with emulated(compile=launch_records(records["backward before"], run=False)):
+            with emulated(compile=launch_records(records["backward before"], run=False), compute_capability=device):
                 _varlen.backward_packed(q, q, k, v, out, lse, cu.astype(np.int64), cu.astype(np.int64), *grads, **host)
-            with emulated(compile=launch_records(records["backward after"], run=False)):
+            with emulated(compile=launch_records(records["backward after"], run=False), compute_capability=device):
                 flashcupy.attention_varlen_backward(q, q, k, v, out, lse, cu, cu, check_offsets=False, **host)
             for pass_ in ("forward", "backward"):
                 after = records[f"{pass_} after"]
                 kernels = [(name, ctas, 1 - _working_blocks(lengths, name) * heads / ctas) for name, ctas in after
                            if name.endswith(", true>")]
-                rows.append((np.dtype(dtype).name, n, pass_, len(records[f"{pass_} before"]), len(after), kernels))
+                label = np.dtype(dtype).name + (" (sm_90)" if device == 90 else "")
+                rows.append((label, n, pass_, len(records[f"{pass_} before"]), len(after), kernels))
     return rows
 
 
