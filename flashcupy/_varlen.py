@@ -16,8 +16,9 @@ themselves (cupy_backend.forward_varlen and backward_varlen, mask.cuh's Sequence
 arrays, so that no offset can make them touch memory outside them. The offsets are still copied to
 the host and checked first unless check_offsets=False, which skips that copy (for serving loops and
 CUDA graphs: unchecked offsets give garbage, in bounds, never an access outside the arrays); for
-valid offsets the result is the same bits either way. The backends that loop over the sequences on
-the host (NumPy, Numba) need the offsets there, so they read and check them whatever check_offsets
+valid offsets the result is the same bits either way. The Numba backend's kernels read them on the
+device as well (numba_backend.forward_varlen, backward_varlen). The NumPy backend loops over the
+sequences on the host and needs the offsets there, so it reads and checks them whatever check_offsets
 says. A KV cache's new tokens are appended in one launch on the cupy backend (cupy_backend.append_kv),
 and attention over the cache is one more launch (the cache as a packed batch whose sequences use their
 cache_seqlens + seqlen_new first positions: forward_varlen's seqused_k; a paged cache's read through
@@ -93,8 +94,8 @@ def _slopes_for(alibi_slopes, b: int, batch: int):
 
 def _one_launch(mod, backward: bool = False) -> bool:
     """Whether backend `mod` runs a packed forward (backward) in launches that read the offsets on the
-    device (cupy: forward_varlen, backward_varlen); else the sequences are looped over on the host
-    (forward_packed, backward_packed)."""
+    device (cupy, numba: forward_varlen, backward_varlen); else the sequences are looped over on the
+    host (forward_packed, backward_packed)."""
     return hasattr(mod, "backward_varlen" if backward else "forward_varlen")
 
 

@@ -30,7 +30,7 @@ from contract import SIMULATOR_CASES  # noqa: E402
 from flashcupy.backends import MAX_GRID, numba_backend  # noqa: E402
 from flashcupy.backends.numba_backend import kernels  # noqa: E402
 from modifier_checks import LARGE_SCALES, check, large_scores_check, modifier_cases  # noqa: E402
-from varlen_checks import (appends_across_a_block_boundary, packed_batch_matches_the_oracle,  # noqa: E402
+from varlen_checks import (appends_across_a_block_boundary, packed_batch_matches_the_oracle, packed_inputs,  # noqa: E402
                            per_sequence_alibi_in_a_kvcache)
 
 
@@ -155,6 +155,48 @@ VARLEN_CHECKS = {"packed-batches": packed_batch_matches_the_oracle,
 def test_varlen_and_kvcache_match_the_oracle(rng, device, name):
     require(device)
     VARLEN_CHECKS[name](rng, "numba")
+
+
+# offsets check_offsets=False lets through (total_q 11, total_k 9): decreasing, negative, past the
+# end, near 2^31
+NUMBA_HOSTILE_OFFSETS = ([0, 8, 3, 11], [0, -5, 4, 9], [0, 4, 30, 11], [0, 2 ** 31 - 1, -2 ** 31, 2 ** 31 - 1])
+
+
+@cuda.jit(device=True)
+def _unclamped_offset(cu, cust, s, total):
+    return cu[cust[0] + s * cust[1]]
+
+
+@pytest.mark.parametrize("unclamped", [False, pytest.param(True, id="unclamped (a deliberate bug)")],
+                         ids=["clamped", "unclamped"])
+@pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_a_packed_batch_is_one_launch_per_kernel_and_hostile_offsets_stay_inside(rng, device, unclamped):
+    """The kernels read the offsets (numba_backend.forward_varlen, backward_varlen): no host loop, and
+    unchecked hostile tables (for q, for k, both) index nothing outside the arrays (the simulator's
+    arrays raise IndexError at any index outside them; a negative one would wrap, which the clamp to
+    [0, total] forbids before any index is formed). Without the clamp an index leaves the arrays."""
+    require(device)
+    if unclamped and device != "simulator":
+        pytest.skip("the deliberate bug runs where an index outside the arrays raises: the simulator")
+    from flashcupy import _varlen
+    if unclamped:
+        with mock.patch.object(kernels, "_offset", _unclamped_offset), pytest.raises(IndexError):
+            test_a_packed_batch_is_one_launch_per_kernel_and_hostile_offsets_stay_inside(rng, device, False)
+        return
+    q, k, v, cu_q, cu_k = packed_inputs(rng, [3, 6, 2], [4, 3, 2], 2, 1, 8, np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    loops = []
+    with mock.patch.object(_varlen, "_forward_loop", side_effect=loops.append), \
+            mock.patch.object(_varlen, "_backward_loop", side_effect=loops.append):
+        for bad in NUMBA_HOSTILE_OFFSETS:
+            bad = np.array(bad, np.int32)
+            for args in ((bad, cu_k), (cu_q, bad), (bad, bad)):
+                out, lse = flashcupy.attention_varlen(q, k, v, *args, causal=True, return_lse=True, backend="numba",
+                                                      check_offsets=False)
+                grads = flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, *args, causal=True,
+                                                            backend="numba", check_offsets=False)
+                assert out.shape == q.shape and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert loops == []
 
 
 @pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])

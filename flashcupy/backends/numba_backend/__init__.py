@@ -55,6 +55,7 @@ Fast iteration loop:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -320,31 +321,52 @@ def _common(p, place, spare):
 # The interface has checked the grids (grid_axes) and head_dim before anything is allocated.
 
 
-def forward(p, q, k, v):
+def _no_offsets(flat):
+    """The offsets' arguments of a launch that is not a packed batch's: num_seqs 0, and for the tables a
+    view of `flat`, a fresh float workspace of the call, as int32 (never read; no allocation for it)."""
+    stand_in = flat.view(np.int32)
+    return stand_in, (0, 1), stand_in, (0, 1), 0
+
+
+def forward(p, q, k, v, _packed=None):
+    """out, lse. _packed: forward_varlen's (given out and lse, the offsets' arguments, the slots)."""
     K = _kernels()
     grid, _ = _grids(p)
     place = _Placement(_library(q))
     (qf, qst), (kf, kst), (vf, vst) = (place.read(x) for x in (q, k, v))
-    out = _Buffer(place, q.shape, p.carrier)
-    lse = _Buffer(place, p.lse_shape, p.acc_dtype)  # the kernel computes in lse's dtype (p.lse_dtype is the same)
+    if _packed is None:
+        out = _Buffer(place, q.shape, p.carrier)
+        lse = _Buffer(place, p.lse_shape, p.acc_dtype)  # the kernel computes in lse's dtype (p.lse_dtype is the same)
+        offsets = _no_offsets(lse.flat)
+    else:
+        out, lse, offsets, slots = _packed
+        grid = (slots, p.heads_q, 1)
     common = _common(p, place, lse.flat)
 
     K._flash_fwd[grid, (K.BLOCK_N, K.BLOCK_M), place.stream](
         qf, qst, kf, kst, vf, vst, out.flat, out.st, lse.flat, lse.st,
-        p.seqlen_q, p.seqlen_k, *common)
+        p.seqlen_q, p.seqlen_k, *common, *offsets)
     return out.result(), lse.result()
 
 
-def backward(p, dout, q, k, v, out, lse):
+def backward(p, dout, q, k, v, out, lse, _packed=None):
+    """dq, dk, dv (and dbias with a bias). _packed: backward_varlen's (given dq, dk, dv, the offsets'
+    arguments, the query and the key slots)."""
     K = _kernels()
     dq_grid, dkdv_grid = _grids(p)
     prep_grid = (_cdiv(p.seqlen_q, K.PREP_THREADS),) + dq_grid[1:]
     place = _Placement(_library(q))
     (qf, qst), (kf, kst), (vf, vst), (dof, dost), (of, ost), (lf, lst) = (
         place.read(x) for x in (q, k, v, dout, out, lse))
-    dq, dk, dv = (_Buffer(place, x.shape, p.carrier) for x in (q, k, v))
+    if _packed is None:
+        dq, dk, dv = (_Buffer(place, x.shape, p.carrier) for x in (q, k, v))
+    else:
+        dq, dk, dv, offsets, (query_slots, key_slots) = _packed
+        dq_grid, dkdv_grid = (query_slots, p.heads_q, 1), (key_slots, p.heads_kv, 1)
     # workspace: D = rowsum(dO ∘ O), laid out as lse; the backward kernels compute in its dtype
     D = _Buffer(place, p.lse_shape, p.acc_dtype)
+    if _packed is None:
+        offsets = _no_offsets(D.flat)
     common = _common(p, place, D.flat)
 
     K._flash_bwd_preprocess[prep_grid, K.PREP_THREADS, place.stream](
@@ -352,11 +374,11 @@ def backward(p, dout, q, k, v, out, lse):
     # dK, dV: one block per (key block, kv head, batch), over the query heads of its group
     K._flash_bwd_dkdv[dkdv_grid, (K.BLOCK_M, K.BLOCK_N), place.stream](
         qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dk.flat, dk.st, dv.flat, dv.st,
-        p.seqlen_q, p.seqlen_k, *common)
+        p.seqlen_q, p.seqlen_k, *common, *offsets)
     # dQ: one block per (query block, query head, batch)
     K._flash_bwd_dq[dq_grid, (K.BLOCK_N, K.BLOCK_M), place.stream](
         qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dq.flat, dq.st,
-        p.seqlen_q, p.seqlen_k, *common)
+        p.seqlen_q, p.seqlen_k, *common, *offsets)
     grads = dq.result(), dk.result(), dv.result()
     if p.bias is None:
         return grads
@@ -367,6 +389,71 @@ def backward(p, dout, q, k, v, out, lse):
         qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dbias.flat, dbias.shape,
         p.batch, p.heads_q, p.seqlen_q, p.seqlen_k, *common)
     return grads + (dbias.result(),)
+
+
+# ----------------------------------------------------------------------------
+# packed batches: one launch per kernel, the offsets read by the kernels (kernels._sequence_of)
+
+
+class _Given:
+    """An output the interface allocated (a packed batch's out, lse, dq, dk, dv), written by the kernels:
+    in place where it lives on the device; for NumPy a device copy of its span, copied back by result()."""
+
+    def __init__(self, place, x):
+        self.x, self.lib = x, place.lib
+        self.flat, st = place.read(x)
+        # the kernels index (b, s, h, d) and (b, h, s): a packed array as a batch of one
+        self.st = (st[0], 0) + tuple(st[1:])
+
+    def result(self):
+        if self.lib == "numpy":
+            st, n = _span(self.x)
+            lowest = self.x[tuple(slice(m - 1, m) if s < 0 else slice(0, 1) for m, s in zip(self.x.shape, st[1:]))]
+            np.lib.stride_tricks.as_strided(lowest, shape=(n,), strides=(self.x.itemsize,))[...] = \
+                self.flat.copy_to_host()
+        return self.x
+
+
+def _offsets(place, cu_seqlens_q, cu_seqlens_k):
+    """The kernels' offsets' arguments: each table as (flat device array, (offset, stride)), num_seqs."""
+    (fq, sq), (fk, sk) = (place.read(x) for x in (cu_seqlens_q, cu_seqlens_k))
+    return fq, sq, fk, sk, int(cu_seqlens_q.shape[0]) - 1
+
+
+def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slopes=None) -> None:
+    """A packed batch's forward in one launch (attention_varlen), as cupy_backend.forward_varlen: q
+    (total_q, heads_q, head_dim), k, v (total_k, heads_kv, head_dim), out and lse (heads_q, total_q)
+    allocated with 0 and -inf and written in place; cu_seqlens_q, cu_seqlens_k int32 (sequences + 1,)
+    arrays of q's library, read by the kernels (whatever they hold, no row outside the arrays is
+    touched). p is the packed problem (batch 1, seqlen_q and seqlen_k the totals); alibi_slopes
+    (heads_q,) or (sequences, heads_q)."""
+    num_seqs = int(cu_seqlens_q.shape[0]) - 1
+    if num_seqs <= 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
+        return  # no sequence, no query or no key: out 0, lse -inf, as allocated
+    if alibi_slopes is not None:
+        p = dataclasses.replace(p, alibi_slopes=alibi_slopes)
+    place = _Placement(_library(q))
+    given = [_Given(place, x) for x in (out, lse)]
+    slots = p.seqlen_q // _kernels().BLOCK_M + num_seqs
+    forward(p, q[None], k[None], v[None], _packed=(*given, _offsets(place, cu_seqlens_q, cu_seqlens_k), slots))
+
+
+def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, alibi_slopes=None,
+                    deterministic=False) -> None:
+    """A packed batch's backward in one launch per kernel (attention_varlen_backward), as
+    cupy_backend.backward_varlen: dq, dk, dv allocated with zeros, written in place (rows of no sequence,
+    and sequences without a query or a key, keep them). Deterministic whatever `deterministic` says."""
+    num_seqs = int(cu_seqlens_q.shape[0]) - 1
+    if num_seqs <= 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
+        return
+    if alibi_slopes is not None:
+        p = dataclasses.replace(p, alibi_slopes=alibi_slopes)
+    K = _kernels()
+    place = _Placement(_library(q))
+    given = [_Given(place, x) for x in (dq, dk, dv)]
+    slots = (p.seqlen_q // K.BLOCK_M + num_seqs, p.seqlen_k // K.BLOCK_N + num_seqs)
+    backward(p, dout[None], q[None], k[None], v[None], out[None], lse[None],
+             _packed=(*given, _offsets(place, cu_seqlens_q, cu_seqlens_k), slots))
 
 
 # ----------------------------------------------------------------------------

@@ -7,6 +7,10 @@ Four kernels, names after the FlashAttention-2 paper:
     _flash_bwd_dkdv       dK, dV                    grid (Sk blocks, heads_kv, batch)
     _flash_bwd_dq         dQ                        grid (Sq blocks, heads_q, batch)
 
+A packed batch (attention_varlen) is one launch of each: the forward, dK/dV and dQ kernels take
+cu_seqlens (num_seqs > 0) and a grid of (slots, heads, 1), each block finding its sequence
+(_sequence_of, as mask.cuh's Sequence), the pre-pass runs over the packed rows as one sequence.
+
 and two element-wise ones, PREP_THREADS threads a block, for what a bias adds and for
 attention_probs:
 
@@ -156,6 +160,57 @@ def _at(st, b, s, h, d):
 def _at3(st, b, h, s):
     """Flat index of element (b, h, s) of a rank-3 array (lse, D) described by st."""
     return st[0] + b * st[1] + h * st[2] + s * st[3]
+
+
+# ----------------------------------------------------------------------------
+# packed batches: the forward, dK/dV and dQ kernels take cu_seqlens (num_seqs > 0) and find their
+# sequence themselves, as the CUDA kernels do (mask.cuh's Sequence): the grid's x is a slot of
+# total // block + num_seqs, sequence s owning slots cu[s] // block + s onwards; every offset read is
+# clamped to [0, total] and a sequence's end to at least its start, so no offsets make a kernel index
+# outside the arrays. A block past its sequence's blocks returns at once (the whole block, before any
+# barrier).
+
+
+@cuda.jit(device=True)
+def _offset(cu, cust, s, total):
+    """cu[s] clamped to [0, total]."""
+    return min(max(cu[cust[0] + s * cust[1]], 0), total)
+
+
+@cuda.jit(device=True)
+def _sequence_of(cu, cust, cu_other, cuost, num_seqs, total, total_other, block, slot):
+    """(sequence s, its first row and length on the side whose blocks the grid holds (cu: cu_seqlens_q
+    for the forward and dQ, cu_seqlens_k for dK/dV), the same on the other side, the first row of the
+    slot's block in the sequence or -1 for none) of slot `slot`: a binary search over the first slots,
+    increasing for valid offsets, and ending on some sequence for others."""
+    s = 0
+    last = num_seqs - 1
+    while s < last:
+        mid = (s + last + 1) // 2
+        if _offset(cu, cust, mid, total) // block + mid <= slot:
+            s = mid
+        else:
+            last = mid - 1
+    start = _offset(cu, cust, s, total)
+    length = max(start, _offset(cu, cust, s + 1, total)) - start
+    other = _offset(cu_other, cuost, s, total_other)
+    other_length = max(other, _offset(cu_other, cuost, s + 1, total_other)) - other
+    first = (slot - (start // block + s)) * block
+    if first < 0 or first >= length:
+        first = -1
+    return s, start, length, other, other_length, first
+
+
+@cuda.jit(device=True)
+def _from_row(st, row):
+    """A rank-4 array's `st` moved to row `row` (axis 1) with batch stride 0: its sequence's rows."""
+    return (st[0] + row * st[2], st[1] * 0, st[2], st[3], st[4])
+
+
+@cuda.jit(device=True)
+def _from_row3(st, row):
+    """The same for a (batch, head, row) array: lse, D."""
+    return (st[0] + row * st[3], st[1] * 0, st[2], st[3])
 
 
 @cuda.jit(device=True)
@@ -330,7 +385,8 @@ def _modify(s, mods, slopes, bias, allow, mask, b, h, i, j, seqlen_q, seqlen_k, 
 
 @cuda.jit
 def _flash_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
-              seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow):
+              seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow,
+              cu_q, cuqst, cu_k, cukst, num_seqs):
     """out_i = softmax(Q_i K^T scale) V and lse_i, for one block of BLOCK_M query rows.
 
     Block: (BLOCK_N, BLOCK_M) threads; thread (c, r) owns S[r, c] and O[r, c::BLOCK_N].
@@ -346,6 +402,15 @@ def _flash_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
     P = cuda.shared.array((BLOCK_M, BLOCK_N), lse.dtype)
     O = cuda.local.array(O_PER_THREAD, lse.dtype)
     c, r, tid, i0, i, h, kv_head, b = _start_query_block(O, group)
+    if num_seqs > 0:  # a packed batch: the slot's sequence, the tensors from its first rows
+        b, q_start, seqlen_q, k_start, seqlen_k, i0 = _sequence_of(cu_q, cuqst, cu_k, cukst, num_seqs, seqlen_q,
+                                                                   seqlen_k, BLOCK_M, cuda.blockIdx.x)
+        if i0 < 0:
+            return
+        i = i0 + r
+        qst, ost, lst = _from_row(qst, q_start), _from_row(ost, q_start), _from_row3(lst, q_start)
+        kst, vst = _from_row(kst, k_start), _from_row(vst, k_start)
+        mask = (seqlen_k - seqlen_q, mask[1], mask[2])  # causal bottom-right in the sequence
     m = acc(-math.inf)
     l = acc(0)
 
@@ -442,7 +507,8 @@ def _zero_rows_that_see_nothing(tile, lse, lst, b, h, row0, seqlen_q, tid):
 
 @cuda.jit
 def _flash_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dkst, dv, dvst,
-                   seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow):
+                   seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow,
+                   cu_q, cuqst, cu_k, cukst, num_seqs):
     """dK_j, dV_j for one block of BLOCK_N keys, summed over the query heads of its GQA group.
 
     Block: (BLOCK_M, BLOCK_N) threads; thread (r, c) owns S[r, c] and dK, dV[c, r::BLOCK_M].
@@ -465,6 +531,16 @@ def _flash_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dk
     j0 = cuda.blockIdx.x * BLOCK_N
     kv_head = cuda.blockIdx.y
     b = cuda.blockIdx.z
+    if num_seqs > 0:  # a packed batch: the slot's sequence (over cu_seqlens_k), the tensors from its first rows
+        b, k_start, seqlen_k, q_start, seqlen_q, j0 = _sequence_of(cu_k, cukst, cu_q, cuqst, num_seqs, seqlen_k,
+                                                                   seqlen_q, BLOCK_N, cuda.blockIdx.x)
+        if j0 < 0:
+            return
+        qst, dost, lst, Dst = _from_row(qst, q_start), _from_row(dost, q_start), _from_row3(lst, q_start), \
+            _from_row3(Dst, q_start)
+        kst, vst, dkst, dvst = _from_row(kst, k_start), _from_row(vst, k_start), _from_row(dkst, k_start), \
+            _from_row(dvst, k_start)
+        mask = (seqlen_k - seqlen_q, mask[1], mask[2])
     j = j0 + c
 
     for t in range(DKV_PER_THREAD):
@@ -516,7 +592,8 @@ def _flash_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dk
 
 @cuda.jit
 def _flash_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
-                 seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow):
+                 seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow,
+                 cu_q, cuqst, cu_k, cukst, num_seqs):
     """dQ_i for one block of BLOCK_M query rows; a separate pass, so no atomics.
 
     Block: (BLOCK_N, BLOCK_M) threads; thread (c, r) owns S[r, c] and dQ[r, c::BLOCK_N].
@@ -531,6 +608,16 @@ def _flash_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst
     dS = cuda.shared.array((BLOCK_M, BLOCK_N), D.dtype)
     dQ = cuda.local.array(O_PER_THREAD, D.dtype)
     c, r, tid, i0, i, h, kv_head, b = _start_query_block(dQ, group)
+    if num_seqs > 0:  # a packed batch, as the forward's
+        b, q_start, seqlen_q, k_start, seqlen_k, i0 = _sequence_of(cu_q, cuqst, cu_k, cukst, num_seqs, seqlen_q,
+                                                                   seqlen_k, BLOCK_M, cuda.blockIdx.x)
+        if i0 < 0:
+            return
+        i = i0 + r
+        qst, dost, lst, Dst, dqst = _from_row(qst, q_start), _from_row(dost, q_start), _from_row3(lst, q_start), \
+            _from_row3(Dst, q_start), _from_row(dqst, q_start)
+        kst, vst = _from_row(kst, k_start), _from_row(vst, k_start)
+        mask = (seqlen_k - seqlen_q, mask[1], mask[2])
     lse_r = _row_lse(lse, lst, b, h, i, seqlen_q)
     D_r = D[_at3(Dst, b, h, i)] if i < seqlen_q else acc(0)
 

@@ -35,6 +35,9 @@ def signatures():
     i64 = types.int64
     st4, st3 = types.UniTuple(i64, 5), types.UniTuple(i64, 4)
     mask = types.UniTuple(i64, 3)  # (diagonal, left, right), as numba_backend._mask builds it
+    # cu_seqlens_q, its (offset, stride), cu_seqlens_k, its, num_seqs (0: stand-ins, not a packed batch)
+    cu = (types.int32[::1], types.UniTuple(i64, 2))
+    offsets = cu + cu + (i64,)
     out = []
     for dtype in (types.float16, types.float32, types.float64):
         acc = numpy_support.from_dtype(accumulation_dtype(numpy_support.as_dtype(dtype).name))  # p.acc_dtype
@@ -55,7 +58,7 @@ def signatures():
             label = f"[{dtype}]" + "".join(f" {name} {t.dtype}" for name, t in zip(kinds, (slopes, bias, allow)) if t)
             for name, args in (("_flash_fwd", fwd), ("_flash_bwd_dkdv", dkdv), ("_flash_bwd_dq", dq),
                                ("_flash_probs", probs)):
-                out.append((name, label, args + head + arrays))
+                out.append((name, label, args + head + arrays + (() if name == "_flash_probs" else offsets)))
             if bias is not None:
                 dbias = (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, bias, types.UniTuple(i64, 4), i64, i64, i64, i64)
                 out.append(("_flash_bwd_dbias", label, dbias + head + arrays))
