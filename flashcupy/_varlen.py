@@ -127,12 +127,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         lengths = None if cu is None else np.diff(cu)
         if batch and lengths is not None and hint < lengths.max():
             raise ValueError(f"{name} must be at least the longest sequence, {int(lengths.max())}, got {hint}")
-    # the checks of attention itself, on the packed arrays as one sequence (shapes, dtypes, scale,
-    # modifiers); slopes per sequence are checked here and sliced per call
-    mods = dict(modifiers)
-    mods["alibi_slopes"] = None if mods.get("alibi_slopes") is None else _slopes_for(mods["alibi_slopes"], 0, batch)
-    p = _checks.problem(q[None], k[None], v[None], causal, scale, dtype, lib, **mods)
-    mod = _checks.select_backend(backend, lib, p, backward=backward)
+    p, mod = _packed_problem(q, k, v, batch, causal, scale, dtype, lib, modifiers, backend, backward)
     if cu_q is None and not _one_launch(mod, backward):
         # where the sequences are looped over on the host, the offsets are read there: checked, as by default
         return _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dtype,
@@ -170,16 +165,25 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     return (out, lse) if return_lse else out
 
 
+def _packed_problem(q, k, v, batch: int, causal, scale, dtype, lib, modifiers: dict, backend, backward=False):
+    """(Problem of the packed arrays, backend module): the checks of attention itself on the packed
+    arrays as one sequence (shapes, dtypes, scale, modifiers), (batch, heads_q) ALiBi slopes checked
+    against batch and sequence 0's taken (each call or kernel takes its sequence's)."""
+    mods = dict(modifiers)
+    slopes = mods.get("alibi_slopes")
+    mods["alibi_slopes"] = None if slopes is None else _slopes_for(slopes, 0, batch)
+    p = _checks.problem(q[None], k[None], v[None], causal, scale, dtype, lib, **mods)
+    return p, _checks.select_backend(backend, lib, p, backward=backward)
+
+
 def _packed_backend(q, k, v, batch: int, alibi_slopes, keywords: dict, backward: bool = False) -> tuple:
-    """(Problem of the packed arrays, backend module) of a call _varlen_plan validated before (the
-    keywords forward_packed and backward_packed take)."""
+    """_packed_problem of a call _varlen_plan validated before (the keywords forward_packed and
+    backward_packed take)."""
     kw = dict(keywords)
     kw.pop("deterministic", None)
     backend, causal, scale, dtype = (kw.pop(name, None) for name in ("backend", "causal", "scale", "dtype"))
-    lib = backends.array_library(q)
-    slopes0 = None if alibi_slopes is None else _slopes_for(alibi_slopes, 0, batch)
-    p = _checks.problem(q[None], k[None], v[None], bool(causal), scale, dtype, lib, alibi_slopes=slopes0, **kw)
-    return p, _checks.select_backend(backend or "auto", lib, p, backward=backward)
+    return _packed_problem(q, k, v, batch, bool(causal), scale, dtype, backends.array_library(q),
+                           dict(kw, alibi_slopes=alibi_slopes), backend or "auto", backward)
 
 
 def forward_packed(q, k, v, cu_q, cu_k, out, lse, *, alibi_slopes=None, device_offsets=None, **keywords) -> None:
