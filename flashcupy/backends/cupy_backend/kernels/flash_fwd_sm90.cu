@@ -57,6 +57,15 @@
 // initialised); named barrier 1 + c (the consumer's 128 threads) twice a tile: after the consumer's lead
 // thread waited for its last TMA store to have read O_c (wait_group.read 0), before anyone writes O_c;
 // and between writing O_c (each thread fenced for the async proxy) and the TMA store that reads it.
+// ZEROED (VARLEN, both consumers' 256 threads): between zeroing V_j's rows past the sequence in the last
+// key block (each thread fenced) and the P V_j that reads them.
+//
+// A packed batch (VARLEN; packed.forward_varlen): a CTA a slot of the grid over cu_seqlens_q (mask.cuh's
+// Sequence; a slot past its sequence's blocks exits at once), one tile, never persistent; the tensor maps
+// over the (1, total, heads, head_dim) tensors, the boxes at the sequence's rows. A box reaches past the
+// sequence into the next one's rows: Q's are computed and never stored, K's are masked by selection, V's
+// are zeroed (ZEROED: P = 0 times a NaN there would be NaN), and out leaves row by row from O_c (a TMA
+// store box would write the next sequence's rows) through `out`'s pointer, lse row by row as always.
 //
 // Requirements on the arguments, checked by the launcher (specs.sm90_eligible, flashcupy's
 // cupy_backend.forward_path): q, k, v, out contiguous along head_dim, 16-byte aligned, the other
@@ -66,7 +75,7 @@
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
 // BLOCK_M (64 CONSUMERS), BLOCK_N (a key block: 64 or 128), MODS (0 or MOD_WINDOW). `tiles`: the
-// query blocks times batch times heads_q.
+// query blocks times batch times heads_q (VARLEN: the grid's CTAs). VARLEN: a packed batch's kernel.
 
 #include "mask.cuh"
 #include "sm90_tile.cuh"
