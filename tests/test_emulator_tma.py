@@ -216,3 +216,43 @@ def test_a_bulk_reduce_reads_its_source_at_the_wait(rng):
 def test_a_bulk_reduce_of_a_size_not_a_multiple_of_16_is_reported(rng):
     with pytest.raises(KernelError, match=r"cp.reduce.async.bulk .add.f32.*not a positive multiple of 16"):
         blocks.bulk_reduce(kernel, rng, "size not a multiple of 16")
+
+
+# ----------------------------------------------------------------------------
+# flags between CTAs: the deterministic dQ of flash_bwd_sm90.cu (its CTAs add into a tile in turn)
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending", "shuffled", "warp_skew"])
+def test_adds_ordered_by_a_flag_are_the_same_bits_in_every_block_order(order, rng):
+    # descending: every CTA but the first parks at its flag wait, and resumes in turn
+    dst, want, flags = blocks.ordered_reduce(lambda name: kernel(name, order), rng)
+    np.testing.assert_array_equal(dst.view(np.int32), want.view(np.int32))
+    assert flags[0] == 5 and (flags[1:] == 0).all()
+
+
+def test_adds_without_the_flag_wait_follow_the_block_order(rng):
+    # the check above can fail: without the wait the CTAs add in the order the blocks run
+    dst, want, _ = blocks.ordered_reduce(lambda name: kernel(name, "ascending"), rng, "no flag wait")
+    np.testing.assert_array_equal(dst.view(np.int32), want.view(np.int32))
+    dst, want, _ = blocks.ordered_reduce(lambda name: kernel(name, "descending"), rng, "no flag wait")
+    assert (dst.view(np.int32) != want.view(np.int32)).any()
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("wait_group.read", r"flag_release_add .* 1 bulk store\(s\) or reduce-add\(s\) of this thread not complete"),
+    ("no fence after the wait", r"bulk_reduce_add_f32\) after a flag_wait .* without fence.proxy.async.global"),
+    ("no fence before the release", r"flag_release_add .* after bulk writes completed without fence.proxy.async.global"),
+])
+def test_a_release_or_an_add_out_of_order_with_the_proxies_is_reported(mode, message, rng):
+    with pytest.raises(KernelError, match=message):
+        blocks.ordered_reduce(lambda name: kernel(name, "descending"), rng, mode)
+
+
+def test_a_flag_that_never_reaches_its_value_is_a_deadlock(rng):
+    message = (r"5 block\(s\) wait for flags in global memory that no block raises; in block \(4,0,0\) 1 thread\(s\) "
+               r".* wait in flag_wait for the int at 0x[0-9a-f]+ to reach 5, and it holds 0")
+    with pytest.raises(DeadlockError, match=message):
+        blocks.ordered_reduce(lambda name: kernel(name, "descending"), rng, "a flag never reached")
+    # the launch after it parks and resumes its blocks as before (the parked stacks were released)
+    dst, want, _ = blocks.ordered_reduce(lambda name: kernel(name, "descending"), rng)
+    np.testing.assert_array_equal(dst.view(np.int32), want.view(np.int32))

@@ -8,8 +8,9 @@ legal setmaxnreg per warpgroup; and the wgmma cases of tests/test_emulator_wgmma
 SS and RS, f16 and bf16, N 64 and 128, each swizzle, K-major and transposed operands against NumPy,
 and wait_group 1 completing the older of two groups; and the TMA cases of tests/test_emulator_tma.py
 (tests/tma_blocks.py): 2D boxes with and without the 128B swizzle crossing the tensor's edge, 3D
-and 4D boxes, a walk through one mbarrier's phases, a store crossing an edge, and a TMA-loaded tile read by
-wgmma, byte for byte. On a GPU their maps come from the driver's cuTensorMapEncodeTiled through
+and 4D boxes, a walk through one mbarrier's phases, a store crossing an edge, a TMA-loaded tile read by
+wgmma, byte for byte, and bulk reduce-adds of 264 CTAs in turn through a flag (flag_wait_at_least,
+flag_release_add), the same bits as a float32 sum in CTA order. On a GPU their maps come from the driver's cuTensorMapEncodeTiled through
 cuda-bindings (flashcupy/tools/emulator/tma.py's gpu_tensor_map_bytes), from the same arguments the
 emulator's encode_tiled checks. The kernels (tests/emulator_kernels/hopper.cu, wgmma.cu and tma.cu)
 are compiled for
@@ -260,6 +261,13 @@ def test_tma_3d_and_4d_stores_crossing_the_edge(tma_kernel, shape, box, coords, 
 
 def test_bulk_reduce_adds_every_round_of_every_cta(tma_kernel, rng):
     tma_blocks.check_bulk_reduce(tma_kernel, rng, ctas=264)
+
+
+def test_adds_ordered_by_a_flag_are_the_same_bits_as_in_turn(tma_kernel, rng):
+    # 264 CTAs (two waves of an H200's 132 SMs), each waiting for the CTAs of lower index
+    dst, want, flags = tma_blocks.ordered_reduce(tma_kernel, rng, ctas=264)
+    np.testing.assert_array_equal(dst.view(np.int32), want.view(np.int32))
+    assert flags[0] == 264
 
 
 def test_tma_loaded_tile_read_by_wgmma(tma_kernel, rng):

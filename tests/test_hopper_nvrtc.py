@@ -107,6 +107,10 @@ TMA_SASS = {
     "tma_store_2d / 3d / 4d": "UTMASTG",
     "tma_store_commit_group": "UTMACMDFLUSH",
     "tma_store_wait_group_read": "DEPBAR",
+    "bulk_reduce_add_f32": "UBLKRED.G.S.ADD.F32",
+    "fence_proxy_async_global": "FENCE.VIEW.ASYNC.G",
+    "flag_wait_at_least": "LDG.E.STRONG.GPU",
+    "flag_release_add": "REDG.E.ADD.S32.STRONG.GPU",
 }
 
 

@@ -21,7 +21,7 @@ import wgmma_blocks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEST_KERNELS = os.path.join(HERE, "emulator_kernels", "tma.cu")
-NAMES = ("tma_box", "tma_copy", "tma_fill_store", "tma_qk", "tma_bulk_reduce")
+NAMES = ("tma_box", "tma_copy", "tma_fill_store", "tma_qk", "tma_bulk_reduce", "tma_ordered_reduce")
 SPAN = {"none": 16, "32B": 32, "64B": 64, "128B": 128}
 MODES = {"normal": 0, "misaligned": 1, "short": 2}
 
@@ -166,3 +166,22 @@ def check_bulk_reduce(kernel, rng, ctas=3):
     err = np.abs(dst - want)
     assert (err <= bound).all(), (f"{int((err > bound).sum())} of {dst.size} sums off: worst error "
                                   f"{err.max():.3g}, {float((err / bound).max()):.3g} x the bound")
+
+
+ORDERED_MODES = {"normal": 0, "no flag wait": 1, "wait_group.read": 2, "no fence after the wait": 3,
+                 "no fence before the release": 4, "a flag never reached": 5}
+
+
+def ordered_reduce(kernel, rng, mode="normal", ctas=5, floats=320):
+    """tma_ordered_reduce: (what `ctas` CTAs leave in dst, what adding src[0], src[1], .. in CTA order into
+    the start gives in float32, the flag)."""
+    base = rng.standard_normal(floats).astype(np.float32)
+    # terms of several magnitudes: float32 sums of them in another order round differently
+    src = (rng.standard_normal((ctas, floats)) * 10.0 ** rng.integers(-3, 4, (ctas, 1))).astype(np.float32)
+    dst, flags = base.copy(), np.zeros(4, dtype=np.int32)
+    kernel("tma_ordered_reduce")((ctas,), (64,), (dst, src.ravel(), flags, np.int32(floats),
+                                                  np.int32(ORDERED_MODES[mode])), shared_mem=floats * 4 + 1024)
+    want = base.copy()
+    for term in src:
+        want += term
+    return dst, want, flags

@@ -36,6 +36,19 @@
 //         1  thread 0 waits only after the last round (emulator only: the reads of every round's
 //            tile happen at that wait, so each round adds the last round's values)
 //         2  a size of floats * 4 - 4 bytes (emulator only: not a multiple of 16, a KernelError)
+//   tma_ordered_reduce(dst, src, flags, floats, mode)   64 threads a CTA, CTA b (x) adds src[b] into dst
+//       (floats each) after CTAs 0 .. b - 1, through one flag (flags[0], zero at the launch): the tile's
+//       ordinary stores fenced, __syncthreads, then thread 0 waits until the flag reaches b
+//       (flag_wait_at_least), fence_proxy_async_global, bulk_reduce_add_f32, commit, waits for the
+//       add's completion (tma_store_wait_group<0>, not .read), fence_proxy_async_global and raises the
+//       flag (flag_release_add 1). dst holds ((dst + src[0]) + src[1]) + .. in float32, bit for bit,
+//       whatever order the CTAs run in. Modes:
+//         0  as described
+//         1  no flag wait (emulator only: the adds in the order the blocks run)
+//         2  wait_group.read instead of the completion (emulator only: a KernelError at the release)
+//         3  no fence after the flag wait (emulator only: a KernelError at the reduce-add)
+//         4  no fence before the release (emulator only: a KernelError at the release)
+//         5  waits until the flag reaches b + 1 (emulator only: a DeadlockError naming the flag)
 //   tma_qk(map_q, map_k, out)   128 threads: Q (64 x 64) and K (64 x 64) fp16 boxes loaded with 128B
 //       swizzle, then S = Q K^T by 4 k16 steps of wgmma_ss<__half, 64> with 128B K-major
 //       descriptors (SBO 1024, +32 bytes per step): out[tid * 32 + i] = d[i].
@@ -149,6 +162,26 @@ extern "C" __global__ void __launch_bounds__(128) tma_qk(const __grid_constant__
     wgmma_wait_group<0>();
     wgmma_fence_operand<32>(d);
     for (int i = 0; i < 32; ++i) out[tid * 32 + i] = d[i];
+}
+
+extern "C" __global__ void tma_ordered_reduce(float* dst, const float* __restrict__ src, int* flags, int floats,
+                                              int mode) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* tile = reinterpret_cast<float*>(aligned_tile(smem));
+    const int tid = threadIdx.x, b = blockIdx.x;
+    for (int i = tid; i < floats; i += 64) tile[i] = src[b * floats + i];
+    fence_proxy_async();  // this thread's stores, before the bulk reduce reads them
+    __syncthreads();      // every thread's stores are in the tile before thread 0 issues
+    if (tid == 0) {
+        if (mode != 1) flag_wait_at_least(flags, mode == 5 ? b + 1 : b);  // CTAs 0 .. b - 1 have added
+        if (mode != 3) fence_proxy_async_global();  // the acquire, before the add (the async proxy)
+        bulk_reduce_add_f32(dst, tile, floats * 4);
+        tma_store_commit_group();
+        if (mode == 2) tma_store_wait_group_read<0>();
+        else tma_store_wait_group<0>();             // the add has completed
+        if (mode != 4) fence_proxy_async_global();  // its writes, before the release
+        flag_release_add(flags, 1);
+    }
 }
 
 extern "C" __global__ void tma_bulk_reduce(float* dst, const float* __restrict__ src, int floats, int rounds,

@@ -75,7 +75,11 @@ stands in for ``cupy.RawModule(code=..., name_expressions=..., options=...)``:
 
 Execution model
 ---------------
-Blocks run one after another. Each CUDA thread is a fiber (hand-written x86-64 stack switch; ucontext
+Blocks run one after another, but for a block whose threads all wait and some of them in
+``flag_wait_at_least`` (hopper.cuh: an int in global memory that another CTA raises): it is parked (its
+shared memory, stacks and per-block state kept aside) and resumed, in the same shared memory, once the
+int has reached the value (runtime/grid.h); parked blocks nothing can wake are a ``DeadlockError``. So a
+kernel that orders its CTAs' work through such flags gives the same result in every block order. Each CUDA thread is a fiber (hand-written x86-64 stack switch; ucontext
 on other machines) with its own stack of ``stack_size`` bytes and a guard page below it. A fiber runs
 until ``__syncthreads()`` (waits for every live thread of the block), a warp collective (``__syncwarp``,
 ``__shfl_sync``, ``__shfl_up/down/xor_sync``: waits for every live lane named in the mask, then
@@ -124,7 +128,13 @@ provides the same names, modelled in runtime.cpp (its part runtime/hopper.h):
   issue as the hardware lays it in shared memory (dense, dim 0 innermost, swizzled none/32B/64B/128B
   with the wgmma descriptor's XOR on the absolute shared address, so wgmma reads a 128B-swizzled box
   with a 128B descriptor), elements outside the tensor as zeros, then ``complete_tx`` of the whole
-  box on the mbarrier; ``tma_store_Nd`` writes the box back, skipping elements outside the tensor.
+  box on the mbarrier; ``tma_store_Nd`` writes the box back, skipping elements outside the tensor
+  (reading it at the ``wait_group`` that covers it, writing it at a ``wait_group`` without ``.read``
+  or the block's end; ``bulk_reduce_add_f32`` the same).
+- Flags between CTAs: ``flag_wait_at_least`` (ld.acquire.gpu in a loop) parks the block (above);
+  ``flag_release_add`` (red.release.gpu) adds. A bulk reduce-add after a flag wait needs
+  ``fence_proxy_async_global()`` between them, and a release needs the thread's bulk writes complete
+  (``tma_store_wait_group<0>()``) and fenced the same way since: otherwise a ``KernelError``.
   The map argument is ``encode_tiled(array, box, swizzle)`` (box and any ``dims``/``strides``/
   ``element_strides`` innermost first, as ``cuTensorMapEncodeTiled``, whose argument checks it makes:
   ``TensorMapError`` names the argument); the launch guards the array like a pointer argument and
@@ -173,7 +183,8 @@ Not faithful (by design or not yet)
 - Warps are not lockstep (the Volta+ model): warp-synchronous code without ``__syncwarp`` may fail,
   as it may on a modern GPU. Lanes named in a mask that have exited or do not exist are left out of
   the collective; a shuffle reading such a lane receives garbage.
-- Cooperative fibers: a thread or block spinning on a flag set by another never finishes.
+- Cooperative fibers: a thread or block spinning on a flag set by another never finishes, unless it
+  waits through ``flag_wait_at_least`` (above).
 - Static ``__shared__`` size is not counted against the shared-memory limit; static shared memory
   has no guard pages. Underflow reads just before dynamic shared memory are not caught.
 - sm_90: a TMA load lands when a thread waits on its mbarrier (include/emu_tma.h), not at issue.

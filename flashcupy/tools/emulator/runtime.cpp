@@ -43,7 +43,10 @@
 // switching), counters.h, warps.h (warp and warpgroup collectives), scheduler.h (blocks, passes,
 // barriers, deadlocks), signals.h (faults, the time limit, flush-to-zero), kernel_api.h (what a
 // kernel calls), hopper.h (the sm_90 synchronisation model), wgmma.h (wgmma), proxy.h (the async
-// proxy: which thread's ordinary shared-memory writes are fenced for wgmma and TMA) and tma.h (TMA).
+// proxy: which thread's ordinary shared-memory writes are fenced for wgmma and TMA), tma.h (TMA, and
+// flags between blocks) and grid.h (the grid: blocks in order, and blocks parked on flags).
+
+#include <memory>  // before cuda_emu.h, whose __noinline__ macro breaks libstdc++'s <memory>
 
 #define EMU_RUNTIME 1  // emu_hopper.h: the runtime is not a kernel module
 #include "cuda_emu.h"
@@ -173,6 +176,7 @@ struct EmuLaunchReport {
 #include "runtime/wgmma.h"
 #include "runtime/proxy.h"
 #include "runtime/tma.h"
+#include "runtime/grid.h"
 
 // ----------------------------------------------------------------------------
 // what Python calls
@@ -254,7 +258,10 @@ EMU_API int emu_launch(void (*entry)(void**), void** argv, const EmuLaunchConfig
 // pool of 1,024 stacks holds 2,048 of the process's 65,530 mappings (vm.max_map_count): the driver
 // calls this on the module that launched last whenever another one launches, so that a process that
 // loads hundreds of modules (one pytest worker) holds one module's stacks, not all of them.
-EMU_API void emu_release_stacks() { stacks.release(); }
+EMU_API void emu_release_stacks() {
+    release_parked_stacks();
+    stacks.release();
+}
 
 // The counters of the last launch (zero unless it was a counted one).
 EMU_API void emu_counters(EmuCounters* out) { *out = last_counters; }

@@ -45,7 +45,19 @@
 //                                      reduce-adds so far become its newest bulk group
 //   tma_store_wait_group_read<N>()     cp.async.bulk.wait_group.read N: at most the newest N groups
 //                                      still read their shared-memory source (it may be reused)
+//   tma_store_wait_group<N>()          cp.async.bulk.wait_group N: at most the newest N groups are
+//                                      not complete (their writes visible to this thread)
+//   fence_proxy_async_global()         fence.proxy.async.global: this thread's global-memory
+//                                      operations in one proxy ordered with those in the other (an
+//                                      acquire before a bulk reduce-add; its completed writes before
+//                                      a release)
+//   flag_wait_at_least(flag, n)        ld.acquire.gpu.global.s32 until the int at flag (global
+//                                      memory) is at least n: another CTA raises it     sm_70+
+//   flag_release_add(flag, n)          red.release.gpu.global.add.s32: *flag += n, this thread's
+//                                      writes before it seen by a CTA that acquires the sum
 //
+// Flags order CTAs: a CTA that waits for one must only wait for CTAs of lower linear index (the
+// hardware dispatches them no later), or those may never be resident beside it.
 // mbarrier semantics (PTX ISA, "Parallel Synchronization and Communication Instructions:
 // mbarrier"): a phase completes when its pending arrival count and its tx-count both reach zero;
 // the barrier then enters the next phase with count arrivals pending again. try_wait.parity p is
@@ -347,6 +359,28 @@ template <int N>
 __device__ __forceinline__ void tma_store_wait_group_read() {
     static_assert(N >= 0 && N <= 7, "cp.async.bulk.wait_group.read: N in [0, 7]");
     asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void tma_store_wait_group() {
+    static_assert(N >= 0 && N <= 7, "cp.async.bulk.wait_group: N in [0, 7]");
+    asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+
+// ---------------------------------------------------------------------------------------------
+// flags between CTAs (global memory, gpu scope)
+
+__device__ __forceinline__ void flag_wait_at_least(const int* flag, int value) {
+    int seen;
+    do {
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(flag) : "memory");
+    } while (seen < value);
+}
+
+__device__ __forceinline__ void flag_release_add(int* flag, int value) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(flag), "r"(value) : "memory");
 }
 
 #endif  // FLASHCUPY_EMULATOR

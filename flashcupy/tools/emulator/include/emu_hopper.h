@@ -46,6 +46,16 @@
 //                     callbacks; no other module is instrumented, so ordinary kernels pay nothing)
 //                     and cp.async landings; not seen: writes by the runtime's own code for the
 //                     kernel (none besides those), which no kernel here relies on.
+//   flags             between CTAs: flag_wait_at_least (ld.acquire.gpu until an int of global
+//                     memory reaches a value) blocks the thread while it is lower, and the
+//                     scheduler parks its block (runtime/scheduler.h: its shared memory, stacks and
+//                     state kept aside) to run the others, resuming it once the int has reached the
+//                     value; flag_release_add (red.release.gpu) adds. The proxies of global memory:
+//                     a bulk reduce-add issued after a flag_wait needs fence.proxy.async.global
+//                     between them (fence_proxy_async_global), and a release needs every bulk store
+//                     and reduce-add of the thread complete (cp.async.bulk.wait_group without .read)
+//                     and fenced the same way since; otherwise KernelErrors. Parked blocks that can
+//                     never resume are a DeadlockError naming the flag, its value and the awaited one.
 // A block whose threads all wait (barriers, mbarriers, collectives) with none able to complete
 // is a DeadlockError that names each mbarrier waited on (its shared-memory offset and phase).
 // The async proxy also needs a block barrier between another thread's fenced store and the wgmma or
@@ -72,6 +82,9 @@ void mbarrier_init_fence();
 bool mbarrier_try_wait_parity(void* bar, unsigned parity);
 void named_barrier(unsigned id, unsigned count, bool wait);
 void setmaxnreg(unsigned regs, bool increase);
+void flag_wait(const int* flag, int value);
+void flag_release_add(int* flag, int value);
+void fence_proxy_async_global();
 }  // namespace emu
 
 inline void mbarrier_init(unsigned long long* bar, unsigned count) { emu::mbarrier_init(bar, count); }
@@ -84,6 +97,11 @@ inline void mbarrier_complete_tx(unsigned long long* bar, unsigned bytes) { emu:
 inline bool mbarrier_try_wait_parity(unsigned long long* bar, unsigned parity) {
     return emu::mbarrier_try_wait_parity(bar, parity);
 }
+
+// Flags between CTAs (hopper.cuh): a CTA waits for other CTAs to raise an int in global memory
+inline void flag_wait_at_least(const int* flag, int value) { emu::flag_wait(flag, value); }
+inline void flag_release_add(int* flag, int value) { emu::flag_release_add(flag, value); }
+inline void fence_proxy_async_global() { emu::fence_proxy_async_global(); }
 
 inline void named_barrier_sync(unsigned id, unsigned count) { emu::named_barrier(id, count, true); }
 inline void named_barrier_arrive(unsigned id, unsigned count) { emu::named_barrier(id, count, false); }

@@ -18,17 +18,21 @@
 //                 128-byte aligned (with or without swizzle), a box reaching
 //                 outside shared memory, or an element of the tensor outside the array the map
 //                 was made from (the guarded argument buffer) are KernelErrors naming the thread.
-//   tma_store     checked on issue (the same checks); the box is copied from shared memory (the same
-//                 layout) to global memory when a wait_group.read covers its group, so a source
-//                 overwritten before that wait is stored as overwritten; elements outside the tensor
-//                 are not written.
+//   tma_store     checked on issue (the same checks); the box is read from shared memory (the same
+//                 layout) when a wait_group (.read or not) covers its group, so a source overwritten
+//                 before that wait is stored as overwritten, and written to global memory when a
+//                 wait_group without .read covers it, or at the block's end; elements outside the
+//                 tensor are not written.
 //   async proxy   a load's landing makes its bytes async-written, a store's source read is an
 //                 async-proxy read: an ordinary store to it that its writer has not followed with
 //                 fence.proxy.async is a KernelError naming the writer (emu_hopper.h, runtime/proxy.h).
 //   reduce-add    bulk_reduce_add_f32 (cp.reduce.async.bulk .add.f32, no tensor map): checked at issue
 //                 (16-byte alignment and size, the source in shared memory and fenced, the destination
-//                 inside one array argument); its source is read and added into global memory when a
-//                 wait_group.read covers its group, so a source overwritten before that wait is wrong.
+//                 inside one array argument); its source is read when a wait_group (.read or not)
+//                 covers its group, so a source overwritten before that wait is wrong, and added into
+//                 global memory when a wait_group without .read covers it (tma_store_wait_group), or
+//                 at the block's end. A reduce-add after a flag_wait needs fence.proxy.async.global
+//                 between them (emu_hopper.h's flags).
 //   commit / wait stores not committed, or groups not waited for (wait_group.read N leaves at most N),
 //                 when the thread exits are a KernelError (the next CTA on the SM may own that memory).
 // Not modelled: a swizzled box whose inner extent is narrower than the swizzle span (encode_tiled
@@ -65,7 +69,7 @@ void tma_load(void* dst, const void* map, int rank, const int* coords, void* bar
 void tma_store(const void* map, int rank, const int* coords, const void* src);
 void bulk_reduce_add_f32(float* dst, const float* src, unsigned bytes);
 void tma_commit_group();
-void tma_wait_group_read(int pending);
+void tma_wait_group(int pending, bool read_only);
 }  // namespace emu
 
 // hopper.cuh's TensorMap (the driver's CUtensorMap there), here holding a TmaMapLayout.
@@ -103,5 +107,10 @@ inline void tma_store_commit_group() { emu::tma_commit_group(); }
 template <int N>
 inline void tma_store_wait_group_read() {
     static_assert(N >= 0 && N <= 7, "cp.async.bulk.wait_group.read: N in [0, 7]");
-    emu::tma_wait_group_read(N);
+    emu::tma_wait_group(N, true);
+}
+template <int N>
+inline void tma_store_wait_group() {
+    static_assert(N >= 0 && N <= 7, "cp.async.bulk.wait_group: N in [0, 7]");
+    emu::tma_wait_group(N, false);
 }

@@ -85,8 +85,9 @@ void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc);
 
 // kAtMbarrier: in mbarrier.try_wait.parity until the phase completes (Fiber::mbarrier);
 // kAtNamed: in bar.sync until its named barrier completes; kAtWarpgroup: in setmaxnreg until the
-// 128 threads of its warpgroup are there.
-enum class State : unsigned char { kRunnable, kAtBarrier, kAtWarp, kAtMbarrier, kAtNamed, kAtWarpgroup, kDone };
+// 128 threads of its warpgroup are there; kAtFlag: in flag_wait until an int in global memory, which
+// another block raises, reaches a value (Fiber::flag; scheduler.h parks the block meanwhile).
+enum class State : unsigned char { kRunnable, kAtBarrier, kAtWarp, kAtMbarrier, kAtNamed, kAtWarpgroup, kAtFlag, kDone };
 
 struct Arrival {
     int kind;
@@ -108,11 +109,14 @@ struct PendingCopy {
 };
 
 // One bulk store or reduce-add in flight (runtime/tma.h: a TMA store, cp.reduce.async.bulk .add.f32):
-// checked when issued; `perform` reads its shared-memory source and writes (or adds) global memory when
-// a wait_group.read covers its bulk group.
+// checked when issued; `read` takes its shared-memory source when a wait_group (.read or not) covers
+// its bulk group, `write` writes (or adds) it into global memory when a wait_group without .read covers
+// it, or when the block ends (the latest a GPU completes it).
 struct PendingBulk {
-    std::function<void()> perform;
+    std::function<void()> read;
+    std::function<void()> write;
     long group;  // -1 until cp.async.bulk.commit_group puts it in the thread's newest bulk group
+    bool read_done = false;
 };
 
 // One TMA load in flight (runtime/tma.h): checked when issued, its box copied when a thread waits on its
@@ -140,7 +144,11 @@ struct Fiber {
     int bulk_open;            // TMA stores issued and not yet committed (cp.async.bulk.commit_group)
     int bulk_reading;         // committed bulk groups not yet waited for (cp.async.bulk.wait_group.read)
     long bulk_committed;      // bulk groups committed since the block began
-    std::vector<PendingBulk> bulk;  // bulk stores and reduce-adds whose group is not yet waited for
+    std::vector<PendingBulk> bulk;  // bulk stores and reduce-adds not yet complete (written)
+    const int* flag;          // kAtFlag: the int awaited (global memory)
+    int flag_value;           // kAtFlag: the value it must reach
+    bool acquired_unfenced;   // a flag_wait since the thread's last fence.proxy.async.global
+    bool written_unfenced;    // bulk writes completed (wait_group) since its last fence.proxy.async.global
 };
 
 // An mbarrier object (emu_hopper.h): the state the PTX ISA describes, kept beside shared memory.

@@ -4,9 +4,10 @@
 // translation unit (one object, compiled once per toolchain, as before the split); include
 // it nowhere else. It uses what the parts before it declare.
 //
-// A grid runs block by block; within a block, passes over the runnable fibers in the launch's
-// thread order until every fiber is done; __syncthreads() completes when every live fiber is at
-// it; a block where no fiber can go on is reported (report_deadlock, naming what each one waits for).
+// A block runs in passes over the runnable fibers in the launch's thread order until every fiber is
+// done; __syncthreads() completes when every live fiber is at it; a block where no fiber can go on is
+// reported (report_deadlock, naming what each one waits for), unless some wait for a flag in global
+// memory, which another block may raise: then runtime/grid.h, which runs the grid, parks it.
 
 namespace {
 
@@ -98,7 +99,8 @@ void order_pass(Launch& l) {
     if (l.config->order == kShuffled) std::shuffle(order.begin(), order.end(), l.rng);
 }
 
-void run_block(Launch& l) {
+// A block's start: its shared memory garbage, its per-block state reset, its fibers at the kernel's entry.
+void start_block(Launch& l) {
     if (__start_emu_shared) std::memset(__start_emu_shared, kGarbage, __stop_emu_shared - __start_emu_shared);
     std::memset(l.shared.data_lo, kGarbage, l.shared.data_hi - l.shared.data_lo);
     l.mbarriers.clear();
@@ -115,8 +117,22 @@ void run_block(Launch& l) {
         l.fibers[i].bulk_open = l.fibers[i].bulk_reading = 0;
         l.fibers[i].bulk_committed = 0;
         l.fibers[i].bulk.clear();
+        l.fibers[i].acquired_unfenced = l.fibers[i].written_unfenced = false;
         l.fibers[i].context.prepare(stacks.stack_lo(i), stacks.bytes);
     }
+}
+
+// The threads waiting in flag_wait whose flag has reached its value go on.
+bool wake_flag_waiters(Launch& l) {
+    bool woke = false;
+    for (Fiber& f : l.fibers)
+        if (f.state == State::kAtFlag && *f.flag >= f.flag_value) f.state = State::kRunnable, woke = true;
+    return woke;
+}
+
+// Runs the block until it ends (true) or until every thread that can go on waits for a flag that
+// another block must raise (false: runtime/grid.h parks it).
+bool advance_block(Launch& l) {
     auto run = [&l](Fiber& f) {
         emu::builtins.thread_idx = f.tid;
         l.current = &f;
@@ -124,6 +140,7 @@ void run_block(Launch& l) {
         l.current = nullptr;
     };
     for (;;) {
+        wake_flag_waiters(l);
         order_pass(l);
         if (l.config->order == kWarpSkew) {
             std::size_t n = l.fibers.size();
@@ -146,21 +163,33 @@ void run_block(Launch& l) {
         }
         resolve_warps(l);
         resolve_warpgroups(l);
-        bool done = true, runnable = false, all_at_barrier = true;
+        bool done = true, runnable = false, all_at_barrier = true, at_flag = false;
         for (const Fiber& f : l.fibers) {
             done &= f.state == State::kDone;
             runnable |= f.state == State::kRunnable;
             all_at_barrier &= f.state == State::kDone || f.state == State::kAtBarrier;
+            at_flag |= f.state == State::kAtFlag;
         }
-        if (done) break;
+        if (done) return true;
         if (runnable) continue;
         if (!all_at_barrier && land_awaited_tma_loads()) continue;  // a waiter's TMA loads have landed
+        if (at_flag) {
+            if (wake_flag_waiters(l)) continue;  // a thread of this block raised it
+            return false;
+        }
         if (!all_at_barrier) report_deadlock(l);
         if (l.counting) ++l.counting->totals.barriers;
         ++l.barrier_epoch;
         for (Fiber& f : l.fibers)
             if (f.state == State::kAtBarrier) f.state = State::kRunnable;
     }
+}
+
+void complete_bulk_writes(Launch& l);  // runtime/tma.h
+
+// A block's end: its counts, its bulk writes still in flight, and the checks of what it left behind.
+void finish_block(Launch& l) {
+    complete_bulk_writes(l);
     if (l.counting) {
         flush_counts(l);
         ++l.counting->totals.ctas;
@@ -177,32 +206,6 @@ void run_block(Launch& l) {
                 "the launch requested (found after the block ended; the writing thread is unknown)",
                 emu::builtins.block_idx.x, emu::builtins.block_idx.y, emu::builtins.block_idx.z, overrun,
                 l.shared.bytes);
-    }
-}
-
-void run_grid(Launch& l) {
-    const EmuLaunchConfig& c = *l.config;
-    emu::builtins.grid_dim = dim3(c.grid[0], c.grid[1], c.grid[2]);
-    emu::builtins.block_dim = dim3(c.block[0], c.block[1], c.block[2]);
-    unsigned threads = c.block[0] * c.block[1] * c.block[2];
-    l.fibers.resize(threads);
-    l.pass_order.resize(threads);
-    for (unsigned i = 0; i < threads; ++i) {
-        Fiber& f = l.fibers[i];
-        f.tid = uint3{i % c.block[0], i / c.block[0] % c.block[1], i / (c.block[0] * c.block[1])};
-        f.warp = i / 32;
-        f.lane = i % 32;
-    }
-    std::size_t blocks = std::size_t{c.grid[0]} * c.grid[1] * c.grid[2];
-    std::vector<std::size_t> block_order(blocks);
-    for (std::size_t b = 0; b < blocks; ++b) block_order[b] = b;
-    if (c.order == kDescending || c.order == kWarpSkew) std::reverse(block_order.begin(), block_order.end());
-    if (c.order == kShuffled) std::shuffle(block_order.begin(), block_order.end(), l.rng);
-    for (std::size_t b : block_order) {
-        emu::builtins.block_idx = uint3{static_cast<unsigned>(b % c.grid[0]),
-                                        static_cast<unsigned>(b / c.grid[0] % c.grid[1]),
-                                        static_cast<unsigned>(b / (std::size_t{c.grid[0]} * c.grid[1]))};
-        run_block(l);
     }
 }
 

@@ -198,8 +198,13 @@ void emu::tma_store(const void* map, int rank, const int* coords, const void* sr
         if (active->counting && to) count.element(to, b.map->element_bytes);
     }
     const unsigned bytes = b.map->element_bytes;
-    active->current->bulk.push_back({[copies = std::move(copies), bytes] {
-        for (const auto& c : copies) std::memcpy(reinterpret_cast<void*>(c.first), c.second, bytes);
+    auto taken = std::make_shared<std::vector<unsigned char>>(copies.size() * bytes);
+    auto places = std::make_shared<std::vector<std::pair<std::uintptr_t, const unsigned char*>>>(std::move(copies));
+    active->current->bulk.push_back({[places, taken, bytes] {
+        for (std::size_t i = 0; i < places->size(); ++i) std::memcpy(taken->data() + i * bytes, (*places)[i].second, bytes);
+    }, [places, taken, bytes] {
+        for (std::size_t i = 0; i < places->size(); ++i)
+            std::memcpy(reinterpret_cast<void*>((*places)[i].first), taken->data() + i * bytes, bytes);
     }, -1});
     ++active->current->bulk_open;
     if (active->counting) count.add(kTmaStoreShared, kTmaStoreGlobal, b);
@@ -223,11 +228,15 @@ void emu::bulk_reduce_add_f32(float* dst, const float* src, unsigned bytes) {
         misuse("%s: the destination %p (%u bytes) is not inside one array argument of the launch", what, dst, bytes);
     proxy_async_read(s, bytes, *active->current, what, active->barrier_epoch);
     Fiber& self = *active->current;
-    self.bulk.push_back({[d, s, bytes] {
-        auto* to = reinterpret_cast<float*>(d);
-        const auto* from = reinterpret_cast<const float*>(s);
-        for (unsigned e = 0; e < bytes / 4; ++e) to[e] += from[e];
-    }, -1});
+    if (self.acquired_unfenced)
+        misuse("%s after a flag_wait (ld.acquire) without fence.proxy.async.global since: the reduce-add, in "
+               "the async proxy, is not ordered after the acquire", what);
+    auto taken = std::make_shared<std::vector<float>>(bytes / 4);
+    self.bulk.push_back({[s, taken] { std::memcpy(taken->data(), reinterpret_cast<const void*>(s), taken->size() * 4); },
+                         [d, taken] {
+                             auto* to = reinterpret_cast<float*>(d);
+                             for (std::size_t e = 0; e < taken->size(); ++e) to[e] += (*taken)[e];
+                         }, -1});
     ++self.bulk_open;
     if (active->counting) {  // the store rows: the same unit, the same direction (counters.py, "TMA")
         TmaCount count;
@@ -249,17 +258,75 @@ void emu::tma_commit_group() {
     ++self.bulk_reading;
 }
 
-// The groups older than the newest `pending` are complete: their stores and reduce-adds read their
-// sources now, in issue order.
-void emu::tma_wait_group_read(int pending) {
-    if (pending < 0 || pending > 7) misuse("cp.async.bulk.wait_group.read %d: N must be in [0, 7]", pending);
+// The groups older than the newest `pending` have read their sources (.read: their stores and
+// reduce-adds read them now, in issue order) or completed (no .read: read if not yet, then written into
+// global memory, in issue order; the thread must run fence.proxy.async.global before a flag_release_add
+// publishes them, as the writes were the async proxy's).
+void emu::tma_wait_group(int pending, bool read_only) {
+    if (pending < 0 || pending > 7)
+        misuse("cp.async.bulk.wait_group%s %d: N must be in [0, 7]", read_only ? ".read" : "", pending);
     Fiber& self = *active->current;
     self.bulk_reading = std::min(self.bulk_reading, pending);
     const long done = self.bulk_committed - self.bulk_reading;
     std::vector<PendingBulk> later;
     for (PendingBulk& op : self.bulk) {
-        if (op.group >= 0 && op.group < done) op.perform();
+        const bool covered = op.group >= 0 && op.group < done;
+        if (covered && !op.read_done) op.read(), op.read_done = true;
+        if (covered && !read_only) op.write(), self.written_unfenced = true;
         else later.push_back(std::move(op));
     }
     self.bulk = std::move(later);
+}
+
+namespace {
+// The end of a block: every bulk store and reduce-add not yet complete lands (read, if no wait did, then
+// written), thread by thread in issue order.
+void complete_bulk_writes(Launch& l) {
+    for (Fiber& f : l.fibers) {
+        for (PendingBulk& op : f.bulk) {
+            if (!op.read_done) op.read();
+            op.write();
+        }
+        f.bulk.clear();
+    }
+}
+
+// ----------------------------------------------------------------------------
+// flags in global memory, between blocks (emu_hopper.h's flag_wait, flag_release_add)
+
+void check_flag(const int* flag, const char* what) {
+    const auto a = reinterpret_cast<std::uintptr_t>(flag);
+    bool inside = false;
+    for (const GlobalRegion& g : global_regions) inside |= a >= g.base && a + sizeof(int) <= g.hi;
+    if (!inside || a % alignof(int)) misuse("%s: the flag at %p is not an aligned int inside an array argument", what, flag);
+}
+}  // namespace
+
+void emu::flag_wait(const int* flag, int value) {
+    check_flag(flag, "flag_wait (ld.acquire.gpu)");
+    Fiber& self = *active->current;
+    self.acquired_unfenced = true;
+    if (*flag >= value) return;
+    self.flag = flag;
+    self.flag_value = value;
+    block_until_scheduled(self, State::kAtFlag);  // scheduler.h wakes it once *flag >= value
+}
+
+void emu::flag_release_add(int* flag, int value) {
+    const char* what = "flag_release_add (red.release.gpu)";
+    check_flag(flag, what);
+    Fiber& self = *active->current;
+    if (!self.bulk.empty())
+        misuse("%s with %zu bulk store(s) or reduce-add(s) of this thread not complete (cp.async.bulk.wait_group 0, "
+               "not .read, completes them): a block that acquires the flag may not see their writes", what,
+               self.bulk.size());
+    if (self.written_unfenced)
+        misuse("%s after bulk writes completed without fence.proxy.async.global since: they are the async "
+               "proxy's, the release the generic proxy's", what);
+    *flag += value;
+}
+
+void emu::fence_proxy_async_global() {
+    Fiber& self = *active->current;
+    self.acquired_unfenced = self.written_unfenced = false;
 }
