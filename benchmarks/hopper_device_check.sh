@@ -15,7 +15,7 @@ if [ "${FORWARD:-1}" = 1 ]; then
     timeout 150 python3 benchmarks/hopper_forward_check.py > "$out/forward.txt" 2>&1; tail -24 "$out/forward.txt"
 fi
 if [ "${BACKWARD:-1}" = 1 ]; then
-    timeout 150 python3 benchmarks/hopper_backward_check.py > "$out/backward.txt" 2>&1; tail -27 "$out/backward.txt"
+    timeout 240 python3 benchmarks/hopper_backward_check.py > "$out/backward.txt" 2>&1; tail -27 "$out/backward.txt"
 fi
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
 if [ -n "$ncu" ] && [ "${NCU:-1}" = 1 ]; then

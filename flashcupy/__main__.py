@@ -40,9 +40,10 @@ def cmd_info(args) -> int:
           "  with 16-byte aligned rows; the SIMT kernels for everything else. On compute capability 9.0\n"
           "  those calls run on the Hopper kernels (TMA, wgmma, warp specialisation; sm_90a) when they have\n"
           "  no modifier but the window, no split-KV, and strides a tensor map describes (positive,\n"
-          "  multiples of 16 bytes), packed batches (attention_varlen, contiguous KV caches) included;\n"
-          "  softcap, ALiBi, bias, mask, split-KV, paged KV caches and deterministic=True stay on\n"
-          "  mma.sync (cupy_backend.forward_path / backward_path say which kernel a call takes)")
+          "  multiples of 16 bytes), packed batches (attention_varlen, contiguous KV caches) and\n"
+          "  deterministic=True (dQ added in key-block order) included; softcap, ALiBi, bias, mask,\n"
+          "  split-KV and paged KV caches stay on mma.sync (cupy_backend.forward_path / backward_path\n"
+          "  say which kernel a call takes)")
     try:
         import cupy
         print(f"cupy {cupy.__version__}")

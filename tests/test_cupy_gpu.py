@@ -80,7 +80,8 @@ def test_long_sequence_has_no_nan(rng):
                                   (1, 333, 200, 2, 1, 40, True)], ids=case_id)
 def test_tensor_core_backward(rng, case, fmt):
     """Many query and key blocks through the tensor-core backward kernels (flash_bwd_tc.cu; on compute
-    capability 9.0 the Hopper one, flash_bwd_sm90.cu, then the deterministic flash_bwd_tc.cu too)."""
+    capability 9.0 the Hopper one, flash_bwd_sm90.cu), then deterministic (flash_bwd_tc.cu's kernels; on 9.0
+    flash_bwd_sm90.cu's dQ added in key-block order): twice, the same bits."""
     import cupy
     from flashcupy.backends import cupy_backend
     B, Sq, Sk, Hq, Hkv, D, causal = case
@@ -98,6 +99,9 @@ def test_tensor_core_backward(rng, case, fmt):
         grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=causal, dtype=dtype,
                                              deterministic=deterministic)
         assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout, causal=causal, backend="cupy")
+    again = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=causal, dtype=dtype, deterministic=True)
+    for a, b in zip(grads, again):
+        np.testing.assert_array_equal(a.get(), b.get())
 
 
 def test_packed_batch_keeps_each_sequence_to_itself(rng):
@@ -112,6 +116,11 @@ def test_packed_batch_keeps_each_sequence_to_itself(rng):
     dq_, dk_, dv_, ddout, dcu_q, dcu_k = on_device(q, k, v, dout, cu_q, cu_k)
     out, lse = flashcupy.attention_varlen(dq_, dk_, dv_, dcu_q, dcu_k, causal=True, return_lse=True)
     grads = flashcupy.attention_varlen_backward(ddout, dq_, dk_, dv_, out, lse, dcu_q, dcu_k, causal=True)
+    # deterministic: the same bits twice (on an H100/H200 the packed slots' key blocks add in turn)
+    ordered = [flashcupy.attention_varlen_backward(ddout, dq_, dk_, dv_, out, lse, dcu_q, dcu_k, causal=True,
+                                                   deterministic=True) for _ in range(2)]
+    for a, b in zip(*ordered):
+        np.testing.assert_array_equal(a.get(), b.get())
     out, lse, dq, dk, dv = (x.get() for x in (out, lse, *grads))
     for b in (0, 3, 4):
         sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])

@@ -18,7 +18,7 @@ import pytest
 
 import flashcupy
 from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv
-from varlen_checks import packed_batch_matches_the_oracle
+from varlen_checks import packed_batch_matches_the_oracle, packed_inputs
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import catalog, sources, specs
 from flashcupy.tools import emulator
@@ -66,11 +66,12 @@ def test_the_hopper_forward_takes_16_bit_calls_up_to_head_dim_128(rng, dtype, he
     assert _forward_templates(q, k, v, causal=True, **kw) == {"flash_fwd_sm90"}
     assert _forward_templates(q, k, v, window=(5, 3), **kw) == {"flash_fwd_sm90"}
     assert _backward_templates(q, k, v, causal=True, **kw) == {"flash_bwd_dkdv_sm90"}
+    assert _backward_templates(q, k, v, causal=True, deterministic=True, **kw) == {"flash_bwd_dkdv_sm90"}
 
 
 def test_other_calls_keep_the_mma_sync_kernels(rng):
     q, k, v = make_qkv(rng, 1, 20, 20, 1, 1, 64, np.float16)
-    # another device, the switch, a modifier they do not take, split-KV; deterministic for the backward
+    # another device, the switch, a modifier they do not take, split-KV
     assert _forward_templates(q, k, v, compute_capability=80) == {"flash_fwd_tc"}
     assert _backward_templates(q, k, v, compute_capability=80) == {"flash_bwd_dkdv_tc"}
     with mock.patch.object(cupy_backend, "USE_WGMMA", False):
@@ -78,7 +79,7 @@ def test_other_calls_keep_the_mma_sync_kernels(rng):
         assert _backward_templates(q, k, v) == {"flash_bwd_dkdv_tc"}
     assert _forward_templates(q, k, v, softcap=5.0) == {"flash_fwd_tc"}
     assert _backward_templates(q, k, v, softcap=5.0) == {"flash_bwd_dkdv_tc"}
-    assert _backward_templates(q, k, v, deterministic=True) == {"flash_bwd_dkdv_tc", "flash_bwd_dq_tc"}
+    assert _backward_templates(q, k, v, softcap=5.0, deterministic=True) == {"flash_bwd_dkdv_tc", "flash_bwd_dq_tc"}
     _, k, v = make_qkv(rng, 1, 1, 300, 1, 1, 64, np.float16)  # 300 keys: two splits of 256 and 44
     names = []
     with emulated(compile=recording(names), compute_capability=HOPPER):
@@ -166,7 +167,8 @@ def test_the_hopper_kernels_match_the_oracle(rng, order, dtype, case):
 SYNC = re.compile(r"\b(?:__syncthreads\(\)|mbarrier_wait_parity\([^;]*\)|mbarrier_arrive\([^;]*\)|"
                   r"mbarrier_init_fence\(\)|wgmma_fence\(\)|wgmma_wait_group<\d+>\(\)|wgmma_commit_group\(\)|"
                   r"fence_proxy_async\(\)|named_barrier_sync\([^;]*\)|named_barrier_arrive\([^;]*\)|"
-                  r"tma_store_wait_group_read<\d+>\(\)|tma_store_commit_group\(\));")
+                  r"tma_store_wait_group_read<\d+>\(\)|tma_store_commit_group\(\)|tma_store_wait_group<\d+>\(\)|"
+                  r"fence_proxy_async_global\(\)|flag_wait_at_least\([^;]*\)|flag_release_add\([^;]*\));")
 
 
 def _calls(kernel):
@@ -177,6 +179,11 @@ def _calls(kernel):
 
 def _name(call):
     return re.split(r"[(<]", call)[0]
+
+
+def _line(kernel, n):
+    with open(f"{sources.KERNEL_DIR}/{kernel}", encoding="utf-8") as f:
+        return f.read().splitlines()[n - 1]
 
 
 def _tagged(kernel, n, tag):
@@ -190,9 +197,12 @@ def _tagged(kernel, n, tag):
 # see it: "[registers]", a wgmma wait that frees registers before more accumulators are live (removed,
 # ptxas serialises the wgmma pipeline: test_a_wait_for_registers_is_needed checks that with NVRTC), and
 # "[pingpong]", the consumers' turns, a schedule for the tensor cores (only a GPU's timing shows it).
-REGISTERS, PINGPONG = "[registers]", "[pingpong]"
+# "[deterministic]": the ordered dQ of the deterministic backward (DETERMINISTIC), which the runs below
+# do not compile: test_each_step_of_the_ordered_dq_is_needed removes each of them.
+REGISTERS, PINGPONG, DETERMINISTIC = "[registers]", "[pingpong]", "[deterministic]"
 SYNC_POINTS = [(kernel, n) for kernel in KERNELS for n, call in _calls(kernel)
-               if not _tagged(kernel, n, REGISTERS) and not _tagged(kernel, n, PINGPONG)]
+               if not any(_tagged(kernel, n, tag) for tag in (REGISTERS, PINGPONG, DETERMINISTIC))]
+ORDERED_DQ_POINTS = [n for n, call in _calls("flash_bwd_sm90.cu") if DETERMINISTIC in _line("flash_bwd_sm90.cu", n)]
 REGISTER_POINTS = [(kernel, n) for kernel in KERNELS for n, call in _calls(kernel) if _tagged(kernel, n, REGISTERS)]
 # forward: 2 query blocks, 3 key blocks; backward: 3 key blocks, 3 passes: both rings' stages reused.
 # Then two tiles of one key block each: the producer reaches the second tile's Q_i before the consumers
@@ -210,6 +220,9 @@ def test_the_sync_points_are_found():
                 "fence_proxy_async", "named_barrier_sync"} <= set(names), kernel
         assert {"__syncthreads", "mbarrier_init_fence"} <= set(names), kernel
     assert {"tma_store_commit_group", "tma_store_wait_group_read"} <= {_name(call) for _, call in _calls(KERNELS[0])}
+    ordered = [_name(call) for n, call in _calls("flash_bwd_sm90.cu") if n in ORDERED_DQ_POINTS]
+    assert ordered == ["flag_wait_at_least", "fence_proxy_async_global", "tma_store_wait_group",
+                       "fence_proxy_async_global", "flag_release_add"]
 
 
 def _without(kernel, lineno, tmp_path, pattern=SYNC, replacement=";"):
@@ -279,7 +292,7 @@ def test_the_wait_for_registers_is_needed(tmp_path):
     with mock.patch.object(sources, "KERNEL_DIR", str(mutant_dir)):
         mutant = sources.read_source(kernel)
     (module,) = [m for m in catalog.sm90_modules() if m.source_file == kernel and m.kernels[1].head_dim == 128
-                 and not m.kernels[1].varlen
+                 and not m.kernels[1].varlen and not m.kernels[1].deterministic
                  and m.kernels[1].dtype == "float16" and not m.kernels[1].mods]
     try:
         toolkit = nvrtc.cupy_toolkit()
@@ -299,3 +312,75 @@ def test_a_dropped_dq_reduction_is_caught(rng, tmp_path):
     _, original, mutant = _without("flash_bwd_sm90.cu", lineno, tmp_path, reduce,
                                    "if (c == 0) bulk_reduce_add_f32(tile, dQ_s, DQ_BYTES);")
     assert _bitten(rng, original, mutant, orders=("ascending",))
+
+
+# ----------------------------------------------------------------------------
+# deterministic=True: each dQ tile's adds in key-block order (flash_bwd_sm90.cu's DETERMINISTIC)
+
+
+# Somewhere each sees a query block with three or more key blocks (of 128 keys) adding into its tile:
+# float32 sums of three parts or more round differently in another order (two commute, into zeros)
+ORDERED_CASES = [
+    (1, 200, 400, 2, 1, 64, False, None),       # GQA: a CTA's passes over two query heads' tiles
+    (1, 300, 420, 1, 1, 128, True, None),       # causal, bottom-right: the last query blocks see 4 key blocks
+    (1, 260, 520, 1, 1, 64, False, (300, 20)),  # the window: the first key block of a band (key_start) not 0
+    ([150, 40], [330, 60]),                     # a packed batch: the slots' order, descending key blocks
+]
+
+
+def _ordered_backward(order, case, deterministic=True, compile=compile_module):
+    """The backward of `case` (dq, dk, dv) on the emulated H100 in `order`, with what the oracle needs."""
+    rng = np.random.default_rng(5)
+    with emulated(order, compile=compile, compute_capability=HOPPER):
+        if len(case) == 2:  # a packed batch
+            q, k, v, cu_q, cu_k = packed_inputs(rng, *case, 1, 1, 64, np.float16)
+            dout = rng.standard_normal(q.shape).astype(np.float16)
+            out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend="cupy")
+            grads = flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, backend="cupy",
+                                                        deterministic=deterministic)
+            return grads, None
+        B, Sq, Sk, Hq, Hkv, D, causal, window = case
+        q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
+        dout = rng.standard_normal(q.shape).astype(np.float16)
+        kw = dict(causal=causal, window=window)
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+        grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", deterministic=deterministic,
+                                             **kw)
+    return grads, ((out, lse, *grads), q, k, v, dout, kw)
+
+
+def _same_bits(a, b):
+    return all((x.view(np.uint16) == y.view(np.uint16)).all() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("case", ORDERED_CASES, ids=["gqa", "causal", "window", "packed"])
+def test_the_deterministic_hopper_backward_is_the_same_bits_in_every_block_order(case):
+    # descending and shuffled: CTAs park at their turn and resume once the key blocks before them added
+    names = []
+    want, oracle = _ordered_backward("ascending", case, compile=recording(names))
+    assert {name for name in names if name.startswith("flash_bwd_dkdv_sm90")} == {
+        name for name in names if name.startswith("flash_bwd_dkdv_sm90") and name.endswith("true>")}
+    if oracle is not None:  # the packed batch's sequences: test_varlen's HOPPER_PACKED
+        got, q, k, v, dout, kw = oracle
+        assert_matches_oracle(got, q, k, v, dout, backend="cupy", **kw)
+    for order in ("descending", "shuffled", "warp_skew"):
+        assert _same_bits(_ordered_backward(order, case)[0], want), order
+    # the check can fail: without the order the CTAs add in the order the blocks run
+    assert not _same_bits(_ordered_backward("descending", case, deterministic=False)[0][:1], want[:1])
+
+
+@pytest.mark.parametrize("lineno", ORDERED_DQ_POINTS)
+def test_each_step_of_the_ordered_dq_is_needed(tmp_path, lineno):
+    # without the wait: dQ in the blocks' order; without a fence or the completion: the emulator's proxy
+    # checks of the release and the add; without the release: the later key blocks' turns never come
+    call, original, mutant = _without("flash_bwd_sm90.cu", lineno, tmp_path)
+
+    def compile(source, *args):
+        return compile_module(mutant if source == original else source, *args)
+
+    want, _ = _ordered_backward("ascending", ORDERED_CASES[0])
+    try:
+        got, _ = _ordered_backward("descending", ORDERED_CASES[0], compile=compile)
+    except (emulator.KernelError, emulator.DeadlockError):
+        return
+    assert not _same_bits(got, want), f"removing {call} on flash_bwd_sm90.cu:{lineno} went unnoticed"

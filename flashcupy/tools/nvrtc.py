@@ -353,9 +353,10 @@ def occupancy(arch: str, registers: int, smem: int, threads: int) -> float:
 
 
 def variant(kernel: specs.Kernel) -> str | None:
-    """A report row's "mods": the score modifiers, then split-KV, a packed batch and dQ by atomics, joined
-    by "+"; None for the plain kernel."""
-    flags = (kernel.modifiers, "split" * kernel.split, "varlen" * kernel.varlen, "dq_atomic" * kernel.dq_atomic)
+    """A report row's "mods": the score modifiers, then split-KV, a packed batch, dQ by atomics and the
+    Hopper backward's ordered dQ, joined by "+"; None for the plain kernel."""
+    flags = (kernel.modifiers, "split" * kernel.split, "varlen" * kernel.varlen, "dq_atomic" * kernel.dq_atomic,
+             "deterministic" * kernel.deterministic)
     return "+".join(x for x in flags if x) or None
 
 

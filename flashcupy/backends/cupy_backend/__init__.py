@@ -13,6 +13,8 @@ This module packs arguments, allocates outputs and workspaces, and launches:
               flash_bwd_dq | flash_bwd_dq_tc      dQ       grid: query blocks x batch x heads_q
               (tensor cores, unless deterministic: dQ added by flash_bwd_dkdv_tc with atomics into an
               fp32 workspace, then flash_bwd_dq_convert scales and rounds it; grid: elements / 128)
+              (sm_90: flash_bwd_dkdv_sm90 adds dQ by bulk reduce-adds into fp32 tiles, in key-block
+              order when deterministic, then flash_bwd_dq_convert_sm90 scales and rounds them)
               flash_bwd_dbias (with a bias)      dbias    grid: tiles of the bias's own shape
               (a packed batch, backward_varlen: dK/dV and dQ reading the offsets themselves, grids
               (total_k / block_n + sequences) x heads_kv and (total_q / block_m + sequences) x heads_q;
@@ -221,11 +223,12 @@ def backward_path(p, dout, q, k, v, out, deterministic: bool = False) -> str:
 
     The forward's conditions, on dout and out as well as q, k, v (lse may have any strides;
     dq, dk, dv are allocated contiguous); the Hopper backward takes what the Hopper forward takes
-    (q, k, v and dout through tensor maps), unless deterministic: its CTAs add dQ into one workspace
-    by bulk reduce-adds, in an order that varies from run to run.
+    (q, k, v and dout through tensor maps), deterministic or not: its CTAs add dQ into one workspace
+    by bulk reduce-adds, in an order that varies from run to run, or (deterministic) in key-block
+    order, each CTA waiting for its turn at a tile (flash_bwd_sm90.cu's DETERMINISTIC).
     """
     path = _path(p, q, k, v, dout, out)
-    return "hopper" if not deterministic and _hopper(p, path, q, k, v, dout) else path
+    return "hopper" if _hopper(p, path, q, k, v, dout) else path
 
 
 def _window_args(p) -> tuple:

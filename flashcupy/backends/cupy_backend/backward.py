@@ -19,7 +19,7 @@ ATOMIC_BACKWARD = True  # backward(..., deterministic=False) may add with atomic
 
 def _backward_module(p, path: str, deterministic: bool, varlen: bool = False) -> specs.ModuleSpec:
     if path == "hopper":
-        return specs.sm90_backward_module(p.dtype, p.head_dim, backend._mods(p), varlen)
+        return specs.sm90_backward_module(p.dtype, p.head_dim, backend._mods(p), varlen, deterministic)
     if path == "tensor-core":
         return specs.tc_backward_module(p.dtype, p.head_dim, backend._mods(p), deterministic, varlen)
     return specs.backward_module(p.dtype, p.head_dim, backend._mods(p), varlen)
@@ -28,8 +28,9 @@ def _backward_module(p, path: str, deterministic: bool, varlen: bool = False) ->
 def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
     """dq, dk, dv (and dbias with a bias), written into `into` when given. On tensor cores, unless
     deterministic, the dK/dV kernel also adds dQ into an fp32 workspace with atomics (five GEMMs,
-    not seven; the sums' order, so the rounding, varies from run to run); the SIMT kernels are
-    deterministic either way."""
+    not seven; the sums' order, so the rounding, varies from run to run); the Hopper dK/dV kernel adds
+    it by bulk reduce-adds, deterministic or not (deterministic: in key-block order); the SIMT kernels
+    are deterministic either way."""
     rt = backend._runtime()
     path = backend.backward_path(p, dout, q, k, v, out, deterministic)
     with rt.device_of(q):
@@ -88,7 +89,10 @@ def _backward_launches(rt, p, path: str, module, dout, q, k, v, out, lse, dq, dk
     shared = (*arg(q), *arg(k), *arg(v), *arg(dout), *arg(lse), D)
     flags = (*backend._shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
              *backend._modifier_args(p, D, tensor_cores))
-    atomic = ((dqa,) if dkdv.wgmma else (*arg(dqa),) if dqa is not None
+    # the Hopper kernel's count of the key blocks that have added into each dQ tile (deterministic: zeros;
+    # otherwise never read)
+    turns = (rt.xp.zeros(tiles, dtype=np.int32) if dkdv.deterministic else backend._int32_stand_in(rt, q))
+    atomic = ((dqa, turns) if dkdv.wgmma else (*arg(dqa),) if dqa is not None
               else (D, *(np.int64(0),) * 4) if tensor_cores else ())
     if path == "hopper":  # q, dO_i: a pass's BLOCK_M rows; k, v: the key block's BLOCK_N
         maps = backend._sm90_maps(rt, p, (q, dkdv.block_m), (k, dkdv.block_n), (v, dkdv.block_n), (dout, dkdv.block_m))

@@ -5,6 +5,8 @@ compile. specs.py builds each module; this file only enumerates them.
 
 from __future__ import annotations
 
+import functools
+
 from .specs import (ALL_MODS, CUDA_TYPES, HEAD_DIM_BUCKETS, MOD_BITS, TC_DTYPES, TC_HEAD_DIM_BUCKETS,
                     SM90_FORWARD_TILES, SM90_MODS, append_module, backward_module, dbias_module,
                     deterministic_tc_backward_module, forward_module, merge_module, probs_module,
@@ -80,8 +82,9 @@ def varlen_modules(mods=(0, VARLEN_MODS)):
 
 
 def sm90_modules(dtypes=TC_DTYPES) -> list:
-    """Every Hopper module: the forward and the backward for each dtype, head-dim bucket, and the
-    modifier sets they take (none, the window), for one batch and for a packed one. The NVRTC report
-    compiles them for SM90_ARCH only."""
-    return [build(dtype, bucket, mods, varlen) for build in (sm90_forward_module, sm90_backward_module)
+    """Every Hopper module: the forward and the backward (and the deterministic backward) for each dtype,
+    head-dim bucket, and the modifier sets they take (none, the window), for one batch and for a packed
+    one. The NVRTC report compiles them for SM90_ARCH only."""
+    builds = (sm90_forward_module, sm90_backward_module, functools.partial(sm90_backward_module, deterministic=True))
+    return [build(dtype, bucket, mods, varlen) for build in builds
             for varlen in (False, True) for mods in (0, SM90_MODS) for dtype in dtypes for bucket in SM90_FORWARD_TILES]

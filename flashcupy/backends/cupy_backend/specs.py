@@ -189,7 +189,7 @@ def head_dim_bucket(head_dim: int) -> int:
 TEMPLATE_FLAGS = {"flash_fwd": ("split", "varlen"), "flash_fwd_tc": ("split", "varlen"),
                   "flash_bwd_dkdv": ("varlen",), "flash_bwd_dq": ("varlen",),
                   "flash_bwd_dkdv_tc": ("dq_atomic", "varlen"), "flash_bwd_dq_tc": ("varlen",),
-                  "flash_fwd_sm90": ("varlen",), "flash_bwd_dkdv_sm90": ("varlen",)}
+                  "flash_fwd_sm90": ("varlen",), "flash_bwd_dkdv_sm90": ("varlen", "deterministic")}
 
 
 # The templates without an Acc parameter besides the tensor-core ones: they move or round elements
@@ -212,6 +212,7 @@ class Kernel:
     dq_atomic: bool = False  # the tensor-core dK/dV kernel that adds dQ into an fp32 workspace too
     varlen: bool = False     # a forward, dK/dV or dQ kernel for a packed batch (the offsets read on the device,
                              # mask.cuh's Sequence)
+    deterministic: bool = False  # the Hopper dK/dV kernel that adds each dQ tile's parts in key-block order
 
     @property
     def modifiers(self) -> str:
@@ -459,17 +460,20 @@ def sm90_forward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = Fals
                       SM90_ARCH)
 
 
-def sm90_backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False) -> ModuleSpec:
+def sm90_backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False,
+                         deterministic: bool = False) -> ModuleSpec:
     """The Hopper backward (sm_90a), kernels in launch order: preprocess (D), the dK/dV kernel that adds
-    dQ into an fp32 workspace of tiles by bulk reduce-adds, and the kernel that scales and rounds it
-    (not deterministic: deterministic=True keeps the mma.sync kernels); varlen: the dK/dV kernel and the
-    conversion for a packed batch (the preprocess is the same for one sequence of its total length)."""
+    dQ into an fp32 workspace of tiles by bulk reduce-adds, and the kernel that scales and rounds it;
+    varlen: the dK/dV kernel and the conversion for a packed batch (the preprocess is the same for one
+    sequence of its total length); deterministic: the dK/dV kernel whose CTAs add into each tile in
+    key-block order (flash_bwd_sm90.cu's DETERMINISTIC), so that dq is the same bits on every run."""
     bucket = tc_tile_row(head_dim)
     dtype = _name(dtype)
     bm, bn = SM90_BACKWARD_TILES[bucket]
     convert = "flash_bwd_dq_convert_sm90_varlen" if varlen else "flash_bwd_dq_convert_sm90"
     return ModuleSpec("flash_bwd_sm90.cu", (Kernel("flash_bwd_preprocess", dtype, 0),
-                                            Kernel("flash_bwd_dkdv_sm90", dtype, bucket, bm, bn, mods, varlen=varlen),
+                                            Kernel("flash_bwd_dkdv_sm90", dtype, bucket, bm, bn, mods, varlen=varlen,
+                                                   deterministic=deterministic),
                                             Kernel(convert, dtype, bucket, bm, bn, varlen=varlen)), SM90_ARCH)
 
 

@@ -6,8 +6,15 @@
 //     dV = Pᵀ dO;   dK = scale dSᵀ Q;   dQ = scale dS K
 // Three kernels, launched in this order: flash_bwd_preprocess (D, flash_bwd_common.cuh), then
 // flash_bwd_dkdv_sm90 below, which adds dQ into an fp32 workspace by bulk reduce-adds, then
-// flash_bwd_dq_convert_sm90 below, which scales and rounds it into dq. deterministic=True runs
-// flash_bwd_tc.cu's deterministic kernels instead (the launcher).
+// flash_bwd_dq_convert_sm90 below, which scales and rounds it into dq.
+//
+// deterministic=True (DETERMINISTIC, FA3's scheme): the key blocks add into a dQ tile in one order, so
+// that dq is the same bits on every run. dq_turns holds an int per tile (zeros): how many key blocks
+// have added into it. Before its reduce-add a CTA's lead waits until the tile's count is its turn (the
+// key blocks before it in the order the hardware dispatches CTAs, so that it only waits for CTAs that
+// are resident or done: key_block's order, ascending key blocks; a packed batch's slots, descending),
+// then adds, waits for the add's completion and raises the count. The wait stalls the owner's
+// warpgroup: the price of the order.
 //
 // The dQ workspace: zeros, a tile of BLOCK_M rows x DQ_ROW (HEAD_DIM + 8) floats per (batch, query head,
 // query block of BLOCK_M), tiles in that order; columns from head_dim on and rows past seqlen_q receive
@@ -88,7 +95,8 @@
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
 // BLOCK_M (query rows a pass: 64), BLOCK_N (64 CONSUMERS keys), MODS (0 or MOD_WINDOW), VARLEN (a packed
-// batch: the tensor maps over its (1, total, heads, head_dim) tensors, dk, dv, lse with batch strides 0).
+// batch: the tensor maps over its (1, total, heads, head_dim) tensors, dk, dv, lse with batch strides 0),
+// DETERMINISTIC (the dQ tiles' adds in key-block order through dq_turns; otherwise dq_turns is not read).
 
 // Floats a row of a dQ workspace tile (and of dQ_s): launch.py's LAUNCH and the launcher's workspace say
 // the same (specs.SM90_DQ_ROW_PAD)
@@ -99,12 +107,13 @@ constexpr int DQ_ROW = HEAD_DIM + 8;
 #include "mask.cuh"
 #include "sm90_tile.cuh"
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool VARLEN = false>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool VARLEN = false,
+          bool DETERMINISTIC = false>
 __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
     const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_dout,
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
-    PROBLEM_PARAMS(float), float* __restrict__ dqa, VARLEN_PARAMS) {
+    PROBLEM_PARAMS(float), float* __restrict__ dqa, int* __restrict__ dq_turns, VARLEN_PARAMS) {
     static_assert(BLOCK_N == 64 * SM90_CONSUMERS, "a consumer warpgroup owns 64 keys");
     static_assert(SM90_CONSUMERS == 2, "the owners of dQ alternate: the barriers below count on it");
     static_assert(BLOCK_M == 64, "a pass: 64 query rows, one atom of a dS row, one wgmma M of dQ");
@@ -342,8 +351,23 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         named_barrier_sync(1 + c, 128);  // every owner thread's
         if (lead) {
             float* tile = dqa + static_cast<size_t>(dq_tile[c]) * (BLOCK_M * DQ_ROW<HEAD_DIM>);
+            if constexpr (DETERMINISTIC) {
+                // this key block's turn at the tile: the key blocks that add into it before this one have
+                // (the first in the order the hardware dispatches CTAs: key_block's ascending j; a packed
+                // batch's slots, last first, descending j), and their adds are complete
+                const int j = blk.j0 / BLOCK_N;
+                const int turn = VARLEN ? num_blocks(mask.key_end(i0), BLOCK_N) - 1 - j
+                                        : j - mask.key_start(i0) / BLOCK_N;
+                flag_wait_at_least(dq_turns + dq_tile[c], turn);  // [deterministic]
+                fence_proxy_async_global();                        // [deterministic] the acquire, before the add
+            }
             bulk_reduce_add_f32(tile, dQ_s, DQ_BYTES);
             tma_store_commit_group();
+            if constexpr (DETERMINISTIC) {
+                tma_store_wait_group<0>();                       // [deterministic] the add has completed
+                fence_proxy_async_global();                      // [deterministic] its writes, before the release
+                flag_release_add(dq_turns + dq_tile[c], 1);      // [deterministic] the next key block's turn
+            }
         }
     }
     if (lead) tma_store_wait_group_read<0>();  // the last reduce-add has read dQ_s before the CTA ends
