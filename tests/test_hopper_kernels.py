@@ -221,8 +221,8 @@ def test_the_sync_points_are_found():
         assert {"__syncthreads", "mbarrier_init_fence"} <= set(names), kernel
     assert {"tma_store_commit_group", "tma_store_wait_group_read"} <= {_name(call) for _, call in _calls(KERNELS[0])}
     ordered = [_name(call) for n, call in _calls("flash_bwd_sm90.cu") if n in ORDERED_DQ_POINTS]
-    assert ordered == ["flag_wait_at_least", "fence_proxy_async_global", "tma_store_wait_group",
-                       "fence_proxy_async_global", "flag_release_add"]
+    assert ordered == ["tma_store_wait_group", "fence_proxy_async_global", "flag_release_add",
+                       "flag_wait_at_least", "fence_proxy_async_global"]
 
 
 def _without(kernel, lineno, tmp_path, pattern=SYNC, replacement=";"):

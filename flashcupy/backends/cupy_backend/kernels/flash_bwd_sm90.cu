@@ -13,8 +13,8 @@
 // have added into it. Before its reduce-add a CTA's lead waits until the tile's count is its turn (the
 // key blocks before it in the order the hardware dispatches CTAs, so that it only waits for CTAs that
 // are resident or done: key_block's order, ascending key blocks; a packed batch's slots, descending),
-// then adds, waits for the add's completion and raises the count. The wait stalls the owner's
-// warpgroup: the price of the order.
+// then adds; at its next add (or its end) it waits for that add's completion and raises the count. A
+// wait for the turn stalls the owner's warpgroup: the price of the order.
 //
 // The dQ workspace: zeros, a tile of BLOCK_M rows x DQ_ROW (HEAD_DIM + 8) floats per (batch, query head,
 // query block of BLOCK_M), tiles in that order; columns from head_dim on and rows past seqlen_q receive
@@ -139,6 +139,8 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     float* stats_s = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(dQ_s) + DQ_BYTES);
     __shared__ __align__(8) unsigned long long kv_full, full[SM90_STAGES], empty[SM90_STAGES];
     __shared__ int dq_tile[SM90_CONSUMERS];  // each consumer's lead thread's own (no other thread's)
+    __shared__ int dq_added[SM90_CONSUMERS];  // DETERMINISTIC: the tile of the lead's last add, its turn not
+                                              // yet passed on (-1: none); the lead's own too
 
     // The key block; for VARLEN its sequence's (a tile of the grid over cu_seqlens_k, mask.cuh's Sequence),
     // the problem that sequence's, and the TMA's rows and the dQ workspace's tiles counted from its first
@@ -227,6 +229,18 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     const unsigned char* V_c = V_s + 64 * c * 128;
     const bool lead = threadIdx.x % 128 == 0;  // the consumer's thread that issues its bulk reduce-adds
     const float scale_log2 = scale * LOG2E;
+    // DETERMINISTIC: the lead passes the turn at the tile of its last add on to the next key block, once
+    // that add has completed. It does so at its next add (or at the end), not at once: by then the add has
+    // long completed, where waiting for it at once stalled the warpgroup; the next key block, which runs
+    // behind this one anyway, waits a pass longer.
+    const auto pass_turn_on = [&] {
+        if (dq_added[c] < 0) return;
+        tma_store_wait_group<0>();                        // [deterministic] the add has completed
+        fence_proxy_async_global();                       // [deterministic] its writes, before the release
+        flag_release_add(dq_turns + dq_added[c], 1);      // [deterministic] the next key block's turn
+        dq_added[c] = -1;
+    };
+    if (DETERMINISTIC && lead) dq_added[c] = -1;
 
     // VARLEN: a box reaches past its sequence into the next one's rows (a box past the tensor's end lands
     // zeros, one inside it the rows there): the consumers' 256 threads zero those rows of the stage before
@@ -352,6 +366,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         if (lead) {
             float* tile = dqa + static_cast<size_t>(dq_tile[c]) * (BLOCK_M * DQ_ROW<HEAD_DIM>);
             if constexpr (DETERMINISTIC) {
+                pass_turn_on();
                 // this key block's turn at the tile: the key blocks that add into it before this one have
                 // (the first in the order the hardware dispatches CTAs: key_block's ascending j; a packed
                 // batch's slots, last first, descending j), and their adds are complete
@@ -363,14 +378,13 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
             }
             bulk_reduce_add_f32(tile, dQ_s, DQ_BYTES);
             tma_store_commit_group();
-            if constexpr (DETERMINISTIC) {
-                tma_store_wait_group<0>();                       // [deterministic] the add has completed
-                fence_proxy_async_global();                      // [deterministic] its writes, before the release
-                flag_release_add(dq_turns + dq_tile[c], 1);      // [deterministic] the next key block's turn
-            }
+            if constexpr (DETERMINISTIC) dq_added[c] = dq_tile[c];
         }
     }
-    if (lead) tma_store_wait_group_read<0>();  // the last reduce-add has read dQ_s before the CTA ends
+    if (lead) {
+        if constexpr (DETERMINISTIC) pass_turn_on();
+        tma_store_wait_group_read<0>();  // the last reduce-add has read dQ_s before the CTA ends
+    }
 
     const int key_g = key_w + lane / 4;  // this lane's keys: key_g, key_g + 8
     store_fragments<HEAD_DIM>(HEAD_ROWS(dk, blk.b, blk.kv_head), dK, {scale, scale}, key_g, seqlen_k, head_dim);
