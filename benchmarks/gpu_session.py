@@ -19,7 +19,9 @@ Stages, in this order, each in its own process with its own time limit:
              batch; a paged decode step beside torch SDPA on a dense cache
   sweep      forward and backward time, TFLOP/s and peak memory beside torch SDPA's flash, cuDNN
              and math backends, bfloat16 and float16, the mma.sync forward and backward beside the
-             Hopper ones (cupy-mma: cupy_backend.USE_WGMMA off), and the Numba kernels (float16, up to numba_max_seqlen) beside
+             Hopper ones (cupy-mma: cupy_backend.USE_WGMMA off), the backward with deterministic=True
+             (cupy-det: its first head_dim and three longest seqlens, issue 27's 0.85x of the default),
+             and the Numba kernels (float16, up to numba_max_seqlen) beside
              the CuPy ones; inputs made on the device once per shape and shared by every
              implementation; head_dim 128 and causal first, as they matter most
   plot       the sweep as one PNG
@@ -117,7 +119,7 @@ def group_of(key: str) -> str:
     """The process group an item runs in: "numba" for the Numba backend's items, else "main"."""
     return "numba" if key.startswith("numba/") else "main"
 
-SWEEP_IMPLS = ("cupy", "cupy-mma", "numba", "torch-flash", "torch-cudnn", "torch-math")
+SWEEP_IMPLS = ("cupy", "cupy-mma", "cupy-det", "numba", "torch-flash", "torch-cudnn", "torch-math")
 # "cupy-mma" beside "cupy": on compute capability 9.0 "cupy" runs the Hopper forward and backward
 # (flash_fwd_sm90.cu, flash_bwd_sm90.cu), "cupy-mma" the mma.sync ones they replace (flash_fwd_tc.cu,
 # flash_bwd_tc.cu: USE_WGMMA off), in the same run; below 9.0 they are the same kernels
@@ -423,7 +425,7 @@ def sweep_items(args):
             reason = "cuDNN attention needs a GPU"
         if reason is None:
             impls.append(impl)
-        elif impl not in ("torch-math", "cupy-mma"):  # said by torch-flash and torch-cudnn, by cupy
+        elif impl not in ("torch-math", "cupy-mma", "cupy-det"):  # said by torch-flash and torch-cudnn, by cupy
             missing.append((impl, reason))
     inputs = {}  # the current shape's inputs, shared by every implementation
 
@@ -435,11 +437,13 @@ def sweep_items(args):
             inputs[shape] = _device_inputs((B, S, H, D), (B, S, H, D), dtype, zlib.crc32(repr(shape).encode()),
                                            args.dry_run)
         q, k, v, dout = inputs[shape]
-        forward, backward = bench.closures("cupy" if impl == "cupy-mma" else impl, q, k, v, dout,
-                                           causal, default_scale(D), device, bf16_bits=dtype == "bfloat16")
+        forward, backward = bench.closures(impl.split("-")[0] if impl.startswith("cupy") else impl, q, k, v, dout,
+                                           causal, default_scale(D), device, bf16_bits=dtype == "bfloat16",
+                                           deterministic=impl == "cupy-det")
         if impl == "cupy-mma":
             forward, backward = on_mma(forward), on_mma(backward)
-        passes = (("forward", forward), ("backward", backward))
+        # cupy-det: the backward alone (its forward is cupy's)
+        passes = (("backward", backward),) if impl == "cupy-det" else (("forward", forward), ("backward", backward))
         records = []
         for pass_, fn in passes:
             seconds = _median_seconds(fn, args.dry_run, sizes)
@@ -458,6 +462,8 @@ def sweep_items(args):
                         continue  # numba has no bfloat16 arithmetic
                     if impl == "torch-math" and S > sizes.math_max_seqlen:
                         continue
+                    if impl == "cupy-det" and (D != sizes.configs[0][0] or S not in sorted(sizes.seqlens)[-3:]):
+                        continue  # issue 27's shapes: head_dim 128, S = 4k .. 16k
                     key = f"{impl}/{dtype}/D{D}/{'causal' if causal else 'full'}/S{S}"
                     yield key, functools.partial(measure, impl, dtype, D, causal, S)
     for impl, reason in missing:
@@ -802,8 +808,8 @@ def _speed_tables(timings) -> list:
             if not rows:
                 continue
             lines += [f"### {dtype} {pass_}", "", "| D | causal | S | B x H | " + " | ".join(impls)
-                      + " | cupy / torch-flash | cupy / torch-cudnn | cupy / cupy-mma | numba / cupy |",
-                      "|---" * (len(impls) + 8) + "|"]
+                      + " | cupy / torch-flash | cupy / torch-cudnn | cupy / cupy-mma | cupy-det / cupy | numba / cupy |",
+                      "|---" * (len(impls) + 9) + "|"]
             for D, causal, S in sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in rows},
                                        key=lambda k: (-k[0], not k[1], k[2])):
                 cell = {r["impl"]: r for r in rows if (r["head_dim"], r["causal"], r["seqlen"]) == (D, causal, S)}
@@ -824,7 +830,7 @@ def _speed_tables(timings) -> list:
                 lines.append(f"| {D} | {causal} | {S} | {any_row['batch']} x {any_row['heads']} | "
                              + " | ".join(show(i) for i in impls)
                              + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} | {ratio('cupy-mma')} |"
-                             + f" {ratio('cupy', 'numba')} |")
+                             + f" {ratio('cupy', 'cupy-det')} | {ratio('cupy', 'numba')} |")
             lines.append("")
     return lines
 
@@ -839,7 +845,7 @@ def short_table(records) -> str:
                for r in records if r["type"] == "timing"}
     for (impl, dtype, pass_, D, causal, S), tf in sorted(timings.items()):
         for mine, other, name in (("cupy", "torch-flash", "flash"), ("cupy", "cupy-mma", "mma.sync"),
-                                  ("numba", "cupy", "cupy")):
+                                  ("cupy-det", "cupy", "default"), ("numba", "cupy", "cupy")):
             if impl == mine and ((other,) + (dtype, pass_, D, causal, S)) in timings:
                 base = timings[(other, dtype, pass_, D, causal, S)]
                 out.append(f"{dtype} {pass_:<8} D={D} causal={causal!s:<5} S={S:<6} {mine} {tf:6.1f}  {name} "

@@ -95,6 +95,10 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert all(r["ok"] is True and 0 <= r["worst"] <= 1 for r in checks)
     timings = [r for r in records if r["type"] == "timing"]
     assert {(r["impl"], r["dtype"]) for r in timings} >= {("cupy", "bfloat16"), ("cupy", "float16")}
+    # the deterministic backward beside the default (issue 27's ratio), the backward alone
+    assert {(r["pass"], r["dtype"]) for r in timings if r["impl"] == "cupy-det"} == {
+        ("backward", "bfloat16"), ("backward", "float16")}
+    assert "cupy-det / cupy" in report
     # the Numba kernels timed beside the CuPy ones (the simulator's figures: only the path is checked)
     assert {(r["pass"], r["seqlen"]) for r in timings if r["impl"] == "numba"} == {("forward", 16), ("backward", 16)}
     assert not [r for r in records if r["type"] == "unavailable" and r["stage"] == "sweep" and r["impl"] == "numba"]

@@ -197,7 +197,7 @@ def _torch_sdpa(q, k, v, dout, causal, scale, device, kernel=None, bf16_bits=Fal
     return forward, backward
 
 
-def _flashcupy(name, q, k, v, dout, causal, scale, dtype=None, window=None, bias=None):
+def _flashcupy(name, q, k, v, dout, causal, scale, dtype=None, window=None, bias=None, deterministic=False):
     kw = dict(causal=causal, scale=scale, backend=name, dtype=dtype, window=window, bias=bias)
     out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
 
@@ -205,7 +205,7 @@ def _flashcupy(name, q, k, v, dout, causal, scale, dtype=None, window=None, bias
         return flashcupy.attention(q, k, v, **kw)
 
     def backward():
-        return flashcupy.attention_backward(dout, q, k, v, out, lse, **kw)
+        return flashcupy.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **kw)
 
     return forward, backward
 
@@ -307,17 +307,20 @@ def supports(impl, window=None, bias=False) -> bool:
     return impl not in TORCH_KERNELS or (window is None and not bias)
 
 
-def closures(impl, q, k, v, dout, causal, scale, device, bf16_bits=False, *, window=None, bias=None):
+def closures(impl, q, k, v, dout, causal, scale, device, bf16_bits=False, *, window=None, bias=None,
+             deterministic=False):
     """(forward, backward) callables of one implementation over fixed inputs; bf16_bits says the
     arrays hold bfloat16 bit patterns (uint16), as flashcupy's CuPy users pass them. window and
-    bias (an array, or None) as flashcupy.attention takes them (see supports)."""
+    bias (an array, or None) as flashcupy.attention takes them (see supports); deterministic as
+    flashcupy.attention_backward takes it (flashcupy's backends only)."""
     if not supports(impl, window, bias is not None):
         raise ValueError(f"{impl} is timed without score modifiers (window, bias)")
     if impl == "naive-numpy":
         return naive_numpy(q, k, v, dout, causal, scale, window, bias)
     if impl in TORCH_KERNELS:
         return _torch_sdpa(q, k, v, dout, causal, scale, device, TORCH_KERNELS[impl], bf16_bits)
-    return _flashcupy(impl, q, k, v, dout, causal, scale, "bfloat16" if bf16_bits else None, window, bias)
+    return _flashcupy(impl, q, k, v, dout, causal, scale, "bfloat16" if bf16_bits else None, window, bias,
+                      deterministic)
 
 
 def gpu_peak(fn, impl):
