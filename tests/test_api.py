@@ -226,6 +226,33 @@ def test_cupy_grid_limit_is_checked_before_any_work(backward):
             flashcupy.attention(q, k, v, backend="cupy")
 
 
+def test_cupy_grids_kept_between_calls_are_the_grids_made_again(rng):
+    # grid_axes keeps its grids by dtype, head_dim, modifiers, shapes and the bias's shape: for problems
+    # that differ in one of them each, what it keeps is what _grid_axes makes; a grid too large after a
+    # smaller one of the same shapes otherwise is still refused
+    from flashcupy.backends import MAX_GRID, cupy_backend
+    from flashcupy.tools.emulator.cupy import emulated
+    q = rng.standard_normal((2, 70, 4, 64)).astype(np.float16)
+    k, v = (rng.standard_normal((2, 90, 2, 64)).astype(np.float16) for _ in range(2))
+    variants = [dict(), dict(causal=True), dict(window=(5, 3)), dict(softcap=5.0),
+                dict(bias=np.zeros((1, 4, 70, 90), np.float32)), dict(bias=np.zeros((2, 1, 1, 90), np.float32))]
+    for kw in variants:
+        for x in [(q, k, v), (q[:1], k[:1], v[:1]), (q[..., :40], k[..., :40], v[..., :40]),
+                  (q.astype(np.float32), k.astype(np.float32), v.astype(np.float32))]:
+            if "bias" in kw and x[0].shape[0] == 1 and kw["bias"].shape[0] == 2:
+                continue
+            p = flashcupy._checks.problem(*x, kw.get("causal", False), None, None, "numpy", **{
+                name: value for name, value in kw.items() if name != "causal"})
+            for backward in (False, True):
+                assert cupy_backend.grid_axes(p, backward) == cupy_backend._grid_axes(p, backward)
+    wide = np.broadcast_to(np.float32(1), (1, 64 * MAX_GRID[0] + 1, 1, 8))
+    keys = np.broadcast_to(np.float32(1), (1, 4, 1, 8))
+    with emulated():
+        flashcupy.attention(wide[:, :64], keys, keys, backend="cupy")
+        with pytest.raises(ValueError, match="too large for the cupy backend"):
+            flashcupy.attention(wide, keys, keys, backend="cupy")
+
+
 def test_bfloat16_bits_need_no_ml_dtypes_until_numpy_computes_on_them(monkeypatch, rng):
     # CuPy users hold bfloat16 as uint16 bits and may not have ml_dtypes (the cuda extras do not bring it)
     import sys

@@ -384,3 +384,33 @@ def test_each_step_of_the_ordered_dq_is_needed(tmp_path, lineno):
     except (emulator.KernelError, emulator.DeadlockError):
         return
     assert not _same_bits(got, want), f"removing {call} on flash_bwd_sm90.cu:{lineno} went unnoticed"
+
+
+# ----------------------------------------------------------------------------
+# the tensor maps kept between calls (a GPU's Runtime: tensor_map_cache)
+
+
+def test_a_tensor_map_is_made_once_an_address_shape_and_box(rng):
+    # the emulator's maps hold their array, so its Runtime keeps none; given a cache, the same arrays'
+    # maps are made once, and another address, or CACHE_HOST_WORK off, makes them again
+    q, k, v = make_qkv(rng, 1, 70, 130, 2, 1, 64, np.float16)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    with emulated(compute_capability=HOPPER) as rt:
+        assert rt.tensor_map_cache is None
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy")
+        made, encode = [], rt.tensor_map
+        rt.tensor_map = lambda x, arguments, dtype_name: made.append(x.shape) or encode(x, arguments, dtype_name)
+        rt.tensor_map_cache = {}
+        grads = [flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy")]
+        assert len(made) == 4  # q, k, v, dout
+        grads.append(flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy"))
+        assert len(made) == 4
+        other = q.copy()  # another address: its map made again, the others kept
+        grads.append(flashcupy.attention_backward(dout, other, k, v, out, lse, backend="cupy"))
+        assert len(made) == 5
+        with mock.patch.object(cupy_backend, "CACHE_HOST_WORK", False):
+            grads.append(flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy"))
+        assert len(made) == 9
+    assert_matches_oracle((out, lse, *grads[0]), q, k, v, dout, backend="cupy")
+    for again in grads[1:]:
+        assert _same_bits(again, grads[0])

@@ -150,8 +150,35 @@ MAX_HEAD_DIM = specs.MAX_HEAD_DIM
 MODIFIERS = frozenset(specs.MOD_BITS)  # the score modifiers the kernels compute; _api refuses the others
 
 
+# The host's own work of a call, kept between calls where its inputs are the same: every launch's grid
+# (grid_axes, by the problem's shapes) and the Hopper kernels' tensor maps (by address, shape and strides:
+# a map is a function of them alone). False: made again every call (benchmarks/host_overhead.py compares).
+CACHE_HOST_WORK = True
+_HOST_CACHE_SIZE = 512  # entries of each cache; a full one starts again empty
+_grid_axes_cache = {}
+
+
+def _remember(cache: dict, key, make):
+    """make(), kept in `cache` under key (CACHE_HOST_WORK)."""
+    if not CACHE_HOST_WORK:
+        return make()
+    value = cache.get(key)
+    if value is None:
+        if len(cache) >= _HOST_CACHE_SIZE:
+            cache.clear()
+        value = cache[key] = make()
+    return value
+
+
 def grid_axes(p, backward):
-    """Every launch's grid (all 1-D) on either kernel path: the path is chosen per call, from strides."""
+    """Every launch's grid (all 1-D) on either kernel path: the path is chosen per call, from strides.
+    They depend on the dtype, head_dim, modifiers, shapes and the bias's shape alone (launch.GRIDS)."""
+    key = (bool(backward), p.dtype, p.head_dim, _mods(p), p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv,
+           None if p.bias is None else tuple(p.bias.shape))
+    return _remember(_grid_axes_cache, key, lambda: _grid_axes(p, backward))
+
+
+def _grid_axes(p, backward) -> tuple:
     builds = [specs.forward_module, specs.probs_module] + [specs.backward_module] * backward
     if backward and p.bias is not None:
         builds.append(specs.dbias_module)
@@ -161,7 +188,7 @@ def grid_axes(p, backward):
     mods = _mods(p)
     if specs.sm90_eligible(p.dtype, p.head_dim, mods):
         builds += [specs.sm90_forward_module] + [specs.sm90_backward_module] * backward
-    return [(*kernel.grid(p), 0) for build in builds for kernel in build(p.dtype, p.head_dim, mods).kernels]
+    return tuple((*kernel.grid(p), 0) for build in builds for kernel in build(p.dtype, p.head_dim, mods).kernels)
 
 
 # ----------------------------------------------------------------------------
@@ -322,11 +349,19 @@ def _map_strides(x) -> tuple:
 def _sm90_maps(rt, p, *boxes) -> tuple:
     """The tensor maps of a Hopper kernel's (array, rows) `boxes`: (head_dim, heads, seqlen, batch)
     innermost first, boxes of one 128B-swizzled atom of columns (specs.SM90_ATOM), one head, one batch,
-    and the rows one load or store moves."""
+    and the rows one load or store moves. Kept in rt.tensor_map_cache where the Runtime has one (a GPU's:
+    the driver's map is a function of the address, dtype, shape, strides and box alone; the emulator's
+    holds the array itself)."""
     def tensor_map(x, rows):
         arguments = tensor_maps.tiled_arguments(x, (specs.SM90_ATOM, 1, rows, 1), "128B", strides=_map_strides(x))
         return rt.tensor_map(x, arguments, p.dtype)
-    return tuple(tensor_map(x, rows) for x, rows in boxes)
+
+    def remembered(x, rows):
+        if rt.tensor_map_cache is None:
+            return tensor_map(x, rows)
+        key = (rt.device_id(x), rt.data_ptr(x), x.shape, x.strides, x.dtype.str, p.dtype, rows)
+        return _remember(rt.tensor_map_cache, key, lambda: tensor_map(x, rows))
+    return tuple(remembered(x, rows) for x, rows in boxes)
 
 
 WRITES_INTO = True  # forward and backward write into given arrays (into=): XLA's buffers for flashcupy.jax

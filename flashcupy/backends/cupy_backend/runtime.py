@@ -24,12 +24,15 @@ class Runtime:
     tensor_map(x, arguments, dtype_name): the kernel argument that is the TMA tensor map of array x
         with tensor_maps.TiledArguments `arguments` (the driver's map on a GPU, the emulator's own
         under it); dtype_name the values' dtype ("bfloat16" for uint16 bits).
+    tensor_map_cache: a dict where the backend keeps the maps it made, by (device, address, shape, strides,
+        dtype, box), when tensor_map's result is a function of those alone (the driver's), or None (the
+        emulator's maps hold the array itself).
     compile_module is also handed modules whose options name an -arch (ModuleSpec.arch: sm_90a),
     compiled for that architecture rather than the device's (cubin.py on a GPU).
     """
 
     def __init__(self, xp, compile_module, device_of=None, compute_capability=None, data_ptr=None,
-                 device_id=None, sm_count=None, tensor_map=None):
+                 device_id=None, sm_count=None, tensor_map=None, tensor_map_cache=None):
         self.xp = xp
         self.compile_module = compile_module
         self.device_of = device_of or (lambda x: contextlib.nullcontext())
@@ -38,6 +41,7 @@ class Runtime:
         self.device_id = device_id or (lambda x: 0)
         self.sm_count = sm_count or (lambda x: 132)  # an H100's or H200's
         self.tensor_map = tensor_map
+        self.tensor_map_cache = tensor_map_cache
         self.functions = {}  # (device, ModuleSpec) -> its kernels, ready to launch
         self.stand_ins = {}  # (device, dtype name) -> a one-element array passed for an argument never read
 
@@ -61,4 +65,4 @@ def cupy_runtime() -> Runtime:
     return Runtime(cupy, compile_module, lambda x: x.device,
                    lambda x: int(cupy.cuda.Device(x.device.id).compute_capability), lambda x: x.data.ptr,
                    lambda x: x.device.id,
-                   lambda x: int(cupy.cuda.Device(x.device.id).attributes["MultiProcessorCount"]), tensor_map)
+                   lambda x: int(cupy.cuda.Device(x.device.id).attributes["MultiProcessorCount"]), tensor_map, {})
