@@ -188,7 +188,7 @@ class Problem:
         return Band(self.seqlen_q, self.seqlen_k, self.diagonal, self.window_left,
                     0 if self.causal else self.window_right)
 
-    @property
+    @functools.cached_property  # a call asks it several times; the fields are frozen
     def modifiers(self) -> frozenset:
         """The score modifiers this call uses, by keyword name (empty for plain and causal attention)."""
         present = {"window": self.window_left is not None or self.window_right is not None,

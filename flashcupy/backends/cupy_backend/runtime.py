@@ -8,6 +8,7 @@ The backend (__init__.py) allocates, compiles and launches only through the Runt
 from __future__ import annotations
 
 import contextlib
+import functools
 
 
 class Runtime:
@@ -62,7 +63,15 @@ def cupy_runtime() -> Runtime:
     def tensor_map(x, arguments, dtype_name):
         return tensor_maps.gpu_tensor_map_bytes(x.data.ptr, dtype_name, arguments)
 
-    return Runtime(cupy, compile_module, lambda x: x.device,
-                   lambda x: int(cupy.cuda.Device(x.device.id).compute_capability), lambda x: x.data.ptr,
-                   lambda x: x.device.id,
-                   lambda x: int(cupy.cuda.Device(x.device.id).attributes["MultiProcessorCount"]), tensor_map, {})
+    # A device's compute capability and SM count, asked once: Device.attributes queries every attribute
+    # of the device, each a driver call, where a decode step asks the SM count (split_plan) every call
+    @functools.lru_cache(maxsize=None)
+    def compute_capability(device_id):
+        return int(cupy.cuda.Device(device_id).compute_capability)
+
+    @functools.lru_cache(maxsize=None)
+    def sm_count(device_id):
+        return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+    return Runtime(cupy, compile_module, lambda x: x.device, lambda x: compute_capability(x.device.id),
+                   lambda x: x.data.ptr, lambda x: x.device.id, lambda x: sm_count(x.device.id), tensor_map, {})
