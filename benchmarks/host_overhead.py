@@ -7,9 +7,9 @@ script times that part here: the backend's Python (checks, kernel choice, grids,
 tensor maps) over a Runtime whose kernels do nothing, whose allocations come from a pool (as CuPy's),
 and whose tensor maps are made by tensor_maps.tiled_arguments as on a GPU but not encoded by the driver
 (cuTensorMapEncodeTiled needs one: its cost is not in these figures, and the map cache skips it too).
-Each row: the same call with the host caches (cupy_backend.CACHE_HOST_WORK, the tensor-map cache)
-and without, in turn in one run (bench.best_alternating), and NumPy's sgemm rate beside them: this
-machine's speed drifts.
+Each row: the same call with the host caches (cupy_backend.CACHE_HOST_WORK: the grids, the kernel
+path, the kernels' scalar arguments, element strides, the tensor maps) and without, in turn in one run,
+and NumPy's sgemm rate beside them: this machine's speed drifts.
 
     python benchmarks/host_overhead.py
 """

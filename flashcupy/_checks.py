@@ -48,25 +48,39 @@ def check_dtype_name(dtype) -> None:
         raise ValueError(f"dtype must be None or 'bfloat16', got {dtype!r}")
 
 
+_DTYPE_NAMES = {}  # np.dtype -> its name: NumPy's dtype.name is slow (microseconds), and every call asks it
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype.name
+    return name
+
+
 def check_dtypes(named: dict, dtype) -> tuple:
     """(value dtype name, carrier dtype) shared by every array in `named`."""
     check_dtype_name(dtype)
     carriers = {name: np.dtype(x.dtype) for name, x in named.items()}
+    if dtype is None and len(set(carriers.values())) == 1:  # the common call: one float dtype
+        carrier = next(iter(carriers.values()))
+        if carrier.isnative and dtype_name(carrier) in FLOAT_DTYPES:
+            return dtype_name(carrier), carrier
     for name, carrier in carriers.items():
         if not carrier.isnative:
             raise TypeError(f"{name} must have native byte order, got {carrier.str} "
                             f"(convert with {name}.astype({name}.dtype.newbyteorder('=')))")
-        if dtype == "bfloat16" and carrier.name != "bfloat16" and carrier not in BIT_CARRIERS:
+        if dtype == "bfloat16" and dtype_name(carrier) != "bfloat16" and carrier not in BIT_CARRIERS:
             raise TypeError(f"with dtype='bfloat16', {name} must hold bfloat16 bit patterns as uint16 or "
                             f"int16 (CuPy has no bfloat16 dtype), got {carrier}")
-        if dtype is None and carrier.name not in FLOAT_DTYPES:
+        if dtype is None and dtype_name(carrier) not in FLOAT_DTYPES:
             hint = " (bfloat16 bits in uint16? pass dtype='bfloat16')" if carrier in BIT_CARRIERS else ""
             raise TypeError(f"{name} must have dtype float16, float32, float64 or bfloat16, got {carrier}{hint}")
     if len(set(carriers.values())) > 1:
         which = ", ".join(f"{n} is {dt}" for n, dt in carriers.items())
         raise TypeError(f"{', '.join(named)} must share one dtype: {which}")
     carrier = next(iter(carriers.values()))
-    return (dtype or carrier.name), carrier
+    return (dtype or dtype_name(carrier)), carrier
 
 
 def check_strides(name: str, x) -> None:
@@ -77,10 +91,22 @@ def check_strides(name: str, x) -> None:
         raise ValueError(
             f"{name} must have strides that are whole multiples of its itemsize {itemsize}, "
             f"got strides {tuple(strides)} (bytes)")
-    interface = getattr(x, "__cuda_array_interface__", None)
-    if interface is not None and interface["data"][0] % itemsize:
+    address = _device_address(x)
+    if address is not None and address % itemsize:
         raise ValueError(f"{name} must start at an address aligned to its itemsize {itemsize} (a GPU faults "
-                         f"on misaligned loads), got address {interface['data'][0]:#x}")
+                         f"on misaligned loads), got address {address:#x}")
+
+
+def _device_address(x) -> int | None:
+    """The address of a device array's first element (CuPy's without building its interface's dict);
+    None for a host array."""
+    lib = backends.array_library(x)
+    if lib == "numpy":
+        return None
+    if lib == "cupy":
+        return x.data.ptr
+    interface = getattr(x, "__cuda_array_interface__", None)
+    return None if interface is None else interface["data"][0]
 
 
 def real(name: str, x) -> float:

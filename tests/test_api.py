@@ -1,6 +1,8 @@
 """Argument checking: every bad input is refused before any work, with a message
 that names the argument, what was expected and what was got."""
 
+import types
+
 import numpy as np
 import pytest
 
@@ -199,6 +201,7 @@ def test_misaligned_device_array_is_refused_before_any_work():
     class FakeCupyArray:  # a cupy.ndarray whose first element sits 2 bytes into a float32
         ndim, shape, strides, dtype = 4, (1, 4, 2, 8), (256, 64, 32, 4), np.dtype(np.float32)
         __cuda_array_interface__ = {"data": (0x1002, False)}
+        data = types.SimpleNamespace(ptr=0x1002)  # cupy's MemoryPointer: the address the checks read
 
     FakeCupyArray.__module__ = "cupy._core.core"
     with pytest.raises(ValueError, match=r"q must start at an address aligned to its itemsize 4 .* 0x1002"):
@@ -251,6 +254,66 @@ def test_cupy_grids_kept_between_calls_are_the_grids_made_again(rng):
         flashcupy.attention(wide[:, :64], keys, keys, backend="cupy")
         with pytest.raises(ValueError, match="too large for the cupy backend"):
             flashcupy.attention(wide, keys, keys, backend="cupy")
+
+
+def test_cupy_kernel_paths_kept_between_calls_are_the_paths_chosen_again(rng):
+    # forward_path and backward_path keep their choice in the Runtime by the switches, the problem's dtype,
+    # head_dim and modifiers, the device, and each array's shape, strides and alignment: arrays that differ
+    # from the others in one of those get what a choice made afresh (CACHE_HOST_WORK off) gives, in
+    # whichever order they come
+    from unittest import mock
+    from flashcupy.backends import cupy_backend
+    from flashcupy.tools.emulator.cupy import emulated
+    shape = (2, 40, 4, 64)
+    flat = rng.standard_normal(int(np.prod(shape)) + 8).astype(np.float16)
+    wide = rng.standard_normal((2, 40, 4, 68)).astype(np.float16)
+    layouts = {"contiguous": flat[:-8].reshape(shape),
+               "2 bytes past 16": flat[1:-7].reshape(shape),             # tensor cores need 16-byte rows
+               "rows 136 bytes apart": wide[..., :64],                    # neither tensor cores nor maps
+               "heads first": flat[:-8].reshape(2, 4, 40, 64).transpose(0, 2, 1, 3),
+               "keys reversed": flat[:-8].reshape(shape)[:, ::-1]}      # no map: negative strides
+    paths = set()
+    with emulated(compute_capability=90):
+        for wgmma in (True, False, True):
+            for name in [*layouts, *reversed(layouts)]:
+                q = layouts["contiguous"]
+                k = v = layouts[name]
+                for window in (None, (3, 5)):
+                    p = flashcupy._checks.problem(q, k, v, False, None, None, "numpy", window)
+                    with mock.patch.object(cupy_backend, "USE_WGMMA", wgmma):
+                        kept = (cupy_backend.forward_path(p, q, k, v), cupy_backend.backward_path(p, q, q, k, v, q))
+                        with mock.patch.object(cupy_backend, "CACHE_HOST_WORK", False):
+                            afresh = (cupy_backend.forward_path(p, q, k, v),
+                                      cupy_backend.backward_path(p, q, q, k, v, q))
+                    assert kept == afresh, (name, window, wgmma)
+                    paths.add(kept)
+    assert paths == {("hopper", "hopper"), ("tensor-core", "tensor-core"), ("simt", "simt")}
+
+
+def test_cupy_problem_arguments_kept_between_calls_are_the_arguments_made_again(rng):
+    # _problem_args keeps the kernels' scalar arguments by Problem (one without modifier arrays): problems
+    # that differ in one field each get what is made afresh, on either kernel path's units
+    from unittest import mock
+    from flashcupy.backends import cupy_backend
+    from flashcupy.tools.emulator.cupy import emulated
+    q = rng.standard_normal((2, 40, 4, 64)).astype(np.float16)
+    k = rng.standard_normal((2, 50, 2, 64)).astype(np.float16)
+    variants = [dict(), dict(causal=True), dict(scale=0.3), dict(window=(5, 3)), dict(window=(None, 0)),
+                dict(softcap=5.0), dict(softcap=5.0, scale=0.3), dict(diagonal=7), dict(causal=True, diagonal=-3)]
+
+    def same(a, b):
+        return len(a) == len(b) and all(x is y if isinstance(x, np.ndarray) else (type(x) is type(y) and x == y)
+                                        for x, y in zip(a, b))
+    with emulated() as rt:
+        for kw in [*variants, *reversed(variants)]:
+            p = flashcupy._checks.problem(q, k, k, kw.get("causal", False), kw.get("scale"), None, "numpy",
+                                          kw.get("window"), kw.get("softcap"), diagonal=kw.get("diagonal"))
+            for tensor_cores in (True, False):
+                kept = cupy_backend._problem_args(rt, p, q, tensor_cores)
+                with mock.patch.object(cupy_backend, "CACHE_HOST_WORK", False):
+                    afresh = cupy_backend._problem_args(rt, p, q, tensor_cores)
+                assert same(kept, afresh), (kw, tensor_cores)
+    assert len(rt.plans) == 2 * len(variants)
 
 
 def test_bfloat16_bits_need_no_ml_dtypes_until_numpy_computes_on_them(monkeypatch, rng):

@@ -45,16 +45,24 @@ MAX_GRID = (2**31 - 1, 65535, 65535)  # CUDA's limit on thread blocks along grid
 DEFAULT_FOR_LIBRARY = {"numpy": "numpy", "cupy": "cupy", "numba": "numba"}
 
 
+_DEVICE_ARRAY_TYPES = {}  # type -> 'cupy', 'numba' or None: asked once a type (CuPy builds the interface's dict)
+
+
 def array_library(x) -> str | None:
     """'numpy', 'cupy' or 'numba' for arrays of those libraries, else None."""
     if isinstance(x, np.ndarray):
         return "numpy"
-    root = type(x).__module__.split(".")[0]
-    if root == "cupy" and hasattr(x, "__cuda_array_interface__"):
-        return "cupy"
-    if root == "numba" and hasattr(x, "__cuda_array_interface__"):
-        return "numba"
-    return None
+    t = type(x)
+    try:
+        return _DEVICE_ARRAY_TYPES[t]
+    except KeyError:
+        pass
+    root = t.__module__.split(".")[0]
+    # a class's arrays all have the interface or none does (cupy.ndarray, numba's DeviceNDArray)
+    lib = root if root in ("cupy", "numba") and hasattr(x, "__cuda_array_interface__") else None
+    if lib is not None:
+        _DEVICE_ARRAY_TYPES[t] = lib
+    return lib
 
 
 def bfloat16_dtype() -> np.dtype:

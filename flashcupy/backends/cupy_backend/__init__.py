@@ -135,7 +135,9 @@ def _functions(rt: Runtime, module: specs.ModuleSpec, like) -> list:
 
 def _tensor(x) -> tuple:
     """A tensor argument: the array (its first element), then its strides in elements."""
-    return (x, *(np.int64(s // x.itemsize) for s in x.strides))
+    strides, itemsize = x.strides, x.itemsize
+    return (x, *_remember(_element_strides_cache, (strides, itemsize),
+                          lambda: tuple(np.int64(s // itemsize) for s in strides)))
 
 
 def _shape_args(p) -> tuple:
@@ -151,11 +153,14 @@ MODIFIERS = frozenset(specs.MOD_BITS)  # the score modifiers the kernels compute
 
 
 # The host's own work of a call, kept between calls where its inputs are the same: every launch's grid
-# (grid_axes, by the problem's shapes) and the Hopper kernels' tensor maps (by address, shape and strides:
-# a map is a function of them alone). False: made again every call (benchmarks/host_overhead.py compares).
+# (grid_axes, by the problem's shapes), the kernel path (forward_path, backward_path: by the arrays'
+# layouts), the kernels' scalar arguments (_problem_args: by the Problem), element strides (_tensor) and the
+# Hopper kernels' tensor maps (by address, shape and strides: a map is a function of them alone). False:
+# made again every call (benchmarks/host_overhead.py compares).
 CACHE_HOST_WORK = True
 _HOST_CACHE_SIZE = 512  # entries of each cache; a full one starts again empty
 _grid_axes_cache = {}
+_element_strides_cache = {}  # (byte strides, itemsize) -> the strides in elements, as kernel arguments
 
 
 def _remember(cache: dict, key, make):
@@ -193,6 +198,21 @@ def _grid_axes(p, backward) -> tuple:
 
 # ----------------------------------------------------------------------------
 # forward and backward
+
+
+def _layout(rt, x) -> tuple:
+    """What the kernel paths' choice reads of an array besides its dtype: shape, strides and the address's
+    alignment (to 16 bytes, the widest any path asks)."""
+    return x.shape, x.strides, rt.data_ptr(x) % 16
+
+
+def _path_remembered(kind: str, p, tensors, flags: tuple, choose) -> str:
+    """choose(), kept in the Runtime's plans by what it reads: the switches, the problem's dtype, head_dim
+    and modifiers, the device, and each tensor's layout (CACHE_HOST_WORK)."""
+    rt = _runtime()
+    key = (kind, USE_TENSOR_CORES, USE_WGMMA, p.dtype, p.head_dim, _mods(p), flags, rt.device_id(tensors[0]),
+           *(_layout(rt, x) for x in tensors))
+    return _remember(rt.plans, key, choose)
 
 
 def _path(p, *tensors) -> str:
@@ -240,9 +260,12 @@ def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False)
     others stay on the mma.sync kernel, never an error. A packed batch (q, k, v a batch of one) takes
     the same kernels as a batch of its sequences would.
     """
-    path = _path(p, q, k, v)
-    hopper = not split and not paged and _hopper(p, path, q, k, v, *(() if out is None else (out,)))
-    return "hopper" if hopper else path
+    tensors = (q, k, v) if out is None else (q, k, v, out)
+
+    def choose():
+        path = _path(p, q, k, v)
+        return "hopper" if not split and not paged and _hopper(p, path, *tensors) else path
+    return _path_remembered("forward", p, tensors, (split, paged), choose)
 
 
 def backward_path(p, dout, q, k, v, out, deterministic: bool = False) -> str:
@@ -254,13 +277,29 @@ def backward_path(p, dout, q, k, v, out, deterministic: bool = False) -> str:
     by bulk reduce-adds, in an order that varies from run to run, or (deterministic) in key-block
     order, each CTA waiting for its turn at a tile (flash_bwd_sm90.cu's DETERMINISTIC).
     """
-    path = _path(p, q, k, v, dout, out)
-    return "hopper" if _hopper(p, path, q, k, v, dout) else path
+    def choose():
+        path = _path(p, q, k, v, dout, out)
+        return "hopper" if _hopper(p, path, q, k, v, dout) else path
+    return _path_remembered("backward", p, (q, k, v, dout, out), (), choose)
 
 
 def _window_args(p) -> tuple:
     """The band's sides as the kernels take them (Band.kernel_sides), as int32."""
     return tuple(np.int32(side) for side in p.band.kernel_sides())
+
+
+def _problem_args(rt, p, like, tensor_cores: bool) -> tuple:
+    """The arguments every kernel takes after its tensors (PROBLEM_PARAMS): the sizes (_shape_args), the
+    scale in the accumulation type, causal and the diagonal as int32, then the score modifiers'
+    (_modifier_args; tensor_cores: in the units of the tensor-core and Hopper kernels). Kept in the
+    Runtime's plans where p holds no array (alibi_slopes, bias, mask): a function of p alone then, its
+    absent arrays one stand-in a device. Call with like's device current."""
+    def make():
+        return (*_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
+                *_modifier_args(p, _stand_in(rt, like, p.acc_dtype), tensor_cores))
+    if p.alibi_slopes is None and p.bias is None and p.mask is None:
+        return _remember(rt.plans, ("problem", p, tensor_cores, rt.device_id(like)), make)
+    return make()
 
 
 def _modifier_args(p, unused, tensor_cores: bool) -> tuple:
@@ -386,9 +425,8 @@ def forward(p, q, k, v, num_splits=1, into=None):
             fwd((min(tiles, rt.sm_count(q)) if SM90_PERSISTENT else tiles,), (kernel.threads,),
                 # Q_i's BLOCK_M rows, a key block's BLOCK_N, a consumer's rows of out
                 (*_sm90_maps(rt, p, (q, kernel.block_m), (k, kernel.block_n), (v, kernel.block_n),
-                             (out, specs.SM90_CONSUMER_ROWS)), *_tensor(lse), *_shape_args(p), p.acc_dtype.type(p.scale),
-                 np.int32(p.causal), np.int32(p.diagonal), *_modifier_args(p, lse, True), np.int32(tiles),
-                 *_tensor(out), *_no_varlen(rt, q)),
+                             (out, specs.SM90_CONSUMER_ROWS)), *_tensor(lse), *_problem_args(rt, p, q, True),
+                 np.int32(tiles), *_tensor(out), *_no_varlen(rt, q)),
                 shared_mem=kernel.dynamic_smem)
             return out, lse
         out, lse = into if into is not None else (rt.xp.empty(q.shape, dtype=p.carrier),
@@ -406,8 +444,7 @@ def forward(p, q, k, v, num_splits=1, into=None):
         fwd(
             (kernel.blocks(p) * splits,), (kernel.threads,),
             (*_tensor(q), *_tensor(k), *_tensor(v), *part_out, *part_lse,
-             *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-             *_modifier_args(p, lse, path == "tensor-core"), *split_args, *_no_varlen(rt, q), *_no_pages(rt, q)),
+             *_problem_args(rt, p, q, path == "tensor-core"), *split_args, *_no_varlen(rt, q), *_no_pages(rt, q)),
             shared_mem=kernel.dynamic_smem)
         if splits > 1:
             _merge_splits(rt, p, q, splits, part_out, part_lse, split_args, _tensor(out), _tensor(lse),
@@ -437,12 +474,22 @@ def _merge_splits(rt, p, like, splits, outs, lses, split_args, out, lse, batch, 
 SM90_PERSISTENT = False
 
 
+def _stand_in(rt, like, dtype):
+    """A never-read one-element array argument of dtype, made once per device. Call with like's device
+    current."""
+    key = (rt.device_id(like), dtype)  # dtype: an np.dtype (p.acc_dtype, _INT32)
+    stand_in = rt.stand_ins.get(key)
+    if stand_in is None:
+        stand_in = rt.stand_ins[key] = rt.xp.zeros(1, dtype=dtype)
+    return stand_in
+
+
 def _int32_stand_in(rt, like):
     """A never-read int32 array argument, made once per device. Call with like's device current."""
-    key = (rt.device_id(like), "int32")
-    if key not in rt.stand_ins:
-        rt.stand_ins[key] = rt.xp.zeros(1, dtype=np.int32)
-    return rt.stand_ins[key]
+    return _stand_in(rt, like, _INT32)
+
+
+_INT32 = np.dtype(np.int32)
 
 
 def _no_varlen(rt, like) -> tuple:
@@ -472,8 +519,7 @@ def probs(p, q, k, lse, rows):
             (kernel.blocks(p, len(rows)),), (specs.NUM_THREADS,),
             (*_tensor(q), *_tensor(k), *_tensor(lse), index, np.int32(len(rows)),
              P, *(np.int64(s // P.itemsize) for s in P.strides),
-             *_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-             *_modifier_args(p, lse, False)))
+             *_problem_args(rt, p, q, False)))
     return P
 
 

@@ -51,8 +51,7 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
             (dbias_kernel.blocks(p),), (specs.NUM_THREADS,),
             (*backend._tensor(q), *backend._tensor(k), *backend._tensor(v), *backend._tensor(dout), *backend._tensor(lse), D, *backend._tensor(dbias),
              np.int32(p.batch), *(np.int32(n) for n in p.bias.shape),
-             *backend._shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-             *backend._modifier_args(p, D, False)))
+             *backend._problem_args(rt, p, q, False)))
     return dq, dk, dv, dbias
 
 
@@ -87,8 +86,7 @@ def _backward_launches(rt, p, path: str, module, dout, q, k, v, out, lse, dq, dk
         (*backend._tensor(dout), *backend._tensor(out), D,
          np.int32(p.batch), np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim)))
     shared = (*arg(q), *arg(k), *arg(v), *arg(dout), *arg(lse), D)
-    flags = (*backend._shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-             *backend._modifier_args(p, D, tensor_cores))
+    flags = backend._problem_args(rt, p, q, tensor_cores)
     # the Hopper kernel's count of the key blocks that have added into each dQ tile (deterministic: zeros;
     # otherwise never read)
     turns = (rt.xp.zeros(tiles, dtype=np.int32) if dkdv.deterministic else backend._int32_stand_in(rt, q))

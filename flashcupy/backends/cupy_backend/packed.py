@@ -79,8 +79,7 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
         offsets = (cu_seqlens_q, cu_seqlens_k, np.int32(num_seqs),
                    *((backend._int32_stand_in(rt, q), np.int32(0), np.int32(0)) if seqused_k is None
                      else (seqused_k, np.int32(1), np.int32(seqused_add))))
-        scalars = (*backend._shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-                   *backend._modifier_args(p, lse, path != "simt"))
+        scalars = backend._problem_args(rt, p, q, path != "simt")
         if path == "hopper":  # tensor maps over the packed tensors (a batch of one); out by pointer: row by row
             maps = backend._sm90_maps(rt, p, (packed[0], kernel.block_m), (packed[1], kernel.block_n),
                                       (packed[2], kernel.block_n), (out[None], specs.SM90_CONSUMER_ROWS))

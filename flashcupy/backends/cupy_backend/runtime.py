@@ -44,7 +44,10 @@ class Runtime:
         self.tensor_map = tensor_map
         self.tensor_map_cache = tensor_map_cache
         self.functions = {}  # (device, ModuleSpec) -> its kernels, ready to launch
-        self.stand_ins = {}  # (device, dtype name) -> a one-element array passed for an argument never read
+        self.stand_ins = {}  # (device, dtype) -> a one-element array passed for an argument never read
+        # the backend's per-call decisions that depend on the arguments' shapes, strides and alignment alone
+        # (the kernel path, the problem's kernel arguments), kept by those (cupy_backend._remember)
+        self.plans = {}
 
 
 def cupy_runtime() -> Runtime:
