@@ -394,6 +394,21 @@ def _median_seconds(fn, dry: bool, sizes: Sizes) -> float:
     return times[len(times) // 2]
 
 
+BACK_TO_BACK_CALLS = 5  # calls issued one after another for the host / back-to-back figures (GPU)
+BACK_TO_BACK_IMPLS = ("cupy", "cupy-det", "torch-flash", "torch-cudnn")  # the targets' (issues 26, 27)
+
+
+def _host_and_back_to_back(fn, dry: bool) -> tuple:
+    """bench.host_and_back_to_back on a GPU; the dry run: one call, the host clock for both."""
+    if not dry:
+        from flashcupy.tools import bench
+        return bench.host_and_back_to_back(fn, BACK_TO_BACK_CALLS, warm_up=False)  # warmed by the median
+    t0 = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - t0
+    return seconds, seconds
+
+
 def on_mma(call_cupy):
     """The cupy forward or backward `call_cupy` (a closure of bench.closures) on the mma.sync kernels
     (cupy_backend.USE_WGMMA off for the call), whatever the device."""
@@ -447,10 +462,13 @@ def sweep_items(args):
         records = []
         for pass_, fn in passes:
             seconds = _median_seconds(fn, args.dry_run, sizes)
+            host, b2b = _host_and_back_to_back(fn, args.dry_run) if impl in BACK_TO_BACK_IMPLS else (None, None)
             peak = None if args.dry_run else bench.gpu_peak(fn, impl)
+            flops = bench.flops(B, H, S, D, causal, pass_)
             records.append({"type": "timing", "impl": impl, "pass": pass_, "dtype": dtype, "head_dim": D,
                             "causal": causal, "seqlen": S, "batch": B, "heads": H, "seconds": seconds,
-                            "tflops": bench.flops(B, H, S, D, causal, pass_) / seconds / 1e12, "peak_bytes": peak})
+                            "tflops": flops / seconds / 1e12, "peak_bytes": peak, "host_seconds": host,
+                            "b2b_tflops": None if b2b is None else flops / b2b / 1e12})
         return records
 
     for D, causal in sizes.configs:
@@ -832,7 +850,33 @@ def _speed_tables(timings) -> list:
                              + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} | {ratio('cupy-mma')} |"
                              + f" {ratio('cupy', 'cupy-det')} | {ratio('cupy', 'numba')} |")
             lines.append("")
-    return lines
+    return lines + _host_table(timings)
+
+
+def _host_table(timings) -> list:
+    """The host's part of a call and the back-to-back TFLOP/s (_host_and_back_to_back) beside the
+    per-call median of the tables above, for cupy and torch's cuDNN."""
+    rows = {(r["impl"], r["dtype"], r["pass"], r["head_dim"], r["causal"], r["seqlen"]): r for r in timings
+            if r.get("host_seconds") is not None}
+    if not any(key[0] == "cupy" for key in rows):
+        return []
+    lines = ["### Host part of a call, and back to back", "",
+             f"host: microseconds the host spends in a call before it returns, {BACK_TO_BACK_CALLS} calls issued "
+             "one after another (their launches queued, nothing waited for); per call: TFLOP/s of the median "
+             "call timed alone (the tables above: CUDA events around one call hold its host part too); b2b: "
+             f"TFLOP/s of the {BACK_TO_BACK_CALLS} calls back to back (events around them all: the device's time "
+             "where it outruns the host).", "",
+             "| dtype | pass | D | causal | S | cupy host | cupy per call | cupy b2b | cudnn host | cudnn per call "
+             "| cudnn b2b | cupy / cudnn b2b |", "|---" * 12 + "|"]
+    for impl, dtype, pass_, D, causal, S in sorted(rows, key=lambda k: (k[1], k[2], -k[3], not k[4], k[5])):
+        if impl != "cupy":
+            continue
+        mine, other = rows[(impl, dtype, pass_, D, causal, S)], rows.get(("torch-cudnn", dtype, pass_, D, causal, S))
+        theirs = (f"{other['host_seconds'] * 1e6:.0f} | {other['tflops']:.1f} | {other['b2b_tflops']:.1f} | "
+                  f"{mine['b2b_tflops'] / other['b2b_tflops']:.2f}x" if other else " |  |  | ")
+        lines.append(f"| {dtype} | {pass_} | {D} | {causal} | {S} | {mine['host_seconds'] * 1e6:.0f} | "
+                     f"{mine['tflops']:.1f} | {mine['b2b_tflops']:.1f} | {theirs} |")
+    return lines + [""]
 
 
 def short_table(records) -> str:

@@ -1,7 +1,8 @@
-"""On a GPU: the Hopper forward (flash_fwd_sm90.cu) persistent (a CTA an SM walking its tiles, the
-default) beside the same kernel launched a CTA a tile (cupy_backend.SM90_PERSISTENT = False, the grid
-before), the mma.sync forward (USE_WGMMA = False), cuDNN and torch's flash (FA2), in one run, with how
-far the Hopper out lies from cuDNN's (the largest difference over the largest magnitude).
+"""On a GPU: the Hopper forward (flash_fwd_sm90.cu) persistent (a CTA an SM walking its tiles:
+cupy_backend.SM90_PERSISTENT = True) beside the same kernel launched a CTA a tile (the default), the
+mma.sync forward (USE_WGMMA = False), cuDNN and torch's flash (FA2), in one run, with how
+far the Hopper out lies from cuDNN's (the largest difference over the largest magnitude), and the
+default's host part of a call and back-to-back rate beside cuDNN's (bench.host_and_back_to_back).
 
     PYTHONPATH=. python3 benchmarks/hopper_forward_check.py      (on the device machine; a table last)
 """
@@ -48,13 +49,22 @@ def main() -> int:
                             want = F.scaled_dot_product_attention(a, b, c, is_causal=causal).transpose(1, 2).float()
                 got = torch.as_tensor(out.view(cupy.int16), device="cuda").view(torch.bfloat16).float()
                 row.append(float((got - want).abs().max() / want.abs().max()))
+                cupy_backend.SM90_PERSISTENT = False  # the default
+                host, b2b = bench.host_and_back_to_back(lambda: flashcupy.attention(q, k, v, **kw))
+                with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+                    _, cudnn_b2b = bench.host_and_back_to_back(lambda: F.scaled_dot_product_attention(a, b, c,
+                                                                                                      is_causal=causal))
+                row += [host * 1e6, flops / b2b / 1e12, flops / cudnn_b2b / 1e12]
                 ROWS.append(row)
                 print(*row, flush=True)
     print("\nforward TFLOP/s (median of 10); vs cudnn: max |hopper - cudnn| / max |cudnn| of out")
-    print("dtype     D   causal  S      persist  a-tile  mma.sync  cudnn  flash  pers/tile  pers/cudnn  pers/flash  vs cudnn")
+    print("host: us of the host's part of a call (a CTA a tile); tile.b2b, cudnn.b2b: TFLOP/s of calls back to back")
+    print("dtype     D   causal  S      persist  a-tile  mma.sync  cudnn  flash  pers/tile  pers/cudnn  pers/flash  "
+          "vs cudnn  host  tile.b2b  cudnn.b2b  b2b/cudnn")
     for r in ROWS:
         print(f"{r[0]:<9} {r[1]:<3} {str(r[2]):<7} {r[3]:<6} {r[4]:7.1f} {r[5]:7.1f}  {r[6]:7.1f}  {r[7]:6.1f} {r[8]:6.1f}"
-              f"  {r[4] / r[5]:8.2f}  {r[4] / r[7]:9.2f}  {r[4] / r[8]:9.2f}  {r[9]:.2e}")
+              f"  {r[4] / r[5]:8.2f}  {r[4] / r[7]:9.2f}  {r[4] / r[8]:9.2f}  {r[9]:.2e}"
+              f"  {r[10]:4.0f}  {r[11]:8.1f}  {r[12]:9.1f}  {r[11] / r[12]:9.2f}")
     return 0
 
 

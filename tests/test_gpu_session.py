@@ -103,6 +103,11 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert {(r["pass"], r["seqlen"]) for r in timings if r["impl"] == "numba"} == {("forward", 16), ("backward", 16)}
     assert not [r for r in records if r["type"] == "unavailable" and r["stage"] == "sweep" and r["impl"] == "numba"]
     assert all(r["seconds"] > 0 and r["tflops"] > 0 for r in timings)
+    # the host's part of a call and the back-to-back rate beside the per-call median (the fast implementations)
+    assert all(r["host_seconds"] > 0 and r["b2b_tflops"] > 0 for r in timings if r["impl"] in ("cupy", "cupy-det"))
+    assert all(r["host_seconds"] is None for r in timings if r["impl"] in ("numba", "cupy-mma"))
+    (host_row,) = [line for line in report.split("### Host part of a call, and back to back")[1].splitlines()
+                   if line.startswith("| float16 | backward | 64 | True | 16 |")]
     # issue 28's timings: every path of the packed batch both ways, the decode step's, torch's dense cache
     varlen = {(r["path"], r["pass"]) for r in records if r["type"] == "varlen" and r["seconds"] > 0}
     assert {("one launch", "backward"), ("per sequence (before issue 28)", "backward"), ("dense batch 5 x 11", "forward"),

@@ -287,6 +287,28 @@ def median_gpu_time(fn, repeat: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def host_and_back_to_back(fn, calls: int = 8, warm_up: bool = True) -> tuple:
+    """(host seconds a call, seconds a call back to back) on the GPU of `calls` calls issued one after
+    another, the device idle at the start, after one warm-up call (warm_up). The host's part: the host clock around
+    the calls, which return once their launches are queued. Back to back: CUDA events around them all,
+    over `calls`: the device's time a call where it outruns the host (the first call's host part
+    amortised), the host's where not. Events around each call alone (median_gpu_time, best_time) hold
+    both parts."""
+    import cupy
+    if warm_up:
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls
+    end.record()
+    end.synchronize()
+    return host, cupy.cuda.get_elapsed_time(start, end) / 1e3 / calls
+
+
 def best_alternating(fns: dict, repeat: int = 5) -> dict:
     """{name: best time} of each contender over `repeat` rounds that call them in turn, after one
     warm-up call each: side by side in one run, so that a machine whose speed drifts slows all of
