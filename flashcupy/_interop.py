@@ -164,6 +164,23 @@ def _named(fn, arrays: dict) -> dict:
             for w, value in arrays.items() for suffix, x in _items(value) if _is_array(x)}
 
 
+_PLAIN = frozenset({bool, int, float, str, type(None)})  # arguments that are no array of any library
+
+
+def _native_of_one_library(args, kwargs) -> bool:
+    """Whether every argument is a plain value (_PLAIN) or a NumPy, CuPy or Numba array, the arrays all of
+    one library: a call the rule lets through as it is (anything else takes the whole check)."""
+    library = None
+    for x in (*args, *kwargs.values()):
+        if type(x) in _PLAIN:
+            continue
+        lib = backends.array_library(x)
+        if lib is None or (library is not None and lib != library):
+            return False
+        library = lib
+    return True
+
+
 def _torch_compiling() -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and torch.compiler.is_compiling()
@@ -179,6 +196,8 @@ def accepts_foreign_arrays(fn):
         if _torch_compiling():  # torch.compile is tracing this call (torch was imported by then)
             from . import _torch
             return _torch.compiled(fn, wrapper, args, kwargs)
+        if _native_of_one_library(args, kwargs):  # the common call: nothing to view, the rule holds
+            return fn(*args, **kwargs)
         arrays = array_arguments(fn, args, kwargs)
         named = _named(fn, arrays)
         check_one_library(named)

@@ -27,6 +27,7 @@ are in sources.py.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -229,13 +230,13 @@ class Kernel:
         """A Hopper kernel (flash_*_sm90.cu, sm_90a)."""
         return self.template in SM90_TEMPLATES
 
-    @property
+    @functools.cached_property  # the fields are frozen
     def threads(self) -> int:
         """Threads a CTA (the launch's block size): the template's LAUNCH policy."""
         from .launch import LAUNCH
         return LAUNCH[self.template].threads
 
-    @property
+    @functools.cached_property  # the fields are frozen
     def dynamic_smem(self) -> int:
         """Bytes of dynamic shared memory a launch asks for (the SIMT kernels use static tiles): the
         template's LAUNCH policy."""
@@ -262,7 +263,7 @@ class Kernel:
         from .launch import GRIDS
         return GRIDS[self.template].loop
 
-    @property
+    @functools.cached_property  # the fields are frozen
     def bounds(self):
         """Its occupancy policy (the template's LAUNCH bounds), template arguments after the tile; None
         for a kernel without a tile, whose __launch_bounds__ names its threads only."""
@@ -270,7 +271,7 @@ class Kernel:
         rule = LAUNCH[self.template].bounds
         return None if rule is None else rule(self)
 
-    @property
+    @functools.cached_property  # the fields are frozen
     def name_expression(self) -> str:
         storage, acc = CUDA_TYPES[self.dtype]
         # tensor cores accumulate in float
@@ -308,6 +309,7 @@ def _name(dtype) -> str:
     return dtype if isinstance(dtype, str) else np.dtype(dtype).name
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False, varlen: bool = False) -> ModuleSpec:
     bucket = head_dim_bucket(head_dim)
     dtype = _name(dtype)
@@ -315,6 +317,7 @@ def forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False, var
     return ModuleSpec("flash_fwd.cu", (Kernel("flash_fwd", dtype, bucket, bm, bn, mods, split, varlen=varlen),))
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False) -> ModuleSpec:
     """Kernels in launch order: preprocess (D, the same for every MODS, and for a packed batch the
     same as for one sequence of its total length), dK/dV, dQ; varlen: those two for a packed batch."""
@@ -332,22 +335,26 @@ def backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False) -
     ))
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def append_module(dtype) -> ModuleSpec:
     """attention_with_kvcache's append of the new k, v into the cache (flash_append.cu), for the cache's
     dtype."""
     return ModuleSpec("flash_append.cu", (Kernel("flash_kv_append", _name(dtype), 0),))
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def merge_module(dtype) -> ModuleSpec:
     """split-KV's merge of the partial outs and lses (flash_merge.cu), for the values' dtype."""
     return ModuleSpec("flash_merge.cu", (Kernel("flash_split_merge", _name(dtype), 0),))
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def probs_module(dtype, head_dim: int, mods: int = 0) -> ModuleSpec:
     """attention_probs (flash_pairs.cu): the dQ kernel's tile, two of its four operands."""
     return _pairs_module("flash_probs", dtype, head_dim, mods)
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def dbias_module(dtype, head_dim: int, mods: int) -> ModuleSpec:
     """The bias's gradient (flash_pairs.cu), launched after either backward path: the dQ kernel's
     tile and operands."""
@@ -414,6 +421,7 @@ def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_at
     return min(tile, TC_TILES["dkdv", "dq_atomic"][bucket]) if dq_atomic else tile
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False, varlen: bool = False) -> ModuleSpec:
     """The tensor-core forward for float16/bfloat16 and head_dim <= 128 (a multiple of 8); varlen: for
     a packed batch (tc_tile says its tile)."""
@@ -428,6 +436,7 @@ def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False, 
 SPLIT_ALIGN = 128
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool = False,
                        varlen: bool = False) -> ModuleSpec:
     """The tensor-core backward, kernels in launch order: preprocess (D, the SIMT one), then dK/dV and
@@ -450,6 +459,7 @@ def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool 
     ))
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def sm90_forward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False) -> ModuleSpec:
     """The Hopper forward (sm_90a) for float16/bfloat16, head_dim <= 128 (a multiple of 8), no
     modifier but the window (sm90_eligible); varlen: for a packed batch (a CTA a query block, out stored
@@ -460,6 +470,7 @@ def sm90_forward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = Fals
                       SM90_ARCH)
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def sm90_backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False,
                          deterministic: bool = False) -> ModuleSpec:
     """The Hopper backward (sm_90a), kernels in launch order: preprocess (D), the dK/dV kernel that adds
@@ -488,6 +499,7 @@ def tensor_core_eligible(dtype, head_dim: int) -> bool:
     return _name(dtype) in TC_DTYPES and head_dim % 8 == 0 and head_dim <= TC_HEAD_DIM_BUCKETS[-1]
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def deterministic_tc_backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False) -> ModuleSpec:
     return tc_backward_module(dtype, head_dim, mods, deterministic=True, varlen=varlen)
 
