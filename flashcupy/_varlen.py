@@ -548,10 +548,9 @@ def _cache_in_one_launch(mod, q, k_cache, v_cache, lengths, new, block_table, ca
                         causal, scale, dtype, lib, window, softcap, slopes0)
     p = dataclasses.replace(p, seqlen_k=capacity) if paged else p
     split = mod.cache_plan(p, pq, pk, pv, batch, capacity, num_splits)
-    cu_q, cu_k = (mod.allocate(q, (batch + 1,), np.int32, 0) for _ in range(2))
-    cu_q[...] = np.arange(batch + 1, dtype=np.int32) * Sq
-    if not paged:  # a paged sequence's keys start at its table's first block: offsets 0
-        cu_k[...] = np.arange(batch + 1, dtype=np.int32) * capacity
+    # the offsets of equal parts (a paged sequence's keys start at its table's first block: offsets 0),
+    # kept by the backend between calls
+    cu_q, cu_k = mod.even_offsets(q, batch, Sq), mod.even_offsets(q, batch, 0 if paged else capacity)
     out = mod.allocate(q, pq.shape, p.carrier, 0)
     lse = mod.allocate(q, (heads_q, batch * Sq), p.lse_dtype, -np.inf)
     mod.forward_varlen(p, pq, pk, pv, cu_q, cu_k, out, lse, alibi_slopes=alibi_slopes, seqused_k=lengths,

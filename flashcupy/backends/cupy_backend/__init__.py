@@ -526,4 +526,4 @@ def probs(p, q, k, lse, rows):
 # the backward, the packed batches and the KV cache: their launchers use the helpers above (imported
 # last, so that they find them)
 from .backward import ATOMIC_BACKWARD, backward  # noqa: E402,F401
-from .packed import append_kv, backward_varlen, cache_plan, forward_varlen  # noqa: E402,F401
+from .packed import append_kv, backward_varlen, cache_plan, even_offsets, forward_varlen  # noqa: E402,F401

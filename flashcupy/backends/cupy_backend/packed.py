@@ -109,6 +109,17 @@ def cache_plan(p, q, k, v, num_seqs: int, capacity: int, num_splits=None) -> tup
     return backend._split_rule(capacity, ctas, ctas, num_splits, q)
 
 
+def even_offsets(like, count: int, step: int):
+    """int32 offsets 0, step, .., count step on like's device: the cu_seqlens of a packed batch of `count`
+    parts of `step` rows each (attention_with_kvcache's queries, a contiguous cache's rows). Kept in the
+    Runtime by (device, count, step): the kernels only read them, and a decode step would otherwise fill
+    two arrays and copy them from the host every call."""
+    rt = backend._runtime()
+    with rt.device_of(like):
+        return backend._remember(rt.plans, ("offsets", rt.device_id(like), count, step),
+                                 lambda: rt.xp.asarray(np.arange(count + 1, dtype=np.int32) * step))
+
+
 def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, alibi_slopes=None,
                     deterministic=False) -> None:
     """A packed batch's backward (attention_varlen_backward) in forward_varlen's manner: the preprocess,

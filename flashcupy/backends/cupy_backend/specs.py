@@ -257,7 +257,7 @@ class Kernel:
         from .launch import GRIDS
         return GRIDS[self.template].blocks(self, p, rows)
 
-    @property
+    @functools.cached_property  # the fields are frozen
     def loop(self) -> str | None:
         """The side of the problem each CTA's main loop walks: "keys", "queries", or None (GRIDS)."""
         from .launch import GRIDS
