@@ -75,7 +75,14 @@ def runtime(compute_capability: int) -> object:
 def calls(B=32, S=512, H=16, D=128):
     q, k, v, dout = (np.zeros((B, S, H, D), np.float16) for _ in range(4))
     out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy")
-    return {"forward": lambda: flashcupy.attention(q, k, v, backend="cupy"),
+    # a decode step over a cache, the shape of flash-attn #1743 (../shared/USERS.md): one new token appended
+    q1, k1 = np.zeros((64, 1, 16, 128), np.float16), np.zeros((64, 1, 2, 128), np.float16)
+    k_cache, v_cache = (np.zeros((64, 8191, 2, 128), np.float16) for _ in range(2))
+    lengths = np.full(64, 8000, np.int32)
+    return {"decode step": lambda: flashcupy.attention_with_kvcache(q1, k_cache, v_cache, k=k1, v=k1, causal=True,
+                                                                    cache_seqlens=lengths, backend="cupy",
+                                                                    check_offsets=False),
+            "forward": lambda: flashcupy.attention(q, k, v, backend="cupy"),
             "forward causal": lambda: flashcupy.attention(q, k, v, causal=True, backend="cupy"),
             "backward": lambda: flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy"),
             "backward deterministic": lambda: flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy",
@@ -119,7 +126,8 @@ def main() -> int:
     finally:
         cupy_backend.CACHE_HOST_WORK = True
         cupy_backend.runtime, cupy_backend.ARRAY_LIBRARIES = saved
-    print("host work a call, us (B=32, S=512, H=16, D=128, float16; kernels that do nothing; no driver map encode)")
+    print("host work a call, us (B=32, S=512, H=16, D=128, float16; the decode step: q (64, 1, 16, 128) over a cache "
+          "(64, 8191, 2, 128), a token appended; kernels that do nothing; no driver map encode)")
     print(f"{'path':<9} {'call':<23} {'uncached':>9} {'cached':>8} {'saved':>7}")
     for path, name, before, after in rows:
         print(f"{path:<9} {name:<23} {before:9.0f} {after:8.0f} {before - after:7.0f}")
