@@ -449,7 +449,8 @@ def test_an_unknown_tile_table_is_refused_by_name():
 
 
 class _FakeCupyArray:
-    """What the backend reads of a cupy.ndarray (its module and __cuda_array_interface__), over host memory."""
+    """What the backend reads of a cupy.ndarray (its module, __cuda_array_interface__ and data.ptr), over host
+    memory."""
 
     __module__ = "cupy"
 
@@ -457,6 +458,10 @@ class _FakeCupyArray:
         self.host = host
         self.shape, self.strides, self.dtype, self.ndim = host.shape, host.strides, host.dtype, host.ndim
         self.stream_ptr = stream_ptr
+
+    @property
+    def data(self):  # cupy's MemoryPointer: the address the interface's checks read
+        return SimpleNamespace(ptr=self.host.__array_interface__["data"][0])
 
     @property
     def __cuda_array_interface__(self):
