@@ -399,8 +399,9 @@ def test_the_hopper_forward_does_per_pass_what_its_tiles_imply(sm90_rows):
         assert launch.access["tma_store_shared"] == (consumers * d // 64, out_bytes, out_bytes // 128, out_bytes // 128)
         assert launch.access["tma_store_global"] == (consumers * d // 64, out_bytes, out_bytes // 32, out_bytes // 32)
         # Q_i, K_0, V_0 waited for by every consumer thread, the producer's Q_s and first stage at once;
+        # then the producer's wait before it says no tile is left, which every consumer thread waits for;
         # turns: 2 (blocks + 1), and each consumer's two barriers around its staging of O
-        assert launch.mbarrier_waits == consumers * 128 * 3 + 2
+        assert launch.mbarrier_waits == consumers * 128 * 4 + 3
         assert launch.named_barriers == 2 * 2 + 2 * consumers and launch.barriers == 1
 
 

@@ -206,8 +206,9 @@ ORDERED_DQ_POINTS = [n for n, call in _calls("flash_bwd_sm90.cu") if DETERMINIST
 REGISTER_POINTS = [(kernel, n) for kernel in KERNELS for n, call in _calls(kernel) if _tagged(kernel, n, REGISTERS)]
 # forward: 2 query blocks, 3 key blocks; backward: 3 key blocks, 3 passes: both rings' stages reused.
 # Then two tiles of one key block each: the producer reaches the second tile's Q_i before the consumers
-# wait for the first's (a load lands when its barrier is waited on, with every load pending on it)
-SYNC_PROBLEMS = ((1, 130, 260, 1, 1, 64, True), (1, 256, 128, 1, 1, 64, False))
+# wait for the first's (a load lands when its barrier is waited on, with every load pending on it). Then
+# a tile that sees keys and two that see none (causal, Sq > Sk), taken after it by the same CTA
+SYNC_PROBLEMS = ((1, 130, 260, 1, 1, 64, True), (1, 256, 128, 1, 1, 64, False), (1, 300, 40, 1, 1, 64, True))
 
 
 def test_the_sync_points_are_found():

@@ -420,13 +420,15 @@ def forward(p, q, k, v, num_splits=1, into=None):
         if path == "hopper":
             out, lse = into if into is not None else (rt.xp.empty(q.shape, dtype=p.carrier),
                                                       rt.xp.empty(p.lse_shape, dtype=p.lse_dtype))
-            # persistent: a CTA an SM (at most), each walking the tiles blockIdx.x, + gridDim.x, ..
+            # persistent: a CTA an SM (at most), each taking its next tile where a counter says (zeros)
             tiles = kernel.blocks(p)
-            fwd((min(tiles, rt.sm_count(q)) if SM90_PERSISTENT else tiles,), (kernel.threads,),
+            ctas = min(tiles, rt.sm_count(q)) if SM90_PERSISTENT else tiles
+            counter = rt.xp.zeros(1, dtype=np.int32) if ctas < tiles else _int32_stand_in(rt, q)
+            fwd((ctas,), (kernel.threads,),
                 # Q_i's BLOCK_M rows, a key block's BLOCK_N, a consumer's rows of out
                 (*_sm90_maps(rt, p, (q, kernel.block_m), (k, kernel.block_n), (v, kernel.block_n),
                              (out, specs.SM90_CONSUMER_ROWS)), *_tensor(lse), *_problem_args(rt, p, q, True),
-                 np.int32(tiles), *_tensor(out), *_no_varlen(rt, q)),
+                 np.int32(tiles), counter, *_tensor(out), *_no_varlen(rt, q)),
                 shared_mem=kernel.dynamic_smem)
             return out, lse
         out, lse = into if into is not None else (rt.xp.empty(q.shape, dtype=p.carrier),
@@ -467,10 +469,11 @@ def _merge_splits(rt, p, like, splits, outs, lses, split_args, out, lse, batch, 
            np.int32(p.heads_q), np.int32(p.head_dim)))
 
 
-# The Hopper forward's grid: True, min(tiles, SMs) CTAs, each walking its tiles; False, the default, a
-# CTA a tile. Measured side by side on an H200 (benchmarks/results/h200_session3/forward_persistent.txt):
-# 0.92-1.03x a CTA a tile at S = 512..16384, and 0.72x causal at S=16k, D=128, where the static
-# round-robin of tiles over the CTAs loses the balance the hardware's dispatch of one CTA a tile gives
+# The Hopper forward's grid: True, min(tiles, SMs) CTAs, each taking tiles until none is left (the next
+# free one by an atomic counter); False, the default, a CTA a tile. Measured side by side on an H200 with
+# a static round-robin of the tiles (benchmarks/results/h200_session3/forward_persistent.txt): 0.92-1.03x
+# a CTA a tile at S = 512..16384, and 0.72x causal at S=16k, D=128, where the round-robin lost the balance
+# the hardware's dispatch of one CTA a tile gives; with the counter: unmeasured
 SM90_PERSISTENT = False
 
 

@@ -83,7 +83,8 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
         if path == "hopper":  # tensor maps over the packed tensors (a batch of one); out by pointer: row by row
             maps = backend._sm90_maps(rt, p, (packed[0], kernel.block_m), (packed[1], kernel.block_n),
                                       (packed[2], kernel.block_n), (out[None], specs.SM90_CONSUMER_ROWS))
-            fwd((blocks,), (kernel.threads,), (*maps, *parts[1], *scalars, np.int32(blocks), *parts[0], *offsets),
+            fwd((blocks,), (kernel.threads,), (*maps, *parts[1], *scalars, np.int32(blocks),
+                                                backend._int32_stand_in(rt, q), *parts[0], *offsets),
                 shared_mem=kernel.dynamic_smem)
             return
         fwd(

@@ -11,11 +11,15 @@
 // that Mask::partial names are masked element by element.
 //
 // Grid: a tile is a (query block, batch * heads_q) in query_block's order (mask.cuh: the last query
-// blocks, which see the most keys when causal, first); CTA b walks tiles b, b + gridDim.x, .. (`tiles`
-// of them in all). The launcher gives a CTA a tile by default; with cupy_backend.SM90_PERSISTENT,
-// min(tiles, SMs) CTAs, each walking several: the producer then loads the next tile's Q_i and K_j while
-// the consumers finish this one, whose out leaves by TMA store under the next tile's GEMMs (measured no
-// faster on an H200, and slower causal: benchmarks/results/h200_session3/).
+// blocks, which see the most keys when causal, first); `tiles` of them in all. The launcher gives a CTA
+// a tile by default; with cupy_backend.SM90_PERSISTENT, min(tiles, SMs) CTAs: CTA b takes tile b first,
+// then the first tile no CTA has taken (gridDim.x + an atomicAdd on tile_counter, zero at launch), so that
+// a CTA whose tiles were short takes more, as the hardware's dispatch of a CTA a tile balances them.
+// The producer then loads the next tile's Q_i and K_j while the consumers finish this one, whose out
+// leaves by TMA store under the next tile's GEMMs. (A static round-robin of the tiles, b, b + gridDim.x,
+// .., measured no faster on an H200, and 0.72x causal at S = 16k: benchmarks/results/h200_session3/;
+// this scheduler: unmeasured.) The producer takes each tile and tells the consumers which through
+// tile_slot (below).
 // CTA: 1 + CONSUMERS warpgroups of 128 threads (SM90_THREADS), with different jobs:
 //   warpgroup 0, the producer: gives its registers back (setmaxnreg_dec) and one elected thread of its
 //     first warp issues every TMA load: per tile Q_i once (once Q_s is free), then K_j and V_j of each
@@ -42,11 +46,14 @@
 //     O_s   BLOCK_M x HEAD_DIM                      each consumer's rows of out, for its TMA store
 //     total (2 BLOCK_M + 2 STAGES BLOCK_N) HEAD_DIM 2 bytes + 1024 of alignment (launch.py: LAUNCH).
 // mbarriers (static shared memory), and why each is waited on:
-//     q_full           Q_i's boxes have landed (count 1: the producer's arrive.expect_tx; the TMA
-//                      completes the bytes). Consumers wait before their first S = Q_i K_jᵀ of a tile.
-//     q_empty          every consumer thread's last S = Q_i K_jᵀ of the tile has landed (count: the
-//                      consumer threads): the producer waits before loading the next tile's Q_i
-//                      (parity 1 first). Tiles that see no key load nothing and count in neither.
+//     q_full           the producer has written the CTA's next tile into tile_slot, and its Q_i's boxes
+//                      have landed (count 1: the producer's arrive.expect_tx, the TMA completing the
+//                      bytes; a tile that sees no key, or none left (tile_slot = tiles), a plain arrive).
+//                      Consumers wait before they read tile_slot, so before their first S = Q_i K_jᵀ.
+//     q_empty          every consumer thread's last S = Q_i K_jᵀ of the tile has landed, or (a tile that
+//                      sees no key) every consumer thread has read tile_slot (count: the consumer
+//                      threads): the producer waits before writing tile_slot and loading the next Q_i
+//                      (parity 1 first).
 //     k_full[s]        K_j of stage s has landed: consumers wait before S = Q_i K_jᵀ.
 //     v_full[s]        V_j of stage s has landed: consumers wait before O += P V_j. Apart from K_j's
 //                      barrier, so that S and the softmax start before V_j lands.
@@ -75,7 +82,9 @@
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
 // BLOCK_M (64 CONSUMERS), BLOCK_N (a key block: 64 or 128), MODS (0 or MOD_WINDOW). `tiles`: the
-// query blocks times batch times heads_q (VARLEN: the grid's CTAs). VARLEN: a packed batch's kernel.
+// query blocks times batch times heads_q (VARLEN: the grid's CTAs). tile_counter: an int, zero at launch,
+// where a grid of fewer CTAs than tiles counts the tiles taken after each CTA's first (never read
+// otherwise). VARLEN: a packed batch's kernel.
 
 #include "mask.cuh"
 #include "sm90_tile.cuh"
@@ -84,7 +93,8 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool
 __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
     const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_out,
-    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), int tiles, TENSOR_PARAMS(T, out), VARLEN_PARAMS) {
+    LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), int tiles, int* tile_counter, TENSOR_PARAMS(T, out),
+    VARLEN_PARAMS) {
     static_assert(BLOCK_M == 64 * SM90_CONSUMERS, "a consumer warpgroup owns 64 query rows");
     static_assert(HEAD_DIM % ATOM == 0 && HEAD_DIM <= 128, "head_dim in whole atoms; wgmma N of 64 or 128");
     static_assert(BLOCK_N == 64 || BLOCK_N == 128, "wgmma N of 64 or 128");
@@ -103,6 +113,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     unsigned char* O_s = V_s + SM90_STAGES * KV_BYTES;
     __shared__ __align__(8) unsigned long long q_full, q_empty, k_full[SM90_STAGES], v_full[SM90_STAGES],
         kv_empty[SM90_STAGES];
+    __shared__ int tile_slot;  // the tile the producer took next (tiles: none left), for the consumers
 
     // VARLEN: the CTA's one tile is a query block of a sequence (a slot of the grid over cu_seqlens_q,
     // mask.cuh's Sequence), the problem that sequence's, the TMA's rows counted from its first ones
@@ -144,15 +155,25 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     if (warpgroup == 0) {  // the producer
         setmaxnreg_dec<PRODUCER_REGISTERS>();
         if (threadIdx.x / WARP_SIZE == 0 && elect_one_sync()) {
-            int it = 0, n = 0;  // key blocks and Q tiles loaded so far: the rings' places
-            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-                const Tile tile = tile_at(t);
-                if (tile.blocks == 0) continue;
-                // the consumers' last S of the tile before is done reading Q_s (the first passes at once)
+            int it = 0, n = 0;  // key blocks loaded and tiles taken so far: the rings' places
+            for (int t = blockIdx.x;; ++n) {
+                // the consumers' last S of the tile before is done reading Q_s, and they have read tile_slot
+                // (the first passes at once)
                 mbarrier_wait_parity(&q_empty, (n + 1) & 1);
+                tile_slot = min(t, tiles);
+                if (t >= tiles) {
+                    mbarrier_arrive(&q_full);  // none left: the consumers stop
+                    break;
+                }
+                const Tile tile = tile_at(t);
+                // the next tile: the first free one of the grid's (a CTA a tile: none)
+                t = gridDim.x < tiles ? gridDim.x + atomicAdd(tile_counter, 1) : tiles;
+                if (tile.blocks == 0) {
+                    mbarrier_arrive(&q_full);  // a tile that sees no key: no load, the consumers write out 0
+                    continue;
+                }
                 mbarrier_arrive_expect_tx(&q_full, Q_BYTES);
                 load_box<BLOCK_M, HEAD_DIM>(Q_s, map_q, tile.blk.h, q_row0 + tile.blk.i0, tile.blk.b, &q_full);
-                ++n;
                 for (int jb = 0; jb < tile.blocks; ++jb, ++it) {
                     const int s = it % SM90_STAGES;
                     const int j0 = tile.j_start + jb * BLOCK_N;
@@ -178,9 +199,13 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     const unsigned char* Q_c = Q_s + 64 * c * 128;  // the consumer's rows of Q_s, in the first atom
     unsigned char* O_c = O_s + 64 * c * 128;        // and of O_s
     const float scale_log2 = scale * LOG2E;
-    int it = 0, n = 0;  // key blocks and Q tiles consumed so far: the rings' places
+    int it = 0, n = 0;  // key blocks consumed and tiles taken so far: the rings' places
 
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    for (;; ++n) {
+        // the producer's next tile (tile_slot written before its arrival): Q_i landed, or none to load
+        mbarrier_wait_parity(&q_full, n & 1);
+        const int t = tile_slot;
+        if (t >= tiles) break;
         const Tile tile = tile_at(t);
         const QueryBlock& blk = tile.blk;
         const int j_start = tile.j_start, blocks = tile.blocks;
@@ -253,9 +278,9 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
             if (c == 0 || turn < blocks) named_barrier_arrive(3 + (1 - c), 256);
         };
 
+        if (blocks == 0) mbarrier_arrive(&q_empty);  // tile_slot read; no Q_i to read
         if (blocks > 0) {
             if (c == 1) named_barrier_arrive(3, 256);  // consumer 0's first turn
-            mbarrier_wait_parity(&q_full, n & 1);
             wait_k(0);
             // turn 0: S of key block 0
             my_turn();
@@ -297,7 +322,6 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
             your_turn(blocks);
             release(blocks - 1);
             it += blocks;
-            ++n;
         }
 
         // out = O / l and lse = (m + log2 l) ln 2; a row that saw no key (l == 0) gets out 0, lse -inf
