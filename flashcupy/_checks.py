@@ -269,10 +269,54 @@ def check_modifiers(lib, p: Problem, window, softcap, alibi_slopes, bias, mask) 
     return found
 
 
+# The Problems of calls without modifier arrays, kept by everything problem() reads (_problem_key): a call
+# like one before it gets the same Problem, checked once, and its cached properties already made. Only
+# problems that passed every check are kept; False: made again every call.
+CACHE_PROBLEMS = True
+_PROBLEMS = {}
+_PROBLEMS_SIZE = 512  # entries; a full cache starts again empty
+_NUMBER = (int, float, type(None))
+
+
+def _problem_key(q, k, v, causal, scale, dtype, lib, window, softcap, diagonal):
+    """The key of a call's Problem, or None where an option is not of the plain types whose equality
+    is their meaning (a bool causal, numbers or None, a tuple of ints or None for the window): 1 and True
+    are equal keys, and only one of them passes check_bool."""
+    if not (type(causal) is bool and type(scale) in _NUMBER and type(softcap) in _NUMBER
+            and type(diagonal) in (int, type(None)) and (dtype is None or type(dtype) is str)
+            and (window is None or (type(window) is tuple and len(window) == 2
+                                    and all(type(x) in (int, type(None)) for x in window)))):
+        return None
+    arrays = tuple((type(x), x.shape, x.strides, x.dtype, _alignment(x)) for x in (q, k, v))
+    return (lib, causal, type(scale), scale, dtype, window, type(softcap), softcap, diagonal, arrays)
+
+
+def _alignment(x) -> int | None:
+    """A device array's address modulo 16 (what check_strides reads of it); None for a host array."""
+    address = _device_address(x)
+    return None if address is None else address % 16
+
+
 def problem(q, k, v, causal, scale, dtype, lib=None, window=None, softcap=None, alibi_slopes=None, bias=None,
             mask=None, diagonal=None) -> Problem:
     """The Problem of q, k, v (rank 4, BSHD) and the options, every one of them checked; diagonal:
-    a chunk's own (flashcupy.dask, KV caches), None for seqlen_k - seqlen_q."""
+    a chunk's own (flashcupy.dask, KV caches), None for seqlen_k - seqlen_q. Kept between calls where
+    no modifier array is given (CACHE_PROBLEMS)."""
+    key = None
+    if CACHE_PROBLEMS and alibi_slopes is None and bias is None and mask is None:
+        key = _problem_key(q, k, v, causal, scale, dtype, lib, window, softcap, diagonal)
+        kept = _PROBLEMS.get(key) if key is not None else None
+        if kept is not None:
+            return kept
+    p = _problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal)
+    if key is not None:
+        if len(_PROBLEMS) >= _PROBLEMS_SIZE:
+            _PROBLEMS.clear()
+        _PROBLEMS[key] = p
+    return p
+
+
+def _problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal) -> Problem:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(

@@ -316,6 +316,42 @@ def test_cupy_problem_arguments_kept_between_calls_are_the_arguments_made_again(
     assert len(rt.plans) == 2 * len(variants)
 
 
+def test_problems_kept_between_calls_are_the_problems_made_again_and_bad_options_still_refused(rng):
+    # problem() keeps a call's Problem by its arrays' types, shapes, strides, dtypes and alignment and its
+    # options with their types: calls that differ in one of those get what is made afresh (CACHE_PROBLEMS
+    # off), in either order, and an option equal to a kept one but of a refused type (causal=1 after
+    # causal=True, a bool window side after an int) is refused still
+    from unittest import mock
+    from flashcupy import _checks
+    q = rng.standard_normal((2, 40, 4, 64)).astype(np.float16)
+    k = rng.standard_normal((2, 50, 2, 64)).astype(np.float16)
+    wide = rng.standard_normal((2, 50, 2, 72)).astype(np.float16)[..., :64]
+    arrays = [(q, k, k), (q, wide, wide), (q[:1], k[:1], k[:1]), (q.astype(np.float32),) + (k.astype(np.float32),) * 2,
+              (q.view(np.uint16), k.view(np.uint16), k.view(np.uint16))]
+    options = [dict(), dict(causal=True), dict(scale=1), dict(scale=1.0), dict(scale=0.25), dict(window=(3, None)),
+               dict(window=(3, 0)), dict(softcap=5), dict(softcap=5.0), dict(diagonal=4), dict(dtype="bfloat16")]
+    calls = [(x, kw) for x in arrays for kw in options if ("dtype" in kw) == (x[0].dtype == np.uint16)]
+    _checks._PROBLEMS.clear()
+    for x, kw in [*calls, *reversed(calls)]:
+        args = (*x, kw.get("causal", False), kw.get("scale"), kw.get("dtype"), "numpy", kw.get("window"),
+                kw.get("softcap"))
+        kept = _checks.problem(*args, diagonal=kw.get("diagonal"))
+        with mock.patch.object(_checks, "CACHE_PROBLEMS", False):
+            afresh = _checks.problem(*args, diagonal=kw.get("diagonal"))
+        assert kept == afresh and kept.scale == afresh.scale and type(kept.scale) is type(afresh.scale), kw
+        assert (kept.band, kept.modifiers, kept.carrier) == (afresh.band, afresh.modifiers, afresh.carrier), kw
+    assert len(_checks._PROBLEMS) == len(calls)
+    # q's shape and dtype, its elements 3 bytes apart along head_dim: refused though q's Problem is kept
+    odd = np.ndarray(q.shape, np.float16, np.zeros(q.size * 3, np.uint8), strides=(*q.strides[:3], 3))
+    for bad, error in ((dict(causal=1), TypeError), (dict(window=(True, None)), TypeError),
+                       (dict(causal=np.int64(1)), TypeError), (dict(window=(3, -1)), ValueError),
+                       (dict(scale=float("nan")), ValueError), (dict(dtype="float16"), ValueError),
+                       (dict(q=odd), ValueError)):
+        with pytest.raises(error):
+            _checks.problem(bad.get("q", q), k, k, bad.get("causal", False), bad.get("scale"), bad.get("dtype"),
+                            "numpy", bad.get("window"))
+
+
 def test_bfloat16_bits_need_no_ml_dtypes_until_numpy_computes_on_them(monkeypatch, rng):
     # CuPy users hold bfloat16 as uint16 bits and may not have ml_dtypes (the cuda extras do not bring it)
     import sys
