@@ -156,6 +156,56 @@ def test_the_hopper_kernels_match_the_oracle(rng, order, dtype, case):
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", **kw)
 
 
+# FA3's wide key block (cupy_backend.SM90_WIDE, off by default: specs.sm90_forward_tile): 176 keys at
+# head_dim 128, out staged in Q_i's shared memory (flash_fwd_sm90.cu's O_IN_Q), in the default grid and
+# persistent on 1 or 2 SMs (a CTA's next Q_i then waits for its out to have left)
+def wide():
+    return mock.patch.object(cupy_backend, "SM90_WIDE", True)
+
+
+WIDE_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim)
+    (1, 200, 400, 2, 1, 128),  # GQA; three key blocks, the last of 48 keys: a stage of the ring reused
+    (2, 17, 100, 1, 1, 96),    # one key block, short of 176; head_dim 96 in the 128 bucket
+    (1, 300, 190, 1, 1, 128),  # three query tiles of two key blocks each
+]
+
+
+@pytest.mark.parametrize("order, dtype", [("ascending", "float16"), ("warp_skew", "bfloat16"),
+                                          ("descending", "float16")])
+@pytest.mark.parametrize("case", WIDE_CASES, ids=lambda c: "x".join(str(x) for x in c))
+def test_the_wide_key_block_matches_the_oracle(rng, order, dtype, case):
+    q, k, v = make_qkv(rng, *case, np.float32)
+    kw = {}
+    if dtype == "bfloat16":
+        q, k, v = (bf16_bits(x.astype(BF16)) for x in (q, k, v))
+        kw["dtype"] = "bfloat16"
+    else:
+        q, k, v = (x.astype(np.float16) for x in (q, k, v))
+    names = []
+    grid, launch = persistent(SM_COUNTS[order])
+    with wide(), launch, emulated(order, compile=recording(names), compute_capability=HOPPER, **grid):
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+    ctype = "__half" if dtype == "float16" else "__nv_bfloat16"
+    assert names == [f"flash_fwd_sm90<{ctype}, 128, 128, 176>"]
+    assert_matches_oracle((out, lse), q, k, v, backend="cupy", **kw)
+
+
+@pytest.mark.parametrize("head_dim, mods, causal, varlen, tile", [
+    (128, 0, False, False, (128, 176)), (96, 0, False, False, (128, 176)),
+    (64, 0, False, False, (128, 128)),             # no wide block at head_dim 64
+    (128, 0, True, False, (128, 128)),             # causal
+    (128, specs.SM90_MODS, False, False, (128, 128)),  # the window
+    (128, 0, False, True, (128, 128)),             # a packed batch (its kernel spilled at 176)
+])
+def test_the_wide_key_block_is_taken_where_it_applies(head_dim, mods, causal, varlen, tile):
+    assert specs.sm90_forward_tile(head_dim, mods, causal, varlen, wide=True) == tile
+    default = specs.SM90_FORWARD_TILES[specs.tc_tile_row(head_dim)]
+    assert specs.sm90_forward_tile(head_dim, mods, causal, varlen) == default
+    # and the kernel fits: 176 keys only with O_s in Q_s
+    kernel = specs.sm90_forward_module("float16", head_dim, mods, varlen, tile).kernels[0]
+    assert kernel.dynamic_smem <= specs.SM90_SMEM_OPTIN
+
+
 # ----------------------------------------------------------------------------
 # each barrier, wait and fence is needed
 
@@ -209,6 +259,9 @@ REGISTER_POINTS = [(kernel, n) for kernel in KERNELS for n, call in _calls(kerne
 # wait for the first's (a load lands when its barrier is waited on, with every load pending on it). Then
 # a tile that sees keys and two that see none (causal, Sq > Sk), taken after it by the same CTA
 SYNC_PROBLEMS = ((1, 130, 260, 1, 1, 64, True), (1, 256, 128, 1, 1, 64, False), (1, 300, 40, 1, 1, 64, True))
+# Then the wide key block's (O_IN_Q: out staged in Q_s), three tiles in one CTA: a Q_i loaded before the
+# tile before's out has left would be stored in its place
+WIDE_SYNC_PROBLEM = (1, 300, 190, 1, 1, 128, False)
 
 
 def test_the_sync_points_are_found():
@@ -250,12 +303,13 @@ def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew
     def compile(source, names, options, thread_order, seed, cp_async):
         return compile_module(mutant if source == original else source, names, options, thread_order, seed, cp_async)
 
-    for B, Sq, Sk, Hq, Hkv, D, causal in SYNC_PROBLEMS:
+    problems = [(problem, contextlib.nullcontext) for problem in SYNC_PROBLEMS] + [(WIDE_SYNC_PROBLEM, wide)]
+    for (B, Sq, Sk, Hq, Hkv, D, causal), tile in problems:
         q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
         dout = rng.standard_normal(q.shape).astype(np.float16)
         for order in orders:
             grid, launch = persistent(1)  # both forward tiles in one CTA
-            with launch, emulated(order, compile=compile, compute_capability=HOPPER, **grid):
+            with tile(), launch, emulated(order, compile=compile, compute_capability=HOPPER, **grid):
                 try:
                     out, lse = flashcupy.attention(q, k, v, causal=causal, return_lse=True, backend="cupy")
                     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, backend="cupy")

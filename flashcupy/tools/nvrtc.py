@@ -353,10 +353,13 @@ def occupancy(arch: str, registers: int, smem: int, threads: int) -> float:
 
 
 def variant(kernel: specs.Kernel) -> str | None:
-    """A report row's "mods": the score modifiers, then split-KV, a packed batch, dQ by atomics and the
-    Hopper backward's ordered dQ, joined by "+"; None for the plain kernel."""
+    """A report row's "mods": the score modifiers, then split-KV, a packed batch, dQ by atomics, the
+    Hopper backward's ordered dQ and the Hopper forward's wide key block, joined by "+"; None for the
+    plain kernel."""
+    wide = (kernel.template == "flash_fwd_sm90"
+            and (kernel.block_m, kernel.block_n) == specs.SM90_WIDE_FORWARD_TILES.get(kernel.head_dim))
     flags = (kernel.modifiers, "split" * kernel.split, "varlen" * kernel.varlen, "dq_atomic" * kernel.dq_atomic,
-             "deterministic" * kernel.deterministic)
+             "deterministic" * kernel.deterministic, "wide" * wide)
     return "+".join(x for x in flags if x) or None
 
 

@@ -374,7 +374,8 @@ def _forward_module(p, q, k, v, split: bool, out=None, varlen: bool = False, pag
     (forward_varlen), paged: its keys a paged KV cache's."""
     path = forward_path(p, q, k, v, out, split, paged)
     if path == "hopper":
-        return path, specs.sm90_forward_module(p.dtype, p.head_dim, _mods(p), varlen)
+        tile = specs.sm90_forward_tile(p.head_dim, _mods(p), p.causal, varlen, SM90_WIDE)
+        return path, specs.sm90_forward_module(p.dtype, p.head_dim, _mods(p), varlen, tile)
     build = specs.tc_forward_module if path == "tensor-core" else specs.forward_module
     return path, build(p.dtype, p.head_dim, _mods(p), split, varlen)
 
@@ -475,6 +476,11 @@ def _merge_splits(rt, p, like, splits, outs, lses, split_args, out, lse, batch, 
 # a CTA a tile at S = 512..16384, and 0.72x causal at S=16k, D=128, where the round-robin lost the balance
 # the hardware's dispatch of one CTA a tile gives; with the counter: unmeasured
 SM90_PERSISTENT = False
+
+# The Hopper forward's key block at head_dim 128 without causal or a window: True, FA3's 176 keys
+# (specs.SM90_WIDE_FORWARD_TILES, O staged in Q_i's shared memory); False, the default, 128, the block
+# measured on an H200 (benchmarks/results/h200_session3/). The wide block: unmeasured
+SM90_WIDE = False
 
 
 def _stand_in(rt, like, dtype):

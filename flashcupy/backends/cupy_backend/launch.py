@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .specs import Kernel, MOD_BITS, MOD_PAIRS, MOD_SCORE, NUM_THREADS, SM90_DQ_ROW_PAD, SM90_THREADS, WIDE_WARPS
+from .specs import (Kernel, MOD_BITS, MOD_PAIRS, MOD_SCORE, NUM_THREADS, SM90_DQ_ROW_PAD, SM90_SMEM_OPTIN, SM90_THREADS,
+                    WIDE_WARPS)
 
 
 @dataclass(frozen=True)
@@ -109,9 +110,11 @@ def _tc_forward_smem(m: int, n: int, d: int, atomic: bool) -> int:
 
 
 # The Hopper forward: Q_i; STAGES (2) x (K_j, V_j), HEAD_DIM columns each; O (its staging for the TMA
-# store); 1024 bytes to align the tiles up to the 128B swizzle's repeat (the kernel does)
+# store), unless that would pass the opt-in limit (the kernel's O_IN_Q: O in Q_i's place); 1024 bytes to
+# align the tiles up to the 128B swizzle's repeat (the kernel does)
 def _sm90_forward_smem(m: int, n: int, d: int, atomic: bool) -> int:
-    return _tc_forward_smem(m, n, d, atomic) + m * d * 2 + 1024
+    smem = _tc_forward_smem(m, n, d, atomic) + m * d * 2 + 1024
+    return smem if smem <= SM90_SMEM_OPTIN else smem - m * d * 2
 
 
 LAUNCH = {

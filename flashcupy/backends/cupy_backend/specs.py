@@ -157,6 +157,12 @@ SM90_ARCH = "sm_90a"
 SM90_COMPUTE_CAPABILITY = 90
 SM90_THREADS = 3 * 128  # a producer and two consumer warpgroups (SM90_THREADS in the kernel)
 SM90_FORWARD_TILES = {64: (128, 128), 128: (128, 128)}
+# FA3's wider key block at head_dim 128 for calls without causal or a window (its tile_size.h: 128 x 176;
+# fewer passes for the same keys), one batch, taken where cupy_backend.SM90_WIDE asks for it
+# (sm90_forward_tile).
+# Q_i, the ring and O_s would not fit in 227 KiB: O_s lies in Q_s (flash_fwd_sm90.cu's O_IN_Q)
+SM90_WIDE_FORWARD_TILES = {128: (128, 176)}
+SM90_SMEM_OPTIN = 227 * 1024  # the most dynamic shared memory a CTA may opt in to on sm_90
 # The Hopper backward's dK/dV kernel (flash_bwd_sm90.cu): 64 query rows a pass, two consumer warpgroups
 # of 64 keys each (FA3's 64 x 128 at head_dim 128)
 SM90_BACKWARD_TILES = {64: (64, 128), 128: (64, 128)}
@@ -459,13 +465,26 @@ def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool 
     ))
 
 
+def sm90_forward_tile(head_dim: int, mods: int = 0, causal: bool = False, varlen: bool = False,
+                      wide: bool = False) -> tuple:
+    """(BLOCK_M, BLOCK_N) of the Hopper forward: SM90_WIDE_FORWARD_TILES' where `wide` asks for it, the
+    call has neither causal nor a window (a band would mask more of a wider block), is one batch (a
+    packed batch's kernel spilled at 176 keys: its sequence's offsets besides) and the head_dim's bucket
+    has one; else SM90_FORWARD_TILES'."""
+    bucket = tc_tile_row(head_dim)
+    if wide and not causal and not mods and not varlen and bucket in SM90_WIDE_FORWARD_TILES:
+        return SM90_WIDE_FORWARD_TILES[bucket]
+    return SM90_FORWARD_TILES[bucket]
+
+
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
-def sm90_forward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False) -> ModuleSpec:
+def sm90_forward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False,
+                        tile: tuple | None = None) -> ModuleSpec:
     """The Hopper forward (sm_90a) for float16/bfloat16, head_dim <= 128 (a multiple of 8), no
     modifier but the window (sm90_eligible); varlen: for a packed batch (a CTA a query block, out stored
-    row by row)."""
+    row by row); tile: its (BLOCK_M, BLOCK_N) (sm90_forward_tile), SM90_FORWARD_TILES' by default."""
     bucket = tc_tile_row(head_dim)
-    bm, bn = SM90_FORWARD_TILES[bucket]
+    bm, bn = tile or SM90_FORWARD_TILES[bucket]
     return ModuleSpec("flash_fwd_sm90.cu", (Kernel("flash_fwd_sm90", _name(dtype), bucket, bm, bn, mods, varlen=varlen),),
                       SM90_ARCH)
 

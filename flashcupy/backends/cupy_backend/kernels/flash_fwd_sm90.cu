@@ -45,6 +45,10 @@
 //     V_s   STAGES x BLOCK_N x HEAD_DIM             (it % STAGES == s), counted across its tiles
 //     O_s   BLOCK_M x HEAD_DIM                      each consumer's rows of out, for its TMA store
 //     total (2 BLOCK_M + 2 STAGES BLOCK_N) HEAD_DIM 2 bytes + 1024 of alignment (launch.py: LAUNCH).
+// O_IN_Q: where that is more than a CTA may have (227 KiB: BLOCK_N 176 at HEAD_DIM 128, FA3's key block
+// for calls without causal or window), O_s is Q_s: a consumer's rows of O_s are the rows of Q_s that only
+// its own S = Q_i K_jᵀ read, all landed before it writes out. The next Q_i then waits for out to have
+// left (q_empty below), so a persistent grid's next Q_i no longer loads under this tile's epilogue.
 // mbarriers (static shared memory), and why each is waited on:
 //     q_full           the producer has written the CTA's next tile into tile_slot, and its Q_i's boxes
 //                      have landed (count 1: the producer's arrive.expect_tx, the TMA completing the
@@ -53,7 +57,8 @@
 //     q_empty          every consumer thread's last S = Q_i K_jᵀ of the tile has landed, or (a tile that
 //                      sees no key) every consumer thread has read tile_slot (count: the consumer
 //                      threads): the producer waits before writing tile_slot and loading the next Q_i
-//                      (parity 1 first).
+//                      (parity 1 first). O_IN_Q: every consumer's out has left O_s (its lead's TMA store
+//                      has read it, or each thread has copied its part).
 //     k_full[s]        K_j of stage s has landed: consumers wait before S = Q_i K_jᵀ.
 //     v_full[s]        V_j of stage s has landed: consumers wait before O += P V_j. Apart from K_j's
 //                      barrier, so that S and the softmax start before V_j lands.
@@ -81,7 +86,7 @@
 // store writes neither. Modifiers: none or the window (MODS); the others run on flash_fwd_tc.cu.
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
-// BLOCK_M (64 CONSUMERS), BLOCK_N (a key block: 64 or 128), MODS (0 or MOD_WINDOW). `tiles`: the
+// BLOCK_M (64 CONSUMERS), BLOCK_N (a key block: 64, 128 or 176), MODS (0 or MOD_WINDOW). `tiles`: the
 // query blocks times batch times heads_q (VARLEN: the grid's CTAs). tile_counter: an int, zero at launch,
 // where a grid of fewer CTAs than tiles counts the tiles taken after each CTA's first (never read
 // otherwise). VARLEN: a packed batch's kernel.
@@ -97,7 +102,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     VARLEN_PARAMS) {
     static_assert(BLOCK_M == 64 * SM90_CONSUMERS, "a consumer warpgroup owns 64 query rows");
     static_assert(HEAD_DIM % ATOM == 0 && HEAD_DIM <= 128, "head_dim in whole atoms; wgmma N of 64 or 128");
-    static_assert(BLOCK_N == 64 || BLOCK_N == 128, "wgmma N of 64 or 128");
+    static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 176, "wgmma N of 64, 128 or 176 (hopper.cuh)");
     static_assert((MODS & ~MOD_WINDOW) == 0, "the other modifiers run on flash_fwd_tc.cu");
     constexpr int N_TILES = BLOCK_N / 8;     // 8-key column tiles of S (C fragments)
     constexpr int D_TILES = HEAD_DIM / 8;    // 8-column tiles of O
@@ -105,12 +110,15 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     constexpr int PV_STEPS = BLOCK_N / 16;   // k-steps of P V_j
     constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2, KV_BYTES = BLOCK_N * HEAD_DIM * 2;
     constexpr int ZEROED = 5;  // named barrier (1 + c: a consumer's O_s; 3, 4: the pingpong)
+    // O_s in Q_s where Q_i, the ring and O_s would not fit (the wide key block, 176 at head_dim 128):
+    // launch.py's _sm90_forward_smem says the same
+    constexpr bool O_IN_Q = (2 * BLOCK_M + 2 * SM90_STAGES * BLOCK_N) * HEAD_DIM * 2 + 1024 > SM90_SMEM_OPTIN;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* Q_s = aligned_smem(smem_raw);
     unsigned char* K_s = Q_s + Q_BYTES;
     unsigned char* V_s = K_s + SM90_STAGES * KV_BYTES;
-    unsigned char* O_s = V_s + SM90_STAGES * KV_BYTES;
+    unsigned char* O_s = O_IN_Q ? Q_s : V_s + SM90_STAGES * KV_BYTES;
     __shared__ __align__(8) unsigned long long q_full, q_empty, k_full[SM90_STAGES], v_full[SM90_STAGES],
         kv_empty[SM90_STAGES];
     __shared__ int tile_slot;  // the tile the producer took next (tiles: none left), for the consumers
@@ -237,7 +245,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
         float alpha[2];
         const auto softmax = [&](int jb) {
             wgmma_fence_operand<BLOCK_N / 2>(&S[0][0]);
-            if (jb == blocks - 1) mbarrier_arrive(&q_empty);
+            if (!O_IN_Q && jb == blocks - 1) mbarrier_arrive(&q_empty);
             const int j0 = j_start + jb * BLOCK_N;
             if (mask.partial(blk.i0, j0)) {
                 for_each_element([&](int r, int col, float& x) {
@@ -278,7 +286,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
             if (c == 0 || turn < blocks) named_barrier_arrive(3 + (1 - c), 256);
         };
 
-        if (blocks == 0) mbarrier_arrive(&q_empty);  // tile_slot read; no Q_i to read
+        if (!O_IN_Q && blocks == 0) mbarrier_arrive(&q_empty);  // tile_slot read; no Q_i to read
         if (blocks > 0) {
             if (c == 1) named_barrier_arrive(3, 256);  // consumer 0's first turn
             wait_k(0);
@@ -366,6 +374,12 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
             for (int a = 0; a < HEAD_DIM / ATOM; ++a)
                 tma_store_4d(map_out, a * ATOM, blk.h, row_c, blk.b, O_c + a * ATOM_BYTES<BLOCK_M>);
             tma_store_commit_group();
+        }
+        if constexpr (O_IN_Q) {
+            // Q_c is free for the next Q_i once out has left O_c, which lies in it: the lead's TMA store has
+            // read it (q_empty counts the lead's arrival too), or (VARLEN) each thread has copied its part
+            if (lead) tma_store_wait_group_read<0>();
+            mbarrier_arrive(&q_empty);
         }
     }
     if (lead) tma_store_wait_group_read<0>();  // the CTA's shared memory is read before it exits

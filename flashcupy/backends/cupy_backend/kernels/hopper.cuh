@@ -265,14 +265,20 @@ struct Wgmma;
 // m64n64k16: d is %0-%31; SS: desc_a %32, desc_b %33, scale-d %34, transposes %35, %36;
 // RS: a %32-%35, desc_b %36, scale-d %37, trans-b %38.
 // m64n128k16: d is %0-%63; SS: desc_a %64, desc_b %65, scale-d %66, transposes %67, %68;
-// RS: a %64-%67, desc_b %68, scale-d %69, trans-b %70. The n128 lists extend the n64 ones.
+// RS: a %64-%67, desc_b %68, scale-d %69, trans-b %70.
+// m64n176k16 (the forward's wide key block): d is %0-%87; SS: desc_a %88, desc_b %89, scale-d %90,
+// transposes %91, %92; RS: a %88-%91, desc_b %92, scale-d %93, trans-b %94. Each list extends the last.
 #define FLASHCUPY_WGMMA_R32 \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
     "%24, %25, %26, %27, %28, %29, %30, %31"
-#define FLASHCUPY_WGMMA_D64 "{" FLASHCUPY_WGMMA_R32 "}"
-#define FLASHCUPY_WGMMA_D128 "{" FLASHCUPY_WGMMA_R32 ", " \
+#define FLASHCUPY_WGMMA_R64 FLASHCUPY_WGMMA_R32 ", " \
     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, " \
-    "%54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
+    "%54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define FLASHCUPY_WGMMA_D64 "{" FLASHCUPY_WGMMA_R32 "}"
+#define FLASHCUPY_WGMMA_D128 "{" FLASHCUPY_WGMMA_R64 "}"
+#define FLASHCUPY_WGMMA_D176 "{" FLASHCUPY_WGMMA_R64 ", " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, " \
+    "%86, %87" \
     "}"
 #define FLASHCUPY_WGMMA_D64_OPERANDS(d) \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
@@ -284,18 +290,26 @@ struct Wgmma;
     "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
     "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
     "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define FLASHCUPY_WGMMA_D176_OPERANDS(d) FLASHCUPY_WGMMA_D128_OPERANDS(d), \
+    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
 #define FLASHCUPY_WGMMA_SIZE(N, ss_scale, ss, rs_scale, rs) \
     FLASHCUPY_WGMMA(__half, "f16", N, FLASHCUPY_WGMMA_D##N, FLASHCUPY_WGMMA_D##N##_OPERANDS, ss_scale, ss, rs_scale, rs) \
     FLASHCUPY_WGMMA(__nv_bfloat16, "bf16", N, FLASHCUPY_WGMMA_D##N, FLASHCUPY_WGMMA_D##N##_OPERANDS, ss_scale, ss, \
                     rs_scale, rs)
 FLASHCUPY_WGMMA_SIZE(64, "34", "%32, %33, p, 1, 1, %35, %36", "37", "{%32, %33, %34, %35}, %36, p, 1, 1, %38")
 FLASHCUPY_WGMMA_SIZE(128, "66", "%64, %65, p, 1, 1, %67, %68", "69", "{%64, %65, %66, %67}, %68, p, 1, 1, %70")
+FLASHCUPY_WGMMA_SIZE(176, "90", "%88, %89, p, 1, 1, %91, %92", "93", "{%88, %89, %90, %91}, %92, p, 1, 1, %94")
 #undef FLASHCUPY_WGMMA_SIZE
 #undef FLASHCUPY_WGMMA_R32
+#undef FLASHCUPY_WGMMA_R64
 #undef FLASHCUPY_WGMMA_D64
 #undef FLASHCUPY_WGMMA_D64_OPERANDS
 #undef FLASHCUPY_WGMMA_D128
 #undef FLASHCUPY_WGMMA_D128_OPERANDS
+#undef FLASHCUPY_WGMMA_D176
+#undef FLASHCUPY_WGMMA_D176_OPERANDS
 #undef FLASHCUPY_WGMMA
 
 // ---------------------------------------------------------------------------------------------

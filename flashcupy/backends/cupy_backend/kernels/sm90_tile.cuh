@@ -24,6 +24,7 @@ constexpr int SM90_STAGES = 2;                             // stages of a TMA ri
 constexpr int PRODUCER_REGISTERS = 24;
 constexpr int CONSUMER_REGISTERS = 240;
 constexpr int ATOM = 64;  // columns of a 128B-swizzled atom: 128 bytes of 16-bit elements
+constexpr int SM90_SMEM_OPTIN = 227 * 1024;  // the most dynamic shared memory a CTA may opt in to on sm_90
 
 // Bytes of an atom (64 columns) of a tile of ROWS rows
 template <int ROWS>
