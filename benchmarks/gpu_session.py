@@ -86,6 +86,7 @@ class Sizes:
     numba_configs: tuple  # the configs of `configs` they are timed at
     min_time: float  # seconds of timed calls per measurement, at least MIN_REPEAT calls
     max_repeat: int
+    wide_config: tuple = (128, False)  # the config "cupy-wide" is timed at (where the wide key block applies)
 
 
 GPU = Sizes(seqlens=(512, 1024, 2048, 4096, 8192, 16384), configs=((128, True), (128, False), (64, True), (64, False)),
@@ -100,7 +101,9 @@ DRY = Sizes(seqlens=(16, 64), configs=((64, True),), dtypes=("bfloat16", "float1
             numba_max_seqlen=16, numba_configs=((64, True),),
             # one query and one key; then GQA, causal with Sq < Sk, head_dim 40 (tensor cores): Numba's
             # simulator runs a Python thread per CUDA thread, so the battery's larger cases take minutes
-            check_battery=((1, 1, 1, 1, 1, 1, False), (1, 9, 12, 2, 1, 40, True)))
+            check_battery=((1, 1, 1, 1, 1, 1, False), (1, 9, 12, 2, 1, 40, True)),
+            # "cupy-wide" at its one config, where the switch changes no kernel: the code path runs
+            wide_config=(64, True))
 MIN_REPEAT = 3
 
 # (stage, time limit in seconds); the sweep takes what the budget leaves after reserving the plot's
@@ -119,10 +122,12 @@ def group_of(key: str) -> str:
     """The process group an item runs in: "numba" for the Numba backend's items, else "main"."""
     return "numba" if key.startswith("numba/") else "main"
 
-SWEEP_IMPLS = ("cupy", "cupy-mma", "cupy-det", "numba", "torch-flash", "torch-cudnn", "torch-math")
+SWEEP_IMPLS = ("cupy", "cupy-mma", "cupy-det", "cupy-wide", "numba", "torch-flash", "torch-cudnn", "torch-math")
 # "cupy-mma" beside "cupy": on compute capability 9.0 "cupy" runs the Hopper forward and backward
 # (flash_fwd_sm90.cu, flash_bwd_sm90.cu), "cupy-mma" the mma.sync ones they replace (flash_fwd_tc.cu,
-# flash_bwd_tc.cu: USE_WGMMA off), in the same run; below 9.0 they are the same kernels
+# flash_bwd_tc.cu: USE_WGMMA off), in the same run; below 9.0 they are the same kernels.
+# "cupy-wide": the Hopper forward with FA3's 176-key block (cupy_backend.SM90_WIDE), where it applies
+# (head_dim 128, not causal), at the three longest seqlens: whether it should be the default
 
 
 # ----------------------------------------------------------------------------
@@ -395,7 +400,7 @@ def _median_seconds(fn, dry: bool, sizes: Sizes) -> float:
 
 
 BACK_TO_BACK_CALLS = 5  # calls issued one after another for the host / back-to-back figures (GPU)
-BACK_TO_BACK_IMPLS = ("cupy", "cupy-det", "torch-flash", "torch-cudnn")  # the targets' (issues 26, 27)
+BACK_TO_BACK_IMPLS = ("cupy", "cupy-det", "cupy-wide", "torch-flash", "torch-cudnn")  # the targets' (issues 26, 27)
 
 
 def _host_and_back_to_back(fn, dry: bool) -> tuple:
@@ -409,19 +414,25 @@ def _host_and_back_to_back(fn, dry: bool) -> tuple:
     return seconds, seconds
 
 
-def on_mma(call_cupy):
-    """The cupy forward or backward `call_cupy` (a closure of bench.closures) on the mma.sync kernels
-    (cupy_backend.USE_WGMMA off for the call), whatever the device."""
+def with_switch(call_cupy, switch: str, value: bool):
+    """The cupy forward or backward `call_cupy` (a closure of bench.closures) with cupy_backend's `switch`
+    set to `value` for the call: USE_WGMMA off, the mma.sync kernels whatever the device; SM90_WIDE on,
+    the Hopper forward's wide key block."""
     from flashcupy.backends import cupy_backend
 
     def call():
-        saved = cupy_backend.USE_WGMMA
-        cupy_backend.USE_WGMMA = False
+        saved = getattr(cupy_backend, switch)
+        setattr(cupy_backend, switch, value)
         try:
             return call_cupy()
         finally:
-            cupy_backend.USE_WGMMA = saved
+            setattr(cupy_backend, switch, saved)
     return call
+
+
+def on_mma(call_cupy):
+    """`call_cupy` on the mma.sync kernels (cupy_backend.USE_WGMMA off for the call)."""
+    return with_switch(call_cupy, "USE_WGMMA", False)
 
 
 def sweep_items(args):
@@ -440,7 +451,7 @@ def sweep_items(args):
             reason = "cuDNN attention needs a GPU"
         if reason is None:
             impls.append(impl)
-        elif impl not in ("torch-math", "cupy-mma", "cupy-det"):  # said by torch-flash and torch-cudnn, by cupy
+        elif impl not in ("torch-math", "cupy-mma", "cupy-det", "cupy-wide"):  # said by torch-*, by cupy
             missing.append((impl, reason))
     inputs = {}  # the current shape's inputs, shared by every implementation
 
@@ -457,8 +468,10 @@ def sweep_items(args):
                                            deterministic=impl == "cupy-det")
         if impl == "cupy-mma":
             forward, backward = on_mma(forward), on_mma(backward)
-        # cupy-det: the backward alone (its forward is cupy's)
-        passes = (("backward", backward),) if impl == "cupy-det" else (("forward", forward), ("backward", backward))
+        # cupy-det: the backward alone (its forward is cupy's); cupy-wide: the forward alone
+        passes = {"cupy-det": (("backward", backward),),
+                  "cupy-wide": (("forward", with_switch(forward, "SM90_WIDE", True)),)}.get(
+            impl, (("forward", forward), ("backward", backward)))
         records = []
         for pass_, fn in passes:
             seconds = _median_seconds(fn, args.dry_run, sizes)
@@ -482,6 +495,9 @@ def sweep_items(args):
                         continue
                     if impl == "cupy-det" and (D != sizes.configs[0][0] or S not in sorted(sizes.seqlens)[-3:]):
                         continue  # issue 27's shapes: head_dim 128, S = 4k .. 16k
+                    if impl == "cupy-wide" and ((D, causal) != sizes.wide_config
+                                                or S not in sorted(sizes.seqlens)[-3:]):
+                        continue  # where the wide key block applies (specs.sm90_forward_tile), S = 4k .. 16k
                     key = f"{impl}/{dtype}/D{D}/{'causal' if causal else 'full'}/S{S}"
                     yield key, functools.partial(measure, impl, dtype, D, causal, S)
     for impl, reason in missing:
@@ -826,8 +842,9 @@ def _speed_tables(timings) -> list:
             if not rows:
                 continue
             lines += [f"### {dtype} {pass_}", "", "| D | causal | S | B x H | " + " | ".join(impls)
-                      + " | cupy / torch-flash | cupy / torch-cudnn | cupy / cupy-mma | cupy-det / cupy | numba / cupy |",
-                      "|---" * (len(impls) + 9) + "|"]
+                      + " | cupy / torch-flash | cupy / torch-cudnn | cupy / cupy-mma | cupy-det / cupy"
+                      + " | cupy-wide / cupy | numba / cupy |",
+                      "|---" * (len(impls) + 10) + "|"]
             for D, causal, S in sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in rows},
                                        key=lambda k: (-k[0], not k[1], k[2])):
                 cell = {r["impl"]: r for r in rows if (r["head_dim"], r["causal"], r["seqlen"]) == (D, causal, S)}
@@ -848,7 +865,8 @@ def _speed_tables(timings) -> list:
                 lines.append(f"| {D} | {causal} | {S} | {any_row['batch']} x {any_row['heads']} | "
                              + " | ".join(show(i) for i in impls)
                              + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} | {ratio('cupy-mma')} |"
-                             + f" {ratio('cupy', 'cupy-det')} | {ratio('cupy', 'numba')} |")
+                             + f" {ratio('cupy', 'cupy-det')} | {ratio('cupy', 'cupy-wide')} |"
+                             + f" {ratio('cupy', 'numba')} |")
             lines.append("")
     return lines + _host_table(timings)
 

@@ -1,5 +1,6 @@
 """On a GPU: the Hopper forward (flash_fwd_sm90.cu) persistent (a CTA an SM walking its tiles:
-cupy_backend.SM90_PERSISTENT = True) beside the same kernel launched a CTA a tile (the default), the
+cupy_backend.SM90_PERSISTENT = True) beside the same kernel launched a CTA a tile (the default), with
+FA3's 176-key block (SM90_WIDE = True; head_dim 128 without causal, where it applies, else nan), the
 mma.sync forward (USE_WGMMA = False), cuDNN and torch's flash (FA2), in one run, with how
 far the Hopper out lies from cuDNN's (the largest difference over the largest magnitude), and the
 default's host part of a call and back-to-back rate beside cuDNN's (bench.host_and_back_to_back).
@@ -37,6 +38,11 @@ def main() -> int:
                 for wgmma, persistent in ((True, True), (True, False), (False, True)):
                     cupy_backend.USE_WGMMA, cupy_backend.SM90_PERSISTENT = wgmma, persistent
                     row.append(flops / timed(lambda: flashcupy.attention(q, k, v, **kw)) / 1e12)
+                    if not persistent:  # the wide key block, a CTA a tile, after the default
+                        cupy_backend.SM90_WIDE = True
+                        row.append(flops / timed(lambda: flashcupy.attention(q, k, v, **kw)) / 1e12
+                                   if D == 128 and not causal else float("nan"))
+                        cupy_backend.SM90_WIDE = False
                 cupy_backend.USE_WGMMA = cupy_backend.SM90_PERSISTENT = True
                 out = flashcupy.attention(q, k, v, **kw)
                 a, b, c = (x.transpose(1, 2) for x in tq)
@@ -59,12 +65,14 @@ def main() -> int:
                 print(*row, flush=True)
     print("\nforward TFLOP/s (median of 10); vs cudnn: max |hopper - cudnn| / max |cudnn| of out")
     print("host: us of the host's part of a call (a CTA a tile); tile.b2b, cudnn.b2b: TFLOP/s of calls back to back")
-    print("dtype     D   causal  S      persist  a-tile  mma.sync  cudnn  flash  pers/tile  pers/cudnn  pers/flash  "
-          "vs cudnn  host  tile.b2b  cudnn.b2b  b2b/cudnn")
+    print("dtype     D   causal  S      persist  a-tile  wide    mma.sync  cudnn  flash  pers/tile  wide/tile  "
+          "pers/cudnn  wide/cudnn  pers/flash  vs cudnn  host  tile.b2b  cudnn.b2b  b2b/cudnn")
     for r in ROWS:
-        print(f"{r[0]:<9} {r[1]:<3} {str(r[2]):<7} {r[3]:<6} {r[4]:7.1f} {r[5]:7.1f}  {r[6]:7.1f}  {r[7]:6.1f} {r[8]:6.1f}"
-              f"  {r[4] / r[5]:8.2f}  {r[4] / r[7]:9.2f}  {r[4] / r[8]:9.2f}  {r[9]:.2e}"
-              f"  {r[10]:4.0f}  {r[11]:8.1f}  {r[12]:9.1f}  {r[11] / r[12]:9.2f}")
+        (dtype, D, causal, S, persist, tile, wide, mma, cudnn, flash, error, host, tile_b2b, cudnn_b2b) = r
+        print(f"{dtype:<9} {D:<3} {str(causal):<7} {S:<6} {persist:7.1f} {tile:7.1f} {wide:7.1f}  {mma:7.1f}  "
+              f"{cudnn:6.1f} {flash:6.1f}  {persist / tile:8.2f}  {wide / tile:9.2f}  {persist / cudnn:9.2f}  "
+              f"{wide / cudnn:10.2f}  {persist / flash:9.2f}  {error:.2e}  {host:4.0f}  {tile_b2b:8.1f}  "
+              f"{cudnn_b2b:9.1f}  {tile_b2b / cudnn_b2b:9.2f}")
     return 0
 
 

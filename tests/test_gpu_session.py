@@ -99,12 +99,17 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert {(r["pass"], r["dtype"]) for r in timings if r["impl"] == "cupy-det"} == {
         ("backward", "bfloat16"), ("backward", "float16")}
     assert "cupy-det / cupy" in report
+    # the wide key block's forward beside the default (cupy_backend.SM90_WIDE), the forward alone
+    assert {(r["pass"], r["dtype"], r["seqlen"]) for r in timings if r["impl"] == "cupy-wide"} == {
+        ("forward", dtype, S) for dtype in ("bfloat16", "float16") for S in (16, 64)}
+    assert "cupy-wide / cupy" in report
     # the Numba kernels timed beside the CuPy ones (the simulator's figures: only the path is checked)
     assert {(r["pass"], r["seqlen"]) for r in timings if r["impl"] == "numba"} == {("forward", 16), ("backward", 16)}
     assert not [r for r in records if r["type"] == "unavailable" and r["stage"] == "sweep" and r["impl"] == "numba"]
     assert all(r["seconds"] > 0 and r["tflops"] > 0 for r in timings)
     # the host's part of a call and the back-to-back rate beside the per-call median (the fast implementations)
-    assert all(r["host_seconds"] > 0 and r["b2b_tflops"] > 0 for r in timings if r["impl"] in ("cupy", "cupy-det"))
+    assert all(r["host_seconds"] > 0 and r["b2b_tflops"] > 0 for r in timings
+               if r["impl"] in ("cupy", "cupy-det", "cupy-wide"))
     assert all(r["host_seconds"] is None for r in timings if r["impl"] in ("numba", "cupy-mma"))
     (host_row,) = [line for line in report.split("### Host part of a call, and back to back")[1].splitlines()
                    if line.startswith("| float16 | backward | 64 | True | 16 |")]
