@@ -1,6 +1,7 @@
 """The emulator's model of wgmma (kernels/hopper.cuh; flashcupy/tools/emulator/include/emu_wgmma.h).
 
-wgmma.mma_async SS and RS, f16 and bf16 into f32, N = 64 and 128, K-major and transposed (MN-major)
+wgmma.mma_async SS and RS, f16 and bf16 into f32, N = 64 and 128 (and 176, K-major: the wide forward's),
+K-major and transposed (MN-major)
 operands, each swizzle mode, against NumPy's matmul of tiles laid out in shared memory by hand
 (tests/wgmma_blocks.py); the asynchronous semantics (the accumulators hold NaN until the wait that
 covers their group, wait_group 1 leaves the newest group in flight); and the misuses reported: a
@@ -54,6 +55,14 @@ def test_identity_a_gives_b_back(fmt, b_swizzle, trans_b):
 @pytest.mark.parametrize("rs", [False, True], ids=["SS", "RS"])
 def test_gemm_matches_numpy(fmt, n, swizzle, trans_b, rs, rng):
     blocks.check_gemm(kernel, fmt, n, 64, swizzle, swizzle, False, trans_b, rs, True, rng)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n", blocks.K_MAJOR_SIZES)
+@pytest.mark.parametrize("swizzle", ["none", "128B"])
+@pytest.mark.parametrize("rs", [False, True], ids=["SS", "RS"])
+def test_gemm_of_a_k_major_b_only_matches_numpy(fmt, n, swizzle, rs, rng):
+    blocks.check_gemm(kernel, fmt, n, 64, swizzle, swizzle, False, False, rs, True, rng)
 
 
 @pytest.mark.parametrize("swizzle", ["32B", "64B"])

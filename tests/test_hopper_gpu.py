@@ -202,6 +202,14 @@ def test_wgmma_gemm_matches_numpy(wgmma_kernel, fmt, n, swizzle, trans_b, rs, rn
     wgmma_blocks.check_gemm(wgmma_kernel, fmt, n, 64, swizzle, swizzle, False, trans_b, rs, True, rng)
 
 
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n", wgmma_blocks.K_MAJOR_SIZES)
+@pytest.mark.parametrize("swizzle", ["none", "128B"])
+@pytest.mark.parametrize("rs", [False, True], ids=["SS", "RS"])
+def test_wgmma_gemm_of_a_k_major_b_only_matches_numpy(wgmma_kernel, fmt, n, swizzle, rs, rng):
+    wgmma_blocks.check_gemm(wgmma_kernel, fmt, n, 64, swizzle, swizzle, False, False, rs, True, rng)
+
+
 @pytest.mark.parametrize("swizzle", ["32B", "64B"])
 @pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, True)])
 def test_wgmma_other_swizzles_and_transposed_a(wgmma_kernel, swizzle, trans_a, trans_b, rng):
