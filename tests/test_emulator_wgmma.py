@@ -1,6 +1,6 @@
 """The emulator's model of wgmma (kernels/hopper.cuh; flashcupy/tools/emulator/include/emu_wgmma.h).
 
-wgmma.mma_async SS and RS, f16 and bf16 into f32, N = 64 and 128 (and 176, K-major: the wide forward's),
+wgmma.mma_async SS and RS, f16 and bf16 into f32, N = 64 and 128 (and 176, 192, K-major: the wide forward's),
 K-major and transposed (MN-major)
 operands, each swizzle mode, against NumPy's matmul of tiles laid out in shared memory by hand
 (tests/wgmma_blocks.py); the asynchronous semantics (the accumulators hold NaN until the wait that

@@ -156,9 +156,9 @@ def test_the_hopper_kernels_match_the_oracle(rng, order, dtype, case):
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", **kw)
 
 
-# FA3's wide key block (cupy_backend.SM90_WIDE, off by default: specs.sm90_forward_tile): 176 keys at
-# head_dim 128, out staged in Q_i's shared memory (flash_fwd_sm90.cu's O_IN_Q), in the default grid and
-# persistent on 1 or 2 SMs (a CTA's next Q_i then waits for its out to have left)
+# FA3's wide key blocks (cupy_backend.SM90_WIDE, off by default: specs.sm90_forward_tile): 176 keys at
+# head_dim 128, out staged in Q_i's shared memory (flash_fwd_sm90.cu's O_IN_Q), 192 at 64; in the default
+# grid and persistent on 1 or 2 SMs (a CTA's next Q_i then waits for its out to have left)
 def wide():
     return mock.patch.object(cupy_backend, "SM90_WIDE", True)
 
@@ -167,6 +167,7 @@ WIDE_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim)
     (1, 200, 400, 2, 1, 128),  # GQA; three key blocks, the last of 48 keys: a stage of the ring reused
     (2, 17, 100, 1, 1, 96),    # one key block, short of 176; head_dim 96 in the 128 bucket
     (1, 300, 190, 1, 1, 128),  # three query tiles of two key blocks each
+    (1, 140, 500, 2, 2, 64),   # 192 keys: three key blocks, the last of 116; two query tiles a head
 ]
 
 
@@ -186,13 +187,14 @@ def test_the_wide_key_block_matches_the_oracle(rng, order, dtype, case):
     with wide(), launch, emulated(order, compile=recording(names), compute_capability=HOPPER, **grid):
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
     ctype = "__half" if dtype == "float16" else "__nv_bfloat16"
-    assert names == [f"flash_fwd_sm90<{ctype}, 128, 128, 176>"]
+    bucket = specs.tc_tile_row(case[-1])
+    assert names == [f"flash_fwd_sm90<{ctype}, {bucket}, 128, {specs.SM90_WIDE_FORWARD_TILES[bucket][1]}>"]
     assert_matches_oracle((out, lse), q, k, v, backend="cupy", **kw)
 
 
 @pytest.mark.parametrize("head_dim, mods, causal, varlen, tile", [
     (128, 0, False, False, (128, 176)), (96, 0, False, False, (128, 176)),
-    (64, 0, False, False, (128, 128)),             # no wide block at head_dim 64
+    (64, 0, False, False, (128, 192)), (40, 0, False, False, (128, 192)),
     (128, 0, True, False, (128, 128)),             # causal
     (128, specs.SM90_MODS, False, False, (128, 128)),  # the window
     (128, 0, False, True, (128, 128)),             # a packed batch (its kernel spilled at 176)

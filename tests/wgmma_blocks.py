@@ -30,9 +30,9 @@ TEST_KERNELS = os.path.join(HERE, "emulator_kernels", "wgmma.cu")
 INCLUDE = f"-I{sources.KERNEL_DIR}"
 CUDA_NAME = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 SIZES = (64, 128)
-# N = 176: the wide forward's S = Q K_jᵀ (specs.SM90_WIDE_FORWARD_TILES), whose B (K_j) is K-major only;
-# as an MN-major operand 176 columns are not whole 128B-swizzled atoms, which no kernel uses
-K_MAJOR_SIZES = (176,)
+# N = 176, 192: the wide forward's S = Q K_jᵀ (specs.SM90_WIDE_FORWARD_TILES), whose B (K_j) is K-major
+# only (as an MN-major operand 176 columns are not whole 128B-swizzled atoms; no kernel uses either so)
+K_MAJOR_SIZES = (176, 192)
 NAMES = tuple(f"wgmma_gemm<{t}, {n}>" for t in CUDA_NAME.values() for n in SIZES + K_MAJOR_SIZES)
 SWIZZLE = {"none": (0, 16), "128B": (1, 128), "64B": (2, 64), "32B": (3, 32)}  # descriptor mode, span
 

@@ -157,11 +157,11 @@ SM90_ARCH = "sm_90a"
 SM90_COMPUTE_CAPABILITY = 90
 SM90_THREADS = 3 * 128  # a producer and two consumer warpgroups (SM90_THREADS in the kernel)
 SM90_FORWARD_TILES = {64: (128, 128), 128: (128, 128)}
-# FA3's wider key block at head_dim 128 for calls without causal or a window (its tile_size.h: 128 x 176;
-# fewer passes for the same keys), one batch, taken where cupy_backend.SM90_WIDE asks for it
-# (sm90_forward_tile).
-# Q_i, the ring and O_s would not fit in 227 KiB: O_s lies in Q_s (flash_fwd_sm90.cu's O_IN_Q)
-SM90_WIDE_FORWARD_TILES = {128: (128, 176)}
+# FA3's wider key blocks for calls without causal or a window (its tile_size.h: 128 x 176 at head_dim 128,
+# 192 x 192 at 64, of which the 192 keys: two consumer warpgroups here), one batch: fewer passes for the
+# same keys. Taken where cupy_backend.SM90_WIDE asks for it (sm90_forward_tile). At 176 x 128 Q_i, the
+# ring and O_s would not fit in 227 KiB: O_s lies in Q_s (flash_fwd_sm90.cu's O_IN_Q)
+SM90_WIDE_FORWARD_TILES = {64: (128, 192), 128: (128, 176)}
 SM90_SMEM_OPTIN = 227 * 1024  # the most dynamic shared memory a CTA may opt in to on sm_90
 # The Hopper backward's dK/dV kernel (flash_bwd_sm90.cu): 64 query rows a pass, two consumer warpgroups
 # of 64 keys each (FA3's 64 x 128 at head_dim 128)

@@ -86,7 +86,7 @@
 // store writes neither. Modifiers: none or the window (MODS); the others run on flash_fwd_tc.cu.
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
-// BLOCK_M (64 CONSUMERS), BLOCK_N (a key block: 64, 128 or 176), MODS (0 or MOD_WINDOW). `tiles`: the
+// BLOCK_M (64 CONSUMERS), BLOCK_N (a key block: 64, 128, or the wide 176, 192), MODS (0 or MOD_WINDOW). `tiles`: the
 // query blocks times batch times heads_q (VARLEN: the grid's CTAs). tile_counter: an int, zero at launch,
 // where a grid of fewer CTAs than tiles counts the tiles taken after each CTA's first (never read
 // otherwise). VARLEN: a packed batch's kernel.
@@ -102,7 +102,8 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     VARLEN_PARAMS) {
     static_assert(BLOCK_M == 64 * SM90_CONSUMERS, "a consumer warpgroup owns 64 query rows");
     static_assert(HEAD_DIM % ATOM == 0 && HEAD_DIM <= 128, "head_dim in whole atoms; wgmma N of 64 or 128");
-    static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 176, "wgmma N of 64, 128 or 176 (hopper.cuh)");
+    static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 176 || BLOCK_N == 192,
+                  "wgmma N of 64, 128, 176 or 192 (hopper.cuh's Wgmma)");
     static_assert((MODS & ~MOD_WINDOW) == 0, "the other modifiers run on flash_fwd_tc.cu");
     constexpr int N_TILES = BLOCK_N / 8;     // 8-key column tiles of S (C fragments)
     constexpr int D_TILES = HEAD_DIM / 8;    // 8-column tiles of O

@@ -266,8 +266,9 @@ struct Wgmma;
 // RS: a %32-%35, desc_b %36, scale-d %37, trans-b %38.
 // m64n128k16: d is %0-%63; SS: desc_a %64, desc_b %65, scale-d %66, transposes %67, %68;
 // RS: a %64-%67, desc_b %68, scale-d %69, trans-b %70.
-// m64n176k16 (the forward's wide key block): d is %0-%87; SS: desc_a %88, desc_b %89, scale-d %90,
-// transposes %91, %92; RS: a %88-%91, desc_b %92, scale-d %93, trans-b %94. Each list extends the last.
+// m64n176k16 and m64n192k16 (the forward's wide key blocks): d is %0-%87 (%0-%95); SS: desc_a %88 (%96),
+// desc_b %89 (%97), scale-d %90 (%98), transposes %91, %92 (%99, %100); RS: a %88-%91 (%96-%99), desc_b
+// %92 (%100), scale-d %93 (%101), trans-b %94 (%102). Each list extends the one before.
 #define FLASHCUPY_WGMMA_R32 \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
     "%24, %25, %26, %27, %28, %29, %30, %31"
@@ -276,10 +277,11 @@ struct Wgmma;
     "%54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define FLASHCUPY_WGMMA_D64 "{" FLASHCUPY_WGMMA_R32 "}"
 #define FLASHCUPY_WGMMA_D128 "{" FLASHCUPY_WGMMA_R64 "}"
-#define FLASHCUPY_WGMMA_D176 "{" FLASHCUPY_WGMMA_R64 ", " \
+#define FLASHCUPY_WGMMA_R88 FLASHCUPY_WGMMA_R64 ", " \
     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, " \
-    "%86, %87" \
-    "}"
+    "%86, %87"
+#define FLASHCUPY_WGMMA_D176 "{" FLASHCUPY_WGMMA_R88 "}"
+#define FLASHCUPY_WGMMA_D192 "{" FLASHCUPY_WGMMA_R88 ", %88, %89, %90, %91, %92, %93, %94, %95}"
 #define FLASHCUPY_WGMMA_D64_OPERANDS(d) \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
     "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), \
@@ -294,6 +296,8 @@ struct Wgmma;
     "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
     "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
     "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
+#define FLASHCUPY_WGMMA_D192_OPERANDS(d) FLASHCUPY_WGMMA_D176_OPERANDS(d), \
+    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
 #define FLASHCUPY_WGMMA_SIZE(N, ss_scale, ss, rs_scale, rs) \
     FLASHCUPY_WGMMA(__half, "f16", N, FLASHCUPY_WGMMA_D##N, FLASHCUPY_WGMMA_D##N##_OPERANDS, ss_scale, ss, rs_scale, rs) \
     FLASHCUPY_WGMMA(__nv_bfloat16, "bf16", N, FLASHCUPY_WGMMA_D##N, FLASHCUPY_WGMMA_D##N##_OPERANDS, ss_scale, ss, \
@@ -301,15 +305,19 @@ struct Wgmma;
 FLASHCUPY_WGMMA_SIZE(64, "34", "%32, %33, p, 1, 1, %35, %36", "37", "{%32, %33, %34, %35}, %36, p, 1, 1, %38")
 FLASHCUPY_WGMMA_SIZE(128, "66", "%64, %65, p, 1, 1, %67, %68", "69", "{%64, %65, %66, %67}, %68, p, 1, 1, %70")
 FLASHCUPY_WGMMA_SIZE(176, "90", "%88, %89, p, 1, 1, %91, %92", "93", "{%88, %89, %90, %91}, %92, p, 1, 1, %94")
+FLASHCUPY_WGMMA_SIZE(192, "98", "%96, %97, p, 1, 1, %99, %100", "101", "{%96, %97, %98, %99}, %100, p, 1, 1, %102")
 #undef FLASHCUPY_WGMMA_SIZE
 #undef FLASHCUPY_WGMMA_R32
 #undef FLASHCUPY_WGMMA_R64
+#undef FLASHCUPY_WGMMA_R88
 #undef FLASHCUPY_WGMMA_D64
 #undef FLASHCUPY_WGMMA_D64_OPERANDS
 #undef FLASHCUPY_WGMMA_D128
 #undef FLASHCUPY_WGMMA_D128_OPERANDS
 #undef FLASHCUPY_WGMMA_D176
 #undef FLASHCUPY_WGMMA_D176_OPERANDS
+#undef FLASHCUPY_WGMMA_D192
+#undef FLASHCUPY_WGMMA_D192_OPERANDS
 #undef FLASHCUPY_WGMMA
 
 // ---------------------------------------------------------------------------------------------
