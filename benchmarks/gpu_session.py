@@ -86,7 +86,7 @@ class Sizes:
     numba_configs: tuple  # the configs of `configs` they are timed at
     min_time: float  # seconds of timed calls per measurement, at least MIN_REPEAT calls
     max_repeat: int
-    wide_config: tuple = (128, False)  # the config "cupy-wide" is timed at (where the wide key block applies)
+    wide_configs: tuple = ((128, False), (64, False))  # where "cupy-wide" is timed (the wide key blocks apply)
 
 
 GPU = Sizes(seqlens=(512, 1024, 2048, 4096, 8192, 16384), configs=((128, True), (128, False), (64, True), (64, False)),
@@ -103,7 +103,7 @@ DRY = Sizes(seqlens=(16, 64), configs=((64, True),), dtypes=("bfloat16", "float1
             # simulator runs a Python thread per CUDA thread, so the battery's larger cases take minutes
             check_battery=((1, 1, 1, 1, 1, 1, False), (1, 9, 12, 2, 1, 40, True)),
             # "cupy-wide" at its one config, where the switch changes no kernel: the code path runs
-            wide_config=(64, True))
+            wide_configs=((64, True),))
 MIN_REPEAT = 3
 
 # (stage, time limit in seconds); the sweep takes what the budget leaves after reserving the plot's
@@ -126,8 +126,8 @@ SWEEP_IMPLS = ("cupy", "cupy-mma", "cupy-det", "cupy-wide", "numba", "torch-flas
 # "cupy-mma" beside "cupy": on compute capability 9.0 "cupy" runs the Hopper forward and backward
 # (flash_fwd_sm90.cu, flash_bwd_sm90.cu), "cupy-mma" the mma.sync ones they replace (flash_fwd_tc.cu,
 # flash_bwd_tc.cu: USE_WGMMA off), in the same run; below 9.0 they are the same kernels.
-# "cupy-wide": the Hopper forward with FA3's 176-key block (cupy_backend.SM90_WIDE), where it applies
-# (head_dim 128, not causal), at the three longest seqlens: whether it should be the default
+# "cupy-wide": the Hopper forward with FA3's wider key blocks (cupy_backend.SM90_WIDE), where they apply
+# (not causal), at the three longest seqlens: whether they should be the default
 
 
 # ----------------------------------------------------------------------------
@@ -495,7 +495,7 @@ def sweep_items(args):
                         continue
                     if impl == "cupy-det" and (D != sizes.configs[0][0] or S not in sorted(sizes.seqlens)[-3:]):
                         continue  # issue 27's shapes: head_dim 128, S = 4k .. 16k
-                    if impl == "cupy-wide" and ((D, causal) != sizes.wide_config
+                    if impl == "cupy-wide" and ((D, causal) not in sizes.wide_configs
                                                 or S not in sorted(sizes.seqlens)[-3:]):
                         continue  # where the wide key block applies (specs.sm90_forward_tile), S = 4k .. 16k
                     key = f"{impl}/{dtype}/D{D}/{'causal' if causal else 'full'}/S{S}"
