@@ -477,9 +477,10 @@ def _merge_splits(rt, p, like, splits, outs, lses, split_args, out, lse, batch, 
 # the hardware's dispatch of one CTA a tile gives; with the counter: unmeasured
 SM90_PERSISTENT = False
 
-# The Hopper forward's key block at head_dim 128 without causal or a window: True, FA3's 176 keys
-# (specs.SM90_WIDE_FORWARD_TILES, O staged in Q_i's shared memory); False, the default, 128, the block
-# measured on an H200 (benchmarks/results/h200_session3/). The wide block: unmeasured
+# The Hopper forward's key block without causal or a window, one batch: True, FA3's wider ones
+# (specs.SM90_WIDE_FORWARD_TILES: 176 keys at head_dim 128, O staged in Q_i's shared memory; 192 at 64);
+# False, the default, 128, the block measured on an H200 (benchmarks/results/h200_session3/). The wide
+# blocks: unmeasured (the GPU session's cupy-wide)
 SM90_WIDE = False
 
 

@@ -15,6 +15,8 @@ import threading
 
 import numpy as np
 
+from flashcupy.backends.cupy_backend.specs import SM90_SMEM_OPTIN
+
 from .abi import (
     _DEADLOCK,
     _DYNAMIC_SHARED,
@@ -56,7 +58,7 @@ from .errors import (  # noqa: F401  (re-exported: tests import CompileError fro
 THREAD_ORDERS = ("ascending", "descending", "shuffled", "warp_skew")
 CP_ASYNC_MODES = ("deferred", "eager")
 SHARED_MEM_DEFAULT = 48 * 1024     # what a launch may request without opting in
-SHARED_MEM_OPTIN_MAX = 227 * 1024  # the most a kernel may opt in to (sm_90)
+SHARED_MEM_OPTIN_MAX = SM90_SMEM_OPTIN  # the most a kernel may opt in to (sm_90): specs' one figure
 STACK_SIZE_DEFAULT = 256 * 1024    # per CUDA thread; pages are only touched as used
 TIME_LIMIT_DEFAULT = 600.0         # seconds of CPU time per launch: a spinning kernel is reported, not hung
 MAX_THREADS_PER_BLOCK = 1024

@@ -86,10 +86,10 @@
 // store writes neither. Modifiers: none or the window (MODS); the others run on flash_fwd_tc.cu.
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
-// BLOCK_M (64 CONSUMERS), BLOCK_N (a key block: 64, 128, or the wide 176, 192), MODS (0 or MOD_WINDOW). `tiles`: the
-// query blocks times batch times heads_q (VARLEN: the grid's CTAs). tile_counter: an int, zero at launch,
-// where a grid of fewer CTAs than tiles counts the tiles taken after each CTA's first (never read
-// otherwise). VARLEN: a packed batch's kernel.
+// BLOCK_M (64 CONSUMERS), BLOCK_N (a key block: 64, 128, or the wide 176, 192), MODS (0 or MOD_WINDOW).
+// `tiles`: the query blocks times batch times heads_q (VARLEN: the grid's CTAs). tile_counter: an int,
+// zero at launch, where a grid of fewer CTAs than tiles counts the tiles taken after each CTA's first
+// (never read otherwise). VARLEN: a packed batch's kernel.
 
 #include "mask.cuh"
 #include "sm90_tile.cuh"
