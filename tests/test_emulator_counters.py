@@ -18,11 +18,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
 
 import tma_blocks
+from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import sources, specs
 from flashcupy.tools import hardware, perfmodel
 from flashcupy.tools.emulator import EmulatedModule, build
@@ -340,20 +342,30 @@ def sm90_rows(sm90_all_rows):
     return [row for row in sm90_all_rows if row["kernel"].template == "flash_fwd_sm90"]
 
 
-def test_the_hopper_backward_does_per_pass_what_its_tiles_imply(sm90_all_rows):
-    # flash_bwd_sm90.cu, a pass (64 query rows past the CTA's 128 keys): each of the two consumers issues
-    # Sᵀ and dPᵀ as head_dim / 16 SS k-steps each (N = 64 queries), dV and dK as 4 RS k-steps each
-    # (N = head_dim); the pass's owner dQ as 8 SS k-steps over the 128 keys; the producer loads Q_i and
-    # dO_i, head_dim / 64 boxes each; the owner adds dQ_i (64 rows of head_dim + 8 floats) by one bulk
-    # reduce-add
+@pytest.fixture(scope="module")
+def sm90_tall_rows():
+    # the backward with FA3's 128-row pass at head_dim 64 (cupy_backend.SM90_TALL_BACKWARD)
+    with mock.patch.object(cupy_backend, "SM90_TALL_BACKWARD", True):
+        return perfmodel.kernel_counters([("float16", 64)], templates=("flash_bwd_dkdv_sm90",),
+                                         compute_capability=perfmodel.SM90)
+
+
+def test_the_hopper_backward_does_per_pass_what_its_tiles_imply(sm90_all_rows, sm90_tall_rows):
+    # flash_bwd_sm90.cu, a pass (m query rows past the CTA's 128 keys: 64, or 128 with SM90_TALL_BACKWARD at
+    # head_dim 64): each of the two consumers issues Sᵀ and dPᵀ as head_dim / 16 SS k-steps each (N = m
+    # queries), dV and dK as m / 16 RS k-steps each (N = head_dim); the pass's owner dQ as 8 SS k-steps
+    # over the 128 keys for each 64 rows; the producer loads Q_i and dO_i, head_dim / 64 boxes each; the
+    # owner adds dQ_i (m rows of head_dim + 8 floats) by one bulk reduce-add
     rows = [row for row in sm90_all_rows if row["kernel"].template == "flash_bwd_dkdv_sm90"]
     assert [row["head_dim"] for row in rows] == [64, 128]
-    for row in rows:
+    assert [(row["kernel"].block_m, row["kernel"].block_n) for row in sm90_tall_rows] == [(128, 128)]
+    for row in rows + sm90_tall_rows:
         k = row["kernel"]
         c, passes = row["per_pass"]
         m, n, d = k.block_m, k.block_n, k.head_dim
-        assert (m, n, passes) == (64, 128, 2)
-        assert (c.wgmma, c.wgmma_rs) == (passes * (2 * (2 * d // 16 + 8) + 8), passes * 2 * 8)
+        assert (m, n) == specs.sm90_backward_tile(d, tall=m == 128) and passes >= 1
+        assert (c.wgmma, c.wgmma_rs) == (passes * (2 * (2 * d // 16 + 2 * m // 16) + 8 * m // 64),
+                                         passes * 2 * 2 * m // 16)
         assert c.wgmma_flops == passes * 2.5 * 4 * m * n * d  # the backward's 2.5 x the forward's FLOPs
         boxes, qdo = passes * 2 * d // 64, passes * 2 * m * d * 2
         assert c.access["tma_load_shared"] == (boxes, qdo, qdo // 128, qdo // 128)

@@ -208,6 +208,55 @@ def test_the_wide_key_block_is_taken_where_it_applies(head_dim, mods, causal, va
     assert kernel.dynamic_smem <= specs.SM90_SMEM_OPTIN
 
 
+# FA3's 128-row pass of the backward at head_dim 64 (cupy_backend.SM90_TALL_BACKWARD, off by default:
+# specs.sm90_backward_tile): Sᵀ, dPᵀ of 128 query columns, the owner's dQ_i as two wgmma Ms
+def tall():
+    return mock.patch.object(cupy_backend, "SM90_TALL_BACKWARD", True)
+
+
+TALL_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal)
+    (1, 300, 260, 2, 1, 64, True),    # GQA, causal (bottom-right): up to 6 passes a CTA, the ring reused
+    (2, 140, 150, 1, 1, 40, False),   # head_dim 40 in the 64 bucket, batch 2; a last pass of 12 rows
+    (1, 17, 300, 1, 1, 64, False),    # one pass of 17 rows; three key blocks, the last of 44 keys
+]
+
+
+@pytest.mark.parametrize("order, dtype", [("ascending", "float16"), ("warp_skew", "bfloat16"),
+                                          ("descending", "float16")])
+@pytest.mark.parametrize("case", TALL_CASES,
+                         ids=lambda c: "x".join(str(x) for x in c[:6]) + ("-causal" if c[6] else ""))
+def test_the_tall_backward_pass_matches_the_oracle(rng, order, dtype, case):
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float32)
+    dout = rng.standard_normal(q.shape)
+    kw = dict(causal=causal)
+    if dtype == "bfloat16":
+        q, k, v, dout = (bf16_bits(x.astype(BF16)) for x in (q, k, v, dout))
+        kw["dtype"] = "bfloat16"
+    else:
+        q, k, v, dout = (x.astype(np.float16) for x in (q, k, v, dout))
+    names = []
+    with tall(), emulated(order, compile=recording(names), compute_capability=HOPPER):
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+        grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", **kw)
+    tile = specs.SM90_TALL_BACKWARD_TILES[64]
+    assert specs.sm90_backward_module(dtype, D, tile=tile).kernels[1].name_expression in names
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", **kw)
+
+
+@pytest.mark.parametrize("head_dim, mods, tile", [
+    (64, 0, (128, 128)), (40, 0, (128, 128)),
+    (64, specs.SM90_MODS, (64, 128)),   # the window: at 128 rows its masked passes spilled
+    (128, 0, (64, 128)),                # head_dim 128 keeps FA3's 64 x 128
+])
+def test_the_tall_pass_is_taken_where_it_applies(head_dim, mods, tile):
+    assert specs.sm90_backward_tile(head_dim, mods, tall=True) == tile
+    assert specs.sm90_backward_tile(head_dim, mods) == specs.SM90_BACKWARD_TILES[specs.tc_tile_row(head_dim)]
+    for varlen in (False, True):
+        kernel = specs.sm90_backward_module("float16", head_dim, mods, varlen, tile=tile).kernels[1]
+        assert kernel.dynamic_smem <= specs.SM90_SMEM_OPTIN
+
+
 # ----------------------------------------------------------------------------
 # each barrier, wait and fence is needed
 
@@ -262,8 +311,10 @@ REGISTER_POINTS = [(kernel, n) for kernel in KERNELS for n, call in _calls(kerne
 # a tile that sees keys and two that see none (causal, Sq > Sk), taken after it by the same CTA
 SYNC_PROBLEMS = ((1, 130, 260, 1, 1, 64, True), (1, 256, 128, 1, 1, 64, False), (1, 300, 40, 1, 1, 64, True))
 # Then the wide key block's (O_IN_Q: out staged in Q_s), three tiles in one CTA: a Q_i loaded before the
-# tile before's out has left would be stored in its place
+# tile before's out has left would be stored in its place. Then the backward's tall pass (128 rows): 3
+# passes a key block, the ring's stages reused
 WIDE_SYNC_PROBLEM = (1, 300, 190, 1, 1, 128, False)
+TALL_SYNC_PROBLEM = (1, 260, 130, 1, 1, 64, False)
 
 
 def test_the_sync_points_are_found():
@@ -295,8 +346,10 @@ def _without(kernel, lineno, tmp_path, pattern=SYNC, replacement=";"):
 
 
 # and a packed batch's backward (VARLEN: the rows of a box past its sequence zeroed), both sequences'
-# last key block and last query block reaching into the next sequence (or past the tensor's end)
-PACKED_SYNC_PROBLEM = ([70, 50], [150, 40])
+# last key block and last query block reaching into the next sequence (or past the tensor's end), with
+# the default pass and the tall one; the first sequence's first pass without a tail, so that the zeroed
+# keys' fence and barrier are the only ones before its wgmma
+PACKED_SYNC_PROBLEM = ([140, 50], [150, 40])
 
 
 def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew")) -> list:
@@ -305,7 +358,8 @@ def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew
     def compile(source, names, options, thread_order, seed, cp_async):
         return compile_module(mutant if source == original else source, names, options, thread_order, seed, cp_async)
 
-    problems = [(problem, contextlib.nullcontext) for problem in SYNC_PROBLEMS] + [(WIDE_SYNC_PROBLEM, wide)]
+    problems = ([(problem, contextlib.nullcontext) for problem in SYNC_PROBLEMS]
+                + [(WIDE_SYNC_PROBLEM, wide), (TALL_SYNC_PROBLEM, tall)])
     for (B, Sq, Sk, Hq, Hkv, D, causal), tile in problems:
         q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
         dout = rng.standard_normal(q.shape).astype(np.float16)
@@ -318,13 +372,14 @@ def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew
                     assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, backend="cupy")
                 except (AssertionError, emulator.EmulatorError) as e:
                     return [(order, type(e).__name__)]
-    for order in orders:
-        with emulated(order, compile=compile, compute_capability=HOPPER):
-            try:
-                packed_batch_matches_the_oracle(rng, "cupy", PACKED_SYNC_PROBLEM, np.float16, 64, (1, 1),
-                                                dict(causal=False), backward=True)
-            except (AssertionError, emulator.EmulatorError) as e:
-                return [(order, type(e).__name__)]
+    for tile in (contextlib.nullcontext, tall):
+        for order in orders:
+            with tile(), emulated(order, compile=compile, compute_capability=HOPPER):
+                try:
+                    packed_batch_matches_the_oracle(rng, "cupy", PACKED_SYNC_PROBLEM, np.float16, 64, (1, 1),
+                                                    dict(causal=False), backward=True)
+                except (AssertionError, emulator.EmulatorError) as e:
+                    return [(order, type(e).__name__)]
     return []
 
 
@@ -429,6 +484,17 @@ def test_the_deterministic_hopper_backward_is_the_same_bits_in_every_block_order
         assert _same_bits(_ordered_backward(order, case)[0], want), order
     # the check can fail: without the order the CTAs add in the order the blocks run
     assert not _same_bits(_ordered_backward("descending", case, deterministic=False)[0][:1], want[:1])
+
+
+def test_the_tall_deterministic_backward_is_the_same_bits_in_every_block_order():
+    names = []
+    with tall():
+        want, (got, q, k, v, dout, kw) = _ordered_backward("ascending", ORDERED_CASES[0], compile=recording(names))
+        assert_matches_oracle(got, q, k, v, dout, backend="cupy", **kw)
+        for order in ("descending", "warp_skew"):
+            assert _same_bits(_ordered_backward(order, ORDERED_CASES[0])[0], want), order
+    tile = specs.SM90_TALL_BACKWARD_TILES[64]
+    assert specs.sm90_backward_module("float16", 64, deterministic=True, tile=tile).kernels[1].name_expression in names
 
 
 @pytest.mark.parametrize("lineno", ORDERED_DQ_POINTS)

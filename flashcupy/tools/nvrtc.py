@@ -354,12 +354,14 @@ def occupancy(arch: str, registers: int, smem: int, threads: int) -> float:
 
 def variant(kernel: specs.Kernel) -> str | None:
     """A report row's "mods": the score modifiers, then split-KV, a packed batch, dQ by atomics, the
-    Hopper backward's ordered dQ and the Hopper forward's wide key block, joined by "+"; None for the
-    plain kernel."""
+    Hopper backward's ordered dQ, the Hopper forward's wide key block and the Hopper backward's tall pass,
+    joined by "+"; None for the plain kernel."""
     wide = (kernel.template == "flash_fwd_sm90"
             and (kernel.block_m, kernel.block_n) == specs.SM90_WIDE_FORWARD_TILES.get(kernel.head_dim))
+    tall = (kernel.template.startswith("flash_bwd") and kernel.template.endswith(("_sm90", "_sm90_varlen"))
+            and (kernel.block_m, kernel.block_n) == specs.SM90_TALL_BACKWARD_TILES.get(kernel.head_dim))
     flags = (kernel.modifiers, "split" * kernel.split, "varlen" * kernel.varlen, "dq_atomic" * kernel.dq_atomic,
-             "deterministic" * kernel.deterministic, "wide" * wide)
+             "deterministic" * kernel.deterministic, "wide" * wide, "tall" * tall)
     return "+".join(x for x in flags if x) or None
 
 

@@ -98,12 +98,17 @@ def count_launches(dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int, back
 
 
 def _kernels(dtype: str, head_dim: int, compute_capability: int = 80) -> dict:
-    """{template: specs.Kernel} of the kernels the backend launches for this dtype and head_dim (on
-    compute capability 9.0: the Hopper kernels)."""
+    """{template: specs.Kernel} of the kernels the backend launches for this dtype and head_dim, non-causal
+    (on compute capability 9.0: the Hopper kernels, of the tiles cupy_backend's SM90_WIDE and
+    SM90_TALL_BACKWARD ask for)."""
     if compute_capability == specs.SM90_COMPUTE_CAPABILITY:
         if not specs.sm90_eligible(dtype, head_dim, 0):
             raise ValueError(f"{dtype} head_dim={head_dim} does not run on the Hopper kernels")
-        modules = (specs.sm90_forward_module(dtype, head_dim), specs.sm90_backward_module(dtype, head_dim))
+        from flashcupy.backends import cupy_backend
+        forward = specs.sm90_forward_tile(head_dim, wide=cupy_backend.SM90_WIDE)
+        backward = specs.sm90_backward_tile(head_dim, tall=cupy_backend.SM90_TALL_BACKWARD)
+        modules = (specs.sm90_forward_module(dtype, head_dim, tile=forward),
+                   specs.sm90_backward_module(dtype, head_dim, tile=backward))
     elif specs.tensor_core_eligible(dtype, head_dim):
         modules = (specs.tc_forward_module(dtype, head_dim), specs.tc_backward_module(dtype, head_dim))
     else:
@@ -358,7 +363,7 @@ def format_sm90_counters(rows: list, nvrtc_rows=None, nvrtc_heading: str = "") -
              f"device, B = H = 1, non-causal, seqlen {rows[0]['launch_shape'][0]}, then twice the keys (forward) or "
              f"the queries (backward):", _align(table)]
     lines.append(
-        "per pass (forward: a 128-query x 128-key block; backward: a 64-query block past a 128-key block;\n"
+        "per pass (forward: a query block x a key block; backward: a query block past a key block: the tiles;\n"
         "the difference of two launches): wgmma issued (per\n"
         "warpgroup; RS: A from registers, P V), FLOP/wgmma = 2 x 64 x N x 16; smem B/wgmma: operand bytes\n"
         "wgmma reads from shared memory (SS: A 64x16 + B Nx16, RS: B, 16-bit); TMA ld B: bytes the boxes write\n"

@@ -483,6 +483,11 @@ SM90_PERSISTENT = False
 # blocks: unmeasured (the GPU session's cupy-wide)
 SM90_WIDE = False
 
+# The Hopper backward's pass at head_dim 64 without the window: True, FA3's 128 query rows
+# (specs.SM90_TALL_BACKWARD_TILES); False, the default, 64, the pass measured on an H200
+# (benchmarks/results/h200_session3/). The 128-row pass: unmeasured (hopper_backward_check.py's tall column)
+SM90_TALL_BACKWARD = False
+
 
 def _stand_in(rt, like, dtype):
     """A never-read one-element array argument of dtype, made once per device. Call with like's device

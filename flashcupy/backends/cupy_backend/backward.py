@@ -19,7 +19,9 @@ ATOMIC_BACKWARD = True  # backward(..., deterministic=False) may add with atomic
 
 def _backward_module(p, path: str, deterministic: bool, varlen: bool = False) -> specs.ModuleSpec:
     if path == "hopper":
-        return specs.sm90_backward_module(p.dtype, p.head_dim, backend._mods(p), varlen, deterministic)
+        mods = backend._mods(p)
+        tile = specs.sm90_backward_tile(p.head_dim, mods, backend.SM90_TALL_BACKWARD)
+        return specs.sm90_backward_module(p.dtype, p.head_dim, mods, varlen, deterministic, tile)
     if path == "tensor-core":
         return specs.tc_backward_module(p.dtype, p.head_dim, backend._mods(p), deterministic, varlen)
     return specs.backward_module(p.dtype, p.head_dim, backend._mods(p), varlen)

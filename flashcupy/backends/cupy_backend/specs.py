@@ -163,9 +163,14 @@ SM90_FORWARD_TILES = {64: (128, 128), 128: (128, 128)}
 # ring and O_s would not fit in 227 KiB: O_s lies in Q_s (flash_fwd_sm90.cu's O_IN_Q)
 SM90_WIDE_FORWARD_TILES = {64: (128, 192), 128: (128, 176)}
 SM90_SMEM_OPTIN = 227 * 1024  # the most dynamic shared memory a CTA may opt in to on sm_90
-# The Hopper backward's dK/dV kernel (flash_bwd_sm90.cu): 64 query rows a pass, two consumer warpgroups
-# of 64 keys each (FA3's 64 x 128 at head_dim 128)
+# The Hopper backward's dK/dV kernel (flash_bwd_sm90.cu): (query rows a pass, keys a CTA), two consumer
+# warpgroups of 64 keys each (FA3's 64 x 128 at head_dim 128)
 SM90_BACKWARD_TILES = {64: (64, 128), 128: (64, 128)}
+# FA3's 128 x 128 at head_dim 64 (its flash_bwd_launch_template.h): twice the query rows a pass, Sᵀ and dPᵀ
+# as wgmma N = 128 for the same K_c, V_c operand reads, half the barriers a FLOP. Taken where
+# cupy_backend.SM90_TALL_BACKWARD asks for it, without the window: at 128 rows the window's masked passes
+# spilled Sᵀ's accumulators (NVRTC 12.9 and 13.5)
+SM90_TALL_BACKWARD_TILES = {64: (128, 128)}
 # floats of padding a row of the Hopper backward's dQ tiles (its workspace; DQ_ROW in flash_bwd_sm90.cu)
 SM90_DQ_ROW_PAD = 8
 SM90_ATOM = 64            # columns of a TMA box: 128 bytes, the 128B swizzle's span (ATOM in the kernel)
@@ -491,20 +496,30 @@ def sm90_forward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = Fals
 
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def sm90_backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False,
-                         deterministic: bool = False) -> ModuleSpec:
+                         deterministic: bool = False, tile: tuple | None = None) -> ModuleSpec:
     """The Hopper backward (sm_90a), kernels in launch order: preprocess (D), the dK/dV kernel that adds
     dQ into an fp32 workspace of tiles by bulk reduce-adds, and the kernel that scales and rounds it;
     varlen: the dK/dV kernel and the conversion for a packed batch (the preprocess is the same for one
     sequence of its total length); deterministic: the dK/dV kernel whose CTAs add into each tile in
-    key-block order (flash_bwd_sm90.cu's DETERMINISTIC), so that dq is the same bits on every run."""
+    key-block order (flash_bwd_sm90.cu's DETERMINISTIC), so that dq is the same bits on every run; tile:
+    the dK/dV kernel's (BLOCK_M, BLOCK_N) (sm90_backward_tile), SM90_BACKWARD_TILES' by default."""
     bucket = tc_tile_row(head_dim)
     dtype = _name(dtype)
-    bm, bn = SM90_BACKWARD_TILES[bucket]
+    bm, bn = tile or SM90_BACKWARD_TILES[bucket]
     convert = "flash_bwd_dq_convert_sm90_varlen" if varlen else "flash_bwd_dq_convert_sm90"
     return ModuleSpec("flash_bwd_sm90.cu", (Kernel("flash_bwd_preprocess", dtype, 0),
                                             Kernel("flash_bwd_dkdv_sm90", dtype, bucket, bm, bn, mods, varlen=varlen,
                                                    deterministic=deterministic),
                                             Kernel(convert, dtype, bucket, bm, bn, varlen=varlen)), SM90_ARCH)
+
+
+def sm90_backward_tile(head_dim: int, mods: int = 0, tall: bool = False) -> tuple:
+    """(BLOCK_M, BLOCK_N) of the Hopper backward's dK/dV kernel: SM90_TALL_BACKWARD_TILES' where `tall`
+    asks for it, the call has no window and the head_dim's bucket has one; else SM90_BACKWARD_TILES'."""
+    bucket = tc_tile_row(head_dim)
+    if tall and not mods & MOD_BITS["window"] and bucket in SM90_TALL_BACKWARD_TILES:
+        return SM90_TALL_BACKWARD_TILES[bucket]
+    return SM90_BACKWARD_TILES[bucket]
 
 
 def sm90_eligible(dtype, head_dim: int, mods: int) -> bool:

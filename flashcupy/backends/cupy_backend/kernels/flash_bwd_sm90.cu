@@ -47,18 +47,22 @@
 //         dV_c += Pᵀ dO_i    wgmma_rs m64 n HEAD_DIM: A = Pᵀ re-packed (c_to_a), B = dO_i MN-major
 //         dK_c += dSᵀ Q_i    wgmma_rs, the same with Q_i
 //         dQ_i = dS K_j      by one consumer, the pass's owner (pass p: consumer p % CONSUMERS), over all
-//                            BLOCK_N keys: wgmma_ss, A = dS from every consumer's dSᵀ in dS_s (MN-major
-//                            A, the A-transpose bit), B = K_j MN-major. The owner stages dQ_i in dQ_s
-//                            (the workspace tile's layout) and its first thread adds it into the workspace with
-//                            one bulk reduce-add: a CTA adds each dQ element once a pass (per-element
-//                            atomics of each consumer's 64-key partial asked the L2 twice as often,
-//                            an atomic each), in whole lines.
+//                            BLOCK_N keys: wgmma_ss, a wgmma M for each 64 rows of the pass (M_CHUNKS),
+//                            A = dS from every consumer's dSᵀ in dS_s (MN-major A, the A-transpose bit),
+//                            B = K_j MN-major. The owner stages dQ_i in dQ_s (the workspace tile's layout)
+//                            and its first thread adds it into the workspace with one bulk reduce-add: a
+//                            CTA adds each dQ element once a pass (per-element atomics of each consumer's
+//                            64-key partial asked the L2 twice as often, an atomic each), in whole lines.
 //     dK_c (times scale) and dV_c are stored once, from the accumulators, at the end.
+// The pass: 64 query rows (FA3's 64 x 128 at head_dim 128); with cupy_backend.SM90_TALL_BACKWARD, 128 at
+// head_dim 64 without the window (FA3's 128 x 128 there: Sᵀ, dPᵀ of twice the columns for the same K_c,
+// V_c operand reads, half the barriers a FLOP; specs.sm90_backward_tile).
 // Shared memory (dynamic, aligned up to 1024 bytes), tiles as sm90_tile.cuh lays them:
 //     K_s, V_s      BLOCK_N x HEAD_DIM each            K_j, V_j; loaded once
 //     Q_s, dO_s     STAGES x BLOCK_M x HEAD_DIM each   the ring: stage s holds pass p (p % STAGES == s)
-//     dS_s          CONSUMERS x 64 x BLOCK_M           each consumer's dSᵀ of this pass (keys x queries):
-//                                                      together dSᵀ of the key block, the owner's A
+//     dS_s          CONSUMERS x 64 x BLOCK_M           each consumer's dSᵀ of this pass (keys x queries,
+//                                                      the queries in atoms of 64): together dSᵀ of the
+//                                                      key block, the owner's A
 //     dQ_s          BLOCK_M x DQ_ROW floats            the owner's dQ_i, the workspace tile's layout
 //     stats_s       STAGES x 2 x BLOCK_M floats        lse_i log2 e, then D_i, per stage
 //     total (2 BLOCK_N + 4 BLOCK_M) HEAD_DIM 2 + 256 BLOCK_M + 4 BLOCK_M DQ_ROW + 16 BLOCK_M bytes
@@ -94,9 +98,10 @@
 // head_dim; the dQ workspace contiguous, q's shape. Modifiers: none or the window (MODS).
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
-// BLOCK_M (query rows a pass: 64), BLOCK_N (64 CONSUMERS keys), MODS (0 or MOD_WINDOW), VARLEN (a packed
-// batch: the tensor maps over its (1, total, heads, head_dim) tensors, dk, dv, lse with batch strides 0),
-// DETERMINISTIC (the dQ tiles' adds in key-block order through dq_turns; otherwise dq_turns is not read).
+// BLOCK_M (query rows a pass: 64 or 128, specs.sm90_backward_tile), BLOCK_N (64 CONSUMERS keys), MODS (0 or
+// MOD_WINDOW), VARLEN (a packed batch: the tensor maps over its (1, total, heads, head_dim) tensors, dk, dv,
+// lse with batch strides 0), DETERMINISTIC (the dQ tiles' adds in key-block order through dq_turns; otherwise
+// dq_turns is not read).
 
 // Floats a row of a dQ workspace tile (and of dQ_s): launch.py's LAUNCH and the launcher's workspace say
 // the same (specs.SM90_DQ_ROW_PAD)
@@ -116,7 +121,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     PROBLEM_PARAMS(float), float* __restrict__ dqa, int* __restrict__ dq_turns, VARLEN_PARAMS) {
     static_assert(BLOCK_N == 64 * SM90_CONSUMERS, "a consumer warpgroup owns 64 keys");
     static_assert(SM90_CONSUMERS == 2, "the owners of dQ alternate: the barriers below count on it");
-    static_assert(BLOCK_M == 64, "a pass: 64 query rows, one atom of a dS row, one wgmma M of dQ");
+    static_assert(BLOCK_M == 64 || BLOCK_M == 128, "a pass: one or two atoms of a dS row, wgmma Ms of dQ");
     static_assert(HEAD_DIM % ATOM == 0 && HEAD_DIM <= 128, "head_dim in whole atoms; wgmma N of 64 or 128");
     static_assert((MODS & ~MOD_WINDOW) == 0, "the other modifiers run on flash_bwd_tc.cu");
     constexpr int M_TILES = BLOCK_M / 8;     // 8-query column tiles of Sᵀ
@@ -124,6 +129,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     constexpr int QK_STEPS = HEAD_DIM / 16;  // k-steps of Sᵀ, dPᵀ
     constexpr int Q_STEPS = BLOCK_M / 16;    // k-steps of dV, dK (over the queries)
     constexpr int K_STEPS = BLOCK_N / 16;    // k-steps of dQ (over the block's keys)
+    constexpr int M_CHUNKS = BLOCK_M / 64;   // wgmma Ms of dQ (64 queries each)
     constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2, QO_BYTES = BLOCK_M * HEAD_DIM * 2;
     constexpr int DS_BYTES = 64 * BLOCK_M * 2;
     constexpr int DQ_BYTES = BLOCK_M * DQ_ROW<HEAD_DIM> * 4;
@@ -147,7 +153,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     const int total_q = seqlen_q;  // the launch's: a packed batch's total
     DRows<const float, VARLEN> D{Dvec, heads_q, seqlen_q};
     int q_row0 = 0, k_row0 = 0, dq_slot0 = 0;
-    KeyBlock blk;
+    KeyBlock kb;
     if constexpr (VARLEN) {
         const Sequence seq = sequence_of<BLOCK_N, true>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
         if (seq.start < 0) return;  // the whole CTA, before any barrier
@@ -156,16 +162,31 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         D.at_row(seq.q_start);
         q_row0 = seq.q_start, k_row0 = seq.k_start;
         dq_slot0 = first_slot<BLOCK_M>(cu_seqlens_q, seq.index, total_q);
-        blk = {seq.start, 0, seq.kv_head};  // batch 0: the packed tensors' (their batch strides are 0)
+        kb = {seq.start, 0, seq.kv_head};  // batch 0: the packed tensors' (their batch strides are 0)
     } else {
-        blk = key_block<BLOCK_N>(seqlen_k, heads_q / group);
+        kb = key_block<BLOCK_N>(seqlen_k, heads_q / group);
     }
     const auto mask = MAKE_MASK(MODS);
     // the passes: the query blocks that see key block j, in every query head of the group, from a
     // multiple of BLOCK_M (a dQ workspace tile; the rows before query_start see none of the block's keys)
-    const int i_start = mask.query_start(blk.j0) / BLOCK_M * BLOCK_M;
-    const int q_blocks = num_blocks(mask.query_end(blk.j0) - i_start, BLOCK_M);
-    const int passes = group * q_blocks;
+    struct Plan {
+        KeyBlock blk;
+        int i_start, q_blocks, passes;
+    };
+    const int i_start0 = mask.query_start(kb.j0) / BLOCK_M * BLOCK_M;
+    const int q_blocks0 = num_blocks(mask.query_end(kb.j0) - i_start0, BLOCK_M);
+    const Plan own{kb, i_start0, q_blocks0, group * q_blocks0};
+    // PLAN_SHARED: the key block and the passes are read where used from thread 0's copy in shared memory
+    // (after the __syncthreads below), not kept in registers across the pass. ptxas (NVRTC 12.9 and 13.5)
+    // spilled them from registers in the 128-row pass of one batch; a packed batch's kernels and the
+    // window's at head_dim 128 spilled the other way (each kernel compiles without spills as chosen here:
+    // test_hopper_nvrtc.py)
+    constexpr bool PLAN_SHARED = !VARLEN && !(MODS && HEAD_DIM == 128);
+    __shared__ Plan shared_plan;
+    if (PLAN_SHARED && threadIdx.x == 0) shared_plan = own;
+    const Plan& plan = PLAN_SHARED ? shared_plan : own;
+    const KeyBlock& blk = plan.blk;
+    const int &i_start = plan.i_start, &q_blocks = plan.q_blocks, &passes = plan.passes;
     const auto head_of = [&](int p) { return blk.kv_head * group + p / q_blocks; };
     const auto row_of = [&](int p) { return i_start + p % q_blocks * BLOCK_M; };
     // dQ_i's workspace tile: (batch, query head, query block), or for VARLEN (query head, the sequence's
@@ -175,7 +196,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
                       : (blk.b * heads_q + h) * num_blocks(seqlen_q, BLOCK_M) + i0 / BLOCK_M;
     };
     // VARLEN: whether the keys of the block, the rows of pass p, reach past the sequence
-    const bool k_tail = VARLEN && blk.j0 + BLOCK_N > seqlen_k;
+    const bool k_tail = VARLEN && kb.j0 + BLOCK_N > seqlen_k;
     const auto q_tail = [&](int p) { return VARLEN && row_of(p) + BLOCK_M > seqlen_q; };
     const int warpgroup = threadIdx.x / 128, warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
 
@@ -187,7 +208,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         }
         mbarrier_init_fence();
     }
-    __syncthreads();  // the barriers are initialised before any thread arrives on or waits for them
+    __syncthreads();  // the barriers are initialised, and plan written, before any thread uses them
 
     if (warpgroup == 0) {  // the producer
         setmaxnreg_dec<PRODUCER_REGISTERS>();
@@ -210,6 +231,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
                 mbarrier_wait_parity(&empty[s], (p / SM90_STAGES + 1) & 1);  // as warp 0's
                 const int h = head_of(p), i0 = row_of(p);
                 float* stats = stats_s + s * 2 * BLOCK_M;
+#pragma unroll(PLAN_SHARED ? 1 : 4)  // in the producer's 24 registers: ptxas spilled the other way
                 for (int r = lane; r < BLOCK_M; r += WARP_SIZE) {
                     const int i = i0 + r;
                     stats[r] = lse_for_p(LSE_ROW(lse, blk.b, h), i, seqlen_q) * LOG2E;
@@ -340,27 +362,35 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
 
         // the owner: dQ_i = dS K_j over the block's BLOCK_N keys, added into the workspace
         named_barrier_sync(DS_READY, 128 * SM90_CONSUMERS);  // every consumer's dSᵀ rows, fenced
-        float dQ[D_TILES][4];
+        // in M_CHUNKS wgmma Ms of 64 queries: chunk m's A, k-step kt (16 keys) is in consumer kt / 4's rows of
+        // dS_s, its atom m (queries 64 m ..)
+        float dQ[M_CHUNKS][D_TILES][4];
         wgmma_fence();
 #pragma unroll
-        for (int kt = 0; kt < K_STEPS; ++kt)
-            wgmma_ss<T, HEAD_DIM, true, true>(&dQ[0][0], mn_major<64>(dS_s, kt), mn_major<BLOCK_N>(K_s, kt), kt > 0);
+        for (int m = 0; m < M_CHUNKS; ++m)
+#pragma unroll
+            for (int kt = 0; kt < K_STEPS; ++kt)
+                wgmma_ss<T, HEAD_DIM, true, true>(&dQ[m][0][0],
+                                                  mn_major<64>(dS_s + kt / 4 * DS_BYTES + m * ATOM_BYTES<64>, kt % 4),
+                                                  mn_major<BLOCK_N>(K_s, kt), kt > 0);
         wgmma_commit_group();
         wgmma_wait_group<0>();
         if (p + 1 < passes) named_barrier_arrive(DQ_DONE, 128 * SM90_CONSUMERS);  // dS_s read: the next owner may store
-        wgmma_fence_operand<HEAD_DIM / 2>(&dQ[0][0]);
+        wgmma_fence_operand<M_CHUNKS * HEAD_DIM / 2>(&dQ[0][0][0]);
         wgmma_fence_operand<HEAD_DIM / 2>(&dK[0][0]);
         wgmma_fence_operand<HEAD_DIM / 2>(&dV[0][0]);
         mbarrier_arrive(&empty[s]);  // this thread's wgmma no longer read the stage, nor it the statistics
 
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = 16 * (warp % 4) + c_row(2 * r);
+        for (int m = 0; m < M_CHUNKS; ++m)
 #pragma unroll
-            for (int nt = 0; nt < D_TILES; ++nt)
-                *reinterpret_cast<float2*>(dQ_s + row * DQ_ROW<HEAD_DIM> + 8 * nt + c_col(0)) =
-                    make_float2(dQ[nt][2 * r], dQ[nt][2 * r + 1]);
-        }
+            for (int r = 0; r < 2; ++r) {
+                const int row = 64 * m + 16 * (warp % 4) + c_row(2 * r);
+#pragma unroll
+                for (int nt = 0; nt < D_TILES; ++nt)
+                    *reinterpret_cast<float2*>(dQ_s + row * DQ_ROW<HEAD_DIM> + 8 * nt + c_col(0)) =
+                        make_float2(dQ[m][nt][2 * r], dQ[m][nt][2 * r + 1]);
+            }
         fence_proxy_async();             // this thread's dQ_s stores, before the bulk reduce-add reads them
         named_barrier_sync(1 + c, 128);  // every owner thread's
         if (lead) {
