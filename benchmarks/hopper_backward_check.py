@@ -1,6 +1,7 @@
 """On a GPU: the Hopper backward (flash_bwd_sm90.cu) beside the mma.sync one it replaces, its
 deterministic mode (deterministic=True: dQ's adds in key-block order, flash_bwd_sm90.cu's DETERMINISTIC)
-and the mma.sync deterministic kernels it replaces, cuDNN and torch's flash
+and the mma.sync deterministic kernels it replaces, its tall pass at head_dim 64
+(cupy_backend.SM90_TALL_BACKWARD: FA3's 128 x 128; nan at 128), cuDNN and torch's flash
 (FA2), in one run, with how far the Hopper dq, dk, dv lie from cuDNN's (the largest difference over
 the largest magnitude). bash benchmarks/gpu_session.sh times the forwards; its sweep has no mma.sync
 backward.
@@ -10,12 +11,14 @@ backward.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import cupy
 
 import flashcupy
 from flashcupy.backends import cupy_backend
+from flashcupy.backends.cupy_backend import specs
 from flashcupy.tools import bench
 from flashcupy.tools.bench import median_gpu_time as timed
 
@@ -67,18 +70,24 @@ def main() -> int:
                         _, cudnn_b2b = bench.host_and_back_to_back(lambda: torch.autograd.grad(o, (a, b, c), g,
                                                                                                retain_graph=True))
                     row += [host * 1e6, flops / b2b / 1e12, flops / cudnn_b2b / 1e12]
+                    tall = math.nan  # the tall pass, where it applies (specs.SM90_TALL_BACKWARD_TILES)
+                    if D in specs.SM90_TALL_BACKWARD_TILES:
+                        cupy_backend.SM90_TALL_BACKWARD = True
+                        tall = flops / timed(lambda: flashcupy.attention_backward(do, q, k, v, out, lse, **kw)) / 1e12
+                        cupy_backend.SM90_TALL_BACKWARD = False
+                    row.append(tall)
                     ROWS.append(row)
                     print(*row, flush=True)
     print("\nbackward TFLOP/s (median of 10); vs cudnn: max |hopper - cudnn| / max |cudnn| over dq, dk, dv")
     print("determ.: the Hopper deterministic backward; its / hopper: the ratio the issue asks >= 0.85 of")
     print("host: us of the host's part of a Hopper call; hop.b2b, cudnn.b2b: TFLOP/s of calls back to back "
-          "(bench.host_and_back_to_back)")
+          "(bench.host_and_back_to_back); tall: TFLOP/s with SM90_TALL_BACKWARD (nan where it does not apply)")
     print("dtype     D   causal  S      hopper  mma.sync  determ.  mma.det  cudnn  flash  hop/cudnn  hop/flash  "
-          "det/hop  vs cudnn  host  hop.b2b  cudnn.b2b  b2b/cudnn")
+          "det/hop  vs cudnn  host  hop.b2b  cudnn.b2b  b2b/cudnn   tall  tall/hop")
     for r in ROWS:
         print(f"{r[0]:<9} {r[1]:<3} {str(r[2]):<7} {r[3]:<6} {r[4]:6.1f}  {r[5]:6.1f}  {r[6]:7.1f}  {r[7]:7.1f} "
               f"{r[8]:6.1f} {r[9]:6.1f}  {r[4] / r[8]:8.2f}  {r[4] / r[9]:8.2f}  {r[6] / r[4]:7.2f}  {r[10]:.2e}"
-              f"  {r[11]:4.0f}  {r[12]:7.1f}  {r[13]:9.1f}  {r[12] / r[13]:9.2f}")
+              f"  {r[11]:4.0f}  {r[12]:7.1f}  {r[13]:9.1f}  {r[12] / r[13]:9.2f}  {r[14]:5.1f}  {r[14] / r[4]:8.2f}")
     return 0
 
 

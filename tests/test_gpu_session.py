@@ -103,6 +103,10 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert {(r["pass"], r["dtype"], r["seqlen"]) for r in timings if r["impl"] == "cupy-wide"} == {
         ("forward", dtype, S) for dtype in ("bfloat16", "float16") for S in (16, 64)}
     assert "cupy-wide / cupy" in report
+    # the tall backward pass beside the default (cupy_backend.SM90_TALL_BACKWARD), the backward alone
+    assert {(r["pass"], r["dtype"], r["seqlen"]) for r in timings if r["impl"] == "cupy-tall"} == {
+        ("backward", dtype, S) for dtype in ("bfloat16", "float16") for S in (16, 64)}
+    assert "cupy-tall / cupy" in report
     # the Numba kernels timed beside the CuPy ones (the simulator's figures: only the path is checked)
     assert {(r["pass"], r["seqlen"]) for r in timings if r["impl"] == "numba"} == {("forward", 16), ("backward", 16)}
     assert not [r for r in records if r["type"] == "unavailable" and r["stage"] == "sweep" and r["impl"] == "numba"]
