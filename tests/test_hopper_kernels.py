@@ -133,20 +133,23 @@ def persistent(sm_count):
     return {"sm_count": sm_count}, mock.patch.object(cupy_backend, "SM90_PERSISTENT", True)
 
 
+def _problem(rng, dtype, B, Sq, Sk, Hq, Hkv, D, **kw):
+    """q, k, v, dout of a random problem in `dtype` (bfloat16: as bits), and the calls' keywords: kw, with
+    the dtype for bfloat16."""
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float32)
+    dout = rng.standard_normal(q.shape)
+    if dtype == "bfloat16":
+        return (*(bf16_bits(x.astype(BF16)) for x in (q, k, v, dout)), dict(kw, dtype="bfloat16"))
+    return (*(x.astype(np.float16) for x in (q, k, v, dout)), kw)
+
+
 @pytest.mark.parametrize("order, dtype", [("ascending", "float16"), ("warp_skew", "float16"),
                                           ("descending", "bfloat16")])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(str(x) for x in c[:6]) + ("-causal" if c[6] else "")
                          + (f"-w{c[7][0]}_{c[7][1]}" if c[7] else ""))
 def test_the_hopper_kernels_match_the_oracle(rng, order, dtype, case):
     B, Sq, Sk, Hq, Hkv, D, causal, window = case
-    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float32)
-    dout = rng.standard_normal(q.shape)
-    kw = dict(causal=causal, window=window)
-    if dtype == "bfloat16":
-        q, k, v, dout = (bf16_bits(x.astype(BF16)) for x in (q, k, v, dout))
-        kw["dtype"] = "bfloat16"
-    else:
-        q, k, v, dout = (x.astype(np.float16) for x in (q, k, v, dout))
+    q, k, v, dout, kw = _problem(rng, dtype, B, Sq, Sk, Hq, Hkv, D, causal=causal, window=window)
     names = []
     grid, launch = persistent(SM_COUNTS[order])
     with launch, emulated(order, compile=recording(names), compute_capability=HOPPER, **grid):
@@ -226,21 +229,14 @@ TALL_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causa
 @pytest.mark.parametrize("case", TALL_CASES,
                          ids=lambda c: "x".join(str(x) for x in c[:6]) + ("-causal" if c[6] else ""))
 def test_the_tall_backward_pass_matches_the_oracle(rng, order, dtype, case):
-    B, Sq, Sk, Hq, Hkv, D, causal = case
-    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float32)
-    dout = rng.standard_normal(q.shape)
-    kw = dict(causal=causal)
-    if dtype == "bfloat16":
-        q, k, v, dout = (bf16_bits(x.astype(BF16)) for x in (q, k, v, dout))
-        kw["dtype"] = "bfloat16"
-    else:
-        q, k, v, dout = (x.astype(np.float16) for x in (q, k, v, dout))
+    *shape, causal = case
+    q, k, v, dout, kw = _problem(rng, dtype, *shape, causal=causal)
     names = []
     with tall(), emulated(order, compile=recording(names), compute_capability=HOPPER):
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
         grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", **kw)
     tile = specs.SM90_TALL_BACKWARD_TILES[64]
-    assert specs.sm90_backward_module(dtype, D, tile=tile).kernels[1].name_expression in names
+    assert specs.sm90_backward_module(dtype, shape[-1], tile=tile).kernels[1].name_expression in names
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", **kw)
 
 
