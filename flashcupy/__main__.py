@@ -24,6 +24,23 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 # info
 
 
+def _hopper_tiles() -> str:
+    """The Hopper kernels' tiles (query rows x keys) by head_dim bucket, as specs' rules give them for a
+    call without causal or the window, and cupy_backend's switches that change them, with their values."""
+    from flashcupy.backends import cupy_backend
+    from flashcupy.backends.cupy_backend import specs
+
+    def tiles(rule, **switch):
+        return ", ".join(f"{d}: {'x'.join(map(str, rule(d, **switch)))}" for d in specs.SM90_FORWARD_TILES)
+
+    switches = {name: getattr(cupy_backend, name) for name in ("SM90_WIDE", "SM90_TALL_BACKWARD", "SM90_PERSISTENT")}
+    return ("  Hopper tiles (query rows x keys) by head_dim bucket, without causal or the window: forward\n"
+            f"  {tiles(specs.sm90_forward_tile, wide=switches['SM90_WIDE'])}; backward "
+            f"{tiles(specs.sm90_backward_tile, tall=switches['SM90_TALL_BACKWARD'])} (specs.sm90_forward_tile,\n"
+            "  sm90_backward_tile); cupy_backend's switches: "
+            + ", ".join(f"{name} {'on' if on else 'off'}" for name, on in switches.items()))
+
+
 def cmd_info(args) -> int:
     print(f"flashcupy {flashcupy.__version__}  (python {platform.python_version()}, numpy {np.__version__})")
     print("backends:")
@@ -44,6 +61,7 @@ def cmd_info(args) -> int:
           "  deterministic=True (dQ added in key-block order) included; softcap, ALiBi, bias, mask,\n"
           "  split-KV and paged KV caches stay on mma.sync (cupy_backend.forward_path / backward_path\n"
           "  say which kernel a call takes)")
+    print(_hopper_tiles())
     try:
         import cupy
         print(f"cupy {cupy.__version__}")

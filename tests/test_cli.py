@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from flashcupy.tools import bench
-from flashcupy.__main__ import main
-from flashcupy.backends import numpy_backend
+from flashcupy.__main__ import _hopper_tiles, main
+from flashcupy.backends import cupy_backend, numpy_backend
 
 
 def test_check_passes_on_the_numpy_backend(capsys):
@@ -32,6 +32,18 @@ def test_info_lists_every_backend(capsys):
     out = capsys.readouterr().out
     for name in ("numpy", "cupy", "numba"):
         assert name in out
+
+
+def test_info_reports_the_hopper_tiles_each_switch_picks(monkeypatch):
+    # the rules' tiles, not a copy of them: turning a switch on changes the line
+    line = _hopper_tiles()
+    assert "forward\n  64: 128x128, 128: 128x128; backward 64: 64x128, 128: 64x128" in line
+    assert "SM90_WIDE off, SM90_TALL_BACKWARD off, SM90_PERSISTENT off" in line
+    monkeypatch.setattr(cupy_backend, "SM90_WIDE", True)
+    monkeypatch.setattr(cupy_backend, "SM90_TALL_BACKWARD", True)
+    line = _hopper_tiles()
+    assert "forward\n  64: 128x192, 128: 128x176; backward 64: 128x128, 128: 64x128" in line
+    assert "SM90_WIDE on, SM90_TALL_BACKWARD on, SM90_PERSISTENT off" in line
 
 
 @pytest.mark.parametrize("causal", [False, True])
