@@ -30,10 +30,11 @@ def _hopper_tiles() -> str:
     from flashcupy.backends import cupy_backend
     from flashcupy.backends.cupy_backend import specs
 
-    def tiles(rule, **switch):
-        return ", ".join(f"{d}: {'x'.join(map(str, rule(d, **switch)))}" for d in specs.SM90_FORWARD_TILES)
+    def tiles(rule, **switch):  # the tensor-core head_dim buckets, which both Hopper kernels take
+        return ", ".join(f"{d}: {'x'.join(map(str, rule(d, **switch)))}" for d in specs.TC_HEAD_DIM_BUCKETS)
 
-    switches = {name: getattr(cupy_backend, name) for name in ("SM90_WIDE", "SM90_TALL_BACKWARD", "SM90_PERSISTENT")}
+    names = ("SM90_WIDE", "SM90_TALL_BACKWARD", "SM90_PERSISTENT")
+    switches = {name: getattr(cupy_backend, name) for name in names}
     return ("  Hopper tiles (query rows x keys) by head_dim bucket, without causal or the window: forward\n"
             f"  {tiles(specs.sm90_forward_tile, wide=switches['SM90_WIDE'])}; backward "
             f"{tiles(specs.sm90_backward_tile, tall=switches['SM90_TALL_BACKWARD'])} (specs.sm90_forward_tile,\n"

@@ -178,13 +178,7 @@ WIDE_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim)
                                           ("descending", "float16")])
 @pytest.mark.parametrize("case", WIDE_CASES, ids=lambda c: "x".join(str(x) for x in c))
 def test_the_wide_key_block_matches_the_oracle(rng, order, dtype, case):
-    q, k, v = make_qkv(rng, *case, np.float32)
-    kw = {}
-    if dtype == "bfloat16":
-        q, k, v = (bf16_bits(x.astype(BF16)) for x in (q, k, v))
-        kw["dtype"] = "bfloat16"
-    else:
-        q, k, v = (x.astype(np.float16) for x in (q, k, v))
+    q, k, v, _, kw = _problem(rng, dtype, *case)
     names = []
     grid, launch = persistent(SM_COUNTS[order])
     with wide(), launch, emulated(order, compile=recording(names), compute_capability=HOPPER, **grid):
