@@ -21,8 +21,9 @@ Stages, in this order, each in its own process with its own time limit:
              and math backends, bfloat16 and float16, the mma.sync forward and backward beside the
              Hopper ones (cupy-mma: cupy_backend.USE_WGMMA off), the backward with deterministic=True
              (cupy-det: its first head_dim and three longest seqlens, issue 27's 0.85x of the default),
-             the Hopper forward's wide key blocks and the backward's tall pass where they apply
-             (cupy-wide, cupy-tall: the three longest seqlens), and the Numba kernels (float16, up to
+             the Hopper forward's wide key blocks and tall query tile and the backward's tall pass
+             where they apply (cupy-wide, cupy-tallfwd, cupy-tall: the three longest seqlens), and the
+             Numba kernels (float16, up to
              numba_max_seqlen) beside the CuPy ones; inputs made on the device once per shape and shared
              by every implementation; head_dim 128 and causal first, as they matter most
   plot       the sweep as one PNG
@@ -89,6 +90,7 @@ class Sizes:
     max_repeat: int
     wide_configs: tuple = ((128, False), (64, False))  # where "cupy-wide" is timed (the wide key blocks apply)
     tall_configs: tuple = ((64, False), (64, True))  # where "cupy-tall" is timed (the tall backward pass applies)
+    tall_forward_configs: tuple = ((64, False), (64, True))  # where "cupy-tallfwd" is timed (192 query rows apply)
 
 
 GPU = Sizes(seqlens=(512, 1024, 2048, 4096, 8192, 16384), configs=((128, True), (128, False), (64, True), (64, False)),
@@ -105,7 +107,7 @@ DRY = Sizes(seqlens=(16, 64), configs=((64, True),), dtypes=("bfloat16", "float1
             # simulator runs a Python thread per CUDA thread, so the battery's larger cases take minutes
             check_battery=((1, 1, 1, 1, 1, 1, False), (1, 9, 12, 2, 1, 40, True)),
             # "cupy-wide" at its one config, where the switch changes no kernel: the code path runs
-            wide_configs=((64, True),), tall_configs=((64, True),))
+            wide_configs=((64, True),), tall_configs=((64, True),), tall_forward_configs=((64, True),))
 MIN_REPEAT = 3
 
 # (stage, time limit in seconds); the sweep takes what the budget leaves after reserving the plot's
@@ -124,14 +126,16 @@ def group_of(key: str) -> str:
     """The process group an item runs in: "numba" for the Numba backend's items, else "main"."""
     return "numba" if key.startswith("numba/") else "main"
 
-SWEEP_IMPLS = ("cupy", "cupy-mma", "cupy-det", "cupy-wide", "cupy-tall", "numba", "torch-flash", "torch-cudnn",
-               "torch-math")
+SWEEP_IMPLS = ("cupy", "cupy-mma", "cupy-det", "cupy-wide", "cupy-tallfwd", "cupy-tall", "numba", "torch-flash",
+               "torch-cudnn", "torch-math")
 # "cupy-mma" beside "cupy": on compute capability 9.0 "cupy" runs the Hopper forward and backward
 # (flash_fwd_sm90.cu, flash_bwd_sm90.cu), "cupy-mma" the mma.sync ones they replace (flash_fwd_tc.cu,
 # flash_bwd_tc.cu: USE_WGMMA off), in the same run; below 9.0 they are the same kernels.
 # "cupy-wide": the Hopper forward with FA3's wider key blocks (cupy_backend.SM90_WIDE), where they apply
-# (not causal), at the three longest seqlens: whether they should be the default. "cupy-tall": the Hopper
-# backward with FA3's 128-row pass at head_dim 64 (cupy_backend.SM90_TALL_BACKWARD), the same way
+# (not causal), at the three longest seqlens: whether they should be the default. "cupy-tallfwd": the Hopper
+# forward with FA3's 192 query rows at head_dim 64, three consumer warpgroups (cupy_backend.SM90_TALL_FORWARD),
+# "cupy-tall": the Hopper backward with FA3's 128-row pass at head_dim 64 (cupy_backend.SM90_TALL_BACKWARD),
+# the same way
 
 
 # ----------------------------------------------------------------------------
@@ -404,7 +408,7 @@ def _median_seconds(fn, dry: bool, sizes: Sizes) -> float:
 
 
 BACK_TO_BACK_CALLS = 5  # calls issued one after another for the host / back-to-back figures (GPU)
-BACK_TO_BACK_IMPLS = ("cupy", "cupy-det", "cupy-wide", "torch-flash", "torch-cudnn")  # the targets' (issues 26, 27)
+BACK_TO_BACK_IMPLS = ("cupy", "cupy-det", "cupy-wide", "cupy-tallfwd", "torch-flash", "torch-cudnn")  # the targets' (issues 26, 27)
 
 
 def _host_and_back_to_back(fn, dry: bool) -> tuple:
@@ -421,7 +425,8 @@ def _host_and_back_to_back(fn, dry: bool) -> tuple:
 def with_switch(call_cupy, switch: str, value: bool):
     """The cupy forward or backward `call_cupy` (a closure of bench.closures) with cupy_backend's `switch`
     set to `value` for the call: USE_WGMMA off, the mma.sync kernels whatever the device; SM90_WIDE on,
-    the Hopper forward's wide key block; SM90_TALL_BACKWARD on, the Hopper backward's tall pass."""
+    the Hopper forward's wide key block; SM90_TALL_FORWARD on, its 192 query rows; SM90_TALL_BACKWARD on,
+    the Hopper backward's tall pass."""
     from flashcupy.backends import cupy_backend
 
     def call():
@@ -455,7 +460,7 @@ def sweep_items(args):
             reason = "cuDNN attention needs a GPU"
         if reason is None:
             impls.append(impl)
-        elif impl not in ("torch-math", "cupy-mma", "cupy-det", "cupy-wide", "cupy-tall"):  # said by torch-*, cupy
+        elif impl == "cupy" or not impl.startswith(("cupy-", "torch-math")):  # the others said by cupy, torch-*
             missing.append((impl, reason))
     inputs = {}  # the current shape's inputs, shared by every implementation
 
@@ -472,9 +477,10 @@ def sweep_items(args):
                                            deterministic=impl == "cupy-det")
         if impl == "cupy-mma":
             forward, backward = on_mma(forward), on_mma(backward)
-        # cupy-det, cupy-tall: the backward alone (their forward is cupy's); cupy-wide: the forward alone
+        # cupy-det, cupy-tall: the backward alone (their forward is cupy's); cupy-wide, cupy-tallfwd: the forward
         passes = {"cupy-det": (("backward", backward),),
                   "cupy-wide": (("forward", with_switch(forward, "SM90_WIDE", True)),),
+                  "cupy-tallfwd": (("forward", with_switch(forward, "SM90_TALL_FORWARD", True)),),
                   "cupy-tall": (("backward", with_switch(backward, "SM90_TALL_BACKWARD", True)),)}.get(
             impl, (("forward", forward), ("backward", backward)))
         records = []
@@ -503,6 +509,9 @@ def sweep_items(args):
                     if impl == "cupy-wide" and ((D, causal) not in sizes.wide_configs
                                                 or S not in sorted(sizes.seqlens)[-3:]):
                         continue  # where the wide key block applies (specs.sm90_forward_tile), S = 4k .. 16k
+                    if impl == "cupy-tallfwd" and ((D, causal) not in sizes.tall_forward_configs
+                                                   or S not in sorted(sizes.seqlens)[-3:]):
+                        continue  # where the 192 query rows apply (specs.sm90_forward_tile), S = 4k .. 16k
                     if impl == "cupy-tall" and ((D, causal) not in sizes.tall_configs
                                                 or S not in sorted(sizes.seqlens)[-3:]):
                         continue  # where the tall pass applies (specs.sm90_backward_tile), S = 4k .. 16k
@@ -851,8 +860,8 @@ def _speed_tables(timings) -> list:
                 continue
             lines += [f"### {dtype} {pass_}", "", "| D | causal | S | B x H | " + " | ".join(impls)
                       + " | cupy / torch-flash | cupy / torch-cudnn | cupy / cupy-mma | cupy-det / cupy"
-                      + " | cupy-wide / cupy | cupy-tall / cupy | numba / cupy |",
-                      "|---" * (len(impls) + 11) + "|"]
+                      + " | cupy-wide / cupy | cupy-tallfwd / cupy | cupy-tall / cupy | numba / cupy |",
+                      "|---" * (len(impls) + 12) + "|"]
             for D, causal, S in sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in rows},
                                        key=lambda k: (-k[0], not k[1], k[2])):
                 cell = {r["impl"]: r for r in rows if (r["head_dim"], r["causal"], r["seqlen"]) == (D, causal, S)}
@@ -874,7 +883,7 @@ def _speed_tables(timings) -> list:
                              + " | ".join(show(i) for i in impls)
                              + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} | {ratio('cupy-mma')} |"
                              + f" {ratio('cupy', 'cupy-det')} | {ratio('cupy', 'cupy-wide')} |"
-                             + f" {ratio('cupy', 'cupy-tall')} |"
+                             + f" {ratio('cupy', 'cupy-tallfwd')} | {ratio('cupy', 'cupy-tall')} |"
                              + f" {ratio('cupy', 'numba')} |")
             lines.append("")
     return lines + _host_table(timings)
@@ -917,7 +926,8 @@ def short_table(records) -> str:
     for (impl, dtype, pass_, D, causal, S), tf in sorted(timings.items()):
         for mine, other, name in (("cupy", "torch-flash", "flash"), ("cupy", "cupy-mma", "mma.sync"),
                                   ("cupy-det", "cupy", "default"), ("cupy-wide", "cupy", "default"),
-                                  ("cupy-tall", "cupy", "default"), ("numba", "cupy", "cupy")):
+                                  ("cupy-tallfwd", "cupy", "default"), ("cupy-tall", "cupy", "default"),
+                                  ("numba", "cupy", "cupy")):
             if impl == mine and ((other,) + (dtype, pass_, D, causal, S)) in timings:
                 base = timings[(other, dtype, pass_, D, causal, S)]
                 out.append(f"{dtype} {pass_:<8} D={D} causal={causal!s:<5} S={S:<6} {mine} {tf:6.1f}  {name} "

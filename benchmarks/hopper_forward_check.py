@@ -1,6 +1,7 @@
 """On a GPU: the Hopper forward (flash_fwd_sm90.cu) persistent (a CTA an SM walking its tiles:
 cupy_backend.SM90_PERSISTENT = True) beside the same kernel launched a CTA a tile (the default), with
-FA3's wider key blocks (SM90_WIDE = True; without causal, where they apply, else nan), the
+FA3's wider key blocks (SM90_WIDE = True; without causal, where they apply, else nan), its 192 query
+rows at head_dim 64 (SM90_TALL_FORWARD = True: three consumer warpgroups; nan at 128), the
 mma.sync forward (USE_WGMMA = False), cuDNN and torch's flash (FA2), in one run, with how
 far the Hopper out lies from cuDNN's (the largest difference over the largest magnitude), and the
 default's host part of a call and back-to-back rate beside cuDNN's (bench.host_and_back_to_back).
@@ -16,6 +17,7 @@ import cupy
 
 import flashcupy
 from flashcupy.backends import cupy_backend
+from flashcupy.backends.cupy_backend import specs
 from flashcupy.tools import bench
 from flashcupy.tools.bench import median_gpu_time as timed
 
@@ -43,6 +45,10 @@ def main() -> int:
                         row.append(flops / timed(lambda: flashcupy.attention(q, k, v, **kw)) / 1e12
                                    if not causal else float("nan"))
                         cupy_backend.SM90_WIDE = False
+                        cupy_backend.SM90_TALL_FORWARD = True  # the 192-row tile, where it applies
+                        row.append(flops / timed(lambda: flashcupy.attention(q, k, v, **kw)) / 1e12
+                                   if D in specs.SM90_TALL_FORWARD_TILES else float("nan"))
+                        cupy_backend.SM90_TALL_FORWARD = False
                 cupy_backend.USE_WGMMA = cupy_backend.SM90_PERSISTENT = True
                 out = flashcupy.attention(q, k, v, **kw)
                 a, b, c = (x.transpose(1, 2) for x in tq)
@@ -65,14 +71,14 @@ def main() -> int:
                 print(*row, flush=True)
     print("\nforward TFLOP/s (median of 10); vs cudnn: max |hopper - cudnn| / max |cudnn| of out")
     print("host: us of the host's part of a call (a CTA a tile); tile.b2b, cudnn.b2b: TFLOP/s of calls back to back")
-    print("dtype     D   causal  S      persist  a-tile  wide    mma.sync  cudnn  flash  pers/tile  wide/tile  "
-          "pers/cudnn  wide/cudnn  pers/flash  vs cudnn  host  tile.b2b  cudnn.b2b  b2b/cudnn")
+    print("dtype     D   causal  S      persist  a-tile  wide    tall    mma.sync  cudnn  flash  pers/tile  wide/tile  "
+          "tall/tile  pers/cudnn  wide/cudnn  tall/cudnn  pers/flash  vs cudnn  host  tile.b2b  cudnn.b2b  b2b/cudnn")
     for r in ROWS:
-        (dtype, D, causal, S, persist, tile, wide, mma, cudnn, flash, error, host, tile_b2b, cudnn_b2b) = r
-        print(f"{dtype:<9} {D:<3} {str(causal):<7} {S:<6} {persist:7.1f} {tile:7.1f} {wide:7.1f}  {mma:7.1f}  "
-              f"{cudnn:6.1f} {flash:6.1f}  {persist / tile:8.2f}  {wide / tile:9.2f}  {persist / cudnn:9.2f}  "
-              f"{wide / cudnn:10.2f}  {persist / flash:9.2f}  {error:.2e}  {host:4.0f}  {tile_b2b:8.1f}  "
-              f"{cudnn_b2b:9.1f}  {tile_b2b / cudnn_b2b:9.2f}")
+        (dtype, D, causal, S, persist, tile, wide, tall, mma, cudnn, flash, error, host, tile_b2b, cudnn_b2b) = r
+        print(f"{dtype:<9} {D:<3} {str(causal):<7} {S:<6} {persist:7.1f} {tile:7.1f} {wide:7.1f} {tall:7.1f}  "
+              f"{mma:7.1f}  {cudnn:6.1f} {flash:6.1f}  {persist / tile:8.2f}  {wide / tile:9.2f}  {tall / tile:9.2f}  "
+              f"{persist / cudnn:9.2f}  {wide / cudnn:10.2f}  {tall / cudnn:10.2f}  {persist / flash:9.2f}  "
+              f"{error:.2e}  {host:4.0f}  {tile_b2b:8.1f}  {cudnn_b2b:9.1f}  {tile_b2b / cudnn_b2b:9.2f}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """The Hopper kernels' optional tiles side by side with their defaults on the emulator's counters, per
 pass and per GFLOP of wgmma: the forward's FA3 wider key blocks (cupy_backend.SM90_WIDE: 128 x 176 at
-head_dim 128, 128 x 192 at 64) and the backward's FA3 taller pass (cupy_backend.SM90_TALL_BACKWARD:
+head_dim 128, 128 x 192 at 64), its FA3 taller query tile (cupy_backend.SM90_TALL_FORWARD: 192 x 128 at
+head_dim 64, three consumer warpgroups) and the backward's FA3 taller pass (cupy_backend.SM90_TALL_BACKWARD:
 128 x 128 at head_dim 64).
 
     python benchmarks/tile_counters.py
@@ -8,8 +9,10 @@ head_dim 128, 128 x 192 at 64) and the backward's FA3 taller pass (cupy_backend.
 Per pass is perfmodel's: the difference of two launches (B = H = 1, non-causal, float16) that differ
 only in their keys (forward) or queries (backward), divided by the passes added. What a larger tile
 changes is what each pass pays besides its FLOPs: mbarrier waits, named barriers, the softmax's row
-work, and the operands that wgmma reads again for each pass. The counters and the roofline are a
-model, not a measurement; the rates on a GPU are the GPU session's cupy-wide / cupy and
+work, and the operands that wgmma reads again for each pass. A third consumer warpgroup changes what
+the roofline leaves out: how much of one warpgroup's softmax runs under the others' GEMMs (with two,
+under one other's; with three, under two others'). The counters and the roofline are a model, not a
+measurement; the rates on a GPU are the GPU session's cupy-wide / cupy and cupy-tallfwd / cupy, and
 hopper_backward_check.py's tall / hopper.
 """
 
@@ -31,6 +34,11 @@ FIGURES = ("wgmma", "wgmma_shared_bytes", "tma_load_bytes", "ex2", "mbarrier_wai
 
 def forward_kernel(head_dim: int, larger: bool) -> specs.Kernel:
     tile = specs.sm90_forward_tile(head_dim, wide=larger)
+    return specs.sm90_forward_module(DTYPE, head_dim, tile=tile).kernels[0]
+
+
+def tall_forward_kernel(head_dim: int, larger: bool) -> specs.Kernel:
+    tile = specs.sm90_forward_tile(head_dim, tall=larger)
     return specs.sm90_forward_module(DTYPE, head_dim, tile=tile).kernels[0]
 
 
@@ -76,6 +84,8 @@ def compare(make, switch: str, head_dim: int, what: str, ratio: str) -> None:
 def main() -> int:
     for head_dim in sorted(specs.SM90_WIDE_FORWARD_TILES, reverse=True):
         compare(forward_kernel, "SM90_WIDE", head_dim, "a pass: a key block", "wide/default")
+    for head_dim in sorted(specs.SM90_TALL_FORWARD_TILES, reverse=True):
+        compare(tall_forward_kernel, "SM90_TALL_FORWARD", head_dim, "a pass: a key block", "tall/default")
     for head_dim in sorted(specs.SM90_TALL_BACKWARD_TILES, reverse=True):
         compare(backward_kernel, "SM90_TALL_BACKWARD", head_dim, "a pass: a query block", "tall/default")
     return 0

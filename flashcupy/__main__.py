@@ -33,12 +33,13 @@ def _hopper_tiles() -> str:
     def tiles(rule, **switch):  # the tensor-core head_dim buckets, which both Hopper kernels take
         return ", ".join(f"{d}: {'x'.join(map(str, rule(d, **switch)))}" for d in specs.TC_HEAD_DIM_BUCKETS)
 
-    names = ("SM90_WIDE", "SM90_TALL_BACKWARD", "SM90_PERSISTENT")
+    names = ("SM90_WIDE", "SM90_TALL_FORWARD", "SM90_TALL_BACKWARD", "SM90_PERSISTENT")
     switches = {name: getattr(cupy_backend, name) for name in names}
+    forward = tiles(specs.sm90_forward_tile, wide=switches["SM90_WIDE"], tall=switches["SM90_TALL_FORWARD"])
     return ("  Hopper tiles (query rows x keys) by head_dim bucket, without causal or the window: forward\n"
-            f"  {tiles(specs.sm90_forward_tile, wide=switches['SM90_WIDE'])}; backward "
+            f"  {forward}; backward "
             f"{tiles(specs.sm90_backward_tile, tall=switches['SM90_TALL_BACKWARD'])} (specs.sm90_forward_tile,\n"
-            "  sm90_backward_tile); cupy_backend's switches: "
+            "  sm90_backward_tile); cupy_backend's switches:\n  "
             + ", ".join(f"{name} {'on' if on else 'off'}" for name, on in switches.items()))
 
 

@@ -126,3 +126,31 @@ def test_packed_batch_keeps_each_sequence_to_itself(rng):
         sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         assert_matches_oracle((out[None, sq], lse[None, :, sq], dq[None, sq], dk[None, sk], dv[None, sk]),
                               q[None, sq], k[None, sk], v[None, sk], dout[None, sq], causal=True, backend="cupy")
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+@pytest.mark.parametrize("switch, case", [
+    ("SM90_WIDE", (1, 300, 500, 2, 1, 128, False)), ("SM90_WIDE", (1, 200, 450, 2, 2, 64, False)),
+    ("SM90_TALL_FORWARD", (1, 400, 333, 2, 1, 64, True)), ("SM90_TALL_FORWARD", (2, 200, 300, 2, 2, 40, False)),
+    ("SM90_TALL_BACKWARD", (1, 300, 260, 2, 1, 64, True)), ("SM90_PERSISTENT", (2, 500, 333, 4, 2, 128, True)),
+], ids=lambda x: x if isinstance(x, str) else case_id(x))
+def test_the_hopper_tiles_off_by_default_match_the_oracle(rng, monkeypatch, switch, case, fmt):
+    """The Hopper kernels' options that no GPU has timed yet (cupy_backend's switches, off by default: FA3's
+    wider key blocks, its 192-row forward at head_dim 64 with three consumer warpgroups, its 128-row backward
+    pass, the persistent forward), on silicon against the oracle, as the emulator runs them: whether the
+    emulator's model of them holds on the hardware (a setmaxnreg beyond the CTA's registers would hang)."""
+    import cupy
+    from flashcupy.backends import cupy_backend
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the Hopper kernels run on compute capability 9.0 only")
+    monkeypatch.setattr(cupy_backend, switch, True)
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    value = np.float16 if fmt == "float16" else BF16
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, value)
+    dout = rng.standard_normal(q.shape).astype(value)
+    bits = (lambda x: x) if fmt == "float16" else bf16_bits
+    dtype = None if fmt == "float16" else "bfloat16"
+    dq_, dk_, dv_, ddout = (cupy.asarray(bits(x)) for x in (q, k, v, dout))
+    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, dtype=dtype)
+    grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=causal, dtype=dtype)
+    assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout, causal=causal, backend="cupy")

@@ -350,6 +350,14 @@ def sm90_tall_rows():
                                          compute_capability=perfmodel.SM90)
 
 
+@pytest.fixture(scope="module")
+def sm90_tall_forward_rows():
+    # the forward with FA3's 192 query rows at head_dim 64, three consumers (cupy_backend.SM90_TALL_FORWARD)
+    with mock.patch.object(cupy_backend, "SM90_TALL_FORWARD", True):
+        return perfmodel.kernel_counters([("float16", 64)], templates=("flash_fwd_sm90",),
+                                         compute_capability=perfmodel.SM90)
+
+
 def test_the_hopper_backward_does_per_pass_what_its_tiles_imply(sm90_all_rows, sm90_tall_rows):
     # flash_bwd_sm90.cu, a pass (m query rows past the CTA's 128 keys: 64, or 128 with SM90_TALL_BACKWARD at
     # head_dim 64): each of the two consumers issues Sᵀ and dPᵀ as head_dim / 16 SS k-steps each (N = m
@@ -382,13 +390,15 @@ def test_the_hopper_backward_does_per_pass_what_its_tiles_imply(sm90_all_rows, s
     assert "Issue 27's target" in text and "flash_bwd_dkdv_sm90" in text
 
 
-def test_the_hopper_forward_does_per_pass_what_its_tiles_imply(sm90_rows):
-    # flash_fwd_sm90.cu: a producer warpgroup (TMA) and BLOCK_M / 64 consumer warpgroups; per key block
-    # each consumer issues S = Q_i K_jᵀ as head_dim / 16 SS k-steps (N = BLOCK_N) and O += P V_j as
-    # BLOCK_N / 16 RS k-steps (N = head_dim), and the producer loads K_j and V_j, head_dim / 64 boxes each
+def test_the_hopper_forward_does_per_pass_what_its_tiles_imply(sm90_rows, sm90_tall_forward_rows):
+    # flash_fwd_sm90.cu: a producer warpgroup (TMA) and BLOCK_M / 64 consumer warpgroups (two; three with
+    # SM90_TALL_FORWARD at head_dim 64); per key block each consumer issues S = Q_i K_jᵀ as head_dim / 16 SS
+    # k-steps (N = BLOCK_N) and O += P V_j as BLOCK_N / 16 RS k-steps (N = head_dim), and the producer loads
+    # K_j and V_j, head_dim / 64 boxes each
     assert [(row["kernel"].template, row["head_dim"]) for row in sm90_rows] == [("flash_fwd_sm90", 64),
                                                                                  ("flash_fwd_sm90", 128)]
-    for row in sm90_rows:
+    assert [(row["kernel"].block_m, row["kernel"].block_n) for row in sm90_tall_forward_rows] == [(192, 128)]
+    for row in sm90_rows + sm90_tall_forward_rows:
         k = row["kernel"]
         c, pairs = row["per_pass"]
         m, n, d = k.block_m, k.block_n, k.head_dim
@@ -405,16 +415,18 @@ def test_the_hopper_forward_does_per_pass_what_its_tiles_imply(sm90_rows):
         assert c.mbarrier_waits == pairs * (consumers * 128 * 2 + 1)
         assert c.named_barriers == pairs * consumers  # a pingpong turn each
         assert (c.barriers, c.mma, c.shared_bytes, c.total(("global_load", "global_store"), "bytes")) == (0, 0, 0, 0)
-        # the launch: one query block of m rows, one key block; out stored by TMA, one box per consumer and atom
+        # the launch: one query block, one key block (seqlen_q 128: of the 192-row tile, the third consumer's
+        # rows lie past it, and its out boxes store nothing); out stored by TMA, one box per consumer and atom
         launch, out_bytes = row["launch"], m * d * 2
-        assert row["launch_shape"] == (m, n)
+        assert row["launch_shape"] == (128, n)
         assert launch.access["tma_store_shared"] == (consumers * d // 64, out_bytes, out_bytes // 128, out_bytes // 128)
-        assert launch.access["tma_store_global"] == (consumers * d // 64, out_bytes, out_bytes // 32, out_bytes // 32)
+        stored = 128 * d * 2  # the rows within seqlen_q
+        assert launch.access["tma_store_global"] == (consumers * d // 64, stored, stored // 32, stored // 32)
         # Q_i, K_0, V_0 waited for by every consumer thread, the producer's Q_s and first stage at once;
         # then the producer's wait before it says no tile is left, which every consumer thread waits for;
-        # turns: 2 (blocks + 1), and each consumer's two barriers around its staging of O
+        # turns: 2 (blocks + 1) each consumer, and each consumer's two barriers around its staging of O
         assert launch.mbarrier_waits == consumers * 128 * 4 + 3
-        assert launch.named_barriers == 2 * 2 + 2 * consumers and launch.barriers == 1
+        assert launch.named_barriers == consumers * 2 + 2 * consumers and launch.barriers == 1
 
 
 def test_the_hopper_forward_roofline(sm90_rows):

@@ -103,6 +103,10 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert {(r["pass"], r["dtype"], r["seqlen"]) for r in timings if r["impl"] == "cupy-wide"} == {
         ("forward", dtype, S) for dtype in ("bfloat16", "float16") for S in (16, 64)}
     assert "cupy-wide / cupy" in report
+    # the 192-row forward beside the default (cupy_backend.SM90_TALL_FORWARD), the forward alone
+    assert {(r["pass"], r["dtype"], r["seqlen"]) for r in timings if r["impl"] == "cupy-tallfwd"} == {
+        ("forward", dtype, S) for dtype in ("bfloat16", "float16") for S in (16, 64)}
+    assert "cupy-tallfwd / cupy" in report
     # the tall backward pass beside the default (cupy_backend.SM90_TALL_BACKWARD), the backward alone
     assert {(r["pass"], r["dtype"], r["seqlen"]) for r in timings if r["impl"] == "cupy-tall"} == {
         ("backward", dtype, S) for dtype in ("bfloat16", "float16") for S in (16, 64)}
@@ -113,7 +117,7 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert all(r["seconds"] > 0 and r["tflops"] > 0 for r in timings)
     # the host's part of a call and the back-to-back rate beside the per-call median (the fast implementations)
     assert all(r["host_seconds"] > 0 and r["b2b_tflops"] > 0 for r in timings
-               if r["impl"] in ("cupy", "cupy-det", "cupy-wide"))
+               if r["impl"] in ("cupy", "cupy-det", "cupy-wide", "cupy-tallfwd"))
     assert all(r["host_seconds"] is None for r in timings if r["impl"] in ("numba", "cupy-mma"))
     (host_row,) = [line for line in report.split("### Host part of a call, and back to back")[1].splitlines()
                    if line.startswith("| float16 | backward | 64 | True | 16 |")]

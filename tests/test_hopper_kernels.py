@@ -205,6 +205,59 @@ def test_the_wide_key_block_is_taken_where_it_applies(head_dim, mods, causal, va
     assert kernel.dynamic_smem <= specs.SM90_SMEM_OPTIN
 
 
+# FA3's 192 query rows of the forward at head_dim 64 (cupy_backend.SM90_TALL_FORWARD, off by default:
+# specs.sm90_forward_tile): three consumer warpgroups, the pingpong's turns round robin over them; in the
+# default grid and persistent on 1 or 2 SMs (the turns carried from one tile to the next)
+def tall_forward():
+    return mock.patch.object(cupy_backend, "SM90_TALL_FORWARD", True)
+
+
+TALL_FORWARD_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window)
+    (1, 400, 300, 2, 1, 64, True, None),     # GQA, causal (bottom-right): three query tiles a head, the last of
+                                             # 16 rows; tiles of 1 to 3 key blocks, the ring's stages reused
+    (2, 17, 140, 1, 1, 40, False, None),     # head_dim 40 in the 64 bucket, batch 2; a tile of 17 rows: one
+                                             # consumer's rows, the others' past seqlen_q
+    (1, 200, 330, 1, 1, 64, False, (90, 20)),  # the window: key blocks outside the band never loaded
+    (1, 130, 20, 1, 1, 64, True, None),      # causal: the first tile's rows before the diagonal see no key
+]
+
+
+@pytest.mark.parametrize("order, dtype", [("ascending", "float16"), ("warp_skew", "bfloat16"),
+                                          ("descending", "float16")])
+@pytest.mark.parametrize("case", TALL_FORWARD_CASES, ids=lambda c: "x".join(str(x) for x in c[:6])
+                         + ("-causal" if c[6] else "") + (f"-w{c[7][0]}_{c[7][1]}" if c[7] else ""))
+def test_the_tall_forward_tile_matches_the_oracle(rng, order, dtype, case):
+    *shape, causal, window = case
+    q, k, v, _, kw = _problem(rng, dtype, *shape, causal=causal, window=window)
+    names = []
+    grid, launch = persistent(SM_COUNTS[order])
+    with tall_forward(), launch, emulated(order, compile=recording(names), compute_capability=HOPPER, **grid):
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+    ctype = "__half" if dtype == "float16" else "__nv_bfloat16"
+    mods = specs.SM90_MODS if window else 0
+    assert names == [f"flash_fwd_sm90<{ctype}, 64, 192, 128{f', {mods}' if mods else ''}>"]
+    assert_matches_oracle((out, lse), q, k, v, backend="cupy", **kw)
+
+
+@pytest.mark.parametrize("head_dim, mods, causal, varlen, wide, tile", [
+    (64, 0, False, False, False, (192, 128)), (40, 0, True, False, False, (192, 128)),
+    (64, specs.SM90_MODS, False, False, False, (192, 128)),  # the window too
+    (64, 0, False, False, True, (192, 128)),                 # before the wide block
+    (64, 0, False, True, False, (128, 128)),                 # a packed batch: its kernel spilled in 160 registers
+    (128, 0, False, False, False, (128, 128)),               # head_dim 128: two consumers
+    (128, 0, False, False, True, (128, 176)),
+])
+def test_the_tall_forward_tile_is_taken_where_it_applies(head_dim, mods, causal, varlen, wide, tile):
+    assert specs.sm90_forward_tile(head_dim, mods, causal, varlen, wide, tall=True) == tile
+    kernel = specs.sm90_forward_module("float16", head_dim, mods, varlen, tile).kernels[0]
+    assert kernel.dynamic_smem <= specs.SM90_SMEM_OPTIN
+    # a producer warpgroup and a consumer warpgroup a 64 rows, their registers the SM's (setmaxnreg)
+    consumers = tile[0] // specs.SM90_CONSUMER_ROWS
+    assert kernel.threads == 128 * (1 + consumers)
+    producer, consumer = specs.SM90_REGISTERS[consumers]
+    assert 128 * (producer + consumers * consumer) <= 65536
+
+
 # FA3's 128-row pass of the backward at head_dim 64 (cupy_backend.SM90_TALL_BACKWARD, off by default:
 # specs.sm90_backward_tile): Sᵀ, dPᵀ of 128 query columns, the owner's dQ_i as two wgmma Ms
 def tall():

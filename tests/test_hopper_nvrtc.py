@@ -135,7 +135,9 @@ def test_the_hopper_kernels_compile_for_sm_90a_without_spills_or_serialised_wgmm
     with the options the backend compiles them with (sources.arch_options): no ptxas warning (C7508:
     setmaxnreg ignored; C7510-C7520: the wgmma pipeline serialised, or a warpgroup.arrive injected), no
     spills, and the SASS of each warp-specialised kernel holds HGMMA, the TMA loads (and the forward's
-    stores), each role's register reallocation, mbarrier waits and named barriers."""
+    stores), each role's register reallocation, mbarrier waits and named barriers. The reallocation is
+    specs.SM90_REGISTERS' for the kernel's consumer warpgroups, within the registers its launch takes (a
+    setmaxnreg.inc past them would wait for ever on a GPU; the emulator does not count registers)."""
     from flashcupy.backends.cupy_backend import catalog, specs
 
     modules = [m for m in catalog.sm90_modules() if m.source_file == source_file]
@@ -167,3 +169,9 @@ def test_the_hopper_kernels_compile_for_sm_90a_without_spills_or_serialised_wgmm
             code = nvrtc.function_sass(sass, lowered[name])
             for op in ops + stores(kernel):
                 assert op in code, f"NVRTC {toolkit.version}: no {op} in {name}"
+            consumers = kernel.threads // 128 - 1
+            producer, consumer = specs.SM90_REGISTERS[consumers]
+            assert re.findall(r"USETMAXREG\.DEALLOC\S* (0x[0-9a-f]+)", code) == [hex(producer)], name
+            assert re.findall(r"USETMAXREG\.TRY_ALLOC\S* \w+, (0x[0-9a-f]+)", code) == [hex(consumer)], name
+            launch = resources[lowered[name]]["registers"] * kernel.threads
+            assert 128 * (producer + consumers * consumer) <= launch, f"NVRTC {toolkit.version}: {name}"

@@ -354,11 +354,13 @@ def occupancy(arch: str, registers: int, smem: int, threads: int) -> float:
 
 def variant(kernel: specs.Kernel) -> str | None:
     """A report row's "mods": the score modifiers, then split-KV, a packed batch, dQ by atomics, the
-    Hopper backward's ordered dQ, the Hopper forward's wide key block and the Hopper backward's tall pass,
-    joined by "+"; None for the plain kernel."""
+    Hopper backward's ordered dQ, the Hopper forward's wide key block and the Hopper kernels' tall tiles
+    (the forward's 192 query rows, the backward's 128-row pass), joined by "+"; None for the plain kernel."""
     wide = (kernel.template == "flash_fwd_sm90"
             and (kernel.block_m, kernel.block_n) == specs.SM90_WIDE_FORWARD_TILES.get(kernel.head_dim))
-    tall = (kernel.template.startswith("flash_bwd") and kernel.template.endswith(("_sm90", "_sm90_varlen"))
+    tall = (kernel.template == "flash_fwd_sm90"
+            and (kernel.block_m, kernel.block_n) == specs.SM90_TALL_FORWARD_TILES.get(kernel.head_dim)
+            or kernel.template.startswith("flash_bwd") and kernel.template.endswith(("_sm90", "_sm90_varlen"))
             and (kernel.block_m, kernel.block_n) == specs.SM90_TALL_BACKWARD_TILES.get(kernel.head_dim))
     flags = (kernel.modifiers, "split" * kernel.split, "varlen" * kernel.varlen, "dq_atomic" * kernel.dq_atomic,
              "deterministic" * kernel.deterministic, "wide" * wide, "tall" * tall)

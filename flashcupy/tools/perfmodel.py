@@ -99,13 +99,13 @@ def count_launches(dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int, back
 
 def _kernels(dtype: str, head_dim: int, compute_capability: int = 80) -> dict:
     """{template: specs.Kernel} of the kernels the backend launches for this dtype and head_dim, non-causal
-    (on compute capability 9.0: the Hopper kernels, of the tiles cupy_backend's SM90_WIDE and
-    SM90_TALL_BACKWARD ask for)."""
+    (on compute capability 9.0: the Hopper kernels, of the tiles cupy_backend's SM90_WIDE,
+    SM90_TALL_FORWARD and SM90_TALL_BACKWARD ask for)."""
     if compute_capability == specs.SM90_COMPUTE_CAPABILITY:
         if not specs.sm90_eligible(dtype, head_dim, 0):
             raise ValueError(f"{dtype} head_dim={head_dim} does not run on the Hopper kernels")
         from flashcupy.backends import cupy_backend
-        forward = specs.sm90_forward_tile(head_dim, wide=cupy_backend.SM90_WIDE)
+        forward = specs.sm90_forward_tile(head_dim, wide=cupy_backend.SM90_WIDE, tall=cupy_backend.SM90_TALL_FORWARD)
         backward = specs.sm90_backward_tile(head_dim, tall=cupy_backend.SM90_TALL_BACKWARD)
         modules = (specs.sm90_forward_module(dtype, head_dim, tile=forward),
                    specs.sm90_backward_module(dtype, head_dim, tile=backward))

@@ -374,7 +374,7 @@ def _forward_module(p, q, k, v, split: bool, out=None, varlen: bool = False, pag
     (forward_varlen), paged: its keys a paged KV cache's."""
     path = forward_path(p, q, k, v, out, split, paged)
     if path == "hopper":
-        tile = specs.sm90_forward_tile(p.head_dim, _mods(p), p.causal, varlen, SM90_WIDE)
+        tile = specs.sm90_forward_tile(p.head_dim, _mods(p), p.causal, varlen, SM90_WIDE, SM90_TALL_FORWARD)
         return path, specs.sm90_forward_module(p.dtype, p.head_dim, _mods(p), varlen, tile)
     build = specs.tc_forward_module if path == "tensor-core" else specs.forward_module
     return path, build(p.dtype, p.head_dim, _mods(p), split, varlen)
@@ -482,6 +482,11 @@ SM90_PERSISTENT = False
 # False, the default, 128, the block measured on an H200 (benchmarks/results/h200_session3/). The wide
 # blocks: unmeasured (the GPU session's cupy-wide)
 SM90_WIDE = False
+
+# The Hopper forward's query tile at head_dim 64: True, FA3's 192 rows, three consumer warpgroups
+# (specs.SM90_TALL_FORWARD_TILES; before SM90_WIDE there); False, the default, 128, the tile measured on an
+# H200 (benchmarks/results/h200_session3/). The 192-row tile: unmeasured (the GPU session's cupy-tallfwd)
+SM90_TALL_FORWARD = False
 
 # The Hopper backward's pass at head_dim 64 without the window: True, FA3's 128 query rows
 # (specs.SM90_TALL_BACKWARD_TILES); False, the default, 64, the pass measured on an H200

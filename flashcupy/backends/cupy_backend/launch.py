@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .specs import (Kernel, MOD_BITS, MOD_PAIRS, MOD_SCORE, NUM_THREADS, SM90_DQ_ROW_PAD, SM90_SMEM_OPTIN, SM90_THREADS,
-                    WIDE_WARPS)
+from .specs import (Kernel, MOD_BITS, MOD_PAIRS, MOD_SCORE, NUM_THREADS, SM90_CONSUMER_ROWS, SM90_DQ_ROW_PAD,
+                    SM90_SMEM_OPTIN, SM90_THREADS, WIDE_WARPS)
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Launch:
     the module docstring's tables, and the kernels' headers); and `bounds(kernel)`, its occupancy
     policy (Bounds), or None for a template without those parameters."""
 
-    threads: int = NUM_THREADS
+    threads: int | Callable = NUM_THREADS  # or threads(kernel), for a template whose CTA follows its tile
     dynamic_smem: Callable | None = None
     bounds: Callable | None = None
 
@@ -128,9 +128,10 @@ LAUNCH = {
     "flash_bwd_dkdv_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * n + 4 * m) * d * 2 + 2 * 2 * m * 4
                                + atomic * (m * n * 2 + NUM_THREADS // 32 * 1024), bounds=_tc_dkdv_bounds),
     "flash_bwd_dq_tc": Launch(dynamic_smem=lambda m, n, d, atomic: (2 * m + 4 * n) * d * 2, bounds=_tc_dq_bounds),
-    # the Hopper kernels: one CTA an SM, always (their __launch_bounds__(SM90_THREADS, 1): the register
-    # cap at entry that setmaxnreg needs), so no bounds rule
-    "flash_fwd_sm90": Launch(SM90_THREADS, _sm90_forward_smem),
+    # the Hopper kernels: one CTA an SM, always (their __launch_bounds__(threads, 1): the register cap at
+    # entry that setmaxnreg needs), so no bounds rule. The forward: a producer warpgroup and a consumer
+    # warpgroup for each 64 query rows of its tile (two, or three with specs.SM90_TALL_FORWARD_TILES)
+    "flash_fwd_sm90": Launch(lambda kernel: 128 * (1 + kernel.block_m // SM90_CONSUMER_ROWS), _sm90_forward_smem),
     # K_j, V_j; 2 x (Q_i, dO_i); each consumer's dSᵀ (64 keys x m); the owner's dQ_i in fp32, rows padded;
     # 2 x (lse_i, D_i); 1024 to align
     "flash_bwd_dkdv_sm90": Launch(SM90_THREADS, lambda m, n, d, atomic: (2 * n + 4 * m) * d * 2 + 2 * 64 * m * 2

@@ -151,12 +151,23 @@ TC_FORWARD_TEMPLATES = TC_TEMPLATES[:2]
 # The Hopper forward (flash_fwd_sm90.cu: TMA, wgmma, warp specialisation), compiled for sm_90a and run
 # on compute capability 9.0 only: float16/bfloat16, head_dim a multiple of 8 up to 128, no modifier but
 # the window, no split-KV. HEAD_DIM is head_dim rounded up to 64 (a 128B-swizzled TMA box is 64
-# columns); BLOCK_M is two consumer warpgroups of 64 query rows, BLOCK_N a key block (wgmma N).
+# columns); BLOCK_M is two (or three) consumer warpgroups of 64 query rows, BLOCK_N a key block (wgmma N).
 SM90_TEMPLATES = ("flash_fwd_sm90", "flash_bwd_dkdv_sm90")
 SM90_ARCH = "sm_90a"
 SM90_COMPUTE_CAPABILITY = 90
 SM90_THREADS = 3 * 128  # a producer and two consumer warpgroups (SM90_THREADS in the kernel)
+# setmaxnreg's registers a thread (producer, consumers) per number of consumer warpgroups: FA3's splits, the
+# SM's 64 Ki registers each (sm90_tile.cuh's PRODUCER_REGISTERS, CONSUMER_REGISTERS)
+SM90_REGISTERS = {2: (24, 240), 3: (32, 160)}
 SM90_FORWARD_TILES = {64: (128, 128), 128: (128, 128)}
+# FA3's 192 query rows at head_dim 64 (its tile_size.h: 192 x 128 with causal or a window, 192 x 192 without),
+# three consumer warpgroups of 64 rows and 160 registers each: at head_dim 64 a block's softmax takes about
+# as long as its GEMMs (the counters' ex2 and tensor bounds: 959 and 989 TFLOP/s on an H200), so that two
+# warpgroups' pingpong cannot hide one's softmax under the other's GEMMs; with three, each softmax runs
+# under two others' GEMMs. 128 keys, P V_j from registers (FA3's 192 keys take P through shared memory:
+# S, P and O of 192 keys would not fit in 160 registers). Taken where cupy_backend.SM90_TALL_FORWARD asks
+# for it, one batch, before the wide block (sm90_forward_tile)
+SM90_TALL_FORWARD_TILES = {64: (192, 128)}
 # FA3's wider key blocks for calls without causal or a window (its tile_size.h: 128 x 176 at head_dim 128,
 # 192 x 192 at 64, of which the 192 keys: two consumer warpgroups here), one batch: fewer passes for the
 # same keys. Taken where cupy_backend.SM90_WIDE asks for it (sm90_forward_tile). At 176 x 128 Q_i, the
@@ -245,7 +256,8 @@ class Kernel:
     def threads(self) -> int:
         """Threads a CTA (the launch's block size): the template's LAUNCH policy."""
         from .launch import LAUNCH
-        return LAUNCH[self.template].threads
+        threads = LAUNCH[self.template].threads
+        return threads(self) if callable(threads) else threads
 
     @functools.cached_property  # the fields are frozen
     def dynamic_smem(self) -> int:
@@ -471,12 +483,17 @@ def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool 
 
 
 def sm90_forward_tile(head_dim: int, mods: int = 0, causal: bool = False, varlen: bool = False,
-                      wide: bool = False) -> tuple:
-    """(BLOCK_M, BLOCK_N) of the Hopper forward: SM90_WIDE_FORWARD_TILES' where `wide` asks for it, the
-    call has neither causal nor a window (a band would mask more of a wider block), is one batch (a
-    packed batch's kernel spilled at 176 keys: its sequence's offsets besides) and the head_dim's bucket
-    has one; else SM90_FORWARD_TILES'."""
+                      wide: bool = False, tall: bool = False) -> tuple:
+    """(BLOCK_M, BLOCK_N) of the Hopper forward: SM90_TALL_FORWARD_TILES' where `tall` asks for it, the
+    call is one batch (a packed batch's kernel spilled 48-348 bytes in 160 registers: its sequence's offsets
+    and out's row-by-row store besides) and the head_dim's bucket has one (causal and the window too, as
+    FA3's); else
+    SM90_WIDE_FORWARD_TILES' where `wide` asks for it, the call has neither causal nor a window (a band
+    would mask more of a wider block), is one batch (a packed batch's kernel spilled at 176 keys: its
+    sequence's offsets besides) and the bucket has one; else SM90_FORWARD_TILES'."""
     bucket = tc_tile_row(head_dim)
+    if tall and not varlen and bucket in SM90_TALL_FORWARD_TILES:
+        return SM90_TALL_FORWARD_TILES[bucket]
     if wide and not causal and not mods and not varlen and bucket in SM90_WIDE_FORWARD_TILES:
         return SM90_WIDE_FORWARD_TILES[bucket]
     return SM90_FORWARD_TILES[bucket]

@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     __syncthreads();  // the barriers are initialised, and plan written, before any thread uses them
 
     if (warpgroup == 0) {  // the producer
-        setmaxnreg_dec<PRODUCER_REGISTERS>();
+        setmaxnreg_dec<PRODUCER_REGISTERS<SM90_CONSUMERS>>();
         if (warp == 0 && elect_one_sync() && passes > 0) {
             mbarrier_arrive_expect_tx(&kv_full, 2 * KV_BYTES);
             load_box<BLOCK_N, HEAD_DIM>(K_s, map_k, blk.kv_head, k_row0 + blk.j0, blk.b, &kv_full);
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     }
 
     // a consumer: keys key_c .. key_c + 63 of the block, the warp's 16 from key_w
-    setmaxnreg_inc<CONSUMER_REGISTERS>();
+    setmaxnreg_inc<CONSUMER_REGISTERS<SM90_CONSUMERS>>();
     const int c = warpgroup - 1;
     const int key_c = blk.j0 + 64 * c, key_w = key_c + 16 * (warp % 4);
     const unsigned char* K_c = K_s + 64 * c * 128;  // the consumer's rows of K_s, V_s, in their first atoms

@@ -20,7 +20,8 @@
 // .., measured no faster on an H200, and 0.72x causal at S = 16k: benchmarks/results/h200_session3/;
 // this scheduler: unmeasured.) The producer takes each tile and tells the consumers which through
 // tile_slot (below).
-// CTA: 1 + CONSUMERS warpgroups of 128 threads (SM90_THREADS), with different jobs:
+// CTA: 1 + CONSUMERS warpgroups of 128 threads, CONSUMERS = BLOCK_M / 64: two (SM90_THREADS), or three
+// at head_dim 64 with cupy_backend.SM90_TALL_FORWARD (FA3's 192 query rows there), with different jobs:
 //   warpgroup 0, the producer: gives its registers back (setmaxnreg_dec) and one elected thread of its
 //     first warp issues every TMA load: per tile Q_i once (once Q_s is free), then K_j and V_j of each
 //     key block into a ring of STAGES stages, waiting for a stage to be empty before refilling it; the
@@ -69,7 +70,7 @@
 // initialised); named barrier 1 + c (the consumer's 128 threads) twice a tile: after the consumer's lead
 // thread waited for its last TMA store to have read O_c (wait_group.read 0), before anyone writes O_c;
 // and between writing O_c (each thread fenced for the async proxy) and the TMA store that reads it.
-// ZEROED (VARLEN, both consumers' 256 threads): between zeroing V_j's rows past the sequence in the last
+// ZEROED (VARLEN, every consumer thread): between zeroing V_j's rows past the sequence in the last
 // key block (each thread fenced) and the P V_j that reads them.
 //
 // A packed batch (VARLEN; packed.forward_varlen): a CTA a slot of the grid over cu_seqlens_q (mask.cuh's
@@ -86,7 +87,8 @@
 // store writes neither. Modifiers: none or the window (MODS); the others run on flash_fwd_tc.cu.
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
-// BLOCK_M (64 CONSUMERS), BLOCK_N (a key block: 64, 128, or the wide 176, 192), MODS (0 or MOD_WINDOW).
+// BLOCK_M (64 CONSUMERS: 128, or 192 at head_dim 64, specs.sm90_forward_tile), BLOCK_N (a key block: 64,
+// 128, or the wide 176, 192), MODS (0 or MOD_WINDOW).
 // `tiles`: the query blocks times batch times heads_q (VARLEN: the grid's CTAs). tile_counter: an int,
 // zero at launch, where a grid of fewer CTAs than tiles counts the tiles taken after each CTA's first
 // (never read otherwise). VARLEN: a packed batch's kernel.
@@ -95,12 +97,13 @@
 #include "sm90_tile.cuh"
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MODS = 0, bool VARLEN = false>
-__global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
+__global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
     const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
     const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_out,
     LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), int tiles, int* tile_counter, TENSOR_PARAMS(T, out),
     VARLEN_PARAMS) {
-    static_assert(BLOCK_M == 64 * SM90_CONSUMERS, "a consumer warpgroup owns 64 query rows");
+    constexpr int CONSUMERS = BLOCK_M / 64;  // a consumer warpgroup owns 64 query rows
+    static_assert(BLOCK_M % 64 == 0 && (CONSUMERS == 2 || CONSUMERS == 3), "two or three consumer warpgroups");
     static_assert(HEAD_DIM % ATOM == 0 && HEAD_DIM <= 128, "head_dim in whole atoms; wgmma N of 64 or 128");
     static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 176 || BLOCK_N == 192,
                   "wgmma N of 64, 128, 176 or 192 (hopper.cuh's Wgmma)");
@@ -110,7 +113,8 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     constexpr int QK_STEPS = HEAD_DIM / 16;  // k-steps of Q_i K_jᵀ
     constexpr int PV_STEPS = BLOCK_N / 16;   // k-steps of P V_j
     constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2, KV_BYTES = BLOCK_N * HEAD_DIM * 2;
-    constexpr int ZEROED = 5;  // named barrier (1 + c: a consumer's O_s; 3, 4: the pingpong)
+    // named barriers: 1 + c, consumer c's O_s; PINGPONG + c, consumer c's turn; ZEROED (VARLEN), the consumers'
+    constexpr int PINGPONG = 1 + CONSUMERS, ZEROED = 1 + 2 * CONSUMERS;
     // O_s in Q_s where Q_i, the ring and O_s would not fit (the wide key block, 176 at head_dim 128):
     // launch.py's _sm90_forward_smem says the same
     constexpr bool O_IN_Q = (2 * BLOCK_M + 2 * SM90_STAGES * BLOCK_N) * HEAD_DIM * 2 + 1024 > SM90_SMEM_OPTIN;
@@ -151,18 +155,18 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
 
     if (threadIdx.x == 0) {
         mbarrier_init(&q_full, 1);
-        mbarrier_init(&q_empty, 128 * SM90_CONSUMERS);
+        mbarrier_init(&q_empty, 128 * CONSUMERS);
         for (int s = 0; s < SM90_STAGES; ++s) {
             mbarrier_init(&k_full[s], 1);
             mbarrier_init(&v_full[s], 1);
-            mbarrier_init(&kv_empty[s], 128 * SM90_CONSUMERS);
+            mbarrier_init(&kv_empty[s], 128 * CONSUMERS);
         }
         mbarrier_init_fence();
     }
     __syncthreads();  // the barriers are initialised before any thread arrives on or waits for them
 
     if (warpgroup == 0) {  // the producer
-        setmaxnreg_dec<PRODUCER_REGISTERS>();
+        setmaxnreg_dec<PRODUCER_REGISTERS<CONSUMERS>>();
         if (threadIdx.x / WARP_SIZE == 0 && elect_one_sync()) {
             int it = 0, n = 0;  // key blocks loaded and tiles taken so far: the rings' places
             for (int t = blockIdx.x;; ++n) {
@@ -201,7 +205,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
     }
 
     // a consumer: query rows row_c .. row_c + 63 of each tile, the warp's 16 from row_w
-    setmaxnreg_inc<CONSUMER_REGISTERS>();
+    setmaxnreg_inc<CONSUMER_REGISTERS<CONSUMERS>>();
     const int c = warpgroup - 1;
     const int lane = threadIdx.x % WARP_SIZE;
     const bool lead = threadIdx.x % 128 == 0;  // the consumer's thread that issues its TMA stores
@@ -276,20 +280,23 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
             wgmma_fence_operand<HEAD_DIM / 2>(&O[0][0]);
             mbarrier_arrive(&kv_empty[stage(jb)]);  // this thread's wgmma no longer read the stage
         };
-        // Pingpong: the two consumers take turns to issue their GEMMs (named barriers 3 and 4, both
-        // consumers' 256 threads: one waits, the other arrives), so that one's softmax runs while the
-        // other's wgmma keep the tensor cores busy. Consumer 0 goes first; each of the blocks + 1 turns
-        // of a tile ends by letting the other go, except consumer 1's last (nobody waits for it): every
-        // tile's turns balance, so the next tile's start the same way.
+        // Pingpong: the consumers take turns to issue their GEMMs, round robin (named barrier PINGPONG + c,
+        // 256 threads: consumer c waits there, the one before it arrives), so that one's softmax runs while
+        // the others' wgmma keep the tensor cores busy; with three, each softmax has two others' GEMMs to
+        // run under (FA3's three warpgroups at head_dim 64, where a softmax takes about as long as the
+        // GEMMs of its block). Consumer 0 goes first; each of the blocks + 1 turns of a tile ends by letting
+        // the next go, except the last consumer's last (nobody waits for it): every tile's turns balance,
+        // so the next tile's start the same way. A barrier never holds two arrivals: consumer c - 1's turn
+        // t + 1 follows the whole round of turn t, c's included.
         // [pingpong] scheduling, not ordering: no result depends on it (tests/test_hopper_kernels.py says so)
-        const auto my_turn = [&] { named_barrier_sync(3 + c, 256); };
+        const auto my_turn = [&] { named_barrier_sync(PINGPONG + c, 256); };
         const auto your_turn = [&](int turn) {
-            if (c == 0 || turn < blocks) named_barrier_arrive(3 + (1 - c), 256);
+            if (c < CONSUMERS - 1 || turn < blocks) named_barrier_arrive(PINGPONG + (c + 1) % CONSUMERS, 256);
         };
 
         if (!O_IN_Q && blocks == 0) mbarrier_arrive(&q_empty);  // tile_slot read; no Q_i to read
         if (blocks > 0) {
-            if (c == 1) named_barrier_arrive(3, 256);  // consumer 0's first turn
+            if (c == CONSUMERS - 1) named_barrier_arrive(PINGPONG, 256);  // consumer 0's first turn
             wait_k(0);
             // turn 0: S of key block 0
             my_turn();
@@ -315,15 +322,15 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_fwd_sm90(
             // the last turn: P V_j of the last block alone
             ready_pv(blocks - 1);
             // VARLEN: V_j's rows past the sequence's keys are the next sequence's (a box past the tensor's
-            // end lands zeros): P = 0 times a NaN there would be NaN. Both consumers' 256 threads zero them
-            // before either issues P V_j. Only the last key block reaches past (key_end <= seqlen_k), so
+            // end lands zeros): P = 0 times a NaN there would be NaN. Every consumer's threads zero them
+            // before any issues P V_j. Only the last key block reaches past (key_end <= seqlen_k), so
             // the loop above is the non-packed kernel's (registers: the window's spilled at head_dim 128)
             const int j_last = j_start + (blocks - 1) * BLOCK_N;
             if (VARLEN && j_last + BLOCK_N > seqlen_k) {
                 zero_rows<BLOCK_N, HEAD_DIM>(V_s + stage(blocks - 1) * KV_BYTES, seqlen_k - j_last, threadIdx.x - 128,
-                                             128 * SM90_CONSUMERS);
-                fence_proxy_async();                               // this thread's zeros, before the wgmma reads them
-                named_barrier_sync(ZEROED, 128 * SM90_CONSUMERS);  // every consumer thread's
+                                             128 * CONSUMERS);
+                fence_proxy_async();                           // this thread's zeros, before the wgmma reads them
+                named_barrier_sync(ZEROED, 128 * CONSUMERS);  // every consumer thread's
             }
             my_turn();
             wgmma_fence();

@@ -19,10 +19,15 @@
 constexpr int SM90_CONSUMERS = 2;                          // consumer warpgroups, 64 rows of the product each
 constexpr int SM90_THREADS = 128 * (1 + SM90_CONSUMERS);   // launch.py's LAUNCH says the same
 constexpr int SM90_STAGES = 2;                             // stages of a TMA ring
-// setmaxnreg: the producer needs few registers, the consumers hold the accumulators (FA3's split for
-// two consumer warpgroups); 24 x 128 + 240 x 256 fits the SM's 64 Ki registers
-constexpr int PRODUCER_REGISTERS = 24;
-constexpr int CONSUMER_REGISTERS = 240;
+// setmaxnreg: the producer needs few registers, the consumers hold the accumulators; FA3's splits for
+// two consumer warpgroups (24 x 128 + 240 x 256) and three (32 x 128 + 160 x 384), each the SM's 64 Ki
+// registers. A CTA's warpgroups trade registers within what its launch took (the kernel's launch bound,
+// 65536 / threads: 168 a thread with 384 threads, 128 with 512); setmaxnreg.inc past that would wait
+// for ever (tests/test_hopper_nvrtc.py checks the counts ptxas gives). specs.SM90_REGISTERS says the same
+template <int CONSUMERS>
+constexpr int PRODUCER_REGISTERS = CONSUMERS == 2 ? 24 : 32;
+template <int CONSUMERS>
+constexpr int CONSUMER_REGISTERS = CONSUMERS == 2 ? 240 : 160;
 constexpr int ATOM = 64;  // columns of a 128B-swizzled atom: 128 bytes of 16-bit elements
 constexpr int SM90_SMEM_OPTIN = 227 * 1024;  // the most dynamic shared memory a CTA may opt in to on sm_90
 
