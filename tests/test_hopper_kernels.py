@@ -337,15 +337,16 @@ def _tagged(kernel, n, tag):
     return tag in lines[n - 1] or tag in lines[n - 2]
 
 
-# Two kinds of call are not about ordering, so removing them changes no result and the emulator cannot
-# see it: "[registers]", a wgmma wait that frees registers before more accumulators are live (removed,
-# ptxas serialises the wgmma pipeline: test_a_wait_for_registers_is_needed checks that with NVRTC), and
-# "[pingpong]", the consumers' turns, a schedule for the tensor cores (only a GPU's timing shows it).
-# "[deterministic]": the ordered dQ of the deterministic backward (DETERMINISTIC), which the runs below
-# do not compile: test_each_step_of_the_ordered_dq_is_needed removes each of them.
+# "[pingpong]", the consumers' turns, are not about ordering: a schedule for the tensor cores, so removing
+# them changes no result and the emulator cannot see it (only a GPU's timing shows it). "[registers]": a
+# wgmma commit and wait that free registers before more accumulators are live (removed, ptxas serialises
+# the wgmma pipeline: test_a_wait_for_registers_is_needed checks that with NVRTC), and which the stage's
+# release follows too: each is also a sync point below. "[deterministic]": the ordered dQ of the
+# deterministic backward (DETERMINISTIC), which the runs below do not compile:
+# test_each_step_of_the_ordered_dq_is_needed removes each of them.
 REGISTERS, PINGPONG, DETERMINISTIC = "[registers]", "[pingpong]", "[deterministic]"
 SYNC_POINTS = [(kernel, n) for kernel in KERNELS for n, call in _calls(kernel)
-               if not any(_tagged(kernel, n, tag) for tag in (REGISTERS, PINGPONG, DETERMINISTIC))]
+               if not any(_tagged(kernel, n, tag) for tag in (PINGPONG, DETERMINISTIC))]
 ORDERED_DQ_POINTS = [n for n, call in _calls("flash_bwd_sm90.cu") if DETERMINISTIC in _line("flash_bwd_sm90.cu", n)]
 REGISTER_POINTS = [(kernel, n) for kernel in KERNELS for n, call in _calls(kernel) if _tagged(kernel, n, REGISTERS)]
 # forward: 2 query blocks, 3 key blocks; backward: 3 key blocks, 3 passes: both rings' stages reused.

@@ -72,9 +72,12 @@
 //     full[s]       Q_i, dO_i of stage s have landed, and warp 1's 32 lanes have stored lse_i, D_i
 //                   (count 33: the elected thread's arrive.expect_tx, each lane's arrive after its
 //                   stores): before the pass's first wgmma and its reads of the statistics.
-//     empty[s]      every consumer thread has passed the last wgmma_wait of its pass on stage s (count:
-//                   the consumer threads): no wgmma still reads Q_i or dO_i, nobody the statistics. The
-//                   producer (warp 0's elected thread and warp 1) waits before refilling (parity 1 first).
+//     empty[s]      every consumer thread's dV and dK wgmma of its pass on stage s, the last that read Q_i
+//                   and dO_i, have landed (count: the consumer threads): no wgmma still reads them, nobody
+//                   the statistics. The producer (warp 0's elected thread and warp 1) waits before
+//                   refilling (parity 1 first). The owner's dQ_i = dS K_j reads dS_s and K_s, not the
+//                   stage: it arrives before that wgmma, not after (FA3 releases Q and dO there too), so
+//                   that the stage is refilled a dQ wgmma and a DS_READY wait sooner.
 // Barriers: one __syncthreads after the mbarrier inits, then named barriers among the consumers (the two
 // alternate as owners: pass p's owner is the other's of pass p - 1):
 //     DS_READY   pass p's owner syncs, the other arrives after storing its dSᵀ rows (each thread fenced
@@ -349,16 +352,14 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         for (int kt = 0; kt < Q_STEPS; ++kt)
             wgmma_rs<T, HEAD_DIM, true>(&dK[0][0], dSa[kt], mn_major<BLOCK_M>(Q_i, kt), true);
         // Pa and dSa are free once these land: with dQ's accumulators too, the registers ran out at head_dim
-        // 128 and ptxas serialised the wgmma (C7512). For registers, not ordering: test_hopper_kernels.py
-        // checks these two with NVRTC
+        // 128 and ptxas serialised the wgmma (C7512): test_hopper_kernels.py checks these two with NVRTC.
+        // Then the stage is read no more
         wgmma_commit_group();     // [registers]
         wgmma_wait_group<0>();    // [registers]
-        if (!owner) {
-            wgmma_fence_operand<HEAD_DIM / 2>(&dK[0][0]);
-            wgmma_fence_operand<HEAD_DIM / 2>(&dV[0][0]);
-            mbarrier_arrive(&empty[s]);  // this thread's wgmma no longer read the stage, nor it the statistics
-            continue;
-        }
+        wgmma_fence_operand<HEAD_DIM / 2>(&dK[0][0]);
+        wgmma_fence_operand<HEAD_DIM / 2>(&dV[0][0]);
+        mbarrier_arrive(&empty[s]);  // this thread's wgmma no longer read the stage, nor it the statistics
+        if (!owner) continue;
 
         // the owner: dQ_i = dS K_j over the block's BLOCK_N keys, added into the workspace
         named_barrier_sync(DS_READY, 128 * SM90_CONSUMERS);  // every consumer's dSᵀ rows, fenced
@@ -377,9 +378,6 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         wgmma_wait_group<0>();
         if (p + 1 < passes) named_barrier_arrive(DQ_DONE, 128 * SM90_CONSUMERS);  // dS_s read: the next owner may store
         wgmma_fence_operand<M_CHUNKS * HEAD_DIM / 2>(&dQ[0][0][0]);
-        wgmma_fence_operand<HEAD_DIM / 2>(&dK[0][0]);
-        wgmma_fence_operand<HEAD_DIM / 2>(&dV[0][0]);
-        mbarrier_arrive(&empty[s]);  // this thread's wgmma no longer read the stage, nor it the statistics
 
 #pragma unroll
         for (int m = 0; m < M_CHUNKS; ++m)
