@@ -411,8 +411,8 @@ def test_the_hopper_forward_does_per_pass_what_its_tiles_imply(sm90_rows, sm90_t
         assert c.access["tma_load_global"] == (boxes, kv, kv // 32, kv // 32)  # whole rows: no excess sector
         # P, and alpha (2 rows a thread) in each of the 4 lanes that hold a row
         assert c.ex2 == pairs * (m * n + consumers * 128 * 2)
-        # each consumer thread waits for K_j and V_j, the producer's one thread for the stage to empty
-        assert c.mbarrier_waits == pairs * (consumers * 128 * 2 + 1)
+        # each consumer thread waits for K_j and V_j, the producer's one thread for their stage's K and V to empty
+        assert c.mbarrier_waits == pairs * (consumers * 128 * 2 + 2)
         assert c.named_barriers == pairs * consumers  # a pingpong turn each
         assert (c.barriers, c.mma, c.shared_bytes, c.total(("global_load", "global_store"), "bytes")) == (0, 0, 0, 0)
         # the launch: one query block, one key block (seqlen_q 128: of the 192-row tile, the third consumer's
@@ -422,10 +422,10 @@ def test_the_hopper_forward_does_per_pass_what_its_tiles_imply(sm90_rows, sm90_t
         assert launch.access["tma_store_shared"] == (consumers * d // 64, out_bytes, out_bytes // 128, out_bytes // 128)
         stored = 128 * d * 2  # the rows within seqlen_q
         assert launch.access["tma_store_global"] == (consumers * d // 64, stored, stored // 32, stored // 32)
-        # Q_i, K_0, V_0 waited for by every consumer thread, the producer's Q_s and first stage at once;
+        # Q_i, K_0, V_0 waited for by every consumer thread, the producer's Q_s, K and V of the first stage at once;
         # then the producer's wait before it says no tile is left, which every consumer thread waits for;
         # turns: 2 (blocks + 1) each consumer, and each consumer's two barriers around its staging of O
-        assert launch.mbarrier_waits == consumers * 128 * 4 + 3
+        assert launch.mbarrier_waits == consumers * 128 * 4 + 4
         assert launch.named_barriers == consumers * 2 + 2 * consumers and launch.barriers == 1
 
 

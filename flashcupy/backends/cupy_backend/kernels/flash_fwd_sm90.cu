@@ -24,8 +24,10 @@
 // at head_dim 64 with cupy_backend.SM90_TALL_FORWARD (FA3's 192 query rows there), with different jobs:
 //   warpgroup 0, the producer: gives its registers back (setmaxnreg_dec) and one elected thread of its
 //     first warp issues every TMA load: per tile Q_i once (once Q_s is free), then K_j and V_j of each
-//     key block into a ring of STAGES stages, waiting for a stage to be empty before refilling it; the
-//     ring runs on across tiles. The other producer threads are done.
+//     key block into a ring of STAGES stages, waiting for a stage's K (or V) to be free before refilling
+//     it; the ring runs on across tiles. K_{j+1} goes before V_j, the order the consumers read them in
+//     (S of the next block is issued before P V of this one), so that a V_j not yet free does not hold
+//     up K_{j+1}. The other producer threads are done.
 //   warpgroups 1 .. CONSUMERS: take the registers (setmaxnreg_inc); consumer c owns query rows
 //     64 c .. 64 c + 63 of Q_i (one wgmma M of 64; warp w of it rows 16 w .., the lane's two rows
 //     as in tc_tile.cuh's C fragments). Per key block, in registers (fp32):
@@ -63,9 +65,16 @@
 //     k_full[s]        K_j of stage s has landed: consumers wait before S = Q_i K_jᵀ.
 //     v_full[s]        V_j of stage s has landed: consumers wait before O += P V_j. Apart from K_j's
 //                      barrier, so that S and the softmax start before V_j lands.
-//     kv_empty[s]      every consumer thread has passed the wgmma_wait of its P V_j (count: the
-//                      consumer threads): no wgmma still reads stage s. The producer waits before
-//                      refilling the stage (parity 1 first: the first STAGES waits pass at once).
+//     k_empty[s]       every consumer thread's S = Q_i K_jᵀ of stage s has landed (count: the consumer
+//                      threads): no wgmma still reads K_j. The producer waits before loading the stage's
+//                      next K (parity 1 first: the first STAGES waits pass at once). Apart from V_j's
+//                      (FA3's two pipelines): with one barrier for both, the stage of K_{j+2} came free
+//                      only when the last consumer's P V_j had landed, at the end of its turn, just when
+//                      the first consumer's turn wants K_{j+2}: the load's whole latency on the path of
+//                      every other turn. With its own, K_{j+2} is loaded about two turns before its S.
+//     v_empty[s]       every consumer thread has passed the wgmma_wait of its P V_j (count: the
+//                      consumer threads): no wgmma still reads V_j. The producer waits before loading
+//                      the stage's next V (parity 1 first).
 // Barriers: one __syncthreads after the mbarrier inits (no thread arrives or waits on a barrier not yet
 // initialised); named barrier 1 + c (the consumer's 128 threads) twice a tile: after the consumer's lead
 // thread waited for its last TMA store to have read O_c (wait_group.read 0), before anyone writes O_c;
@@ -125,7 +134,7 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
     unsigned char* V_s = K_s + SM90_STAGES * KV_BYTES;
     unsigned char* O_s = O_IN_Q ? Q_s : V_s + SM90_STAGES * KV_BYTES;
     __shared__ __align__(8) unsigned long long q_full, q_empty, k_full[SM90_STAGES], v_full[SM90_STAGES],
-        kv_empty[SM90_STAGES];
+        k_empty[SM90_STAGES], v_empty[SM90_STAGES];
     __shared__ int tile_slot;  // the tile the producer took next (tiles: none left), for the consumers
 
     // VARLEN: the CTA's one tile is a query block of a sequence (a slot of the grid over cu_seqlens_q,
@@ -159,7 +168,8 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
         for (int s = 0; s < SM90_STAGES; ++s) {
             mbarrier_init(&k_full[s], 1);
             mbarrier_init(&v_full[s], 1);
-            mbarrier_init(&kv_empty[s], 128 * CONSUMERS);
+            mbarrier_init(&k_empty[s], 128 * CONSUMERS);
+            mbarrier_init(&v_empty[s], 128 * CONSUMERS);
         }
         mbarrier_init_fence();
     }
@@ -169,6 +179,22 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
         setmaxnreg_dec<PRODUCER_REGISTERS<CONSUMERS>>();
         if (threadIdx.x / WARP_SIZE == 0 && elect_one_sync()) {
             int it = 0, n = 0;  // key blocks loaded and tiles taken so far: the rings' places
+            // K (or V) of the key block at j0 of `tile` into the ring's place `at`, once the consumers are done
+            // with what that stage held (the first round passes at once)
+            const auto load_k = [&](const Tile& tile, int at, int j0) {
+                const int s = at % SM90_STAGES;
+                mbarrier_wait_parity(&k_empty[s], (at / SM90_STAGES + 1) & 1);
+                mbarrier_arrive_expect_tx(&k_full[s], KV_BYTES);
+                load_box<BLOCK_N, HEAD_DIM>(K_s + s * KV_BYTES, map_k, tile.blk.kv_head, k_row0 + j0, tile.blk.b,
+                                            &k_full[s]);
+            };
+            const auto load_v = [&](const Tile& tile, int at, int j0) {
+                const int s = at % SM90_STAGES;
+                mbarrier_wait_parity(&v_empty[s], (at / SM90_STAGES + 1) & 1);
+                mbarrier_arrive_expect_tx(&v_full[s], KV_BYTES);
+                load_box<BLOCK_N, HEAD_DIM>(V_s + s * KV_BYTES, map_v, tile.blk.kv_head, k_row0 + j0, tile.blk.b,
+                                            &v_full[s]);
+            };
             for (int t = blockIdx.x;; ++n) {
                 // the consumers' last S of the tile before is done reading Q_s, and they have read tile_slot
                 // (the first passes at once)
@@ -187,18 +213,12 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
                 }
                 mbarrier_arrive_expect_tx(&q_full, Q_BYTES);
                 load_box<BLOCK_M, HEAD_DIM>(Q_s, map_q, tile.blk.h, q_row0 + tile.blk.i0, tile.blk.b, &q_full);
+                // K_j, then V_{j-1}: each in the order the consumers read them
                 for (int jb = 0; jb < tile.blocks; ++jb, ++it) {
-                    const int s = it % SM90_STAGES;
-                    const int j0 = tile.j_start + jb * BLOCK_N;
-                    // the consumers are done with the key block this stage held (the first round passes at once)
-                    mbarrier_wait_parity(&kv_empty[s], (it / SM90_STAGES + 1) & 1);
-                    mbarrier_arrive_expect_tx(&k_full[s], KV_BYTES);
-                    load_box<BLOCK_N, HEAD_DIM>(K_s + s * KV_BYTES, map_k, tile.blk.kv_head, k_row0 + j0, tile.blk.b,
-                                                &k_full[s]);
-                    mbarrier_arrive_expect_tx(&v_full[s], KV_BYTES);
-                    load_box<BLOCK_N, HEAD_DIM>(V_s + s * KV_BYTES, map_v, tile.blk.kv_head, k_row0 + j0, tile.blk.b,
-                                                &v_full[s]);
+                    load_k(tile, it, tile.j_start + jb * BLOCK_N);
+                    if (jb > 0) load_v(tile, it - 1, tile.j_start + (jb - 1) * BLOCK_N);
                 }
+                load_v(tile, it - 1, tile.j_start + (tile.blocks - 1) * BLOCK_N);
             }
         }
         return;
@@ -245,11 +265,13 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
             wgmma_commit_group();
         };
         // The mask and the softmax of key block jb's S, once it has landed: S becomes P, m and l move on;
-        // alpha: the factor of O's rows, applied once no wgmma adds into O. After the tile's last S, Q_s
-        // is read no more: the producer may load the next tile's Q_i
+        // alpha: the factor of O's rows, applied once no wgmma adds into O. K_j is read no more: the
+        // producer may refill its stage. After the tile's last S, Q_s is read no more either: the producer
+        // may load the next tile's Q_i
         float alpha[2];
         const auto softmax = [&](int jb) {
             wgmma_fence_operand<BLOCK_N / 2>(&S[0][0]);
+            mbarrier_arrive(&k_empty[stage(jb)]);  // this thread's S no longer reads K_j
             if (!O_IN_Q && jb == blocks - 1) mbarrier_arrive(&q_empty);
             const int j0 = j_start + jb * BLOCK_N;
             if (mask.partial(blk.i0, j0)) {
@@ -274,11 +296,11 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
                 wgmma_rs<T, HEAD_DIM, true>(&O[0][0], P[kt], mn_major<BLOCK_N>(V_s + stage(jb) * KV_BYTES, kt), true);
             wgmma_commit_group();
         };
-        // P V_j has landed: O may be read and written again, and the stage refilled
+        // P V_j has landed: O may be read and written again, and V_j's stage refilled
         const auto release = [&](int jb) {
             wgmma_wait_group<0>();
             wgmma_fence_operand<HEAD_DIM / 2>(&O[0][0]);
-            mbarrier_arrive(&kv_empty[stage(jb)]);  // this thread's wgmma no longer read the stage
+            mbarrier_arrive(&v_empty[stage(jb)]);  // this thread's P V_j no longer reads V_j
         };
         // Pingpong: the consumers take turns to issue their GEMMs, round robin (named barrier PINGPONG + c,
         // 256 threads: consumer c waits there, the one before it arrives), so that one's softmax runs while
