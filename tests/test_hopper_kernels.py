@@ -470,6 +470,21 @@ def test_a_dropped_dq_reduction_is_caught(rng, tmp_path):
     assert _bitten(rng, original, mutant, orders=("ascending",))
 
 
+def test_the_second_ds_buffer_is_needed(rng, tmp_path):
+    # dS_s's two buffers (a pass's by its parity) let pass p's owner store its dSᵀ rows while the other
+    # consumer's dQ wgmma of pass p - 1 still reads the other buffer: with one buffer for every pass (and
+    # no barrier in its place) those stores overwrite what that wgmma reads (the emulator reports the
+    # wgmma's read of a byte stored since its issue without a barrier between)
+    store = re.compile(r"dS_s \+ \(owner \? c : 1 - c\) \* SM90_CONSUMERS \* DS_BYTES \+ ")
+    (lineno,) = [n for n, line in enumerate(open(f"{sources.KERNEL_DIR}/flash_bwd_sm90.cu", encoding="utf-8"), 1)
+                 if store.search(line)]
+    _, original, mutant = _without("flash_bwd_sm90.cu", lineno, tmp_path, store, "dS_s + ")
+    own = re.compile(r"dS_own = dS_s \+ c \* SM90_CONSUMERS \* DS_BYTES;")
+    assert own.search(mutant)
+    mutant = own.sub("dS_own = dS_s;", mutant)
+    assert _bitten(rng, original, mutant)
+
+
 # ----------------------------------------------------------------------------
 # deterministic=True: each dQ tile's adds in key-block order (flash_bwd_sm90.cu's DETERMINISTIC)
 

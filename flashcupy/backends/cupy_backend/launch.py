@@ -132,9 +132,9 @@ LAUNCH = {
     # entry that setmaxnreg needs), so no bounds rule. The forward: a producer warpgroup and a consumer
     # warpgroup for each 64 query rows of its tile (two, or three with specs.SM90_TALL_FORWARD_TILES)
     "flash_fwd_sm90": Launch(lambda kernel: 128 * (1 + kernel.block_m // SM90_CONSUMER_ROWS), _sm90_forward_smem),
-    # K_j, V_j; 2 x (Q_i, dO_i); each consumer's dSᵀ (64 keys x m); the owner's dQ_i in fp32, rows padded;
+    # K_j, V_j; 2 x (Q_i, dO_i); 2 x each consumer's dSᵀ (64 keys x m); the owner's dQ_i in fp32, rows padded;
     # 2 x (lse_i, D_i); 1024 to align
-    "flash_bwd_dkdv_sm90": Launch(SM90_THREADS, lambda m, n, d, atomic: (2 * n + 4 * m) * d * 2 + 2 * 64 * m * 2
+    "flash_bwd_dkdv_sm90": Launch(SM90_THREADS, lambda m, n, d, atomic: (2 * n + 4 * m) * d * 2 + 2 * 2 * 64 * m * 2
                                   + m * (d + SM90_DQ_ROW_PAD) * 4 + 2 * 2 * m * 4 + 1024),
 }
 

@@ -60,12 +60,13 @@
 // Shared memory (dynamic, aligned up to 1024 bytes), tiles as sm90_tile.cuh lays them:
 //     K_s, V_s      BLOCK_N x HEAD_DIM each            K_j, V_j; loaded once
 //     Q_s, dO_s     STAGES x BLOCK_M x HEAD_DIM each   the ring: stage s holds pass p (p % STAGES == s)
-//     dS_s          CONSUMERS x 64 x BLOCK_M           each consumer's dSᵀ of this pass (keys x queries,
-//                                                      the queries in atoms of 64): together dSᵀ of the
-//                                                      key block, the owner's A
+//     dS_s          2 x CONSUMERS x 64 x BLOCK_M       each consumer's dSᵀ of pass p in buffer p % 2 (keys
+//                                                      x queries, the queries in atoms of 64): together
+//                                                      dSᵀ of the key block, the owner's A (two buffers,
+//                                                      FA3's: see DS_READY)
 //     dQ_s          BLOCK_M x DQ_ROW floats            the owner's dQ_i, the workspace tile's layout
 //     stats_s       STAGES x 2 x BLOCK_M floats        lse_i log2 e, then D_i, per stage
-//     total (2 BLOCK_N + 4 BLOCK_M) HEAD_DIM 2 + 256 BLOCK_M + 4 BLOCK_M DQ_ROW + 16 BLOCK_M bytes
+//     total (2 BLOCK_N + 4 BLOCK_M) HEAD_DIM 2 + 512 BLOCK_M + 4 BLOCK_M DQ_ROW + 16 BLOCK_M bytes
 //     + 1024 (launch.py: LAUNCH).
 // mbarriers (static shared memory), and why each is waited on:
 //     kv_full       K_j and V_j have landed (the producer's arrive.expect_tx): before the first pass.
@@ -83,18 +84,20 @@
 //     DS_READY   pass p's owner syncs, the other arrives after storing its dSᵀ rows (each thread fenced
 //                for the async proxy): the owner's dQ wgmma reads every consumer's. Before arriving or
 //                syncing there each consumer's first thread waits for its last bulk reduce-add to have
-//                read dQ_s (wait_group.read 0), so the owner's stores into dQ_s follow it.
-//     DQ_DONE    pass p's owner arrives once its dQ wgmma has completed (when a pass follows), pass
-//                p + 1's owner syncs before storing its dSᵀ rows: they overwrite what that wgmma read.
-//                The other consumer's rows were read by its own wgmma, or two passes ago (ordered by
-//                this barrier one pass earlier).
+//                read dQ_s (wait_group.read 0), so the owner's stores into dQ_s follow it. It also
+//                orders the reuse of dS_s's buffers: a consumer's dSᵀ rows of pass p overwrite its rows
+//                of pass p - 2, which that pass's owner, pass p's too, read by its dQ wgmma. The owner
+//                waited for that wgmma itself; the other consumer, pass p - 1's owner, synced here in
+//                pass p - 1 after the owner's arrival, which followed the wait. (With one buffer, pass
+//                p's owner had to wait before its stores for pass p - 1's dQ wgmma, run by the other.)
 //     1 + c      the owner's 128 threads, between their stores into dQ_s (fenced) and the bulk
 //                reduce-add that reads them.
 //     ZEROED     VARLEN: the consumers' 256 threads, between zeroing the rows of a box past its sequence
 //                (each thread fenced) and the first wgmma that reads the box: K_j, V_j's once, Q_i,
 //                dO_i's in each pass whose block ends past seqlen_q. Those rows are the next sequence's
 //                (a box past the tensor's end lands zeros): P = 0 times a NaN there would be NaN.
-// A consumer runs at most one pass ahead of the other: each owner's DQ_DONE sync waits for the last.
+// A consumer runs at most a pass ahead of the other: each owner's DS_READY sync waits for the other's
+// arrival of the same pass, so that the barrier never holds two passes' arrivals.
 //
 // Requirements on the arguments, checked by the launcher (cupy_backend.backward_path): q, k, v, dout
 // as for flash_fwd_sm90.cu (strides a tensor map describes); lse any strides; dk, dv contiguous along
@@ -136,7 +139,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2, QO_BYTES = BLOCK_M * HEAD_DIM * 2;
     constexpr int DS_BYTES = 64 * BLOCK_M * 2;
     constexpr int DQ_BYTES = BLOCK_M * DQ_ROW<HEAD_DIM> * 4;
-    constexpr int DS_READY = 3, DQ_DONE = 4, ZEROED = 5;  // named barriers (1 + c: the owner's staging of dQ_i)
+    constexpr int DS_READY = 3, ZEROED = 5;  // named barriers (1 + c: the owner's staging of dQ_i)
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* K_s = aligned_smem(smem_raw);
@@ -144,7 +147,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     unsigned char* Q_s = V_s + KV_BYTES;
     unsigned char* dO_s = Q_s + SM90_STAGES * QO_BYTES;
     unsigned char* dS_s = dO_s + SM90_STAGES * QO_BYTES;
-    float* dQ_s = reinterpret_cast<float*>(dS_s + SM90_CONSUMERS * DS_BYTES);
+    float* dQ_s = reinterpret_cast<float*>(dS_s + 2 * SM90_CONSUMERS * DS_BYTES);
     float* stats_s = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(dQ_s) + DQ_BYTES);
     __shared__ __align__(8) unsigned long long kv_full, full[SM90_STAGES], empty[SM90_STAGES];
     __shared__ int dq_tile[SM90_CONSUMERS];  // each consumer's lead thread's own (no other thread's)
@@ -328,10 +331,11 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
             c_to_a<T>(Pa[kt], S[2 * kt], S[2 * kt + 1]);
             c_to_a<T>(dSa[kt], dP[2 * kt], dP[2 * kt + 1]);
         }
-        // dSᵀ into the consumer's rows of dS_s (keys x queries): the owner's A operand of dQ_i = dS K_j;
-        // the last pass's owner has read them when it arrived on DQ_DONE (a pass's owner owned none before)
-        if (owner && p > 0) named_barrier_sync(DQ_DONE, 128 * SM90_CONSUMERS);
-        unsigned char* dS_c = dS_s + c * DS_BYTES;
+        // dSᵀ into the consumer's rows of pass p's buffer of dS_s, p % 2 (keys x queries): the owner's A operand
+        // of dQ_i = dS K_j; pass p - 2's dQ wgmma has read them (DS_READY, above). Pass p's owner is consumer
+        // p % 2: its buffer is c, the other's 1 - c (numbered so, p stays out of the addresses: with it the
+        // window's kernel at head_dim 128 spilled under NVRTC 12.9)
+        unsigned char* dS_c = dS_s + (owner ? c : 1 - c) * SM90_CONSUMERS * DS_BYTES + c * DS_BYTES;
 #pragma unroll
         for (int kt = 0; kt < Q_STEPS; ++kt)
 #pragma unroll
@@ -366,17 +370,17 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         // in M_CHUNKS wgmma Ms of 64 queries: chunk m's A, k-step kt (16 keys) is in consumer kt / 4's rows of
         // dS_s, its atom m (queries 64 m ..)
         float dQ[M_CHUNKS][D_TILES][4];
+        const unsigned char* dS_own = dS_s + c * SM90_CONSUMERS * DS_BYTES;  // the buffer of the owner's passes
         wgmma_fence();
 #pragma unroll
         for (int m = 0; m < M_CHUNKS; ++m)
 #pragma unroll
             for (int kt = 0; kt < K_STEPS; ++kt)
                 wgmma_ss<T, HEAD_DIM, true, true>(&dQ[m][0][0],
-                                                  mn_major<64>(dS_s + kt / 4 * DS_BYTES + m * ATOM_BYTES<64>, kt % 4),
+                                                  mn_major<64>(dS_own + kt / 4 * DS_BYTES + m * ATOM_BYTES<64>, kt % 4),
                                                   mn_major<BLOCK_N>(K_s, kt), kt > 0);
         wgmma_commit_group();
         wgmma_wait_group<0>();
-        if (p + 1 < passes) named_barrier_arrive(DQ_DONE, 128 * SM90_CONSUMERS);  // dS_s read: the next owner may store
         wgmma_fence_operand<M_CHUNKS * HEAD_DIM / 2>(&dQ[0][0][0]);
 
 #pragma unroll
