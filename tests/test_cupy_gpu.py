@@ -75,6 +75,19 @@ def test_long_sequence_has_no_nan(rng):
     assert_matches_oracle((out.get(),), q, k, v, causal=True, backend="cupy")
 
 
+def device_problem(rng, case, fmt):
+    """q, k, v, dout of a random problem (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim) in fmt
+    (float16 or bfloat16), on the host (as float16 or ml_dtypes' bfloat16) and on the device (bfloat16 as
+    its bits), and the calls' dtype keyword."""
+    import cupy
+    value = np.float16 if fmt == "float16" else BF16
+    q, k, v = make_qkv(rng, *case, value)
+    dout = rng.standard_normal(q.shape).astype(value)
+    bits = (lambda x: x) if fmt == "float16" else bf16_bits
+    return (q, k, v, dout), tuple(cupy.asarray(bits(x)) for x in (q, k, v, dout)), (None if fmt == "float16"
+                                                                                    else "bfloat16")
+
+
 @pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case", [(2, 300, 257, 4, 2, 128, True), (1, 200, 333, 2, 2, 64, False),
                                   (1, 333, 200, 2, 1, 40, True)], ids=case_id)
@@ -84,13 +97,8 @@ def test_tensor_core_backward(rng, case, fmt):
     flash_bwd_sm90.cu's dQ added in key-block order): twice, the same bits."""
     import cupy
     from flashcupy.backends import cupy_backend
-    B, Sq, Sk, Hq, Hkv, D, causal = case
-    value = np.float16 if fmt == "float16" else BF16
-    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, value)
-    dout = rng.standard_normal(q.shape).astype(value)
-    bits = (lambda x: x) if fmt == "float16" else bf16_bits
-    dtype = None if fmt == "float16" else "bfloat16"
-    dq_, dk_, dv_, ddout = (cupy.asarray(bits(x)) for x in (q, k, v, dout))
+    *shape, causal = case
+    (q, k, v, dout), (dq_, dk_, dv_, ddout), dtype = device_problem(rng, shape, fmt)
     out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, dtype=dtype)
     p = flashcupy._checks.problem(dq_, dk_, dv_, causal, None, dtype)
     hopper = cupy.cuda.Device().compute_capability == "90"
@@ -144,13 +152,8 @@ def test_the_hopper_tiles_off_by_default_match_the_oracle(rng, monkeypatch, swit
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the Hopper kernels run on compute capability 9.0 only")
     monkeypatch.setattr(cupy_backend, switch, True)
-    B, Sq, Sk, Hq, Hkv, D, causal = case
-    value = np.float16 if fmt == "float16" else BF16
-    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, value)
-    dout = rng.standard_normal(q.shape).astype(value)
-    bits = (lambda x: x) if fmt == "float16" else bf16_bits
-    dtype = None if fmt == "float16" else "bfloat16"
-    dq_, dk_, dv_, ddout = (cupy.asarray(bits(x)) for x in (q, k, v, dout))
+    *shape, causal = case
+    (q, k, v, dout), (dq_, dk_, dv_, ddout), dtype = device_problem(rng, shape, fmt)
     out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, dtype=dtype)
     grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=causal, dtype=dtype)
     assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout, causal=causal, backend="cupy")

@@ -179,21 +179,16 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
         setmaxnreg_dec<PRODUCER_REGISTERS<CONSUMERS>>();
         if (threadIdx.x / WARP_SIZE == 0 && elect_one_sync()) {
             int it = 0, n = 0;  // key blocks loaded and tiles taken so far: the rings' places
-            // K (or V) of the key block at j0 of `tile` into the ring's place `at`, once the consumers are done
-            // with what that stage held (the first round passes at once)
-            const auto load_k = [&](const Tile& tile, int at, int j0) {
+            // K (or V: the ring, its barriers and map) of the key block at j0 of `tile` into the ring's place
+            // `at`, once the consumers are done with what that stage held (the first round passes at once)
+            using Barriers = unsigned long long[SM90_STAGES];
+            const auto load = [&](unsigned char* ring, Barriers& empty, Barriers& full, const TensorMap& map,
+                                  const Tile& tile, int at, int j0) {
                 const int s = at % SM90_STAGES;
-                mbarrier_wait_parity(&k_empty[s], (at / SM90_STAGES + 1) & 1);
-                mbarrier_arrive_expect_tx(&k_full[s], KV_BYTES);
-                load_box<BLOCK_N, HEAD_DIM>(K_s + s * KV_BYTES, map_k, tile.blk.kv_head, k_row0 + j0, tile.blk.b,
-                                            &k_full[s]);
-            };
-            const auto load_v = [&](const Tile& tile, int at, int j0) {
-                const int s = at % SM90_STAGES;
-                mbarrier_wait_parity(&v_empty[s], (at / SM90_STAGES + 1) & 1);
-                mbarrier_arrive_expect_tx(&v_full[s], KV_BYTES);
-                load_box<BLOCK_N, HEAD_DIM>(V_s + s * KV_BYTES, map_v, tile.blk.kv_head, k_row0 + j0, tile.blk.b,
-                                            &v_full[s]);
+                mbarrier_wait_parity(&empty[s], (at / SM90_STAGES + 1) & 1);
+                mbarrier_arrive_expect_tx(&full[s], KV_BYTES);
+                load_box<BLOCK_N, HEAD_DIM>(ring + s * KV_BYTES, map, tile.blk.kv_head, k_row0 + j0, tile.blk.b,
+                                            &full[s]);
             };
             for (int t = blockIdx.x;; ++n) {
                 // the consumers' last S of the tile before is done reading Q_s, and they have read tile_slot
@@ -215,10 +210,10 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
                 load_box<BLOCK_M, HEAD_DIM>(Q_s, map_q, tile.blk.h, q_row0 + tile.blk.i0, tile.blk.b, &q_full);
                 // K_j, then V_{j-1}: each in the order the consumers read them
                 for (int jb = 0; jb < tile.blocks; ++jb, ++it) {
-                    load_k(tile, it, tile.j_start + jb * BLOCK_N);
-                    if (jb > 0) load_v(tile, it - 1, tile.j_start + (jb - 1) * BLOCK_N);
+                    load(K_s, k_empty, k_full, map_k, tile, it, tile.j_start + jb * BLOCK_N);
+                    if (jb > 0) load(V_s, v_empty, v_full, map_v, tile, it - 1, tile.j_start + (jb - 1) * BLOCK_N);
                 }
-                load_v(tile, it - 1, tile.j_start + (tile.blocks - 1) * BLOCK_N);
+                load(V_s, v_empty, v_full, map_v, tile, it - 1, tile.j_start + (tile.blocks - 1) * BLOCK_N);
             }
         }
         return;
