@@ -358,10 +358,10 @@ def variant(kernel: specs.Kernel) -> str | None:
     (the forward's 192 query rows, the backward's 128-row pass), joined by "+"; None for the plain kernel."""
     wide = (kernel.template == "flash_fwd_sm90"
             and (kernel.block_m, kernel.block_n) == specs.SM90_WIDE_FORWARD_TILES.get(kernel.head_dim))
-    tall = (kernel.template == "flash_fwd_sm90"
-            and (kernel.block_m, kernel.block_n) == specs.SM90_TALL_FORWARD_TILES.get(kernel.head_dim)
-            or kernel.template.startswith("flash_bwd") and kernel.template.endswith(("_sm90", "_sm90_varlen"))
-            and (kernel.block_m, kernel.block_n) == specs.SM90_TALL_BACKWARD_TILES.get(kernel.head_dim))
+    tall_tiles = (specs.SM90_TALL_FORWARD_TILES if kernel.template == "flash_fwd_sm90"
+                  else specs.SM90_TALL_BACKWARD_TILES if kernel.template.startswith("flash_bwd")
+                  and kernel.template.endswith(("_sm90", "_sm90_varlen")) else {})
+    tall = (kernel.block_m, kernel.block_n) == tall_tiles.get(kernel.head_dim)
     flags = (kernel.modifiers, "split" * kernel.split, "varlen" * kernel.varlen, "dq_atomic" * kernel.dq_atomic,
              "deterministic" * kernel.deterministic, "wide" * wide, "tall" * tall)
     return "+".join(x for x in flags if x) or None

@@ -485,12 +485,11 @@ def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool 
 def sm90_forward_tile(head_dim: int, mods: int = 0, causal: bool = False, varlen: bool = False,
                       wide: bool = False, tall: bool = False) -> tuple:
     """(BLOCK_M, BLOCK_N) of the Hopper forward: SM90_TALL_FORWARD_TILES' where `tall` asks for it, the
-    call is one batch (a packed batch's kernel spilled 48-348 bytes in 160 registers: its sequence's offsets
-    and out's row-by-row store besides) and the head_dim's bucket has one (causal and the window too, as
-    FA3's); else
-    SM90_WIDE_FORWARD_TILES' where `wide` asks for it, the call has neither causal nor a window (a band
-    would mask more of a wider block), is one batch (a packed batch's kernel spilled at 176 keys: its
-    sequence's offsets besides) and the bucket has one; else SM90_FORWARD_TILES'."""
+    call is one batch (a packed batch's kernel spilled 48-348 bytes in 160 registers: its sequence's
+    offsets and out's row-by-row store besides) and the head_dim's bucket has one (causal and the window
+    too, as FA3's); else SM90_WIDE_FORWARD_TILES' where `wide` asks for it, the call has neither causal
+    nor a window (a band would mask more of a wider block), is one batch (a packed batch's kernel spilled
+    at 176 keys: its sequence's offsets besides) and the bucket has one; else SM90_FORWARD_TILES'."""
     bucket = tc_tile_row(head_dim)
     if tall and not varlen and bucket in SM90_TALL_FORWARD_TILES:
         return SM90_TALL_FORWARD_TILES[bucket]
