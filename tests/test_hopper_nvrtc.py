@@ -175,3 +175,34 @@ def test_the_hopper_kernels_compile_for_sm_90a_without_spills_or_serialised_wgmm
             assert re.findall(r"USETMAXREG\.TRY_ALLOC\S* \w+, (0x[0-9a-f]+)", code) == [hex(consumer)], name
             launch = resources[lowered[name]]["registers"] * kernel.threads
             assert 128 * (producer + consumers * consumer) <= launch, f"NVRTC {toolkit.version}: {name}"
+
+
+def _backward_ops(tile):
+    """The wgmma, wgmma waits and named barriers of the Hopper dK/dV kernel (float16, head_dim 64, `tile`) in
+    SASS order, compiled by CuPy's NVRTC as the backend compiles it."""
+    from flashcupy.backends.cupy_backend import specs
+
+    if nvrtc.nvdisasm_path() is None:
+        pytest.skip("no nvdisasm")
+    kernel = specs.sm90_backward_module("float16", 64, tile=tile).kernels[1]
+    toolkit = nvrtc.cupy_toolkit()
+    options = sources.arch_options(specs.SM90_ARCH) + (f"-I{toolkit.include}",)
+    _, lowered, cubin = nvrtc.compile_cubin(sources.read_source("flash_bwd_sm90.cu"), [kernel.name_expression],
+                                            options, toolkit)
+    code = nvrtc.function_sass(nvrtc.sass(cubin), lowered[kernel.name_expression])
+    return re.findall(r"HGMMA\.64x64x16|WARPGROUP\.DEPBAR\.LE gsb0, 0x\d|BAR\.SYNC\.DEFER_BLOCKING 0x3", code)
+
+
+def test_the_backwards_dq_wgmma_overlaps_what_its_registers_allow():
+    """The pipelining in flash_bwd_sm90.cu that ptxas could undo without a word: at head_dim 64 with 64 rows
+    a pass (DQ_UNDER_DK) the owner's dQ wgmma (8 k-steps over the key block) is issued after the DS_READY
+    barrier (named barrier 3) and before any wait, under its dV and dK wgmma (4 k-steps each); with the tall
+    pass's two wgmma Ms of dQ, a wait that leaves one group in flight (the second M) before the first's
+    stores."""
+    hgmma, ds_ready = "HGMMA.64x64x16", "BAR.SYNC.DEFER_BLOCKING 0x3"
+    under = [hgmma] * 8 + [ds_ready] + [hgmma] * 8 + ["WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+    ops = _backward_ops((64, 128))
+    assert any(ops[i:i + len(under)] == under for i in range(len(ops))), ops
+    tall = [ds_ready] + [hgmma] * 16 + ["WARPGROUP.DEPBAR.LE gsb0, 0x1", "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+    ops = _backward_ops((128, 128))
+    assert any(ops[i:i + len(tall)] == tall for i in range(len(ops))), ops

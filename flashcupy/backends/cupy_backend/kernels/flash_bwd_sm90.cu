@@ -53,6 +53,10 @@
 //                            and its first thread adds it into the workspace with one bulk reduce-add: a
 //                            CTA adds each dQ element once a pass (per-element atomics of each consumer's
 //                            64-key partial asked the L2 twice as often, an atomic each), in whole lines.
+//                            At head_dim 64 with 64 rows a pass (DQ_UNDER_DK) the owner issues it under its
+//                            dV and dK wgmma, as FA3 issues dQ's under dK's; at head_dim 128 its
+//                            accumulators do not fit beside theirs (C7512), and it follows them. With two
+//                            wgmma Ms (the tall pass), the first M's rows are stored while the second's run.
 //     dK_c (times scale) and dV_c are stored once, from the accumulators, at the end.
 // The pass: 64 query rows (FA3's 64 x 128 at head_dim 128); with cupy_backend.SM90_TALL_BACKWARD, 128 at
 // head_dim 64 without the window (FA3's 128 x 128 there: Sᵀ, dPᵀ of twice the columns for the same K_c,
@@ -77,12 +81,16 @@
 //                   and dO_i, have landed (count: the consumer threads): no wgmma still reads them, nobody
 //                   the statistics. The producer (warp 0's elected thread and warp 1) waits before
 //                   refilling (parity 1 first). The owner's dQ_i = dS K_j reads dS_s and K_s, not the
-//                   stage: it arrives before that wgmma, not after (FA3 releases Q and dO there too), so
-//                   that the stage is refilled a dQ wgmma and a DS_READY wait sooner.
+//                   stage: it arrives before that wgmma lands, not after (FA3 releases Q and dO there too),
+//                   so that the stage is refilled a dQ wgmma and a DS_READY wait sooner; DQ_UNDER_DK,
+//                   with the wait that covers dV, dK and dQ's wgmma together (a stage released before
+//                   dV and dK land, at a wait_group 1, is a race that the emulator, whose TMA loads land
+//                   when their barrier is waited on, cannot see).
 // Barriers: one __syncthreads after the mbarrier inits, then named barriers among the consumers (the two
 // alternate as owners: pass p's owner is the other's of pass p - 1):
-//     DS_READY   pass p's owner syncs, the other arrives after storing its dSᵀ rows (each thread fenced
-//                for the async proxy): the owner's dQ wgmma reads every consumer's. Before arriving or
+//     DS_READY   pass p's owner syncs (before its dV, dK wait where DQ_UNDER_DK, after it otherwise), the
+//                other arrives after storing its dSᵀ rows (each thread fenced for the async proxy): the
+//                owner's dQ wgmma reads every consumer's. Before arriving or
 //                syncing there each consumer's first thread waits for its last bulk reduce-add to have
 //                read dQ_s (wait_group.read 0), so the owner's stores into dQ_s follow it. It also
 //                orders the reuse of dS_s's buffers: a consumer's dSᵀ rows of pass p overwrite its rows
@@ -136,6 +144,10 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     constexpr int Q_STEPS = BLOCK_M / 16;    // k-steps of dV, dK (over the queries)
     constexpr int K_STEPS = BLOCK_N / 16;    // k-steps of dQ (over the block's keys)
     constexpr int M_CHUNKS = BLOCK_M / 64;   // wgmma Ms of dQ (64 queries each)
+    // DQ_UNDER_DK: the owner issues dQ's wgmma under dV's and dK's, where its accumulators fit beside theirs,
+    // Pa's and dSa's (64 queries x head_dim 64: 32 a thread; below)
+    constexpr bool DQ_UNDER_DK = M_CHUNKS == 1 && HEAD_DIM == 64;
+    constexpr int COPIES = DQ_UNDER_DK ? 2 : 1;
     constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2, QO_BYTES = BLOCK_M * HEAD_DIM * 2;
     constexpr int DS_BYTES = 64 * BLOCK_M * 2;
     constexpr int DQ_BYTES = BLOCK_M * DQ_ROW<HEAD_DIM> * 4;
@@ -286,9 +298,16 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         named_barrier_sync(ZEROED, 128 * SM90_CONSUMERS);     // every consumer thread's
     }
 
-    for (int p = 0; p < passes; ++p) {
+    for (int p = 0; p < passes; ++p)
+#pragma unroll
+    for (int copy = 0; copy < COPIES; ++copy) {
+        // whether this consumer computes the pass's dQ_i. DQ_UNDER_DK: the pass in two copies, the other's
+        // and the owner's, `owner` a constant in each, one of them skipped: a wgmma issued in a branch on a
+        // value ptxas cannot prove uniform over the warpgroup, with others in flight, was serialised (C7518,
+        // C7520). (A lambda for the pass instead spilled the tall pass's kernels.)
+        const bool owner = COPIES == 1 ? p % SM90_CONSUMERS == c : copy == 1;
+        if (COPIES == 2 && owner != (p % SM90_CONSUMERS == c)) continue;
         const int s = p % SM90_STAGES, h = head_of(p), i0 = row_of(p);
-        const bool owner = p % SM90_CONSUMERS == c;  // this consumer computes the pass's dQ_i
         // dQ_i's workspace tile, for the lead's reduce-add at the end: kept in a register across the pass
         // (or made again there), it spilled the window kernel at head_dim 128 under NVRTC 12.9
         if (lead) dq_tile[c] = dq_tile_of(h, i0);
@@ -355,36 +374,28 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
 #pragma unroll
         for (int kt = 0; kt < Q_STEPS; ++kt)
             wgmma_rs<T, HEAD_DIM, true>(&dK[0][0], dSa[kt], mn_major<BLOCK_M>(Q_i, kt), true);
-        // Pa and dSa are free once these land: with dQ's accumulators too, the registers ran out at head_dim
-        // 128 and ptxas serialised the wgmma (C7512): test_hopper_kernels.py checks these two with NVRTC.
-        // Then the stage is read no more
-        wgmma_commit_group();     // [registers]
-        wgmma_wait_group<0>();    // [registers]
-        wgmma_fence_operand<HEAD_DIM / 2>(&dK[0][0]);
-        wgmma_fence_operand<HEAD_DIM / 2>(&dV[0][0]);
-        mbarrier_arrive(&empty[s]);  // this thread's wgmma no longer read the stage, nor it the statistics
-        if (!owner) continue;
+        wgmma_commit_group();  // [registers]
 
-        // the owner: dQ_i = dS K_j over the block's BLOCK_N keys, added into the workspace
-        named_barrier_sync(DS_READY, 128 * SM90_CONSUMERS);  // every consumer's dSᵀ rows, fenced
-        // in M_CHUNKS wgmma Ms of 64 queries: chunk m's A, k-step kt (16 keys) is in consumer kt / 4's rows of
-        // dS_s, its atom m (queries 64 m ..)
+        // the owner: dQ_i = dS K_j over the block's BLOCK_N keys, a wgmma M (a group) for each 64 rows of the
+        // pass, M_CHUNKS: with two, chunk 0 is stored into dQ_s while chunk 1's wgmma runs. DQ_UNDER_DK: chunk
+        // 0 is issued under dV's and dK's wgmma, as FA3 issues dQ's under dK's. At head_dim 128 dQ_i's 64
+        // accumulators beside dK's, dV's, Pa and dSa ran out of registers and ptxas serialised the wgmma
+        // (C7512): there dV and dK land first; split into two wgmma Ns of 64 the operand dS was read twice
         float dQ[M_CHUNKS][D_TILES][4];
         const unsigned char* dS_own = dS_s + c * SM90_CONSUMERS * DS_BYTES;  // the buffer of the owner's passes
-        wgmma_fence();
-#pragma unroll
-        for (int m = 0; m < M_CHUNKS; ++m)
+        const auto issue_chunk = [&](auto chunk) {
+            constexpr int m = decltype(chunk)::value;
+            // k-step kt (16 keys) of A is in consumer kt / 4's rows of dS_s, its atom m (queries 64 m ..)
 #pragma unroll
             for (int kt = 0; kt < K_STEPS; ++kt)
                 wgmma_ss<T, HEAD_DIM, true, true>(&dQ[m][0][0],
                                                   mn_major<64>(dS_own + kt / 4 * DS_BYTES + m * ATOM_BYTES<64>, kt % 4),
                                                   mn_major<BLOCK_N>(K_s, kt), kt > 0);
-        wgmma_commit_group();
-        wgmma_wait_group<0>();
-        wgmma_fence_operand<M_CHUNKS * HEAD_DIM / 2>(&dQ[0][0][0]);
-
-#pragma unroll
-        for (int m = 0; m < M_CHUNKS; ++m)
+            wgmma_commit_group();
+        };
+        const auto store_chunk = [&](auto chunk) {  // into dQ_s, the workspace tile's layout
+            constexpr int m = decltype(chunk)::value;
+            wgmma_fence_operand<HEAD_DIM / 2>(&dQ[m][0][0]);
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int row = 64 * m + 16 * (warp % 4) + c_row(2 * r);
@@ -393,6 +404,34 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
                     *reinterpret_cast<float2*>(dQ_s + row * DQ_ROW<HEAD_DIM> + 8 * nt + c_col(0)) =
                         make_float2(dQ[m][nt][2 * r], dQ[m][nt][2 * r + 1]);
             }
+        };
+        if (DQ_UNDER_DK && owner) {
+            named_barrier_sync(DS_READY, 128 * SM90_CONSUMERS);  // every consumer's dSᵀ rows, fenced
+            issue_chunk(Static<0>{});
+        }
+        wgmma_wait_group<0>();  // [registers] dV and dK have landed (DQ_UNDER_DK: the owner's chunk 0 too)
+        wgmma_fence_operand<HEAD_DIM / 2>(&dK[0][0]);
+        wgmma_fence_operand<HEAD_DIM / 2>(&dV[0][0]);
+        mbarrier_arrive(&empty[s]);  // this thread's wgmma no longer read the stage, nor it the statistics
+        if (!owner) continue;
+
+        if constexpr (DQ_UNDER_DK) {
+            store_chunk(Static<0>{});
+        } else {
+            named_barrier_sync(DS_READY, 128 * SM90_CONSUMERS);  // every consumer's dSᵀ rows, fenced
+            wgmma_fence();  // the first wgmma since ordinary instructions used registers (else ptxas adds one)
+            issue_chunk(Static<0>{});
+            if constexpr (M_CHUNKS == 2) {
+                issue_chunk(Static<1>{});
+                wgmma_wait_group<1>();  // chunk 0 has landed
+                store_chunk(Static<0>{});
+                wgmma_wait_group<0>();  // chunk 1 has landed
+                store_chunk(Static<1>{});
+            } else {
+                wgmma_wait_group<0>();
+                store_chunk(Static<0>{});
+            }
+        }
         fence_proxy_async();             // this thread's dQ_s stores, before the bulk reduce-add reads them
         named_barrier_sync(1 + c, 128);  // every owner thread's
         if (lead) {

@@ -31,6 +31,13 @@ constexpr int CONSUMER_REGISTERS = CONSUMERS == 2 ? 240 : 160;
 constexpr int ATOM = 64;  // columns of a 128B-swizzled atom: 128 bytes of 16-bit elements
 constexpr int SM90_SMEM_OPTIN = 227 * 1024;  // the most dynamic shared memory a CTA may opt in to on sm_90
 
+// A compile-time int as a value: the argument of a generic lambda that indexes an array of accumulators,
+// which must be a constant for them to stay in registers
+template <int V>
+struct Static {
+    static constexpr int value = V;
+};
+
 // Bytes of an atom (64 columns) of a tile of ROWS rows
 template <int ROWS>
 constexpr int ATOM_BYTES = ROWS * 128;
