@@ -31,5 +31,15 @@ PY
         timeout 120 "$ncu" -k regex:flash_bwd_dkdv_sm90 -c 1 --section SpeedOfLight --section WarpStateStats \
             --section Occupancy python3 /tmp/ncu_case.py 4096 $causal > "$out/ncu_bwd_causal$causal.txt" 2>&1
         grep -E "Duration|Throughput|Stall|Warp Cycles|Issued" "$out/ncu_bwd_causal$causal.txt" | head -20
+        # where the causal kernel's extra time per pass goes (the fit of the H200 figures: ~320 TFLOP/s a pass
+        # against ~463 without the mask, at every length): every raw metric of the warp-state and source
+        # sections (the stall reasons, smsp__average_warp_latency_issue_stalled_*), then the stall samples per
+        # SASS instruction
+        timeout 120 "$ncu" -k regex:flash_bwd_dkdv_sm90 -c 1 --section WarpStateStats --section SourceCounters \
+            --page raw --csv python3 /tmp/ncu_case.py 4096 $causal > "$out/ncu_bwd_causal${causal}_raw.csv" 2>&1
+        tr ',' '\n' < "$out/ncu_bwd_causal${causal}_raw.csv" | grep -c stalled
+        timeout 120 "$ncu" -k regex:flash_bwd_dkdv_sm90 -c 1 --section SourceCounters --page source --print-source sass \
+            --csv python3 /tmp/ncu_case.py 4096 $causal > "$out/ncu_bwd_causal${causal}_sass.csv" 2>&1
+        wc -l < "$out/ncu_bwd_causal${causal}_sass.csv"
     done
 fi
