@@ -190,19 +190,22 @@ def _backward_ops(tile):
     _, lowered, cubin = nvrtc.compile_cubin(sources.read_source("flash_bwd_sm90.cu"), [kernel.name_expression],
                                             options, toolkit)
     code = nvrtc.function_sass(nvrtc.sass(cubin), lowered[kernel.name_expression])
-    return re.findall(r"HGMMA\.64x64x16|WARPGROUP\.DEPBAR\.LE gsb0, 0x\d|BAR\.SYNC\.DEFER_BLOCKING 0x3", code)
+    ops = re.findall(r"HGMMA\.64x64x16|WARPGROUP\.DEPBAR\.LE gsb0, 0x\d|BAR\.SYNC\.DEFER_BLOCKING 0x3|MUFU\.EX2", code)
+    return [op for i, op in enumerate(ops) if op != "MUFU.EX2" or ops[i - 1] != "MUFU.EX2"]  # a run of ex2 as one
 
 
-def test_the_backwards_dq_wgmma_overlaps_what_its_registers_allow():
-    """The pipelining in flash_bwd_sm90.cu that ptxas could undo without a word: at head_dim 64 with 64 rows
-    a pass (DQ_UNDER_DK) the owner's dQ wgmma (8 k-steps over the key block) is issued after the DS_READY
-    barrier (named barrier 3) and before any wait, under its dV and dK wgmma (4 k-steps each); with the tall
-    pass's two wgmma Ms of dQ, a wait that leaves one group in flight (the second M) before the first's
-    stores."""
-    hgmma, ds_ready = "HGMMA.64x64x16", "BAR.SYNC.DEFER_BLOCKING 0x3"
-    under = [hgmma] * 8 + [ds_ready] + [hgmma] * 8 + ["WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+def test_the_backwards_wgmma_overlap_what_their_registers_allow():
+    """The pipelining in flash_bwd_sm90.cu that ptxas could undo without a word. At head_dim 64 with 64 rows
+    a pass: Pᵀ's exponentials between the wait for Sᵀ's wgmma (4 k-steps) and the wait for dPᵀ's
+    (P_UNDER_DP), and the owner's dQ wgmma (8 k-steps over the key block) issued after the DS_READY
+    barrier (named barrier 3) and before any wait, under its dV and dK wgmma (4 k-steps each: DQ_UNDER_DK).
+    With the tall pass's two wgmma Ms of dQ, a wait that leaves one group in flight (the second M) before
+    the first's stores."""
+    hgmma, ds_ready, ex2 = "HGMMA.64x64x16", "BAR.SYNC.DEFER_BLOCKING 0x3", "MUFU.EX2"
+    wait = {n: f"WARPGROUP.DEPBAR.LE gsb0, 0x{n}" for n in (0, 1)}
     ops = _backward_ops((64, 128))
-    assert any(ops[i:i + len(under)] == under for i in range(len(ops))), ops
-    tall = [ds_ready] + [hgmma] * 16 + ["WARPGROUP.DEPBAR.LE gsb0, 0x1", "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+    for pattern in ([hgmma] * 8 + [wait[1], ex2, wait[0]], [hgmma] * 8 + [ds_ready] + [hgmma] * 8 + [wait[0]]):
+        assert any(ops[i:i + len(pattern)] == pattern for i in range(len(ops))), (pattern, ops)
+    tall = [ds_ready] + [hgmma] * 16 + [wait[1], wait[0]]
     ops = _backward_ops((128, 128))
     assert any(ops[i:i + len(tall)] == tall for i in range(len(ops))), ops

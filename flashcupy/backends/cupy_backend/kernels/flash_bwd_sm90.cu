@@ -43,7 +43,8 @@
 //     Sᵀ and dPᵀ (not S, dP) are computed, so that Pᵀ and dSᵀ are already A fragments in registers:
 //         Sᵀ = K_c Q_iᵀ      wgmma_ss m64 n BLOCK_M, both K-major from shared memory
 //         dPᵀ = V_c dO_iᵀ    wgmma_ss, the same
-//         Pᵀ = 2^(Sᵀ c - lse_i log2 e), dSᵀ = Pᵀ ∘ (dPᵀ - D_i) in place (lse_i, D_i per column: the stage)
+//         Pᵀ = 2^(Sᵀ c - lse_i log2 e), dSᵀ = Pᵀ ∘ (dPᵀ - D_i) in place (lse_i, D_i per column: the stage);
+//                            at head_dim 64 (P_UNDER_DP) Pᵀ while dPᵀ's wgmma runs, as FA3 does
 //         dV_c += Pᵀ dO_i    wgmma_rs m64 n HEAD_DIM: A = Pᵀ re-packed (c_to_a), B = dO_i MN-major
 //         dK_c += dSᵀ Q_i    wgmma_rs, the same with Q_i
 //         dQ_i = dS K_j      by one consumer, the pass's owner (pass p: consumer p % CONSUMERS), over all
@@ -147,6 +148,10 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     // DQ_UNDER_DK: the owner issues dQ's wgmma under dV's and dK's, where its accumulators fit beside theirs,
     // Pa's and dSa's (64 queries x head_dim 64: 32 a thread; below)
     constexpr bool DQ_UNDER_DK = M_CHUNKS == 1 && HEAD_DIM == 64;
+    // P_UNDER_DP: Pᵀ is computed while dPᵀ's wgmma runs where ptxas keeps the pipeline: head_dim 64 and 64
+    // rows a pass, no window. The tall pass's kernels spilled 140-530 bytes, head_dim 128's too, and the
+    // window's had the wgmma serialised (C7514)
+    constexpr bool P_UNDER_DP = HEAD_DIM == 64 && M_CHUNKS == 1 && MODS == 0;
     constexpr int COPIES = DQ_UNDER_DK ? 2 : 1;
     constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2, QO_BYTES = BLOCK_M * HEAD_DIM * 2;
     constexpr int DS_BYTES = 64 * BLOCK_M * 2;
@@ -323,27 +328,44 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
             named_barrier_sync(ZEROED, 128 * SM90_CONSUMERS);  // every consumer thread's
         }
 
-        // Sᵀ = K_c Q_iᵀ and dPᵀ = V_c dO_iᵀ: the consumer's 64 keys x BLOCK_M queries
+        // Sᵀ = K_c Q_iᵀ and dPᵀ = V_c dO_iᵀ: the consumer's 64 keys x BLOCK_M queries. P_UNDER_DP: each a group
+        // of its own, so that Pᵀ's exponentials run while dPᵀ's wgmma does (FA3's order)
         float S[M_TILES][4], dP[M_TILES][4];
         wgmma_fence();  // dK, dV and the last pass's fragments were written by ordinary instructions
 #pragma unroll
         for (int ks = 0; ks < QK_STEPS; ++ks)
             wgmma_ss<T, BLOCK_M>(&S[0][0], k_major<BLOCK_N>(K_c, ks), k_major<BLOCK_M>(Q_i, ks), ks > 0);
+        if constexpr (P_UNDER_DP) wgmma_commit_group();
 #pragma unroll
         for (int ks = 0; ks < QK_STEPS; ++ks)
             wgmma_ss<T, BLOCK_M>(&dP[0][0], k_major<BLOCK_N>(V_c, ks), k_major<BLOCK_M>(dO_i, ks), ks > 0);
         wgmma_commit_group();
-        wgmma_wait_group<0>();
-        wgmma_fence_operand<BLOCK_M / 2>(&S[0][0]);
-        wgmma_fence_operand<BLOCK_M / 2>(&dP[0][0]);
 
         // Sᵀ becomes Pᵀ, dPᵀ becomes dSᵀ: row r of the warp's tile is key key_w + r, column col query i0 + col
-        const bool partial = mask.partial(i0, blk.j0);
-        const auto score = MAKE_SCORE(T, float, MODS, blk.b, h, scale_log2, LOG2E);
-        for_each_element([&](int r, int col, float& x, float& dp) {
-            TC_P_DS(TC_PAIR_HIDDEN(partial, i0 + col, key_w + r), false, i0 + col, key_w + r, x, dp, lse_i[col],
-                    D_i[col], scale_log2);
-        }, S, dP);
+        // (the mask's and score's values made after the wait: between the commit and the wait ptxas
+        // serialised the window kernel's wgmma, C7514)
+        if constexpr (P_UNDER_DP) {
+            wgmma_wait_group<1>();  // Sᵀ has landed
+            wgmma_fence_operand<BLOCK_M / 2>(&S[0][0]);
+            const bool partial = mask.partial(i0, blk.j0);
+            const auto score = MAKE_SCORE(T, float, MODS, blk.b, h, scale_log2, LOG2E);
+            for_each_element([&](int r, int col, float& x) {
+                TC_P(TC_PAIR_HIDDEN(partial, i0 + col, key_w + r), i0 + col, key_w + r, x, lse_i[col], scale_log2);
+            }, S);
+            wgmma_wait_group<0>();  // dPᵀ has landed
+            wgmma_fence_operand<BLOCK_M / 2>(&dP[0][0]);
+            for_each_element([&](int, int col, float& x, float& dp) { TC_DS(x, dp, D_i[col]); }, S, dP);
+        } else {
+            wgmma_wait_group<0>();
+            wgmma_fence_operand<BLOCK_M / 2>(&S[0][0]);
+            wgmma_fence_operand<BLOCK_M / 2>(&dP[0][0]);
+            const bool partial = mask.partial(i0, blk.j0);
+            const auto score = MAKE_SCORE(T, float, MODS, blk.b, h, scale_log2, LOG2E);
+            for_each_element([&](int r, int col, float& x, float& dp) {
+                TC_P_DS(TC_PAIR_HIDDEN(partial, i0 + col, key_w + r), false, i0 + col, key_w + r, x, dp, lse_i[col],
+                        D_i[col], scale_log2);
+            }, S, dP);
+        }
         unsigned Pa[Q_STEPS][4], dSa[Q_STEPS][4];
 #pragma unroll
         for (int kt = 0; kt < Q_STEPS; ++kt) {

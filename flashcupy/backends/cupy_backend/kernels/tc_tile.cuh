@@ -76,6 +76,16 @@ constexpr int WIDE_WARPS = 8;
         dp = (zero_hidden_ds) && hidden_ ? 0.0f : ds(score, P_, dp, D, t_);                                   \
     } while (0)
 
+// TC_P_DS in two steps, for a kernel that has Sᵀ before dPᵀ (flash_bwd_sm90.cu's P_UNDER_DP): s becomes P,
+// then dp becomes dS of P. Only for scores no modifier changes (the softcap's t would pass between them).
+#define TC_P(hidden, i, j, s, lse_log2, scale_log2)                                                        \
+    do {                                                                                                \
+        static_assert(!decltype(score)::CHANGES, "TC_P_DS where a modifier changes the scores");         \
+        float t_ = 0.0f;                                                                                \
+        s = (hidden) ? 0.0f : tc_prob(tc_final_score(score, s, i, j, t_, scale_log2) - (lse_log2));    \
+    } while (0)
+#define TC_DS(P, dp, D) (dp = ds(score, P, dp, D, 0.0f))
+
 // Element offset of 8-element chunk `chunk` of row `row` in a swizzled tile.
 template <int HEAD_DIM>
 __device__ __forceinline__ int swizzled(int row, int chunk) {
