@@ -197,6 +197,28 @@ __device__ __forceinline__ void for_each_element(F f, float (&X)[TILES][4], Ys&.
         for (int i = 0; i < 4; ++i) f(c_row(i), 8 * nt + c_col(i), X[nt][i], Y[nt][i]...);
 }
 
+// for_each_element, f also given u[col] and v[col], two per-column vectors in shared memory (the backward's
+// lse_i and D_i). PAIRED: one 8-byte load of each per 8-column tile, for the lane's two columns there;
+// otherwise a load per element, each from an address of its own (fewer registers, more instructions)
+template <bool PAIRED, typename F, int TILES, typename... Ys>
+__device__ __forceinline__ void for_each_element_cols(F f, const float* u, const float* v, float (&X)[TILES][4],
+                                                      Ys&... Y) {
+#pragma unroll
+    for (int nt = 0; nt < TILES; ++nt) {
+        float2 u2, v2;
+        if constexpr (PAIRED) {
+            u2 = *reinterpret_cast<const float2*>(u + 8 * nt + c_col(0));
+            v2 = *reinterpret_cast<const float2*>(v + 8 * nt + c_col(0));
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int col = 8 * nt + c_col(i);
+            if constexpr (PAIRED) f(c_row(i), col, i & 1 ? u2.y : u2.x, i & 1 ? v2.y : v2.x, X[nt][i], Y[nt][i]...);
+            else f(c_row(i), col, u[col], v[col], X[nt][i], Y[nt][i]...);
+        }
+    }
+}
+
 // The A fragment of k-step ks from the warp's 16 rows of the swizzled tile A_s.
 template <int HEAD_DIM, typename T>
 __device__ __forceinline__ void load_a(unsigned (&a)[4], const T* A_s, int ks) {
