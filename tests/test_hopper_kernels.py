@@ -143,16 +143,20 @@ def _problem(rng, dtype, B, Sq, Sk, Hq, Hkv, D, **kw):
     return (*(x.astype(np.float16) for x in (q, k, v, dout)), kw)
 
 
-@pytest.mark.parametrize("order, dtype", [("ascending", "float16"), ("warp_skew", "float16"),
-                                          ("descending", "bfloat16")])
+# "eager": TMA loads land at issue (and cp.async copies), so that a ring stage released before a wgmma that
+# reads it has landed would give that wgmma the next pass's tile (the default lands them at the wait)
+@pytest.mark.parametrize("order, dtype, cp_async", [("ascending", "float16", "deferred"),
+                                                    ("warp_skew", "float16", "deferred"),
+                                                    ("descending", "bfloat16", "deferred"),
+                                                    ("ascending", "bfloat16", "eager")])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(str(x) for x in c[:6]) + ("-causal" if c[6] else "")
                          + (f"-w{c[7][0]}_{c[7][1]}" if c[7] else ""))
-def test_the_hopper_kernels_match_the_oracle(rng, order, dtype, case):
+def test_the_hopper_kernels_match_the_oracle(rng, order, dtype, cp_async, case):
     B, Sq, Sk, Hq, Hkv, D, causal, window = case
     q, k, v, dout, kw = _problem(rng, dtype, B, Sq, Sk, Hq, Hkv, D, causal=causal, window=window)
     names = []
     grid, launch = persistent(SM_COUNTS[order])
-    with launch, emulated(order, compile=recording(names), compute_capability=HOPPER, **grid):
+    with launch, emulated(order, compile=recording(names), compute_capability=HOPPER, cp_async=cp_async, **grid):
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
         grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", **kw)
     assert {"flash_fwd_sm90", "flash_bwd_dkdv_sm90"} <= _templates(names)
@@ -391,9 +395,12 @@ def _without(kernel, lineno, tmp_path, pattern=SYNC, replacement=";"):
 PACKED_SYNC_PROBLEM = ([140, 50], [150, 40])
 
 
-def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew")) -> list:
+def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew"), eager=("ascending",)) -> list:
     """The thread orders (the first, and its error) under which the mutant kernel's forward and backward
-    miss the oracle or make the emulator report an error; then a packed batch's (PACKED_SYNC_PROBLEM)."""
+    miss the oracle or make the emulator report an error; then a packed batch's (PACKED_SYNC_PROBLEM).
+    `orders` with the TMA loads landing at their waits, then `eager` with them landing at issue (and each
+    wgmma wait letting the other threads run first: a stage released before its wgmma has landed)."""
+    runs = [(order, "deferred") for order in orders] + [(order, "eager") for order in eager]
     def compile(source, names, options, thread_order, seed, cp_async):
         return compile_module(mutant if source == original else source, names, options, thread_order, seed, cp_async)
 
@@ -402,23 +409,24 @@ def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew
     for (B, Sq, Sk, Hq, Hkv, D, causal), tile in problems:
         q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
         dout = rng.standard_normal(q.shape).astype(np.float16)
-        for order in orders:
+        for order, cp_async in runs:
             grid, launch = persistent(1)  # both forward tiles in one CTA
-            with tile(), launch, emulated(order, compile=compile, compute_capability=HOPPER, **grid):
+            with tile(), launch, emulated(order, compile=compile, compute_capability=HOPPER, cp_async=cp_async,
+                                          **grid):
                 try:
                     out, lse = flashcupy.attention(q, k, v, causal=causal, return_lse=True, backend="cupy")
                     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=causal, backend="cupy")
                     assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, backend="cupy")
                 except (AssertionError, emulator.EmulatorError) as e:
-                    return [(order, type(e).__name__)]
+                    return [(order, cp_async, type(e).__name__)]
     for tile in (contextlib.nullcontext, tall):
-        for order in orders:
-            with tile(), emulated(order, compile=compile, compute_capability=HOPPER):
+        for order, cp_async in runs:
+            with tile(), emulated(order, compile=compile, compute_capability=HOPPER, cp_async=cp_async):
                 try:
                     packed_batch_matches_the_oracle(rng, "cupy", PACKED_SYNC_PROBLEM, np.float16, 64, (1, 1),
                                                     dict(causal=False), backward=True)
                 except (AssertionError, emulator.EmulatorError) as e:
-                    return [(order, type(e).__name__)]
+                    return [(order, cp_async, type(e).__name__)]
     return []
 
 
@@ -463,6 +471,23 @@ def test_a_dropped_dq_reduction_is_caught(rng, tmp_path):
     _, original, mutant = _without("flash_bwd_sm90.cu", lineno, tmp_path, reduce,
                                    "if (c == 0) bulk_reduce_add_f32(tile, dQ_s, DQ_BYTES);")
     assert _bitten(rng, original, mutant, orders=("ascending",))
+
+
+def test_a_stage_released_before_its_wgmma_lands_is_caught(rng, tmp_path):
+    # the backward's empty[s] arrived on before the wait for the dV and dK wgmma that read Q_i and dO_i:
+    # the producer may refill the stage while they run. With the loads landing at their waits nothing
+    # overwrites the stage in time (the consumer runs from the arrive to its wait unscheduled); landing at
+    # issue, with the wgmma wait letting the producer run first, the dV and dK wgmma read the next tile
+    arrive = re.compile(r"mbarrier_arrive\(&empty\[s\]\);  // this thread's wgmma")
+    (lineno,) = [n for n, line in enumerate(open(f"{sources.KERNEL_DIR}/flash_bwd_sm90.cu", encoding="utf-8"), 1)
+                 if arrive.search(line)]
+    _, original, released_late = _without("flash_bwd_sm90.cu", lineno, tmp_path, re.compile(r"mbarrier_arrive[^;]*;"))
+    wait = re.compile(r"wgmma_wait_group<0>\(\);  // \[registers\]")
+    (lineno,) = [n for n, line in enumerate(released_late.splitlines(), 1) if wait.search(line)]
+    lines = released_late.splitlines(keepends=True)
+    lines[lineno - 1] = lines[lineno - 1].replace("wgmma_wait_group<0>();", "mbarrier_arrive(&empty[s]); wgmma_wait_group<0>();")
+    mutant = "".join(lines)
+    assert _bitten(rng, original, mutant, orders=(), eager=("ascending",))
 
 
 def test_the_second_ds_buffer_is_needed(rng, tmp_path):

@@ -56,7 +56,10 @@ stands in for ``cupy.RawModule(code=..., name_expressions=..., options=...)``:
   write shared memory: "deferred" (default) at the ``cp.async.wait_group`` that completes them, so a
   missing wait reads stale memory; "eager" when issued, so a prefetch into a buffer that other warps
   still read lands at once (with "warp_skew", a missing barrier before the prefetch gives a wrong
-  answer). A GPU may do either; test both. In either mode a thread that exits with copies it never
+  answer). A GPU may do either; test both. The TMA loads of ``cp.async.bulk.tensor`` (``emu_tma.h``)
+  follow the same mode: "deferred" lands a box when a thread waits on its mbarrier, "eager" at issue, so
+  that a ring stage released (its empty barrier arrived on) before the wgmma reading it has landed
+  gives that wgmma the next tile. In either mode a thread that exits with copies it never
   waited for (``cp.async.wait_group``) is a ``KernelError``: a CTA's copies may still be landing
   after it exits, in shared memory that the next CTA on the SM may already own.
 - ``stack_size`` is each CUDA thread's stack; ``ucontext=True`` forces the portable fiber switch

@@ -9,7 +9,10 @@
 //                 guarded buffer's address filled in at the launch. A map whose magic is wrong
 //                 (a driver-made CUtensorMap, garbage) or whose rank is not the instruction's is a
 //                 KernelError.
-//   tma_load      checked on issue; when it lands (below), copies the box from global memory to shared memory as hopper.cuh
+//   tma_load      checked on issue; when it lands (when a thread waits on its mbarrier, the latest the
+//                 hardware may write it; with cp_async="eager" at issue, the earliest: a stage refilled
+//                 while a wgmma still reads it then gives that wgmma the new tile), copies the box from
+//                 global memory to shared memory as hopper.cuh
 //                 writes it out: dense, dim 0 innermost, then swizzled (none/32B/64B/128B) on the
 //                 absolute shared-window address with the wgmma descriptor's XOR (runtime/wgmma.h's
 //                 swizzled), so a 128B-swizzled box read by wgmma with a 128B descriptor is right.
@@ -39,7 +42,8 @@
 // refuses it: whether the hardware pads each row to the span is unverified), L2 promotion, interleaved layouts, OOB fill NaN, im2col, multicast and clusters,
 // tensor reduce-adds. A load is checked at issue and lands (the copy, then complete_tx) when a thread
 // waits on its mbarrier, or when every thread is blocked and one waits on it: a reader that skips
-// the wait reads stale bytes; loads nobody waited for when the block ends are a KernelError.
+// the wait reads stale bytes; loads nobody waited for when the block ends are a KernelError. With
+// cp_async="eager" it lands at issue instead.
 
 #pragma once
 

@@ -154,7 +154,7 @@ bool land_awaited_tma_loads() {
 }  // namespace
 
 // Checked at issue (the map, the destination, every element's place); the box lands when a thread
-// waits on the barrier (land_tma_loads)
+// waits on the barrier (land_tma_loads), or with cp_async="eager" at once
 void emu::tma_load(void* dst, const void* map, int rank, const int* coords, void* bar) {
     const char* what = "cp.async.bulk.tensor (tma_load)";
     const TmaBox b = tma_box(map, rank, what);
@@ -173,7 +173,11 @@ void emu::tma_load(void* dst, const void* map, int rank, const int* coords, void
     if (active->counting) count.add(kTmaLoadShared, kTmaLoadGlobal, b);
     PendingTmaLoad p{dst, map, rank, {0, 0, 0, 0, 0}, reinterpret_cast<std::uintptr_t>(bar)};
     for (int d = 0; d < rank; ++d) p.coords[d] = coords[d];
-    active->tma_loads.push_back(p);
+    // cp_async="eager": the box lands now, the earliest the hardware may write it, so that a stage refilled
+    // while a wgmma that reads it is still in flight (an empty barrier arrived on before the wait that
+    // covers the wgmma) gives that wgmma the new tile: it reads its operands at that wait, the latest
+    if (active->config->cp_async_eager) tma_land(p);
+    else active->tma_loads.push_back(p);
 }
 
 // Checked at issue (the map, the source, every element's place, the async proxy); the box is read from

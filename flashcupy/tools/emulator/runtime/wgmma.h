@@ -316,6 +316,10 @@ void emu::wgmma_commit_group() {
 }
 
 void emu::wgmma_wait_group(int pending) {
+    // cp_async="eager" (TMA loads land at issue): the other threads run first, as the wait takes time on a
+    // GPU, so that a producer released by an empty barrier this thread arrived on before the wait refills
+    // the stage now, and the operations below read the refilled tile
+    if (active->config->cp_async_eager) block_until_scheduled(*active->current, State::kRunnable);
     WgmmaThread& t = wgmma_self();
     const Fiber& self = *active->current;
     const long complete_below = t.groups_committed - pending;
