@@ -2,13 +2,15 @@
 two versions of the kernel sources: a refactor that should not change the code must leave every row
 the same.
 
-    python benchmarks/sass_counts.py OUT.md [--all-mods] [--against BEFORE.json]
+    python benchmarks/sass_counts.py OUT.md [--all-mods | --hopper] [--against BEFORE.json]
 
 Compiles for sm_90 with NVRTC 12.9 only (one toolkit and one arch, to stay within minutes; the full
 report, `python -m flashcupy kernels`, compiles both NVRTCs and every modifier set): the plain
 specialisations (MODS 0: forward, backward, attention_probs, split-KV forward, tensor-core forward and
 both backwards) for every dtype and head-dim bucket, and the tensor-core kernels with the window
-alone; with --all-mods also every kernel with all score modifiers on. Writes OUT.md (a table, with the
+alone; with --all-mods also every kernel with all score modifiers on; with --hopper instead the Hopper
+kernels (catalog.sm90_modules: every specialisation the backend launches on sm_90a, compiled for sm_90a).
+Writes OUT.md (a table, with the
 command and commit) and OUT.json (the rows); with --against, the rows that differ from BEFORE.json.
 The digest is nvrtc.sass_instructions': equal digests are the same instructions.
 """
@@ -73,20 +75,23 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="OUT.md (OUT.json is written beside it)")
     parser.add_argument("--all-mods", action="store_true", help="also every kernel with all modifiers on")
+    parser.add_argument("--hopper", action="store_true", help="the Hopper kernels (sm_90a) instead")
     parser.add_argument("--against", help="a JSON of an earlier run: print the rows that differ")
     args = parser.parse_args(argv)
+    arch = specs.SM90_ARCH if args.hopper else "sm_90"
 
     toolkit = next((t for t in nvrtc.toolkits() if t.version == "12.9"), None)
     if toolkit is None:
         sys.exit("NVRTC 12.9 is not installed (pip install nvidia-cuda-nvrtc-cu12==12.9.* nvidia-cuda-runtime-cu12)")
-    rows = nvrtc.kernel_report("sm_90", toolkit, modules(args.all_mods), instructions=True)
+    rows = nvrtc.kernel_report(arch, toolkit, catalog.sm90_modules() if args.hopper else modules(args.all_mods),
+                               instructions=True)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "flashcupy"], capture_output=True,
                            text=True).stdout.strip()
     command = "python benchmarks/sass_counts.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    title = (f"# SASS of the cupy backend's kernels, sm_90, NVRTC {toolkit.version}\n\n"
+    title = (f"# SASS of the cupy backend's kernels, {arch}, NVRTC {toolkit.version}\n\n"
              f"`{command}` at commit {commit}{' (with uncommitted changes)' if dirty else ''}.")
     with open(args.out, "w", encoding="utf-8") as f:
         f.write(markdown(rows, title))
