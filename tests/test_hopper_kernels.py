@@ -485,7 +485,8 @@ def test_a_stage_released_before_its_wgmma_lands_is_caught(rng, tmp_path):
     wait = re.compile(r"wgmma_wait_group<0>\(\);  // \[registers\]")
     (lineno,) = [n for n, line in enumerate(released_late.splitlines(), 1) if wait.search(line)]
     lines = released_late.splitlines(keepends=True)
-    lines[lineno - 1] = lines[lineno - 1].replace("wgmma_wait_group<0>();", "mbarrier_arrive(&empty[s]); wgmma_wait_group<0>();")
+    early = "mbarrier_arrive(&empty[s]); wgmma_wait_group<0>();"
+    lines[lineno - 1] = lines[lineno - 1].replace("wgmma_wait_group<0>();", early)
     mutant = "".join(lines)
     assert _bitten(rng, original, mutant, orders=(), eager=("ascending",))
 

@@ -80,7 +80,7 @@ constexpr int WIDE_WARPS = 8;
 // then dp becomes dS of P. Only for scores no modifier changes (the softcap's t would pass between them).
 #define TC_P(hidden, i, j, s, lse_log2, scale_log2)                                                        \
     do {                                                                                                \
-        static_assert(!decltype(score)::CHANGES, "TC_P_DS where a modifier changes the scores");         \
+        static_assert(!decltype(score)::CHANGES, "a modifier changes the scores: TC_P_DS, not TC_P, TC_DS"); \
         float t_ = 0.0f;                                                                                \
         s = (hidden) ? 0.0f : tc_prob(tc_final_score(score, s, i, j, t_, scale_log2) - (lse_log2));    \
     } while (0)
