@@ -84,9 +84,8 @@
 //                   refilling (parity 1 first). The owner's dQ_i = dS K_j reads dS_s and K_s, not the
 //                   stage: it arrives before that wgmma lands, not after (FA3 releases Q and dO there too),
 //                   so that the stage is refilled a dQ wgmma and a DS_READY wait sooner; DQ_UNDER_DK,
-//                   with the wait that covers dV, dK and dQ's wgmma together (a stage released before
-//                   dV and dK land, at a wait_group 1, is a race that the emulator, whose TMA loads land
-//                   when their barrier is waited on, cannot see).
+//                   with the wait that covers dV, dK and dQ's wgmma together (an arrive before dV and dK
+//                   land is a race: test_a_stage_released_before_its_wgmma_lands_is_caught).
 // Barriers: one __syncthreads after the mbarrier inits, then named barriers among the consumers (the two
 // alternate as owners: pass p's owner is the other's of pass p - 1):
 //     DS_READY   pass p's owner syncs (before its dV, dK wait where DQ_UNDER_DK, after it otherwise), the

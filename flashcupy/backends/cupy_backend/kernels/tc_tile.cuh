@@ -84,7 +84,11 @@ constexpr int WIDE_WARPS = 8;
         float t_ = 0.0f;                                                                                \
         s = (hidden) ? 0.0f : tc_prob(tc_final_score(score, s, i, j, t_, scale_log2) - (lse_log2));    \
     } while (0)
-#define TC_DS(P, dp, D) (dp = ds(score, P, dp, D, 0.0f))
+#define TC_DS(P, dp, D)                                                                                 \
+    do {                                                                                                \
+        static_assert(!decltype(score)::CHANGES, "a modifier changes the scores: TC_P_DS, not TC_P, TC_DS"); \
+        dp = ds(score, P, dp, D, 0.0f);                                                                 \
+    } while (0)
 
 // Element offset of 8-element chunk `chunk` of row `row` in a swizzled tile.
 template <int HEAD_DIM>
