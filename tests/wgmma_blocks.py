@@ -29,10 +29,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TEST_KERNELS = os.path.join(HERE, "emulator_kernels", "wgmma.cu")
 INCLUDE = f"-I{sources.KERNEL_DIR}"
 CUDA_NAME = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
-SIZES = (64, 128)
-# N = 176, 192: the wide forward's S = Q K_jᵀ (specs.SM90_WIDE_FORWARD_TILES), whose B (K_j) is K-major
-# only (as an MN-major operand 176 columns are not whole 128B-swizzled atoms; no kernel uses either so)
-K_MAJOR_SIZES = (176, 192)
+# N = 64, 128, 192, 256: the kernels' S = Q K_jᵀ (K_j K-major) and O += P V_j (V_j MN-major, N = head_dim:
+# 192 and 256 at head_dim 136..256)
+SIZES = (64, 128, 192, 256)
+# N = 80, 176: S = Q K_jᵀ of head_dim 256's key block and of the wide forward's at 128
+# (specs.SM90_FORWARD_TILES, SM90_WIDE_FORWARD_TILES), whose B (K_j) is K-major only (as an MN-major
+# operand they are not whole 128B-swizzled atoms; no kernel uses them so)
+K_MAJOR_SIZES = (80, 176)
 NAMES = tuple(f"wgmma_gemm<{t}, {n}>" for t in CUDA_NAME.values() for n in SIZES + K_MAJOR_SIZES)
 SWIZZLE = {"none": (0, 16), "128B": (1, 128), "64B": (2, 64), "32B": (3, 32)}  # descriptor mode, span
 

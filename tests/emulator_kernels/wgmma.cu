@@ -38,6 +38,10 @@
 enum { kSteps, kALbo, kASbo, kASwizzle, kBOffset, kBLbo, kBSbo, kBSwizzle, kTransA, kTransB, kRs, kAccumulate,
        kMode, kStatic, kStarts };
 constexpr int kStaticBytes = 24 * 1024;  // the largest image the tests lay out: A 8 KiB, B 16 KiB
+// At file scope, one object for every instantiation: inside the template each of the 12 wgmma_gemm<T, N>
+// had its own, and the emulator lays a module's static __shared__ objects one after another, past the
+// 2^18 bytes a descriptor addresses (a GPU gives each kernel its own)
+__shared__ __align__(1024) unsigned char static_tile[kStaticBytes];
 
 __device__ unsigned long long b_descriptor(const unsigned char* tile, const int* cfg, int step, int warp) {
     const int b_start = cfg[kStarts + 2 * step + 1] + (cfg[kMode] == 3 && warp == 1 ? 16 : 0);
@@ -79,7 +83,6 @@ __global__ void __launch_bounds__(128) wgmma_gemm(const int* __restrict__ image,
                                                   const float* __restrict__ c, const T* __restrict__ a_global,
                                                   float* __restrict__ out) {
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ __align__(1024) unsigned char static_tile[kStaticBytes];
     unsigned char* tile = cfg[kStatic] ? static_tile : smem + ((1024u - (smem_address(smem) & 1023u)) & 1023u);
     const int tid = threadIdx.x, warp = tid / 32, mode = cfg[kMode];
     for (int i = tid; i < words; i += 128) reinterpret_cast<int*>(tile)[i] = image[i];

@@ -268,7 +268,11 @@ struct Wgmma;
 // RS: a %64-%67, desc_b %68, scale-d %69, trans-b %70.
 // m64n176k16 and m64n192k16 (the forward's wide key blocks): d is %0-%87 (%0-%95); SS: desc_a %88 (%96),
 // desc_b %89 (%97), scale-d %90 (%98), transposes %91, %92 (%99, %100); RS: a %88-%91 (%96-%99), desc_b
-// %92 (%100), scale-d %93 (%101), trans-b %94 (%102). Each list extends the one before.
+// %92 (%100), scale-d %93 (%101), trans-b %94 (%102). m64n80k16 (head_dim 256's key block): d is %0-%39,
+// SS: desc_a %40, desc_b %41, scale-d %42, transposes %43, %44; RS: a %40-%43, desc_b %44, scale-d %45,
+// trans-b %46. m64n256k16 (head_dim 256's P V_j): d is %0-%127; SS: desc_a %128, desc_b %129, scale-d
+// %130, transposes %131, %132; RS: a %128-%131, desc_b %132, scale-d %133, trans-b %134. Each list
+// extends one before it.
 #define FLASHCUPY_WGMMA_R32 \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
     "%24, %25, %26, %27, %28, %29, %30, %31"
@@ -282,6 +286,10 @@ struct Wgmma;
     "%86, %87"
 #define FLASHCUPY_WGMMA_D176 "{" FLASHCUPY_WGMMA_R88 "}"
 #define FLASHCUPY_WGMMA_D192 "{" FLASHCUPY_WGMMA_R88 ", %88, %89, %90, %91, %92, %93, %94, %95}"
+#define FLASHCUPY_WGMMA_D80 "{" FLASHCUPY_WGMMA_R32 ", %32, %33, %34, %35, %36, %37, %38, %39}"
+#define FLASHCUPY_WGMMA_D256 "{" FLASHCUPY_WGMMA_R88 ", " \
+    "%88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, " \
+    "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 #define FLASHCUPY_WGMMA_D64_OPERANDS(d) \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
     "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), \
@@ -298,14 +306,23 @@ struct Wgmma;
     "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
 #define FLASHCUPY_WGMMA_D192_OPERANDS(d) FLASHCUPY_WGMMA_D176_OPERANDS(d), \
     "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+#define FLASHCUPY_WGMMA_D80_OPERANDS(d) FLASHCUPY_WGMMA_D64_OPERANDS(d), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+#define FLASHCUPY_WGMMA_D256_OPERANDS(d) FLASHCUPY_WGMMA_D192_OPERANDS(d), \
+    "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+    "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 #define FLASHCUPY_WGMMA_SIZE(N, ss_scale, ss, rs_scale, rs) \
     FLASHCUPY_WGMMA(__half, "f16", N, FLASHCUPY_WGMMA_D##N, FLASHCUPY_WGMMA_D##N##_OPERANDS, ss_scale, ss, rs_scale, rs) \
     FLASHCUPY_WGMMA(__nv_bfloat16, "bf16", N, FLASHCUPY_WGMMA_D##N, FLASHCUPY_WGMMA_D##N##_OPERANDS, ss_scale, ss, \
                     rs_scale, rs)
 FLASHCUPY_WGMMA_SIZE(64, "34", "%32, %33, p, 1, 1, %35, %36", "37", "{%32, %33, %34, %35}, %36, p, 1, 1, %38")
+FLASHCUPY_WGMMA_SIZE(80, "42", "%40, %41, p, 1, 1, %43, %44", "45", "{%40, %41, %42, %43}, %44, p, 1, 1, %46")
 FLASHCUPY_WGMMA_SIZE(128, "66", "%64, %65, p, 1, 1, %67, %68", "69", "{%64, %65, %66, %67}, %68, p, 1, 1, %70")
 FLASHCUPY_WGMMA_SIZE(176, "90", "%88, %89, p, 1, 1, %91, %92", "93", "{%88, %89, %90, %91}, %92, p, 1, 1, %94")
 FLASHCUPY_WGMMA_SIZE(192, "98", "%96, %97, p, 1, 1, %99, %100", "101", "{%96, %97, %98, %99}, %100, p, 1, 1, %102")
+FLASHCUPY_WGMMA_SIZE(256, "130", "%128, %129, p, 1, 1, %131, %132", "133", "{%128, %129, %130, %131}, %132, p, 1, 1, %134")
 #undef FLASHCUPY_WGMMA_SIZE
 #undef FLASHCUPY_WGMMA_R32
 #undef FLASHCUPY_WGMMA_R64
@@ -318,6 +335,10 @@ FLASHCUPY_WGMMA_SIZE(192, "98", "%96, %97, p, 1, 1, %99, %100", "101", "{%96, %9
 #undef FLASHCUPY_WGMMA_D176_OPERANDS
 #undef FLASHCUPY_WGMMA_D192
 #undef FLASHCUPY_WGMMA_D192_OPERANDS
+#undef FLASHCUPY_WGMMA_D80
+#undef FLASHCUPY_WGMMA_D80_OPERANDS
+#undef FLASHCUPY_WGMMA_D256
+#undef FLASHCUPY_WGMMA_D256_OPERANDS
 #undef FLASHCUPY_WGMMA
 
 // ---------------------------------------------------------------------------------------------
