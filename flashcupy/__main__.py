@@ -30,15 +30,16 @@ def _hopper_tiles() -> str:
     from flashcupy.backends import cupy_backend
     from flashcupy.backends.cupy_backend import specs
 
-    def tiles(rule, **switch):  # the tensor-core head_dim buckets, which both Hopper kernels take
-        return ", ".join(f"{d}: {'x'.join(map(str, rule(d, **switch)))}" for d in specs.TC_HEAD_DIM_BUCKETS)
+    def tiles(rule, buckets, **switch):  # the head_dim buckets the kernel takes
+        return ", ".join(f"{d}: {'x'.join(map(str, rule(d, **switch)))}" for d in buckets)
 
     names = ("SM90_WIDE", "SM90_TALL_FORWARD", "SM90_TALL_BACKWARD", "SM90_PERSISTENT")
     switches = {name: getattr(cupy_backend, name) for name in names}
-    forward = tiles(specs.sm90_forward_tile, wide=switches["SM90_WIDE"], tall=switches["SM90_TALL_FORWARD"])
+    forward = tiles(specs.sm90_forward_tile, specs.SM90_FORWARD_TILES, wide=switches["SM90_WIDE"],
+                    tall=switches["SM90_TALL_FORWARD"])
+    backward = tiles(specs.sm90_backward_tile, specs.SM90_BACKWARD_TILES, tall=switches["SM90_TALL_BACKWARD"])
     return ("  Hopper tiles (query rows x keys) by head_dim bucket, without causal or the window: forward\n"
-            f"  {forward}; backward "
-            f"{tiles(specs.sm90_backward_tile, tall=switches['SM90_TALL_BACKWARD'])} (specs.sm90_forward_tile,\n"
+            f"  {forward}; backward {backward} (specs.sm90_forward_tile,\n"
             "  sm90_backward_tile); cupy_backend's switches:\n  "
             + ", ".join(f"{name} {'on' if on else 'off'}" for name, on in switches.items()))
 
@@ -57,12 +58,13 @@ def cmd_info(args) -> int:
     print("cupy kernel paths: forward and backward on tensor cores (mma.sync) for float16/bfloat16 with\n"
           "  head_dim a multiple of 8 up to 128, on sm_80+, q/k/v (and dout/out) contiguous along head_dim\n"
           "  with 16-byte aligned rows; the SIMT kernels for everything else. On compute capability 9.0\n"
-          "  those calls run on the Hopper kernels (TMA, wgmma, warp specialisation; sm_90a) when they have\n"
-          "  no modifier but the window, no split-KV, and strides a tensor map describes (positive,\n"
-          "  multiples of 16 bytes), packed batches (attention_varlen, contiguous KV caches) and\n"
-          "  deterministic=True (dQ added in key-block order) included; softcap, ALiBi, bias, mask,\n"
-          "  split-KV and paged KV caches stay on mma.sync (cupy_backend.forward_path / backward_path\n"
-          "  say which kernel a call takes)")
+          "  those calls, and forwards of head_dim 136..256 alike, run on the Hopper kernels (TMA, wgmma,\n"
+          "  warp specialisation; sm_90a) when they have no modifier but the window, no split-KV, and\n"
+          "  strides a tensor map describes (positive, multiples of 16 bytes), packed batches\n"
+          "  (attention_varlen, contiguous KV caches) and deterministic=True (dQ added in key-block order)\n"
+          "  included; softcap, ALiBi, bias, mask, split-KV and paged KV caches stay on mma.sync, and\n"
+          "  every call of head_dim 136..256 but those forwards on the SIMT kernels\n"
+          "  (cupy_backend.forward_path / backward_path say which kernel a call takes)")
     print(_hopper_tiles())
     try:
         import cupy

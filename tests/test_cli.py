@@ -37,16 +37,16 @@ def test_info_lists_every_backend(capsys):
 def test_info_reports_the_hopper_tiles_each_switch_picks(monkeypatch):
     # the rules' tiles, not a copy of them: turning a switch on changes the line
     line = _hopper_tiles()
-    assert "forward\n  64: 128x128, 128: 128x128; backward 64: 64x128, 128: 64x128" in line
+    assert "forward\n  64: 128x128, 128: 128x128, 192: 128x80, 256: 128x80; backward 64: 64x128, 128: 64x128" in line
     assert "SM90_WIDE off, SM90_TALL_FORWARD off, SM90_TALL_BACKWARD off, SM90_PERSISTENT off" in line
     monkeypatch.setattr(cupy_backend, "SM90_WIDE", True)
     monkeypatch.setattr(cupy_backend, "SM90_TALL_BACKWARD", True)
     line = _hopper_tiles()
-    assert "forward\n  64: 128x192, 128: 128x176; backward 64: 128x128, 128: 64x128" in line
+    assert "forward\n  64: 128x192, 128: 128x176, 192: 128x80, 256: 128x80; backward 64: 128x128, 128: 64x128" in line
     assert "SM90_WIDE on, SM90_TALL_FORWARD off, SM90_TALL_BACKWARD on, SM90_PERSISTENT off" in line
     monkeypatch.setattr(cupy_backend, "SM90_TALL_FORWARD", True)  # before the wide block at 64
     line = _hopper_tiles()
-    assert "forward\n  64: 192x128, 128: 128x176; backward" in line
+    assert "forward\n  64: 192x128, 128: 128x176, 192: 128x80, 256: 128x80; backward" in line
     assert "SM90_WIDE on, SM90_TALL_FORWARD on, SM90_TALL_BACKWARD on" in line
 
 

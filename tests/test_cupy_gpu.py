@@ -157,3 +157,18 @@ def test_the_hopper_tiles_off_by_default_match_the_oracle(rng, monkeypatch, swit
     out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, dtype=dtype)
     grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=causal, dtype=dtype)
     assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout, causal=causal, backend="cupy")
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", [(1, 300, 500, 2, 1, 256, True), (2, 200, 333, 2, 2, 160, False),
+                                  (1, 130, 90, 1, 1, 200, False)], ids=case_id)
+def test_the_hopper_forward_above_head_dim_128_matches_the_oracle(rng, case, fmt):
+    """head_dim 136..256 (FA3's 128 x 80 tile, O_s in Q_s at 256; wgmma N = 80 and 256), on silicon against
+    the oracle; the backward there is the SIMT kernels'."""
+    import cupy
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the Hopper kernels run on compute capability 9.0 only")
+    *shape, causal = case
+    (q, k, v, _), (dq_, dk_, dv_, _), dtype = device_problem(rng, shape, fmt)
+    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, dtype=dtype)
+    assert_matches_oracle([x.get() for x in (out, lse)], q, k, v, causal=causal, backend="cupy")

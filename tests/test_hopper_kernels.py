@@ -54,8 +54,8 @@ def _backward_templates(q, k, v, compute_capability=HOPPER, deterministic=False,
 
 
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
-@pytest.mark.parametrize("head_dim", [32, 64, 72, 128])
-def test_the_hopper_forward_takes_16_bit_calls_up_to_head_dim_128(rng, dtype, head_dim):
+@pytest.mark.parametrize("head_dim", [32, 64, 72, 128, 136, 256])
+def test_the_hopper_kernels_take_16_bit_calls_the_forward_up_to_head_dim_256_the_backward_to_128(rng, dtype, head_dim):
     q, k, v = make_qkv(rng, 1, 20, 30, 2, 1, head_dim, np.float32)
     kw = {}
     if dtype == "bfloat16":
@@ -65,8 +65,14 @@ def test_the_hopper_forward_takes_16_bit_calls_up_to_head_dim_128(rng, dtype, he
         q, k, v = (x.astype(dtype) for x in (q, k, v))
     assert _forward_templates(q, k, v, causal=True, **kw) == {"flash_fwd_sm90"}
     assert _forward_templates(q, k, v, window=(5, 3), **kw) == {"flash_fwd_sm90"}
-    assert _backward_templates(q, k, v, causal=True, **kw) == {"flash_bwd_dkdv_sm90"}
-    assert _backward_templates(q, k, v, causal=True, deterministic=True, **kw) == {"flash_bwd_dkdv_sm90"}
+    # above 128 no tensor-core backward: the SIMT kernels, as on every other device
+    backward = {"flash_bwd_dkdv_sm90"} if head_dim <= 128 else {"flash_bwd_dkdv", "flash_bwd_dq"}
+    assert _backward_templates(q, k, v, causal=True, **kw) == backward
+    if head_dim <= 128:
+        assert _backward_templates(q, k, v, causal=True, deterministic=True, **kw) == backward
+    # and on an sm_80, head_dim 136..256 stays on the SIMT forward (no mma.sync kernel takes it)
+    sm80 = _forward_templates(q, k, v, compute_capability=80, **kw)
+    assert len(sm80) == 1 and sm80 <= ({"flash_fwd"} if head_dim > 128 else set(specs.TC_FORWARD_TEMPLATES))
 
 
 def test_other_calls_keep_the_mma_sync_kernels(rng):
@@ -161,6 +167,55 @@ def test_the_hopper_kernels_match_the_oracle(rng, order, dtype, cp_async, case):
         grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", **kw)
     assert {"flash_fwd_sm90", "flash_bwd_dkdv_sm90"} <= _templates(names)
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", **kw)
+
+
+# head_dim 136..256 (the buckets 192 and 256): FA3's 128 x 80 tile, wgmma N = 80 for S and 192 or 256 for
+# P V_j, O_s in Q_s at 256 (O_IN_Q); forward only (the backward above 128 is the SIMT kernels'), in the
+# default grid and persistent on 1 or 2 SMs, and with TMA landing at issue (eager); the packed batch's
+# 128 x 64 at 256: tests/test_varlen.py
+HEAD_DIM_256_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window)
+    (1, 70, 200, 2, 1, 256, True, None),        # GQA, causal; key blocks of 80, 80, 40: a stage reused
+    (1, 130, 90, 1, 1, 200, False, (40, 7)),    # the window; head_dim 200: columns past it read as zeros
+    (2, 17, 300, 1, 1, 160, False, None),       # the bucket 192; batch 2, a tile of 17 rows, four key blocks
+]
+
+
+@pytest.mark.parametrize("order, dtype, cp_async", [("ascending", "float16", "deferred"),
+                                                    ("warp_skew", "bfloat16", "deferred"),
+                                                    ("descending", "float16", "deferred"),
+                                                    ("ascending", "bfloat16", "eager")])
+@pytest.mark.parametrize("case", HEAD_DIM_256_CASES, ids=lambda c: "x".join(str(x) for x in c[:6])
+                         + ("-causal" if c[6] else "") + (f"-w{c[7][0]}_{c[7][1]}" if c[7] else ""))
+def test_the_head_dim_256_forward_matches_the_oracle(rng, order, dtype, cp_async, case):
+    *shape, causal, window = case
+    q, k, v, _, kw = _problem(rng, dtype, *shape, causal=causal, window=window)
+    names = []
+    grid, launch = persistent(SM_COUNTS[order])
+    with launch, emulated(order, compile=recording(names), compute_capability=HOPPER, cp_async=cp_async, **grid):
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+    ctype = "__half" if dtype == "float16" else "__nv_bfloat16"
+    mods = specs.SM90_MODS if window else 0
+    assert names == [f"flash_fwd_sm90<{ctype}, {specs.tc_tile_row(shape[-1])}, 128, 80{f', {mods}' if mods else ''}>"]
+    assert_matches_oracle((out, lse), q, k, v, backend="cupy", **kw)
+
+
+@pytest.mark.parametrize("head_dim, mods, causal, varlen, tile, o_in_q", [
+    (256, 0, False, False, (128, 80), True), (200, 0, True, False, (128, 80), True),
+    (256, specs.SM90_MODS, False, False, (128, 80), True),  # the window
+    (256, 0, False, True, (128, 64), True),                 # a packed batch: at 80 keys its kernel spilled
+    (136, 0, False, False, (128, 80), False), (192, specs.SM90_MODS, True, True, (128, 80), False),
+])
+def test_the_tiles_above_head_dim_128_fit(head_dim, mods, causal, varlen, tile, o_in_q):
+    # the wide and tall switches change nothing there (no tile of theirs)
+    for wide in (False, True):
+        for tall in (False, True):
+            assert specs.sm90_forward_tile(head_dim, mods, causal, varlen, wide, tall) == tile
+    kernel = specs.sm90_forward_module("float16", head_dim, mods, varlen, tile).kernels[0]
+    assert kernel.dynamic_smem <= specs.SM90_SMEM_OPTIN
+    # at 256 Q_i, the ring and O_s would not fit: O_s is Q_s (flash_fwd_sm90.cu's O_IN_Q), as launch.py counts
+    (bm, bn), d = tile, specs.tc_tile_row(head_dim)
+    assert kernel.dynamic_smem == ((1 if o_in_q else 2) * bm + 2 * 2 * bn) * d * 2 + 1024
+    assert specs.sm90_eligible("float16", head_dim, mods) and not specs.sm90_eligible("float16", head_dim, mods, True)
 
 
 # FA3's wide key blocks (cupy_backend.SM90_WIDE, off by default: specs.sm90_forward_tile): 176 keys at

@@ -469,6 +469,18 @@ def test_on_sm90_a_packed_batch_is_one_launch_of_each_hopper_kernel(rng, case):
     assert all(name.endswith(", true>") for name, _ in grids if name.startswith(("flash_fwd_sm90", "flash_bwd_dkdv"))), grids
 
 
+def test_on_sm90_a_packed_batch_at_head_dim_256_takes_the_hopper_forward(rng):
+    # the one tensor-core forward above head_dim 128 (specs.SM90_VARLEN_FORWARD_TILES: 128 x 64, O_s in
+    # Q_s): sequences empty, of one row, shorter and longer than its 64-key boxes, GQA, causal and the
+    # window; the backward is the SIMT kernels', one launch each as well
+    from flashcupy.tools.emulator.cupy import emulated
+    grids = []
+    with emulated(compile=_recording(grids), compute_capability=90):
+        packed_batch_matches_the_oracle(rng, "cupy", ([7, 0, 70, 130, 1], [9, 4, 65, 150, 0]), BF16, 248,
+                                        (2, 1), dict(causal=True, window=(90, 2)))
+    assert [name for name, _ in grids] == ["flash_fwd_sm90<__nv_bfloat16, 256, 128, 64, 1, true>"] * 2
+
+
 def test_on_sm90_a_contiguous_kv_cache_step_is_one_launch_of_the_hopper_forward(rng):
     # a decode step over a contiguous cache without split-KV: the append, then flash_fwd_sm90.cu reading
     # the cached lengths (seqused_k) as the other packed forwards do, against the oracle

@@ -44,8 +44,8 @@ MMA_FLOPS = 2 * 16 * 8 * 16  # one mma.sync m16n8k16
 # the SIMT ones (which no other dtype changes in structure)
 CASES = (("float16", 64), ("float16", 128), ("float32", 64), ("float32", 128))
 # the same on an emulated sm_90 device, where the forward and backward run on flash_fwd_sm90.cu and
-# flash_bwd_sm90.cu
-SM90_CASES = (("float16", 64), ("float16", 128))
+# flash_bwd_sm90.cu (at head_dim 256 the forward alone: the backward there is the SIMT kernels')
+SM90_CASES = (("float16", 64), ("float16", 128), ("float16", 256))
 SM90 = 90  # the compute capability of SM90_CASES (specs.SM90_COMPUTE_CAPABILITY)
 # the smaller launch: seqlen_q = seqlen_k = BASE (or one block of the loop's side, if larger: the
 # Hopper forward's 128 keys); the larger one doubles the loop's side
@@ -100,15 +100,17 @@ def count_launches(dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int, back
 def _kernels(dtype: str, head_dim: int, compute_capability: int = 80) -> dict:
     """{template: specs.Kernel} of the kernels the backend launches for this dtype and head_dim, non-causal
     (on compute capability 9.0: the Hopper kernels, of the tiles cupy_backend's SM90_WIDE,
-    SM90_TALL_FORWARD and SM90_TALL_BACKWARD ask for)."""
+    SM90_TALL_FORWARD and SM90_TALL_BACKWARD ask for; above head_dim 128 the forward alone, the backward
+    there being the SIMT kernels')."""
     if compute_capability == specs.SM90_COMPUTE_CAPABILITY:
         if not specs.sm90_eligible(dtype, head_dim, 0):
             raise ValueError(f"{dtype} head_dim={head_dim} does not run on the Hopper kernels")
         from flashcupy.backends import cupy_backend
         forward = specs.sm90_forward_tile(head_dim, wide=cupy_backend.SM90_WIDE, tall=cupy_backend.SM90_TALL_FORWARD)
-        backward = specs.sm90_backward_tile(head_dim, tall=cupy_backend.SM90_TALL_BACKWARD)
-        modules = (specs.sm90_forward_module(dtype, head_dim, tile=forward),
-                   specs.sm90_backward_module(dtype, head_dim, tile=backward))
+        modules = (specs.sm90_forward_module(dtype, head_dim, tile=forward),)
+        if specs.sm90_eligible(dtype, head_dim, 0, backward=True):  # above head_dim 128: the SIMT kernels'
+            backward = specs.sm90_backward_tile(head_dim, tall=cupy_backend.SM90_TALL_BACKWARD)
+            modules += (specs.sm90_backward_module(dtype, head_dim, tile=backward),)
     elif specs.tensor_core_eligible(dtype, head_dim):
         modules = (specs.tc_forward_module(dtype, head_dim), specs.tc_backward_module(dtype, head_dim))
     else:

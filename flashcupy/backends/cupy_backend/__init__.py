@@ -192,7 +192,9 @@ def _grid_axes(p, backward) -> tuple:
                                                specs.deterministic_tc_backward_module] * backward
     mods = _mods(p)
     if specs.sm90_eligible(p.dtype, p.head_dim, mods):
-        builds += [specs.sm90_forward_module] + [specs.sm90_backward_module] * backward
+        builds += [specs.sm90_forward_module]
+    if backward and specs.sm90_eligible(p.dtype, p.head_dim, mods, backward=True):
+        builds += [specs.sm90_backward_module]
     return tuple((*kernel.grid(p), 0) for build in builds for kernel in build(p.dtype, p.head_dim, mods).kernels)
 
 
@@ -215,19 +217,23 @@ def _path_remembered(kind: str, p, tensors, flags: tuple, choose) -> str:
     return _remember(rt.plans, key, choose)
 
 
-def _path(p, *tensors) -> str:
-    """'tensor-core' when the tensor-core kernels take `tensors` (all read or written through
-    16-byte rows), else 'simt'."""
-    if not (USE_TENSOR_CORES and specs.tensor_core_eligible(p.dtype, p.head_dim)):
-        return "simt"
-    rt = _runtime()
+def _rows_16_bytes(rt, *tensors) -> bool:
+    """Whether the device is sm_80 or newer and `tensors` are all read or written through 16-byte rows:
+    contiguous along head_dim, the other strides multiples of 8 elements, 16-byte aligned."""
     if rt.compute_capability(tensors[0]) < 80:
-        return "simt"
+        return False
     for x in tensors:
         strides = [s // x.itemsize for s in x.strides]
         if strides[3] != 1 or any(s % 8 for s in strides[:3]) or rt.data_ptr(x) % 16:
-            return "simt"
-    return "tensor-core"
+            return False
+    return True
+
+
+def _path(p, *tensors) -> str:
+    """'tensor-core' when the tensor-core kernels take `tensors` (all read or written through
+    16-byte rows), else 'simt'."""
+    eligible = USE_TENSOR_CORES and specs.tensor_core_eligible(p.dtype, p.head_dim)
+    return "tensor-core" if eligible and _rows_16_bytes(_runtime(), *tensors) else "simt"
 
 
 def _tma_describable(rt, x) -> bool:
@@ -238,14 +244,16 @@ def _tma_describable(rt, x) -> bool:
             and all(n == 1 or (0 < s < 2 ** 40 and s % 16 == 0) for n, s in zip(x.shape[:3], x.strides[:3])))
 
 
-def _hopper(p, path: str, *tensors) -> bool:
-    """Whether the Hopper kernels take a call that `path` puts on tensor cores: USE_WGMMA, compute
-    capability 9.0, no modifier but the window (specs.sm90_eligible), and `tensors`, read or written
-    through tensor maps, describable by one (_tma_describable)."""
+def _hopper(p, backward: bool, rows, *tensors) -> bool:
+    """Whether the Hopper forward (backward) takes a call: USE_TENSOR_CORES and USE_WGMMA, compute
+    capability 9.0, a dtype, head_dim and modifiers it covers (specs.sm90_eligible: head_dim up to 256 in
+    the forward, where no mma.sync kernel goes), `rows` read through 16-byte rows (_rows_16_bytes: what
+    the mma.sync kernels ask of the same arrays), and `tensors`, read or written through tensor maps,
+    describable by one (_tma_describable)."""
     rt = _runtime()
-    return (path == "tensor-core" and USE_WGMMA and specs.sm90_eligible(p.dtype, p.head_dim, _mods(p))
+    return (USE_TENSOR_CORES and USE_WGMMA and specs.sm90_eligible(p.dtype, p.head_dim, _mods(p), backward)
             and rt.compute_capability(tensors[0]) == specs.SM90_COMPUTE_CAPABILITY
-            and all(_tma_describable(rt, x) for x in tensors))
+            and _rows_16_bytes(rt, *rows) and all(_tma_describable(rt, x) for x in tensors))
 
 
 def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False) -> str:
@@ -253,18 +261,20 @@ def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False)
 
     Tensor cores take float16/bfloat16 with head_dim a multiple of 8 up to 128, on sm_80 or
     newer, when q, k, v are contiguous along head_dim with 16-byte aligned rows (the other
-    strides multiples of 8 elements); everything else runs on the SIMT kernel. Of those, on compute
-    capability 9.0 the Hopper kernel takes the calls with no modifier but the window, no split-KV and
-    no paged KV cache (paged: its keys are read through the block table, a row at a time), whose q, k,
-    v (and out, when given) a tensor map can describe (_tma_describable: positive strides too); the
-    others stay on the mma.sync kernel, never an error. A packed batch (q, k, v a batch of one) takes
-    the same kernels as a batch of its sequences would.
+    strides multiples of 8 elements); everything else runs on the SIMT kernel. On compute capability
+    9.0 the Hopper kernel takes those calls, and those of head_dim 136 to 256 alike, when they have no
+    modifier but the window, no split-KV and no paged KV cache (paged: its keys are read through the
+    block table, a row at a time), and q, k, v (and out, when given) a tensor map can describe
+    (_tma_describable: positive strides too); the others stay on the mma.sync (or, above 128, SIMT)
+    kernel, never an error. A packed batch (q, k, v a batch of one) takes the same kernels as a batch
+    of its sequences would.
     """
     tensors = (q, k, v) if out is None else (q, k, v, out)
 
     def choose():
-        path = _path(p, q, k, v)
-        return "hopper" if not split and not paged and _hopper(p, path, *tensors) else path
+        if not split and not paged and _hopper(p, False, (q, k, v), *tensors):
+            return "hopper"
+        return _path(p, q, k, v)
     return _path_remembered("forward", p, tensors, (split, paged), choose)
 
 
@@ -273,13 +283,13 @@ def backward_path(p, dout, q, k, v, out, deterministic: bool = False) -> str:
 
     The forward's conditions, on dout and out as well as q, k, v (lse may have any strides;
     dq, dk, dv are allocated contiguous); the Hopper backward takes what the Hopper forward takes
+    up to head_dim 128
     (q, k, v and dout through tensor maps), deterministic or not: its CTAs add dQ into one workspace
     by bulk reduce-adds, in an order that varies from run to run, or (deterministic) in key-block
     order, each CTA waiting for its turn at a tile (flash_bwd_sm90.cu's DETERMINISTIC).
     """
     def choose():
-        path = _path(p, q, k, v, dout, out)
-        return "hopper" if _hopper(p, path, q, k, v, dout) else path
+        return "hopper" if _hopper(p, True, (q, k, v, dout, out), q, k, v, dout) else _path(p, q, k, v, dout, out)
     return _path_remembered("backward", p, (q, k, v, dout, out), (), choose)
 
 

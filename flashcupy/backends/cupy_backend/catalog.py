@@ -8,10 +8,11 @@ from __future__ import annotations
 import functools
 
 from .specs import (ALL_MODS, CUDA_TYPES, HEAD_DIM_BUCKETS, MOD_BITS, TC_DTYPES, TC_HEAD_DIM_BUCKETS,
-                    SM90_FORWARD_TILES, SM90_MODS, SM90_TALL_BACKWARD_TILES, SM90_TALL_FORWARD_TILES,
-                    SM90_WIDE_FORWARD_TILES, append_module,
+                    SM90_BACKWARD_TILES, SM90_FORWARD_TILES, SM90_MODS, SM90_TALL_BACKWARD_TILES,
+                    SM90_TALL_FORWARD_TILES, SM90_WIDE_FORWARD_TILES, append_module,
                     backward_module, dbias_module, deterministic_tc_backward_module, forward_module, merge_module,
-                    probs_module, sm90_backward_module, sm90_forward_module, tc_backward_module, tc_forward_module)
+                    probs_module, sm90_backward_module, sm90_forward_module, sm90_forward_tile, tc_backward_module,
+                    tc_forward_module)
 
 # What the NVRTC report compiles of each kernel family: the plain kernels and every modifier (the most
 # work in a tile's loop) everywhere; the window alone on tensor cores only, whose window variants sit
@@ -83,16 +84,20 @@ def varlen_modules(mods=(0, VARLEN_MODS)):
 
 
 def sm90_modules(dtypes=TC_DTYPES) -> list:
-    """Every Hopper module: the forward and the backward (and the deterministic backward) for each dtype,
-    head-dim bucket, and the modifier sets they take (none, the window), for one batch and for a packed
-    one; the forward of one batch with FA3's wide key block (SM90_WIDE_FORWARD_TILES); the forward with FA3's
+    """Every Hopper module: the forward (at its default tile, sm90_forward_tile) and the backward (and the
+    deterministic backward) for each dtype, head-dim bucket each takes (SM90_FORWARD_TILES,
+    SM90_BACKWARD_TILES), and the modifier sets they take (none, the window), for one batch and for a
+    packed one; the forward of one batch with FA3's wide key block (SM90_WIDE_FORWARD_TILES); the forward with FA3's
     192 query rows (SM90_TALL_FORWARD_TILES), one batch, with and without the window; and the backward
     without the window with FA3's tall pass (SM90_TALL_BACKWARD_TILES), both kinds of batch, deterministic
     or not. The NVRTC report compiles them for SM90_ARCH only."""
-    builds = (sm90_forward_module, sm90_backward_module, functools.partial(sm90_backward_module, deterministic=True))
-    return ([build(dtype, bucket, mods, varlen) for build in builds
+    backwards = (sm90_backward_module, functools.partial(sm90_backward_module, deterministic=True))
+    return ([sm90_forward_module(dtype, bucket, mods, varlen, sm90_forward_tile(bucket, mods, varlen=varlen))
              for varlen in (False, True) for mods in (0, SM90_MODS) for dtype in dtypes
              for bucket in SM90_FORWARD_TILES]
+            + [build(dtype, bucket, mods, varlen) for build in backwards
+               for varlen in (False, True) for mods in (0, SM90_MODS) for dtype in dtypes
+               for bucket in SM90_BACKWARD_TILES]
             + [sm90_forward_module(dtype, bucket, 0, False, tile) for dtype in dtypes
                for bucket, tile in SM90_WIDE_FORWARD_TILES.items()]
             + [sm90_forward_module(dtype, bucket, mods, False, tile) for dtype in dtypes

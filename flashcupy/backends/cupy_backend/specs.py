@@ -149,9 +149,10 @@ TC_TEMPLATES = ("flash_fwd_tc", "flash_fwd_tc_wide", "flash_bwd_dkdv_tc", "flash
 TC_FORWARD_TEMPLATES = TC_TEMPLATES[:2]
 
 # The Hopper forward (flash_fwd_sm90.cu: TMA, wgmma, warp specialisation), compiled for sm_90a and run
-# on compute capability 9.0 only: float16/bfloat16, head_dim a multiple of 8 up to 128, no modifier but
-# the window, no split-KV. HEAD_DIM is head_dim rounded up to 64 (a 128B-swizzled TMA box is 64
-# columns); BLOCK_M is two (or three) consumer warpgroups of 64 query rows, BLOCK_N a key block (wgmma N).
+# on compute capability 9.0 only: float16/bfloat16, head_dim a multiple of 8 up to 256 (the backward's up
+# to 128), no modifier but the window, no split-KV. HEAD_DIM is head_dim rounded up to 64 (a 128B-swizzled
+# TMA box is 64 columns; tc_tile_row); BLOCK_M is two (or three) consumer warpgroups of 64 query rows,
+# BLOCK_N a key block (wgmma N).
 SM90_TEMPLATES = ("flash_fwd_sm90", "flash_bwd_dkdv_sm90")
 SM90_ARCH = "sm_90a"
 SM90_COMPUTE_CAPABILITY = 90
@@ -159,7 +160,14 @@ SM90_THREADS = 3 * 128  # a producer and two consumer warpgroups (SM90_THREADS i
 # setmaxnreg's registers a thread (producer, consumers) per number of consumer warpgroups: FA3's splits, the
 # SM's 64 Ki registers each (sm90_tile.cuh's PRODUCER_REGISTERS, CONSUMER_REGISTERS)
 SM90_REGISTERS = {2: (24, 240), 3: (32, 160)}
-SM90_FORWARD_TILES = {64: (128, 128), 128: (128, 128)}
+# FA3's 128 x 80 at head_dim 256 (its tile_size.h): O's 128 accumulators a thread, S's 40 and P's 20 fit
+# the consumers' 240 registers; Q_i, two stages of K_j and V_j take 225 KiB, so O_s lies in Q_s (O_IN_Q).
+# The same tile at 192 (head_dim 136..192: three atoms, O's 96 accumulators) fits with O_s its own, 217
+# KiB. No mma.sync kernel takes head_dim above 128: without this kernel those calls run on the SIMT kernels.
+SM90_FORWARD_TILES = {64: (128, 128), 128: (128, 128), 192: (128, 80), 256: (128, 80)}
+# A packed batch's forward at head_dim 256 takes 64 keys a pass: at 80 its kernel spilled 48-96 bytes
+# (its sequence's offsets and out's row-by-row store besides; NVRTC 12.9 and 13.5); at 192 it did not
+SM90_VARLEN_FORWARD_TILES = {256: (128, 64)}
 # FA3's 192 query rows at head_dim 64 (its tile_size.h: 192 x 128 with causal or a window, 192 x 192 without),
 # three consumer warpgroups of 64 rows and 160 registers each: at head_dim 64 a block's softmax takes about
 # as long as its GEMMs (the counters' ex2 and tensor bounds: 959 and 989 TFLOP/s on an H200), so that two
@@ -489,8 +497,11 @@ def sm90_forward_tile(head_dim: int, mods: int = 0, causal: bool = False, varlen
     offsets and out's row-by-row store besides) and the head_dim's bucket has one (causal and the window
     too, as FA3's); else SM90_WIDE_FORWARD_TILES' where `wide` asks for it, the call has neither causal
     nor a window (a band would mask more of a wider block), is one batch (a packed batch's kernel spilled
-    at 176 keys: its sequence's offsets besides) and the bucket has one; else SM90_FORWARD_TILES'."""
+    at 176 keys: its sequence's offsets besides) and the bucket has one; else SM90_FORWARD_TILES'. A packed
+    batch takes SM90_VARLEN_FORWARD_TILES' where its bucket has one."""
     bucket = tc_tile_row(head_dim)
+    if varlen and bucket in SM90_VARLEN_FORWARD_TILES:
+        return SM90_VARLEN_FORWARD_TILES[bucket]
     if tall and not varlen and bucket in SM90_TALL_FORWARD_TILES:
         return SM90_TALL_FORWARD_TILES[bucket]
     if wide and not causal and not mods and not varlen and bucket in SM90_WIDE_FORWARD_TILES:
@@ -501,7 +512,7 @@ def sm90_forward_tile(head_dim: int, mods: int = 0, causal: bool = False, varlen
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def sm90_forward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False,
                         tile: tuple | None = None) -> ModuleSpec:
-    """The Hopper forward (sm_90a) for float16/bfloat16, head_dim <= 128 (a multiple of 8), no
+    """The Hopper forward (sm_90a) for float16/bfloat16, head_dim <= 256 (a multiple of 8), no
     modifier but the window (sm90_eligible); varlen: for a packed batch (a CTA a query block, out stored
     row by row); tile: its (BLOCK_M, BLOCK_N) (sm90_forward_tile), SM90_FORWARD_TILES' by default."""
     bucket = tc_tile_row(head_dim)
@@ -538,10 +549,13 @@ def sm90_backward_tile(head_dim: int, mods: int = 0, tall: bool = False) -> tupl
     return SM90_BACKWARD_TILES[bucket]
 
 
-def sm90_eligible(dtype, head_dim: int, mods: int) -> bool:
-    """Whether the Hopper forward covers this dtype, head_dim and set of modifiers (the device's
-    compute capability and the arrays' strides are checked apart)."""
-    return tensor_core_eligible(dtype, head_dim) and mods & ~SM90_MODS == 0
+def sm90_eligible(dtype, head_dim: int, mods: int, backward: bool = False) -> bool:
+    """Whether the Hopper forward (backward: the Hopper backward) covers this dtype, head_dim and set of
+    modifiers: the head_dim buckets of SM90_FORWARD_TILES (SM90_BACKWARD_TILES). The device's compute
+    capability and the arrays' strides are checked apart."""
+    buckets = SM90_BACKWARD_TILES if backward else SM90_FORWARD_TILES
+    return (_name(dtype) in TC_DTYPES and head_dim % 8 == 0 and head_dim <= max(buckets)
+            and mods & ~SM90_MODS == 0)
 
 
 def tensor_core_eligible(dtype, head_dim: int) -> bool:

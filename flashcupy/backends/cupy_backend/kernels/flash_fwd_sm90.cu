@@ -1,5 +1,6 @@
 // flash_fwd_sm90.cu: FlashAttention forward for Hopper (sm_90a): TMA loads into an mbarrier ring,
-// warpgroup MMA (wgmma), warp specialisation. float16 and bfloat16, head_dim up to 128.
+// warpgroup MMA (wgmma), warp specialisation. float16 and bfloat16, head_dim up to 256 (the only
+// tensor-core kernel above 128).
 //
 // The maths of flash_fwd_tc.cu, for one query block Q_i (BLOCK_M rows) of one (batch, query head):
 //     for each key block K_j, V_j (BLOCK_N keys) that some row of Q_i can see:
@@ -49,7 +50,7 @@
 //     O_s   BLOCK_M x HEAD_DIM                      each consumer's rows of out, for its TMA store
 //     total (2 BLOCK_M + 2 STAGES BLOCK_N) HEAD_DIM 2 bytes + 1024 of alignment (launch.py: LAUNCH).
 // O_IN_Q: where that is more than a CTA may have (227 KiB: BLOCK_N 176 at HEAD_DIM 128, FA3's key block
-// for calls without causal or window), O_s is Q_s: a consumer's rows of O_s are the rows of Q_s that only
+// for calls without causal or window; every tile at HEAD_DIM 256: 225 KiB with 80 keys), O_s is Q_s: a consumer's rows of O_s are the rows of Q_s that only
 // its own S = Q_i K_jᵀ read, all landed before it writes out. The next Q_i then waits for out to have
 // left (q_empty below), so a persistent grid's next Q_i no longer loads under this tile's epilogue.
 // mbarriers (static shared memory), and why each is waited on:
@@ -95,9 +96,10 @@
 // to HEAD_DIM: a box reads the columns past head_dim, and the rows past seqlen, as zeros, and the TMA
 // store writes neither. Modifiers: none or the window (MODS); the others run on flash_fwd_tc.cu.
 //
-// Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
+// Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64, 128 or 256: head_dim rounded up to 64),
 // BLOCK_M (64 CONSUMERS: 128, or 192 at head_dim 64, specs.sm90_forward_tile), BLOCK_N (a key block: 64,
-// 128, or the wide 176, 192), MODS (0 or MOD_WINDOW).
+// 128, the wide 176, 192, or 80 at head_dim 256, where O takes 128 of a consumer's 240 registers),
+// MODS (0 or MOD_WINDOW).
 // `tiles`: the query blocks times batch times heads_q (VARLEN: the grid's CTAs). tile_counter: an int,
 // zero at launch, where a grid of fewer CTAs than tiles counts the tiles taken after each CTA's first
 // (never read otherwise). VARLEN: a packed batch's kernel.
@@ -113,9 +115,9 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
     VARLEN_PARAMS) {
     constexpr int CONSUMERS = BLOCK_M / 64;  // a consumer warpgroup owns 64 query rows
     static_assert(BLOCK_M % 64 == 0 && (CONSUMERS == 2 || CONSUMERS == 3), "two or three consumer warpgroups");
-    static_assert(HEAD_DIM % ATOM == 0 && HEAD_DIM <= 128, "head_dim in whole atoms; wgmma N of 64 or 128");
-    static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 176 || BLOCK_N == 192,
-                  "wgmma N of 64, 128, 176 or 192 (hopper.cuh's Wgmma)");
+    static_assert(HEAD_DIM % ATOM == 0 && HEAD_DIM <= 256, "head_dim in whole atoms; wgmma N of 64, 128, 192 or 256");
+    static_assert(BLOCK_N == 64 || BLOCK_N == 80 || BLOCK_N == 128 || BLOCK_N == 176 || BLOCK_N == 192,
+                  "wgmma N of 64, 80, 128, 176 or 192 (hopper.cuh's Wgmma)");
     static_assert((MODS & ~MOD_WINDOW) == 0, "the other modifiers run on flash_fwd_tc.cu");
     constexpr int N_TILES = BLOCK_N / 8;     // 8-key column tiles of S (C fragments)
     constexpr int D_TILES = HEAD_DIM / 8;    // 8-column tiles of O
@@ -124,7 +126,7 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
     constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2, KV_BYTES = BLOCK_N * HEAD_DIM * 2;
     // named barriers: 1 + c, consumer c's O_s; PINGPONG + c, consumer c's turn; ZEROED (VARLEN), the consumers'
     constexpr int PINGPONG = 1 + CONSUMERS, ZEROED = 1 + 2 * CONSUMERS;
-    // O_s in Q_s where Q_i, the ring and O_s would not fit (the wide key block, 176 at head_dim 128):
+    // O_s in Q_s where Q_i, the ring and O_s would not fit (the wide key block, 176 at head_dim 128; 256):
     // launch.py's _sm90_forward_smem says the same
     constexpr bool O_IN_Q = (2 * BLOCK_M + 2 * SM90_STAGES * BLOCK_N) * HEAD_DIM * 2 + 1024 > SM90_SMEM_OPTIN;
 
