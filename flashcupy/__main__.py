@@ -59,12 +59,13 @@ def cmd_info(args) -> int:
           "  head_dim a multiple of 8 up to 128, on sm_80+, q/k/v (and dout/out) contiguous along head_dim\n"
           "  with 16-byte aligned rows; the SIMT kernels for everything else. On compute capability 9.0\n"
           "  those calls, and forwards of head_dim 136..256 alike, run on the Hopper kernels (TMA, wgmma,\n"
-          "  warp specialisation; sm_90a) when they have no modifier but the window, no split-KV, and\n"
-          "  strides a tensor map describes (positive, multiples of 16 bytes), packed batches\n"
-          "  (attention_varlen, contiguous KV caches) and deterministic=True (dQ added in key-block order)\n"
-          "  included; softcap, ALiBi, bias, mask, split-KV and paged KV caches stay on mma.sync, and\n"
-          "  every call of head_dim 136..256 but those forwards on the SIMT kernels\n"
-          "  (cupy_backend.forward_path / backward_path say which kernel a call takes)")
+          "  warp specialisation; sm_90a) when they have no split-KV, strides a tensor map describes\n"
+          "  (positive, multiples of 16 bytes) and modifiers the kernel takes: one batch's forward every\n"
+          "  one but a bias above head_dim 128, packed batches (attention_varlen, contiguous KV caches) and\n"
+          "  the backward (deterministic=True too: dQ added in key-block order) the window alone; other\n"
+          "  modifiers, split-KV and paged KV caches stay on mma.sync, and every call of head_dim\n"
+          "  136..256 but those forwards on the SIMT kernels (cupy_backend.forward_path / backward_path\n"
+          "  say which kernel a call takes)")
     print(_hopper_tiles())
     try:
         import cupy
@@ -165,7 +166,8 @@ def cmd_kernels(args) -> int:
     modules = catalog.every_tc_modifier_set_modules() if args.every_modifier_set else None
     reports = {f"NVRTC {t.version}": nvrtc.kernel_report(args.arch, t, modules) for t in toolkits}
     if args.arch.startswith("sm_90"):  # and the Hopper kernels, which are compiled for sm_90a only
-        reports.update({f"NVRTC {t.version}, {specs.SM90_ARCH}": nvrtc.kernel_report(specs.SM90_ARCH, t, catalog.sm90_modules())
+        hopper = catalog.sm90_modules(every_modifier_set=args.every_modifier_set)
+        reports.update({f"NVRTC {t.version}, {specs.SM90_ARCH}": nvrtc.kernel_report(specs.SM90_ARCH, t, hopper)
                         for t in toolkits})
     for t in toolkits:
         print(f"NVRTC {t.version}: {t.nvrtc}, CUDA headers {t.include}")
@@ -271,8 +273,8 @@ def parser() -> argparse.ArgumentParser:
                    help="also run a small launch of each kernel on the CPU emulator (a checkout's, not the wheel's) and "
                         "print its memory counters and a roofline model for A100, H100 and H200")
     k.add_argument("--every-modifier-set", action="store_true",
-                   help="the tensor-core kernels with each of the 32 sets of score modifiers, not only none, "
-                        "the window and all of them (464 modules an NVRTC: minutes)")
+                   help="the tensor-core kernels (and the Hopper forward, at --arch sm_90) with each of the 32 sets "
+                        "of score modifiers, not only none, the window and all of them (minutes)")
     return ap
 
 

@@ -160,15 +160,32 @@ def test_the_hopper_tiles_off_by_default_match_the_oracle(rng, monkeypatch, swit
 
 
 @pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
-@pytest.mark.parametrize("case", [(1, 300, 500, 2, 1, 256, True), (2, 200, 333, 2, 2, 160, False),
-                                  (1, 130, 90, 1, 1, 200, False)], ids=case_id)
-def test_the_hopper_forward_above_head_dim_128_matches_the_oracle(rng, case, fmt):
-    """head_dim 136..256 (FA3's 128 x 80 tile, O_s in Q_s at 256; wgmma N = 80 and 256), on silicon against
-    the oracle; the backward there is the SIMT kernels'."""
+@pytest.mark.parametrize("case, modifiers", [
+    ((1, 300, 500, 2, 1, 256, True), ()), ((2, 200, 333, 2, 2, 160, False), ()), ((1, 130, 90, 1, 1, 200, False), ()),
+    ((1, 300, 400, 2, 1, 128, True), ("softcap", "alibi", "bias", "mask", "window")),
+    ((1, 200, 250, 2, 2, 256, False), ("softcap", "mask")),
+], ids=lambda x: "+".join(x) or "plain" if not x or isinstance(x[0], str) else case_id(x))
+def test_the_hopper_forwards_new_cases_match_the_oracle(rng, case, modifiers, fmt):
+    """head_dim 136..256 (FA3's 128 x 80 tile, O_s in Q_s at 256; wgmma N = 80 and 256) and the score
+    modifiers and bool mask (64-key blocks with a bias or mask) on the Hopper forward, on silicon against
+    the oracle; the backward of these calls is the mma.sync or SIMT kernels'."""
     import cupy
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the Hopper kernels run on compute capability 9.0 only")
     *shape, causal = case
+    B, Sq, Sk, Hq = shape[:4]
     (q, k, v, _), (dq_, dk_, dv_, _), dtype = device_problem(rng, shape, fmt)
-    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, dtype=dtype)
-    assert_matches_oracle([x.get() for x in (out, lse)], q, k, v, causal=causal, backend="cupy")
+    kw = {}
+    if "softcap" in modifiers:
+        kw["softcap"] = 2.5
+    if "alibi" in modifiers:
+        kw["alibi_slopes"] = rng.uniform(0.05, 0.5, (B, Hq)).astype(np.float32)
+    if "bias" in modifiers:
+        kw["bias"] = rng.standard_normal((1, Hq, Sq, Sk)).astype(np.float32)
+    if "mask" in modifiers:
+        kw["mask"] = rng.random((B, 1, Sq, Sk)) < 0.7
+    if "window" in modifiers:
+        kw["window"] = (90, 7)
+    on_gpu = {m: cupy.asarray(x) if isinstance(x, np.ndarray) else x for m, x in kw.items()}
+    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, dtype=dtype, **on_gpu)
+    assert_matches_oracle([x.get() for x in (out, lse)], q, k, v, causal=causal, backend="cupy", **kw)

@@ -51,7 +51,7 @@ def run_cupy(q, k, v, dout, path, order, bits=False, compile=compile_module, **k
     call = dict(kw, dtype="bfloat16") if bits else kw
     if bits:
         q, k, v, dout = (bf16_bits(x) for x in (q, k, v, dout))
-    with emulated(order, compile=compile):
+    with emulated(order, compile=compile, compute_capability=DEVICE[path]):
         assert_path(q, k, v, path, call.get("dtype"), **kw)
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **call)
         grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", **call)
@@ -60,7 +60,7 @@ def run_cupy(q, k, v, dout, path, order, bits=False, compile=compile_module, **k
 
 def check_cupy(q, k, v, dout, path, order, bits=False, **kw):
     """modifier_checks.check on the emulated cupy backend (attention_probs of a few rows included)."""
-    with emulated(order):
+    with emulated(order, compute_capability=DEVICE[path]):
         assert_path(*((bf16_bits(x) for x in (q, k, v)) if bits else (q, k, v)), path, "bfloat16" if bits else None,
                     **(dict(kw, bias=bf16_bits(kw["bias"])) if bits and "bias" in kw and kw["bias"].dtype == BF16 else kw))
         rows = np.array([q.shape[1] - 1, 0, 5, -1, 20])
@@ -73,9 +73,14 @@ def deterministic_backward(monkeypatch):
     monkeypatch.setattr(cupy_backend, "backward", lambda *a, **kw: backward(*a, **dict(kw, deterministic=True)))
 
 
-@pytest.fixture(params=["tensor-core", "simt"])
+# "hopper": the Hopper forward (every modifier in one batch, specs.SM90_FORWARD_MODS) on an emulated sm_90,
+# the backward on the mma.sync kernels (the Hopper backward takes the window alone)
+DEVICE = {"hopper": specs.SM90_COMPUTE_CAPABILITY, "tensor-core": 80, "simt": 80}
+
+
+@pytest.fixture(params=["hopper", "tensor-core", "simt"])
 def path(request, monkeypatch):
-    monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", request.param == "tensor-core")
+    monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", request.param != "simt")
     return request.param
 
 
@@ -90,7 +95,7 @@ TC_SHAPE = (1, 80, 100, 4, 2, 64)
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_modifier_matches_the_oracle(rng, path, name, order):
-    shape, dtype = (TC_SHAPE, np.float16) if path == "tensor-core" else (SIMT_SHAPE, np.float32)
+    shape, dtype = (TC_SHAPE, np.float16) if path != "simt" else (SIMT_SHAPE, np.float32)
     q, k, v = make_qkv(rng, *shape, dtype)
     dout = rng.standard_normal(q.shape).astype(dtype)
     check_cupy(q, k, v, dout, path, order, **cases(rng, shape, dtype)[name])
@@ -99,7 +104,7 @@ def test_modifier_matches_the_oracle(rng, path, name, order):
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("name", ["all", "all-causal"])
 def test_modifiers_in_bfloat16_bits(rng, path, name, order):
-    shape = TC_SHAPE if path == "tensor-core" else SIMT_SHAPE[:5] + (64,)
+    shape = TC_SHAPE if path != "simt" else SIMT_SHAPE[:5] + (64,)
     q, k, v = make_qkv(rng, *shape, BF16)
     dout = rng.standard_normal(q.shape).astype(BF16)
     check_cupy(q, k, v, dout, path, order, bits=True, **cases(rng, shape, BF16)[name])
@@ -151,7 +156,7 @@ def test_the_tiles_modifiers_take_where_the_plain_ones_spill(rng, dtype, head_di
     (70, 30, (3, None), True),  # causal, Sq > Sk: a window below the diagonal, rows before it see nothing
 ])
 def test_windows_past_the_ends_and_rows_that_see_no_key(rng, path, Sq, Sk, window, causal, order):
-    dtype = np.float16 if path == "tensor-core" else np.float32
+    dtype = np.float16 if path != "simt" else np.float32
     q, k, v = make_qkv(rng, 1, Sq, Sk, 2, 1, 64, dtype)
     dout = rng.standard_normal(q.shape).astype(dtype)
     dout[:, :Sq - Sk] = np.nan  # where a row sees no key, its dout reaches nothing

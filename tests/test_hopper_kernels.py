@@ -77,13 +77,13 @@ def test_the_hopper_kernels_take_16_bit_calls_the_forward_up_to_head_dim_256_the
 
 def test_other_calls_keep_the_mma_sync_kernels(rng):
     q, k, v = make_qkv(rng, 1, 20, 20, 1, 1, 64, np.float16)
-    # another device, the switch, a modifier they do not take, split-KV
+    # another device, the switch, a modifier the backward does not take, split-KV
     assert _forward_templates(q, k, v, compute_capability=80) == {"flash_fwd_tc"}
     assert _backward_templates(q, k, v, compute_capability=80) == {"flash_bwd_dkdv_tc"}
     with mock.patch.object(cupy_backend, "USE_WGMMA", False):
         assert _forward_templates(q, k, v) == {"flash_fwd_tc"}
         assert _backward_templates(q, k, v) == {"flash_bwd_dkdv_tc"}
-    assert _forward_templates(q, k, v, softcap=5.0) == {"flash_fwd_tc"}
+    assert _forward_templates(q, k, v, softcap=5.0) == {"flash_fwd_sm90"}  # every modifier, one batch's forward
     assert _backward_templates(q, k, v, softcap=5.0) == {"flash_bwd_dkdv_tc"}
     assert _backward_templates(q, k, v, softcap=5.0, deterministic=True) == {"flash_bwd_dkdv_tc", "flash_bwd_dq_tc"}
     _, k, v = make_qkv(rng, 1, 1, 300, 1, 1, 64, np.float16)  # 300 keys: two splits of 256 and 44
@@ -91,6 +91,16 @@ def test_other_calls_keep_the_mma_sync_kernels(rng):
     with emulated(compile=recording(names), compute_capability=HOPPER):
         flashcupy.attention_with_kvcache(q[:, :1], k, v, num_splits=2, backend="cupy")
     assert _templates(names) == {"flash_fwd_tc", "flash_split_merge"}  # the split forward, then its merge
+    # a packed batch with softcap or ALiBi (its kernel spilled), and a bias at head_dim 256 (SIMT there: none above 128)
+    lengths = ([20, 9], [30, 9])
+    names = []
+    with emulated(compile=recording(names), compute_capability=HOPPER):
+        packed_batch_matches_the_oracle(rng, "cupy", lengths, np.float16, 64, (2, 1), dict(softcap=3.0))
+    assert _templates(names) == {"flash_fwd_tc"}
+    bias = rng.standard_normal((1, 1, 20, 20)).astype(np.float16)
+    q, k, v = make_qkv(rng, 1, 20, 20, 1, 1, 256, np.float16)
+    assert _forward_templates(q, k, v, bias=bias) == {"flash_fwd"}
+    assert _forward_templates(q, k, v, mask=bias > 0) == {"flash_fwd_sm90"}
 
 
 def test_strides_a_tensor_map_cannot_describe_fall_back_never_fail(rng):
@@ -216,6 +226,73 @@ def test_the_tiles_above_head_dim_128_fit(head_dim, mods, causal, varlen, tile, 
     (bm, bn), d = tile, specs.tc_tile_row(head_dim)
     assert kernel.dynamic_smem == ((1 if o_in_q else 2) * bm + 2 * 2 * bn) * d * 2 + 1024
     assert specs.sm90_eligible("float16", head_dim, mods) and not specs.sm90_eligible("float16", head_dim, mods, True)
+
+
+# Score modifiers and the bool mask on the Hopper forward (one batch; specs.SM90_FORWARD_MODS: all but a bias
+# at 256), made final in S before the mask as flash_fwd_tc.cu does; a bias or mask takes 64-key blocks
+# (SM90_PAIRS_FORWARD_TILES). The backward of these calls runs on mma.sync (or SIMT above 128), checked too.
+# tests/test_cupy_modifiers.py runs every modifier case on this path at head_dim 64.
+def _modified(rng, B, Sq, Sk, Hq, D, names, dtype):
+    kw = {}
+    if "softcap" in names:
+        kw["softcap"] = 2.5
+    if "alibi" in names:
+        kw["alibi_slopes"] = rng.uniform(0.05, 0.5, (B, Hq)).astype(np.float32)
+    if "bias" in names:
+        kw["bias"] = rng.standard_normal((1, Hq, Sq, Sk)).astype(np.float32)
+    if "mask" in names:
+        kw["mask"] = rng.random((B, 1, Sq, Sk)) < 0.7
+        kw["mask"][0, 0, 3] = False  # a row that sees no key
+    if "window" in names:
+        kw["window"] = (40, 9)
+    return kw
+
+
+MODIFIED_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, modifiers, tile)
+    (1, 140, 150, 2, 1, 128, True, ("softcap", "alibi", "bias", "mask", "window"), (128, 64)),
+    (2, 70, 200, 2, 2, 256, False, ("softcap", "alibi", "window"), (128, 64)),  # 64 keys at 256 (ALiBi spilled)
+    (1, 130, 90, 2, 1, 200, True, ("mask", "softcap"), (128, 64)),     # the mask above 128: no bias there
+    (1, 90, 140, 1, 1, 160, False, ("alibi", "softcap"), (128, 80)),   # the bucket 192: the default tile
+]
+
+
+def test_which_modifiers_the_hopper_kernels_take_and_their_tiles():
+    bits = specs.MOD_BITS
+    score, pairs = bits["softcap"] | bits["alibi_slopes"], bits["bias"] | bits["mask"]
+    for d in (64, 128):
+        assert specs.sm90_eligible("float16", d, specs.ALL_MODS)
+        assert specs.sm90_forward_tile(d, pairs) == specs.sm90_forward_tile(d, bits["bias"]) == (128, 64)
+    for d in (136, 256):  # a bias spilled with softcap or ALiBi besides
+        assert not specs.sm90_eligible("float16", d, bits["bias"])
+        assert specs.sm90_eligible("float16", d, specs.ALL_MODS & ~bits["bias"])
+        assert specs.sm90_forward_tile(d, bits["mask"]) == (128, 64)
+    assert specs.sm90_forward_tile(192, score) == (128, 80) and specs.sm90_forward_tile(256, score) == (128, 64)
+    # a packed batch's forward and the backward: the window alone
+    for kw in (dict(varlen=True), dict(backward=True)):
+        assert specs.sm90_eligible("float16", 64, bits["window"], **kw)
+        assert not specs.sm90_eligible("float16", 64, bits["softcap"], **kw)
+    # softcap and ALiBi keep the default tile, but neither FA3's wide block nor its 192 rows
+    assert specs.sm90_forward_tile(128, score, wide=True) == specs.sm90_forward_tile(64, score, tall=True) == (128, 128)
+    assert specs.sm90_forward_tile(64, bits["window"], tall=True) == (192, 128)
+    assert specs.sm90_forward_tile(64, bits["mask"], tall=True) == (128, 64)
+
+
+@pytest.mark.parametrize("order, dtype", [("ascending", "float16"), ("warp_skew", "bfloat16")])
+@pytest.mark.parametrize("case", MODIFIED_CASES, ids=lambda c: f"D{c[5]}-" + "+".join(c[7]))
+def test_the_hopper_forward_takes_every_modifier(rng, order, dtype, case):
+    B, Sq, Sk, Hq, Hkv, D, causal, modifiers, tile = case
+    q, k, v, dout, kw = _problem(rng, dtype, B, Sq, Sk, Hq, Hkv, D, causal=causal)
+    kw.update(_modified(rng, B, Sq, Sk, Hq, D, modifiers, dtype))
+    names = []
+    with emulated(order, compile=recording(names), compute_capability=HOPPER):
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+        grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", **kw)
+    ctype = "__half" if dtype == "float16" else "__nv_bfloat16"
+    mods = specs.mods_of(m for m in kw if m in specs.MOD_BITS)
+    assert names[0] == f"flash_fwd_sm90<{ctype}, {specs.tc_tile_row(D)}, {tile[0]}, {tile[1]}, {mods}>"
+    assert specs.sm90_forward_tile(D, mods, causal) == tile
+    assert not any(name.startswith("flash_bwd_dkdv_sm90") for name in names)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", **kw)
 
 
 # FA3's wide key blocks (cupy_backend.SM90_WIDE, off by default: specs.sm90_forward_tile): 176 keys at

@@ -327,8 +327,10 @@ def test_the_cli_compiles_every_set_of_modifiers_when_asked(monkeypatch, capsys)
         hopper if arch == specs.SM90_ARCH else asked).append(modules) or [])
     assert cli.main(["kernels", "--every-modifier-set"]) == 0
     (modules,) = asked
-    assert hopper == [catalog.sm90_modules()]
+    assert hopper == [catalog.sm90_modules(every_modifier_set=True)]
+    forwards = [k for m in hopper[0] for k in m.kernels if k.template == "flash_fwd_sm90" and not k.varlen]
+    assert {k.mods for k in forwards if k.head_dim == 128} == set(range(specs.ALL_MODS + 1))
     kernels = [k for m in modules for k in m.kernels if k.tensor_cores]
     assert {k.mods for k in kernels} == set(range(specs.ALL_MODS + 1))
     assert {k.template for k in kernels} == set(specs.TC_TEMPLATES) and any(k.split for k in kernels)
-    assert cli.main(["kernels"]) == 0 and asked[1] is None
+    assert cli.main(["kernels"]) == 0 and asked[1] is None and hopper[1] == catalog.sm90_modules()

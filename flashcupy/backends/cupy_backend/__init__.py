@@ -244,38 +244,40 @@ def _tma_describable(rt, x) -> bool:
             and all(n == 1 or (0 < s < 2 ** 40 and s % 16 == 0) for n, s in zip(x.shape[:3], x.strides[:3])))
 
 
-def _hopper(p, backward: bool, rows, *tensors) -> bool:
-    """Whether the Hopper forward (backward) takes a call: USE_TENSOR_CORES and USE_WGMMA, compute
-    capability 9.0, a dtype, head_dim and modifiers it covers (specs.sm90_eligible: head_dim up to 256 in
-    the forward, where no mma.sync kernel goes), `rows` read through 16-byte rows (_rows_16_bytes: what
-    the mma.sync kernels ask of the same arrays), and `tensors`, read or written through tensor maps,
-    describable by one (_tma_describable)."""
+def _hopper(p, backward: bool, rows, *tensors, varlen: bool = False) -> bool:
+    """Whether the Hopper forward (backward) takes a call (varlen: a packed batch's): USE_TENSOR_CORES and
+    USE_WGMMA, compute capability 9.0, a dtype, head_dim and modifiers it covers (specs.sm90_eligible:
+    head_dim up to 256 in the forward, where no mma.sync kernel goes; every modifier in one batch's
+    forward), `rows` read through 16-byte rows (_rows_16_bytes: what the mma.sync kernels ask of the same
+    arrays), and `tensors`, read or written through tensor maps, describable by one (_tma_describable)."""
     rt = _runtime()
-    return (USE_TENSOR_CORES and USE_WGMMA and specs.sm90_eligible(p.dtype, p.head_dim, _mods(p), backward)
+    return (USE_TENSOR_CORES and USE_WGMMA
+            and specs.sm90_eligible(p.dtype, p.head_dim, _mods(p), backward, varlen)
             and rt.compute_capability(tensors[0]) == specs.SM90_COMPUTE_CAPABILITY
             and _rows_16_bytes(rt, *rows) and all(_tma_describable(rt, x) for x in tensors))
 
 
-def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False) -> str:
+def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False, varlen: bool = False) -> str:
     """'hopper', 'tensor-core' or 'simt': which forward kernel serves this call.
 
     Tensor cores take float16/bfloat16 with head_dim a multiple of 8 up to 128, on sm_80 or
     newer, when q, k, v are contiguous along head_dim with 16-byte aligned rows (the other
     strides multiples of 8 elements); everything else runs on the SIMT kernel. On compute capability
-    9.0 the Hopper kernel takes those calls, and those of head_dim 136 to 256 alike, when they have no
-    modifier but the window, no split-KV and no paged KV cache (paged: its keys are read through the
+    9.0 the Hopper kernel takes those calls, and those of head_dim 136 to 256 alike, when they have
+    modifiers it takes (specs.sm90_eligible: all of them but a bias above head_dim 128; in a packed batch,
+    varlen, the window alone), no split-KV and no paged KV cache (paged: its keys are read through the
     block table, a row at a time), and q, k, v (and out, when given) a tensor map can describe
     (_tma_describable: positive strides too); the others stay on the mma.sync (or, above 128, SIMT)
     kernel, never an error. A packed batch (q, k, v a batch of one) takes the same kernels as a batch
-    of its sequences would.
+    of its sequences would, but for the modifiers above.
     """
     tensors = (q, k, v) if out is None else (q, k, v, out)
 
     def choose():
-        if not split and not paged and _hopper(p, False, (q, k, v), *tensors):
+        if not split and not paged and _hopper(p, False, (q, k, v), *tensors, varlen=varlen):
             return "hopper"
         return _path(p, q, k, v)
-    return _path_remembered("forward", p, tensors, (split, paged), choose)
+    return _path_remembered("forward", p, tensors, (split, paged, varlen), choose)
 
 
 def backward_path(p, dout, q, k, v, out, deterministic: bool = False) -> str:
@@ -382,7 +384,7 @@ def _split_rule(keys: int, ctas: int, split_ctas: int, num_splits, like) -> tupl
 def _forward_module(p, q, k, v, split: bool, out=None, varlen: bool = False, paged: bool = False) -> tuple:
     """(forward_path, the forward's ModuleSpec) for this call; varlen: a packed batch's, in one launch
     (forward_varlen), paged: its keys a paged KV cache's."""
-    path = forward_path(p, q, k, v, out, split, paged)
+    path = forward_path(p, q, k, v, out, split, paged, varlen)
     if path == "hopper":
         tile = specs.sm90_forward_tile(p.head_dim, _mods(p), p.causal, varlen, SM90_WIDE, SM90_TALL_FORWARD)
         return path, specs.sm90_forward_module(p.dtype, p.head_dim, _mods(p), varlen, tile)

@@ -94,12 +94,15 @@
 // cupy_backend.forward_path): q, k, v, out contiguous along head_dim, 16-byte aligned, the other
 // strides positive multiples of 16 bytes (what a tensor map can describe); head_dim a multiple of 8 up
 // to HEAD_DIM: a box reads the columns past head_dim, and the rows past seqlen, as zeros, and the TMA
-// store writes neither. Modifiers: none or the window (MODS); the others run on flash_fwd_tc.cu.
+// store writes neither. Modifiers (MODS, specs.sm90_eligible: any in one batch but a bias at head_dim
+// 256; the window alone in a packed batch): as flash_fwd_tc.cu applies them, softcap, ALiBi and the bias
+// make each score of S final (mask.cuh's Score, in base 2) before the mask, and the bool mask masks
+// every tile element by element; with a bias or mask the key block is 64 (specs.sm90_forward_tile).
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64, 128 or 256: head_dim rounded up to 64),
 // BLOCK_M (64 CONSUMERS: 128, or 192 at head_dim 64, specs.sm90_forward_tile), BLOCK_N (a key block: 64,
 // 128, the wide 176, 192, or 80 at head_dim 256, where O takes 128 of a consumer's 240 registers),
-// MODS (0 or MOD_WINDOW).
+// MODS (mask.cuh's MOD_* bits).
 // `tiles`: the query blocks times batch times heads_q (VARLEN: the grid's CTAs). tile_counter: an int,
 // zero at launch, where a grid of fewer CTAs than tiles counts the tiles taken after each CTA's first
 // (never read otherwise). VARLEN: a packed batch's kernel.
@@ -118,7 +121,6 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
     static_assert(HEAD_DIM % ATOM == 0 && HEAD_DIM <= 256, "head_dim in whole atoms; wgmma N of 64, 128, 192 or 256");
     static_assert(BLOCK_N == 64 || BLOCK_N == 80 || BLOCK_N == 128 || BLOCK_N == 176 || BLOCK_N == 192,
                   "wgmma N of 64, 80, 128, 176 or 192 (hopper.cuh's Wgmma)");
-    static_assert((MODS & ~MOD_WINDOW) == 0, "the other modifiers run on flash_fwd_tc.cu");
     constexpr int N_TILES = BLOCK_N / 8;     // 8-key column tiles of S (C fragments)
     constexpr int D_TILES = HEAD_DIM / 8;    // 8-column tiles of O
     constexpr int QK_STEPS = HEAD_DIM / 16;  // k-steps of Q_i K_jᵀ
@@ -271,13 +273,19 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
             mbarrier_arrive(&k_empty[stage(jb)]);  // this thread's S no longer reads K_j
             if (!O_IN_Q && jb == blocks - 1) mbarrier_arrive(&q_empty);
             const int j0 = j_start + jb * BLOCK_N;
-            if (mask.partial(blk.i0, j0)) {
+            if constexpr ((MODS & MOD_SCORE) != 0) {  // else the softmax scales s (tc_softmax_scale)
+                for_each_element([&](int r, int col, float& x) {
+                    float t = 0.0f;
+                    x = tc_final_score(score, x, row_w + r, j0 + col, t, scale_log2);
+                }, S);
+            }
+            if ((MODS & MOD_MASK) != 0 || mask.partial(blk.i0, j0)) {  // the bool mask may hide pairs of any tile
                 for_each_element([&](int r, int col, float& x) {
                     if (PAIR_HIDDEN(row_w + r, j0 + col)) x = -INFINITY;
                 }, S);
             }
 #pragma unroll
-            for (int r = 0; r < 2; ++r) alpha[r] = online_softmax_row(S, m, l, r, scale_log2);
+            for (int r = 0; r < 2; ++r) alpha[r] = online_softmax_row(S, m, l, r, tc_softmax_scale(score, scale_log2));
         };
         // O rescaled, key block jb's P packed as A fragments, its V_j landed: O += P V_j can be issued
         const auto ready_pv = [&](int jb) {
