@@ -53,6 +53,25 @@ def modifier_cases(rng, shape, dtype):
     }
 
 
+def named_modifiers(rng, names, B, Sq, Sk, Hq, window=(40, 9)):
+    """Keyword arguments of the modifiers `names` names ("softcap", "alibi", "bias", "mask", "window"): a
+    float32 (1, heads_q, Sq, Sk) bias, per-(batch, head) slopes, a (batch, 1, Sq, Sk) mask that leaves
+    row 3 of batch 0 no key."""
+    kw = {}
+    if "softcap" in names:
+        kw["softcap"] = 2.5
+    if "alibi" in names:
+        kw["alibi_slopes"] = rng.uniform(0.05, 0.5, (B, Hq)).astype(np.float32)
+    if "bias" in names:
+        kw["bias"] = rng.standard_normal((1, Hq, Sq, Sk)).astype(np.float32)
+    if "mask" in names:
+        kw["mask"] = rng.random((B, 1, Sq, Sk)) < 0.7
+        kw["mask"][0, 0, 3] = False
+    if "window" in names:
+        kw["window"] = window
+    return kw
+
+
 # Scales inside the accumulation dtype's range, so accepted, at which the scores of inputs of magnitude
 # 0.5 dwarf 1 / the dtype's roundoff: the s - lse that the backward and attention_probs recompute is then
 # off by far more than 1, either way (issue 31: P = inf, and NaN gradients, before P was clamped to 1).

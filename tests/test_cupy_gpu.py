@@ -9,6 +9,7 @@ import pytest
 
 import flashcupy
 from conftest import BF16, CASES, DTYPES, LAYOUTS, assert_matches_oracle, bf16_bits, case_id, make_qkv
+from modifier_checks import named_modifiers
 from flashcupy import backends
 
 REASON = backends.unavailable_reason("cupy")
@@ -175,17 +176,7 @@ def test_the_hopper_forwards_new_cases_match_the_oracle(rng, case, modifiers, fm
     *shape, causal = case
     B, Sq, Sk, Hq = shape[:4]
     (q, k, v, _), (dq_, dk_, dv_, _), dtype = device_problem(rng, shape, fmt)
-    kw = {}
-    if "softcap" in modifiers:
-        kw["softcap"] = 2.5
-    if "alibi" in modifiers:
-        kw["alibi_slopes"] = rng.uniform(0.05, 0.5, (B, Hq)).astype(np.float32)
-    if "bias" in modifiers:
-        kw["bias"] = rng.standard_normal((1, Hq, Sq, Sk)).astype(np.float32)
-    if "mask" in modifiers:
-        kw["mask"] = rng.random((B, 1, Sq, Sk)) < 0.7
-    if "window" in modifiers:
-        kw["window"] = (90, 7)
+    kw = named_modifiers(rng, modifiers, B, Sq, Sk, Hq, window=(90, 7))
     on_gpu = {m: cupy.asarray(x) if isinstance(x, np.ndarray) else x for m, x in kw.items()}
     out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, dtype=dtype, **on_gpu)
     assert_matches_oracle([x.get() for x in (out, lse)], q, k, v, causal=causal, backend="cupy", **kw)

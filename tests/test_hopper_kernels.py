@@ -18,6 +18,7 @@ import pytest
 
 import flashcupy
 from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv
+from modifier_checks import named_modifiers
 from varlen_checks import packed_batch_matches_the_oracle, packed_inputs
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import catalog, sources, specs
@@ -159,6 +160,20 @@ def _problem(rng, dtype, B, Sq, Sk, Hq, Hkv, D, **kw):
     return (*(x.astype(np.float16) for x in (q, k, v, dout)), kw)
 
 
+def _forward_case(rng, order, dtype, case, switch=contextlib.nullcontext(), cp_async="deferred"):
+    """The forward of a case (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window) on the
+    emulated sm_90 in `order` (persistent as SM_COUNTS says), under `switch`: the kernels launched,
+    (out, lse), (q, k, v), the calls' keywords and the MODS of its window."""
+    *shape, causal, window = case
+    q, k, v, _, kw = _problem(rng, dtype, *shape, causal=causal, window=window)
+    names = []
+    grid, launch = persistent(SM_COUNTS[order])
+    with switch, launch, emulated(order, compile=recording(names), compute_capability=HOPPER, cp_async=cp_async,
+                                  **grid):
+        got = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+    return names, got, (q, k, v), kw, specs.SM90_MODS if window else 0
+
+
 # "eager": TMA loads land at issue (and cp.async copies), so that a ring stage released before a wgmma that
 # reads it has landed would give that wgmma the next pass's tile (the default lands them at the wait)
 @pytest.mark.parametrize("order, dtype, cp_async", [("ascending", "float16", "deferred"),
@@ -197,16 +212,10 @@ HEAD_DIM_256_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_di
 @pytest.mark.parametrize("case", HEAD_DIM_256_CASES, ids=lambda c: "x".join(str(x) for x in c[:6])
                          + ("-causal" if c[6] else "") + (f"-w{c[7][0]}_{c[7][1]}" if c[7] else ""))
 def test_the_head_dim_256_forward_matches_the_oracle(rng, order, dtype, cp_async, case):
-    *shape, causal, window = case
-    q, k, v, _, kw = _problem(rng, dtype, *shape, causal=causal, window=window)
-    names = []
-    grid, launch = persistent(SM_COUNTS[order])
-    with launch, emulated(order, compile=recording(names), compute_capability=HOPPER, cp_async=cp_async, **grid):
-        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+    names, got, qkv, kw, mods = _forward_case(rng, order, dtype, case, cp_async=cp_async)
     ctype = "__half" if dtype == "float16" else "__nv_bfloat16"
-    mods = specs.SM90_MODS if window else 0
-    assert names == [f"flash_fwd_sm90<{ctype}, {specs.tc_tile_row(shape[-1])}, 128, 80{f', {mods}' if mods else ''}>"]
-    assert_matches_oracle((out, lse), q, k, v, backend="cupy", **kw)
+    assert names == [f"flash_fwd_sm90<{ctype}, {specs.tc_tile_row(case[5])}, 128, 80{f', {mods}' if mods else ''}>"]
+    assert_matches_oracle(got, *qkv, backend="cupy", **kw)
 
 
 @pytest.mark.parametrize("head_dim, mods, causal, varlen, tile, o_in_q", [
@@ -232,22 +241,6 @@ def test_the_tiles_above_head_dim_128_fit(head_dim, mods, causal, varlen, tile, 
 # at 256), made final in S before the mask as flash_fwd_tc.cu does; a bias or mask takes 64-key blocks
 # (SM90_PAIRS_FORWARD_TILES). The backward of these calls runs on mma.sync (or SIMT above 128), checked too.
 # tests/test_cupy_modifiers.py runs every modifier case on this path at head_dim 64.
-def _modified(rng, B, Sq, Sk, Hq, D, names, dtype):
-    kw = {}
-    if "softcap" in names:
-        kw["softcap"] = 2.5
-    if "alibi" in names:
-        kw["alibi_slopes"] = rng.uniform(0.05, 0.5, (B, Hq)).astype(np.float32)
-    if "bias" in names:
-        kw["bias"] = rng.standard_normal((1, Hq, Sq, Sk)).astype(np.float32)
-    if "mask" in names:
-        kw["mask"] = rng.random((B, 1, Sq, Sk)) < 0.7
-        kw["mask"][0, 0, 3] = False  # a row that sees no key
-    if "window" in names:
-        kw["window"] = (40, 9)
-    return kw
-
-
 MODIFIED_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, modifiers, tile)
     (1, 140, 150, 2, 1, 128, True, ("softcap", "alibi", "bias", "mask", "window"), (128, 64)),
     (2, 70, 200, 2, 2, 256, False, ("softcap", "alibi", "window"), (128, 64)),  # 64 keys at 256 (ALiBi spilled)
@@ -282,7 +275,7 @@ def test_which_modifiers_the_hopper_kernels_take_and_their_tiles():
 def test_the_hopper_forward_takes_every_modifier(rng, order, dtype, case):
     B, Sq, Sk, Hq, Hkv, D, causal, modifiers, tile = case
     q, k, v, dout, kw = _problem(rng, dtype, B, Sq, Sk, Hq, Hkv, D, causal=causal)
-    kw.update(_modified(rng, B, Sq, Sk, Hq, D, modifiers, dtype))
+    kw.update(named_modifiers(rng, modifiers, B, Sq, Sk, Hq))
     names = []
     with emulated(order, compile=recording(names), compute_capability=HOPPER):
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
@@ -363,16 +356,10 @@ TALL_FORWARD_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_di
 @pytest.mark.parametrize("case", TALL_FORWARD_CASES, ids=lambda c: "x".join(str(x) for x in c[:6])
                          + ("-causal" if c[6] else "") + (f"-w{c[7][0]}_{c[7][1]}" if c[7] else ""))
 def test_the_tall_forward_tile_matches_the_oracle(rng, order, dtype, case):
-    *shape, causal, window = case
-    q, k, v, _, kw = _problem(rng, dtype, *shape, causal=causal, window=window)
-    names = []
-    grid, launch = persistent(SM_COUNTS[order])
-    with tall_forward(), launch, emulated(order, compile=recording(names), compute_capability=HOPPER, **grid):
-        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+    names, got, qkv, kw, mods = _forward_case(rng, order, dtype, case, tall_forward())
     ctype = "__half" if dtype == "float16" else "__nv_bfloat16"
-    mods = specs.SM90_MODS if window else 0
     assert names == [f"flash_fwd_sm90<{ctype}, 64, 192, 128{f', {mods}' if mods else ''}>"]
-    assert_matches_oracle((out, lse), q, k, v, backend="cupy", **kw)
+    assert_matches_oracle(got, *qkv, backend="cupy", **kw)
 
 
 @pytest.mark.parametrize("head_dim, mods, causal, varlen, wide, tile", [
