@@ -1,6 +1,7 @@
-"""Every set of score modifiers the Hopper forward takes (specs.SM90_FORWARD_MODS), at every head-dim
-bucket and its tile (specs.sm90_forward_tile), compiled for sm_90a by each NVRTC found: registers,
-spills and HGMMA, then the kernels that spill. CPU only; about two minutes an NVRTC.
+"""Every set of score modifiers the Hopper forward takes (specs.SM90_FORWARD_MODS, and a packed batch's:
+SM90_VARLEN_FORWARD_MODS), at every head-dim bucket and its tile (specs.sm90_forward_tile), compiled
+for sm_90a by each NVRTC found: registers, spills and HGMMA, then the kernels that spill. CPU only;
+about two minutes an NVRTC.
 
     python benchmarks/sm90_modifier_sets.py [OUT.md] [--dtype float16]
 
@@ -23,11 +24,11 @@ from flashcupy.tools import nvrtc
 
 
 def forward_modules(dtype: str) -> list:
-    """One batch's Hopper forwards, every set of modifiers each bucket takes."""
+    """The Hopper forwards of one batch and of a packed one, every set of modifiers each bucket takes, at
+    the tiles the rule gives (not the wide or tall blocks of the switches)."""
     return [m for m in catalog.sm90_modules((dtype,), every_modifier_set=True)
-            if m.source_file == "flash_fwd_sm90.cu" and not m.kernels[0].varlen
-            and (m.kernels[0].block_m, m.kernels[0].block_n)
-            == specs.sm90_forward_tile(m.kernels[0].head_dim, m.kernels[0].mods)]
+            if m.source_file == "flash_fwd_sm90.cu" and (m.kernels[0].block_m, m.kernels[0].block_n)
+            == specs.sm90_forward_tile(m.kernels[0].head_dim, m.kernels[0].mods, varlen=m.kernels[0].varlen)]
 
 
 def main(argv=None) -> int:

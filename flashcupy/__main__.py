@@ -61,11 +61,12 @@ def cmd_info(args) -> int:
           "  those calls, and forwards of head_dim 136..256 alike, run on the Hopper kernels (TMA, wgmma,\n"
           "  warp specialisation; sm_90a) when they have no split-KV, strides a tensor map describes\n"
           "  (positive, multiples of 16 bytes) and modifiers the kernel takes: one batch's forward every\n"
-          "  one but a bias above head_dim 128, packed batches (attention_varlen, contiguous KV caches) and\n"
-          "  the backward (deterministic=True too: dQ added in key-block order) the window alone; other\n"
-          "  modifiers, split-KV and paged KV caches stay on mma.sync, and every call of head_dim\n"
-          "  136..256 but those forwards on the SIMT kernels (cupy_backend.forward_path / backward_path\n"
-          "  say which kernel a call takes)")
+          "  one but a bias above head_dim 128, packed batches' forward (attention_varlen, contiguous KV\n"
+          "  caches) the window, softcap and ALiBi but the last two at 256, the backward\n"
+          "  (deterministic=True too: dQ added in key-block order) the window alone; other modifiers,\n"
+          "  split-KV and paged KV caches stay on mma.sync, and every call of head_dim 136..256 but those\n"
+          "  forwards on the SIMT kernels (cupy_backend.forward_path / backward_path say which kernel a\n"
+          "  call takes)")
     print(_hopper_tiles())
     try:
         import cupy

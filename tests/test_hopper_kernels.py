@@ -92,12 +92,13 @@ def test_other_calls_keep_the_mma_sync_kernels(rng):
     with emulated(compile=recording(names), compute_capability=HOPPER):
         flashcupy.attention_with_kvcache(q[:, :1], k, v, num_splits=2, backend="cupy")
     assert _templates(names) == {"flash_fwd_tc", "flash_split_merge"}  # the split forward, then its merge
-    # a packed batch with softcap or ALiBi (its kernel spilled), and a bias at head_dim 256 (SIMT there: none above 128)
+    # a packed batch with softcap at head_dim 256 (its kernel spilled; no mma.sync kernel there), and a bias
+    # at head_dim 256 (none above 128)
     lengths = ([20, 9], [30, 9])
     names = []
     with emulated(compile=recording(names), compute_capability=HOPPER):
-        packed_batch_matches_the_oracle(rng, "cupy", lengths, np.float16, 64, (2, 1), dict(softcap=3.0))
-    assert _templates(names) == {"flash_fwd_tc"}
+        packed_batch_matches_the_oracle(rng, "cupy", lengths, np.float16, 256, (2, 1), dict(softcap=3.0))
+    assert _templates(names) == {"flash_fwd"}
     bias = rng.standard_normal((1, 1, 20, 20)).astype(np.float16)
     q, k, v = make_qkv(rng, 1, 20, 20, 1, 1, 256, np.float16)
     assert _forward_templates(q, k, v, bias=bias) == {"flash_fwd"}
@@ -260,10 +261,15 @@ def test_which_modifiers_the_hopper_kernels_take_and_their_tiles():
         assert specs.sm90_eligible("float16", d, specs.ALL_MODS & ~bits["bias"])
         assert specs.sm90_forward_tile(d, bits["mask"]) == (128, 64)
     assert specs.sm90_forward_tile(192, score) == (128, 80) and specs.sm90_forward_tile(256, score) == (128, 64)
-    # a packed batch's forward and the backward: the window alone
-    for kw in (dict(varlen=True), dict(backward=True)):
-        assert specs.sm90_eligible("float16", 64, bits["window"], **kw)
-        assert not specs.sm90_eligible("float16", 64, bits["softcap"], **kw)
+    # the backward: the window alone; a packed batch's forward: the window, softcap and ALiBi (attention_varlen's
+    # modifiers), but the window alone at 256, and 64 keys with softcap or ALiBi at 128 and 192
+    assert specs.sm90_eligible("float16", 64, bits["window"], backward=True)
+    assert not specs.sm90_eligible("float16", 64, bits["softcap"], backward=True)
+    for d, tile in ((64, (128, 128)), (128, (128, 64)), (192, (128, 64))):
+        assert specs.sm90_eligible("float16", d, score | bits["window"], varlen=True)
+        assert specs.sm90_forward_tile(d, score, varlen=True) == tile
+    assert not specs.sm90_eligible("float16", 256, bits["alibi_slopes"], varlen=True)
+    assert specs.sm90_eligible("float16", 256, bits["window"], varlen=True)
     # softcap and ALiBi keep the default tile, but neither FA3's wide block nor its 192 rows
     assert specs.sm90_forward_tile(128, score, wide=True) == specs.sm90_forward_tile(64, score, tall=True) == (128, 128)
     assert specs.sm90_forward_tile(64, bits["window"], tall=True) == (192, 128)

@@ -481,6 +481,22 @@ def test_on_sm90_a_packed_batch_at_head_dim_256_takes_the_hopper_forward(rng):
     assert [name for name, _ in grids] == ["flash_fwd_sm90<__nv_bfloat16, 256, 128, 64, 1, true>"] * 2
 
 
+@pytest.mark.parametrize("head_dim, tile", [(64, (128, 128)), (120, (128, 64)), (192, (128, 64))])
+def test_on_sm90_a_packed_batch_with_softcap_and_alibi_takes_the_hopper_forward(rng, head_dim, tile):
+    # attention_varlen's modifiers on the Hopper forward (specs.SM90_VARLEN_FORWARD_MODS; 64 keys at 128 and
+    # 192, where 128 and 80 spilled), slopes per sequence and head; the backward's kernels are mma.sync's
+    from flashcupy.tools.emulator.cupy import emulated
+    grids = []
+    with emulated(compile=_recording(grids), compute_capability=90):
+        packed_batch_matches_the_oracle(rng, "cupy", ([7, 0, 70, 130, 1], [9, 4, 65, 150, 0]), np.float16, head_dim,
+                                        (2, 1), dict(causal=True, window=(90, 2), softcap=2.0, alibi_slopes="per-seq"),
+                                        backward=True)
+    bucket = -(-head_dim // 64) * 64
+    forward = f"flash_fwd_sm90<__half, {bucket}, {tile[0]}, {tile[1]}, 7, true>"
+    assert [name for name, _ in grids if name.startswith("flash_fwd")] == [forward] * 2
+    assert not any(name.startswith("flash_bwd_dkdv_sm90") for name, _ in grids)
+
+
 def test_on_sm90_a_contiguous_kv_cache_step_is_one_launch_of_the_hopper_forward(rng):
     # a decode step over a contiguous cache without split-KV: the append, then flash_fwd_sm90.cu reading
     # the cached lengths (seqused_k) as the other packed forwards do, against the oracle

@@ -264,9 +264,9 @@ def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False,
     newer, when q, k, v are contiguous along head_dim with 16-byte aligned rows (the other
     strides multiples of 8 elements); everything else runs on the SIMT kernel. On compute capability
     9.0 the Hopper kernel takes those calls, and those of head_dim 136 to 256 alike, when they have
-    modifiers it takes (specs.sm90_eligible: all of them but a bias above head_dim 128; in a packed batch,
-    varlen, the window alone), no split-KV and no paged KV cache (paged: its keys are read through the
-    block table, a row at a time), and q, k, v (and out, when given) a tensor map can describe
+    modifiers it takes (specs.sm90_eligible: all of them but a bias above head_dim 128; in a packed
+    batch, varlen, the window, softcap and ALiBi, but the window alone at 256), no split-KV and no
+    paged KV cache (paged: its keys are read through the block table, a row at a time), and q, k, v (and out, when given) a tensor map can describe
     (_tma_describable: positive strides too); the others stay on the mma.sync (or, above 128, SIMT)
     kernel, never an error. A packed batch (q, k, v a batch of one) takes the same kernels as a batch
     of its sequences would, but for the modifiers above.

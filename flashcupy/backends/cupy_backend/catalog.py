@@ -9,7 +9,7 @@ import functools
 
 from .specs import (ALL_MODS, CUDA_TYPES, HEAD_DIM_BUCKETS, MOD_BITS, TC_DTYPES, TC_HEAD_DIM_BUCKETS,
                     SM90_BACKWARD_TILES, SM90_FORWARD_MODS, SM90_FORWARD_TILES, SM90_MODS, SM90_TALL_BACKWARD_TILES,
-                    SM90_TALL_FORWARD_TILES, SM90_WIDE_FORWARD_TILES, append_module,
+                    SM90_TALL_FORWARD_TILES, SM90_VARLEN_FORWARD_MODS, SM90_WIDE_FORWARD_TILES, append_module,
                     backward_module, dbias_module, deterministic_tc_backward_module, forward_module, merge_module,
                     probs_module, sm90_backward_module, sm90_forward_module, sm90_forward_tile, tc_backward_module,
                     tc_forward_module)
@@ -86,21 +86,19 @@ def varlen_modules(mods=(0, VARLEN_MODS)):
 def sm90_modules(dtypes=TC_DTYPES, every_modifier_set: bool = False) -> list:
     """Every Hopper module: the forward (at its tile, sm90_forward_tile) and the backward (and the
     deterministic backward) for each dtype, head-dim bucket each takes (SM90_FORWARD_TILES,
-    SM90_BACKWARD_TILES), and the modifier sets they take (none, the window; one batch's forward also the
-    window with softcap and ALiBi, and every modifier it takes, SM90_FORWARD_MODS), for one batch and for
-    a packed one (every_modifier_set: one batch's forward with each set of modifiers it takes: `python -m
-    flashcupy kernels --every-modifier-set`); the forward of one batch with FA3's wide key block (SM90_WIDE_FORWARD_TILES); the forward with FA3's
+    SM90_BACKWARD_TILES), and the modifier sets they take (none, the window; the forward also the window
+    with softcap and ALiBi, and every modifier it takes: SM90_FORWARD_MODS, SM90_VARLEN_FORWARD_MODS),
+    for one batch and for a packed one (every_modifier_set: the forward with each set of modifiers it
+    takes: `python -m flashcupy kernels --every-modifier-set`); the forward of one batch with FA3's wide key block (SM90_WIDE_FORWARD_TILES); the forward with FA3's
     192 query rows (SM90_TALL_FORWARD_TILES), one batch, with and without the window; and the backward
     without the window with FA3's tall pass (SM90_TALL_BACKWARD_TILES), both kinds of batch, deterministic
     or not. The NVRTC report compiles them for SM90_ARCH only."""
     backwards = (sm90_backward_module, functools.partial(sm90_backward_module, deterministic=True))
-    def forward_mods(bucket, varlen):  # the window; one batch's: softcap and ALiBi (the default tile), all
-        if varlen:
-            return (0, SM90_MODS)
-        allowed = SM90_FORWARD_MODS[bucket]
+    def forward_mods(bucket, varlen):  # none, the window, softcap and ALiBi with it, all it takes
+        allowed = (SM90_VARLEN_FORWARD_MODS if varlen else SM90_FORWARD_MODS)[bucket]
         if every_modifier_set:
             return tuple(m for m in range(ALL_MODS + 1) if m & ~allowed == 0)
-        return (0, SM90_MODS, VARLEN_MODS, allowed)
+        return tuple(dict.fromkeys(m & allowed for m in (0, SM90_MODS, VARLEN_MODS, allowed)))
 
     return ([sm90_forward_module(dtype, bucket, mods, varlen, sm90_forward_tile(bucket, mods, varlen=varlen))
              for varlen in (False, True) for dtype in dtypes for bucket in SM90_FORWARD_TILES

@@ -169,8 +169,10 @@ SM90_FORWARD_TILES = {64: (128, 128), 128: (128, 128), 192: (128, 80), 256: (128
 # bias alone spilled 20 bytes at head_dim 128, all the modifiers 96-336 at every head_dim (NVRTC 12.9 and
 # 13.5); softcap and ALiBi alone keep the default tiles
 SM90_PAIRS_FORWARD_TILES = {64: (128, 64), 128: (128, 64), 192: (128, 64), 256: (128, 64)}
-# and at head_dim 256 with softcap or ALiBi too: ALiBi alone spilled 12 bytes at 80 keys
+# and at head_dim 256 with softcap or ALiBi too: ALiBi alone spilled 12 bytes at 80 keys; in a packed
+# batch at 128 and 192 as well (24-72 bytes at 128 and 80 keys)
 SM90_SCORE_FORWARD_TILES = {256: (128, 64)}
+SM90_VARLEN_SCORE_FORWARD_TILES = {128: (128, 64), 192: (128, 64)}
 # A packed batch's forward at head_dim 256 takes 64 keys a pass: at 80 its kernel spilled 48-96 bytes
 # (its sequence's offsets and out's row-by-row store besides; NVRTC 12.9 and 13.5); at 192 it did not
 SM90_VARLEN_FORWARD_TILES = {256: (128, 64)}
@@ -207,14 +209,18 @@ MOD_BITS = {"window": 1, "softcap": 2, "alibi_slopes": 4, "bias": 8, "mask": 16}
 ALL_MODS = sum(MOD_BITS.values())
 MOD_SCORE = MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"] | MOD_BITS["bias"]  # they change a score's value
 MOD_PAIRS = MOD_BITS["bias"] | MOD_BITS["mask"]  # they read a rank-4 array per (query, key) pair
-SM90_MODS = MOD_BITS["window"]  # the Hopper backward's, and a packed batch's forward; the others run on mma.sync
+SM90_MODS = MOD_BITS["window"]  # the Hopper backward's; the others run on mma.sync
 # The Hopper forward's modifiers for one batch, per head_dim bucket: every one, but a bias above 128, which
 # with ALiBi or softcap besides spilled at 64 keys (12-108 bytes, NVRTC 12.9 and 13.5; every set of
-# modifiers compiled: benchmarks/results/sm90_modifiers.md). A packed batch's forward takes the window
-# alone (SM90_MODS): with softcap and ALiBi it spilled 64-72 bytes at head_dim 128 and 256 (its
-# sequence's offsets besides)
+# modifiers compiled: benchmarks/results/sm90_modifiers.md)
 SM90_FORWARD_MODS = {64: ALL_MODS, 128: ALL_MODS, 192: ALL_MODS & ~MOD_BITS["bias"],
                      256: ALL_MODS & ~MOD_BITS["bias"]}
+# A packed batch's (attention_varlen takes the window, softcap and ALiBi): all three up to 192, the window
+# alone at 256, where with softcap and ALiBi it spilled 64 bytes at 64 keys (its sequence's offsets besides)
+SM90_VARLEN_FORWARD_MODS = {64: MOD_BITS["window"] | MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"],
+                            128: MOD_BITS["window"] | MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"],
+                            192: MOD_BITS["window"] | MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"],
+                            256: MOD_BITS["window"]}
 
 
 def mods_of(modifiers) -> int:
@@ -506,8 +512,8 @@ def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool 
 def sm90_forward_tile(head_dim: int, mods: int = 0, causal: bool = False, varlen: bool = False,
                       wide: bool = False, tall: bool = False) -> tuple:
     """(BLOCK_M, BLOCK_N) of the Hopper forward: SM90_PAIRS_FORWARD_TILES' where the call has a bias or a
-    bool mask, else SM90_SCORE_FORWARD_TILES' where it has softcap or ALiBi and the head_dim's bucket has
-    one; else SM90_TALL_FORWARD_TILES' where `tall` asks for it, the call has no modifier but the
+    bool mask, else SM90_SCORE_FORWARD_TILES' (a packed batch's: SM90_VARLEN_SCORE_FORWARD_TILES' too)
+    where it has softcap or ALiBi and the head_dim's bucket has one; else SM90_TALL_FORWARD_TILES' where `tall` asks for it, the call has no modifier but the
     window (in 160 registers), is one batch (a packed batch's kernel spilled 48-348 bytes in 160
     registers: its sequence's offsets and out's row-by-row store besides) and the head_dim's bucket has
     one (causal and the window too, as FA3's); else SM90_WIDE_FORWARD_TILES' where `wide` asks for it, the call has neither causal
@@ -519,6 +525,8 @@ def sm90_forward_tile(head_dim: int, mods: int = 0, causal: bool = False, varlen
         return SM90_PAIRS_FORWARD_TILES[bucket]
     if mods & MOD_SCORE and bucket in SM90_SCORE_FORWARD_TILES:
         return SM90_SCORE_FORWARD_TILES[bucket]
+    if varlen and mods & MOD_SCORE and bucket in SM90_VARLEN_SCORE_FORWARD_TILES:
+        return SM90_VARLEN_SCORE_FORWARD_TILES[bucket]
     if varlen and bucket in SM90_VARLEN_FORWARD_TILES:
         return SM90_VARLEN_FORWARD_TILES[bucket]
     if tall and not varlen and not mods & ~SM90_MODS and bucket in SM90_TALL_FORWARD_TILES:
@@ -571,13 +579,16 @@ def sm90_backward_tile(head_dim: int, mods: int = 0, tall: bool = False) -> tupl
 def sm90_eligible(dtype, head_dim: int, mods: int, backward: bool = False, varlen: bool = False) -> bool:
     """Whether the Hopper forward (backward: the Hopper backward) covers this dtype, head_dim and set of
     modifiers (varlen: a packed batch's): the head_dim buckets of SM90_FORWARD_TILES with the modifiers of
-    SM90_FORWARD_MODS (a packed batch's, and the backward's: the window alone, SM90_MODS), or the
-    buckets of SM90_BACKWARD_TILES. The device's compute capability and the arrays' strides are checked
+    SM90_FORWARD_MODS (SM90_VARLEN_FORWARD_MODS), or the buckets of SM90_BACKWARD_TILES with the window
+    alone (SM90_MODS). The device's compute capability and the arrays' strides are checked
     apart."""
     buckets = SM90_BACKWARD_TILES if backward else SM90_FORWARD_TILES
     if not (_name(dtype) in TC_DTYPES and head_dim % 8 == 0 and head_dim <= max(buckets)):
         return False
-    allowed = SM90_MODS if backward or varlen else SM90_FORWARD_MODS[tc_tile_row(head_dim)]
+    if backward:
+        allowed = SM90_MODS
+    else:
+        allowed = (SM90_VARLEN_FORWARD_MODS if varlen else SM90_FORWARD_MODS)[tc_tile_row(head_dim)]
     return mods & ~allowed == 0
 
 

@@ -94,10 +94,11 @@
 // cupy_backend.forward_path): q, k, v, out contiguous along head_dim, 16-byte aligned, the other
 // strides positive multiples of 16 bytes (what a tensor map can describe); head_dim a multiple of 8 up
 // to HEAD_DIM: a box reads the columns past head_dim, and the rows past seqlen, as zeros, and the TMA
-// store writes neither. Modifiers (MODS, specs.sm90_eligible: any in one batch but a bias at head_dim
-// 256; the window alone in a packed batch): as flash_fwd_tc.cu applies them, softcap, ALiBi and the bias
-// make each score of S final (mask.cuh's Score, in base 2) before the mask, and the bool mask masks
-// every tile element by element; with a bias or mask the key block is 64 (specs.sm90_forward_tile).
+// store writes neither. Modifiers (MODS, specs.sm90_eligible: any in one batch but a bias above head_dim
+// 128; in a packed batch the window, softcap and ALiBi): as flash_fwd_tc.cu applies them, softcap, ALiBi
+// and the bias make each score of S final (mask.cuh's Score, in base 2) before the mask, and the bool
+// mask masks every tile element by element; with a bias or mask the key block is 64, and where the
+// registers asked for it (specs.sm90_forward_tile).
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64, 128 or 256: head_dim rounded up to 64),
 // BLOCK_M (64 CONSUMERS: 128, or 192 at head_dim 64, specs.sm90_forward_tile), BLOCK_N (a key block: 64,
@@ -143,14 +144,14 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
 
     // VARLEN: the CTA's one tile is a query block of a sequence (a slot of the grid over cu_seqlens_q,
     // mask.cuh's Sequence), the problem that sequence's, the TMA's rows counted from its first ones
-    int q_row0 = 0, k_row0 = 0;
+    int q_row0 = 0, k_row0 = 0, seq_index = 0;  // seq_index: the sequence's, for ALiBi's slopes per sequence
     QueryBlock packed_blk{};
     if constexpr (VARLEN) {
         const Sequence seq = sequence_of<BLOCK_M>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
         if (seq.start < 0) return;  // the whole CTA, before any barrier
         SEQUENCE_LENGTHS(seq);
         AT_SEQUENCE_Q(seq, lse), AT_SEQUENCE_Q(seq, out);
-        q_row0 = seq.q_start, k_row0 = seq.k_start;
+        q_row0 = seq.q_start, k_row0 = seq.k_start, seq_index = seq.index;
         packed_blk = {seq.start, 0, seq.h, seq.kv_head};  // batch 0: the packed tensors' (batch strides 0)
     }
     const auto mask = MAKE_MASK(MODS);
@@ -242,7 +243,8 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
         const QueryBlock& blk = tile.blk;
         const int j_start = tile.j_start, blocks = tile.blocks;
         const int row_c = blk.i0 + 64 * c, row_w = row_c + 16 * (threadIdx.x / WARP_SIZE % 4);
-        const auto score = MAKE_SCORE(T, float, MODS, blk.b, blk.h, scale_log2, LOG2E);
+        // a packed batch's blk.b is 0 (the tensor maps' batch); its slopes are the sequence's
+        const auto score = MAKE_SCORE(T, float, MODS, VARLEN ? seq_index : blk.b, blk.h, scale_log2, LOG2E);
 
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
         float O[D_TILES][4];
