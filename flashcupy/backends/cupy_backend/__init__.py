@@ -266,10 +266,11 @@ def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False,
     9.0 the Hopper kernel takes those calls, and those of head_dim 136 to 256 alike, when they have
     modifiers it takes (specs.sm90_eligible: all of them but a bias above head_dim 128; in a packed
     batch, varlen, the window, softcap and ALiBi, but the window alone at 256), no split-KV and no
-    paged KV cache (paged: its keys are read through the block table, a row at a time), and q, k, v (and out, when given) a tensor map can describe
-    (_tma_describable: positive strides too); the others stay on the mma.sync (or, above 128, SIMT)
-    kernel, never an error. A packed batch (q, k, v a batch of one) takes the same kernels as a batch
-    of its sequences would, but for the modifiers above.
+    paged KV cache (paged: its keys are read through the block table, a row at a time), and q, k, v
+    (and out, when given) a tensor map can describe (_tma_describable: positive strides too); the
+    others stay on the mma.sync (or, above 128, SIMT) kernel, never an error. A packed batch (q, k, v
+    a batch of one) takes the same kernels as a batch of its sequences would, but for the modifiers
+    above.
     """
     tensors = (q, k, v) if out is None else (q, k, v, out)
 
@@ -291,7 +292,9 @@ def backward_path(p, dout, q, k, v, out, deterministic: bool = False) -> str:
     order, each CTA waiting for its turn at a tile (flash_bwd_sm90.cu's DETERMINISTIC).
     """
     def choose():
-        return "hopper" if _hopper(p, True, (q, k, v, dout, out), q, k, v, dout) else _path(p, q, k, v, dout, out)
+        if _hopper(p, True, (q, k, v, dout, out), q, k, v, dout):
+            return "hopper"
+        return _path(p, q, k, v, dout, out)
     return _path_remembered("backward", p, (q, k, v, dout, out), (), choose)
 
 

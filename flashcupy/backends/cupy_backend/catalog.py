@@ -8,8 +8,9 @@ from __future__ import annotations
 import functools
 
 from .specs import (ALL_MODS, CUDA_TYPES, HEAD_DIM_BUCKETS, MOD_BITS, TC_DTYPES, TC_HEAD_DIM_BUCKETS,
-                    SM90_BACKWARD_TILES, SM90_FORWARD_MODS, SM90_FORWARD_TILES, SM90_MODS, SM90_TALL_BACKWARD_TILES,
-                    SM90_TALL_FORWARD_TILES, SM90_VARLEN_FORWARD_MODS, SM90_WIDE_FORWARD_TILES, append_module,
+                    SM90_BACKWARD_TILES, SM90_FORWARD_MODS, SM90_FORWARD_TILES, SM90_MODS,
+                    SM90_TALL_BACKWARD_TILES, SM90_TALL_FORWARD_TILES, SM90_VARLEN_FORWARD_MODS,
+                    SM90_WIDE_FORWARD_TILES, append_module,
                     backward_module, dbias_module, deterministic_tc_backward_module, forward_module, merge_module,
                     probs_module, sm90_backward_module, sm90_forward_module, sm90_forward_tile, tc_backward_module,
                     tc_forward_module)
@@ -89,10 +90,11 @@ def sm90_modules(dtypes=TC_DTYPES, every_modifier_set: bool = False) -> list:
     SM90_BACKWARD_TILES), and the modifier sets they take (none, the window; the forward also the window
     with softcap and ALiBi, and every modifier it takes: SM90_FORWARD_MODS, SM90_VARLEN_FORWARD_MODS),
     for one batch and for a packed one (every_modifier_set: the forward with each set of modifiers it
-    takes: `python -m flashcupy kernels --every-modifier-set`); the forward of one batch with FA3's wide key block (SM90_WIDE_FORWARD_TILES); the forward with FA3's
-    192 query rows (SM90_TALL_FORWARD_TILES), one batch, with and without the window; and the backward
-    without the window with FA3's tall pass (SM90_TALL_BACKWARD_TILES), both kinds of batch, deterministic
-    or not. The NVRTC report compiles them for SM90_ARCH only."""
+    takes: `python -m flashcupy kernels --every-modifier-set`); the forward of one batch with FA3's wide
+    key block (SM90_WIDE_FORWARD_TILES); the forward with FA3's 192 query rows (SM90_TALL_FORWARD_TILES),
+    one batch, with and without the window; and the backward without the window with FA3's tall pass
+    (SM90_TALL_BACKWARD_TILES), both kinds of batch, deterministic or not. The NVRTC report compiles them
+    for SM90_ARCH only."""
     backwards = (sm90_backward_module, functools.partial(sm90_backward_module, deterministic=True))
     def forward_mods(bucket, varlen):  # none, the window, softcap and ALiBi with it, all it takes
         allowed = (SM90_VARLEN_FORWARD_MODS if varlen else SM90_FORWARD_MODS)[bucket]

@@ -150,9 +150,9 @@ TC_FORWARD_TEMPLATES = TC_TEMPLATES[:2]
 
 # The Hopper forward (flash_fwd_sm90.cu: TMA, wgmma, warp specialisation), compiled for sm_90a and run
 # on compute capability 9.0 only: float16/bfloat16, head_dim a multiple of 8 up to 256 (the backward's up
-# to 128), no modifier but the window, no split-KV. HEAD_DIM is head_dim rounded up to 64 (a 128B-swizzled
-# TMA box is 64 columns; tc_tile_row); BLOCK_M is two (or three) consumer warpgroups of 64 query rows,
-# BLOCK_N a key block (wgmma N).
+# to 128), the modifiers of SM90_FORWARD_MODS (the backward's: the window alone), no split-KV. HEAD_DIM is
+# head_dim rounded up to 64 (a 128B-swizzled TMA box is 64 columns; tc_tile_row); BLOCK_M is two (or
+# three) consumer warpgroups of 64 query rows, BLOCK_N a key block (wgmma N).
 SM90_TEMPLATES = ("flash_fwd_sm90", "flash_bwd_dkdv_sm90")
 SM90_ARCH = "sm_90a"
 SM90_COMPUTE_CAPABILITY = 90
@@ -217,10 +217,8 @@ SM90_FORWARD_MODS = {64: ALL_MODS, 128: ALL_MODS, 192: ALL_MODS & ~MOD_BITS["bia
                      256: ALL_MODS & ~MOD_BITS["bias"]}
 # A packed batch's (attention_varlen takes the window, softcap and ALiBi): all three up to 192, the window
 # alone at 256, where with softcap and ALiBi it spilled 64 bytes at 64 keys (its sequence's offsets besides)
-SM90_VARLEN_FORWARD_MODS = {64: MOD_BITS["window"] | MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"],
-                            128: MOD_BITS["window"] | MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"],
-                            192: MOD_BITS["window"] | MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"],
-                            256: MOD_BITS["window"]}
+_VARLEN_MODS = MOD_BITS["window"] | MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"]
+SM90_VARLEN_FORWARD_MODS = {64: _VARLEN_MODS, 128: _VARLEN_MODS, 192: _VARLEN_MODS, 256: MOD_BITS["window"]}
 
 
 def mods_of(modifiers) -> int:
@@ -511,15 +509,19 @@ def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool 
 
 def sm90_forward_tile(head_dim: int, mods: int = 0, causal: bool = False, varlen: bool = False,
                       wide: bool = False, tall: bool = False) -> tuple:
-    """(BLOCK_M, BLOCK_N) of the Hopper forward: SM90_PAIRS_FORWARD_TILES' where the call has a bias or a
-    bool mask, else SM90_SCORE_FORWARD_TILES' (a packed batch's: SM90_VARLEN_SCORE_FORWARD_TILES' too)
-    where it has softcap or ALiBi and the head_dim's bucket has one; else SM90_TALL_FORWARD_TILES' where `tall` asks for it, the call has no modifier but the
-    window (in 160 registers), is one batch (a packed batch's kernel spilled 48-348 bytes in 160
-    registers: its sequence's offsets and out's row-by-row store besides) and the head_dim's bucket has
-    one (causal and the window too, as FA3's); else SM90_WIDE_FORWARD_TILES' where `wide` asks for it, the call has neither causal
-    nor a window (a band would mask more of a wider block), is one batch (a packed batch's kernel spilled
-    at 176 keys: its sequence's offsets besides) and the bucket has one; else SM90_FORWARD_TILES'. A packed
-    batch takes SM90_VARLEN_FORWARD_TILES' where its bucket has one."""
+    """(BLOCK_M, BLOCK_N) of the Hopper forward, the first that applies:
+    - SM90_PAIRS_FORWARD_TILES' where the call has a bias or a bool mask;
+    - SM90_SCORE_FORWARD_TILES' (a packed batch's: SM90_VARLEN_SCORE_FORWARD_TILES' too) where it has
+      softcap or ALiBi and the head_dim's bucket has one;
+    - a packed batch's SM90_VARLEN_FORWARD_TILES' where its bucket has one;
+    - SM90_TALL_FORWARD_TILES' where `tall` asks for it, the call has no modifier but the window (in 160
+      registers), is one batch (a packed batch's kernel spilled 48-348 bytes in 160 registers: its
+      sequence's offsets and out's row-by-row store besides) and the bucket has one (causal and the
+      window too, as FA3's);
+    - SM90_WIDE_FORWARD_TILES' where `wide` asks for it, the call has neither causal nor a window (a band
+      would mask more of a wider block), is one batch (a packed batch's kernel spilled at 176 keys: its
+      sequence's offsets besides) and the bucket has one;
+    - else SM90_FORWARD_TILES'."""
     bucket = tc_tile_row(head_dim)
     if mods & MOD_PAIRS:
         return SM90_PAIRS_FORWARD_TILES[bucket]
@@ -539,8 +541,8 @@ def sm90_forward_tile(head_dim: int, mods: int = 0, causal: bool = False, varlen
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def sm90_forward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False,
                         tile: tuple | None = None) -> ModuleSpec:
-    """The Hopper forward (sm_90a) for float16/bfloat16, head_dim <= 256 (a multiple of 8), no
-    modifier but the window (sm90_eligible); varlen: for a packed batch (a CTA a query block, out stored
+    """The Hopper forward (sm_90a) for float16/bfloat16, head_dim <= 256 (a multiple of 8), the
+    modifiers sm90_eligible allows; varlen: for a packed batch (a CTA a query block, out stored
     row by row); tile: its (BLOCK_M, BLOCK_N) (sm90_forward_tile), SM90_FORWARD_TILES' by default."""
     bucket = tc_tile_row(head_dim)
     bm, bn = tile or SM90_FORWARD_TILES[bucket]

@@ -50,9 +50,10 @@
 //     O_s   BLOCK_M x HEAD_DIM                      each consumer's rows of out, for its TMA store
 //     total (2 BLOCK_M + 2 STAGES BLOCK_N) HEAD_DIM 2 bytes + 1024 of alignment (launch.py: LAUNCH).
 // O_IN_Q: where that is more than a CTA may have (227 KiB: BLOCK_N 176 at HEAD_DIM 128, FA3's key block
-// for calls without causal or window; every tile at HEAD_DIM 256: 225 KiB with 80 keys), O_s is Q_s: a consumer's rows of O_s are the rows of Q_s that only
-// its own S = Q_i K_jᵀ read, all landed before it writes out. The next Q_i then waits for out to have
-// left (q_empty below), so a persistent grid's next Q_i no longer loads under this tile's epilogue.
+// for calls without causal or window; every tile at HEAD_DIM 256, Q_i and the ring alone 225 KiB with 80
+// keys), O_s is Q_s: a consumer's rows of O_s are the rows of Q_s that only its own S = Q_i K_jᵀ read,
+// all landed before it writes out. The next Q_i then waits for out to have left (q_empty below), so a
+// persistent grid's next Q_i no longer loads under this tile's epilogue.
 // mbarriers (static shared memory), and why each is waited on:
 //     q_full           the producer has written the CTA's next tile into tile_slot, and its Q_i's boxes
 //                      have landed (count 1: the producer's arrive.expect_tx, the TMA completing the
