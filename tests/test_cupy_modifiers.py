@@ -310,11 +310,10 @@ PAIR_MUTATIONS = {
     "bias read with its strides swapped": ("min(i, last_q) * s_q + min(j, last_k) * s_k",
                                            "min(i, last_q) * s_k + min(j, last_k) * s_q"),
     "bias not in base 2 on tensor cores": ("s += unit * (bias_f32", "s += (bias_f32"),
-    "tensor-core forward masks only partial tiles": ("if ((MODS & MOD_MASK) != 0 || mask.partial(blk.i0, j0))",
-                                                     "if (mask.partial(blk.i0, j0))"),
-    "tensor-core dQ masks only partial tiles": (
-        "const bool partial = (MODS & MOD_MASK) != 0 || mask.partial(blk.i0, j0);",
-        "const bool partial = mask.partial(blk.i0, j0);"),
+    # tc_final_scores (tc_tile.cuh): the mma.sync and Hopper forwards'
+    "tensor-core forward masks only partial tiles": ("if (TILE_MASKED(MODS, i0, j0))", "if (mask.partial(i0, j0))"),
+    "tensor-core dQ masks only partial tiles": ("const bool partial = TILE_MASKED(MODS, blk.i0, j0);",
+                                                "const bool partial = mask.partial(blk.i0, j0);"),
     "dbias not summed over keys": ("acc[r] = group_sum<BLOCK_N>(acc[r]);", "acc[r] = acc[r];"),
     "dbias row sum misses a warp": ("for (int w = 0; w < NUM_WARPS; ++w)", "for (int w = 1; w < NUM_WARPS; ++w)"),
     "probs subtract the lse of the asked index": ("prob(s - lse_for_p(lse_row, i,",

@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
         two_mma_abt<T, HEAD_DIM, BLOCK_M, MODS != 0>(S, dP, K_s + 16 * warp * ROW, Q_i, V_s + 16 * warp * ROW, dO_i);
 
         // Sᵀ becomes Pᵀ, dPᵀ becomes dSᵀ: row r of the warp's tile is key key_w + r, column c query i0 + c
-        const bool partial = (MODS & MOD_MASK) != 0 || mask.partial(i0, blk.j0);  // the bool mask: any tile
+        const bool partial = TILE_MASKED(MODS, i0, blk.j0);
         const int h = blk.kv_head * group + p / q_blocks;
         const auto score = MAKE_SCORE(T, float, MODS, blk.b, h, scale_log2, LOG2E);
         for_each_element([&](int r, int c, float& s, float& dp) {  // a hidden row's dS 0 with the bool mask: see seen_row
@@ -327,7 +327,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
                                           kv.V_j(jb));
 
         // dP becomes dS: row r of the warp's tile is query row_w + r (the lane's r / 8), column c key j0 + c
-        const bool partial = (MODS & MOD_MASK) != 0 || mask.partial(blk.i0, j0);  // the bool mask: any tile
+        const bool partial = TILE_MASKED(MODS, blk.i0, j0);
         for_each_element([&](int r, int c, float& s, float& dp) {
             const bool hidden = TC_PAIR_HIDDEN(partial, row_w + r, j0 + c);
             float t = 0.0f;

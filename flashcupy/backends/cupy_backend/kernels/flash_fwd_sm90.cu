@@ -276,17 +276,7 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
             mbarrier_arrive(&k_empty[stage(jb)]);  // this thread's S no longer reads K_j
             if (!O_IN_Q && jb == blocks - 1) mbarrier_arrive(&q_empty);
             const int j0 = j_start + jb * BLOCK_N;
-            if constexpr ((MODS & MOD_SCORE) != 0) {  // else the softmax scales s (tc_softmax_scale)
-                for_each_element([&](int r, int col, float& x) {
-                    float t = 0.0f;
-                    x = tc_final_score(score, x, row_w + r, j0 + col, t, scale_log2);
-                }, S);
-            }
-            if ((MODS & MOD_MASK) != 0 || mask.partial(blk.i0, j0)) {  // the bool mask may hide pairs of any tile
-                for_each_element([&](int r, int col, float& x) {
-                    if (PAIR_HIDDEN(row_w + r, j0 + col)) x = -INFINITY;
-                }, S);
-            }
+            tc_final_scores<MODS>(S, mask, score, blk.i0, row_w, j0, scale_log2);
 #pragma unroll
             for (int r = 0; r < 2; ++r) alpha[r] = online_softmax_row(S, m, l, r, tc_softmax_scale(score, scale_log2));
         };

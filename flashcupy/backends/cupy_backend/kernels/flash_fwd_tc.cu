@@ -186,18 +186,7 @@ __device__ __forceinline__ void flash_fwd_tc_cta(
 
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
-            const int row_t = row_w + 16 * mt;  // the row tile's first row
-            if constexpr ((MODS & MOD_SCORE) != 0) {  // else the softmax scales s (tc_softmax_scale)
-                for_each_element([&](int r, int c, float& s) {
-                    float t = 0.0f;
-                    s = tc_final_score(score, s, row_t + r, j0 + c, t, scale_log2);
-                }, S[mt]);
-            }
-            if ((MODS & MOD_MASK) != 0 || mask.partial(blk.i0, j0)) {  // the bool mask may hide pairs of any tile
-                for_each_element([&](int r, int c, float& s) {
-                    if (PAIR_HIDDEN(row_t + r, j0 + c)) s = -INFINITY;
-                }, S[mt]);
-            }
+            tc_final_scores<MODS>(S[mt], mask, score, blk.i0, row_w + 16 * mt, j0, scale_log2);
             online_softmax(S[mt], m[mt], l[mt], O[mt], tc_softmax_scale(score, scale_log2));
         }
         mma_ab<T, HEAD_DIM, BLOCK_N, M_TILES>(O, S, kv.V_j(jb));

@@ -187,6 +187,9 @@ __device__ __forceinline__ Acc at_most_zero(Acc x) {
 // spells it (the other spelling, too, compiled to other instructions)
 #define PAIR_SEEN(i, j) (mask.visible(i, j) && score.keeps(i, j))
 #define PAIR_HIDDEN(i, j) (!mask.visible(i, j) || !score.keeps(i, j))
+// Whether the tile of the query block at i0 and the key block at j0 is masked element by element: the
+// tiles Mask::partial names, and every tile with the bool mask (MOD_MASK), which may hide any pair
+#define TILE_MASKED(MODS, i0, j0) (((MODS) & MOD_MASK) != 0 || mask.partial(i0, j0))
 
 // The final score of pair (i, j) from the raw score s; t as Score's (softcap only). s as it is where
 // no modifier changes scores.

@@ -39,6 +39,26 @@ __device__ __forceinline__ float tc_final_score(const ScoreT& score, float s, in
     return s * scale_log2;
 }
 
+// The forward's scores of one row tile (C fragments: rows from row0, keys from j0, of the tile at i0, j0)
+// made final: through the modifiers that change scores (else the softmax scales them: tc_softmax_scale),
+// then -inf where the pair is hidden, in the tiles that TILE_MASKED names. flash_fwd_tc.cu's and
+// flash_fwd_sm90.cu's.
+template <int MODS, typename MaskT, typename ScoreT, int TILES>
+__device__ __forceinline__ void tc_final_scores(float (&S)[TILES][4], const MaskT& mask, const ScoreT& score, int i0,
+                                                int row0, int j0, float scale_log2) {
+    if constexpr ((MODS & MOD_SCORE) != 0) {
+        for_each_element([&](int r, int c, float& s) {
+            float t = 0.0f;
+            s = tc_final_score(score, s, row0 + r, j0 + c, t, scale_log2);
+        }, S);
+    }
+    if (TILE_MASKED(MODS, i0, j0)) {
+        for_each_element([&](int r, int c, float& s) {
+            if (PAIR_HIDDEN(row0 + r, j0 + c)) s = -INFINITY;
+        }, S);
+    }
+}
+
 // The forward's online softmax takes s as the modifiers leave it (modified in place where they change
 // scores: tc_final_score) and exponentiates s times this, folded into its exponent
 template <typename ScoreT>
