@@ -1,7 +1,8 @@
-"""Every set of score modifiers the Hopper forward takes (specs.SM90_FORWARD_MODS, and a packed batch's:
-SM90_VARLEN_FORWARD_MODS), at every head-dim bucket and its tile (specs.sm90_forward_tile), compiled
-for sm_90a by each NVRTC found: registers, spills and HGMMA, then the kernels that spill. CPU only;
-about two minutes an NVRTC.
+"""Every set of score modifiers the Hopper forward and backward take (specs.SM90_FORWARD_MODS,
+SM90_BACKWARD_MODS, and a packed batch's: SM90_VARLEN_FORWARD_MODS, SM90_VARLEN_BACKWARD_MODS), at every
+head-dim bucket and its tile (specs.sm90_forward_tile, sm90_backward_tile), the backward deterministic or
+not, compiled for sm_90a by each NVRTC found: registers, spills and HGMMA, then the kernels that spill.
+CPU only; about five minutes an NVRTC.
 
     python benchmarks/sm90_modifier_sets.py [OUT.md] [--dtype float16]
 
@@ -23,12 +24,20 @@ from flashcupy.backends.cupy_backend import catalog, specs
 from flashcupy.tools import nvrtc
 
 
-def forward_modules(dtype: str) -> list:
-    """The Hopper forwards of one batch and of a packed one, every set of modifiers each bucket takes, at
-    the tiles the rule gives (not the wide or tall blocks of the switches)."""
-    return [m for m in catalog.sm90_modules((dtype,), every_modifier_set=True)
-            if m.source_file == "flash_fwd_sm90.cu" and (m.kernels[0].block_m, m.kernels[0].block_n)
-            == specs.sm90_forward_tile(m.kernels[0].head_dim, m.kernels[0].mods, varlen=m.kernels[0].varlen)]
+def _default_tile(module) -> bool:
+    """Whether a Hopper module's kernel has the tile the rule gives (not the wide or tall blocks of the
+    switches)."""
+    if module.source_file == "flash_fwd_sm90.cu":
+        k = module.kernels[0]
+        return (k.block_m, k.block_n) == specs.sm90_forward_tile(k.head_dim, k.mods, varlen=k.varlen)
+    k = module.kernels[1]  # the dK/dV kernel
+    return (k.block_m, k.block_n) == specs.sm90_backward_tile(k.head_dim, k.mods)
+
+
+def modifier_modules(dtype: str) -> list:
+    """The Hopper forwards and backwards of one batch and of a packed one, every set of modifiers each
+    bucket takes, at the tiles the rule gives."""
+    return [m for m in catalog.sm90_modules((dtype,), every_modifier_set=True) if _default_tile(m)]
 
 
 def main(argv=None) -> int:
@@ -36,7 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("out", nargs="?", help="write the table here too (markdown)")
     ap.add_argument("--dtype", default="float16", choices=specs.TC_DTYPES)
     args = ap.parse_args(argv)
-    modules = forward_modules(args.dtype)
+    modules = modifier_modules(args.dtype)
     reports = {f"NVRTC {t.version}, {specs.SM90_ARCH}": nvrtc.kernel_report(specs.SM90_ARCH, t, modules)
                for t in nvrtc.toolkits()}
     table = nvrtc.format_kernel_report(reports)
@@ -49,7 +58,7 @@ def main(argv=None) -> int:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
         with open(args.out, "w", encoding="utf-8") as f:
-            f.write(f"# The Hopper forward with every set of modifiers it takes\n\nCommand: `python "
+            f.write(f"# The Hopper forward and backward with every set of modifiers they take\n\nCommand: `python "
                     f"benchmarks/sm90_modifier_sets.py {args.out} --dtype {args.dtype}` at commit {commit} "
                     f"(CPU only: NVRTC, sm_90a).\n\n```\n{table}\n```\n\n{verdict}\n")
     return 1 if exceeded else 0

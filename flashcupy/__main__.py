@@ -62,8 +62,9 @@ def cmd_info(args) -> int:
           "  warp specialisation; sm_90a) when they have no split-KV, strides a tensor map describes\n"
           "  (positive, multiples of 16 bytes) and modifiers the kernel takes: one batch's forward every\n"
           "  one but a bias above head_dim 128, packed batches' forward (attention_varlen, contiguous KV\n"
-          "  caches) the window, softcap and ALiBi but the last two at 256, the backward\n"
-          "  (deterministic=True too: dQ added in key-block order) the window alone; other modifiers,\n"
+          "  caches) the window, softcap and ALiBi but the last two at 256, the backward up to head_dim\n"
+          "  128 (deterministic=True too: dQ added in key-block order) every one but the window with a\n"
+          "  bias or mask at 128, packed batches' the window, softcap and ALiBi; other modifiers,\n"
           "  split-KV and paged KV caches stay on mma.sync, and every call of head_dim 136..256 but those\n"
           "  forwards on the SIMT kernels (cupy_backend.forward_path / backward_path say which kernel a\n"
           "  call takes)")

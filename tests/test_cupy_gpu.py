@@ -11,6 +11,7 @@ import flashcupy
 from conftest import BF16, CASES, DTYPES, LAYOUTS, assert_matches_oracle, bf16_bits, case_id, make_qkv
 from modifier_checks import named_modifiers
 from flashcupy import backends
+from flashcupy._problem import MODIFIERS
 
 REASON = backends.unavailable_reason("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"no GPU for cupy: {REASON}")]
@@ -180,3 +181,35 @@ def test_the_hopper_forwards_new_cases_match_the_oracle(rng, case, modifiers, fm
     on_gpu = {m: cupy.asarray(x) if isinstance(x, np.ndarray) else x for m, x in kw.items()}
     out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, dtype=dtype, **on_gpu)
     assert_matches_oracle([x.get() for x in (out, lse)], q, k, v, causal=causal, backend="cupy", **kw)
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case, modifiers", [
+    ((1, 300, 400, 2, 1, 64, True), ("softcap", "alibi", "bias", "mask", "window")),
+    ((2, 200, 333, 2, 2, 128, False), ("softcap", "alibi", "bias", "mask")),
+    ((1, 333, 150, 2, 1, 96, True), ("softcap",)),  # Sq > Sk: rows before 183 see no key, NaN in their dout
+], ids=lambda x: "+".join(x) if x and isinstance(x[0], str) else case_id(x))
+def test_the_hopper_backward_with_modifiers_matches_the_oracle(rng, case, modifiers, fmt):
+    """The score modifiers and the bool mask on the Hopper backward (specs.SM90_BACKWARD_MODS), and rows that
+    see no key inside its passes (their dO_i rows zeroed in shared memory: dead_rows), on silicon against the
+    oracle, deterministic or not."""
+    import cupy
+    from flashcupy.backends import cupy_backend
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the Hopper kernels run on compute capability 9.0 only")
+    *shape, causal = case
+    B, Sq, Sk, Hq = shape[:4]
+    (q, k, v, dout), (dq_, dk_, dv_, ddout), dtype = device_problem(rng, shape, fmt)
+    kw = named_modifiers(rng, modifiers, B, Sq, Sk, Hq, window=(90, 7))
+    on_gpu = {m: cupy.asarray(x) if isinstance(x, np.ndarray) else x for m, x in kw.items()}
+    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, dtype=dtype, **on_gpu)
+    dead = ~np.isfinite(lse.get()).transpose(0, 2, 1)
+    ddout[cupy.asarray(dead)] = np.nan if fmt == "float16" else 0x7FC0  # bfloat16's NaN, as its bits
+    p = flashcupy._checks.problem(dq_, dk_, dv_, causal, None, dtype, **{m: on_gpu.get(m) for m in MODIFIERS})
+    assert cupy_backend.backward_path(p, ddout, dq_, dk_, dv_, out) == "hopper"
+    for deterministic in (False, True):
+        grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=causal, dtype=dtype,
+                                             deterministic=deterministic, **on_gpu)
+        got = [x.get() for x in (out, lse, *grads)]
+        assert not any(np.isnan(g).any() for g in got[2:])
+        assert_matches_oracle(got, q, k, v, dout, causal=causal, backend="cupy", **kw)

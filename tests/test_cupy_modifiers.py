@@ -73,8 +73,8 @@ def deterministic_backward(monkeypatch):
     monkeypatch.setattr(cupy_backend, "backward", lambda *a, **kw: backward(*a, **dict(kw, deterministic=True)))
 
 
-# "hopper": the Hopper forward (every modifier in one batch, specs.SM90_FORWARD_MODS) on an emulated sm_90,
-# the backward on the mma.sync kernels (the Hopper backward takes the window alone)
+# "hopper": the Hopper forward and backward (every modifier in one batch, specs.SM90_FORWARD_MODS,
+# SM90_BACKWARD_MODS) on an emulated sm_90
 DEVICE = {"hopper": specs.SM90_COMPUTE_CAPABILITY, "tensor-core": 80, "simt": 80}
 
 
@@ -171,18 +171,21 @@ def test_windows_past_the_ends_and_rows_that_see_no_key(rng, path, Sq, Sk, windo
 
 
 @pytest.mark.parametrize("path, deterministic, kernel", [
+    ("hopper", False, "flash_bwd_dkdv_sm90"),  # dO_i's rows zeroed in shared memory, D 0 (dead_rows)
+    ("hopper", True, "flash_bwd_dkdv_sm90"),
     ("tensor-core", False, "flash_bwd_dq_convert"),  # dQ added with atomics inside the dK/dV kernel
     ("tensor-core", True, "flash_bwd_dq_tc"),
     ("simt", True, "flash_bwd_dq"),
 ])
 def test_rows_the_mask_hides_add_nothing_whatever_their_dout_holds(rng, monkeypatch, path, deterministic, kernel):
     """A row the bool mask leaves no key lies inside tiles of rows that see keys: its dq is 0 and it adds
-    nothing to dk, dv or dbias, whatever its dout holds (README, Semantics: fully masked rows), on both
-    kernel paths, the tensor-core backward with dq by atomics and without. (The mask is the one
-    modifier that hides a whole row inside the query blocks a key block visits: causal and windows
-    start them at the first row that sees it.)"""
-    monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", path == "tensor-core")
-    dtype = np.float16 if path == "tensor-core" else np.float32
+    nothing to dk, dv or dbias, whatever its dout holds (README, Semantics: fully masked rows), on every
+    kernel path, the tensor-core backward with dq by atomics and without. (The mask is the one
+    modifier that hides a whole row inside the query blocks the mma.sync and SIMT kernels' key blocks
+    visit: causal and windows start them at the first row that sees it. The Hopper backward's start at
+    a multiple of 64: test_hopper_kernels.py's test_rows_that_see_no_key_add_nothing_...)"""
+    monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", path != "simt")
+    dtype = np.float16 if path != "simt" else np.float32
     B, Sq, Sk, Hq = 2, 20, 70, 2  # two key blocks on both paths; GQA
     q, k, v = make_qkv(rng, B, Sq, Sk, Hq, 1, 64, dtype)
     mask = rng.random((B, Hq, Sq, Sk)) < 0.8
@@ -191,7 +194,7 @@ def test_rows_the_mask_hides_add_nothing_whatever_their_dout_holds(rng, monkeypa
     dout = rng.standard_normal(q.shape).astype(dtype)
     dout[1, 5, 1, 7] = dout[0, 19, 0] = np.nan
     names = []
-    with emulated(compile=recording(names)):
+    with emulated(compile=recording(names), compute_capability=DEVICE[path]):
         out, lse = flashcupy.attention(q, k, v, mask=mask, bias=bias, return_lse=True, backend="cupy")
         grads = flashcupy.attention_backward(dout, q, k, v, out, lse, mask=mask, bias=bias, backend="cupy",
                                              deterministic=deterministic)

@@ -26,6 +26,7 @@ from flashcupy.tools import emulator
 from flashcupy.tools.emulator.cupy import compile_module, emulated, recording
 
 HOPPER = specs.SM90_COMPUTE_CAPABILITY
+WINDOW = specs.MOD_BITS["window"]
 KERNELS = ("flash_fwd_sm90.cu", "flash_bwd_sm90.cu")
 
 
@@ -78,15 +79,19 @@ def test_the_hopper_kernels_take_16_bit_calls_the_forward_up_to_head_dim_256_the
 
 def test_other_calls_keep_the_mma_sync_kernels(rng):
     q, k, v = make_qkv(rng, 1, 20, 20, 1, 1, 64, np.float16)
-    # another device, the switch, a modifier the backward does not take, split-KV
+    # another device, the switch, modifiers the backward does not take (SM90_BACKWARD_SPILLS), split-KV
     assert _forward_templates(q, k, v, compute_capability=80) == {"flash_fwd_tc"}
     assert _backward_templates(q, k, v, compute_capability=80) == {"flash_bwd_dkdv_tc"}
     with mock.patch.object(cupy_backend, "USE_WGMMA", False):
         assert _forward_templates(q, k, v) == {"flash_fwd_tc"}
         assert _backward_templates(q, k, v) == {"flash_bwd_dkdv_tc"}
     assert _forward_templates(q, k, v, softcap=5.0) == {"flash_fwd_sm90"}  # every modifier, one batch's forward
-    assert _backward_templates(q, k, v, softcap=5.0) == {"flash_bwd_dkdv_tc"}
-    assert _backward_templates(q, k, v, softcap=5.0, deterministic=True) == {"flash_bwd_dkdv_tc", "flash_bwd_dq_tc"}
+    assert _backward_templates(q, k, v, softcap=5.0) == {"flash_bwd_dkdv_sm90"}  # and its backward up to 128
+    q1, k1, v1 = make_qkv(rng, 1, 20, 20, 1, 1, 128, np.float16)
+    mask = rng.random((1, 1, 20, 20)) < 0.8
+    assert _backward_templates(q1, k1, v1, mask=mask) == {"flash_bwd_dkdv_sm90"}
+    # (with a mask at 128 the mma.sync backward's dQ is its own kernel: TC_ATOMIC_BUCKETS_PAIRS)
+    assert _backward_templates(q1, k1, v1, mask=mask, window=(4, 4)) == {"flash_bwd_dkdv_tc", "flash_bwd_dq_tc"}
     _, k, v = make_qkv(rng, 1, 1, 300, 1, 1, 64, np.float16)  # 300 keys: two splits of 256 and 44
     names = []
     with emulated(compile=recording(names), compute_capability=HOPPER):
@@ -172,7 +177,7 @@ def _forward_case(rng, order, dtype, case, switch=contextlib.nullcontext(), cp_a
     with switch, launch, emulated(order, compile=recording(names), compute_capability=HOPPER, cp_async=cp_async,
                                   **grid):
         got = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
-    return names, got, (q, k, v), kw, specs.SM90_MODS if window else 0
+    return names, got, (q, k, v), kw, WINDOW if window else 0
 
 
 # "eager": TMA loads land at issue (and cp.async copies), so that a ring stage released before a wgmma that
@@ -221,9 +226,9 @@ def test_the_head_dim_256_forward_matches_the_oracle(rng, order, dtype, cp_async
 
 @pytest.mark.parametrize("head_dim, mods, causal, varlen, tile, o_in_q", [
     (256, 0, False, False, (128, 80), True), (200, 0, True, False, (128, 80), True),
-    (256, specs.SM90_MODS, False, False, (128, 80), True),  # the window
+    (256, WINDOW, False, False, (128, 80), True),  # the window
     (256, 0, False, True, (128, 64), True),                 # a packed batch: at 80 keys its kernel spilled
-    (136, 0, False, False, (128, 80), False), (192, specs.SM90_MODS, True, True, (128, 80), False),
+    (136, 0, False, False, (128, 80), False), (192, WINDOW, True, True, (128, 80), False),
 ])
 def test_the_tiles_above_head_dim_128_fit(head_dim, mods, causal, varlen, tile, o_in_q):
     # the wide and tall switches change nothing there (no tile of theirs)
@@ -240,7 +245,7 @@ def test_the_tiles_above_head_dim_128_fit(head_dim, mods, causal, varlen, tile, 
 
 # Score modifiers and the bool mask on the Hopper forward (one batch; specs.SM90_FORWARD_MODS: all but a bias
 # at 256), made final in S before the mask as flash_fwd_tc.cu does; a bias or mask takes 64-key blocks
-# (SM90_PAIRS_FORWARD_TILES). The backward of these calls runs on mma.sync (or SIMT above 128), checked too.
+# (SM90_PAIRS_FORWARD_TILES). The backward of these calls runs on Hopper up to 128 (SIMT above), checked too.
 # tests/test_cupy_modifiers.py runs every modifier case on this path at head_dim 64.
 MODIFIED_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, modifiers, tile)
     (1, 140, 150, 2, 1, 128, True, ("softcap", "alibi", "bias", "mask", "window"), (128, 64)),
@@ -261,10 +266,16 @@ def test_which_modifiers_the_hopper_kernels_take_and_their_tiles():
         assert specs.sm90_eligible("float16", d, specs.ALL_MODS & ~bits["bias"])
         assert specs.sm90_forward_tile(d, bits["mask"]) == (128, 64)
     assert specs.sm90_forward_tile(192, score) == (128, 80) and specs.sm90_forward_tile(256, score) == (128, 64)
-    # the backward: the window alone; a packed batch's forward: the window, softcap and ALiBi (attention_varlen's
+    # the backward: every modifier up to 128, but the window with a bias or the mask at 128 (they spilled), and
+    # a packed batch's three; a packed batch's forward: the window, softcap and ALiBi (attention_varlen's
     # modifiers), but the window alone at 256, and 64 keys with softcap or ALiBi at 128 and 192
-    assert specs.sm90_eligible("float16", 64, bits["window"], backward=True)
-    assert not specs.sm90_eligible("float16", 64, bits["softcap"], backward=True)
+    assert specs.sm90_eligible("float16", 64, specs.ALL_MODS, backward=True)
+    assert specs.sm90_eligible("float16", 128, specs.ALL_MODS & ~bits["window"], backward=True)
+    for extra in (bits["bias"], bits["mask"]):
+        assert not specs.sm90_eligible("float16", 128, bits["window"] | extra, backward=True)
+    assert specs.sm90_eligible("float16", 128, score | bits["window"], backward=True, varlen=True)
+    assert not specs.sm90_eligible("float16", 136, bits["window"], backward=True)
+    assert specs.sm90_backward_tile(64, bits["softcap"], tall=True) == (64, 128)  # the tall pass: no modifier
     for d, tile in ((64, (128, 128)), (128, (128, 64)), (192, (128, 64))):
         assert specs.sm90_eligible("float16", d, score | bits["window"], varlen=True)
         assert specs.sm90_forward_tile(d, score, varlen=True) == tile
@@ -290,7 +301,7 @@ def test_the_hopper_forward_takes_every_modifier(rng, order, dtype, case):
     mods = specs.mods_of(m for m in kw if m in specs.MOD_BITS)
     assert names[0] == f"flash_fwd_sm90<{ctype}, {specs.tc_tile_row(D)}, {tile[0]}, {tile[1]}, {mods}>"
     assert specs.sm90_forward_tile(D, mods, causal) == tile
-    assert not any(name.startswith("flash_bwd_dkdv_sm90") for name in names)
+    assert any(name.startswith("flash_bwd_dkdv_sm90") for name in names) == specs.sm90_eligible(dtype, D, mods, True)
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", **kw)
 
 
@@ -328,7 +339,7 @@ def test_the_wide_key_block_matches_the_oracle(rng, order, dtype, case):
     (128, 0, False, False, (128, 176)), (96, 0, False, False, (128, 176)),
     (64, 0, False, False, (128, 192)), (40, 0, False, False, (128, 192)),
     (128, 0, True, False, (128, 128)),             # causal
-    (128, specs.SM90_MODS, False, False, (128, 128)),  # the window
+    (128, WINDOW, False, False, (128, 128)),  # the window
     (128, 0, False, True, (128, 128)),             # a packed batch (its kernel spilled at 176)
 ])
 def test_the_wide_key_block_is_taken_where_it_applies(head_dim, mods, causal, varlen, tile):
@@ -370,7 +381,7 @@ def test_the_tall_forward_tile_matches_the_oracle(rng, order, dtype, case):
 
 @pytest.mark.parametrize("head_dim, mods, causal, varlen, wide, tile", [
     (64, 0, False, False, False, (192, 128)), (40, 0, True, False, False, (192, 128)),
-    (64, specs.SM90_MODS, False, False, False, (192, 128)),  # the window too
+    (64, WINDOW, False, False, False, (192, 128)),  # the window too
     (64, 0, False, False, True, (192, 128)),                 # before the wide block
     (64, 0, False, True, False, (128, 128)),                 # a packed batch: its kernel spilled in 160 registers
     (128, 0, False, False, False, (128, 128)),               # head_dim 128: two consumers
@@ -413,7 +424,7 @@ def test_the_tall_backward_pass_matches_the_oracle(rng, order, dtype, case):
 
 @pytest.mark.parametrize("head_dim, mods, tile", [
     (64, 0, (128, 128)), (40, 0, (128, 128)),
-    (64, specs.SM90_MODS, (64, 128)),   # the window: at 128 rows its masked passes spilled
+    (64, WINDOW, (64, 128)),   # the window: at 128 rows its masked passes spilled
     (128, 0, (64, 128)),                # head_dim 128 keeps FA3's 64 x 128
 ])
 def test_the_tall_pass_is_taken_where_it_applies(head_dim, mods, tile):
@@ -747,3 +758,63 @@ def test_a_tensor_map_is_made_once_an_address_shape_and_box(rng):
     assert_matches_oracle((out, lse, *grads[0]), q, k, v, dout, backend="cupy")
     for again in grads[1:]:
         assert _same_bits(again, grads[0])
+
+
+# Rows that see no key (lse -inf) inside a pass: the Hopper backward's passes start at a multiple of BLOCK_M,
+# before the first row that sees the key block (causal or a window with seqlen_q > seqlen_k), and the bool
+# mask can hide any row. Their dout may hold anything (README: fully masked rows): warp 1 gives them D 0 and
+# marks the stage (dead_rows), and the consumers zero their rows of dO_i before any wgmma reads it. Each of
+# those steps removed in turn must leave a NaN or a wrong gradient under some order.
+DEAD_ROW_STEPS = {
+    "the mark's reset before the lanes' marks": ("__syncwarp();  // lane 0's reset", ";  //"),
+    "dO_i's rows zeroed": ("zero_rows_if<BLOCK_M, HEAD_DIM>(dO_s", "if (0) zero_rows_if<BLOCK_M, HEAD_DIM>(dO_s"),
+    "D 0": ("i < seqlen_q && !dead ?", "i < seqlen_q ?"),
+}
+
+
+def _dead_rows_run(rng, order, compile=compile_module):
+    """The cases: causal with Sq > Sk (the rows before Sq - Sk see nothing), with and without a window (the
+    default kernel's P_UNDER_DP and the window's), and one row the mask hides, in a lane other than 0's;
+    each with NaN in those rows' dout: no NaN in dq, dk, dv, dq 0 in those rows, and the oracle's values."""
+    cases = [(1, 150, 40, dict(causal=True)), (1, 150, 40, dict(causal=True, window=(30, 0))),
+             (2, 70, 90, dict(mask=None))]
+    for B, Sq, Sk, kw in cases:
+        q, k, v = make_qkv(rng, B, Sq, Sk, 2, 1, 64, np.float16)
+        dout = rng.standard_normal(q.shape).astype(np.float16)
+        if "mask" in kw:
+            kw = dict(mask=rng.random((B, 2, Sq, Sk)) < 0.9)
+            kw["mask"][1, 0, 5] = False  # row 5 of head 0: lane 5 of warp 1 marks it
+        names = []
+        with emulated(order, compile=recording(names, compile), compute_capability=HOPPER):
+            out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+            dead = ~np.isfinite(lse).transpose(0, 2, 1)  # (batch, seqlen_q, heads_q)
+            assert dead.any()
+            dout[dead] = np.nan
+            grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", **kw)
+        assert any(name.startswith("flash_bwd_dkdv_sm90") for name in names)
+        assert not any(np.isnan(g).any() for g in grads) and (grads[0][dead] == 0).all()
+        assert_matches_oracle((out, lse, *grads), q, k, v, np.nan_to_num(dout), backend="cupy", **kw)
+
+
+def test_rows_that_see_no_key_add_nothing_on_the_hopper_backward(rng):
+    for order in ("ascending", "descending"):
+        _dead_rows_run(rng, order)
+
+
+@pytest.mark.parametrize("step", DEAD_ROW_STEPS)
+def test_each_step_for_rows_that_see_no_key_is_needed(rng, step):
+    text, replacement = DEAD_ROW_STEPS[step]
+    original = sources.read_source("flash_bwd_sm90.cu")
+    assert original.count(text) == 1
+    mutant = original.replace(text, replacement)
+
+    def compile(source, *args):
+        return compile_module(mutant if source == original else source, *args)
+
+    failures = []
+    for order in ("ascending", "descending"):
+        try:
+            _dead_rows_run(rng, order, compile)
+        except (AssertionError, emulator.EmulatorError) as e:
+            failures.append((order, type(e).__name__))
+    assert failures, f"without {step} every row's gradients were still right"

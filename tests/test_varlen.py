@@ -482,9 +482,10 @@ def test_on_sm90_a_packed_batch_at_head_dim_256_takes_the_hopper_forward(rng):
 
 
 @pytest.mark.parametrize("head_dim, tile", [(64, (128, 128)), (120, (128, 64)), (192, (128, 64))])
-def test_on_sm90_a_packed_batch_with_softcap_and_alibi_takes_the_hopper_forward(rng, head_dim, tile):
+def test_on_sm90_a_packed_batch_with_softcap_and_alibi_takes_the_hopper_kernels(rng, head_dim, tile):
     # attention_varlen's modifiers on the Hopper forward (specs.SM90_VARLEN_FORWARD_MODS; 64 keys at 128 and
-    # 192, where 128 and 80 spilled), slopes per sequence and head; the backward's kernels are mma.sync's
+    # 192, where 128 and 80 spilled), slopes per sequence and head; and on the Hopper backward up to 128
+    # (SM90_VARLEN_BACKWARD_MODS; each sequence's slopes: the kernel's seq_index), SIMT's above
     from flashcupy.tools.emulator.cupy import emulated
     grids = []
     with emulated(compile=_recording(grids), compute_capability=90):
@@ -494,7 +495,8 @@ def test_on_sm90_a_packed_batch_with_softcap_and_alibi_takes_the_hopper_forward(
     bucket = -(-head_dim // 64) * 64
     forward = f"flash_fwd_sm90<__half, {bucket}, {tile[0]}, {tile[1]}, 7, true>"
     assert [name for name, _ in grids if name.startswith("flash_fwd")] == [forward] * 2
-    assert not any(name.startswith("flash_bwd_dkdv_sm90") for name, _ in grids)
+    backward = [name for name, _ in grids if name.startswith("flash_bwd_dkdv_sm90")]
+    assert backward == ([f"flash_bwd_dkdv_sm90<__half, {bucket}, 64, 128, 7, true>"] * 2 if head_dim <= 128 else [])
 
 
 def test_on_sm90_a_contiguous_kv_cache_step_is_one_launch_of_the_hopper_forward(rng):

@@ -248,7 +248,7 @@ def _hopper(p, backward: bool, rows, *tensors, varlen: bool = False) -> bool:
     """Whether the Hopper forward (backward) takes a call (varlen: a packed batch's): USE_TENSOR_CORES and
     USE_WGMMA, compute capability 9.0, a dtype, head_dim and modifiers it covers (specs.sm90_eligible:
     head_dim up to 256 in the forward, where no mma.sync kernel goes; every modifier in one batch's
-    forward), `rows` read through 16-byte rows (_rows_16_bytes: what the mma.sync kernels ask of the same
+    forward, and up to head_dim 128 in its backward), `rows` read through 16-byte rows (_rows_16_bytes: what the mma.sync kernels ask of the same
     arrays), and `tensors`, read or written through tensor maps, describable by one (_tma_describable)."""
     rt = _runtime()
     return (USE_TENSOR_CORES and USE_WGMMA
@@ -281,21 +281,21 @@ def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False,
     return _path_remembered("forward", p, tensors, (split, paged, varlen), choose)
 
 
-def backward_path(p, dout, q, k, v, out, deterministic: bool = False) -> str:
+def backward_path(p, dout, q, k, v, out, deterministic: bool = False, varlen: bool = False) -> str:
     """'hopper', 'tensor-core' or 'simt': which backward kernels (dK/dV and dQ) serve this call.
 
     The forward's conditions, on dout and out as well as q, k, v (lse may have any strides;
-    dq, dk, dv are allocated contiguous); the Hopper backward takes what the Hopper forward takes
-    up to head_dim 128
+    dq, dk, dv are allocated contiguous); the Hopper backward takes calls up to head_dim 128 with
+    any modifier (varlen, a packed batch: the window, softcap and ALiBi; specs.sm90_eligible)
     (q, k, v and dout through tensor maps), deterministic or not: its CTAs add dQ into one workspace
     by bulk reduce-adds, in an order that varies from run to run, or (deterministic) in key-block
     order, each CTA waiting for its turn at a tile (flash_bwd_sm90.cu's DETERMINISTIC).
     """
     def choose():
-        if _hopper(p, True, (q, k, v, dout, out), q, k, v, dout):
+        if _hopper(p, True, (q, k, v, dout, out), q, k, v, dout, varlen=varlen):
             return "hopper"
         return _path(p, q, k, v, dout, out)
-    return _path_remembered("backward", p, (q, k, v, dout, out), (), choose)
+    return _path_remembered("backward", p, (q, k, v, dout, out), (varlen,), choose)
 
 
 def _window_args(p) -> tuple:

@@ -8,11 +8,13 @@ from __future__ import annotations
 import functools
 
 from .specs import (ALL_MODS, CUDA_TYPES, HEAD_DIM_BUCKETS, MOD_BITS, TC_DTYPES, TC_HEAD_DIM_BUCKETS,
-                    SM90_BACKWARD_TILES, SM90_FORWARD_MODS, SM90_FORWARD_TILES, SM90_MODS,
-                    SM90_TALL_BACKWARD_TILES, SM90_TALL_FORWARD_TILES, SM90_VARLEN_FORWARD_MODS,
+                    SM90_BACKWARD_MODS, SM90_BACKWARD_TILES, SM90_FORWARD_MODS, SM90_FORWARD_TILES,
+                    SM90_TALL_BACKWARD_TILES, SM90_TALL_FORWARD_TILES, SM90_VARLEN_BACKWARD_MODS,
+                    SM90_VARLEN_FORWARD_MODS,
                     SM90_WIDE_FORWARD_TILES, append_module,
                     backward_module, dbias_module, deterministic_tc_backward_module, forward_module, merge_module,
-                    probs_module, sm90_backward_module, sm90_forward_module, sm90_forward_tile, tc_backward_module,
+                    probs_module, sm90_backward_module, sm90_eligible, sm90_forward_module, sm90_forward_tile,
+                    tc_backward_module,
                     tc_forward_module)
 
 # What the NVRTC report compiles of each kernel family: the plain kernels and every modifier (the most
@@ -87,31 +89,38 @@ def varlen_modules(mods=(0, VARLEN_MODS)):
 def sm90_modules(dtypes=TC_DTYPES, every_modifier_set: bool = False) -> list:
     """Every Hopper module: the forward (at its tile, sm90_forward_tile) and the backward (and the
     deterministic backward) for each dtype, head-dim bucket each takes (SM90_FORWARD_TILES,
-    SM90_BACKWARD_TILES), and the modifier sets they take (none, the window; the forward also the window
-    with softcap and ALiBi, and every modifier it takes: SM90_FORWARD_MODS, SM90_VARLEN_FORWARD_MODS),
-    for one batch and for a packed one (every_modifier_set: the forward with each set of modifiers it
-    takes: `python -m flashcupy kernels --every-modifier-set`); the forward of one batch with FA3's wide
+    SM90_BACKWARD_TILES), and the modifier sets they take (none, the window, the window with softcap and
+    ALiBi, and every modifier each takes: SM90_FORWARD_MODS, SM90_BACKWARD_MODS and their packed batch's),
+    for one batch and for a packed one (every_modifier_set: each set of modifiers each takes: `python -m
+    flashcupy kernels --every-modifier-set`); the forward of one batch with FA3's wide
     key block (SM90_WIDE_FORWARD_TILES); the forward with FA3's 192 query rows (SM90_TALL_FORWARD_TILES),
     one batch, with and without the window; and the backward without the window with FA3's tall pass
     (SM90_TALL_BACKWARD_TILES), both kinds of batch, deterministic or not. The NVRTC report compiles them
     for SM90_ARCH only."""
     backwards = (sm90_backward_module, functools.partial(sm90_backward_module, deterministic=True))
-    def forward_mods(bucket, varlen):  # none, the window, softcap and ALiBi with it, all it takes
-        allowed = (SM90_VARLEN_FORWARD_MODS if varlen else SM90_FORWARD_MODS)[bucket]
+    def mods_sets(allowed, more=()):  # none, the window, softcap and ALiBi with it, all it takes
         if every_modifier_set:
             return tuple(m for m in range(ALL_MODS + 1) if m & ~allowed == 0)
-        return tuple(dict.fromkeys(m & allowed for m in (0, SM90_MODS, VARLEN_MODS, allowed)))
+        return tuple(dict.fromkeys(m & allowed for m in (0, MOD_BITS["window"], VARLEN_MODS, allowed, *more)))
+
+    def backward_mods(bucket, varlen):  # but the sets of SM90_BACKWARD_SPILLS (at 128 all it takes but the window)
+        allowed = SM90_VARLEN_BACKWARD_MODS if varlen else SM90_BACKWARD_MODS
+        def eligible(m):
+            return sm90_eligible(TC_DTYPES[0], bucket, m, backward=True, varlen=varlen)
+        return tuple(m for m in mods_sets(allowed, () if eligible(allowed) else (allowed & ~MOD_BITS["window"],))
+                     if eligible(m))
 
     return ([sm90_forward_module(dtype, bucket, mods, varlen, sm90_forward_tile(bucket, mods, varlen=varlen))
              for varlen in (False, True) for dtype in dtypes for bucket in SM90_FORWARD_TILES
-             for mods in forward_mods(bucket, varlen)]
+             for mods in mods_sets((SM90_VARLEN_FORWARD_MODS if varlen else SM90_FORWARD_MODS)[bucket])]
             + [build(dtype, bucket, mods, varlen) for build in backwards
-               for varlen in (False, True) for mods in (0, SM90_MODS) for dtype in dtypes
-               for bucket in SM90_BACKWARD_TILES]
+               for varlen in (False, True)
+               for dtype in dtypes for bucket in SM90_BACKWARD_TILES
+               for mods in backward_mods(bucket, varlen)]
             + [sm90_forward_module(dtype, bucket, 0, False, tile) for dtype in dtypes
                for bucket, tile in SM90_WIDE_FORWARD_TILES.items()]
             + [sm90_forward_module(dtype, bucket, mods, False, tile) for dtype in dtypes
-               for bucket, tile in SM90_TALL_FORWARD_TILES.items() for mods in (0, SM90_MODS)]
+               for bucket, tile in SM90_TALL_FORWARD_TILES.items() for mods in (0, MOD_BITS["window"])]
             + [sm90_backward_module(dtype, bucket, 0, varlen, deterministic, tile) for dtype in dtypes
                for bucket, tile in SM90_TALL_BACKWARD_TILES.items() for varlen in (False, True)
                for deterministic in (False, True)])

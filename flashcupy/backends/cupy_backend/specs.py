@@ -150,7 +150,7 @@ TC_FORWARD_TEMPLATES = TC_TEMPLATES[:2]
 
 # The Hopper forward (flash_fwd_sm90.cu: TMA, wgmma, warp specialisation), compiled for sm_90a and run
 # on compute capability 9.0 only: float16/bfloat16, head_dim a multiple of 8 up to 256 (the backward's up
-# to 128), the modifiers of SM90_FORWARD_MODS (the backward's: the window alone), no split-KV. HEAD_DIM is
+# to 128), the modifiers of SM90_FORWARD_MODS (the backward's: SM90_BACKWARD_MODS), no split-KV. HEAD_DIM is
 # head_dim rounded up to 64 (a 128B-swizzled TMA box is 64 columns; tc_tile_row); BLOCK_M is two (or
 # three) consumer warpgroups of 64 query rows, BLOCK_N a key block (wgmma N).
 SM90_TEMPLATES = ("flash_fwd_sm90", "flash_bwd_dkdv_sm90")
@@ -209,7 +209,6 @@ MOD_BITS = {"window": 1, "softcap": 2, "alibi_slopes": 4, "bias": 8, "mask": 16}
 ALL_MODS = sum(MOD_BITS.values())
 MOD_SCORE = MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"] | MOD_BITS["bias"]  # they change a score's value
 MOD_PAIRS = MOD_BITS["bias"] | MOD_BITS["mask"]  # they read a rank-4 array per (query, key) pair
-SM90_MODS = MOD_BITS["window"]  # the Hopper backward's; the others run on mma.sync
 # The Hopper forward's modifiers for one batch, per head_dim bucket: every one, but a bias above 128, which
 # with ALiBi or softcap besides spilled at 64 keys (12-108 bytes, NVRTC 12.9 and 13.5; every set of
 # modifiers compiled: benchmarks/results/sm90_modifiers.md)
@@ -219,6 +218,13 @@ SM90_FORWARD_MODS = {64: ALL_MODS, 128: ALL_MODS, 192: ALL_MODS & ~MOD_BITS["bia
 # alone at 256, where with softcap and ALiBi it spilled 64 bytes at 64 keys (its sequence's offsets besides)
 _VARLEN_MODS = MOD_BITS["window"] | MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"]
 SM90_VARLEN_FORWARD_MODS = {64: _VARLEN_MODS, 128: _VARLEN_MODS, 192: _VARLEN_MODS, 256: MOD_BITS["window"]}
+# The Hopper backward's (head_dim up to 128): every modifier for one batch, a packed batch's three, but
+# (SM90_BACKWARD_SPILLS) the window with a bias or the mask at head_dim 128, which spilled 4-20 bytes
+# (NVRTC 12.9 and 13.5; every set compiled: benchmarks/results/sm90_modifiers.md); those calls' backward
+# runs on mma.sync
+SM90_BACKWARD_MODS = ALL_MODS
+SM90_VARLEN_BACKWARD_MODS = _VARLEN_MODS
+SM90_BACKWARD_SPILLS = {128: (MOD_BITS["window"], MOD_PAIRS)}  # bucket: (every bit of one, any bit of the other)
 
 
 def mods_of(modifiers) -> int:
@@ -531,7 +537,7 @@ def sm90_forward_tile(head_dim: int, mods: int = 0, causal: bool = False, varlen
         return SM90_VARLEN_SCORE_FORWARD_TILES[bucket]
     if varlen and bucket in SM90_VARLEN_FORWARD_TILES:
         return SM90_VARLEN_FORWARD_TILES[bucket]
-    if tall and not varlen and not mods & ~SM90_MODS and bucket in SM90_TALL_FORWARD_TILES:
+    if tall and not varlen and not mods & ~MOD_BITS["window"] and bucket in SM90_TALL_FORWARD_TILES:
         return SM90_TALL_FORWARD_TILES[bucket]
     if wide and not causal and not mods and not varlen and bucket in SM90_WIDE_FORWARD_TILES:
         return SM90_WIDE_FORWARD_TILES[bucket]
@@ -571,9 +577,10 @@ def sm90_backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = Fal
 
 def sm90_backward_tile(head_dim: int, mods: int = 0, tall: bool = False) -> tuple:
     """(BLOCK_M, BLOCK_N) of the Hopper backward's dK/dV kernel: SM90_TALL_BACKWARD_TILES' where `tall`
-    asks for it, the call has no window and the head_dim's bucket has one; else SM90_BACKWARD_TILES'."""
+    asks for it, the call has no modifier (the window's masked passes spilled at 128 rows; the others
+    were not tried) and the head_dim's bucket has one; else SM90_BACKWARD_TILES'."""
     bucket = tc_tile_row(head_dim)
-    if tall and not mods & MOD_BITS["window"] and bucket in SM90_TALL_BACKWARD_TILES:
+    if tall and not mods and bucket in SM90_TALL_BACKWARD_TILES:
         return SM90_TALL_BACKWARD_TILES[bucket]
     return SM90_BACKWARD_TILES[bucket]
 
@@ -581,14 +588,17 @@ def sm90_backward_tile(head_dim: int, mods: int = 0, tall: bool = False) -> tupl
 def sm90_eligible(dtype, head_dim: int, mods: int, backward: bool = False, varlen: bool = False) -> bool:
     """Whether the Hopper forward (backward: the Hopper backward) covers this dtype, head_dim and set of
     modifiers (varlen: a packed batch's): the head_dim buckets of SM90_FORWARD_TILES with the modifiers of
-    SM90_FORWARD_MODS (SM90_VARLEN_FORWARD_MODS), or the buckets of SM90_BACKWARD_TILES with the window
-    alone (SM90_MODS). The device's compute capability and the arrays' strides are checked
-    apart."""
+    SM90_FORWARD_MODS (SM90_VARLEN_FORWARD_MODS), or the buckets of SM90_BACKWARD_TILES with those of
+    SM90_BACKWARD_MODS (SM90_VARLEN_BACKWARD_MODS) but the sets of SM90_BACKWARD_SPILLS. The device's
+    compute capability and the arrays' strides are checked apart."""
     buckets = SM90_BACKWARD_TILES if backward else SM90_FORWARD_TILES
     if not (_name(dtype) in TC_DTYPES and head_dim % 8 == 0 and head_dim <= max(buckets)):
         return False
     if backward:
-        allowed = SM90_MODS
+        allowed = SM90_VARLEN_BACKWARD_MODS if varlen else SM90_BACKWARD_MODS
+        every, some = SM90_BACKWARD_SPILLS.get(tc_tile_row(head_dim), (0, 0))
+        if mods & every == every and mods & some:
+            return False
     else:
         allowed = (SM90_VARLEN_FORWARD_MODS if varlen else SM90_FORWARD_MODS)[tc_tile_row(head_dim)]
     return mods & ~allowed == 0

@@ -1,5 +1,6 @@
 // flash_bwd_sm90.cu: FlashAttention backward for Hopper (sm_90a): TMA loads into an mbarrier ring,
-// warpgroup MMA (wgmma), warp specialisation. float16 and bfloat16, head_dim up to 128.
+// warpgroup MMA (wgmma), warp specialisation. float16 and bfloat16, head_dim up to 128,
+// every score modifier (mask.cuh; a packed batch: the window, softcap and ALiBi).
 //
 // The maths of flash_bwd_tc.cu, with P recomputed from the forward's lse (natural log), in base 2:
 //     P = 2^(S c - lse log2 e),  c = scale log2 e;   dP = dO Vᵀ;   dS = P ∘ (dP - D),  D = rowsum(dO ∘ O)
@@ -37,7 +38,11 @@
 //   warpgroup 0, the producer (setmaxnreg_dec): one elected thread of warp 0 issues the TMA loads, of
 //     K_j and V_j once and of Q_i and dO_i of each pass into a ring of STAGES stages; the 32 lanes of
 //     warp 1 store each pass's lse_i log2 e (+inf where P must be 0: lse_for_p) and D_i into its stage
-//     and arrive on the stage's full barrier with the TMA's transaction.
+//     and arrive on the stage's full barrier with the TMA's transaction. A row of the pass that sees no
+//     key (lse -inf: causal or a window with seqlen_q > seqlen_k, the bool mask) gets D_i 0 and marks
+//     the stage (dead_rows), and the consumers zero its row of dO_i before any wgmma reads it: P = 0
+//     times a NaN in its dout would be NaN (README: fully masked rows; the passes start at a multiple
+//     of BLOCK_M, before the first row that sees the key block, unlike flash_bwd_tc.cu's).
 //   warpgroups 1 .. CONSUMERS (setmaxnreg_inc): consumer c owns keys 64 c .. 64 c + 63 of K_j (one
 //     wgmma M; warp w of it keys 16 w .., the lane's two as in tc_tile.cuh's C fragments). Per pass,
 //     Sᵀ and dPᵀ (not S, dP) are computed, so that Pᵀ and dSᵀ are already A fragments in registers:
@@ -100,20 +105,22 @@
 //                p's owner had to wait before its stores for pass p - 1's dQ wgmma, run by the other.)
 //     1 + c      the owner's 128 threads, between their stores into dQ_s (fenced) and the bulk
 //                reduce-add that reads them.
-//     ZEROED     VARLEN: the consumers' 256 threads, between zeroing the rows of a box past its sequence
-//                (each thread fenced) and the first wgmma that reads the box: K_j, V_j's once, Q_i,
-//                dO_i's in each pass whose block ends past seqlen_q. Those rows are the next sequence's
-//                (a box past the tensor's end lands zeros): P = 0 times a NaN there would be NaN.
+//     ZEROED     the consumers' 256 threads, between zeroing rows of a box (each thread fenced) and the
+//                first wgmma that reads it: dO_i's rows that see no key (dead_rows), and VARLEN, the rows
+//                of a box past its sequence: K_j, V_j's once, Q_i, dO_i's in each pass whose block ends
+//                past seqlen_q. Those rows are the next sequence's (a box past the tensor's end lands
+//                zeros): P = 0 times a NaN there would be NaN.
 // A consumer runs at most a pass ahead of the other: each owner's DS_READY sync waits for the other's
 // arrival of the same pass, so that the barrier never holds two passes' arrivals.
 //
 // Requirements on the arguments, checked by the launcher (cupy_backend.backward_path): q, k, v, dout
 // as for flash_fwd_sm90.cu (strides a tensor map describes); lse any strides; dk, dv contiguous along
-// head_dim; the dQ workspace contiguous, q's shape. Modifiers: none or the window (MODS).
+// head_dim; the dQ workspace contiguous, q's shape.
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
-// BLOCK_M (query rows a pass: 64 or 128, specs.sm90_backward_tile), BLOCK_N (64 CONSUMERS keys), MODS (0 or
-// MOD_WINDOW), VARLEN (a packed batch: the tensor maps over its (1, total, heads, head_dim) tensors, dk, dv,
+// BLOCK_M (query rows a pass: 64 or 128, specs.sm90_backward_tile), BLOCK_N (64 CONSUMERS keys), MODS (the
+// score modifiers, mask.cuh: Score makes each score of Sᵀ final, the bool mask masks every tile, and dS
+// takes the softcap's derivative, as in flash_bwd_tc.cu; a packed batch takes no bias or mask), VARLEN (a packed batch: the tensor maps over its (1, total, heads, head_dim) tensors, dk, dv,
 // lse with batch strides 0), DETERMINISTIC (the dQ tiles' adds in key-block order through dq_turns; otherwise
 // dq_turns is not read).
 
@@ -137,7 +144,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     static_assert(SM90_CONSUMERS == 2, "the owners of dQ alternate: the barriers below count on it");
     static_assert(BLOCK_M == 64 || BLOCK_M == 128, "a pass: one or two atoms of a dS row, wgmma Ms of dQ");
     static_assert(HEAD_DIM % ATOM == 0 && HEAD_DIM <= 128, "head_dim in whole atoms; wgmma N of 64 or 128");
-    static_assert((MODS & ~MOD_WINDOW) == 0, "the other modifiers run on flash_bwd_tc.cu");
+    static_assert(!VARLEN || (MODS & MOD_PAIRS) == 0, "a packed batch takes no bias or mask (attention_varlen)");
     constexpr int M_TILES = BLOCK_M / 8;     // 8-query column tiles of Sᵀ
     constexpr int D_TILES = HEAD_DIM / 8;    // 8-column tiles of dK, dV, dQ
     constexpr int QK_STEPS = HEAD_DIM / 16;  // k-steps of Sᵀ, dPᵀ
@@ -170,6 +177,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     float* dQ_s = reinterpret_cast<float*>(dS_s + 2 * SM90_CONSUMERS * DS_BYTES);
     float* stats_s = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(dQ_s) + DQ_BYTES);
     __shared__ __align__(8) unsigned long long kv_full, full[SM90_STAGES], empty[SM90_STAGES];
+    __shared__ int dead_rows[SM90_STAGES];  // whether stage s's pass has a row that sees no key (warp 1's)
     __shared__ int dq_tile[SM90_CONSUMERS];  // each consumer's lead thread's own (no other thread's)
     __shared__ int dq_added[SM90_CONSUMERS];  // DETERMINISTIC: the tile of the lead's last add, its turn not
                                               // yet passed on (-1: none); the lead's own too
@@ -178,7 +186,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     // the problem that sequence's, and the TMA's rows and the dQ workspace's tiles counted from its first
     const int total_q = seqlen_q;  // the launch's: a packed batch's total
     DRows<const float, VARLEN> D{Dvec, heads_q, seqlen_q};
-    int q_row0 = 0, k_row0 = 0, dq_slot0 = 0;
+    int q_row0 = 0, k_row0 = 0, dq_slot0 = 0, seq_index = 0;  // seq_index: the sequence's, for ALiBi's slopes
     KeyBlock kb;
     if constexpr (VARLEN) {
         const Sequence seq = sequence_of<BLOCK_N, true>(VARLEN_ARGS, seqlen_q, seqlen_k, group);
@@ -186,7 +194,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         SEQUENCE_LENGTHS(seq);
         AT_SEQUENCE_Q(seq, lse), AT_SEQUENCE_K(seq, dk), AT_SEQUENCE_K(seq, dv);
         D.at_row(seq.q_start);
-        q_row0 = seq.q_start, k_row0 = seq.k_start;
+        q_row0 = seq.q_start, k_row0 = seq.k_start, seq_index = seq.index;
         dq_slot0 = first_slot<BLOCK_M>(cu_seqlens_q, seq.index, total_q);
         kb = {seq.start, 0, seq.kv_head};  // batch 0: the packed tensors' (their batch strides are 0)
     } else {
@@ -257,13 +265,21 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
                 mbarrier_wait_parity(&empty[s], (p / SM90_STAGES + 1) & 1);  // as warp 0's
                 const int h = head_of(p), i0 = row_of(p);
                 float* stats = stats_s + s * 2 * BLOCK_M;
+                if (lane == 0) dead_rows[s] = 0;
+                __syncwarp();  // lane 0's reset, before any lane's mark
+                bool dead_any = false;
 #pragma unroll(PLAN_SHARED ? 1 : 4)  // in the producer's 24 registers: ptxas spilled the other way
                 for (int r = lane; r < BLOCK_M; r += WARP_SIZE) {
                     const int i = i0 + r;
-                    stats[r] = lse_for_p(LSE_ROW(lse, blk.b, h), i, seqlen_q) * LOG2E;
-                    stats[BLOCK_M + r] = i < seqlen_q ? D.template row<true>(blk.b, h)[i] : 0.0f;
+                    const float lse_p = lse_for_p(LSE_ROW(lse, blk.b, h), i, seqlen_q);
+                    // a row of the sequence that sees no key (lse -inf): D 0, and its dO zeroed (dead_rows)
+                    const bool dead = i < seqlen_q && lse_p == INFINITY;
+                    stats[r] = lse_p * LOG2E;
+                    stats[BLOCK_M + r] = i < seqlen_q && !dead ? D.template row<true>(blk.b, h)[i] : 0.0f;
+                    dead_any |= dead;
                 }
-                mbarrier_arrive(&full[s]);  // this lane's statistics are stored
+                if (dead_any) dead_rows[s] = 1;
+                mbarrier_arrive(&full[s]);  // this lane's statistics (and mark) are stored
             }
         }
         return;
@@ -324,9 +340,12 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         const float* lse_i = stats_s + s * 2 * BLOCK_M;
         const float* D_i = lse_i + BLOCK_M;
         mbarrier_wait_parity(&full[s], (p / SM90_STAGES) & 1);
-        if (q_tail(p)) {
-            zero_rows<BLOCK_M, HEAD_DIM>(Q_s + s * QO_BYTES, seqlen_q - i0, zeroer, 128 * SM90_CONSUMERS);
-            zero_rows<BLOCK_M, HEAD_DIM>(dO_s + s * QO_BYTES, seqlen_q - i0, zeroer, 128 * SM90_CONSUMERS);
+        if (q_tail(p) || dead_rows[s]) {
+            if (q_tail(p))
+                zero_rows<BLOCK_M, HEAD_DIM>(Q_s + s * QO_BYTES, seqlen_q - i0, zeroer, 128 * SM90_CONSUMERS);
+            // dO_i's rows past seqlen_q and those of rows that see no key: lse_i marks both +inf
+            zero_rows_if<BLOCK_M, HEAD_DIM>(dO_s + s * QO_BYTES, [&](int r) { return lse_i[r] == INFINITY; },
+                                            zeroer, 128 * SM90_CONSUMERS);
             fence_proxy_async();                               // this thread's zeros, before any wgmma reads them
             named_barrier_sync(ZEROED, 128 * SM90_CONSUMERS);  // every consumer thread's
         }
@@ -350,8 +369,8 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         if constexpr (P_UNDER_DP) {
             wgmma_wait_group<1>();  // Sᵀ has landed
             wgmma_fence_operand<BLOCK_M / 2>(&S[0][0]);
-            const bool partial = mask.partial(i0, blk.j0);
-            const auto score = MAKE_SCORE(T, float, MODS, blk.b, h, scale_log2, LOG2E);
+            const bool partial = TILE_MASKED(MODS, i0, blk.j0);
+            const auto score = MAKE_SCORE(T, float, MODS, VARLEN ? seq_index : blk.b, h, scale_log2, LOG2E);
             for_each_element_cols<PAIRED_STATS>([&](int r, int col, float lse, float, float& x) {
                 TC_P(TC_PAIR_HIDDEN(partial, i0 + col, key_w + r), i0 + col, key_w + r, x, lse, scale_log2);
             }, lse_i, D_i, S);
@@ -363,8 +382,8 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
             wgmma_wait_group<0>();
             wgmma_fence_operand<BLOCK_M / 2>(&S[0][0]);
             wgmma_fence_operand<BLOCK_M / 2>(&dP[0][0]);
-            const bool partial = mask.partial(i0, blk.j0);
-            const auto score = MAKE_SCORE(T, float, MODS, blk.b, h, scale_log2, LOG2E);
+            const bool partial = TILE_MASKED(MODS, i0, blk.j0);
+            const auto score = MAKE_SCORE(T, float, MODS, VARLEN ? seq_index : blk.b, h, scale_log2, LOG2E);
             for_each_element_cols<PAIRED_STATS>([&](int r, int col, float lse, float D, float& x, float& dp) {
                 TC_P_DS(TC_PAIR_HIDDEN(partial, i0 + col, key_w + r), false, i0 + col, key_w + r, x, dp, lse, D,
                         scale_log2);

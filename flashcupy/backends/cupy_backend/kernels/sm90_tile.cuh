@@ -89,3 +89,14 @@ __device__ __forceinline__ void zero_rows(unsigned char* tile, int r0, int lane,
         for (int c = lane; c < chunks; c += lanes)
             *reinterpret_cast<int4*>(tile + a * ATOM_BYTES<ROWS> + r0 * 128 + 16 * c) = make_int4(0, 0, 0, 0);
 }
+
+// Zeros the rows r of a ROWS x HEAD_DIM tile for which dead(r), thread `lane` of `lanes`, as zero_rows:
+// the rows of dO_i whose query sees no key (flash_bwd_sm90.cu: P = 0 times a NaN in their dout would be NaN)
+template <int ROWS, int HEAD_DIM, typename Dead>
+__device__ __forceinline__ void zero_rows_if(unsigned char* tile, Dead dead, int lane, int lanes) {
+#pragma unroll
+    for (int a = 0; a < HEAD_DIM / ATOM; ++a)
+#pragma unroll 1
+        for (int c = lane; c < ROWS * 8; c += lanes)
+            if (dead(c / 8)) *reinterpret_cast<int4*>(tile + a * ATOM_BYTES<ROWS> + 16 * c) = make_int4(0, 0, 0, 0);
+}
