@@ -161,6 +161,23 @@ def test_the_hopper_tiles_off_by_default_match_the_oracle(rng, monkeypatch, swit
     assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout, causal=causal, backend="cupy")
 
 
+def _hopper_forward(rng, case, modifiers, fmt):
+    """The forward of a random problem (case: shape and causal) with `modifiers` (named_modifiers') on the
+    device, skipped but on compute capability 9.0: (q, k, v, dout) on the host, the same on the device,
+    the calls' keywords (dtype, causal, the modifiers on the device), the host's modifiers, out, lse."""
+    import cupy
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the Hopper kernels run on compute capability 9.0 only")
+    *shape, causal = case
+    B, Sq, Sk, Hq = shape[:4]
+    host, device, dtype = device_problem(rng, shape, fmt)
+    kw = named_modifiers(rng, modifiers, B, Sq, Sk, Hq, window=(90, 7))
+    call = dict(dtype=dtype, causal=causal, **{m: cupy.asarray(x) if isinstance(x, np.ndarray) else x
+                                               for m, x in kw.items()})
+    out, lse = flashcupy.attention(*device[:3], return_lse=True, **call)
+    return host, device, call, kw, out, lse
+
+
 @pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case, modifiers", [
     ((1, 300, 500, 2, 1, 256, True), ()), ((2, 200, 333, 2, 2, 160, False), ()), ((1, 130, 90, 1, 1, 200, False), ()),
@@ -170,17 +187,9 @@ def test_the_hopper_tiles_off_by_default_match_the_oracle(rng, monkeypatch, swit
 def test_the_hopper_forwards_new_cases_match_the_oracle(rng, case, modifiers, fmt):
     """head_dim 136..256 (FA3's 128 x 80 tile, O_s in Q_s at 256; wgmma N = 80 and 256) and the score
     modifiers and bool mask (64-key blocks with a bias or mask) on the Hopper forward, on silicon against
-    the oracle; the backward of these calls is the mma.sync or SIMT kernels'."""
-    import cupy
-    if cupy.cuda.Device().compute_capability != "90":
-        pytest.skip("the Hopper kernels run on compute capability 9.0 only")
-    *shape, causal = case
-    B, Sq, Sk, Hq = shape[:4]
-    (q, k, v, _), (dq_, dk_, dv_, _), dtype = device_problem(rng, shape, fmt)
-    kw = named_modifiers(rng, modifiers, B, Sq, Sk, Hq, window=(90, 7))
-    on_gpu = {m: cupy.asarray(x) if isinstance(x, np.ndarray) else x for m, x in kw.items()}
-    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, dtype=dtype, **on_gpu)
-    assert_matches_oracle([x.get() for x in (out, lse)], q, k, v, causal=causal, backend="cupy", **kw)
+    the oracle (the backward: test_the_hopper_backward_with_modifiers_matches_the_oracle)."""
+    (q, k, v, _), _, call, kw, out, lse = _hopper_forward(rng, case, modifiers, fmt)
+    assert_matches_oracle([x.get() for x in (out, lse)], q, k, v, causal=case[-1], backend="cupy", **kw)
 
 
 @pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
@@ -195,21 +204,14 @@ def test_the_hopper_backward_with_modifiers_matches_the_oracle(rng, case, modifi
     oracle, deterministic or not."""
     import cupy
     from flashcupy.backends import cupy_backend
-    if cupy.cuda.Device().compute_capability != "90":
-        pytest.skip("the Hopper kernels run on compute capability 9.0 only")
-    *shape, causal = case
-    B, Sq, Sk, Hq = shape[:4]
-    (q, k, v, dout), (dq_, dk_, dv_, ddout), dtype = device_problem(rng, shape, fmt)
-    kw = named_modifiers(rng, modifiers, B, Sq, Sk, Hq, window=(90, 7))
-    on_gpu = {m: cupy.asarray(x) if isinstance(x, np.ndarray) else x for m, x in kw.items()}
-    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, dtype=dtype, **on_gpu)
+    (q, k, v, dout), (dq_, dk_, dv_, ddout), call, kw, out, lse = _hopper_forward(rng, case, modifiers, fmt)
     dead = ~np.isfinite(lse.get()).transpose(0, 2, 1)
     ddout[cupy.asarray(dead)] = np.nan if fmt == "float16" else 0x7FC0  # bfloat16's NaN, as its bits
-    p = flashcupy._checks.problem(dq_, dk_, dv_, causal, None, dtype, **{m: on_gpu.get(m) for m in MODIFIERS})
+    p = flashcupy._checks.problem(dq_, dk_, dv_, call["causal"], None, call["dtype"],
+                                  **{m: call.get(m) for m in MODIFIERS})
     assert cupy_backend.backward_path(p, ddout, dq_, dk_, dv_, out) == "hopper"
     for deterministic in (False, True):
-        grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=causal, dtype=dtype,
-                                             deterministic=deterministic, **on_gpu)
+        grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, deterministic=deterministic, **call)
         got = [x.get() for x in (out, lse, *grads)]
         assert not any(np.isnan(g).any() for g in got[2:])
-        assert_matches_oracle(got, q, k, v, dout, causal=causal, backend="cupy", **kw)
+        assert_matches_oracle(got, q, k, v, dout, causal=case[-1], backend="cupy", **kw)
