@@ -351,7 +351,7 @@ def check_items(args):
             continue
         for dtype in backends.module(backend).DTYPES:
             for case in battery:
-                # the Hopper forward also takes head_dim 136..256 (its backward there is SIMT)
+                # the Hopper and tensor-core forwards also take head_dim 136..256 (the backward there is SIMT)
                 eligible = (specs.sm90_eligible(dtype, case[5], 0) if path == "hopper"
                             else specs.tensor_core_eligible(dtype, case[5]))
                 if path != "simt" and not eligible:

@@ -56,18 +56,18 @@ def cmd_info(args) -> int:
     print(f"numpy backend: {numpy_backend.worker_count()} worker thread(s), "
           f"tiles {numpy_backend.describe_tiles()}; BLAS {blas}")
     print("cupy kernel paths: forward and backward on tensor cores (mma.sync) for float16/bfloat16 with\n"
-          "  head_dim a multiple of 8 up to 128, on sm_80+, q/k/v (and dout/out) contiguous along head_dim\n"
-          "  with 16-byte aligned rows; the SIMT kernels for everything else. On compute capability 9.0\n"
-          "  those calls, and forwards of head_dim 136..256 alike, run on the Hopper kernels (TMA, wgmma,\n"
-          "  warp specialisation; sm_90a) when they have no split-KV, strides a tensor map describes\n"
+          "  head_dim a multiple of 8 up to 128 (the forward up to 256), on sm_80+, q/k/v (and dout/out)\n"
+          "  contiguous along head_dim with 16-byte aligned rows; the SIMT kernels for everything else\n"
+          "  (the backward above head_dim 128 included). On compute capability 9.0 those calls run on\n"
+          "  the Hopper kernels (TMA, wgmma, warp specialisation; sm_90a) when they have no split-KV,\n"
+          "  strides a tensor map describes\n"
           "  (positive, multiples of 16 bytes) and modifiers the kernel takes: one batch's forward every\n"
           "  one but a bias above head_dim 128, packed batches' forward (attention_varlen, contiguous KV\n"
           "  caches) the window, softcap and ALiBi but the last two at 256, the backward up to head_dim\n"
           "  128 (deterministic=True too: dQ added in key-block order) every one but the window with a\n"
           "  bias or mask at 128, packed batches' the window, softcap and ALiBi; other modifiers,\n"
-          "  split-KV and paged KV caches stay on mma.sync, and every call of head_dim 136..256 but those\n"
-          "  forwards on the SIMT kernels (cupy_backend.forward_path / backward_path say which kernel a\n"
-          "  call takes)")
+          "  split-KV and paged KV caches stay on mma.sync (cupy_backend.forward_path / backward_path say\n"
+          "  which kernel a call takes)")
     print(_hopper_tiles())
     try:
         import cupy

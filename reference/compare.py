@@ -71,12 +71,12 @@ def kernel_family(backend: str, dtype, head_dim: int) -> str:
     """The kernel family a call of `backend` on `dtype` and `head_dim` runs, for expected(family=):
     the one place the tests and the margins script decide it (`python -m flashcupy check` still uses family=None).
 
-    numpy -> "numpy"; cupy -> "tensor_core" where its tensor-core kernels take the dtype and
-    head_dim (cupy_backend.USE_TENSOR_CORES and specs.tensor_core_eligible), or its Hopper forward
-    does (flash_fwd_sm90.cu, which rounds P to 16 bits as the mma.sync kernels do: with USE_WGMMA,
-    specs.sm90_eligible, head_dim up to 256), else "simt"; numba -> "simt". A call whose device or
-    strides send it to the SIMT kernels after all is still judged as tensor-core, the looser of the
-    two, and so is a backward at head_dim 136..256 (SIMT) after a Hopper forward."""
+    numpy -> "numpy"; cupy -> "tensor_core" where its tensor-core forward takes the dtype and
+    head_dim (cupy_backend.USE_TENSOR_CORES and specs.tensor_core_eligible: head_dim up to 256; the
+    Hopper forward, which rounds P to 16 bits as the mma.sync kernels do, takes a part of those), else
+    "simt"; numba -> "simt". A call whose device or strides send it to the SIMT kernels after all is
+    still judged as tensor-core, the looser of the two, and so is a backward at head_dim 136..256 (SIMT)
+    after a tensor-core forward."""
     if backend == "numpy":
         return "numpy"
     if backend == "numba":
@@ -85,9 +85,7 @@ def kernel_family(backend: str, dtype, head_dim: int) -> str:
         from flashcupy.backends import cupy_backend
         from flashcupy.backends.cupy_backend import specs
         name = dtype_name(dtype)
-        eligible = cupy_backend.USE_TENSOR_CORES and (
-            specs.tensor_core_eligible(name, head_dim)
-            or cupy_backend.USE_WGMMA and specs.sm90_eligible(name, head_dim, 0))
+        eligible = cupy_backend.USE_TENSOR_CORES and specs.tensor_core_eligible(name, head_dim)
         return "tensor_core" if eligible else "simt"
     raise ValueError(f"no kernel family known for backend {backend!r}")
 

@@ -214,3 +214,26 @@ def test_the_hopper_backward_with_modifiers_matches_the_oracle(rng, case, modifi
         got = [x.get() for x in (out, lse, *grads)]
         assert not any(np.isnan(g).any() for g in got[2:])
         assert_matches_oracle(got, q, k, v, dout, causal=case[-1], backend="cupy", **kw)
+
+
+@pytest.mark.parametrize("case, modifiers", [
+    ((1, 300, 500, 2, 1, 256, True), ()),
+    ((2, 200, 333, 2, 2, 200, False), ("softcap", "alibi", "bias", "mask", "window")),
+], ids=lambda x: "+".join(x) or "plain" if not x or isinstance(x[0], str) else case_id(x))
+def test_the_mma_sync_forward_above_head_dim_128_matches_the_oracle(rng, monkeypatch, case, modifiers):
+    """The mma.sync forward at head_dim 136..256 (specs.TC_FORWARD_HEAD_DIM_BUCKETS: Q_i from shared memory at
+    every pass, 64 x 16 at 256), on any sm_80+ device (on an H100/H200 with USE_WGMMA off), against the
+    oracle."""
+    import cupy
+    from flashcupy.backends import cupy_backend
+    if int(cupy.cuda.Device().compute_capability) < 80:
+        pytest.skip("the tensor-core kernels need sm_80")
+    monkeypatch.setattr(cupy_backend, "USE_WGMMA", False)
+    *shape, causal = case
+    (q, k, v, _), (dq_, dk_, dv_, _), _ = device_problem(rng, shape, "float16")
+    kw = named_modifiers(rng, modifiers, *shape[:4], window=(90, 7))
+    on_gpu = {m: cupy.asarray(x) if isinstance(x, np.ndarray) else x for m, x in kw.items()}
+    p = flashcupy._checks.problem(dq_, dk_, dv_, causal, None, None, **{m: on_gpu.get(m) for m in MODIFIERS})
+    assert cupy_backend.forward_path(p, dq_, dk_, dv_) == "tensor-core"
+    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, **on_gpu)
+    assert_matches_oracle([x.get() for x in (out, lse)], q, k, v, causal=causal, backend="cupy", **kw)

@@ -72,9 +72,9 @@ def test_the_hopper_kernels_take_16_bit_calls_the_forward_up_to_head_dim_256_the
     assert _backward_templates(q, k, v, causal=True, **kw) == backward
     if head_dim <= 128:
         assert _backward_templates(q, k, v, causal=True, deterministic=True, **kw) == backward
-    # and on an sm_80, head_dim 136..256 stays on the SIMT forward (no mma.sync kernel takes it)
+    # and on an sm_80 the mma.sync forward, head_dim 136..256 too (specs.TC_FORWARD_HEAD_DIM_BUCKETS)
     sm80 = _forward_templates(q, k, v, compute_capability=80, **kw)
-    assert len(sm80) == 1 and sm80 <= ({"flash_fwd"} if head_dim > 128 else set(specs.TC_FORWARD_TEMPLATES))
+    assert len(sm80) == 1 and sm80 <= set(specs.TC_FORWARD_TEMPLATES)
 
 
 def test_other_calls_keep_the_mma_sync_kernels(rng):
@@ -97,16 +97,16 @@ def test_other_calls_keep_the_mma_sync_kernels(rng):
     with emulated(compile=recording(names), compute_capability=HOPPER):
         flashcupy.attention_with_kvcache(q[:, :1], k, v, num_splits=2, backend="cupy")
     assert _templates(names) == {"flash_fwd_tc", "flash_split_merge"}  # the split forward, then its merge
-    # a packed batch with softcap at head_dim 256 (its kernel spilled; no mma.sync kernel there), and a bias
-    # at head_dim 256 (none above 128)
+    # a packed batch with softcap at head_dim 256 (its kernel spilled), and a bias at head_dim 256 (none above
+    # 128): the mma.sync forward
     lengths = ([20, 9], [30, 9])
     names = []
     with emulated(compile=recording(names), compute_capability=HOPPER):
         packed_batch_matches_the_oracle(rng, "cupy", lengths, np.float16, 256, (2, 1), dict(softcap=3.0))
-    assert _templates(names) == {"flash_fwd"}
+    assert _templates(names) == {"flash_fwd_tc"}
     bias = rng.standard_normal((1, 1, 20, 20)).astype(np.float16)
     q, k, v = make_qkv(rng, 1, 20, 20, 1, 1, 256, np.float16)
-    assert _forward_templates(q, k, v, bias=bias) == {"flash_fwd"}
+    assert _forward_templates(q, k, v, bias=bias) == {"flash_fwd_tc"}
     assert _forward_templates(q, k, v, mask=bias > 0) == {"flash_fwd_sm90"}
 
 

@@ -147,9 +147,9 @@ def report(request):
 def test_every_specialization_compiles(report):
     what, simt_dtypes, rows = report
     kernels_per_dtype = 1 + 3 * len(specs.HEAD_DIM_BUCKETS)  # preprocess, then fwd, dkdv, dq per bucket
-    # a forward (flash_fwd_tc or flash_fwd_tc_wide), flash_bwd_dkdv_tc, flash_bwd_dq_tc per bucket (their
-    # preprocess is the SIMT one)
-    tensor_core = len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS) * (len(specs.TC_TEMPLATES) - 1)
+    # a forward (flash_fwd_tc or flash_fwd_tc_wide) per forward bucket (head_dim 192 and 256 too),
+    # flash_bwd_dkdv_tc, flash_bwd_dq_tc per bucket (their preprocess is the SIMT one)
+    tensor_core = len(specs.TC_DTYPES) * (len(specs.TC_FORWARD_HEAD_DIM_BUCKETS) + 2 * len(specs.TC_HEAD_DIM_BUCKETS))
     # each SIMT attention kernel twice (catalog.all_modules): plain and with every score modifier (the
     # preprocess has none); each tensor-core kernel three times, with a window alone as well
     simt, tc = len(catalog.REPORT_MODS), len(catalog.REPORT_TC_MODS)
@@ -157,7 +157,9 @@ def test_every_specialization_compiles(report):
     # flash_pairs.cu: attention_probs per dtype and bucket, as often; dbias with the bias only
     pairs = simt_dtypes * len(specs.HEAD_DIM_BUCKETS) * (simt + 1)
     # the split-KV forwards, plain and with every modifier
-    split = 2 * (simt_dtypes * len(specs.HEAD_DIM_BUCKETS) + len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS))
+    # (on tensor cores with every modifier up to 192 only: specs.TC_SPLIT_PAIRS_BUCKETS)
+    split = 2 * simt_dtypes * len(specs.HEAD_DIM_BUCKETS) + len(specs.TC_DTYPES) * (
+        len(specs.TC_FORWARD_HEAD_DIM_BUCKETS) + len(specs.TC_SPLIT_PAIRS_BUCKETS))
     # the tensor-core dK/dV kernel that adds dQ by atomics (the default backward), where a call can
     # take it (not with a bias or mask at head_dim 128), and the kernel that converts dQ, per dtype
     atomic = sum(specs.tc_backward_module(dtype, bucket, mods).kernels[1].dq_atomic
@@ -228,11 +230,12 @@ def test_every_packed_batch_kernel_fits(arch, major):
                if primary or not (any(k.tensor_cores for k in m.kernels) and m.kernels[0].dtype == "bfloat16")]
     rows = nvrtc.kernel_report(arch, toolkit_of(major), modules)
     varlen = {k.name_expression for m in modules for k in m.kernels if k.varlen}
-    # forward, split-KV forward, dK/dV, dQ: 4 SIMT kernels per dtype, bucket and MODS; 5 on tensor cores (two
-    # dK/dV kernels)
+    # forward, split-KV forward, dK/dV, dQ: 4 SIMT kernels per dtype, bucket and MODS; on tensor cores the two
+    # forwards per forward bucket (192 and 256 too), three backward kernels (two dK/dV kernels) per bucket
     simt_dtypes = len(specs.CUDA_TYPES) - (not primary)
     tc_dtypes = len(specs.TC_DTYPES) - (not primary)
-    want = 2 * (4 * simt_dtypes * len(specs.HEAD_DIM_BUCKETS) + 5 * tc_dtypes * len(specs.TC_HEAD_DIM_BUCKETS))
+    want = 2 * (4 * simt_dtypes * len(specs.HEAD_DIM_BUCKETS)
+                + tc_dtypes * (2 * len(specs.TC_FORWARD_HEAD_DIM_BUCKETS) + 3 * len(specs.TC_HEAD_DIM_BUCKETS)))
     assert len([r for r in rows if "varlen" in (r["mods"] or "")]) == len(varlen) == want
     assert not nvrtc.limits_exceeded(rows), nvrtc.limits_exceeded(rows)
     twins = {(r["kernel"], r["mods"], r["head_dim"]): (r["registers"], r["spill_bytes"]) for r in rows
@@ -251,7 +254,8 @@ def mmas_per_pass(kernel: str, head_dim: int, block_m: int, block_n: int, rolled
         return n // 16 * k // 8
     k_steps = 16 if rolled else head_dim
     if kernel in specs.TC_FORWARD_TEMPLATES:  # S = Q_i K_jᵀ; O += P V_j
-        return product(head_dim, block_n) + product(block_n, head_dim)
+        # above head_dim 128 Q_i's k-steps are read from shared memory in a loop (Q_KEPT 0): one in the code
+        return product(head_dim if head_dim <= 128 else 16, block_n) + product(block_n, head_dim)
     if kernel == "flash_bwd_dkdv_tc":  # Sᵀ, dPᵀ; dV += Pᵀ dO_i, dK += dSᵀ Q_i
         return 2 * product(k_steps, block_m) + 2 * product(block_m, head_dim)
     return 2 * product(k_steps, block_n) + product(block_n, head_dim)  # dQ: S, dP; dQ += dS K_j

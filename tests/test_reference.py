@@ -176,10 +176,10 @@ def test_the_kernel_family_of_a_call_is_the_kernels_it_ran(monkeypatch):
     assert [kernel_family("numba", t, 64) for t in ("float16", "float64")] == ["simt"] * 2
     assert kernel_family("cupy", np.float16, 64) == kernel_family("cupy", "bfloat16", 128) == "tensor_core"
     assert kernel_family("cupy", np.float16, 100) == kernel_family("cupy", np.float32, 64) == "simt"  # not taken
-    assert kernel_family("cupy", np.float16, 256) == "tensor_core"  # the Hopper forward's
+    assert kernel_family("cupy", np.float16, 256) == "tensor_core"  # the forward's, mma.sync or Hopper
     monkeypatch.setattr(cupy_backend, "USE_WGMMA", False)
-    assert kernel_family("cupy", np.float16, 256) == "simt"
-    assert kernel_family("cupy", np.float16, 128) == "tensor_core"
+    assert kernel_family("cupy", np.float16, 256) == kernel_family("cupy", np.float16, 128) == "tensor_core"
+    assert kernel_family("cupy", np.float16, 264) == "simt"
     monkeypatch.setattr(cupy_backend, "USE_TENSOR_CORES", False)
     assert kernel_family("cupy", np.float16, 64) == "simt"
     with pytest.raises(ValueError, match="no kernel family known for backend 'torch'"):

@@ -89,7 +89,6 @@ def test_the_wide_forward_across_query_blocks(causal, window, schedule, rng):
 
 @pytest.mark.parametrize("case, why", [
     ((1, 20, 20, 1, 1, 100, False), "head_dim not a multiple of 8"),
-    ((1, 20, 20, 1, 1, 256, False), "head_dim above 128"),
 ])
 @pytest.mark.parametrize("order", ("ascending", "descending"))
 def test_uncovered_shapes_fall_back_to_simt(case, why, order, rng):
@@ -99,6 +98,54 @@ def test_uncovered_shapes_fall_back_to_simt(case, why, order, rng):
         assert cupy_backend.forward_path(p, q, k, v) == "simt", why
         out = flashcupy.attention(q, k, v, backend="cupy")
     assert_matches_oracle((out,), q, k, v, backend="cupy")
+
+
+# The forward at head_dim 136..256 (specs.TC_FORWARD_HEAD_DIM_BUCKETS): one row tile a warp, Q_i read from
+# shared memory at every pass (flash_fwd_tc.cu's Q_KEPT 0), 64 x 32 at 192 and 64 x 16 at 256; no
+# tensor-core backward goes there, so the backward is SIMT's. Head dims between the buckets (200, 160: the
+# kernel computes 208 and 160, in shared-memory rows of 256 and 192); every modifier (the pairs tile); GQA,
+# causal with Sq > Sk and Sq < Sk; a split-KV decode and a packed batch
+WIDE_HEAD_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, modifiers, forward)
+    (1, 70, 90, 2, 1, 256, True, (), "flash_fwd_tc<__half, 256, 64, 16, 1>"),
+    (1, 90, 40, 1, 1, 200, True, ("softcap", "alibi", "bias", "mask", "window"),
+     "flash_fwd_tc<__half, 208, 64, 16, 2, 31>"),
+    (2, 33, 70, 2, 2, 160, False, ("window",), "flash_fwd_tc<__half, 160, 64, 32, 1, 1>"),
+]
+
+
+@pytest.mark.parametrize("order", ("ascending", "warp_skew"))
+@pytest.mark.parametrize("case", WIDE_HEAD_CASES, ids=lambda c: f"D{c[5]}-" + ("+".join(c[7]) or "plain"))
+def test_the_forward_takes_head_dims_up_to_256_the_backward_stays_simt(case, order, rng):
+    from modifier_checks import named_modifiers
+    *shape, causal, modifiers, forward = case
+    B, Sq, Sk, Hq = shape[:4]
+    q, k, v = make_qkv(rng, *shape, np.float16)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    kw = dict(causal=causal, **named_modifiers(rng, modifiers, B, Sq, Sk, Hq))
+    names = []
+    with emulated(order, compile=recording(names)):
+        p = flashcupy._checks.problem(q, k, v, causal, None, None)
+        assert cupy_backend.forward_path(p, q, k, v) == "tensor-core"
+        assert cupy_backend.backward_path(p, dout, q, k, v, q) == "simt"
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+        grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", **kw)
+    assert names[0] == forward and "flash_bwd_dkdv" in {n.split("<")[0] for n in names}
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", **kw)
+
+
+def test_a_split_decode_and_a_packed_batch_take_the_forward_at_head_dim_256(rng):
+    from varlen_checks import packed_batch_matches_the_oracle
+    q, k, v = make_qkv(rng, 2, 1, 300, 2, 1, 256, np.float16)  # 300 keys: splits of 256 and 44
+    names = []
+    with emulated(compile=recording(names)):
+        got = flashcupy.attention_with_kvcache(q, k, v, num_splits=2, return_lse=True, backend="cupy")
+    assert names == ["flash_fwd_tc<__half, 256, 64, 16, 1, 0, true, true>", "flash_split_merge<__half, float>"]
+    assert_matches_oracle(got, q, k, v, backend="cupy")
+    names = []
+    with emulated(compile=recording(names)):
+        packed_batch_matches_the_oracle(rng, "cupy", ([20, 70], [30, 9]), np.float16, 256, (2, 1),
+                                        dict(causal=True, softcap=3.0, alibi_slopes="per-seq"))
+    assert set(names) == {"flash_fwd_tc<__half, 256, 64, 16, 1, 6, false, true>"}
 
 
 def test_strided_head_dim_and_old_gpus_fall_back_to_simt(rng):
@@ -314,3 +361,17 @@ def test_each_backward_launches_its_own_kernels(rng):
     assert backward == ["flash_bwd_preprocess<__half, float>", "flash_bwd_dkdv_tc<__half, 64, 64, 64, 0, 0, true>",
                         "flash_bwd_dq_convert<__half>", "flash_bwd_preprocess<__half, float>",
                         "flash_bwd_dkdv_tc<__half, 64, 64, 64, 0>", "flash_bwd_dq_tc<__half, 64, 64, 64, 0>"]
+
+
+def test_a_split_forward_with_a_bias_above_head_dim_192_takes_the_simt_forward(rng):
+    # specs.TC_SPLIT_PAIRS_BUCKETS: the split-KV forward with a bias or mask went past the register limit at 256
+    bias = rng.standard_normal((1, 2, 1, 300)).astype(np.float32)
+    for head_dim, split_path in ((256, "simt"), (192, "tensor-core")):
+        q, k, v = make_qkv(rng, 1, 1, 300, 2, 1, head_dim, np.float16)
+        with emulated():
+            p = flashcupy._checks.problem(q, k, v, False, None, None, "numpy", bias=bias)
+            assert cupy_backend.forward_path(p, q, k, v, split=True) == split_path
+            assert cupy_backend.forward_path(p, q, k, v) == "tensor-core"
+            # (no public call splits with a bias: the package's own forward with num_splits does)
+            out, lse = flashcupy._api.forward(q, k, v, bias=bias, num_splits=2, backend="cupy")
+        assert_matches_oracle((out, lse), q, k, v, bias=bias, backend="cupy")

@@ -111,8 +111,10 @@ def _kernels(dtype: str, head_dim: int, compute_capability: int = 80) -> dict:
         if specs.sm90_eligible(dtype, head_dim, 0, backward=True):  # above head_dim 128: the SIMT kernels'
             backward = specs.sm90_backward_tile(head_dim, tall=cupy_backend.SM90_TALL_BACKWARD)
             modules += (specs.sm90_backward_module(dtype, head_dim, tile=backward),)
-    elif specs.tensor_core_eligible(dtype, head_dim):
-        modules = (specs.tc_forward_module(dtype, head_dim), specs.tc_backward_module(dtype, head_dim))
+    elif specs.tensor_core_eligible(dtype, head_dim):  # above head_dim 128 the backward is SIMT's
+        modules = (specs.tc_forward_module(dtype, head_dim),
+                   specs.tc_backward_module(dtype, head_dim) if specs.tensor_core_eligible(dtype, head_dim, True)
+                   else specs.backward_module(dtype, head_dim))
     else:
         modules = (specs.forward_module(dtype, head_dim), specs.backward_module(dtype, head_dim))
     return {k.template: k for m in modules for k in m.kernels}

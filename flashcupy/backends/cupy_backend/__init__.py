@@ -188,8 +188,9 @@ def _grid_axes(p, backward) -> tuple:
     if backward and p.bias is not None:
         builds.append(specs.dbias_module)
     if specs.tensor_core_eligible(p.dtype, p.head_dim):
-        builds += [specs.tc_forward_module] + [specs.tc_backward_module,
-                                               specs.deterministic_tc_backward_module] * backward
+        builds += [specs.tc_forward_module]
+    if backward and specs.tensor_core_eligible(p.dtype, p.head_dim, backward=True):
+        builds += [specs.tc_backward_module, specs.deterministic_tc_backward_module]
     mods = _mods(p)
     if specs.sm90_eligible(p.dtype, p.head_dim, mods):
         builds += [specs.sm90_forward_module]
@@ -229,10 +230,11 @@ def _rows_16_bytes(rt, *tensors) -> bool:
     return True
 
 
-def _path(p, *tensors) -> str:
-    """'tensor-core' when the tensor-core kernels take `tensors` (all read or written through
-    16-byte rows), else 'simt'."""
-    eligible = USE_TENSOR_CORES and specs.tensor_core_eligible(p.dtype, p.head_dim)
+def _path(p, *tensors, backward: bool = False, split: bool = False) -> str:
+    """'tensor-core' when the tensor-core forward (split: split-KV's; backward: the backward) kernels take
+    the call (specs.tensor_core_eligible) and `tensors` (all read or written through 16-byte rows), else
+    'simt'."""
+    eligible = USE_TENSOR_CORES and specs.tensor_core_eligible(p.dtype, p.head_dim, backward, _mods(p), split)
     return "tensor-core" if eligible and _rows_16_bytes(_runtime(), *tensors) else "simt"
 
 
@@ -260,15 +262,15 @@ def _hopper(p, backward: bool, rows, *tensors, varlen: bool = False) -> bool:
 def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False, varlen: bool = False) -> str:
     """'hopper', 'tensor-core' or 'simt': which forward kernel serves this call.
 
-    Tensor cores take float16/bfloat16 with head_dim a multiple of 8 up to 128, on sm_80 or
-    newer, when q, k, v are contiguous along head_dim with 16-byte aligned rows (the other
-    strides multiples of 8 elements); everything else runs on the SIMT kernel. On compute capability
-    9.0 the Hopper kernel takes those calls, and those of head_dim 136 to 256 alike, when they have
+    Tensor cores take float16/bfloat16 with head_dim a multiple of 8 up to 256 (the backward's up to
+    128), on sm_80 or newer, when q, k, v are contiguous along head_dim with 16-byte aligned rows (the
+    other strides multiples of 8 elements); everything else runs on the SIMT kernel. On compute
+    capability 9.0 the Hopper kernel takes those calls when they have
     modifiers it takes (specs.sm90_eligible: all of them but a bias above head_dim 128; in a packed
     batch, varlen, the window, softcap and ALiBi, but the window alone at 256), no split-KV and no
     paged KV cache (paged: its keys are read through the block table, a row at a time), and q, k, v
     (and out, when given) a tensor map can describe (_tma_describable: positive strides too); the
-    others stay on the mma.sync (or, above 128, SIMT) kernel, never an error. A packed batch (q, k, v
+    others stay on the mma.sync kernel, never an error. A packed batch (q, k, v
     a batch of one) takes the same kernels as a batch of its sequences would, but for the modifiers
     above.
     """
@@ -277,7 +279,7 @@ def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False,
     def choose():
         if not split and not paged and _hopper(p, False, (q, k, v), *tensors, varlen=varlen):
             return "hopper"
-        return _path(p, q, k, v)
+        return _path(p, q, k, v, split=split)
     return _path_remembered("forward", p, tensors, (split, paged, varlen), choose)
 
 
@@ -294,7 +296,7 @@ def backward_path(p, dout, q, k, v, out, deterministic: bool = False, varlen: bo
     def choose():
         if _hopper(p, True, (q, k, v, dout, out), q, k, v, dout, varlen=varlen):
             return "hopper"
-        return _path(p, q, k, v, dout, out)
+        return _path(p, q, k, v, dout, out, backward=True)
     return _path_remembered("backward", p, (q, k, v, dout, out), (varlen,), choose)
 
 

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import functools
 
-from .specs import (ALL_MODS, CUDA_TYPES, HEAD_DIM_BUCKETS, MOD_BITS, TC_DTYPES, TC_HEAD_DIM_BUCKETS,
+from .specs import (ALL_MODS, CUDA_TYPES, HEAD_DIM_BUCKETS, MOD_BITS, TC_DTYPES, TC_FORWARD_HEAD_DIM_BUCKETS,
+                    TC_HEAD_DIM_BUCKETS,
                     SM90_BACKWARD_MODS, SM90_BACKWARD_TILES, SM90_FORWARD_MODS, SM90_FORWARD_TILES,
                     SM90_TALL_BACKWARD_TILES, SM90_TALL_FORWARD_TILES, SM90_VARLEN_BACKWARD_MODS,
                     SM90_VARLEN_FORWARD_MODS,
                     SM90_WIDE_FORWARD_TILES, append_module,
                     backward_module, dbias_module, deterministic_tc_backward_module, forward_module, merge_module,
                     probs_module, sm90_backward_module, sm90_eligible, sm90_forward_module, sm90_forward_tile,
-                    tc_backward_module,
+                    tc_backward_module, tensor_core_eligible,
                     tc_forward_module)
 
 # What the NVRTC report compiles of each kernel family: the plain kernels and every modifier (the most
@@ -42,11 +43,20 @@ def all_modules(mods=REPORT_MODS, tc_mods=REPORT_TC_MODS):
 
 def tc_modules(tc_mods, dtypes=TC_DTYPES, split: bool = False) -> list:
     """The tensor-core forward, backward and deterministic backward (and split-KV forward if asked)
-    for each MODS of `tc_mods`, dtype and bucket."""
-    builds = (tc_forward_module, tc_backward_module, deterministic_tc_backward_module)
-    builds += (lambda dtype, bucket, m: tc_forward_module(dtype, bucket, m, True),) if split else ()
-    return [build(dtype, bucket, m)
-            for m in tc_mods for dtype in dtypes for bucket in TC_HEAD_DIM_BUCKETS for build in builds]
+    for each MODS of `tc_mods`, dtype and bucket (the forwards' buckets: TC_FORWARD_HEAD_DIM_BUCKETS)."""
+    forwards = (tc_forward_module,) + ((_tc_split_forward,) if split else ())
+    backwards = (tc_backward_module, deterministic_tc_backward_module)
+    modules = [build(dtype, bucket, m) for m in tc_mods for dtype in dtypes
+               for builds, buckets in ((forwards, TC_FORWARD_HEAD_DIM_BUCKETS), (backwards, TC_HEAD_DIM_BUCKETS))
+               for bucket in buckets for build in builds]
+    return [m for m in modules if m is not None]
+
+
+def _tc_split_forward(dtype, bucket, mods, varlen=False):
+    """The tensor-core split-KV forward, where it takes the call (specs.TC_SPLIT_PAIRS_BUCKETS), else None."""
+    if not tensor_core_eligible(dtype, bucket, mods=mods, split=True):
+        return None
+    return tc_forward_module(dtype, bucket, mods, True, varlen)
 
 
 def every_tc_modifier_set_modules(dtypes=TC_DTYPES):
@@ -64,7 +74,7 @@ def split_modules(mods=(0, ALL_MODS)):
     ends = sorted({mods[0], mods[-1]})
     return ([forward_module(dtype, bucket, m, True) for m in ends for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS]
             + [tc_forward_module(dtype, bucket, m, True) for m in ends for dtype in TC_DTYPES
-               for bucket in TC_HEAD_DIM_BUCKETS])
+               for bucket in TC_FORWARD_HEAD_DIM_BUCKETS if tensor_core_eligible(dtype, bucket, mods=m, split=True)])
 
 
 # The modifiers attention_varlen takes (no bias, no mask): a packed batch's forwards are specialised for
@@ -77,13 +87,13 @@ def varlen_modules(mods=(0, VARLEN_MODS)):
     tensor-core: the default backward and the deterministic one), for each MODS of `mods` (plain, and the
     most work in a tile's loop), every dtype and bucket: what tests/test_nvrtc.py compiles of them."""
     split_forward = (lambda dtype, bucket, m, varlen: forward_module(dtype, bucket, m, True, varlen),
-                     lambda dtype, bucket, m, varlen: tc_forward_module(dtype, bucket, m, True, varlen))
+                     _tc_split_forward)
     return ([build(dtype, bucket, m, varlen=True) for m in mods for dtype in CUDA_TYPES
              for bucket in HEAD_DIM_BUCKETS for build in (forward_module, split_forward[0], backward_module)]
             + [build(dtype, bucket, m, varlen=True) for m in mods for dtype in TC_DTYPES
-               for bucket in TC_HEAD_DIM_BUCKETS
-               for build in (tc_forward_module, split_forward[1], tc_backward_module,
-                             deterministic_tc_backward_module)])
+               for builds, buckets in (((tc_forward_module, split_forward[1]), TC_FORWARD_HEAD_DIM_BUCKETS),
+                                       ((tc_backward_module, deterministic_tc_backward_module), TC_HEAD_DIM_BUCKETS))
+               for bucket in buckets for build in builds])
 
 
 def sm90_modules(dtypes=TC_DTYPES, every_modifier_set: bool = False) -> list:

@@ -61,10 +61,11 @@ def _simt_bounds(kernel: Kernel) -> Bounds:
 # Tensor cores: every loop over a tile is unrolled and ptxas hoists the ldmatrix of whole k-loops ahead
 # of their mmas, so a kernel takes what its bounds allow. Their minimum: 0 (ptxas' own choice, which
 # the tile tables were sized against) at HEAD_DIM 64 and 128; 1 at the others, where ptxas' heuristic
-# allowed some kernels fewer registers than they hold, and they spilled. Asking 1 at 64 and 128 too
-# took the forward with every modifier past the register limit tests/test_nvrtc.py keeps.
+# allowed some kernels fewer registers than they hold, and they spilled (the forward at 192 with softcap
+# and ALiBi got 168). Asking 1 at 64 and 128 too took the forward with every modifier past the register
+# limit tests/test_nvrtc.py keeps.
 def _tc_min_ctas(head_dim: int) -> int:
-    return 1 if head_dim % 64 else 0
+    return 0 if head_dim in (64, 128) else 1
 
 
 def _tc_forward_bounds(kernel: Kernel) -> Bounds:

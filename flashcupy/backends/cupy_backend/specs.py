@@ -84,8 +84,9 @@ VARLEN_TILES = {("flash_bwd_dkdv", 4, 64): (32, 32), ("flash_bwd_dkdv", 4, 256):
 
 # The register figures behind every tile table below: benchmarks/results/tile_choices.md.
 # Tensor-core kernels (flash_fwd_tc.cu, flash_bwd_tc.cu): float16/bfloat16 only, head_dim a multiple
-# of 8 up to 128; HEAD_DIM is head_dim rounded up to 16 (tc_head_dim), the tiles those of the bucket
-# 64 or 128 (TC_HEAD_DIM_BUCKETS, the tables' keys); no Acc template parameter (they accumulate in
+# of 8 up to 128 (the forward's up to 256); HEAD_DIM is head_dim rounded up to 16 (tc_head_dim), the tiles
+# those of the bucket 64 or 128 (TC_HEAD_DIM_BUCKETS; the forward's also 192 and 256,
+# TC_FORWARD_HEAD_DIM_BUCKETS: the tables' keys); no Acc template parameter (they accumulate in
 # float). The warps own 16-row mma tiles (two in the forward up to head_dim 64): BLOCK_M = 64 query
 # rows in the forward and dQ (128 there), BLOCK_N = 64 keys in dK/dV. Shared memory is dynamic, 2
 # bytes an element, a tile row ROW = HEAD_DIM rounded up to 64 elements (tc_tile_row), the streamed
@@ -95,6 +96,13 @@ VARLEN_TILES = {("flash_bwd_dkdv", 4, 64): (32, 32), ("flash_bwd_dkdv", 4, 256):
 #     dQ       (2 BLOCK_M + 4 BLOCK_N) ROW 2               Q_i, dO_i; 2 x (K_j, V_j)
 TC_DTYPES = ("float16", "bfloat16")
 TC_HEAD_DIM_BUCKETS = (64, 128)
+# The forward's: head_dim 136..256 too, one row tile a warp and Q_i read from shared memory at every pass
+# (flash_fwd_tc.cu's Q_KEPT 0). No tensor-core backward goes above 128: those calls' backward is SIMT's.
+TC_FORWARD_HEAD_DIM_BUCKETS = (64, 128, 192, 256)
+# The split-KV forward with a bias or mask: up to 192. At 256 (64 x 16, the smallest tile) some sets with
+# the window besides took 250-252 registers on sm_80 (NVRTC 12.9 and 13.5), past tests/test_nvrtc.py's
+# limit: those calls run on the SIMT forward
+TC_SPLIT_PAIRS_BUCKETS = (64, 128, 192)
 # The forward's warps a row count takes: 8 at 256 rows (WIDE_WARPS in tc_tile.cuh), else 4
 WIDE_WARPS = 8
 WIDE_BLOCK_M = 32 * WIDE_WARPS
@@ -107,19 +115,22 @@ TC_TILES = {
     # row tiles, k-step 0 of Q_i kept in registers, a register cap): 200 bytes per mma. The two row
     # tiles' O alone take 128 registers there; every other layout of two row tiles tried spilled
     # (benchmarks/results/tile_choices.md).
-    ("forward", "plain"): {64: (128, 64), 128: (256, 32)},
+    # At head_dim 192 and 256 (one row tile a warp, Q_i from shared memory, O's 96 or 128 registers a
+    # thread) 64 x 32 and 64 x 16: 64 x 32 took 255 registers at 256 under NVRTC 13.5, every modifier
+    # 255 at 192 too; 64 x 64 at 192, 239-242, too near the limit for the window besides
+    ("forward", "plain"): {64: (128, 64), 128: (256, 32), 192: (64, 32), 256: (64, 16)},
     # With softcap or ALiBi the forward at head_dim 128 keeps 64 x 64 tiles in the 4-warp kernel: the
     # score's extra work per element of S took the two-row-tile kernels past 255 registers, into spills.
-    ("forward", "score"): {64: (128, 64), 128: (64, 64)},
+    ("forward", "score"): {64: (128, 64), 128: (64, 64), 192: (64, 32), 256: (64, 16)},
     # With a bias or a bool mask the forward takes 64 rows and 32 keys a pass, and asks ptxas for two
     # CTAs an SM (Bounds): larger tiles, or ptxas' own register heuristic, spilled with some of the 24
     # sets of modifiers that hold a bias or mask (tests/test_nvrtc.py compiles all 24).
-    ("forward", "pairs"): {64: (64, 32), 128: (64, 32)},
+    ("forward", "pairs"): {64: (64, 32), 128: (64, 32), 192: (64, 16), 256: (64, 16)},
     # Split-KV forwards take half the keys a pass: the split's offsets and the float partial out took
     # the full tiles past the register limit, into spills. A decode's passes are few and memory-bound,
     # so the smaller tile costs little.
-    ("forward", "split"): {64: (64, 32), 128: (64, 32)},
-    ("forward", "split+pairs"): {64: (64, 32), 128: (64, 16)},  # and a bias or mask: 64 x 32 passed the limit at 128
+    ("forward", "split"): {64: (64, 32), 128: (64, 32), 192: (64, 16), 256: (64, 16)},
+    ("forward", "split+pairs"): {64: (64, 32), 128: (64, 16), 192: (64, 16)},  # and a bias or mask: 64 x 32 passed the limit at 128
     # A packed batch's forward (VARLEN: each CTA finds its sequence, mask.cuh's Sequence) takes 64 query
     # rows, one row tile a warp: short sequences pad their last query block less, and the grid's CTAs
     # that find no work (at most one a sequence) are fewer beside those that work (14 % of those launched
@@ -127,7 +138,7 @@ TC_TILES = {
     # With the larger tiles, the sequence's lengths and offsets took the kernel past the register limit
     # of tests/test_nvrtc.py. 32 keys a pass at 128 (64 x 64 spilled there), and one CTA an SM asked of
     # ptxas (launch.py), whose own heuristic gave them too few registers.
-    ("forward", "varlen"): {64: (64, 64), 128: (64, 32)},
+    ("forward", "varlen"): {64: (64, 64), 128: (64, 32), 192: (64, 32), 256: (64, 16)},
     ("dkdv", "plain"): {64: (64, 64), 128: (32, 64)},
     ("dq", "plain"): {64: (64, 64), 128: (64, 32)},
     # With softcap or ALiBi (MOD_SCORE): dK/dV takes half the query rows a pass, and dQ at head_dim 64
@@ -437,8 +448,8 @@ def _tile(template: str, tile: tuple, acc_size: int, bucket: int, mods: int, var
 
 
 def _tc_bucket(head_dim: int) -> int:
-    """The tile tables' key: 64 up to 64 columns, else 128."""
-    return 64 if head_dim <= 64 else 128
+    """The tile tables' key: the first of TC_FORWARD_HEAD_DIM_BUCKETS that holds head_dim."""
+    return next(b for b in TC_FORWARD_HEAD_DIM_BUCKETS if head_dim <= b)
 
 
 def tc_head_dim(head_dim: int) -> int:
@@ -477,7 +488,7 @@ def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_at
 
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False, varlen: bool = False) -> ModuleSpec:
-    """The tensor-core forward for float16/bfloat16 and head_dim <= 128 (a multiple of 8); varlen: for
+    """The tensor-core forward for float16/bfloat16 and head_dim <= 256 (a multiple of 8); varlen: for
     a packed batch (tc_tile says its tile)."""
     bm, bn = tc_tile("forward", head_dim, mods, split, varlen=varlen)
     template = "flash_fwd_tc_wide" if bm == WIDE_BLOCK_M else "flash_fwd_tc"
@@ -604,9 +615,14 @@ def sm90_eligible(dtype, head_dim: int, mods: int, backward: bool = False, varle
     return mods & ~allowed == 0
 
 
-def tensor_core_eligible(dtype, head_dim: int) -> bool:
-    """Whether the tensor-core kernels cover this dtype and head_dim (strides are checked apart)."""
-    return _name(dtype) in TC_DTYPES and head_dim % 8 == 0 and head_dim <= TC_HEAD_DIM_BUCKETS[-1]
+def tensor_core_eligible(dtype, head_dim: int, backward: bool = False, mods: int = 0, split: bool = False) -> bool:
+    """Whether the tensor-core forward (backward: the tensor-core backward) covers this dtype and head_dim:
+    up to TC_FORWARD_HEAD_DIM_BUCKETS' last (TC_HEAD_DIM_BUCKETS'), and a split-KV forward (split) with a
+    bias or mask in mods in TC_SPLIT_PAIRS_BUCKETS only. Strides are checked apart."""
+    buckets = TC_HEAD_DIM_BUCKETS if backward else TC_FORWARD_HEAD_DIM_BUCKETS
+    if split and mods & MOD_PAIRS:
+        buckets = TC_SPLIT_PAIRS_BUCKETS
+    return _name(dtype) in TC_DTYPES and head_dim % 8 == 0 and head_dim <= buckets[-1]
 
 
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once

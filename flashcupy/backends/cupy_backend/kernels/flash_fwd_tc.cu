@@ -20,7 +20,8 @@
 // of twice the accumulator registers; twice the warps halve the cp.async bytes per mma. In registers,
 // per warp and row tile (C fragments as in tc_tile.cuh):
 //     Q_frag  the A fragments of its rows of Q_i for k-steps 0 .. Q_KEPT - 1, loaded once: all
-//             HEAD_DIM / 16 with one row tile; with two, none or one (the entry points say which),
+//             HEAD_DIM / 16 with one row tile up to HEAD_DIM 128 (none above: O's 96 or 128 registers a
+//             thread at 192 and 256); with two, none or one (the entry points say which),
 //             the other k-steps read from Q_s at every pass (the registers go to O and S)
 //     S       BLOCK_N / 8 C fragments: S = Q_i K_jᵀ, then P in place (fp32)
 //     O       HEAD_DIM / 8 C fragments (fp32); m, l for the lane's two rows (l is the lane's
@@ -65,7 +66,7 @@
 // keys and values through a KV cache's block table where PAGED_PARAMS give one (CacheRows: a table
 // entry read per row copied, each cp.async's source computed from it).
 //
-// Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 128),
+// Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 256),
 // BLOCK_M (16 M_TILES WARPS, M_TILES 1 or 2), BLOCK_N (a multiple of 16), MIN_CTAS (and in the wide
 // kernel MAX_REGISTERS) the occupancy policy (launch.py's Bounds, which says why), MODS the score
 // modifiers (0: none), SPLIT split-KV and VARLEN a packed batch (flash_fwd_tc only: a packed batch takes
@@ -228,10 +229,10 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_fwd_tc(
     TENSOR_PARAMS(const T, q), TENSOR_PARAMS(const T, k), TENSOR_PARAMS(const T, v),
     SplitOut<SPLIT, T, float>* __restrict__ out, index_t out_sb, index_t out_ss, index_t out_sh, index_t out_sd,
     LSE_PARAMS(float, lse), PROBLEM_PARAMS(float), SPLIT_PARAMS, VARLEN_PARAMS, PAGED_PARAMS) {
-    // Q_i's A fragments stay in registers with one row tile; with two, O and S take the registers
-    // (kept, Q_frag took head_dim 64 to the register limit of tests/test_nvrtc.py:
-    // benchmarks/results/tile_choices.md)
-    constexpr int Q_KEPT = BLOCK_M == 16 * NUM_WARPS ? HEAD_DIM / 16 : 0;
+    // Q_i's A fragments stay in registers with one row tile up to head_dim 128; with two, or above 128, O and S
+    // take the registers (kept, Q_frag took head_dim 64 to the register limit of tests/test_nvrtc.py:
+    // benchmarks/results/tile_choices.md; and 256 past 255 registers)
+    constexpr int Q_KEPT = BLOCK_M == 16 * NUM_WARPS && HEAD_DIM <= 128 ? HEAD_DIM / 16 : 0;
     flash_fwd_tc_cta<T, HEAD_DIM, BLOCK_M, BLOCK_N, MODS, SPLIT, VARLEN, NUM_WARPS, Q_KEPT>(
         TENSOR_ARGS(q), TENSOR_ARGS(k), TENSOR_ARGS(v), TENSOR_ARGS(out), LSE_ARGS(lse), PROBLEM_ARGS, SPLIT_ARGS,
         VARLEN_ARGS, PAGED_ARGS);
