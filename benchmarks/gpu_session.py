@@ -26,8 +26,8 @@ Stages, in this order, each in its own process with its own time limit:
              Numba kernels (float16, up to
              numba_max_seqlen) beside the CuPy ones; inputs made on the device once per shape and shared
              by every implementation; head_dim 128 and causal first, as they matter most; last, the
-             forward alone at head_dim 256 (forward_only_configs: the Hopper forward against the SIMT one
-             it replaces there, cupy-mma, and torch's flash and cuDNN; the first dtype, the three longest
+             forward alone at head_dim 256 (forward_only_configs: the Hopper forward against the mma.sync
+             one, cupy-mma (64 x 16 there), and torch's flash and cuDNN; the first dtype, the three longest
              seqlens), cut first when time runs short
   plot       the sweep as one PNG
 
@@ -95,7 +95,7 @@ class Sizes:
     tall_configs: tuple = ((64, False), (64, True))  # where "cupy-tall" is timed (the tall backward pass applies)
     tall_forward_configs: tuple = ((64, False), (64, True))  # where "cupy-tallfwd" is timed (192 query rows apply)
     # (head_dim, causal) timed after `configs`, forward only, by FORWARD_ONLY_IMPLS, the first dtype and the three
-    # longest seqlens: head_dim 256, where the Hopper forward is the one tensor-core kernel (the backward is SIMT)
+    # longest seqlens: head_dim 256, where the backward is SIMT (no tensor-core backward goes above 128)
     forward_only_configs: tuple = ((256, False),)
 
 

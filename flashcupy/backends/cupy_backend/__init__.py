@@ -249,9 +249,9 @@ def _tma_describable(rt, x) -> bool:
 def _hopper(p, backward: bool, rows, *tensors, varlen: bool = False) -> bool:
     """Whether the Hopper forward (backward) takes a call (varlen: a packed batch's): USE_TENSOR_CORES and
     USE_WGMMA, compute capability 9.0, a dtype, head_dim and modifiers it covers (specs.sm90_eligible:
-    head_dim up to 256 in the forward, where no mma.sync kernel goes; every modifier in one batch's
-    forward, and up to head_dim 128 in its backward), `rows` read through 16-byte rows (_rows_16_bytes: what the mma.sync kernels ask of the same
-    arrays), and `tensors`, read or written through tensor maps, describable by one (_tma_describable)."""
+    head_dim up to 256 in the forward; every modifier in one batch's forward, and up to head_dim 128 in
+    its backward), `rows` read through 16-byte rows (_rows_16_bytes: what the mma.sync kernels ask of the
+    same arrays), and `tensors`, read or written through tensor maps, describable by one (_tma_describable)."""
     rt = _runtime()
     return (USE_TENSOR_CORES and USE_WGMMA
             and specs.sm90_eligible(p.dtype, p.head_dim, _mods(p), backward, varlen)

@@ -174,7 +174,7 @@ SM90_REGISTERS = {2: (24, 240), 3: (32, 160)}
 # FA3's 128 x 80 at head_dim 256 (its tile_size.h): O's 128 accumulators a thread, S's 40 and P's 20 fit
 # the consumers' 240 registers; Q_i, two stages of K_j and V_j take 225 KiB, so O_s lies in Q_s (O_IN_Q).
 # The same tile at 192 (head_dim 136..192: three atoms, O's 96 accumulators) fits with O_s its own, 217
-# KiB. No mma.sync kernel takes head_dim above 128: without this kernel those calls run on the SIMT kernels.
+# KiB. Without this kernel those calls run on the mma.sync forward (64 x 16 at 256: TC_TILES).
 SM90_FORWARD_TILES = {64: (128, 128), 128: (128, 128), 192: (128, 80), 256: (128, 80)}
 # With a bias or a bool mask (MOD_PAIRS: a load per score) the Hopper forward takes 64 keys a pass: at 128 a
 # bias alone spilled 20 bytes at head_dim 128, all the modifiers 96-336 at every head_dim (NVRTC 12.9 and
