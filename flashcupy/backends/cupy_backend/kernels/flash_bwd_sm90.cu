@@ -120,9 +120,10 @@
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
 // BLOCK_M (query rows a pass: 64 or 128, specs.sm90_backward_tile), BLOCK_N (64 CONSUMERS keys), MODS (the
 // score modifiers, mask.cuh: Score makes each score of Sᵀ final, the bool mask masks every tile, and dS
-// takes the softcap's derivative, as in flash_bwd_tc.cu; a packed batch takes no bias or mask), VARLEN (a packed batch: the tensor maps over its (1, total, heads, head_dim) tensors, dk, dv,
-// lse with batch strides 0), DETERMINISTIC (the dQ tiles' adds in key-block order through dq_turns; otherwise
-// dq_turns is not read).
+// takes the softcap's derivative, as in flash_bwd_tc.cu; a packed batch takes no bias or mask), VARLEN (a
+// packed batch: the tensor maps over its (1, total, heads, head_dim) tensors, dk, dv, lse with batch
+// strides 0), DETERMINISTIC (the dQ tiles' adds in key-block order through dq_turns; otherwise dq_turns
+// is not read).
 
 // Floats a row of a dQ workspace tile (and of dQ_s): launch.py's LAUNCH and the launcher's workspace say
 // the same (specs.SM90_DQ_ROW_PAD)
