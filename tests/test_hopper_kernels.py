@@ -778,14 +778,13 @@ def _dead_rows_run(rng, order, compile=compile_module):
     """The cases: causal with Sq > Sk (the rows before Sq - Sk see nothing), with and without a window (the
     default kernel's P_UNDER_DP and the window's), and one row the mask hides, in a lane other than 0's;
     each with NaN in those rows' dout: no NaN in dq, dk, dv, dq 0 in those rows, and the oracle's values."""
+    mask = rng.random((2, 2, 70, 90)) < 0.9
+    mask[1, 0, 5] = False  # row 5 of head 0: lane 5 of warp 1 marks it
     cases = [(1, 150, 40, dict(causal=True)), (1, 150, 40, dict(causal=True, window=(30, 0))),
-             (2, 70, 90, dict(mask=None))]
+             (2, 70, 90, dict(mask=mask))]
     for B, Sq, Sk, kw in cases:
         q, k, v = make_qkv(rng, B, Sq, Sk, 2, 1, 64, np.float16)
         dout = rng.standard_normal(q.shape).astype(np.float16)
-        if "mask" in kw:
-            kw = dict(mask=rng.random((B, 2, Sq, Sk)) < 0.9)
-            kw["mask"][1, 0, 5] = False  # row 5 of head 0: lane 5 of warp 1 marks it
         names = []
         with emulated(order, compile=recording(names, compile), compute_capability=HOPPER):
             out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
