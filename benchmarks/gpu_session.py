@@ -25,10 +25,10 @@ Stages, in this order, each in its own process with its own time limit:
              where they apply (cupy-wide, cupy-tallfwd, cupy-tall: the three longest seqlens), and the
              Numba kernels (float16, up to
              numba_max_seqlen) beside the CuPy ones; inputs made on the device once per shape and shared
-             by every implementation; head_dim 128 and causal first, as they matter most; last, the
-             forward alone at head_dim 256 (forward_only_configs: the Hopper forward against the mma.sync
-             one, cupy-mma (64 x 16 there), and torch's flash and cuDNN; the first dtype, the three longest
-             seqlens), cut first when time runs short
+             by every implementation; head_dim 128 and causal first, as they matter most; last, head_dim
+             256 (wide_head_configs: the Hopper forward against the mma.sync one, cupy-mma (64 x 16 there),
+             the mma.sync backward (two CTAs a key block there), and torch's flash and cuDNN both ways; the
+             first dtype, the three longest seqlens), cut first when time runs short
   plot       the sweep as one PNG
 
 Every result is appended to OUT/results.jsonl the moment it exists, and OUT/report.md is written
@@ -94,9 +94,10 @@ class Sizes:
     wide_configs: tuple = ((128, False), (64, False))  # where "cupy-wide" is timed (the wide key blocks apply)
     tall_configs: tuple = ((64, False), (64, True))  # where "cupy-tall" is timed (the tall backward pass applies)
     tall_forward_configs: tuple = ((64, False), (64, True))  # where "cupy-tallfwd" is timed (192 query rows apply)
-    # (head_dim, causal) timed after `configs`, forward only, by FORWARD_ONLY_IMPLS, the first dtype and the three
-    # longest seqlens: head_dim 256, where the backward is SIMT (no tensor-core backward goes above 128)
-    forward_only_configs: tuple = ((256, False),)
+    # (head_dim, causal) timed after `configs` by WIDE_HEAD_IMPLS, the first dtype and the three longest seqlens:
+    # head_dim 256, where the Hopper kernels are the forward alone (cupy-mma: the forward alone, its backward
+    # being cupy's there)
+    wide_head_configs: tuple = ((256, False),)
 
 
 GPU = Sizes(seqlens=(512, 1024, 2048, 4096, 8192, 16384), configs=((128, True), (128, False), (64, True), (64, False)),
@@ -114,7 +115,7 @@ DRY = Sizes(seqlens=(16, 64), configs=((64, True),), dtypes=("bfloat16", "float1
             check_battery=((1, 1, 1, 1, 1, 1, False), (1, 9, 12, 2, 1, 40, True)),
             # "cupy-wide" at its one config, where the switch changes no kernel: the code path runs
             wide_configs=((64, True),), tall_configs=((64, True),), tall_forward_configs=((64, True),),
-            forward_only_configs=((64, False),))
+            wide_head_configs=((64, False),))
 MIN_REPEAT = 3
 
 # (stage, time limit in seconds); the sweep takes what the budget leaves after reserving the plot's
@@ -135,7 +136,7 @@ def group_of(key: str) -> str:
 
 SWEEP_IMPLS = ("cupy", "cupy-mma", "cupy-det", "cupy-wide", "cupy-tallfwd", "cupy-tall", "numba", "torch-flash",
                "torch-cudnn", "torch-math")
-FORWARD_ONLY_IMPLS = ("cupy", "cupy-mma", "torch-flash", "torch-cudnn")
+WIDE_HEAD_IMPLS = ("cupy", "cupy-mma", "torch-flash", "torch-cudnn")
 # "cupy-mma" beside "cupy": on compute capability 9.0 "cupy" runs the Hopper forward and backward
 # (flash_fwd_sm90.cu, flash_bwd_sm90.cu), "cupy-mma" the mma.sync ones they replace (flash_fwd_tc.cu,
 # flash_bwd_tc.cu: USE_WGMMA off), in the same run; below 9.0 they are the same kernels.
@@ -489,8 +490,8 @@ def sweep_items(args):
         if impl == "cupy-mma":
             forward, backward = on_mma(forward), on_mma(backward)
         # cupy-det, cupy-tall: the backward alone (their forward is cupy's); cupy-wide, cupy-tallfwd: the forward
-        if (D, causal) in sizes.forward_only_configs:
-            backward = None  # forward_only_configs: the forward alone
+        if (D, causal) in sizes.wide_head_configs and impl == "cupy-mma":
+            backward = None  # wide_head_configs: the mma.sync forward alone
         passes = {"cupy-det": (("backward", backward),),
                   "cupy-wide": (("forward", with_switch(forward, "SM90_WIDE", True)),),
                   "cupy-tallfwd": (("forward", with_switch(forward, "SM90_TALL_FORWARD", True)),),
@@ -508,12 +509,12 @@ def sweep_items(args):
                             "b2b_tflops": None if b2b is None else flops / b2b / 1e12})
         return records
 
-    for D, causal in sizes.configs + sizes.forward_only_configs:
-        forward_only = (D, causal) in sizes.forward_only_configs
-        for dtype in sizes.dtypes[:1] if forward_only else sizes.dtypes:
-            for S in sorted(sizes.seqlens)[-3:] if forward_only else sizes.seqlens:
+    for D, causal in sizes.configs + sizes.wide_head_configs:
+        wide_head = (D, causal) in sizes.wide_head_configs
+        for dtype in sizes.dtypes[:1] if wide_head else sizes.dtypes:
+            for S in sorted(sizes.seqlens)[-3:] if wide_head else sizes.seqlens:
                 for impl in impls:
-                    if forward_only and impl not in FORWARD_ONLY_IMPLS:
+                    if wide_head and impl not in WIDE_HEAD_IMPLS:
                         continue
                     if impl == "numba" and (dtype == "bfloat16" or S > sizes.numba_max_seqlen
                                             or (D, causal) not in sizes.numba_configs):

@@ -75,8 +75,7 @@ def kernel_family(backend: str, dtype, head_dim: int) -> str:
     head_dim (cupy_backend.USE_TENSOR_CORES and specs.tensor_core_eligible: head_dim up to 256; the
     Hopper forward, which rounds P to 16 bits as the mma.sync kernels do, takes a part of those), else
     "simt"; numba -> "simt". A call whose device or strides send it to the SIMT kernels after all is
-    still judged as tensor-core, the looser of the two, and so is a backward at head_dim 136..256 (SIMT)
-    after a tensor-core forward."""
+    still judged as tensor-core, the looser of the two."""
     if backend == "numpy":
         return "numpy"
     if backend == "numba":

@@ -220,12 +220,14 @@ def test_the_hopper_backward_with_modifiers_matches_the_oracle(rng, case, modifi
     ((1, 300, 500, 2, 1, 256, True), ()),
     ((2, 200, 333, 2, 2, 200, False), ("softcap", "alibi", "bias", "mask", "window")),
 ], ids=lambda x: "+".join(x) or "plain" if not x or isinstance(x[0], str) else case_id(x))
-def test_the_mma_sync_forward_above_head_dim_128_matches_the_oracle(rng, monkeypatch, case, modifiers):
-    """The mma.sync forward at head_dim 136..256 (specs.TC_FORWARD_HEAD_DIM_BUCKETS: Q_i from shared memory at
-    every pass, 64 x 16 at 256), on any sm_80+ device (on an H100/H200 with USE_WGMMA off), against the
-    oracle."""
+def test_the_mma_sync_kernels_above_head_dim_128_match_the_oracle(rng, monkeypatch, case, modifiers):
+    """The mma.sync forward at head_dim 136..256 (Q_i from shared memory at every pass, 64 x 16 at 256), on
+    any sm_80+ device (on an H100/H200 with USE_WGMMA off), and the mma.sync backward there (two CTAs a block,
+    specs.tc_column_parts; where the device lets a CTA have its shared memory: not at 256 on an sm_86, sm_89,
+    sm_120), by default and deterministic, against the oracle."""
     import cupy
     from flashcupy.backends import cupy_backend
+    from flashcupy.backends.cupy_backend import specs
     if int(cupy.cuda.Device().compute_capability) < 80:
         pytest.skip("the tensor-core kernels need sm_80")
     monkeypatch.setattr(cupy_backend, "USE_WGMMA", False)
@@ -237,3 +239,14 @@ def test_the_mma_sync_forward_above_head_dim_128_matches_the_oracle(rng, monkeyp
     assert cupy_backend.forward_path(p, dq_, dk_, dv_) == "tensor-core"
     out, lse = flashcupy.attention(dq_, dk_, dv_, causal=causal, return_lse=True, **on_gpu)
     assert_matches_oracle([x.get() for x in (out, lse)], q, k, v, causal=causal, backend="cupy", **kw)
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(np.float16))
+    optin = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    for deterministic in (False, True):
+        module = specs.tc_backward_module("float16", shape[5], cupy_backend._mods(p), deterministic)
+        fits = max(kernel.dynamic_smem for kernel in module.kernels) <= optin
+        assert cupy_backend.backward_path(p, dout, dq_, dk_, dv_, out, deterministic) == (
+            "tensor-core" if fits else "simt")
+        grads = flashcupy.attention_backward(dout, dq_, dk_, dv_, out, lse, causal=causal,
+                                             deterministic=deterministic, **on_gpu)
+        assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout.get(), causal=causal,
+                              backend="cupy", **kw)

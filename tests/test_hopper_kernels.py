@@ -67,12 +67,12 @@ def test_the_hopper_kernels_take_16_bit_calls_the_forward_up_to_head_dim_256_the
         q, k, v = (x.astype(dtype) for x in (q, k, v))
     assert _forward_templates(q, k, v, causal=True, **kw) == {"flash_fwd_sm90"}
     assert _forward_templates(q, k, v, window=(5, 3), **kw) == {"flash_fwd_sm90"}
-    # above 128 no tensor-core backward: the SIMT kernels, as on every other device
-    backward = {"flash_bwd_dkdv_sm90"} if head_dim <= 128 else {"flash_bwd_dkdv", "flash_bwd_dq"}
+    # above 128 the mma.sync backward, as on an sm_80 (two CTAs a block: specs.tc_column_parts)
+    backward = {"flash_bwd_dkdv_sm90"} if head_dim <= 128 else {"flash_bwd_dkdv_tc"}
     assert _backward_templates(q, k, v, causal=True, **kw) == backward
-    if head_dim <= 128:
-        assert _backward_templates(q, k, v, causal=True, deterministic=True, **kw) == backward
-    # and on an sm_80 the mma.sync forward, head_dim 136..256 too (specs.TC_FORWARD_HEAD_DIM_BUCKETS)
+    deterministic = {"flash_bwd_dkdv_sm90"} if head_dim <= 128 else {"flash_bwd_dkdv_tc", "flash_bwd_dq_tc"}
+    assert _backward_templates(q, k, v, causal=True, deterministic=True, **kw) == deterministic
+    # and on an sm_80 the mma.sync forward, head_dim 136..256 too (specs.TC_HEAD_DIM_BUCKETS)
     sm80 = _forward_templates(q, k, v, compute_capability=80, **kw)
     assert len(sm80) == 1 and sm80 <= set(specs.TC_FORWARD_TEMPLATES)
 
@@ -245,7 +245,8 @@ def test_the_tiles_above_head_dim_128_fit(head_dim, mods, causal, varlen, tile, 
 
 # Score modifiers and the bool mask on the Hopper forward (one batch; specs.SM90_FORWARD_MODS: all but a bias
 # at 256), made final in S before the mask as flash_fwd_tc.cu does; a bias or mask takes 64-key blocks
-# (SM90_PAIRS_FORWARD_TILES). The backward of these calls runs on Hopper up to 128 (SIMT above), checked too.
+# (SM90_PAIRS_FORWARD_TILES). The backward of these calls runs on Hopper up to 128 (mma.sync above), checked
+# too.
 # tests/test_cupy_modifiers.py runs every modifier case on this path at head_dim 64.
 MODIFIED_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, modifiers, tile)
     (1, 140, 150, 2, 1, 128, True, ("softcap", "alibi", "bias", "mask", "window"), (128, 64)),

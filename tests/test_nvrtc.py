@@ -147,25 +147,29 @@ def report(request):
 def test_every_specialization_compiles(report):
     what, simt_dtypes, rows = report
     kernels_per_dtype = 1 + 3 * len(specs.HEAD_DIM_BUCKETS)  # preprocess, then fwd, dkdv, dq per bucket
-    # a forward (flash_fwd_tc or flash_fwd_tc_wide) per forward bucket (head_dim 192 and 256 too),
-    # flash_bwd_dkdv_tc, flash_bwd_dq_tc per bucket (their preprocess is the SIMT one)
-    tensor_core = len(specs.TC_DTYPES) * (len(specs.TC_FORWARD_HEAD_DIM_BUCKETS) + 2 * len(specs.TC_HEAD_DIM_BUCKETS))
     # each SIMT attention kernel twice (catalog.all_modules): plain and with every score modifier (the
-    # preprocess has none); each tensor-core kernel three times, with a window alone as well
+    # preprocess has none); each tensor-core kernel three times, with a window alone as well: a forward
+    # (flash_fwd_tc or flash_fwd_tc_wide), flash_bwd_dkdv_tc and flash_bwd_dq_tc per bucket (head_dim 192 and
+    # 256 too; their preprocess is the SIMT one), but no backward with the mask where a call never takes one
+    # (specs.TC_BACKWARD_MASK_BUCKETS)
     simt, tc = len(catalog.REPORT_MODS), len(catalog.REPORT_TC_MODS)
-    attention = simt * simt_dtypes * (kernels_per_dtype - 1) + tc * tensor_core
+    masked = sum(m & specs.MOD_BITS["mask"] != 0 for m in catalog.REPORT_TC_MODS)
+    unmasked = len(specs.TC_HEAD_DIM_BUCKETS) - len(specs.TC_BACKWARD_MASK_BUCKETS)
+    tensor_core = len(specs.TC_DTYPES) * (3 * tc * len(specs.TC_HEAD_DIM_BUCKETS) - 2 * masked * unmasked)
+    attention = simt * simt_dtypes * (kernels_per_dtype - 1) + tensor_core
     # flash_pairs.cu: attention_probs per dtype and bucket, as often; dbias with the bias only
     pairs = simt_dtypes * len(specs.HEAD_DIM_BUCKETS) * (simt + 1)
     # the split-KV forwards, plain and with every modifier
     # (on tensor cores with every modifier up to 192 only: specs.TC_SPLIT_PAIRS_BUCKETS)
     split = 2 * simt_dtypes * len(specs.HEAD_DIM_BUCKETS) + len(specs.TC_DTYPES) * (
-        len(specs.TC_FORWARD_HEAD_DIM_BUCKETS) + len(specs.TC_SPLIT_PAIRS_BUCKETS))
+        len(specs.TC_HEAD_DIM_BUCKETS) + len(specs.TC_SPLIT_PAIRS_BUCKETS))
     # the tensor-core dK/dV kernel that adds dQ by atomics (the default backward), where a call can
-    # take it (not with a bias or mask at head_dim 128), and the kernel that converts dQ, per dtype
+    # take it (not with a bias or mask above head_dim 64), and the kernel that converts dQ, per dtype
     atomic = sum(specs.tc_backward_module(dtype, bucket, mods).kernels[1].dq_atomic
                  for mods in catalog.REPORT_TC_MODS for dtype in specs.TC_DTYPES
                  for bucket in specs.TC_HEAD_DIM_BUCKETS)
-    assert atomic == tc * len(specs.TC_DTYPES) * len(specs.TC_HEAD_DIM_BUCKETS) - len(specs.TC_DTYPES)
+    assert atomic == len(specs.TC_DTYPES) * (tc * len(specs.TC_HEAD_DIM_BUCKETS) - len(specs.TC_HEAD_DIM_BUCKETS)
+                                             + len(specs.TC_ATOMIC_BUCKETS_PAIRS))
     # the preprocess (the tensor-core backwards' too), the KV-cache append and split-KV's merge per dtype, the
     # dQ conversion per tensor-core dtype
     assert len(rows) == 3 * len(specs.CUDA_TYPES) + attention + pairs + split + atomic + len(specs.TC_DTYPES)
@@ -196,12 +200,15 @@ def test_resources_fit(report):
 def test_tensor_core_head_dims_between_the_buckets_fit(monkeypatch):
     # a head_dim that is not a multiple of 64 compiles for itself (specs.tc_head_dim: 48, 96), in
     # shared-memory rows of 64 or 128, and asks ptxas for one CTA an SM; the reports cover 64 and 128.
-    # Checked where they came closest to the limit: sm_80 under NVRTC 12 (48 with every modifier)
+    # Checked where they came closest to the limit: sm_80 under NVRTC 12 (48 with every modifier). And the
+    # backward at 200, which computes 224 (two parts of 112 columns) in rows of 256
     modules = [build("float16", d, m) for d in (48, 96) for m in catalog.REPORT_TC_MODS
                for build in (specs.tc_forward_module, specs.tc_backward_module, specs.deterministic_tc_backward_module)]
+    modules += [build("float16", 200, m) for m in catalog.REPORT_TC_MODS
+                for build in (specs.tc_backward_module, specs.deterministic_tc_backward_module)]
     monkeypatch.setattr(catalog, "all_modules", lambda: modules)
     rows = nvrtc.kernel_report("sm_80", toolkit_of(12))
-    assert {r["head_dim"] for r in rows if r["kernel"] in specs.TC_TEMPLATES} == {48, 96}
+    assert {r["head_dim"] for r in rows if r["kernel"] in specs.TC_TEMPLATES} == {48, 96, 224}
     assert not nvrtc.limits_exceeded(rows), nvrtc.limits_exceeded(rows)
 
 
@@ -210,7 +217,8 @@ def test_every_forward_with_a_bias_or_mask_fits(monkeypatch):
     # the 24 sets of modifiers that hold one spilled in some under ptxas' own heuristic
     # (specs.TC_TILES["forward", "pairs"]). On sm_80 (where most of them did) under NVRTC 12, in float16
     # (bfloat16 compiled alike): 45 s of CI; `python -m flashcupy kernels --every-modifier-set` does all
-    modules = [specs.tc_forward_module("float16", d, m) for d in specs.TC_HEAD_DIM_BUCKETS
+    # (at 64 and 128; at 192 and 256 their smaller tiles left room: tile_choices.md)
+    modules = [specs.tc_forward_module("float16", d, m) for d in (64, 128)
                for m in range(specs.ALL_MODS + 1) if m & specs.MOD_PAIRS]
     monkeypatch.setattr(catalog, "all_modules", lambda: modules)
     rows = nvrtc.kernel_report("sm_80", toolkit_of(12))
@@ -231,11 +239,11 @@ def test_every_packed_batch_kernel_fits(arch, major):
     rows = nvrtc.kernel_report(arch, toolkit_of(major), modules)
     varlen = {k.name_expression for m in modules for k in m.kernels if k.varlen}
     # forward, split-KV forward, dK/dV, dQ: 4 SIMT kernels per dtype, bucket and MODS; on tensor cores the two
-    # forwards per forward bucket (192 and 256 too), three backward kernels (two dK/dV kernels) per bucket
+    # forwards and three backward kernels (two dK/dV kernels) per bucket
     simt_dtypes = len(specs.CUDA_TYPES) - (not primary)
     tc_dtypes = len(specs.TC_DTYPES) - (not primary)
     want = 2 * (4 * simt_dtypes * len(specs.HEAD_DIM_BUCKETS)
-                + tc_dtypes * (2 * len(specs.TC_FORWARD_HEAD_DIM_BUCKETS) + 3 * len(specs.TC_HEAD_DIM_BUCKETS)))
+                + tc_dtypes * 5 * len(specs.TC_HEAD_DIM_BUCKETS))
     assert len([r for r in rows if "varlen" in (r["mods"] or "")]) == len(varlen) == want
     assert not nvrtc.limits_exceeded(rows), nvrtc.limits_exceeded(rows)
     twins = {(r["kernel"], r["mods"], r["head_dim"]): (r["registers"], r["spill_bytes"]) for r in rows
@@ -248,17 +256,19 @@ def test_every_packed_batch_kernel_fits(arch, major):
 def mmas_per_pass(kernel: str, head_dim: int, block_m: int, block_n: int, rolled: bool = False) -> int:
     """The m16n8k16 mmas one warp issues in one pass of the kernel's loop, its products as in the kernel
     headers: a (16 x n) (n x k) product takes (n / 16) (k / 8) of them. rolled: the backward's S and dP
-    products run their k-steps as a loop (with a score modifier, two_mma_abt's ROLLED), so the code
-    holds one k-step of them."""
+    products run their k-steps as a loop (with a score modifier, two_mma_abt's ROLLED, and above head_dim
+    128), so the code holds one k-step of them; there its other products have head_dim / 2 columns (a CTA
+    computes one of two parts, specs.tc_column_parts)."""
     def product(n, k):
         return n // 16 * k // 8
-    k_steps = 16 if rolled else head_dim
+    k_steps = 16 if rolled or head_dim > 128 else head_dim
     if kernel in specs.TC_FORWARD_TEMPLATES:  # S = Q_i K_jᵀ; O += P V_j
         # above head_dim 128 Q_i's k-steps are read from shared memory in a loop (Q_KEPT 0): one in the code
         return product(head_dim if head_dim <= 128 else 16, block_n) + product(block_n, head_dim)
+    columns = head_dim // specs.tc_column_parts(head_dim)
     if kernel == "flash_bwd_dkdv_tc":  # Sᵀ, dPᵀ; dV += Pᵀ dO_i, dK += dSᵀ Q_i
-        return 2 * product(k_steps, block_m) + 2 * product(block_m, head_dim)
-    return 2 * product(k_steps, block_n) + product(block_n, head_dim)  # dQ: S, dP; dQ += dS K_j
+        return 2 * product(k_steps, block_m) + 2 * product(block_m, columns)
+    return 2 * product(k_steps, block_n) + product(block_n, columns)  # dQ: S, dP; dQ += dS K_j
 
 
 def test_tensor_core_kernels_run_on_tensor_cores(report):

@@ -100,24 +100,38 @@ def test_uncovered_shapes_fall_back_to_simt(case, why, order, rng):
     assert_matches_oracle((out,), q, k, v, backend="cupy")
 
 
-# The forward at head_dim 136..256 (specs.TC_FORWARD_HEAD_DIM_BUCKETS): one row tile a warp, Q_i read from
-# shared memory at every pass (flash_fwd_tc.cu's Q_KEPT 0), 64 x 32 at 192 and 64 x 16 at 256; no
-# tensor-core backward goes there, so the backward is SIMT's. Head dims between the buckets (200, 160: the
-# kernel computes 208 and 160, in shared-memory rows of 256 and 192); every modifier (the pairs tile); GQA,
-# causal with Sq > Sk and Sq < Sk; a split-KV decode and a packed batch
-WIDE_HEAD_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, modifiers, forward)
-    (1, 70, 90, 2, 1, 256, True, (), "flash_fwd_tc<__half, 256, 64, 16, 1>"),
-    (1, 90, 40, 1, 1, 200, True, ("softcap", "alibi", "bias", "mask", "window"),
-     "flash_fwd_tc<__half, 208, 64, 16, 2, 31>"),
-    (2, 33, 70, 2, 2, 160, False, ("window",), "flash_fwd_tc<__half, 160, 64, 32, 1, 1>"),
+# Head dims 136..256 (specs.TC_HEAD_DIM_BUCKETS' 192 and 256). The forward: one row tile a warp, Q_i read
+# from shared memory at every pass (flash_fwd_tc.cu's Q_KEPT 0), 64 x 32 at 192 and 64 x 16 at 256. The
+# backward: two CTAs a block (the grid's y, specs.tc_column_parts), each computing S and dP whole and half
+# the columns of dK, dV (dQ), head_dim rounded up to 32 (200: 224, whose halves are 112). Head dims between
+# the buckets (200, 176, 160: the forward computes 208, 176 and 160, in shared-memory rows of 256 and 192);
+# every modifier (the pairs tiles, the deterministic backward: a bias is not added by atomics there; the
+# mask up to 192 only); GQA
+# (dK, dV summed over a group), causal with Sq > Sk and Sq < Sk; the deterministic backward at 256; a
+# split-KV decode and a packed batch below
+WIDE_HEAD_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, modifiers, deterministic,
+    #                    forward, dK/dV, dQ)
+    (1, 70, 90, 2, 1, 256, True, (), False, "flash_fwd_tc<__half, 256, 64, 16, 1>",
+     "flash_bwd_dkdv_tc<__half, 256, 16, 64, 1, 0, true>", "flash_bwd_dq_convert<__half>"),
+    (1, 90, 40, 1, 1, 200, True, ("softcap", "alibi", "bias", "window"), False,
+     "flash_fwd_tc<__half, 208, 64, 16, 2, 15>", "flash_bwd_dkdv_tc<__half, 224, 16, 64, 1, 15>",
+     "flash_bwd_dq_tc<__half, 224, 64, 16, 2, 15>"),
+    (1, 50, 70, 2, 1, 176, False, ("mask", "softcap"), False,  # the mask up to 192 (TC_BACKWARD_MASK_BUCKETS)
+     "flash_fwd_tc<__half, 176, 64, 16, 2, 18>", "flash_bwd_dkdv_tc<__half, 192, 16, 64, 1, 18>",
+     "flash_bwd_dq_tc<__half, 192, 64, 32, 2, 18>"),
+    (2, 33, 70, 2, 2, 160, False, ("window",), False, "flash_fwd_tc<__half, 160, 64, 32, 1, 1>",
+     "flash_bwd_dkdv_tc<__half, 160, 16, 64, 1, 1, true>", "flash_bwd_dq_convert<__half>"),
+    (1, 40, 70, 4, 2, 256, False, ("softcap",), True, "flash_fwd_tc<__half, 256, 64, 16, 1, 2>",
+     "flash_bwd_dkdv_tc<__half, 256, 16, 64, 1, 2>", "flash_bwd_dq_tc<__half, 256, 64, 16, 2, 2>"),
 ]
 
 
 @pytest.mark.parametrize("order", ("ascending", "warp_skew"))
-@pytest.mark.parametrize("case", WIDE_HEAD_CASES, ids=lambda c: f"D{c[5]}-" + ("+".join(c[7]) or "plain"))
-def test_the_forward_takes_head_dims_up_to_256_the_backward_stays_simt(case, order, rng):
+@pytest.mark.parametrize("case", WIDE_HEAD_CASES,
+                         ids=lambda c: f"D{c[5]}-" + ("+".join(c[7]) or "plain") + "-det" * c[8])
+def test_head_dims_up_to_256_take_the_tensor_core_kernels(case, order, rng):
     from modifier_checks import named_modifiers
-    *shape, causal, modifiers, forward = case
+    *shape, causal, modifiers, deterministic = case[:9]
     B, Sq, Sk, Hq = shape[:4]
     q, k, v = make_qkv(rng, *shape, np.float16)
     dout = rng.standard_normal(q.shape).astype(np.float16)
@@ -126,14 +140,49 @@ def test_the_forward_takes_head_dims_up_to_256_the_backward_stays_simt(case, ord
     with emulated(order, compile=recording(names)):
         p = flashcupy._checks.problem(q, k, v, causal, None, None)
         assert cupy_backend.forward_path(p, q, k, v) == "tensor-core"
-        assert cupy_backend.backward_path(p, dout, q, k, v, q) == "simt"
+        assert cupy_backend.backward_path(p, dout, q, k, v, q, deterministic) == "tensor-core"
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
-        grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", **kw)
-    assert names[0] == forward and "flash_bwd_dkdv" in {n.split("<")[0] for n in names}
+        grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", deterministic=deterministic,
+                                             **kw)
+    assert [n for n in names if n.split("<")[0] not in ("flash_bwd_preprocess", "flash_bwd_dbias")] == list(case[9:])
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", **kw)
 
 
-def test_a_split_decode_and_a_packed_batch_take_the_forward_at_head_dim_256(rng):
+def test_the_backward_with_the_mask_at_head_dim_256_runs_on_simt(rng):
+    """specs.TC_BACKWARD_MASK_BUCKETS: its dK/dV kernel went past the register limit there, and spilled; the
+    forward stays on tensor cores, a bias without the mask too, and the gradients are the oracle's."""
+    from modifier_checks import named_modifiers
+    q, k, v = make_qkv(rng, 1, 20, 30, 2, 1, 256, np.float16)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    for modifiers, path in ((("mask", "softcap"), "simt"), (("bias",), "tensor-core")):
+        kw = named_modifiers(rng, modifiers, 1, 20, 30, 2)
+        with emulated():
+            p = flashcupy._checks.problem(q, k, v, False, None, None, lib="numpy", **kw)
+            assert cupy_backend.forward_path(p, q, k, v) == "tensor-core"
+            assert cupy_backend.backward_path(p, dout, q, k, v, q) == path
+            out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+            grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", **kw)
+        assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", **kw)
+
+
+def test_the_backward_above_head_dim_192_needs_the_shared_memory_of_an_sm_80_or_sm_90(rng):
+    """Its tiles ask for up to 128.5 KiB (launch.LAUNCH); an sm_86, sm_89 or sm_120 lets a CTA have 99: the
+    SIMT kernels take those calls, which end as the oracle's. At 192 (96.5 KiB at most) the tensor cores do."""
+    for head_dim, path in ((256, "simt"), (192, "tensor-core")):
+        q, k, v = make_qkv(rng, 1, 20, 30, 1, 1, head_dim, np.float16)
+        dout = rng.standard_normal(q.shape).astype(np.float16)
+        names = []
+        with emulated(compute_capability=86, compile=recording(names)):
+            p = flashcupy._checks.problem(q, k, v, False, None, None)
+            for deterministic in (False, True):
+                assert cupy_backend.backward_path(p, dout, q, k, v, q, deterministic) == path
+            out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy")
+            grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy")
+        assert ("flash_bwd_dkdv_tc" in " ".join(names)) == (path == "tensor-core")
+        assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy")
+
+
+def test_a_split_decode_and_a_packed_batch_take_the_tensor_cores_at_head_dim_256(rng):
     from varlen_checks import packed_batch_matches_the_oracle
     q, k, v = make_qkv(rng, 2, 1, 300, 2, 1, 256, np.float16)  # 300 keys: splits of 256 and 44
     names = []
@@ -144,8 +193,10 @@ def test_a_split_decode_and_a_packed_batch_take_the_forward_at_head_dim_256(rng)
     names = []
     with emulated(compile=recording(names)):
         packed_batch_matches_the_oracle(rng, "cupy", ([20, 70], [30, 9]), np.float16, 256, (2, 1),
-                                        dict(causal=True, softcap=3.0, alibi_slopes="per-seq"))
-    assert set(names) == {"flash_fwd_tc<__half, 256, 64, 16, 1, 6, false, true>"}
+                                        dict(causal=True, softcap=3.0, alibi_slopes="per-seq"), backward=True)
+    # the backward's CTAs find their sequence's key block and their part of its columns (specs.tc_column_parts)
+    assert set(names) == {"flash_fwd_tc<__half, 256, 64, 16, 1, 6, false, true>", "flash_bwd_preprocess<__half, float>",
+                          "flash_bwd_dkdv_tc<__half, 256, 16, 64, 1, 6, true, true>", "flash_bwd_dq_convert<__half>"}
 
 
 def test_strided_head_dim_and_old_gpus_fall_back_to_simt(rng):
@@ -328,9 +379,9 @@ def capturing_dq_sums(sums: list):
     return lambda *args: _CapturingDqSums(compile_module(*args), sums)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])  # 256: two CTAs a block (specs.tc_column_parts)
 def test_the_deterministic_backward_is_bitwise_the_same_under_every_schedule(rng, head_dim):
-    q, k, v = make_qkv(rng, 1, 70, 130, 4, 2, head_dim, np.float16)
+    q, k, v = make_qkv(rng, 1, 70, 130, *((4, 2) if head_dim <= 128 else (2, 1)), head_dim, np.float16)
     dout = rng.standard_normal(q.shape).astype(np.float16)
     got, sums = {}, []
     for order in ("ascending", "descending", "warp_skew"):

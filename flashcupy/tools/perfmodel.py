@@ -101,20 +101,18 @@ def _kernels(dtype: str, head_dim: int, compute_capability: int = 80) -> dict:
     """{template: specs.Kernel} of the kernels the backend launches for this dtype and head_dim, non-causal
     (on compute capability 9.0: the Hopper kernels, of the tiles cupy_backend's SM90_WIDE,
     SM90_TALL_FORWARD and SM90_TALL_BACKWARD ask for; above head_dim 128 the forward alone, the backward
-    there being the SIMT kernels')."""
+    there being the mma.sync kernels')."""
     if compute_capability == specs.SM90_COMPUTE_CAPABILITY:
         if not specs.sm90_eligible(dtype, head_dim, 0):
             raise ValueError(f"{dtype} head_dim={head_dim} does not run on the Hopper kernels")
         from flashcupy.backends import cupy_backend
         forward = specs.sm90_forward_tile(head_dim, wide=cupy_backend.SM90_WIDE, tall=cupy_backend.SM90_TALL_FORWARD)
         modules = (specs.sm90_forward_module(dtype, head_dim, tile=forward),)
-        if specs.sm90_eligible(dtype, head_dim, 0, backward=True):  # above head_dim 128: the SIMT kernels'
+        if specs.sm90_eligible(dtype, head_dim, 0, backward=True):  # above head_dim 128: the mma.sync kernels'
             backward = specs.sm90_backward_tile(head_dim, tall=cupy_backend.SM90_TALL_BACKWARD)
             modules += (specs.sm90_backward_module(dtype, head_dim, tile=backward),)
-    elif specs.tensor_core_eligible(dtype, head_dim):  # above head_dim 128 the backward is SIMT's
-        modules = (specs.tc_forward_module(dtype, head_dim),
-                   specs.tc_backward_module(dtype, head_dim) if specs.tensor_core_eligible(dtype, head_dim, True)
-                   else specs.backward_module(dtype, head_dim))
+    elif specs.tensor_core_eligible(dtype, head_dim):
+        modules = (specs.tc_forward_module(dtype, head_dim), specs.tc_backward_module(dtype, head_dim))
     else:
         modules = (specs.forward_module(dtype, head_dim), specs.backward_module(dtype, head_dim))
     return {k.template: k for m in modules for k in m.kernels}

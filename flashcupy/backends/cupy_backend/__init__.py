@@ -189,7 +189,7 @@ def _grid_axes(p, backward) -> tuple:
         builds.append(specs.dbias_module)
     if specs.tensor_core_eligible(p.dtype, p.head_dim):
         builds += [specs.tc_forward_module]
-    if backward and specs.tensor_core_eligible(p.dtype, p.head_dim, backward=True):
+    if backward and specs.tensor_core_eligible(p.dtype, p.head_dim, _mods(p), backward=True):
         builds += [specs.tc_backward_module, specs.deterministic_tc_backward_module]
     mods = _mods(p)
     if specs.sm90_eligible(p.dtype, p.head_dim, mods):
@@ -230,11 +230,11 @@ def _rows_16_bytes(rt, *tensors) -> bool:
     return True
 
 
-def _path(p, *tensors, backward: bool = False, split: bool = False) -> str:
-    """'tensor-core' when the tensor-core forward (split: split-KV's; backward: the backward) kernels take
-    the call (specs.tensor_core_eligible) and `tensors` (all read or written through 16-byte rows), else
+def _path(p, *tensors, split: bool = False, backward: bool = False) -> str:
+    """'tensor-core' when the tensor-core forward (split: split-KV's; backward: the backward) takes the
+    call (specs.tensor_core_eligible) and `tensors` (all read or written through 16-byte rows), else
     'simt'."""
-    eligible = USE_TENSOR_CORES and specs.tensor_core_eligible(p.dtype, p.head_dim, backward, _mods(p), split)
+    eligible = USE_TENSOR_CORES and specs.tensor_core_eligible(p.dtype, p.head_dim, _mods(p), split, backward)
     return "tensor-core" if eligible and _rows_16_bytes(_runtime(), *tensors) else "simt"
 
 
@@ -262,8 +262,7 @@ def _hopper(p, backward: bool, rows, *tensors, varlen: bool = False) -> bool:
 def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False, varlen: bool = False) -> str:
     """'hopper', 'tensor-core' or 'simt': which forward kernel serves this call.
 
-    Tensor cores take float16/bfloat16 with head_dim a multiple of 8 up to 256 (the backward's up to
-    128), on sm_80 or newer, when q, k, v are contiguous along head_dim with 16-byte aligned rows (the
+    Tensor cores take float16/bfloat16 with head_dim a multiple of 8 up to 256, on sm_80 or newer, when q, k, v are contiguous along head_dim with 16-byte aligned rows (the
     other strides multiples of 8 elements); everything else runs on the SIMT kernel. On compute
     capability 9.0 the Hopper kernel takes those calls when they have
     modifiers it takes (specs.sm90_eligible: all of them but a bias above head_dim 128; in a packed
@@ -287,7 +286,9 @@ def backward_path(p, dout, q, k, v, out, deterministic: bool = False, varlen: bo
     """'hopper', 'tensor-core' or 'simt': which backward kernels (dK/dV and dQ) serve this call.
 
     The forward's conditions, on dout and out as well as q, k, v (lse may have any strides;
-    dq, dk, dv are allocated contiguous); the Hopper backward takes calls up to head_dim 128 with
+    dq, dk, dv are allocated contiguous), and the tensor-core backward's shared memory no more than the
+    device lets a CTA opt in to (head_dim 193..256 on an sm_86, sm_89 or sm_120 runs on the SIMT kernels);
+    the Hopper backward takes calls up to head_dim 128 with
     any modifier (varlen, a packed batch: the window, softcap and ALiBi; specs.sm90_eligible)
     (q, k, v and dout through tensor maps), deterministic or not: its CTAs add dQ into one workspace
     by bulk reduce-adds, in an order that varies from run to run, or (deterministic) in key-block
@@ -296,8 +297,13 @@ def backward_path(p, dout, q, k, v, out, deterministic: bool = False, varlen: bo
     def choose():
         if _hopper(p, True, (q, k, v, dout, out), q, k, v, dout, varlen=varlen):
             return "hopper"
-        return _path(p, q, k, v, dout, out, backward=True)
-    return _path_remembered("backward", p, (q, k, v, dout, out), (varlen,), choose)
+        path = _path(p, q, k, v, dout, out, backward=True)
+        if path == "tensor-core":  # above head_dim 192 its tiles ask for up to 129 KiB (launch.LAUNCH)
+            module = specs.tc_backward_module(p.dtype, p.head_dim, _mods(p), deterministic, varlen)
+            if max(kernel.dynamic_smem for kernel in module.kernels) > _runtime().smem_optin(q):
+                return "simt"
+        return path
+    return _path_remembered("backward", p, (q, k, v, dout, out), (varlen, deterministic), choose)
 
 
 def _window_args(p) -> tuple:

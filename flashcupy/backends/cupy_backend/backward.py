@@ -97,12 +97,12 @@ def _backward_launches(rt, p, path: str, module, dout, q, k, v, out, lse, dq, dk
     if path == "hopper":  # q, dO_i: a pass's BLOCK_M rows; k, v: the key block's BLOCK_N
         maps = backend._sm90_maps(rt, p, (q, dkdv.block_m), (k, dkdv.block_n), (v, dkdv.block_n), (dout, dkdv.block_m))
         shared = (*maps, *arg(lse), D)
-    bwd_dkdv(
-        (blocks(dkdv),), (dkdv.threads,),
+    bwd_dkdv(  # a second grid dimension where CTAs share a key block's columns (tensor cores above head_dim 128)
+        (blocks(dkdv), dkdv.column_parts), (dkdv.threads,),
         (*shared, *arg(dk), *arg(dv), *flags, *atomic, *tail), shared_mem=dkdv.dynamic_smem)
     if dqa is None:
         bwd_dq(
-            (blocks(dq_kernel),), block,
+            (blocks(dq_kernel), dq_kernel.column_parts), block,
             (*shared, *arg(dq), *flags, *tail), shared_mem=dq_kernel.dynamic_smem)
     else:
         # the convert kernel writes dq element by element in q's shape, contiguous: a given dq of

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import functools
 
-from .specs import (ALL_MODS, CUDA_TYPES, HEAD_DIM_BUCKETS, MOD_BITS, TC_DTYPES, TC_FORWARD_HEAD_DIM_BUCKETS,
-                    TC_HEAD_DIM_BUCKETS,
+from .specs import (ALL_MODS, CUDA_TYPES, HEAD_DIM_BUCKETS, MOD_BITS, TC_DTYPES, TC_HEAD_DIM_BUCKETS,
                     SM90_BACKWARD_MODS, SM90_BACKWARD_TILES, SM90_FORWARD_MODS, SM90_FORWARD_TILES,
                     SM90_TALL_BACKWARD_TILES, SM90_TALL_FORWARD_TILES, SM90_VARLEN_BACKWARD_MODS,
                     SM90_VARLEN_FORWARD_MODS,
@@ -43,12 +42,12 @@ def all_modules(mods=REPORT_MODS, tc_mods=REPORT_TC_MODS):
 
 def tc_modules(tc_mods, dtypes=TC_DTYPES, split: bool = False) -> list:
     """The tensor-core forward, backward and deterministic backward (and split-KV forward if asked)
-    for each MODS of `tc_mods`, dtype and bucket (the forwards' buckets: TC_FORWARD_HEAD_DIM_BUCKETS)."""
+    for each MODS of `tc_mods`, dtype and bucket of TC_HEAD_DIM_BUCKETS: the backwards where a call takes
+    them (not with the mask at 256: specs.tensor_core_eligible)."""
     forwards = (tc_forward_module,) + ((_tc_split_forward,) if split else ())
     backwards = (tc_backward_module, deterministic_tc_backward_module)
-    modules = [build(dtype, bucket, m) for m in tc_mods for dtype in dtypes
-               for builds, buckets in ((forwards, TC_FORWARD_HEAD_DIM_BUCKETS), (backwards, TC_HEAD_DIM_BUCKETS))
-               for bucket in buckets for build in builds]
+    modules = [build(dtype, bucket, m) for m in tc_mods for dtype in dtypes for bucket in TC_HEAD_DIM_BUCKETS
+               for build in forwards + (backwards if tensor_core_eligible(dtype, bucket, m, backward=True) else ())]
     return [m for m in modules if m is not None]
 
 
@@ -74,7 +73,7 @@ def split_modules(mods=(0, ALL_MODS)):
     ends = sorted({mods[0], mods[-1]})
     return ([forward_module(dtype, bucket, m, True) for m in ends for dtype in CUDA_TYPES for bucket in HEAD_DIM_BUCKETS]
             + [tc_forward_module(dtype, bucket, m, True) for m in ends for dtype in TC_DTYPES
-               for bucket in TC_FORWARD_HEAD_DIM_BUCKETS if tensor_core_eligible(dtype, bucket, mods=m, split=True)])
+               for bucket in TC_HEAD_DIM_BUCKETS if tensor_core_eligible(dtype, bucket, mods=m, split=True)])
 
 
 # The modifiers attention_varlen takes (no bias, no mask): a packed batch's forwards are specialised for
@@ -91,7 +90,7 @@ def varlen_modules(mods=(0, VARLEN_MODS)):
     return ([build(dtype, bucket, m, varlen=True) for m in mods for dtype in CUDA_TYPES
              for bucket in HEAD_DIM_BUCKETS for build in (forward_module, split_forward[0], backward_module)]
             + [build(dtype, bucket, m, varlen=True) for m in mods for dtype in TC_DTYPES
-               for builds, buckets in (((tc_forward_module, split_forward[1]), TC_FORWARD_HEAD_DIM_BUCKETS),
+               for builds, buckets in (((tc_forward_module, split_forward[1]), TC_HEAD_DIM_BUCKETS),
                                        ((tc_backward_module, deterministic_tc_backward_module), TC_HEAD_DIM_BUCKETS))
                for bucket in buckets for build in builds])
 

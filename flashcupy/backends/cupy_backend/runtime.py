@@ -22,6 +22,8 @@ class Runtime:
     data_ptr(x): the address of x's first element.
     device_id(x): which device x lives on (kernel handles are kept per device).
     sm_count(x): the streaming multiprocessors of x's device (split-KV fills them: split_plan).
+    smem_optin(x): the most dynamic shared memory a CTA on x's device may opt in to, in bytes (the
+        tensor-core backward above head_dim 192 asks for more than some devices have: backward_path).
     tensor_map(x, arguments, dtype_name): the kernel argument that is the TMA tensor map of array x
         with tensor_maps.TiledArguments `arguments` (the driver's map on a GPU, the emulator's own
         under it); dtype_name the values' dtype ("bfloat16" for uint16 bits).
@@ -33,7 +35,7 @@ class Runtime:
     """
 
     def __init__(self, xp, compile_module, device_of=None, compute_capability=None, data_ptr=None,
-                 device_id=None, sm_count=None, tensor_map=None, tensor_map_cache=None):
+                 device_id=None, sm_count=None, tensor_map=None, tensor_map_cache=None, smem_optin=None):
         self.xp = xp
         self.compile_module = compile_module
         self.device_of = device_of or (lambda x: contextlib.nullcontext())
@@ -41,6 +43,7 @@ class Runtime:
         self.data_ptr = data_ptr or (lambda x: x.ctypes.data)
         self.device_id = device_id or (lambda x: 0)
         self.sm_count = sm_count or (lambda x: 132)  # an H100's or H200's
+        self.smem_optin = smem_optin or (lambda x: 227 * 1024)  # theirs too
         self.tensor_map = tensor_map
         self.tensor_map_cache = tensor_map_cache
         self.functions = {}  # (device, ModuleSpec) -> its kernels, ready to launch
@@ -76,5 +79,10 @@ def cupy_runtime() -> Runtime:
     def sm_count(device_id):
         return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
+    @functools.lru_cache(maxsize=None)
+    def smem_optin(device_id):
+        return int(cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
+
     return Runtime(cupy, compile_module, lambda x: x.device, lambda x: compute_capability(x.device.id),
-                   lambda x: x.data.ptr, lambda x: x.device.id, lambda x: sm_count(x.device.id), tensor_map, {})
+                   lambda x: x.data.ptr, lambda x: x.device.id, lambda x: sm_count(x.device.id), tensor_map, {},
+                   lambda x: smem_optin(x.device.id))

@@ -84,10 +84,9 @@ VARLEN_TILES = {("flash_bwd_dkdv", 4, 64): (32, 32), ("flash_bwd_dkdv", 4, 256):
 
 # The register figures behind every tile table below: benchmarks/results/tile_choices.md.
 # Tensor-core kernels (flash_fwd_tc.cu, flash_bwd_tc.cu): float16/bfloat16 only, head_dim a multiple
-# of 8 up to 128 (the forward's up to 256); HEAD_DIM is head_dim rounded up to 16 (tc_head_dim), the tiles
-# those of the bucket 64 or 128 (TC_HEAD_DIM_BUCKETS; the forward's also 192 and 256,
-# TC_FORWARD_HEAD_DIM_BUCKETS: the tables' keys); no Acc template parameter (they accumulate in
-# float). The warps own 16-row mma tiles (two in the forward up to head_dim 64): BLOCK_M = 64 query
+# of 8 up to 256; HEAD_DIM is head_dim rounded up to 16 (tc_head_dim; the backward's above 128 to 32), the
+# tiles those of the bucket 64, 128, 192 or 256 (TC_HEAD_DIM_BUCKETS: the tables' keys); no Acc template
+# parameter (they accumulate in float). The warps own 16-row mma tiles (two in the forward up to head_dim 64): BLOCK_M = 64 query
 # rows in the forward and dQ (128 there), BLOCK_N = 64 keys in dK/dV. Shared memory is dynamic, 2
 # bytes an element, a tile row ROW = HEAD_DIM rounded up to 64 elements (tc_tile_row), the streamed
 # operands double-buffered:
@@ -95,14 +94,19 @@ VARLEN_TILES = {("flash_bwd_dkdv", 4, 64): (32, 32), ("flash_bwd_dkdv", 4, 256):
 #     dK/dV    (2 BLOCK_N + 4 BLOCK_M) ROW 2 + 16 BLOCK_M  K_j, V_j; 2 x (Q_i, dO_i, lse_i, D_i)
 #     dQ       (2 BLOCK_M + 4 BLOCK_N) ROW 2               Q_i, dO_i; 2 x (K_j, V_j)
 TC_DTYPES = ("float16", "bfloat16")
-TC_HEAD_DIM_BUCKETS = (64, 128)
-# The forward's: head_dim 136..256 too, one row tile a warp and Q_i read from shared memory at every pass
-# (flash_fwd_tc.cu's Q_KEPT 0). No tensor-core backward goes above 128: those calls' backward is SIMT's.
-TC_FORWARD_HEAD_DIM_BUCKETS = (64, 128, 192, 256)
+# Above 128 (head_dim 136..256) the forward keeps one row tile a warp and reads Q_i from shared memory at
+# every pass (flash_fwd_tc.cu's Q_KEPT 0); the backward splits each block's output columns between two
+# CTAs (tc_column_parts)
+TC_HEAD_DIM_BUCKETS = (64, 128, 192, 256)
 # The split-KV forward with a bias or mask: up to 192. At 256 (64 x 16, the smallest tile) some sets with
 # the window besides took 250-252 registers on sm_80 (NVRTC 12.9 and 13.5), past tests/test_nvrtc.py's
 # limit: those calls run on the SIMT forward
 TC_SPLIT_PAIRS_BUCKETS = (64, 128, 192)
+# The backward with the bool mask: up to 192. At 256 its dK/dV kernel (deterministic: no mask is added by
+# atomics above 64, TC_ATOMIC_BUCKETS_PAIRS) took 250-255 registers in every set with the mask but the one
+# with the window, softcap and ALiBi besides, and spilled 8 bytes (sm_90, NVRTC 12.9) with softcap, ALiBi
+# and a bias: those calls' backward runs on the SIMT kernels
+TC_BACKWARD_MASK_BUCKETS = (64, 128, 192)
 # The forward's warps a row count takes: 8 at 256 rows (WIDE_WARPS in tc_tile.cuh), else 4
 WIDE_WARPS = 8
 WIDE_BLOCK_M = 32 * WIDE_WARPS
@@ -139,19 +143,21 @@ TC_TILES = {
     # of tests/test_nvrtc.py. 32 keys a pass at 128 (64 x 64 spilled there), and one CTA an SM asked of
     # ptxas (launch.py), whose own heuristic gave them too few registers.
     ("forward", "varlen"): {64: (64, 64), 128: (64, 32), 192: (64, 32), 256: (64, 16)},
-    ("dkdv", "plain"): {64: (64, 64), 128: (32, 64)},
-    ("dq", "plain"): {64: (64, 64), 128: (64, 32)},
+    # Above 128 a CTA computes half the output columns (tc_column_parts), so that the accumulators are
+    # those of 128 at most, and the tiles are 128's
+    ("dkdv", "plain"): {64: (64, 64), 128: (32, 64), 192: (32, 64), 256: (32, 64)},
+    ("dq", "plain"): {64: (64, 64), 128: (64, 32), 192: (64, 32), 256: (64, 32)},
     # With softcap or ALiBi (MOD_SCORE): dK/dV takes half the query rows a pass, and dQ at head_dim 64
     # half the keys. The modified score (and, for softcap, its tanh) of every element of S took the full
     # tiles past the register limit of tests/test_nvrtc.py; a window alone keeps the full tiles.
-    ("dkdv", "score"): {64: (32, 64), 128: (16, 64)},
-    ("dq", "score"): {64: (64, 32), 128: (64, 32)},
+    ("dkdv", "score"): {64: (32, 64), 128: (16, 64), 192: (16, 64), 256: (16, 64)},
+    ("dq", "score"): {64: (64, 32), 128: (64, 32), 192: (64, 32), 256: (64, 16)},  # every modifier at 256, 32 keys: 250
     # The dK/dV kernel that also adds dQ (five GEMMs, not deterministic) takes at most these query rows
     # a pass (16 at head_dim 128: with 32 it went past the register limit tests/test_nvrtc.py keeps)
-    ("dkdv", "dq_atomic"): {64: (64, 64), 128: (16, 64)},
+    ("dkdv", "dq_atomic"): {64: (64, 64), 128: (16, 64), 192: (16, 64), 256: (16, 64)},
     # A packed batch's dK/dV kernel takes at most these (the deterministic one at head_dim 128 went past
     # the limit with 32 rows: its sequence's offsets and lengths besides)
-    ("dkdv", "varlen"): {64: (64, 64), 128: (16, 64)},
+    ("dkdv", "varlen"): {64: (64, 64), 128: (16, 64), 192: (16, 64), 256: (16, 64)},
 }
 # With a bias or mask at head_dim 128 the dK/dV kernel that adds dQ went past the limit even so: those
 # calls keep the deterministic kernels.
@@ -201,6 +207,10 @@ SM90_TALL_FORWARD_TILES = {64: (192, 128)}
 # ring and O_s would not fit in 227 KiB: O_s lies in Q_s (flash_fwd_sm90.cu's O_IN_Q)
 SM90_WIDE_FORWARD_TILES = {64: (128, 192), 128: (128, 176)}
 SM90_SMEM_OPTIN = 227 * 1024  # the most dynamic shared memory a CTA may opt in to on sm_90
+# The same per compute capability (the CUDA C++ Programming Guide's table; 99 KiB on the others from sm_80
+# on): what the emulator's devices report (a GPU reports its own, Runtime.smem_optin)
+SMEM_OPTIN = {80: 163 * 1024, 87: 163 * 1024, 90: SM90_SMEM_OPTIN, 100: SM90_SMEM_OPTIN}
+SMEM_OPTIN_OTHERS = 99 * 1024
 # The Hopper backward's dK/dV kernel (flash_bwd_sm90.cu): (query rows a pass, keys a CTA), two consumer
 # warpgroups of 64 keys each (FA3's 64 x 128 at head_dim 128)
 SM90_BACKWARD_TILES = {64: (64, 128), 128: (64, 128)}
@@ -300,6 +310,12 @@ class Kernel:
         from .launch import LAUNCH
         threads = LAUNCH[self.template].threads
         return threads(self) if callable(threads) else threads
+
+    @property
+    def column_parts(self) -> int:
+        """The CTAs that share each block's output columns (the grid's second dimension): the tensor-core
+        backward's tc_column_parts, 1 for every other kernel."""
+        return tc_column_parts(self.head_dim) if self.template in TC_TEMPLATES[2:] else 1
 
     @functools.cached_property  # the fields are frozen
     def dynamic_smem(self) -> int:
@@ -448,15 +464,23 @@ def _tile(template: str, tile: tuple, acc_size: int, bucket: int, mods: int, var
 
 
 def _tc_bucket(head_dim: int) -> int:
-    """The tile tables' key: the first of TC_FORWARD_HEAD_DIM_BUCKETS that holds head_dim."""
-    return next(b for b in TC_FORWARD_HEAD_DIM_BUCKETS if head_dim <= b)
+    """The tile tables' key: the first of TC_HEAD_DIM_BUCKETS that holds head_dim."""
+    return next(b for b in TC_HEAD_DIM_BUCKETS if head_dim <= b)
 
 
-def tc_head_dim(head_dim: int) -> int:
+def tc_column_parts(head_dim: int) -> int:
+    """The CTAs that share a block's output columns in the tensor-core backward (the dK/dV and dQ
+    kernels' second grid dimension; TC_COLUMN_PARTS in tc_tile.cuh says the same of HEAD_DIM): two above
+    head_dim 128, each computing the whole of S and dP and half the columns of dK, dV (dQ)."""
+    return 2 if head_dim > 128 else 1
+
+
+def tc_head_dim(head_dim: int, parts: int = 1) -> int:
     """The HEAD_DIM a tensor-core kernel computes for `head_dim`: rounded up to a multiple of 16, the
-    columns of an mma k-step (the columns past head_dim are loaded as zeros). Not to the tile tables'
-    64 or 128: D=96 would spend a quarter of its mma on zeros."""
-    return -(-head_dim // 16) * 16
+    columns of an mma k-step (the columns past head_dim are loaded as zeros), times `parts` (the
+    backward's tc_column_parts: a part's columns whole k-steps too). Not to the tile tables' 64 or 128:
+    D=96 would spend a quarter of its mma on zeros."""
+    return -(-head_dim // (16 * parts)) * 16 * parts
 
 
 def tc_tile_row(head_dim: int) -> int:
@@ -513,14 +537,14 @@ def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool 
     dtype = _name(dtype)
     deterministic = deterministic or (mods & MOD_PAIRS != 0 and bucket not in TC_ATOMIC_BUCKETS_PAIRS)
     tiles = tc_tile("dkdv", head_dim, mods, dq_atomic=not deterministic, varlen=varlen)
-    dkdv = Kernel("flash_bwd_dkdv_tc", dtype, tc_head_dim(head_dim), *tiles, mods, dq_atomic=not deterministic,
-                  varlen=varlen)
+    hd = tc_head_dim(head_dim, tc_column_parts(head_dim))
+    dkdv = Kernel("flash_bwd_dkdv_tc", dtype, hd, *tiles, mods, dq_atomic=not deterministic, varlen=varlen)
     if not deterministic:
         return ModuleSpec("flash_bwd_tc.cu", (Kernel("flash_bwd_preprocess", dtype, 0), dkdv,
                                              Kernel("flash_bwd_dq_convert", dtype, 0)))
     return ModuleSpec("flash_bwd_tc.cu", (
         Kernel("flash_bwd_preprocess", dtype, 0), dkdv,
-        Kernel("flash_bwd_dq_tc", dtype, tc_head_dim(head_dim), *tc_tile("dq", head_dim, mods), mods, varlen=varlen),
+        Kernel("flash_bwd_dq_tc", dtype, hd, *tc_tile("dq", head_dim, mods), mods, varlen=varlen),
     ))
 
 
@@ -615,13 +639,17 @@ def sm90_eligible(dtype, head_dim: int, mods: int, backward: bool = False, varle
     return mods & ~allowed == 0
 
 
-def tensor_core_eligible(dtype, head_dim: int, backward: bool = False, mods: int = 0, split: bool = False) -> bool:
-    """Whether the tensor-core forward (backward: the tensor-core backward) covers this dtype and head_dim:
-    up to TC_FORWARD_HEAD_DIM_BUCKETS' last (TC_HEAD_DIM_BUCKETS'), and a split-KV forward (split) with a
-    bias or mask in mods in TC_SPLIT_PAIRS_BUCKETS only. Strides are checked apart."""
-    buckets = TC_HEAD_DIM_BUCKETS if backward else TC_FORWARD_HEAD_DIM_BUCKETS
+def tensor_core_eligible(dtype, head_dim: int, mods: int = 0, split: bool = False, backward: bool = False) -> bool:
+    """Whether the tensor-core forward (backward: the backward) covers this dtype and head_dim: up to
+    TC_HEAD_DIM_BUCKETS' last, a split-KV forward (split) with a bias or mask in mods in
+    TC_SPLIT_PAIRS_BUCKETS only, a backward with the bool mask in TC_BACKWARD_MASK_BUCKETS only. Strides,
+    and the device's shared memory (the backward above head_dim 192 asks for more than an sm_86, sm_89 or
+    sm_120 has: cupy_backend.backward_path), are checked apart."""
+    buckets = TC_HEAD_DIM_BUCKETS
     if split and mods & MOD_PAIRS:
         buckets = TC_SPLIT_PAIRS_BUCKETS
+    if backward and mods & MOD_BITS["mask"]:
+        buckets = TC_BACKWARD_MASK_BUCKETS
     return _name(dtype) in TC_DTYPES and head_dim % 8 == 0 and head_dim <= buckets[-1]
 
 

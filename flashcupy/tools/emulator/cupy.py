@@ -22,7 +22,7 @@ import functools
 import numpy as np
 
 from flashcupy.backends import cupy_backend
-from flashcupy.backends.cupy_backend import sources
+from flashcupy.backends.cupy_backend import sources, specs
 
 from .driver import EmulatedModule
 from .tma import TensorMap
@@ -47,15 +47,17 @@ def emulated(thread_order="ascending", seed=0, compile=compile_module, cp_async=
     where the forward runs on the mma.sync kernels; 90 (an H100) sends the calls it covers to the
     Hopper forward (flash_fwd_sm90.cu); below 80 the backend never picks the tensor-core kernels.
     sm_count: the device's multiprocessors (split-KV's plan, the persistent Hopper forward's grid: a
-    small one makes each CTA walk several tiles).
+    small one makes each CTA walk several tiles). The device's shared-memory opt-in limit is its compute
+    capability's (specs.SMEM_OPTIN).
     """
     def compile_as_cupy(source, names, options):
         if not any(option.startswith("-arch") for option in options):  # else the backend's own arch (sm_90a)
             options = tuple(options) + sources.CUPY_NVRTC_OPTIONS + (f"-arch=sm_{compute_capability}",)
         return compile(source, tuple(names), tuple(options), thread_order, seed, cp_async)
 
+    optin = specs.SMEM_OPTIN.get(compute_capability, specs.SMEM_OPTIN_OTHERS)
     runtime = cupy_backend.Runtime(np, compile_as_cupy, compute_capability=lambda x: compute_capability,
-                                   sm_count=lambda x: sm_count,
+                                   sm_count=lambda x: sm_count, smem_optin=lambda x: optin,
                                    tensor_map=lambda x, arguments, dtype_name: TensorMap(x, arguments))
     saved = cupy_backend.runtime, cupy_backend.ARRAY_LIBRARIES
     cupy_backend.runtime, cupy_backend.ARRAY_LIBRARIES = runtime, ("numpy",)

@@ -19,7 +19,7 @@
 //    rows of Sᵀ, dPᵀ and of its dK_j, dV_j accumulators (no reduction between warps). Per pass and
 //    warp, in registers (C fragments as in tc_tile.cuh):
 //        Sᵀ, dPᵀ  BLOCK_M / 8 C fragments each (fp32): 16 keys x BLOCK_M queries; then Pᵀ, dSᵀ in place
-//        dK, dV   HEAD_DIM / 8 C fragments each (fp32), kept across passes
+//        dK, dV   COLS / 8 C fragments each (fp32), kept across passes (COLS: HEAD_DIM, or half, below)
 //    The operands, each one ldmatrix from a swizzled tile:
 //        Sᵀ = K_j Q_iᵀ     A: K_j rows (ldmatrix_x4)              B = Q_iᵀ: Q_i rows (ldmatrix_x4)
 //        dPᵀ = V_j dO_iᵀ   A: V_j rows (ldmatrix_x4)              B = dO_iᵀ: dO_i rows (ldmatrix_x4)
@@ -47,6 +47,14 @@
 //        dQ += dS K_j      A: dS from the dP C fragments (c_to_a) B = K_j: K_j rows (ldmatrix_x4_trans)
 //    dQ gets its own kernel, like flash_bwd_dq: every output element is written by one thread, no
 //    atomics, bitwise reproducible; the price is computing S and dP a second time.
+//
+// Above head_dim 128 (TC_COLUMN_PARTS, tc_tile.cuh) two CTAs share each block, blockIdx.y the part: each
+// computes Sᵀ and dPᵀ (S and dP) over all HEAD_DIM columns and then only its COLS = HEAD_DIM / 2 columns
+// of dK, dV (dQ), columns c0 = COLS blockIdx.y on, of the shared tiles it reads the B operand from
+// (mma_ab's chunk0) and of the outputs it writes. A warp's dK and dV of 256 columns would take 256
+// registers a thread; halves take what head_dim 128 takes. The price: S and dP computed twice, seven
+// GEMMs a (query block, key block) pair where five were (eleven where seven were, deterministic), and
+// the operands of S and dP read by both CTAs.
 //
 // The A operands of the first two products (K_j, V_j in dK/dV; Q_i, dO_i in dQ) are read from
 // shared memory at every k-step rather than kept in registers as flash_fwd_tc keeps Q_i (two_mma_abt
@@ -77,8 +85,9 @@
 // Registers: every loop over a tile is unrolled and ptxas hoists the ldmatrix of whole k-loops ahead
 // of their mmas, so it takes what __launch_bounds__ allows (MIN_CTAS, chosen by launch.py's Bounds,
 // which says why). With any modifier the S and dP products also run their k-steps as a loop
-// (two_mma_abt's ROLLED, tc_tile.cuh), which frees the registers the modifiers' work takes; the plain
-// kernels keep the unrolled loop.
+// (two_mma_abt's ROLLED, tc_tile.cuh), which frees the registers the modifiers' work takes, and so do
+// the kernels of two column parts, whose plain dK/dV and dQ at 256 took the report's last registers
+// unrolled (benchmarks/results/tile_choices.md); the plain kernels up to 128 keep the unrolled loop.
 //
 // Requirements on the arguments, checked by the launcher (as for flash_fwd_tc): head_dim a multiple
 // of 8 and at most HEAD_DIM (columns past head_dim are zero-filled); q, k, v, dout and the outputs
@@ -91,7 +100,8 @@
 // with a window the Mask is the band, so the passes and KVStream take only its blocks. dbias is
 // computed after these kernels, by flash_pairs.cu's SIMT kernel.
 //
-// Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 128),
+// Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 256; above
+// 128 to 32, so that each part is whole k-steps: specs.tc_head_dim),
 // BLOCK_M, BLOCK_N: dK/dV BLOCK_N = 16 NUM_WARPS = 64 and BLOCK_M a multiple of 16 (at most 64);
 // dQ BLOCK_M = 64 and BLOCK_N a multiple of 16; MODS the score modifiers (0: none).
 
@@ -111,15 +121,15 @@
 // accumulators (8 floats) are all it adds to the registers the dK, dV accumulators leave.
 __device__ __forceinline__ int dq_swizzle(int row) { return (row >> 1 & 1) | (row >> 2 & 1) << 3; }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int COLS>
 __device__ __forceinline__ void atomic_dq(const Rows<float>& dQ, const T* dS_s, const T* K_s, float* stage, int i0,
-                                          int seqlen_q, int head_dim) {
-    constexpr int TILES = BLOCK_M / 16 * (HEAD_DIM / 16);
+                                          int seqlen_q, int head_dim, int c0) {
+    constexpr int TILES = BLOCK_M / 16 * (COLS / 16);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     stage += warp * 16 * 16;
 #pragma unroll 1
     for (int tile = warp; tile < TILES; tile += NUM_WARPS) {
-        const int mt = tile / (HEAD_DIM / 16), dt = 2 * (tile % (HEAD_DIM / 16));  // 16-row tile, 8-column tile
+        const int mt = tile / (COLS / 16), dt = c0 / 8 + 2 * (tile % (COLS / 16));  // 16-row tile, 8-column tile
         float acc[2][4] = {};
 #pragma unroll 1
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
@@ -151,10 +161,12 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
     PROBLEM_PARAMS(float), TENSOR_PARAMS(float, dqa), VARLEN_PARAMS) {
     static_assert(BLOCK_N == 16 * NUM_WARPS, "each warp owns 16 keys: one mma row tile of Sᵀ");
     static_assert(BLOCK_M % 16 == 0 && 2 * BLOCK_M <= NUM_THREADS, "BLOCK_M: whole k-steps, one thread a statistic");
-    static_assert(HEAD_DIM % 16 == 0, "k-steps of 16 columns");
+    constexpr int COLS = HEAD_DIM / TC_COLUMN_PARTS<HEAD_DIM>;  // the columns of dK, dV (and dQ) this CTA computes
+    static_assert(COLS % 16 == 0, "k-steps of 16 columns, and as many a part");
     constexpr int ROW = TILE_ROW<HEAD_DIM>;  // a shared tile row's elements (tc_tile.cuh)
-    constexpr int D_TILES = HEAD_DIM / 8;
+    constexpr int D_TILES = COLS / 8;
     constexpr int M_TILES = BLOCK_M / 8;  // 8-query column tiles of Sᵀ
+    const int c0 = blockIdx.y * COLS;     // its first (TC_COLUMN_PARTS: blockIdx.y the part)
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* K_s = reinterpret_cast<T*>(smem);
@@ -223,7 +235,8 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
 
         // Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ: the warp's 16 keys x BLOCK_M queries
         float S[M_TILES][4], dP[M_TILES][4];
-        two_mma_abt<T, HEAD_DIM, BLOCK_M, MODS != 0>(S, dP, K_s + 16 * warp * ROW, Q_i, V_s + 16 * warp * ROW, dO_i);
+        two_mma_abt<T, HEAD_DIM, BLOCK_M, (MODS != 0 || COLS < HEAD_DIM)>(S, dP, K_s + 16 * warp * ROW, Q_i,
+                                                                          V_s + 16 * warp * ROW, dO_i);
 
         // Sᵀ becomes Pᵀ, dPᵀ becomes dSᵀ: row r of the warp's tile is key key_w + r, column c query i0 + c
         const bool partial = TILE_MASKED(MODS, i0, blk.j0);
@@ -239,13 +252,13 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
                 store(dS_s + swizzled<BLOCK_N>(c, (16 * warp + r) / 8) + r % 8, dp);
             }, dP);
         }
-        mma_ab<T, HEAD_DIM, BLOCK_M>(dV, S, dO_i);
-        mma_ab<T, HEAD_DIM, BLOCK_M>(dK, dP, Q_i);
+        mma_ab<T, HEAD_DIM, BLOCK_M, COLS>(dV, S, dO_i, c0 / 8);
+        mma_ab<T, HEAD_DIM, BLOCK_M, COLS>(dK, dP, Q_i, c0 / 8);
         if constexpr (DQ_ATOMIC) {
             __syncthreads();  // every warp's dS is in dS_s
             const int h = blk.kv_head * group + p / q_blocks;
-            atomic_dq<T, HEAD_DIM, BLOCK_M, BLOCK_N>(HEAD_ROWS(dqa, blk.b, h), dS_s, K_s, dQ_stage, i0, seqlen_q,
-                                                     head_dim);
+            atomic_dq<T, HEAD_DIM, BLOCK_M, BLOCK_N, COLS>(HEAD_ROWS(dqa, blk.b, h), dS_s, K_s, dQ_stage, i0, seqlen_q,
+                                                           head_dim, c0);
         }
         if (p + 1 < passes) store_stat(p + 1, next_stat);  // into the stage no warp reads in this pass
         __syncthreads();  // every warp is done with this Q_i, dO_i, lse_i, D_i (and dS): the next pass overwrites them
@@ -254,15 +267,17 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
     if constexpr (DQ_ATOMIC) {
         // staged through the warp's own rows of K_s and V_s: the last pass ended with a barrier, after
         // which no warp reads them (atomic_dq reads all of K_s, but within a pass)
-        store_fragments_staged<HEAD_DIM>(HEAD_ROWS(dk, blk.b, blk.kv_head), dK, {scale, scale},
-                                         K_s + 16 * warp * ROW, key_w, seqlen_k, head_dim);
-        store_fragments_staged<HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, {1.0f, 1.0f},
-                                         V_s + 16 * warp * ROW, key_w, seqlen_k, head_dim);
+        store_fragments_staged<COLS>(HEAD_ROWS(dk, blk.b, blk.kv_head).from_column(c0), dK, {scale, scale},
+                                     K_s + 16 * warp * ROW, key_w, seqlen_k, head_dim - c0);
+        store_fragments_staged<COLS>(HEAD_ROWS(dv, blk.b, blk.kv_head).from_column(c0), dV, {1.0f, 1.0f},
+                                     V_s + 16 * warp * ROW, key_w, seqlen_k, head_dim - c0);
     } else {
         // straight from the fragments: staged, the deterministic kernel with every modifier at head_dim 64
         // spilled (benchmarks/results/tile_choices.md)
-        store_fragments<HEAD_DIM>(HEAD_ROWS(dk, blk.b, blk.kv_head), dK, {scale, scale}, key_g, seqlen_k, head_dim);
-        store_fragments<HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, {1.0f, 1.0f}, key_g, seqlen_k, head_dim);
+        store_fragments<COLS>(HEAD_ROWS(dk, blk.b, blk.kv_head).from_column(c0), dK, {scale, scale}, key_g, seqlen_k,
+                              head_dim - c0);
+        store_fragments<COLS>(HEAD_ROWS(dv, blk.b, blk.kv_head).from_column(c0), dV, {1.0f, 1.0f}, key_g, seqlen_k,
+                              head_dim - c0);
     }
 }
 
@@ -273,10 +288,12 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
     VARLEN_PARAMS) {
     static_assert(BLOCK_M == 16 * NUM_WARPS, "each warp owns 16 query rows: one mma row tile");
     static_assert(BLOCK_N % 16 == 0, "BLOCK_N is a whole number of dS K_j k-steps");
-    static_assert(HEAD_DIM % 16 == 0, "k-steps of 16 columns");
+    constexpr int COLS = HEAD_DIM / TC_COLUMN_PARTS<HEAD_DIM>;  // the columns of dQ this CTA computes
+    static_assert(COLS % 16 == 0, "k-steps of 16 columns, and as many a part");
     constexpr int ROW = TILE_ROW<HEAD_DIM>;  // a shared tile row's elements (tc_tile.cuh)
-    constexpr int D_TILES = HEAD_DIM / 8;
+    constexpr int D_TILES = COLS / 8;
     constexpr int N_TILES = BLOCK_N / 8;  // 8-key column tiles of S
+    const int c0 = blockIdx.y * COLS;     // its first (TC_COLUMN_PARTS: blockIdx.y the part)
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem);
@@ -323,8 +340,8 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
 
         // S = Q_i K_jᵀ and dP = dO_i V_jᵀ: the warp's 16 rows x BLOCK_N keys
         float S[N_TILES][4], dP[N_TILES][4];
-        two_mma_abt<T, HEAD_DIM, BLOCK_N, MODS != 0>(S, dP, Q_s + 16 * warp * ROW, kv.K_j(jb), dO_s + 16 * warp * ROW,
-                                          kv.V_j(jb));
+        two_mma_abt<T, HEAD_DIM, BLOCK_N, (MODS != 0 || COLS < HEAD_DIM)>(S, dP, Q_s + 16 * warp * ROW, kv.K_j(jb),
+                                                                          dO_s + 16 * warp * ROW, kv.V_j(jb));
 
         // dP becomes dS: row r of the warp's tile is query row_w + r (the lane's r / 8), column c key j0 + c
         const bool partial = TILE_MASKED(MODS, blk.i0, j0);
@@ -337,11 +354,11 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
             dp = hidden ? 0.0f : ds(score, P, dp, D_r[r / 8], t);
         }, S, dP);
 
-        mma_ab<T, HEAD_DIM, BLOCK_N>(dQ, dP, kv.K_j(jb));
+        mma_ab<T, HEAD_DIM, BLOCK_N, COLS>(dQ, dP, kv.K_j(jb), c0 / 8);
         __syncthreads();  // every warp is done with K_j, V_j before the next prefetch overwrites them
     }
 
     // straight from the fragments (twice the sectors of store_fragments_staged, which took this kernel, with
     // every modifier at head_dim 128, past the register limit of tests/test_nvrtc.py)
-    store_fragments<HEAD_DIM>(dQ_rows, dQ, {scale, scale}, row_g, seqlen_q, head_dim);
+    store_fragments<COLS>(dQ_rows.from_column(c0), dQ, {scale, scale}, row_g, seqlen_q, head_dim - c0);
 }

@@ -98,6 +98,9 @@ struct Rows {
     __device__ __forceinline__ T& at(int i, int d) const {
         return base[i * row_stride + d * dim_stride];
     }
+
+    // The same rows from column d on (a CTA that writes some of a row's columns: flash_bwd_tc.cu)
+    __device__ __forceinline__ Rows from_column(int d) const { return {base + d * dim_stride, row_stride, dim_stride}; }
 };
 
 template <typename T>

@@ -26,6 +26,13 @@ constexpr float LN2 = 0.6931471805599453f;
 template <int HEAD_DIM>
 constexpr int TILE_ROW = (HEAD_DIM + 63) / 64 * 64;
 
+// The CTAs that share a block's output columns in the backward (flash_bwd_tc.cu, blockIdx.y the part):
+// above head_dim 128 two, each of HEAD_DIM / 2 columns of dK, dV (dQ), each computing the whole of S and
+// dP: one warp's dK and dV of 256 columns would take 256 registers a thread. specs.tc_column_parts says
+// the same.
+template <int HEAD_DIM>
+constexpr int TC_COLUMN_PARTS = HEAD_DIM > 128 ? 2 : 1;
+
 // The tensor-core kernels' per-element epilogue (the SIMT kernels': mask.cuh, whose PAIR_SEEN and ds
 // these share), in base 2: s is q.k, unscaled; Score's constants carry scale and log2 e.
 
@@ -311,10 +318,13 @@ __device__ __forceinline__ void two_mma_abt(float (&X)[COLS / 8][4], float (&Y)[
 
 // acc[mt] += X[mt] B_s for each of the warp's M row tiles: X[mt] 16 rows x K columns (C fragments,
 // rounded to T), B_s K rows of HEAD_DIM (the B operand transposed by ldmatrix; each ldmatrix_x4_trans
-// feeds 2 M mma). acc[mt]: HEAD_DIM / 8 C fragments.
-template <typename T, int HEAD_DIM, int K, int M>
-__device__ __forceinline__ void mma_ab(float (&acc)[M][HEAD_DIM / 8][4], const float (&X)[M][K / 8][4],
-                                       const T* B_s) {
+// feeds 2 M mma). acc[mt]: COLS / 8 C fragments, of B_s's columns 8 chunk0 .. 8 chunk0 + COLS - 1: all
+// HEAD_DIM by default, a part where a CTA computes some of the output's columns (flash_bwd_tc.cu's
+// TC_COLUMN_PARTS).
+template <typename T, int HEAD_DIM, int K, int M, int COLS = HEAD_DIM>
+__device__ __forceinline__ void mma_ab(float (&acc)[M][COLS / 8][4], const float (&X)[M][K / 8][4],
+                                       const T* B_s, int chunk0 = 0) {
+    static_assert(COLS % 16 == 0 && COLS <= HEAD_DIM, "whole ldmatrix_x4_trans pairs of 8-column tiles");
     const int lane = threadIdx.x % WARP_SIZE;
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
@@ -322,9 +332,9 @@ __device__ __forceinline__ void mma_ab(float (&acc)[M][HEAD_DIM / 8][4], const f
 #pragma unroll
         for (int mt = 0; mt < M; ++mt) c_to_a<T>(x[mt], X[mt][2 * kk], X[mt][2 * kk + 1]);
 #pragma unroll
-        for (int dt = 0; dt < HEAD_DIM / 8; dt += 2) {
+        for (int dt = 0; dt < COLS / 8; dt += 2) {
             unsigned b[4];
-            ldmatrix_x4_trans(b, B_s + swizzled<HEAD_DIM>(16 * kk + lane % 16, dt + lane / 16));
+            ldmatrix_x4_trans(b, B_s + swizzled<HEAD_DIM>(16 * kk + lane % 16, chunk0 + dt + lane / 16));
 #pragma unroll
             for (int mt = 0; mt < M; ++mt) {
                 mma_m16n8k16<T>(acc[mt][dt], x[mt], b, acc[mt][dt]);
@@ -335,10 +345,11 @@ __device__ __forceinline__ void mma_ab(float (&acc)[M][HEAD_DIM / 8][4], const f
 }
 
 // The same for one row tile (16 rows).
-template <typename T, int HEAD_DIM, int K>
-__device__ __forceinline__ void mma_ab(float (&acc)[HEAD_DIM / 8][4], const float (&X)[K / 8][4], const T* B_s) {
-    mma_ab<T, HEAD_DIM, K, 1>(reinterpret_cast<float(&)[1][HEAD_DIM / 8][4]>(acc),
-                              reinterpret_cast<const float(&)[1][K / 8][4]>(X), B_s);
+template <typename T, int HEAD_DIM, int K, int COLS = HEAD_DIM>
+__device__ __forceinline__ void mma_ab(float (&acc)[COLS / 8][4], const float (&X)[K / 8][4], const T* B_s,
+                                       int chunk0 = 0) {
+    mma_ab<T, HEAD_DIM, K, 1, COLS>(reinterpret_cast<float(&)[1][COLS / 8][4]>(acc),
+                                    reinterpret_cast<const float(&)[1][K / 8][4]>(X), B_s, chunk0);
 }
 
 // The forward's online softmax of one key block for row r (0 or 1) of the lane's two rows of a warp's
