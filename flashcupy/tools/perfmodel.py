@@ -44,7 +44,7 @@ MMA_FLOPS = 2 * 16 * 8 * 16  # one mma.sync m16n8k16
 # the SIMT ones (which no other dtype changes in structure)
 CASES = (("float16", 64), ("float16", 128), ("float32", 64), ("float32", 128))
 # the same on an emulated sm_90 device, where the forward and backward run on flash_fwd_sm90.cu and
-# flash_bwd_sm90.cu (at head_dim 256 the forward alone: the backward there is the SIMT kernels')
+# flash_bwd_sm90.cu (at head_dim 256 the forward alone: the backward there is the mma.sync kernels')
 SM90_CASES = (("float16", 64), ("float16", 128), ("float16", 256))
 SM90 = 90  # the compute capability of SM90_CASES (specs.SM90_COMPUTE_CAPABILITY)
 # the smaller launch: seqlen_q = seqlen_k = BASE (or one block of the loop's side, if larger: the
