@@ -176,7 +176,8 @@ def _remember(cache: dict, key, make):
 
 
 def grid_axes(p, backward):
-    """Every launch's grid (all 1-D) on either kernel path: the path is chosen per call, from strides.
+    """Every launch's grid along x on either kernel path (the tensor-core backward's y is 2 at most:
+    Kernel.column_parts): the path is chosen per call, from strides.
     They depend on the dtype, head_dim, modifiers, shapes and the bias's shape alone (launch.GRIDS)."""
     key = (bool(backward), p.dtype, p.head_dim, _mods(p), p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv,
            None if p.bias is None else tuple(p.bias.shape))

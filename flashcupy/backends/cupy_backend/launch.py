@@ -142,10 +142,10 @@ LAUNCH = {
 
 @dataclass(frozen=True)
 class Grid:
-    """The rule of a kernel's 1-D grid (mask.cuh decodes it): `counts`, what its thread blocks count
-    (formatted with the kernel's block_m and block_n), `blocks(kernel, p, rows)`, how many for Problem
-    p, and `loop`, the side of the problem each CTA walks block by block ("keys", "queries", or None
-    for a kernel without such a loop)."""
+    """The rule of a kernel's grid along x (mask.cuh decodes it; y is Kernel.column_parts): `counts`,
+    what its thread blocks count (formatted with the kernel's block_m and block_n), `blocks(kernel, p,
+    rows)`, how many for Problem p, and `loop`, the side of the problem each CTA walks block by block
+    ("keys", "queries", or None for a kernel without such a loop)."""
 
     counts: str
     blocks: Callable
