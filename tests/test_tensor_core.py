@@ -106,9 +106,8 @@ def test_uncovered_shapes_fall_back_to_simt(case, why, order, rng):
 # the columns of dK, dV (dQ), head_dim rounded up to 32 (200: 224, whose halves are 112). Head dims between
 # the buckets (200, 176, 160: the forward computes 208, 176 and 160, in shared-memory rows of 256 and 192);
 # every modifier (the pairs tiles, the deterministic backward: a bias is not added by atomics there; the
-# mask up to 192 only); GQA
-# (dK, dV summed over a group), causal with Sq > Sk and Sq < Sk; the deterministic backward at 256; a
-# split-KV decode and a packed batch below
+# mask up to 192 only); GQA (dK, dV summed over a group), causal with Sq > Sk and Sq < Sk; the deterministic
+# backward at 256; a split-KV decode and a packed batch below
 WIDE_HEAD_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, modifiers, deterministic,
     #                    forward, dK/dV, dQ)
     (1, 70, 90, 2, 1, 256, True, (), False, "flash_fwd_tc<__half, 256, 64, 16, 1>",

@@ -263,9 +263,10 @@ def _hopper(p, backward: bool, rows, *tensors, varlen: bool = False) -> bool:
 def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False, varlen: bool = False) -> str:
     """'hopper', 'tensor-core' or 'simt': which forward kernel serves this call.
 
-    Tensor cores take float16/bfloat16 with head_dim a multiple of 8 up to 256, on sm_80 or newer, when q, k, v are contiguous along head_dim with 16-byte aligned rows (the
-    other strides multiples of 8 elements); everything else runs on the SIMT kernel. On compute
-    capability 9.0 the Hopper kernel takes those calls when they have
+    Tensor cores take float16/bfloat16 with head_dim a multiple of 8 up to 256, on sm_80 or newer,
+    when q, k, v are contiguous along head_dim with 16-byte aligned rows (the other strides multiples
+    of 8 elements); everything else runs on the SIMT kernel. On compute capability 9.0 the Hopper
+    kernel takes those calls when they have
     modifiers it takes (specs.sm90_eligible: all of them but a bias above head_dim 128; in a packed
     batch, varlen, the window, softcap and ALiBi, but the window alone at 256), no split-KV and no
     paged KV cache (paged: its keys are read through the block table, a row at a time), and q, k, v
@@ -288,8 +289,8 @@ def backward_path(p, dout, q, k, v, out, deterministic: bool = False, varlen: bo
 
     The forward's conditions, on dout and out as well as q, k, v (lse may have any strides;
     dq, dk, dv are allocated contiguous), and the tensor-core backward's shared memory no more than the
-    device lets a CTA opt in to (head_dim 193..256 on an sm_86, sm_89 or sm_120 runs on the SIMT kernels);
-    the Hopper backward takes calls up to head_dim 128 with
+    device lets a CTA opt in to (head_dim 193..256 on an sm_86, sm_89 or sm_120 runs on the SIMT
+    kernels); the Hopper backward takes calls up to head_dim 128 with
     any modifier (varlen, a packed batch: the window, softcap and ALiBi; specs.sm90_eligible)
     (q, k, v and dout through tensor maps), deterministic or not: its CTAs add dQ into one workspace
     by bulk reduce-adds, in an order that varies from run to run, or (deterministic) in key-block

@@ -90,9 +90,9 @@ def varlen_modules(mods=(0, VARLEN_MODS)):
     return ([build(dtype, bucket, m, varlen=True) for m in mods for dtype in CUDA_TYPES
              for bucket in HEAD_DIM_BUCKETS for build in (forward_module, split_forward[0], backward_module)]
             + [build(dtype, bucket, m, varlen=True) for m in mods for dtype in TC_DTYPES
-               for builds, buckets in (((tc_forward_module, split_forward[1]), TC_HEAD_DIM_BUCKETS),
-                                       ((tc_backward_module, deterministic_tc_backward_module), TC_HEAD_DIM_BUCKETS))
-               for bucket in buckets for build in builds])
+               for bucket in TC_HEAD_DIM_BUCKETS
+               for build in (tc_forward_module, split_forward[1], tc_backward_module,
+                             deterministic_tc_backward_module)])
 
 
 def sm90_modules(dtypes=TC_DTYPES, every_modifier_set: bool = False) -> list:

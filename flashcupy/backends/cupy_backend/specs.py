@@ -86,10 +86,10 @@ VARLEN_TILES = {("flash_bwd_dkdv", 4, 64): (32, 32), ("flash_bwd_dkdv", 4, 256):
 # Tensor-core kernels (flash_fwd_tc.cu, flash_bwd_tc.cu): float16/bfloat16 only, head_dim a multiple
 # of 8 up to 256; HEAD_DIM is head_dim rounded up to 16 (tc_head_dim; the backward's above 128 to 32), the
 # tiles those of the bucket 64, 128, 192 or 256 (TC_HEAD_DIM_BUCKETS: the tables' keys); no Acc template
-# parameter (they accumulate in float). The warps own 16-row mma tiles (two in the forward up to head_dim 64): BLOCK_M = 64 query
-# rows in the forward and dQ (128 there), BLOCK_N = 64 keys in dK/dV. Shared memory is dynamic, 2
-# bytes an element, a tile row ROW = HEAD_DIM rounded up to 64 elements (tc_tile_row), the streamed
-# operands double-buffered:
+# parameter (they accumulate in float). The warps own 16-row mma tiles (two in the forward up to head_dim
+# 64): BLOCK_M = 64 query rows in the forward and dQ (128 there), BLOCK_N = 64 keys in dK/dV. Shared
+# memory is dynamic, 2 bytes an element, a tile row ROW = HEAD_DIM rounded up to 64 elements (tc_tile_row),
+# the streamed operands double-buffered:
 #     forward  (BLOCK_M + 4 BLOCK_N) ROW 2                 Q_i; 2 x (K_j, V_j)
 #     dK/dV    (2 BLOCK_N + 4 BLOCK_M) ROW 2 + 16 BLOCK_M  K_j, V_j; 2 x (Q_i, dO_i, lse_i, D_i)
 #     dQ       (2 BLOCK_M + 4 BLOCK_N) ROW 2               Q_i, dO_i; 2 x (K_j, V_j)
@@ -164,6 +164,7 @@ TC_TILES = {
 TC_ATOMIC_BUCKETS_PAIRS = (64,)
 TC_TEMPLATES = ("flash_fwd_tc", "flash_fwd_tc_wide", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc")
 TC_FORWARD_TEMPLATES = TC_TEMPLATES[:2]
+TC_BACKWARD_TEMPLATES = TC_TEMPLATES[2:]  # the two whose grid has column parts (tc_column_parts)
 
 # The Hopper forward (flash_fwd_sm90.cu: TMA, wgmma, warp specialisation), compiled for sm_90a and run
 # on compute capability 9.0 only: float16/bfloat16, head_dim a multiple of 8 up to 256 (the backward's up
@@ -315,7 +316,7 @@ class Kernel:
     def column_parts(self) -> int:
         """The CTAs that share each block's output columns (the grid's second dimension): the tensor-core
         backward's tc_column_parts, 1 for every other kernel."""
-        return tc_column_parts(self.head_dim) if self.template in TC_TEMPLATES[2:] else 1
+        return tc_column_parts(self.head_dim) if self.template in TC_BACKWARD_TEMPLATES else 1
 
     @functools.cached_property  # the fields are frozen
     def dynamic_smem(self) -> int:

@@ -166,7 +166,9 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
     constexpr int ROW = TILE_ROW<HEAD_DIM>;  // a shared tile row's elements (tc_tile.cuh)
     constexpr int D_TILES = COLS / 8;
     constexpr int M_TILES = BLOCK_M / 8;  // 8-query column tiles of Sᵀ
-    const int c0 = blockIdx.y * COLS;     // its first (TC_COLUMN_PARTS: blockIdx.y the part)
+    // its first (TC_COLUMN_PARTS: blockIdx.y the part); a constant 0 in the kernels of one part, whose
+    // addresses then stay what they were before parts existed
+    const int c0 = COLS < HEAD_DIM ? int(blockIdx.y) * COLS : 0;
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* K_s = reinterpret_cast<T*>(smem);
@@ -293,7 +295,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
     constexpr int ROW = TILE_ROW<HEAD_DIM>;  // a shared tile row's elements (tc_tile.cuh)
     constexpr int D_TILES = COLS / 8;
     constexpr int N_TILES = BLOCK_N / 8;  // 8-key column tiles of S
-    const int c0 = blockIdx.y * COLS;     // its first (TC_COLUMN_PARTS: blockIdx.y the part)
+    const int c0 = COLS < HEAD_DIM ? int(blockIdx.y) * COLS : 0;  // its first, as in flash_bwd_dkdv_tc
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem);
