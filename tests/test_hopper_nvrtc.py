@@ -9,6 +9,7 @@ code ptxas accepts.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -16,6 +17,7 @@ import pytest
 
 from flashcupy.backends.cupy_backend import sources
 from flashcupy.tools import nvrtc
+from test_nvrtc import PRIMARY, TWIN_SLACK
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEST_KERNELS = os.path.join(HERE, "emulator_kernels", "hopper.cu")
@@ -129,18 +131,23 @@ def test_tma_compiles_for_sm_90a():
         assert want <= ranks, f"NVRTC {toolkit.version}: no SASS for {sorted(want - ranks)}"
 
 
+@pytest.mark.parametrize("major", (PRIMARY[1], 12), ids=lambda major: f"nvrtc{major}")
 @pytest.mark.parametrize("source_file", ["flash_fwd_sm90.cu", "flash_bwd_sm90.cu"])
-def test_the_hopper_kernels_compile_for_sm_90a_without_spills_or_serialised_wgmma(source_file):
+def test_the_hopper_kernels_compile_for_sm_90a_without_spills_or_serialised_wgmma(source_file, major):
     """The Hopper forward and backward, every specialisation the backend launches (catalog.sm90_modules),
     with the options the backend compiles them with (sources.arch_options): no ptxas warning (C7508:
     setmaxnreg ignored; C7510-C7520: the wgmma pipeline serialised, or a warpgroup.arrive injected), no
     spills, and the SASS of each warp-specialised kernel holds HGMMA, the TMA loads (and the forward's
     stores), each role's register reallocation, mbarrier waits and named barriers. The reallocation is
     specs.SM90_REGISTERS' for the kernel's consumer warpgroups, within the registers its launch takes (a
-    setmaxnreg.inc past them would wait for ever on a GPU; the emulator does not count registers)."""
+    setmaxnreg.inc past them would wait for ever on a GPU; the emulator does not count registers).
+    The bfloat16 kernels under the PRIMARY NVRTC only, where each must take its float16 twin's spills and
+    registers, within TWIN_SLACK / 2 (tests/test_nvrtc.py; all 70 pairs were the same under both NVRTCs:
+    benchmarks/results/nvrtc_twins.md)."""
     from flashcupy.backends.cupy_backend import catalog, specs
 
-    modules = [m for m in catalog.sm90_modules() if m.source_file == source_file]
+    modules = [m for m in catalog.sm90_modules(dtypes=specs.TC_DTYPES if major == PRIMARY[1] else ("float16",))
+               if m.source_file == source_file]
     assert modules and {m.arch for m in modules} == {specs.SM90_ARCH}
     source = sources.read_source(source_file)
     names = list(dict.fromkeys(k.name_expression for m in modules for k in m.kernels))
@@ -150,31 +157,36 @@ def test_the_hopper_kernels_compile_for_sm_90a_without_spills_or_serialised_wgmm
     # the forward's out by TMA store, but a packed batch's (a box would reach into the next sequence); the
     # backward's dQ by bulk reduce-add
     stores = (lambda k: [] if k.varlen else ["UTMASTG"]) if source_file == "flash_fwd_sm90.cu" else lambda k: ["UBLKRED"]
-    for toolkit in toolkits():
-        options = sources.arch_options(specs.SM90_ARCH) + (f"-I{toolkit.include}", "-Xptxas=-v")
-        log, lowered, cubin = nvrtc.compile_cubin(source, names, options, toolkit)
-        # ptxas' warnings and performance remarks (the front end's "declared but never referenced" of the
-        # shared headers' constants are no concern here)
-        warnings = [line for line in log.splitlines() if re.search(r"ptxas.*warning|C75\d\d", line, re.I)]
-        assert not warnings, f"NVRTC {toolkit.version}: {warnings}"
-        resources = nvrtc.parse_ptxas(log)
-        for name in names:
-            used = resources[lowered[name]]
-            assert used["spill_stores"] == used["spill_loads"] == 0, f"NVRTC {toolkit.version}: {name} spills"
-        if nvrtc.nvdisasm_path() is None:
-            continue
-        sass = nvrtc.sass(cubin)
-        for kernel in wgmma:
-            name = kernel.name_expression
-            code = nvrtc.function_sass(sass, lowered[name])
-            for op in ops + stores(kernel):
-                assert op in code, f"NVRTC {toolkit.version}: no {op} in {name}"
-            consumers = kernel.threads // 128 - 1
-            producer, consumer = specs.SM90_REGISTERS[consumers]
-            assert re.findall(r"USETMAXREG\.DEALLOC\S* (0x[0-9a-f]+)", code) == [hex(producer)], name
-            assert re.findall(r"USETMAXREG\.TRY_ALLOC\S* \w+, (0x[0-9a-f]+)", code) == [hex(consumer)], name
-            launch = resources[lowered[name]]["registers"] * kernel.threads
-            assert 128 * (producer + consumers * consumer) <= launch, f"NVRTC {toolkit.version}: {name}"
+    (toolkit,) = [t for t in toolkits() if t.version.split(".")[0] == str(major)]
+    options = sources.arch_options(specs.SM90_ARCH) + (f"-I{toolkit.include}", "-Xptxas=-v")
+    log, lowered, cubin = nvrtc.compile_cubin(source, names, options, toolkit)
+    # ptxas' warnings and performance remarks (the front end's "declared but never referenced" of the
+    # shared headers' constants are no concern here)
+    warnings = [line for line in log.splitlines() if re.search(r"ptxas.*warning|C75\d\d", line, re.I)]
+    assert not warnings, f"NVRTC {toolkit.version}: {warnings}"
+    resources = nvrtc.parse_ptxas(log)
+    for name in names:
+        used = resources[lowered[name]]
+        assert used["spill_stores"] == used["spill_loads"] == 0, f"NVRTC {toolkit.version}: {name} spills"
+    twins = [(k, dataclasses.replace(k, dtype="float16")) for k in wgmma if k.dtype == "bfloat16"]
+    assert len(twins) == (len(wgmma) // 2 if major == PRIMARY[1] else 0)
+    for brain, half in twins:
+        a, b = resources[lowered[half.name_expression]], resources[lowered[brain.name_expression]]
+        assert abs(a["registers"] - b["registers"]) <= TWIN_SLACK // 2, (brain.name_expression, a, b)
+    if nvrtc.nvdisasm_path() is None:
+        return
+    sass = nvrtc.sass(cubin)
+    for kernel in wgmma:
+        name = kernel.name_expression
+        code = nvrtc.function_sass(sass, lowered[name])
+        for op in ops + stores(kernel):
+            assert op in code, f"NVRTC {toolkit.version}: no {op} in {name}"
+        consumers = kernel.threads // 128 - 1
+        producer, consumer = specs.SM90_REGISTERS[consumers]
+        assert re.findall(r"USETMAXREG\.DEALLOC\S* (0x[0-9a-f]+)", code) == [hex(producer)], name
+        assert re.findall(r"USETMAXREG\.TRY_ALLOC\S* \w+, (0x[0-9a-f]+)", code) == [hex(consumer)], name
+        launch = resources[lowered[name]]["registers"] * kernel.threads
+        assert 128 * (producer + consumers * consumer) <= launch, f"NVRTC {toolkit.version}: {name}"
 
 
 def _backward_ops(tile):

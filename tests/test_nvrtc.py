@@ -9,6 +9,7 @@ extra installs both), ptxas reports registers, spills and shared memory through 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -135,17 +136,69 @@ def simt_modules(modules, arch, major):
             or not (m.source_file in SIMT_SOURCES and m.kernels[0].dtype == "bfloat16")]
 
 
+# Outside PRIMARY the tensor-core kernels in bfloat16 compile only where their float16 twin came within
+# TWIN_SLACK registers of the limit, or spilled (report_rows): each compiled to its twin's registers and
+# spills in every row of the sm_90 reports, and within 6 registers of it in 4 of 92 rows at sm_80 under
+# NVRTC 12, none of those within 18 of the limit (benchmarks/results/nvrtc_twins.md); PRIMARY compiles
+# every twin, and test_bfloat16_kernels_compile_like_their_float16_twins holds them to TWIN_SLACK / 2 of
+# each other there. The twins were half of each report's tensor-core compiles.
+TWIN_SLACK = 16
+
+
+def row_key(kernel) -> tuple:
+    """A kernel's row in a report, as kernel_report tells rows apart."""
+    return kernel.template, nvrtc.variant(kernel), kernel.dtype, kernel.head_dim or None
+
+
+def float16_twin(module):
+    """The float16 twin of a tensor-core module in bfloat16, else None."""
+    if not any(k.tensor_cores for k in module.kernels) or module.kernels[0].dtype != "bfloat16":
+        return None
+    return dataclasses.replace(module, kernels=tuple(dataclasses.replace(k, dtype="float16") for k in module.kernels))
+
+
+def report_rows(arch, major, modules) -> tuple:
+    """(rows, left out): kernel_report of simt_modules(modules, arch, major) for (arch, major), and the row
+    keys of the bfloat16 tensor-core kernels it left out, those whose float16 twin took fewer than
+    limit - TWIN_SLACK registers without spilling (none in PRIMARY)."""
+    toolkit = toolkit_of(major)
+    modules = simt_modules(modules, arch, major)
+    if (arch, major) == PRIMARY:
+        return nvrtc.kernel_report(arch, toolkit, modules), set()
+    rows = nvrtc.kernel_report(arch, toolkit, [m for m in modules if float16_twin(m) is None])
+    got = {(r["kernel"], r["mods"], r["dtype"], r["head_dim"]): r for r in rows}
+    limit = nvrtc.MAX_REGISTERS - nvrtc.REGISTER_MARGIN
+
+    def near(twin):  # (a twin the report lacks counts as near)
+        return any(row is None or row["registers"] > limit - TWIN_SLACK or row["spill_bytes"]
+                   for row in (got.get(row_key(k)) for k in twin.kernels))
+    twins = [m for m in modules if float16_twin(m) is not None]
+    rows += nvrtc.kernel_report(arch, toolkit, [m for m in twins if near(float16_twin(m))])
+    compiled = {(r["kernel"], r["mods"], r["dtype"], r["head_dim"]) for r in rows}
+    return rows, {row_key(k) for m in twins for k in m.kernels} - compiled
+
+
+def twins_apart(rows) -> list:
+    """The bfloat16 tensor-core rows more than TWIN_SLACK / 2 registers from their float16 twin's, or with
+    other spills, as messages."""
+    half = {(r["kernel"], r["mods"], r["head_dim"]): r for r in rows if r["dtype"] == "float16"}
+    twins = [(half[r["kernel"], r["mods"], r["head_dim"]], r) for r in rows
+             if r["dtype"] == "bfloat16" and r["kernel"] in specs.TC_TEMPLATES]
+    return [f"{b['kernel']}[{b['mods']}] {b['head_dim']}: {a['registers']} and {b['registers']} registers, "
+            f"{a['spill_bytes']} and {b['spill_bytes']} spill bytes" for a, b in twins
+            if abs(a["registers"] - b["registers"]) > TWIN_SLACK // 2 or a["spill_bytes"] != b["spill_bytes"]]
+
+
 @pytest.fixture(scope="module", params=REPORTS, ids=lambda p: f"{p[0]}-nvrtc{p[1]}")
 def report(request):
     arch, major = request.param
-    toolkit = toolkit_of(major)
     simt_dtypes = len(specs.CUDA_TYPES) - ((arch, major) != PRIMARY)
-    return (f"{arch}, NVRTC {toolkit.version}", simt_dtypes,
-            nvrtc.kernel_report(arch, toolkit, simt_modules(catalog.all_modules(), arch, major)))
+    rows, left_out = report_rows(arch, major, catalog.all_modules())
+    return f"{arch}, NVRTC {toolkit_of(major).version}", simt_dtypes, rows, left_out
 
 
 def test_every_specialization_compiles(report):
-    what, simt_dtypes, rows = report
+    what, simt_dtypes, rows, left_out = report
     kernels_per_dtype = 1 + 3 * len(specs.HEAD_DIM_BUCKETS)  # preprocess, then fwd, dkdv, dq per bucket
     # each SIMT attention kernel twice (catalog.all_modules): plain and with every score modifier (the
     # preprocess has none); each tensor-core kernel three times, with a window alone as well: a forward
@@ -171,16 +224,28 @@ def test_every_specialization_compiles(report):
     assert atomic == len(specs.TC_DTYPES) * (tc * len(specs.TC_HEAD_DIM_BUCKETS) - len(specs.TC_HEAD_DIM_BUCKETS)
                                              + len(specs.TC_ATOMIC_BUCKETS_PAIRS))
     # the preprocess (the tensor-core backwards' too), the KV-cache append and split-KV's merge per dtype, the
-    # dQ conversion per tensor-core dtype
-    assert len(rows) == 3 * len(specs.CUDA_TYPES) + attention + pairs + split + atomic + len(specs.TC_DTYPES)
+    # dQ conversion per tensor-core dtype; each compiled, or a bfloat16 twin left out (report_rows)
+    want = 3 * len(specs.CUDA_TYPES) + attention + pairs + split + atomic + len(specs.TC_DTYPES)
+    assert len(rows) + len(left_out) == want and {key[2] for key in left_out} <= {"bfloat16"}
     every = "+".join(specs.MOD_BITS)
     assert {r["mods"] for r in rows} == {None, "window", every, "split", every + "+split", "dq_atomic",
                                          "window+dq_atomic", every + "+dq_atomic"}
     print(f"\n{what}\n{nvrtc.format_kernel_report({what: rows})}")
 
 
+def test_bfloat16_kernels_compile_like_their_float16_twins(report):
+    # what lets the reports but PRIMARY leave most bfloat16 tensor-core kernels out (TWIN_SLACK): every
+    # twin the report compiled, all of them in PRIMARY's
+    what, _, rows, left_out = report
+    apart = twins_apart(rows)
+    assert not apart, f"{what}: float16 and bfloat16 apart: " + "; ".join(apart)
+    if what.startswith(f"{PRIMARY[0]}, NVRTC {PRIMARY[1]}."):
+        tensor_cores = [r for r in rows if r["kernel"] in specs.TC_TEMPLATES]
+        assert not left_out and 2 * len([r for r in tensor_cores if r["dtype"] == "bfloat16"]) == len(tensor_cores)
+
+
 def test_no_spills_and_registers_to_spare(report):
-    what, _, rows = report
+    what, _, rows, _ = report
     limit = nvrtc.MAX_REGISTERS - nvrtc.REGISTER_MARGIN
     over = [f"{r['kernel']}[{r['mods']}] {r['dtype']} head_dim={r['head_dim']}: {r['registers']} registers, "
             f"{r['spill_bytes']} spill bytes" for r in rows if r["spill_bytes"] or r["registers"] > limit]
@@ -188,7 +253,7 @@ def test_no_spills_and_registers_to_spare(report):
 
 
 def test_resources_fit(report):
-    what, _, rows = report
+    what, _, rows, _ = report
     for r in rows:
         # the SIMT kernels stay within 48 KiB of static shared memory; the tensor-core kernels
         # opt in to more dynamic shared memory (up to 227 KiB on sm_90, 163 KiB on sm_80)
@@ -229,28 +294,21 @@ def test_every_forward_with_a_bias_or_mask_fits(monkeypatch):
 def test_every_packed_batch_kernel_fits(arch, major):
     # the forward (and split-KV forward: a contiguous KV cache's), dK/dV and dQ kernels for a packed batch
     # (VARLEN: the offsets read and clamped, a binary search per CTA), SIMT and tensor-core (the default and
-    # the deterministic backward), without
-    # modifiers and with every one attention_varlen takes. The tensor-core ones in bfloat16 in the PRIMARY
-    # report only, where each must compile to its float16 twin's registers and spills, as all did in all four
-    # reports (benchmarks/results/nvrtc_reports.md)
+    # the deterministic backward), without modifiers and with every one attention_varlen takes; the bfloat16
+    # tensor-core ones as in the reports (report_rows)
     primary = (arch, major) == PRIMARY
-    modules = [m for m in simt_modules(catalog.varlen_modules(), arch, major)
-               if primary or not (any(k.tensor_cores for k in m.kernels) and m.kernels[0].dtype == "bfloat16")]
-    rows = nvrtc.kernel_report(arch, toolkit_of(major), modules)
-    varlen = {k.name_expression for m in modules for k in m.kernels if k.varlen}
+    rows, left_out = report_rows(arch, major, catalog.varlen_modules())
     # forward, split-KV forward, dK/dV, dQ: 4 SIMT kernels per dtype, bucket and MODS; on tensor cores the two
     # forwards and three backward kernels (two dK/dV kernels) per bucket
     simt_dtypes = len(specs.CUDA_TYPES) - (not primary)
-    tc_dtypes = len(specs.TC_DTYPES) - (not primary)
     want = 2 * (4 * simt_dtypes * len(specs.HEAD_DIM_BUCKETS)
-                + tc_dtypes * 5 * len(specs.TC_HEAD_DIM_BUCKETS))
-    assert len([r for r in rows if "varlen" in (r["mods"] or "")]) == len(varlen) == want
+                + len(specs.TC_DTYPES) * 5 * len(specs.TC_HEAD_DIM_BUCKETS))
+    packed = [r for r in rows if "varlen" in (r["mods"] or "")]
+    assert len(packed) + len([key for key in left_out if "varlen" in (key[1] or "")]) == want
     assert not nvrtc.limits_exceeded(rows), nvrtc.limits_exceeded(rows)
-    twins = {(r["kernel"], r["mods"], r["head_dim"]): (r["registers"], r["spill_bytes"]) for r in rows
-             if r["dtype"] == "float16" and r["kernel"] in specs.TC_TEMPLATES}
-    bf16 = {(r["kernel"], r["mods"], r["head_dim"]): (r["registers"], r["spill_bytes"]) for r in rows
-            if r["dtype"] == "bfloat16" and r["kernel"] in specs.TC_TEMPLATES}
-    assert bf16 == (twins if primary else {}), (bf16, twins)
+    apart = twins_apart(rows)
+    assert not apart, f"{arch}, NVRTC {major}: float16 and bfloat16 apart: " + "; ".join(apart)
+    assert not primary or not left_out
 
 
 def mmas_per_pass(kernel: str, head_dim: int, block_m: int, block_n: int, rolled: bool = False) -> int:
@@ -274,7 +332,7 @@ def mmas_per_pass(kernel: str, head_dim: int, block_m: int, block_n: int, rolled
 def test_tensor_core_kernels_run_on_tensor_cores(report):
     # the loops over tiles are unrolled: every mma of a pass is an HMMA of its own in the SASS (but the
     # k-steps of rolled products)
-    what, _, rows = report
+    what, _, rows, _ = report
     tc = [r for r in rows if r["kernel"] in specs.TC_TEMPLATES]
     assert {r["kernel"] for r in tc} == set(specs.TC_TEMPLATES)
     for r in tc:
