@@ -34,8 +34,9 @@ CUDA_NAME = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 SIZES = (64, 128, 192, 256)
 # N = 80, 176: S = Q K_jᵀ of head_dim 256's key block and of the wide forward's at 128
 # (specs.SM90_FORWARD_TILES, SM90_WIDE_FORWARD_TILES), whose B (K_j) is K-major only (as an MN-major
-# operand they are not whole 128B-swizzled atoms; no kernel uses them so)
-K_MAJOR_SIZES = (80, 176)
+# operand they are not whole 128B-swizzled atoms; no kernel uses them so); N = 32: the head_dim-256
+# backward's Sᵀ = K_j Q_cᵀ and dPᵀ, B a consumer's 32 rows of Q_i (dO_i), K-major
+K_MAJOR_SIZES = (32, 80, 176)
 NAMES = tuple(f"wgmma_gemm<{t}, {n}>" for t in CUDA_NAME.values() for n in SIZES + K_MAJOR_SIZES)
 SWIZZLE = {"none": (0, 16), "128B": (1, 128), "64B": (2, 64), "32B": (3, 32)}  # descriptor mode, span
 

@@ -38,7 +38,7 @@
 enum { kSteps, kALbo, kASbo, kASwizzle, kBOffset, kBLbo, kBSbo, kBSwizzle, kTransA, kTransB, kRs, kAccumulate,
        kMode, kStatic, kStarts };
 constexpr int kStaticBytes = 24 * 1024;  // the largest image the tests lay out: A 8 KiB, B 16 KiB
-// At file scope, one object for every instantiation: inside the template each of the 12 wgmma_gemm<T, N>
+// At file scope, one object for every instantiation: inside the template each of the 14 wgmma_gemm<T, N>
 // had its own, and the emulator lays a module's static __shared__ objects one after another, past the
 // 2^18 bytes a descriptor addresses (a GPU gives each kernel its own)
 __shared__ __align__(1024) unsigned char static_tile[kStaticBytes];

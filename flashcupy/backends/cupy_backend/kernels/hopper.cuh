@@ -262,6 +262,8 @@ struct Wgmma;
         }                                                                                                    \
     };
 
+// m64n32k16 (the head_dim-256 backward's Sᵀ, dPᵀ): d is %0-%15; SS: desc_a %16, desc_b %17, scale-d %18,
+// transposes %19, %20; RS: a %16-%19, desc_b %20, scale-d %21, trans-b %22.
 // m64n64k16: d is %0-%31; SS: desc_a %32, desc_b %33, scale-d %34, transposes %35, %36;
 // RS: a %32-%35, desc_b %36, scale-d %37, trans-b %38.
 // m64n128k16: d is %0-%63; SS: desc_a %64, desc_b %65, scale-d %66, transposes %67, %68;
@@ -273,12 +275,13 @@ struct Wgmma;
 // trans-b %46. m64n256k16 (head_dim 256's P V_j): d is %0-%127; SS: desc_a %128, desc_b %129, scale-d
 // %130, transposes %131, %132; RS: a %128-%131, desc_b %132, scale-d %133, trans-b %134. Each list
 // extends one before it.
-#define FLASHCUPY_WGMMA_R32 \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
-    "%24, %25, %26, %27, %28, %29, %30, %31"
+#define FLASHCUPY_WGMMA_R16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define FLASHCUPY_WGMMA_R32 FLASHCUPY_WGMMA_R16 ", " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define FLASHCUPY_WGMMA_R64 FLASHCUPY_WGMMA_R32 ", " \
     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, " \
     "%54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define FLASHCUPY_WGMMA_D32 "{" FLASHCUPY_WGMMA_R16 "}"
 #define FLASHCUPY_WGMMA_D64 "{" FLASHCUPY_WGMMA_R32 "}"
 #define FLASHCUPY_WGMMA_D128 "{" FLASHCUPY_WGMMA_R64 "}"
 #define FLASHCUPY_WGMMA_R88 FLASHCUPY_WGMMA_R64 ", " \
@@ -290,11 +293,12 @@ struct Wgmma;
 #define FLASHCUPY_WGMMA_D256 "{" FLASHCUPY_WGMMA_R88 ", " \
     "%88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, " \
     "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
-#define FLASHCUPY_WGMMA_D64_OPERANDS(d) \
+#define FLASHCUPY_WGMMA_D32_OPERANDS(d) \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
-    "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), \
-    "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), \
-    "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+    "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define FLASHCUPY_WGMMA_D64_OPERANDS(d) FLASHCUPY_WGMMA_D32_OPERANDS(d), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define FLASHCUPY_WGMMA_D128_OPERANDS(d) FLASHCUPY_WGMMA_D64_OPERANDS(d), \
     "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
     "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
@@ -317,6 +321,7 @@ struct Wgmma;
     FLASHCUPY_WGMMA(__half, "f16", N, FLASHCUPY_WGMMA_D##N, FLASHCUPY_WGMMA_D##N##_OPERANDS, ss_scale, ss, rs_scale, rs) \
     FLASHCUPY_WGMMA(__nv_bfloat16, "bf16", N, FLASHCUPY_WGMMA_D##N, FLASHCUPY_WGMMA_D##N##_OPERANDS, ss_scale, ss, \
                     rs_scale, rs)
+FLASHCUPY_WGMMA_SIZE(32, "18", "%16, %17, p, 1, 1, %19, %20", "21", "{%16, %17, %18, %19}, %20, p, 1, 1, %22")
 FLASHCUPY_WGMMA_SIZE(64, "34", "%32, %33, p, 1, 1, %35, %36", "37", "{%32, %33, %34, %35}, %36, p, 1, 1, %38")
 FLASHCUPY_WGMMA_SIZE(80, "42", "%40, %41, p, 1, 1, %43, %44", "45", "{%40, %41, %42, %43}, %44, p, 1, 1, %46")
 FLASHCUPY_WGMMA_SIZE(128, "66", "%64, %65, p, 1, 1, %67, %68", "69", "{%64, %65, %66, %67}, %68, p, 1, 1, %70")
@@ -324,9 +329,12 @@ FLASHCUPY_WGMMA_SIZE(176, "90", "%88, %89, p, 1, 1, %91, %92", "93", "{%88, %89,
 FLASHCUPY_WGMMA_SIZE(192, "98", "%96, %97, p, 1, 1, %99, %100", "101", "{%96, %97, %98, %99}, %100, p, 1, 1, %102")
 FLASHCUPY_WGMMA_SIZE(256, "130", "%128, %129, p, 1, 1, %131, %132", "133", "{%128, %129, %130, %131}, %132, p, 1, 1, %134")
 #undef FLASHCUPY_WGMMA_SIZE
+#undef FLASHCUPY_WGMMA_R16
 #undef FLASHCUPY_WGMMA_R32
 #undef FLASHCUPY_WGMMA_R64
 #undef FLASHCUPY_WGMMA_R88
+#undef FLASHCUPY_WGMMA_D32
+#undef FLASHCUPY_WGMMA_D32_OPERANDS
 #undef FLASHCUPY_WGMMA_D64
 #undef FLASHCUPY_WGMMA_D64_OPERANDS
 #undef FLASHCUPY_WGMMA_D128
