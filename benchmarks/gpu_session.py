@@ -26,8 +26,8 @@ Stages, in this order, each in its own process with its own time limit:
              Numba kernels (float16, up to
              numba_max_seqlen) beside the CuPy ones; inputs made on the device once per shape and shared
              by every implementation; head_dim 128 and causal first, as they matter most; last, head_dim
-             256 (wide_head_configs: the Hopper forward against the mma.sync one, cupy-mma (64 x 16 there),
-             the mma.sync backward (two CTAs a key block there), and torch's flash and cuDNN both ways; the
+             256 (wide_head_configs: the Hopper forward and backward against the mma.sync ones, cupy-mma
+             (64 x 16 there; two CTAs a key block in the backward), and torch's flash and cuDNN both ways; the
              first dtype, the three longest seqlens), cut first when time runs short
   plot       the sweep as one PNG
 
@@ -95,8 +95,7 @@ class Sizes:
     tall_configs: tuple = ((64, False), (64, True))  # where "cupy-tall" is timed (the tall backward pass applies)
     tall_forward_configs: tuple = ((64, False), (64, True))  # where "cupy-tallfwd" is timed (192 query rows apply)
     # (head_dim, causal) timed after `configs` by WIDE_HEAD_IMPLS, the first dtype and the three longest seqlens:
-    # head_dim 256, where the Hopper kernels are the forward alone (cupy-mma: the forward alone, its backward
-    # being cupy's there)
+    # head_dim 256 (the Hopper backward's SPLIT_D there)
     wide_head_configs: tuple = ((256, False),)
 
 
@@ -352,7 +351,8 @@ def check_items(args):
             continue
         for dtype in backends.module(backend).DTYPES:
             for case in battery:
-                # the Hopper and tensor-core forwards also take head_dim 136..256 (the backward there is SIMT)
+                # the Hopper and tensor-core forwards also take head_dim 136..256 (and the backwards, but the
+                # Hopper one at 136..192: the mma.sync one's there)
                 eligible = (specs.sm90_eligible(dtype, case[5], 0) if path == "hopper"
                             else specs.tensor_core_eligible(dtype, case[5]))
                 if path != "simt" and not eligible:
@@ -490,8 +490,6 @@ def sweep_items(args):
         if impl == "cupy-mma":
             forward, backward = on_mma(forward), on_mma(backward)
         # cupy-det, cupy-tall: the backward alone (their forward is cupy's); cupy-wide, cupy-tallfwd: the forward
-        if (D, causal) in sizes.wide_head_configs and impl == "cupy-mma":
-            backward = None  # wide_head_configs: the mma.sync forward alone
         passes = {"cupy-det": (("backward", backward),),
                   "cupy-wide": (("forward", with_switch(forward, "SM90_WIDE", True)),),
                   "cupy-tallfwd": (("forward", with_switch(forward, "SM90_TALL_FORWARD", True)),),

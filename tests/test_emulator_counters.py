@@ -351,6 +351,14 @@ def sm90_tall_rows():
 
 
 @pytest.fixture(scope="module")
+def sm90_split_rows():
+    # the backward at head_dim 256 (SPLIT_D) alone: counted with its forward, the launches take the forward's
+    # 80-key side, past which its 64-row passes are cut short
+    return perfmodel.kernel_counters([("float16", 256)], templates=("flash_bwd_dkdv_sm90",),
+                                     compute_capability=perfmodel.SM90)
+
+
+@pytest.fixture(scope="module")
 def sm90_tall_forward_rows():
     # the forward with FA3's 192 query rows at head_dim 64, three consumers (cupy_backend.SM90_TALL_FORWARD)
     with mock.patch.object(cupy_backend, "SM90_TALL_FORWARD", True):
@@ -358,22 +366,28 @@ def sm90_tall_forward_rows():
                                          compute_capability=perfmodel.SM90)
 
 
-def test_the_hopper_backward_does_per_pass_what_its_tiles_imply(sm90_all_rows, sm90_tall_rows):
+def test_the_hopper_backward_does_per_pass_what_its_tiles_imply(sm90_all_rows, sm90_tall_rows, sm90_split_rows):
     # flash_bwd_sm90.cu, a pass (m query rows past the CTA's 128 keys: 64, or 128 with SM90_TALL_BACKWARD at
     # head_dim 64): each of the two consumers issues Sᵀ and dPᵀ as head_dim / 16 SS k-steps each (N = m
     # queries), dV and dK as m / 16 RS k-steps each (N = head_dim); the pass's owner dQ as 8 SS k-steps
     # over the 128 keys for each 64 rows; the producer loads Q_i and dO_i, head_dim / 64 boxes each; the
-    # owner adds dQ_i (m rows of head_dim + 8 floats) by one bulk reduce-add
+    # owner adds dQ_i (m rows of head_dim + 8 floats) by one bulk reduce-add. At head_dim 256 (SPLIT_D, 64
+    # keys a CTA) each consumer issues Sᵀ and dPᵀ of its 32 queries as head_dim / 16 SS k-steps each, and dV,
+    # dK of its 128 columns as m / 16 SS k-steps each, dQ_i's as n / 16; consumer 0's lead adds dQ_i
     rows = [row for row in sm90_all_rows if row["kernel"].template == "flash_bwd_dkdv_sm90"]
-    assert [row["head_dim"] for row in rows] == [64, 128]
+    assert [row["head_dim"] for row in rows] == [64, 128, 256]
     assert [(row["kernel"].block_m, row["kernel"].block_n) for row in sm90_tall_rows] == [(128, 128)]
-    for row in rows + sm90_tall_rows:
+    assert [(row["kernel"].block_m, row["kernel"].block_n) for row in sm90_split_rows] == [(64, 64)]
+    for row in rows[:2] + sm90_tall_rows + sm90_split_rows:
         k = row["kernel"]
         c, passes = row["per_pass"]
         m, n, d = k.block_m, k.block_n, k.head_dim
         assert (m, n) == specs.sm90_backward_tile(d, tall=m == 128) and passes >= 1
-        assert (c.wgmma, c.wgmma_rs) == (passes * (2 * (2 * d // 16 + 2 * m // 16) + 8 * m // 64),
-                                         passes * 2 * 2 * m // 16)
+        if d == 256:
+            assert (c.wgmma, c.wgmma_rs) == (passes * 2 * (2 * d // 16 + 2 * m // 16 + n // 16), 0)
+        else:
+            assert (c.wgmma, c.wgmma_rs) == (passes * (2 * (2 * d // 16 + 2 * m // 16) + 8 * m // 64),
+                                             passes * 2 * 2 * m // 16)
         assert c.wgmma_flops == passes * 2.5 * 4 * m * n * d  # the backward's 2.5 x the forward's FLOPs
         boxes, qdo = passes * 2 * d // 64, passes * 2 * m * d * 2
         assert c.access["tma_load_shared"] == (boxes, qdo, qdo // 128, qdo // 128)
@@ -395,11 +409,12 @@ def test_the_hopper_forward_does_per_pass_what_its_tiles_imply(sm90_all_rows, sm
     # SM90_TALL_FORWARD at head_dim 64); per key block each consumer issues S = Q_i K_jᵀ as head_dim / 16 SS
     # k-steps (N = BLOCK_N) and O += P V_j as BLOCK_N / 16 RS k-steps (N = head_dim), and the producer loads
     # K_j and V_j, head_dim / 64 boxes each
-    # head_dim 256: 128 x 80, O_s in Q_s (the forward alone: the backward there is the SIMT kernels')
+    # head_dim 256: 128 x 80, O_s in Q_s (and the Hopper backward's SPLIT_D)
     assert [(row["kernel"].template, row["head_dim"]) for row in sm90_rows] == [("flash_fwd_sm90", 64),
                                                                                  ("flash_fwd_sm90", 128),
                                                                                  ("flash_fwd_sm90", 256)]
-    assert {row["kernel"].template for row in sm90_all_rows if row["head_dim"] == 256} == {"flash_fwd_sm90"}
+    assert {row["kernel"].template for row in sm90_all_rows if row["head_dim"] == 256} == {
+        "flash_fwd_sm90", "flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_convert_sm90"}
     assert [(row["kernel"].block_m, row["kernel"].block_n) for row in sm90_tall_forward_rows] == [(192, 128)]
     for row in sm90_rows + sm90_tall_forward_rows:
         k = row["kernel"]

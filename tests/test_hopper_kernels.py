@@ -56,8 +56,9 @@ def _backward_templates(q, k, v, compute_capability=HOPPER, deterministic=False,
 
 
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
-@pytest.mark.parametrize("head_dim", [32, 64, 72, 128, 136, 256])
-def test_the_hopper_kernels_take_16_bit_calls_the_forward_up_to_head_dim_256_the_backward_to_128(rng, dtype, head_dim):
+@pytest.mark.parametrize("head_dim", [32, 64, 72, 128, 136, 192, 200, 256])
+def test_the_hopper_kernels_take_16_bit_calls_the_forward_up_to_head_dim_256_the_backward_but_136_to_192(rng, dtype,
+                                                                                                      head_dim):
     q, k, v = make_qkv(rng, 1, 20, 30, 2, 1, head_dim, np.float32)
     kw = {}
     if dtype == "bfloat16":
@@ -67,10 +68,12 @@ def test_the_hopper_kernels_take_16_bit_calls_the_forward_up_to_head_dim_256_the
         q, k, v = (x.astype(dtype) for x in (q, k, v))
     assert _forward_templates(q, k, v, causal=True, **kw) == {"flash_fwd_sm90"}
     assert _forward_templates(q, k, v, window=(5, 3), **kw) == {"flash_fwd_sm90"}
-    # above 128 the mma.sync backward, as on an sm_80 (two CTAs a block: specs.tc_column_parts)
-    backward = {"flash_bwd_dkdv_sm90"} if head_dim <= 128 else {"flash_bwd_dkdv_tc"}
+    # at 136..192 the mma.sync backward, as on an sm_80 (two CTAs a block: specs.tc_column_parts): the Hopper
+    # backward's 256 tile would pad those by a third
+    hopper = not 128 < head_dim <= 192
+    backward = {"flash_bwd_dkdv_sm90"} if hopper else {"flash_bwd_dkdv_tc"}
     assert _backward_templates(q, k, v, causal=True, **kw) == backward
-    deterministic = {"flash_bwd_dkdv_sm90"} if head_dim <= 128 else {"flash_bwd_dkdv_tc", "flash_bwd_dq_tc"}
+    deterministic = {"flash_bwd_dkdv_sm90"} if hopper else {"flash_bwd_dkdv_tc", "flash_bwd_dq_tc"}
     assert _backward_templates(q, k, v, causal=True, deterministic=True, **kw) == deterministic
     # and on an sm_80 the mma.sync forward, head_dim 136..256 too (specs.TC_HEAD_DIM_BUCKETS)
     sm80 = _forward_templates(q, k, v, compute_capability=80, **kw)
@@ -180,14 +183,18 @@ def _forward_case(rng, order, dtype, case, switch=contextlib.nullcontext(), cp_a
     return names, got, (q, k, v), kw, WINDOW if window else 0
 
 
+def _case_id(c):
+    """A case's test id: its shape, causal, window."""
+    return "x".join(str(x) for x in c[:6]) + ("-causal" if c[6] else "") + (f"-w{c[7][0]}_{c[7][1]}" if c[7] else "")
+
+
 # "eager": TMA loads land at issue (and cp.async copies), so that a ring stage released before a wgmma that
 # reads it has landed would give that wgmma the next pass's tile (the default lands them at the wait)
 @pytest.mark.parametrize("order, dtype, cp_async", [("ascending", "float16", "deferred"),
                                                     ("warp_skew", "float16", "deferred"),
                                                     ("descending", "bfloat16", "deferred"),
                                                     ("ascending", "bfloat16", "eager")])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(str(x) for x in c[:6]) + ("-causal" if c[6] else "")
-                         + (f"-w{c[7][0]}_{c[7][1]}" if c[7] else ""))
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_the_hopper_kernels_match_the_oracle(rng, order, dtype, cp_async, case):
     B, Sq, Sk, Hq, Hkv, D, causal, window = case
     q, k, v, dout, kw = _problem(rng, dtype, B, Sq, Sk, Hq, Hkv, D, causal=causal, window=window)
@@ -201,7 +208,7 @@ def test_the_hopper_kernels_match_the_oracle(rng, order, dtype, cp_async, case):
 
 
 # head_dim 136..256 (the buckets 192 and 256): FA3's 128 x 80 tile, wgmma N = 80 for S and 192 or 256 for
-# P V_j, O_s in Q_s at 256 (O_IN_Q); forward only (the backward above 128 is the SIMT kernels'), in the
+# P V_j, O_s in Q_s at 256 (O_IN_Q); forward only (the backward at 256: below), in the
 # default grid and persistent on 1 or 2 SMs, and with TMA landing at issue (eager); the packed batch's
 # 128 x 64 at 256: tests/test_varlen.py
 HEAD_DIM_256_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window)
@@ -211,17 +218,41 @@ HEAD_DIM_256_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_di
 ]
 
 
-@pytest.mark.parametrize("order, dtype, cp_async", [("ascending", "float16", "deferred"),
-                                                    ("warp_skew", "bfloat16", "deferred"),
-                                                    ("descending", "float16", "deferred"),
-                                                    ("ascending", "bfloat16", "eager")])
-@pytest.mark.parametrize("case", HEAD_DIM_256_CASES, ids=lambda c: "x".join(str(x) for x in c[:6])
-                         + ("-causal" if c[6] else "") + (f"-w{c[7][0]}_{c[7][1]}" if c[7] else ""))
+# the runs of the head_dim-256 cases: three thread orders, and TMA landing at issue (eager)
+RUNS_256 = [("ascending", "float16", "deferred"), ("warp_skew", "bfloat16", "deferred"),
+            ("descending", "float16", "deferred"), ("ascending", "bfloat16", "eager")]
+
+
+@pytest.mark.parametrize("order, dtype, cp_async", RUNS_256)
+@pytest.mark.parametrize("case", HEAD_DIM_256_CASES, ids=_case_id)
 def test_the_head_dim_256_forward_matches_the_oracle(rng, order, dtype, cp_async, case):
     names, got, qkv, kw, mods = _forward_case(rng, order, dtype, case, cp_async=cp_async)
     ctype = "__half" if dtype == "float16" else "__nv_bfloat16"
     assert names == [f"flash_fwd_sm90<{ctype}, {specs.tc_tile_row(case[5])}, 128, 80{f', {mods}' if mods else ''}>"]
     assert_matches_oracle(got, *qkv, backend="cupy", **kw)
+
+
+# The backward at head_dim 193..256 (SPLIT_D in flash_bwd_sm90.cu): 64 x 64, the consumers splitting the
+# columns of dK, dV, dQ_i and the queries of Sᵀ, Pᵀ and dSᵀ through shared memory, one stage
+HEAD_DIM_256_BACKWARD_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window)
+    (1, 70, 150, 2, 1, 256, True, None),        # GQA, causal: up to 4 passes a key block, the stage reused
+    (1, 100, 90, 1, 1, 200, False, (40, 7)),    # the window; head_dim 200: columns past it read as zeros
+    (2, 17, 100, 1, 1, 256, False, None),       # batch 2, a pass of 17 rows; a key block of 36
+]
+
+
+@pytest.mark.parametrize("order, dtype, cp_async", RUNS_256)
+@pytest.mark.parametrize("case", HEAD_DIM_256_BACKWARD_CASES, ids=_case_id)
+def test_the_head_dim_256_backward_matches_the_oracle(rng, order, dtype, cp_async, case):
+    *shape, causal, window = case
+    q, k, v, dout, kw = _problem(rng, dtype, *shape, causal=causal, window=window)
+    names = []
+    with emulated(order, compile=recording(names), compute_capability=HOPPER, cp_async=cp_async):
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+        grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", **kw)
+    kernel = specs.sm90_backward_module(dtype, shape[-1], WINDOW if window else 0).kernels[1]
+    assert (kernel.head_dim, kernel.block_m, kernel.block_n) == (256, 64, 64) and kernel.name_expression in names
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", **kw)
 
 
 @pytest.mark.parametrize("head_dim, mods, causal, varlen, tile, o_in_q", [
@@ -240,18 +271,21 @@ def test_the_tiles_above_head_dim_128_fit(head_dim, mods, causal, varlen, tile, 
     # at 256 Q_i, the ring and O_s would not fit: O_s is Q_s (flash_fwd_sm90.cu's O_IN_Q), as launch.py counts
     (bm, bn), d = tile, specs.tc_tile_row(head_dim)
     assert kernel.dynamic_smem == ((1 if o_in_q else 2) * bm + 2 * 2 * bn) * d * 2 + 1024
-    assert specs.sm90_eligible("float16", head_dim, mods) and not specs.sm90_eligible("float16", head_dim, mods, True)
+    # the backward's: 193..256 (SPLIT_D), the 192 bucket on mma.sync
+    assert specs.sm90_eligible("float16", head_dim, mods)
+    assert specs.sm90_eligible("float16", head_dim, mods, True) == (head_dim > 192)
 
 
 # Score modifiers and the bool mask on the Hopper forward (one batch; specs.SM90_FORWARD_MODS: all but a bias
 # at 256), made final in S before the mask as flash_fwd_tc.cu does; a bias or mask takes 64-key blocks
-# (SM90_PAIRS_FORWARD_TILES). The backward of these calls runs on Hopper up to 128 (mma.sync above), checked
+# (SM90_PAIRS_FORWARD_TILES). The backward of these calls runs on Hopper up to 128 and at 193..256 (mma.sync between), checked
 # too.
 # tests/test_cupy_modifiers.py runs every modifier case on this path at head_dim 64.
 MODIFIED_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, modifiers, tile)
     (1, 140, 150, 2, 1, 128, True, ("softcap", "alibi", "bias", "mask", "window"), (128, 64)),
     # every one but the window at 128: the Hopper backward too (with the window, the mma.sync one's)
     (2, 100, 150, 2, 1, 120, False, ("softcap", "alibi", "bias", "mask"), (128, 64)),
+    # this one and the next: the backward's SPLIT_D with modifiers too
     (2, 70, 200, 2, 2, 256, False, ("softcap", "alibi", "window"), (128, 64)),  # 64 keys at 256 (ALiBi spilled)
     (1, 130, 90, 2, 1, 200, True, ("mask", "softcap"), (128, 64)),     # the mask above 128: no bias there
     (1, 90, 140, 1, 1, 160, False, ("alibi", "softcap"), (128, 80)),   # the bucket 192: the default tile
@@ -497,6 +531,20 @@ SYNC_PROBLEMS = ((1, 130, 260, 1, 1, 64, True), (1, 256, 128, 1, 1, 64, False), 
 # passes a key block, the ring's stages reused
 WIDE_SYNC_PROBLEM = (1, 300, 190, 1, 1, 128, False)
 TALL_SYNC_PROBLEM = (1, 260, 130, 1, 1, 64, False)
+# The backward's SPLIT_D loop (head_dim 256) runs on its own problem: 3 key blocks, 3 passes each through
+# the one stage; a call there is checked on it alone (the problems above do not reach it)
+SPLIT_SYNC_PROBLEM = (1, 150, 140, 1, 1, 256, False)
+
+
+def _split_lines():
+    """The line numbers of flash_bwd_sm90.cu's SPLIT_D loop."""
+    with open(f"{sources.KERNEL_DIR}/flash_bwd_sm90.cu", encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    first = lines.index("    if constexpr (SPLIT_D)") + 1
+    return range(first, lines.index("    if constexpr (!SPLIT_D)") + 1)
+
+
+SPLIT_LINES = _split_lines()
 
 
 def test_the_sync_points_are_found():
@@ -534,17 +582,21 @@ def _without(kernel, lineno, tmp_path, pattern=SYNC, replacement=";"):
 PACKED_SYNC_PROBLEM = ([140, 50], [150, 40])
 
 
-def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew"), eager=("ascending",)) -> list:
+def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew"), eager=("ascending",),
+            split=False) -> list:
     """The thread orders (the first, and its error) under which the mutant kernel's forward and backward
     miss the oracle or make the emulator report an error; then a packed batch's (PACKED_SYNC_PROBLEM).
     `orders` with the TMA loads landing at their waits, then `eager` with them landing at issue (and each
-    wgmma wait letting the other threads run first: a stage released before its wgmma has landed)."""
+    wgmma wait letting the other threads run first: a stage released before its wgmma has landed).
+    split: SPLIT_SYNC_PROBLEM's alone."""
     runs = [(order, "deferred") for order in orders] + [(order, "eager") for order in eager]
     def compile(source, names, options, thread_order, seed, cp_async):
         return compile_module(mutant if source == original else source, names, options, thread_order, seed, cp_async)
 
     problems = ([(problem, contextlib.nullcontext) for problem in SYNC_PROBLEMS]
                 + [(WIDE_SYNC_PROBLEM, wide), (TALL_SYNC_PROBLEM, tall)])
+    if split:
+        problems = [(SPLIT_SYNC_PROBLEM, contextlib.nullcontext)]
     for (B, Sq, Sk, Hq, Hkv, D, causal), tile in problems:
         q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
         dout = rng.standard_normal(q.shape).astype(np.float16)
@@ -558,7 +610,7 @@ def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew
                     assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=causal, backend="cupy")
                 except (AssertionError, emulator.EmulatorError) as e:
                     return [(order, cp_async, type(e).__name__)]
-    for tile in (contextlib.nullcontext, tall):
+    for tile in (contextlib.nullcontext, tall) if not split else ():
         for order, cp_async in runs:
             with tile(), emulated(order, compile=compile, compute_capability=HOPPER, cp_async=cp_async):
                 try:
@@ -572,7 +624,9 @@ def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew
 @pytest.mark.parametrize("kernel, lineno", SYNC_POINTS, ids=[f"{k}:{n}" for k, n in SYNC_POINTS])
 def test_each_barrier_wait_and_fence_is_needed(rng, tmp_path, kernel, lineno):
     call, original, mutant = _without(kernel, lineno, tmp_path)
-    assert _bitten(rng, original, mutant), f"removing {call} on {kernel}:{lineno} went unnoticed under every order"
+    split = kernel == "flash_bwd_sm90.cu" and lineno in SPLIT_LINES
+    assert _bitten(rng, original, mutant, split=split), \
+        f"removing {call} on {kernel}:{lineno} went unnoticed under every order"
 
 
 def test_the_wait_for_registers_is_needed(tmp_path):
@@ -656,6 +710,7 @@ ORDERED_CASES = [
     (1, 300, 420, 1, 1, 128, True, None),       # causal, bottom-right: the last query blocks see 4 key blocks
     (1, 260, 520, 1, 1, 64, False, (300, 20)),  # the window: the first key block of a band (key_start) not 0
     ([150, 40], [330, 60]),                     # a packed batch: the slots' order, descending key blocks
+    (1, 130, 260, 1, 1, 256, True, None),       # head_dim 256 (SPLIT_D): consumer 0's lead adds, 5 key blocks
 ]
 
 
@@ -684,7 +739,7 @@ def _same_bits(a, b):
     return all((x.view(np.uint16) == y.view(np.uint16)).all() for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("case", ORDERED_CASES, ids=["gqa", "causal", "window", "packed"])
+@pytest.mark.parametrize("case", ORDERED_CASES, ids=["gqa", "causal", "window", "packed", "split"])
 def test_the_deterministic_hopper_backward_is_the_same_bits_in_every_block_order(case):
     # descending and shuffled: CTAs park at their turn and resume once the key blocks before them added
     names = []
@@ -781,10 +836,10 @@ def _dead_rows_run(rng, order, compile=compile_module):
     each with NaN in those rows' dout: no NaN in dq, dk, dv, dq 0 in those rows, and the oracle's values."""
     mask = rng.random((2, 2, 70, 90)) < 0.9
     mask[1, 0, 5] = False  # row 5 of head 0: lane 5 of warp 1 marks it
-    cases = [(1, 150, 40, dict(causal=True)), (1, 150, 40, dict(causal=True, window=(30, 0))),
-             (2, 70, 90, dict(mask=mask))]
-    for B, Sq, Sk, kw in cases:
-        q, k, v = make_qkv(rng, B, Sq, Sk, 2, 1, 64, np.float16)
+    cases = [(1, 150, 40, 64, dict(causal=True)), (1, 150, 40, 64, dict(causal=True, window=(30, 0))),
+             (2, 70, 90, 64, dict(mask=mask)), (1, 150, 40, 256, dict(causal=True))]  # and SPLIT_D's
+    for B, Sq, Sk, D, kw in cases:
+        q, k, v = make_qkv(rng, B, Sq, Sk, 2, 1, D, np.float16)
         dout = rng.standard_normal(q.shape).astype(np.float16)
         names = []
         with emulated(order, compile=recording(names, compile), compute_capability=HOPPER):

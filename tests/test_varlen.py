@@ -449,7 +449,9 @@ def test_cupy_packed_forward_reads_any_strides(rng):
 
 HOPPER_PACKED = {"float16-64-causal": (np.float16, 64, dict(causal=True)),
                  "bfloat16-128-window": (BF16, 128, dict(causal=True, window=(40, 3))),
-                 "float16-72": (np.float16, 72, dict())}
+                 "float16-72": (np.float16, 72, dict()),
+                 # head_dim 193..256: the backward's SPLIT_D (64 x 64, one stage); the forward's 128 x 64
+                 "bfloat16-248-window": (BF16, 248, dict(causal=True, window=(90, 2)))}
 
 
 @pytest.mark.parametrize("case", HOPPER_PACKED.values(), ids=HOPPER_PACKED.keys())
@@ -457,7 +459,7 @@ def test_on_sm90_a_packed_batch_is_one_launch_of_each_hopper_kernel(rng, case):
     # compute capability 9.0: the forward is one launch of flash_fwd_sm90.cu, the backward's dK/dV and dQ
     # conversion are flash_bwd_sm90.cu's, each reading the offsets; sequences empty, of one row, shorter
     # and longer than a box (128 queries and keys in the forward, 64 queries and 128 keys in the
-    # backward), GQA; checked and unchecked offsets give the same bits, and the oracle's numbers
+    # backward, 64 and 64 at head_dim 248), GQA; checked and unchecked offsets give the same bits, and the oracle's numbers
     from flashcupy.tools.emulator.cupy import emulated
     dtype, head_dim, mods = case
     grids = []
@@ -472,7 +474,7 @@ def test_on_sm90_a_packed_batch_is_one_launch_of_each_hopper_kernel(rng, case):
 def test_on_sm90_a_packed_batch_at_head_dim_256_takes_the_hopper_forward(rng):
     # the one tensor-core forward above head_dim 128 (specs.SM90_VARLEN_FORWARD_TILES: 128 x 64, O_s in
     # Q_s): sequences empty, of one row, shorter and longer than its 64-key boxes, GQA, causal and the
-    # window; the backward is the SIMT kernels', one launch each as well
+    # window (its backward: test_on_sm90_a_packed_batch_is_one_launch_of_each_hopper_kernel)
     from flashcupy.tools.emulator.cupy import emulated
     grids = []
     with emulated(compile=_recording(grids), compute_capability=90):

@@ -100,7 +100,7 @@ def count_launches(dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int, back
 def _kernels(dtype: str, head_dim: int, compute_capability: int = 80) -> dict:
     """{template: specs.Kernel} of the kernels the backend launches for this dtype and head_dim, non-causal
     (on compute capability 9.0: the Hopper kernels, of the tiles cupy_backend's SM90_WIDE,
-    SM90_TALL_FORWARD and SM90_TALL_BACKWARD ask for; above head_dim 128 the forward alone, the backward
+    SM90_TALL_FORWARD and SM90_TALL_BACKWARD ask for; at head_dim 136..192 the forward alone, the backward
     there being the mma.sync kernels')."""
     if compute_capability == specs.SM90_COMPUTE_CAPABILITY:
         if not specs.sm90_eligible(dtype, head_dim, 0):
@@ -108,7 +108,7 @@ def _kernels(dtype: str, head_dim: int, compute_capability: int = 80) -> dict:
         from flashcupy.backends import cupy_backend
         forward = specs.sm90_forward_tile(head_dim, wide=cupy_backend.SM90_WIDE, tall=cupy_backend.SM90_TALL_FORWARD)
         modules = (specs.sm90_forward_module(dtype, head_dim, tile=forward),)
-        if specs.sm90_eligible(dtype, head_dim, 0, backward=True):  # above head_dim 128: the mma.sync kernels'
+        if specs.sm90_eligible(dtype, head_dim, 0, backward=True):  # at 136..192: the mma.sync kernels'
             backward = specs.sm90_backward_tile(head_dim, tall=cupy_backend.SM90_TALL_BACKWARD)
             modules += (specs.sm90_backward_module(dtype, head_dim, tile=backward),)
     elif specs.tensor_core_eligible(dtype, head_dim):

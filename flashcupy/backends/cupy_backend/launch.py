@@ -118,6 +118,17 @@ def _sm90_forward_smem(m: int, n: int, d: int, atomic: bool) -> int:
     return smem if smem <= SM90_SMEM_OPTIN else smem - m * d * 2
 
 
+# The Hopper backward's dK/dV kernel (flash_bwd_sm90.cu's shared-memory table): K_j, V_j; STAGES x (Q_i, dO_i);
+# two buffers of each consumer's dSᵀ (64 keys x m), or above head_dim 128 (SPLIT_D) dSᵀ and Pᵀ once; dQ_i in
+# fp32, rows padded; STAGES x (lse_i, D_i); 1024 bytes to align. SPLIT_D takes one stage (two: 245 KiB)
+def _sm90_backward_smem(m: int, n: int, d: int) -> int:
+    split = d > 128
+    stages = 1 if split else 2
+    ds_tiles = 2 if split else 2 * 2
+    return (2 * n + 2 * stages * m) * d * 2 + ds_tiles * 64 * m * 2 + m * (d + SM90_DQ_ROW_PAD) * 4 \
+        + stages * 2 * m * 4 + 1024
+
+
 LAUNCH = {
     **{t: Launch(bounds=_simt_bounds) for t in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq", "flash_probs",
                                                 "flash_bwd_dbias")},
@@ -133,10 +144,7 @@ LAUNCH = {
     # entry that setmaxnreg needs), so no bounds rule. The forward: a producer warpgroup and a consumer
     # warpgroup for each 64 query rows of its tile (two, or three with specs.SM90_TALL_FORWARD_TILES)
     "flash_fwd_sm90": Launch(lambda kernel: 128 * (1 + kernel.block_m // SM90_CONSUMER_ROWS), _sm90_forward_smem),
-    # K_j, V_j; 2 x (Q_i, dO_i); 2 x each consumer's dSᵀ (64 keys x m); the owner's dQ_i in fp32, rows padded;
-    # 2 x (lse_i, D_i); 1024 to align
-    "flash_bwd_dkdv_sm90": Launch(SM90_THREADS, lambda m, n, d, atomic: (2 * n + 4 * m) * d * 2 + 2 * 2 * 64 * m * 2
-                                  + m * (d + SM90_DQ_ROW_PAD) * 4 + 2 * 2 * m * 4 + 1024),
+    "flash_bwd_dkdv_sm90": Launch(SM90_THREADS, lambda m, n, d, atomic: _sm90_backward_smem(m, n, d)),
 }
 
 

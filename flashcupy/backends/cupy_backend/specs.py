@@ -168,7 +168,7 @@ TC_BACKWARD_TEMPLATES = TC_TEMPLATES[2:]  # the two whose grid has column parts 
 
 # The Hopper forward (flash_fwd_sm90.cu: TMA, wgmma, warp specialisation), compiled for sm_90a and run
 # on compute capability 9.0 only: float16/bfloat16, head_dim a multiple of 8 up to 256 (the backward's up
-# to 128), the modifiers of SM90_FORWARD_MODS (the backward's: SM90_BACKWARD_MODS), no split-KV. HEAD_DIM is
+# to 128 and 193..256), the modifiers of SM90_FORWARD_MODS (the backward's: SM90_BACKWARD_MODS), no split-KV. HEAD_DIM is
 # head_dim rounded up to 64 (a 128B-swizzled TMA box is 64 columns; tc_tile_row); BLOCK_M is two (or
 # three) consumer warpgroups of 64 query rows, BLOCK_N a key block (wgmma N).
 SM90_TEMPLATES = ("flash_fwd_sm90", "flash_bwd_dkdv_sm90")
@@ -213,8 +213,11 @@ SM90_SMEM_OPTIN = 227 * 1024  # the most dynamic shared memory a CTA may opt in 
 SMEM_OPTIN = {80: 163 * 1024, 87: 163 * 1024, 90: SM90_SMEM_OPTIN, 100: SM90_SMEM_OPTIN}
 SMEM_OPTIN_OTHERS = 99 * 1024
 # The Hopper backward's dK/dV kernel (flash_bwd_sm90.cu): (query rows a pass, keys a CTA), two consumer
-# warpgroups of 64 keys each (FA3's 64 x 128 at head_dim 128)
-SM90_BACKWARD_TILES = {64: (64, 128), 128: (64, 128)}
+# warpgroups of 64 keys each (FA3's 64 x 128 at head_dim 128); at head_dim 193..256 (SPLIT_D) 64 keys that
+# both consumers share, each taking half of the columns (FA3's 64-row pass; dK and dV of 64 keys x 256
+# columns would take 256 registers a thread). Head_dim 136..192 stays on mma.sync: the 256 tile would
+# pad it by a third
+SM90_BACKWARD_TILES = {64: (64, 128), 128: (64, 128), 256: (64, 64)}
 # FA3's 128 x 128 at head_dim 64 (its flash_bwd_launch_template.h): twice the query rows a pass, Sᵀ and dPᵀ
 # as wgmma N = 128 for the same K_c, V_c operand reads, half the barriers a FLOP. Taken where
 # cupy_backend.SM90_TALL_BACKWARD asks for it, without the window: at 128 rows the window's masked passes
@@ -240,7 +243,7 @@ SM90_FORWARD_MODS = {64: ALL_MODS, 128: ALL_MODS, 192: ALL_MODS & ~MOD_BITS["bia
 # alone at 256, where with softcap and ALiBi it spilled 64 bytes at 64 keys (its sequence's offsets besides)
 _VARLEN_MODS = MOD_BITS["window"] | MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"]
 SM90_VARLEN_FORWARD_MODS = {64: _VARLEN_MODS, 128: _VARLEN_MODS, 192: _VARLEN_MODS, 256: MOD_BITS["window"]}
-# The Hopper backward's (head_dim up to 128): every modifier for one batch, a packed batch's three, but
+# The Hopper backward's (head_dim up to 128, 193..256): every modifier for one batch, a packed batch's three, but
 # (SM90_BACKWARD_SPILLS) the window with a bias or the mask at head_dim 128, which spilled 4-20 bytes
 # (NVRTC 12.9 and 13.5; every set compiled: benchmarks/results/sm90_modifiers.md); those calls' backward
 # runs on mma.sync
@@ -628,7 +631,7 @@ def sm90_eligible(dtype, head_dim: int, mods: int, backward: bool = False, varle
     SM90_BACKWARD_MODS (SM90_VARLEN_BACKWARD_MODS) but the sets of SM90_BACKWARD_SPILLS. The device's
     compute capability and the arrays' strides are checked apart."""
     buckets = SM90_BACKWARD_TILES if backward else SM90_FORWARD_TILES
-    if not (_name(dtype) in TC_DTYPES and head_dim % 8 == 0 and head_dim <= max(buckets)):
+    if not (_name(dtype) in TC_DTYPES and head_dim % 8 == 0 and tc_tile_row(head_dim) in buckets):
         return False
     if backward:
         allowed = SM90_VARLEN_BACKWARD_MODS if varlen else SM90_BACKWARD_MODS

@@ -1,5 +1,5 @@
 // flash_bwd_sm90.cu: FlashAttention backward for Hopper (sm_90a): TMA loads into an mbarrier ring,
-// warpgroup MMA (wgmma), warp specialisation. float16 and bfloat16, head_dim up to 128,
+// warpgroup MMA (wgmma), warp specialisation. float16 and bfloat16, head_dim up to 128 and 193..256,
 // every score modifier (mask.cuh; a packed batch: the window, softcap and ALiBi).
 //
 // The maths of flash_bwd_tc.cu, with P recomputed from the forward's lse (natural log), in base 2:
@@ -67,6 +67,22 @@
 // The pass: 64 query rows (FA3's 64 x 128 at head_dim 128); with cupy_backend.SM90_TALL_BACKWARD, 128 at
 // head_dim 64 without the window (FA3's 128 x 128 there: Sᵀ, dPᵀ of twice the columns for the same K_c,
 // V_c operand reads, half the barriers a FLOP; specs.sm90_backward_tile).
+// SPLIT_D, head_dim 193..256 (HEAD_DIM 256; 136..192 stays on flash_bwd_tc.cu, which the 256 tile would pad
+// by a third): a consumer's dK_c and dV_c of 64 keys x 256 columns would take 256 registers a thread, so
+// the consumers split the columns instead of the keys (FA3's hdim-256 backward takes P and dS through shared
+// memory too). The CTA's key block is 64 keys, the pass 64 rows, one stage (the ring's second would not fit:
+// 245 KiB). Per pass, consumer c:
+//         Sᵀ_c = K_j Q_cᵀ, dPᵀ_c = V_j dO_cᵀ   wgmma_ss m64 n32: all 64 keys x its 32 queries (32 c ..)
+//         Pᵀ, dSᵀ as above, rounded to T, into its query columns of P_s and dS_s (keys x queries)
+//         DS_READY: both consumers' columns are there (each thread fenced for the async proxy)
+//         dV_c += Pᵀ dO_i[:, 128 c ..]       wgmma_ss m64 n128, A = Pᵀ K-major from P_s, B MN-major
+//         dK_c += dSᵀ Q_i[:, 128 c ..]       the same from dS_s
+//         dQ_i[:, 128 c ..] = dS K_j[:, 128 c ..]   wgmma_ss, A = dS MN-major from dS_s (a group of its own)
+//         its columns of dQ_i into dQ_s; DQ_STAGED: both consumers' are; consumer 0's lead adds the tile.
+// dV_c, dK_c, dQ_i's columns: 64 accumulators a thread each. The stage is released once dV's and dK's wgmma
+// have landed, so the next pass's Q_i, dO_i load under dQ's wgmma and the add. The pass's P_s and dS_s are
+// written again only after DQ_STAGED, which each consumer reaches after its own wgmma of the pass have
+// landed; dQ_s after DS_READY, which consumer 0's lead reaches after its last add has read dQ_s.
 // Shared memory (dynamic, aligned up to 1024 bytes), tiles as sm90_tile.cuh lays them:
 //     K_s, V_s      BLOCK_N x HEAD_DIM each            K_j, V_j; loaded once
 //     Q_s, dO_s     STAGES x BLOCK_M x HEAD_DIM each   the ring: stage s holds pass p (p % STAGES == s)
@@ -77,7 +93,8 @@
 //     dQ_s          BLOCK_M x DQ_ROW floats            the owner's dQ_i, the workspace tile's layout
 //     stats_s       STAGES x 2 x BLOCK_M floats        lse_i log2 e, then D_i, per stage
 //     total (2 BLOCK_N + 4 BLOCK_M) HEAD_DIM 2 + 512 BLOCK_M + 4 BLOCK_M DQ_ROW + 16 BLOCK_M bytes
-//     + 1024 (launch.py: LAUNCH).
+//     + 1024 (launch.py: _sm90_backward_smem). SPLIT_D: one stage (STAGES), and in dS_s's place dSᵀ, then
+//     Pᵀ (P_s), 64 keys x BLOCK_M each: 216,576 bytes at 64 x 64.
 // mbarriers (static shared memory), and why each is waited on:
 //     kv_full       K_j and V_j have landed (the producer's arrive.expect_tx): before the first pass.
 //     full[s]       Q_i, dO_i of stage s have landed, and warp 1's 32 lanes have stored lse_i, D_i
@@ -105,6 +122,7 @@
 //                p's owner had to wait before its stores for pass p - 1's dQ wgmma, run by the other.)
 //     1 + c      the owner's 128 threads, between their stores into dQ_s (fenced) and the bulk
 //                reduce-add that reads them.
+//     (SPLIT_D: DS_READY and DQ_STAGED, number 1, synced by both consumers' 256 threads in every pass: above.)
 //     ZEROED     the consumers' 256 threads, between zeroing rows of a box (each thread fenced) and the
 //                first wgmma that reads it: dO_i's rows that see no key (dead_rows), and VARLEN, the rows
 //                of a box past its sequence: K_j, V_j's once, Q_i, dO_i's in each pass whose block ends
@@ -117,9 +135,9 @@
 // as for flash_fwd_sm90.cu (strides a tensor map describes); lse any strides; dk, dv contiguous along
 // head_dim; the dQ workspace contiguous, q's shape.
 //
-// Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64 or 128: head_dim rounded up to 64),
-// BLOCK_M (query rows a pass: 64 or 128, specs.sm90_backward_tile), BLOCK_N (64 CONSUMERS keys), MODS (the
-// score modifiers, mask.cuh: Score makes each score of Sᵀ final, the bool mask masks every tile, and dS
+// Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64, 128 or 256: head_dim rounded up to 64),
+// BLOCK_M (query rows a pass: 64 or 128, specs.sm90_backward_tile), BLOCK_N (64 CONSUMERS keys; SPLIT_D: 64),
+// MODS (the score modifiers, mask.cuh: Score makes each score of Sᵀ final, the bool mask masks every tile, and dS
 // takes the softcap's derivative, as in flash_bwd_tc.cu; a packed batch takes no bias or mask), VARLEN (a
 // packed batch: the tensor maps over its (1, total, heads, head_dim) tensors, dk, dv, lse with batch
 // strides 0), DETERMINISTIC (the dQ tiles' adds in key-block order through dq_turns; otherwise dq_turns
@@ -141,13 +159,22 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_dout,
     LSE_PARAMS(const float, lse), const float* __restrict__ Dvec, TENSOR_PARAMS(T, dk), TENSOR_PARAMS(T, dv),
     PROBLEM_PARAMS(float), float* __restrict__ dqa, int* __restrict__ dq_turns, VARLEN_PARAMS) {
-    static_assert(BLOCK_N == 64 * SM90_CONSUMERS, "a consumer warpgroup owns 64 keys");
-    static_assert(SM90_CONSUMERS == 2, "the owners of dQ alternate: the barriers below count on it");
+    // SPLIT_D (head_dim 256): the consumers split the head_dim columns of dK, dV and dQ_i, and Sᵀ's queries
+    // (below); otherwise the keys
+    constexpr bool SPLIT_D = HEAD_DIM > 128;
+    static_assert(SPLIT_D || BLOCK_N == 64 * SM90_CONSUMERS, "a consumer warpgroup owns 64 keys");
+    static_assert(!SPLIT_D || (BLOCK_N == 64 && BLOCK_M == 64), "SPLIT_D: one wgmma M of keys, of queries");
+    static_assert(SM90_CONSUMERS == 2, "the owners of dQ alternate, or split it in halves: the barriers count on it");
     static_assert(BLOCK_M == 64 || BLOCK_M == 128, "a pass: one or two atoms of a dS row, wgmma Ms of dQ");
-    static_assert(HEAD_DIM % ATOM == 0 && HEAD_DIM <= 128, "head_dim in whole atoms; wgmma N of 64 or 128");
+    static_assert(HEAD_DIM % ATOM == 0 && (HEAD_DIM <= 128 || HEAD_DIM == 256),
+                  "head_dim in whole atoms; wgmma N of 64 or 128 (a consumer's half of 256)");
     static_assert(!VARLEN || (MODS & MOD_PAIRS) == 0, "a packed batch takes no bias or mask (attention_varlen)");
-    constexpr int M_TILES = BLOCK_M / 8;     // 8-query column tiles of Sᵀ
-    constexpr int D_TILES = HEAD_DIM / 8;    // 8-column tiles of dK, dV, dQ
+    // SPLIT_D: one stage, Q_i, dO_i, the dQ_s of 64 x 256 floats and K_j, V_j take 213 KiB
+    constexpr int STAGES = SPLIT_D ? 1 : SM90_STAGES;
+    constexpr int COLS = HEAD_DIM / (SPLIT_D ? SM90_CONSUMERS : 1);     // columns of dK, dV, dQ_i a consumer owns
+    constexpr int S_COLS = BLOCK_M / (SPLIT_D ? SM90_CONSUMERS : 1);    // queries of Sᵀ, dPᵀ a consumer computes
+    constexpr int M_TILES = S_COLS / 8;      // 8-query column tiles of Sᵀ
+    constexpr int D_TILES = COLS / 8;        // 8-column tiles of dK, dV, dQ
     constexpr int QK_STEPS = HEAD_DIM / 16;  // k-steps of Sᵀ, dPᵀ
     constexpr int Q_STEPS = BLOCK_M / 16;    // k-steps of dV, dK (over the queries)
     constexpr int K_STEPS = BLOCK_N / 16;    // k-steps of dQ (over the block's keys)
@@ -167,18 +194,21 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2, QO_BYTES = BLOCK_M * HEAD_DIM * 2;
     constexpr int DS_BYTES = 64 * BLOCK_M * 2;
     constexpr int DQ_BYTES = BLOCK_M * DQ_ROW<HEAD_DIM> * 4;
-    constexpr int DS_READY = 3, ZEROED = 5;  // named barriers (1 + c: the owner's staging of dQ_i)
+    // named barriers (1 + c: the owner's staging of dQ_i; SPLIT_D: DQ_STAGED, both consumers')
+    constexpr int DS_READY = 3, ZEROED = 5, DQ_STAGED = 1;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* K_s = aligned_smem(smem_raw);
     unsigned char* V_s = K_s + KV_BYTES;
     unsigned char* Q_s = V_s + KV_BYTES;
-    unsigned char* dO_s = Q_s + SM90_STAGES * QO_BYTES;
-    unsigned char* dS_s = dO_s + SM90_STAGES * QO_BYTES;
-    float* dQ_s = reinterpret_cast<float*>(dS_s + 2 * SM90_CONSUMERS * DS_BYTES);
+    unsigned char* dO_s = Q_s + STAGES * QO_BYTES;
+    unsigned char* dS_s = dO_s + STAGES * QO_BYTES;
+    // dS_s: two buffers of each consumer's dSᵀ rows; SPLIT_D: dSᵀ, then Pᵀ (P_s), each consumer's queries
+    unsigned char* P_s = dS_s + DS_BYTES;
+    float* dQ_s = reinterpret_cast<float*>(dS_s + (SPLIT_D ? 2 : 2 * SM90_CONSUMERS) * DS_BYTES);
     float* stats_s = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(dQ_s) + DQ_BYTES);
-    __shared__ __align__(8) unsigned long long kv_full, full[SM90_STAGES], empty[SM90_STAGES];
-    __shared__ int dead_rows[SM90_STAGES];  // whether stage s's pass has a row that sees no key (warp 1's)
+    __shared__ __align__(8) unsigned long long kv_full, full[STAGES], empty[STAGES];
+    __shared__ int dead_rows[STAGES];  // whether stage s's pass has a row that sees no key (warp 1's)
     __shared__ int dq_tile[SM90_CONSUMERS];  // each consumer's lead thread's own (no other thread's)
     __shared__ int dq_added[SM90_CONSUMERS];  // DETERMINISTIC: the tile of the lead's last add, its turn not
                                               // yet passed on (-1: none); the lead's own too
@@ -237,7 +267,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
 
     if (threadIdx.x == 0) {
         mbarrier_init(&kv_full, 1);
-        for (int s = 0; s < SM90_STAGES; ++s) {
+        for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(&full[s], 1 + WARP_SIZE);
             mbarrier_init(&empty[s], 128 * SM90_CONSUMERS);
         }
@@ -252,9 +282,9 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
             load_box<BLOCK_N, HEAD_DIM>(K_s, map_k, blk.kv_head, k_row0 + blk.j0, blk.b, &kv_full);
             load_box<BLOCK_N, HEAD_DIM>(V_s, map_v, blk.kv_head, k_row0 + blk.j0, blk.b, &kv_full);
             for (int p = 0; p < passes; ++p) {
-                const int s = p % SM90_STAGES;
+                const int s = p % STAGES;
                 // the consumers are done with the pass this stage held (the first round passes at once)
-                mbarrier_wait_parity(&empty[s], (p / SM90_STAGES + 1) & 1);
+                mbarrier_wait_parity(&empty[s], (p / STAGES + 1) & 1);
                 mbarrier_arrive_expect_tx(&full[s], 2 * QO_BYTES);
                 load_box<BLOCK_M, HEAD_DIM>(Q_s + s * QO_BYTES, map_q, head_of(p), q_row0 + row_of(p), blk.b, &full[s]);
                 load_box<BLOCK_M, HEAD_DIM>(dO_s + s * QO_BYTES, map_dout, head_of(p), q_row0 + row_of(p), blk.b,
@@ -262,8 +292,8 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
             }
         } else if (warp == 1) {
             for (int p = 0; p < passes; ++p) {
-                const int s = p % SM90_STAGES;
-                mbarrier_wait_parity(&empty[s], (p / SM90_STAGES + 1) & 1);  // as warp 0's
+                const int s = p % STAGES;
+                mbarrier_wait_parity(&empty[s], (p / STAGES + 1) & 1);  // as warp 0's
                 const int h = head_of(p), i0 = row_of(p);
                 float* stats = stats_s + s * 2 * BLOCK_M;
                 if (lane == 0) dead_rows[s] = 0;
@@ -289,9 +319,9 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     // a consumer: keys key_c .. key_c + 63 of the block, the warp's 16 from key_w
     setmaxnreg_inc<CONSUMER_REGISTERS<SM90_CONSUMERS>>();
     const int c = warpgroup - 1;
-    const int key_c = blk.j0 + 64 * c, key_w = key_c + 16 * (warp % 4);
-    const unsigned char* K_c = K_s + 64 * c * 128;  // the consumer's rows of K_s, V_s, in their first atoms
-    const unsigned char* V_c = V_s + 64 * c * 128;
+    const int key_c = blk.j0 + (SPLIT_D ? 0 : 64 * c), key_w = key_c + 16 * (warp % 4);
+    const unsigned char* K_c = K_s + (key_c - blk.j0) * 128;  // the consumer's rows of K_s, V_s, in their first atoms
+    const unsigned char* V_c = V_s + (key_c - blk.j0) * 128;
     const bool lead = threadIdx.x % 128 == 0;  // the consumer's thread that issues its bulk reduce-adds
     const float scale_log2 = scale * LOG2E;
     // DETERMINISTIC: the lead passes the turn at the tile of its last add on to the next key block, once
@@ -322,25 +352,9 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         fence_proxy_async();                                  // this thread's zeros, before any wgmma reads them
         named_barrier_sync(ZEROED, 128 * SM90_CONSUMERS);     // every consumer thread's
     }
-
-    for (int p = 0; p < passes; ++p)
-#pragma unroll
-    for (int copy = 0; copy < COPIES; ++copy) {
-        // whether this consumer computes the pass's dQ_i. DQ_UNDER_DK: the pass in two copies, the other's
-        // and the owner's, `owner` a constant in each, one of them skipped: a wgmma issued in a branch on a
-        // value ptxas cannot prove uniform over the warpgroup, with others in flight, was serialised (C7518,
-        // C7520). (A lambda for the pass instead spilled the tall pass's kernels.)
-        const bool owner = COPIES == 1 ? p % SM90_CONSUMERS == c : copy == 1;
-        if (COPIES == 2 && owner != (p % SM90_CONSUMERS == c)) continue;
-        const int s = p % SM90_STAGES, h = head_of(p), i0 = row_of(p);
-        // dQ_i's workspace tile, for the lead's reduce-add at the end: kept in a register across the pass
-        // (or made again there), it spilled the window kernel at head_dim 128 under NVRTC 12.9
-        if (lead) dq_tile[c] = dq_tile_of(h, i0);
-        const unsigned char* Q_i = Q_s + s * QO_BYTES;
-        const unsigned char* dO_i = dO_s + s * QO_BYTES;
-        const float* lse_i = stats_s + s * 2 * BLOCK_M;
-        const float* D_i = lse_i + BLOCK_M;
-        mbarrier_wait_parity(&full[s], (p / SM90_STAGES) & 1);
+    // Waits until pass p's stage s has landed, then zeros its rows that must be zeros
+    const auto stage_landed = [&](int p, int s, int i0, const float* lse_i) {
+        mbarrier_wait_parity(&full[s], (p / STAGES) & 1);
         if (q_tail(p) || dead_rows[s]) {
             if (q_tail(p))
                 zero_rows<BLOCK_M, HEAD_DIM>(Q_s + s * QO_BYTES, seqlen_q - i0, zeroer, 128 * SM90_CONSUMERS);
@@ -350,6 +364,146 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
             fence_proxy_async();                               // this thread's zeros, before any wgmma reads them
             named_barrier_sync(ZEROED, 128 * SM90_CONSUMERS);  // every consumer thread's
         }
+    };
+    // Consumer c's lead: dQ_s (staged, fenced and synced) into its workspace tile dq_tile[c], query block i0
+    const auto add_dq = [&](int i0) {
+        float* tile = dqa + static_cast<size_t>(dq_tile[c]) * (BLOCK_M * DQ_ROW<HEAD_DIM>);
+        if constexpr (DETERMINISTIC) {
+            pass_turn_on();
+            // this key block's turn at the tile: the key blocks that add into it before this one have
+            // (the first in the order the hardware dispatches CTAs: key_block's ascending j; a packed
+            // batch's slots, last first, descending j), and their adds are complete
+            const int j = blk.j0 / BLOCK_N;
+            const int turn = VARLEN ? num_blocks(mask.key_end(i0), BLOCK_N) - 1 - j
+                                    : j - mask.key_start(i0) / BLOCK_N;
+            flag_wait_at_least(dq_turns + dq_tile[c], turn);  // [deterministic]
+            fence_proxy_async_global();                        // [deterministic] the acquire, before the add
+        }
+        bulk_reduce_add_f32(tile, dQ_s, DQ_BYTES);
+        tma_store_commit_group();
+        if constexpr (DETERMINISTIC) dq_added[c] = dq_tile[c];
+    };
+
+    // A consumer's dQ_i accumulators (64 rows from row0, COLS columns from col0; landed) into dQ_s, the workspace
+    // tile's layout
+    const auto store_dq = [&](float (&acc)[D_TILES][4], int row0, int col0) {
+        wgmma_fence_operand<COLS / 2>(&acc[0][0]);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + 16 * (warp % 4) + c_row(2 * r);
+#pragma unroll
+            for (int nt = 0; nt < D_TILES; ++nt)
+                *reinterpret_cast<float2*>(dQ_s + row * DQ_ROW<HEAD_DIM> + col0 + 8 * nt + c_col(0)) =
+                    make_float2(acc[nt][2 * r], acc[nt][2 * r + 1]);
+        }
+    };
+
+    // SPLIT_D (head_dim 256): a pass's work split by columns. Consumer c computes Sᵀ and dPᵀ of the block's
+    // 64 keys and its S_COLS queries of the pass (S_COLS c ..), stores Pᵀ and dSᵀ of them into P_s and dS_s
+    // (keys x queries: with the other's, the whole pass's), then, once both have (DS_READY), its COLS columns
+    // (COLS c ..) of dV += Pᵀ dO_i, dK += dSᵀ Q_i and dQ_i = dS K_j, all wgmma_ss from shared memory: each of
+    // the three accumulators takes 64 registers a thread, where the other split's dK and dV of 64 keys x 256
+    // columns would take 256. Both stage their halves of dQ_i into dQ_s; consumer 0's lead adds the tile.
+    if constexpr (SPLIT_D)
+        for (int p = 0; p < passes; ++p) {
+            const int s = p % STAGES, h = head_of(p), i0 = row_of(p);
+            if (lead) dq_tile[c] = dq_tile_of(h, i0);
+            const unsigned char* Q_i = Q_s + s * QO_BYTES;
+            const unsigned char* dO_i = dO_s + s * QO_BYTES;
+            const float* lse_i = stats_s + s * 2 * BLOCK_M;
+            const float* D_i = lse_i + BLOCK_M;
+            stage_landed(p, s, i0, lse_i);
+
+            // Sᵀ = K_j Q_cᵀ and dPᵀ = V_j dO_cᵀ: Q_c, dO_c the consumer's rows of Q_i, dO_i (within each atom)
+            const int q_c = S_COLS * c;
+            float S[M_TILES][4], dP[M_TILES][4];
+            wgmma_fence();  // dK, dV and the last pass's fragments were written by ordinary instructions
+#pragma unroll
+            for (int ks = 0; ks < QK_STEPS; ++ks)
+                wgmma_ss<T, S_COLS>(&S[0][0], k_major<BLOCK_N>(K_s, ks), k_major<BLOCK_M>(Q_i + q_c * 128, ks), ks > 0);
+#pragma unroll
+            for (int ks = 0; ks < QK_STEPS; ++ks)
+                wgmma_ss<T, S_COLS>(&dP[0][0], k_major<BLOCK_N>(V_s, ks), k_major<BLOCK_M>(dO_i + q_c * 128, ks),
+                                    ks > 0);
+            wgmma_commit_group();
+            wgmma_wait_group<0>();
+            wgmma_fence_operand<S_COLS / 2>(&S[0][0]);
+            wgmma_fence_operand<S_COLS / 2>(&dP[0][0]);
+            {
+                const bool partial = TILE_MASKED(MODS, i0, blk.j0);
+                const auto score = MAKE_SCORE(T, float, MODS, VARLEN ? seq_index : blk.b, h, scale_log2, LOG2E);
+                for_each_element_cols<PAIRED_STATS>([&](int r, int col, float lse, float D, float& x, float& dp) {
+                    TC_P_DS(TC_PAIR_HIDDEN(partial, i0 + q_c + col, key_w + r), false, i0 + q_c + col, key_w + r, x,
+                            dp, lse, D, scale_log2);
+                }, lse_i + q_c, D_i + q_c, S, dP);
+            }
+            // Pᵀ and dSᵀ, rounded to T, into the consumer's query columns of P_s and dS_s: the wgmma of the
+            // pass before, of both consumers, have read them (both waited for theirs before DQ_STAGED)
+#pragma unroll
+            for (int kt = 0; kt < S_COLS / 16; ++kt) {
+                unsigned pa[4], dsa[4];
+                c_to_a<T>(pa, S[2 * kt], S[2 * kt + 1]);
+                c_to_a<T>(dsa, dP[2 * kt], dP[2 * kt + 1]);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int key = 16 * (warp % 4) + c_row(2 * (i & 1));
+                    const int query = q_c + 16 * kt + 8 * (i >> 1) + c_col(0);
+                    *reinterpret_cast<unsigned*>(P_s + swizzled_byte<64>(key, query)) = pa[i];
+                    *reinterpret_cast<unsigned*>(dS_s + swizzled_byte<64>(key, query)) = dsa[i];
+                }
+            }
+            fence_proxy_async();  // this thread's Pᵀ, dSᵀ stores, before both consumers' wgmma read them
+            if (lead) tma_store_wait_group_read<0>();  // the last reduce-add has read dQ_s
+            named_barrier_sync(DS_READY, 128 * SM90_CONSUMERS);  // both consumers' Pᵀ and dSᵀ, fenced
+
+            // the consumer's columns: dV += Pᵀ dO_i, dK += dSᵀ Q_i (a group), dQ_i = dS K_j (the next)
+            const int atom_c = COLS / ATOM * c;
+            wgmma_fence();  // the first wgmma since ordinary instructions used registers
+#pragma unroll
+            for (int kt = 0; kt < Q_STEPS; ++kt)
+                wgmma_ss<T, COLS, false, true>(&dV[0][0], k_major<64>(P_s, kt),
+                                               mn_major<BLOCK_M>(dO_i + atom_c * ATOM_BYTES<BLOCK_M>, kt), true);
+#pragma unroll
+            for (int kt = 0; kt < Q_STEPS; ++kt)
+                wgmma_ss<T, COLS, false, true>(&dK[0][0], k_major<64>(dS_s, kt),
+                                               mn_major<BLOCK_M>(Q_i + atom_c * ATOM_BYTES<BLOCK_M>, kt), true);
+            wgmma_commit_group();
+            float dQ[D_TILES][4];
+#pragma unroll
+            for (int kt = 0; kt < K_STEPS; ++kt)
+                wgmma_ss<T, COLS, true, true>(&dQ[0][0], mn_major<64>(dS_s, kt),
+                                              mn_major<BLOCK_N>(K_s + atom_c * ATOM_BYTES<BLOCK_N>, kt), kt > 0);
+            wgmma_commit_group();
+            wgmma_wait_group<1>();  // dV and dK have landed
+            wgmma_fence_operand<COLS / 2>(&dK[0][0]);
+            wgmma_fence_operand<COLS / 2>(&dV[0][0]);
+            mbarrier_arrive(&empty[s]);  // dV's and dK's wgmma, the last to read the stage, have landed
+            wgmma_wait_group<0>();       // dQ_i's columns have landed
+            store_dq(dQ, 0, COLS * c);
+            fence_proxy_async();                                // this thread's dQ_s stores, before the add
+            named_barrier_sync(DQ_STAGED, 128 * SM90_CONSUMERS);  // both consumers' halves
+            if (lead && c == 0) add_dq(i0);
+        }
+
+    if constexpr (!SPLIT_D)
+    for (int p = 0; p < passes; ++p)
+#pragma unroll
+    for (int copy = 0; copy < COPIES; ++copy) {
+        // whether this consumer computes the pass's dQ_i. DQ_UNDER_DK: the pass in two copies, the other's
+        // and the owner's, `owner` a constant in each, one of them skipped: a wgmma issued in a branch on a
+        // value ptxas cannot prove uniform over the warpgroup, with others in flight, was serialised (C7518,
+        // C7520). (A lambda for the pass instead spilled the tall pass's kernels.)
+        const bool owner = COPIES == 1 ? p % SM90_CONSUMERS == c : copy == 1;
+        if (COPIES == 2 && owner != (p % SM90_CONSUMERS == c)) continue;
+        const int s = p % STAGES, h = head_of(p), i0 = row_of(p);
+        // dQ_i's workspace tile, for the lead's reduce-add at the end: kept in a register across the pass
+        // (or made again there), it spilled the window kernel at head_dim 128 under NVRTC 12.9
+        if (lead) dq_tile[c] = dq_tile_of(h, i0);
+        const unsigned char* Q_i = Q_s + s * QO_BYTES;
+        const unsigned char* dO_i = dO_s + s * QO_BYTES;
+        const float* lse_i = stats_s + s * 2 * BLOCK_M;
+        const float* D_i = lse_i + BLOCK_M;
+        stage_landed(p, s, i0, lse_i);
 
         // Sᵀ = K_c Q_iᵀ and dPᵀ = V_c dO_iᵀ: the consumer's 64 keys x BLOCK_M queries. P_UNDER_DP: each a group
         // of its own, so that Pᵀ's exponentials run while dPᵀ's wgmma does (FA3's order)
@@ -439,18 +593,6 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
                                                   mn_major<BLOCK_N>(K_s, kt), kt > 0);
             wgmma_commit_group();
         };
-        const auto store_chunk = [&](auto chunk) {  // into dQ_s, the workspace tile's layout
-            constexpr int m = decltype(chunk)::value;
-            wgmma_fence_operand<HEAD_DIM / 2>(&dQ[m][0][0]);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = 64 * m + 16 * (warp % 4) + c_row(2 * r);
-#pragma unroll
-                for (int nt = 0; nt < D_TILES; ++nt)
-                    *reinterpret_cast<float2*>(dQ_s + row * DQ_ROW<HEAD_DIM> + 8 * nt + c_col(0)) =
-                        make_float2(dQ[m][nt][2 * r], dQ[m][nt][2 * r + 1]);
-            }
-        };
         if (DQ_UNDER_DK && owner) {
             named_barrier_sync(DS_READY, 128 * SM90_CONSUMERS);  // every consumer's dSᵀ rows, fenced
             issue_chunk(Static<0>{});
@@ -462,7 +604,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
         if (!owner) continue;
 
         if constexpr (DQ_UNDER_DK) {
-            store_chunk(Static<0>{});
+            store_dq(dQ[0], 0, 0);
         } else {
             named_barrier_sync(DS_READY, 128 * SM90_CONSUMERS);  // every consumer's dSᵀ rows, fenced
             wgmma_fence();  // the first wgmma since ordinary instructions used registers (else ptxas adds one)
@@ -470,33 +612,17 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
             if constexpr (M_CHUNKS == 2) {
                 issue_chunk(Static<1>{});
                 wgmma_wait_group<1>();  // chunk 0 has landed
-                store_chunk(Static<0>{});
+                store_dq(dQ[0], 0, 0);
                 wgmma_wait_group<0>();  // chunk 1 has landed
-                store_chunk(Static<1>{});
+                store_dq(dQ[1], 64, 0);
             } else {
                 wgmma_wait_group<0>();
-                store_chunk(Static<0>{});
+                store_dq(dQ[0], 0, 0);
             }
         }
         fence_proxy_async();             // this thread's dQ_s stores, before the bulk reduce-add reads them
         named_barrier_sync(1 + c, 128);  // every owner thread's
-        if (lead) {
-            float* tile = dqa + static_cast<size_t>(dq_tile[c]) * (BLOCK_M * DQ_ROW<HEAD_DIM>);
-            if constexpr (DETERMINISTIC) {
-                pass_turn_on();
-                // this key block's turn at the tile: the key blocks that add into it before this one have
-                // (the first in the order the hardware dispatches CTAs: key_block's ascending j; a packed
-                // batch's slots, last first, descending j), and their adds are complete
-                const int j = blk.j0 / BLOCK_N;
-                const int turn = VARLEN ? num_blocks(mask.key_end(i0), BLOCK_N) - 1 - j
-                                        : j - mask.key_start(i0) / BLOCK_N;
-                flag_wait_at_least(dq_turns + dq_tile[c], turn);  // [deterministic]
-                fence_proxy_async_global();                        // [deterministic] the acquire, before the add
-            }
-            bulk_reduce_add_f32(tile, dQ_s, DQ_BYTES);
-            tma_store_commit_group();
-            if constexpr (DETERMINISTIC) dq_added[c] = dq_tile[c];
-        }
+        if (lead) add_dq(i0);
     }
     if (lead) {
         if constexpr (DETERMINISTIC) pass_turn_on();
@@ -504,8 +630,11 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     }
 
     const int key_g = key_w + lane / 4;  // this lane's keys: key_g, key_g + 8
-    store_fragments<HEAD_DIM>(HEAD_ROWS(dk, blk.b, blk.kv_head), dK, {scale, scale}, key_g, seqlen_k, head_dim);
-    store_fragments<HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, {1.0f, 1.0f}, key_g, seqlen_k, head_dim);
+    const int col_c = SPLIT_D ? COLS * c : 0;  // and its first column
+    store_fragments<COLS>(HEAD_ROWS(dk, blk.b, blk.kv_head).from_column(col_c), dK, {scale, scale}, key_g, seqlen_k,
+                          head_dim - col_c);
+    store_fragments<COLS>(HEAD_ROWS(dv, blk.b, blk.kv_head).from_column(col_c), dV, {1.0f, 1.0f}, key_g, seqlen_k,
+                          head_dim - col_c);
 }
 
 // flash_bwd_dq_convert_sm90: dq = scale * the dQ workspace, rounded to T; a thread an element of dq
