@@ -483,11 +483,12 @@ def test_on_sm90_a_packed_batch_at_head_dim_256_takes_the_hopper_forward(rng):
     assert [name for name, _ in grids] == ["flash_fwd_sm90<__nv_bfloat16, 256, 128, 64, 1, true>"] * 2
 
 
-@pytest.mark.parametrize("head_dim, tile", [(64, (128, 128)), (120, (128, 64)), (192, (128, 64))])
+@pytest.mark.parametrize("head_dim, tile", [(64, (128, 128)), (120, (128, 64)), (192, (128, 64)), (248, None)])
 def test_on_sm90_a_packed_batch_with_softcap_and_alibi_takes_the_hopper_kernels(rng, head_dim, tile):
     # attention_varlen's modifiers on the Hopper forward (specs.SM90_VARLEN_FORWARD_MODS; 64 keys at 128 and
-    # 192, where 128 and 80 spilled), slopes per sequence and head; and on the Hopper backward up to 128
-    # (SM90_VARLEN_BACKWARD_MODS; each sequence's slopes: the kernel's seq_index), SIMT's above
+    # 192, where 128 and 80 spilled; at 256 the window alone: the mma.sync forward, tile None), slopes per
+    # sequence and head; and on the Hopper backward up to 128 and at 193..256 (SM90_VARLEN_BACKWARD_MODS; each
+    # sequence's slopes: the kernel's seq_index), mma.sync's between
     from flashcupy.tools.emulator.cupy import emulated
     grids = []
     with emulated(compile=_recording(grids), compute_capability=90):
@@ -495,10 +496,14 @@ def test_on_sm90_a_packed_batch_with_softcap_and_alibi_takes_the_hopper_kernels(
                                         (2, 1), dict(causal=True, window=(90, 2), softcap=2.0, alibi_slopes="per-seq"),
                                         backward=True)
     bucket = -(-head_dim // 64) * 64
-    forward = f"flash_fwd_sm90<__half, {bucket}, {tile[0]}, {tile[1]}, 7, true>"
-    assert [name for name, _ in grids if name.startswith("flash_fwd")] == [forward] * 2
+    forwards = [name for name, _ in grids if name.startswith("flash_fwd")]
+    if tile is None:
+        assert [name.split("<")[0] for name in forwards] == ["flash_fwd_tc"] * 2
+    else:
+        assert forwards == [f"flash_fwd_sm90<__half, {bucket}, {tile[0]}, {tile[1]}, 7, true>"] * 2
     backward = [name for name, _ in grids if name.startswith("flash_bwd_dkdv_sm90")]
-    assert backward == ([f"flash_bwd_dkdv_sm90<__half, {bucket}, 64, 128, 7, true>"] * 2 if head_dim <= 128 else [])
+    keys = 64 if bucket == 256 else 128  # SPLIT_D's key block at 256
+    assert backward == ([f"flash_bwd_dkdv_sm90<__half, {bucket}, 64, {keys}, 7, true>"] * 2 if bucket != 192 else [])
 
 
 def test_on_sm90_a_contiguous_kv_cache_step_is_one_launch_of_the_hopper_forward(rng):
