@@ -215,8 +215,8 @@ SMEM_OPTIN_OTHERS = 99 * 1024
 # The Hopper backward's dK/dV kernel (flash_bwd_sm90.cu): (query rows a pass, keys a CTA), two consumer
 # warpgroups of 64 keys each (FA3's 64 x 128 at head_dim 128); at head_dim 193..256 (SPLIT_D) 64 keys that
 # both consumers share, each taking half of the columns (FA3's 64-row pass; dK and dV of 64 keys x 256
-# columns would take 256 registers a thread). Head_dim 136..192 stays on mma.sync: the 256 tile would
-# pad it by a third
+# columns would take 256 registers a thread; FA3's 64 x 80 there, one stage of Q_i and dO_i as here).
+# Head_dim 136..192 stays on mma.sync: the 256 tile would pad it by a third
 SM90_BACKWARD_TILES = {64: (64, 128), 128: (64, 128), 256: (64, 64)}
 # FA3's 128 x 128 at head_dim 64 (its flash_bwd_launch_template.h): twice the query rows a pass, Sᵀ and dPᵀ
 # as wgmma N = 128 for the same K_c, V_c operand reads, half the barriers a FLOP. Taken where

@@ -71,7 +71,8 @@
 // by a third): a consumer's dK_c and dV_c of 64 keys x 256 columns would take 256 registers a thread, so
 // the consumers split the columns instead of the keys (FA3's hdim-256 backward takes P and dS through shared
 // memory too). The CTA's key block is 64 keys, the pass 64 rows, one stage (the ring's second would not fit:
-// 245 KiB). Per pass, consumer c:
+// 245 KiB; FA3's takes one stage of Q_i and of dO_i at 256 too, with 80 keys a CTA: its launch template).
+// Per pass, consumer c:
 //         Sᵀ_c = K_j Q_cᵀ, dPᵀ_c = V_j dO_cᵀ   wgmma_ss m64 n32: all 64 keys x its 32 queries (32 c ..)
 //         Pᵀ, dSᵀ as above, rounded to T, into its query columns of P_s and dS_s (keys x queries)
 //         DS_READY: both consumers' columns are there (each thread fenced for the async proxy)
