@@ -459,7 +459,8 @@ def test_on_sm90_a_packed_batch_is_one_launch_of_each_hopper_kernel(rng, case):
     # compute capability 9.0: the forward is one launch of flash_fwd_sm90.cu, the backward's dK/dV and dQ
     # conversion are flash_bwd_sm90.cu's, each reading the offsets; sequences empty, of one row, shorter
     # and longer than a box (128 queries and keys in the forward, 64 queries and 128 keys in the
-    # backward, 64 and 64 at head_dim 248), GQA; checked and unchecked offsets give the same bits, and the oracle's numbers
+    # backward, 64 and 64 at head_dim 248), GQA; checked and unchecked offsets give the same bits, and the
+    # oracle's numbers
     from flashcupy.tools.emulator.cupy import emulated
     dtype, head_dim, mods = case
     grids = []

@@ -251,8 +251,9 @@ def _hopper(p, backward: bool, rows, *tensors, varlen: bool = False) -> bool:
     """Whether the Hopper forward (backward) takes a call (varlen: a packed batch's): USE_TENSOR_CORES and
     USE_WGMMA, compute capability 9.0, a dtype, head_dim and modifiers it covers (specs.sm90_eligible:
     head_dim up to 256 in the forward, up to 128 and 193..256 in the backward; every modifier in one
-    batch's forward and backward), `rows` read through 16-byte rows (_rows_16_bytes: what the mma.sync kernels ask of the
-    same arrays), and `tensors`, read or written through tensor maps, describable by one (_tma_describable)."""
+    batch's forward and backward), `rows` read through 16-byte rows (_rows_16_bytes: what the mma.sync
+    kernels ask of the same arrays), and `tensors`, read or written through tensor maps, describable by
+    one (_tma_describable)."""
     rt = _runtime()
     return (USE_TENSOR_CORES and USE_WGMMA
             and specs.sm90_eligible(p.dtype, p.head_dim, _mods(p), backward, varlen)

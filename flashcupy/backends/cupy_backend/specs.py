@@ -168,9 +168,9 @@ TC_BACKWARD_TEMPLATES = TC_TEMPLATES[2:]  # the two whose grid has column parts 
 
 # The Hopper forward (flash_fwd_sm90.cu: TMA, wgmma, warp specialisation), compiled for sm_90a and run
 # on compute capability 9.0 only: float16/bfloat16, head_dim a multiple of 8 up to 256 (the backward's up
-# to 128 and 193..256), the modifiers of SM90_FORWARD_MODS (the backward's: SM90_BACKWARD_MODS), no split-KV. HEAD_DIM is
-# head_dim rounded up to 64 (a 128B-swizzled TMA box is 64 columns; tc_tile_row); BLOCK_M is two (or
-# three) consumer warpgroups of 64 query rows, BLOCK_N a key block (wgmma N).
+# to 128 and 193..256), the modifiers of SM90_FORWARD_MODS (the backward's: SM90_BACKWARD_MODS), no
+# split-KV. HEAD_DIM is head_dim rounded up to 64 (a 128B-swizzled TMA box is 64 columns; tc_tile_row);
+# BLOCK_M is two (or three) consumer warpgroups of 64 query rows, BLOCK_N a key block (wgmma N).
 SM90_TEMPLATES = ("flash_fwd_sm90", "flash_bwd_dkdv_sm90")
 SM90_ARCH = "sm_90a"
 SM90_COMPUTE_CAPABILITY = 90
