@@ -415,16 +415,17 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
             const float* D_i = lse_i + BLOCK_M;
             stage_landed(p, s, i0, lse_i);
 
-            // Sᵀ = K_j Q_cᵀ and dPᵀ = V_j dO_cᵀ: Q_c, dO_c the consumer's rows of Q_i, dO_i (within each atom)
+            // Sᵀ = K_j Q_cᵀ and dPᵀ = V_j dO_cᵀ (K_c, V_c: all of K_j, V_j here); Q_c, dO_c: the consumer's
+            // rows of Q_i, dO_i (within each atom)
             const int q_c = S_COLS * c;
             float S[M_TILES][4], dP[M_TILES][4];
             wgmma_fence();  // dK, dV and the last pass's fragments were written by ordinary instructions
 #pragma unroll
             for (int ks = 0; ks < QK_STEPS; ++ks)
-                wgmma_ss<T, S_COLS>(&S[0][0], k_major<BLOCK_N>(K_s, ks), k_major<BLOCK_M>(Q_i + q_c * 128, ks), ks > 0);
+                wgmma_ss<T, S_COLS>(&S[0][0], k_major<BLOCK_N>(K_c, ks), k_major<BLOCK_M>(Q_i + q_c * 128, ks), ks > 0);
 #pragma unroll
             for (int ks = 0; ks < QK_STEPS; ++ks)
-                wgmma_ss<T, S_COLS>(&dP[0][0], k_major<BLOCK_N>(V_s, ks), k_major<BLOCK_M>(dO_i + q_c * 128, ks),
+                wgmma_ss<T, S_COLS>(&dP[0][0], k_major<BLOCK_N>(V_c, ks), k_major<BLOCK_M>(dO_i + q_c * 128, ks),
                                     ks > 0);
             wgmma_commit_group();
             wgmma_wait_group<0>();
