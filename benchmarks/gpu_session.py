@@ -26,7 +26,8 @@ Stages, in this order, each in its own process with its own time limit:
              Numba kernels (float16, up to
              numba_max_seqlen) beside the CuPy ones; inputs made on the device once per shape and shared
              by every implementation; head_dim 128 and causal first, as they matter most; last, head_dim
-             256 (wide_head_configs: the Hopper forward and backward against the mma.sync ones, cupy-mma
+             256 and 192 (wide_head_configs: the Hopper forward and backward against the mma.sync ones, at
+             192 the Hopper backward's 256 kernel with its fourth atom zeroed; cupy-mma
              (64 x 16 there; two CTAs a key block in the backward), and torch's flash and cuDNN both ways; the
              first dtype, the three longest seqlens), cut first when time runs short
   plot       the sweep as one PNG
@@ -95,8 +96,8 @@ class Sizes:
     tall_configs: tuple = ((64, False), (64, True))  # where "cupy-tall" is timed (the tall backward pass applies)
     tall_forward_configs: tuple = ((64, False), (64, True))  # where "cupy-tallfwd" is timed (192 query rows apply)
     # (head_dim, causal) timed after `configs` by WIDE_HEAD_IMPLS, the first dtype and the three longest seqlens:
-    # head_dim 256 (the Hopper backward's SPLIT_D there)
-    wide_head_configs: tuple = ((256, False),)
+    # head_dim 256 and 192 (the Hopper backward's SPLIT_D at both: at 192 a quarter of its work on zeros)
+    wide_head_configs: tuple = ((256, False), (192, False))
 
 
 GPU = Sizes(seqlens=(512, 1024, 2048, 4096, 8192, 16384), configs=((128, True), (128, False), (64, True), (64, False)),
@@ -351,8 +352,7 @@ def check_items(args):
             continue
         for dtype in backends.module(backend).DTYPES:
             for case in battery:
-                # the Hopper and tensor-core forwards also take head_dim 136..256 (and the backwards, but the
-                # Hopper one at 136..192: the mma.sync one's there)
+                # the Hopper and tensor-core forwards and backwards also take head_dim 136..256
                 eligible = (specs.sm90_eligible(dtype, case[5], 0) if path == "hopper"
                             else specs.tensor_core_eligible(dtype, case[5]))
                 if path != "simt" and not eligible:

@@ -65,10 +65,10 @@ def cmd_info(args) -> int:
           "  (positive, multiples of 16 bytes) and modifiers the kernel takes: one batch's forward every\n"
           "  one but a bias above head_dim 128, packed batches' forward (attention_varlen, contiguous KV\n"
           "  caches) the window, softcap and ALiBi but the last two at 256, the backward up to head_dim\n"
-          "  128 and from 193 to 256 (deterministic=True too: dQ added in key-block order) every one but\n"
-          "  the window with a bias or mask at 128, packed batches' the window, softcap and ALiBi; other\n"
-          "  modifiers, split-KV and paged KV caches stay on mma.sync (cupy_backend.forward_path /\n"
-          "  backward_path say which kernel a call takes)")
+          "  256 (136 to 256 in its 256 kernel; deterministic=True too: dQ added in key-block order)\n"
+          "  every one but the window with a bias or mask at 128, packed batches' the window, softcap\n"
+          "  and ALiBi; other modifiers, split-KV and paged KV caches stay on mma.sync\n"
+          "  (cupy_backend.forward_path / backward_path say which kernel a call takes)")
     print(_hopper_tiles())
     try:
         import cupy

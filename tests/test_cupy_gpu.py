@@ -197,11 +197,12 @@ def test_the_hopper_forwards_new_cases_match_the_oracle(rng, case, modifiers, fm
     ((2, 200, 333, 2, 2, 128, False), ("softcap", "alibi", "bias", "mask"), "bfloat16"),
     ((1, 333, 150, 2, 1, 96, True), ("softcap",), "float16"),  # rows before 183 see no key, NaN in their dout
     ((1, 333, 150, 2, 1, 256, True), ("softcap", "mask"), "bfloat16"),  # SPLIT_D (head_dim 256), the same rows
+    ((2, 200, 333, 2, 1, 160, False), ("softcap",), "float16"),  # SPLIT_D at 160: three atoms loaded, one zeroed
 ], ids=lambda x: x if isinstance(x, str) else "+".join(x) if x and isinstance(x[0], str) else case_id(x))
 def test_the_hopper_backward_with_modifiers_matches_the_oracle(rng, case, modifiers, fmt):
     """The score modifiers and the bool mask on the Hopper backward (specs.SM90_BACKWARD_MODS), and rows that
     see no key inside its passes (their dO_i rows zeroed in shared memory: dead_rows), on silicon against the
-    oracle, deterministic or not (four cases: each compiles its own kernels, in the session's pytest stage)."""
+    oracle, deterministic or not (five cases: each compiles its own kernels, in the session's pytest stage)."""
     import cupy
     from flashcupy.backends import cupy_backend
     (q, k, v, dout), (dq_, dk_, dv_, ddout), call, kw, out, lse = _hopper_forward(rng, case, modifiers, fmt)

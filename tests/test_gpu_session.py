@@ -111,7 +111,7 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert {(r["pass"], r["dtype"], r["seqlen"]) for r in timings if r["impl"] == "cupy-tall"} == {
         ("backward", dtype, S) for dtype in ("bfloat16", "float16") for S in (16, 64)}
     assert "cupy-tall / cupy" in report
-    # wide_head_configs (head_dim 256 on a GPU, (64, False) here): the first dtype, by WIDE_HEAD_IMPLS of those
+    # wide_head_configs (head_dim 256 and 192 on a GPU, (64, False) here): the first dtype, by WIDE_HEAD_IMPLS of those
     # available (torch's cuDNN needs a GPU), both passes
     alone = {(r["impl"], r["pass"], r["dtype"], r["seqlen"]) for r in timings if not r["causal"]}
     assert alone == {(impl, pass_, "bfloat16", S) for impl in ("cupy", "cupy-mma", "torch-flash") for S in (16, 64)

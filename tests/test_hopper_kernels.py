@@ -57,8 +57,7 @@ def _backward_templates(q, k, v, compute_capability=HOPPER, deterministic=False,
 
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
 @pytest.mark.parametrize("head_dim", [32, 64, 72, 128, 136, 192, 200, 256])
-def test_the_hopper_kernels_take_16_bit_calls_the_forward_up_to_head_dim_256_the_backward_but_136_to_192(rng, dtype,
-                                                                                                      head_dim):
+def test_the_hopper_kernels_take_16_bit_calls_up_to_head_dim_256(rng, dtype, head_dim):
     q, k, v = make_qkv(rng, 1, 20, 30, 2, 1, head_dim, np.float32)
     kw = {}
     if dtype == "bfloat16":
@@ -68,13 +67,9 @@ def test_the_hopper_kernels_take_16_bit_calls_the_forward_up_to_head_dim_256_the
         q, k, v = (x.astype(dtype) for x in (q, k, v))
     assert _forward_templates(q, k, v, causal=True, **kw) == {"flash_fwd_sm90"}
     assert _forward_templates(q, k, v, window=(5, 3), **kw) == {"flash_fwd_sm90"}
-    # at 136..192 the mma.sync backward, as on an sm_80 (two CTAs a block: specs.tc_column_parts): the Hopper
-    # backward's 256 tile would pad those by a third
-    hopper = not 128 < head_dim <= 192
-    backward = {"flash_bwd_dkdv_sm90"} if hopper else {"flash_bwd_dkdv_tc"}
-    assert _backward_templates(q, k, v, causal=True, **kw) == backward
-    deterministic = {"flash_bwd_dkdv_sm90"} if hopper else {"flash_bwd_dkdv_tc", "flash_bwd_dq_tc"}
-    assert _backward_templates(q, k, v, causal=True, deterministic=True, **kw) == deterministic
+    # the backward at 136..192 too, in the 256 kernel (specs.sm90_backward_bucket)
+    assert _backward_templates(q, k, v, causal=True, **kw) == {"flash_bwd_dkdv_sm90"}
+    assert _backward_templates(q, k, v, causal=True, deterministic=True, **kw) == {"flash_bwd_dkdv_sm90"}
     # and on an sm_80 the mma.sync forward, head_dim 136..256 too (specs.TC_HEAD_DIM_BUCKETS)
     sm80 = _forward_templates(q, k, v, compute_capability=80, **kw)
     assert len(sm80) == 1 and sm80 <= set(specs.TC_FORWARD_TEMPLATES)
@@ -232,12 +227,13 @@ def test_the_head_dim_256_forward_matches_the_oracle(rng, order, dtype, cp_async
     assert_matches_oracle(got, *qkv, backend="cupy", **kw)
 
 
-# The backward at head_dim 193..256 (SPLIT_D in flash_bwd_sm90.cu): 64 x 64, the consumers splitting the
-# columns of dK, dV, dQ_i and the queries of Sᵀ, Pᵀ and dSᵀ through shared memory, one stage
+# The backward at head_dim 136..256 (SPLIT_D in flash_bwd_sm90.cu): 64 x 64, the consumers splitting the
+# columns of dK, dV, dQ_i and the queries of Sᵀ, Pᵀ and dSᵀ through shared memory, one stage; at 136..192 the
+# fourth atom is not loaded but zeroed
 HEAD_DIM_256_BACKWARD_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window)
     (1, 70, 150, 2, 1, 256, True, None),        # GQA, causal: up to 4 passes a key block, the stage reused
     (1, 100, 90, 1, 1, 200, False, (40, 7)),    # the window; head_dim 200: columns past it read as zeros
-    (2, 17, 100, 1, 1, 256, False, None),       # batch 2, a pass of 17 rows; a key block of 36
+    (2, 17, 100, 1, 1, 136, False, None),       # batch 2, a pass of 17 rows; a key block of 36; three atoms
 ]
 
 
@@ -271,15 +267,15 @@ def test_the_tiles_above_head_dim_128_fit(head_dim, mods, causal, varlen, tile, 
     # at 256 Q_i, the ring and O_s would not fit: O_s is Q_s (flash_fwd_sm90.cu's O_IN_Q), as launch.py counts
     (bm, bn), d = tile, specs.tc_tile_row(head_dim)
     assert kernel.dynamic_smem == ((1 if o_in_q else 2) * bm + 2 * 2 * bn) * d * 2 + 1024
-    # the backward's: 193..256 (SPLIT_D), the 192 bucket on mma.sync
-    assert specs.sm90_eligible("float16", head_dim, mods)
-    assert specs.sm90_eligible("float16", head_dim, mods, True) == (head_dim > 192)
+    # the backward's: SPLIT_D, the 256 kernel, at every head_dim above 128
+    assert specs.sm90_eligible("float16", head_dim, mods) and specs.sm90_eligible("float16", head_dim, mods, True)
+    assert specs.sm90_backward_bucket(head_dim) == 256
 
 
 # Score modifiers and the bool mask on the Hopper forward (one batch; specs.SM90_FORWARD_MODS: all but a bias
 # at 256), made final in S before the mask as flash_fwd_tc.cu does; a bias or mask takes 64-key blocks
-# (SM90_PAIRS_FORWARD_TILES). The backward of these calls runs on Hopper up to 128 and at 193..256 (mma.sync between), checked
-# too.
+# (SM90_PAIRS_FORWARD_TILES). The backward of these calls runs on Hopper too (but the window with a bias or the mask
+# at 128: SM90_BACKWARD_SPILLS), checked too.
 # tests/test_cupy_modifiers.py runs every modifier case on this path at head_dim 64.
 MODIFIED_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, modifiers, tile)
     (1, 140, 150, 2, 1, 128, True, ("softcap", "alibi", "bias", "mask", "window"), (128, 64)),
@@ -288,7 +284,8 @@ MODIFIED_CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, c
     # this one and the next: the backward's SPLIT_D with modifiers too
     (2, 70, 200, 2, 2, 256, False, ("softcap", "alibi", "window"), (128, 64)),  # 64 keys at 256 (ALiBi spilled)
     (1, 130, 90, 2, 1, 200, True, ("mask", "softcap"), (128, 64)),     # the mask above 128: no bias there
-    (1, 90, 140, 1, 1, 160, False, ("alibi", "softcap"), (128, 80)),   # the bucket 192: the default tile
+    (1, 90, 140, 1, 1, 160, False, ("alibi", "softcap"), (128, 80)),   # the bucket 192: the default tile; the
+    #                                                                    backward's SPLIT_D with three atoms
 ]
 
 
@@ -311,7 +308,7 @@ def test_which_modifiers_the_hopper_kernels_take_and_their_tiles():
     for extra in (bits["bias"], bits["mask"]):
         assert not specs.sm90_eligible("float16", 128, bits["window"] | extra, backward=True)
     assert specs.sm90_eligible("float16", 128, score | bits["window"], backward=True, varlen=True)
-    assert not specs.sm90_eligible("float16", 136, bits["window"], backward=True)
+    assert specs.sm90_eligible("float16", 136, bits["window"], backward=True)
     assert specs.sm90_backward_tile(64, bits["softcap"], tall=True) == (64, 128)  # the tall pass: no modifier
     for d, tile in ((64, (128, 128)), (128, (128, 64)), (192, (128, 64))):
         assert specs.sm90_eligible("float16", d, score | bits["window"], varlen=True)
@@ -531,17 +528,19 @@ SYNC_PROBLEMS = ((1, 130, 260, 1, 1, 64, True), (1, 256, 128, 1, 1, 64, False), 
 # passes a key block, the ring's stages reused
 WIDE_SYNC_PROBLEM = (1, 300, 190, 1, 1, 128, False)
 TALL_SYNC_PROBLEM = (1, 260, 130, 1, 1, 64, False)
-# The backward's SPLIT_D loop (head_dim 256) runs on its own problem: 3 key blocks, 3 passes each through
-# the one stage; a call there is checked on it alone (the problems above do not reach it)
-SPLIT_SYNC_PROBLEM = (1, 150, 140, 1, 1, 256, False)
+# The backward's SPLIT_D (the 256 kernel) runs on its own problem: 3 key blocks, 3 passes each through the one
+# stage, at head_dim 192, so that the fourth atom is zeroed (not loaded) too; a call of its loop or of that
+# zeroing is checked on it alone (the problems above reach neither)
+SPLIT_SYNC_PROBLEM = (1, 150, 140, 1, 1, 192, False)
 
 
 def _split_lines():
-    """The line numbers of flash_bwd_sm90.cu's SPLIT_D loop."""
+    """The line numbers of flash_bwd_sm90.cu's SPLIT_D loop and of its zeroing of the atoms not loaded."""
     with open(f"{sources.KERNEL_DIR}/flash_bwd_sm90.cu", encoding="utf-8") as f:
         lines = f.read().splitlines()
     first = lines.index("    if constexpr (SPLIT_D)") + 1
-    return range(first, lines.index("    if constexpr (!SPLIT_D)") + 1)
+    (zeros,) = [n for n, line in enumerate(lines, 1) if line.startswith("    if (SPLIT_D && atoms < HEAD_DIM / ATOM)")]
+    return [*range(zeros, lines.index("    }", zeros) + 1), *range(first, lines.index("    if constexpr (!SPLIT_D)") + 1)]
 
 
 SPLIT_LINES = _split_lines()

@@ -450,7 +450,7 @@ def test_cupy_packed_forward_reads_any_strides(rng):
 HOPPER_PACKED = {"float16-64-causal": (np.float16, 64, dict(causal=True)),
                  "bfloat16-128-window": (BF16, 128, dict(causal=True, window=(40, 3))),
                  "float16-72": (np.float16, 72, dict()),
-                 # head_dim 193..256: the backward's SPLIT_D (64 x 64, one stage); the forward's 128 x 64
+                 # head_dim 136..256: the backward's SPLIT_D (64 x 64, one stage); the forward's 128 x 64
                  "bfloat16-248-window": (BF16, 248, dict(causal=True, window=(90, 2)))}
 
 
@@ -488,8 +488,8 @@ def test_on_sm90_a_packed_batch_at_head_dim_256_takes_the_hopper_forward(rng):
 def test_on_sm90_a_packed_batch_with_softcap_and_alibi_takes_the_hopper_kernels(rng, head_dim, tile):
     # attention_varlen's modifiers on the Hopper forward (specs.SM90_VARLEN_FORWARD_MODS; 64 keys at 128 and
     # 192, where 128 and 80 spilled; at 256 the window alone: the mma.sync forward, tile None), slopes per
-    # sequence and head; and on the Hopper backward up to 128 and at 193..256 (SM90_VARLEN_BACKWARD_MODS; each
-    # sequence's slopes: the kernel's seq_index), mma.sync's between
+    # sequence and head; and on the Hopper backward (SM90_VARLEN_BACKWARD_MODS; each sequence's slopes: the
+    # kernel's seq_index), at 192 in the 256 kernel (specs.sm90_backward_bucket)
     from flashcupy.tools.emulator.cupy import emulated
     grids = []
     with emulated(compile=_recording(grids), compute_capability=90):
@@ -503,8 +503,8 @@ def test_on_sm90_a_packed_batch_with_softcap_and_alibi_takes_the_hopper_kernels(
     else:
         assert forwards == [f"flash_fwd_sm90<__half, {bucket}, {tile[0]}, {tile[1]}, 7, true>"] * 2
     backward = [name for name, _ in grids if name.startswith("flash_bwd_dkdv_sm90")]
-    keys = 64 if bucket == 256 else 128  # SPLIT_D's key block at 256
-    assert backward == ([f"flash_bwd_dkdv_sm90<__half, {bucket}, 64, {keys}, 7, true>"] * 2 if bucket != 192 else [])
+    bucket, keys = (256, 64) if bucket > 128 else (bucket, 128)  # SPLIT_D's key block above 128
+    assert backward == [f"flash_bwd_dkdv_sm90<__half, {bucket}, 64, {keys}, 7, true>"] * 2
 
 
 def test_on_sm90_a_contiguous_kv_cache_step_is_one_launch_of_the_hopper_forward(rng):

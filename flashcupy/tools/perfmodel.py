@@ -44,7 +44,7 @@ MMA_FLOPS = 2 * 16 * 8 * 16  # one mma.sync m16n8k16
 # the SIMT ones (which no other dtype changes in structure)
 CASES = (("float16", 64), ("float16", 128), ("float32", 64), ("float32", 128))
 # the same on an emulated sm_90 device, where the forward and backward run on flash_fwd_sm90.cu and
-# flash_bwd_sm90.cu (at head_dim 256 the forward alone: the backward there is the mma.sync kernels')
+# flash_bwd_sm90.cu (at head_dim 256 the backward's SPLIT_D, which head_dim 136..192 takes too)
 SM90_CASES = (("float16", 64), ("float16", 128), ("float16", 256))
 SM90 = 90  # the compute capability of SM90_CASES (specs.SM90_COMPUTE_CAPABILITY)
 # the smaller launch: seqlen_q = seqlen_k = BASE (or one block of the loop's side, if larger: the
@@ -100,15 +100,15 @@ def count_launches(dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int, back
 def _kernels(dtype: str, head_dim: int, compute_capability: int = 80) -> dict:
     """{template: specs.Kernel} of the kernels the backend launches for this dtype and head_dim, non-causal
     (on compute capability 9.0: the Hopper kernels, of the tiles cupy_backend's SM90_WIDE,
-    SM90_TALL_FORWARD and SM90_TALL_BACKWARD ask for; at head_dim 136..192 the forward alone, the backward
-    there being the mma.sync kernels')."""
+    SM90_TALL_FORWARD and SM90_TALL_BACKWARD ask for; the backward at head_dim 136..192 the 256 kernel's,
+    specs.sm90_backward_bucket)."""
     if compute_capability == specs.SM90_COMPUTE_CAPABILITY:
         if not specs.sm90_eligible(dtype, head_dim, 0):
             raise ValueError(f"{dtype} head_dim={head_dim} does not run on the Hopper kernels")
         from flashcupy.backends import cupy_backend
         forward = specs.sm90_forward_tile(head_dim, wide=cupy_backend.SM90_WIDE, tall=cupy_backend.SM90_TALL_FORWARD)
         modules = (specs.sm90_forward_module(dtype, head_dim, tile=forward),)
-        if specs.sm90_eligible(dtype, head_dim, 0, backward=True):  # at 136..192: the mma.sync kernels'
+        if specs.sm90_eligible(dtype, head_dim, 0, backward=True):
             backward = specs.sm90_backward_tile(head_dim, tall=cupy_backend.SM90_TALL_BACKWARD)
             modules += (specs.sm90_backward_module(dtype, head_dim, tile=backward),)
     elif specs.tensor_core_eligible(dtype, head_dim):

@@ -250,7 +250,7 @@ def _tma_describable(rt, x) -> bool:
 def _hopper(p, backward: bool, rows, *tensors, varlen: bool = False) -> bool:
     """Whether the Hopper forward (backward) takes a call (varlen: a packed batch's): USE_TENSOR_CORES and
     USE_WGMMA, compute capability 9.0, a dtype, head_dim and modifiers it covers (specs.sm90_eligible:
-    head_dim up to 256 in the forward, up to 128 and 193..256 in the backward; every modifier in one
+    head_dim up to 256 in the forward and the backward; every modifier in one
     batch's forward and backward), `rows` read through 16-byte rows (_rows_16_bytes: what the mma.sync
     kernels ask of the same arrays), and `tensors`, read or written through tensor maps, describable by
     one (_tma_describable)."""
@@ -291,7 +291,7 @@ def backward_path(p, dout, q, k, v, out, deterministic: bool = False, varlen: bo
     The forward's conditions, on dout and out as well as q, k, v (lse may have any strides;
     dq, dk, dv are allocated contiguous), and the tensor-core backward's shared memory no more than the
     device lets a CTA opt in to (head_dim 193..256 on an sm_86, sm_89 or sm_120 runs on the SIMT
-    kernels); the Hopper backward takes calls up to head_dim 128, and 193..256, with
+    kernels); the Hopper backward takes calls up to head_dim 256 (136..256 in its 256 kernel), with
     any modifier (varlen, a packed batch: the window, softcap and ALiBi; specs.sm90_eligible)
     (q, k, v and dout through tensor maps), deterministic or not: its CTAs add dQ into one workspace
     by bulk reduce-adds, in an order that varies from run to run, or (deterministic) in key-block

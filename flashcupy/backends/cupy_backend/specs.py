@@ -167,8 +167,8 @@ TC_FORWARD_TEMPLATES = TC_TEMPLATES[:2]
 TC_BACKWARD_TEMPLATES = TC_TEMPLATES[2:]  # the two whose grid has column parts (tc_column_parts)
 
 # The Hopper forward (flash_fwd_sm90.cu: TMA, wgmma, warp specialisation), compiled for sm_90a and run
-# on compute capability 9.0 only: float16/bfloat16, head_dim a multiple of 8 up to 256 (the backward's up
-# to 128 and 193..256), the modifiers of SM90_FORWARD_MODS (the backward's: SM90_BACKWARD_MODS), no
+# on compute capability 9.0 only: float16/bfloat16, head_dim a multiple of 8 up to 256 (the backward's
+# above 128 in its 256 kernel: sm90_backward_bucket), the modifiers of SM90_FORWARD_MODS (the backward's: SM90_BACKWARD_MODS), no
 # split-KV. HEAD_DIM is head_dim rounded up to 64 (a 128B-swizzled TMA box is 64 columns; tc_tile_row);
 # BLOCK_M is two (or three) consumer warpgroups of 64 query rows, BLOCK_N a key block (wgmma N).
 SM90_TEMPLATES = ("flash_fwd_sm90", "flash_bwd_dkdv_sm90")
@@ -213,10 +213,12 @@ SM90_SMEM_OPTIN = 227 * 1024  # the most dynamic shared memory a CTA may opt in 
 SMEM_OPTIN = {80: 163 * 1024, 87: 163 * 1024, 90: SM90_SMEM_OPTIN, 100: SM90_SMEM_OPTIN}
 SMEM_OPTIN_OTHERS = 99 * 1024
 # The Hopper backward's dK/dV kernel (flash_bwd_sm90.cu): (query rows a pass, keys a CTA), two consumer
-# warpgroups of 64 keys each (FA3's 64 x 128 at head_dim 128); at head_dim 193..256 (SPLIT_D) 64 keys that
+# warpgroups of 64 keys each (FA3's 64 x 128 at head_dim 128); at head_dim 136..256 (SPLIT_D) 64 keys that
 # both consumers share, each taking half of the columns (FA3's 64-row pass; dK and dV of 64 keys x 256
 # columns would take 256 registers a thread; FA3's 64 x 80 there, one stage of Q_i and dO_i as here).
-# Head_dim 136..192 stays on mma.sync: the 256 tile would pad it by a third
+# Head_dim 136..192 takes the 256 kernel too (sm90_backward_bucket): its atoms past head_dim are neither
+# loaded nor stored, zeros in shared memory, a third of its wgmma work or more wasted there, against the
+# mma.sync backward's S and dP computed twice (benchmarks/results/sm90_backward_head_dim_256.md: a model)
 SM90_BACKWARD_TILES = {64: (64, 128), 128: (64, 128), 256: (64, 64)}
 # FA3's 128 x 128 at head_dim 64 (its flash_bwd_launch_template.h): twice the query rows a pass, Sᵀ and dPᵀ
 # as wgmma N = 128 for the same K_c, V_c operand reads, half the barriers a FLOP. Taken where
@@ -243,7 +245,7 @@ SM90_FORWARD_MODS = {64: ALL_MODS, 128: ALL_MODS, 192: ALL_MODS & ~MOD_BITS["bia
 # alone at 256, where with softcap and ALiBi it spilled 64 bytes at 64 keys (its sequence's offsets besides)
 _VARLEN_MODS = MOD_BITS["window"] | MOD_BITS["softcap"] | MOD_BITS["alibi_slopes"]
 SM90_VARLEN_FORWARD_MODS = {64: _VARLEN_MODS, 128: _VARLEN_MODS, 192: _VARLEN_MODS, 256: MOD_BITS["window"]}
-# The Hopper backward's (head_dim up to 128, 193..256): every modifier for one batch, a packed batch's three, but
+# The Hopper backward's (head_dim up to 256): every modifier for one batch, a packed batch's three, but
 # (SM90_BACKWARD_SPILLS) the window with a bias or the mask at head_dim 128, which spilled 4-20 bytes
 # (NVRTC 12.9 and 13.5; every set compiled: benchmarks/results/sm90_modifiers.md); those calls' backward
 # runs on mma.sync
@@ -595,6 +597,13 @@ def sm90_forward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = Fals
                       SM90_ARCH)
 
 
+def sm90_backward_bucket(head_dim: int) -> int:
+    """The HEAD_DIM the Hopper backward computes for head_dim: the first of SM90_BACKWARD_TILES' keys that
+    holds it (136..192: 256, where tc_tile_row says 192: flash_bwd_sm90.cu loads whole atoms of head_dim
+    only, and zeros the rest once)."""
+    return next(b for b in SM90_BACKWARD_TILES if head_dim <= b)
+
+
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def sm90_backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False,
                          deterministic: bool = False, tile: tuple | None = None) -> ModuleSpec:
@@ -604,7 +613,7 @@ def sm90_backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = Fal
     sequence of its total length); deterministic: the dK/dV kernel whose CTAs add into each tile in
     key-block order (flash_bwd_sm90.cu's DETERMINISTIC), so that dq is the same bits on every run; tile:
     the dK/dV kernel's (BLOCK_M, BLOCK_N) (sm90_backward_tile), SM90_BACKWARD_TILES' by default."""
-    bucket = tc_tile_row(head_dim)
+    bucket = sm90_backward_bucket(head_dim)
     dtype = _name(dtype)
     bm, bn = tile or SM90_BACKWARD_TILES[bucket]
     convert = "flash_bwd_dq_convert_sm90_varlen" if varlen else "flash_bwd_dq_convert_sm90"
@@ -618,7 +627,7 @@ def sm90_backward_tile(head_dim: int, mods: int = 0, tall: bool = False) -> tupl
     """(BLOCK_M, BLOCK_N) of the Hopper backward's dK/dV kernel: SM90_TALL_BACKWARD_TILES' where `tall`
     asks for it, the call has no modifier (the window's masked passes spilled at 128 rows; the others
     were not tried) and the head_dim's bucket has one; else SM90_BACKWARD_TILES'."""
-    bucket = tc_tile_row(head_dim)
+    bucket = sm90_backward_bucket(head_dim)
     if tall and not mods and bucket in SM90_TALL_BACKWARD_TILES:
         return SM90_TALL_BACKWARD_TILES[bucket]
     return SM90_BACKWARD_TILES[bucket]
@@ -631,11 +640,11 @@ def sm90_eligible(dtype, head_dim: int, mods: int, backward: bool = False, varle
     SM90_BACKWARD_MODS (SM90_VARLEN_BACKWARD_MODS) but the sets of SM90_BACKWARD_SPILLS. The device's
     compute capability and the arrays' strides are checked apart."""
     buckets = SM90_BACKWARD_TILES if backward else SM90_FORWARD_TILES
-    if not (_name(dtype) in TC_DTYPES and head_dim % 8 == 0 and tc_tile_row(head_dim) in buckets):
+    if not (_name(dtype) in TC_DTYPES and head_dim % 8 == 0 and head_dim <= max(buckets)):
         return False
     if backward:
         allowed = SM90_VARLEN_BACKWARD_MODS if varlen else SM90_BACKWARD_MODS
-        every, some = SM90_BACKWARD_SPILLS.get(tc_tile_row(head_dim), (0, 0))
+        every, some = SM90_BACKWARD_SPILLS.get(sm90_backward_bucket(head_dim), (0, 0))
         if mods & every == every and mods & some:
             return False
     else:

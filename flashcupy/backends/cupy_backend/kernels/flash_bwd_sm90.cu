@@ -1,6 +1,6 @@
 // flash_bwd_sm90.cu: FlashAttention backward for Hopper (sm_90a): TMA loads into an mbarrier ring,
-// warpgroup MMA (wgmma), warp specialisation. float16 and bfloat16, head_dim up to 128 and 193..256,
-// every score modifier (mask.cuh; a packed batch: the window, softcap and ALiBi).
+// warpgroup MMA (wgmma), warp specialisation. float16 and bfloat16, head_dim up to 256, every score
+// modifier (mask.cuh; a packed batch: the window, softcap and ALiBi).
 //
 // The maths of flash_bwd_tc.cu, with P recomputed from the forward's lse (natural log), in base 2:
 //     P = 2^(S c - lse log2 e),  c = scale log2 e;   dP = dO Vᵀ;   dS = P ∘ (dP - D),  D = rowsum(dO ∘ O)
@@ -67,9 +67,10 @@
 // The pass: 64 query rows (FA3's 64 x 128 at head_dim 128); with cupy_backend.SM90_TALL_BACKWARD, 128 at
 // head_dim 64 without the window (FA3's 128 x 128 there: Sᵀ, dPᵀ of twice the columns for the same K_c,
 // V_c operand reads, half the barriers a FLOP; specs.sm90_backward_tile).
-// SPLIT_D, head_dim 193..256 (HEAD_DIM 256; 136..192 stays on flash_bwd_tc.cu, which the 256 tile would pad
-// by a third): a consumer's dK_c and dV_c of 64 keys x 256 columns would take 256 registers a thread, so
-// the consumers split the columns instead of the keys (FA3's hdim-256 backward takes P and dS through shared
+// SPLIT_D, head_dim 136..256 (HEAD_DIM 256; at 136..192 the TMA loads three atoms of head_dim, and the
+// consumers zero the fourth of K_s, V_s and the stage once, before any wgmma: specs.sm90_backward_bucket):
+// a consumer's dK_c and dV_c of 64 keys x 256 columns would take 256 registers a thread, so the consumers
+// split the columns instead of the keys (FA3's hdim-256 backward takes P and dS through shared
 // memory too). The CTA's key block is 64 keys, the pass 64 rows, one stage (the ring's second would not fit:
 // 245 KiB; FA3's takes one stage of Q_i and of dO_i at 256 too, with 80 keys a CTA: its launch template).
 // Per pass, consumer c:
@@ -125,7 +126,7 @@
 //                reduce-add that reads them.
 //     (SPLIT_D: DS_READY and DQ_STAGED, number 1, synced by both consumers' 256 threads in every pass: above.)
 //     ZEROED     the consumers' 256 threads, between zeroing rows of a box (each thread fenced) and the
-//                first wgmma that reads it: dO_i's rows that see no key (dead_rows), and VARLEN, the rows
+//                first wgmma that reads it (SPLIT_D at head_dim 136..192: once, the atoms the TMA leaves out): dO_i's rows that see no key (dead_rows), and VARLEN, the rows
 //                of a box past its sequence: K_j, V_j's once, Q_i, dO_i's in each pass whose block ends
 //                past seqlen_q. Those rows are the next sequence's (a box past the tensor's end lands
 //                zeros): P = 0 times a NaN there would be NaN.
@@ -276,20 +277,26 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     }
     __syncthreads();  // the barriers are initialised, and plan written, before any thread uses them
 
+    // the atoms of head_dim the TMA loads: SPLIT_D at head_dim 136..192 leaves the fourth out (wholly past
+    // head_dim: the consumers zero it once, below), so that no box relies on the copy engine's fill of a box
+    // with no element inside the tensor
+    const int atoms = SPLIT_D ? min(HEAD_DIM / ATOM, num_blocks(head_dim, ATOM)) : HEAD_DIM / ATOM;
+
     if (warpgroup == 0) {  // the producer
         setmaxnreg_dec<PRODUCER_REGISTERS<SM90_CONSUMERS>>();
         if (warp == 0 && elect_one_sync() && passes > 0) {
-            mbarrier_arrive_expect_tx(&kv_full, 2 * KV_BYTES);
-            load_box<BLOCK_N, HEAD_DIM>(K_s, map_k, blk.kv_head, k_row0 + blk.j0, blk.b, &kv_full);
-            load_box<BLOCK_N, HEAD_DIM>(V_s, map_v, blk.kv_head, k_row0 + blk.j0, blk.b, &kv_full);
+            mbarrier_arrive_expect_tx(&kv_full, 2 * atoms * ATOM_BYTES<BLOCK_N>);
+            load_box<BLOCK_N, HEAD_DIM>(K_s, map_k, blk.kv_head, k_row0 + blk.j0, blk.b, &kv_full, atoms);
+            load_box<BLOCK_N, HEAD_DIM>(V_s, map_v, blk.kv_head, k_row0 + blk.j0, blk.b, &kv_full, atoms);
             for (int p = 0; p < passes; ++p) {
                 const int s = p % STAGES;
                 // the consumers are done with the pass this stage held (the first round passes at once)
                 mbarrier_wait_parity(&empty[s], (p / STAGES + 1) & 1);
-                mbarrier_arrive_expect_tx(&full[s], 2 * QO_BYTES);
-                load_box<BLOCK_M, HEAD_DIM>(Q_s + s * QO_BYTES, map_q, head_of(p), q_row0 + row_of(p), blk.b, &full[s]);
+                mbarrier_arrive_expect_tx(&full[s], 2 * atoms * ATOM_BYTES<BLOCK_M>);
+                load_box<BLOCK_M, HEAD_DIM>(Q_s + s * QO_BYTES, map_q, head_of(p), q_row0 + row_of(p), blk.b, &full[s],
+                                            atoms);
                 load_box<BLOCK_M, HEAD_DIM>(dO_s + s * QO_BYTES, map_dout, head_of(p), q_row0 + row_of(p), blk.b,
-                                            &full[s]);
+                                            &full[s], atoms);
             }
         } else if (warp == 1) {
             for (int p = 0; p < passes; ++p) {
@@ -346,6 +353,16 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     float dK[D_TILES][4], dV[D_TILES][4];
     zero(dK);
     zero(dV);
+    if (SPLIT_D && atoms < HEAD_DIM / ATOM) {  // the atoms the TMA leaves out, zeros for every wgmma that reads them
+        zero_atoms<BLOCK_N, HEAD_DIM>(K_s, atoms, zeroer, 128 * SM90_CONSUMERS);
+        zero_atoms<BLOCK_N, HEAD_DIM>(V_s, atoms, zeroer, 128 * SM90_CONSUMERS);
+        for (int s = 0; s < STAGES; ++s) {
+            zero_atoms<BLOCK_M, HEAD_DIM>(Q_s + s * QO_BYTES, atoms, zeroer, 128 * SM90_CONSUMERS);
+            zero_atoms<BLOCK_M, HEAD_DIM>(dO_s + s * QO_BYTES, atoms, zeroer, 128 * SM90_CONSUMERS);
+        }
+        fence_proxy_async();                                  // this thread's zeros, before any wgmma reads them
+        named_barrier_sync(ZEROED, 128 * SM90_CONSUMERS);     // every consumer thread's
+    }
     if (passes > 0) mbarrier_wait_parity(&kv_full, 0);
     if (k_tail && passes > 0) {
         zero_rows<BLOCK_N, HEAD_DIM>(K_s, seqlen_k - blk.j0, zeroer, 128 * SM90_CONSUMERS);

@@ -57,12 +57,14 @@ __device__ __forceinline__ unsigned long long mn_major(const unsigned char* rows
 }
 
 // TMA the ROWS x HEAD_DIM box at row `row` of head h of batch b (map: (head_dim, heads, seqlen, batch),
-// innermost first; its box 64 x 1 x ROWS x 1) into `tile`, atom by atom, completing on bar
+// innermost first; its box 64 x 1 x ROWS x 1) into `tile`, atom by atom, completing on bar: its first
+// `atoms` atoms (the others lie wholly past head_dim: not loaded, their transaction bytes not expected)
 template <int ROWS, int HEAD_DIM>
 __device__ __forceinline__ void load_box(unsigned char* tile, const TensorMap& map, int h, int row, int b,
-                                         unsigned long long* bar) {
+                                         unsigned long long* bar, int atoms = HEAD_DIM / ATOM) {
 #pragma unroll
-    for (int a = 0; a < HEAD_DIM / ATOM; ++a) tma_load_4d(tile + a * ATOM_BYTES<ROWS>, map, a * ATOM, h, row, b, bar);
+    for (int a = 0; a < HEAD_DIM / ATOM; ++a)
+        if (a < atoms) tma_load_4d(tile + a * ATOM_BYTES<ROWS>, map, a * ATOM, h, row, b, bar);
 }
 
 // The byte of element (row, col) of a ROWS-row tile in its swizzled atoms (an ordinary store's address)
@@ -88,6 +90,14 @@ __device__ __forceinline__ void zero_rows(unsigned char* tile, int r0, int lane,
     for (int a = 0; a < HEAD_DIM / ATOM; ++a)
         for (int c = lane; c < chunks; c += lanes)
             *reinterpret_cast<int4*>(tile + a * ATOM_BYTES<ROWS> + r0 * 128 + 16 * c) = make_int4(0, 0, 0, 0);
+}
+
+// Zeros atoms a0 .. of a ROWS x HEAD_DIM tile (contiguous: an atom is ROWS whole 128-byte rows), thread
+// `lane` of `lanes`: the atoms load_box leaves out, which a wgmma reading the tile must see as zeros
+template <int ROWS, int HEAD_DIM>
+__device__ __forceinline__ void zero_atoms(unsigned char* tile, int a0, int lane, int lanes) {
+    for (int c = lane; c < (HEAD_DIM / ATOM - a0) * ROWS * 8; c += lanes)
+        *reinterpret_cast<int4*>(tile + a0 * ATOM_BYTES<ROWS> + 16 * c) = make_int4(0, 0, 0, 0);
 }
 
 // Zeros the rows r of a ROWS x HEAD_DIM tile for which dead(r), thread `lane` of `lanes`, as zero_rows:
