@@ -126,10 +126,11 @@
 //                reduce-add that reads them.
 //     (SPLIT_D: DS_READY and DQ_STAGED, number 1, synced by both consumers' 256 threads in every pass: above.)
 //     ZEROED     the consumers' 256 threads, between zeroing rows of a box (each thread fenced) and the
-//                first wgmma that reads it (SPLIT_D at head_dim 136..192: once, the atoms the TMA leaves out): dO_i's rows that see no key (dead_rows), and VARLEN, the rows
+//                first wgmma that reads it: dO_i's rows that see no key (dead_rows), and VARLEN, the rows
 //                of a box past its sequence: K_j, V_j's once, Q_i, dO_i's in each pass whose block ends
 //                past seqlen_q. Those rows are the next sequence's (a box past the tensor's end lands
-//                zeros): P = 0 times a NaN there would be NaN.
+//                zeros): P = 0 times a NaN there would be NaN. SPLIT_D at head_dim 136..192: once, the
+//                atoms the TMA leaves out.
 // A consumer runs at most a pass ahead of the other: each owner's DS_READY sync waits for the other's
 // arrival of the same pass, so that the barrier never holds two passes' arrivals.
 //
