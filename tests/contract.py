@@ -76,8 +76,8 @@ def _numpy_path(path):
 @contextlib.contextmanager
 def _cupy_path(path, order):
     """The cupy kernels on the CPU emulator, threads in `order`: "simt" (tensor cores off), "tensor-core"
-    (the mma.sync kernels, on an sm_80 device) or "hopper" (on an sm_90 device: the Hopper forward,
-    then the mma.sync backward)."""
+    (the mma.sync kernels, on an sm_80 device) or "hopper" (on an sm_90 device: the Hopper forward and
+    backward)."""
     from flashcupy.backends import cupy_backend
     from flashcupy.backends.cupy_backend import specs
     from flashcupy.tools.emulator.cupy import emulated

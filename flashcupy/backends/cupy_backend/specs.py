@@ -217,7 +217,7 @@ SMEM_OPTIN_OTHERS = 99 * 1024
 # both consumers share, each taking half of the columns (FA3's 64-row pass; dK and dV of 64 keys x 256
 # columns would take 256 registers a thread; FA3's 64 x 80 there, one stage of Q_i and dO_i as here).
 # Head_dim 136..192 takes the 256 kernel too (sm90_backward_bucket): its atoms past head_dim are neither
-# loaded nor stored, zeros in shared memory, a third of its wgmma work or more wasted there, against the
+# loaded nor stored, zeros in shared memory, a quarter of its wgmma work or more spent on them, against the
 # mma.sync backward's S and dP computed twice (benchmarks/results/sm90_backward_head_dim_256.md: a model)
 SM90_BACKWARD_TILES = {64: (64, 128), 128: (64, 128), 256: (64, 64)}
 # FA3's 128 x 128 at head_dim 64 (its flash_bwd_launch_template.h): twice the query rows a pass, Sᵀ and dPᵀ
