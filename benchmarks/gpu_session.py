@@ -32,6 +32,9 @@ Stages, in this order, each in its own process with its own time limit:
              first dtype, the three longest seqlens), cut first when time runs short
   plot       the sweep as one PNG
 
+The report's "Issue targets" section reads issues 26's and 27's GPU targets (TARGETS) off the sweep: each
+ratio over S = 4k..16k in every dtype, met, not met or not measured in this run, and its worst cell.
+
 Every result is appended to OUT/results.jsonl the moment it exists, and OUT/report.md is written
 again after every stage, so a crash, a sticky CUDA error or a kill keeps everything before it. A
 stage process that dies inside an item (an illegal address poisons its CUDA context) is started
@@ -145,6 +148,21 @@ WIDE_HEAD_IMPLS = ("cupy", "cupy-mma", "torch-flash", "torch-cudnn")
 # forward with FA3's 192 query rows at head_dim 64, three consumer warpgroups (cupy_backend.SM90_TALL_FORWARD),
 # "cupy-tall": the Hopper backward with FA3's 128-row pass at head_dim 64 (cupy_backend.SM90_TALL_BACKWARD),
 # the same way
+
+# Issues 26's and 27's GPU targets, one row each: (issue, pass, head_dim, the causal values, mine, other, at
+# least): over the sweep's cells of that pass and head_dim at S = 4k..16k (TARGET_SEQLENS), every dtype timed,
+# mine's TFLOP/s over other's in the same run. The report's "Issue targets" section says whether each is met
+TARGETS = (
+    (26, "forward", 128, (False,), "cupy", "torch-cudnn", 1.0),
+    (26, "forward", 128, (False,), "cupy", "torch-flash", 1.7),
+    (26, "forward", 64, (False,), "cupy", "torch-cudnn", 1.0),
+    (26, "forward", 128, (True,), "cupy", "torch-cudnn", 0.9),
+    (26, "forward", 64, (True,), "cupy", "torch-cudnn", 0.9),
+    (27, "backward", 128, (False, True), "cupy", "torch-cudnn", 1.0),
+    (27, "backward", 128, (False, True), "cupy", "torch-flash", 1.6),
+    (27, "backward", 128, (False, True), "cupy-det", "cupy", 0.85),  # deterministic=True beside the default
+)
+TARGET_SEQLENS = (4096, 16384)  # inclusive
 
 
 # ----------------------------------------------------------------------------
@@ -845,6 +863,7 @@ def render(records) -> str:
     import compare_varlen
     lines += compare_varlen.timing_table([r for r in records if r["type"] == "varlen"])
     lines += _speed_tables([r for r in records if r["type"] == "timing"])
+    lines += _target_table([r for r in records if r["type"] == "timing"])
     plots = [r for r in records if r["type"] == "plot"]
     if plots:
         lines += ["![speed and memory](speed.png)" if plots[-1]["file"] else f"Plot: {plots[-1]['note']}", ""]
@@ -904,6 +923,42 @@ def _speed_tables(timings) -> list:
     return lines + _host_table(timings)
 
 
+def target_verdicts(timings) -> list:
+    """One dict per TARGETS row: its fields, the cells measured (dtype, causal, S: mine over other), the
+    worst of them and whether every cell reaches the target ("met", "not met", or "not measured" where no
+    cell has both figures: a dry run's shapes, or a backend missing)."""
+    tf = {(r["impl"], r["dtype"], r["pass"], r["head_dim"], r["causal"], r["seqlen"]): r["tflops"] for r in timings}
+    low, high = TARGET_SEQLENS
+    out = []
+    for issue, pass_, D, causals, mine, other, least in TARGETS:
+        cells = {(dtype, causal, S): tf[(mine, dtype, p, d, causal, S)] / tf[(other, dtype, p, d, causal, S)]
+                 for (impl, dtype, p, d, causal, S) in tf
+                 if (impl, p, d) == (mine, pass_, D) and causal in causals and low <= S <= high
+                 and (other, dtype, p, d, causal, S) in tf}
+        worst = min(cells, key=cells.get) if cells else None
+        verdict = "not measured" if not cells else "met" if cells[worst] >= least else "not met"
+        out.append(dict(issue=issue, pass_=pass_, head_dim=D, causal=causals, mine=mine, other=other, least=least,
+                        cells=cells, worst=worst, verdict=verdict))
+    return out
+
+
+def _target_table(timings) -> list:
+    verdicts = target_verdicts(timings)
+    lines = ["## Issue targets", "",
+             f"Issues 26 (forward) and 27 (backward): mine / other TFLOP/s in this run, every dtype, S = "
+             f"{TARGET_SEQLENS[0]}..{TARGET_SEQLENS[1]} (gpu_session.TARGETS).", "",
+             "| issue | pass | D | causal | mine / other | at least | cells | worst (dtype, causal, S) | |",
+             "|---" * 9 + "|"]
+    for v in verdicts:
+        worst = (f"{v['cells'][v['worst']]:.2f}x ({v['worst'][0]}, {v['worst'][1]}, {v['worst'][2]})"
+                 if v["worst"] else "")
+        causal = " or ".join(str(c) for c in v["causal"])
+        lines.append(f"| {v['issue']} | {v['pass_']} | {v['head_dim']} | {causal} | {v['mine']} / {v['other']} | "
+                     f"{v['least']:g}x | {len(v['cells'])} | {worst} | {v['verdict']} |")
+    met = sum(v["verdict"] == "met" for v in verdicts)
+    return lines + ["", f"{met} of {len(verdicts)} targets met.", ""]
+
+
 def _host_table(timings) -> list:
     """The host's part of a call and the back-to-back TFLOP/s (_host_and_back_to_back) beside the
     per-call median of the tables above, for cupy and torch's cuDNN."""
@@ -936,6 +991,9 @@ def short_table(records) -> str:
     checks = [r for r in records if r["type"] == "check"]
     if checks:
         out.append(f"checks: {sum(r['ok'] for r in checks)} of {len(checks)} passed")
+    verdicts = target_verdicts([r for r in records if r["type"] == "timing"])
+    out.append("targets: " + ", ".join(f"{v['issue']} {v['pass_']} D={v['head_dim']} {v['mine']}/{v['other']} "
+                                       f"{v['verdict']}" for v in verdicts))
     timings = {(r["impl"], r["dtype"], r["pass"], r["head_dim"], r["causal"], r["seqlen"]): r["tflops"]
                for r in records if r["type"] == "timing"}
     for (impl, dtype, pass_, D, causal, S), tf in sorted(timings.items()):

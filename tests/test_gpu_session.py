@@ -135,8 +135,10 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert os.path.getsize(tmp_path / "speed.png") > 10_000
     for section in ("## Stages", "## Correctness against the float64 oracle", "### bfloat16 forward",
                     "## Packed batches and KV-cache decoding (issue 28)", "per sequence / one launch",
-                    "![speed and memory](speed.png)", "**dry run**", "| numba / cupy |"):
+                    "![speed and memory](speed.png)", "**dry run**", "| numba / cupy |", "## Issue targets"):
         assert section in report
+    # the dry run's lengths are far below issues 26's and 27's S = 4k..16k: no target is measured
+    assert "0 of 8 targets met." in report and report.count("| not measured |") == 8
     (row,) = [line for line in report.split("### float16 backward")[1].splitlines() if line.startswith("| 64 | True | 16 |")]
     assert row.endswith("x |") and "numba" in done.stdout  # the numba / cupy ratio, and the closing lines
 
@@ -170,22 +172,27 @@ def test_a_process_that_dies_inside_an_item_is_restarted_after_it(tmp_path):
     assert f"`{crash['key']}`: crash" in report
 
 
+def _gpu_session_module(monkeypatch):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_session", os.path.join(ROOT, "benchmarks", "gpu_session.py"))
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_session", module)  # its dataclasses look their module up
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # the modules it imports beside it
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_mma_forward_runs_the_kernel_the_hopper_one_replaces(monkeypatch):
     # the sweep's "cupy-mma" times the forward (and backward) with USE_WGMMA off: on an sm_90 device that
     # must launch the mma.sync kernel where "cupy" launches the Hopper one, both give the oracle's answer,
     # and the switch is left as it was
-    import importlib.util
-
     import numpy as np
     from conftest import assert_matches_oracle
     from flashcupy.tools.emulator.cupy import emulated, recording
 
     from flashcupy.backends import cupy_backend
     from flashcupy.tools import bench
-    spec = importlib.util.spec_from_file_location("gpu_session", os.path.join(ROOT, "benchmarks", "gpu_session.py"))
-    gpu_session = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_session", gpu_session)  # its dataclasses look their module up
-    spec.loader.exec_module(gpu_session)
+    gpu_session = _gpu_session_module(monkeypatch)
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 70, 2, 128)).astype(np.float16) for _ in range(3))
     launched = []
@@ -197,3 +204,47 @@ def test_the_mma_forward_runs_the_kernel_the_hopper_one_replaces(monkeypatch):
     assert cupy_backend.USE_WGMMA
     for out in (hopper, mma):
         assert_matches_oracle((out,), q, k, v, causal=True, backend="cupy")
+
+
+def test_the_report_says_which_issue_targets_are_met(monkeypatch):
+    # timing records as the sweep writes them: each target met, missed or not measured, and cells outside
+    # S = 4k..16k (S = 1024 here, far below every target) left out
+    gpu_session = _gpu_session_module(monkeypatch)
+    tflops = {("forward", 128, False): {"cupy": 500, "torch-cudnn": 480, "torch-flash": 290},  # 1.04x, 1.72x
+              ("forward", 64, False): {"cupy": 300, "torch-cudnn": 400},                    # 0.75x
+              ("forward", 64, True): {"cupy": 300, "torch-cudnn": 320},                     # 0.94x
+              ("backward", 128, False): {"cupy": 500, "torch-cudnn": 490, "torch-flash": 300, "cupy-det": 450},
+              ("backward", 128, True): {"cupy": 480, "torch-cudnn": 470, "torch-flash": 290, "cupy-det": 420}}
+    records = []
+    for (pass_, D, causal), impls in tflops.items():
+        for dtype in ("bfloat16", "float16"):
+            for S in (1024, 4096, 16384):
+                for impl, tf in impls.items():
+                    slow = S == 1024 and impl == "cupy"
+                    # bfloat16's causal backward at 16k: the deterministic one under 0.85x the default
+                    if (impl, dtype, pass_, causal, S) == ("cupy-det", "bfloat16", "backward", True, 16384):
+                        tf = 400
+                    records.append({"type": "timing", "impl": impl, "dtype": dtype, "pass": pass_, "head_dim": D,
+                                    "causal": causal, "seqlen": S, "tflops": tf / 10 if slow else tf,
+                                    "batch": 16384 // S, "heads": 2048 // D, "peak_bytes": None})
+    verdicts = {(v["issue"], v["pass_"], v["head_dim"], v["causal"], v["other"]): v
+                for v in gpu_session.target_verdicts(records)}
+    assert len(verdicts) == len(gpu_session.TARGETS)
+    got = {key: v["verdict"] for key, v in verdicts.items()}
+    assert got == {(26, "forward", 128, (False,), "torch-cudnn"): "met",
+                   (26, "forward", 128, (False,), "torch-flash"): "met",
+                   (26, "forward", 64, (False,), "torch-cudnn"): "not met",
+                   (26, "forward", 128, (True,), "torch-cudnn"): "not measured",  # no causal D=128 forward timed
+                   (26, "forward", 64, (True,), "torch-cudnn"): "met",
+                   (27, "backward", 128, (False, True), "torch-cudnn"): "met",
+                   (27, "backward", 128, (False, True), "torch-flash"): "met",
+                   (27, "backward", 128, (False, True), "cupy"): "not met"}
+    det = verdicts[(27, "backward", 128, (False, True), "cupy")]
+    assert len(det["cells"]) == 8 and det["worst"] == ("bfloat16", True, 16384)  # 2 dtypes x 2 causal x 2 S
+    assert abs(det["cells"][det["worst"]] - 400 / 480) < 1e-12
+    report = gpu_session.render(records)
+    assert "## Issue targets" in report and "5 of 8 targets met." in report
+    assert "| 27 | backward | 128 | False or True | cupy-det / cupy | 0.85x | 8 | 0.83x (bfloat16, True, 16384) | " \
+           "not met |" in report
+    short = gpu_session.short_table(records)
+    assert "26 forward D=64 cupy/torch-cudnn not met" in short and "27 backward D=128 cupy-det/cupy not met" in short
