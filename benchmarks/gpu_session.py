@@ -954,7 +954,7 @@ def _target_table(timings) -> list:
                  if v["worst"] else "")
         causal = " or ".join(str(c) for c in v["causal"])
         lines.append(f"| {v['issue']} | {v['pass_']} | {v['head_dim']} | {causal} | {v['mine']} / {v['other']} | "
-                     f"{v['least']:g}x | {len(v['cells'])} | {worst} | {v['verdict']} |")
+                     f"{v['least']:.2f}x | {len(v['cells'])} | {worst} | {v['verdict']} |")
     met = sum(v["verdict"] == "met" for v in verdicts)
     return lines + ["", f"{met} of {len(verdicts)} targets met.", ""]
 
