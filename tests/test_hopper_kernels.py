@@ -540,7 +540,8 @@ def _split_lines():
         lines = f.read().splitlines()
     first = lines.index("    if constexpr (SPLIT_D)") + 1
     (zeros,) = [n for n, line in enumerate(lines, 1) if line.startswith("    if (SPLIT_D && atoms < HEAD_DIM / ATOM)")]
-    return [*range(zeros, lines.index("    }", zeros) + 1), *range(first, lines.index("    if constexpr (!SPLIT_D)") + 1)]
+    last = lines.index("    if constexpr (!SPLIT_D)") + 1
+    return [*range(zeros, lines.index("    }", zeros) + 1), *range(first, last)]
 
 
 SPLIT_LINES = _split_lines()

@@ -168,9 +168,10 @@ TC_BACKWARD_TEMPLATES = TC_TEMPLATES[2:]  # the two whose grid has column parts 
 
 # The Hopper forward (flash_fwd_sm90.cu: TMA, wgmma, warp specialisation), compiled for sm_90a and run
 # on compute capability 9.0 only: float16/bfloat16, head_dim a multiple of 8 up to 256 (the backward's
-# above 128 in its 256 kernel: sm90_backward_bucket), the modifiers of SM90_FORWARD_MODS (the backward's: SM90_BACKWARD_MODS), no
-# split-KV. HEAD_DIM is head_dim rounded up to 64 (a 128B-swizzled TMA box is 64 columns; tc_tile_row);
-# BLOCK_M is two (or three) consumer warpgroups of 64 query rows, BLOCK_N a key block (wgmma N).
+# above 128 in its 256 kernel: sm90_backward_bucket), the modifiers of SM90_FORWARD_MODS (the backward's:
+# SM90_BACKWARD_MODS), no split-KV. HEAD_DIM is head_dim rounded up to 64 (a 128B-swizzled TMA box is 64
+# columns; tc_tile_row); BLOCK_M is two (or three) consumer warpgroups of 64 query rows, BLOCK_N a key
+# block (wgmma N).
 SM90_TEMPLATES = ("flash_fwd_sm90", "flash_bwd_dkdv_sm90")
 SM90_ARCH = "sm_90a"
 SM90_COMPUTE_CAPABILITY = 90
@@ -640,7 +641,7 @@ def sm90_eligible(dtype, head_dim: int, mods: int, backward: bool = False, varle
     SM90_BACKWARD_MODS (SM90_VARLEN_BACKWARD_MODS) but the sets of SM90_BACKWARD_SPILLS. The device's
     compute capability and the arrays' strides are checked apart."""
     buckets = SM90_BACKWARD_TILES if backward else SM90_FORWARD_TILES
-    if not (_name(dtype) in TC_DTYPES and head_dim % 8 == 0 and head_dim <= max(buckets)):
+    if not (_name(dtype) in TC_DTYPES and head_dim % 8 == 0 and 0 < head_dim <= max(buckets)):
         return False
     if backward:
         allowed = SM90_VARLEN_BACKWARD_MODS if varlen else SM90_BACKWARD_MODS
