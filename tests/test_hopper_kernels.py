@@ -710,7 +710,7 @@ ORDERED_CASES = [
     (1, 300, 420, 1, 1, 128, True, None),       # causal, bottom-right: the last query blocks see 4 key blocks
     (1, 260, 520, 1, 1, 64, False, (300, 20)),  # the window: the first key block of a band (key_start) not 0
     ([150, 40], [330, 60]),                     # a packed batch: the slots' order, descending key blocks
-    (1, 130, 260, 1, 1, 256, True, None),       # head_dim 256 (SPLIT_D): consumer 0's lead adds, 5 key blocks
+    (1, 130, 260, 1, 1, 160, True, None),       # SPLIT_D (three atoms loaded): consumer 0's lead adds, 5 key blocks
 ]
 
 
