@@ -109,9 +109,9 @@ GPU = Sizes(seqlens=(512, 1024, 2048, 4096, 8192, 16384), configs=((128, True), 
             max_repeat=30)
 # the dry run keeps the script working, its figures mean nothing: one config (the causal one, whose masks
 # and key ranges the full one lacks), two lengths (a line a series in the plot)
-DRY = Sizes(seqlens=(16, 64), configs=((64, True),), dtypes=("bfloat16", "float16"), tokens=64,
-            hidden=128, math_max_seqlen=64, min_time=0.0, max_repeat=1,
-            # Numba's simulator takes some 10-25 s a causal forward and backward at S = 16 (B = 4, H = 2)
+DRY = Sizes(seqlens=(16, 32), configs=((64, True),), dtypes=("bfloat16", "float16"), tokens=32,
+            hidden=64, math_max_seqlen=64, min_time=0.0, max_repeat=1,
+            # Numba's simulator takes some 5-10 s a causal forward and backward at S = 16 (B = 2, H = 1)
             numba_max_seqlen=16, numba_configs=((64, True),),
             # one query and one key; then GQA, causal with Sq < Sk, head_dim 40 (tensor cores): Numba's
             # simulator runs a Python thread per CUDA thread, so the battery's larger cases take minutes
