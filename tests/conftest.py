@@ -35,13 +35,14 @@ DTYPES = (np.float16, np.float32, np.float64)
 BF16 = np.dtype(ml_dtypes.bfloat16)  # NumPy's bfloat16 (ml_dtypes); uint16 bits with dtype="bfloat16"
 
 
-# The files that keep one worker busy longest (the NVRTC reports, the GPU session's dry runs, Numba's and
-# the Hopper kernels' compiles), collected first. Under --dist loadfile a worker takes whole files in
-# collection order (setup.cfg: --no-loadscope-reorder); xdist's own order, most tests first, started
-# test_gpu_session.py's four tests, some five minutes, last, the other worker idle meanwhile (a
-# clean-clone CI at fb89a23: 1,583 s, 1,500 allowed).
-SLOW_FIRST = ("test_nvrtc.py", "test_gpu_session.py", "test_numba_backend.py", "test_hopper_nvrtc.py",
-              "test_tensor_core.py", "test_varlen.py")
+# The files that keep one worker busy longest (the NVRTC reports, the Hopper kernels' emulated runs and
+# compiles, Numba's), collected first, longest first (a clean-clone CI at b6ec79b: each over 100
+# worker-seconds). Under --dist loadfile a worker takes whole files in collection order (setup.cfg:
+# --no-loadscope-reorder), the next when two tests of its own are left; xdist's own order, most tests
+# first, started test_gpu_session.py's four tests, some five minutes, last, the other worker idle meanwhile
+# (a clean-clone CI at fb89a23: 1,583 s, 1,500 allowed).
+SLOW_FIRST = ("test_nvrtc.py", "test_hopper_kernels.py", "test_hopper_nvrtc.py", "test_numba_backend.py",
+              "test_tensor_core.py", "test_varlen.py", "test_cupy_modifiers.py", "test_gpu_session.py")
 
 
 def pytest_collection_modifyitems(config, items):
