@@ -132,6 +132,11 @@ def row_key(kernel) -> tuple:
     return kernel.template, nvrtc.variant(kernel), kernel.dtype, kernel.head_dim or None
 
 
+def key_of(row) -> tuple:
+    """A report row's key, as row_key gives a kernel's."""
+    return row["kernel"], row["mods"], row["dtype"], row["head_dim"]
+
+
 def sample(modules) -> list:
     """Each kernel template's first module, and its first with every score modifier: what a report but
     PRIMARY compiles of the kernels far from the limit, so that its NVRTC parses every source and
@@ -162,7 +167,7 @@ def compiled_rows(arch, major, kind) -> tuple:
     modules = MODULES[kind]()
     if (arch, major) == PRIMARY:
         return nvrtc.kernel_report(arch, toolkit, modules), frozenset()
-    primary = {(r["kernel"], r["mods"], r["dtype"], r["head_dim"]): r for r in compiled_rows(*PRIMARY, kind)[0]}
+    primary = {key_of(r): r for r in compiled_rows(*PRIMARY, kind)[0]}
     limit = nvrtc.MAX_REGISTERS - nvrtc.REGISTER_MARGIN
 
     def near(module, rows, slack):  # (a row the report lacks counts as near)
@@ -171,18 +176,17 @@ def compiled_rows(arch, major, kind) -> tuple:
     chosen = {id(m) for m in sample(modules)} | {id(m) for m in modules if near(m, primary, REPORT_SLACK)}
     chosen = [m for m in modules if id(m) in chosen]
     rows = nvrtc.kernel_report(arch, toolkit, [m for m in chosen if float16_twin(m) is None])
-    got = {(r["kernel"], r["mods"], r["dtype"], r["head_dim"]): r for r in rows}
+    got = {key_of(r): r for r in rows}
     rows += nvrtc.kernel_report(arch, toolkit, [m for m in chosen if float16_twin(m) is not None
                                                 and near(float16_twin(m), got, TWIN_SLACK)])
-    keys = {(r["kernel"], r["mods"], r["dtype"], r["head_dim"]) for r in rows}
-    return rows, frozenset({row_key(k) for m in modules for k in m.kernels} - keys)
+    return rows, frozenset({row_key(k) for m in modules for k in m.kernels} - {key_of(r) for r in rows})
 
 
 def above_primary(what, rows, kind) -> list:
     """The rows of a report (of MODULES[kind]) REPORT_SLACK or more registers above PRIMARY's, as messages:
     were there any, a kernel a report but PRIMARY leaves out could be over the limit there."""
-    primary = {(r["kernel"], r["mods"], r["dtype"], r["head_dim"]): r for r in compiled_rows(*PRIMARY, kind)[0]}
-    pairs = [(primary[r["kernel"], r["mods"], r["dtype"], r["head_dim"]], r) for r in rows]
+    primary = {key_of(r): r for r in compiled_rows(*PRIMARY, kind)[0]}
+    pairs = [(primary[key_of(r)], r) for r in rows]
     return [f"{what}: {b['kernel']}[{b['mods']}] {b['dtype']} {b['head_dim']}: {b['registers']} registers, "
             f"{a['registers']} in PRIMARY's" for a, b in pairs if b["registers"] - a["registers"] >= REPORT_SLACK]
 
