@@ -15,10 +15,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import shutil
 import subprocess
 import sys
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -36,6 +34,7 @@ from flashcupy.tools import emulator  # noqa: E402
 from flashcupy.tools.emulator.cupy import compile_module, emulated  # noqa: E402
 from modifier_checks import LARGE_SCALES, large_scores_check  # noqa: E402
 from modifier_checks import check as check_modifiers  # noqa: E402
+import sync_mutants  # noqa: E402
 
 ORDERS = ("ascending", "descending")
 
@@ -216,19 +215,13 @@ def _sync_points():
 SYNC_POINTS = _sync_points()
 
 
-def _without(name, lineno, tmp_path):
-    """{kernel file: (its source, the same with the call on line `lineno` of kernels/`name` removed)},
-    for every kernel file whose text (headers inlined, as the backend compiles it) changes."""
-    mutant_dir = tmp_path / "kernels"
-    shutil.copytree(sources.KERNEL_DIR, mutant_dir)
-    lines = (mutant_dir / name).read_text(encoding="utf-8").splitlines(keepends=True)
-    lines[lineno - 1] = SYNC.sub("", lines[lineno - 1], count=1)
-    (mutant_dir / name).write_text("".join(lines), encoding="utf-8")
-    tops = [f for f in KERNEL_FILES if f.endswith(".cu")]
-    originals = {f: sources.read_source(f) for f in tops}
-    with mock.patch.object(sources, "KERNEL_DIR", str(mutant_dir)):
-        mutants = {f: sources.read_source(f) for f in tops}
-    return {f: (originals[f], mutants[f]) for f in tops if mutants[f] != originals[f]}
+def _guarded(name, lineno) -> dict:
+    """{top-level kernel file: (its source, its guarded source)} of every non-Hopper kernel file whose text
+    (headers inlined, as the backend compiles it) the call on line `lineno` of kernels/`name` reaches: every
+    sync point guarded (sync_mutants.py), that one's number the one to give $FLASHCUPY_TEST_MUTANT."""
+    pairs = sync_mutants.guarded(tuple(SYNC_POINTS), SYNC)
+    return {f: pair for f, pair in sync_mutants.reached(pairs, SYNC_POINTS.index((name, lineno)) + 1).items()
+            if f in KERNEL_FILES}
 
 
 # What runs each kernel family, and the (thread order, cp.async mode) schedules to try. The
@@ -246,50 +239,72 @@ SYNC_PROBLEMS = {
 WIDE_SYNC_PROBLEM = (1, 70, 130, 2, 1, 128, True)
 
 
-@pytest.mark.parametrize("name, lineno", SYNC_POINTS, ids=[f"{n}:{i}" for n, i in SYNC_POINTS])
-def test_each_barrier_and_wait_is_needed(rng, tmp_path, name, lineno):
-    """Without any one of the barriers and cp.async waits, some schedule gives a wrong answer (or the
-    emulator reports copies left in flight at exit)."""
-    changed = _without(name, lineno, tmp_path)
-    assert changed, f"{name}:{lineno} is in no kernel file"
-    mutants = dict(changed.values())
+def _run_sync_problem(rng, path, order, cp_async, compile):
+    """The sync problem of `path` ("simt", "tensor-core", "pairs" or "wide") in one schedule, the kernel
+    sources compiled by `compile`: an AssertionError or the emulator's KernelError where it goes wrong."""
+    if path == "wide":  # the wide forward, forward only
+        B, Sq, Sk, Hq, Hkv, D, causal = WIDE_SYNC_PROBLEM
+        q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
+        with emulated(order, cp_async=cp_async, compile=compile):
+            got = flashcupy.attention(q, k, v, causal=causal, return_lse=True, backend="cupy")
+            assert_matches_oracle(got, q, k, v, causal=causal, backend="cupy")
+        return
+    dtype, (B, Sq, Sk, Hq, Hkv, D, causal), _ = SYNC_PROBLEMS["simt" if path == "pairs" else path]
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    bias = rng.standard_normal((1, 1, 1, Sk)).astype(dtype)
+    with emulated(order, cp_async=cp_async, compile=compile):
+        if path == "pairs":
+            check_modifiers(q, k, v, dout, rows=np.arange(Sq), backend="cupy", causal=causal, bias=bias)
+        else:
+            check(run(q, k, v, dout, causal=causal), q, k, v, dout, causal=causal)
+        if path == "tensor-core":  # and the deterministic backward's own dQ kernel
+            check(run(q, k, v, dout, causal=causal, deterministic=True), q, k, v, dout, causal=causal)
 
+
+def _compiling(mutants: dict):
     def compile(source, names, options, thread_order, seed, cp_async):
         return compile_module(mutants.get(source, source), names, options, thread_order, seed, cp_async)
+    return compile
 
+
+def test_the_guarded_kernels_pass_with_no_call_left_out(rng, monkeypatch):
+    # every kernel file's guarded source (sync_mutants.py) with no call chosen, on every path's problem
+    monkeypatch.delenv(sync_mutants.ENV, raising=False)
+    pairs = {f: pair for f, pair in sync_mutants.guarded(tuple(SYNC_POINTS), SYNC).items() if f in KERNEL_FILES}
+    assert set(pairs) == {"flash_fwd.cu", "flash_bwd.cu", "flash_pairs.cu", "flash_fwd_tc.cu", "flash_bwd_tc.cu"}
+    compile = _compiling(dict(pairs.values()))
+    for path in ("simt", "pairs", "tensor-core", "wide"):
+        _run_sync_problem(rng, path, "warp_skew", "eager", compile)
+
+
+@pytest.mark.parametrize("name, lineno", SYNC_POINTS, ids=[f"{n}:{i}" for n, i in SYNC_POINTS])
+def test_each_barrier_and_wait_is_needed(rng, monkeypatch, name, lineno):
+    """Without any one of the barriers and cp.async waits, some schedule gives a wrong answer (or the
+    emulator reports copies left in flight at exit)."""
+    changed = _guarded(name, lineno)
+    assert changed, f"{name}:{lineno} is in no kernel file"
+    monkeypatch.setenv(sync_mutants.ENV, str(SYNC_POINTS.index((name, lineno)) + 1))
+    compile = _compiling(dict(changed.values()))
     # flash_pairs.cu runs only for attention_probs and a bias's gradient: a bias broadcast over
     # everything makes each dbias CTA take many passes and sum over its rows through shared memory
     paths = {"tensor-core" if f.endswith("_tc.cu") else "pairs" if f == "flash_pairs.cu" else "simt"
              for f in changed}
     wrong = []
     for path in sorted(paths):
-        dtype, (B, Sq, Sk, Hq, Hkv, D, causal), schedules = SYNC_PROBLEMS["simt" if path == "pairs" else path]
-        q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
-        dout = rng.standard_normal(q.shape).astype(dtype)
-        bias = rng.standard_normal((1, 1, 1, Sk)).astype(dtype)
-        for order, cp_async in schedules:
-            with emulated(order, cp_async=cp_async, compile=compile):
-                try:
-                    if path == "pairs":
-                        check_modifiers(q, k, v, dout, rows=np.arange(Sq), backend="cupy", causal=causal, bias=bias)
-                    else:
-                        check(run(q, k, v, dout, causal=causal), q, k, v, dout, causal=causal)
-                    if path == "tensor-core":  # and the deterministic backward's own dQ kernel
-                        check(run(q, k, v, dout, causal=causal, deterministic=True), q, k, v, dout, causal=causal)
-                except (AssertionError, emulator.KernelError) as e:
-                    wrong.append((path, order, cp_async, e))
-                    break
+        for order, cp_async in SYNC_PROBLEMS["simt" if path == "pairs" else path][2]:
+            try:
+                _run_sync_problem(rng, path, order, cp_async, compile)
+            except (AssertionError, emulator.KernelError) as e:
+                wrong.append((path, order, cp_async, e))
+                break
     assert wrong, f"removing the call on {name}:{lineno} went unnoticed under every schedule"
     if "flash_fwd_tc.cu" in changed:
-        B, Sq, Sk, Hq, Hkv, D, causal = WIDE_SYNC_PROBLEM
-        q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float16)
         for order, cp_async in SYNC_PROBLEMS["tensor-core"][2]:
-            with emulated(order, cp_async=cp_async, compile=compile):
-                try:
-                    got = flashcupy.attention(q, k, v, causal=causal, return_lse=True, backend="cupy")
-                    assert_matches_oracle(got, q, k, v, causal=causal, backend="cupy")
-                except (AssertionError, emulator.KernelError):
-                    break
+            try:
+                _run_sync_problem(rng, "wide", order, cp_async, compile)
+            except (AssertionError, emulator.KernelError):
+                break
         else:
             pytest.fail(f"removing the call on {name}:{lineno} went unnoticed by the wide forward")
 

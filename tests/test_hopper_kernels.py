@@ -18,6 +18,7 @@ import pytest
 
 import flashcupy
 from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv
+import sync_mutants
 from modifier_checks import named_modifiers
 from varlen_checks import packed_batch_matches_the_oracle, packed_inputs
 from flashcupy.backends import cupy_backend
@@ -582,10 +583,11 @@ def _without(kernel, lineno, tmp_path, pattern=SYNC, replacement=";"):
 PACKED_SYNC_PROBLEM = ([140, 50], [150, 40])
 
 
-def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew"), eager=("ascending",),
+def _bitten(rng, mutants, orders=("ascending", "descending", "warp_skew"), eager=("ascending",),
             split=False) -> list:
-    """The thread orders (the first, and its error) under which the mutant kernel's forward and backward
-    miss the oracle or make the emulator report an error, or a packed batch's (PACKED_SYNC_PROBLEM).
+    """The thread orders (the first, and its error) under which the forward and backward, with the kernel
+    sources in `mutants` ({original: mutant}) compiled as their mutants, miss the oracle or make the
+    emulator report an error, or a packed batch's (PACKED_SYNC_PROBLEM).
     `orders` with the TMA loads landing at their waits, then `eager` with them landing at issue (and each
     wgmma wait letting the other threads run first: a stage released before its wgmma has landed).
     split: SPLIT_SYNC_PROBLEM's alone. Every problem under the first order, then every problem under the
@@ -593,7 +595,7 @@ def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew
     their line, so going breadth-first reaches the wide, tall and packed problems' lines soonest."""
     runs = [(order, "deferred") for order in orders] + [(order, "eager") for order in eager]
     def compile(source, names, options, thread_order, seed, cp_async):
-        return compile_module(mutant if source == original else source, names, options, thread_order, seed, cp_async)
+        return compile_module(mutants.get(source, source), names, options, thread_order, seed, cp_async)
 
     def dense(problem, tile):
         B, Sq, Sk, Hq, Hkv, D, causal = problem
@@ -631,12 +633,39 @@ def _bitten(rng, original, mutant, orders=("ascending", "descending", "warp_skew
     return []
 
 
+# Every sync point and step of the ordered dQ in one guarded source a kernel file (sync_mutants.py): a
+# point's mutant is the guarded source with $FLASHCUPY_TEST_MUTANT its place in MUTANT_POINTS
+MUTANT_POINTS = (*SYNC_POINTS, *(("flash_bwd_sm90.cu", n) for n in ORDERED_DQ_POINTS))
+
+
+def _mutant(monkeypatch, kernel, lineno) -> dict:
+    """{original: guarded} of `kernel`, with the call on its line `lineno` chosen to be left out."""
+    n = MUTANT_POINTS.index((kernel, lineno)) + 1
+    monkeypatch.setenv(sync_mutants.ENV, str(n))
+    reached = sync_mutants.reached(sync_mutants.guarded(MUTANT_POINTS, SYNC), n)
+    assert list(reached) == [kernel]
+    return dict(reached.values())
+
+
+def test_the_guarded_kernels_pass_with_no_call_left_out(rng, monkeypatch):
+    # each problem of _bitten's, under one order: the guards chose no call, so every kernel is the original
+    monkeypatch.delenv(sync_mutants.ENV, raising=False)
+    guarded = dict(sync_mutants.guarded(MUTANT_POINTS, SYNC).values())
+    assert len(guarded) == len(KERNELS)
+    assert _bitten(rng, guarded, orders=("ascending",), eager=()) == []
+    assert _bitten(rng, guarded, orders=("ascending",), eager=(), split=True) == []
+    # and the ordered dQ's (DETERMINISTIC), which those do not compile: the same bits as the original's
+    want, _ = _ordered_backward("ascending", ORDERED_CASES[0])
+    got, _ = _ordered_backward("descending", ORDERED_CASES[0],
+                               compile=lambda source, *args: compile_module(guarded.get(source, source), *args))
+    assert _same_bits(got, want)
+
+
 @pytest.mark.parametrize("kernel, lineno", SYNC_POINTS, ids=[f"{k}:{n}" for k, n in SYNC_POINTS])
-def test_each_barrier_wait_and_fence_is_needed(rng, tmp_path, kernel, lineno):
-    call, original, mutant = _without(kernel, lineno, tmp_path)
+def test_each_barrier_wait_and_fence_is_needed(rng, monkeypatch, kernel, lineno):
     split = kernel == "flash_bwd_sm90.cu" and lineno in SPLIT_LINES
-    assert _bitten(rng, original, mutant, split=split), \
-        f"removing {call} on {kernel}:{lineno} went unnoticed under every order"
+    assert _bitten(rng, _mutant(monkeypatch, kernel, lineno), split=split), \
+        f"removing {_line(kernel, lineno).strip()} on {kernel}:{lineno} went unnoticed under every order"
 
 
 def test_the_wait_for_registers_is_needed(tmp_path):
@@ -673,7 +702,7 @@ def test_a_dropped_dq_reduction_is_caught(rng, tmp_path):
     # key blocks' and heads' parts of dQ are lost, the dK, dV and forward are unchanged
     _, original, mutant = _without("flash_bwd_sm90.cu", lineno, tmp_path, reduce,
                                    "if (c == 0) bulk_reduce_add_f32(tile, dQ_s, DQ_BYTES);")
-    assert _bitten(rng, original, mutant, orders=("ascending",))
+    assert _bitten(rng, {original: mutant}, orders=("ascending",))
 
 
 def test_a_stage_released_before_its_wgmma_lands_is_caught(rng, tmp_path):
@@ -691,7 +720,7 @@ def test_a_stage_released_before_its_wgmma_lands_is_caught(rng, tmp_path):
     early = "mbarrier_arrive(&empty[s]); wgmma_wait_group<0>();"
     lines[lineno - 1] = lines[lineno - 1].replace("wgmma_wait_group<0>();", early)
     mutant = "".join(lines)
-    assert _bitten(rng, original, mutant, orders=(), eager=("ascending",))
+    assert _bitten(rng, {original: mutant}, orders=(), eager=("ascending",))
 
 
 def test_the_second_ds_buffer_is_needed(rng, tmp_path):
@@ -706,7 +735,7 @@ def test_the_second_ds_buffer_is_needed(rng, tmp_path):
     own = re.compile(r"dS_own = dS_s \+ c \* SM90_CONSUMERS \* DS_BYTES;")
     assert own.search(mutant)
     mutant = own.sub("dS_own = dS_s;", mutant)
-    assert _bitten(rng, original, mutant)
+    assert _bitten(rng, {original: mutant})
 
 
 # ----------------------------------------------------------------------------
@@ -782,19 +811,20 @@ def test_the_tall_deterministic_backward_is_the_same_bits_in_every_block_order()
 
 
 @pytest.mark.parametrize("lineno", ORDERED_DQ_POINTS)
-def test_each_step_of_the_ordered_dq_is_needed(tmp_path, lineno):
+def test_each_step_of_the_ordered_dq_is_needed(monkeypatch, lineno):
     # without the wait: dQ in the blocks' order; without a fence or the completion: the emulator's proxy
     # checks of the release and the add; without the release: the later key blocks' turns never come
-    call, original, mutant = _without("flash_bwd_sm90.cu", lineno, tmp_path)
+    mutants = _mutant(monkeypatch, "flash_bwd_sm90.cu", lineno)
 
     def compile(source, *args):
-        return compile_module(mutant if source == original else source, *args)
+        return compile_module(mutants.get(source, source), *args)
 
     want, _ = _ordered_backward("ascending", ORDERED_CASES[0])
     try:
         got, _ = _ordered_backward("descending", ORDERED_CASES[0], compile=compile)
     except (emulator.KernelError, emulator.DeadlockError):
         return
+    call = _line("flash_bwd_sm90.cu", lineno).strip()
     assert not _same_bits(got, want), f"removing {call} on flash_bwd_sm90.cu:{lineno} went unnoticed"
 
 
