@@ -24,7 +24,7 @@ from varlen_checks import packed_batch_matches_the_oracle, packed_inputs
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import catalog, sources, specs
 from flashcupy.tools import emulator
-from flashcupy.tools.emulator.cupy import compile_module, emulated, recording
+from flashcupy.tools.emulator.cupy import compile_module, emulated, launch_records, recording
 
 HOPPER = specs.SM90_COMPUTE_CAPABILITY
 WINDOW = specs.MOD_BITS["window"]
@@ -35,21 +35,26 @@ def _templates(names):
     return {name.split("<")[0] for name in names}
 
 
+# Which kernels a call launches, recorded without building or running them (launch_records' run=False): the
+# tests below check where calls go, the oracle tests what each kernel computes
+
+
 def _forward_templates(q, k, v, compute_capability=HOPPER, **kw):
-    names = []
-    with emulated(compile=recording(names), compute_capability=compute_capability):
+    records = []
+    with emulated(compile=launch_records(records, run=False), compute_capability=compute_capability):
         flashcupy.attention(q, k, v, backend="cupy", **kw)
-    return _templates(names)
+    return _templates(name for name, _ in records)
 
 
 def _backward_templates(q, k, v, compute_capability=HOPPER, deterministic=False, **kw):
     """The dK/dV kernel (and dQ's) a backward launched."""
-    names = []
-    with emulated(compute_capability=compute_capability):
+    records = []
+    with emulated(compile=launch_records(records, run=False), compute_capability=compute_capability):
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
-    with emulated(compile=recording(names), compute_capability=compute_capability):
+        del records[:]
         flashcupy.attention_backward(q, q, k, v, out, lse, backend="cupy", deterministic=deterministic, **kw)
-    return _templates(names) - {"flash_bwd_preprocess", "flash_bwd_dq_convert", "flash_bwd_dq_convert_sm90"}
+    return _templates(name for name, _ in records) - {"flash_bwd_preprocess", "flash_bwd_dq_convert",
+                                                      "flash_bwd_dq_convert_sm90"}
 
 
 # ----------------------------------------------------------------------------
