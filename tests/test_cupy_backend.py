@@ -212,14 +212,14 @@ def _sync_points():
     return points
 
 
-SYNC_POINTS = _sync_points()
+SYNC_POINTS = tuple(_sync_points())
 
 
 def _guarded(name, lineno) -> dict:
     """{top-level kernel file: (its source, its guarded source)} of every non-Hopper kernel file whose text
-    (headers inlined, as the backend compiles it) the call on line `lineno` of kernels/`name` reaches: every
-    sync point guarded (sync_mutants.py), that one's number the one to give $FLASHCUPY_TEST_MUTANT."""
-    pairs = sync_mutants.guarded(tuple(SYNC_POINTS), SYNC)
+    (headers inlined, as the backend compiles it) the call on line `lineno` of kernels/`name` reaches. Every
+    sync point is guarded (sync_mutants.py); a test leaves this one out by its place in SYNC_POINTS."""
+    pairs = sync_mutants.guarded(SYNC_POINTS, SYNC)
     return {f: pair for f, pair in sync_mutants.reached(pairs, SYNC_POINTS.index((name, lineno)) + 1).items()
             if f in KERNEL_FILES}
 
@@ -271,7 +271,7 @@ def _compiling(mutants: dict):
 def test_the_guarded_kernels_pass_with_no_call_left_out(rng, monkeypatch):
     # every kernel file's guarded source (sync_mutants.py) with no call chosen, on every path's problem
     monkeypatch.delenv(sync_mutants.ENV, raising=False)
-    pairs = {f: pair for f, pair in sync_mutants.guarded(tuple(SYNC_POINTS), SYNC).items() if f in KERNEL_FILES}
+    pairs = {f: pair for f, pair in sync_mutants.guarded(SYNC_POINTS, SYNC).items() if f in KERNEL_FILES}
     assert set(pairs) == {"flash_fwd.cu", "flash_bwd.cu", "flash_pairs.cu", "flash_fwd_tc.cu", "flash_bwd_tc.cu"}
     compile = _compiling(dict(pairs.values()))
     for path in ("simt", "pairs", "tensor-core", "wide"):
