@@ -207,6 +207,27 @@ def test_strided_head_dim_and_old_gpus_fall_back_to_simt(rng):
         assert cupy_backend.forward_path(p, q, k, v) == "simt"
 
 
+@pytest.mark.parametrize("compute_capability", [75, 61])
+def test_an_old_gpu_runs_every_16_bit_call_on_the_simt_kernels(rng, compute_capability):
+    # a Turing or Pascal device (below specs.TC_COMPUTE_CAPABILITY, 64 or 48 KiB of shared memory a CTA):
+    # the forward, backward (deterministic or not) and a split decode compile no tensor-core kernel, and
+    # end as the oracle's
+    from flashcupy.backends.cupy_backend import specs
+    q, k, v = make_qkv(rng, 1, 20, 30, 2, 1, 64, np.float16)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    names = []
+    with emulated(compute_capability=compute_capability, compile=recording(names)) as runtime:
+        assert runtime.smem_optin(q) == specs.smem_optin(compute_capability) <= 64 * 1024
+        out, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True, backend="cupy")
+        for deterministic in (False, True):
+            grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True, backend="cupy",
+                                                 deterministic=deterministic)
+            assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True, backend="cupy")
+        decode = flashcupy.attention_with_kvcache(q[:, :1], k, v, num_splits=2, return_lse=True, backend="cupy")
+    assert_matches_oracle(decode, q[:, :1], k, v, backend="cupy")
+    assert names and not [name for name in names if "_tc" in name or "sm90" in name]
+
+
 # causal with seqlen_q - seqlen_k = 130: the rows of the first two 64-row query blocks see no key, so
 # the forward and dQ CTAs of those blocks have no key block to visit
 NO_KEY_CASE = (1, 150, 20, 1, 1, 64, True)

@@ -24,12 +24,21 @@ class Sm:
 
 
 # Per-SM limits used for occupancy: max threads, max CTAs, registers, shared memory (bytes) and
-# the shared memory the driver reserves per CTA. sm_80: A100; sm_86/89: consumer Ampere/Ada.
+# the shared memory the driver reserves per CTA (the CUDA C++ Programming Guide's table per compute
+# capability). sm_50, sm_60, sm_70, sm_75: Maxwell, P100, V100, Turing (the SIMT kernels alone run there:
+# specs.TC_COMPUTE_CAPABILITY); sm_80: A100; sm_86/89: consumer Ampere/Ada; sm_100: B200; sm_120:
+# consumer Blackwell.
 SMS = {
+    "sm_50": Sm(threads=2048, ctas=32, registers=65536, smem=65536, smem_reserved=0),
+    "sm_60": Sm(threads=2048, ctas=32, registers=65536, smem=65536, smem_reserved=0),
+    "sm_70": Sm(threads=2048, ctas=32, registers=65536, smem=98304, smem_reserved=0),
+    "sm_75": Sm(threads=1024, ctas=16, registers=65536, smem=65536, smem_reserved=0),
     "sm_80": Sm(threads=2048, ctas=32, registers=65536, smem=167936, smem_reserved=1024),
     "sm_86": Sm(threads=1536, ctas=16, registers=65536, smem=102400, smem_reserved=1024),
     "sm_89": Sm(threads=1536, ctas=24, registers=65536, smem=102400, smem_reserved=1024),
     "sm_90": Sm(threads=2048, ctas=32, registers=65536, smem=233472, smem_reserved=1024),
+    "sm_100": Sm(threads=2048, ctas=32, registers=65536, smem=233472, smem_reserved=1024),
+    "sm_120": Sm(threads=1536, ctas=32, registers=65536, smem=102400, smem_reserved=1024),
 }
 REGISTER_GRANULE = 256  # registers are allocated per warp in multiples of this
 MAX_REGISTERS = 255  # per thread, on every architecture here

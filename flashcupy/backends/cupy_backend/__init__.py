@@ -220,9 +220,10 @@ def _path_remembered(kind: str, p, tensors, flags: tuple, choose) -> str:
 
 
 def _rows_16_bytes(rt, *tensors) -> bool:
-    """Whether the device is sm_80 or newer and `tensors` are all read or written through 16-byte rows:
-    contiguous along head_dim, the other strides multiples of 8 elements, 16-byte aligned."""
-    if rt.compute_capability(tensors[0]) < 80:
+    """Whether the device runs the tensor-core kernels (specs.TC_COMPUTE_CAPABILITY) and `tensors` are all
+    read or written through 16-byte rows: contiguous along head_dim, the other strides multiples of 8
+    elements, 16-byte aligned."""
+    if rt.compute_capability(tensors[0]) < specs.TC_COMPUTE_CAPABILITY:
         return False
     for x in tensors:
         strides = [s // x.itemsize for s in x.strides]

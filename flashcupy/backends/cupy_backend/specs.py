@@ -210,9 +210,24 @@ SM90_TALL_FORWARD_TILES = {64: (192, 128)}
 SM90_WIDE_FORWARD_TILES = {64: (128, 192), 128: (128, 176)}
 SM90_SMEM_OPTIN = 227 * 1024  # the most dynamic shared memory a CTA may opt in to on sm_90
 # The same per compute capability (the CUDA C++ Programming Guide's table; 99 KiB on the others from sm_80
-# on): what the emulator's devices report (a GPU reports its own, Runtime.smem_optin)
-SMEM_OPTIN = {80: 163 * 1024, 87: 163 * 1024, 90: SM90_SMEM_OPTIN, 100: SM90_SMEM_OPTIN}
+# on, 48 KiB before sm_70): what the emulator's devices report (a GPU reports its own, Runtime.smem_optin)
+SMEM_OPTIN = {70: 96 * 1024, 72: 96 * 1024, 75: 64 * 1024,
+              80: 163 * 1024, 87: 163 * 1024, 90: SM90_SMEM_OPTIN, 100: SM90_SMEM_OPTIN}
 SMEM_OPTIN_OTHERS = 99 * 1024
+SMEM_OPTIN_BEFORE_SM70 = 48 * 1024
+
+
+def smem_optin(compute_capability: int) -> int:
+    """SMEM_OPTIN's figure for a device of `compute_capability` (an int: 86 for sm_86)."""
+    if compute_capability < 70:
+        return SMEM_OPTIN_BEFORE_SM70
+    return SMEM_OPTIN.get(compute_capability, SMEM_OPTIN_OTHERS)
+
+
+# The oldest compute capability the tensor-core kernels run on: cp.async and mma.sync m16n8k16 in bfloat16
+# are sm_80's (ptxas refuses them below). Older devices take the SIMT kernels, which need nothing newer
+# than sm_50 (tests/test_nvrtc.py compiles them for the oldest architecture each NVRTC targets)
+TC_COMPUTE_CAPABILITY = 80
 # The Hopper backward's dK/dV kernel (flash_bwd_sm90.cu): (query rows a pass, keys a CTA), two consumer
 # warpgroups of 64 keys each (FA3's 64 x 128 at head_dim 128); at head_dim 136..256 (SPLIT_D) 64 keys that
 # both consumers share, each taking half of the columns (FA3's 64-row pass; dK and dV of 64 keys x 256

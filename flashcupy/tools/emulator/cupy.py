@@ -48,14 +48,14 @@ def emulated(thread_order="ascending", seed=0, compile=compile_module, cp_async=
     Hopper forward (flash_fwd_sm90.cu); below 80 the backend never picks the tensor-core kernels.
     sm_count: the device's multiprocessors (split-KV's plan, the persistent Hopper forward's grid: a
     small one makes each CTA walk several tiles). The device's shared-memory opt-in limit is its compute
-    capability's (specs.SMEM_OPTIN).
+    capability's (specs.smem_optin).
     """
     def compile_as_cupy(source, names, options):
         if not any(option.startswith("-arch") for option in options):  # else the backend's own arch (sm_90a)
             options = tuple(options) + sources.CUPY_NVRTC_OPTIONS + (f"-arch=sm_{compute_capability}",)
         return compile(source, tuple(names), tuple(options), thread_order, seed, cp_async)
 
-    optin = specs.SMEM_OPTIN.get(compute_capability, specs.SMEM_OPTIN_OTHERS)
+    optin = specs.smem_optin(compute_capability)
     runtime = cupy_backend.Runtime(np, compile_as_cupy, compute_capability=lambda x: compute_capability,
                                    sm_count=lambda x: sm_count, smem_optin=lambda x: optin,
                                    tensor_map=lambda x, arguments, dtype_name: TensorMap(x, arguments))
