@@ -92,7 +92,8 @@ def cmd_info(args) -> int:
         print("NVRTC for `python -m flashcupy kernels` (no GPU needed):")
         for t in toolkits:
             found_by = "cuda-pathfinder, as CuPy finds it" if t.found_by == "cuda-pathfinder" else t.found_by
-            print(f"  {t.version}: {t.nvrtc}, CUDA headers {t.include} ({found_by})")
+            print(f"  {t.version} (sm_{t.archs[0]} to sm_{t.archs[-1]}): {t.nvrtc}, CUDA headers {t.include} "
+                  f"({found_by})")
     except nvrtc.NvrtcError as e:
         print(f"no NVRTC for `python -m flashcupy kernels`: {e}")
     print(f"nvdisasm: {nvrtc.nvdisasm_path() or 'not found (pip install nvidia-cuda-nvdisasm cuda-pathfinder)'}")
@@ -160,13 +161,33 @@ def cmd_bench(args) -> int:
 # kernels
 
 
+def _toolkits_for(arch: str) -> list:
+    """The NVRTCs here that compile for `arch`, after a line on stderr for each that does not (CUDA 13 has
+    nothing before sm_75), and one where the report leaves the tensor-core kernels out (below
+    specs.TC_COMPUTE_CAPABILITY)."""
+    from flashcupy.backends.cupy_backend import specs
+    from flashcupy.tools import nvrtc
+    toolkits = nvrtc.toolkits()
+    for t in toolkits:
+        if not t.compiles_for(arch):
+            print(f"NVRTC {t.version} does not compile for {arch} (it does for sm_{t.archs[0]} to sm_{t.archs[-1]}): "
+                  "left out", file=sys.stderr)
+    if nvrtc.arch_number(arch) < specs.TC_COMPUTE_CAPABILITY:
+        print(f"below sm_{specs.TC_COMPUTE_CAPABILITY} every call takes the SIMT kernels: the tensor-core ones are "
+              "left out", file=sys.stderr)
+    return [t for t in toolkits if t.compiles_for(arch)]
+
+
 def cmd_kernels(args) -> int:
     from flashcupy.backends.cupy_backend import catalog, sources, specs
     from flashcupy.tools import nvrtc
     if args.counters:
         return cmd_kernels_counters(args)
-    toolkits = nvrtc.toolkits()
-    modules = catalog.every_tc_modifier_set_modules() if args.every_modifier_set else None
+    toolkits = _toolkits_for(args.arch)
+    if not toolkits:
+        return 2
+    tensor_cores = nvrtc.arch_number(args.arch) >= specs.TC_COMPUTE_CAPABILITY
+    modules = catalog.every_tc_modifier_set_modules() if args.every_modifier_set and tensor_cores else None
     reports = {f"NVRTC {t.version}": nvrtc.kernel_report(args.arch, t, modules) for t in toolkits}
     if args.arch.startswith("sm_90"):  # and the Hopper kernels, which are compiled for sm_90a only
         hopper = catalog.sm90_modules(every_modifier_set=args.every_modifier_set)
@@ -198,7 +219,9 @@ def cmd_kernels_counters(args) -> int:
         return 2
     nvrtc_rows, heading = None, ""
     try:
-        toolkits = nvrtc.toolkits()
+        toolkits = _toolkits_for(args.arch)
+        if not toolkits:
+            raise nvrtc.NvrtcError(f"none for {args.arch}")
         reports = {f"NVRTC {t.version}": nvrtc.kernel_report(args.arch, t) for t in toolkits}
         if args.arch.startswith("sm_90"):  # and the Hopper kernels, which are compiled for sm_90a only
             reports.update({f"NVRTC {t.version}, {specs.SM90_ARCH}": nvrtc.kernel_report(specs.SM90_ARCH, t,
@@ -226,6 +249,16 @@ def cmd_kernels_counters(args) -> int:
 
 
 # ----------------------------------------------------------------------------
+
+
+def _arch(text: str) -> str:
+    """--arch sm_XY (or sm_XYa)."""
+    from flashcupy.tools import nvrtc
+    try:
+        nvrtc.arch_number(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _window(text: str) -> tuple:
@@ -271,7 +304,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", help="draw TFLOP/s and peak memory against seqlen into this PNG")
 
     k = sub.add_parser("kernels", help="NVRTC resource table of every CUDA kernel (no GPU needed)")
-    k.add_argument("--arch", default="sm_90")
+    k.add_argument("--arch", default="sm_90", type=_arch,
+                   help="the architecture to compile for, sm_XY (default sm_90: and the Hopper kernels for sm_90a); "
+                        "below sm_80 the SIMT kernels alone, the only ones a call takes there")
     k.add_argument("--counters", action="store_true",
                    help="also run a small launch of each kernel on the CPU emulator (a checkout's, not the wheel's) and "
                         "print its memory counters and a roofline model for A100, H100 and H200")

@@ -432,3 +432,57 @@ def test_the_cli_compiles_every_set_of_modifiers_when_asked(monkeypatch, capsys)
     assert {k.mods for k in kernels} == set(range(specs.ALL_MODS + 1))
     assert {k.template for k in kernels} == set(specs.TC_TEMPLATES) and any(k.split for k in kernels)
     assert cli.main(["kernels"]) == 0 and asked[1] is None and hopper[1] == catalog.sm90_modules()
+
+
+
+def simt_modules(compute_capability) -> list:
+    """What a device of `compute_capability` below TC_COMPUTE_CAPABILITY compiles: catalog.modules_for's, and
+    the packed batch's SIMT modules."""
+    packed = [m for m in catalog.varlen_modules() if not any(k.tensor_cores for k in m.kernels)]
+    return catalog.modules_for(compute_capability) + packed
+
+
+def oldest_gpu_sample(compute_capability) -> list:
+    """simt_modules at the smallest head-dim bucket, each kernel with the most score modifiers it takes:
+    every SIMT kernel template in every dtype, with the instructions each modifier adds."""
+    modules = simt_modules(compute_capability)
+    most = {}
+    for k in (k for m in modules for k in m.kernels):
+        most[k.template] = max(most.get(k.template, 0), k.mods)
+    return [m for m in modules
+            if all(k.head_dim in (0, specs.HEAD_DIM_BUCKETS[0]) and k.mods == most[k.template] for k in m.kernels)]
+
+
+@pytest.mark.parametrize("major", CUDA_MAJORS, ids=lambda major: f"nvrtc{major}")
+def test_the_simt_kernels_compile_for_the_oldest_gpu_each_nvrtc_targets(major):
+    # below sm_80 every call takes the SIMT kernels (specs.TC_COMPUTE_CAPABILITY): they must not reach for
+    # a newer instruction (cp.async, redux, bfloat16 atomics...); sm_50 under NVRTC 12, sm_75 under 13
+    toolkit = toolkit_of(major)
+    oldest = toolkit.archs[0]
+    assert oldest < specs.TC_COMPUTE_CAPABILITY
+    modules = oldest_gpu_sample(oldest)
+    kernels = [k for m in modules for k in m.kernels]
+    assert not any(k.tensor_cores or k.wgmma for k in kernels)
+    assert {k.dtype for k in kernels} == set(specs.CUDA_TYPES)
+    assert {k.template for k in kernels} == {k.template for m in simt_modules(oldest) for k in m.kernels}
+    rows = nvrtc.kernel_report(f"sm_{oldest}", toolkit, modules)
+    assert len(rows) == len({row_key(k) for k in kernels})
+    for r in rows:  # 48 KiB of static shared memory is every architecture's limit without an opt-in
+        assert r["static_smem"] <= 48 * 1024 and r["dynamic_smem"] == 0 and r["occupancy"] > 0, r
+
+
+def test_the_cli_compiles_for_an_old_gpu_with_the_nvrtcs_that_target_it(monkeypatch, capsys):
+    # `kernels --arch sm_70`: NVRTC 13 has no sm_70 (it says so and is left out), and the report's default
+    # modules there are the SIMT ones alone
+    from flashcupy import __main__ as cli
+    asked = []
+    monkeypatch.setattr(nvrtc, "kernel_report", lambda arch, toolkit, modules=None: asked.append(
+        (arch, toolkit.version.split(".")[0], modules)) or [])
+    assert cli.main(["kernels", "--arch", "sm_70"]) == 0
+    assert asked == [("sm_70", "12", None)]
+    assert "does not compile for sm_70" in capsys.readouterr().err
+    assert not any(k.tensor_cores for m in catalog.modules_for(70) for k in m.kernels)
+    assert any(k.tensor_cores for m in catalog.modules_for(80) for k in m.kernels)
+    with pytest.raises(SystemExit):
+        cli.main(["kernels", "--arch", "70"])
+    assert "arch must look like sm_80" in capsys.readouterr().err

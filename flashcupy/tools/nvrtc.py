@@ -81,7 +81,17 @@ class Toolkit:
     @property
     def version(self) -> str:
         """NVRTC's own, e.g. "12.9" (asked of a worker process)."""
-        return _version(self)
+        return _about(self)[0]
+
+    @property
+    def archs(self) -> tuple:
+        """The architectures this NVRTC compiles for, as ints (nvrtcGetSupportedArchs: 50 ... 121 for
+        NVRTC 12.9; CUDA 13 dropped those before sm_75)."""
+        return _about(self)[1]
+
+    def compiles_for(self, arch: str) -> bool:
+        """Whether this NVRTC takes -arch=`arch` ("sm_75", "sm_90a")."""
+        return arch_number(arch) in self.archs
 
 
 @functools.lru_cache(maxsize=None)
@@ -152,8 +162,9 @@ def _check(result, what: str):
     return values[0] if len(values) == 1 else values
 
 
-def _bind(nvrtc_path: str) -> str:
-    """Make cuda.bindings.nvrtc run the libnvrtc at `nvrtc_path` in this process; its version."""
+def _bind(nvrtc_path: str) -> tuple:
+    """Make cuda.bindings.nvrtc run the libnvrtc at `nvrtc_path` in this process; (its version, the
+    architectures it compiles for)."""
     ctypes.CDLL(nvrtc_path)  # cuda-pathfinder takes an NVRTC already loaded before searching
     try:
         from cuda.bindings import nvrtc
@@ -163,7 +174,8 @@ def _bind(nvrtc_path: str) -> str:
     bound = load_nvidia_dynamic_lib("nvrtc").abs_path
     if not os.path.samefile(bound, nvrtc_path):
         raise NvrtcError(f"cuda.bindings runs {bound}, not {nvrtc_path}")
-    return "{}.{}".format(*_check(nvrtc.nvrtcVersion(), "nvrtcVersion"))
+    version = "{}.{}".format(*_check(nvrtc.nvrtcVersion(), "nvrtcVersion"))
+    return version, tuple(_check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs"))
 
 
 def _compile(source: str, name_expressions, options) -> tuple:
@@ -199,13 +211,13 @@ def _outcome(job) -> tuple:
 
 def _serve() -> None:
     """The worker's main: (libnvrtc path, [(source, name expressions, options)]) from stdin, then
-    (True, (NVRTC version, [(True, _compile's result) or (False, NvrtcError)])), or (False, the
-    error that stopped it), to stdout, pickled."""
+    (True, (_bind's (version, architectures), [(True, _compile's result) or (False, NvrtcError)])), or
+    (False, the error that stopped it), to stdout, pickled."""
     nvrtc_path, jobs = pickle.load(sys.stdin.buffer)
     try:
-        version = _bind(nvrtc_path)
+        about = _bind(nvrtc_path)
         with ThreadPoolExecutor(_WORKERS) as pool:  # cuda.bindings releases the GIL while NVRTC compiles
-            reply = True, (version, list(pool.map(_outcome, jobs)))
+            reply = True, (about, list(pool.map(_outcome, jobs)))
     except NvrtcError as e:
         reply = False, e
     pickle.dump(reply, sys.stdout.buffer)
@@ -216,8 +228,8 @@ def _serve() -> None:
 
 
 def _run(toolkit: Toolkit, jobs) -> tuple:
-    """(NVRTC version, [(True, (log, lowered, cubin)) or (False, NvrtcError)] per job) from a worker
-    process running `toolkit`'s NVRTC."""
+    """((NVRTC version, architectures), [(True, (log, lowered, cubin)) or (False, NvrtcError)] per job)
+    from a worker process running `toolkit`'s NVRTC."""
     # where flashcupy is imported from: the folder that holds the flashcupy package
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = f"import sys; sys.path.insert(0, {root!r}); from flashcupy.tools.nvrtc import _serve; _serve()"
@@ -232,8 +244,16 @@ def _run(toolkit: Toolkit, jobs) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _version(toolkit: Toolkit) -> str:
+def _about(toolkit: Toolkit) -> tuple:
     return _run(toolkit, ())[0]
+
+
+def arch_number(arch: str) -> int:
+    """The compute capability of an -arch value, as an int: 90 for "sm_90" and "sm_90a"."""
+    found = re.fullmatch(r"sm_(\d+)a?", arch)
+    if not found:
+        raise ValueError(f"arch must look like sm_80 or sm_90, got {arch!r}")
+    return int(found.group(1))
 
 
 def _workers(jobs: int) -> int:
@@ -347,7 +367,7 @@ def occupancy(arch: str, registers: int, smem: int, threads: int) -> float:
     by_threads = lim.threads // (warps * 32)
     regs_per_warp = -(-max(registers, 1) * 32 // granule) * granule
     by_registers = (lim.registers // regs_per_warp) // warps
-    by_smem = lim.smem // (smem + lim.smem_reserved)
+    by_smem = lim.smem // (smem + lim.smem_reserved) if smem + lim.smem_reserved else lim.ctas
     ctas = min(by_threads, by_registers, by_smem, lim.ctas)
     return ctas * warps / (lim.threads // 32)
 
@@ -406,14 +426,16 @@ def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, c
 def kernel_report(arch: str = "sm_90", toolkit: Toolkit | None = None, modules=None,
                   instructions: bool = False) -> list:
     """One row per kernel specialization the cupy backend can launch (`modules`, by default
-    catalog.all_modules: without score modifiers and with all of them), compiled for `arch` by the NVRTC
-    of `toolkit` (default: CuPy's). `instructions`: every row also gets its SASS instruction count and
-    digest (sass_instructions)."""
-    if not re.fullmatch(r"sm_\d+a?", arch):
-        raise ValueError(f"arch must look like sm_80 or sm_90, got {arch!r}")
+    catalog.modules_for the arch: without score modifiers and with all of them), compiled for `arch` by
+    the NVRTC of `toolkit` (default: CuPy's; NvrtcError if it does not compile for `arch`). `instructions`:
+    every row also gets its SASS instruction count and digest (sass_instructions)."""
+    number = arch_number(arch)
     toolkit = toolkit or cupy_toolkit()
+    if not toolkit.compiles_for(arch):
+        raise NvrtcError(f"NVRTC {toolkit.version} does not compile for {arch} (it does for sm_{toolkit.archs[0]} "
+                         f"to sm_{toolkit.archs[-1]})")
     options = compile_options(arch, toolkit)
-    modules = catalog.all_modules() if modules is None else modules
+    modules = catalog.modules_for(number) if modules is None else modules
     jobs, job_of = _shared_programs(modules, options)
     compiled = _results(toolkit, jobs)
     parsed = [parse_ptxas(log) for log, _, _ in compiled]

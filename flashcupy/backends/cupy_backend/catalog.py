@@ -11,7 +11,7 @@ from .specs import (ALL_MODS, CUDA_TYPES, HEAD_DIM_BUCKETS, MOD_BITS, TC_DTYPES,
                     SM90_BACKWARD_MODS, SM90_BACKWARD_TILES, SM90_FORWARD_MODS, SM90_FORWARD_TILES,
                     SM90_TALL_BACKWARD_TILES, SM90_TALL_FORWARD_TILES, SM90_VARLEN_BACKWARD_MODS,
                     SM90_VARLEN_FORWARD_MODS,
-                    SM90_WIDE_FORWARD_TILES, append_module,
+                    SM90_WIDE_FORWARD_TILES, TC_COMPUTE_CAPABILITY, append_module,
                     backward_module, dbias_module, deterministic_tc_backward_module, forward_module, merge_module,
                     probs_module, sm90_backward_module, sm90_eligible, sm90_forward_module, sm90_forward_tile,
                     tc_backward_module, tensor_core_eligible,
@@ -38,6 +38,15 @@ def all_modules(mods=REPORT_MODS, tc_mods=REPORT_TC_MODS):
             + tc_modules(tc_mods)
             + split_modules(mods)
             + [append_module(dtype) for dtype in CUDA_TYPES] + [merge_module(dtype) for dtype in CUDA_TYPES])
+
+
+def modules_for(compute_capability: int) -> list:
+    """all_modules() but those a device of `compute_capability` never takes: below
+    TC_COMPUTE_CAPABILITY the SIMT kernels alone (the tensor-core kernels do not compile there)."""
+    modules = all_modules()
+    if compute_capability >= TC_COMPUTE_CAPABILITY:
+        return modules
+    return [m for m in modules if not any(k.tensor_cores for k in m.kernels)]
 
 
 def tc_modules(tc_mods, dtypes=TC_DTYPES, split: bool = False) -> list:
