@@ -55,10 +55,13 @@ def cmd_info(args) -> int:
         else "threadpoolctl not installed: 1 worker, BLAS threads its own calls"
     print(f"numpy backend: {numpy_backend.worker_count()} worker thread(s), "
           f"tiles {numpy_backend.describe_tiles()}; BLAS {blas}")
+    from flashcupy.backends.cupy_backend import specs
     print("cupy kernel paths: forward and backward on tensor cores (mma.sync) for float16/bfloat16 with\n"
-          "  head_dim a multiple of 8 up to 256, on sm_80+, q/k/v (and dout/out) contiguous along head_dim\n"
-          "  with 16-byte aligned rows; the SIMT kernels for everything else (and the backward above\n"
-          "  head_dim 192 where a CTA may not have 129 KiB of shared memory: sm_86, sm_89, sm_120).\n"
+          f"  head_dim a multiple of 8 up to 256, on sm_{specs.TC_COMPUTE_CAPABILITY}+, q/k/v (and dout/out) "
+          "contiguous along head_dim\n"
+          "  with 16-byte aligned rows; the SIMT kernels for everything else (every call on an older GPU,\n"
+          "  and the backward above head_dim 192 where a CTA may not have 129 KiB of shared memory:\n"
+          "  sm_86, sm_89, sm_120).\n"
           "  On compute capability 9.0 those calls run on\n"
           "  the Hopper kernels (TMA, wgmma, warp specialisation; sm_90a) when they have no split-KV,\n"
           "  strides a tensor map describes\n"

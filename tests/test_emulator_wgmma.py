@@ -19,7 +19,7 @@ import pytest
 
 import wgmma_blocks as blocks
 from flashcupy.tools.emulator import DeadlockError, EmulatedModule, KernelError
-from wgmma_blocks import INCLUDE, NAMES, SWIZZLE, problem, run, source, want
+from wgmma_blocks import INCLUDE, NAMES, problem, run, source, want
 
 FORMATS = ("float16", "bfloat16")
 _modules = {}

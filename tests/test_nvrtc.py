@@ -434,7 +434,6 @@ def test_the_cli_compiles_every_set_of_modifiers_when_asked(monkeypatch, capsys)
     assert cli.main(["kernels"]) == 0 and asked[1] is None and hopper[1] == catalog.sm90_modules()
 
 
-
 def simt_modules(compute_capability) -> list:
     """What a device of `compute_capability` below TC_COMPUTE_CAPABILITY compiles: catalog.modules_for's, and
     the packed batch's SIMT modules."""
@@ -456,7 +455,7 @@ def oldest_gpu_sample(compute_capability) -> list:
 @pytest.mark.parametrize("major", CUDA_MAJORS, ids=lambda major: f"nvrtc{major}")
 def test_the_simt_kernels_compile_for_the_oldest_gpu_each_nvrtc_targets(major):
     # below sm_80 every call takes the SIMT kernels (specs.TC_COMPUTE_CAPABILITY): they must not reach for
-    # a newer instruction (cp.async, redux, bfloat16 atomics...); sm_50 under NVRTC 12, sm_75 under 13
+    # a newer instruction (cp.async, __reduce_max_sync: sm_80's); sm_50 under NVRTC 12, sm_75 under 13
     toolkit = toolkit_of(major)
     oldest = toolkit.archs[0]
     assert oldest < specs.TC_COMPUTE_CAPABILITY

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
 import tensor_core_blocks as blocks
