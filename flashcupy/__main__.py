@@ -56,12 +56,17 @@ def cmd_info(args) -> int:
     print(f"numpy backend: {numpy_backend.worker_count()} worker thread(s), "
           f"tiles {numpy_backend.describe_tiles()}; BLAS {blas}")
     from flashcupy.backends.cupy_backend import specs
+    oldest = specs.TC_COMPUTE_CAPABILITY
     print("cupy kernel paths: forward and backward on tensor cores (mma.sync) for float16/bfloat16 with\n"
-          f"  head_dim a multiple of 8 up to 256, on sm_{specs.TC_COMPUTE_CAPABILITY}+, q/k/v (and dout/out) "
+          f"  head_dim a multiple of 8 up to 256, on sm_{oldest['bfloat16']}+, q/k/v (and dout/out) "
           "contiguous along head_dim\n"
-          "  with 16-byte aligned rows; the SIMT kernels for everything else (every call on an older GPU,\n"
-          "  and the backward above head_dim 192 where a CTA may not have 129 KiB of shared memory:\n"
-          "  sm_86, sm_89, sm_120).\n"
+          "  with 16-byte aligned rows; on Turing (sm_75) float16 alone, up to head_dim "
+          f"{specs.TC_TURING_HEAD_DIM_BUCKETS[-1]},\n"
+          "  with smaller tiles and two m16n8k8 an mma (the default backward with softcap or ALiBi at 128\n"
+          "  keeps the deterministic kernels there); the SIMT kernels for everything else (every call on\n"
+          f"  an older GPU, bfloat16 below sm_{oldest['bfloat16']}, and the backward above head_dim 192 where a "
+          "CTA may not have\n"
+          "  129 KiB of shared memory: sm_86, sm_89, sm_120).\n"
           "  On compute capability 9.0 those calls run on\n"
           "  the Hopper kernels (TMA, wgmma, warp specialisation; sm_90a) when they have no split-KV,\n"
           "  strides a tensor map describes\n"
@@ -166,8 +171,8 @@ def cmd_bench(args) -> int:
 
 def _toolkits_for(arch: str) -> list:
     """The NVRTCs here that compile for `arch`, after a line on stderr for each that does not (CUDA 13 has
-    nothing before sm_75), and one where the report leaves the tensor-core kernels out (below
-    specs.TC_COMPUTE_CAPABILITY)."""
+    nothing before sm_75), and one for each dtype whose tensor-core kernels the report leaves out (below
+    its specs.TC_COMPUTE_CAPABILITY)."""
     from flashcupy.backends.cupy_backend import specs
     from flashcupy.tools import nvrtc
     toolkits = nvrtc.toolkits()
@@ -175,9 +180,10 @@ def _toolkits_for(arch: str) -> list:
         if not t.compiles_for(arch):
             print(f"NVRTC {t.version} does not compile for {arch} (it does for sm_{t.archs[0]} to sm_{t.archs[-1]}): "
                   "left out", file=sys.stderr)
-    if nvrtc.arch_number(arch) < specs.TC_COMPUTE_CAPABILITY:
-        print(f"below sm_{specs.TC_COMPUTE_CAPABILITY} every call takes the SIMT kernels: the tensor-core ones are "
-              "left out", file=sys.stderr)
+    for dtype, oldest in specs.TC_COMPUTE_CAPABILITY.items():
+        if nvrtc.arch_number(arch) < oldest:
+            print(f"below sm_{oldest} every {dtype} call takes the SIMT kernels: the {dtype} tensor-core ones "
+                  "are left out", file=sys.stderr)
     return [t for t in toolkits if t.compiles_for(arch)]
 
 
@@ -189,8 +195,10 @@ def cmd_kernels(args) -> int:
     toolkits = _toolkits_for(args.arch)
     if not toolkits:
         return 2
-    tensor_cores = nvrtc.arch_number(args.arch) >= specs.TC_COMPUTE_CAPABILITY
-    modules = catalog.every_tc_modifier_set_modules() if args.every_modifier_set and tensor_cores else None
+    cc = nvrtc.arch_number(args.arch)
+    modules = None
+    if args.every_modifier_set:  # every tensor-core module a device of that arch takes
+        modules = catalog.taken_on(catalog.every_tc_modifier_set_modules(turing=specs.tc_turing(cc)), cc) or None
     reports = {f"NVRTC {t.version}": nvrtc.kernel_report(args.arch, t, modules) for t in toolkits}
     if args.arch.startswith("sm_90"):  # and the Hopper kernels, which are compiled for sm_90a only
         hopper = catalog.sm90_modules(every_modifier_set=args.every_modifier_set)
@@ -309,7 +317,8 @@ def parser() -> argparse.ArgumentParser:
     k = sub.add_parser("kernels", help="NVRTC resource table of every CUDA kernel (no GPU needed)")
     k.add_argument("--arch", default="sm_90", type=_arch,
                    help="the architecture to compile for, sm_XY (default sm_90: and the Hopper kernels for sm_90a); "
-                        "below sm_80 the SIMT kernels alone, the only ones a call takes there")
+                        "below sm_80 no bfloat16 tensor-core kernel, below sm_75 the SIMT kernels alone: what a call "
+                        "takes there")
     k.add_argument("--counters", action="store_true",
                    help="also run a small launch of each kernel on the CPU emulator (a checkout's, not the wheel's) and "
                         "print its memory counters and a roofline model for A100, H100 and H200")

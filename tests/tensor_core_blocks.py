@@ -29,18 +29,26 @@ def source():
         return f.read()
 
 
-NAMES = ([f"mma_fragments<{t}>" for t in CUDA_NAME.values()]
+NAMES = ([f"mma_fragments<{t}>" for t in CUDA_NAME.values()] + ["mma_k8_fragments"]
          + [f"ldmatrix_variant<{num}, {str(trans).lower()}>" for num, trans in LDMATRIX]
          + [f"tile_matmul<{t}>" for t in CUDA_NAME.values()]
          + ["pack_and_exp", "tensor_core_misuse"])
 
+# What a Turing GPU runs of them (float16; tensor_core.cuh's stand-ins for the sm_80 instructions), built
+# for sm_75 on the emulator and with -DAMPERE_ARCH past the device's own arch on a GPU (TURING_OPTIONS)
+TURING_NAMES = ["mma_fragments<__half>", "mma_k8_fragments", "tile_matmul<__half>", "pack_and_exp"]
+TURING_OPTIONS = {"emulator": ("-arch=sm_75",), "gpu": ("-DAMPERE_ARCH=1000",)}
+
 _modules = {}
 
 
-def kernel(name, order="ascending"):
-    if order not in _modules:
-        _modules[order] = EmulatedModule(source(), NAMES, (INCLUDE,), thread_order=order)
-    return _modules[order].get_function(name)
+def kernel(name, order="ascending", turing=False):
+    """The test kernel `name` on the emulator, built for sm_75 if `turing` (else sm_90)."""
+    key = (order, turing)
+    if key not in _modules:
+        names, options = (TURING_NAMES, TURING_OPTIONS["emulator"]) if turing else (NAMES, ())
+        _modules[key] = EmulatedModule(source(), names, (INCLUDE, *options), thread_order=order)
+    return _modules[key].get_function(name)
 
 
 # ----------------------------------------------------------------------------
@@ -93,6 +101,16 @@ def b_fragments(B):
     return out
 
 
+def a8_fragments(A):
+    """A (16x8 uint16, row-major) -> 32 x 2 .b32, m16n8k8's: a[i] holds A[g + 8 i][2t + {0, 1}]."""
+    return np.ascontiguousarray(a_fragments(np.pad(A, ((0, 0), (0, 8))))[:, :2])
+
+
+def b8_fragments(B):
+    """B (8x8 uint16, K x N) -> 32 x 1 .b32, m16n8k8's: b[0] holds B[2t + {0, 1}][g]."""
+    return np.ascontiguousarray(b_fragments(np.pad(B, ((0, 8), (0, 0))))[:, :1])
+
+
 def c_fragments(C):
     """C (16x8 float32) -> 32 x 4: c[i] = C[g + 8 (i >> 1)][2t + (i & 1)]."""
     out = np.empty((32, 4), np.float32)
@@ -111,9 +129,17 @@ def c_matrix(frags):
     return C
 
 
-def mma(fmt, A, B, C):
+def mma(fmt, A, B, C, turing=False):
     d = garbage((32, 4), np.float32)
-    kernel(f"mma_fragments<{CUDA_NAME[fmt]}>")((1,), (32,), (a_fragments(A), b_fragments(B), c_fragments(C), d))
+    kernel(f"mma_fragments<{CUDA_NAME[fmt]}>", turing=turing)(
+        (1,), (32,), (a_fragments(A), b_fragments(B), c_fragments(C), d))
+    return c_matrix(d)
+
+
+def mma_k8(A, B, C):
+    """m16n8k8 (float16) of A (16x8), B (8x8) and C (16x8 float32), through the per-lane fragments."""
+    d = garbage((32, 4), np.float32)
+    kernel("mma_k8_fragments")((1,), (32,), (a8_fragments(A), b8_fragments(B), c_fragments(C), d))
     return c_matrix(d)
 
 
@@ -130,9 +156,9 @@ def ldmatrix_numpy(tile, row_offsets, num, trans):
     return out
 
 
-def tile_matmul(fmt, A, B, a_rows=16, wait_mode=0, order="ascending"):
+def tile_matmul(fmt, A, B, a_rows=16, wait_mode=0, order="ascending", turing=False):
     d = garbage((16, 8), np.float32)
-    kernel(f"tile_matmul<{CUDA_NAME[fmt]}>", order)(
+    kernel(f"tile_matmul<{CUDA_NAME[fmt]}>", order, turing)(
         (1,), (32,), (A, B, d, np.int32(a_rows), np.int32(wait_mode)), shared_mem=(16 * 16 + 16 * 8) * 2)
     return d
 
@@ -176,6 +202,41 @@ def check_mma_random(fmt, rng):
     C = rng.standard_normal((16, 8)).astype(np.float32)
     want = from_bits(A, fmt).astype(np.float64) @ from_bits(B, fmt) + C
     np.testing.assert_allclose(mma(fmt, A, B, C), want, rtol=1e-6, atol=1e-6)
+
+
+def check_mma_k8(rng):
+    """m16n8k8 (float16): small integers, so that every sum is exact; an element in the wrong place of A,
+    B, C or D changes D."""
+    A, B = (rng.integers(-16, 16, shape).astype(np.float32) for shape in ((16, 8), (8, 8)))
+    C = rng.integers(-64, 64, (16, 8)).astype(np.float32)
+    np.testing.assert_array_equal(mma_k8(to_bits(A, "float16"), to_bits(B, "float16"), C), A @ B + C)
+
+
+def check_turing(order, a_rows, rng):
+    """The float16 kernels as a Turing GPU runs them (tensor_core.cuh's stand-ins): m16n8k16 as two
+    m16n8k8 (A's column halves each picked by an identity B, then random operands), the cp.async ->
+    ldmatrix -> mma pipeline with plain copies, and pack_f16x2 as two conversions."""
+    A = rng.integers(-64, 64, (16, 16)).astype(np.float32)
+    for half in range(2):
+        B = np.zeros((16, 8), np.float32)
+        B[8 * half:8 * half + 8] = np.eye(8)
+        got = mma("float16", to_bits(A, "float16"), to_bits(B, "float16"), np.zeros((16, 8), np.float32), turing=True)
+        np.testing.assert_array_equal(got, A[:, 8 * half:8 * half + 8])
+    A, B = (to_bits(rng.standard_normal(shape), "float16") for shape in ((16, 16), (16, 8)))
+    C = rng.standard_normal((16, 8)).astype(np.float32)
+    want = from_bits(A, "float16").astype(np.float64) @ from_bits(B, "float16") + C
+    np.testing.assert_allclose(mma("float16", A, B, C, turing=True), want, rtol=1e-6, atol=1e-6)
+    A, B = narrow(rng.standard_normal((16, 16)), "float16"), narrow(rng.standard_normal((16, 8)), "float16")
+    a = A.astype(np.float64)
+    a[a_rows:] = 0  # the stand-in zero-fills the rows past a_rows, as cp.async does
+    np.testing.assert_allclose(tile_matmul("float16", A, B, a_rows, order=order, turing=True), a @ B.astype(np.float64),
+                               rtol=1e-6, atol=1e-6)
+    x = np.concatenate([rng.standard_normal(60) * 4, [1 + 2**-11, 1 + 3 * 2**-11, np.nan, 1e5]]).astype(np.float32)
+    f16, bf16, e = garbage(32, np.uint32), garbage(32, np.uint32), garbage(32, np.float32)
+    kernel("pack_and_exp", turing=True)((1,), (32,), (x, f16, bf16, e))
+    bits = to_bits(x, "float16")
+    bits[np.isnan(x)] = 0x7FFF  # canonical NaN, as sm_80's cvt gives
+    np.testing.assert_array_equal(f16, pair(bits[0::2], bits[1::2]))
 
 
 def check_ldmatrix(num, trans, rng):

@@ -232,7 +232,7 @@ def test_the_mma_sync_kernels_above_head_dim_128_match_the_oracle(rng, monkeypat
     from flashcupy.backends import cupy_backend
     from flashcupy.backends.cupy_backend import specs
     if int(cupy.cuda.Device().compute_capability) < 80:
-        pytest.skip("the tensor-core kernels need sm_80")
+        pytest.skip("the mma.sync kernels above head_dim 128 need sm_80")
     monkeypatch.setattr(cupy_backend, "USE_WGMMA", False)
     *shape, causal = case
     (q, k, v, _), (dq_, dk_, dv_, _), _ = device_problem(rng, shape, "float16")

@@ -45,6 +45,30 @@ def test_mma_random(fmt, rng):
     blocks.check_mma_random(fmt, rng)
 
 
+def test_mma_k8(rng):
+    blocks.check_mma_k8(rng)
+
+
+# ----------------------------------------------------------------------------
+# Turing: the float16 kernels built for sm_75 (tensor_core.cuh's stand-ins for sm_80's instructions)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("a_rows", [16, 11])
+def test_turing_stand_ins(order, a_rows, rng):
+    blocks.check_turing(order, a_rows, rng)
+
+
+def test_a_turing_build_has_no_sm_80_instruction():
+    # as ptxas refuses bfloat16's mma and cvt below sm_80, the emulator's sm_75 build does not define them
+    # (cp.async, m16n8k16 and pack_f16x2 have stand-ins there: test_turing_stand_ins)
+    for call in ("pack_bf16x2(1.0f, 2.0f)", "mma_m16n8k16_bf16f32(nullptr, nullptr, nullptr, nullptr), 0u",
+                 "mma_m16n8k16<__nv_bfloat16>(nullptr, nullptr, nullptr, nullptr), 0u"):
+        code = f'#include "tensor_core.cuh"\nextern "C" __global__ void k(unsigned* x) {{ x[0] = ({call}); }}\n'
+        with pytest.raises(Exception, match="not declared|undefined symbol"):
+            EmulatedModule(code, ["k"], (INCLUDE, "-arch=sm_75")).get_function("k")
+
+
 # ----------------------------------------------------------------------------
 # ldmatrix: every variant against the ISA's thread mapping
 

@@ -435,10 +435,10 @@ def test_the_cli_compiles_every_set_of_modifiers_when_asked(monkeypatch, capsys)
 
 
 def simt_modules(compute_capability) -> list:
-    """What a device of `compute_capability` below TC_COMPUTE_CAPABILITY compiles: catalog.modules_for's, and
-    the packed batch's SIMT modules."""
-    packed = [m for m in catalog.varlen_modules() if not any(k.tensor_cores for k in m.kernels)]
-    return catalog.modules_for(compute_capability) + packed
+    """The SIMT modules a device of `compute_capability` compiles: catalog.modules_for's, and the packed
+    batch's."""
+    return [m for m in catalog.modules_for(compute_capability) + catalog.varlen_modules()
+            if not any(k.tensor_cores for k in m.kernels)]
 
 
 def oldest_gpu_sample(compute_capability) -> list:
@@ -454,11 +454,12 @@ def oldest_gpu_sample(compute_capability) -> list:
 
 @pytest.mark.parametrize("major", CUDA_MAJORS, ids=lambda major: f"nvrtc{major}")
 def test_the_simt_kernels_compile_for_the_oldest_gpu_each_nvrtc_targets(major):
-    # below sm_80 every call takes the SIMT kernels (specs.TC_COMPUTE_CAPABILITY): they must not reach for
-    # a newer instruction (cp.async, __reduce_max_sync: sm_80's); sm_50 under NVRTC 12, sm_75 under 13
+    # below sm_80 every bfloat16 call, and below sm_75 every call, takes the SIMT kernels
+    # (specs.TC_COMPUTE_CAPABILITY): they must not reach for a newer instruction (cp.async,
+    # __reduce_max_sync: sm_80's); sm_50 under NVRTC 12, sm_75 under 13
     toolkit = toolkit_of(major)
     oldest = toolkit.archs[0]
-    assert oldest < specs.TC_COMPUTE_CAPABILITY
+    assert oldest < specs.TC_COMPUTE_CAPABILITY["bfloat16"]
     modules = oldest_gpu_sample(oldest)
     kernels = [k for m in modules for k in m.kernels]
     assert not any(k.tensor_cores or k.wgmma for k in kernels)
@@ -468,6 +469,44 @@ def test_the_simt_kernels_compile_for_the_oldest_gpu_each_nvrtc_targets(major):
     assert len(rows) == len({row_key(k) for k in kernels})
     for r in rows:  # 48 KiB of static shared memory is every architecture's limit without an opt-in
         assert r["static_smem"] <= 48 * 1024 and r["dynamic_smem"] == 0 and r["occupancy"] > 0, r
+
+
+@pytest.mark.parametrize("major", CUDA_MAJORS, ids=lambda major: f"nvrtc{major}")
+def test_the_turing_tensor_core_kernels_fit(major):
+    # float16 on sm_75 (specs.TC_COMPUTE_CAPABILITY): every tensor-core module a Turing GPU takes
+    # (catalog.modules_for: Turing's tiles, in its 64 KiB a CTA), and the packed batch's, compiled for sm_75
+    # with tensor_core.cuh's stand-ins (two m16n8k8 an mma): no spills, the registers to spare of
+    # test_no_spills_and_registers_to_spare, an HMMA for every mma of a pass or more
+    toolkit = toolkit_of(major)
+    modules = [m for m in catalog.taken_on(catalog.modules_for(75) + catalog.varlen_modules(turing=True), 75)
+               if any(k.tensor_cores for k in m.kernels)]
+    assert {k.dtype for m in modules for k in m.kernels if k.tensor_cores} == {"float16"}
+    rows = [r for r in nvrtc.kernel_report("sm_75", toolkit, modules) if r["kernel"] in specs.TC_TEMPLATES]
+    assert {r["kernel"] for r in rows} == {"flash_fwd_tc", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc"}
+    assert not nvrtc.limits_exceeded(rows), nvrtc.limits_exceeded(rows)
+    for r in rows:
+        assert r["static_smem"] + r["dynamic_smem"] <= specs.smem_optin(75), r
+        block_m, block_n = map(int, r["tile"].split("x"))
+        assert r["hmma"] >= mmas_per_pass(r["kernel"], r["head_dim"], block_m, block_n, rolled=True), r
+
+
+def test_turing_builds_take_hmma_1688_and_plain_copies():
+    # sm_75 has no cp.async (LDGSTS) and no m16n8k16 (HMMA.16816): the building blocks' tile_matmul and the
+    # forward run two HMMA.1688 an mma, LDSM, and their copies as loads and stores
+    names = ["tile_matmul<__half>"]
+    compiled = compile_for("sm_75", blocks.source(), names, (blocks.INCLUDE,))
+    forward = specs.tc_forward_module("float16", 64, turing=True)
+    compiled.update(compile_for("sm_75", sources.read_source(forward.source_file), forward.name_expressions))
+    for name, (_, sass) in compiled.items():
+        assert sass is not None, name
+        assert re.search(r"\bHMMA\.1688\.F32 ", sass) and "LDSM" in sass, f"{name}: no HMMA.1688 or LDSM"
+        assert "LDGSTS" not in sass and "HMMA.16816" not in sass, f"{name}: an sm_80 instruction"
+    assert len(re.findall(r"\bHMMA\.1688\.F32 ", compiled["tile_matmul<__half>"][1])) == 2
+    # and the stand-ins as tests/test_tensor_core_gpu.py builds them on a newer GPU (blocks.TURING_OPTIONS)
+    on_hopper = compile_for("sm_90", blocks.source(), blocks.TURING_NAMES,
+                            (blocks.INCLUDE, *blocks.TURING_OPTIONS["gpu"]))
+    sass = on_hopper["tile_matmul<__half>"][1]
+    assert len(re.findall(r"\bHMMA\.1688\.F32 ", sass)) == 2 and "LDGSTS" not in sass
 
 
 def test_the_cli_compiles_for_an_old_gpu_with_the_nvrtcs_that_target_it(monkeypatch, capsys):

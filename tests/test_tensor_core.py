@@ -203,21 +203,29 @@ def test_strided_head_dim_and_old_gpus_fall_back_to_simt(rng):
     with emulated():
         p = flashcupy._checks.problem(q, k, v, False, None, None)
         assert cupy_backend.forward_path(p, q[..., ::-1], k, v) == "simt"
-    with emulated(compute_capability=75):
+    with emulated(compute_capability=61):
         assert cupy_backend.forward_path(p, q, k, v) == "simt"
+    bf16 = tuple(narrow(x.astype(np.float32), "bfloat16") for x in (q, k, v))
+    wide = tuple(np.zeros((1, 20, 1, 136), np.float16) for _ in range(3))
+    with emulated(compute_capability=75):  # Turing: float16 on tensor cores up to head_dim 128; bfloat16 (no
+        assert cupy_backend.forward_path(p, q, k, v) == "tensor-core"  # mma there) and above 128 not
+        p16 = flashcupy._checks.problem(*bf16, False, None, "bfloat16")
+        assert cupy_backend.forward_path(p16, *bf16) == "simt"
+        p136 = flashcupy._checks.problem(*wide, False, None, None)
+        assert cupy_backend.forward_path(p136, *wide) == "simt"
+        assert cupy_backend.backward_path(p136, wide[0], *wide, wide[0]) == "simt"
 
 
-@pytest.mark.parametrize("compute_capability", [75, 61])
-def test_an_old_gpu_runs_every_16_bit_call_on_the_simt_kernels(rng, compute_capability):
-    # a Turing or Pascal device (below specs.TC_COMPUTE_CAPABILITY, 64 or 48 KiB of shared memory a CTA):
-    # the forward, backward (deterministic or not) and a split decode compile no tensor-core kernel, and
-    # end as the oracle's
+def test_a_pascal_gpu_runs_every_16_bit_call_on_the_simt_kernels(rng):
+    # a Pascal device (below every specs.TC_COMPUTE_CAPABILITY, 48 KiB of shared memory a CTA): the forward,
+    # backward (deterministic or not) and a split decode compile no tensor-core kernel, and end as the
+    # oracle's
     from flashcupy.backends.cupy_backend import specs
     q, k, v = make_qkv(rng, 1, 20, 30, 2, 1, 64, np.float16)
     dout = rng.standard_normal(q.shape).astype(np.float16)
     names = []
-    with emulated(compute_capability=compute_capability, compile=recording(names)) as runtime:
-        assert runtime.smem_optin(q) == specs.smem_optin(compute_capability) <= 64 * 1024
+    with emulated(compute_capability=61, compile=recording(names)) as runtime:
+        assert runtime.smem_optin(q) == specs.smem_optin(61) == 48 * 1024
         out, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True, backend="cupy")
         for deterministic in (False, True):
             grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True, backend="cupy",
@@ -226,6 +234,40 @@ def test_an_old_gpu_runs_every_16_bit_call_on_the_simt_kernels(rng, compute_capa
         decode = flashcupy.attention_with_kvcache(q[:, :1], k, v, num_splits=2, return_lse=True, backend="cupy")
     assert_matches_oracle(decode, q[:, :1], k, v, backend="cupy")
     assert names and not [name for name in names if "_tc" in name or "sm90" in name]
+
+
+@pytest.mark.parametrize("head_dim,softcap", [(64, None), (128, None), (128, 30.0)], ids=["64", "128", "128-softcap"])
+def test_a_turing_gpu_runs_float16_on_the_tensor_cores(rng, head_dim, softcap):
+    # Turing (cc 7.5): the mma.sync kernels built for sm_75 (tensor_core.cuh's stand-ins: two m16n8k8 an mma,
+    # plain copies for cp.async) with Turing's tiles (specs.TC_TURING_TILES): the forward, backward (by
+    # atomics and deterministic) and a split decode end as the oracle's, in two thread orders. With softcap
+    # at 128 the default backward keeps the deterministic kernels there (TC_TURING_ATOMIC_BUCKETS_SCORE)
+    from flashcupy.backends.cupy_backend import specs
+    q, k, v = make_qkv(rng, 1, 70, 100, 2, 1, head_dim - 8, np.float16)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    kw = {} if softcap is None else {"softcap": softcap}
+    for order in ("descending", "warp_skew")[:1 if softcap else 2]:
+        names = []
+        with emulated(order, compute_capability=75, compile=recording(names)):
+            p = flashcupy._checks.problem(q, k, v, True, None, None, **kw)
+            split = flashcupy._checks.problem(q[:, :1], k, v, False, None, None)
+            assert (cupy_backend.forward_path(p, q, k, v), cupy_backend.backward_path(p, dout, q, k, v, q),
+                    cupy_backend.forward_path(split, q[:, :1], k, v, split=True)) == ("tensor-core",) * 3
+            out, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True, backend="cupy", **kw)
+            for deterministic in (False, True)[:1 if softcap else 2]:
+                grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True, backend="cupy",
+                                                     deterministic=deterministic, **kw)
+                assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True, backend="cupy", **kw)
+            if not softcap:
+                decode = flashcupy.attention_with_kvcache(q[:, :1], k, v, num_splits=2, return_lse=True,
+                                                          backend="cupy")
+        if not softcap:
+            assert_matches_oracle(decode, q[:, :1], k, v, backend="cupy")
+        bm, bn = specs.TC_TURING_TILES["forward"][head_dim]
+        assert f"flash_fwd_tc<__half, {specs.tc_head_dim(head_dim)}, {bm}, {bn}," in " ".join(names)
+        assert not [name for name in names if "sm90" in name or "wide" in name]
+        if softcap:  # the default backward ran the deterministic dQ kernel
+            assert any("flash_bwd_dq_tc" in name for name in names)
 
 
 # causal with seqlen_q - seqlen_k = 130: the rows of the first two 64-row query blocks see no key, so

@@ -37,9 +37,16 @@ def on_device(monkeypatch):
         yield
         return
     import cupy
-    module = cupy.RawModule(code=blocks.source(), name_expressions=blocks.NAMES,
-                            options=sources.COMPILE_OPTIONS + (blocks.INCLUDE,))
-    monkeypatch.setattr(blocks, "kernel", lambda name, order="ascending": DeviceFunction(module.get_function(name)))
+    modules = {}
+
+    def kernel(name, order="ascending", turing=False):
+        # turing: tensor_core.cuh's Turing stand-ins, on this GPU's own arch (blocks.TURING_OPTIONS)
+        if turing not in modules:
+            names, extra = (blocks.TURING_NAMES, blocks.TURING_OPTIONS["gpu"]) if turing else (blocks.NAMES, ())
+            modules[turing] = cupy.RawModule(code=blocks.source(), name_expressions=names,
+                                             options=sources.COMPILE_OPTIONS + (blocks.INCLUDE, *extra))
+        return DeviceFunction(modules[turing].get_function(name))
+    monkeypatch.setattr(blocks, "kernel", kernel)
     yield
 
 
@@ -61,6 +68,15 @@ def test_mma_b_layout(fmt, rng):
 @pytest.mark.parametrize("fmt", blocks.NARROW)
 def test_mma_random(fmt, rng):
     blocks.check_mma_random(fmt, rng)
+
+
+def test_mma_k8(rng):
+    blocks.check_mma_k8(rng)
+
+
+@pytest.mark.parametrize("a_rows", [16, 11])
+def test_turing_stand_ins(a_rows, rng):
+    blocks.check_turing("ascending", a_rows, rng)
 
 
 @pytest.mark.parametrize("num,trans", blocks.LDMATRIX, ids=[f"x{n}{'.trans' if t else ''}" for n, t in blocks.LDMATRIX])

@@ -25,9 +25,9 @@ class Sm:
 
 # Per-SM limits used for occupancy: max threads, max CTAs, registers, shared memory (bytes) and
 # the shared memory the driver reserves per CTA (the CUDA C++ Programming Guide's table per compute
-# capability). sm_50, sm_60, sm_70, sm_75: Maxwell, P100, V100, Turing (the SIMT kernels alone run there:
-# specs.TC_COMPUTE_CAPABILITY); sm_80: A100; sm_86/89: consumer Ampere/Ada; sm_100: B200; sm_120:
-# consumer Blackwell.
+# capability). sm_50, sm_60, sm_70, sm_75: Maxwell, P100, V100, Turing (the SIMT kernels alone run there,
+# but Turing's float16 tensor-core ones: specs.TC_COMPUTE_CAPABILITY); sm_80: A100; sm_86/89: consumer
+# Ampere/Ada; sm_100: B200; sm_120: consumer Blackwell.
 SMS = {
     "sm_50": Sm(threads=2048, ctas=32, registers=65536, smem=65536, smem_reserved=0),
     "sm_60": Sm(threads=2048, ctas=32, registers=65536, smem=65536, smem_reserved=0),

@@ -26,8 +26,8 @@ the same C signatures in NVRTC 12 and 13, so cuda.bindings of either major drive
 
 For each kernel: registers per thread, spill bytes (stores + loads), static and dynamic shared
 memory per CTA, threads per CTA, the theoretical occupancy (resident warps / maximum warps per
-SM) on that architecture, and for the tensor-core kernels the count of HMMA.16816.F32
-instructions in their SASS (by nvdisasm, which cuda-pathfinder finds: the
+SM) on that architecture, and for the tensor-core kernels the count of HMMA.16816.F32 (HMMA.1688.F32
+on Turing, two an mma) instructions in their SASS (by nvdisasm, which cuda-pathfinder finds: the
 `nvidia-cuda-nvdisasm` wheel or a toolkit's). Asked (`kernel_report(..., instructions=True)`), every
 kernel's SASS is read: its instruction count and a digest of its instructions with addresses, labels
 and the kernel's own name taken out, so that two compilations of the same code compare equal even
@@ -416,7 +416,7 @@ def _module_rows(arch: str, module: specs.ModuleSpec, log: str, lowered: dict, c
             occupancy=occupancy(arch, got["registers"], got["static_smem"] + kernel.dynamic_smem,
                                 kernel.threads),
             # mma.sync's HMMA, or wgmma's HGMMA for the Hopper kernels
-            hmma=(len(re.findall(r"\bHMMA\.16816\.F32", code)) if kernel.tensor_cores
+            hmma=(len(re.findall(r"\bHMMA\.(?:16816|1688)\.F32", code)) if kernel.tensor_cores
                   else len(re.findall(r"\bHGMMA\.", code)) if kernel.wgmma else None),
             **extra,
         ))

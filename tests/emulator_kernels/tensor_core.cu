@@ -3,6 +3,8 @@
 //
 //   mma_fragments<T>      d = mma(a, b, c) on raw per-lane fragments: a (32 x 4), b (32 x 2) and
 //                         c, d (32 x 4), lane-major, so the test checks the ISA's layouts itself
+//   mma_k8_fragments      d = mma_m16n8k8_f16f32(a, b, c) (Turing's mma) on raw per-lane fragments:
+//                         a (32 x 2), b (32 x 1), c, d (32 x 4)
 //   ldmatrix_variant<NUM, TRANS>
 //                         copies `tile` (n 16-bit elements) to shared memory; lane l passes the
 //                         address tile + row_offsets[l] (null where row_offsets[l] < 0) to
@@ -16,7 +18,10 @@
 //                         bites (every mode waits for all before exiting). Launch with 768 bytes
 //                         of dynamic shared memory
 //   pack_and_exp          per thread: pack_f16x2 and pack_bf16x2 of (x[2i], x[2i+1]), and
-//                         ex2_approx(x[i])
+//                         ex2_approx(x[i]); below sm_80 (no bfloat16 pack there) bf16 is left as is
+//
+// Built for sm_75 too (-arch=sm_75, TURING_NAMES in tests/tensor_core_blocks.py): the float16 kernels then
+// run on tensor_core.cuh's Turing stand-ins (two m16n8k8 for m16n8k16, a plain copy for cp.async)
 //   tensor_core_misuse    mode 0: lane 31 leaves before an mma; 1: a misaligned ldmatrix row;
 //                         2: cp.async into global memory; 3: lane 0 exits with a committed
 //                         cp.async group never waited for; 4: with a cp.async never committed
@@ -33,6 +38,16 @@ __global__ void mma_fragments(const unsigned* __restrict__ a, const unsigned* __
     for (int i = 0; i < 2; ++i) b_frag[i] = b[2 * lane + i];
     for (int i = 0; i < 4; ++i) c_frag[i] = c[4 * lane + i];
     mma_m16n8k16<T>(d_frag, a_frag, b_frag, c_frag);
+    for (int i = 0; i < 4; ++i) d[4 * lane + i] = d_frag[i];
+}
+
+extern "C" __global__ void mma_k8_fragments(const unsigned* __restrict__ a, const unsigned* __restrict__ b,
+                                            const float* __restrict__ c, float* __restrict__ d) {
+    const int lane = threadIdx.x;
+    unsigned a_frag[2] = {a[2 * lane], a[2 * lane + 1]}, b_frag[1] = {b[lane]};
+    float c_frag[4], d_frag[4];
+    for (int i = 0; i < 4; ++i) c_frag[i] = c[4 * lane + i];
+    mma_m16n8k8_f16f32(d_frag, a_frag, b_frag, c_frag);
     for (int i = 0; i < 4; ++i) d[4 * lane + i] = d_frag[i];
 }
 
@@ -89,7 +104,9 @@ extern "C" __global__ void pack_and_exp(const float* __restrict__ x, unsigned* _
                                         unsigned* __restrict__ bf16, float* __restrict__ e) {
     const int i = threadIdx.x;
     f16[i] = pack_f16x2(x[2 * i], x[2 * i + 1]);
+#if __CUDA_ARCH__ >= AMPERE_ARCH
     bf16[i] = pack_bf16x2(x[2 * i], x[2 * i + 1]);
+#endif
     e[i] = ex2_approx(x[i]);
 }
 

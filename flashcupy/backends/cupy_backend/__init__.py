@@ -127,7 +127,7 @@ def _functions(rt: Runtime, module: specs.ModuleSpec, like) -> list:
         compiled = rt.compile_module(_source(module.source_file), module.name_expressions, _options(module))
         functions = [compiled.get_function(name) for name in module.name_expressions]
         for function, kernel in zip(functions, module.kernels):
-            if kernel.dynamic_smem > specs.SMEM_DEFAULT_LIMIT:  # opt in above 48 KiB (sm_80+)
+            if kernel.dynamic_smem > specs.SMEM_DEFAULT_LIMIT:  # opt in above 48 KiB (sm_70+)
                 function.max_dynamic_shared_size_bytes = kernel.dynamic_smem
         rt.functions[key] = functions
     return functions
@@ -220,10 +220,10 @@ def _path_remembered(kind: str, p, tensors, flags: tuple, choose) -> str:
 
 
 def _rows_16_bytes(rt, *tensors) -> bool:
-    """Whether the device runs the tensor-core kernels (specs.TC_COMPUTE_CAPABILITY) and `tensors` are all
-    read or written through 16-byte rows: contiguous along head_dim, the other strides multiples of 8
-    elements, 16-byte aligned."""
-    if rt.compute_capability(tensors[0]) < specs.TC_COMPUTE_CAPABILITY:
+    """Whether the device runs the tensor-core kernels of the tensors' dtype (specs.tensor_cores_run_on)
+    and `tensors` are all read or written through 16-byte rows: contiguous along head_dim, the other
+    strides multiples of 8 elements, 16-byte aligned."""
+    if not specs.tensor_cores_run_on(tensors[0].dtype, rt.compute_capability(tensors[0])):
         return False
     for x in tensors:
         strides = [s // x.itemsize for s in x.strides]
@@ -236,7 +236,8 @@ def _path(p, *tensors, split: bool = False, backward: bool = False) -> str:
     """'tensor-core' when the tensor-core forward (split: split-KV's; backward: the backward) takes the
     call (specs.tensor_core_eligible) and `tensors` (all read or written through 16-byte rows), else
     'simt'."""
-    eligible = USE_TENSOR_CORES and specs.tensor_core_eligible(p.dtype, p.head_dim, _mods(p), split, backward)
+    eligible = USE_TENSOR_CORES and specs.tensor_core_eligible(p.dtype, p.head_dim, _mods(p), split, backward,
+                                                               _turing(tensors[0]))
     return "tensor-core" if eligible and _rows_16_bytes(_runtime(), *tensors) else "simt"
 
 
@@ -265,7 +266,8 @@ def _hopper(p, backward: bool, rows, *tensors, varlen: bool = False) -> bool:
 def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False, varlen: bool = False) -> str:
     """'hopper', 'tensor-core' or 'simt': which forward kernel serves this call.
 
-    Tensor cores take float16/bfloat16 with head_dim a multiple of 8 up to 256, on sm_80 or newer,
+    Tensor cores take float16/bfloat16 with head_dim a multiple of 8 up to 256, on sm_80 or newer
+    (float16 up to head_dim 128 on Turing, sm_75: specs.TC_COMPUTE_CAPABILITY, TC_TURING_HEAD_DIM_BUCKETS),
     when q, k, v are contiguous along head_dim with 16-byte aligned rows (the other strides multiples
     of 8 elements); everything else runs on the SIMT kernel. On compute capability 9.0 the Hopper
     kernel takes those calls when they have
@@ -282,8 +284,19 @@ def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False,
     def choose():
         if not split and not paged and _hopper(p, False, (q, k, v), *tensors, varlen=varlen):
             return "hopper"
-        return _path(p, q, k, v, split=split)
+        path = _path(p, q, k, v, split=split)
+        if path == "tensor-core" and not _fits(_tc_forward_module(p, q, split, varlen), q):
+            return "simt"
+        return path
     return _path_remembered("forward", p, tensors, (split, paged, varlen), choose)
+
+
+def _fits(module: specs.ModuleSpec, x) -> bool:
+    """Whether every kernel of `module` asks for no more dynamic shared memory than x's device lets a CTA
+    opt in to (Runtime.smem_optin): a tensor-core tile that does not fit runs on the SIMT kernels instead
+    (above head_dim 192 the backward's on an sm_86, sm_89 or sm_120; on a Turing GPU, 64 KiB, the
+    backward's above head_dim 128)."""
+    return max(kernel.dynamic_smem for kernel in module.kernels) <= _runtime().smem_optin(x)
 
 
 def backward_path(p, dout, q, k, v, out, deterministic: bool = False, varlen: bool = False) -> str:
@@ -303,8 +316,7 @@ def backward_path(p, dout, q, k, v, out, deterministic: bool = False, varlen: bo
             return "hopper"
         path = _path(p, q, k, v, dout, out, backward=True)
         if path == "tensor-core":  # above head_dim 192 its tiles ask for up to 129 KiB (launch.LAUNCH)
-            module = specs.tc_backward_module(p.dtype, p.head_dim, _mods(p), deterministic, varlen)
-            if max(kernel.dynamic_smem for kernel in module.kernels) > _runtime().smem_optin(q):
+            if not _fits(_tc_backward_module(p, q, deterministic, varlen), q):
                 return "simt"
         return path
     return _path_remembered("backward", p, (q, k, v, dout, out), (varlen, deterministic), choose)
@@ -403,8 +415,24 @@ def _forward_module(p, q, k, v, split: bool, out=None, varlen: bool = False, pag
     if path == "hopper":
         tile = specs.sm90_forward_tile(p.head_dim, _mods(p), p.causal, varlen, SM90_WIDE, SM90_TALL_FORWARD)
         return path, specs.sm90_forward_module(p.dtype, p.head_dim, _mods(p), varlen, tile)
-    build = specs.tc_forward_module if path == "tensor-core" else specs.forward_module
-    return path, build(p.dtype, p.head_dim, _mods(p), split, varlen)
+    if path == "tensor-core":
+        return path, _tc_forward_module(p, q, split, varlen)
+    return path, specs.forward_module(p.dtype, p.head_dim, _mods(p), split, varlen)
+
+
+def _tc_forward_module(p, q, split: bool, varlen: bool) -> specs.ModuleSpec:
+    """The tensor-core forward's ModuleSpec for this call, with the tiles of q's device (specs.tc_turing)."""
+    return specs.tc_forward_module(p.dtype, p.head_dim, _mods(p), split, varlen, _turing(q))
+
+
+def _tc_backward_module(p, q, deterministic: bool, varlen: bool) -> specs.ModuleSpec:
+    """The tensor-core backward's ModuleSpec for this call, with the tiles of q's device (specs.tc_turing)."""
+    return specs.tc_backward_module(p.dtype, p.head_dim, _mods(p), deterministic, varlen, _turing(q))
+
+
+def _turing(x) -> bool:
+    """Whether x's device takes the tensor-core kernels' Turing tiles (specs.tc_turing)."""
+    return specs.tc_turing(_runtime().compute_capability(x))
 
 
 def _map_strides(x) -> tuple:

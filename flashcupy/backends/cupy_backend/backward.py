@@ -17,13 +17,14 @@ from . import launch, specs
 ATOMIC_BACKWARD = True  # backward(..., deterministic=False) may add with atomics (the interface passes it)
 
 
-def _backward_module(p, path: str, deterministic: bool, varlen: bool = False) -> specs.ModuleSpec:
+def _backward_module(p, path: str, deterministic: bool, like, varlen: bool = False) -> specs.ModuleSpec:
+    """The backward's ModuleSpec on `path` (backward_path's) for this call, its tiles those of like's device."""
     if path == "hopper":
         mods = backend._mods(p)
         tile = specs.sm90_backward_tile(p.head_dim, mods, backend.SM90_TALL_BACKWARD)
         return specs.sm90_backward_module(p.dtype, p.head_dim, mods, varlen, deterministic, tile)
     if path == "tensor-core":
-        return specs.tc_backward_module(p.dtype, p.head_dim, backend._mods(p), deterministic, varlen)
+        return backend._tc_backward_module(p, like, deterministic, varlen)
     return specs.backward_module(p.dtype, p.head_dim, backend._mods(p), varlen)
 
 
@@ -40,7 +41,7 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
             dq, dk, dv = (rt.xp.empty(x.shape, dtype=p.carrier) for x in (q, k, v))
         else:
             dq, dk, dv = into[:3]
-        D = _backward_launches(rt, p, path, _backward_module(p, path, deterministic), dout, q, k, v, out, lse,
+        D = _backward_launches(rt, p, path, _backward_module(p, path, deterministic, q), dout, q, k, v, out, lse,
                                dq, dk, dv)
         if p.bias is None:
             return dq, dk, dv

@@ -93,14 +93,17 @@ def _tc_wide_bounds(kernel: Kernel) -> Bounds:
 # The backward takes every register its bounds allow: at HEAD_DIM 64 and 128, ptxas' own choice, 2
 # CTAs (8 warps) an SM by registers. Asking for 3 CTAs (168 registers a thread) makes ptxas spill, and
 # so did its own heuristic, which chose 3 (or 4) for some sets of modifiers that the NVRTC report does
-# not compile: dQ with any modifier, and dK/dV at HEAD_DIM 64 with softcap, ALiBi or a bias, ask for 2.
+# not compile, and for Turing's smaller tiles at 64 (specs.TC_TURING_TILES: 8-32 bytes): dQ with any
+# modifier, and at HEAD_DIM 64 the dK/dV tiles of 32 query rows (softcap, ALiBi or a bias; Turing's) and
+# the dQ tiles of 32 keys (the same), ask for 2.
 def _tc_dkdv_bounds(kernel: Kernel) -> Bounds:
-    score_at_64 = kernel.mods & MOD_SCORE and kernel.head_dim == 64
-    return Bounds(2 if score_at_64 else _tc_min_ctas(kernel.head_dim))
+    thin_at_64 = kernel.head_dim == 64 and kernel.block_m < 64
+    return Bounds(2 if thin_at_64 else _tc_min_ctas(kernel.head_dim))
 
 
 def _tc_dq_bounds(kernel: Kernel) -> Bounds:
-    return Bounds(2 if kernel.mods else _tc_min_ctas(kernel.head_dim))
+    thin_at_64 = kernel.head_dim == 64 and kernel.block_n < 64
+    return Bounds(2 if kernel.mods or thin_at_64 else _tc_min_ctas(kernel.head_dim))
 
 
 # The tensor-core kernels' shared memory, 2 bytes an element: the forward (Q_i; 2 x (K_j, V_j)), dK/dV

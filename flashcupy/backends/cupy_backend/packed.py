@@ -137,7 +137,7 @@ def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, 
         return  # no sequence, no query or no key: zero gradients, as allocated
     packed = [x[None] for x in (dout, q, k, v, out, lse, dq, dk, dv)]
     path = backend.backward_path(p, *packed[:5], deterministic, varlen=True)
-    module = _backward_module(p, path, deterministic, varlen=True)
+    module = _backward_module(p, path, deterministic, q, varlen=True)
     for kernel in module.kernels[1:]:
         if kernel.varlen and launch.varlen_blocks(kernel, p, num_seqs) > MAX_GRID[0]:
             raise ValueError(f"a packed batch of {num_seqs} sequences, {p.seqlen_q} query rows and {p.seqlen_k} keys "

@@ -159,6 +159,22 @@ TC_TILES = {
     # the limit with 32 rows: its sequence's offsets and lengths besides)
     ("dkdv", "varlen"): {64: (64, 64), 128: (16, 64), 192: (16, 64), 256: (16, 64)},
 }
+# Turing (below TC_AMPERE_COMPUTE_CAPABILITY) takes the tensor-core kernels up to head_dim 128, each tile at
+# most these rows and keys a pass. ptxas gave the sm_75 builds (two m16n8k8 an mma, the plain copies'
+# registers) 10-40 more registers than sm_80's: the full tiles went past the limit of tests/test_nvrtc.py
+# (the backward at head_dim 64: 248-255; its deterministic dK/dV at 128: spills), and so, with these, did
+# the split-KV and packed forwards at 256 (64 x 16: 16-60 bytes of spills). A Turing SM lets a CTA have 64
+# KiB of shared memory, which the forward's tiles at 128 pass (80 and 96 KiB), and so does the backward
+# above 128 with any tile
+TC_TURING_HEAD_DIM_BUCKETS = (64, 128)
+TC_TURING_TILES = {
+    "forward": {64: (128, 64), 128: (64, 32)},
+    "dkdv": {64: (32, 64), 128: (16, 64)},
+    "dq": {64: (64, 32), 128: (64, 32)},
+}
+# On Turing the dK/dV kernel that adds dQ with softcap or ALiBi at 128 took 248-254 registers (the window
+# besides; NVRTC 12.9 and 13.5): those calls keep the deterministic kernels there
+TC_TURING_ATOMIC_BUCKETS_SCORE = (64,)
 # With a bias or mask at head_dim 128 the dK/dV kernel that adds dQ went past the limit even so: those
 # calls keep the deterministic kernels.
 TC_ATOMIC_BUCKETS_PAIRS = (64,)
@@ -224,10 +240,24 @@ def smem_optin(compute_capability: int) -> int:
     return SMEM_OPTIN.get(compute_capability, SMEM_OPTIN_OTHERS)
 
 
-# The oldest compute capability the tensor-core kernels run on: cp.async and mma.sync m16n8k16 in bfloat16
-# are sm_80's (ptxas refuses them below). Older devices take the SIMT kernels, which need nothing newer
-# than sm_50 (tests/test_nvrtc.py compiles them for the oldest architecture each NVRTC targets)
-TC_COMPUTE_CAPABILITY = 80
+# The oldest compute capability each dtype's tensor-core kernels run on: cp.async, mma.sync m16n8k16 and
+# bfloat16's mma are sm_80's (ptxas refuses them below); float16 runs from Turing (sm_75: mma m16n8k8 and
+# ldmatrix, with tensor_core.cuh's stand-ins for the rest, its AMPERE_ARCH). Older devices, and bfloat16
+# below sm_80, take the SIMT kernels, which need nothing newer than sm_50 (tests/test_nvrtc.py compiles
+# them for the oldest architecture each NVRTC targets)
+TC_COMPUTE_CAPABILITY = {"float16": 75, "bfloat16": 80}
+# From here on the full tensor-core tiles; below, Turing's (TC_TURING_TILES)
+TC_AMPERE_COMPUTE_CAPABILITY = 80
+
+
+def tc_turing(compute_capability: int) -> bool:
+    """Whether a device of `compute_capability` takes the tensor-core kernels' Turing tiles (TC_TURING_TILES)."""
+    return compute_capability < TC_AMPERE_COMPUTE_CAPABILITY
+
+
+def tensor_cores_run_on(dtype, compute_capability: int) -> bool:
+    """Whether a device of `compute_capability` runs the tensor-core kernels of `dtype` (TC_COMPUTE_CAPABILITY)."""
+    return compute_capability >= TC_COMPUTE_CAPABILITY.get(_name(dtype), 1 << 30)
 # The Hopper backward's dK/dV kernel (flash_bwd_sm90.cu): (query rows a pass, keys a CTA), two consumer
 # warpgroups of 64 keys each (FA3's 64 x 128 at head_dim 128); at head_dim 136..256 (SPLIT_D) 64 keys that
 # both consumers share, each taking half of the columns (FA3's 64-row pass; dK and dV of 64 keys x 256
@@ -511,14 +541,15 @@ def tc_tile_row(head_dim: int) -> int:
 
 
 def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_atomic: bool = False,
-            varlen: bool = False) -> tuple:
+            varlen: bool = False, turing: bool = False) -> tuple:
     """(BLOCK_M, BLOCK_N) of a tensor-core kernel, from TC_TILES: the forward's variant is a packed
     batch's, else split-KV's (with or without a bias or mask), else the bias or mask's, else softcap or
     ALiBi's (MOD_SCORE), else the plain one; the backward's MOD_SCORE's or the plain one, and with
     dQ by atomics dK/dV takes the fewer query rows of that tile and the dq_atomic one.
 
     A packed batch's forward takes its own (TC_TILES' varlen rows), whatever its modifiers
-    (attention_varlen takes no bias or mask); its dK/dV the fewer query rows of the above and its own."""
+    (attention_varlen takes no bias or mask); its dK/dV the fewer query rows of the above and its own.
+    turing: for a device below sm_80, at most TC_TURING_TILES' rows and keys."""
     bucket = _tc_bucket(head_dim)
     pairs, score = mods & MOD_PAIRS, mods & MOD_SCORE
     if pass_ == "forward":
@@ -529,14 +560,17 @@ def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_at
     tile = TC_TILES[pass_, variant][bucket]
     if varlen and pass_ == "dkdv":
         tile = min(tile, TC_TILES["dkdv", "varlen"][bucket])
-    return min(tile, TC_TILES["dkdv", "dq_atomic"][bucket]) if dq_atomic else tile
+    if dq_atomic:
+        tile = min(tile, TC_TILES["dkdv", "dq_atomic"][bucket])
+    return tuple(map(min, tile, TC_TURING_TILES[pass_][bucket])) if turing else tile
 
 
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
-def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False, varlen: bool = False) -> ModuleSpec:
+def tc_forward_module(dtype, head_dim: int, mods: int = 0, split: bool = False, varlen: bool = False,
+                      turing: bool = False) -> ModuleSpec:
     """The tensor-core forward for float16/bfloat16 and head_dim <= 256 (a multiple of 8); varlen: for
-    a packed batch (tc_tile says its tile)."""
-    bm, bn = tc_tile("forward", head_dim, mods, split, varlen=varlen)
+    a packed batch; turing: for a device below sm_80 (tc_tile says its tile)."""
+    bm, bn = tc_tile("forward", head_dim, mods, split, varlen=varlen, turing=turing)
     template = "flash_fwd_tc_wide" if bm == WIDE_BLOCK_M else "flash_fwd_tc"
     return ModuleSpec("flash_fwd_tc.cu", (Kernel(template, _name(dtype), tc_head_dim(head_dim), bm, bn, mods, split,
                                                  varlen=varlen),))
@@ -549,16 +583,17 @@ SPLIT_ALIGN = 128
 
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
 def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool = False,
-                       varlen: bool = False) -> ModuleSpec:
+                       varlen: bool = False, turing: bool = False) -> ModuleSpec:
     """The tensor-core backward, kernels in launch order: preprocess (D, the SIMT one), then dK/dV and
     dQ (deterministic: each output element written once, S and dP computed twice, seven GEMMs), or
     dK/dV adding dQ into an fp32 workspace with atomics and the kernel that scales and rounds it (five
     GEMMs, the default); varlen: dK/dV and dQ for a packed batch (the preprocess and the conversion
-    run on it as on one sequence of its total length)."""
+    run on it as on one sequence of its total length); turing: for a device below sm_80 (tc_tile)."""
     bucket = _tc_bucket(head_dim)
     dtype = _name(dtype)
-    deterministic = deterministic or (mods & MOD_PAIRS != 0 and bucket not in TC_ATOMIC_BUCKETS_PAIRS)
-    tiles = tc_tile("dkdv", head_dim, mods, dq_atomic=not deterministic, varlen=varlen)
+    deterministic = (deterministic or (mods & MOD_PAIRS != 0 and bucket not in TC_ATOMIC_BUCKETS_PAIRS)
+                     or (turing and mods & MOD_SCORE != 0 and bucket not in TC_TURING_ATOMIC_BUCKETS_SCORE))
+    tiles = tc_tile("dkdv", head_dim, mods, dq_atomic=not deterministic, varlen=varlen, turing=turing)
     hd = tc_head_dim(head_dim, tc_column_parts(head_dim))
     dkdv = Kernel("flash_bwd_dkdv_tc", dtype, hd, *tiles, mods, dq_atomic=not deterministic, varlen=varlen)
     if not deterministic:
@@ -566,7 +601,7 @@ def tc_backward_module(dtype, head_dim: int, mods: int = 0, deterministic: bool 
                                              Kernel("flash_bwd_dq_convert", dtype, 0)))
     return ModuleSpec("flash_bwd_tc.cu", (
         Kernel("flash_bwd_preprocess", dtype, 0), dkdv,
-        Kernel("flash_bwd_dq_tc", dtype, hd, *tc_tile("dq", head_dim, mods), mods, varlen=varlen),
+        Kernel("flash_bwd_dq_tc", dtype, hd, *tc_tile("dq", head_dim, mods, turing=turing), mods, varlen=varlen),
     ))
 
 
@@ -668,23 +703,27 @@ def sm90_eligible(dtype, head_dim: int, mods: int, backward: bool = False, varle
     return mods & ~allowed == 0
 
 
-def tensor_core_eligible(dtype, head_dim: int, mods: int = 0, split: bool = False, backward: bool = False) -> bool:
+def tensor_core_eligible(dtype, head_dim: int, mods: int = 0, split: bool = False, backward: bool = False,
+                         turing: bool = False) -> bool:
     """Whether the tensor-core forward (backward: the backward) covers this dtype and head_dim: up to
     TC_HEAD_DIM_BUCKETS' last, a split-KV forward (split) with a bias or mask in mods in
     TC_SPLIT_PAIRS_BUCKETS only, a backward with the bool mask in TC_BACKWARD_MASK_BUCKETS only. Strides,
     and the device's shared memory (the backward above head_dim 192 asks for more than an sm_86, sm_89 or
-    sm_120 has: cupy_backend.backward_path), are checked apart."""
+    sm_120 has: cupy_backend.backward_path), are checked apart. turing: on a device below sm_80, up to
+    TC_TURING_HEAD_DIM_BUCKETS' last."""
     buckets = TC_HEAD_DIM_BUCKETS
     if split and mods & MOD_PAIRS:
         buckets = TC_SPLIT_PAIRS_BUCKETS
     if backward and mods & MOD_BITS["mask"]:
         buckets = TC_BACKWARD_MASK_BUCKETS
-    return _name(dtype) in TC_DTYPES and head_dim % 8 == 0 and head_dim <= buckets[-1]
+    top = min(buckets[-1], TC_TURING_HEAD_DIM_BUCKETS[-1]) if turing else buckets[-1]
+    return _name(dtype) in TC_DTYPES and head_dim % 8 == 0 and head_dim <= top
 
 
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments: made once
-def deterministic_tc_backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False) -> ModuleSpec:
-    return tc_backward_module(dtype, head_dim, mods, deterministic=True, varlen=varlen)
+def deterministic_tc_backward_module(dtype, head_dim: int, mods: int = 0, varlen: bool = False,
+                                     turing: bool = False) -> ModuleSpec:
+    return tc_backward_module(dtype, head_dim, mods, deterministic=True, varlen=varlen, turing=turing)
 
 
 def _acc_size(dtype: str) -> int:

@@ -1,4 +1,5 @@
-// flash_bwd_tc.cu: FlashAttention backward on tensor cores (mma.sync m16n8k16), float16 and bfloat16.
+// flash_bwd_tc.cu: FlashAttention backward on tensor cores (mma.sync m16n8k16), float16 and bfloat16 (float16
+// alone on Turing, sm_75, through tensor_core.cuh's stand-ins).
 //
 // The same maths as flash_bwd.cu, with P recomputed from the forward's lse (natural log), in base 2:
 //     P = 2^(S c - lse log2 e),  c = scale log2 e;   dP = dO Vᵀ;   dS = P ∘ (dP - D),  D = rowsum(dO ∘ O)
@@ -71,7 +72,7 @@
 //     dQ:     Q_s, dO_s       BLOCK_M x HEAD_DIM each       Q_i, dO_i; loaded once
 //             K_s, V_s        2 x BLOCK_N x HEAD_DIM each   K_j, V_j of this pass and the next
 //             total (2 BLOCK_M + 4 BLOCK_N) HEAD_DIM 2 bytes
-//     Above 48 KiB the launcher raises max_dynamic_shared_size_bytes (sm_80+). The tiles per head
+//     Above 48 KiB the launcher raises max_dynamic_shared_size_bytes (sm_70+). The tiles per head
 //     dim are TC_TILES' dkdv and dq rows in specs.py; `python -m flashcupy kernels` prints each
 //     specialization's shared memory, registers, spills and HMMA count.
 //

@@ -1,4 +1,5 @@
-// flash_fwd_tc.cu: FlashAttention forward on tensor cores (mma.sync m16n8k16), float16 and bfloat16.
+// flash_fwd_tc.cu: FlashAttention forward on tensor cores (mma.sync m16n8k16), float16 and bfloat16 (float16
+// alone on Turing, sm_75, through tensor_core.cuh's stand-ins).
 //
 // The same maths as flash_fwd.cu, for one query block Q_i (BLOCK_M rows) of one (batch, query head):
 //     for each key block K_j, V_j (BLOCK_N keys) that some row of Q_i can see:
@@ -37,9 +38,10 @@
 //     K_s   2 x BLOCK_N x HEAD_DIM    K_j, V_j of this pass and the next: cp.async fills one stage
 //     V_s   2 x BLOCK_N x HEAD_DIM    while the other is computed on (double buffering)
 //     total (BLOCK_M + 4 BLOCK_N) HEAD_DIM 2 bytes; above 48 KiB the launcher raises
-//     max_dynamic_shared_size_bytes (sm_80+). The tiles per head dim are TC_TILES' forward rows
-//     in flashcupy/backends/cupy_backend/specs.py; `python -m flashcupy kernels` prints each
-//     specialization's shared memory, registers, spills and HMMA count.
+//     max_dynamic_shared_size_bytes (sm_70+; 64 KiB at most on Turing). The tiles per head dim are
+//     TC_TILES' forward rows (TC_TURING_TILES' on Turing) in flashcupy/backends/cupy_backend/specs.py;
+//     `python -m flashcupy kernels` prints each specialization's shared memory, registers, spills and
+//     HMMA count.
 //
 // Barriers, two per pass: after the cp.async wait (the other threads' copies of K_j, V_j, and on the
 // first pass Q_i, have landed), and at the end of the pass (no warp still reads the stage that the

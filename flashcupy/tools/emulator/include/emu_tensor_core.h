@@ -2,7 +2,7 @@
 // flashcupy/backends/cupy_backend/kernels/tensor_core.cuh wraps, under the same names.
 //
 // Each follows the PTX ISA's definition (see tensor_core.cuh for the fragment layouts):
-//   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32
+//   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32, and m16n8k8 .f16 (sm_75)
 //       a warp rendezvous (all 32 lanes, same variant): every lane deposits its A, B and C
 //       fragments, receives everyone's, rebuilds A (16x16), B (16x8) and C (16x8) with the ISA's
 //       lane -> (row, col) maps, and computes its own four elements of D = A B + C.
@@ -33,12 +33,13 @@
 
 namespace emu {
 
-// D = A B + C for one m16n8k16 mma of the warp; `Format` is the A and B element type.
-template <class Format>
-inline void mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], const float c[4], int variant) {
+// D = A B + C for one m16n8kK mma of the warp (K 16, or 8 for m16n8k8); `Format` is the A and B element
+// type. m16n8k8's fragments are m16n8k16's formulas with K = 8: a[2], b[1].
+template <class Format, int K = 16>
+inline void mma_m16n8k(float d[4], const unsigned a[K / 4], const unsigned b[K / 8], const float c[4], int variant) {
     struct Fragments {
-        unsigned a[4];
-        unsigned b[2];
+        unsigned a[K / 4];
+        unsigned b[K / 8];
         float c[4];
     } mine, all[32];
     std::memcpy(mine.a, a, sizeof mine.a);
@@ -46,19 +47,19 @@ inline void mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], c
     std::memcpy(mine.c, c, sizeof mine.c);
     warp_all_gather(kMma, variant, &mine, all, sizeof mine);
 
-    float A[16][16], B[16][8], C[16][8];
+    float A[16][K], B[K][8], C[16][8];
     auto low = [](unsigned r) { return Format::widen(static_cast<std::uint16_t>(r & 0xffffu)); };
     auto high = [](unsigned r) { return Format::widen(static_cast<std::uint16_t>(r >> 16)); };
     for (int lane = 0; lane < 32; ++lane) {
         const int g = lane / 4, t = lane % 4;
         const Fragments& f = all[lane];
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < K / 4; ++i) {
             const int row = g + 8 * (i & 1), col = 2 * t + 8 * (i >> 1);
             A[row][col] = low(f.a[i]);
             A[row][col + 1] = high(f.a[i]);
-            C[g + 8 * (i >> 1)][2 * t + (i & 1)] = f.c[i];
         }
-        for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < 4; ++i) C[g + 8 * (i >> 1)][2 * t + (i & 1)] = f.c[i];
+        for (int i = 0; i < K / 8; ++i) {
             B[2 * t + 8 * i][g] = low(f.b[i]);
             B[2 * t + 8 * i + 1][g] = high(f.b[i]);
         }
@@ -67,7 +68,7 @@ inline void mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], c
     for (int i = 0; i < 4; ++i) {
         const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
         double sum = C[row][col];
-        for (int k = 0; k < 16; ++k) sum += static_cast<double>(A[row][k]) * B[k][col];
+        for (int k = 0; k < K; ++k) sum += static_cast<double>(A[row][k]) * B[k][col];
         d[i] = static_cast<float>(sum);
     }
 }
@@ -101,13 +102,22 @@ inline void ldmatrix(unsigned r[NUM], const void* row) {
 
 }  // namespace emu
 
+// mma.sync m16n8k8 f16 is sm_75's; the rest of this file's mma, cp.async and cvt x2 are sm_80's
+// (tensor_core.cuh's AMPERE_ARCH), and a build for an older -arch does not have them, as ptxas would
+// refuse them (tensor_core.cuh's stand-ins take their place there)
+inline void mma_m16n8k8_f16f32(float d[4], const unsigned a[2], const unsigned b[1], const float c[4]) {
+    emu::mma_m16n8k<emu::Binary16, 8>(d, a, b, c, 2);
+}
+
+#if __CUDA_ARCH__ >= AMPERE_ARCH
 inline void mma_m16n8k16_f16f32(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
-    emu::mma_m16n8k16<emu::Binary16>(d, a, b, c, 0);
+    emu::mma_m16n8k<emu::Binary16>(d, a, b, c, 0);
 }
 
 inline void mma_m16n8k16_bf16f32(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
-    emu::mma_m16n8k16<emu::BFloat16>(d, a, b, c, 1);
+    emu::mma_m16n8k<emu::BFloat16>(d, a, b, c, 1);
 }
+#endif
 
 inline void ldmatrix_x1(unsigned r[1], const void* row) { emu::ldmatrix<1, false>(r, row); }
 inline void ldmatrix_x2(unsigned r[2], const void* row) { emu::ldmatrix<2, false>(r, row); }
@@ -116,12 +126,14 @@ inline void ldmatrix_x1_trans(unsigned r[1], const void* row) { emu::ldmatrix<1,
 inline void ldmatrix_x2_trans(unsigned r[2], const void* row) { emu::ldmatrix<2, true>(r, row); }
 inline void ldmatrix_x4_trans(unsigned r[4], const void* row) { emu::ldmatrix<4, true>(r, row); }
 
+#if __CUDA_ARCH__ >= AMPERE_ARCH
 inline void cp_async_16(void* dst, const void* src, bool valid = true) { emu::cp_async(dst, src, 16, valid ? 16 : 0); }
 inline void cp_async_commit() { emu::cp_async_commit(); }
 template <int N>
 inline void cp_async_wait() {
     emu::cp_async_wait(N);
 }
+#endif
 
 inline float ex2_approx(float x) {
 #ifdef EMU_COUNTERS  // a counting build (driver.py): one MUFU exponential
@@ -131,6 +143,7 @@ inline float ex2_approx(float x) {
     return y < FLT_MIN ? 0.0f : y;
 }
 
+#if __CUDA_ARCH__ >= AMPERE_ARCH
 inline unsigned pack_f16x2(float lo, float hi) {
     return emu::Binary16::round(lo) | static_cast<unsigned>(emu::Binary16::round(hi)) << 16;
 }
@@ -138,3 +151,4 @@ inline unsigned pack_f16x2(float lo, float hi) {
 inline unsigned pack_bf16x2(float lo, float hi) {
     return emu::BFloat16::round(lo) | static_cast<unsigned>(emu::BFloat16::round(hi)) << 16;
 }
+#endif
