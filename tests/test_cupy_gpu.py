@@ -179,6 +179,30 @@ def _hopper_forward(rng, case, modifiers, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_turing_kernels_on_this_gpu(rng, monkeypatch, head_dim):
+    """The float16 tensor-core kernels as a Turing GPU (sm_75) runs them: Turing's tiles (the runtime says
+    compute capability 7.5) and tensor_core.cuh's stand-ins (two m16n8k8 an mma, plain copies), built on
+    this GPU's own arch with -DAMPERE_ARCH=1000 as tests/test_tensor_core_gpu.py builds its blocks; the
+    forward, both backwards and a split decode against the oracle. Their speed here says nothing of a T4's."""
+    from flashcupy.backends import cupy_backend
+    from flashcupy.backends.cupy_backend import runtime, sources
+    turing = runtime.cupy_runtime()
+    turing.compute_capability = lambda x: 75
+    monkeypatch.setattr(cupy_backend, "runtime", turing)
+    monkeypatch.setattr(sources, "COMPILE_OPTIONS", sources.COMPILE_OPTIONS + ("-DAMPERE_ARCH=1000",))
+    (q, k, v, dout), (dq_, dk_, dv_, ddout), _ = device_problem(rng, (1, 300, 333, 4, 2, head_dim - 8), "float16")
+    p = flashcupy._checks.problem(dq_, dk_, dv_, True, None, None)
+    assert cupy_backend.forward_path(p, dq_, dk_, dv_) == "tensor-core"
+    assert cupy_backend.backward_path(p, ddout, dq_, dk_, dv_, dq_) == "tensor-core"
+    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=True, return_lse=True)
+    for deterministic in (False, True):
+        grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=True, deterministic=deterministic)
+        assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout, causal=True, backend="cupy")
+    decode = flashcupy.attention_with_kvcache(dq_[:, :1], dk_, dv_, num_splits=3, return_lse=True)
+    assert_matches_oracle([x.get() for x in decode], q[:, :1], k, v, backend="cupy")
+
+
 @pytest.mark.parametrize("case, modifiers", [
     ((1, 300, 500, 2, 1, 256, True), ()), ((2, 200, 333, 2, 2, 160, False), ()), ((1, 130, 90, 1, 1, 200, False), ()),
     ((1, 300, 400, 2, 1, 128, True), ("softcap", "alibi", "bias", "mask", "window")),

@@ -219,11 +219,11 @@ def _path_remembered(kind: str, p, tensors, flags: tuple, choose) -> str:
     return _remember(rt.plans, key, choose)
 
 
-def _rows_16_bytes(rt, *tensors) -> bool:
-    """Whether the device runs the tensor-core kernels of the tensors' dtype (specs.tensor_cores_run_on)
-    and `tensors` are all read or written through 16-byte rows: contiguous along head_dim, the other
-    strides multiples of 8 elements, 16-byte aligned."""
-    if not specs.tensor_cores_run_on(tensors[0].dtype, rt.compute_capability(tensors[0])):
+def _rows_16_bytes(rt, dtype, *tensors) -> bool:
+    """Whether the device runs the tensor-core kernels of `dtype` (the call's: bfloat16 comes as uint16
+    bits; specs.tensor_cores_run_on) and `tensors` are all read or written through 16-byte rows:
+    contiguous along head_dim, the other strides multiples of 8 elements, 16-byte aligned."""
+    if not specs.tensor_cores_run_on(dtype, rt.compute_capability(tensors[0])):
         return False
     for x in tensors:
         strides = [s // x.itemsize for s in x.strides]
@@ -238,7 +238,7 @@ def _path(p, *tensors, split: bool = False, backward: bool = False) -> str:
     'simt'."""
     eligible = USE_TENSOR_CORES and specs.tensor_core_eligible(p.dtype, p.head_dim, _mods(p), split, backward,
                                                                _turing(tensors[0]))
-    return "tensor-core" if eligible and _rows_16_bytes(_runtime(), *tensors) else "simt"
+    return "tensor-core" if eligible and _rows_16_bytes(_runtime(), p.dtype, *tensors) else "simt"
 
 
 def _tma_describable(rt, x) -> bool:
@@ -260,7 +260,7 @@ def _hopper(p, backward: bool, rows, *tensors, varlen: bool = False) -> bool:
     return (USE_TENSOR_CORES and USE_WGMMA
             and specs.sm90_eligible(p.dtype, p.head_dim, _mods(p), backward, varlen)
             and rt.compute_capability(tensors[0]) == specs.SM90_COMPUTE_CAPABILITY
-            and _rows_16_bytes(rt, *rows) and all(_tma_describable(rt, x) for x in tensors))
+            and _rows_16_bytes(rt, p.dtype, *rows) and all(_tma_describable(rt, x) for x in tensors))
 
 
 def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False, varlen: bool = False) -> str:
