@@ -297,7 +297,7 @@ def test_tensor_core_head_dims_between_the_buckets_fit(monkeypatch):
                for build in (specs.tc_forward_module, specs.tc_backward_module, specs.deterministic_tc_backward_module)]
     modules += [build("float16", 200, m) for m in catalog.REPORT_TC_MODS
                 for build in (specs.tc_backward_module, specs.deterministic_tc_backward_module)]
-    monkeypatch.setattr(catalog, "all_modules", lambda: modules)
+    monkeypatch.setattr(catalog, "all_modules", lambda **_: modules)
     rows = nvrtc.kernel_report("sm_80", toolkit_of(12))
     assert {r["head_dim"] for r in rows if r["kernel"] in specs.TC_TEMPLATES} == {48, 96, 224}
     assert not nvrtc.limits_exceeded(rows), nvrtc.limits_exceeded(rows)
@@ -311,7 +311,7 @@ def test_every_forward_with_a_bias_or_mask_fits(monkeypatch):
     # (at 64 and 128; at 192 and 256 their smaller tiles left room: tile_choices.md)
     modules = [specs.tc_forward_module("float16", d, m) for d in (64, 128)
                for m in range(specs.ALL_MODS + 1) if m & specs.MOD_PAIRS]
-    monkeypatch.setattr(catalog, "all_modules", lambda: modules)
+    monkeypatch.setattr(catalog, "all_modules", lambda **_: modules)
     rows = nvrtc.kernel_report("sm_80", toolkit_of(12))
     assert len(rows) == len(modules) == 48 and not nvrtc.limits_exceeded(rows), nvrtc.limits_exceeded(rows)
 

@@ -54,6 +54,17 @@ def test_the_emulated_cupy_backend_takes_packed_batches_too(rng):
         packed_batch_matches_the_oracle(rng, "cupy")
 
 
+def test_a_turing_gpu_takes_packed_float16_batches_on_the_tensor_cores(rng):
+    # Turing's tiles and tensor_core.cuh's stand-ins (tests/test_tensor_core.py's Turing test) for a packed
+    # batch with the window, softcap and ALiBi: the forward and the backward by atomics against the oracle
+    from flashcupy.tools.emulator.cupy import emulated, recording
+    names = []
+    with emulated(compute_capability=75, compile=recording(names)):
+        packed_batch_matches_the_oracle(rng, "cupy", ([30, 70], [90, 20]), np.float16, 64, (2, 1), backward=True,
+                                        mods=dict(causal=True, window=(40, None), softcap=20.0, alibi_slopes="per-seq"))
+    assert {name.split("<")[0] for name in names} >= {"flash_fwd_tc", "flash_bwd_dkdv_tc"}
+
+
 def test_unchecked_offsets_are_checked_anyway_where_the_sequences_loop_on_the_host(rng):
     # NumPy reads the offsets on the host to loop over the sequences: it checks them whatever
     # check_offsets says (and gives the same bits either way: packed_batch_matches_the_oracle)
