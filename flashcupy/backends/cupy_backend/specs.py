@@ -161,11 +161,12 @@ TC_TILES = {
 }
 # Turing (below TC_AMPERE_COMPUTE_CAPABILITY) takes the tensor-core kernels up to head_dim 128, each tile at
 # most these rows and keys a pass. ptxas gave the sm_75 builds (two m16n8k8 an mma, the plain copies'
-# registers) 10-40 more registers than sm_80's: the full tiles went past the limit of tests/test_nvrtc.py
-# (the backward at head_dim 64: 248-255; its deterministic dK/dV at 128: spills), and so, with these, did
-# the split-KV and packed forwards at 256 (64 x 16: 16-60 bytes of spills). A Turing SM lets a CTA have 64
-# KiB of shared memory, which the forward's tiles at 128 pass (80 and 96 KiB), and so does the backward
-# above 128 with any tile
+# registers) up to 38 more registers than sm_80's (NVRTC 13.5, the same tiles: dK/dV at head_dim 64 227 ->
+# 252, the split-KV forward at 256 216 -> 254; benchmarks/results/other_archs.md), and the full tiles went
+# past the limit of tests/test_nvrtc.py (the backward at head_dim 64: 248-255; its deterministic dK/dV at
+# 128: spills), and so, with these, did the split-KV and packed forwards at 256 (64 x 16: 16-60 bytes of
+# spills). A Turing SM lets a CTA have 64 KiB of shared memory, which the forward's tiles at 128 pass (80
+# and 96 KiB), and so does the backward above 128 with any tile
 TC_TURING_HEAD_DIM_BUCKETS = (64, 128)
 TC_TURING_TILES = {
     "forward": {64: (128, 64), 128: (64, 32)},
