@@ -214,6 +214,9 @@ def test_strided_head_dim_and_old_gpus_fall_back_to_simt(rng):
         p136 = flashcupy._checks.problem(*wide, False, None, None)
         assert cupy_backend.forward_path(p136, *wide) == "simt"
         assert cupy_backend.backward_path(p136, wide[0], *wide, wide[0]) == "simt"
+    with emulated() as runtime:  # a forward tile past the device's opt-in (48 KiB at 64) falls back too
+        runtime.smem_optin = lambda x: 40 * 1024
+        assert cupy_backend.forward_path(p, q, k, v) == "simt"
 
 
 def test_a_pascal_gpu_runs_every_16_bit_call_on_the_simt_kernels(rng):

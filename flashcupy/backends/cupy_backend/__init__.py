@@ -294,8 +294,8 @@ def forward_path(p, q, k, v, out=None, split: bool = False, paged: bool = False,
 def _fits(module: specs.ModuleSpec, x) -> bool:
     """Whether every kernel of `module` asks for no more dynamic shared memory than x's device lets a CTA
     opt in to (Runtime.smem_optin): a tensor-core tile that does not fit runs on the SIMT kernels instead
-    (above head_dim 192 the backward's on an sm_86, sm_89 or sm_120; on a Turing GPU, 64 KiB, the
-    backward's above head_dim 128)."""
+    (today the backward's above head_dim 192 on an sm_86, sm_89 or sm_120; every forward tile fits the
+    devices that take it, Turing's 64 KiB with TC_TURING_TILES)."""
     return max(kernel.dynamic_smem for kernel in module.kernels) <= _runtime().smem_optin(x)
 
 

@@ -51,7 +51,7 @@ def taken_on(modules, compute_capability: int) -> list:
     """`modules` but those a device of `compute_capability` never takes: the tensor-core kernels of a dtype
     below its TC_COMPUTE_CAPABILITY (they do not compile there: bfloat16 below sm_80, every dtype below
     sm_75) or that ask for more shared memory than it lets a CTA have (specs.smem_optin: the backward above
-    head_dim 192 on an sm_86, above 128 on Turing; they run on the SIMT kernels there)."""
+    head_dim 192 on an sm_86, sm_89 or sm_120; it runs on the SIMT kernels there)."""
     optin = smem_optin(compute_capability)
     return [m for m in modules
             if not any(k.tensor_cores and (not tensor_cores_run_on(k.dtype, compute_capability)

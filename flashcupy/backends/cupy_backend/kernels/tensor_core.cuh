@@ -10,7 +10,7 @@
 //   pack_f16x2 / pack_bf16x2         two floats -> one .b32 register, round to nearest even sm_80+
 //   mma_m16n8k16<T>, pack2<T>        the same, chosen by the storage type (__half, __nv_bfloat16)
 //
-// Turing (sm_75, TURING_ARCH below) has float16 tensor cores but none of the sm_80+ instructions above:
+// Turing (sm_75; below AMPERE_ARCH) has float16 tensor cores but none of the sm_80+ instructions above:
 // there mma_m16n8k16<__half> is two m16n8k8 (the first takes A's columns 0-7 and B's rows 0-7: a[0],
 // a[1] and b[0]; the second the rest), pack_f16x2 two cvt.rn.f16.f32, and cp_async_16 a plain 16-byte
 // load and store that lands at issue (commit and wait do nothing): the emulator's cp_async="eager",
