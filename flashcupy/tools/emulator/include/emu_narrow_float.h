@@ -45,15 +45,23 @@ struct NarrowFormat {
         return sign | static_cast<std::uint16_t>(out);
     }
 
+    // Exact, by bits alone (no ldexpf: a library call the wgmma and mma models made per operand element).
     static float widen(std::uint16_t x) {
-        std::uint32_t sign = static_cast<std::uint32_t>(x >> 15) << 31;
-        std::uint32_t exp_field = (x >> FRAC) & ((1u << EXP) - 1);
-        std::uint32_t frac = x & ((1u << FRAC) - 1);
-        if (exp_field == (1u << EXP) - 1) return emu_bits<float>(sign | 0x7f800000u | (frac << (23 - FRAC)));
-        float magnitude = exp_field == 0
-            ? ldexpf(static_cast<float>(frac), min_exp - FRAC)
-            : ldexpf(static_cast<float>(frac | (1u << FRAC)), static_cast<int>(exp_field) - bias - FRAC);
-        return sign ? -magnitude : magnitude;
+        if constexpr (EXP == 8) {
+            return emu_bits<float>(static_cast<std::uint32_t>(x) << 16);  // float's top half
+        } else {
+            std::uint32_t sign = static_cast<std::uint32_t>(x >> 15) << 31;
+            std::uint32_t exp_field = (x >> FRAC) & ((1u << EXP) - 1);
+            std::uint32_t frac = x & ((1u << FRAC) - 1);
+            if (exp_field == (1u << EXP) - 1) return emu_bits<float>(sign | 0x7f800000u | (frac << (23 - FRAC)));
+            if (exp_field != 0)  // a normal number: the exponent rebiased
+                return emu_bits<float>(sign | (exp_field - bias + 127) << 23 | frac << (23 - FRAC));
+            // a subnormal (or zero): frac units of 2^(min_exp - FRAC), a normal float
+            static_assert(FRAC - min_exp < 32 && min_exp - FRAC >= -126);
+            constexpr float unit = 1.0f / static_cast<float>(1ull << (FRAC - min_exp));
+            float magnitude = static_cast<float>(frac) * unit;
+            return sign ? -magnitude : magnitude;
+        }
     }
 };
 
