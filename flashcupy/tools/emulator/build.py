@@ -38,6 +38,9 @@ CXXFLAGS = (
     # shared memory
     "-fno-gnu-unique",
 )
+# The runtime, compiled once per toolchain: -O2, which inlines its small helpers (the wgmma operand
+# reads, the async proxy's checks) where -O1 called them for every element
+RUNTIME_CXXFLAGS = tuple("-O2" if flag == "-O1" else flag for flag in CXXFLAGS)
 # A counting build (EmulatedModule(counters=True)): g++ calls the runtime before every load and
 # store the kernel makes (-fsanitize=kernel-address's callbacks, no shadow memory, no stack or
 # global instrumentation), so runtime.cpp can cost the warp's shared and global memory requests.
@@ -115,7 +118,7 @@ def _toolchain() -> tuple:
         for path in files:
             with open(path, "rb") as f:
                 sources.append((os.path.relpath(path, HERE), f.read()))
-        _memo["toolchain"] = (shutil.which(CXX), version, CXXFLAGS, tuple(sources))
+        _memo["toolchain"] = (shutil.which(CXX), version, CXXFLAGS, RUNTIME_CXXFLAGS, tuple(sources))
     return _memo["toolchain"]
 
 
@@ -129,7 +132,7 @@ def _runtime_object(ucontext: bool) -> str:
     path = os.path.join(cache_dir(), f"runtime-{_digest(_toolchain(), ucontext)}.o")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}.tmp"
-        _compile([CXX, *CXXFLAGS, "-fvisibility=hidden", *(["-DEMU_USE_UCONTEXT"] if ucontext else []),
+        _compile([CXX, *RUNTIME_CXXFLAGS, "-fvisibility=hidden", *(["-DEMU_USE_UCONTEXT"] if ucontext else []),
                   "-I", INCLUDE, "-c", RUNTIME, "-o", tmp], "the emulator runtime")
         os.replace(tmp, path)
     return path

@@ -80,31 +80,40 @@ void proxy_async_write(std::uintptr_t a, std::size_t bytes) {
     for (std::size_t i = static_cast<std::size_t>(w); i < end; ++i) proxy.shadow[i] = 0;
 }
 
-// `reader` reads `bytes` at host address a through the async proxy, in `what`, issued at barrier epoch `issued`.
-void proxy_async_read(std::uintptr_t a, std::size_t bytes, const Fiber& reader, const char* what, unsigned long issued) {
-    if (!proxy.on) return;
-    const long w = proxy_window(a);
-    if (w < 0) return;
+long proxy_async_blocked(std::uint64_t w, std::size_t bytes, const Fiber& reader, unsigned long issued) {
+    if (!proxy.on) return -1;
     const std::size_t end = std::min(proxy.shadow.size(), static_cast<std::size_t>(w) + bytes);
     for (std::size_t i = static_cast<std::size_t>(w); i < end; ++i) {
         const std::uint64_t e = proxy.shadow[i];
         if (!e) continue;
         const std::size_t writer = (e & 0xffff) - 1;
-        const Fiber& f = active->fibers[writer];
-        if (proxy.fences[writer] > (e >> 16)) {
-            if (&f == &reader || proxy.epochs[i] < issued) continue;
-            record_thread(f);
-            abandon(kTrap, "%s by thread (%u,%u,%u) reads the byte at shared address 0x%zx through the async proxy, "
-                    "which thread (%u,%u,%u) wrote with an ordinary store and fenced, but no barrier (__syncthreads, "
-                    "bar.sync) completed between that store and the issue: another warp may issue it first",
-                    what, reader.tid.x, reader.tid.y, reader.tid.z, i, f.tid.x, f.tid.y, f.tid.z);
-        }
-        record_thread(f);
-        abandon(kTrap, "%s by thread (%u,%u,%u) reads the byte at shared address 0x%zx through the async proxy, "
-                "but thread (%u,%u,%u) last wrote it with an ordinary store and has not executed "
-                "fence.proxy.async since (fence_proxy_async() in the writing thread, before the barrier)",
-                what, reader.tid.x, reader.tid.y, reader.tid.z, i, f.tid.x, f.tid.y, f.tid.z);
+        // fenced by its writer, and the writer is the reader or a barrier completed since the write
+        if (proxy.fences[writer] > (e >> 16) && (&active->fibers[writer] == &reader || proxy.epochs[i] < issued))
+            continue;
+        return static_cast<long>(i);
     }
+    return -1;
+}
+
+// `reader` reads `bytes` at host address a through the async proxy, in `what`, issued at barrier epoch `issued`.
+void proxy_async_read(std::uintptr_t a, std::size_t bytes, const Fiber& reader, const char* what, unsigned long issued) {
+    if (!proxy.on) return;
+    const long w = proxy_window(a);
+    if (w < 0) return;
+    const long i = proxy_async_blocked(static_cast<std::uint64_t>(w), bytes, reader, issued);
+    if (i < 0) return;
+    const std::uint64_t e = proxy.shadow[static_cast<std::size_t>(i)];
+    const Fiber& f = active->fibers[(e & 0xffff) - 1];
+    record_thread(f);
+    if (proxy.fences[(e & 0xffff) - 1] > (e >> 16))
+        abandon(kTrap, "%s by thread (%u,%u,%u) reads the byte at shared address 0x%zx through the async proxy, "
+                "which thread (%u,%u,%u) wrote with an ordinary store and fenced, but no barrier (__syncthreads, "
+                "bar.sync) completed between that store and the issue: another warp may issue it first",
+                what, reader.tid.x, reader.tid.y, reader.tid.z, static_cast<std::size_t>(i), f.tid.x, f.tid.y, f.tid.z);
+    abandon(kTrap, "%s by thread (%u,%u,%u) reads the byte at shared address 0x%zx through the async proxy, "
+            "but thread (%u,%u,%u) last wrote it with an ordinary store and has not executed "
+            "fence.proxy.async since (fence_proxy_async() in the writing thread, before the barrier)",
+            what, reader.tid.x, reader.tid.y, reader.tid.z, static_cast<std::size_t>(i), f.tid.x, f.tid.y, f.tid.z);
 }
 
 }  // namespace

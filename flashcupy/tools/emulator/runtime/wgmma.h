@@ -120,11 +120,28 @@ std::uint64_t swizzled(const WgmmaOperand& o, std::uint64_t address) {
     return address ^ (((address >> 7) & mask) << 4);
 }
 
-// Read through the async proxy by `reader`'s share of the operation (runtime/proxy.h checks it).
-std::uint16_t element(const WgmmaOperand& o, int mn, int k, const Fiber& reader, const char* what, unsigned long issued) {
+// The host pointer of window address `address`, which decode() checked lies in this block's shared memory.
+const unsigned char* window_host(std::uint64_t address) {
+    return reinterpret_cast<const unsigned char*>(address < dynamic_window_bytes()
+        ? dynamic_window_lo() + address : static_window_lo() + (address - static_window_base()));
+}
+
+// The first byte of `bytes` at window address w that `reader` may not read through the async proxy (a
+// generic write pending on it: runtime/proxy.h's rule), or -1.
+long proxy_async_blocked(std::uint64_t w, std::size_t bytes, const Fiber& reader, unsigned long issued);
+
+// Read through the async proxy by `reader`'s share of `op` (runtime/proxy.h checks it; the message, which
+// names the operand, written only for a read that fails).
+std::uint16_t element(const WgmmaOp& op, const WgmmaOperand& o, int mn, int k, const Fiber& reader) {
     std::uint16_t e;
-    const unsigned char* p = window_pointer(swizzled(o, unswizzled(o, mn, k)), 2);  // checked at issue
-    proxy_async_read(reinterpret_cast<std::uintptr_t>(p), 2, reader, what, issued);
+    const std::uint64_t w = swizzled(o, unswizzled(o, mn, k));
+    const unsigned char* p = window_host(w);
+    if (proxy_async_blocked(w, 2, reader, op.epoch) >= 0) {
+        char what[96];
+        std::snprintf(what, sizeof what, "wgmma.mma_async m64n%dk16 (operand %s, completing at wgmma.wait_group)",
+                      op.n, &o == &op.a ? "A" : "B");
+        proxy_async_read(reinterpret_cast<std::uintptr_t>(p), 2, reader, what, op.epoch);  // ends the launch
+    }
     std::memcpy(&e, p, 2);
     return e;
 }
@@ -252,6 +269,47 @@ void resolve_wgmma(Launch& l, std::size_t g, std::size_t first) {
     }
 }
 
+// `count` elements of operand o from (mn, k) on, which its layout keeps in one 16-byte chunk (the swizzle
+// moves whole chunks): k = 8q .. 8q + 7 of a K-major row, mn = 8q + i of an MN-major column. False, with
+// nothing read, where the async proxy may not read one of their bytes yet.
+bool chunk(const WgmmaOp& op, const WgmmaOperand& o, int mn, int k, int count, std::uint16_t* out, const Fiber& reader) {
+    const std::uint64_t w = swizzled(o, unswizzled(o, mn, k));
+    const std::size_t bytes = 2 * static_cast<std::size_t>(count);
+    if (proxy_async_blocked(w, bytes, reader, op.epoch) >= 0) return false;
+    std::memcpy(out, window_host(w), bytes);
+    return true;
+}
+
+// This thread's operand elements of `op` (A's rows r, r + 8; B's columns 8j + c + v), by chunks where the
+// layout allows, each byte checked as element() checks it. False where one may not be read yet.
+bool gather(const WgmmaOp& op, const Fiber& f, int r, int c, std::uint16_t (*a)[16], std::uint16_t (*b)[16]) {
+    for (int h = 0; h < 2; ++h) {
+        if (op.rs) {
+            std::memcpy(a[h], op.a_regs[r + 8 * h], sizeof a[h]);
+        } else if (!op.a.mn_major) {
+            if (!chunk(op, op.a, r + 8 * h, 0, 8, a[h], f) || !chunk(op, op.a, r + 8 * h, 8, 8, a[h] + 8, f)) return false;
+        } else {
+            for (int k = 0; k < 16; ++k)
+                if (!chunk(op, op.a, r + 8 * h, k, 1, a[h] + k, f)) return false;
+        }
+    }
+    for (int j = 0; j < op.n / 8; ++j) {
+        std::uint16_t (*col)[16] = b + 2 * j;  // columns 8j + c and 8j + c + 1
+        if (!op.b.mn_major) {
+            for (int v = 0; v < 2; ++v)
+                if (!chunk(op, op.b, 8 * j + c + v, 0, 8, col[v], f) || !chunk(op, op.b, 8 * j + c + v, 8, 8, col[v] + 8, f))
+                    return false;
+        } else {
+            for (int k = 0; k < 16; ++k) {
+                std::uint16_t pair[2];
+                if (!chunk(op, op.b, 8 * j + c, k, 2, pair, f)) return false;
+                col[0][k] = pair[0], col[1][k] = pair[1];
+            }
+        }
+    }
+    return true;
+}
+
 // This thread's elements of D for one completing operation, as hopper.cuh's accumulator layout.
 void wgmma_compute(const WgmmaPending& p, const Fiber& f, float* out) {
     const WgmmaOp& op = wgmma_ops[p.op];
@@ -259,18 +317,22 @@ void wgmma_compute(const WgmmaPending& p, const Fiber& f, float* out) {
         return static_cast<double>(op.format ? emu::BFloat16::widen(e) : emu::Binary16::widen(e));
     };
     const int r = 16 * static_cast<int>(f.warp % 4) + static_cast<int>(f.lane / 4), c = 2 * static_cast<int>(f.lane % 4);
-    char what_a[96], what_b[96];
-    std::snprintf(what_a, sizeof what_a, "wgmma.mma_async m64n%dk16 (operand A, completing at wgmma.wait_group)", op.n);
-    std::snprintf(what_b, sizeof what_b, "wgmma.mma_async m64n%dk16 (operand B, completing at wgmma.wait_group)", op.n);
+    std::uint16_t a[2][16], b[256 / 4][16];
+    if (!gather(op, f, r, c, a, b)) {  // element by element, in the order of the model, to the first unreadable one
+        for (int h = 0; h < 2 && !op.rs; ++h)
+            for (int k = 0; k < 16; ++k) element(op, op.a, r + 8 * h, k, f);
+        for (int j = 0; j < op.n / 8; ++j)
+            for (int v = 0; v < 2; ++v)
+                for (int k = 0; k < 16; ++k) element(op, op.b, 8 * j + c + v, k, f);
+        misuse("wgmma.mma_async: an operand read by chunks failed where each element passed");
+    }
     double A[2][16];
     for (int h = 0; h < 2; ++h)
-        for (int k = 0; k < 16; ++k)
-            A[h][k] = widen(op.rs ? op.a_regs[r + 8 * h][k] : element(op.a, r + 8 * h, k, f, what_a, op.epoch));
+        for (int k = 0; k < 16; ++k) A[h][k] = widen(a[h][k]);
     for (int j = 0; j < op.n / 8; ++j)
         for (int v = 0; v < 2; ++v) {
-            const int col = 8 * j + c + v;
             double B[16];
-            for (int k = 0; k < 16; ++k) B[k] = widen(element(op.b, col, k, f, what_b, op.epoch));
+            for (int k = 0; k < 16; ++k) B[k] = widen(b[2 * j + v][k]);
             for (int h = 0; h < 2; ++h) {
                 const int i = 4 * j + 2 * h + v;
                 double sum = p.scale_d ? p.c[i] : 0.0;
