@@ -120,10 +120,11 @@ void block_barrier();
 // Every lane named in `mask` meets here; returns the 64-bit payload this lane receives.
 std::uint64_t warp_collective(int kind, unsigned mask, std::uint64_t payload, int operand, int width);
 // All 32 lanes of the warp meet here (a `.sync.aligned` PTX instruction: every lane must be
-// alive and execute the same `kind` with the same `variant`); each lane receives every lane's
-// `bytes`-byte record, in lane order, in `all` (32 * bytes). Records are copied at the meeting,
-// so each lane may then compute its share of the result from `all` on its own.
-void warp_all_gather(int kind, int variant, const void* mine, void* all, int bytes);
+// alive and execute the same `kind` with the same `variant`); returns every lane's `bytes`-byte
+// record, in lane order (32 * bytes), copied once at the meeting into the warp's buffer, which
+// stays as it is until every lane has come to the warp's next such meeting: each lane may compute
+// its share of the result from it on its own before then.
+const void* warp_all_gather(int kind, int variant, const void* mine, int bytes);
 // The calling thread's lane in its warp (threads are numbered x fastest, as on a GPU).
 unsigned lane_id();
 // Report (as a KernelError naming the thread) unless [p, p + bytes) lies in shared memory and p

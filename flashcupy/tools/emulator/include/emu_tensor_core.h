@@ -4,8 +4,8 @@
 // Each follows the PTX ISA's definition (see tensor_core.cuh for the fragment layouts):
 //   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32, and m16n8k8 .f16 (sm_75)
 //       a warp rendezvous (all 32 lanes, same variant): every lane deposits its A, B and C
-//       fragments, receives everyone's, rebuilds A (16x16), B (16x8) and C (16x8) with the ISA's
-//       lane -> (row, col) maps, and computes its own four elements of D = A B + C.
+//       fragments, sees everyone's, takes the two rows of A and two columns of B its own four
+//       elements of D = A B + C need (the ISA's lane -> (row, col) maps), and computes them.
 //       Not bit-faithful: the products are exact, the sum is taken in double and rounded to
 //       float once; tensor cores add in an unspecified order with their own fp32 adders, so a
 //       GPU's D may differ in the last bits.
@@ -41,34 +41,33 @@ inline void mma_m16n8k(float d[4], const unsigned a[K / 4], const unsigned b[K /
         unsigned a[K / 4];
         unsigned b[K / 8];
         float c[4];
-    } mine, all[32];
+    } mine;
     std::memcpy(mine.a, a, sizeof mine.a);
     std::memcpy(mine.b, b, sizeof mine.b);
     std::memcpy(mine.c, c, sizeof mine.c);
-    warp_all_gather(kMma, variant, &mine, all, sizeof mine);
+    const auto* all = static_cast<const Fragments*>(warp_all_gather(kMma, variant, &mine, sizeof mine));
 
-    float A[16][K], B[K][8], C[16][8];
+    // This lane's four elements of D: rows g, g + 8 and columns 2t, 2t + 1 of A B + C, taken from the
+    // fragments that hold them (the ISA's lane -> (row, col) maps): A's row g + 8h from a[2q + h] of lanes
+    // 4g + u (columns 2u + 8q and 2u + 8q + 1), B's column n from b[i] of lanes 4n + u (rows 2u + 8i and
+    // 2u + 8i + 1), C's elements from this lane's own c.
     auto low = [](unsigned r) { return Format::widen(static_cast<std::uint16_t>(r & 0xffffu)); };
     auto high = [](unsigned r) { return Format::widen(static_cast<std::uint16_t>(r >> 16)); };
-    for (int lane = 0; lane < 32; ++lane) {
-        const int g = lane / 4, t = lane % 4;
-        const Fragments& f = all[lane];
-        for (int i = 0; i < K / 4; ++i) {
-            const int row = g + 8 * (i & 1), col = 2 * t + 8 * (i >> 1);
-            A[row][col] = low(f.a[i]);
-            A[row][col + 1] = high(f.a[i]);
-        }
-        for (int i = 0; i < 4; ++i) C[g + 8 * (i >> 1)][2 * t + (i & 1)] = f.c[i];
-        for (int i = 0; i < K / 8; ++i) {
-            B[2 * t + 8 * i][g] = low(f.b[i]);
-            B[2 * t + 8 * i + 1][g] = high(f.b[i]);
-        }
-    }
     const int g = static_cast<int>(lane_id()) / 4, t = static_cast<int>(lane_id()) % 4;
+    float A[2][K], B[2][K];
+    for (int u = 0; u < 4; ++u)
+        for (int q = 0; q < K / 8; ++q)
+            for (int h = 0; h < 2; ++h) {
+                const unsigned ra = all[4 * g + u].a[2 * q + h], rb = all[4 * (2 * t + h) + u].b[q];
+                A[h][2 * u + 8 * q] = low(ra);
+                A[h][2 * u + 8 * q + 1] = high(ra);
+                B[h][2 * u + 8 * q] = low(rb);
+                B[h][2 * u + 8 * q + 1] = high(rb);
+            }
     for (int i = 0; i < 4; ++i) {
-        const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
-        double sum = C[row][col];
-        for (int k = 0; k < K; ++k) sum += static_cast<double>(A[row][k]) * B[k][col];
+        const int h = i >> 1, v = i & 1;
+        double sum = mine.c[i];
+        for (int k = 0; k < K; ++k) sum += static_cast<double>(A[h][k]) * B[v][k];
         d[i] = static_cast<float>(sum);
     }
 }
@@ -78,7 +77,7 @@ template <int NUM, bool TRANS>
 inline void ldmatrix(unsigned r[NUM], const void* row) {
     struct Row {
         std::uint16_t e[8];
-    } mine, rows[32];
+    } mine;
     const unsigned lane = lane_id();
     std::memset(&mine, 0xff, sizeof mine);
     if (lane < 8u * NUM) {
@@ -90,7 +89,7 @@ inline void ldmatrix(unsigned r[NUM], const void* row) {
         std::memcpy(&mine, row, sizeof mine);
 #endif
     }
-    warp_all_gather(kLdmatrix, 2 * NUM + TRANS, &mine, rows, sizeof mine);
+    const auto* rows = static_cast<const Row*>(warp_all_gather(kLdmatrix, 2 * NUM + TRANS, &mine, sizeof mine));
     const unsigned g = lane / 4, t = lane % 4;
     for (int m = 0; m < NUM; ++m) {
         const Row* M = rows + 8 * m;

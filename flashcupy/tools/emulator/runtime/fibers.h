@@ -96,7 +96,7 @@ struct Arrival {
     int operand;            // warp_all_gather: the variant, which every lane must agree on
     int width;              // warp_all_gather: the record size in bytes
     const void* gather_src; // warp_all_gather: this lane's record
-    void* gather_dst;       // warp_all_gather: where every lane's record goes (32 * width bytes)
+    const void* gather_dst; // warp_all_gather: every lane's record (32 * width bytes: lane 0's `gathered`)
 };
 
 // One cp.async copy in flight: its source bytes (read when issued) and where they land.
@@ -149,6 +149,7 @@ struct Fiber {
     int flag_value;           // kAtFlag: the value it must reach
     bool acquired_unfenced;   // a flag_wait since the thread's last fence.proxy.async.global
     bool written_unfenced;    // bulk writes completed (wait_group) since its last fence.proxy.async.global
+    std::vector<unsigned char> gathered;  // lane 0's: its warp's records at the last warp_all_gather
 };
 
 // An mbarrier object (emu_hopper.h): the state the PTX ISA describes, kept beside shared memory.

@@ -36,10 +36,11 @@ std::uint64_t emu::warp_collective(int kind, unsigned mask, std::uint64_t payloa
     return self.arrival.payload;
 }
 
-void emu::warp_all_gather(int kind, int variant, const void* mine, void* all, int bytes) {
+const void* emu::warp_all_gather(int kind, int variant, const void* mine, int bytes) {
     Fiber& self = *active->current;
-    self.arrival = Arrival{kind, 0xffffffffu, 0, variant, bytes, mine, all};
+    self.arrival = Arrival{kind, 0xffffffffu, 0, variant, bytes, mine, nullptr};
     block_until_scheduled(self, State::kAtWarp);
+    return self.arrival.gather_dst;
 }
 
 unsigned emu::lane_id() { return active->current->lane; }

@@ -94,10 +94,13 @@ bool resolve_warps(Launch& l) {
             }
             if (gather) {
                 if (a.kind == emu::kMma && active->counting) ++active->counting->totals.mma;
-                for (int to = 0; to < 32; ++to)
-                    for (int from = 0; from < 32; ++from)
-                        std::memcpy(static_cast<unsigned char*>(warp[to].arrival.gather_dst) + from * a.width,
-                                    warp[from].arrival.gather_src, static_cast<std::size_t>(a.width));
+                // once, into lane 0's buffer: the lanes read it before any of them can complete the
+                // warp's next meeting, which needs all 32 there
+                std::vector<unsigned char>& all = warp[0].gathered;
+                all.resize(32 * static_cast<std::size_t>(a.width));
+                for (int from = 0; from < 32; ++from)
+                    std::memcpy(all.data() + from * a.width, warp[from].arrival.gather_src, static_cast<std::size_t>(a.width));
+                for (int to = 0; to < 32; ++to) warp[to].arrival.gather_dst = all.data();
                 for (int lane = 0; lane < 32; ++lane) warp[lane].state = State::kRunnable;
                 todo &= ~group;
                 waiting &= ~group;
