@@ -121,10 +121,11 @@ void block_barrier();
 std::uint64_t warp_collective(int kind, unsigned mask, std::uint64_t payload, int operand, int width);
 // All 32 lanes of the warp meet here (a `.sync.aligned` PTX instruction: every lane must be
 // alive and execute the same `kind` with the same `variant`); returns every lane's `bytes`-byte
-// record, in lane order (32 * bytes), copied once at the meeting into the warp's buffer, which
-// stays as it is until every lane has come to the warp's next such meeting: each lane may compute
-// its share of the result from it on its own before then.
-const void* warp_all_gather(int kind, int variant, const void* mine, int bytes);
+// record, in lane order (32 * bytes), copied once at the meeting into the warp's buffer, then
+// `scratch` bytes of zeros the lanes may share (what the first lane to go on works out for all);
+// the buffer stays the lanes' until every lane has come to the warp's next such meeting, so each
+// may compute its share of the result from it on its own before then.
+void* warp_all_gather(int kind, int variant, const void* mine, int bytes, int scratch = 0);
 // The calling thread's lane in its warp (threads are numbered x fastest, as on a GPU).
 unsigned lane_id();
 // Report (as a KernelError naming the thread) unless [p, p + bytes) lies in shared memory and p

@@ -4,8 +4,8 @@
 // Each follows the PTX ISA's definition (see tensor_core.cuh for the fragment layouts):
 //   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32, and m16n8k8 .f16 (sm_75)
 //       a warp rendezvous (all 32 lanes, same variant): every lane deposits its A, B and C
-//       fragments, sees everyone's, takes the two rows of A and two columns of B its own four
-//       elements of D = A B + C need (the ISA's lane -> (row, col) maps), and computes them.
+//       fragments; the first lane to go on rebuilds A (16xK) and B (Kx8) from them with the ISA's
+//       lane -> (row, col) maps, for all; each lane computes its own four elements of D = A B + C.
 //       Not bit-faithful: the products are exact, the sum is taken in double and rounded to
 //       float once; tensor cores add in an unspecified order with their own fp32 adders, so a
 //       GPU's D may differ in the last bits.
@@ -42,32 +42,39 @@ inline void mma_m16n8k(float d[4], const unsigned a[K / 4], const unsigned b[K /
         unsigned b[K / 8];
         float c[4];
     } mine;
+    struct Operands {  // A and B widened, by the first lane to go on, for all 32
+        bool ready;
+        float A[16][K], B[K][8];
+    };
     std::memcpy(mine.a, a, sizeof mine.a);
     std::memcpy(mine.b, b, sizeof mine.b);
     std::memcpy(mine.c, c, sizeof mine.c);
-    const auto* all = static_cast<const Fragments*>(warp_all_gather(kMma, variant, &mine, sizeof mine));
-
-    // This lane's four elements of D: rows g, g + 8 and columns 2t, 2t + 1 of A B + C, taken from the
-    // fragments that hold them (the ISA's lane -> (row, col) maps): A's row g + 8h from a[2q + h] of lanes
-    // 4g + u (columns 2u + 8q and 2u + 8q + 1), B's column n from b[i] of lanes 4n + u (rows 2u + 8i and
-    // 2u + 8i + 1), C's elements from this lane's own c.
-    auto low = [](unsigned r) { return Format::widen(static_cast<std::uint16_t>(r & 0xffffu)); };
-    auto high = [](unsigned r) { return Format::widen(static_cast<std::uint16_t>(r >> 16)); };
-    const int g = static_cast<int>(lane_id()) / 4, t = static_cast<int>(lane_id()) % 4;
-    float A[2][K], B[2][K];
-    for (int u = 0; u < 4; ++u)
-        for (int q = 0; q < K / 8; ++q)
-            for (int h = 0; h < 2; ++h) {
-                const unsigned ra = all[4 * g + u].a[2 * q + h], rb = all[4 * (2 * t + h) + u].b[q];
-                A[h][2 * u + 8 * q] = low(ra);
-                A[h][2 * u + 8 * q + 1] = high(ra);
-                B[h][2 * u + 8 * q] = low(rb);
-                B[h][2 * u + 8 * q + 1] = high(rb);
+    auto* all = static_cast<Fragments*>(warp_all_gather(kMma, variant, &mine, sizeof mine, sizeof(Operands)));
+    auto& m = *reinterpret_cast<Operands*>(all + 32);
+    if (!m.ready) {  // the ISA's lane -> (row, col) maps
+        auto low = [](unsigned r) { return Format::widen(static_cast<std::uint16_t>(r & 0xffffu)); };
+        auto high = [](unsigned r) { return Format::widen(static_cast<std::uint16_t>(r >> 16)); };
+        for (int lane = 0; lane < 32; ++lane) {
+            const int g = lane / 4, t = lane % 4;
+            const Fragments& f = all[lane];
+            for (int i = 0; i < K / 4; ++i) {
+                const int row = g + 8 * (i & 1), col = 2 * t + 8 * (i >> 1);
+                m.A[row][col] = low(f.a[i]);
+                m.A[row][col + 1] = high(f.a[i]);
             }
+            for (int i = 0; i < K / 8; ++i) {
+                m.B[2 * t + 8 * i][g] = low(f.b[i]);
+                m.B[2 * t + 8 * i + 1][g] = high(f.b[i]);
+            }
+        }
+        m.ready = true;
+    }
+    // this lane's four elements of D (rows g, g + 8, columns 2t, 2t + 1); C's are its own c
+    const int g = static_cast<int>(lane_id()) / 4, t = static_cast<int>(lane_id()) % 4;
     for (int i = 0; i < 4; ++i) {
-        const int h = i >> 1, v = i & 1;
+        const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
         double sum = mine.c[i];
-        for (int k = 0; k < K; ++k) sum += static_cast<double>(A[h][k]) * B[v][k];
+        for (int k = 0; k < K; ++k) sum += static_cast<double>(m.A[row][k]) * m.B[k][col];
         d[i] = static_cast<float>(sum);
     }
 }

@@ -92,11 +92,11 @@ enum class State : unsigned char { kRunnable, kAtBarrier, kAtWarp, kAtMbarrier, 
 struct Arrival {
     int kind;
     unsigned mask;
-    std::uint64_t payload;  // this lane's value going in, the received value coming out
+    std::uint64_t payload;  // this lane's value going in, the received value coming out (warp_all_gather: scratch bytes)
     int operand;            // warp_all_gather: the variant, which every lane must agree on
     int width;              // warp_all_gather: the record size in bytes
     const void* gather_src; // warp_all_gather: this lane's record
-    const void* gather_dst; // warp_all_gather: every lane's record (32 * width bytes: lane 0's `gathered`)
+    void* gather_dst;       // warp_all_gather: every lane's record (32 * width bytes), then the scratch: lane 0's `gathered`
 };
 
 // One cp.async copy in flight: its source bytes (read when issued) and where they land.

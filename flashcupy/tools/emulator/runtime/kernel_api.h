@@ -36,9 +36,9 @@ std::uint64_t emu::warp_collective(int kind, unsigned mask, std::uint64_t payloa
     return self.arrival.payload;
 }
 
-const void* emu::warp_all_gather(int kind, int variant, const void* mine, int bytes) {
+void* emu::warp_all_gather(int kind, int variant, const void* mine, int bytes, int scratch) {
     Fiber& self = *active->current;
-    self.arrival = Arrival{kind, 0xffffffffu, 0, variant, bytes, mine, nullptr};
+    self.arrival = Arrival{kind, 0xffffffffu, static_cast<std::uint64_t>(scratch), variant, bytes, mine, nullptr};
     block_until_scheduled(self, State::kAtWarp);
     return self.arrival.gather_dst;
 }

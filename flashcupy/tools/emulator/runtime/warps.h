@@ -97,7 +97,9 @@ bool resolve_warps(Launch& l) {
                 // once, into lane 0's buffer: the lanes read it before any of them can complete the
                 // warp's next meeting, which needs all 32 there
                 std::vector<unsigned char>& all = warp[0].gathered;
-                all.resize(32 * static_cast<std::size_t>(a.width));
+                const std::size_t records = 32 * static_cast<std::size_t>(a.width);
+                all.resize(records + a.payload);
+                std::memset(all.data() + records, 0, a.payload);
                 for (int from = 0; from < 32; ++from)
                     std::memcpy(all.data() + from * a.width, warp[from].arrival.gather_src, static_cast<std::size_t>(a.width));
                 for (int to = 0; to < 32; ++to) warp[to].arrival.gather_dst = all.data();
