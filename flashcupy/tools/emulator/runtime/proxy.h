@@ -83,6 +83,9 @@ void proxy_async_write(std::uintptr_t a, std::size_t bytes) {
 long proxy_async_blocked(std::uint64_t w, std::size_t bytes, const Fiber& reader, unsigned long issued) {
     if (!proxy.on) return -1;
     const std::size_t end = std::min(proxy.shadow.size(), static_cast<std::size_t>(w) + bytes);
+    std::uint64_t pending = 0;  // most reads find no generic write pending on any byte: one pass, no branch
+    for (std::size_t i = static_cast<std::size_t>(w); i < end; ++i) pending |= proxy.shadow[i];
+    if (!pending) return -1;
     for (std::size_t i = static_cast<std::size_t>(w); i < end; ++i) {
         const std::uint64_t e = proxy.shadow[i];
         if (!e) continue;
