@@ -381,6 +381,24 @@ def test_defines_include_dirs_and_cache(tmp_path, rng):
     assert time.perf_counter() - start < 0.2
 
 
+def test_modules_take_cuda_emu_h_precompiled(tmp_path, monkeypatch, rng):
+    # one precompiled cuda_emu.h for the modules built with the same flags, which each module's build
+    # takes: one that g++ finds but may not use is an error (-Werror=invalid-pch), so a module built
+    # with the same flags after the header's PCH is spoilt fails, and one with other flags builds its own
+    monkeypatch.setenv("FLASHCUPY_EMULATOR_CACHE", str(tmp_path))
+    x = rng.standard_normal(256).astype(np.float32)
+    out = garbage(2, np.float32)
+    EmulatedModule(source("block_reduce.cu"), ["block_sum"]).get_function("block_sum")((2,), (128,), (x, out, np.int32(256)))
+    np.testing.assert_allclose(out, x.reshape(2, 128).sum(1), rtol=1e-5, atol=1e-5)
+    (pch,) = tmp_path.glob("pch-*/cuda_emu.h.gch")
+    assert (pch.parent / "cuda_emu.h").resolve().read_bytes() == pch.parent.joinpath("cuda_emu.h").read_bytes()
+    pch.write_bytes(b"gpch" + bytes(4096))  # not a header g++ can use
+    with pytest.raises(CompileError, match="pch|precompiled"):
+        EmulatedModule(source("block_reduce.cu") + "\n// another module\n", ["block_sum"])
+    EmulatedModule(source("block_reduce.cu") + "\n// another module\n", ["block_sum"], ("-D", "X=1"))
+    assert len(list(tmp_path.glob("pch-*/cuda_emu.h.gch"))) == 2
+
+
 # ----------------------------------------------------------------------------
 # numerics
 
