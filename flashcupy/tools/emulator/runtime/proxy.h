@@ -106,9 +106,10 @@ void proxy_async_read(std::uintptr_t a, std::size_t bytes, const Fiber& reader, 
     const long i = proxy_async_blocked(static_cast<std::uint64_t>(w), bytes, reader, issued);
     if (i < 0) return;
     const std::uint64_t e = proxy.shadow[static_cast<std::size_t>(i)];
-    const Fiber& f = active->fibers[(e & 0xffff) - 1];
+    const std::size_t writer = (e & 0xffff) - 1;
+    const Fiber& f = active->fibers[writer];
     record_thread(f);
-    if (proxy.fences[(e & 0xffff) - 1] > (e >> 16))
+    if (proxy.fences[writer] > (e >> 16))  // fenced: what is missing is the barrier
         abandon(kTrap, "%s by thread (%u,%u,%u) reads the byte at shared address 0x%zx through the async proxy, "
                 "which thread (%u,%u,%u) wrote with an ordinary store and fenced, but no barrier (__syncthreads, "
                 "bar.sync) completed between that store and the issue: another warp may issue it first",
