@@ -173,17 +173,17 @@ class Sum:
     def __init__(self, fold: Fold, bias, value: str, acc):
         from . import _merge
         self.fold, self.value, self.carrier = fold, value, np.dtype(bias.dtype)
-        self.xp = _merge._library(bias)
+        self.xp = _merge.library(bias)
         self.total = self.xp.zeros(bias.shape, acc)
 
     def add(self, index, x) -> None:
         from . import _merge
         place = self.fold.view(self.total, index)
-        place += _merge._read(self.xp, x, self.value, self.total.dtype)
+        place += _merge.widen(self.xp, x, self.value, self.total.dtype)
 
     def result(self, shape):
         from . import _merge
-        return _merge._store(self.xp, self.total, self.value, self.carrier).reshape(shape)
+        return _merge.store(self.xp, self.total, self.value, self.carrier).reshape(shape)
 
 
 def _inputs(batch, named: dict, kw: dict) -> tuple:

@@ -30,7 +30,7 @@ from . import _checks, _interop, backends
 from ._problem import accumulation_dtype
 
 
-def _library(x):
+def library(x):
     lib = backends.array_library(x)
     if lib == "numpy":
         return np
@@ -49,7 +49,7 @@ def _check(outs, lses, dtype) -> tuple:
         raise ValueError(f"outs and lses must have one entry per part, got {len(outs)} outs and {len(lses)} lses")
     named = {f"outs[{i}]": x for i, x in enumerate(outs)} | {f"lses[{i}]": x for i, x in enumerate(lses)}
     _checks.check_arrays(named)
-    xp = _library(outs[0])
+    xp = library(outs[0])
     value, carrier = _checks.check_dtypes({f"outs[{i}]": x for i, x in enumerate(outs)}, dtype)
     acc = accumulation_dtype(value)
     shape = tuple(outs[0].shape)
@@ -68,14 +68,16 @@ def _check(outs, lses, dtype) -> tuple:
     return xp, value, carrier, acc
 
 
-def _read(xp, x, value, acc):
-    """x's values in the accumulation dtype (bfloat16 bit patterns widened exactly)."""
+def widen(xp, x, value, acc=None):
+    """x's values in the accumulation dtype (`acc`, by default value's): bfloat16 bit patterns
+    widened exactly."""
+    acc = accumulation_dtype(value) if acc is None else acc
     if value == "bfloat16" and x.dtype.kind in "iu":
         return (x.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
     return x.astype(acc)
 
 
-def _store(xp, x, value, carrier):
+def store(xp, x, value, carrier):
     """float32/float64 x rounded to the values' dtype (to nearest even), in the carrier dtype."""
     if value == "bfloat16" and carrier.kind in "iu":
         bits = x.astype(xp.float32).view(xp.uint32)
@@ -119,9 +121,9 @@ def merge(outs, lses, *, dtype=None):
     lse, weights = _weights(xp, lses, acc)
     out = None
     for o, w in zip(outs, weights):
-        term = _rows(w) * _read(xp, o, value, acc)
+        term = _rows(w) * widen(xp, o, value, acc)
         out = term if out is None else out + term
-    return _store(xp, out, value, carrier), lse
+    return store(xp, out, value, carrier), lse
 
 
 @_interop.accepts_foreign_arrays
@@ -140,11 +142,11 @@ def merge_backward(dout, outs, lses, out, lse, dlse=None, *, dtype=None):
             raise ValueError(f"{name} must have shape {tuple(shape)} and dtype {want}, got "
                              f"{tuple(x.shape)} and {np.dtype(x.dtype)}")
     _, weights = _weights(xp, lses, acc)
-    g = _read(xp, dout, value, acc)
-    o = _read(xp, out, value, acc)
+    g = widen(xp, dout, value, acc)
+    o = widen(xp, out, value, acc)
     douts, dlses = [], []
     for o_i, w in zip(outs, weights):
-        douts.append(_store(xp, _rows(w) * g, value, carrier))
-        dot = (g * (_read(xp, o_i, value, acc) - o)).sum(axis=-1).transpose(0, 2, 1)
+        douts.append(store(xp, _rows(w) * g, value, carrier))
+        dot = (g * (widen(xp, o_i, value, acc) - o)).sum(axis=-1).transpose(0, 2, 1)
         dlses.append(xp.where(w == 0, acc.type(0), w * (dot if dlse is None else dlse + dot)))
     return douts, dlses

@@ -501,17 +501,26 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     # a backend that splits the keys inside one launch (cupy: split_plan) gets the splits, None
     # included (its heuristic); the others get one call per split
     in_launch = hasattr(mod, "split_plan")
+    xp = _merge.library(q)
     for b in range(batch):
         n = int(lengths[b]) + new
         kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=_slopes_for(alibi_slopes, b, batch),
                   scale=scale, backend=mod.NAME, dtype=dtype, num_splits=num_splits if in_launch else 1)
-        parts = [_api.forward(q[b:b + 1], kk, vv, diagonal=n - Sq - j0, **kw)
-                 for j0, kk, vv in _pieces(k_cache, v_cache, b, table, block_size, n, 1 if in_launch else splits)]
+        pieces = _pieces(k_cache, v_cache, b, table, block_size, n, 1 if in_launch else splits)
+        qb = q[b:b + 1]
+        if len(pieces) > 1 and p.acc_dtype != p.carrier:
+            # parts of 16-bit values run on their values widened to float32 (exactly), so that out is
+            # rounded to the storage dtype once, after the merge, as one call's is: parts stored in
+            # float16 first would add a second rounding (beyond the one tolerance rule)
+            qb = _merge.widen(xp, qb, p.dtype)
+            pieces = [(j0, _merge.widen(xp, kk, p.dtype), _merge.widen(xp, vv, p.dtype)) for j0, kk, vv in pieces]
+            kw["dtype"] = None
+        parts = [_api.forward(qb, kk, vv, diagonal=n - Sq - j0, **kw) for j0, kk, vv in pieces]
         if not parts:
             continue  # no key: out 0, lse -inf
         o, l = parts[0] if len(parts) == 1 else _merge.merge([o for o, _ in parts], [l for _, l in parts],
-                                                               dtype=dtype)
-        out[b:b + 1], lse[b:b + 1] = o, l
+                                                               dtype=kw["dtype"])
+        out[b:b + 1], lse[b:b + 1] = (o, l) if o.dtype == p.carrier else (_merge.store(xp, o, p.dtype, p.carrier), l)
     return (out, lse) if return_lse else out
 
 

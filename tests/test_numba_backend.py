@@ -31,7 +31,7 @@ from flashcupy.backends import MAX_GRID, numba_backend  # noqa: E402
 from flashcupy.backends.numba_backend import kernels  # noqa: E402
 from modifier_checks import LARGE_SCALES, check, large_scores_check, modifier_cases  # noqa: E402
 from varlen_checks import (appends_across_a_block_boundary, packed_batch_matches_the_oracle, packed_inputs,  # noqa: E402
-                           per_sequence_alibi_in_a_kvcache)
+                           per_sequence_alibi_in_a_kvcache, split_cache_parts_round_once)
 
 
 def _forward_and_backward(q, k, v, dtype, causal, rng, to_device=lambda x: x, to_host=np.asarray):
@@ -147,7 +147,8 @@ def test_bias_and_mask_views_are_read_in_place(rng, device):
 
 VARLEN_CHECKS = {"packed-batches": packed_batch_matches_the_oracle,
                  "kvcache-appends-across-a-block-boundary": appends_across_a_block_boundary,
-                 "kvcache-per-sequence-alibi-slopes": per_sequence_alibi_in_a_kvcache}
+                 "kvcache-per-sequence-alibi-slopes": per_sequence_alibi_in_a_kvcache,
+                 "kvcache-in-parts-rounds-once": split_cache_parts_round_once}
 
 
 @pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])

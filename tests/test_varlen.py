@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import BF16, assert_matches_oracle, bf16_ties
 from varlen_checks import (appends_across_a_block_boundary, cache_inputs, packed_batch_matches_the_oracle,
-                           packed_inputs, per_sequence_alibi_in_a_kvcache)
+                           packed_inputs, per_sequence_alibi_in_a_kvcache, split_cache_parts_round_once)
 
 import flashcupy
 
@@ -176,6 +176,13 @@ def test_per_sequence_alibi_slopes_in_a_kvcache(rng, backend):
     from flashcupy.tools.emulator.cupy import emulated
     with emulated() if backend == "cupy" else contextlib.nullcontext():
         per_sequence_alibi_in_a_kvcache(rng, backend)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cupy"], ids=["numpy", "cupy-emulated"])
+def test_a_cache_in_parts_rounds_out_once(rng, backend):
+    from flashcupy.tools.emulator.cupy import emulated
+    with emulated() if backend == "cupy" else contextlib.nullcontext():
+        split_cache_parts_round_once(rng, backend)
 
 
 def test_hostile_block_tables_and_lengths_are_refused_before_anything_is_written(rng):
