@@ -177,8 +177,8 @@ def check_window(window) -> tuple:
     for side, x in zip(("left", "right"), window):
         if x is not None and (isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral)):
             raise TypeError(f"window must be {expected}, got {describe(x)} {x!r} as its {side}")
-        if x is not None and x < 0:
-            raise ValueError(f"window must be {expected}, got {int(x)} as its {side}")
+        if x is not None and not 0 <= x < 2 ** 63:  # past int64 NumPy's index arithmetic overflows
+            raise ValueError(f"window must be {expected} and below 2**63, got {int(x)} as its {side}")
         sides.append(None if x is None else int(x))
     return tuple(sides)
 

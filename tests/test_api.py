@@ -58,6 +58,7 @@ BAD_FORWARD = [
     ("big-endian", lambda: qkv(dtype=">f8"), {}, TypeError, ["q", "native byte order", ">f8"]),
     # score modifiers (README, Semantics), for q (1, 4, 2, 8): full bias shape (1, 2, 4, 4)
     ("window negative", lambda: qkv(), {"window": (-1, 2)}, ValueError, ["window", "int >= 0", "-1", "left"]),
+    ("window past int64", lambda: qkv(), {"window": (2, 2 ** 70)}, ValueError, ["window", "2**63", "right"]),
     ("window bool", lambda: qkv(), {"window": (3, True)}, TypeError, ["window", "bool", "right"]),
     ("window float", lambda: qkv(), {"window": (1.5, None)}, TypeError, ["window", "float", "1.5"]),
     ("window not a pair", lambda: qkv(), {"window": 3}, TypeError, ["window", "(left, right)", "int"]),
