@@ -201,7 +201,8 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
         if bias is not None:
             # _dbias_shape (from _expected_leading): (leading dimensions, the bias's shape padded to
             # them); dS's batch is then their product, and dbias sums over the ones it broadcasts
-            leading, target = _dbias_shape or ((B,), np.shape(bias))
+            # (a bias of fewer than 4 dimensions lines up with (B, Hq, Sq, Sk) from the right)
+            leading, target = _dbias_shape or ((B,), (1,) * (4 - np.ndim(bias)) + np.shape(bias))
             n = max(1, (B * Hq * Sq * Sk) // max(1, math.prod(target)))  # terms per element
 
             def gather(x):
@@ -213,6 +214,8 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
             wide = accumulation_dtype(stored).type
             floor_b = 2.0**-25 if stored == "float16" else float(np.finfo(wide).tiny)
             tol["dbias"] = gather(dS_bound + gamma(n) * abs(dS)) + u_b * abs(want["dbias"]) + floor_b
+            if _dbias_shape is None:  # dbias has the bias's own shape
+                want["dbias"], tol["dbias"] = (x.reshape(np.shape(bias)) for x in (want["dbias"], tol["dbias"]))
         if T is not None:  # dq and dk read dS (1 - t^2), the gradient of the score before the softcap
             squeeze = 1 - T**2
             dS_bound = dS_bound * squeeze + abs(dS) * (2 * squeeze * ds[..., None] / softcap + gamma(8))

@@ -45,6 +45,7 @@ def modifier_cases(rng, shape, dtype):
         "bias-B11S": dict(bias=bias(B, 1, 1, Sk)),
         "bias-11S1-float32": dict(bias=bias(1, 1, Sq, 1, dt=np.float32)),
         "bias-1111": dict(bias=bias(1, 1, 1, 1)),
+        "bias-SS": dict(bias=bias(Sq, Sk)),  # fewer dimensions: lined up with (B, Hq, Sq, Sk) from the right
         "mask": dict(mask=mask),
         "mask-key-padding": dict(mask=key_padding),
         "all": dict(window=(9, 2), softcap=2.0, alibi_slopes=slopes, bias=bias(1, Hq, Sq, Sk), mask=key_padding),
