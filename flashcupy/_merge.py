@@ -87,7 +87,7 @@ def store(xp, x, value, carrier):
     return x.astype(carrier)
 
 
-def _weights(xp, lses, acc):
+def part_weights(xp, lses, acc):
     """(lse, [w_i]): the merged lse (B, H, S) and each part's weight, 0 where lse_i = -inf."""
     m = lses[0]
     for lse in lses[1:]:
@@ -102,7 +102,7 @@ def _weights(xp, lses, acc):
     return lse, [xp.exp(x - lse_safe) for x in lses]
 
 
-def _rows(w):
+def per_row(w):
     """(*batch, H, S) per-row factor as (*batch, S, H, 1), to scale (*batch, S, H, D) arrays."""
     return w.swapaxes(-1, -2)[..., None]
 
@@ -118,10 +118,10 @@ def merge(outs, lses, *, dtype=None):
     uint16/int16 outs as bfloat16 bit patterns. Returns (out, lse).
     """
     xp, value, carrier, acc = _check(outs, lses, dtype)
-    lse, weights = _weights(xp, lses, acc)
+    lse, weights = part_weights(xp, lses, acc)
     out = None
     for o, w in zip(outs, weights):
-        term = _rows(w) * widen(xp, o, value, acc)
+        term = per_row(w) * widen(xp, o, value, acc)
         out = term if out is None else out + term
     return store(xp, out, value, carrier), lse
 
@@ -141,12 +141,12 @@ def merge_backward(dout, outs, lses, out, lse, dlse=None, *, dtype=None):
         if tuple(x.shape) != tuple(shape) or np.dtype(x.dtype) != want:
             raise ValueError(f"{name} must have shape {tuple(shape)} and dtype {want}, got "
                              f"{tuple(x.shape)} and {np.dtype(x.dtype)}")
-    _, weights = _weights(xp, lses, acc)
+    _, weights = part_weights(xp, lses, acc)
     g = widen(xp, dout, value, acc)
     o = widen(xp, out, value, acc)
     douts, dlses = [], []
     for o_i, w in zip(outs, weights):
-        douts.append(store(xp, _rows(w) * g, value, carrier))
+        douts.append(store(xp, per_row(w) * g, value, carrier))
         dot = (g * (widen(xp, o_i, value, acc) - o)).sum(axis=-1).transpose(0, 2, 1)
         dlses.append(xp.where(w == 0, acc.type(0), w * (dot if dlse is None else dlse + dot)))
     return douts, dlses

@@ -138,15 +138,15 @@ def _pair_forward(q, k, v, diagonal, kw):
     """One pair: (out, lse) with out in the accumulation dtype, ready to merge."""
     out, lse = _api.forward(q, k, v, diagonal=diagonal, **kw)
     value, _ = _checks.check_dtypes({"q": q}, kw["dtype"])
-    xp = _merge._library(q)
-    return _merge._read(xp, out, value, accumulation_dtype(value)), lse
+    xp = _merge.library(q)
+    return _merge.widen(xp, out, value, accumulation_dtype(value)), lse
 
 
 def _no_keys(q, kw):
     """A query chunk that sees no key chunk: out 0 and lse -inf (the rule of attention)."""
     value, _ = _checks.check_dtypes({"q": q}, kw["dtype"])
     acc = accumulation_dtype(value)
-    xp = _merge._library(q)
+    xp = _merge.library(q)
     B, S, H, D = q.shape
     return xp.zeros((B, S, H, D), acc), xp.full((B, H, S), -np.inf, acc)
 
@@ -154,15 +154,15 @@ def _no_keys(q, kw):
 def _merge_parts(*parts):
     """(out, lse) of several parts, out kept in the accumulation dtype."""
     outs, lses = [o for o, _ in parts], [lse for _, lse in parts]
-    xp = _merge._library(lses[0])
-    lse, weights = _merge._weights(xp, lses, np.dtype(lses[0].dtype))
-    out = _add(*(_merge._rows(w) * o for o, w in zip(outs, weights)))
+    xp = _merge.library(lses[0])
+    lse, weights = _merge.part_weights(xp, lses, np.dtype(lses[0].dtype))
+    out = _add(*(_merge.per_row(w) * o for o, w in zip(outs, weights)))
     return out, lse
 
 
 def _store_out(part, q, kw):
     value, carrier = _checks.check_dtypes({"q": q}, kw["dtype"])
-    return _merge._store(_merge._library(q), part[0], value, carrier)
+    return _merge.store(_merge.library(q), part[0], value, carrier)
 
 
 def _lse(part):
@@ -173,8 +173,8 @@ def _pair_backward(dout, q, k, v, out, lse, diagonal, kw):
     """One pair's (dq, dk, dv) in the accumulation dtype, ready to sum."""
     grads = _api.backward(dout, q, k, v, out, lse, diagonal=diagonal, **kw)
     value, _ = _checks.check_dtypes({"q": q}, kw["dtype"])
-    xp = _merge._library(q)
-    return tuple(_merge._read(xp, g, value, accumulation_dtype(value)) for g in grads)
+    xp = _merge.library(q)
+    return tuple(_merge.widen(xp, g, value, accumulation_dtype(value)) for g in grads)
 
 
 def _add(*xs):
@@ -192,12 +192,12 @@ def _add_gradient(which, *parts):
 
 def _zeros_like(x, kw):
     value, _ = _checks.check_dtypes({"x": x}, kw["dtype"])
-    return _merge._library(x).zeros(x.shape, accumulation_dtype(value))
+    return _merge.library(x).zeros(x.shape, accumulation_dtype(value))
 
 
 def _store_grad(total, like, kw):
     value, carrier = _checks.check_dtypes({"x": like}, kw["dtype"])
-    return _merge._store(_merge._library(like), total, value, carrier)
+    return _merge.store(_merge.library(like), total, value, carrier)
 
 
 # ----------------------------------------------------------------------------
@@ -255,7 +255,7 @@ def _forward_graph(plan: _Plan, q, k, v, token: str):
 
 
 def _meta(x, shape_rank, dtype):
-    xp = _merge._library(x._meta)
+    xp = _merge.library(x._meta)
     return xp.empty((0,) * shape_rank, dtype)
 
 
