@@ -8,6 +8,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import BF16, assert_matches_oracle, bf16_ties
 from varlen_checks import (appends_across_a_block_boundary, cache_inputs, packed_batch_matches_the_oracle,
                            packed_inputs, per_sequence_alibi_in_a_kvcache, split_cache_parts_round_once)
@@ -176,6 +178,44 @@ def test_per_sequence_alibi_slopes_in_a_kvcache(rng, backend):
     from flashcupy.tools.emulator.cupy import emulated
     with emulated() if backend == "cupy" else contextlib.nullcontext():
         per_sequence_alibi_in_a_kvcache(rng, backend)
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 3), heads=st.sampled_from([(1, 1), (2, 1), (4, 2)]), D=st.sampled_from([3, 8, 40]),
+       dtype=st.sampled_from([np.float16, BF16, np.float32]), block_size=st.sampled_from([None, 1, 5, 16]),
+       new=st.integers(0, 3), splits=st.sampled_from([None, 1, 3]), causal=st.booleans(),
+       window=st.sampled_from([None, (7, None), (0, 2)]), seed=st.integers(0, 2**16))
+def test_random_caches_match_the_oracle(batch, heads, D, dtype, block_size, new, splits, causal, window, seed):
+    # random lengths, appends, paged caches whose blocks lie anywhere (shuffled, spare ones unused),
+    # splits: every sequence's out and lse against the oracle on its keys, the caches as appended
+    rng = np.random.default_rng(seed)
+    (Hq, Hkv), Sq = heads, max(new, 1)
+    lengths = rng.integers(0, 40, batch).astype(np.int32)
+    need = int(lengths.max()) + new
+    if block_size is None:
+        table, (kc, vc) = None, cache_inputs(rng, batch, need + 3, Hkv, D, dtype)
+    else:
+        per = -(-max(need, 1) // block_size)
+        table = rng.permutation(batch * per + 2)[:batch * per].astype(np.int32).reshape(batch, per)
+        kc, vc = cache_inputs(rng, batch * per + 2, block_size, Hkv, D, dtype)
+    q = rng.standard_normal((batch, Sq, Hq, D)).astype(dtype)
+    kn, vn = (rng.standard_normal((batch, new, Hkv, D)).astype(dtype) if new else None for _ in range(2))
+    rows = [(kc[table[b]].reshape(-1, Hkv, D), vc[table[b]].reshape(-1, Hkv, D)) if table is not None
+            else (kc[b].copy(), vc[b].copy()) for b in range(batch)]
+    for b in range(batch):
+        for x, y in zip(rows[b], (kn, vn)):
+            if new:
+                x[lengths[b]:lengths[b] + new] = y[b]
+    out, lse = flashcupy.attention_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lengths, block_table=table,
+                                                num_splits=splits, causal=causal, window=window, return_lse=True,
+                                                backend="numpy")
+    for b in range(batch):
+        n = lengths[b] + new
+        if table is None:
+            np.testing.assert_array_equal(kc[b], rows[b][0])
+        keys, values = (x[None, :n] for x in rows[b])
+        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], keys, values, causal=causal, window=window,
+                              backend="numpy")
 
 
 @pytest.mark.parametrize("backend", ["numpy", "cupy"], ids=["numpy", "cupy-emulated"])
