@@ -29,7 +29,9 @@ Stages, in this order, each in its own process with its own time limit:
              256 and 192 (wide_head_configs: the Hopper forward and backward against the mma.sync ones, at
              192 the Hopper backward's 256 kernel with its fourth atom zeroed; cupy-mma
              (64 x 16 there; two CTAs a key block in the backward), and torch's flash and cuDNN both ways; the
-             first dtype, the three longest seqlens), cut first when time runs short
+             first dtype, the three longest seqlens), then float32 and float64 (precise_configs: the SIMT
+             kernels beside torch's memory-efficient and math backends, PRECISE_IMPLS), cut first when time
+             runs short
   plot       the sweep as one PNG
 
 The report's "Issue targets" section reads issues 26's and 27's GPU targets (TARGETS) off the sweep: each
@@ -101,6 +103,10 @@ class Sizes:
     # (head_dim, causal) timed after `configs` by WIDE_HEAD_IMPLS, the first dtype and the three longest seqlens:
     # head_dim 256 and 192 (the Hopper backward's SPLIT_D at both: at 192 a quarter of its work on zeros)
     wide_head_configs: tuple = ((256, False), (192, False))
+    # (head_dim, causal) timed last, in float32 and float64 (PRECISE_IMPLS: the SIMT kernels beside torch's
+    # memory-efficient and math backends, the peers that take these dtypes) at precise_seqlens
+    precise_configs: tuple = ((128, False), (64, True))
+    precise_seqlens: tuple = (1024, 4096)
 
 
 GPU = Sizes(seqlens=(512, 1024, 2048, 4096, 8192, 16384), configs=((128, True), (128, False), (64, True), (64, False)),
@@ -118,7 +124,8 @@ DRY = Sizes(seqlens=(16, 32), configs=((64, True),), dtypes=("bfloat16", "float1
             check_battery=((1, 1, 1, 1, 1, 1, False), (1, 9, 12, 2, 1, 40, True)),
             # "cupy-wide" at its one config, where the switch changes no kernel: the code path runs
             wide_configs=((64, True),), tall_configs=((64, True),), tall_forward_configs=((64, True),),
-            wide_head_configs=((64, False),))
+            # float32 and float64 at the check battery's head_dim 40: the SIMT modules the check stage built
+            wide_head_configs=((64, False),), precise_configs=((40, True),), precise_seqlens=(16,))
 MIN_REPEAT = 3
 
 # (stage, time limit in seconds); the sweep takes what the budget leaves after reserving the plot's
@@ -138,8 +145,12 @@ def group_of(key: str) -> str:
     return "numba" if key.startswith("numba/") else "main"
 
 SWEEP_IMPLS = ("cupy", "cupy-mma", "cupy-det", "cupy-wide", "cupy-tallfwd", "cupy-tall", "numba", "torch-flash",
-               "torch-cudnn", "torch-math")
+               "torch-cudnn", "torch-efficient", "torch-math")
 WIDE_HEAD_IMPLS = ("cupy", "cupy-mma", "torch-flash", "torch-cudnn")
+# float32 and float64 (Sizes.precise_configs), the scientific users' dtypes: flashcupy's SIMT kernels beside
+# torch SDPA's memory-efficient backend (float32; it has no float64) and its math one (the whole score matrix);
+# torch's flash and cuDNN backends take 16-bit dtypes only. Timed in no other cell ("torch-efficient")
+PRECISE_IMPLS = {"float32": ("cupy", "torch-efficient", "torch-math"), "float64": ("cupy", "torch-math")}
 # "cupy-mma" beside "cupy": on compute capability 9.0 "cupy" runs the Hopper forward and backward
 # (flash_fwd_sm90.cu, flash_bwd_sm90.cu), "cupy-mma" the mma.sync ones they replace (flash_fwd_tc.cu,
 # flash_bwd_tc.cu: USE_WGMMA off), in the same run; below 9.0 they are the same kernels.
@@ -486,8 +497,8 @@ def sweep_items(args):
             continue
         reason = (backends.unavailable_reason(impl.split("-")[0]) if impl.split("-")[0] in backends.NAMES
                   else bench.torch_available())
-        if reason is None and impl == "torch-cudnn" and args.dry_run:
-            reason = "cuDNN attention needs a GPU"
+        if reason is None and impl in ("torch-cudnn", "torch-efficient") and args.dry_run:
+            reason = f"torch's {impl.split('-')[1]} attention needs a GPU"
         if reason is None:
             impls.append(impl)
         elif impl == "cupy" or not impl.startswith(("cupy-", "torch-math")):  # the others said by cupy, torch-*
@@ -530,7 +541,7 @@ def sweep_items(args):
         for dtype in sizes.dtypes[:1] if wide_head else sizes.dtypes:
             for S in sorted(sizes.seqlens)[-3:] if wide_head else sizes.seqlens:
                 for impl in impls:
-                    if wide_head and impl not in WIDE_HEAD_IMPLS:
+                    if (wide_head and impl not in WIDE_HEAD_IMPLS) or impl == "torch-efficient":
                         continue
                     if impl == "numba" and (dtype == "bfloat16" or S > sizes.numba_max_seqlen
                                             or (D, causal) not in sizes.numba_configs):
@@ -550,6 +561,13 @@ def sweep_items(args):
                         continue  # where the tall pass applies (specs.sm90_backward_tile), S = 4k .. 16k
                     key = f"{impl}/{dtype}/D{D}/{'causal' if causal else 'full'}/S{S}"
                     yield key, functools.partial(measure, impl, dtype, D, causal, S)
+    for D, causal in sizes.precise_configs:
+        for dtype, names in PRECISE_IMPLS.items():
+            for S in sizes.precise_seqlens:
+                for impl in impls:
+                    if impl in names and not (impl == "torch-math" and S > sizes.math_max_seqlen):
+                        key = f"{impl}/{dtype}/D{D}/{'causal' if causal else 'full'}/S{S}"
+                        yield key, functools.partial(measure, impl, dtype, D, causal, S)
     for impl, reason in missing:
         yield "numba/unavailable" if impl == "numba" else f"unavailable/{impl}", lambda impl=impl, reason=reason: [
             {"type": "unavailable", "impl": impl, "reason": reason}]
@@ -893,9 +911,9 @@ def _speed_tables(timings) -> list:
             if not rows:
                 continue
             lines += [f"### {dtype} {pass_}", "", "| D | causal | S | B x H | " + " | ".join(impls)
-                      + " | cupy / torch-flash | cupy / torch-cudnn | cupy / cupy-mma | cupy-det / cupy"
-                      + " | cupy-wide / cupy | cupy-tallfwd / cupy | cupy-tall / cupy | numba / cupy |",
-                      "|---" * (len(impls) + 12) + "|"]
+                      + " | cupy / torch-flash | cupy / torch-cudnn | cupy / torch-efficient | cupy / cupy-mma"
+                      + " | cupy-det / cupy | cupy-wide / cupy | cupy-tallfwd / cupy | cupy-tall / cupy | numba / cupy |",
+                      "|---" * (len(impls) + 13) + "|"]
             for D, causal, S in sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in rows},
                                        key=lambda k: (-k[0], not k[1], k[2])):
                 cell = {r["impl"]: r for r in rows if (r["head_dim"], r["causal"], r["seqlen"]) == (D, causal, S)}
@@ -915,7 +933,8 @@ def _speed_tables(timings) -> list:
 
                 lines.append(f"| {D} | {causal} | {S} | {any_row['batch']} x {any_row['heads']} | "
                              + " | ".join(show(i) for i in impls)
-                             + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} | {ratio('cupy-mma')} |"
+                             + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} | {ratio('torch-efficient')} |"
+                             + f" {ratio('cupy-mma')} |"
                              + f" {ratio('cupy', 'cupy-det')} | {ratio('cupy', 'cupy-wide')} |"
                              + f" {ratio('cupy', 'cupy-tallfwd')} | {ratio('cupy', 'cupy-tall')} |"
                              + f" {ratio('cupy', 'numba')} |")
@@ -997,7 +1016,8 @@ def short_table(records) -> str:
     timings = {(r["impl"], r["dtype"], r["pass"], r["head_dim"], r["causal"], r["seqlen"]): r["tflops"]
                for r in records if r["type"] == "timing"}
     for (impl, dtype, pass_, D, causal, S), tf in sorted(timings.items()):
-        for mine, other, name in (("cupy", "torch-flash", "flash"), ("cupy", "cupy-mma", "mma.sync"),
+        for mine, other, name in (("cupy", "torch-flash", "flash"), ("cupy", "torch-efficient", "efficient"),
+                                  ("cupy", "cupy-mma", "mma.sync"),
                                   ("cupy-det", "cupy", "default"), ("cupy-wide", "cupy", "default"),
                                   ("cupy-tallfwd", "cupy", "default"), ("cupy-tall", "cupy", "default"),
                                   ("numba", "cupy", "cupy")):

@@ -113,6 +113,13 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert "cupy-tall / cupy" in report
     # wide_head_configs (head_dim 256 and 192 on a GPU, (64, False) here): the first dtype, by WIDE_HEAD_IMPLS of those
     # available (torch's cuDNN needs a GPU), both passes
+    # precise_configs: float32 and float64 on the SIMT kernels beside torch's math backend (its memory-efficient
+    # one needs a GPU, and takes float32 only), both passes, and in no other cell
+    precise = {(r["impl"], r["pass"], r["dtype"]) for r in timings if r["dtype"] in ("float32", "float64")}
+    assert precise == {(impl, pass_, dtype) for impl in ("cupy", "torch-math") for dtype in ("float32", "float64")
+                       for pass_ in ("forward", "backward")}
+    assert "### float32 forward" in report and "cupy / torch-efficient" in report
+    assert "torch-efficient" in {r["impl"] for r in records if r["type"] == "unavailable" and r["stage"] == "sweep"}
     alone = {(r["impl"], r["pass"], r["dtype"], r["seqlen"]) for r in timings if not r["causal"]}
     assert alone == {(impl, pass_, "bfloat16", S) for impl in ("cupy", "cupy-mma", "torch-flash") for S in (16, 32)
                      for pass_ in ("forward", "backward")}
@@ -139,7 +146,8 @@ def test_dry_run_writes_a_complete_report(tmp_path):
         assert section in report
     # the dry run's lengths are far below issues 26's and 27's S = 4k..16k: no target is measured
     assert "0 of 8 targets met." in report and report.count("| not measured |") == 8
-    (row,) = [line for line in report.split("### float16 backward")[1].splitlines() if line.startswith("| 64 | True | 16 |")]
+    section = report.split("### float16 backward")[1].split("###")[0]
+    (row,) = [line for line in section.splitlines() if line.startswith("| 64 | True | 16 |")]
     assert row.endswith("x |") and "numba" in done.stdout  # the numba / cupy ratio, and the closing lines
 
 

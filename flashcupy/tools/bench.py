@@ -158,7 +158,7 @@ def naive_numpy(q, k, v, dout, causal, scale, window=None, bias=None):
 
 
 TORCH_KERNELS = {"torch-sdpa": None, "torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION",
-                 "torch-math": "MATH"}
+                 "torch-efficient": "EFFICIENT_ATTENTION", "torch-math": "MATH"}
 
 
 def _torch_sdpa(q, k, v, dout, causal, scale, device, kernel=None, bf16_bits=False):
