@@ -48,24 +48,29 @@ def forward(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=No
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None,
-             mask=None, scale=None, backend="auto", dtype=None, deterministic=False, diagonal=None,
+             mask=None, scale=None, backend="auto", dtype=None, deterministic=False, dlse=None, diagonal=None,
              into=None) -> tuple:
     """attention_backward on NumPy or CuPy arrays, with forward's diagonal and into: None or
     (dq, dk, dv), and dbias with a bias, arrays of the gradients' shapes and dtypes."""
     backend = check_backend_name(backend)
     deterministic = check_bool("deterministic", deterministic)
-    lib = check_arrays({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
+    given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+    lib = check_arrays(given if dlse is None else given | {"dlse": dlse})
     batch = check_leading(lib, q, k, v, alibi_slopes, bias, mask)
     if len(batch) > 1:  # rank-4 calls on views (flashcupy/_batch.py)
         p = problem(*map(_batch.stand_in, (q, k, v)), causal, scale, dtype, lib)  # dtypes, scale: before any work
         check_like_q(p, q, {"dout": dout, "out": out})
-        check_lse(p, lse, batch + (q.shape[-2], q.shape[-3]))
+        for name, x in (("lse", lse), ("dlse", dlse)):
+            if x is not None:
+                check_lse(p, x, batch + (q.shape[-2], q.shape[-3]), name)
         kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
-                  scale=scale, backend=backend, dtype=dtype, deterministic=deterministic, diagonal=diagonal)
+                  scale=scale, backend=backend, dtype=dtype, deterministic=deterministic, dlse=dlse, diagonal=diagonal)
         return _batch.backward(backward, dout, q, k, v, out, lse, kw, p.carrier, p.acc_dtype, into)
     p = problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal)
     check_like_q(p, q, {"dout": dout, "out": out})
     check_lse(p, lse)
+    if dlse is not None:
+        check_lse(p, dlse, name="dlse")
     mod = select_backend(backend, lib, p, backward=True)
 
     if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
@@ -76,6 +81,8 @@ def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None
     if bias is not None and bias.ndim != 4:  # the backend's dbias is of the bias padded to rank 4
         into = None if into is None else (*into[:3], *(_batch.padded(x, 4) for x in into[3:]))
     kw = {"deterministic": deterministic} if getattr(mod, "ATOMIC_BACKWARD", False) else {}
+    if dlse is not None:
+        kw["dlse"] = dlse
     grads = _run_into(mod, mod.backward, into, p, dout, q, k, v, out, lse, **kw)
     if bias is not None and bias.ndim != 4:
         return (*grads[:3], grads[3].reshape(bias.shape))
@@ -126,10 +133,14 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
 
 @_interop.accepts_foreign_arrays
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None,
-                       bias=None, mask=None, scale=None, backend="auto", dtype=None, deterministic=False):
+                       bias=None, mask=None, scale=None, backend="auto", dtype=None, deterministic=False, dlse=None):
     """Gradients (dq, dk, dv) of attention, given dout and the forward's out and lse; with bias,
     (dq, dk, dv, dbias), dbias of the bias's own shape and dtype (summed over its broadcast
     dimensions).
+
+    dlse: the gradient of lse too (lse's shape and dtype), or None (0): d lse_i / d s_ij is
+    P_ij, so it adds P_ij dlse_i to each score's gradient (the backward's D_i becomes
+    rowsum(dO_i ∘ O_i) - dlse_i); dout may then be zeros, for a loss of lse alone.
 
     dk and dv sum over the query heads that share a kv head. P is recomputed
     from q, k and lse, so memory stays O(seqlen).
@@ -141,21 +152,22 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, so
     """
     return backward(dout, q, k, v, out, lse, causal=causal, window=window, softcap=softcap,
                     alibi_slopes=alibi_slopes, bias=bias, mask=mask, scale=scale, backend=backend, dtype=dtype,
-                    deterministic=deterministic)
+                    deterministic=deterministic, dlse=dlse)
 
 
 @_interop.accepts_foreign_arrays
 def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
                   scale=None, backend="auto", dtype=None, deterministic=False):
-    """Forward pass plus a closure for the backward: returns (out, vjp), vjp(dout) -> (dq, dk, dv),
-    or (dq, dk, dv, dbias) with a bias. deterministic: as attention_backward's."""
+    """Forward pass plus a closure for the backward: returns (out, vjp), vjp(dout, dlse=None) ->
+    (dq, dk, dv), or (dq, dk, dv, dbias) with a bias. deterministic, dlse: as attention_backward's
+    (dlse, the gradient of the lse attention(..., return_lse=True) gives)."""
     deterministic = check_bool("deterministic", deterministic)
     mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask)
     out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend, dtype=dtype, **mods)
 
-    def vjp(dout):
+    def vjp(dout, dlse=None):
         return attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend,
-                                  dtype=dtype, deterministic=deterministic, **mods)
+                                  dtype=dtype, deterministic=deterministic, dlse=dlse, **mods)
 
     return out, vjp
 

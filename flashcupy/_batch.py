@@ -216,7 +216,10 @@ def backward(fn, dout, q, k, v, out, lse, kw: dict, carrier, acc, into=None) -> 
     """fn (the rank-4 backward) over the folded views, each call writing its views of the whole dq,
     dk, dv and (unless the bias broadcasts over a looped dimension: Sum) dbias, of the bias's shape."""
     batch = tuple(q.shape[:-3])
-    full, broadcast = _inputs(batch, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}, kw)
+    named = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+    if kw.get("dlse") is not None:  # the gradient of lse, folded as lse
+        named["dlse"] = kw["dlse"]
+    full, broadcast = _inputs(batch, named, kw)
     fold = plan(batch, full, broadcast)
     calls = math.prod(batch[d] for d in fold.looped)
     bias = broadcast["bias"]

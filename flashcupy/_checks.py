@@ -412,14 +412,15 @@ def check_like_q(p: Problem, q, named: dict) -> None:
         check_strides(name, x)
 
 
-def check_lse(p: Problem, lse, shape=None) -> None:
-    """lse of the shape (*batch, heads_q, seqlen_q) (p's own by default) and dtype the forward gives."""
+def check_lse(p: Problem, lse, shape=None, name: str = "lse") -> None:
+    """lse (or dlse, its gradient: `name`) of the shape (*batch, heads_q, seqlen_q) (p's own by default)
+    and dtype the forward gives."""
     shape = p.lse_shape if shape is None else tuple(shape)
     if tuple(lse.shape) != shape:
-        raise ValueError(f"lse must have shape (*batch, heads_q, seqlen_q) = {shape}, got {tuple(lse.shape)}")
+        raise ValueError(f"{name} must have shape (*batch, heads_q, seqlen_q) = {shape}, got {tuple(lse.shape)}")
     if np.dtype(lse.dtype) != p.lse_dtype:
-        raise TypeError(f"lse must have dtype {p.lse_dtype} for {p.dtype} inputs, got {np.dtype(lse.dtype)}")
-    check_strides("lse", lse)
+        raise TypeError(f"{name} must have dtype {p.lse_dtype} for {p.dtype} inputs, got {np.dtype(lse.dtype)}")
+    check_strides(name, lse)
 
 
 def check_rows(rows, seqlen_q: int) -> np.ndarray:

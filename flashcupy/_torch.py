@@ -9,8 +9,9 @@ saves q, k, v, out and lse and whose backward is a second custom op,
 from lse, as every flashcupy backward: no forward recompute). It returns dq, dk, dv, and dbias for
 a bias; the mask, alibi_slopes and the offsets take no gradient (a float tensor among them that
 requires grad is refused, not silently left without one), nor do scale and softcap (_checks.real).
-lse, when returned, is not differentiable, as torch SDPA's logsumexp: it comes back with
-requires_grad False. `attention_varlen` is the same with `flashcupy::attention_varlen`.
+lse, when returned, is differentiable too (unlike torch SDPA's logsumexp): its gradient reaches the
+backward as dlse (None where the loss does not read lse: no work for it). `attention_varlen` is the
+same with `flashcupy::attention_varlen`.
 
 Custom ops rather than a bare torch.autograd.Function because torch.compile then keeps each one
 as a single opaque node, forward and backward, with their fake (meta) implementations giving the
@@ -117,17 +118,17 @@ if _CUSTOM_OP:
 
     @torch.library.custom_op("flashcupy::attention_backward", mutates_args=())
     def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                               bias: Optional[Tensor], mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
-                               causal: bool, window_left: Optional[int], window_right: Optional[int],
-                               softcap: Optional[float], scale: Optional[float], backend: str, dtype: Optional[str],
-                               deterministic: bool) -> list[Tensor]:
+                               dlse: Optional[Tensor], bias: Optional[Tensor], mask: Optional[Tensor],
+                               alibi_slopes: Optional[Tensor], causal: bool, window_left: Optional[int],
+                               window_right: Optional[int], softcap: Optional[float], scale: Optional[float],
+                               backend: str, dtype: Optional[str], deterministic: bool) -> list[Tensor]:
         kw = dict(causal=causal, window=_window(window_left, window_right), softcap=softcap,
                   alibi_slopes=alibi_slopes, bias=bias, mask=mask, scale=scale, backend=backend, dtype=dtype,
-                  deterministic=deterministic)
+                  deterministic=deterministic, dlse=dlse)
         return _contiguous(_interop.through_views(_api.attention_backward.__wrapped__, (dout, q, k, v, out, lse), kw))
 
     @_attention_backward_op.register_fake
-    def _(dout, q, k, v, out, lse, bias, mask, alibi_slopes, *options):
+    def _(dout, q, k, v, out, lse, dlse, bias, mask, alibi_slopes, *options):
         return [x.new_empty(x.shape) for x in (q, k, v) + (() if bias is None else (bias,))]
 
     def _attention_setup(ctx, inputs, output):
@@ -135,12 +136,13 @@ if _CUSTOM_OP:
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, bias, mask, alibi_slopes)
         ctx.options = options
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no dlse where the loss does not read lse
 
-    def _attention_backward(ctx, dout, _dlse):
+    def _attention_backward(ctx, dout, dlse):
         q, k, v, out, lse, bias, mask, alibi_slopes = ctx.saved_tensors
-        grads = torch.ops.flashcupy.attention_backward(dout, q, k, v, out, lse, bias, mask, alibi_slopes, *ctx.options,
-                                                       torch.are_deterministic_algorithms_enabled())
+        dout = torch.zeros_like(out) if dout is None else dout  # a loss of lse alone
+        grads = torch.ops.flashcupy.attention_backward(dout, q, k, v, out, lse, dlse, bias, mask, alibi_slopes,
+                                                       *ctx.options, torch.are_deterministic_algorithms_enabled())
         dbias = grads[3] if bias is not None and ctx.needs_input_grad[3] else None
         return (grads[0], grads[1], grads[2], dbias) + (None,) * (len(ctx.needs_input_grad) - 4)
 
@@ -183,14 +185,14 @@ if _CUSTOM_OP:
 
     @torch.library.custom_op("flashcupy::attention_varlen_backward", mutates_args=())
     def _varlen_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                            cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: Optional[int],
+                            dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: Optional[int],
                             max_seqlen_k: Optional[int], alibi_slopes: Optional[Tensor], causal: bool,
                             window_left: Optional[int], window_right: Optional[int], softcap: Optional[float],
                             scale: Optional[float], backend: str, dtype: Optional[str],
                             check_offsets: bool) -> list[Tensor]:
         kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
                   window=_window(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
-                  backend=backend, dtype=dtype, check_offsets=check_offsets)
+                  backend=backend, dtype=dtype, check_offsets=check_offsets, dlse=dlse)
         args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         return _contiguous(_interop.through_views(_varlen.attention_varlen_backward.__wrapped__, args, kw))
 
@@ -204,12 +206,13 @@ if _CUSTOM_OP:
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
         ctx.options = (max_seqlen_q, max_seqlen_k)
         ctx.more = options
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no dlse where the loss does not read lse
 
-    def _varlen_backward(ctx, dout, _dlse):
+    def _varlen_backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
-        dq, dk, dv = torch.ops.flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.options,
-                                                                   alibi_slopes, *ctx.more)
+        dout = torch.zeros_like(out) if dout is None else dout  # a loss of lse alone
+        dq, dk, dv = torch.ops.flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, dlse, cu_q, cu_k,
+                                                                   *ctx.options, alibi_slopes, *ctx.more)
         return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
 
     _varlen_op.register_autograd(_varlen_backward, setup_context=_varlen_setup)

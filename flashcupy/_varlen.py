@@ -220,34 +220,43 @@ def _forward_loop(q, k, v, cu_q, cu_k, out, lse, *, alibi_slopes=None, **keyword
 @_interop.accepts_foreign_arrays
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                               max_seqlen_k=None, causal=False, window=None, softcap=None, alibi_slopes=None,
-                              scale=None, backend="auto", dtype=None, check_offsets=True, deterministic=False):
-    """Gradients (dq, dk, dv) of attention_varlen, shaped like q, k and v; deterministic as
-    attention_backward's. check_offsets as attention_varlen's: the cupy backend's kernels read the
-    offsets themselves (a launch per kernel whatever the batch), the other backends loop over the
-    sequences on the host and check them whatever it says."""
+                              scale=None, backend="auto", dtype=None, check_offsets=True, deterministic=False,
+                              dlse=None):
+    """Gradients (dq, dk, dv) of attention_varlen, shaped like q, k and v; deterministic and dlse (the
+    gradient of lse, lse's shape (heads_q, total_q)) as attention_backward's. check_offsets as
+    attention_varlen's: the cupy backend's kernels read the offsets themselves (a launch per kernel
+    whatever the batch), the other backends loop over the sequences on the host and check them
+    whatever it says."""
     check_offsets = _checks.check_bool("check_offsets", check_offsets)
     deterministic = _checks.check_bool("deterministic", deterministic)
     mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     p, cu_q, cu_k, mod = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                       scale, dtype, mods, backend, backward=True, check_offsets=check_offsets)
-    _checks.check_arrays({"dout": dout, "q": q, "out": out, "lse": lse})
+    given = {"dout": dout, "q": q, "out": out, "lse": lse}
+    _checks.check_arrays(given if dlse is None else given | {"dlse": dlse})
     _checks.check_like_q(p, q, {"dout": dout, "out": out})
-    if tuple(lse.shape) != (p.heads_q, q.shape[0]):
-        raise ValueError(f"lse must have shape (heads_q, total_q) = {(p.heads_q, q.shape[0])}, got {tuple(lse.shape)}")
-    if np.dtype(lse.dtype) != p.lse_dtype:
-        raise TypeError(f"lse must have dtype {p.lse_dtype} for {p.dtype} inputs, got {np.dtype(lse.dtype)}")
+    for name, x in (("lse", lse), ("dlse", dlse)):
+        if x is None:
+            continue
+        if tuple(x.shape) != (p.heads_q, q.shape[0]):
+            raise ValueError(f"{name} must have shape (heads_q, total_q) = {(p.heads_q, q.shape[0])}, "
+                             f"got {tuple(x.shape)}")
+        if np.dtype(x.dtype) != p.lse_dtype:
+            raise TypeError(f"{name} must have dtype {p.lse_dtype} for {p.dtype} inputs, got {np.dtype(x.dtype)}")
+        _checks.check_strides(name, x)
     dq, dk, dv = (mod.allocate(q, x.shape, p.carrier, 0) for x in (q, k, v))
     if _one_launch(mod, backward=True):  # the offsets read on the device (the same bits, checked or not)
         mod.backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv,
-                            alibi_slopes=alibi_slopes, deterministic=deterministic)
+                            alibi_slopes=alibi_slopes, deterministic=deterministic,
+                            **({} if dlse is None else {"dlse": dlse}))
     else:
         _backward_loop(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, causal=causal, scale=scale, backend=backend,
-                       dtype=dtype, deterministic=deterministic, **mods)
+                       dtype=dtype, deterministic=deterministic, dlse=dlse, **mods)
     return dq, dk, dv
 
 
 def backward_packed(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, *, alibi_slopes=None, device_offsets=None,
-                    **keywords) -> None:
+                    dlse=None, **keywords) -> None:
     """attention_varlen_backward of a validated call (flashcupy.jax's), its offsets on the host: every
     row of dq, dk and dv written (zeros for a sequence without queries or keys; XLA's buffers). With
     device_offsets, as forward_packed's: one launch per kernel where the backend reads offsets on the
@@ -259,12 +268,14 @@ def backward_packed(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, *, alibi_sl
             for x in (dq, dk, dv):
                 x.fill(0)
             mod.backward_varlen(p, dout, q, k, v, out, lse, *device_offsets, dq, dk, dv, alibi_slopes=alibi_slopes,
-                                deterministic=bool(keywords.get("deterministic", False)))
+                                deterministic=bool(keywords.get("deterministic", False)),
+                                **({} if dlse is None else {"dlse": dlse}))
             return
-    _backward_loop(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, alibi_slopes=alibi_slopes, **keywords)
+    _backward_loop(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, alibi_slopes=alibi_slopes, dlse=dlse, **keywords)
 
 
-def _backward_loop(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, *, alibi_slopes=None, **keywords) -> None:
+def _backward_loop(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, *, alibi_slopes=None, dlse=None,
+                   **keywords) -> None:
     """backward_packed's, and attention_varlen_backward's on a backend that loops on the host."""
     batch = cu_q.size - 1
     for b in range(batch):
@@ -274,20 +285,21 @@ def _backward_loop(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, *, alibi_slo
             continue
         g = _api.backward(dout[None, qa:qb], q[None, qa:qb], k[None, ka:kb], v[None, ka:kb],
                           out[None, qa:qb], lse[None, :, qa:qb], alibi_slopes=_slopes_for(alibi_slopes, b, batch),
-                          **keywords)
+                          dlse=None if dlse is None else dlse[None, :, qa:qb], **keywords)
         dq[qa:qb], dk[ka:kb], dv[ka:kb] = g[0][0], g[1][0], g[2][0]
 
 
 @_interop.accepts_foreign_arrays
 def attention_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, **keywords):
-    """attention_varlen plus a closure for its backward: (out, vjp), vjp(dout) -> (dq, dk, dv);
-    deterministic reaches the backward only."""
+    """attention_varlen plus a closure for its backward: (out, vjp), vjp(dout, dlse=None) -> (dq, dk,
+    dv), dlse the gradient of the lse attention_varlen(..., return_lse=True) gives; deterministic
+    reaches the backward only."""
     keywords.pop("return_lse", None)
     forward_keywords = {name: x for name, x in keywords.items() if name != "deterministic"}
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, return_lse=True, **forward_keywords)
 
-    def vjp(dout):
-        return attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, **keywords)
+    def vjp(dout, dlse=None):
+        return attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dlse=dlse, **keywords)
 
     return out, vjp
 

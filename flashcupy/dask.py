@@ -169,9 +169,10 @@ def _lse(part):
     return part[1]
 
 
-def _pair_backward(dout, q, k, v, out, lse, diagonal, kw):
-    """One pair's (dq, dk, dv) in the accumulation dtype, ready to sum."""
-    grads = _api.backward(dout, q, k, v, out, lse, diagonal=diagonal, **kw)
+def _pair_backward(dout, q, k, v, out, lse, dlse, diagonal, kw):
+    """One pair's (dq, dk, dv) in the accumulation dtype, ready to sum (dlse, the gradient of lse, or
+    None: each pair adds P dlse over its own keys, P from the whole row's lse)."""
+    grads = _api.backward(dout, q, k, v, out, lse, dlse=dlse, diagonal=diagonal, **kw)
     value, _ = _checks.check_dtypes({"q": q}, kw["dtype"])
     xp = _merge.library(q)
     return tuple(_merge.widen(xp, g, value, accumulation_dtype(value)) for g in grads)
@@ -289,9 +290,9 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
     return (out, lse) if return_lse else out
 
 
-def _backward(plan: _Plan, dout, q, k, v, out, lse):
+def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse=None):
     da, tokenize, HighLevelGraph = _dask()
-    token = tokenize(dout, q, k, v, out, lse, plan.causal, plan.window, plan.softcap, plan.alibi, plan.scale,
+    token = tokenize(dout, q, k, v, out, lse, dlse, plan.causal, plan.window, plan.softcap, plan.alibi, plan.scale,
                      plan.backend, plan.dtype)
     graph = {"dq": {}, "dk": {}, "dv": {}}  # one layer per output; dk's and dv's read dq's pairs
     pair_name = f"flashcupy-pair-grad-{token}"
@@ -308,7 +309,7 @@ def _backward(plan: _Plan, dout, q, k, v, out, lse):
                 key = (pair_name, *b, i, h, j)
                 graph["dq"][key] = (_pair_backward, (dout.name, *b, i, h, 0), qk, (k.name, *b, j, h, 0),
                                     (v.name, *b, j, h, 0), (out.name, *b, i, h, 0), (lse.name, *b, h, i),
-                                    plan.diagonal(i, j), kw)
+                                    None if dlse is None else (dlse.name, *b, h, i), plan.diagonal(i, j), kw)
                 parts.append(key)
                 by_key[j].append(key)
             graph["dq"][(names["dq"], *b, i, h, 0)] = _summed(graph["dq"], f"{names['dq']}-sum", (*b, i, h), parts,
@@ -319,7 +320,8 @@ def _backward(plan: _Plan, dout, q, k, v, out, lse):
                 graph[g][(names[g], *b, j, h, 0)] = _summed(graph[g], f"{names[g]}-sum", (*b, j, h), parts, index,
                                                             kk, kw)
     meta = _meta(q, q.ndim, plan.p.carrier)
-    dq = da.Array(HighLevelGraph.from_collections(names["dq"], graph["dq"], dependencies=[dout, q, k, v, out, lse]),
+    inputs = [dout, q, k, v, out, lse] + ([] if dlse is None else [dlse])
+    dq = da.Array(HighLevelGraph.from_collections(names["dq"], graph["dq"], dependencies=inputs),
                   names["dq"], q.chunks, meta=meta)
     dk, dv = (da.Array(HighLevelGraph.from_collections(names[g], graph[g], dependencies=[dq, k]), names[g],
                        k.chunks, meta=meta) for g in ("dk", "dv"))
@@ -346,27 +348,33 @@ def _check_like(name, x, shape, dtype):
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None,
-                       scale=None, backend="auto", dtype=None):
+                       scale=None, backend="auto", dtype=None, dlse=None):
     """flashcupy.attention_backward on dask arrays: lazy (dq, dk, dv), chunked like q, k and v, from
-    the forward's out and lse (dask arrays; dout, out and lse are rechunked to q's chunks if they
-    differ)."""
+    the forward's out and lse (dask arrays; dout, out, lse and dlse, the gradient of lse or None, are
+    rechunked to q's chunks if they differ)."""
     plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype)
     _check_like("dout", dout, q.shape, plan.p.carrier)
     _check_like("out", out, q.shape, plan.p.carrier)
     _check_like("lse", lse, plan.batch + (q.shape[-2], q.shape[-3]), plan.p.lse_dtype)
-    return _backward(plan, dout.rechunk(q.chunks), q, k, v, out.rechunk(q.chunks), lse.rechunk(_lse_chunks(q)))
+    if dlse is not None:
+        _check_like("dlse", dlse, plan.batch + (q.shape[-2], q.shape[-3]), plan.p.lse_dtype)
+        dlse = dlse.rechunk(_lse_chunks(q))
+    return _backward(plan, dout.rechunk(q.chunks), q, k, v, out.rechunk(q.chunks), lse.rechunk(_lse_chunks(q)), dlse)
 
 
 def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, scale=None,
                   backend="auto", dtype=None):
-    """Lazy forward plus its backward: returns (out, vjp), vjp(dout) -> lazy (dq, dk, dv) chunked like
-    q, k and v. dout is rechunked to q's chunks if it differs. Computing out and the gradients in one
-    dask.compute shares the forward."""
+    """Lazy forward plus its backward: returns (out, vjp), vjp(dout, dlse=None) -> lazy (dq, dk, dv)
+    chunked like q, k and v. dout (and dlse, the gradient of lse) is rechunked to q's chunks if it
+    differs. Computing out and the gradients in one dask.compute shares the forward."""
     plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype)
     out, lse = _forward(plan, q, k, v)
 
-    def vjp(dout):
+    def vjp(dout, dlse=None):
         _check_like("dout", dout, q.shape, plan.p.carrier)
-        return _backward(plan, dout.rechunk(q.chunks), q, k, v, out, lse)
+        if dlse is not None:
+            _check_like("dlse", dlse, lse.shape, plan.p.lse_dtype)
+            dlse = dlse.rechunk(lse.chunks)
+        return _backward(plan, dout.rechunk(q.chunks), q, k, v, out, lse, dlse)
 
     return out, vjp

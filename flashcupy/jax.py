@@ -9,7 +9,8 @@ their results straight into XLA's output buffers (into=). On a GPU the kernels r
 Gradients: a jax.custom_vjp whose forward saves out and lse and whose backward is the package's
 backward on them (no recomputation of the forward); dbias when a bias is given; mask, ALiBi
 slopes and offsets get none (their cotangents are zero, as flash-attn's). Gradients flow through
-out only: differentiating through the lse of return_lse=True is refused.
+out and through the lse of return_lse=True (the backward's dlse; none is passed where the loss does
+not read lse).
 
 vmap: the mapped axis is folded into the batch axis (varlen: into the packing) of one call, by
 jax.custom_batching.custom_vmap; operands that are not mapped are broadcast to the mapped size
@@ -232,26 +233,25 @@ def _forward_call(call: _Call):
 
 @functools.lru_cache(maxsize=None)
 def _backward_call(call: _Call):
-    def callback(ctx, grads, dout, q, k, v, out, lse, alibi_slopes, bias, mask):
+    def callback(ctx, grads, dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask):
         with _stream(ctx, q):
-            _api.backward(*map(_view, (dout, q, k, v, out, lse)), alibi_slopes=_view(alibi_slopes),
+            _api.backward(*map(_view, (dout, q, k, v, out, lse)), dlse=_view(dlse), alibi_slopes=_view(alibi_slopes),
                           bias=_view(bias), mask=_view(mask), into=tuple(map(_view, grads)), **call.keywords())
 
-    def run(dout, q, k, v, out, lse, alibi_slopes, bias, mask):
+    def run(dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask):
         avals = tuple(_aval(x.shape, x.dtype) for x in (q, k, v) + (() if bias is None else (bias,)))
-        return tuple(buffer_callback(callback, avals)(dout, q, k, v, out, lse, alibi_slopes, bias, mask))
+        return tuple(buffer_callback(callback, avals)(dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask))
 
-    return _folded(run, ("bshd",) * 5 + ("bshd", "slopes", "pair_each", "pair"), dbias_of=7)
-
-
-def _no_lse_gradient(dlse) -> None:
-    if not isinstance(dlse, SymbolicZero):
-        raise NotImplementedError("flashcupy.jax differentiates through out only: the lse that return_lse=True "
-                                  "gives is not differentiable (use it through jax.lax.stop_gradient)")
+    return _folded(run, ("bshd",) * 5 + ("bshd", "bshd", "slopes", "pair_each", "pair"), dbias_of=8)
 
 
 def _zeros_if_symbolic(x, like):
     return jnp.zeros(like.shape, like.dtype) if isinstance(x, SymbolicZero) else x
+
+
+def _none_if_symbolic(x):
+    """lse's cotangent: None where the loss does not read lse (no work for it in the backward)."""
+    return None if isinstance(x, SymbolicZero) else x
 
 
 @functools.lru_cache(maxsize=None)
@@ -270,9 +270,9 @@ def _differentiable(call: _Call):
     def attend_bwd(residuals, cotangents):
         q, k, v, alibi_slopes, bias, mask, out, lse = residuals
         dout, dlse = cotangents
-        _no_lse_gradient(dlse)
         _check_backward(call, q, k, v)
-        grads = _backward_call(call)(_zeros_if_symbolic(dout, out), q, k, v, out, lse, alibi_slopes, bias, mask)
+        grads = _backward_call(call)(_zeros_if_symbolic(dout, out), q, k, v, out, lse, _none_if_symbolic(dlse),
+                                     alibi_slopes, bias, mask)
         dq, dk, dv = (None, None, None) if call.bits else grads[:3]  # integer bits have no gradient
         return dq, dk, dv, None, grads[3] if bias is not None else None, None
 
@@ -288,8 +288,8 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
     head_dim); returns out, or (out, lse) with return_lse=True. float16, float32, float64 (under
     jax_enable_x64) and bfloat16 (jnp.bfloat16 arrays, passed as their bits without a copy).
 
-    Gradients: dq, dk, dv, and dbias for a bias; none for mask and alibi_slopes (zero cotangents),
-    none through lse. Options (causal, window, softcap, scale, backend) are static: Python values.
+    Gradients: dq, dk, dv, and dbias for a bias, through out and lse; none for mask and alibi_slopes
+    (zero cotangents). Options (causal, window, softcap, scale, backend) are static: Python values.
     """
     return_lse = _checks.check_bool("return_lse", return_lse)
     _check_jax({"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes, "bias": bias, "mask": mask})
@@ -381,15 +381,15 @@ def _packed_forward(call: _Call):
 def _packed_backward(call: _Call):
     cu_q, cu_k = np.asarray(call.cu_q, np.int64), np.asarray(call.cu_k, np.int64)
 
-    def callback(ctx, grads, dout, q, k, v, out, lse, alibi_slopes, device_q, device_k):
+    def callback(ctx, grads, dout, q, k, v, out, lse, dlse, alibi_slopes, device_q, device_k):
         with _stream(ctx, q):
             _varlen.backward_packed(*map(_view, (dout, q, k, v, out, lse)), cu_q, cu_k, *map(_view, grads),
                                     alibi_slopes=_view(alibi_slopes), device_offsets=(_view(device_q), _view(device_k)),
-                                    **call.keywords())
+                                    dlse=_view(dlse), **call.keywords())
 
-    def run(dout, q, k, v, out, lse, alibi_slopes):
+    def run(dout, q, k, v, out, lse, dlse, alibi_slopes):
         avals = tuple(_aval(x.shape, x.dtype) for x in (q, k, v))
-        return tuple(buffer_callback(callback, avals)(dout, q, k, v, out, lse, alibi_slopes,
+        return tuple(buffer_callback(callback, avals)(dout, q, k, v, out, lse, dlse, alibi_slopes,
                                                       *_offset_constants(cu_q, cu_k)))
 
     return run
@@ -398,7 +398,7 @@ def _packed_backward(call: _Call):
 @functools.lru_cache(maxsize=None)
 def _differentiable_packed(call: _Call):
     forward = _folded_packed(_packed_forward, call, ("packed",) * 3 + ("slopes",), ("packed", "lse"))
-    backward = _folded_packed(_packed_backward, call, ("packed",) * 5 + ("lse", "slopes"), ("packed",) * 3)
+    backward = _folded_packed(_packed_backward, call, ("packed",) * 5 + ("lse", "lse", "slopes"), ("packed",) * 3)
 
     @jax.custom_vjp
     def attend(q, k, v, alibi_slopes):
@@ -412,9 +412,8 @@ def _differentiable_packed(call: _Call):
     def attend_bwd(residuals, cotangents):
         q, k, v, alibi_slopes, out, lse = residuals
         dout, dlse = cotangents
-        _no_lse_gradient(dlse)
         _check_backward(call, q[None], k[None], v[None])
-        grads = backward(_zeros_if_symbolic(dout, out), q, k, v, out, lse, alibi_slopes)
+        grads = backward(_zeros_if_symbolic(dout, out), q, k, v, out, lse, _none_if_symbolic(dlse), alibi_slopes)
         return (*((None,) * 3 if call.bits else grads), None)
 
     attend.defvjp(attend_fwd, attend_bwd, symbolic_zeros=True)

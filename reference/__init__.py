@@ -133,12 +133,14 @@ def attention_probs(q, k, lse=None, *, rows=None, causal=False, window=None, sof
     return P if rows is None else P[:, :, rows]
 
 
-def _backward_terms(dout, q, k, v, causal, scale, modifiers=None, dtype=None):
+def _backward_terms(dout, q, k, v, causal, scale, modifiers=None, dtype=None, dlse=None):
     """The backward's float64 intermediates, heads first: a dict of P, Q, K, V, dO, O, dP, D, dS
     (the gradient of the final score, which is dbias), dSs (of the scaled score q.k scale, before
     the softcap: dS (1 - T^2)), T, seen, and the scale and group. A pair (i, j) that is hidden gets
     dS = 0 by selection, and a row that sees no key has its dO taken as 0: such rows add nothing to
-    any gradient, whatever their dout holds (a NaN included), as the README says."""
+    any gradient, whatever their dout holds (a NaN included), as the README says.
+    dlse (batch, heads_q, seqlen_q), the gradient of lse, or None (0): d lse_i / d s_ij = p_ij, so
+    dS = P (dP - D + dlse); D here is rowsum(dO O) - dlse, what the kernels' pre-pass computes."""
     f = _forward_terms(q, k, causal, scale, modifiers or {}, dtype)
     P, seen, group = f["P"], f["seen"], f["group"]
     V = _heads_first(v, group)
@@ -146,6 +148,8 @@ def _backward_terms(dout, q, k, v, causal, scale, modifiers=None, dtype=None):
     O = np.einsum("bhqk,bhkd->bhqd", P, V)
     dP = np.einsum("bhqd,bhkd->bhqk", dO, V)
     D = np.sum(dO * O, axis=-1, keepdims=True)
+    if dlse is not None:
+        D = D - np.where(seen.any(axis=-1), values(dlse), 0.0)[..., None]
     dS = np.where(seen, P * (dP - D), 0.0)
     dSs = dS if f["T"] is None else dS * (1 - f["T"] ** 2)
     return dict(P=P, Q=f["Q"], K=f["K"], V=V, dO=dO, O=O, dP=dP, D=D, dS=dS, dSs=dSs, T=f["T"], seen=seen,
@@ -166,11 +170,11 @@ def reduce_to(x, shape):
 
 
 def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, window=None, softcap=None,
-                       alibi_slopes=None, bias=None, mask=None, scale=None, backend=None, dtype=None):
+                       alibi_slopes=None, bias=None, mask=None, scale=None, backend=None, dtype=None, dlse=None):
     """(dq, dk, dv) in float64, recomputed from q, k, v; dk and dv summed over each GQA group;
-    (dq, dk, dv, dbias) when bias is given, dbias of the bias's shape."""
+    (dq, dk, dv, dbias) when bias is given, dbias of the bias's shape. dlse: the gradient of lse too."""
     mods = _modifiers(window, softcap, alibi_slopes, bias, mask)
-    t = _backward_terms(*(values(x, dtype) for x in (dout, q, k, v)), causal, scale, mods, dtype)
+    t = _backward_terms(*(values(x, dtype) for x in (dout, q, k, v)), causal, scale, mods, dtype, dlse)
     grads = tuple(x.transpose(0, 2, 1, 3) for x in _gradients(t))
     return grads if bias is None else grads + (reduce_to(t["dS"], np.shape(bias)),)
 
@@ -188,7 +192,7 @@ def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slo
     mods = _modifiers(window, softcap, alibi_slopes, bias, mask)
     out = attention(q, k, v, causal=causal, scale=scale, dtype=dtype, **mods)
 
-    def vjp(dout):
-        return attention_backward(dout, q, k, v, causal=causal, scale=scale, dtype=dtype, **mods)
+    def vjp(dout, dlse=None):
+        return attention_backward(dout, q, k, v, causal=causal, scale=scale, dtype=dtype, dlse=dlse, **mods)
 
     return out, vjp

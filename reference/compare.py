@@ -100,7 +100,8 @@ class Expected:
 
 
 def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window=None, softcap=None,
-             alibi_slopes=None, bias=None, mask=None, probs=False, family=None, _dbias_shape=None) -> Expected:
+             alibi_slopes=None, bias=None, mask=None, probs=False, family=None, dlse=None,
+             _dbias_shape=None) -> Expected:
     """Oracle results and tolerances for these inputs (dout None: forward only), with the score
     modifiers of the README (dbias too when bias and dout are given; P, the attention weights of
     attention_probs, too with probs=True).
@@ -120,7 +121,8 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
     - out_i: (eps_i + u_p + gamma(Sk)) sum_j p_ij |v_j|;
     - dv_j: sum_i p_ij (eps_i + u_p + gamma(Sq group)) |dO_i|;
     - D_i = dO_i . O_i reads the backend's own out, rounded: (u_s + gamma(D)) |dO_i|.|O_i| plus
-      |dO_i| . (out_i's bound); dP_ij = dO_i . v_j: gamma(D) |dO_i|.|v_j|; dS_ij = p_ij (dP_ij - D_i):
+      |dO_i| . (out_i's bound); with dlse (the gradient of lse: dS_ij = p_ij (dP_ij - D_i + dlse_i)),
+      D_i - dlse_i is one more rounding, u_a (|D_i| + |dlse_i|); dP_ij = dO_i . v_j: gamma(D) |dO_i|.|v_j|; dS_ij = p_ij (dP_ij - D_i):
       |dS_ij| (eps_i + u_p) + p_ij (the dP and D bounds);
     - dq_i, dk_j: scale sum (dS's bound + gamma(n) |dS|) |k_j| or |q_i|;
     - every result is then rounded to the storage dtype: u_s |x|, and absolutely half float16's
@@ -149,7 +151,7 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
     if np.ndim(q) > 4:
         return _expected_leading(q, k, v, dout, causal=causal, scale=scale, dtype=dtype, window=window,
                                  softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, probs=probs,
-                                 family=family)
+                                 family=family, dlse=dlse)
     if family not in FAMILIES + (None,):
         raise ValueError(f"family must be one of {FAMILIES} or None, got {family!r}")
     lazy = family in ("numpy", None)
@@ -192,11 +194,14 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
                        + u_s * abs(out) + store_floor)}
     want = {"out": out, "lse": lse}
     if dout is not None:
-        t = _backward_terms(values(dout, dtype), q, k, v, causal, scale, mods, dtype)
+        t = _backward_terms(values(dout, dtype), q, k, v, causal, scale, mods, dtype, dlse)
         dO, dP, Di, dS = t["dO"], t["dP"], t["D"], t["dS"]
         dP_bound = gamma(D) * np.einsum("bhqd,bhkd->bhqk", abs(dO), abs(V))
         D_bound = ((u_s + gamma(D)) * np.sum(abs(dO) * abs(out), axis=-1, keepdims=True)
                    + np.sum(abs(dO) * tol["out"], axis=-1, keepdims=True))
+        if dlse is not None:
+            given = np.where(seen.max(axis=-1, initial=0.0) > 0, abs(values(dlse)), 0.0)[..., None]
+            D_bound = D_bound + u_a * (abs(Di) + 2 * given)
         dS_bound = abs(dS) * eps + P * (dP_bound + D_bound) + (p_floor * (abs(dP) + abs(Di)) + round16) * seen
         if bias is not None:
             # _dbias_shape (from _expected_leading): (leading dimensions, the bias's shape padded to
@@ -238,7 +243,7 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
     return Expected(want, {name: SAFETY * t for name, t in tol.items()}, dtype)
 
 
-def _expected_leading(q, k, v, dout, *, bias, mask, alibi_slopes, **keywords) -> Expected:
+def _expected_leading(q, k, v, dout, *, bias, mask, alibi_slopes, dlse=None, **keywords) -> Expected:
     """expected() of a call with leading dimensions: q, k, v, dout with them folded into one (copies:
     this is the oracle), the bias and mask expanded over them only (their last three dimensions as
     given), per-batch slopes flattened; the results unfolded again, dbias of the bias's own shape."""
@@ -258,7 +263,9 @@ def _expected_leading(q, k, v, dout, *, bias, mask, alibi_slopes, **keywords) ->
     if slopes is not None and np.ndim(slopes) > 1:
         slopes = np.asarray(slopes).reshape(-1, np.shape(slopes)[-1])
     padded = None if bias is None else (1,) * (rank - np.ndim(bias)) + tuple(np.shape(bias))
+    dlse = None if dlse is None else np.asarray(dlse).reshape((-1,) + np.shape(dlse)[-2:])
     e = expected(fold(q), fold(k), fold(v), fold(dout), bias=expand(bias), mask=expand(mask), alibi_slopes=slopes,
+                 dlse=dlse,
                  _dbias_shape=None if bias is None else (batch, padded), **keywords)
     for name, x in list(e.want.items()):
         shape = np.shape(bias) if name == "dbias" else batch + x.shape[1:]

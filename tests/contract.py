@@ -2,9 +2,10 @@
 modifiers, and one helper that checks a row against the float64 oracle.
 
 `table(backend)` gives the rows of one backend as pytest params; `check(row, rng)` runs the row's
-forward and backward through the public API (flashcupy.attention, attention_backward) and checks
-the results' dtypes and shapes, that rows which see no key give out 0, lse -inf and dq 0 (never
-NaN), and every output against the oracle through conftest.assert_matches_oracle, whose tolerance
+forward and backward through the public API (flashcupy.attention, attention_backward, the backward
+with a gradient of lse too: dlse) and checks the results' dtypes and shapes, that rows which see no
+key give out 0, lse -inf and dq 0 (never NaN, though their dlse is NaN), and every output against
+the oracle through conftest.assert_matches_oracle, whose tolerance
 charges the backend's own kernel family only. test_contract_numpy.py, test_contract_cupy.py and
 test_contract_numba.py each run one backend's rows (a file each: pytest-xdist puts a file's tests
 on one worker, and the emulator and simulator rows are the slow ones); the context a row needs
@@ -154,7 +155,8 @@ def check(row: Row, rng) -> None:
             kw["bias"] = bf16_bits(kw["bias"])
     with CONTEXTS[row.backend](row.path, row.order):
         out, lse = flashcupy.attention(*args[:3], return_lse=True, backend=row.backend, **kw)
-        grads = flashcupy.attention_backward(args[3], *args[:3], out, lse, backend=row.backend, **kw)
+        dlse = np.where(np.isneginf(lse), np.nan, rng.standard_normal(lse.shape)).astype(lse.dtype)
+        grads = flashcupy.attention_backward(args[3], *args[:3], out, lse, backend=row.backend, dlse=dlse, **kw)
         got = (out, lse, *grads)
         assert out.dtype == args[0].dtype and out.shape == q.shape
         assert lse.dtype == (np.float64 if row.dtype == "float64" else np.float32) and lse.shape == (B, Hq, Sq)
@@ -165,4 +167,4 @@ def check(row: Row, rng) -> None:
             assert np.all(out[:, hidden] == 0) and np.all(np.isneginf(lse[:, :, hidden]))
             assert np.all(grads[0][:, hidden] == 0) and not any(np.isnan(x).any() for x in got)
         # inside the context: the kernel family is decided with the row's settings (tensor cores on or off)
-        assert_matches_oracle(got, q, k, v, dout, backend=row.backend, **ref)
+        assert_matches_oracle(got, q, k, v, dout, backend=row.backend, dlse=dlse, **ref)

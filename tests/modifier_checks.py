@@ -132,3 +132,21 @@ def check(q, k, v, dout, rng=None, bits=False, rows=None, backend="numpy", **kw)
     np.testing.assert_allclose(sums[seen], 1, rtol=1e-3 if q.dtype != np.float64 else 1e-12)
     assert np.all(sums[~seen] == 0)
     return ratios
+
+
+def rows_that_see_no_key_ignore_dlse(rng, backend, dtype=np.float16, shape=(70, 64)):
+    """A bool mask that hides every key of two rows (one in each of two query blocks of 64), whose dlse
+    (the gradient of lse) is NaN, the others' random: no NaN reaches dq, dk or dv, and every output
+    is the oracle's (the NumPy backend zeroes those rows' dlse; the kernels select dS = 0 for a hidden
+    pair, whatever D holds)."""
+    S, D = shape
+    q, k, v = (rng.standard_normal((1, S, 2, D)).astype(dtype) for _ in range(3))
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    mask = np.ones((1, 1, S, S), bool)
+    mask[..., 1, :] = mask[..., S - 2, :] = False
+    out, lse = flashcupy.attention(q, k, v, mask=mask, return_lse=True, backend=backend)
+    dlse = np.where(np.isneginf(lse), np.nan, rng.standard_normal(lse.shape)).astype(lse.dtype)
+    assert np.isnan(dlse).sum() == 4
+    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, mask=mask, dlse=dlse, backend=backend)
+    assert not any(np.isnan(g).any() for g in grads)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, mask=mask, dlse=dlse, backend=backend)

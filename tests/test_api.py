@@ -117,10 +117,13 @@ def test_backward_refuses_bad_input():
         ((out, q, k, v, out, lse[:, :1]), ValueError, ["lse", "(1, 2, 4)", "(1, 1, 4)"]),
         ((out, q, k, v, out, lse.astype(np.float64)), TypeError, ["lse", "float32", "float64"]),
         ((out.tolist(), q, k, v, out, lse), TypeError, ["dout", "list"]),
+        ((out, q, k, v, out, lse, lse[:, :1]), ValueError, ["dlse", "(1, 2, 4)", "(1, 1, 4)"]),
+        ((out, q, k, v, out, lse, lse.astype(np.float64)), TypeError, ["dlse", "float32", "float64"]),
+        ((out, q, k, v, out, lse, lse.tolist()), TypeError, ["dlse", "list"]),
     ]
     for args, exc, words in cases:
         with pytest.raises(exc) as info:
-            flashcupy.attention_backward(*args)
+            flashcupy.attention_backward(*args[:6], dlse=args[6] if len(args) > 6 else None)
         for w in words:
             assert w in str(info.value), f"message {str(info.value)!r} lacks {w!r}"
 

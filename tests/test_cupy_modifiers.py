@@ -17,7 +17,7 @@ import functools
 import numpy as np
 import pytest
 from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv
-from modifier_checks import check, modifier_cases
+from modifier_checks import check, modifier_cases, rows_that_see_no_key_ignore_dlse
 
 import flashcupy
 from flashcupy._problem import MODIFIERS
@@ -108,6 +108,12 @@ def test_modifiers_in_bfloat16_bits(rng, path, name, order):
     q, k, v = make_qkv(rng, *shape, BF16)
     dout = rng.standard_normal(q.shape).astype(BF16)
     check_cupy(q, k, v, dout, path, order, bits=True, **cases(rng, shape, BF16)[name])
+
+
+def test_rows_that_see_no_key_ignore_their_dlse(rng, path):
+    # dlse NaN in the rows a mask hides wholly: D is NaN there, and every kernel selects dS = 0
+    with emulated(compute_capability=DEVICE[path]):
+        rows_that_see_no_key_ignore_dlse(rng, "cupy", np.float16 if path != "simt" else np.float32)
 
 
 @pytest.mark.parametrize("order", ORDERS)

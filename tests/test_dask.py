@@ -67,11 +67,12 @@ def test_modifiers_match_the_oracle(rng, mods):
     dout = rng.standard_normal(q.shape).astype(np.float32)
     if "alibi_slopes" in mods:
         mods["alibi_slopes"] = rng.uniform(0.1, 1, mods["alibi_slopes"]).astype(np.float32)
+    dlse = rng.standard_normal((2, 4, 23)).astype(np.float32)  # the gradient of lse too, in chunks of its own
     Q, K, V = _chunked(q, k, v, (6, 1, 16), (8, 8, 13))
     out, vjp = fdask.attention_vjp(Q, K, V, **mods)
     lse = fdask.attention(Q, K, V, return_lse=True, **mods)[1]
-    got = dask.compute(out, lse, *vjp(da.from_array(dout, chunks=Q.chunks)))
-    assert_matches_oracle(got, q, k, v, dout, backend="numpy", **mods)
+    got = dask.compute(out, lse, *vjp(da.from_array(dout, chunks=Q.chunks), da.from_array(dlse, chunks=(1, 3, 10))))
+    assert_matches_oracle(got, q, k, v, dout, backend="numpy", dlse=dlse, **mods)
 
 
 def test_bfloat16_bits_round_ties_to_even(rng):

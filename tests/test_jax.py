@@ -34,14 +34,16 @@ def _dot(x, y):
 
 def _jitted(**static):
     """A jitted (out, lse, dq, dk, dv[, dbias]) of flashcupy.jax.attention: the forward with lse,
-    and the gradient of <out, dout> through jax.grad."""
-    def run(q, k, v, dout, bias, mask, slopes):
+    and the gradient of <out, dout> (+ <lse, dlse> where dlse is given: through lse too) by jax.grad."""
+    def run(q, k, v, dout, bias, mask, slopes, dlse=None):
         kw = dict(static, bias=bias, mask=mask, alibi_slopes=slopes)
         out, lse = fj.attention(q, k, v, return_lse=True, **kw)
         wrt = (0, 1, 2) if bias is None else (0, 1, 2, 3)
-        grads = jax.grad(lambda q, k, v, bias: _dot(fj.attention(q, k, v, **dict(kw, bias=bias)), dout),
-                         argnums=wrt)(q, k, v, bias)
-        return (out, lse) + grads
+
+        def loss(q, k, v, bias):
+            o, lse = fj.attention(q, k, v, return_lse=True, **dict(kw, bias=bias))
+            return _dot(o, dout) + (0 if dlse is None else _dot(lse, dlse))
+        return (out, lse) + jax.grad(loss, argnums=wrt)(q, k, v, bias)
     return jax.jit(run)
 
 
@@ -71,15 +73,17 @@ def modifier_arrays(rng, shapes: dict, dtype):
 
 
 def check_case(rng, case, dtype, **extra):
+    """A case's jitted forward and gradients, through out and lse (jax_enable_x64 decides lse's dtype)."""
     B, Sq, Sk, Hq, Hkv, D, kw, shapes = CASES[case]
     q, k, v, dout = arrays(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
     mods = modifier_arrays(rng, shapes, dtype)
+    dlse = rng.standard_normal((B, Hq, Sq)).astype(np.float64 if dtype == np.float64 else np.float32)
     run = _jitted(**kw, **extra)
     got = run(*map(to_jax, (q, k, v, dout)), *(None if mods.get(n) is None else to_jax(mods[n])
-                                                 for n in ("bias", "mask", "alibi_slopes")))
+                                                 for n in ("bias", "mask", "alibi_slopes")), to_jax(dlse))
     got = [np.asarray(x) for x in got]
     assert got[0].dtype == q.dtype and got[2].dtype == q.dtype
-    assert_matches_oracle(got, q, k, v, dout, backend="numpy", **kw, **mods)
+    assert_matches_oracle(got, q, k, v, dout, backend="numpy", dlse=dlse, **kw, **mods)
     return got
 
 
@@ -258,21 +262,26 @@ def test_varlen_jit_grad_vmap(rng):
     q = rng.standard_normal((cu_q[-1], Hq, D)).astype(np.float32)
     k, v = (rng.standard_normal((cu_k[-1], Hkv, D)).astype(np.float32) for _ in range(2))
     dout = rng.standard_normal(q.shape).astype(np.float32)
+    dlse = rng.standard_normal((Hq, cu_q[-1])).astype(np.float32)
     kw = dict(causal=True, window=(4, None))
 
     def attend(q, k, v):
         return fj.attention_varlen(q, k, v, cu_q, cu_k, **kw)
 
-    run = jax.jit(jax.value_and_grad(lambda q, k, v, dout: _dot(attend(q, k, v), dout), argnums=(0, 1, 2)))
+    def loss(q, k, v, dout, dlse):  # through out and lse
+        out, lse = fj.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+        return _dot(out, dout) + _dot(lse, dlse)
+
+    run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     out, lse = jax.jit(lambda q, k, v: fj.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw))(
         *map(to_jax, (q, k, v)))
-    _, (dq, dk, dv) = run(*map(to_jax, (q, k, v, dout)))
+    _, (dq, dk, dv) = run(*map(to_jax, (q, k, v, dout, dlse)))
     for b in range(len(lengths_q)):
         (qa, qb), (ka, kb) = cu_q[b:b + 2], cu_k[b:b + 2]
         got = [np.asarray(x)[None, qa:qb] for x in (out,)] + [np.asarray(lse)[None, :, qa:qb]]
         got += [np.asarray(dq)[None, qa:qb], np.asarray(dk)[None, ka:kb], np.asarray(dv)[None, ka:kb]]
         assert_matches_oracle(got, q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], dout[None, qa:qb], backend="numpy",
-                              **kw)
+                              dlse=dlse[None, :, qa:qb], **kw)
     # vmap: the mapped packings concatenated into one call; per element the unmapped answer
     qs = np.stack([q, -q])
     mapped = jax.jit(jax.vmap(attend, in_axes=(0, None, None)))(to_jax(qs), to_jax(k), to_jax(v))
@@ -393,9 +402,7 @@ def test_errors_are_raised_at_trace_time(rng):
         fj.attention(np.asarray(q), k, v)
     with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
         traced(lambda q: fj.attention(q, k, v, backend="torch"), q)
-    # gradients flow through out only
-    with pytest.raises(NotImplementedError, match="lse that return_lse=True gives is not differentiable"):
-        jax.eval_shape(jax.grad(lambda q: fj.attention(q, k, v, return_lse=True)[1].sum()), q)
+
 
 
 def test_varlen_errors_at_trace_time(rng):

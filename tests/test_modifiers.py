@@ -13,7 +13,7 @@ import pytest
 import flashcupy
 from conftest import BF16, assert_matches_oracle, make_qkv, mutate_band, mutated_package, reference
 from flashcupy.backends import numpy_backend
-from modifier_checks import check, modifier_cases
+from modifier_checks import check, modifier_cases, rows_that_see_no_key_ignore_dlse
 
 
 # GQA (2 query heads per kv head), lengths no tile divides, Sq < Sk
@@ -396,3 +396,10 @@ def test_property_modifiers_match_the_oracle(B, Sq, Sk, Hkv, group, D, causal, w
         check(q, k, v, dout, rows=rng.integers(-Sq, Sq, 3), **kw)
     finally:
         numpy_backend.config.BLOCK_M, numpy_backend.config.BLOCK_N = old
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_rows_that_see_no_key_ignore_their_dlse(rng, small_tiles, dtype):
+    # dlse NaN in the rows a mask hides wholly: the NumPy backend's tiles hold those rows, so their dlse
+    # must be zeroed before it meets P = 0
+    rows_that_see_no_key_ignore_dlse(rng, "numpy", dtype)

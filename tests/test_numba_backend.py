@@ -29,7 +29,8 @@ import flashcupy  # noqa: E402
 from contract import SIMULATOR_CASES  # noqa: E402
 from flashcupy.backends import MAX_GRID, numba_backend  # noqa: E402
 from flashcupy.backends.numba_backend import kernels  # noqa: E402
-from modifier_checks import LARGE_SCALES, check, large_scores_check, modifier_cases  # noqa: E402
+from modifier_checks import (LARGE_SCALES, check, large_scores_check, modifier_cases,  # noqa: E402
+                             rows_that_see_no_key_ignore_dlse)
 from varlen_checks import (appends_across_a_block_boundary, packed_batch_matches_the_oracle, packed_inputs,  # noqa: E402
                            per_sequence_alibi_in_a_kvcache, split_cache_parts_round_once)
 
@@ -143,6 +144,12 @@ def test_bias_and_mask_views_are_read_in_place(rng, device):
     mask = (rng.random((Sk, Sq, 1, B)) < 0.8).transpose(3, 2, 1, 0)[::-1, :, ::-1]
     assert 0 in bias.strides and mask.strides[0] < 0
     check(q, k, v, dout, backend="numba", softcap=3.0, bias=bias, mask=mask)
+
+
+@pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_rows_that_see_no_key_ignore_their_dlse(rng, device):
+    require(device)
+    rows_that_see_no_key_ignore_dlse(rng, "numba", np.float32, shape=(9, 3))
 
 
 VARLEN_CHECKS = {"packed-batches": packed_batch_matches_the_oracle,
@@ -353,6 +360,8 @@ def _argument_kinds(args):
     from numba import types
 
     def kind(a):
+        if a is None or isinstance(a, types.NoneType):  # an optional argument left out (the pre-pass's dlse)
+            return ("none",)
         if isinstance(a, types.Array) or (hasattr(a, "dtype") and len(getattr(a, "shape", ())) == 1):
             return ("array", np.dtype(str(a.dtype) if isinstance(a, types.Array) else a.dtype).name)
         if isinstance(a, (tuple, types.BaseTuple)):
@@ -396,6 +405,7 @@ def test_the_ptx_compile_covers_every_specialisation_the_backend_launches(rng, m
             out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numba", **kw)
             flashcupy.attention_backward(q, q, k, v, out, lse, backend="numba", **kw)
             flashcupy.attention_probs(q, k, lse, backend="numba", **kw)
+        flashcupy.attention_backward(q, q, k, v, out, lse, backend="numba", dlse=lse)  # the pre-pass's other kind
     assert {name for name, _ in launched} == names == set(kernels.__dict__) & {n for n in dir(kernels) if n.startswith("_flash")}
     assert launched == {(name, _argument_kinds(sig)) for name, _, sig in tools.signatures()}
 

@@ -86,7 +86,8 @@ def test_gradcheck_varlen_float64(rng):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_autograd_gradients_match_the_oracle(rng, dtype):
-    """out, lse and the gradients autograd gives (bias included) are the oracle's, within its tolerance."""
+    """out, lse and the gradients autograd gives (bias included), through out and lse, are the oracle's,
+    within its tolerance."""
     import ml_dtypes
 
     values = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
@@ -98,17 +99,46 @@ def test_autograd_gradients_match_the_oracle(rng, dtype):
     tq, tk, tv = (as_t(x).requires_grad_(True) for x in (q, k, v))
     tb = _t(bias, True)
     out, lse = flashcupy.attention(tq, tk, tv, causal=True, bias=tb, mask=_t(mask), return_lse=True)
-    assert not lse.requires_grad and lse.grad_fn is None  # as torch SDPA's logsumexp: no gradient
-    out.backward(as_t(dout))
+    assert lse.requires_grad  # unlike torch SDPA's logsumexp
+    dlse = rng.standard_normal(lse.shape).astype(np.float32)
+    torch.autograd.backward([out, lse], [as_t(dout), _t(dlse)])
     assert [x.grad.dtype for x in (tq, tk, tv, tb)] == [tq.dtype] * 3 + [torch.float32]
     if dtype == "bfloat16":
         bits = lambda x: x.detach().view(torch.int16).numpy().view(np.uint16)  # noqa: E731
         got = [bits(out), _np(lse), *(bits(x.grad) for x in (tq, tk, tv)), _np(tb.grad)]
         assert_matches_oracle(got, *(x.view(np.uint16) for x in (q, k, v, dout)), causal=True, bias=bias,
-                              mask=mask, dtype="bfloat16", backend="numpy")
+                              mask=mask, dtype="bfloat16", backend="numpy", dlse=dlse)
     else:
         got = [_np(out), _np(lse), *(_np(x.grad) for x in (tq, tk, tv, tb))]
-        assert_matches_oracle(got, q, k, v, dout, causal=True, bias=bias, mask=mask, backend="numpy")
+        assert_matches_oracle(got, q, k, v, dout, causal=True, bias=bias, mask=mask, backend="numpy", dlse=dlse)
+
+
+def test_a_loss_of_lse_alone(rng):
+    """lse's gradient without out's (autograd passes no dout): the oracle's with dout zero, for attention
+    and a packed batch; a loss of out alone passes no dlse (the same bits as the backward without it)."""
+    q, k, v = make_qkv(rng, 1, 7, 9, 2, 1, 8, np.float32)
+    tq, tk, tv = (_t(x, True) for x in (q, k, v))
+    out, lse = flashcupy.attention(tq, tk, tv, causal=True, return_lse=True)
+    dlse = rng.standard_normal(lse.shape).astype(np.float32)
+    lse.backward(_t(dlse))
+    assert_matches_oracle([_np(out), _np(lse), *(_np(x.grad) for x in (tq, tk, tv))], q, k, v, np.zeros_like(q),
+                          causal=True, backend="numpy", dlse=dlse)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    pq, pk, pv = (_t(x[0, :7], True) for x in (q, k, v))
+    pout, plse = flashcupy.attention_varlen(pq, pk, pv, cu, cu, causal=True, return_lse=True)
+    plse.backward(_t(dlse[0, :, :7]))
+    for b in range(2):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        one = [_np(x)[None, rows] for x in (pq, pk, pv)]
+        assert_matches_oracle([_np(pout)[None, rows], _np(plse)[None, :, rows],
+                               *(_np(x.grad)[None, rows] for x in (pq, pk, pv))], *one, np.zeros_like(one[0]),
+                              causal=True, backend="numpy", dlse=dlse[:, :, rows])
+    tq.grad = None
+    out = flashcupy.attention(tq, tk, tv, causal=True)
+    out.backward(_t(np.ones_like(q)))
+    out_, lse_ = flashcupy.attention(q, k, v, causal=True, return_lse=True)
+    np.testing.assert_array_equal(_np(tq.grad), flashcupy.attention_backward(np.ones_like(q), q, k, v, out_, lse_,
+                                                                             causal=True)[0])
 
 
 def test_bias_gradients(rng):
@@ -227,7 +257,7 @@ def test_custom_ops_pass_torch_opcheck(rng):
     out, lse = torch.ops.flashcupy.attention(q, k, v, bias, None, None, True, None, None, None, None, "auto", None)
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.flashcupy.attention_backward.default,
-                          tuple(x.detach() for x in (dout, q, k, v, out, lse, bias))
+                          tuple(x.detach() for x in (dout, q, k, v, out, lse, torch.randn_like(lse), bias))
                           + (None, None, True, None, None, None, None, "auto", None, False))
     cu = _t(np.array([0, 2, 5], np.int32))
     pq, pk, pv = (x.detach()[0].requires_grad_(True) for x in (q, k[:, :5], v[:, :5]))
@@ -239,13 +269,13 @@ def test_custom_ops_pass_torch_opcheck(rng):
 def test_nothing_requiring_grad_is_detached_silently(rng):
     q, k, v = (_t(x, True) for x in make_qkv(rng, 1, 4, 4, 2, 2, 8, np.float32))
     out, lse = flashcupy.attention(q, k, v, return_lse=True)
-    assert out.requires_grad and not lse.requires_grad
+    assert out.requires_grad and lse.requires_grad
     dout = torch.ones_like(out)
     refused = [
-        ("attention_backward", lambda: flashcupy.attention_backward(dout, q, k, v, out, lse), "q, k, v, out"),
+        ("attention_backward", lambda: flashcupy.attention_backward(dout, q, k, v, out, lse), "q, k, v, out, lse"),
         ("attention_vjp", lambda: flashcupy.attention_vjp(q, k, v), "q, k, v"),
-        ("attention_probs", lambda: flashcupy.attention_probs(q, k, lse), "q, k"),
-        ("merge", lambda: flashcupy.merge([out, out], [lse, lse]), "outs[0], outs[1]"),
+        ("attention_probs", lambda: flashcupy.attention_probs(q, k, lse), "q, k, lse"),
+        ("merge", lambda: flashcupy.merge([out, out], [lse, lse]), "outs[0], outs[1], lses[0], lses[1]"),
         ("attention_with_kvcache", lambda: flashcupy.attention_with_kvcache(q, k.detach(), v.detach()), "q"),
     ]
     for name, call, wanting in refused:
@@ -413,7 +443,7 @@ def test_varlen_autograd_is_per_sequence_attention(rng):
     dout = _t(rng.standard_normal((9, 2, 8)).astype(np.float32))
     # check_offsets reaches the custom ops (the NumPy backend, which loops on the host, checks them anyway)
     out, lse = flashcupy.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True, check_offsets=False)
-    assert not lse.requires_grad
+    assert lse.requires_grad
     out.backward(dout)
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         args = [_np(x)[None, a:b] for x in (q, k, v)]

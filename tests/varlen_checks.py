@@ -26,8 +26,9 @@ def packed_batch_matches_the_oracle(rng, backend, lengths=([3, 6], [7, 2]), dtyp
     against the oracle, the same bits whether the offsets are checked on the host or not
     (check_offsets); mods: attention_varlen's keywords, alibi_slopes="per-seq" for (batch, heads_q)
     random slopes. dtype BF16: the inputs passed as bits with dtype="bfloat16". backward: dq, dk, dv
-    too (attention_varlen_backward, `deterministic` passed on), checked and unchecked the same bits (on
-    the emulator: its thread order is the same from run to run, so are the atomics' sums)."""
+    too (attention_varlen_backward, `deterministic` passed on, with a gradient of lse: NaN in the rows
+    that see no key, which must add nothing), checked and unchecked the same bits (on the emulator: its
+    thread order is the same from run to run, so are the atomics' sums)."""
     lengths_q, lengths_k = lengths
     q, k, v, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, *heads, head_dim, dtype)
     mods = dict(causal=True) if mods is None else dict(mods)
@@ -43,7 +44,8 @@ def packed_batch_matches_the_oracle(rng, backend, lengths=([3, 6], [7, 2]), dtyp
     if backward:
         dout = rng.standard_normal(q.shape).astype(np.float32)
         dout = bf16_bits(dout.astype(BF16)) if dtype == BF16 else dout.astype(dtype)
-        keywords = dict(backend=backend, deterministic=deterministic, **mods)
+        dlse = np.where(np.isneginf(lse), np.nan, rng.standard_normal(lse.shape)).astype(lse.dtype)
+        keywords = dict(backend=backend, deterministic=deterministic, dlse=dlse, **mods)
         got += flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **keywords)
         unchecked += flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, check_offsets=False,
                                                          **keywords)
@@ -57,6 +59,7 @@ def packed_batch_matches_the_oracle(rng, backend, lengths=([3, 6], [7, 2]), dtyp
         mine = (out[None, sq], lse[None, :, sq])
         if backward:
             mine += (got[2][None, sq], got[3][None, sk], got[4][None, sk])
+            one["dlse"] = dlse[None, :, sq]
         assert_matches_oracle(mine, q[None, sq], k[None, sk], v[None, sk], *((dout[None, sq],) if backward else ()),
                               backend=backend, **one)
 

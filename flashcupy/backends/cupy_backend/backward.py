@@ -28,8 +28,9 @@ def _backward_module(p, path: str, deterministic: bool, like, varlen: bool = Fal
     return specs.backward_module(p.dtype, p.head_dim, backend._mods(p), varlen)
 
 
-def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
-    """dq, dk, dv (and dbias with a bias), written into `into` when given. On tensor cores, unless
+def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None, dlse=None):
+    """dq, dk, dv (and dbias with a bias), written into `into` when given; dlse: the gradient of lse,
+    or None (_backward_launches). On tensor cores, unless
     deterministic, the dK/dV kernel also adds dQ into an fp32 workspace with atomics (five GEMMs,
     not seven; the sums' order, so the rounding, varies from run to run); the Hopper dK/dV kernel adds
     it by bulk reduce-adds, deterministic or not (deterministic: in key-block order); the SIMT kernels
@@ -42,7 +43,7 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
         else:
             dq, dk, dv = into[:3]
         D = _backward_launches(rt, p, path, _backward_module(p, path, deterministic, q), dout, q, k, v, out, lse,
-                               dq, dk, dv)
+                               dq, dk, dv, dlse=dlse)
         if p.bias is None:
             return dq, dk, dv
         # dbias (flash_pairs.cu, SIMT whichever path ran above): its own arguments are natural-unit ones
@@ -58,11 +59,12 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None):
     return dq, dk, dv, dbias
 
 
-def _backward_launches(rt, p, path: str, module, dout, q, k, v, out, lse, dq, dk, dv, varlen=None):
+def _backward_launches(rt, p, path: str, module, dout, q, k, v, out, lse, dq, dk, dv, varlen=None, dlse=None):
     """The backward's launches (module: _backward_module's for `path`) into dq, dk, dv; returns D. varlen:
     (cu_seqlens_q, cu_seqlens_k, num_seqs) for a packed batch (backward_varlen: every tensor a batch of
-    one, passed with batch stride 0, and the dK/dV and dQ grids varlen_blocks'). Call with q's device
-    current."""
+    one, passed with batch stride 0, and the dK/dV and dQ grids varlen_blocks'). dlse, the gradient of
+    lse (lse's shape), or None: D - dlse, in one array operation after the pre-pass (the kernels' dS =
+    P (dP - D) is then the gradient of both). Call with q's device current."""
     tensor_cores = path != "simt"  # the units of the score modifiers' arguments
     prep_kernel, dkdv, dq_kernel = module.kernels
     preprocess, bwd_dkdv, bwd_dq = backend._functions(rt, module, q)
@@ -88,6 +90,8 @@ def _backward_launches(rt, p, path: str, module, dout, q, k, v, out, lse, dq, dk
         (prep_kernel.blocks(p),), block,
         (*backend._tensor(dout), *backend._tensor(out), D,
          np.int32(p.batch), np.int32(p.seqlen_q), np.int32(p.heads_q), np.int32(p.head_dim)))
+    if dlse is not None:  # a row that sees no key: every kernel selects dS = 0 for a hidden pair, whatever D holds
+        D -= dlse
     shared = (*arg(q), *arg(k), *arg(v), *arg(dout), *arg(lse), D)
     flags = backend._problem_args(rt, p, q, tensor_cores)
     # the Hopper kernel's count of the key blocks that have added into each dQ tile (deterministic: zeros;

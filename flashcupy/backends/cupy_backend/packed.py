@@ -122,7 +122,7 @@ def even_offsets(like, count: int, step: int):
 
 
 def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, alibi_slopes=None,
-                    deterministic=False) -> None:
+                    deterministic=False, dlse=None) -> None:
     """A packed batch's backward (attention_varlen_backward) in forward_varlen's manner: the preprocess,
     dK/dV and dQ (or the dQ conversion) each one launch whatever the number of sequences, the offsets
     read by the kernels (mask.cuh's Sequence) and never on the host. dout, q, out (total_q, heads_q,
@@ -130,7 +130,7 @@ def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, 
     zeros, written in place (rows of no sequence, and the sequences without a query or a key, keep
     them). On the kernels backward_path chooses, the Hopper ones included (their boxes reach past a
     sequence into the next one's rows: the kernel zeros those rows in shared memory, so that no value
-    of one sequence reaches another's gradients); deterministic as backward's."""
+    of one sequence reaches another's gradients); deterministic and dlse (lse's shape) as backward's."""
     rt = backend._runtime()
     num_seqs = int(cu_seqlens_q.shape[0]) - 1
     if num_seqs <= 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
@@ -145,7 +145,8 @@ def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, 
     if alibi_slopes is not None:
         p = dataclasses.replace(p, alibi_slopes=alibi_slopes)
     with rt.device_of(q):
-        _backward_launches(rt, p, path, module, *packed, varlen=(cu_seqlens_q, cu_seqlens_k, num_seqs))
+        _backward_launches(rt, p, path, module, *packed, varlen=(cu_seqlens_q, cu_seqlens_k, num_seqs),
+                           dlse=None if dlse is None else dlse[None])
 
 
 def append_kv(dtype, k_cache, v_cache, k, v, cache_seqlens, block_table=None) -> None:

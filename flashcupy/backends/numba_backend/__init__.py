@@ -349,9 +349,10 @@ def forward(p, q, k, v, _packed=None):
     return out.result(), lse.result()
 
 
-def backward(p, dout, q, k, v, out, lse, _packed=None):
+def backward(p, dout, q, k, v, out, lse, _packed=None, dlse=None):
     """dq, dk, dv (and dbias with a bias). _packed: backward_varlen's (given dq, dk, dv, the offsets'
-    arguments, the query and the key slots)."""
+    arguments, the query and the key slots). dlse: the gradient of lse, or None (the pre-pass
+    subtracts it from D)."""
     K = _kernels()
     dq_grid, dkdv_grid = _grids(p)
     prep_grid = (_cdiv(p.seqlen_q, K.PREP_THREADS),) + dq_grid[1:]
@@ -369,8 +370,9 @@ def backward(p, dout, q, k, v, out, lse, _packed=None):
         offsets = _no_offsets(D.flat)
     common = _common(p, place, D.flat)
 
+    dlf, dlst = (lf, None) if dlse is None else place.read(dlse)  # lse: a stand-in never read
     K._flash_bwd_preprocess[prep_grid, K.PREP_THREADS, place.stream](
-        dof, dost, of, ost, D.flat, D.st, p.seqlen_q, p.head_dim)
+        dof, dost, of, ost, dlf, dlst, D.flat, D.st, p.seqlen_q, p.head_dim)
     # dK, dV: one block per (key block, kv head, batch), over the query heads of its group
     K._flash_bwd_dkdv[dkdv_grid, (K.BLOCK_M, K.BLOCK_N), place.stream](
         qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dk.flat, dk.st, dv.flat, dv.st,
@@ -439,7 +441,7 @@ def forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slope
 
 
 def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, alibi_slopes=None,
-                    deterministic=False) -> None:
+                    deterministic=False, dlse=None) -> None:
     """A packed batch's backward in one launch per kernel (attention_varlen_backward), as
     cupy_backend.backward_varlen: dq, dk, dv allocated with zeros, written in place (rows of no sequence,
     and sequences without a query or a key, keep them). Deterministic whatever `deterministic` says."""
@@ -453,7 +455,8 @@ def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, 
     given = [_Given(place, x) for x in (dq, dk, dv)]
     slots = (p.seqlen_q // K.BLOCK_M + num_seqs, p.seqlen_k // K.BLOCK_N + num_seqs)
     backward(p, dout[None], q[None], k[None], v[None], out[None], lse[None],
-             _packed=(*given, _offsets(place, cu_seqlens_q, cu_seqlens_k), slots))
+             _packed=(*given, _offsets(place, cu_seqlens_q, cu_seqlens_k), slots),
+             dlse=None if dlse is None else dlse[None])
 
 
 # ----------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Four kernels, names after the FlashAttention-2 paper:
 
     _flash_fwd            out, lse                  grid (Sq blocks, heads_q, batch)
-    _flash_bwd_preprocess D = rowsum(dO ∘ O)        grid (Sq / PREP_THREADS, heads_q, batch)
+    _flash_bwd_preprocess D = rowsum(dO ∘ O) - dlse grid (Sq / PREP_THREADS, heads_q, batch)
     _flash_bwd_dkdv       dK, dV                    grid (Sk blocks, heads_kv, batch)
     _flash_bwd_dq         dQ                        grid (Sq blocks, heads_q, batch)
 
@@ -460,8 +460,10 @@ def _flash_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
 
 
 @cuda.jit
-def _flash_bwd_preprocess(dout, dost, out, ost, D, Dst, seqlen_q, head_dim):
-    """D[b, h, i] = rowsum(dO_i ∘ O_i) in ACC; one thread per query row, no shared memory."""
+def _flash_bwd_preprocess(dout, dost, out, ost, dlse, dlst, D, Dst, seqlen_q, head_dim):
+    """D[b, h, i] = rowsum(dO_i ∘ O_i) - dlse_i in ACC (dlse, the gradient of lse; dlst None: 0; in a
+    row that sees no key the kernels select dS = 0 whatever D holds); one thread per query row, no
+    shared memory."""
     acc = D.dtype.type
     i = cuda.blockIdx.x * PREP_THREADS + cuda.threadIdx.x
     h = cuda.blockIdx.y
@@ -470,6 +472,8 @@ def _flash_bwd_preprocess(dout, dost, out, ost, D, Dst, seqlen_q, head_dim):
         total = acc(0)
         for d in range(head_dim):
             total += acc(dout[_at(dost, b, i, h, d)]) * acc(out[_at(ost, b, i, h, d)])
+        if dlst is not None:
+            total -= dlse[_at3(dlst, b, h, i)]
         D[_at3(Dst, b, h, i)] = total
 
 

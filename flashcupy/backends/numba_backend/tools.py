@@ -22,7 +22,8 @@ import time
 
 def signatures():
     """[(kernel, label, numba signature)]: every specialisation the backend launches (numba compiles
-    one per set of argument types). For each input dtype: the D pre-pass, and the forward, dK/dV,
+    one per set of argument types). For each input dtype: the D pre-pass (with and without the
+    gradient of lse), and the forward, dK/dV,
     dQ and attention_probs kernels for each kind of array a call can pass as the ALiBi slopes (the
     accumulation dtype ACC, or float32 where ACC is float64), the bias (q's dtype or float32) and
     the mask (bool), each the spare ACC array where the call has none (numba_backend._common); the
@@ -49,7 +50,9 @@ def signatures():
         dkdv = (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, x, st4, x, st4, i64, i64)
         dq = (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, x, st4, i64, i64)
         probs = (x, st4, x, st4, a, st3, a, st4, i64[::1], i64, i64)
-        out.append(("_flash_bwd_preprocess", f"[{dtype}]", (x, st4, x, st4, a, st3, i64, i64)))
+        for dlst in (types.none, st3):  # without and with the gradient of lse
+            out.append(("_flash_bwd_preprocess", f"[{dtype}]" + (" dlse" if dlst != types.none else ""),
+                        (x, st4, x, st4, a, dlst, a, st3, i64, i64)))
         kinds = {"slopes": [None] + ([f32] if acc == types.float64 else []),
                  "bias": [None] + list(dict.fromkeys((x, f32))),
                  "mask": [None, types.boolean[::1]]}

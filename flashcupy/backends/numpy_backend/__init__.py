@@ -125,7 +125,7 @@ def forward(p, q, k, v, into=None):
 
 
 @pool.one_call
-def backward(p, dout, q, k, v, out, lse, into=None):
+def backward(p, dout, q, k, v, out, lse, into=None, dlse=None):
     dout, q, k, v, out = stacks.values(p, dout, q, k, v, out)
     if into is None:
         dq, dk, dv = (np.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
@@ -133,11 +133,11 @@ def backward(p, dout, q, k, v, out, lse, into=None):
         dq, dk, dv = stacks.values(p, *into[:3])
     width = plan.narrow_band(p, backward=True)
     if width is not None:
-        band_backward.backward(p, dout, q, k, v, out, lse, dq, dk, dv, width)
+        band_backward.backward(p, dout, q, k, v, out, lse, dq, dk, dv, width, dlse)
         dB = None
     else:  # dbias summed straight into `into` where it is given in the accumulation dtype
         given = into[3] if into is not None and len(into) > 3 and into[3].dtype == p.acc_dtype else None
-        dB = tiled_backward.backward(p, dout, q, k, v, out, lse, dq, dk, dv, dB=given)
+        dB = tiled_backward.backward(p, dout, q, k, v, out, lse, dq, dk, dv, dB=given, dlse=dlse)
     grads = dq.view(p.carrier), dk.view(p.carrier), dv.view(p.carrier)
     if dB is None:
         return grads

@@ -82,8 +82,9 @@ def band_grid(p, width: int) -> BandGrid:
                     hidden[:, None, :], pieces, kv_groups, tile_ranges, 2 * span)
 
 
-def backward(p, dout, q, k, v, out, lse, dq, dk, dv, width: int) -> None:
-    """dq, dk, dv of the views in the value dtype, for a band `width` keys wide."""
+def backward(p, dout, q, k, v, out, lse, dq, dk, dv, width: int, dlse=None) -> None:
+    """dq, dk, dv of the views in the value dtype, for a band `width` keys wide; dlse: the gradient
+    of lse, or None."""
     grid = band_grid(p, width)
     grid.clamp = softmax.recomputed_p_may_pass_one(p, q, k)
     dq[:, :grid.first] = 0
@@ -97,7 +98,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, width: int) -> None:
     dk[:, grid.j1:] = 0
     dv[:, :grid.j0] = 0
     dv[:, grid.j1:] = 0
-    arrays = (dout, q, k, v, out, lse)
+    arrays = (dout, q, k, v, out, lse, dlse)
 
     def task(b, h0, h1, u0, u1):
         def run(scratch):
@@ -235,8 +236,8 @@ def band_operands(p, grid, heads, arrays, b, h0, h1, first_tile, end_tile, scrat
     the rows and keys: made per task, they stay within SCRATCH_KEEP_BYTES and are reused rather
     than page-faulted in each call."""
     nt, D, M, step, L, span = end_tile - first_tile, p.head_dim, grid.M, grid.step, grid.tile_keys, grid.span
-    dout, q, k, v, out, lse = arrays
-    Q1, dO1 = query_operands(p, grid, heads, dout, q, out, lse, b, h0, h1, first_tile, nt, scratch)
+    dout, q, k, v, out, lse, dlse = arrays
+    Q1, dO1 = query_operands(p, grid, heads, dout, q, out, lse, dlse, b, h0, h1, first_tile, nt, scratch)
     K1t, V1t, Ks = key_operands(p, grid, k, v, b, h0, h1, first_tile, nt, scratch)
     return BandOperands(windows(Q1, 0, nt, M, M, axis=1), windows(dO1, 0, nt, M, M, axis=1),
                         windows(K1t, 0, nt, step, L, axis=2), windows(V1t, 0, nt, step, L, axis=2),
@@ -245,9 +246,9 @@ def band_operands(p, grid, heads, arrays, b, h0, h1, first_tile, end_tile, scrat
                         windows(dO1[:, :, :D], 0, nt - span + 1, M, span * M, axis=1))
 
 
-def query_operands(p, grid, heads, dout, q, out, lse, b, h0, h1, first_tile, nt, scratch) -> tuple:
-    """Q1 = [scale log2(e) Q | -log2(e) lse] and dO1 = [dO | -D] of the nt tiles from first_tile
-    on, (kv heads, nt M, D + 1), zero rows outside the query rows."""
+def query_operands(p, grid, heads, dout, q, out, lse, dlse, b, h0, h1, first_tile, nt, scratch) -> tuple:
+    """Q1 = [scale log2(e) Q | -log2(e) lse] and dO1 = [dO | -D] (D - dlse with dlse, the gradient of
+    lse) of the nt tiles from first_tile on, (kv heads, nt M, D + 1), zero rows outside the query rows."""
     acc, g, D, M, step = p.acc_dtype, p.group, p.head_dim, grid.M, grid.step
     h = h1 - h0
     pitch = -(-(D + 1) // 16) * 16  # rows padded to whole 64-byte lines (a little faster than D + 1)
@@ -263,11 +264,13 @@ def query_operands(p, grid, heads, dout, q, out, lse, b, h0, h1, first_tile, nt,
         shape3 = (h, r1 - r0, g)
         np.multiply(heads.read(q[b, r0:r1], h0, h1), softmax.base2_scale(p), out=Q1[:, x0:x1, :D].reshape(*shape3, D),
                     dtype=acc)
-        Q1[:, x0:x1, D].reshape(shape3)[...] = heads.read(lse[b].T[r0:r1], h0, h1) * acc.type(-LOG2E)
+        L = heads.read(lse[b].T[r0:r1], h0, h1)
+        Q1[:, x0:x1, D].reshape(shape3)[...] = L * acc.type(-LOG2E)
         dO = dO1[:, x0:x1, :D].reshape(*shape3, D)
         dO[...] = heads.read(dout[b, r0:r1], h0, h1)
         O = stacks.as_acc(heads.read(out[b, r0:r1], h0, h1), acc)
-        delta_into(dO, O, dO1[:, x0:x1, D].reshape(shape3))
+        delta_into(dO, O, dO1[:, x0:x1, D].reshape(shape3), L,
+                   None if dlse is None else heads.read(dlse[b].T[r0:r1], h0, h1))
     return Q1, dO1
 
 

@@ -15,10 +15,14 @@ from ..._problem import LN2, LOG2E
 from . import modifiers, plan, pool, softmax, stacks, tiling
 
 
-def delta_into(dO, O, out) -> None:
+def delta_into(dO, O, out, L, dlse=None) -> None:
     """out = -D, D = rowsum(dO ∘ O) (FlashAttention-2's pre-pass), for dO and O as (kv heads, rows,
-    group, D) in the accumulation dtype: the last column of dO1 = [dO | -D]."""
+    group, D) in the accumulation dtype: the last column of dO1 = [dO | -D]. dlse (as L, the rows'
+    lse: (kv heads, rows, group)), the gradient of lse, or None: D - dlse (dS = P (dP - D + dlse)),
+    0 in a row that sees no key (lse -inf: its P is 0, and so must its dS be, whatever dlse holds)."""
     np.negative(np.einsum("hsgd,hsgd->hsg", dO, O), out=out)
+    if dlse is not None:
+        out += np.where(L == -np.inf, 0, dlse)
 
 
 def item(p, block_j0, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None, clamp=False) -> tuple:
@@ -136,10 +140,10 @@ def plan_backward(p) -> BackwardPlan:
     return BackwardPlan(key_blocks, tiles, kv_groups, work, parts, per_partition)
 
 
-def prepare(p, b, dout, q, out, lse, heads, mods) -> tuple:
+def prepare(p, b, dout, q, out, lse, heads, mods, dlse=None) -> tuple:
     """The pre-pass of batch b: Q1 = [scale log2(e) Q | -log2(e) lse] (a row that sees no key has
     lse -inf: -inf there gives it P = 0) and dO1 = [dO | -D], D_i = rowsum(dO_i ∘ O_i), for every
-    kv head, as stacks (kv heads, seqlen_q x group, D + 1) in the call's scratch; made in one task
+    kv head (D - dlse_i with the gradient of lse), as stacks (kv heads, seqlen_q x group, D + 1) in the call's scratch; made in one task
     a worker (its few elementwise passes are mostly call overhead)."""
     acc, D = p.acc_dtype, p.head_dim
     Q1_all = pool.call_scratch.take("Q1", (p.heads_kv, p.seqlen_q * p.group, D + 1), acc)
@@ -158,16 +162,18 @@ def prepare(p, b, dout, q, out, lse, heads, mods) -> tuple:
             dO[...] = heads.read(dout[b], h0, h1)
             if mods is not None:  # a row a mask leaves no key lies inside tiles: its dO goes nowhere
                 dO[L == -np.inf] = 0
-            delta_into(dO, stacks.as_acc(heads.read(out[b], h0, h1), acc), dO1[:, :, D].reshape(shape))
+            delta_into(dO, stacks.as_acc(heads.read(out[b], h0, h1), acc), dO1[:, :, D].reshape(shape), L,
+                       None if dlse is None else heads.read(dlse[b].T, h0, h1))
         return run
 
     pool.run([operands(h0, h1) for h0, h1 in tiling.blocks(0, p.heads_kv, -(-p.heads_kv // pool.worker_count()))])
     return Q1_all, dO1_all
 
 
-def backward(p, dout, q, k, v, out, lse, dq, dk, dv, dB=None):
+def backward(p, dout, q, k, v, out, lse, dq, dk, dv, dB=None, dlse=None):
     """dq, dk, dv of the views in the value dtype by the tile plans; returns dbias (the bias's
-    shape, the accumulation dtype; summed into dB where given) or None."""
+    shape, the accumulation dtype; summed into dB where given) or None. dlse: the gradient of lse,
+    or None."""
     acc = p.acc_dtype
     clamp = softmax.recomputed_p_may_pass_one(p, q, k)
     bplan = plan_backward(p)
@@ -180,7 +186,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, dB=None):
     else:
         dB.fill(0)
     for b in range(p.batch):
-        Q1_all, dO1_all = prepare(p, b, dout, q, out, lse, heads, mods)
+        Q1_all, dO1_all = prepare(p, b, dout, q, out, lse, heads, mods, dlse)
         prepared = {(h0, h1): (Q1_all[h0:h1], dO1_all[h0:h1]) for h0, h1 in bplan.kv_groups}
 
         def partition(index, items):
