@@ -78,3 +78,24 @@ def test_no_test_file_imports_another():
         if imported:
             offenders[os.path.basename(path)] = sorted(imported)
     assert not offenders, f"test files that import test files (move what they share to a helper module): {offenders}"
+
+
+def test_the_random_search_runs_every_surface_and_counts_what_fails(monkeypatch, capsys):
+    """tests/random_search.py (a search for defects the batteries miss, run by hand): a few cases of each
+    surface pass against the oracle, and a wrong answer is counted, not hidden."""
+    import numpy as np
+
+    import flashcupy
+    import random_search
+
+    for surface in random_search.SURFACES:
+        assert random_search.search(random_search.parse([surface, "-n", "2", "--seed", "3"])) == 0, surface
+    attention = flashcupy.attention
+
+    def off(*args, **kw):  # out off by 1 %
+        out, lse = attention(*args, **kw)
+        return out * np.asarray(1.01, out.dtype), lse
+
+    monkeypatch.setattr(flashcupy, "attention", off)
+    assert random_search.search(random_search.parse(["attention", "-n", "3", "--dtypes", "float32,float64"])) == 3
+    assert capsys.readouterr().out.count("FAIL") == 3
