@@ -912,7 +912,8 @@ def _speed_tables(timings) -> list:
                 continue
             lines += [f"### {dtype} {pass_}", "", "| D | causal | S | B x H | " + " | ".join(impls)
                       + " | cupy / torch-flash | cupy / torch-cudnn | cupy / torch-efficient | cupy / cupy-mma"
-                      + " | cupy-det / cupy | cupy-wide / cupy | cupy-tallfwd / cupy | cupy-tall / cupy | numba / cupy |",
+                      + " | cupy-det / cupy | cupy-wide / cupy | cupy-tallfwd / cupy | cupy-tall / cupy"
+                      + " | numba / cupy |",
                       "|---" * (len(impls) + 13) + "|"]
             for D, causal, S in sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in rows},
                                        key=lambda k: (-k[0], not k[1], k[2])):

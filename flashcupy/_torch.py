@@ -185,8 +185,9 @@ if _CUSTOM_OP:
 
     @torch.library.custom_op("flashcupy::attention_varlen_backward", mutates_args=())
     def _varlen_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                            dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: Optional[int],
-                            max_seqlen_k: Optional[int], alibi_slopes: Optional[Tensor], causal: bool,
+                            dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                            max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], alibi_slopes: Optional[Tensor],
+                            causal: bool,
                             window_left: Optional[int], window_right: Optional[int], softcap: Optional[float],
                             scale: Optional[float], backend: str, dtype: Optional[str],
                             check_offsets: bool) -> list[Tensor]:

@@ -122,8 +122,8 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
     - dv_j: sum_i p_ij (eps_i + u_p + gamma(Sq group)) |dO_i|;
     - D_i = dO_i . O_i reads the backend's own out, rounded: (u_s + gamma(D)) |dO_i|.|O_i| plus
       |dO_i| . (out_i's bound); with dlse (the gradient of lse: dS_ij = p_ij (dP_ij - D_i + dlse_i)),
-      D_i - dlse_i is one more rounding, u_a (|D_i| + |dlse_i|); dP_ij = dO_i . v_j: gamma(D) |dO_i|.|v_j|; dS_ij = p_ij (dP_ij - D_i):
-      |dS_ij| (eps_i + u_p) + p_ij (the dP and D bounds);
+      D_i - dlse_i is one more rounding, u_a (|D_i| + |dlse_i|); dP_ij = dO_i . v_j: gamma(D)
+      |dO_i|.|v_j|; dS_ij = p_ij (dP_ij - D_i): |dS_ij| (eps_i + u_p) + p_ij (the dP and D bounds);
     - dq_i, dk_j: scale sum (dS's bound + gamma(n) |dS|) |k_j| or |q_i|;
     - every result is then rounded to the storage dtype: u_s |x|, and absolutely half float16's
       smallest subnormal, or float32's smallest normal (flushed under -ftz) for bfloat16 and

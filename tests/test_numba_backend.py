@@ -119,8 +119,8 @@ def test_modifiers_match_the_oracle(rng, device, mods, dtype):
 # in bias-11S1-float32), to keep the simulator's time down.
 ARRAY_SHAPE = (2, 7, 9, 4, 2, 5)
 ARRAY_CASES = [("bias", np.float32), ("bias", np.float64), ("bias-1HSS", np.float16), ("bias-B11S", np.float32),
-               ("bias-11S1-float32", np.float16), ("bias-1111", np.float64), ("bias-SS", np.float32), ("mask", np.float32),
-               ("mask-key-padding", np.float16), ("all", np.float32), ("all", np.float16),
+               ("bias-11S1-float32", np.float16), ("bias-1111", np.float64), ("bias-SS", np.float32),
+               ("mask", np.float32), ("mask-key-padding", np.float16), ("all", np.float32), ("all", np.float16),
                ("all-causal", np.float32)]  # all-causal's forward and backward in each dtype: tests/contract.py
 
 

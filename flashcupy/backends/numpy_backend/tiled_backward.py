@@ -143,7 +143,8 @@ def plan_backward(p) -> BackwardPlan:
 def prepare(p, b, dout, q, out, lse, heads, mods, dlse=None) -> tuple:
     """The pre-pass of batch b: Q1 = [scale log2(e) Q | -log2(e) lse] (a row that sees no key has
     lse -inf: -inf there gives it P = 0) and dO1 = [dO | -D], D_i = rowsum(dO_i ∘ O_i), for every
-    kv head (D - dlse_i with the gradient of lse), as stacks (kv heads, seqlen_q x group, D + 1) in the call's scratch; made in one task
+    kv head (D - dlse_i with the gradient of lse), as stacks (kv heads, seqlen_q x group, D + 1) in
+    the call's scratch; made in one task
     a worker (its few elementwise passes are mostly call overhead)."""
     acc, D = p.acc_dtype, p.head_dim
     Q1_all = pool.call_scratch.take("Q1", (p.heads_kv, p.seqlen_q * p.group, D + 1), acc)
