@@ -123,6 +123,8 @@ def varlen_case(rng, args):
 def cache_case(rng, args):
     """attention_with_kvcache of one random step: contiguous or paged (shuffled blocks, spare ones), appends,
     splits, modifiers; each sequence against the oracle on its keys, the caches as appended."""
+    import varlen_checks
+
     B, Hkv = int(rng.integers(1, 4)), int(rng.integers(1, 3))
     dtypes = [d for d in args.dtypes if not d.startswith("bfloat16")]  # a cache of bfloat16 bits: not drawn
     Hq, D, dtype = Hkv * int(rng.integers(1, 4)), int(rng.choice(args.head_dims)), np.dtype(str(rng.choice(dtypes)))
@@ -151,12 +153,7 @@ def cache_case(rng, args):
     splits = None if rng.random() < 0.5 else int(rng.integers(1, 5))
     yield _describe(B=B, Sq=Sq, new=new, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype.name,
                     block_size=block, lengths=lengths.tolist(), num_splits=splits, **mods)
-    rows = [(k_cache[table[b]].reshape(-1, Hkv, D), v_cache[table[b]].reshape(-1, Hkv, D)) if table is not None
-            else (k_cache[b].copy(), v_cache[b].copy()) for b in range(B)]
-    for b in range(B):
-        for keys, appended in zip(rows[b], (k_new, v_new)):
-            if new:
-                keys[lengths[b]:lengths[b] + new] = appended[b]
+    rows = varlen_checks.appended_rows(k_cache, v_cache, table, lengths, k_new, v_new)
     with contract.CONTEXTS[args.backend](args.path, args.order):
         out, lse = flashcupy.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
                                                     block_table=table, num_splits=splits, return_lse=True,

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from conftest import BF16, assert_matches_oracle, bf16_ties
-from varlen_checks import (appends_across_a_block_boundary, cache_inputs, packed_batch_matches_the_oracle,
-                           packed_inputs, per_sequence_alibi_in_a_kvcache, split_cache_parts_round_once)
+from varlen_checks import (appended_rows, appends_across_a_block_boundary, cache_inputs,
+                           packed_batch_matches_the_oracle, packed_inputs, per_sequence_alibi_in_a_kvcache,
+                           split_cache_parts_round_once)
 
 import flashcupy
 
@@ -200,12 +201,7 @@ def test_random_caches_match_the_oracle(batch, heads, D, dtype, block_size, new,
         kc, vc = cache_inputs(rng, batch * per + 2, block_size, Hkv, D, dtype)
     q = rng.standard_normal((batch, Sq, Hq, D)).astype(dtype)
     kn, vn = (rng.standard_normal((batch, new, Hkv, D)).astype(dtype) if new else None for _ in range(2))
-    rows = [(kc[table[b]].reshape(-1, Hkv, D), vc[table[b]].reshape(-1, Hkv, D)) if table is not None
-            else (kc[b].copy(), vc[b].copy()) for b in range(batch)]
-    for b in range(batch):
-        for x, y in zip(rows[b], (kn, vn)):
-            if new:
-                x[lengths[b]:lengths[b] + new] = y[b]
+    rows = appended_rows(kc, vc, table, lengths, kn, vn)
     out, lse = flashcupy.attention_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lengths, block_table=table,
                                                 num_splits=splits, causal=causal, window=window, return_lse=True,
                                                 backend="numpy")

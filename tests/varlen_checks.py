@@ -69,6 +69,20 @@ def cache_inputs(rng, batch, capacity, Hkv, D, dtype=np.float32):
     return (rng.standard_normal((batch, capacity, Hkv, D)).astype(dtype) for _ in range(2))
 
 
+def appended_rows(k_cache, v_cache, table, lengths, k_new, v_new) -> list:
+    """Each sequence's (keys, values) as attention_with_kvcache should leave them: its rows of the cache
+    (through the block table where paged; copies), with k_new, v_new (or None) written after its
+    lengths[b] cached tokens."""
+    Hkv, D = k_cache.shape[2:]
+    rows = [(k_cache[table[b]].reshape(-1, Hkv, D), v_cache[table[b]].reshape(-1, Hkv, D)) if table is not None
+            else (k_cache[b].copy(), v_cache[b].copy()) for b in range(len(lengths))]
+    for b, (keys, values) in enumerate(rows):
+        if k_new is not None:
+            n = k_new.shape[1]
+            keys[lengths[b]:lengths[b] + n], values[lengths[b]:lengths[b] + n] = k_new[b], v_new[b]
+    return rows
+
+
 def appends_across_a_block_boundary(rng, backend):
     """Two new tokens after 7 (and 15) cached ones in blocks of 8, through a block table whose blocks
     are neither in order nor back to back: each token lands in the block its position names (and
