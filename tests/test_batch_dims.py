@@ -34,15 +34,18 @@ def run(q, k, v, dout, **kw):
 
 
 def check(q, k, v, dout, **kw):
-    """Forward and backward (dbias with a bias) against the oracle; the results' shapes."""
-    got = run(q, k, v, dout, **kw)
+    """Forward and backward (dbias with a bias; a gradient of lse too, folded as lse) against the
+    oracle; the results' shapes."""
+    out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
+    dlse = np.random.default_rng(lse.size).standard_normal(lse.shape).astype(lse.dtype)
+    got = (out, lse, *flashcupy.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **kw))
     batch = q.shape[:-3]
     assert got[0].shape == q.shape and got[1].shape == batch + (q.shape[-2], q.shape[-3])
     assert got[3].shape == k.shape and got[4].shape == v.shape
     if kw.get("bias") is not None:
         assert got[5].shape == kw["bias"].shape and got[5].dtype == kw["bias"].dtype
     assert_matches_oracle(got, q, k, v, dout, **{n: x for n, x in kw.items() if n != "backend"},
-                          backend=kw.get("backend", "numpy"))
+                          backend=kw.get("backend", "numpy"), dlse=dlse)
     return got
 
 
@@ -115,7 +118,7 @@ def test_a_bias_broadcast_over_a_looped_dimension_sums_in_a_fixed_order(rng):
     fold = _batch.Fold((2, 3), [q, k, v], [bias])
     assert fold.looped == (0,), fold.looped  # the bias broadcasts over a looped dimension
     first = check(q, k, v, dout, bias=bias)
-    np.testing.assert_array_equal(run(q, k, v, dout, bias=bias)[5], first[5])
+    np.testing.assert_array_equal(check(q, k, v, dout, bias=bias)[5], first[5])  # the same dlse, the same bits
 
 
 @pytest.mark.parametrize("layout, calls", [

@@ -113,7 +113,7 @@ def test_autograd_gradients_match_the_oracle(rng, dtype):
         assert_matches_oracle(got, q, k, v, dout, causal=True, bias=bias, mask=mask, backend="numpy", dlse=dlse)
 
 
-def test_a_loss_of_lse_alone(rng):
+def test_a_loss_of_lse_alone(rng, monkeypatch):
     """lse's gradient without out's (autograd passes no dout): the oracle's with dout zero, for attention
     and a packed batch; a loss of out alone passes no dlse (the same bits as the backward without it)."""
     q, k, v = make_qkv(rng, 1, 7, 9, 2, 1, 8, np.float32)
@@ -133,12 +133,19 @@ def test_a_loss_of_lse_alone(rng):
         assert_matches_oracle([_np(pout)[None, rows], _np(plse)[None, :, rows],
                                *(_np(x.grad)[None, rows] for x in (pq, pk, pv))], *one, np.zeros_like(one[0]),
                               causal=True, backend="numpy", dlse=dlse[:, :, rows])
+    # a loss of out alone: the backward gets no dlse (not zeros to subtract), and the loss of lse alone a dout
+    # of zeros
+    from flashcupy import _api
+    given = []
+    backward = _api.backward
+    monkeypatch.setattr(_api, "backward", lambda *a, **kw: given.append(kw["dlse"]) or backward(*a, **kw))
     tq.grad = None
     out = flashcupy.attention(tq, tk, tv, causal=True)
     out.backward(_t(np.ones_like(q)))
     out_, lse_ = flashcupy.attention(q, k, v, causal=True, return_lse=True)
     np.testing.assert_array_equal(_np(tq.grad), flashcupy.attention_backward(np.ones_like(q), q, k, v, out_, lse_,
                                                                              causal=True)[0])
+    assert given[0] is None
 
 
 def test_bias_gradients(rng):
