@@ -214,6 +214,18 @@ def check_broadcastable(name: str, x, full: tuple) -> None:
                              f"{n}, not {f} or 1, in shape {tuple(x.shape)}")
 
 
+def check_bias_dtype(dtype, carrier: np.dtype) -> None:
+    """A bias holds q's dtype (its carrier: bits with dtype="bfloat16") or float32."""
+    if np.dtype(dtype) not in (carrier, np.dtype(np.float32)):
+        also = "" if carrier == np.float32 else " or float32"
+        raise TypeError(f"bias must have q's dtype {carrier}{also}, got {np.dtype(dtype)}")
+
+
+def check_mask_dtype(dtype) -> None:
+    if np.dtype(dtype) != np.dtype(bool):
+        raise TypeError(f"mask must have dtype bool (True: may attend), got {np.dtype(dtype)}")
+
+
 def check_leading(lib: str, q, k, v, alibi_slopes=None, bias=None, mask=None) -> tuple:
     """The leading (batch) dimensions q, k and v share; with more than one, the checks its rank-4
     parts cannot make on their views (flashcupy/_batch.py): the modifier arrays' shapes against
@@ -256,15 +268,12 @@ def check_modifiers(lib, p: Problem, window, softcap, alibi_slopes, bias, mask) 
     if bias is not None:
         check_modifier_array("bias", bias, lib)
         check_broadcastable("bias", bias, full)
-        if np.dtype(bias.dtype) not in (p.carrier, np.dtype(np.float32)):
-            also = "" if p.carrier == np.float32 else " or float32"
-            raise TypeError(f"bias must have q's dtype {p.carrier}{also}, got {np.dtype(bias.dtype)}")
+        check_bias_dtype(bias.dtype, p.carrier)
         found["bias"] = _batch.padded(bias, 4)  # the backends take rank 4: a view
     if mask is not None:
         check_modifier_array("mask", mask, lib)
         check_broadcastable("mask", mask, full)
-        if np.dtype(mask.dtype) != np.dtype(bool):
-            raise TypeError(f"mask must have dtype bool (True: may attend), got {np.dtype(mask.dtype)}")
+        check_mask_dtype(mask.dtype)
         found["mask"] = _batch.padded(mask, 4)
     return found
 

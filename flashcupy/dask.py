@@ -11,12 +11,14 @@ The graph (extra `dask`): for each (batch chunk, head chunk, query chunk), one t
 that some of its queries see under causal and window; pairs outside the band are not in the graph.
 Each pair is an ordinary `flashcupy.attention` call on the chunks (NumPy or CuPy: the backend
 follows the chunk type), told the chunks' global positions as its diagonal offset, so causal,
-window and ALiBi mean what they mean on the whole arrays. The pairs' (out, lse) are combined by
-the lse rule of `flashcupy.merge` in a tree, in the accumulation dtype, and stored once.
+window and ALiBi mean what they mean on the whole arrays; a bias or mask, on the grid of the
+pairs, gives each pair its own block. The pairs' (out, lse) are combined by the lse rule of
+`flashcupy.merge` in a tree, in the accumulation dtype, and stored once.
 
 The backward runs every pair again with the global out and lse (P = exp(s - lse) and
 D = rowsum(dout ∘ out) are then exactly the whole call's), and sums dq over key chunks and dk, dv
-over query chunks, each in a tree of fixed shape: the bits do not depend on the scheduler.
+over query chunks, and dbias over the pairs that share a bias block (every chunk along a dimension
+the bias broadcasts), each in a tree of fixed shape: the bits do not depend on the scheduler.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import itertools
 
 import numpy as np
 
-from . import _api, _checks, _merge, backends
+from . import _api, _batch, _checks, _merge, backends
 from ._problem import accumulation_dtype
 
 SPLIT_EVERY = 2  # parts per merge or sum task: a binary tree frees pair results soonest (fan-in 8: 2x the memory)
@@ -54,7 +56,7 @@ class _Plan:
     """The validated call: the Problem of the whole arrays, the chunk grids, and which pairs of a
     query chunk and a key chunk some query sees."""
 
-    def __init__(self, q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype):
+    def __init__(self, q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias=None, mask=None):
         da, _, _ = _dask()
         for name, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, da.Array):
@@ -93,12 +95,54 @@ class _Plan:
                 f"q's head chunks must be k's and v's times the group size {g} (each query head chunk "
                 f"holds the query heads of one kv head chunk), got q {q.chunks[L + 1]} and k {k.chunks[L + 1]} "
                 f"(q.rechunk({{{L + 1}: {tuple(g * c for c in k.chunks[L + 1])}}}))")
+        # bias and mask: the whole arrays' checks here, then one block per pair (see modifier)
+        full = self.batch + (q.shape[-2], q.shape[-3], k.shape[-3])
+        grid = q.chunks[:L] + (q.chunks[L + 1], q.chunks[L], k.chunks[L])
+        if bias is not None:
+            self._check_modifier("bias", bias, full)
+            _checks.check_bias_dtype(bias.dtype, self.p.carrier)
+        if mask is not None:
+            self._check_modifier("mask", mask, full)
+            _checks.check_mask_dtype(mask.dtype)
+        self.given_bias = bias
+        self.bias, self.mask = _on_grid(bias, full, grid), _on_grid(mask, full, grid)
         self.window, self.softcap, self.alibi = window, softcap, alibi_slopes
         self.causal, self.scale, self.backend, self.dtype = causal, scale, backend, dtype
         self.q_chunks, self.k_chunks = q.chunks[L:], k.chunks[L:]  # (sequence, heads, head_dim)
         self.batch_chunks = q.chunks[:L]
         self.q_off, self.k_off = _offsets(q.chunks[L]), _offsets(k.chunks[L])
         self.b_off, self.h_off = [_offsets(c) for c in q.chunks[:L]], _offsets(q.chunks[L + 1])
+
+    def _check_modifier(self, name, x, full):
+        da, _, _ = _dask()
+        if isinstance(x, da.Array):
+            lib = backends.array_library(x._meta)
+            if lib != self.lib:
+                raise TypeError(f"{name}'s chunks must be of q's array library {self.lib}, "
+                                f"got {_checks.describe(x._meta)}")
+            if not np.dtype(x.dtype).isnative:
+                raise TypeError(f"{name} must have native byte order, got {np.dtype(x.dtype).str}")
+        else:  # an array of the chunks' library, as attention takes it (made a dask array in _on_grid)
+            _checks.check_modifier_array(name, x, self.lib)
+        _checks.check_broadcastable(name, x, full)
+
+    def block(self, x, b: tuple, h: int, i: int, j: int):
+        """The key of x's (the bias's or the mask's, on the grid) block for the pair of query chunk i
+        and key chunk j of batch block b and head chunk h; None without x."""
+        if x is None:
+            return None
+        return (x.name, *(0 if len(c) == 1 else n for c, n in zip(x.chunks, (*b, h, i, j))))
+
+    def as_given(self, dbias):
+        """dbias on the grid in the bias's own shape, and chunks where it came as a dask array."""
+        da, _, _ = _dask()
+        given = self.given_bias
+        dbias = dbias[(0,) * (dbias.ndim - given.ndim)]
+        return dbias.rechunk(given.chunks) if isinstance(given, da.Array) else dbias
+
+    def modifiers(self) -> list:
+        """The bias and mask on the grid, those given."""
+        return [x for x in (self.bias, self.mask) if x is not None]
 
     def batch_blocks(self):
         """The chunk indices along the leading dimensions, one tuple per batch block."""
@@ -134,9 +178,24 @@ class _Plan:
 # the tasks (plain functions of chunks: they run on whichever worker the scheduler picks)
 
 
-def _pair_forward(q, k, v, diagonal, kw):
+def _on_grid(x, full: tuple, grid: tuple):
+    """x (bias or mask: a dask array, or an array of the chunks' library, wrapped without a copy or
+    a hash of its contents) as a dask array of full rank, chunked as the pairs are: q's chunks along
+    the batch dimensions, heads_q and seqlen_q, k's along seqlen_k, and one chunk of 1 along each
+    dimension it broadcasts (each pair's block is then a view the kernels broadcast themselves)."""
+    if x is None:
+        return None
+    da, _, _ = _dask()
+    rank = len(full)
+    chunks = tuple(g if n == f else (1,) for n, f, g in zip((1,) * (rank - x.ndim) + tuple(x.shape), full, grid))
+    if not isinstance(x, da.Array):
+        return da.from_array(_batch.padded(x, rank), chunks=chunks, name=False)
+    return x[(None,) * (rank - x.ndim)].rechunk(chunks)
+
+
+def _pair_forward(q, k, v, bias, mask, diagonal, kw):
     """One pair: (out, lse) with out in the accumulation dtype, ready to merge."""
-    out, lse = _api.forward(q, k, v, diagonal=diagonal, **kw)
+    out, lse = _api.forward(q, k, v, bias=bias, mask=mask, diagonal=diagonal, **kw)
     value, _ = _checks.check_dtypes({"q": q}, kw["dtype"])
     xp = _merge.library(q)
     return _merge.widen(xp, out, value, accumulation_dtype(value)), lse
@@ -169,13 +228,19 @@ def _lse(part):
     return part[1]
 
 
-def _pair_backward(dout, q, k, v, out, lse, dlse, diagonal, kw):
-    """One pair's (dq, dk, dv) in the accumulation dtype, ready to sum (dlse, the gradient of lse, or
-    None: each pair adds P dlse over its own keys, P from the whole row's lse)."""
-    grads = _api.backward(dout, q, k, v, out, lse, dlse=dlse, diagonal=diagonal, **kw)
+def _pair_backward(dout, q, k, v, out, lse, dlse, bias, mask, diagonal, kw):
+    """One pair's (dq, dk, dv), and dbias with a bias, in the accumulation dtype, ready to sum (dlse,
+    the gradient of lse, or None: each pair adds P dlse over its own keys, P from the whole row's
+    lse)."""
     value, _ = _checks.check_dtypes({"q": q}, kw["dtype"])
+    acc = accumulation_dtype(value)
     xp = _merge.library(q)
-    return tuple(_merge.widen(xp, g, value, accumulation_dtype(value)) for g in grads)
+    if bias is not None and bias.dtype != acc:
+        # the same values (widened exactly: a dtype bias may hold), so the pair's dbias comes in the
+        # accumulation dtype and is rounded once, after the sum over pairs
+        bias = _merge.widen(xp, bias, value, acc)
+    grads = _api.backward(dout, q, k, v, out, lse, bias=bias, mask=mask, dlse=dlse, diagonal=diagonal, **kw)
+    return tuple(_merge.widen(xp, g, value, acc) for g in grads[:3]) + grads[3:]
 
 
 def _add(*xs):
@@ -199,6 +264,15 @@ def _zeros_like(x, kw):
 def _store_grad(total, like, kw):
     value, carrier = _checks.check_dtypes({"x": like}, kw["dtype"])
     return _merge.store(_merge.library(like), total, value, carrier)
+
+
+def _store_dbias(total, value, carrier):
+    """dbias summed over pairs, rounded once to the bias's dtype (q's values' or float32)."""
+    return _merge.store(_merge.library(total), total, value, carrier)
+
+
+def _zeros(like, dtype):
+    return _merge.library(like).zeros(like.shape, dtype)
 
 
 # ----------------------------------------------------------------------------
@@ -244,6 +318,7 @@ def _forward_graph(plan: _Plan, q, k, v, token: str):
             for j in js:
                 key = (part_name, *b, i, h, j)
                 graph[key] = (_pair_forward, qk, (k.name, *b, j, h, 0), (v.name, *b, j, h, 0),
+                              plan.block(plan.bias, b, h, i, j), plan.block(plan.mask, b, h, i, j),
                               plan.diagonal(i, j), kw)
                 parts.append(key)
             merged = _tree(graph, merged_name, (*b, i, h), parts, _merge_parts)
@@ -267,38 +342,43 @@ def _lse_chunks(q):
 
 def _forward(plan: _Plan, q, k, v):
     da, tokenize, HighLevelGraph = _dask()
-    token = tokenize(q, k, v, plan.causal, plan.window, plan.softcap, plan.alibi, plan.scale, plan.backend,
-                     plan.dtype)
+    token = tokenize(q, k, v, plan.causal, plan.window, plan.softcap, plan.alibi, plan.bias, plan.mask, plan.scale,
+                     plan.backend, plan.dtype)
     graph, lse_graph, out_name, lse_name = _forward_graph(plan, q, k, v, token)
     # one layer per output array, as dask wants; lse's layer reads the merged parts in out's
-    out = da.Array(HighLevelGraph.from_collections(out_name, graph, dependencies=[q, k, v]), out_name, q.chunks,
+    inputs = [q, k, v] + plan.modifiers()
+    out = da.Array(HighLevelGraph.from_collections(out_name, graph, dependencies=inputs), out_name, q.chunks,
                    meta=_meta(q, q.ndim, plan.p.carrier))
     lse = da.Array(HighLevelGraph.from_collections(lse_name, lse_graph, dependencies=[out]), lse_name,
                    _lse_chunks(q), meta=_meta(q, q.ndim - 1, plan.p.lse_dtype))
     return out, lse
 
 
-def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, scale=None,
-              return_lse=False, backend="auto", dtype=None):
+def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
+              scale=None, return_lse=False, backend="auto", dtype=None):
     """flashcupy.attention on dask arrays (BSHD, chunked along batch, sequence and heads; head_dim
     in one chunk; q's head chunks the kv head chunks times the group size). Returns lazy out (q's
     chunks), and lse (batch, heads_q, seqlen_q) with return_lse=True. alibi_slopes is an array of
-    the chunks' library, not a dask array."""
+    the chunks' library, not a dask array. bias and mask (as attention's, broadcastable to
+    (*batch, heads_q, seqlen_q, seqlen_k)) are dask arrays, rechunked to q's and k's chunks
+    (one chunk along a dimension they broadcast), or arrays of the chunks' library."""
     return_lse = _checks.check_bool("return_lse", return_lse)
-    plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype)
+    plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias, mask)
     out, lse = _forward(plan, q, k, v)
     return (out, lse) if return_lse else out
 
 
 def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse=None):
     da, tokenize, HighLevelGraph = _dask()
-    token = tokenize(dout, q, k, v, out, lse, dlse, plan.causal, plan.window, plan.softcap, plan.alibi, plan.scale,
-                     plan.backend, plan.dtype)
-    graph = {"dq": {}, "dk": {}, "dv": {}}  # one layer per output; dk's and dv's read dq's pairs
+    token = tokenize(dout, q, k, v, out, lse, dlse, plan.causal, plan.window, plan.softcap, plan.alibi, plan.bias,
+                     plan.mask, plan.scale, plan.backend, plan.dtype)
+    outputs = ("dq", "dk", "dv") + (() if plan.bias is None else ("dbias",))
+    graph = {g: {} for g in outputs}  # one layer per output; dk's, dv's and dbias's read dq's pairs
     pair_name = f"flashcupy-pair-grad-{token}"
-    names = {g: f"flashcupy-attention-{g}-{token}" for g in ("dq", "dk", "dv")}
+    names = {g: f"flashcupy-attention-{g}-{token}" for g in outputs}
     nh, nk = len(plan.q_chunks[1]), len(plan.k_chunks[0])
     pairs = plan.pairs()
+    by_bias = {}  # {bias block: pairs that add to its dbias}, in the fixed order of the loops
     for b, h in itertools.product(list(plan.batch_blocks()), range(nh)):
         kw = plan.keywords(b, h)
         by_key = {j: [] for j in range(nk)}
@@ -307,11 +387,14 @@ def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse=None):
             parts = []
             for j in js:
                 key = (pair_name, *b, i, h, j)
+                bias = plan.block(plan.bias, b, h, i, j)
                 graph["dq"][key] = (_pair_backward, (dout.name, *b, i, h, 0), qk, (k.name, *b, j, h, 0),
                                     (v.name, *b, j, h, 0), (out.name, *b, i, h, 0), (lse.name, *b, h, i),
-                                    None if dlse is None else (dlse.name, *b, h, i), plan.diagonal(i, j), kw)
+                                    None if dlse is None else (dlse.name, *b, h, i), bias,
+                                    plan.block(plan.mask, b, h, i, j), plan.diagonal(i, j), kw)
                 parts.append(key)
                 by_key[j].append(key)
+                by_bias.setdefault(bias, []).append(key)
             graph["dq"][(names["dq"], *b, i, h, 0)] = _summed(graph["dq"], f"{names['dq']}-sum", (*b, i, h), parts,
                                                               0, qk, kw)
         for j, parts in by_key.items():
@@ -319,13 +402,30 @@ def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse=None):
             for g, index in (("dk", 1), ("dv", 2)):
                 graph[g][(names[g], *b, j, h, 0)] = _summed(graph[g], f"{names[g]}-sum", (*b, j, h), parts, index,
                                                             kk, kw)
+    if plan.bias is not None:
+        # every block of the bias on the grid: the sum of its pairs' dbias (a bias broadcast along a
+        # dimension sums the pairs of every chunk along it), or zeros where no pair sees its keys
+        carrier = np.dtype(plan.bias.dtype)
+        for index in itertools.product(*(range(len(c)) for c in plan.bias.chunks)):
+            block = (plan.bias.name, *index)
+            parts = by_bias.get(block, [])
+            if parts:
+                total = _tree(graph["dbias"], f"{names['dbias']}-sum", index, parts, _add,
+                              first=functools.partial(_add_gradient, 3))
+                graph["dbias"][(names["dbias"], *index)] = (_store_dbias, total, plan.p.dtype, carrier)
+            else:
+                graph["dbias"][(names["dbias"], *index)] = (_zeros, block, carrier)
     meta = _meta(q, q.ndim, plan.p.carrier)
-    inputs = [dout, q, k, v, out, lse] + ([] if dlse is None else [dlse])
+    inputs = [dout, q, k, v, out, lse] + ([] if dlse is None else [dlse]) + plan.modifiers()
     dq = da.Array(HighLevelGraph.from_collections(names["dq"], graph["dq"], dependencies=inputs),
                   names["dq"], q.chunks, meta=meta)
     dk, dv = (da.Array(HighLevelGraph.from_collections(names[g], graph[g], dependencies=[dq, k]), names[g],
                        k.chunks, meta=meta) for g in ("dk", "dv"))
-    return dq, dk, dv
+    if plan.bias is None:
+        return dq, dk, dv
+    dbias = da.Array(HighLevelGraph.from_collections(names["dbias"], graph["dbias"], dependencies=[dq, plan.bias]),
+                     names["dbias"], plan.bias.chunks, meta=_meta(q, plan.bias.ndim, plan.bias.dtype))
+    return dq, dk, dv, plan.as_given(dbias)
 
 
 def _summed(graph, name, index, parts, which, like, kw):
@@ -348,11 +448,12 @@ def _check_like(name, x, shape, dtype):
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None,
-                       scale=None, backend="auto", dtype=None, dlse=None):
-    """flashcupy.attention_backward on dask arrays: lazy (dq, dk, dv), chunked like q, k and v, from
-    the forward's out and lse (dask arrays; dout, out, lse and dlse, the gradient of lse or None, are
+                       bias=None, mask=None, scale=None, backend="auto", dtype=None, dlse=None):
+    """flashcupy.attention_backward on dask arrays: lazy (dq, dk, dv), chunked like q, k and v, and
+    with a bias dbias, of the bias's shape and dtype (and chunks, for a dask bias), from the
+    forward's out and lse (dask arrays; dout, out, lse and dlse, the gradient of lse or None, are
     rechunked to q's chunks if they differ)."""
-    plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype)
+    plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias, mask)
     _check_like("dout", dout, q.shape, plan.p.carrier)
     _check_like("out", out, q.shape, plan.p.carrier)
     _check_like("lse", lse, plan.batch + (q.shape[-2], q.shape[-3]), plan.p.lse_dtype)
@@ -362,12 +463,13 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, so
     return _backward(plan, dout.rechunk(q.chunks), q, k, v, out.rechunk(q.chunks), lse.rechunk(_lse_chunks(q)), dlse)
 
 
-def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, scale=None,
-                  backend="auto", dtype=None):
-    """Lazy forward plus its backward: returns (out, vjp), vjp(dout, dlse=None) -> lazy (dq, dk, dv)
-    chunked like q, k and v. dout (and dlse, the gradient of lse) is rechunked to q's chunks if it
-    differs. Computing out and the gradients in one dask.compute shares the forward."""
-    plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype)
+def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
+                  scale=None, backend="auto", dtype=None):
+    """Lazy forward plus its backward: returns (out, vjp), vjp(dout, dlse=None) -> lazy (dq, dk, dv),
+    or (dq, dk, dv, dbias) with a bias, chunked like q, k, v and the bias. dout (and dlse, the
+    gradient of lse) is rechunked to q's chunks if it differs. Computing out and the gradients in
+    one dask.compute shares the forward."""
+    plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias, mask)
     out, lse = _forward(plan, q, k, v)
 
     def vjp(dout, dlse=None):

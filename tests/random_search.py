@@ -267,18 +267,27 @@ def dask_case(rng, args):
         kw["window"] = (int(rng.integers(0, 30)), None if rng.random() < 0.5 else int(rng.integers(0, 30)))
     if rng.random() < 0.3:
         kw["softcap"] = float(rng.uniform(0.5, 3))
+    if rng.random() < 0.4:
+        shape = _broadcast_shape(rng, (B, Hkv * group, Sq, Sk))[int(rng.integers(0, 3)):]
+        kw["bias"] = rng.standard_normal(shape).astype(np.float32 if rng.random() < 0.3 else dtype)
+    if rng.random() < 0.3:
+        kw["mask"] = rng.random(_broadcast_shape(rng, (B, Hkv * group, Sq, Sk))) < 0.7
     rows, keys = int(rng.integers(1, Sq + 1)), int(rng.integers(1, Sk + 1))
     heads = int(rng.choice([h for h in range(1, Hkv + 1) if Hkv % h == 0]))
     yield _describe(B=B, Sq=Sq, Sk=Sk, Hq=Hkv * group, Hkv=Hkv, D=D, dtype=dtype.name, chunks=(rows, keys, heads), **kw)
     Q = da.from_array(q, chunks=(1, rows, heads * group, D))
     K, V = (da.from_array(x, chunks=(1, keys, heads, D)) for x in (k, v))
+    ref = dict(kw)
+    for name in ("bias", "mask"):  # half of them dask arrays in chunks of their own
+        if name in kw and rng.random() < 0.5:
+            kw[name] = da.from_array(kw[name], chunks=tuple(int(rng.integers(1, n + 1)) for n in kw[name].shape))
     dlse = rng.standard_normal((B, Hkv * group, Sq)).astype(np.float64 if dtype == np.float64 else np.float32)
     with dask.config.set(scheduler="synchronous"):
         out, lse = fdask.attention(Q, K, V, return_lse=True, **kw)
         grads = fdask.attention_backward(da.from_array(dout, chunks=Q.chunks), Q, K, V, out, lse,
                                          dlse=da.from_array(dlse), **kw)
         got = dask.compute(out, lse, *grads)
-    yield assert_matches_oracle(got, q, k, v, dout, backend=None, dlse=dlse, **kw)
+    yield assert_matches_oracle(got, q, k, v, dout, backend=None, dlse=dlse, **ref)
 
 
 SURFACES = {"attention": attention_case, "varlen": varlen_case, "cache": cache_case, "jax": jax_case,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import DTYPES, assert_matches_oracle, bf16_ties, make_qkv
+from conftest import BF16, DTYPES, assert_matches_oracle, bf16_bits, bf16_ties, make_qkv
 
 import flashcupy
 import flashcupy.dask as fdask
@@ -199,3 +199,102 @@ def test_leading_batch_dimensions(rng):
         got = dask.compute(out, lse, *vjp(da.from_array(dout, chunks=Q.chunks)), scheduler="sync")
         assert lse.chunks == ((1, 1), (2, 1), (2, 2), (7, 7, 5))
         assert_matches_oracle(got, q, k, v, dout, causal=True, alibi_slopes=slopes, backend=MERGED)
+
+
+# (name, q dtype, bias: (shape, dtype, dask chunks or None for an array of the chunks' library),
+# mask shape or None, keywords): a pair bias broadcast over the batch (AlphaFold), a rank-2 bias, a
+# key-padding mask that hides whole key chunks and the last rows' every key, a float32 bias under
+# float16, bfloat16 bits and float64 values (each pair's dbias summed in the accumulation dtype,
+# rounded once), a bias in chunks of its own, causal and a window (dbias blocks no pair reaches: 0)
+BIASED = [
+    ("pair-bias", np.float32, ((1, 4, 23, 29), np.float32, (1, 2, 5, 7)), None, dict(causal=True)),
+    ("rank2-mask", np.float32, ((23, 29), np.float32, None), (2, 1, 23, 29), dict(window=(4, 3))),
+    ("padding-mask", np.float16, ((2, 4, 23, 29), np.float16, None), (2, 1, 1, 29), {}),
+    ("float32-bias", np.float16, ((1, 1, 23, 29), np.float32, (1, 1, 23, 29)), None, dict(causal=True)),
+    ("bfloat16-bits", "bfloat16", ((2, 1, 23, 1), "bfloat16", (1, 1, 4, 1)), (1, 4, 23, 1), {}),
+    ("float64", np.float64, ((4, 1, 29), np.float32, None), (23, 29), dict(softcap=3.0)),
+]
+
+
+def _arrays(rng, dtype, shape):
+    """(what the call gets, what the oracle gets): bfloat16 as uint16 bits for both."""
+    x = rng.standard_normal(shape)
+    if dtype == "bfloat16":
+        x = bf16_bits(x.astype(BF16))
+        return x, x
+    return x.astype(dtype), x.astype(dtype)
+
+
+@pytest.mark.parametrize("name, dtype, bias_spec, mask_shape, mods", BIASED, ids=[c[0] for c in BIASED])
+def test_bias_and_mask_match_the_oracle(rng, name, dtype, bias_spec, mask_shape, mods):
+    q, k, v = (_arrays(rng, dtype, s)[0] for s in ((2, 23, 4, 8), (2, 29, 2, 8), (2, 29, 2, 8)))
+    dout = _arrays(rng, dtype, q.shape)[0]
+    shape, bias_dtype, chunks = bias_spec
+    bias = _arrays(rng, bias_dtype, shape)[0]
+    mask = None
+    if mask_shape is not None:
+        mask = rng.random(mask_shape) < 0.8
+        if mask.shape[-1] > 1:  # the first slice's last key chunk hidden: pairs that see no key at all
+            mask.reshape(-1, *mask.shape[-2:])[0, :, 16:] = False
+        if mask.shape[-2] > 1:
+            mask[..., -2:, :] = False  # rows that see no key
+    kind = "bfloat16" if dtype == "bfloat16" else None
+    Q, K, V = _chunked(q, k, v, (6, 1, 16), (8, 8, 13), heads_kv=2)
+    Bias = bias if chunks is None else da.from_array(bias, chunks=chunks)
+    out, vjp = fdask.attention_vjp(Q, K, V, bias=Bias, mask=mask, dtype=kind, **mods)
+    lse = fdask.attention(Q, K, V, bias=Bias, mask=mask, return_lse=True, dtype=kind, **mods)[1]
+    grads = vjp(da.from_array(dout, chunks=Q.chunks))
+    assert grads[3].shape == bias.shape and grads[3].dtype == bias.dtype
+    assert grads[3].chunks == (Bias.chunks if chunks is not None else grads[3].chunks)
+    got = dask.compute(out, lse, *grads, scheduler="threads")
+    assert_matches_oracle(got, q, k, v, dout, bias=bias, mask=mask, dtype=kind, backend=MERGED, **mods)
+
+
+def test_a_bias_broadcast_over_leading_dimensions(rng):
+    """MSA row attention: q (1, 3, S, H, D) chunked along the rows, the pair bias (1, 1, H, S, S)
+    shared by them: dbias sums every row chunk's pairs, in a fixed tree (the same bits under any
+    scheduler)."""
+    q, k, v = (rng.standard_normal((1, 3, 17, 2, 8)).astype(np.float32) for _ in range(3))
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    pair = da.from_array(rng.standard_normal((1, 1, 2, 17, 17)).astype(np.float32), chunks=(1, 1, 1, 9, 17))
+    Q, K, V = (da.from_array(x, chunks=(1, 1, 9, 1, -1)) for x in (q, k, v))
+    out, vjp = fdask.attention_vjp(Q, K, V, bias=pair)
+    grads = vjp(da.from_array(dout, chunks=Q.chunks))
+    lse = fdask.attention(Q, K, V, bias=pair, return_lse=True)[1]
+    got = dask.compute(out, lse, *grads, scheduler="sync")
+    assert grads[3].chunks == pair.chunks
+    assert_matches_oracle(got, q, k, v, dout, bias=pair.compute(), backend=MERGED)
+    np.testing.assert_array_equal(grads[3].compute(scheduler="threads"), got[-1])
+
+
+def test_pairs_outside_the_band_are_not_in_the_graph_with_a_bias(rng):
+    q, k, v = make_qkv(rng, 1, 32, 32, 1, 1, 8, np.float32)
+    Q, K, V = _chunked(q, k, v, 16, 16)
+    bias = da.from_array(rng.standard_normal((32, 32)).astype(np.float32), chunks=16)
+    out, vjp = fdask.attention_vjp(Q, K, V, causal=True, bias=bias)
+    assert len(_pair_tasks(out, "flashcupy-pair-")) == 3
+    dbias = vjp(da.from_array(np.ones_like(q), chunks=Q.chunks))[3]
+    assert len(_pair_tasks(dbias, "flashcupy-pair-grad-")) == 3
+    np.testing.assert_array_equal(dbias[:16, 16:].compute(), 0)  # the block above the diagonal
+
+
+BAD_MODIFIERS = [  # (what, keywords given q, k, v of (2, 8, 2, 8) float32, error, message)
+    ("bias shape", lambda: dict(bias=np.zeros((2, 3, 8, 8), np.float32)), ValueError, "bias must be broadcastable"),
+    ("bias dtype", lambda: dict(bias=da.zeros((8, 8), dtype=np.float64)), TypeError,
+     "bias must have q's dtype float32"),
+    ("bias rank", lambda: dict(bias=da.zeros((1, 2, 2, 8, 8), dtype=np.float32)), ValueError,
+     "bias must have rank at most"),
+    ("mask dtype", lambda: dict(mask=da.ones((8, 8), dtype=np.int8)), TypeError, "mask must have dtype bool"),
+    ("mask library", lambda: dict(mask=[[True] * 8] * 8), TypeError, "mask must be None or an array of q's library"),
+    ("bias byte order", lambda: dict(bias=da.from_array(np.zeros((8, 8), ">f4"))), TypeError,
+     "bias must have native byte order"),
+]
+
+
+@pytest.mark.parametrize("what, mods, error, message", BAD_MODIFIERS, ids=[b[0] for b in BAD_MODIFIERS])
+def test_bad_bias_and_mask_are_refused(rng, what, mods, error, message):
+    q, k, v = make_qkv(rng, 2, 8, 8, 2, 1, 8, np.float32)
+    Q, K, V = _chunked(q, k, v, 4, 4)
+    for call in (fdask.attention, fdask.attention_vjp):
+        with pytest.raises(error, match=message):
+            call(Q, K, V, **mods())
