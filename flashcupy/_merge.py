@@ -70,11 +70,11 @@ def _check(outs, lses, dtype) -> tuple:
 
 def widen(xp, x, value, acc=None):
     """x's values in the accumulation dtype (`acc`, by default value's): bfloat16 bit patterns
-    widened exactly."""
+    widened exactly; x itself where it already holds them (read it, never write it)."""
     acc = accumulation_dtype(value) if acc is None else acc
     if value == "bfloat16" and x.dtype.kind in "iu":
         return (x.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
-    return x.astype(acc)
+    return x.astype(acc, copy=False)
 
 
 def store(xp, x, value, carrier):
@@ -84,7 +84,7 @@ def store(xp, x, value, carrier):
         rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
         rounded = xp.where(xp.isnan(x), xp.uint32(0x7FC0), rounded)
         return rounded.astype(xp.uint16).view(carrier)
-    return x.astype(carrier)
+    return x.astype(carrier, copy=False)  # a float32 or float64 result is its own: no copy
 
 
 def part_weights(xp, lses, acc):

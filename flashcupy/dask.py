@@ -23,7 +23,6 @@ the bias broadcasts), each in a tree of fixed shape: the bits do not depend on t
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import numpy as np
@@ -251,9 +250,10 @@ def _add(*xs):
     return total
 
 
-def _add_gradient(which, *parts):
-    """The sum of one gradient (0: dq, 1: dk, 2: dv) over pairs' (dq, dk, dv)."""
-    return _add(*(part[which] for part in parts))
+def _gradient(which, grads):
+    """One gradient (0: dq, 1: dk, 2: dv, 3: dbias) of a pair's: its own task, so a sum on another
+    worker fetches that gradient alone, not the pair's tuple (with a bias, mostly dbias)."""
+    return grads[which]
 
 
 def _zeros_like(x, kw):
@@ -279,18 +279,10 @@ def _zeros(like, dtype):
 # the graph
 
 
-def _tree(graph: dict, name: str, index: tuple, parts: list, combine, first=None) -> tuple:
+def _tree(graph: dict, name: str, index: tuple, parts: list, combine) -> tuple:
     """Key of a task combining `parts` (keys) by `combine(*values)`, in a tree of at most
-    SPLIT_EVERY inputs per task, deterministic in shape and order; `first`, when given, combines
-    the parts themselves (the first level), `combine` what that gives."""
+    SPLIT_EVERY inputs per task, deterministic in shape and order."""
     level = 0
-    if first is not None:
-        groups = [parts[n:n + SPLIT_EVERY] for n in range(0, len(parts), SPLIT_EVERY)]
-        parts = []
-        for n, group in enumerate(groups):
-            graph[(name, 0, n) + index] = (first, *group)
-            parts.append((name, 0, n) + index)
-        level = 1
     while len(parts) > 1:
         groups = [parts[n:n + SPLIT_EVERY] for n in range(0, len(parts), SPLIT_EVERY)]
         parts = []
@@ -374,7 +366,7 @@ def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse=None):
                      plan.mask, plan.scale, plan.backend, plan.dtype)
     outputs = ("dq", "dk", "dv") + (() if plan.bias is None else ("dbias",))
     graph = {g: {} for g in outputs}  # one layer per output; dk's, dv's and dbias's read dq's pairs
-    pair_name = f"flashcupy-pair-grad-{token}"
+    pair_name, part_name = f"flashcupy-pair-grad-{token}", f"flashcupy-grad-part-{token}"
     names = {g: f"flashcupy-attention-{g}-{token}" for g in outputs}
     nh, nk = len(plan.q_chunks[1]), len(plan.k_chunks[0])
     pairs = plan.pairs()
@@ -392,16 +384,21 @@ def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse=None):
                                     (v.name, *b, j, h, 0), (out.name, *b, i, h, 0), (lse.name, *b, h, i),
                                     None if dlse is None else (dlse.name, *b, h, i), bias,
                                     plan.block(plan.mask, b, h, i, j), plan.diagonal(i, j), kw)
-                parts.append(key)
-                by_key[j].append(key)
-                by_bias.setdefault(bias, []).append(key)
+                part = {}  # each gradient of the pair a task of its own (_gradient)
+                for which, g in enumerate(outputs):
+                    part[g] = (f"{part_name}-{g}", *b, i, h, j)
+                    graph["dq"][part[g]] = (_gradient, which, key)
+                parts.append(part["dq"])
+                by_key[j].append(part)
+                if bias is not None:
+                    by_bias.setdefault(bias, []).append(part["dbias"])
             graph["dq"][(names["dq"], *b, i, h, 0)] = _summed(graph["dq"], f"{names['dq']}-sum", (*b, i, h), parts,
-                                                              0, qk, kw)
+                                                              qk, kw)
         for j, parts in by_key.items():
             kk = (k.name, *b, j, h, 0)
-            for g, index in (("dk", 1), ("dv", 2)):
-                graph[g][(names[g], *b, j, h, 0)] = _summed(graph[g], f"{names[g]}-sum", (*b, j, h), parts, index,
-                                                            kk, kw)
+            for g in ("dk", "dv"):
+                graph[g][(names[g], *b, j, h, 0)] = _summed(graph[g], f"{names[g]}-sum", (*b, j, h),
+                                                            [part[g] for part in parts], kk, kw)
     if plan.bias is not None:
         # every block of the bias on the grid: the sum of its pairs' dbias (a bias broadcast along a
         # dimension sums the pairs of every chunk along it), or zeros where no pair sees its keys
@@ -410,8 +407,7 @@ def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse=None):
             block = (plan.bias.name, *index)
             parts = by_bias.get(block, [])
             if parts:
-                total = _tree(graph["dbias"], f"{names['dbias']}-sum", index, parts, _add,
-                              first=functools.partial(_add_gradient, 3))
+                total = _tree(graph["dbias"], f"{names['dbias']}-sum", index, parts, _add)
                 graph["dbias"][(names["dbias"], *index)] = (_store_dbias, total, plan.p.dtype, carrier)
             else:
                 graph["dbias"][(names["dbias"], *index)] = (_zeros, block, carrier)
@@ -428,12 +424,12 @@ def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse=None):
     return dq, dk, dv, plan.as_given(dbias)
 
 
-def _summed(graph, name, index, parts, which, like, kw):
-    """The task storing the sum of gradient `which` over `parts`, in `like`'s dtype (zeros when no
+def _summed(graph, name, index, parts, like, kw):
+    """The task storing the sum of the gradients `parts` (keys), in `like`'s dtype (zeros when no
     pair reaches it)."""
     if not parts:
         return (_store_grad, (_zeros_like, like, kw), like, kw)
-    total = _tree(graph, name, index, parts, _add, first=functools.partial(_add_gradient, which))
+    total = _tree(graph, name, index, parts, _add)
     return (_store_grad, total, like, kw)
 
 

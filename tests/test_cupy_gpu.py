@@ -141,6 +141,29 @@ def test_packed_batch_keeps_each_sequence_to_itself(rng):
                               q[None, sq], k[None, sk], v[None, sk], dout[None, sq], causal=True, backend="cupy")
 
 
+def test_dask_with_cupy_chunks_and_a_pair_bias(rng):
+    # flashcupy.dask with CuPy chunks (each pair on the cupy backend), a pair bias shared by the batch
+    # as a dask array of CuPy blocks, a key-padding mask as a CuPy array, and dbias; against the oracle
+    # (dask travels as wheels: benchmarks/gpu_wheels.sh)
+    import cupy
+    da = pytest.importorskip("dask.array", reason="flashcupy.dask needs Dask (benchmarks/gpu_wheels.sh carries it)")
+    import dask
+    import flashcupy.dask as fdask
+    q, k, v = make_qkv(rng, 2, 300, 260, 4, 2, 64, np.float16)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    bias = rng.standard_normal((1, 4, 300, 260)).astype(np.float16)
+    mask = rng.random((2, 1, 1, 260)) < 0.9
+    mask[1, ..., 200:] = False  # the second batch element's last key chunk hidden from every row
+    Q = da.from_array(cupy.asarray(q), chunks=(1, 128, 2, -1))
+    K, V = (da.from_array(cupy.asarray(x), chunks=(1, 100, 1, -1)) for x in (k, v))
+    Bias = da.from_array(cupy.asarray(bias), chunks=(1, 2, 150, 130))
+    out, vjp = fdask.attention_vjp(Q, K, V, causal=True, bias=Bias, mask=cupy.asarray(mask))
+    lse = fdask.attention(Q, K, V, causal=True, bias=Bias, mask=cupy.asarray(mask), return_lse=True)[1]
+    got = dask.compute(out, lse, *vjp(da.from_array(cupy.asarray(dout), chunks=Q.chunks)), scheduler="threads")
+    assert all(isinstance(x, cupy.ndarray) for x in got)
+    assert_matches_oracle([x.get() for x in got], q, k, v, dout, causal=True, bias=bias, mask=mask, backend=None)
+
+
 @pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
 @pytest.mark.parametrize("switch, case", [
     ("SM90_WIDE", (1, 300, 500, 2, 1, 128, False)), ("SM90_WIDE", (1, 200, 450, 2, 2, 64, False)),
