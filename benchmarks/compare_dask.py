@@ -39,6 +39,9 @@ import flashcupy.dask as fdask
 from flashcupy._problem import default_scale
 from flashcupy.backends import numpy_backend
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare_cpu import sgemm_rate  # noqa: E402
+
 
 def _inputs(seqlen, heads, head_dim, seed=0):
     rng = np.random.default_rng(seed)
@@ -180,7 +183,8 @@ def report(result) -> str:
     env = result["environment"]
     lines = ["# flashcupy.dask on a LocalCluster vs one NumPy-backend call", "",
              f"`python benchmarks/compare_dask.py` ({env['date']}; {env['machine']}, {env['cores']} cores; numpy "
-             f"{env['numpy']}, dask {env['dask']}; flashcupy {env['commit']}). float32, B=1, causal.", ""]
+             f"{env['numpy']}, dask {env['dask']}; flashcupy {env['commit']}). float32, B=1, causal. NumPy sgemm "
+             f"(4096³, default BLAS threads) before the run: {env.get('sgemm_gflops', float('nan')):.0f} GFLOP/s.", ""]
     for c in result["cluster"]:
         ws = result["pair_working_set_bytes"]
         extra = [p - b for p, b in zip(c["worker_peak_bytes"], c["worker_baseline_bytes"])]
@@ -236,6 +240,7 @@ def main(argv=None) -> int:
     result = dict(environment=dict(date=time.strftime("%Y-%m-%d %H:%M"), machine=platform.machine(),
                                    cores=os.cpu_count(), numpy=np.__version__, dask=dask.__version__,
                                    commit=commit, load_average=os.getloadavg()))
+    result["environment"]["sgemm_gflops"] = sgemm_rate()
     result["pair_working_set_bytes"] = pair_working_set(args.chunk, args.heads, args.head_dim, args.bias)
     result["cluster"] = [cluster_case(args.seqlen, args.heads, args.head_dim, args.chunk, args.workers, args.bias)]
     if args.long:
