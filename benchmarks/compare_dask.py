@@ -8,9 +8,9 @@
 1. One NumPy-backend call (forward, then backward) on the whole float32 arrays, B=1, H=8, D=64,
    causal, against flashcupy.dask on a `distributed.LocalCluster` of 2 worker processes with one
    thread each (and the NumPy backend told to use one thread in each), sequence chunks of 4096.
-   ratio = dask's time / the single call's (target: at most 1.5). Each is timed once after a
-   warm-up call, dask's results persisted on the workers (not gathered); the cluster's start-up
-   is not counted.
+   ratio = dask's time / the single call's (target: at most 1.5). Each side's best of --repeat
+   runs (3) after a warm-up, dask's results persisted on the workers (not gathered); the
+   cluster's start-up is not counted.
 2. Peak memory per worker: tracemalloc's peak inside each worker (NumPy reports its buffers to
    tracemalloc) during a forward and backward before the timed ones (tracing slows Python, so it is
    off while timing), against one pair's working set measured the same way in this process: one
@@ -90,15 +90,19 @@ def pair_working_set(chunk, heads, head_dim, bias=False) -> int:
     return peak
 
 
-def cluster_case(seqlen, heads, head_dim, chunk, workers, bias=False) -> dict:
+def cluster_case(seqlen, heads, head_dim, chunk, workers, bias=False, repeat=3) -> dict:
     import dask.array as da
     import distributed
 
     q, k, v, dout = _inputs(seqlen, heads, head_dim)
     kw = {"bias": _bias(seqlen, chunk).compute(scheduler="threads")} if bias else {}
-    single_fwd, (out, lse) = _timed(lambda: flashcupy.attention(q, k, v, causal=True, return_lse=True, **kw))
-    single_fwd, (out, lse) = _timed(lambda: flashcupy.attention(q, k, v, causal=True, return_lse=True, **kw))
-    single_bwd, grads = _timed(lambda: flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True, **kw))
+    flashcupy.attention(q, k, v, causal=True, **kw)  # warm-up
+    single = []
+    for _ in range(repeat):
+        fwd, (out, lse) = _timed(lambda: flashcupy.attention(q, k, v, causal=True, return_lse=True, **kw))
+        bwd, grads = _timed(lambda: flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True, **kw))
+        single.append((fwd, bwd))
+    single_fwd, single_bwd = (min(t[n] for t in single) for n in (0, 1))
 
     chunks = (1, chunk, heads, -1)
     with distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
@@ -121,11 +125,15 @@ def cluster_case(seqlen, heads, head_dim, chunk, workers, bias=False) -> dict:
             distributed.wait([f for g in grads for f in distributed.futures_of(g)])
             return grads
 
-        def run_and_forget():
+        def run_and_forget(times=None):
             """A forward and backward whose results the workers then drop, so the next run computes
-            its tasks (the same keys) again."""
+            its tasks (the same keys) again; with `times`, each pass's seconds appended to it."""
+            t0 = time.perf_counter()
             results = [*forward()]
+            t1 = time.perf_counter()
             results += backward(*results)
+            if times is not None:
+                times.append((t1 - t0, time.perf_counter() - t1))
             keys = {f.key for x in results for f in distributed.futures_of(x)}
             del results
             while client.run_on_scheduler(lambda dask_scheduler: any(k in dask_scheduler.tasks for k in keys)):
@@ -136,18 +144,19 @@ def cluster_case(seqlen, heads, head_dim, chunk, workers, bias=False) -> dict:
         run_and_forget()
         peaks = client.run(_worker_peak)
         client.run(tracemalloc.stop)  # tracing slows the workers' Python: off while timing
-        t0 = time.perf_counter()
+        times = []
+        for _ in range(repeat):
+            run_and_forget(times)
+        dask_fwd, dask_bwd = (min(t[n] for t in times) for n in (0, 1))
         o, l = forward()
-        dask_fwd = time.perf_counter() - t0
-        t0 = time.perf_counter()
         grads_dask = backward(o, l)
-        dask_bwd = time.perf_counter() - t0
         got_out = o.compute()
         dq, *rest = client.gather(client.compute(grads_dask))
     err = float(np.abs(got_out - out).max())
     err_dq = float(np.abs(dq - grads[0]).max())
     err_dbias = float(np.abs(rest[2] - grads[3]).max()) if bias else None
-    return dict(seqlen=seqlen, heads=heads, head_dim=head_dim, chunk=chunk, workers=workers, bias=bias,
+    return dict(seqlen=seqlen, heads=heads, head_dim=head_dim, chunk=chunk, workers=workers, bias=bias, repeat=repeat,
+                single_runs_s=single, dask_runs_s=times,
                 max_abs_diff_dbias=err_dbias,
                 single_forward_s=single_fwd, single_backward_s=single_bwd, dask_forward_s=dask_fwd,
                 dask_backward_s=dask_bwd, worker_peak_bytes=[peaks[w] for w in sorted(peaks)],
@@ -191,6 +200,7 @@ def report(result) -> str:
         with_bias = f", pair bias (1, 1, {c['seqlen']}, {c['seqlen']}) and dbias" if c.get("bias") else ""
         lines += [f"## S={c['seqlen']}, H={c['heads']}, D={c['head_dim']}, chunks of {c['chunk']}, "
                   f"{c['workers']} worker processes x 1 thread{with_bias}", "",
+                  f"Best of {c.get('repeat', 1)} timed runs each.", "",
                   "| pass | one call (2 threads) | dask | dask / one call | target |", "|---|---|---|---|---|",
                   f"| forward | {c['single_forward_s']:.2f} s | {c['dask_forward_s']:.2f} s | "
                   f"{c['dask_forward_s'] / c['single_forward_s']:.2f}x | <= 1.5x |",
@@ -222,6 +232,7 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs of each side (the best is kept)")
     ap.add_argument("--bias", action="store_true", help="with a pair bias (1, 1, S, S) and its dbias")
     ap.add_argument("--long", type=int, default=0, help="also a causal forward of this many tokens (0: skip)")
     ap.add_argument("--long-heads", type=int, default=8)
@@ -242,7 +253,8 @@ def main(argv=None) -> int:
                                    commit=commit, load_average=os.getloadavg()))
     result["environment"]["sgemm_gflops"] = sgemm_rate()
     result["pair_working_set_bytes"] = pair_working_set(args.chunk, args.heads, args.head_dim, args.bias)
-    result["cluster"] = [cluster_case(args.seqlen, args.heads, args.head_dim, args.chunk, args.workers, args.bias)]
+    result["cluster"] = [cluster_case(args.seqlen, args.heads, args.head_dim, args.chunk, args.workers, args.bias,
+                                    args.repeat)]
     if args.long:
         result["long"] = long_forward(args.long, args.long_heads, args.head_dim, args.chunk)
     text = report(result)
