@@ -94,7 +94,7 @@ class _Plan:
                 f"q's head chunks must be k's and v's times the group size {g} (each query head chunk "
                 f"holds the query heads of one kv head chunk), got q {q.chunks[L + 1]} and k {k.chunks[L + 1]} "
                 f"(q.rechunk({{{L + 1}: {tuple(g * c for c in k.chunks[L + 1])}}}))")
-        # bias and mask: the whole arrays' checks here, then one block per pair (see modifier)
+        # bias and mask: the whole arrays' checks here, then one block per pair (_on_grid, block)
         full = self.batch + (q.shape[-2], q.shape[-3], k.shape[-3])
         grid = q.chunks[:L] + (q.chunks[L + 1], q.chunks[L], k.chunks[L])
         if bias is not None:
