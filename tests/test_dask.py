@@ -216,21 +216,18 @@ BIASED = [
 ]
 
 
-def _arrays(rng, dtype, shape):
-    """(what the call gets, what the oracle gets): bfloat16 as uint16 bits for both."""
+def _array(rng, dtype, shape):
+    """A random normal array of dtype; "bfloat16" as uint16 bits (what the call and the oracle get)."""
     x = rng.standard_normal(shape)
-    if dtype == "bfloat16":
-        x = bf16_bits(x.astype(BF16))
-        return x, x
-    return x.astype(dtype), x.astype(dtype)
+    return bf16_bits(x.astype(BF16)) if dtype == "bfloat16" else x.astype(dtype)
 
 
 @pytest.mark.parametrize("name, dtype, bias_spec, mask_shape, mods", BIASED, ids=[c[0] for c in BIASED])
 def test_bias_and_mask_match_the_oracle(rng, name, dtype, bias_spec, mask_shape, mods):
-    q, k, v = (_arrays(rng, dtype, s)[0] for s in ((2, 23, 4, 8), (2, 29, 2, 8), (2, 29, 2, 8)))
-    dout = _arrays(rng, dtype, q.shape)[0]
+    q, k, v = (_array(rng, dtype, s) for s in ((2, 23, 4, 8), (2, 29, 2, 8), (2, 29, 2, 8)))
+    dout = _array(rng, dtype, q.shape)
     shape, bias_dtype, chunks = bias_spec
-    bias = _arrays(rng, bias_dtype, shape)[0]
+    bias = _array(rng, bias_dtype, shape)
     mask = None
     if mask_shape is not None:
         mask = rng.random(mask_shape) < 0.8
