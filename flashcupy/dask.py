@@ -18,7 +18,8 @@ pairs, gives each pair its own block. The pairs' (out, lse) are combined by the 
 The backward runs every pair again with the global out and lse (P = exp(s - lse) and
 D = rowsum(dout ∘ out) are then exactly the whole call's), and sums dq over key chunks and dk, dv
 over query chunks, and dbias over the pairs that share a bias block (every chunk along a dimension
-the bias broadcasts), each in a tree of fixed shape: the bits do not depend on the scheduler.
+the bias broadcasts), each in a tree of fixed shape: the bits do not depend on the scheduler (nor,
+with deterministic=True, on the CuPy tensor-core kernels' atomics).
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ def _lse(part):
     return part[1]
 
 
-def _pair_backward(dout, q, k, v, out, lse, dlse, bias, mask, diagonal, kw):
+def _pair_backward(dout, q, k, v, out, lse, dlse, bias, mask, diagonal, kw, deterministic):
     """One pair's (dq, dk, dv), and dbias with a bias, in the accumulation dtype, ready to sum (dlse,
     the gradient of lse, or None: each pair adds P dlse over its own keys, P from the whole row's
     lse)."""
@@ -238,7 +239,8 @@ def _pair_backward(dout, q, k, v, out, lse, dlse, bias, mask, diagonal, kw):
         # the same values (widened exactly: a dtype bias may hold), so the pair's dbias comes in the
         # accumulation dtype and is rounded once, after the sum over pairs
         bias = _merge.widen(xp, bias, value, acc)
-    grads = _api.backward(dout, q, k, v, out, lse, bias=bias, mask=mask, dlse=dlse, diagonal=diagonal, **kw)
+    grads = _api.backward(dout, q, k, v, out, lse, bias=bias, mask=mask, dlse=dlse, diagonal=diagonal,
+                          deterministic=deterministic, **kw)
     return tuple(_merge.widen(xp, g, value, acc) for g in grads[:3]) + grads[3:]
 
 
@@ -360,10 +362,10 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
     return (out, lse) if return_lse else out
 
 
-def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse=None):
+def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse, deterministic):
     da, tokenize, HighLevelGraph = _dask()
     token = tokenize(dout, q, k, v, out, lse, dlse, plan.causal, plan.window, plan.softcap, plan.alibi, plan.bias,
-                     plan.mask, plan.scale, plan.backend, plan.dtype)
+                     plan.mask, plan.scale, plan.backend, plan.dtype, deterministic)
     outputs = ("dq", "dk", "dv") + (() if plan.bias is None else ("dbias",))
     graph = {g: {} for g in outputs}  # one layer per output; dk's, dv's and dbias's read dq's pairs
     pair_name, part_name = f"flashcupy-pair-grad-{token}", f"flashcupy-grad-part-{token}"
@@ -383,7 +385,7 @@ def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse=None):
                 graph["dq"][key] = (_pair_backward, (dout.name, *b, i, h, 0), qk, (k.name, *b, j, h, 0),
                                     (v.name, *b, j, h, 0), (out.name, *b, i, h, 0), (lse.name, *b, h, i),
                                     None if dlse is None else (dlse.name, *b, h, i), bias,
-                                    plan.block(plan.mask, b, h, i, j), plan.diagonal(i, j), kw)
+                                    plan.block(plan.mask, b, h, i, j), plan.diagonal(i, j), kw, deterministic)
                 part = {}  # each gradient of the pair a task of its own (_gradient)
                 for which, g in enumerate(outputs):
                     part[g] = (f"{part_name}-{g}", *b, i, h, j)
@@ -444,11 +446,14 @@ def _check_like(name, x, shape, dtype):
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None,
-                       bias=None, mask=None, scale=None, backend="auto", dtype=None, dlse=None):
+                       bias=None, mask=None, scale=None, backend="auto", dtype=None, deterministic=False, dlse=None):
     """flashcupy.attention_backward on dask arrays: lazy (dq, dk, dv), chunked like q, k and v, and
     with a bias dbias, of the bias's shape and dtype (and chunks, for a dask bias), from the
     forward's out and lse (dask arrays; dout, out, lse and dlse, the gradient of lse or None, are
-    rechunked to q's chunks if they differ)."""
+    rechunked to q's chunks if they differ). deterministic: each pair's, as attention_backward's
+    (CuPy chunks' tensor-core kernels add dq with atomics unless it is True); the sums over pairs
+    are of fixed order either way."""
+    deterministic = _checks.check_bool("deterministic", deterministic)
     plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias, mask)
     _check_like("dout", dout, q.shape, plan.p.carrier)
     _check_like("out", out, q.shape, plan.p.carrier)
@@ -456,15 +461,17 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, so
     if dlse is not None:
         _check_like("dlse", dlse, plan.batch + (q.shape[-2], q.shape[-3]), plan.p.lse_dtype)
         dlse = dlse.rechunk(_lse_chunks(q))
-    return _backward(plan, dout.rechunk(q.chunks), q, k, v, out.rechunk(q.chunks), lse.rechunk(_lse_chunks(q)), dlse)
+    return _backward(plan, dout.rechunk(q.chunks), q, k, v, out.rechunk(q.chunks), lse.rechunk(_lse_chunks(q)), dlse,
+                     deterministic)
 
 
 def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
-                  scale=None, backend="auto", dtype=None):
+                  scale=None, backend="auto", dtype=None, deterministic=False):
     """Lazy forward plus its backward: returns (out, vjp), vjp(dout, dlse=None) -> lazy (dq, dk, dv),
     or (dq, dk, dv, dbias) with a bias, chunked like q, k, v and the bias. dout (and dlse, the
     gradient of lse) is rechunked to q's chunks if it differs. Computing out and the gradients in
-    one dask.compute shares the forward."""
+    one dask.compute shares the forward. deterministic: as attention_backward's."""
+    deterministic = _checks.check_bool("deterministic", deterministic)
     plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias, mask)
     out, lse = _forward(plan, q, k, v)
 
@@ -473,6 +480,6 @@ def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slo
         if dlse is not None:
             _check_like("dlse", dlse, lse.shape, plan.p.lse_dtype)
             dlse = dlse.rechunk(lse.chunks)
-        return _backward(plan, dout.rechunk(q.chunks), q, k, v, out, lse, dlse)
+        return _backward(plan, dout.rechunk(q.chunks), q, k, v, out, lse, dlse, deterministic)
 
     return out, vjp

@@ -157,11 +157,14 @@ def test_dask_with_cupy_chunks_and_a_pair_bias(rng):
     Q = da.from_array(cupy.asarray(q), chunks=(1, 128, 2, -1))
     K, V = (da.from_array(cupy.asarray(x), chunks=(1, 100, 1, -1)) for x in (k, v))
     Bias = da.from_array(cupy.asarray(bias), chunks=(1, 2, 150, 130))
-    out, vjp = fdask.attention_vjp(Q, K, V, causal=True, bias=Bias, mask=cupy.asarray(mask))
+    out, vjp = fdask.attention_vjp(Q, K, V, causal=True, bias=Bias, mask=cupy.asarray(mask), deterministic=True)
     lse = fdask.attention(Q, K, V, causal=True, bias=Bias, mask=cupy.asarray(mask), return_lse=True)[1]
-    got = dask.compute(out, lse, *vjp(da.from_array(cupy.asarray(dout), chunks=Q.chunks)), scheduler="threads")
+    grads = vjp(da.from_array(cupy.asarray(dout), chunks=Q.chunks))
+    got = dask.compute(out, lse, *grads, scheduler="threads")
     assert all(isinstance(x, cupy.ndarray) for x in got)
     assert_matches_oracle([x.get() for x in got], q, k, v, dout, causal=True, bias=bias, mask=mask, backend=None)
+    for a, b in zip(got[2:], dask.compute(*grads, scheduler="threads")):  # deterministic: the same bits again
+        np.testing.assert_array_equal(a.get(), b.get())
 
 
 @pytest.mark.parametrize("fmt", ["float16", "bfloat16"])

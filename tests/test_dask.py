@@ -172,6 +172,29 @@ def test_bad_input_is_refused_before_any_work(rng, what, change, error, message)
         fdask.attention(*change(Q, K, V, q))
 
 
+def test_deterministic_reaches_every_pair(rng, monkeypatch):
+    # each pair's backward gets the keyword (CuPy chunks' tensor-core kernels add dq with atomics
+    # without it: tests/test_cupy_gpu.py checks the bits there); a non-bool is refused before any work
+    q, k, v = make_qkv(rng, 1, 12, 12, 2, 1, 8, np.float32)
+    Q, K, V = _chunked(q, k, v, 4, 6)
+    seen = []
+    backward = fdask._api.backward
+    monkeypatch.setattr(fdask._api, "backward", lambda *a, **kw: seen.append(kw["deterministic"]) or backward(*a, **kw))
+    dout = da.from_array(np.ones_like(q), chunks=Q.chunks)
+    for deterministic in (True, False):
+        seen.clear()
+        out, vjp = fdask.attention_vjp(Q, K, V, causal=True, deterministic=deterministic)
+        dask.compute(*vjp(dout), scheduler="sync")
+        out, lse = fdask.attention(Q, K, V, causal=True, return_lse=True)
+        dask.compute(*fdask.attention_backward(dout, Q, K, V, out, lse, causal=True, deterministic=deterministic),
+                     scheduler="sync")
+        assert seen == [deterministic] * 10  # the 5 pairs of the 3 x 2 causal grid, twice
+    for call in (lambda: fdask.attention_vjp(Q, K, V, deterministic=1),
+                 lambda: fdask.attention_backward(dout, Q, K, V, out, lse, deterministic="yes")):
+        with pytest.raises(TypeError, match="deterministic must be a bool"):
+            call()
+
+
 def test_bad_dout_is_refused(rng):
     q, k, v = make_qkv(rng, 1, 8, 8, 1, 1, 8, np.float32)
     _, vjp = fdask.attention_vjp(*_chunked(q, k, v, 4, 4))
