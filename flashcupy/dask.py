@@ -25,6 +25,7 @@ with deterministic=True, on the CuPy tensor-core kernels' atomics).
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 
@@ -75,8 +76,11 @@ class _Plan:
         stand_in = {n: np.broadcast_to(np.empty((), x.dtype), x.shape) for n, x in (("q", q), ("k", k), ("v", v))}
         self.batch = _checks.check_leading(self.lib, stand_in["q"], stand_in["k"], stand_in["v"], alibi_slopes)
         L = self.lead = len(self.batch)
-        folded = {n: x.reshape((-1,) + x.shape[L:]) for n, x in stand_in.items()}
-        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.ndim == 1 else alibi_slopes.reshape(-1, q.shape[-2])
+        # (the product, not -1, which cannot be solved for where a dimension is 0)
+        folded = {n: x.reshape((math.prod(x.shape[:L]),) + x.shape[L:]) for n, x in stand_in.items()}
+        slopes = alibi_slopes
+        if slopes is not None and slopes.ndim > 1:
+            slopes = slopes.reshape(math.prod(slopes.shape[:-1]), slopes.shape[-1])
         self.p = _checks.problem(folded["q"], folded["k"], folded["v"], causal, scale, dtype, self.lib,
                                  window, softcap, slopes)
         _checks.select_backend(backend, self.lib, self.p)

@@ -172,6 +172,21 @@ def test_bad_input_is_refused_before_any_work(rng, what, change, error, message)
         fdask.attention(*change(Q, K, V, q))
 
 
+@pytest.mark.parametrize("B, Sq, Sk", [(1, 0, 5), (1, 5, 0), (1, 0, 0), (0, 4, 4)])
+def test_empty_inputs_give_results_of_the_right_shapes(rng, B, Sq, Sk):
+    # as attention's: out 0, lse -inf, gradients and dbias 0 (the stand-in q of the whole call once
+    # failed to fold its leading dimensions at size 0)
+    q, k, v = make_qkv(rng, B, Sq, Sk, 2, 1, 8, np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    bias = rng.standard_normal((1, 2, Sq, Sk)).astype(np.float32)
+    Q, K, V = (da.from_array(x) for x in (q, k, v))
+    out, vjp = fdask.attention_vjp(Q, K, V, bias=bias, causal=True)
+    lse = fdask.attention(Q, K, V, bias=bias, causal=True, return_lse=True)[1]
+    got = dask.compute(out, lse, *vjp(da.from_array(dout)), scheduler="sync")
+    assert [x.shape for x in got] == [q.shape, (B, 2, Sq), q.shape, k.shape, v.shape, bias.shape]
+    assert_matches_oracle(got, q, k, v, dout, bias=bias, causal=True, backend=MERGED)
+
+
 def test_deterministic_reaches_every_pair(rng, monkeypatch):
     # each pair's backward gets the keyword (CuPy chunks' tensor-core kernels add dq with atomics
     # without it: tests/test_cupy_gpu.py checks the bits there); a non-bool is refused before any work
