@@ -130,9 +130,10 @@ def _rank4(q, k, v, alibi_slopes=None, bias=None, mask=None):
     if len(batch) == 1:
         return arrays
     q, k, v, slopes, bias, mask = arrays
-    folded = [x.reshape((-1,) + x.shape[-3:]) for x in (q, k, v)]
+    # the product, not -1, which cannot be solved for where a dimension is 0
+    folded = [x.reshape((math.prod(x.shape[:-3]),) + x.shape[-3:]) for x in (q, k, v)]
     if slopes is not None and slopes.ndim > 1:
-        slopes = slopes.reshape(-1, slopes.shape[-1])
+        slopes = slopes.reshape(math.prod(slopes.shape[:-1]), slopes.shape[-1])
     return folded + [slopes] + [None if x is None else x[(0,) * (x.ndim - 3)][None] for x in (bias, mask)]
 
 

@@ -248,22 +248,22 @@ def _expected_leading(q, k, v, dout, *, bias, mask, alibi_slopes, dlse=None, **k
     this is the oracle), the bias and mask expanded over them only (their last three dimensions as
     given), per-batch slopes flattened; the results unfolded again, dbias of the bias's own shape."""
     batch = tuple(np.shape(q)[:-3])
-    rank = len(batch) + 3
+    rank, calls = len(batch) + 3, math.prod(batch)  # calls, not -1: reshape cannot solve -1 at size 0
 
     def fold(x):
-        return None if x is None else np.asarray(x).reshape((-1,) + np.shape(x)[-3:])
+        return None if x is None else np.asarray(x).reshape((calls,) + np.shape(x)[-3:])
 
     def expand(x):
         if x is None:
             return None
         x = np.asarray(x).reshape((1,) * (rank - np.ndim(x)) + np.shape(x))
-        return np.broadcast_to(x, batch + x.shape[-3:]).reshape((-1,) + x.shape[-3:])
+        return np.broadcast_to(x, batch + x.shape[-3:]).reshape((calls,) + x.shape[-3:])
 
     slopes = alibi_slopes
     if slopes is not None and np.ndim(slopes) > 1:
-        slopes = np.asarray(slopes).reshape(-1, np.shape(slopes)[-1])
+        slopes = np.asarray(slopes).reshape(calls, np.shape(slopes)[-1])
     padded = None if bias is None else (1,) * (rank - np.ndim(bias)) + tuple(np.shape(bias))
-    dlse = None if dlse is None else np.asarray(dlse).reshape((-1,) + np.shape(dlse)[-2:])
+    dlse = None if dlse is None else np.asarray(dlse).reshape((calls,) + np.shape(dlse)[-2:])
     e = expected(fold(q), fold(k), fold(v), fold(dout), bias=expand(bias), mask=expand(mask), alibi_slopes=slopes,
                  dlse=dlse,
                  _dbias_shape=None if bias is None else (batch, padded), **keywords)

@@ -250,6 +250,13 @@ def test_attention_probs_and_vjp(rng):
     assert_matches_oracle((out, lse, *vjp(dout)), q, k, v, dout, bias=bias, backend="numpy")
 
 
+@pytest.mark.parametrize("Sq, Sk", [(0, 6), (5, 0), (0, 0)])
+def test_empty_sequences_under_leading_dimensions(rng, Sq, Sk):
+    # against the oracle, whose own fold of the leading dimensions failed at size 0 until it
+    # multiplied them out (reshape cannot solve -1 there)
+    check(*make(rng, BATCH, Sq, Sk, 4, 2, 8), bias=rng.standard_normal((1, 1, 4, Sq, Sk)).astype(F32), causal=True)
+
+
 def test_empty_leading_dimensions(rng):
     q, k, v, dout = make(rng, (2, 0), 5, 6, 2, 1, 8)
     out, lse, dq, dk, dv, dbias = run(q, k, v, dout, bias=np.zeros((1, 1, 2, 5, 6), F32))

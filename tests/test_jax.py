@@ -439,3 +439,21 @@ def test_leading_batch_dimensions(rng):
     stacked = jax.vmap(jax.grad(loss, argnums=3), in_axes=(0, None, None, None))(
         jnp.asarray(np.stack([q, q[::-1]])), *map(jnp.asarray, (k, v, bias)))
     np.testing.assert_allclose(np.asarray(stacked[0]), np.asarray(grads[3]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("Sq, Sk", [(0, 5), (4, 0), (0, 0)])
+def test_leading_batch_dimensions_with_an_empty_sequence(rng, Sq, Sk):
+    # out 0, lse -inf and zero gradients, as the NumPy entry point gives (the stand-ins' fold of the
+    # leading dimensions once failed where a sequence was empty)
+    q, dout = (rng.standard_normal((2, 3, Sq, 2, 8)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((2, 3, Sk, 2, 8)).astype(np.float32) for _ in range(2))
+    bias = rng.standard_normal((1, 1, 2, Sq, Sk)).astype(np.float32)
+
+    def loss(q, k, v, bias):
+        return jnp.sum(fj.attention(q, k, v, bias=bias, causal=True) * jnp.asarray(dout))
+
+    out, lse = jax.jit(lambda q, k, v, b: fj.attention(q, k, v, bias=b, causal=True, return_lse=True))(
+        *map(jnp.asarray, (q, k, v, bias)))
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*map(jnp.asarray, (q, k, v, bias)))
+    assert [x.shape for x in grads] == [q.shape, k.shape, v.shape, bias.shape]
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, bias=bias, causal=True, backend="numpy")
