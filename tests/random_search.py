@@ -258,7 +258,8 @@ def dask_case(rng, args):
 
     B, Hkv = int(rng.integers(1, 3)), int(rng.integers(1, 3))
     group = int(rng.integers(1, 3))
-    Sq, Sk, D = int(rng.integers(1, 90)), int(rng.integers(1, 90)), int(rng.choice([1, 8, 24]))
+    Sq, Sk = (0 if rng.random() < 0.05 else int(rng.integers(1, 90)) for _ in range(2))  # empty ones too
+    D = int(rng.choice([1, 8, 24]))
     dtype = np.dtype(str(rng.choice(["float16", "float32", "float64"])))
     q, k, v = make_qkv(rng, B, Sq, Sk, Hkv * group, Hkv, D, dtype)
     dout = rng.standard_normal(q.shape).astype(dtype)
@@ -272,7 +273,7 @@ def dask_case(rng, args):
         kw["bias"] = rng.standard_normal(shape).astype(np.float32 if rng.random() < 0.3 else dtype)
     if rng.random() < 0.3:
         kw["mask"] = rng.random(_broadcast_shape(rng, (B, Hkv * group, Sq, Sk))) < 0.7
-    rows, keys = int(rng.integers(1, Sq + 1)), int(rng.integers(1, Sk + 1))
+    rows, keys = (int(rng.integers(1, n + 1)) if n else 1 for n in (Sq, Sk))
     heads = int(rng.choice([h for h in range(1, Hkv + 1) if Hkv % h == 0]))
     yield _describe(B=B, Sq=Sq, Sk=Sk, Hq=Hkv * group, Hkv=Hkv, D=D, dtype=dtype.name, chunks=(rows, keys, heads), **kw)
     Q = da.from_array(q, chunks=(1, rows, heads * group, D))
@@ -280,7 +281,8 @@ def dask_case(rng, args):
     ref = dict(kw)
     for name in ("bias", "mask"):  # half of them dask arrays in chunks of their own
         if name in kw and rng.random() < 0.5:
-            kw[name] = da.from_array(kw[name], chunks=tuple(int(rng.integers(1, n + 1)) for n in kw[name].shape))
+            chunks = tuple(int(rng.integers(1, max(n, 1) + 1)) for n in kw[name].shape)
+            kw[name] = da.from_array(kw[name], chunks=chunks)
     dlse = rng.standard_normal((B, Hkv * group, Sq)).astype(np.float64 if dtype == np.float64 else np.float32)
     with dask.config.set(scheduler="synchronous"):
         out, lse = fdask.attention(Q, K, V, return_lse=True, **kw)
