@@ -42,7 +42,7 @@ def forward(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=No
         # Nothing to attend to: every query row is fully masked (out 0, lse -inf).
         if into is not None:
             return _filled(into, (0, -np.inf))
-        return mod.allocate(q, q.shape, p.carrier, 0), mod.allocate(q, p.lse_shape, p.lse_dtype, -np.inf)
+        return mod.allocate(q, p.out_shape, p.carrier, 0), mod.allocate(q, p.lse_shape, p.lse_dtype, -np.inf)
     kw = {} if num_splits == 1 else {"num_splits": num_splits}
     return _run_into(mod, mod.forward, into, p, q, k, v, **kw)
 
@@ -113,8 +113,9 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
               scale=None, return_lse=False, backend="auto", dtype=None):
     """Exact softmax(q kᵀ · scale) v, computed tile by tile (FlashAttention).
 
-    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
-    heads_q a multiple of heads_kv. Returns out (q's shape and dtype), and with
+    q: (batch, seqlen_q, heads_q, head_dim); k: (batch, seqlen_k, heads_kv, head_dim), v: (batch,
+    seqlen_k, heads_kv, head_dim_v), heads_q a multiple of heads_kv, head_dim_v head_dim or not (the
+    README says which backends take which). Returns out (q's shape with head_dim_v, q's dtype), and with
     return_lse=True also lse, the natural-log logsumexp, (batch, heads_q, seqlen_q),
     float32 (float64 for float64 inputs).
 

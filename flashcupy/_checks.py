@@ -335,16 +335,16 @@ def _problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, 
     causal = check_bool("causal", causal)
     B, Sq, Hq, D = q.shape
     Bk, Sk, Hkv, Dk = k.shape
-    if k.shape != v.shape:
+    Dv = v.shape[3]
+    if k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"k and v must have the same shape (batch, seqlen_k, heads_kv, head_dim), "
-            f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
+            f"k and v must have the same (batch, seqlen_k, heads_kv), got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if Bk != B:
         raise ValueError(f"k and v must have q's batch size {B}, got {Bk}")
     if Dk != D:
-        raise ValueError(f"k and v must have q's head_dim {D}, got {Dk}")
-    if D < 1:
-        raise ValueError(f"head_dim must be at least 1, got {D}")
+        raise ValueError(f"k must have q's head_dim {D}, got {Dk}")
+    if D < 1 or Dv < 1:
+        raise ValueError(f"head_dim must be at least 1, got {D} for q and k, {Dv} for v")
     if Hq < 1 or Hkv < 1:
         raise ValueError(f"heads_q and heads_kv must be at least 1, got heads_q={Hq}, heads_kv={Hkv}")
     if Hq % Hkv:
@@ -355,7 +355,7 @@ def _problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, 
     if diagonal is not None and (isinstance(diagonal, bool) or not isinstance(diagonal, numbers.Integral)):
         raise TypeError(f"diagonal must be an int or None, got {describe(diagonal)}")
     p = Problem(B, Sq, Sk, Hq, Hkv, D, value_dtype, causal, scale, carrier,
-                offset=None if diagonal is None else int(diagonal))
+                offset=None if diagonal is None else int(diagonal), head_dim_v=Dv)
     if window is softcap is alibi_slopes is bias is mask is None:
         return p
     return dataclasses.replace(p, **check_modifiers(lib, p, window, softcap, alibi_slopes, bias, mask))
@@ -366,7 +366,7 @@ def select_backend(backend: str, lib: str, p: Problem, backward: bool = False):
     ValueError if the problem passes one of its limits (head_dim, CUDA's grid)."""
     name = backends.DEFAULT_FOR_LIBRARY[lib] if backend == "auto" else backend
     wanted = p.modifiers
-    if backend == "auto" and wanted:
+    if backend == "auto" and (wanted or p.head_dim_v != p.head_dim):
         name = _backend_for_modifiers(lib, p, name)
     mod = backends.load(name)
     if lib not in mod.ARRAY_LIBRARIES:
@@ -376,12 +376,19 @@ def select_backend(backend: str, lib: str, p: Problem, backward: bool = False):
             f"(flashcupy never copies between host and device behind your back)")
     if p.dtype not in mod.DTYPES:
         raise TypeError(f"backend {name!r} supports {', '.join(mod.DTYPES)}, got {p.dtype}")
-    if mod.MAX_HEAD_DIM is not None and p.head_dim > mod.MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be at most {mod.MAX_HEAD_DIM} for the {name} backend, got {p.head_dim}")
+    if mod.MAX_HEAD_DIM is not None and max(p.head_dim, p.head_dim_v) > mod.MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {mod.MAX_HEAD_DIM} for the {name} backend, got "
+                         + (f"{p.head_dim}" if p.head_dim_v == p.head_dim else
+                            f"{p.head_dim} for q and k, {p.head_dim_v} for v"))
     for what, blocks, axis in mod.grid_axes(p, backward):
         if blocks > backends.MAX_GRID[axis]:
             raise ValueError(f"too large for the {name} backend: {what} needs {blocks} thread blocks along "
                              f"CUDA grid {'xyz'[axis]}, which holds at most {backends.MAX_GRID[axis]}")
+    if p.head_dim_v != p.head_dim and not _takes_head_dim_v(name):
+        others = [n for n in backends.NAMES if n != name and _takes_head_dim_v(n)]
+        raise ValueError(f"v's head_dim {p.head_dim_v}, unlike q's and k's {p.head_dim}, is not yet supported by "
+                         f"backend {name!r}" + (f" (backend {' or '.join(map(repr, others))} supports it)"
+                                                if others else ""))
     missing = wanted and [m for m in MODIFIERS if m in wanted and m not in getattr(mod, "MODIFIERS", ())]
     if missing:
         others = [n for n in backends.NAMES if n != name and set(missing) <= _declared_modifiers(n)]
@@ -399,12 +406,23 @@ def _declared_modifiers(name: str) -> frozenset:
         return frozenset()
 
 
+def _takes_head_dim_v(name: str) -> bool:
+    """Whether backend `name` declares HEAD_DIM_V: v's head_dim may differ from q's and k's."""
+    try:
+        return bool(getattr(backends.module(name), "HEAD_DIM_V", False))
+    except ImportError:
+        return False
+
+
 def _backend_for_modifiers(lib: str, p: Problem, default: str) -> str:
-    """backend="auto" with modifiers: the default backend for these arrays, else the first other
-    that takes them, computes every modifier asked and can run here; else the default (which
-    select_backend then refuses, naming the modifier)."""
+    """backend="auto" with modifiers or v's own head_dim: the default backend for these arrays,
+    else the first other that takes them, computes every modifier asked (and a head_dim_v unlike
+    head_dim) and can run here; else the default (which select_backend then refuses, naming what
+    it lacks)."""
     for name in (default, *backends.NAMES):
         if not p.modifiers <= _declared_modifiers(name):
+            continue
+        if p.head_dim_v != p.head_dim and not _takes_head_dim_v(name):
             continue
         if lib in backends.module(name).ARRAY_LIBRARIES and backends.unavailable_reason(name) is None:
             return name
@@ -412,10 +430,13 @@ def _backend_for_modifiers(lib: str, p: Problem, default: str) -> str:
 
 
 def check_like_q(p: Problem, q, named: dict) -> None:
-    """dout and out (the `named` arrays) have q's shape and dtype, and strides a kernel can read."""
+    """dout and out (the `named` arrays) have out's shape (q's, with v's head_dim) and q's dtype, and
+    strides a kernel can read."""
+    shape = tuple(q.shape[:-1]) + (p.head_dim_v,)
     for name, x in named.items():
-        if tuple(x.shape) != tuple(q.shape):
-            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
+        if tuple(x.shape) != shape:
+            what = "q's shape" if p.head_dim_v == p.head_dim else "q's shape with v's head_dim"
+            raise ValueError(f"{name} must have {what} {shape}, got {tuple(x.shape)}")
         if np.dtype(x.dtype) != p.carrier:
             raise TypeError(f"{name} must have q's dtype {p.carrier}, got {np.dtype(x.dtype)}")
         check_strides(name, x)

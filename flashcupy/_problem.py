@@ -140,16 +140,18 @@ class Band:
 
 
 def attention_flops(batch: int, heads_q: int, head_dim: int, band: Band, *, windowed: bool,
-                    backward: bool = False) -> float:
-    """The standard count (FlashAttention papers): 4 head_dim FLOPs per (query, key) pair and head,
-    over the whole square, halved when causal (S^2 / 2, as the papers and flash-attn's benchmarks
-    count it), or, with a window, over the pairs the band leaves visible; the backward
-    BACKWARD_FLOPS_RATIO times the forward."""
+                    backward: bool = False, head_dim_v: int | None = None) -> float:
+    """The standard count (FlashAttention papers): 4 head_dim FLOPs per (query, key) pair and head
+    (2 head_dim for q.k and 2 head_dim_v for p v where v's head dim differs), over the whole
+    square, halved when causal (S^2 / 2, as the papers and flash-attn's benchmarks count it), or,
+    with a window, over the pairs the band leaves visible; the backward BACKWARD_FLOPS_RATIO times
+    the forward."""
     if windowed:
         pairs = band.pairs
     else:  # without a window, right is 0 exactly when causal
         pairs = band.seqlen_q * band.seqlen_k / (2 if band.right == 0 else 1)
-    return 4.0 * batch * heads_q * head_dim * pairs * (BACKWARD_FLOPS_RATIO if backward else 1.0)
+    dims = 2.0 * (head_dim + (head_dim if head_dim_v is None else head_dim_v))
+    return dims * batch * heads_q * pairs * (BACKWARD_FLOPS_RATIO if backward else 1.0)
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,13 @@ class Problem:
     # The diagonal when this problem is a chunk of a larger one (flashcupy.dask: the chunks' global
     # positions); None: seqlen_k - seqlen_q, the bottom-right alignment of the whole arrays.
     offset: int | None = None
+    # v's head dim (out's and dout's last dimension too); None: head_dim (MLA-style attention has
+    # queries and keys of one size, values of another)
+    head_dim_v: int | None = None
+
+    def __post_init__(self):
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
 
     @functools.cached_property
     def band(self) -> Band:
@@ -210,6 +219,11 @@ class Problem:
         return self.acc_dtype
 
     @property
+    def out_shape(self) -> tuple:
+        """out's (and dout's) shape: q's with v's head dim."""
+        return (self.batch, self.seqlen_q, self.heads_q, self.head_dim_v)
+
+    @property
     def lse_shape(self) -> tuple:
         return (self.batch, self.heads_q, self.seqlen_q)
 
@@ -221,4 +235,4 @@ class Problem:
     def flops(self, backward: bool = False) -> float:
         """attention_flops of this problem."""
         return attention_flops(self.batch, self.heads_q, self.head_dim, self.band,
-                               windowed="window" in self.modifiers, backward=backward)
+                               windowed="window" in self.modifiers, backward=backward, head_dim_v=self.head_dim_v)

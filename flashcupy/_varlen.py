@@ -148,14 +148,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     skips the offsets' copy to the host and their checks where the kernels read them themselves (the
     cupy backend: one launch): offsets that break the rule then give garbage rows, never an access
     outside the arrays; the backends that loop on the host check them anyway (the module docstring).
-    Returns out (q's shape and dtype), and lse (heads_q, total_q) with return_lse=True.
+    Returns out (q's shape with v's head_dim, q's dtype), and lse (heads_q, total_q) with return_lse=True.
     """
     return_lse = _checks.check_bool("return_lse", return_lse)
     check_offsets = _checks.check_bool("check_offsets", check_offsets)
     mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     p, cu_q, cu_k, mod = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                       scale, dtype, mods, backend, check_offsets=check_offsets)
-    out = mod.allocate(q, q.shape, p.carrier, 0)
+    out = mod.allocate(q, q.shape[:-1] + v.shape[-1:], p.carrier, 0)
     lse = mod.allocate(q, (p.heads_q, q.shape[0]), p.lse_dtype, -np.inf)
     if _one_launch(mod):  # the offsets read on the device (the same bits, checked or not)
         mod.forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slopes=alibi_slopes)

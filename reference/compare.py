@@ -108,7 +108,7 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
 
     A forward-error model of what the kernels compute, worst case per element, with u_s the
     storage dtype's unit roundoff, u_a the accumulation dtype's, gamma(n) = n u_a (a sum of n
-    products), and |.| products of absolute values:
+    products), |.| products of absolute values, D q's and k's head dim and Dv v's:
     - scores: s_ij - m is off by at most ds_i = gamma(D + 2) (scale |q_i|.|k_j| + |m|), |m| up to
       max_j scale |q_i|.|k_j| (+ LAZY_MAX for the "numpy" family); each p_ij = exp(s_ij - lse_i) is
       then off by a relative eps_i = 2 ds_i + gamma(Sk) + 4 u_a (the row sum, exp2 and the
@@ -120,9 +120,9 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
     - lse_i: ds_i + gamma(Sk) + u_a |lse_i|;
     - out_i: (eps_i + u_p + gamma(Sk)) sum_j p_ij |v_j|;
     - dv_j: sum_i p_ij (eps_i + u_p + gamma(Sq group)) |dO_i|;
-    - D_i = dO_i . O_i reads the backend's own out, rounded: (u_s + gamma(D)) |dO_i|.|O_i| plus
+    - D_i = dO_i . O_i reads the backend's own out, rounded: (u_s + gamma(Dv)) |dO_i|.|O_i| plus
       |dO_i| . (out_i's bound); with dlse (the gradient of lse: dS_ij = p_ij (dP_ij - D_i + dlse_i)),
-      D_i - dlse_i is one more rounding, u_a (|D_i| + |dlse_i|); dP_ij = dO_i . v_j: gamma(D)
+      D_i - dlse_i is one more rounding, u_a (|D_i| + |dlse_i|); dP_ij = dO_i . v_j: gamma(Dv)
       |dO_i|.|v_j|; dS_ij = p_ij (dP_ij - D_i): |dS_ij| (eps_i + u_p) + p_ij (the dP and D bounds);
     - dq_i, dk_j: scale sum (dS's bound + gamma(n) |dS|) |k_j| or |q_i|;
     - every result is then rounded to the storage dtype: u_s |x|, and absolutely half float16's
@@ -169,6 +169,7 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
     modified = any(x is not None for x in mods.values())
     q, k, v = (values(x, dtype) for x in (q, k, v))
     B, Sq, Hq, D = q.shape
+    Dv = v.shape[3]  # v's head dim: the length of dO.v and dO.O (D, q's and k's, that of q.k)
     Sk, group = k.shape[1], Hq // k.shape[2]
     f = _forward_terms(q, k, causal, scale, mods, dtype)
     P, lse, Q, K, scale, T = f["P"], f["lse"], f["Q"], f["K"], f["scale"], f["T"]
@@ -196,8 +197,8 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
     if dout is not None:
         t = _backward_terms(values(dout, dtype), q, k, v, causal, scale, mods, dtype, dlse)
         dO, dP, Di, dS = t["dO"], t["dP"], t["D"], t["dS"]
-        dP_bound = gamma(D) * np.einsum("bhqd,bhkd->bhqk", abs(dO), abs(V))
-        D_bound = ((u_s + gamma(D)) * np.sum(abs(dO) * abs(out), axis=-1, keepdims=True)
+        dP_bound = gamma(Dv) * np.einsum("bhqd,bhkd->bhqk", abs(dO), abs(V))
+        D_bound = ((u_s + gamma(Dv)) * np.sum(abs(dO) * abs(out), axis=-1, keepdims=True)
                    + np.sum(abs(dO) * tol["out"], axis=-1, keepdims=True))
         if dlse is not None:
             given = np.where(seen.max(axis=-1, initial=0.0) > 0, abs(values(dlse)), 0.0)[..., None]

@@ -249,8 +249,10 @@ def mutate_band(monkeypatch, old: str, new: str) -> None:
 
 
 def case_id(case) -> str:
-    """A battery case's test id: 1x17x129x4x2x72-causal."""
-    return "x".join(map(str, case[:6])) + ("-causal" if case[6] else "")
+    """A battery case's test id: 1x17x129x4x2x72-causal (1x17x129x4x2x72v40-causal where an eighth
+    element, v's head_dim, differs from q's and k's)."""
+    value = f"v{case[7]}" if len(case) > 7 and case[7] != case[5] else ""
+    return "x".join(map(str, case[:6])) + value + ("-causal" if case[6] else "")
 
 
 LAYOUTS = ("bshd", "bhsd", "sliced", "reversed")
@@ -277,14 +279,15 @@ def strided_empty(shape, dtype, layout="bshd"):
 
 
 def make_qkv(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype,
-             layout="bshd", magnitude=1.0):
-    """Random normal q, k, v (times `magnitude`) in the requested layout."""
-    def one(seqlen, heads):
-        x = strided_empty((batch, seqlen, heads, head_dim), dtype, layout)
+             layout="bshd", magnitude=1.0, head_dim_v=None):
+    """Random normal q, k, v (times `magnitude`) in the requested layout; v of head_dim_v (None:
+    head_dim)."""
+    def one(seqlen, heads, dim=head_dim):
+        x = strided_empty((batch, seqlen, heads, dim), dtype, layout)
         x[...] = rng.standard_normal(x.shape) * magnitude
         return x
 
-    return one(seqlen_q, heads_q), one(seqlen_k, heads_kv), one(seqlen_k, heads_kv)
+    return one(seqlen_q, heads_q), one(seqlen_k, heads_kv), one(seqlen_k, heads_kv, head_dim_v or head_dim)
 
 
 @pytest.fixture

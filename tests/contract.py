@@ -47,6 +47,14 @@ SIMULATOR_CASES = (
 # kernel paths in every dtype already.
 MODIFIED_CASE = (1, 7, 9, 2, 1, 8, False)  # causal comes from the modifiers; small for the simulator
 
+# v's head_dim unlike q's and k's (an eighth element), larger and smaller, on the paths of a backend
+# that takes it (Backend.head_dim_v): GQA with Sq < Sk, and Sq > Sk under causal (rows that see no key).
+HEAD_DIM_V_CASES = (
+    (1, 9, 14, 4, 2, 16, True, 40),
+    (2, 13, 6, 2, 1, 40, True, 8),
+    (1, 7, 7, 2, 2, 8, False, 24),
+)
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -56,6 +64,8 @@ class Backend:
     cases: tuple
     orders: tuple = (None,)  # the emulator's thread orders (cupy): each plain row runs under each
     modified: tuple = ("all-causal",)  # modifier_cases' combinations run on MODIFIED_CASE
+    head_dim_v: tuple = ()  # the paths that run value_cases, with the first order alone
+    value_cases: tuple = HEAD_DIM_V_CASES
 
 
 @contextlib.contextmanager
@@ -101,7 +111,8 @@ CONTEXTS = {
 # (what CuPy users pass). The in-place K/V path of the NumPy backend serves float16 to float64.
 BACKENDS = {
     "numpy": Backend({"copied": ("float16", "bfloat16", "bfloat16-bits", "float32", "float64"),
-                      "in-place": ("float16", "float32", "float64")}, CASES, modified=("all", "all-causal")),
+                      "in-place": ("float16", "float32", "float64")}, CASES, modified=("all", "all-causal"),
+                     head_dim_v=("copied", "in-place")),
     "cupy": Backend({"hopper": ("float16", "bfloat16-bits"), "tensor-core": ("float16", "bfloat16-bits"),
                      "simt": ("float16", "bfloat16-bits", "float32", "float64")}, CASES,
                     orders=("ascending", "descending"), modified=()),
@@ -133,16 +144,19 @@ def table(backend: str, cases=None, modified=True, marks=(), prefix="") -> list:
     rows += [Row(backend, path, order, dtype, MODIFIED_CASE, name)
              for path, dtypes in b.paths.items() for order in b.orders[:1] for dtype in dtypes
              for name in (b.modified if modified else ())]
+    rows += [Row(backend, path, b.orders[0], dtype, case, None) for path in b.head_dim_v for dtype in b.paths[path]
+             for case in (b.value_cases if cases is None else ())]
     return [pytest.param(row, id=prefix + str(row), marks=marks) for row in rows]
 
 
 def check(row: Row, rng) -> None:
     """Forward and backward of one row against the oracle (module docstring)."""
-    B, Sq, Sk, Hq, Hkv, D, causal = row.case
+    B, Sq, Sk, Hq, Hkv, D, causal = row.case[:7]
+    Dv = row.case[7] if len(row.case) > 7 else D
     bits = row.dtype == "bfloat16-bits"
     values = BF16 if row.dtype.startswith("bfloat16") else np.dtype(row.dtype)
-    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, values)
-    dout = rng.standard_normal(q.shape).astype(values)
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, values, head_dim_v=Dv)
+    dout = rng.standard_normal((B, Sq, Hq, Dv)).astype(values)
     kw = dict(causal=causal)
     if row.modifiers is not None:
         kw.update(modifier_cases(rng, (B, Sq, Sk, Hq, Hkv, D), values)[row.modifiers])
@@ -158,7 +172,7 @@ def check(row: Row, rng) -> None:
         dlse = np.where(np.isneginf(lse), np.nan, rng.standard_normal(lse.shape)).astype(lse.dtype)
         grads = flashcupy.attention_backward(args[3], *args[:3], out, lse, backend=row.backend, dlse=dlse, **kw)
         got = (out, lse, *grads)
-        assert out.dtype == args[0].dtype and out.shape == q.shape
+        assert out.dtype == args[0].dtype and out.shape == (B, Sq, Hq, Dv)
         assert lse.dtype == (np.float64 if row.dtype == "float64" else np.float32) and lse.shape == (B, Hq, Sq)
         for g, x in zip(grads, (*args[:3], kw.get("bias"))):
             assert g.dtype == x.dtype and g.shape == x.shape

@@ -12,25 +12,26 @@ from conftest import BF16, assert_matches_oracle, bf16_bits
 import flashcupy
 
 
-def packed_inputs(rng, lengths_q, lengths_k, Hq, Hkv, D, dtype=np.float32):
-    """(q, k, v, cu_q, cu_k): random sequences packed along the tokens, and their int32 offsets."""
+def packed_inputs(rng, lengths_q, lengths_k, Hq, Hkv, D, dtype=np.float32, Dv=None):
+    """(q, k, v, cu_q, cu_k): random sequences packed along the tokens, and their int32 offsets; v of
+    head_dim Dv (None: D)."""
     q = rng.standard_normal((sum(lengths_q), Hq, D)).astype(dtype)
-    k, v = (rng.standard_normal((sum(lengths_k), Hkv, D)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((sum(lengths_k), Hkv, d)).astype(dtype) for d in (D, Dv or D))
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lengths_q, lengths_k))
     return q, k, v, cu_q, cu_k
 
 
 def packed_batch_matches_the_oracle(rng, backend, lengths=([3, 6], [7, 2]), dtype=np.float32, head_dim=8,
-                                    heads=(2, 1), mods=None, backward=False, deterministic=False):
+                                    heads=(2, 1), mods=None, backward=False, deterministic=False, head_dim_v=None):
     """A packed batch (by default causal, with GQA, Sq < Sk and Sq > Sk), each sequence's out and lse
     against the oracle, the same bits whether the offsets are checked on the host or not
     (check_offsets); mods: attention_varlen's keywords, alibi_slopes="per-seq" for (batch, heads_q)
     random slopes. dtype BF16: the inputs passed as bits with dtype="bfloat16". backward: dq, dk, dv
     too (attention_varlen_backward, `deterministic` passed on, with a gradient of lse: NaN in the rows
     that see no key, which must add nothing), checked and unchecked the same bits (on the emulator: its
-    thread order is the same from run to run, so are the atomics' sums)."""
+    thread order is the same from run to run, so are the atomics' sums). head_dim_v: v's (None: head_dim)."""
     lengths_q, lengths_k = lengths
-    q, k, v, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, *heads, head_dim, dtype)
+    q, k, v, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, *heads, head_dim, dtype, head_dim_v)
     mods = dict(causal=True) if mods is None else dict(mods)
     if dtype == BF16:
         q, k, v = map(bf16_bits, (q, k, v))
@@ -42,7 +43,7 @@ def packed_batch_matches_the_oracle(rng, backend, lengths=([3, 6], [7, 2]), dtyp
                                            check_offsets=False, **mods)
     got = [out, lse]
     if backward:
-        dout = rng.standard_normal(q.shape).astype(np.float32)
+        dout = rng.standard_normal(out.shape).astype(np.float32)
         dout = bf16_bits(dout.astype(BF16)) if dtype == BF16 else dout.astype(dtype)
         dlse = np.where(np.isneginf(lse), np.nan, rng.standard_normal(lse.shape)).astype(lse.dtype)
         keywords = dict(backend=backend, deterministic=deterministic, dlse=dlse, **mods)

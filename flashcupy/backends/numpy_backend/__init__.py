@@ -92,6 +92,7 @@ ARRAY_LIBRARIES = ("numpy",)
 DTYPES = ("float16", "float32", "float64", "bfloat16")
 MAX_HEAD_DIM = None
 MODIFIERS = frozenset({"window", "softcap", "alibi_slopes", "bias", "mask"})  # every score modifier
+HEAD_DIM_V = True  # v's head_dim may differ from q's and k's
 
 
 def grid_axes(p, backward):
@@ -113,7 +114,7 @@ WRITES_INTO = True  # forward and backward write into given arrays (into=): XLA'
 def forward(p, q, k, v, into=None):
     q, k, v = stacks.values(p, q, k, v)
     if into is None:
-        out, lse = np.empty(q.shape, dtype=q.dtype), np.empty(p.lse_shape, dtype=p.lse_dtype)
+        out, lse = np.empty(p.out_shape, dtype=q.dtype), np.empty(p.lse_shape, dtype=p.lse_dtype)
     else:
         out, lse = stacks.values(p, into[0])[0], into[1]
     width = plan.narrow_band(p)

@@ -74,7 +74,8 @@ def band_grid(p, width: int) -> BandGrid:
     # tasks per kv group: enough to spread, few enough that recomputing the span - 1 tiles before
     # each stays small, and each task's operands within SCRATCH_KEEP_BYTES, so that they are kept
     # from task to task and call to call (fresh, they cost a page fault per page)
-    most = max(4 * span, pool.SCRATCH_KEEP_BYTES // (stacked * M * (p.head_dim + 1) * acc.itemsize) - span)
+    most = max(4 * span,
+               pool.SCRATCH_KEEP_BYTES // (stacked * M * (max(p.head_dim, p.head_dim_v) + 1) * acc.itemsize) - span)
     ranges = max(1, min(-(-4 * pool.worker_count() // len(kv_groups)), T_r // (4 * span)), -(-T_r // most))
     tile_ranges = tiling.blocks(0, T_r, -(-T_r // ranges)) if T_r > 0 else []
     # 2 span tiles per matmul: fewer leave Python-level overhead, more gain nothing
@@ -147,7 +148,7 @@ class BandTask:
         self.P_flat, self.dS_flat = (x.reshape(h, self.capacity, M * L) for x in (self.P_all, self.dS_all))
         self.dQ = scratch.take("dQ", (h, (u1 - u0) * M, p.head_dim), acc)
         self.dK = scratch.take("dK", (h, (self.end_tile - u0) * step, p.head_dim), acc)
-        self.dV = scratch.take("dV", (h, (self.end_tile - u0) * step, p.head_dim), acc)
+        self.dV = scratch.take("dV", (h, (self.end_tile - u0) * step, p.head_dim_v), acc)
         # the key chunks of the tiles at places x .. x + span - 1 (chunks), what they meet, where they go
         self.chunks = [(chunks(self.P_buf, self.capacity - span + 1, span, M, L, step), self.ops.dO_chunks, self.dV),
                        (chunks(self.dS_buf, self.capacity - span + 1, span, M, L, step), self.ops.Q_chunks, self.dK)]
@@ -213,7 +214,7 @@ class BandTask:
         x = o0 - self.grid.span + 1 - self.place0_tile
         for view, operand, grad in self.chunks:
             np.matmul(view[:, x:x + o1 - o0].transpose(0, 1, 3, 2), operand[:, o0 - u0:o1 - u0],
-                      out=grad[:, (o0 - u0) * step:(o1 - u0) * step].reshape(h, o1 - o0, step, self.p.head_dim))
+                      out=grad[:, (o0 - u0) * step:(o1 - u0) * step].reshape(h, o1 - o0, step, grad.shape[-1]))
 
     def write(self, dq, dk, dv) -> None:
         """dQ rows of the tiles u0 .. u1 (query rows from first + u0 step), dK and dV of the chunks
@@ -236,6 +237,7 @@ def band_operands(p, grid, heads, arrays, b, h0, h1, first_tile, end_tile, scrat
     the rows and keys: made per task, they stay within SCRATCH_KEEP_BYTES and are reused rather
     than page-faulted in each call."""
     nt, D, M, step, L, span = end_tile - first_tile, p.head_dim, grid.M, grid.step, grid.tile_keys, grid.span
+    Dv = p.head_dim_v
     dout, q, k, v, out, lse, dlse = arrays
     Q1, dO1 = query_operands(p, grid, heads, dout, q, out, lse, dlse, b, h0, h1, first_tile, nt, scratch)
     K1t, V1t, Ks = key_operands(p, grid, k, v, b, h0, h1, first_tile, nt, scratch)
@@ -243,17 +245,20 @@ def band_operands(p, grid, heads, arrays, b, h0, h1, first_tile, end_tile, scrat
                         windows(K1t, 0, nt, step, L, axis=2), windows(V1t, 0, nt, step, L, axis=2),
                         windows(Ks, 0, nt, step, L, axis=1),
                         windows(Q1[:, :, :D], 0, nt - span + 1, M, span * M, axis=1),
-                        windows(dO1[:, :, :D], 0, nt - span + 1, M, span * M, axis=1))
+                        windows(dO1[:, :, :Dv], 0, nt - span + 1, M, span * M, axis=1))
 
 
 def query_operands(p, grid, heads, dout, q, out, lse, dlse, b, h0, h1, first_tile, nt, scratch) -> tuple:
     """Q1 = [scale log2(e) Q | -log2(e) lse] and dO1 = [dO | -D] (D - dlse with dlse, the gradient of
-    lse) of the nt tiles from first_tile on, (kv heads, nt M, D + 1), zero rows outside the query rows."""
-    acc, g, D, M, step = p.acc_dtype, p.group, p.head_dim, grid.M, grid.step
+    lse) of the nt tiles from first_tile on, (kv heads, nt M, head_dim + 1 and head_dim_v + 1), zero
+    rows outside the query rows."""
+    acc, g, D, Dv, M, step = p.acc_dtype, p.group, p.head_dim, p.head_dim_v, grid.M, grid.step
     h = h1 - h0
-    pitch = -(-(D + 1) // 16) * 16  # rows padded to whole 64-byte lines (a little faster than D + 1)
-    Q1 = scratch.take("Q1", (h, nt * M, pitch), acc)[:, :, :D + 1]
-    dO1 = scratch.take("dO1", (h, nt * M, pitch), acc)[:, :, :D + 1]
+
+    def pitch(n):  # rows padded to whole 64-byte lines (a little faster than n)
+        return -(-n // 16) * 16
+    Q1 = scratch.take("Q1", (h, nt * M, pitch(D + 1)), acc)[:, :, :D + 1]
+    dO1 = scratch.take("dO1", (h, nt * M, pitch(Dv + 1)), acc)[:, :, :Dv + 1]
     a, z = max(first_tile, 0), min(first_tile + nt, grid.T_r)  # the tiles with rows
     r0, r1 = grid.first + a * step, min(grid.last, grid.first + z * step)  # their query rows
     x0, x1 = (a - first_tile) * M, (a - first_tile) * M + (r1 - r0) * g  # those rows' places
@@ -266,24 +271,24 @@ def query_operands(p, grid, heads, dout, q, out, lse, dlse, b, h0, h1, first_til
                     dtype=acc)
         L = heads.read(lse[b].T[r0:r1], h0, h1)
         Q1[:, x0:x1, D].reshape(shape3)[...] = L * acc.type(-LOG2E)
-        dO = dO1[:, x0:x1, :D].reshape(*shape3, D)
+        dO = dO1[:, x0:x1, :Dv].reshape(*shape3, Dv)
         dO[...] = heads.read(dout[b, r0:r1], h0, h1)
         O = stacks.as_acc(heads.read(out[b, r0:r1], h0, h1), acc)
-        delta_into(dO, O, dO1[:, x0:x1, D].reshape(shape3), L,
+        delta_into(dO, O, dO1[:, x0:x1, Dv].reshape(shape3), L,
                    None if dlse is None else heads.read(dlse[b].T[r0:r1], h0, h1))
     return Q1, dO1
 
 
 def key_operands(p, grid, k, v, b, h0, h1, first_tile, nt, scratch) -> tuple:
-    """K1t = [K | 1]ᵀ and V1t = [V | 1]ᵀ (kv heads, D + 1, columns) and Ks = scale K (kv heads,
-    columns, D) of the nt tiles from first_tile on, from column first_tile step on, zero outside the
-    keys some row sees."""
-    acc, D, step = p.acc_dtype, p.head_dim, grid.step
+    """K1t = [K | 1]ᵀ and V1t = [V | 1]ᵀ (kv heads, head_dim + 1 and head_dim_v + 1, columns) and
+    Ks = scale K (kv heads, columns, head_dim) of the nt tiles from first_tile on, from column
+    first_tile step on, zero outside the keys some row sees."""
+    acc, D, Dv, step = p.acc_dtype, p.head_dim, p.head_dim_v, grid.step
     h = h1 - h0
     columns = (nt - 1) * step + grid.tile_keys  # from column first_tile step on
     ld = -(-columns // 64) * 64 + 16  # rows not a multiple of 4 KiB apart, which share cache sets
     K1t = scratch.take("K1t", (h, D + 1, ld), acc)[:, :, :columns]
-    V1t = scratch.take("V1t", (h, D + 1, ld), acc)[:, :, :columns]
+    V1t = scratch.take("V1t", (h, Dv + 1, ld), acc)[:, :, :columns]
     origin = first_tile * step - grid.base  # the key in the first column
     y0, y1 = max(origin, grid.j0), min(origin + columns, grid.j1)
     if y0 >= y1:  # none of the keys
@@ -294,9 +299,9 @@ def key_operands(p, grid, k, v, b, h0, h1, first_tile, nt, scratch) -> tuple:
                 x[:, :, z0:z1] = 0
     for w0, w1 in tiling.blocks(y0, y1, 128):  # NumPy's gather runs fastest 64 to 128 keys at a time
         K1t[:, :D, w0 - origin:w1 - origin] = k[b, w0:w1, h0:h1].transpose(1, 2, 0)
-        V1t[:, :D, w0 - origin:w1 - origin] = v[b, w0:w1, h0:h1].transpose(1, 2, 0)
+        V1t[:, :Dv, w0 - origin:w1 - origin] = v[b, w0:w1, h0:h1].transpose(1, 2, 0)
     K1t[:, D, y0 - origin:y1 - origin] = 1
-    V1t[:, D, y0 - origin:y1 - origin] = 1
+    V1t[:, Dv, y0 - origin:y1 - origin] = 1
     # scale K in rows for dQ: BLAS runs dS Kᵀᵀ much slower from the transposed view
     Ks = band_keys(k[b, y0:y1, h0:h1], y0 - origin, columns, "Ks", acc, scratch, acc.type(p.scale))
     return K1t, V1t, Ks

@@ -190,15 +190,15 @@ def band_visible(p, i0: int, j0: int, rows, keys: int, end: int):
 
 def band_tiles(Qt, Kw, Vw, keep, per_call, l_max, scratch, visible, finish) -> None:
     """The tiles of a band block, each holding every key its rows see, per_call to a matmul: Qt
-    (kv heads, tiles, D, rows) their Q_iᵀ, Kw and Vw their keys' K and V windows (kv heads, tiles,
-    keys, D), keep the 0/1 mask of the pairs a tile's rows see, (keys, rows) with rows stacked
-    group by group as in Qt, or one such mask per tile. visible(tile, stack rows) gives the bool
-    mask of those rows' pairs, for the rows redone. finish(u0, u1, O, l, m) takes tiles u0 .. u1 - 1
-    while they are in cache: O (kv heads, tiles, rows, D), l and the reference m (kv heads, tiles,
-    rows), to be normalised (softmax.normalised)."""
+    (kv heads, tiles, head_dim, rows) their Q_iᵀ, Kw and Vw their keys' K and V windows (kv heads,
+    tiles, keys, head_dim and head_dim_v), keep the 0/1 mask of the pairs a tile's rows see, (keys,
+    rows) with rows stacked group by group as in Qt, or one such mask per tile. visible(tile, stack
+    rows) gives the bool mask of those rows' pairs, for the rows redone. finish(u0, u1, O, l, m)
+    takes tiles u0 .. u1 - 1 while they are in cache: O (kv heads, tiles, rows, head_dim_v), l and
+    the reference m (kv heads, tiles, rows), to be normalised (softmax.normalised)."""
     acc = Qt.dtype
-    heads, T, D, M = Qt.shape
-    n = Kw.shape[2]
+    heads, T, _, M = Qt.shape
+    n, D = Kw.shape[2], Vw.shape[3]  # D: v's head dim (O's), perhaps not q's and k's
     ones = np.ones((1, n), dtype=acc)
     per_call = -(-T // -(-T // per_call))  # chunks of equal size: 16 tiles as 8 + 8, not 14 + 2
     for u0 in range(0, T, per_call):

@@ -124,7 +124,7 @@ class ForwardBlock:
     """Online softmax of query block [i0, i1) over every key it sees, for a stack of kv heads: the
     loop state of FlashAttention-2's forward, m and [O | l], through the block's tiles.
 
-    Q is (kv heads, rows x group, D) and Kt is Kᵀ; one of them (Kt, unless K is read where it
+    Q is (kv heads, rows x group, head_dim) and Kt is Kᵀ; one of them (Kt, unless K is read where it
     lies) carries scale * log2(e), so that the scores come out in base 2 and P = exp2(S - m) (m
     counts in base 2 too). A kv head's query heads are interleaved row by row (stacks.HeadMap), so
     a tile's rows are one slice for every kv head and each kv head's K is packed for BLAS once per
@@ -145,7 +145,8 @@ class ForwardBlock:
     def __init__(self, p, Q, Kt, V1, i0, l_max, scratch, modify=None):
         self.p, self.Q, self.Kt, self.V1, self.i0, self.l_max = p, Q, Kt, V1, i0, l_max
         self.scratch, self.modify = scratch, modify
-        heads, M, D = Q.shape
+        heads, M, _ = Q.shape
+        D = p.head_dim_v  # O's width (v's head dim; Q's may differ)
         self.acc, self.g, self.heads, self.D = p.acc_dtype, p.group, heads, D  # read per tile
         self.m = np.zeros((heads, M), dtype=self.acc)  # the reference
         self.O1 = scratch.take("O1", (heads, M, D + 1), self.acc, fill=0)  # [O | l]
@@ -165,7 +166,7 @@ class ForwardBlock:
 
     def run(self, tiles, out=None) -> tuple:
         """Every tile, then (O / l, lse) stacked as Q, lse in natural log. out: where O / l goes, as
-        (kv heads, rows, group, D) (a view of the caller's output), else into O itself."""
+        (kv heads, rows, group, head_dim_v) (a view of the caller's output), else into O itself."""
         # exp2() overflowing to inf (or NaN from inf - inf), and log(0), are expected here: those
         # rows are redone
         tile = self.tile
@@ -270,4 +271,4 @@ class ForwardBlock:
             heads, M = m.shape
             self.Q1 = np.concatenate([self.Q, np.zeros((heads, M, 1), acc)], axis=2)
             self.K1t = np.concatenate([self.Kt, np.ones((heads, 1, self.Kt.shape[2]), acc)], axis=1)
-        self.Q1[:, :, D] = -m
+        self.Q1[:, :, -1] = -m

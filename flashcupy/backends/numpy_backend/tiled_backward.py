@@ -26,7 +26,8 @@ def delta_into(dO, O, out, L, dlse=None) -> None:
 
 
 def item(p, block_j0, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None, clamp=False) -> tuple:
-    """The key block from block_j0 on of a stack of kv heads (K, V: (kv heads, keys, D)) against
+    """The key block from block_j0 on of a stack of kv heads (K: (kv heads, keys, head_dim), V:
+    (kv heads, keys, head_dim_v)) against
     their query heads: returns (dK_j, dV_j) and adds into dQ. Everything is stacked as in
     softmax.ForwardBlock.
 
@@ -42,6 +43,7 @@ def item(p, block_j0, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None
     """
     acc = p.acc_dtype
     heads, w, D = K.shape
+    Dv = V.shape[2]  # v's head dim, dO's too
     g = p.group
     scale = acc.type(p.scale)
     # [K_j | 1]ᵀ and [V_j | 1]ᵀ, transposed views of copies that keep the rows: BLAS runs S a
@@ -50,12 +52,12 @@ def item(p, block_j0, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None
     K1t = scratch.take("K1", (heads, w, D + 1), acc).transpose(0, 2, 1)
     K1t[:, :D] = K.transpose(0, 2, 1)
     K1t[:, D] = 1
-    V1t = scratch.take("V1", (heads, w, D + 1), acc).transpose(0, 2, 1)
-    V1t[:, :D] = V.transpose(0, 2, 1)
-    V1t[:, D] = 1
+    V1t = scratch.take("V1", (heads, w, Dv + 1), acc).transpose(0, 2, 1)
+    V1t[:, :Dv] = V.transpose(0, 2, 1)
+    V1t[:, Dv] = 1
     K_scaled = np.multiply(K, scale, out=scratch.take("K_scaled", K.shape, acc))
     dK_j = scratch.take("dK_j", (heads, w, D), acc, fill=0)
-    dV_j = scratch.take("dV_j", (heads, w, D), acc, fill=0)
+    dV_j = scratch.take("dV_j", (heads, w, Dv), acc, fill=0)
     for i0, i1, j0, j1, hidden in tiles:
         s0, s1 = i0 * g, i1 * g  # the tile's rows within the stacks
         x0, x1 = j0 - block_j0, j1 - block_j0  # its keys within the block
@@ -79,7 +81,8 @@ def item(p, block_j0, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None
             P = np.exp2(S, out=S)  # hidden pairs zeroed after it, not -inf before it: see ForwardBlock.tile
         tiling.mask_scores(P, p, i0, j0, 0, group=g, hidden=hidden)
         kd = scratch.take("kd", (heads, x1 - x0, D), acc)
-        dV_j[:, x0:x1] += np.matmul(P.transpose(0, 2, 1), dO1_i[:, :, :D], out=kd)
+        kdv = kd if Dv == D else scratch.take("kdv", (heads, x1 - x0, Dv), acc)
+        dV_j[:, x0:x1] += np.matmul(P.transpose(0, 2, 1), dO1_i[:, :, :Dv], out=kdv)
         dS = np.matmul(dO1_i, V1t[:, :, x0:x1], out=scratch.take("dS", (heads, s1 - s0, x1 - x0), acc))
         np.multiply(P, dS, out=dS)
         if dbias is not None:
@@ -143,12 +146,12 @@ def plan_backward(p) -> BackwardPlan:
 def prepare(p, b, dout, q, out, lse, heads, mods, dlse=None) -> tuple:
     """The pre-pass of batch b: Q1 = [scale log2(e) Q | -log2(e) lse] (a row that sees no key has
     lse -inf: -inf there gives it P = 0) and dO1 = [dO | -D], D_i = rowsum(dO_i ∘ O_i), for every
-    kv head (D - dlse_i with the gradient of lse), as stacks (kv heads, seqlen_q x group, D + 1) in
-    the call's scratch; made in one task
+    kv head (D - dlse_i with the gradient of lse), as stacks (kv heads, seqlen_q x group, head_dim
+    + 1 and head_dim_v + 1) in the call's scratch; made in one task
     a worker (its few elementwise passes are mostly call overhead)."""
-    acc, D = p.acc_dtype, p.head_dim
+    acc, D, Dv = p.acc_dtype, p.head_dim, p.head_dim_v
     Q1_all = pool.call_scratch.take("Q1", (p.heads_kv, p.seqlen_q * p.group, D + 1), acc)
-    dO1_all = pool.call_scratch.take("dO1", Q1_all.shape, acc)
+    dO1_all = pool.call_scratch.take("dO1", (p.heads_kv, p.seqlen_q * p.group, Dv + 1), acc)
 
     def operands(h0, h1):
         def run(scratch):
@@ -159,11 +162,11 @@ def prepare(p, b, dout, q, out, lse, heads, mods, dlse=None) -> tuple:
             L = heads.read(lse[b].T, h0, h1)
             Q1[:, :, D].reshape(shape)[...] = np.where(L == -np.inf, np.inf, L) * acc.type(-LOG2E)
             dO1 = dO1_all[h0:h1]
-            dO = dO1[:, :, :D].reshape(*shape, D)
+            dO = dO1[:, :, :Dv].reshape(*shape, Dv)
             dO[...] = heads.read(dout[b], h0, h1)
             if mods is not None:  # a row a mask leaves no key lies inside tiles: its dO goes nowhere
                 dO[L == -np.inf] = 0
-            delta_into(dO, stacks.as_acc(heads.read(out[b], h0, h1), acc), dO1[:, :, D].reshape(shape), L,
+            delta_into(dO, stacks.as_acc(heads.read(out[b], h0, h1), acc), dO1[:, :, Dv].reshape(shape), L,
                        None if dlse is None else heads.read(dlse[b].T, h0, h1))
         return run
 

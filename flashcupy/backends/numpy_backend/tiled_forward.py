@@ -43,8 +43,8 @@ def plan_forward(p, k, v) -> ForwardPlan:
 
 
 def kv_operands(p, k, v, b, h0, h1, fplan) -> tuple:
-    """(Kt, V1, l_max) of kv heads h0..h1: Kᵀ (kv heads, D, keys) and [V | 1] (kv heads, keys,
-    D + 1) from key 0, in the accumulation dtype, and the largest row sum |v| allows
+    """(Kt, V1, l_max) of kv heads h0..h1: Kᵀ (kv heads, head_dim, keys) and [V | 1] (kv heads,
+    keys, head_dim_v + 1) from key 0, in the accumulation dtype, and the largest row sum |v| allows
     (softmax.largest_l). With few query rows per key (decoding: a copy would cost more than the
     matmuls it speeds up), views of K and V where they lie."""
     acc, end = p.acc_dtype, fplan.end
@@ -57,7 +57,7 @@ def kv_operands(p, k, v, b, h0, h1, fplan) -> tuple:
     K = np.empty((h1 - h0, end, p.head_dim), dtype=acc)
     np.multiply(k[b, :end, h0:h1, :].transpose(1, 0, 2), softmax.base2_scale(p), out=K, dtype=acc)
     Kt = K.transpose(0, 2, 1)
-    V1 = np.empty((h1 - h0, end, p.head_dim + 1), dtype=acc)
+    V1 = np.empty((h1 - h0, end, p.head_dim_v + 1), dtype=acc)
     V1[:, :, :-1] = v[b, :end, h0:h1, :].transpose(1, 0, 2)
     V1[:, :, -1] = 1
     # max |v| (the ones never matter: largest_l only lowers its bound for |v| far above 1)

@@ -1,0 +1,109 @@
+"""v's head_dim unlike q's and k's (flash-attn #753, #914; MLA-style attention): out and dout take v's
+head_dim, the scale stays 1/sqrt(q's head_dim), the FLOP count 2 (head_dim + head_dim_v) per pair.
+
+The contract's rows (tests/contract.py, HEAD_DIM_V_CASES) run the plain and causal forward and backward
+on every path of every backend that takes it; here, against the float64 oracle, what they do not:
+each score modifier with its own code path in the NumPy backend (the narrow band, the modified
+scores, dbias), leading batch dimensions, attention_vjp, empty inputs; and the refusals.
+"""
+
+import numpy as np
+import pytest
+
+import flashcupy
+from conftest import assert_matches_oracle, make_qkv
+from flashcupy import _checks
+from flashcupy._problem import Band, attention_flops
+from modifier_checks import modifier_cases
+
+F32 = np.float32
+SHAPE = (2, 11, 13, 4, 2, 16)  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim): GQA
+
+
+def run(q, k, v, dout, **kw):
+    out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
+    dlse = np.random.default_rng(7).standard_normal(lse.shape).astype(lse.dtype)
+    return dlse, (out, lse, *flashcupy.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **kw))
+
+
+@pytest.mark.parametrize("head_dim_v", [8, 40])
+@pytest.mark.parametrize("name", ["window", "causal-window", "softcap-causal", "alibi", "bias", "bias-B11S",
+                                  "mask", "all", "all-causal"])
+def test_each_modifier_with_its_own_value_head_dim(rng, name, head_dim_v):
+    B, Sq, Sk, Hq, Hkv, D = SHAPE
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, F32, head_dim_v=head_dim_v)
+    dout = rng.standard_normal((B, Sq, Hq, head_dim_v)).astype(F32)
+    kw = modifier_cases(rng, SHAPE, F32)[name]
+    dlse, got = run(q, k, v, dout, backend="numpy", **kw)
+    assert got[0].shape == (B, Sq, Hq, head_dim_v) and got[4].shape == v.shape
+    assert_matches_oracle(got, q, k, v, dout, backend="numpy", dlse=dlse, **kw)
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v", [(48, 16), (16, 40)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_narrow_band_path(rng, head_dim, head_dim_v, causal):
+    """A window alone, a few keys wide, over more rows than a tile: band_forward and band_backward."""
+    q, k, v = make_qkv(rng, 2, 200, 200, 4, 2, head_dim, F32, head_dim_v=head_dim_v)
+    dout = rng.standard_normal(q.shape[:3] + (head_dim_v,)).astype(F32)
+    kw = dict(window=(5, 3), causal=causal)
+    from flashcupy.backends.numpy_backend import plan
+    assert plan.narrow_band(_checks.problem(q, k, v, causal, None, None, "numpy", window=(5, 3))) is not None
+    dlse, got = run(q, k, v, dout, **kw)
+    assert_matches_oracle(got, q, k, v, dout, backend="numpy", dlse=dlse, **kw)
+
+
+def test_leading_batch_dimensions_and_a_broadcast_bias(rng):
+    q = rng.standard_normal((2, 3, 9, 2, 8)).astype(F32)
+    k = rng.standard_normal((2, 3, 10, 1, 8)).astype(F32)
+    v = rng.standard_normal((2, 3, 10, 1, 24)).astype(F32)
+    dout = rng.standard_normal((2, 3, 9, 2, 24)).astype(F32)
+    bias = rng.standard_normal((3, 1, 9, 10)).astype(F32)
+    dlse, got = run(q, k, v, dout, bias=bias, causal=True)
+    assert got[0].shape == (2, 3, 9, 2, 24) and got[5].shape == bias.shape
+    assert_matches_oracle(got, q, k, v, dout, backend="numpy", dlse=dlse, bias=bias, causal=True)
+
+
+def test_attention_vjp(rng):
+    q, k, v = make_qkv(rng, 1, 6, 9, 2, 2, 8, np.float64, head_dim_v=3)
+    dout = rng.standard_normal((1, 6, 2, 3))
+    out, vjp = flashcupy.attention_vjp(q, k, v)
+    _, lse = flashcupy.attention(q, k, v, return_lse=True)
+    assert_matches_oracle((out, lse, *vjp(dout)), q, k, v, dout, backend="numpy")
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 7, 2, 1), (1, 0, 7, 2, 1), (1, 5, 0, 2, 1), (2, 3, 0, 5, 7, 2, 1)])
+def test_empty_inputs_give_results_of_v_s_head_dim(shape):
+    *batch, Sq, Sk, Hq, Hkv = shape
+    q = np.ones((*batch, Sq, Hq, 4), F32)
+    k = np.ones((*batch, Sk, Hkv, 4), F32)
+    v = np.ones((*batch, Sk, Hkv, 6), F32)
+    out, lse = flashcupy.attention(q, k, v, return_lse=True)
+    assert out.shape == (*batch, Sq, Hq, 6) and np.all(out == 0) and np.all(np.isneginf(lse))
+    dq, dk, dv = flashcupy.attention_backward(np.ones(out.shape, F32), q, k, v, out, lse)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert not (dq.any() or dk.any() or dv.any())
+
+
+def test_the_scale_and_the_flop_count_follow_q_s_head_dim(rng):
+    q, k, v = make_qkv(rng, 1, 4, 4, 1, 1, 16, np.float64, head_dim_v=4)
+    p = _checks.problem(q, k, v, False, None, None, "numpy")
+    assert (p.head_dim, p.head_dim_v, p.out_shape) == (16, 4, (1, 4, 1, 4))
+    assert p.scale == 1 / 4  # 1/sqrt(16), q's head_dim
+    assert p.flops() == 2 * (16 + 4) * 16  # 2 D + 2 Dv per pair, 16 pairs
+    assert attention_flops(1, 1, 16, Band.of(4, 4), windowed=False) == 4 * 16 * 16
+
+
+def test_bad_shapes_are_refused(rng):
+    q, k, v = make_qkv(rng, 1, 4, 5, 2, 1, 8, F32, head_dim_v=6)
+    with pytest.raises(ValueError, match=r"k and v must have the same \(batch, seqlen_k, heads_kv\)"):
+        flashcupy.attention(q, k, v[:, :4])
+    with pytest.raises(ValueError, match="k must have q's head_dim 8, got 6"):
+        flashcupy.attention(q, v, v)
+    with pytest.raises(ValueError, match="head_dim must be at least 1"):
+        flashcupy.attention(q, k, v[..., :0])
+    out, lse = flashcupy.attention(q, k, v, return_lse=True)
+    wrong = np.ones(q.shape, F32)  # q's shape, not out's
+    for name, dout, o in (("dout", wrong, out), ("out", np.ones(out.shape, F32), wrong)):
+        with pytest.raises(ValueError, match=fr"{name} must have q's shape with v's head_dim \(1, 4, 2, 6\)"):
+            flashcupy.attention_backward(dout, q, k, v, o, lse)
+
