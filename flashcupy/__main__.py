@@ -60,7 +60,7 @@ def cmd_info(args) -> int:
     print("cupy kernel paths: forward and backward on tensor cores (mma.sync) for float16/bfloat16 with\n"
           f"  head_dim a multiple of 8 up to 256, on sm_{oldest['bfloat16']}+, q/k/v (and dout/out) "
           "contiguous along head_dim\n"
-          "  with 16-byte aligned rows; on Turing (sm_75) float16 alone, up to head_dim "
+          "  with 16-byte aligned rows and v's head_dim q's; on Turing (sm_75) float16 alone, up to head_dim "
           f"{specs.TC_TURING_HEAD_DIM_BUCKETS[-1]},\n"
           "  with smaller tiles and two m16n8k8 an mma (the default backward with softcap or ALiBi at 128\n"
           "  keeps the deterministic kernels there); the SIMT kernels for everything else (every call on\n"

@@ -48,11 +48,16 @@ SIMULATOR_CASES = (
 MODIFIED_CASE = (1, 7, 9, 2, 1, 8, False)  # causal comes from the modifiers; small for the simulator
 
 # v's head_dim unlike q's and k's (an eighth element), larger and smaller, on the paths of a backend
-# that takes it (Backend.head_dim_v): GQA with Sq < Sk, and Sq > Sk under causal (rows that see no key).
+# that takes it (Backend.head_dim_v): GQA with Sq < Sk, and Sq > Sk under causal (rows that see no key);
+# the simulator's with a head dim of several D_TILE chunks against one of a partial chunk.
 HEAD_DIM_V_CASES = (
     (1, 9, 14, 4, 2, 16, True, 40),
     (2, 13, 6, 2, 1, 40, True, 8),
     (1, 7, 7, 2, 2, 8, False, 24),
+)
+SIMULATOR_HEAD_DIM_V_CASES = (
+    (1, 5, 17, 2, 1, 3, True, 17),
+    (1, 17, 5, 4, 2, 40, True, 3),
 )
 
 
@@ -115,8 +120,9 @@ BACKENDS = {
                      head_dim_v=("copied", "in-place")),
     "cupy": Backend({"hopper": ("float16", "bfloat16-bits"), "tensor-core": ("float16", "bfloat16-bits"),
                      "simt": ("float16", "bfloat16-bits", "float32", "float64")}, CASES,
-                    orders=("ascending", "descending"), modified=()),
-    "numba": Backend({"simt": ("float16", "float32", "float64")}, SIMULATOR_CASES),
+                    orders=("ascending", "descending"), modified=(), head_dim_v=("simt",)),
+    "numba": Backend({"simt": ("float16", "float32", "float64")}, SIMULATOR_CASES, head_dim_v=("simt",),
+                     value_cases=SIMULATOR_HEAD_DIM_V_CASES),
 }
 
 

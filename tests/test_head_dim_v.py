@@ -107,3 +107,69 @@ def test_bad_shapes_are_refused(rng):
         with pytest.raises(ValueError, match=fr"{name} must have q's shape with v's head_dim \(1, 4, 2, 6\)"):
             flashcupy.attention_backward(dout, q, k, v, o, lse)
 
+
+# ----------------------------------------------------------------------------
+# cupy, on the CPU emulator: the SIMT kernels pad their tiles to the larger head dim; the tensor-core
+# and Hopper kernels assume one, so such calls run on the SIMT kernels
+
+
+@pytest.mark.parametrize("compute_capability", [80, 90])
+def test_cupy_runs_calls_the_tensor_cores_would_take_on_the_simt_kernels(rng, compute_capability):
+    """float16 at head dims the tensor-core and Hopper kernels take (64 for q and k, 32 for v), on an
+    sm_80 and an sm_90 device: the SIMT kernels, forward and backward, with a bias (dbias from
+    flash_pairs.cu) and a mask."""
+    from flashcupy.backends import cupy_backend
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k, v = make_qkv(rng, 1, 20, 33, 2, 1, 64, np.float16, head_dim_v=32)
+    dout = rng.standard_normal((1, 20, 2, 32)).astype(np.float16)
+    kw = dict(bias=rng.standard_normal((1, 2, 20, 33)).astype(np.float16), mask=rng.random((1, 1, 20, 33)) < 0.8,
+              causal=True)
+    with emulated(compute_capability=compute_capability):
+        p = _checks.problem(q, k, v, True, None, None, "numpy")
+        assert cupy_backend.forward_path(p, q, k, v) == "simt"
+        assert cupy_backend.backward_path(p, dout, q, k, v, dout) == "simt"
+        # the same arrays with one head dim take the tensor cores
+        same = _checks.problem(q, k, k, True, None, None, "numpy")
+        assert cupy_backend.forward_path(same, q, k, k) == ("hopper" if compute_capability == 90 else "tensor-core")
+        dlse, got = run(q, k, v, dout, backend="cupy", **kw)
+        assert_matches_oracle(got, q, k, v, dout, backend="cupy", dlse=dlse, **kw)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_cupy_split_kv(rng, dtype):
+    """Split-KV's partial outs of v's head dim, merged (flash_merge.cu)."""
+    from flashcupy import _api
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k, v = make_qkv(rng, 2, 3, 300, 4, 2, 16, dtype, head_dim_v=40)
+    with emulated():
+        out, lse = _api.forward(q, k, v, backend="cupy", num_splits=3)
+    assert_matches_oracle((out, lse), q, k, v, backend="cupy")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cupy"])
+def test_a_packed_batch(rng, backend):
+    """attention_varlen and its backward, on cupy one launch over the packed batch."""
+    import contextlib
+
+    from flashcupy.tools.emulator.cupy import emulated
+    from varlen_checks import packed_batch_matches_the_oracle
+    with emulated() if backend == "cupy" else contextlib.nullcontext():
+        packed_batch_matches_the_oracle(rng, backend, lengths=([3, 0, 9], [7, 4, 2]), head_dim=8, head_dim_v=20,
+                                        backward=True)
+
+
+def test_a_kv_cache_still_needs_one_head_dim(rng):
+    q = np.ones((1, 1, 2, 8), F32)
+    with pytest.raises(ValueError, match="k_cache and v_cache must have the same shape"):
+        flashcupy.attention_with_kvcache(q, np.ones((1, 5, 1, 8), F32), np.ones((1, 5, 1, 4), F32))
+
+
+def test_a_backend_without_it_refuses(rng, monkeypatch):
+    """Every backend declares HEAD_DIM_V today; one that did not would refuse the call, naming those that
+    take it, before any work."""
+    from flashcupy.backends import numpy_backend
+    q, k, v = make_qkv(rng, 1, 4, 5, 2, 1, 8, F32, head_dim_v=6)
+    monkeypatch.setattr(numpy_backend, "HEAD_DIM_V", False)
+    with pytest.raises(ValueError, match=r"v's head_dim 6, unlike q's and k's 8, is not yet supported by backend "
+                                         r"'numpy' \(backend 'cupy' or 'numba' supports it\)"):
+        flashcupy.attention(q, k, v, backend="numpy")

@@ -878,3 +878,21 @@ def test_leading_batch_dimensions(rng):
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numba", **kw)
         grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numba", **kw)
         assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="numba", **kw)
+
+
+def test_a_value_head_dim_of_its_own_with_every_modifier_and_in_a_packed_batch(rng):
+    """v's head_dim unlike q's (tests/test_head_dim_v.py has the other backends'): every modifier at
+    once (dbias from the kernel of a thread per element), then a packed batch in one launch, with v's
+    head dim of several D_TILE chunks against q's of a partial one. The contract's
+    SIMULATOR_HEAD_DIM_V_CASES cover the plain and causal calls."""
+    B, Sq, Sk, Hq, Hkv, D = 1, 7, 9, 2, 1, 3
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float32, head_dim_v=17)
+    dout = rng.standard_normal((B, Sq, Hq, 17)).astype(np.float32)
+    kw = modifier_cases(rng, (B, Sq, Sk, Hq, Hkv, D), np.float32)["all-causal"]
+    out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numba", **kw)
+    dlse = rng.standard_normal(lse.shape).astype(lse.dtype)
+    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numba", dlse=dlse, **kw)
+    assert out.shape == (B, Sq, Hq, 17) and grads[2].shape == v.shape
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="numba", dlse=dlse, **kw)
+    packed_batch_matches_the_oracle(rng, "numba", lengths=([3, 0, 5], [4, 2, 1]), head_dim=3, head_dim_v=10,
+                                    backward=True)

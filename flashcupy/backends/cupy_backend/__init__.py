@@ -141,7 +141,13 @@ def _tensor(x) -> tuple:
 
 
 def _shape_args(p) -> tuple:
-    return tuple(np.int32(n) for n in (p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.head_dim))
+    return tuple(np.int32(n) for n in (p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.head_dim, p.head_dim_v))
+
+
+def _simt_head_dim(p) -> int:
+    """The head dim a SIMT kernel's tiles are built for: the larger of q's and v's (each tile zero past
+    its own tensor's, so the padding adds nothing)."""
+    return max(p.head_dim, p.head_dim_v)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -150,6 +156,7 @@ def _cdiv(a: int, b: int) -> int:
 
 MAX_HEAD_DIM = specs.MAX_HEAD_DIM
 MODIFIERS = frozenset(specs.MOD_BITS)  # the score modifiers the kernels compute; _api refuses the others
+HEAD_DIM_V = True  # v's head_dim may differ from q's and k's (on the SIMT kernels)
 
 
 # The host's own work of a call, kept between calls where its inputs are the same: every launch's grid
@@ -179,25 +186,33 @@ def grid_axes(p, backward):
     """Every launch's grid along x on either kernel path (the tensor-core backward's y is 2 at most:
     Kernel.column_parts): the path is chosen per call, from strides.
     They depend on the dtype, head_dim, modifiers, shapes and the bias's shape alone (launch.GRIDS)."""
-    key = (bool(backward), p.dtype, p.head_dim, _mods(p), p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv,
+    key = (bool(backward), p.dtype, p.head_dim, p.head_dim_v, _mods(p), p.batch, p.seqlen_q, p.seqlen_k, p.heads_q,
+           p.heads_kv,
            None if p.bias is None else tuple(p.bias.shape))
     return _remember(_grid_axes_cache, key, lambda: _grid_axes(p, backward))
 
 
 def _grid_axes(p, backward) -> tuple:
-    builds = [specs.forward_module, specs.probs_module] + [specs.backward_module] * backward
+    mods, simt = _mods(p), _simt_head_dim(p)
+    builds = [(specs.forward_module, simt), (specs.probs_module, p.head_dim)]
+    builds += [(specs.backward_module, simt)] * backward
     if backward and p.bias is not None:
-        builds.append(specs.dbias_module)
-    if specs.tensor_core_eligible(p.dtype, p.head_dim):
-        builds += [specs.tc_forward_module]
-    if backward and specs.tensor_core_eligible(p.dtype, p.head_dim, _mods(p), backward=True):
-        builds += [specs.tc_backward_module, specs.deterministic_tc_backward_module]
-    mods = _mods(p)
-    if specs.sm90_eligible(p.dtype, p.head_dim, mods):
-        builds += [specs.sm90_forward_module]
-    if backward and specs.sm90_eligible(p.dtype, p.head_dim, mods, backward=True):
-        builds += [specs.sm90_backward_module]
-    return tuple((*kernel.grid(p), 0) for build in builds for kernel in build(p.dtype, p.head_dim, mods).kernels)
+        builds.append((specs.dbias_module, simt))
+    if _same_head_dims(p) and specs.tensor_core_eligible(p.dtype, p.head_dim):
+        builds += [(specs.tc_forward_module, p.head_dim)]
+    if backward and _same_head_dims(p) and specs.tensor_core_eligible(p.dtype, p.head_dim, mods, backward=True):
+        builds += [(specs.tc_backward_module, p.head_dim), (specs.deterministic_tc_backward_module, p.head_dim)]
+    if _same_head_dims(p) and specs.sm90_eligible(p.dtype, p.head_dim, mods):
+        builds += [(specs.sm90_forward_module, p.head_dim)]
+    if backward and _same_head_dims(p) and specs.sm90_eligible(p.dtype, p.head_dim, mods, backward=True):
+        builds += [(specs.sm90_backward_module, p.head_dim)]
+    return tuple((*kernel.grid(p), 0) for build, dim in builds for kernel in build(p.dtype, dim, mods).kernels)
+
+
+def _same_head_dims(p) -> bool:
+    """Whether v's head_dim is q's and k's: the tensor-core and Hopper kernels' tiles assume it (a
+    call with another runs on the SIMT kernels)."""
+    return p.head_dim_v == p.head_dim
 
 
 # ----------------------------------------------------------------------------
@@ -214,7 +229,8 @@ def _path_remembered(kind: str, p, tensors, flags: tuple, choose) -> str:
     """choose(), kept in the Runtime's plans by what it reads: the switches, the problem's dtype, head_dim
     and modifiers, the device, and each tensor's layout (CACHE_HOST_WORK)."""
     rt = _runtime()
-    key = (kind, USE_TENSOR_CORES, USE_WGMMA, p.dtype, p.head_dim, _mods(p), flags, rt.device_id(tensors[0]),
+    key = (kind, USE_TENSOR_CORES, USE_WGMMA, p.dtype, p.head_dim, p.head_dim_v, _mods(p), flags,
+           rt.device_id(tensors[0]),
            *(_layout(rt, x) for x in tensors))
     return _remember(rt.plans, key, choose)
 
@@ -236,8 +252,8 @@ def _path(p, *tensors, split: bool = False, backward: bool = False) -> str:
     """'tensor-core' when the tensor-core forward (split: split-KV's; backward: the backward) takes the
     call (specs.tensor_core_eligible) and `tensors` (all read or written through 16-byte rows), else
     'simt'."""
-    eligible = USE_TENSOR_CORES and specs.tensor_core_eligible(p.dtype, p.head_dim, _mods(p), split, backward,
-                                                               _turing(tensors[0]))
+    eligible = USE_TENSOR_CORES and _same_head_dims(p) and specs.tensor_core_eligible(
+        p.dtype, p.head_dim, _mods(p), split, backward, _turing(tensors[0]))
     return "tensor-core" if eligible and _rows_16_bytes(_runtime(), p.dtype, *tensors) else "simt"
 
 
@@ -257,7 +273,7 @@ def _hopper(p, backward: bool, rows, *tensors, varlen: bool = False) -> bool:
     kernels ask of the same arrays), and `tensors`, read or written through tensor maps, describable by
     one (_tma_describable)."""
     rt = _runtime()
-    return (USE_TENSOR_CORES and USE_WGMMA
+    return (USE_TENSOR_CORES and USE_WGMMA and _same_head_dims(p)
             and specs.sm90_eligible(p.dtype, p.head_dim, _mods(p), backward, varlen)
             and rt.compute_capability(tensors[0]) == specs.SM90_COMPUTE_CAPABILITY
             and _rows_16_bytes(rt, p.dtype, *rows) and all(_tma_describable(rt, x) for x in tensors))
@@ -417,7 +433,7 @@ def _forward_module(p, q, k, v, split: bool, out=None, varlen: bool = False, pag
         return path, specs.sm90_forward_module(p.dtype, p.head_dim, _mods(p), varlen, tile)
     if path == "tensor-core":
         return path, _tc_forward_module(p, q, split, varlen)
-    return path, specs.forward_module(p.dtype, p.head_dim, _mods(p), split, varlen)
+    return path, specs.forward_module(p.dtype, _simt_head_dim(p), _mods(p), split, varlen)
 
 
 def _tc_forward_module(p, q, split: bool, varlen: bool) -> specs.ModuleSpec:
@@ -474,7 +490,7 @@ def forward(p, q, k, v, num_splits=1, into=None):
     with rt.device_of(q):
         (fwd,) = _functions(rt, module, q)
         if path == "hopper":
-            out, lse = into if into is not None else (rt.xp.empty(q.shape, dtype=p.carrier),
+            out, lse = into if into is not None else (rt.xp.empty(p.out_shape, dtype=p.carrier),
                                                       rt.xp.empty(p.lse_shape, dtype=p.lse_dtype))
             # persistent: a CTA an SM (at most), each taking its next tile where a counter says (zeros)
             tiles = kernel.blocks(p)
@@ -487,10 +503,10 @@ def forward(p, q, k, v, num_splits=1, into=None):
                  np.int32(tiles), counter, *_tensor(out), *_no_varlen(rt, q)),
                 shared_mem=kernel.dynamic_smem)
             return out, lse
-        out, lse = into if into is not None else (rt.xp.empty(q.shape, dtype=p.carrier),
+        out, lse = into if into is not None else (rt.xp.empty(p.out_shape, dtype=p.carrier),
                                                   rt.xp.empty(p.lse_shape, dtype=p.lse_dtype))
         if splits > 1:  # workspaces: (splits, *out's shape) and (splits, *lse's shape)
-            outs = rt.xp.empty((splits,) + tuple(q.shape), dtype=p.acc_dtype)
+            outs = rt.xp.empty((splits,) + p.out_shape, dtype=p.acc_dtype)
             lses = rt.xp.empty((splits,) + p.lse_shape, dtype=p.lse_dtype)
             # the whole workspaces, with one split's strides: the kernel adds the split's offset
             part_out, part_lse = (_tensor(x)[:1] + _tensor(x[0])[1:] for x in (outs, lses))
@@ -519,10 +535,10 @@ def _merge_splits(rt, p, like, splits, outs, lses, split_args, out, lse, batch, 
     module = specs.merge_module(p.dtype)
     (kernel,) = module.kernels
     (merge,) = _functions(rt, module, like)
-    elements = batch * seqlen * p.heads_q * p.head_dim
+    elements = batch * seqlen * p.heads_q * p.head_dim_v
     merge((_cdiv(elements, specs.NUM_THREADS),), (kernel.threads,),
           (*outs, *lses, *out, *lse, np.int32(splits), *split_args[1:], np.int32(batch), np.int32(seqlen),
-           np.int32(p.heads_q), np.int32(p.head_dim)))
+           np.int32(p.heads_q), np.int32(p.head_dim_v)))
 
 
 # The Hopper forward's grid: True, min(tiles, SMs) CTAs, each taking tiles until none is left (the next

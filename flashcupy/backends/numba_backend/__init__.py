@@ -65,6 +65,7 @@ ARRAY_LIBRARIES = ("numpy", "cupy", "numba")
 DTYPES = ("float16", "float32", "float64")  # numba has no bfloat16 arithmetic type
 MAX_HEAD_DIM = 256  # kernels.HEAD_DIM_MAX: the register accumulators are sized for it
 MODIFIERS = frozenset({"window", "softcap", "alibi_slopes", "bias", "mask"})  # every score modifier
+HEAD_DIM_V = True  # v's head_dim may differ from q's and k's
 
 
 @functools.cache
@@ -294,12 +295,12 @@ def _broadcast(place, x):
 
 
 def _common(p, place, spare):
-    """Launch arguments every kernel that computes scores shares, after its arrays: ..., scale,
-    then the kernels' `mask` (diagonal, left, right; -1 unbounded), which only their visibility
-    helpers read, and `mods`, `slopes`, `bias` and `allow` (softcap, ALiBi, bias, mask), which
-    only kernels._modify reads. bias and the mask are read in place, their broadcast dimensions
-    as zero strides. Each array the call lacks is `spare`, a flat device array of the call's own
-    in ACC, never read: no allocation for nothing."""
+    """Launch arguments every kernel that computes scores shares, after its arrays: group, (head_dim,
+    head_dim_v) (q's and k's, v's), scale, then the kernels' `mask` (diagonal, left, right; -1
+    unbounded), which only their visibility helpers read, and `mods`, `slopes`, `bias` and `allow`
+    (softcap, ALiBi, bias, mask), which only kernels._modify reads. bias and the mask are read in
+    place, their broadcast dimensions as zero strides. Each array the call lacks is `spare`, a flat
+    device array of the call's own in ACC, never read: no allocation for nothing."""
     mask = _mask(p)
     acc = p.acc_dtype.type
     slopes = bias = allow = spare
@@ -313,7 +314,7 @@ def _common(p, place, spare):
         allow, allow_st = _broadcast(place, p.mask)
     mods = (acc(p.softcap or 0), int(p.alibi_slopes is not None), slopes_st,
             int(p.bias is not None), bias_st, int(p.mask is not None), allow_st)
-    return p.group, p.head_dim, acc(p.scale), mask, mods, slopes, bias, allow
+    return p.group, (p.head_dim, p.head_dim_v), acc(p.scale), mask, mods, slopes, bias, allow
 
 
 # ----------------------------------------------------------------------------
@@ -335,7 +336,7 @@ def forward(p, q, k, v, _packed=None):
     place = _Placement(_library(q))
     (qf, qst), (kf, kst), (vf, vst) = (place.read(x) for x in (q, k, v))
     if _packed is None:
-        out = _Buffer(place, q.shape, p.carrier)
+        out = _Buffer(place, p.out_shape, p.carrier)
         lse = _Buffer(place, p.lse_shape, p.acc_dtype)  # the kernel computes in lse's dtype (p.lse_dtype is the same)
         offsets = _no_offsets(lse.flat)
     else:
@@ -372,7 +373,7 @@ def backward(p, dout, q, k, v, out, lse, _packed=None, dlse=None):
 
     dlf, dlst = (lf, None) if dlse is None else place.read(dlse)  # lse: a stand-in never read
     K._flash_bwd_preprocess[prep_grid, K.PREP_THREADS, place.stream](
-        dof, dost, of, ost, dlf, dlst, D.flat, D.st, p.seqlen_q, p.head_dim)
+        dof, dost, of, ost, dlf, dlst, D.flat, D.st, p.seqlen_q, p.head_dim_v)
     # dK, dV: one block per (key block, kv head, batch), over the query heads of its group
     K._flash_bwd_dkdv[dkdv_grid, (K.BLOCK_M, K.BLOCK_N), place.stream](
         qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dk.flat, dk.st, dv.flat, dv.st,

@@ -276,16 +276,17 @@ def _chunk_tiles(like):
 
 @cuda.jit(device=True)
 def _scores_and_dP(Q_i, K_j, dO_i, V_j, q, qst, k, kst, dout, dost, v, vst,
-                   b, h, kv_head, i0, j0, seqlen_q, seqlen_k, head_dim, tid, r, c, acc):
-    """(S[r, c], dP[r, c]) = (Q_i[r, :] . K_j[c, :], dO_i[r, :] . V_j[c, :]) over head_dim in
-    chunks of D_TILE, every thread of the block taking part in the loads."""
+                   b, h, kv_head, i0, j0, seqlen_q, seqlen_k, head_dim, head_dim_v, tid, r, c, acc):
+    """(S[r, c], dP[r, c]) = (Q_i[r, :] . K_j[c, :], dO_i[r, :] . V_j[c, :]) over head_dim (q's and
+    k's) and head_dim_v (dO's and v's) in chunks of D_TILE, every thread of the block taking part in
+    the loads (a chunk past one of them loads zeros for it)."""
     s = acc(0)
     dp = acc(0)
-    for d0 in range(0, head_dim, D_TILE):
+    for d0 in range(0, max(head_dim, head_dim_v), D_TILE):
         _load_tile(Q_i, q, qst, b, i0, seqlen_q, h, d0, head_dim, tid)
         _load_tile(K_j, k, kst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
-        _load_tile(dO_i, dout, dost, b, i0, seqlen_q, h, d0, head_dim, tid)
-        _load_tile(V_j, v, vst, b, j0, seqlen_k, kv_head, d0, head_dim, tid)
+        _load_tile(dO_i, dout, dost, b, i0, seqlen_q, h, d0, head_dim_v, tid)
+        _load_tile(V_j, v, vst, b, j0, seqlen_k, kv_head, d0, head_dim_v, tid)
         cuda.syncthreads()  # the four chunks loaded by all threads
         for dd in range(D_TILE):
             s += Q_i[r, dd] * K_j[c, dd]
@@ -385,7 +386,7 @@ def _modify(s, mods, slopes, bias, allow, mask, b, h, i, j, seqlen_q, seqlen_k, 
 
 @cuda.jit
 def _flash_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
-              seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow,
+              seqlen_q, seqlen_k, group, dims, scale, mask, mods, slopes, bias, allow,
               cu_q, cuqst, cu_k, cukst, num_seqs):
     """out_i = softmax(Q_i K^T scale) V and lse_i, for one block of BLOCK_M query rows.
 
@@ -397,6 +398,7 @@ def _flash_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
     Shared: Q_i, K_j, V_j chunks + S, P tiles.
     """
     acc = lse.dtype.type  # ACC: the host allocates lse in p.acc_dtype
+    head_dim, head_dim_v = dims
     Q_i, K_j, V_j = _chunk_tiles(lse)
     S = cuda.shared.array((BLOCK_M, BLOCK_N), lse.dtype)
     P = cuda.shared.array((BLOCK_M, BLOCK_N), lse.dtype)
@@ -445,12 +447,12 @@ def _flash_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
         m = m_new
         for t in range(O_PER_THREAD):
             O[t] *= alpha
-        _add_row_times_tile(O, P, V_j, v, vst, b, j0, seqlen_k, kv_head, head_dim, tid, r, c, acc)
+        _add_row_times_tile(O, P, V_j, v, vst, b, j0, seqlen_k, kv_head, head_dim_v, tid, r, c, acc)
 
     if i < seqlen_q:
         seen = l != 0  # l >= 1 once a key was seen; NaN inputs keep NaN
         inv_l = acc(1) / l if seen else acc(0)
-        _store_query_row(out, ost, O, inv_l, b, i, h, head_dim, c)
+        _store_query_row(out, ost, O, inv_l, b, i, h, head_dim_v, c)
         if c == 0:
             lse[_at3(lst, b, h, i)] = m + math.log(l) if seen else acc(-math.inf)
 
@@ -511,7 +513,7 @@ def _zero_rows_that_see_nothing(tile, lse, lst, b, h, row0, seqlen_q, tid):
 
 @cuda.jit
 def _flash_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dkst, dv, dvst,
-                   seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow,
+                   seqlen_q, seqlen_k, group, dims, scale, mask, mods, slopes, bias, allow,
                    cu_q, cuqst, cu_k, cukst, num_seqs):
     """dK_j, dV_j for one block of BLOCK_N keys, summed over the query heads of its GQA group.
 
@@ -522,6 +524,7 @@ def _flash_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dk
     Shared: Q_i, K_j, dO_i, V_j chunks + P, dS tiles.
     """
     acc = D.dtype.type
+    head_dim, head_dim_v = dims
     Q_i, K_j, V_j = _chunk_tiles(D)
     dO_i = cuda.shared.array((BLOCK_M, TILE_COLS), D.dtype)
     P = cuda.shared.array((BLOCK_M, BLOCK_N), D.dtype)
@@ -557,7 +560,8 @@ def _flash_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dk
         for i0 in range(query_start, query_end, BLOCK_M):
             i = i0 + r
             s, dp = _scores_and_dP(Q_i, K_j, dO_i, V_j, q, qst, k, kst, dout, dost, v, vst,
-                                   b, h, kv_head, i0, j0, seqlen_q, seqlen_k, head_dim, tid, r, c, acc)
+                                   b, h, kv_head, i0, j0, seqlen_q, seqlen_k, head_dim, head_dim_v, tid, r, c,
+                                   acc)
             # hidden pairs get P = dS = 0 by selection, not by a product with P = 0: a NaN in a
             # row's dout must not reach keys the row does not see
             p = acc(0)
@@ -571,9 +575,9 @@ def _flash_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dk
             cuda.syncthreads()  # P and dS complete: every column c is read by BLOCK_M threads
 
             # dV[c, d] += P[:, c] . dO_i[:, d];  dK[c, d] += dS[:, c] . Q_i[:, d]
-            for d0 in range(0, head_dim, D_TILE):
+            for d0 in range(0, max(head_dim, head_dim_v), D_TILE):
                 _load_tile(Q_i, q, qst, b, i0, seqlen_q, h, d0, head_dim, tid)
-                _load_tile(dO_i, dout, dost, b, i0, seqlen_q, h, d0, head_dim, tid)
+                _load_tile(dO_i, dout, dost, b, i0, seqlen_q, h, d0, head_dim_v, tid)
                 _zero_rows_that_see_nothing(dO_i, lse, lst, b, h, i0, seqlen_q, tid)
                 cuda.syncthreads()  # Q_i, dO_i chunks loaded
                 for dd in range(r, D_TILE, BLOCK_M):
@@ -591,12 +595,13 @@ def _flash_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dk
             d = r + t * BLOCK_M
             if d < head_dim:
                 dk[_at(dkst, b, j, kv_head, d)] = dK[t]
+            if d < head_dim_v:
                 dv[_at(dvst, b, j, kv_head, d)] = dV[t]
 
 
 @cuda.jit
 def _flash_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst,
-                 seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow,
+                 seqlen_q, seqlen_k, group, dims, scale, mask, mods, slopes, bias, allow,
                  cu_q, cuqst, cu_k, cukst, num_seqs):
     """dQ_i for one block of BLOCK_M query rows; a separate pass, so no atomics.
 
@@ -607,6 +612,7 @@ def _flash_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst
     Shared: Q_i, K_j, dO_i, V_j chunks + dS tile.
     """
     acc = D.dtype.type
+    head_dim, head_dim_v = dims
     Q_i, K_j, V_j = _chunk_tiles(D)
     dO_i = cuda.shared.array((BLOCK_M, TILE_COLS), D.dtype)
     dS = cuda.shared.array((BLOCK_M, BLOCK_N), D.dtype)
@@ -629,7 +635,7 @@ def _flash_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst
     key_start, key_end = _key_range(mask, i0, min(i0 + BLOCK_M, seqlen_q), seqlen_k)
     for j0 in range(key_start, key_end, BLOCK_N):
         s, dp = _scores_and_dP(Q_i, K_j, dO_i, V_j, q, qst, k, kst, dout, dost, v, vst,
-                               b, h, kv_head, i0, j0, seqlen_q, seqlen_k, head_dim, tid, r, c, acc)
+                               b, h, kv_head, i0, j0, seqlen_q, seqlen_k, head_dim, head_dim_v, tid, r, c, acc)
         ds = acc(0)  # selected, not multiplied by P = 0: a row that sees no key gets dq 0 whatever its dout
         s, t, seen = _modify(s * scale, mods, slopes, bias, allow, mask, b, h, i, j0 + c, seqlen_q, seqlen_k, acc)
         if seen:
@@ -648,19 +654,20 @@ def _flash_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst
 
 
 @cuda.jit(device=True)
-def _score_and_dP(q, qst, k, kst, dout, dost, v, vst, b, i, h, j, kv_head, head_dim, acc):
+def _score_and_dP(q, qst, k, kst, dout, dost, v, vst, b, i, h, j, kv_head, head_dim, head_dim_v, acc):
     """(q_i . k_j, dO_i . v_j) in ACC, read straight from global memory (no tiles)."""
     s = acc(0)
     dp = acc(0)
     for d in range(head_dim):
         s += acc(q[_at(qst, b, i, h, d)]) * acc(k[_at(kst, b, j, kv_head, d)])
+    for d in range(head_dim_v):
         dp += acc(dout[_at(dost, b, i, h, d)]) * acc(v[_at(vst, b, j, kv_head, d)])
     return s, dp
 
 
 @cuda.jit
 def _flash_bwd_dbias(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dbias, shape, batch, heads_q,
-                    seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow):
+                    seqlen_q, seqlen_k, group, dims, scale, mask, mods, slopes, bias, allow):
     """dbias = dS = P ∘ (dP - D), the gradient of the final score (before the softcap's
     1 - tanh²), summed over the dimensions the bias broadcasts: one thread per element of the
     contiguous dbias (of `shape`, the bias's), which sums the pairs (b, h, i, j) its bias element
@@ -677,6 +684,7 @@ def _flash_bwd_dbias(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dbias
     in shared memory in a fixed order is the faster design.
     """
     acc = D.dtype.type
+    head_dim, head_dim_v = dims
     nb, nh, nq, nk = shape
     e = cuda.blockIdx.x * PREP_THREADS + cuda.threadIdx.x
     if e < nb * nh * nq * nk:
@@ -706,7 +714,7 @@ def _flash_bwd_dbias(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dbias
                         j_start, j_end = _key_range(mask, i, i + 1, seqlen_k)
                     for j in range(j_start, j_end):
                         s, dp = _score_and_dP(q, qst, k, kst, dout, dost, v, vst, b, i, h, j, kv_head,
-                                              head_dim, acc)
+                                              head_dim, head_dim_v, acc)
                         s, _, seen = _modify(s * scale, mods, slopes, bias, allow, mask, b, h, i, j,
                                              seqlen_q, seqlen_k, acc)
                         if seen:
@@ -716,13 +724,14 @@ def _flash_bwd_dbias(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dbias
 
 @cuda.jit
 def _flash_probs(q, qst, k, kst, lse, lst, P, Pst, rows,
-                seqlen_q, seqlen_k, group, head_dim, scale, mask, mods, slopes, bias, allow):
+                seqlen_q, seqlen_k, group, dims, scale, mask, mods, slopes, bias, allow):
     """P[b, h, r, j] = exp(S - lse) for query row rows[r] and key j: the forward's final score
     (_modify) against the forward's lse, 0 where the pair is hidden and in a row that sees no key
     (lse -inf). One thread per element of P, grid (len(rows) x seqlen_k / PREP_THREADS, heads_q,
     batch); q_i . k_j read straight from global memory, as attention_probs is for inspection.
     """
     acc = lse.dtype.type
+    head_dim = dims[0]
     e = cuda.blockIdx.x * PREP_THREADS + cuda.threadIdx.x
     h = cuda.blockIdx.y
     b = cuda.blockIdx.z

@@ -35,6 +35,8 @@
 // dQ gets its own kernel so that every output element is written by exactly one thread: no
 // atomics, and the result is bitwise reproducible. The price is computing S and dP twice.
 // Tile tables: BACKWARD_DQ_TILES and BACKWARD_DKDV_TILES in flashcupy/backends/cupy_backend/specs.py.
+// HEAD_DIM pads the larger of head_dim (Q_s, K_s, dK, dQ) and head_dim_v (V_s, dO_s, dV), as
+// flash_fwd.cu's does: each tile is zero past its own.
 
 #include "flash_bwd_common.cuh"
 #include "mask.cuh"
@@ -58,7 +60,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv(
     const int key0 = blk.j0 + warp * R, query = lane % BLOCK_M;  // this warp's first key, this lane's row in Q_i
 
     load_tile<BLOCK_N, HEAD_DIM>(K_s, HEAD_ROWS(k, blk.b, blk.kv_head), blk.j0, seqlen_k, head_dim, Acc(1));
-    load_tile<BLOCK_N, HEAD_DIM>(V_s, HEAD_ROWS(v, blk.b, blk.kv_head), blk.j0, seqlen_k, head_dim, Acc(1));
+    load_tile<BLOCK_N, HEAD_DIM>(V_s, HEAD_ROWS(v, blk.b, blk.kv_head), blk.j0, seqlen_k, head_dim_v, Acc(1));
 
     Acc dK[R][HEAD_DIM / WARP_SIZE], dV[R][HEAD_DIM / WARP_SIZE];
     zero(dK);
@@ -79,11 +81,11 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv(
 #pragma unroll 1
                 for (int e = threadIdx.x; e < BLOCK_M * HEAD_DIM; e += NUM_THREADS) {
                     const int i = i0 + e / HEAD_DIM, d = e % HEAD_DIM;
-                    dO_s[e] = i < seqlen_q && d < head_dim && lse_row[i] != Acc(-INFINITY) ? to_acc(dO.at(i, d))
+                    dO_s[e] = i < seqlen_q && d < head_dim_v && lse_row[i] != Acc(-INFINITY) ? to_acc(dO.at(i, d))
                                                                                                   : Acc(0);
                 }
             } else {
-                load_tile<BLOCK_M, HEAD_DIM>(dO_s, dO, i0, seqlen_q, head_dim, Acc(1));
+                load_tile<BLOCK_M, HEAD_DIM>(dO_s, dO, i0, seqlen_q, head_dim_v, Acc(1));
             }
             const int i = i0 + query;
             const Acc lse_i = lse_for_p(lse_row, i, seqlen_q);
@@ -108,7 +110,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv(
     }
 
     store_rows<R, HEAD_DIM>(HEAD_ROWS(dk, blk.b, blk.kv_head), dK, key0, seqlen_k, head_dim);
-    store_rows<R, HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, key0, seqlen_k, head_dim);
+    store_rows<R, HEAD_DIM>(HEAD_ROWS(dv, blk.b, blk.kv_head), dV, key0, seqlen_k, head_dim_v);
 }
 
 template <typename T, typename Acc, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int MIN_CTAS, int MODS = 0,
@@ -131,7 +133,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq(
 
     const Rows<const T> K = HEAD_ROWS(k, blk.b, blk.kv_head), V = HEAD_ROWS(v, blk.b, blk.kv_head);
     load_tile<BLOCK_M, HEAD_DIM>(Q_s, HEAD_ROWS(q, blk.b, blk.h), blk.i0, seqlen_q, head_dim, scale);
-    load_tile<BLOCK_M, HEAD_DIM>(dO_s, HEAD_ROWS(dout, blk.b, blk.h), blk.i0, seqlen_q, head_dim, Acc(1));
+    load_tile<BLOCK_M, HEAD_DIM>(dO_s, HEAD_ROWS(dout, blk.b, blk.h), blk.i0, seqlen_q, head_dim_v, Acc(1));
 
     const Stats<const Acc> lse_row = LSE_ROW(lse, blk.b, blk.h), D_row = D.row(blk.b, blk.h);
     const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, blk.h, Acc(1), Acc(1));
@@ -140,7 +142,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq(
 
     for (int j0 = mask.key_start(blk.i0), j_end = mask.key_end(blk.i0); j0 < j_end; j0 += BLOCK_N) {
         load_tile<BLOCK_N, HEAD_DIM>(K_s, K, j0, seqlen_k, head_dim, Acc(1));
-        load_tile<BLOCK_N, HEAD_DIM>(V_s, V, j0, seqlen_k, head_dim, Acc(1));
+        load_tile<BLOCK_N, HEAD_DIM>(V_s, V, j0, seqlen_k, head_dim_v, Acc(1));
         __syncthreads();  // K_j, V_j (and, on the first pass, Q_i, dO_i) are in shared memory for every warp
 
         Acc S[R], dP[R];

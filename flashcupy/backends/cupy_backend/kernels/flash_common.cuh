@@ -181,7 +181,9 @@ __device__ __forceinline__ Stats<Acc> d_row(Acc* D, int heads_q, int seqlen_q, i
 // same at element offset split (its row as an offset).
 #define LSE_ROW(x, b, h) stat_row(x, x##_sb, x##_sh, x##_ss, b, h)
 #define LSE_ROW_AT(x, split, b, h) stat_row(x, split, x##_sb, x##_sh, x##_ss, b, h)
-// The scalars that close every attention kernel's argument list, in the launcher's order; a Mask
+// The scalars that close every attention kernel's argument list, in the launcher's order: the sizes
+// (head_dim q's and k's, head_dim_v v's, out's and dout's: the SIMT kernels' tiles are padded to the
+// larger, the tensor-core and Hopper kernels take them equal); a Mask
 // (mask.cuh) is made of seqlen_q, seqlen_k, diagonal and causal, and with a window of window_left and
 // window_right. The score modifiers follow (Score in mask.cuh): the softcap's cap_in and cap_out in
 // the kernel's units, computed by the launcher (so they stay kernel parameters, not registers), and
@@ -191,8 +193,9 @@ __device__ __forceinline__ Stats<Acc> d_row(Acc* D, int heads_q, int seqlen_q, i
 // strides (0 along a broadcast dimension).
 // Every kernel takes them all; a kernel not specialised for a modifier never reads its arguments.
 #define PROBLEM_PARAMS(Acc) \
-    int seqlen_q, int seqlen_k, int heads_q, int group, int head_dim, Acc scale, int causal, int diagonal, \
-    int window_left, int window_right, Acc cap_in, Acc cap_out, const Acc* __restrict__ alibi, index_t alibi_sb, \
+    int seqlen_q, int seqlen_k, int heads_q, int group, int head_dim, int head_dim_v, Acc scale, int causal, \
+    int diagonal, int window_left, int window_right, Acc cap_in, Acc cap_out, const Acc* __restrict__ alibi, \
+    index_t alibi_sb, \
     index_t alibi_sh, const void* __restrict__ bias, index_t bias_sb, index_t bias_sh, index_t bias_sq, \
     index_t bias_sk, int bias_f32, const bool* __restrict__ keep, index_t keep_sb, index_t keep_sh, \
     index_t keep_sq, index_t keep_sk
@@ -220,8 +223,8 @@ __device__ __forceinline__ Stats<Acc> d_row(Acc* D, int heads_q, int seqlen_q, i
 #define TENSOR_ARGS(x) x, x##_sb, x##_ss, x##_sh, x##_sd
 #define LSE_ARGS(x) x, x##_sb, x##_sh, x##_ss
 #define PROBLEM_ARGS                                                                                        \
-    seqlen_q, seqlen_k, heads_q, group, head_dim, scale, causal, diagonal, window_left, window_right, cap_in, \
-        cap_out, alibi, alibi_sb, alibi_sh, bias, bias_sb, bias_sh, bias_sq, bias_sk, bias_f32, keep, keep_sb, \
+    seqlen_q, seqlen_k, heads_q, group, head_dim, head_dim_v, scale, causal, diagonal, window_left, window_right, \
+        cap_in, cap_out, alibi, alibi_sb, alibi_sh, bias, bias_sb, bias_sh, bias_sq, bias_sk, bias_f32, keep, keep_sb, \
         keep_sh, keep_sq, keep_sk
 #define SPLIT_ARGS key_split, out_split, lse_split
 #define VARLEN_ARGS cu_seqlens_q, cu_seqlens_k, num_seqs, seqused_k, has_seqused, seqused_add

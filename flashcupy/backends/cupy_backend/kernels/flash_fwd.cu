@@ -38,7 +38,8 @@
 // by flash_common.cuh's CacheRows, its page indices clamped into the cache).
 //
 // Template parameters: T storage type, Acc accumulation type, HEAD_DIM the padded head dim
-// (32, 64, 128 or 256; the true head_dim is a runtime bound), BLOCK_M, BLOCK_N the tile, MIN_CTAS the
+// (32, 64, 128 or 256; the true head_dims are runtime bounds: head_dim q's and k's, head_dim_v v's and
+// out's, HEAD_DIM padding the larger, each tile zero past its own), BLOCK_M, BLOCK_N the tile, MIN_CTAS the
 // CTAs an SM ptxas leaves registers for (specs.py), MODS the score modifiers (mask.cuh; 0: none),
 // SPLIT split-KV, VARLEN a packed batch.
 
@@ -103,7 +104,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_fwd(
     if constexpr (SPLIT) split_range<BLOCK_N>(j_start, j_end, split.index * key_split, key_split);
     for (int j0 = j_start; j0 < j_end; j0 += BLOCK_N) {
         load_tile<BLOCK_N, HEAD_DIM>(K_s, K, j0, seqlen_k, head_dim, Acc(1));
-        load_tile<BLOCK_N, HEAD_DIM>(V_s, V, j0, seqlen_k, head_dim, Acc(1));
+        load_tile<BLOCK_N, HEAD_DIM>(V_s, V, j0, seqlen_k, head_dim_v, Acc(1));
         __syncthreads();  // K_j, V_j (and, on the first pass, Q_i) are in shared memory for every warp
 
         Acc S[R];
@@ -128,5 +129,5 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_fwd(
             LSE_ROW_AT(lse, split.index * lse_split, blk.b, blk.h)[row0 + r] =
                 l[r] == Acc(0) ? -INFINITY : m[r] + acc_log(l[r]);
     }
-    store_rows<R, HEAD_DIM>(Out, O, row0, seqlen_q, head_dim);
+    store_rows<R, HEAD_DIM>(Out, O, row0, seqlen_q, head_dim_v);
 }

@@ -117,10 +117,10 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dbias(
                 if (j_start >= j_end) continue;  // the band hides the whole row block from these keys
                 // the previous pass ended with a barrier: no warp still reads Q_s, dO_s
                 load_tile<BLOCK_M, HEAD_DIM>(Q_s, HEAD_ROWS(q, b, h), i0, seqlen_q, head_dim, scale);
-                load_tile<BLOCK_M, HEAD_DIM>(dO_s, HEAD_ROWS(dout, b, h), i0, seqlen_q, head_dim, Acc(1));
+                load_tile<BLOCK_M, HEAD_DIM>(dO_s, HEAD_ROWS(dout, b, h), i0, seqlen_q, head_dim_v, Acc(1));
                 for (int j0 = j_start; j0 < j_end; j0 += BLOCK_N) {
                     load_tile<BLOCK_N, HEAD_DIM>(K_s, HEAD_ROWS(k, b, h / group), j0, seqlen_k, head_dim, Acc(1));
-                    load_tile<BLOCK_N, HEAD_DIM>(V_s, HEAD_ROWS(v, b, h / group), j0, seqlen_k, head_dim, Acc(1));
+                    load_tile<BLOCK_N, HEAD_DIM>(V_s, HEAD_ROWS(v, b, h / group), j0, seqlen_k, head_dim_v, Acc(1));
                     __syncthreads();  // Q_i, dO_i, K_j, V_j are whole for every warp
 
                     Acc S[R], dP[R];
