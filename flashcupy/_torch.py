@@ -114,7 +114,8 @@ if _CUSTOM_OP:
 
     @_attention_op.register_fake
     def _(q, k, v, bias, mask, alibi_slopes, causal, window_left, window_right, softcap, scale, backend, dtype):
-        return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
+        return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
+                q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q)))
 
     @torch.library.custom_op("flashcupy::attention_backward", mutates_args=())
     def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -181,7 +182,7 @@ if _CUSTOM_OP:
 
     @_varlen_op.register_fake
     def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
-        return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+        return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
 
     @torch.library.custom_op("flashcupy::attention_varlen_backward", mutates_args=())
     def _varlen_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

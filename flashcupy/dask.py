@@ -84,12 +84,13 @@ class _Plan:
         self.p = _checks.problem(folded["q"], folded["k"], folded["v"], causal, scale, dtype, self.lib,
                                  window, softcap, slopes)
         _checks.select_backend(backend, self.lib, self.p)
-        if k.chunks != v.chunks:
+        if k.chunks[:-1] != v.chunks[:-1]:
             raise ValueError(f"k and v must have the same chunks, got k {k.chunks} and v {v.chunks} "
                              f"(v.rechunk(k.chunks))")
-        if q.chunks[L + 2] != (self.p.head_dim,) or k.chunks[L + 2] != (self.p.head_dim,):
-            raise ValueError(f"q, k and v must hold head_dim in one chunk, got q {q.chunks[L + 2]} and k "
-                             f"{k.chunks[L + 2]} (x.rechunk({{{L + 2}: -1}}))")
+        if (q.chunks[L + 2] != (self.p.head_dim,) or k.chunks[L + 2] != (self.p.head_dim,)
+                or v.chunks[L + 2] != (self.p.head_dim_v,)):
+            raise ValueError(f"q, k and v must hold head_dim in one chunk, got q {q.chunks[L + 2]}, k "
+                             f"{k.chunks[L + 2]} and v {v.chunks[L + 2]} (x.rechunk({{{L + 2}: -1}}))")
         if q.chunks[:L] != k.chunks[:L]:
             raise ValueError(f"q, k and v must have the same batch chunks, got q {q.chunks[:L]} and k "
                              f"{k.chunks[:L]} (k.rechunk({dict(enumerate(q.chunks[:L]))}))")
@@ -113,6 +114,8 @@ class _Plan:
         self.window, self.softcap, self.alibi = window, softcap, alibi_slopes
         self.causal, self.scale, self.backend, self.dtype = causal, scale, backend, dtype
         self.q_chunks, self.k_chunks = q.chunks[L:], k.chunks[L:]  # (sequence, heads, head_dim)
+        self.out_chunks = q.chunks[:-1] + ((self.p.head_dim_v,),)  # out's and dout's: v's head_dim
+        self.out_shape = q.shape[:-1] + v.shape[-1:]
         self.batch_chunks = q.chunks[:L]
         self.q_off, self.k_off = _offsets(q.chunks[L]), _offsets(k.chunks[L])
         self.b_off, self.h_off = [_offsets(c) for c in q.chunks[:L]], _offsets(q.chunks[L + 1])
@@ -205,13 +208,13 @@ def _pair_forward(q, k, v, bias, mask, diagonal, kw):
     return _merge.widen(xp, out, value, accumulation_dtype(value)), lse
 
 
-def _no_keys(q, kw):
-    """A query chunk that sees no key chunk: out 0 and lse -inf (the rule of attention)."""
+def _no_keys(q, head_dim_v, kw):
+    """A query chunk that sees no key chunk: out 0 (of v's head_dim) and lse -inf (the rule of attention)."""
     value, _ = _checks.check_dtypes({"q": q}, kw["dtype"])
     acc = accumulation_dtype(value)
     xp = _merge.library(q)
-    B, S, H, D = q.shape
-    return xp.zeros((B, S, H, D), acc), xp.full((B, H, S), -np.inf, acc)
+    B, S, H, _ = q.shape
+    return xp.zeros((B, S, H, head_dim_v), acc), xp.full((B, H, S), -np.inf, acc)
 
 
 def _merge_parts(*parts):
@@ -322,7 +325,7 @@ def _forward_graph(plan: _Plan, q, k, v, token: str):
             merged = _tree(graph, merged_name, (*b, i, h), parts, _merge_parts)
         else:
             merged = (merged_name, "empty", *b, i, h)
-            graph[merged] = (_no_keys, qk, kw)
+            graph[merged] = (_no_keys, qk, plan.p.head_dim_v, kw)
         graph[(out_name, *b, i, h, 0)] = (_store_out, merged, qk, kw)
         lse_graph[(lse_name, *b, h, i)] = (_lse, merged)
     return graph, lse_graph, out_name, lse_name
@@ -345,8 +348,8 @@ def _forward(plan: _Plan, q, k, v):
     graph, lse_graph, out_name, lse_name = _forward_graph(plan, q, k, v, token)
     # one layer per output array, as dask wants; lse's layer reads the merged parts in out's
     inputs = [q, k, v] + plan.modifiers()
-    out = da.Array(HighLevelGraph.from_collections(out_name, graph, dependencies=inputs), out_name, q.chunks,
-                   meta=_meta(q, q.ndim, plan.p.carrier))
+    out = da.Array(HighLevelGraph.from_collections(out_name, graph, dependencies=inputs), out_name,
+                   plan.out_chunks, meta=_meta(q, q.ndim, plan.p.carrier))
     lse = da.Array(HighLevelGraph.from_collections(lse_name, lse_graph, dependencies=[out]), lse_name,
                    _lse_chunks(q), meta=_meta(q, q.ndim - 1, plan.p.lse_dtype))
     return out, lse
@@ -355,8 +358,9 @@ def _forward(plan: _Plan, q, k, v):
 def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
               scale=None, return_lse=False, backend="auto", dtype=None):
     """flashcupy.attention on dask arrays (BSHD, chunked along batch, sequence and heads; head_dim
-    in one chunk; q's head chunks the kv head chunks times the group size). Returns lazy out (q's
-    chunks), and lse (batch, heads_q, seqlen_q) with return_lse=True. alibi_slopes is an array of
+    in one chunk; q's head chunks the kv head chunks times the group size; v's head_dim may differ
+    from q's and k's). Returns lazy out (q's chunks but v's head_dim), and lse (batch, heads_q,
+    seqlen_q) with return_lse=True. alibi_slopes is an array of
     the chunks' library, not a dask array. bias and mask (as attention's, broadcastable to
     (*batch, heads_q, seqlen_q, seqlen_k)) are dask arrays, rechunked to q's and k's chunks
     (one chunk along a dimension they broadcast), or arrays of the chunks' library."""
@@ -401,10 +405,9 @@ def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse, deterministic):
             graph["dq"][(names["dq"], *b, i, h, 0)] = _summed(graph["dq"], f"{names['dq']}-sum", (*b, i, h), parts,
                                                               qk, kw)
         for j, parts in by_key.items():
-            kk = (k.name, *b, j, h, 0)
-            for g in ("dk", "dv"):
+            for g, x in (("dk", k), ("dv", v)):  # (x's block: the zeros of a key chunk no query sees)
                 graph[g][(names[g], *b, j, h, 0)] = _summed(graph[g], f"{names[g]}-sum", (*b, j, h),
-                                                            [part[g] for part in parts], kk, kw)
+                                                            [part[g] for part in parts], (x.name, *b, j, h, 0), kw)
     if plan.bias is not None:
         # every block of the bias on the grid: the sum of its pairs' dbias (a bias broadcast along a
         # dimension sums the pairs of every chunk along it), or zeros where no pair sees its keys
@@ -421,8 +424,8 @@ def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse, deterministic):
     inputs = [dout, q, k, v, out, lse] + ([] if dlse is None else [dlse]) + plan.modifiers()
     dq = da.Array(HighLevelGraph.from_collections(names["dq"], graph["dq"], dependencies=inputs),
                   names["dq"], q.chunks, meta=meta)
-    dk, dv = (da.Array(HighLevelGraph.from_collections(names[g], graph[g], dependencies=[dq, k]), names[g],
-                       k.chunks, meta=meta) for g in ("dk", "dv"))
+    dk, dv = (da.Array(HighLevelGraph.from_collections(names[g], graph[g], dependencies=[dq, x]), names[g],
+                       x.chunks, meta=meta) for g, x in (("dk", k), ("dv", v)))
     if plan.bias is None:
         return dq, dk, dv
     dbias = da.Array(HighLevelGraph.from_collections(names["dbias"], graph["dbias"], dependencies=[dq, plan.bias]),
@@ -459,14 +462,14 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, so
     are of fixed order either way."""
     deterministic = _checks.check_bool("deterministic", deterministic)
     plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias, mask)
-    _check_like("dout", dout, q.shape, plan.p.carrier)
-    _check_like("out", out, q.shape, plan.p.carrier)
+    _check_like("dout", dout, plan.out_shape, plan.p.carrier)
+    _check_like("out", out, plan.out_shape, plan.p.carrier)
     _check_like("lse", lse, plan.batch + (q.shape[-2], q.shape[-3]), plan.p.lse_dtype)
     if dlse is not None:
         _check_like("dlse", dlse, plan.batch + (q.shape[-2], q.shape[-3]), plan.p.lse_dtype)
         dlse = dlse.rechunk(_lse_chunks(q))
-    return _backward(plan, dout.rechunk(q.chunks), q, k, v, out.rechunk(q.chunks), lse.rechunk(_lse_chunks(q)), dlse,
-                     deterministic)
+    return _backward(plan, dout.rechunk(plan.out_chunks), q, k, v, out.rechunk(plan.out_chunks),
+                     lse.rechunk(_lse_chunks(q)), dlse, deterministic)
 
 
 def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
@@ -480,10 +483,10 @@ def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slo
     out, lse = _forward(plan, q, k, v)
 
     def vjp(dout, dlse=None):
-        _check_like("dout", dout, q.shape, plan.p.carrier)
+        _check_like("dout", dout, plan.out_shape, plan.p.carrier)
         if dlse is not None:
             _check_like("dlse", dlse, lse.shape, plan.p.lse_dtype)
             dlse = dlse.rechunk(lse.chunks)
-        return _backward(plan, dout.rechunk(q.chunks), q, k, v, out, lse, dlse, deterministic)
+        return _backward(plan, dout.rechunk(plan.out_chunks), q, k, v, out, lse, dlse, deterministic)
 
     return out, vjp

@@ -226,7 +226,7 @@ def _forward_call(call: _Call):
 
     def run(q, k, v, alibi_slopes, bias, mask):
         Sq, Hq = q.shape[-3:-1]
-        avals = (_aval(q.shape, q.dtype), _aval(q.shape[:-3] + (Hq, Sq), _lse_dtype(q)))
+        avals = (_aval(q.shape[:-1] + v.shape[-1:], q.dtype), _aval(q.shape[:-3] + (Hq, Sq), _lse_dtype(q)))
         return tuple(buffer_callback(callback, avals)(q, k, v, alibi_slopes, bias, mask))
 
     return _folded(run, ("bshd",) * 3 + ("slopes", "pair", "pair"))
@@ -285,8 +285,9 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
               scale=None, return_lse=False, backend="auto", dtype=None):
     """flashcupy.attention on jax.Arrays, inside or outside jax.jit, differentiable (jax.grad,
     jax.vjp) and batchable (jax.vmap): the same keywords, shapes and semantics (README,
-    "Semantics"). q (*batch, seqlen_q, heads_q, head_dim), k, v (*batch, seqlen_k, heads_kv,
-    head_dim); returns out, or (out, lse) with return_lse=True. float16, float32, float64 (under
+    "Semantics"). q (*batch, seqlen_q, heads_q, head_dim), k (*batch, seqlen_k, heads_kv, head_dim),
+    v (*batch, seqlen_k, heads_kv, head_dim_v); returns out (q's shape with head_dim_v), or (out,
+    lse) with return_lse=True. float16, float32, float64 (under
     jax_enable_x64) and bfloat16 (jnp.bfloat16 arrays, passed as their bits without a copy).
 
     Gradients: dq, dk, dv, and dbias for a bias, through out and lse; none for mask and alibi_slopes
@@ -373,7 +374,7 @@ def _packed_forward(call: _Call):
                                    **call.keywords())
 
     def run(q, k, v, alibi_slopes):
-        avals = (_aval(q.shape, q.dtype), _aval((q.shape[1], q.shape[0]), _lse_dtype(q)))
+        avals = (_aval(q.shape[:-1] + v.shape[-1:], q.dtype), _aval((q.shape[1], q.shape[0]), _lse_dtype(q)))
         return tuple(buffer_callback(callback, avals)(q, k, v, alibi_slopes, *_offset_constants(cu_q, cu_k)))
 
     return run

@@ -76,17 +76,18 @@ def attention_case(rng, args):
     Hq = Hkv * int(rng.integers(1, 4))
     Sq, Sk = (int(rng.integers(1, args.max_seqlen)) for _ in range(2))
     D, dtype = int(rng.choice(args.head_dims)), str(rng.choice(args.dtypes))
+    Dv = int(rng.choice(args.head_dims)) if rng.random() < 0.3 else D  # v's head_dim of its own in 30 %
     layout = str(rng.choice(LAYOUTS))
     kw = _modifiers(rng, B, Sq, Sk, Hq, dtype) if args.modifiers else {"causal": bool(rng.random() < 0.4)}
-    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, _values(dtype), layout=layout)
-    dout = rng.standard_normal(q.shape).astype(_values(dtype))
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, _values(dtype), layout=layout, head_dim_v=Dv)
+    dout = rng.standard_normal((B, Sq, Hq, Dv)).astype(_values(dtype))
     call, ref, given = dict(kw), dict(kw), (q, k, v, dout)
     if dtype == "bfloat16-bits":  # what CuPy users pass
         given = tuple(bf16_bits(x) for x in given)
         call["dtype"] = ref["dtype"] = "bfloat16"
         if call.get("bias") is not None and call["bias"].dtype == BF16:
             call["bias"] = bf16_bits(call["bias"])
-    yield _describe(B=B, Sq=Sq, Sk=Sk, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, layout=layout, **kw)
+    yield _describe(B=B, Sq=Sq, Sk=Sk, Hq=Hq, Hkv=Hkv, D=D, Dv=Dv, dtype=dtype, layout=layout, **kw)
     with contract.CONTEXTS[args.backend](args.path, args.order):
         out, lse = flashcupy.attention(*given[:3], return_lse=True, backend=args.backend, **call)
         dlse = rng.standard_normal(lse.shape).astype(lse.dtype)
@@ -260,9 +261,10 @@ def dask_case(rng, args):
     group = int(rng.integers(1, 3))
     Sq, Sk = (0 if rng.random() < 0.05 else int(rng.integers(1, 90)) for _ in range(2))  # empty ones too
     D = int(rng.choice([1, 8, 24]))
+    Dv = int(rng.choice([1, 8, 24])) if rng.random() < 0.3 else D  # v's head_dim of its own in 30 %
     dtype = np.dtype(str(rng.choice(["float16", "float32", "float64"])))
-    q, k, v = make_qkv(rng, B, Sq, Sk, Hkv * group, Hkv, D, dtype)
-    dout = rng.standard_normal(q.shape).astype(dtype)
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hkv * group, Hkv, D, dtype, head_dim_v=Dv)
+    dout = rng.standard_normal(q.shape[:3] + (Dv,)).astype(dtype)
     kw = {"causal": bool(rng.random() < 0.5)}
     if rng.random() < 0.3:
         kw["window"] = (int(rng.integers(0, 30)), None if rng.random() < 0.5 else int(rng.integers(0, 30)))
@@ -275,9 +277,10 @@ def dask_case(rng, args):
         kw["mask"] = rng.random(_broadcast_shape(rng, (B, Hkv * group, Sq, Sk))) < 0.7
     rows, keys = (int(rng.integers(1, n + 1)) if n else 1 for n in (Sq, Sk))
     heads = int(rng.choice([h for h in range(1, Hkv + 1) if Hkv % h == 0]))
-    yield _describe(B=B, Sq=Sq, Sk=Sk, Hq=Hkv * group, Hkv=Hkv, D=D, dtype=dtype.name, chunks=(rows, keys, heads), **kw)
+    yield _describe(B=B, Sq=Sq, Sk=Sk, Hq=Hkv * group, Hkv=Hkv, D=D, Dv=Dv, dtype=dtype.name,
+                    chunks=(rows, keys, heads), **kw)
     Q = da.from_array(q, chunks=(1, rows, heads * group, D))
-    K, V = (da.from_array(x, chunks=(1, keys, heads, D)) for x in (k, v))
+    K, V = (da.from_array(x, chunks=(1, keys, heads, -1)) for x in (k, v))
     ref = dict(kw)
     for name in ("bias", "mask"):  # half of them dask arrays in chunks of their own
         if name in kw and rng.random() < 0.5:
@@ -286,7 +289,7 @@ def dask_case(rng, args):
     dlse = rng.standard_normal((B, Hkv * group, Sq)).astype(np.float64 if dtype == np.float64 else np.float32)
     with dask.config.set(scheduler="synchronous"):
         out, lse = fdask.attention(Q, K, V, return_lse=True, **kw)
-        grads = fdask.attention_backward(da.from_array(dout, chunks=Q.chunks), Q, K, V, out, lse,
+        grads = fdask.attention_backward(da.from_array(dout, chunks=out.chunks), Q, K, V, out, lse,
                                          dlse=da.from_array(dlse), **kw)
         got = dask.compute(out, lse, *grads)
     yield assert_matches_oracle(got, q, k, v, dout, backend=None, dlse=dlse, **ref)

@@ -334,3 +334,23 @@ def test_bad_bias_and_mask_are_refused(rng, what, mods, error, message):
     for call in (fdask.attention, fdask.attention_vjp):
         with pytest.raises(error, match=message):
             call(Q, K, V, **mods())
+
+
+@pytest.mark.parametrize("head_dim_v", [3, 20])
+def test_a_value_head_dim_of_its_own(rng, head_dim_v):
+    """v's head_dim unlike q's: out and dout in v's, key chunks no query sees (a window with Sq < Sk:
+    dv's zeros of v's shape), query chunks that see no key (Sq > Sk under causal), a pair bias with dbias."""
+    for Sq, Sk in ((9, 30), (30, 9)):
+        q, k, v = make_qkv(rng, 2, Sq, Sk, 4, 2, 8, np.float32, head_dim_v=head_dim_v)
+        dout = rng.standard_normal(q.shape[:3] + (head_dim_v,)).astype(np.float32)
+        bias = rng.standard_normal((1, 4, Sq, Sk)).astype(np.float32)
+        Q = da.from_array(q, chunks=(1, 5, 2, -1))
+        K, V = (da.from_array(x, chunks=(1, 7, 1, -1)) for x in (k, v))
+        kw = dict(causal=True, window=(4, None), bias=bias)
+        out, vjp = fdask.attention_vjp(Q, K, V, **kw)
+        lse = fdask.attention(Q, K, V, return_lse=True, **kw)[1]
+        got = dask.compute(out, lse, *vjp(da.from_array(dout, chunks=(1, 3, 1, -1))), scheduler="sync")
+        assert out.chunks[-1] == (head_dim_v,) and got[0].shape == dout.shape and got[4].shape == v.shape
+        assert_matches_oracle(got, q, k, v, dout, backend=MERGED, **kw)
+        with pytest.raises(ValueError, match="dout must have shape"):
+            fdask.attention_backward(da.from_array(dout[..., :1]), Q, K, V, out, lse, **kw)

@@ -457,3 +457,29 @@ def test_leading_batch_dimensions_with_an_empty_sequence(rng, Sq, Sk):
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*map(jnp.asarray, (q, k, v, bias)))
     assert [x.shape for x in grads] == [q.shape, k.shape, v.shape, bias.shape]
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, bias=bias, causal=True, backend="numpy")
+
+
+@pytest.mark.parametrize("head_dim_v", [3, 20])
+def test_a_value_head_dim_of_its_own(rng, head_dim_v):
+    """v's head_dim unlike q's: out's and dout's avals follow v's, under jit, grad (with dbias) and vmap,
+    and in a packed batch."""
+    B, Sq, Sk, Hq, Hkv, D = 2, 7, 11, 2, 1, 8
+    q, k, _, _ = arrays(rng, B, Sq, Sk, Hq, Hkv, D, np.float32)
+    v = rng.standard_normal((B, Sk, Hkv, head_dim_v)).astype(np.float32)
+    dout = rng.standard_normal((B, Sq, Hq, head_dim_v)).astype(np.float32)
+    bias = rng.standard_normal((1, Hq, Sq, Sk)).astype(np.float32)
+    dlse = rng.standard_normal((B, Hq, Sq)).astype(np.float32)
+    got = _jitted(causal=True)(*map(to_jax, (q, k, v, dout)), to_jax(bias), None, None, to_jax(dlse))
+    got = [np.asarray(x) for x in got]
+    assert got[0].shape == (B, Sq, Hq, head_dim_v)
+    assert_matches_oracle(got, q, k, v, dout, backend="numpy", dlse=dlse, causal=True, bias=bias)
+    def attend(q, v):
+        return fj.attention(q, to_jax(k), v, causal=True)
+    mapped = jax.jit(jax.vmap(attend))(to_jax(np.stack([q, -q])), to_jax(np.stack([v, 2 * v])))
+    for x, (qx, vx) in zip(mapped, ((q, v), (-q, 2 * v))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(attend(to_jax(qx), to_jax(vx))))
+    cu = np.array([0, 3, 7], np.int32)
+    packed = [np.ascontiguousarray(x[0, :7]) for x in (q, k, v)]
+    out = np.asarray(jax.jit(lambda q, k, v: fj.attention_varlen(q, k, v, cu, cu, causal=True))(*map(to_jax, packed)))
+    for a, b in ((0, 3), (3, 7)):
+        assert_matches_oracle((out[None, a:b],), *(x[None, a:b] for x in packed), backend="numpy", causal=True)

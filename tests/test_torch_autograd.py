@@ -480,3 +480,24 @@ def test_cuda_tensors_record_autograd_on_the_cupy_backend(rng):
     assert_matches_oracle([out.detach().cpu().numpy(), lse, *(x.grad.cpu().numpy() for x in (tq, tk, tv))],
                           q, k, v, dout, causal=True, backend="cupy")
     assert math.isfinite(float(out.detach().sum()))
+
+
+def test_a_value_head_dim_of_its_own(rng):
+    """v's head_dim unlike q's: gradcheck through out and lse with a bias, and torch.library.opcheck
+    of the fake (meta) implementations, whose out takes v's head_dim, plain and packed."""
+    q, k = (_t(x, True) for x in make_qkv(rng, 1, 5, 6, 2, 1, 8, np.float64)[:2])
+    v = _t(rng.standard_normal((1, 6, 1, 3)), True)
+    bias = _t(rng.standard_normal((1, 2, 5, 6)), True)
+
+    def f(q, k, v, bias):
+        out, lse = flashcupy.attention(q, k, v, bias=bias, causal=True, return_lse=True)
+        return out, lse
+
+    assert f(q, k, v, bias)[0].shape == (1, 5, 2, 3)
+    assert torch.autograd.gradcheck(f, (q, k, v, bias))
+    torch.library.opcheck(torch.ops.flashcupy.attention.default,
+                          (q, k, v, bias, None, None, True, None, None, None, None, "auto", None))
+    cu = _t(np.array([0, 2, 5], np.int32))
+    pq, pk, pv = (x.detach()[0].requires_grad_(True) for x in (q, k[:, :5], v[:, :5]))
+    torch.library.opcheck(torch.ops.flashcupy.attention_varlen.default,
+                          (pq, pk, pv, cu, cu, None, None, None, True, None, None, None, None, "auto", None, True))
