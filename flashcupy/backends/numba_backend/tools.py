@@ -45,7 +45,8 @@ def signatures():
         x, a, f32 = dtype[::1], acc[::1], types.float32[::1]
         # softcap, alibi, slopes' (offset, batch, head) strides, biased, bias_st, masked, allow_st
         mods = types.Tuple((acc, i64, types.UniTuple(i64, 3), i64, st4, i64, st4))
-        head = (i64, i64, acc, mask, mods)  # group, head_dim, scale, mask, mods; then slopes, bias, allow
+        # group, (head_dim, head_dim_v), scale, mask, mods; then slopes, bias, allow
+        head = (i64, types.UniTuple(i64, 2), acc, mask, mods)
         fwd = (x, st4, x, st4, x, st4, x, st4, a, st3, i64, i64)
         dkdv = (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, x, st4, x, st4, i64, i64)
         dq = (x, st4, x, st4, x, st4, x, st4, a, st3, a, st3, x, st4, i64, i64)
