@@ -141,6 +141,23 @@ def test_packed_batch_keeps_each_sequence_to_itself(rng):
                               q[None, sq], k[None, sk], v[None, sk], dout[None, sq], causal=True, backend="cupy")
 
 
+def test_a_value_head_dim_of_its_own(rng):
+    # MLA's head dims (192 for q and k, 128 for v) on the device: the SIMT kernels at their 256 bucket,
+    # forward and backward with a bias (dbias from flash_pairs.cu), against the oracle
+    from flashcupy import _checks
+    from flashcupy.backends import cupy_backend
+    q, k, v = make_qkv(rng, 2, 200, 260, 4, 2, 192, np.float16, head_dim_v=128)
+    dout = rng.standard_normal((2, 200, 4, 128)).astype(np.float16)
+    bias = rng.standard_normal((1, 4, 200, 260)).astype(np.float16)
+    dq_, dk_, dv_, ddout, dbias_ = on_device(q, k, v, dout, bias)
+    p = _checks.problem(dq_, dk_, dv_, True, None, None, "cupy")
+    assert cupy_backend.forward_path(p, dq_, dk_, dv_) == "simt"
+    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=True, bias=dbias_, return_lse=True)
+    grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=True, bias=dbias_)
+    assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout, causal=True, bias=bias,
+                          backend="cupy")
+
+
 def test_dask_with_cupy_chunks_and_a_pair_bias(rng):
     # flashcupy.dask with CuPy chunks (each pair on the cupy backend), a pair bias shared by the batch
     # as a dask array of CuPy blocks, a key-padding mask as a CuPy array, and dbias; against the oracle
