@@ -120,7 +120,7 @@ BACKENDS = {
                      head_dim_v=("copied", "in-place")),
     "cupy": Backend({"hopper": ("float16", "bfloat16-bits"), "tensor-core": ("float16", "bfloat16-bits"),
                      "simt": ("float16", "bfloat16-bits", "float32", "float64")}, CASES,
-                    orders=("ascending", "descending"), modified=(), head_dim_v=("simt",)),
+                    orders=("ascending", "descending"), modified=(), head_dim_v=("tensor-core", "simt")),
     "numba": Backend({"simt": ("float16", "float32", "float64")}, SIMULATOR_CASES, head_dim_v=("simt",),
                      value_cases=SIMULATOR_HEAD_DIM_V_CASES),
 }

@@ -114,10 +114,13 @@ def test_bad_shapes_are_refused(rng):
 
 
 @pytest.mark.parametrize("compute_capability", [80, 90])
-def test_cupy_runs_calls_the_tensor_cores_would_take_on_the_simt_kernels(rng, compute_capability):
+def test_cupy_tensor_core_forward_and_simt_backward(rng, compute_capability):
     """float16 at head dims the tensor-core and Hopper kernels take (64 for q and k, 32 for v), on an
-    sm_80 and an sm_90 device: the SIMT kernels, forward and backward, with a bias (dbias from
-    flash_pairs.cu) and a mask."""
+    sm_80 and an sm_90 device: the mma.sync forward (its tiles padded to the larger head dim, as the
+    SIMT kernels'), the SIMT backward (the tensor-core and Hopper backwards, and the Hopper forward,
+    assume one head dim), with a bias (dbias from flash_pairs.cu) and a mask; split-KV's mma.sync
+    forward too."""
+    from flashcupy import _api
     from flashcupy.backends import cupy_backend
     from flashcupy.tools.emulator.cupy import emulated
     q, k, v = make_qkv(rng, 1, 20, 33, 2, 1, 64, np.float16, head_dim_v=32)
@@ -126,13 +129,31 @@ def test_cupy_runs_calls_the_tensor_cores_would_take_on_the_simt_kernels(rng, co
               causal=True)
     with emulated(compute_capability=compute_capability):
         p = _checks.problem(q, k, v, True, None, None, "numpy")
-        assert cupy_backend.forward_path(p, q, k, v) == "simt"
+        assert cupy_backend.forward_path(p, q, k, v) == "tensor-core"
         assert cupy_backend.backward_path(p, dout, q, k, v, dout) == "simt"
-        # the same arrays with one head dim take the tensor cores
+        # the same arrays with one head dim take the Hopper kernels on an sm_90
         same = _checks.problem(q, k, k, True, None, None, "numpy")
         assert cupy_backend.forward_path(same, q, k, k) == ("hopper" if compute_capability == 90 else "tensor-core")
         dlse, got = run(q, k, v, dout, backend="cupy", **kw)
         assert_matches_oracle(got, q, k, v, dout, backend="cupy", dlse=dlse, **kw)
+        # split-KV (decoding): each split's partial out of v's width, merged
+        q1, k, v = make_qkv(rng, 1, 1, 300, 2, 1, 64, np.float16, head_dim_v=32)
+        p = _checks.problem(q1, k, v, False, None, None, "numpy")
+        assert cupy_backend.forward_path(p, q1, k, v, split=True) == "tensor-core"
+        assert cupy_backend.split_plan(p, q1, k, v, 2)[0] == 2
+        out, lse = _api.forward(q1, k, v, backend="cupy", num_splits=2)
+    assert_matches_oracle((out, lse), q1, k, v, backend="cupy")
+
+
+def test_cupy_head_dims_not_multiples_of_8_stay_on_the_simt_kernels(rng):
+    """The mma.sync kernels read rows 16 bytes at a time: v's head_dim 12 keeps the forward on SIMT."""
+    from flashcupy.backends import cupy_backend
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k, v = make_qkv(rng, 1, 9, 9, 2, 2, 16, np.float16, head_dim_v=12)
+    with emulated(compute_capability=80):
+        assert cupy_backend.forward_path(_checks.problem(q, k, v, False, None, None, "numpy"), q, k, v) == "simt"
+        out, lse = flashcupy.attention(q, k, v, backend="cupy", return_lse=True)
+    assert_matches_oracle((out, lse), q, k, v, backend="cupy")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -146,16 +167,17 @@ def test_cupy_split_kv(rng, dtype):
     assert_matches_oracle((out, lse), q, k, v, backend="cupy")
 
 
-@pytest.mark.parametrize("backend", ["numpy", "cupy"])
-def test_a_packed_batch(rng, backend):
-    """attention_varlen and its backward, on cupy one launch over the packed batch."""
+@pytest.mark.parametrize("backend, dtype", [("numpy", np.float32), ("cupy", np.float32), ("cupy", np.float16)])
+def test_a_packed_batch(rng, backend, dtype):
+    """attention_varlen and its backward, on cupy one launch over the packed batch (float16: the
+    mma.sync forward's packed kernel)."""
     import contextlib
 
     from flashcupy.tools.emulator.cupy import emulated
     from varlen_checks import packed_batch_matches_the_oracle
     with emulated() if backend == "cupy" else contextlib.nullcontext():
-        packed_batch_matches_the_oracle(rng, backend, lengths=([3, 0, 9], [7, 4, 2]), head_dim=8, head_dim_v=20,
-                                        backward=True)
+        packed_batch_matches_the_oracle(rng, backend, lengths=([3, 0, 9], [7, 4, 2]), dtype=dtype, head_dim=8,
+                                        head_dim_v=24, backward=True)
 
 
 def test_a_kv_cache_still_needs_one_head_dim(rng):

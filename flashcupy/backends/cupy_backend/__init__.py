@@ -144,9 +144,9 @@ def _shape_args(p) -> tuple:
     return tuple(np.int32(n) for n in (p.seqlen_q, p.seqlen_k, p.heads_q, p.group, p.head_dim, p.head_dim_v))
 
 
-def _simt_head_dim(p) -> int:
-    """The head dim a SIMT kernel's tiles are built for: the larger of q's and v's (each tile zero past
-    its own tensor's, so the padding adds nothing)."""
+def _tile_head_dim(p) -> int:
+    """The head dim the SIMT kernels' and the tensor-core forward's tiles are built for: the larger of
+    q's and v's (each tile zero past its own tensor's, so the padding adds nothing)."""
     return max(p.head_dim, p.head_dim_v)
 
 
@@ -193,14 +193,14 @@ def grid_axes(p, backward):
 
 
 def _grid_axes(p, backward) -> tuple:
-    mods, simt = _mods(p), _simt_head_dim(p)
-    builds = [(specs.forward_module, simt), (specs.probs_module, p.head_dim)]
-    builds += [(specs.backward_module, simt)] * backward
+    mods, tiles = _mods(p), _tile_head_dim(p)
+    builds = [(specs.forward_module, tiles), (specs.probs_module, p.head_dim)]
+    builds += [(specs.backward_module, tiles)] * backward
     if backward and p.bias is not None:
-        builds.append((specs.dbias_module, simt))
-    if _same_head_dims(p) and specs.tensor_core_eligible(p.dtype, p.head_dim):
-        builds += [(specs.tc_forward_module, p.head_dim)]
-    if backward and _same_head_dims(p) and specs.tensor_core_eligible(p.dtype, p.head_dim, mods, backward=True):
+        builds.append((specs.dbias_module, tiles))
+    if _tc_takes(p) and specs.tensor_core_eligible(p.dtype, tiles):
+        builds += [(specs.tc_forward_module, tiles)]
+    if backward and _tc_takes(p, True) and specs.tensor_core_eligible(p.dtype, p.head_dim, mods, backward=True):
         builds += [(specs.tc_backward_module, p.head_dim), (specs.deterministic_tc_backward_module, p.head_dim)]
     if _same_head_dims(p) and specs.sm90_eligible(p.dtype, p.head_dim, mods):
         builds += [(specs.sm90_forward_module, p.head_dim)]
@@ -210,9 +210,16 @@ def _grid_axes(p, backward) -> tuple:
 
 
 def _same_head_dims(p) -> bool:
-    """Whether v's head_dim is q's and k's: the tensor-core and Hopper kernels' tiles assume it (a
-    call with another runs on the SIMT kernels)."""
+    """Whether v's head_dim is q's and k's: the tensor-core backward's and the Hopper kernels' tiles
+    assume it (a call with another runs on the SIMT kernels, or the tensor-core forward: _tc_takes)."""
     return p.head_dim_v == p.head_dim
+
+
+def _tc_takes(p, backward: bool = False) -> bool:
+    """Whether the tensor-core forward (backward) takes p's head dims: the forward's tiles are padded
+    to the larger (_tile_head_dim; each a multiple of 8, as the 16-byte rows ask), the backward's need
+    one."""
+    return _same_head_dims(p) or (not backward and p.head_dim % 8 == 0 and p.head_dim_v % 8 == 0)
 
 
 # ----------------------------------------------------------------------------
@@ -252,8 +259,8 @@ def _path(p, *tensors, split: bool = False, backward: bool = False) -> str:
     """'tensor-core' when the tensor-core forward (split: split-KV's; backward: the backward) takes the
     call (specs.tensor_core_eligible) and `tensors` (all read or written through 16-byte rows), else
     'simt'."""
-    eligible = USE_TENSOR_CORES and _same_head_dims(p) and specs.tensor_core_eligible(
-        p.dtype, p.head_dim, _mods(p), split, backward, _turing(tensors[0]))
+    eligible = USE_TENSOR_CORES and _tc_takes(p, backward) and specs.tensor_core_eligible(
+        p.dtype, _tile_head_dim(p), _mods(p), split, backward, _turing(tensors[0]))
     return "tensor-core" if eligible and _rows_16_bytes(_runtime(), p.dtype, *tensors) else "simt"
 
 
@@ -433,12 +440,12 @@ def _forward_module(p, q, k, v, split: bool, out=None, varlen: bool = False, pag
         return path, specs.sm90_forward_module(p.dtype, p.head_dim, _mods(p), varlen, tile)
     if path == "tensor-core":
         return path, _tc_forward_module(p, q, split, varlen)
-    return path, specs.forward_module(p.dtype, _simt_head_dim(p), _mods(p), split, varlen)
+    return path, specs.forward_module(p.dtype, _tile_head_dim(p), _mods(p), split, varlen)
 
 
 def _tc_forward_module(p, q, split: bool, varlen: bool) -> specs.ModuleSpec:
     """The tensor-core forward's ModuleSpec for this call, with the tiles of q's device (specs.tc_turing)."""
-    return specs.tc_forward_module(p.dtype, p.head_dim, _mods(p), split, varlen, _turing(q))
+    return specs.tc_forward_module(p.dtype, _tile_head_dim(p), _mods(p), split, varlen, _turing(q))
 
 
 def _tc_backward_module(p, q, deterministic: bool, varlen: bool) -> specs.ModuleSpec:

@@ -25,7 +25,7 @@ def _backward_module(p, path: str, deterministic: bool, like, varlen: bool = Fal
         return specs.sm90_backward_module(p.dtype, p.head_dim, mods, varlen, deterministic, tile)
     if path == "tensor-core":
         return backend._tc_backward_module(p, like, deterministic, varlen)
-    return specs.backward_module(p.dtype, backend._simt_head_dim(p), backend._mods(p), varlen)
+    return specs.backward_module(p.dtype, backend._tile_head_dim(p), backend._mods(p), varlen)
 
 
 def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None, dlse=None):
@@ -47,7 +47,7 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None, dlse=No
         if p.bias is None:
             return dq, dk, dv
         # dbias (flash_pairs.cu, SIMT whichever path ran above): its own arguments are natural-unit ones
-        module = specs.dbias_module(p.dtype, backend._simt_head_dim(p), backend._mods(p))
+        module = specs.dbias_module(p.dtype, backend._tile_head_dim(p), backend._mods(p))
         (dbias_kernel,) = module.kernels
         (bwd_dbias,) = backend._functions(rt, module, q)
         dbias = rt.xp.empty(p.bias.shape, dtype=p.bias.dtype) if into is None or len(into) < 4 else into[3]

@@ -91,7 +91,8 @@
 // unrolled (benchmarks/results/tile_choices.md); the plain kernels up to 128 keep the unrolled loop.
 //
 // Requirements on the arguments, checked by the launcher (as for flash_fwd_tc): head_dim a multiple
-// of 8 and at most HEAD_DIM (columns past head_dim are zero-filled); q, k, v, dout and the outputs
+// of 8 and at most HEAD_DIM (columns past head_dim are zero-filled), and v's the same (head_dim_v is
+// never read: cupy_backend._tc_takes sends other calls to the SIMT backward); q, k, v, dout and the outputs
 // contiguous in head_dim, every row 16-byte aligned (pointers and the other strides multiples of 8
 // elements). lse may have any strides. Rows past seqlen are zero-filled and never written.
 //
@@ -203,7 +204,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
         const Stats<const float> lse_h = LSE_ROW(lse, blk.b, h);
         const auto seen_row = [=](int i) { return (MODS & MOD_MASK) == 0 || lse_h[i] != -INFINITY; };
         load_stage_async<BLOCK_M, HEAD_DIM>(Q_s, dO_s, p & 1, HEAD_ROWS(q, blk.b, h), HEAD_ROWS(dout, blk.b, h), i0,
-                                            seqlen_q, head_dim, seen_row);
+                                            seqlen_q, head_dim, head_dim, seen_row);
         const int i = i0 + threadIdx.x % BLOCK_M;
         if (threadIdx.x < BLOCK_M) return lse_for_p(LSE_ROW(lse, blk.b, h), i, seqlen_q) * LOG2E;
         return i < seqlen_q ? D.template row<true>(blk.b, h)[i] : 0.0f;
@@ -313,7 +314,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
 
     const Rows<T> dQ_rows = HEAD_ROWS(dq, blk.b, blk.h);
     const KVStream<BLOCK_N, HEAD_DIM, T> kv(K_s, V_s, HEAD_ROWS(k, blk.b, blk.kv_head),
-                                            HEAD_ROWS(v, blk.b, blk.kv_head), mask, blk.i0, head_dim);
+                                            HEAD_ROWS(v, blk.b, blk.kv_head), mask, blk.i0, head_dim, head_dim);
 
     // group 0: Q_i, dO_i and the first key block
     if (kv.blocks > 0) {

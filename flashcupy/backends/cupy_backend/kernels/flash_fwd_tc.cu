@@ -130,9 +130,9 @@ __device__ __forceinline__ void flash_fwd_tc_cta(
         if constexpr (SPLIT) {
             int j_start = mask.key_start(blk.i0), j_end = mask.key_end(blk.i0);
             split_range<BLOCK_N>(j_start, j_end, split.index * key_split, key_split);
-            return Stream(K_s, V_s, K, V, j_start, j_end, seqlen_k, head_dim);
+            return Stream(K_s, V_s, K, V, j_start, j_end, seqlen_k, head_dim, head_dim_v);
         } else {
-            return Stream(K_s, V_s, K, V, mask, blk.i0, head_dim);
+            return Stream(K_s, V_s, K, V, mask, blk.i0, head_dim, head_dim_v);
         }
     }();
 
@@ -211,12 +211,12 @@ __device__ __forceinline__ void flash_fwd_tc_cta(
                     l[mt][r] == 0.0f ? -INFINITY : m[mt][r] * LN2 + logf(l[mt][r]);
         }
         if constexpr (SPLIT) {
-            store_fragments<HEAD_DIM>(make_out(), O[mt], inv_l, row_g, seqlen_q, head_dim);  // float: no staging
+            store_fragments<HEAD_DIM>(make_out(), O[mt], inv_l, row_g, seqlen_q, head_dim_v);  // float: no staging
         } else {
             // staged through the row tile's own rows of Q_s, which only this warp reads (the last time in
             // the last pass)
             store_fragments_staged<HEAD_DIM>(OUT_AFTER_LOOP ? make_out() : Out, O[mt], inv_l, Q_w + 16 * mt * ROW,
-                                             row_t, seqlen_q, head_dim);
+                                             row_t, seqlen_q, head_dim_v);
         }
     }
 }

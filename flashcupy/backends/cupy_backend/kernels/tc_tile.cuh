@@ -156,14 +156,15 @@ __device__ __forceinline__ void load_tile_async(T* tile, const Src& src, int row
 // group completes this thread's copies of stage p % 2, on every pass alike. The other threads'
 // copies are visible only after a barrier, which the kernel places.
 
-// cp.async rows row0.. of A and B into stage `stage` of A_s and B_s (2 tiles of ROWS rows each), B's
-// rows filtered by keep_b (load_tile_async). Not committed.
+// cp.async rows row0.. of A and B into stage `stage` of A_s and B_s (2 tiles of ROWS rows each), each
+// zero past its own head dim (head_dim_a, head_dim_b: K's and V's, or Q's and dO's), B's rows filtered
+// by keep_b (load_tile_async). Not committed.
 template <int ROWS, int HEAD_DIM, int THREADS = NUM_THREADS, typename T, typename Src, typename Keep = EveryRow>
 __device__ __forceinline__ void load_stage_async(T* A_s, T* B_s, int stage, const Src& A,
-                                                 const Src& B, int row0, int seqlen, int head_dim,
-                                                 Keep keep_b = {}) {
-    load_tile_async<ROWS, HEAD_DIM, THREADS>(A_s + stage * ROWS * TILE_ROW<HEAD_DIM>, A, row0, seqlen, head_dim);
-    load_tile_async<ROWS, HEAD_DIM, THREADS>(B_s + stage * ROWS * TILE_ROW<HEAD_DIM>, B, row0, seqlen, head_dim,
+                                                 const Src& B, int row0, int seqlen, int head_dim_a,
+                                                 int head_dim_b, Keep keep_b = {}) {
+    load_tile_async<ROWS, HEAD_DIM, THREADS>(A_s + stage * ROWS * TILE_ROW<HEAD_DIM>, A, row0, seqlen, head_dim_a);
+    load_tile_async<ROWS, HEAD_DIM, THREADS>(B_s + stage * ROWS * TILE_ROW<HEAD_DIM>, B, row0, seqlen, head_dim_b,
                                              keep_b);
 }
 
@@ -176,24 +177,27 @@ __device__ __forceinline__ void cp_async_next_stage() {
 // The key blocks that the query block at i0 sees (or keys j_start .. j_end - 1, as given), streamed
 // through the two stages of K_s, V_s: pass jb (of `blocks`) computes on K_j(jb), V_j(jb), the key
 // block at j0(jb). THREADS: the CTA's threads, which share the copies; Src the rows K and V are read
-// through (Rows, or a packed forward's CacheRows).
+// through (Rows, or a packed forward's CacheRows). K_s and V_s are HEAD_DIM wide, each zero past its
+// own head dim (head_dim, head_dim_v).
 template <int BLOCK_N, int HEAD_DIM, typename T, int THREADS = NUM_THREADS, typename Src = Rows<const T>>
 struct KVStream {
     T* K_s;
     T* V_s;
     Src K, V;
-    int j_start, blocks, seqlen_k, head_dim;
+    int j_start, blocks, seqlen_k, head_dim, head_dim_v;
 
     template <int BLOCK_M, bool WINDOW>
     __device__ __forceinline__ KVStream(T* K_s, T* V_s, const Src& K, const Src& V,
-                                        const Mask<BLOCK_M, BLOCK_N, WINDOW>& mask, int i0, int head_dim)
+                                        const Mask<BLOCK_M, BLOCK_N, WINDOW>& mask, int i0, int head_dim,
+                                        int head_dim_v)
         : K_s(K_s), V_s(V_s), K(K), V(V), j_start(mask.key_start(i0)),
-          blocks(num_blocks(mask.key_end(i0) - j_start, BLOCK_N)), seqlen_k(mask.seqlen_k), head_dim(head_dim) {}
+          blocks(num_blocks(mask.key_end(i0) - j_start, BLOCK_N)), seqlen_k(mask.seqlen_k), head_dim(head_dim),
+          head_dim_v(head_dim_v) {}
 
     __device__ __forceinline__ KVStream(T* K_s, T* V_s, const Src& K, const Src& V, int j_start,
-                                        int j_end, int seqlen_k, int head_dim)
+                                        int j_end, int seqlen_k, int head_dim, int head_dim_v)
         : K_s(K_s), V_s(V_s), K(K), V(V), j_start(j_start), blocks(num_blocks(j_end - j_start, BLOCK_N)),
-          seqlen_k(seqlen_k), head_dim(head_dim) {}
+          seqlen_k(seqlen_k), head_dim(head_dim), head_dim_v(head_dim_v) {}
 
     __device__ __forceinline__ int j0(int jb) const { return j_start + jb * BLOCK_N; }
     __device__ __forceinline__ const T* K_j(int jb) const { return K_s + (jb & 1) * BLOCK_N * TILE_ROW<HEAD_DIM>; }
@@ -201,7 +205,7 @@ struct KVStream {
 
     // cp.async the key block of pass jb into its stage. Not committed.
     __device__ __forceinline__ void load(int jb) const {
-        load_stage_async<BLOCK_N, HEAD_DIM, THREADS>(K_s, V_s, jb & 1, K, V, j0(jb), seqlen_k, head_dim);
+        load_stage_async<BLOCK_N, HEAD_DIM, THREADS>(K_s, V_s, jb & 1, K, V, j0(jb), seqlen_k, head_dim, head_dim_v);
     }
 
     // At the top of pass jb: prefetch pass jb + 1 and wait for this thread's copies of pass jb.
