@@ -33,6 +33,8 @@ import math
 
 import numpy as np
 
+from ._problem import out_shape
+
 
 def _folds(shape, strides, dims) -> bool:
     """Whether dimensions `dims` (in order) of an array of this shape and these strides (in elements
@@ -204,7 +206,7 @@ def forward(fn, q, k, v, kw: dict, carrier, lse_dtype, into=None) -> tuple:
     full, broadcast = _inputs(batch, {"q": q, "k": k, "v": v}, kw)
     fold = plan(batch, full, broadcast)
     calls = math.prod(batch[d] for d in fold.looped)
-    out, lse = into or (_empty(q, q.shape[:-1] + v.shape[-1:], carrier, calls),
+    out, lse = into or (_empty(q, out_shape(q.shape, v.shape), carrier, calls),
                         _empty(q, batch + (q.shape[-2], q.shape[-3]), lse_dtype, calls))
     for index, views in _calls(fold, full, broadcast):
         q4, k4, v4 = views.pop("q"), views.pop("k"), views.pop("v")

@@ -15,7 +15,7 @@ import numbers
 import numpy as np
 
 from . import _batch, _interop, backends
-from ._problem import FLOAT_DTYPES, LOG2E, MODIFIERS, Problem, accumulation_dtype, default_scale
+from ._problem import FLOAT_DTYPES, LOG2E, MODIFIERS, Problem, accumulation_dtype, default_scale, out_shape
 
 BIT_CARRIERS = (np.dtype(np.uint16), np.dtype(np.int16))  # what dtype="bfloat16" reads
 
@@ -432,7 +432,7 @@ def _backend_for_modifiers(lib: str, p: Problem, default: str) -> str:
 def check_like_q(p: Problem, q, named: dict) -> None:
     """dout and out (the `named` arrays) have out's shape (q's, with v's head_dim) and q's dtype, and
     strides a kernel can read."""
-    shape = tuple(q.shape[:-1]) + (p.head_dim_v,)
+    shape = out_shape(q.shape, (p.head_dim_v,))
     for name, x in named.items():
         if tuple(x.shape) != shape:
             what = "q's shape" if p.head_dim_v == p.head_dim else "q's shape with v's head_dim"

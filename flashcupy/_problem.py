@@ -34,6 +34,12 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
+def out_shape(q_shape, v_shape) -> tuple:
+    """out's (and dout's) shape: q's with v's head dim, the last dimension (which may differ from q's
+    and k's: Problem.head_dim_v)."""
+    return tuple(q_shape[:-1]) + tuple(v_shape[-1:])
+
+
 def accumulation_dtype(value_dtype: str) -> np.dtype:
     """What every backend accumulates in (and stores lse in): float64 for float64 values, float32
     for float32, float16 and bfloat16."""

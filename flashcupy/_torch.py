@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from . import _api, _checks, _interop, _varlen
+from ._problem import out_shape
 
 _CUSTOM_OP = hasattr(torch.library, "custom_op")  # torch >= 2.4
 
@@ -114,7 +115,7 @@ if _CUSTOM_OP:
 
     @_attention_op.register_fake
     def _(q, k, v, bias, mask, alibi_slopes, causal, window_left, window_right, softcap, scale, backend, dtype):
-        return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
+        return (q.new_empty(out_shape(q.shape, v.shape)),
                 q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q)))
 
     @torch.library.custom_op("flashcupy::attention_backward", mutates_args=())
@@ -182,7 +183,7 @@ if _CUSTOM_OP:
 
     @_varlen_op.register_fake
     def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
-        return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+        return q.new_empty(out_shape(q.shape, v.shape)), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
 
     @torch.library.custom_op("flashcupy::attention_varlen_backward", mutates_args=())
     def _varlen_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

@@ -36,6 +36,7 @@ import numbers
 import numpy as np
 
 from . import _api, _checks, _interop, _merge, backends
+from ._problem import out_shape
 
 
 def _host_ints(name: str, x, lib: str, ndim: int, shape_rule: str) -> np.ndarray:
@@ -155,7 +156,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     p, cu_q, cu_k, mod = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                       scale, dtype, mods, backend, check_offsets=check_offsets)
-    out = mod.allocate(q, q.shape[:-1] + v.shape[-1:], p.carrier, 0)
+    out = mod.allocate(q, out_shape(q.shape, v.shape), p.carrier, 0)
     lse = mod.allocate(q, (p.heads_q, q.shape[0]), p.lse_dtype, -np.inf)
     if _one_launch(mod):  # the offsets read on the device (the same bits, checked or not)
         mod.forward_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, alibi_slopes=alibi_slopes)

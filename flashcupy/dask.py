@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from . import _api, _batch, _checks, _merge, backends
-from ._problem import accumulation_dtype
+from ._problem import accumulation_dtype, out_shape
 
 SPLIT_EVERY = 2  # parts per merge or sum task: a binary tree frees pair results soonest (fan-in 8: 2x the memory)
 
@@ -115,7 +115,7 @@ class _Plan:
         self.causal, self.scale, self.backend, self.dtype = causal, scale, backend, dtype
         self.q_chunks, self.k_chunks = q.chunks[L:], k.chunks[L:]  # (sequence, heads, head_dim)
         self.out_chunks = q.chunks[:-1] + ((self.p.head_dim_v,),)  # out's and dout's: v's head_dim
-        self.out_shape = q.shape[:-1] + v.shape[-1:]
+        self.out_shape = out_shape(q.shape, v.shape)
         self.batch_chunks = q.chunks[:L]
         self.q_off, self.k_off = _offsets(q.chunks[L]), _offsets(k.chunks[L])
         self.b_off, self.h_off = [_offsets(c) for c in q.chunks[:L]], _offsets(q.chunks[L + 1])

@@ -36,7 +36,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.experimental.buffer_callback import buffer_callback
 
 from . import _api, _checks, _varlen
-from ._problem import accumulation_dtype
+from ._problem import accumulation_dtype, out_shape
 
 __all__ = ["attention", "attention_varlen"]
 
@@ -226,7 +226,7 @@ def _forward_call(call: _Call):
 
     def run(q, k, v, alibi_slopes, bias, mask):
         Sq, Hq = q.shape[-3:-1]
-        avals = (_aval(q.shape[:-1] + v.shape[-1:], q.dtype), _aval(q.shape[:-3] + (Hq, Sq), _lse_dtype(q)))
+        avals = (_aval(out_shape(q.shape, v.shape), q.dtype), _aval(q.shape[:-3] + (Hq, Sq), _lse_dtype(q)))
         return tuple(buffer_callback(callback, avals)(q, k, v, alibi_slopes, bias, mask))
 
     return _folded(run, ("bshd",) * 3 + ("slopes", "pair", "pair"))
@@ -374,7 +374,7 @@ def _packed_forward(call: _Call):
                                    **call.keywords())
 
     def run(q, k, v, alibi_slopes):
-        avals = (_aval(q.shape[:-1] + v.shape[-1:], q.dtype), _aval((q.shape[1], q.shape[0]), _lse_dtype(q)))
+        avals = (_aval(out_shape(q.shape, v.shape), q.dtype), _aval((q.shape[1], q.shape[0]), _lse_dtype(q)))
         return tuple(buffer_callback(callback, avals)(q, k, v, alibi_slopes, *_offset_constants(cu_q, cu_k)))
 
     return run

@@ -156,7 +156,7 @@ def _cdiv(a: int, b: int) -> int:
 
 MAX_HEAD_DIM = specs.MAX_HEAD_DIM
 MODIFIERS = frozenset(specs.MOD_BITS)  # the score modifiers the kernels compute; _api refuses the others
-HEAD_DIM_V = True  # v's head_dim may differ from q's and k's (on the SIMT kernels)
+HEAD_DIM_V = True  # v's head_dim may differ from q's and k's (_tc_takes, _same_head_dims: which kernels)
 
 
 # The host's own work of a call, kept between calls where its inputs are the same: every launch's grid
@@ -187,8 +187,7 @@ def grid_axes(p, backward):
     Kernel.column_parts): the path is chosen per call, from strides.
     They depend on the dtype, head_dim, modifiers, shapes and the bias's shape alone (launch.GRIDS)."""
     key = (bool(backward), p.dtype, p.head_dim, p.head_dim_v, _mods(p), p.batch, p.seqlen_q, p.seqlen_k, p.heads_q,
-           p.heads_kv,
-           None if p.bias is None else tuple(p.bias.shape))
+           p.heads_kv, None if p.bias is None else tuple(p.bias.shape))
     return _remember(_grid_axes_cache, key, lambda: _grid_axes(p, backward))
 
 
@@ -237,8 +236,7 @@ def _path_remembered(kind: str, p, tensors, flags: tuple, choose) -> str:
     and modifiers, the device, and each tensor's layout (CACHE_HOST_WORK)."""
     rt = _runtime()
     key = (kind, USE_TENSOR_CORES, USE_WGMMA, p.dtype, p.head_dim, p.head_dim_v, _mods(p), flags,
-           rt.device_id(tensors[0]),
-           *(_layout(rt, x) for x in tensors))
+           rt.device_id(tensors[0]), *(_layout(rt, x) for x in tensors))
     return _remember(rt.plans, key, choose)
 
 

@@ -182,8 +182,9 @@ __device__ __forceinline__ Stats<Acc> d_row(Acc* D, int heads_q, int seqlen_q, i
 #define LSE_ROW(x, b, h) stat_row(x, x##_sb, x##_sh, x##_ss, b, h)
 #define LSE_ROW_AT(x, split, b, h) stat_row(x, split, x##_sb, x##_sh, x##_ss, b, h)
 // The scalars that close every attention kernel's argument list, in the launcher's order: the sizes
-// (head_dim q's and k's, head_dim_v v's, out's and dout's: the SIMT kernels' tiles are padded to the
-// larger, the tensor-core and Hopper kernels take them equal); a Mask
+// (head_dim q's and k's, head_dim_v v's, out's and dout's: the SIMT kernels' and the tensor-core
+// forward's tiles are padded to the larger, the tensor-core backward and the Hopper kernels are only
+// launched with the two equal); a Mask
 // (mask.cuh) is made of seqlen_q, seqlen_k, diagonal and causal, and with a window of window_left and
 // window_right. The score modifiers follow (Score in mask.cuh): the softcap's cap_in and cap_out in
 // the kernel's units, computed by the launcher (so they stay kernel parameters, not registers), and
@@ -195,10 +196,9 @@ __device__ __forceinline__ Stats<Acc> d_row(Acc* D, int heads_q, int seqlen_q, i
 #define PROBLEM_PARAMS(Acc) \
     int seqlen_q, int seqlen_k, int heads_q, int group, int head_dim, int head_dim_v, Acc scale, int causal, \
     int diagonal, int window_left, int window_right, Acc cap_in, Acc cap_out, const Acc* __restrict__ alibi, \
-    index_t alibi_sb, \
-    index_t alibi_sh, const void* __restrict__ bias, index_t bias_sb, index_t bias_sh, index_t bias_sq, \
-    index_t bias_sk, int bias_f32, const bool* __restrict__ keep, index_t keep_sb, index_t keep_sh, \
-    index_t keep_sq, index_t keep_sk
+    index_t alibi_sb, index_t alibi_sh, const void* __restrict__ bias, index_t bias_sb, index_t bias_sh, \
+    index_t bias_sq, index_t bias_sk, int bias_f32, const bool* __restrict__ keep, index_t keep_sb, \
+    index_t keep_sh, index_t keep_sq, index_t keep_sk
 
 // The forward kernels' last arguments, split-KV (mask.cuh's Split): keys per split, and the element
 // offsets between the splits' partial outs and lses; read only by kernels specialised for SPLIT.
