@@ -2,7 +2,8 @@
 head_dim, the scale stays 1/sqrt(q's head_dim), the FLOP count 2 (head_dim + head_dim_v) per pair.
 
 The contract's rows (tests/contract.py, HEAD_DIM_V_CASES) run the plain and causal forward and backward
-on every path of every backend that takes it; here, against the float64 oracle, what they do not:
+on both NumPy paths, the emulated cupy SIMT and tensor-core paths and Numba's simulator; here, against
+the float64 oracle, what they do not:
 each score modifier with its own code path in the NumPy backend (the narrow band, the modified
 scores, dbias), leading batch dimensions, attention_vjp, empty inputs; and the refusals.
 """
