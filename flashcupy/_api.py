@@ -22,20 +22,24 @@ from ._checks import (check_arrays, check_backend_name, check_bool, check_leadin
 
 
 def forward(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
-            scale=None, backend="auto", dtype=None, diagonal=None, num_splits=1, into=None) -> tuple:
+            scale=None, backend="auto", dtype=None, dropout_p=0.0, dropout_seed=None, dropout_origin=(0, 0, 0, 0),
+            diagonal=None, num_splits=1, into=None) -> tuple:
     """attention's (out, lse) on NumPy or CuPy arrays, with knobs of the package's own:
     diagonal, that of a chunk of a larger problem, its queries' and keys' global positions folded
     in (None: seqlen_k - seqlen_q); num_splits, split-KV inside the backend for backends that have
     it (split_plan): 1 none, None by the backend's heuristic, an int at most that many; into, None
-    or (out, lse) arrays of the results' shapes and dtypes (carriers), written and returned."""
+    or (out, lse) arrays of the results' shapes and dtypes (carriers), written and returned;
+    dropout_origin, where this call's pairs start in dropout's keep mask (Problem.dropout_origin)."""
+    drop = dict(dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_origin=dropout_origin)
     backend = check_backend_name(backend)
     lib = check_arrays({"q": q, "k": k, "v": v})
     if len(check_leading(lib, q, k, v, alibi_slopes, bias, mask)) > 1:  # rank-4 calls on views (_batch.py)
-        p = problem(*map(_batch.stand_in, (q, k, v)), causal, scale, dtype, lib)  # dtypes, scale: before any work
+        # dtypes, scale, dropout: before any work
+        p = problem(*map(_batch.stand_in, (q, k, v)), causal, scale, dtype, lib, **drop)
         kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
-                  scale=scale, backend=backend, dtype=dtype, diagonal=diagonal, num_splits=num_splits)
+                  scale=scale, backend=backend, dtype=dtype, diagonal=diagonal, num_splits=num_splits, **drop)
         return _batch.forward(forward, q, k, v, kw, p.carrier, p.lse_dtype, into)
-    p = problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal)
+    p = problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal, **drop)
     mod = select_backend(backend, lib, p)
 
     if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
@@ -48,25 +52,27 @@ def forward(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=No
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None,
-             mask=None, scale=None, backend="auto", dtype=None, deterministic=False, dlse=None, diagonal=None,
-             into=None) -> tuple:
-    """attention_backward on NumPy or CuPy arrays, with forward's diagonal and into: None or
-    (dq, dk, dv), and dbias with a bias, arrays of the gradients' shapes and dtypes."""
+             mask=None, scale=None, backend="auto", dtype=None, deterministic=False, dlse=None, dropout_p=0.0,
+             dropout_seed=None, dropout_origin=(0, 0, 0, 0), diagonal=None, into=None) -> tuple:
+    """attention_backward on NumPy or CuPy arrays, with forward's diagonal and dropout_origin, and into:
+    None or (dq, dk, dv), and dbias with a bias, arrays of the gradients' shapes and dtypes."""
+    drop = dict(dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_origin=dropout_origin)
     backend = check_backend_name(backend)
     deterministic = check_bool("deterministic", deterministic)
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     lib = check_arrays(given if dlse is None else given | {"dlse": dlse})
     batch = check_leading(lib, q, k, v, alibi_slopes, bias, mask)
     if len(batch) > 1:  # rank-4 calls on views (flashcupy/_batch.py)
-        p = problem(*map(_batch.stand_in, (q, k, v)), causal, scale, dtype, lib)  # dtypes, scale: before any work
+        p = problem(*map(_batch.stand_in, (q, k, v)), causal, scale, dtype, lib, **drop)  # before any work
         check_like_q(p, q, {"dout": dout, "out": out})
         for name, x in (("lse", lse), ("dlse", dlse)):
             if x is not None:
                 check_lse(p, x, batch + (q.shape[-2], q.shape[-3]), name)
         kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
-                  scale=scale, backend=backend, dtype=dtype, deterministic=deterministic, dlse=dlse, diagonal=diagonal)
+                  scale=scale, backend=backend, dtype=dtype, deterministic=deterministic, dlse=dlse, diagonal=diagonal,
+                  **drop)
         return _batch.backward(backward, dout, q, k, v, out, lse, kw, p.carrier, p.acc_dtype, into)
-    p = problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal)
+    p = problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal, **drop)
     check_like_q(p, q, {"dout": dout, "out": out})
     check_lse(p, lse)
     if dlse is not None:
@@ -110,7 +116,7 @@ def _run_into(mod, fn, into, *args, **kw) -> tuple:
 
 @_interop.accepts_foreign_arrays
 def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
-              scale=None, return_lse=False, backend="auto", dtype=None):
+              scale=None, return_lse=False, backend="auto", dtype=None, dropout_p=0.0, dropout_seed=None):
     """Exact softmax(q kᵀ · scale) v, computed tile by tile (FlashAttention).
 
     q: (batch, seqlen_q, heads_q, head_dim); k: (batch, seqlen_k, heads_kv, head_dim), v: (batch,
@@ -128,13 +134,15 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
     """
     return_lse = check_bool("return_lse", return_lse)
     out, lse = forward(q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
-                       mask=mask, scale=scale, backend=backend, dtype=dtype)
+                       mask=mask, scale=scale, backend=backend, dtype=dtype, dropout_p=dropout_p,
+                       dropout_seed=dropout_seed)
     return (out, lse) if return_lse else out
 
 
 @_interop.accepts_foreign_arrays
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None,
-                       bias=None, mask=None, scale=None, backend="auto", dtype=None, deterministic=False, dlse=None):
+                       bias=None, mask=None, scale=None, backend="auto", dtype=None, deterministic=False, dlse=None,
+                       dropout_p=0.0, dropout_seed=None):
     """Gradients (dq, dk, dv) of attention, given dout and the forward's out and lse; with bias,
     (dq, dk, dv, dbias), dbias of the bias's own shape and dtype (summed over its broadcast
     dimensions).
@@ -150,20 +158,24 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, so
     CPU). The default, False, lets the cupy backend's tensor-core kernels add dq with atomics (five
     GEMMs instead of seven), whose order, so whose rounding, varies; every other path is
     deterministic either way.
+
+    dropout_p, dropout_seed: the forward's; the backward redraws its keep mask from them.
     """
     return backward(dout, q, k, v, out, lse, causal=causal, window=window, softcap=softcap,
                     alibi_slopes=alibi_slopes, bias=bias, mask=mask, scale=scale, backend=backend, dtype=dtype,
-                    deterministic=deterministic, dlse=dlse)
+                    deterministic=deterministic, dlse=dlse, dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
 @_interop.accepts_foreign_arrays
 def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
-                  scale=None, backend="auto", dtype=None, deterministic=False):
+                  scale=None, backend="auto", dtype=None, deterministic=False, dropout_p=0.0, dropout_seed=None):
     """Forward pass plus a closure for the backward: returns (out, vjp), vjp(dout, dlse=None) ->
     (dq, dk, dv), or (dq, dk, dv, dbias) with a bias. deterministic, dlse: as attention_backward's
-    (dlse, the gradient of the lse attention(..., return_lse=True) gives)."""
+    (dlse, the gradient of the lse attention(..., return_lse=True) gives); dropout_p, dropout_seed:
+    as attention's, the backward redrawing the forward's mask."""
     deterministic = check_bool("deterministic", deterministic)
-    mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask)
+    mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
+                dropout_p=dropout_p, dropout_seed=dropout_seed)
     out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend, dtype=dtype, **mods)
 
     def vjp(dout, dlse=None):

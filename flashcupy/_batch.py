@@ -50,12 +50,14 @@ class Fold:
     broadcast: the inputs broadcastable to the leading dimensions (bias, mask), already given every
     leading dimension (size 1 where they broadcast)."""
 
-    def __init__(self, batch: tuple, full: list, broadcast: list):
+    def __init__(self, batch: tuple, full: list, broadcast: list, suffix: bool = False):
         self.batch = tuple(batch)
         n = len(batch)
         best = None
         for size in range(n, -1, -1):
-            for dims in itertools.combinations(range(n), size):
+            # suffix (dropout): G only the last dimensions, so that b of a view plus its call's first
+            # is b of the whole (dropout_origin)
+            for dims in [tuple(range(n - size, n))] if suffix else itertools.combinations(range(n), size):
                 if not all(_folds(x.shape, x.strides, dims) for x in full):
                     continue
                 if not all(self._broadcast_folds(x, dims) for x in broadcast):
@@ -77,6 +79,14 @@ class Fold:
     def calls(self):
         """The looped indices, one tuple (over self.looped) per call, in row-major order."""
         return itertools.product(*(range(self.batch[d]) for d in self.looped))
+
+    def first(self, index) -> int:
+        """The flattened batch index, over every leading dimension, of the first batch of the call at
+        `index`: where its views start in dropout's keep mask (G a suffix of the dimensions)."""
+        flat = 0
+        for d, i in zip(self.looped, index):
+            flat = flat * self.batch[d] + i
+        return flat * self.size
 
     def view(self, x, index):
         """x's rank-4 (lse's rank-3) view for the call at `index` (over self.looped): the looped
@@ -135,22 +145,27 @@ def padded(x, rank: int):
     return _strided(x, (1,) * extra + tuple(x.shape), (0,) * extra + tuple(x.strides))
 
 
-def _calls(fold: Fold, full: dict, broadcast: dict):
-    """(looped index, {name: view}) per call: the views of every input of the call."""
+def _calls(fold: Fold, full: dict, broadcast: dict, kw: dict):
+    """(looped index, {name: view}) per call: the views of every input of the call, and with dropout
+    its origin in the keep mask (dropout_origin)."""
+    origin = kw.get("dropout_origin") or (0, 0, 0, 0)
     for index in fold.calls():
         views = {n: fold.view(x, index) for n, x in full.items()}
         views.update({n: None if x is None else fold.view(x, index) for n, x in broadcast.items()})
+        if kw.get("dropout_p"):
+            views["dropout_origin"] = (origin[0] + fold.first(index), *origin[1:])
         yield index, views
 
 
-def plan(batch: tuple, full: dict, broadcast: dict) -> Fold:
+def plan(batch: tuple, full: dict, broadcast: dict, kw: dict) -> Fold:
     """The fold of a call whose inputs are `full` (every leading dimension) and `broadcast` (bias,
-    mask: padded to every leading dimension, or None)."""
+    mask: padded to every leading dimension, or None); with dropout, of a suffix of the dimensions."""
     if math.prod(batch) == 0:  # nothing to compute: one call on empty views, which any layout folds
         fold = Fold((), [], [])
         fold.batch, fold.folded, fold.looped, fold.size = tuple(batch), tuple(range(len(batch))), (), 0
         return fold
-    return Fold(batch, list(full.values()), [x for x in broadcast.values() if x is not None])
+    return Fold(batch, list(full.values()), [x for x in broadcast.values() if x is not None],
+                suffix=bool(kw.get("dropout_p")))
 
 
 def _empty(like, shape, dtype, calls: int):
@@ -204,11 +219,11 @@ def forward(fn, q, k, v, kw: dict, carrier, lse_dtype, into=None) -> tuple:
     its views of the whole out and lse (`into`, or new ones)."""
     batch = tuple(q.shape[:-3])
     full, broadcast = _inputs(batch, {"q": q, "k": k, "v": v}, kw)
-    fold = plan(batch, full, broadcast)
+    fold = plan(batch, full, broadcast, kw)
     calls = math.prod(batch[d] for d in fold.looped)
     out, lse = into or (_empty(q, out_shape(q.shape, v.shape), carrier, calls),
                         _empty(q, batch + (q.shape[-2], q.shape[-3]), lse_dtype, calls))
-    for index, views in _calls(fold, full, broadcast):
+    for index, views in _calls(fold, full, broadcast, kw):
         q4, k4, v4 = views.pop("q"), views.pop("k"), views.pop("v")
         fn(q4, k4, v4, into=(fold.view(out, index), fold.view(lse, index)), **(kw | views))
     return out, lse
@@ -222,7 +237,7 @@ def backward(fn, dout, q, k, v, out, lse, kw: dict, carrier, acc, into=None) -> 
     if kw.get("dlse") is not None:  # the gradient of lse, folded as lse
         named["dlse"] = kw["dlse"]
     full, broadcast = _inputs(batch, named, kw)
-    fold = plan(batch, full, broadcast)
+    fold = plan(batch, full, broadcast, kw)
     calls = math.prod(batch[d] for d in fold.looped)
     bias = broadcast["bias"]
     whole = list(into or [_empty(q, x.shape, carrier, calls) for x in (q, k, v)])
@@ -233,7 +248,7 @@ def backward(fn, dout, q, k, v, out, lse, kw: dict, carrier, acc, into=None) -> 
     if bias is not None and any(bias.shape[d] == 1 and batch[d] > 1 for d in fold.looped):
         value = "float32" if np.dtype(bias.dtype) == np.float32 else (kw.get("dtype") or np.dtype(bias.dtype).name)
         summed = Sum(fold, bias, value, acc)
-    for index, views in _calls(fold, full, broadcast):
+    for index, views in _calls(fold, full, broadcast, kw):
         args = [views.pop(n) for n in ("dout", "q", "k", "v", "out", "lse")]
         places = [fold.view(x, index) for x in whole[:3]]
         if dbias is not None and summed is None:
@@ -251,9 +266,9 @@ def probs(fn, q, k, lse, rows: int, kw: dict, lse_dtype):
     call's result written into its view of the whole."""
     batch = tuple(q.shape[:-3])
     full, broadcast = _inputs(batch, {"q": q, "k": k, "lse": lse}, kw)
-    fold = plan(batch, full, broadcast)
+    fold = plan(batch, full, broadcast, kw)
     P = _empty(q, batch + (q.shape[-2], rows, k.shape[-3]), lse_dtype, math.prod(batch[d] for d in fold.looped))
-    for index, views in _calls(fold, full, broadcast):
+    for index, views in _calls(fold, full, broadcast, kw):
         q4, k4, lse4 = views.pop("q"), views.pop("k"), views.pop("lse")
         fold.view(P, index)[...] = fn(q4, k4, lse4, **(kw | views))
     return P

@@ -157,6 +157,25 @@ def check_bool(name: str, x) -> bool:
     return bool(x)
 
 
+def check_dropout(dropout_p, dropout_seed) -> tuple:
+    """(p, seed) of dropout: p a real number in [0, 1) (0: none, the seed then unread), the seed an int
+    in [0, 2^64), required with p > 0 (the backward draws the same keep mask from it)."""
+    p = real("dropout_p", dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {p!r}")
+    if dropout_seed is None:
+        if p > 0:
+            raise ValueError("dropout_seed must be given with dropout_p > 0 (an int in [0, 2**64)): the backward "
+                             "draws the same keep mask from it")
+        return p, 0
+    if isinstance(dropout_seed, (bool, np.bool_)) or not isinstance(dropout_seed, numbers.Integral):
+        raise TypeError(f"dropout_seed must be an int or None, got {describe(dropout_seed)}")
+    seed = int(dropout_seed)
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"dropout_seed must be in [0, 2**64), got {seed}")
+    return p, seed
+
+
 def check_backend_name(backend) -> str:
     if not isinstance(backend, str) or (backend != "auto" and backend not in backends.NAMES):
         raise ValueError(
@@ -287,17 +306,19 @@ _PROBLEMS_SIZE = 512  # entries; a full cache starts again empty
 _NUMBER = (int, float, type(None))
 
 
-def _problem_key(q, k, v, causal, scale, dtype, lib, window, softcap, diagonal):
+def _problem_key(q, k, v, causal, scale, dtype, lib, window, softcap, diagonal, dropout):
     """The key of a call's Problem, or None where an option is not of the plain types whose equality
     is their meaning (a bool causal, numbers or None, a tuple of ints or None for the window): 1 and True
     are equal keys, and only one of them passes check_bool."""
     if not (type(causal) is bool and type(scale) in _NUMBER and type(softcap) in _NUMBER
             and type(diagonal) in (int, type(None)) and (dtype is None or type(dtype) is str)
+            and type(dropout[0]) in _NUMBER and type(dropout[1]) in (int, type(None))
+            and all(type(x) is int for x in dropout[2])
             and (window is None or (type(window) is tuple and len(window) == 2
                                     and all(type(x) in (int, type(None)) for x in window)))):
         return None
     arrays = tuple((type(x), x.shape, x.strides, x.dtype, _alignment(x)) for x in (q, k, v))
-    return (lib, causal, type(scale), scale, dtype, window, type(softcap), softcap, diagonal, arrays)
+    return (lib, causal, type(scale), scale, dtype, window, type(softcap), softcap, diagonal, dropout, arrays)
 
 
 def _alignment(x) -> int | None:
@@ -307,17 +328,22 @@ def _alignment(x) -> int | None:
 
 
 def problem(q, k, v, causal, scale, dtype, lib=None, window=None, softcap=None, alibi_slopes=None, bias=None,
-            mask=None, diagonal=None) -> Problem:
+            mask=None, diagonal=None, dropout_p=0.0, dropout_seed=None, dropout_origin=(0, 0, 0, 0)) -> Problem:
     """The Problem of q, k, v (rank 4, BSHD) and the options, every one of them checked; diagonal:
-    a chunk's own (flashcupy.dask, KV caches), None for seqlen_k - seqlen_q. Kept between calls where
-    no modifier array is given (CACHE_PROBLEMS)."""
+    a chunk's own (flashcupy.dask, KV caches), None for seqlen_k - seqlen_q; dropout_origin, the
+    package's own, as Problem's. Kept between calls where no modifier array is given (CACHE_PROBLEMS)."""
     key = None
+    dropout = (dropout_p, dropout_seed, tuple(dropout_origin))
     if CACHE_PROBLEMS and alibi_slopes is None and bias is None and mask is None:
-        key = _problem_key(q, k, v, causal, scale, dtype, lib, window, softcap, diagonal)
+        key = _problem_key(q, k, v, causal, scale, dtype, lib, window, softcap, diagonal, dropout)
         kept = _PROBLEMS.get(key) if key is not None else None
         if kept is not None:
             return kept
     p = _problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal)
+    if not (type(dropout_p) in (int, float) and dropout_p == 0 and dropout_seed is None):  # else: no dropout
+        rate, seed = check_dropout(dropout_p, dropout_seed)
+        if rate > 0:
+            p = dataclasses.replace(p, dropout_p=rate, dropout_seed=seed, dropout_origin=tuple(dropout_origin))
     if key is not None:
         if len(_PROBLEMS) >= _PROBLEMS_SIZE:
             _PROBLEMS.clear()
@@ -366,7 +392,7 @@ def select_backend(backend: str, lib: str, p: Problem, backward: bool = False):
     ValueError if the problem passes one of its limits (head_dim, CUDA's grid)."""
     name = backends.DEFAULT_FOR_LIBRARY[lib] if backend == "auto" else backend
     wanted = p.modifiers
-    if backend == "auto" and (wanted or p.head_dim_v != p.head_dim):
+    if backend == "auto" and (wanted or p.head_dim_v != p.head_dim or p.dropout):
         name = _backend_for_modifiers(lib, p, name)
     mod = backends.load(name)
     if lib not in mod.ARRAY_LIBRARIES:
@@ -389,6 +415,10 @@ def select_backend(backend: str, lib: str, p: Problem, backward: bool = False):
         raise ValueError(f"v's head_dim {p.head_dim_v}, unlike q's and k's {p.head_dim}, is not yet supported by "
                          f"backend {name!r}" + (f" (backend {' or '.join(map(repr, others))} supports it)"
                                                 if others else ""))
+    if p.dropout and not _declares(name, "DROPOUT"):
+        others = [n for n in backends.NAMES if n != name and _declares(n, "DROPOUT")]
+        raise ValueError(f"dropout is not yet supported by backend {name!r}"
+                         + (f" (backend {' or '.join(map(repr, others))} supports it)" if others else ""))
     missing = wanted and [m for m in MODIFIERS if m in wanted and m not in getattr(mod, "MODIFIERS", ())]
     if missing:
         others = [n for n in backends.NAMES if n != name and set(missing) <= _declared_modifiers(n)]
@@ -408,8 +438,14 @@ def _declared_modifiers(name: str) -> frozenset:
 
 def _takes_head_dim_v(name: str) -> bool:
     """Whether backend `name` declares HEAD_DIM_V: v's head_dim may differ from q's and k's."""
+    return _declares(name, "HEAD_DIM_V")
+
+
+def _declares(name: str, flag: str) -> bool:
+    """Whether backend `name` declares `flag` true (HEAD_DIM_V, DROPOUT); False where its module cannot
+    even be imported."""
     try:
-        return bool(getattr(backends.module(name), "HEAD_DIM_V", False))
+        return bool(getattr(backends.module(name), flag, False))
     except ImportError:
         return False
 
@@ -423,6 +459,8 @@ def _backend_for_modifiers(lib: str, p: Problem, default: str) -> str:
         if not p.modifiers <= _declared_modifiers(name):
             continue
         if p.head_dim_v != p.head_dim and not _takes_head_dim_v(name):
+            continue
+        if p.dropout and not _declares(name, "DROPOUT"):
             continue
         if lib in backends.module(name).ARRAY_LIBRARIES and backends.unavailable_reason(name) is None:
             return name

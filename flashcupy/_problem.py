@@ -192,6 +192,13 @@ class Problem:
     # v's head dim (out's and dout's last dimension too); None: head_dim (MLA-style attention has
     # queries and keys of one size, values of another)
     head_dim_v: int | None = None
+    # Dropout (README, Semantics; flashcupy/_dropout.py): the probability p of dropping a weight, in
+    # [0, 1), 0 for none; the seed of the keep mask; and the (batch, head, query, key) position of this
+    # problem's first pair in the whole call's mask: a chunk's (flashcupy.dask), a view's of a call with
+    # leading dimensions or a sequence's of a packed batch; zeros for a whole call.
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
+    dropout_origin: tuple = (0, 0, 0, 0)
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -210,6 +217,15 @@ class Problem:
                    "softcap": self.softcap is not None, "alibi_slopes": self.alibi_slopes is not None,
                    "bias": self.bias is not None, "mask": self.mask is not None}
         return frozenset(name for name, there in present.items() if there)
+
+    @property
+    def dropout(self) -> bool:
+        return self.dropout_p > 0
+
+    @property
+    def dropout_scale(self) -> float:
+        """What a kept weight is multiplied by: 1 / (1 - p)."""
+        return 1.0 / (1.0 - self.dropout_p)
 
     @property
     def group(self) -> int:

@@ -139,7 +139,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 @_interop.accepts_foreign_arrays
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      window=None, softcap=None, alibi_slopes=None, scale=None, return_lse=False, backend="auto",
-                     dtype=None, check_offsets=True):
+                     dtype=None, check_offsets=True, dropout_p=0.0, dropout_seed=None):
     """Attention over a packed batch of sequences of different lengths.
 
     q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim); cu_seqlens_q and
@@ -149,11 +149,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     skips the offsets' copy to the host and their checks where the kernels read them themselves (the
     cupy backend: one launch): offsets that break the rule then give garbage rows, never an access
     outside the arrays; the backends that loop on the host check them anyway (the module docstring).
+    dropout_p, dropout_seed: as attention's, sequence b's pairs drawn as batch b's.
     Returns out (q's shape with v's head_dim, q's dtype), and lse (heads_q, total_q) with return_lse=True.
     """
     return_lse = _checks.check_bool("return_lse", return_lse)
     check_offsets = _checks.check_bool("check_offsets", check_offsets)
-    mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+    mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                dropout_seed=dropout_seed)
     p, cu_q, cu_k, mod = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                       scale, dtype, mods, backend, check_offsets=check_offsets)
     out = mod.allocate(q, out_shape(q.shape, v.shape), p.carrier, 0)
@@ -204,6 +206,11 @@ def forward_packed(q, k, v, cu_q, cu_k, out, lse, *, alibi_slopes=None, device_o
     _forward_loop(q, k, v, cu_q, cu_k, out, lse, alibi_slopes=alibi_slopes, **keywords)
 
 
+def _sequence(keywords: dict, b: int) -> dict:
+    """The keywords of sequence b's own call: with dropout, its origin in the keep mask is batch b's."""
+    return keywords | {"dropout_origin": (b, 0, 0, 0)} if keywords.get("dropout_p") else keywords
+
+
 def _forward_loop(q, k, v, cu_q, cu_k, out, lse, *, alibi_slopes=None, **keywords) -> None:
     """forward_packed's, and attention_varlen's on a backend that loops on the host: each sequence's
     (out, lse) written into out and lse."""
@@ -213,7 +220,7 @@ def _forward_loop(q, k, v, cu_q, cu_k, out, lse, *, alibi_slopes=None, **keyword
         if qa == qb:
             continue
         o, l = _api.forward(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb],
-                            alibi_slopes=_slopes_for(alibi_slopes, b, batch), **keywords)
+                            alibi_slopes=_slopes_for(alibi_slopes, b, batch), **_sequence(keywords, b))
         out[qa:qb] = o[0]
         lse[:, qa:qb] = l[0]
 
@@ -222,15 +229,16 @@ def _forward_loop(q, k, v, cu_q, cu_k, out, lse, *, alibi_slopes=None, **keyword
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                               max_seqlen_k=None, causal=False, window=None, softcap=None, alibi_slopes=None,
                               scale=None, backend="auto", dtype=None, check_offsets=True, deterministic=False,
-                              dlse=None):
+                              dlse=None, dropout_p=0.0, dropout_seed=None):
     """Gradients (dq, dk, dv) of attention_varlen, shaped like q, k and v; deterministic and dlse (the
     gradient of lse, lse's shape (heads_q, total_q)) as attention_backward's. check_offsets as
     attention_varlen's: the cupy backend's kernels read the offsets themselves (a launch per kernel
     whatever the batch), the other backends loop over the sequences on the host and check them
-    whatever it says."""
+    whatever it says. dropout_p, dropout_seed: the forward's."""
     check_offsets = _checks.check_bool("check_offsets", check_offsets)
     deterministic = _checks.check_bool("deterministic", deterministic)
-    mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+    mods = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                dropout_seed=dropout_seed)
     p, cu_q, cu_k, mod = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                       scale, dtype, mods, backend, backward=True, check_offsets=check_offsets)
     given = {"dout": dout, "q": q, "out": out, "lse": lse}
@@ -286,7 +294,7 @@ def _backward_loop(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, *, alibi_slo
             continue
         g = _api.backward(dout[None, qa:qb], q[None, qa:qb], k[None, ka:kb], v[None, ka:kb],
                           out[None, qa:qb], lse[None, :, qa:qb], alibi_slopes=_slopes_for(alibi_slopes, b, batch),
-                          dlse=None if dlse is None else dlse[None, :, qa:qb], **keywords)
+                          dlse=None if dlse is None else dlse[None, :, qa:qb], **_sequence(keywords, b))
         dq[qa:qb], dk[ka:kb], dv[ka:kb] = g[0][0], g[1][0], g[2][0]
 
 

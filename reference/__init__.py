@@ -13,6 +13,10 @@ true gradient rather than against the backend's own forward.
 The score modifiers (README, Semantics) are applied plainly, in the order the README states:
 s = scale q.k -> softcap (c tanh(s / c)) -> + alibi (-slope |i + d - j|) -> + bias -> the pairs
 hidden by causal, window or mask become -inf -> softmax, d = seqlen_k - seqlen_q.
+
+Dropout (dropout_p > 0) multiplies the softmax's P by Z / (1 - dropout_p), Z the keep mask of the
+README's rule, computed here by its own Philox4x32-10 (`philox`, held to Random123's known answers
+by the tests); lse stays that of the undropped P, and the backward is that of the dropped out.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import math
 
 import numpy as np
 
-__all__ = ["attention", "attention_backward", "attention_probs", "attention_vjp", "values", "visible"]
+__all__ = ["attention", "attention_backward", "attention_probs", "attention_vjp", "dropout_keep", "philox", "values",
+           "visible"]
 
 
 def values(x, dtype=None):
@@ -30,6 +35,46 @@ def values(x, dtype=None):
     if x.dtype.itemsize == 2 and x.dtype.kind in "ui" and dtype == "bfloat16":
         x = (x.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     return np.asarray(x, dtype=np.float64)
+
+
+def philox(counter, key):
+    """Philox4x32-10 (Salmon et al., SC 2011): four uint32 counter words (arrays that broadcast) and
+    two key words (ints) to four uint32 words. Each round multiplies words 0 and 2 by the constants,
+    64-bit products split into halves, and the key grows by the Weyl increments between rounds."""
+    mask32 = (1 << 32) - 1
+    x = [np.asarray(c, dtype=np.uint64) & np.uint64(mask32) for c in counter]
+    key = [int(k) & mask32 for k in key]
+    for round_ in range(10):
+        if round_ > 0:
+            key = [(key[0] + 0x9E3779B9) & mask32, (key[1] + 0xBB67AE85) & mask32]
+        product0 = np.uint64(0xD2511F53) * x[0]
+        product2 = np.uint64(0xCD9E8D57) * x[2]
+        hi0, lo0 = product0 >> np.uint64(32), product0 & np.uint64(mask32)
+        hi2, lo2 = product2 >> np.uint64(32), product2 & np.uint64(mask32)
+        x = [hi2 ^ x[1] ^ np.uint64(key[0]), lo2, hi0 ^ x[3] ^ np.uint64(key[1]), lo0]
+    return x
+
+
+def dropout_keep(seed: int, p: float, shape, origin=(0, 0, 0, 0)):
+    """The README's keep mask Z of a (B, H, Sq, Sk) problem (bool), each index plus origin's."""
+    B, H, Sq, Sk = shape
+    b, h, i, j = (np.arange(n, dtype=np.uint64).reshape([-1 if a == axis else 1 for a in range(4)]) + np.uint64(o)
+                  for axis, (n, o) in enumerate(zip(shape, origin)))
+    words = philox((j // np.uint64(4), i, h, b), (seed % 2 ** 32, seed // 2 ** 32))
+    word = np.choose((j % np.uint64(4)).astype(np.int64), [np.broadcast_to(w, (B, H, Sq, Sk)) for w in words])
+    return word >= math.floor(p * 2 ** 32)
+
+
+def _dropped(P, dropout):
+    """P times Z / (1 - p), dropout (p, seed, origin) or None (P itself)."""
+    if dropout is None:
+        return P
+    p, seed, origin = dropout
+    return np.where(dropout_keep(seed, p, P.shape, origin), P / (1 - p), 0.0)
+
+
+def _dropout(p, seed, origin):
+    return None if not p else (float(p), int(seed), tuple(origin))
 
 
 def _heads_first(x, group: int):
@@ -111,16 +156,19 @@ def _modifiers(window=None, softcap=None, alibi_slopes=None, bias=None, mask=Non
 
 
 def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
-              scale=None, return_lse=False, backend=None, dtype=None):
+              scale=None, return_lse=False, backend=None, dtype=None, dropout_p=0.0, dropout_seed=None,
+              dropout_origin=(0, 0, 0, 0)):
     """out (B, Sq, Hq, D) float64 and, with return_lse, lse (B, Hq, Sq) float64.
 
-    `backend` is accepted for signature compatibility and ignored.
+    `backend` is accepted for signature compatibility and ignored. dropout_origin: (b, h, i, j) of
+    this problem's first pair in the keep mask (a sequence of a packed batch: (its index, 0, 0, 0)).
     """
     mods = _modifiers(window, softcap, alibi_slopes, bias, mask)
     q, k, v = (values(x, dtype) for x in (q, k, v))
     f = _forward_terms(q, k, causal, scale, mods, dtype)
     V = _heads_first(v, f["group"])
-    out = np.einsum("bhqk,bhkd->bhqd", f["P"], V).transpose(0, 2, 1, 3)
+    P = _dropped(f["P"], _dropout(dropout_p, dropout_seed, dropout_origin))
+    out = np.einsum("bhqk,bhkd->bhqd", P, V).transpose(0, 2, 1, 3)
     return (out, f["lse"]) if return_lse else out
 
 
@@ -133,26 +181,29 @@ def attention_probs(q, k, lse=None, *, rows=None, causal=False, window=None, sof
     return P if rows is None else P[:, :, rows]
 
 
-def _backward_terms(dout, q, k, v, causal, scale, modifiers=None, dtype=None, dlse=None):
+def _backward_terms(dout, q, k, v, causal, scale, modifiers=None, dtype=None, dlse=None, dropout=None):
     """The backward's float64 intermediates, heads first: a dict of P, Q, K, V, dO, O, dP, D, dS
     (the gradient of the final score, which is dbias), dSs (of the scaled score q.k scale, before
     the softcap: dS (1 - T^2)), T, seen, and the scale and group. A pair (i, j) that is hidden gets
     dS = 0 by selection, and a row that sees no key has its dO taken as 0: such rows add nothing to
     any gradient, whatever their dout holds (a NaN included), as the README says.
     dlse (batch, heads_q, seqlen_q), the gradient of lse, or None (0): d lse_i / d s_ij = p_ij, so
-    dS = P (dP - D + dlse); D here is rowsum(dO O) - dlse, what the kernels' pre-pass computes."""
+    dS = P (dP - D + dlse); D here is rowsum(dO O) - dlse, what the kernels' pre-pass computes.
+    With dropout (p, seed, origin), O = (P Z / (1 - p)) V: dP is of the dropped weights times Z / (1 - p),
+    and Pd, the dropped P, is what dV takes."""
     f = _forward_terms(q, k, causal, scale, modifiers or {}, dtype)
     P, seen, group = f["P"], f["seen"], f["group"]
     V = _heads_first(v, group)
     dO = np.where(seen.any(axis=-1)[..., None], _heads_first(dout, 1), 0.0)
-    O = np.einsum("bhqk,bhkd->bhqd", P, V)
-    dP = np.einsum("bhqd,bhkd->bhqk", dO, V)
+    Pd = _dropped(P, dropout)
+    O = np.einsum("bhqk,bhkd->bhqd", Pd, V)
+    dP = _dropped(np.einsum("bhqd,bhkd->bhqk", dO, V), dropout)
     D = np.sum(dO * O, axis=-1, keepdims=True)
     if dlse is not None:
         D = D - np.where(seen.any(axis=-1), values(dlse), 0.0)[..., None]
     dS = np.where(seen, P * (dP - D), 0.0)
     dSs = dS if f["T"] is None else dS * (1 - f["T"] ** 2)
-    return dict(P=P, Q=f["Q"], K=f["K"], V=V, dO=dO, O=O, dP=dP, D=D, dS=dS, dSs=dSs, T=f["T"], seen=seen,
+    return dict(P=P, Pd=Pd, Q=f["Q"], K=f["K"], V=V, dO=dO, O=O, dP=dP, D=D, dS=dS, dSs=dSs, T=f["T"], seen=seen,
                 scale=f["scale"], group=group)
 
 
@@ -170,11 +221,13 @@ def reduce_to(x, shape):
 
 
 def attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, window=None, softcap=None,
-                       alibi_slopes=None, bias=None, mask=None, scale=None, backend=None, dtype=None, dlse=None):
+                       alibi_slopes=None, bias=None, mask=None, scale=None, backend=None, dtype=None, dlse=None,
+                       dropout_p=0.0, dropout_seed=None, dropout_origin=(0, 0, 0, 0)):
     """(dq, dk, dv) in float64, recomputed from q, k, v; dk and dv summed over each GQA group;
     (dq, dk, dv, dbias) when bias is given, dbias of the bias's shape. dlse: the gradient of lse too."""
     mods = _modifiers(window, softcap, alibi_slopes, bias, mask)
-    t = _backward_terms(*(values(x, dtype) for x in (dout, q, k, v)), causal, scale, mods, dtype, dlse)
+    t = _backward_terms(*(values(x, dtype) for x in (dout, q, k, v)), causal, scale, mods, dtype, dlse,
+                        _dropout(dropout_p, dropout_seed, dropout_origin))
     grads = tuple(x.transpose(0, 2, 1, 3) for x in _gradients(t))
     return grads if bias is None else grads + (reduce_to(t["dS"], np.shape(bias)),)
 
@@ -183,16 +236,17 @@ def _gradients(t):
     """(dQ, dK, dV) heads first from _backward_terms; dK and dV per kv head."""
     dQ = np.einsum("bhqk,bhkd->bhqd", t["dSs"], t["K"]) * t["scale"]
     dK = _per_kv_head(np.einsum("bhqk,bhqd->bhkd", t["dSs"], t["Q"]) * t["scale"], t["group"])
-    dV = _per_kv_head(np.einsum("bhqk,bhqd->bhkd", t["P"], t["dO"]), t["group"])
+    dV = _per_kv_head(np.einsum("bhqk,bhqd->bhkd", t["Pd"], t["dO"]), t["group"])
     return dQ, dK, dV
 
 
 def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
-                  scale=None, backend=None, dtype=None):
+                  scale=None, backend=None, dtype=None, dropout_p=0.0, dropout_seed=None, dropout_origin=(0, 0, 0, 0)):
     mods = _modifiers(window, softcap, alibi_slopes, bias, mask)
-    out = attention(q, k, v, causal=causal, scale=scale, dtype=dtype, **mods)
+    drop = dict(dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_origin=dropout_origin)
+    out = attention(q, k, v, causal=causal, scale=scale, dtype=dtype, **mods, **drop)
 
     def vjp(dout, dlse=None):
-        return attention_backward(dout, q, k, v, causal=causal, scale=scale, dtype=dtype, dlse=dlse, **mods)
+        return attention_backward(dout, q, k, v, causal=causal, scale=scale, dtype=dtype, dlse=dlse, **mods, **drop)
 
     return out, vjp

@@ -22,7 +22,8 @@ import numpy as np
 
 from flashcupy._problem import accumulation_dtype  # what the backends accumulate in: the model's u_a
 
-from . import _backward_terms, _forward_terms, _gradients, _heads_first, _modifiers, _per_kv_head, reduce_to, values
+from . import (_backward_terms, _dropout, _dropped, _forward_terms, _gradients, _heads_first, _modifiers, _per_kv_head,
+               reduce_to, values)
 
 # The battery every backend runs, in the tests and in `python -m flashcupy check`:
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal).
@@ -100,8 +101,8 @@ class Expected:
 
 
 def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window=None, softcap=None,
-             alibi_slopes=None, bias=None, mask=None, probs=False, family=None, dlse=None,
-             _dbias_shape=None) -> Expected:
+             alibi_slopes=None, bias=None, mask=None, probs=False, family=None, dlse=None, dropout_p=0.0,
+             dropout_seed=None, dropout_origin=(0, 0, 0, 0), _dbias_shape=None) -> Expected:
     """Oracle results and tolerances for these inputs (dout None: forward only), with the score
     modifiers of the README (dbias too when bias and dout are given; P, the attention weights of
     attention_probs, too with probs=True).
@@ -138,6 +139,9 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
     - dbias = dS summed over the bias's broadcast dimensions: the sum of dS's bound plus
       gamma(n) |dS|, n the number of terms summed;
     - P_ij (attention_probs, from the backend's own lse): p_ij (eps_i + lse's bound) + p_floor.
+    With dropout, out, dv and dP read the dropped weights p_ij z_ij, z_ij = Z_ij / (1 - p): their
+    terms in p_ij and p_floor, and dP's bound, are times z_ij, and eps_i grows by 2 u_a there (the
+    rounding of 1 / (1 - p) to the accumulation dtype and of the product); P itself is undropped.
     The tolerance is SAFETY times the bound.
 
     family: the kernel family that computed the results (FAMILIES, from kernel_family): only its
@@ -151,7 +155,8 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
     if np.ndim(q) > 4:
         return _expected_leading(q, k, v, dout, causal=causal, scale=scale, dtype=dtype, window=window,
                                  softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, probs=probs,
-                                 family=family, dlse=dlse)
+                                 family=family, dlse=dlse, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                 dropout_origin=dropout_origin)
     if family not in FAMILIES + (None,):
         raise ValueError(f"family must be one of {FAMILIES} or None, got {family!r}")
     lazy = family in ("numpy", None)
@@ -188,16 +193,19 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
         ds = ds + (gamma(D + 2) * added.max(axis=-1, initial=0.0)
                    + gamma(8) * (capped + added).max(axis=-1, initial=0.0))
     eps = (2 * ds + gamma(Sk) + 4 * u_a)[..., None] + u_p
-    out = np.einsum("bhqk,bhkd->bhqd", P, V)
+    dropout = _dropout(dropout_p, dropout_seed, dropout_origin)
+    z = _dropped(np.ones_like(P), dropout)  # Z / (1 - p), 1 without dropout
+    eps_z = 0.0 if dropout is None else 2 * u_a
+    out = np.einsum("bhqk,bhkd->bhqd", P * z, V)
     with np.errstate(invalid="ignore"):
         tol = {"lse": ds + gamma(Sk) + u_a * np.where(np.isfinite(lse), abs(lse), 0.0),
-               "out": (np.einsum("bhqk,bhkd->bhqd", P * (eps + gamma(Sk)) + p_floor * seen, abs(V))
+               "out": (np.einsum("bhqk,bhkd->bhqd", (P * (eps + eps_z + gamma(Sk)) + p_floor * seen) * z, abs(V))
                        + u_s * abs(out) + store_floor)}
     want = {"out": out, "lse": lse}
     if dout is not None:
-        t = _backward_terms(values(dout, dtype), q, k, v, causal, scale, mods, dtype, dlse)
+        t = _backward_terms(values(dout, dtype), q, k, v, causal, scale, mods, dtype, dlse, dropout)
         dO, dP, Di, dS = t["dO"], t["dP"], t["D"], t["dS"]
-        dP_bound = gamma(Dv) * np.einsum("bhqd,bhkd->bhqk", abs(dO), abs(V))
+        dP_bound = (gamma(Dv) + eps_z) * z * np.einsum("bhqd,bhkd->bhqk", abs(dO), abs(V))
         D_bound = ((u_s + gamma(Dv)) * np.sum(abs(dO) * abs(out), axis=-1, keepdims=True)
                    + np.sum(abs(dO) * tol["out"], axis=-1, keepdims=True))
         if dlse is not None:
@@ -229,7 +237,8 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
         want.update(zip(("dq", "dk", "dv"), _gradients(t)))
         tol.update(dq=scale * np.einsum("bhqk,bhkd->bhqd", dS_bound + gamma(Sk) * abs(dS), abs(K)),
                    dk=scale * np.einsum("bhqk,bhqd->bhkd", dS_bound + gamma(Sq * group) * abs(dS), abs(Q)),
-                   dv=np.einsum("bhqk,bhqd->bhkd", P * (eps + gamma(Sq * group)) + p_floor * seen, abs(dO)))
+                   dv=np.einsum("bhqk,bhqd->bhkd", (P * (eps + eps_z + gamma(Sq * group)) + p_floor * seen) * z,
+                                abs(dO)))
         for name in ("dk", "dv"):  # sum over the query heads that share a kv head
             tol[name] = _per_kv_head(tol[name], group)
         for name in ("dq", "dk", "dv"):

@@ -93,6 +93,7 @@ DTYPES = ("float16", "float32", "float64", "bfloat16")
 MAX_HEAD_DIM = None
 MODIFIERS = frozenset({"window", "softcap", "alibi_slopes", "bias", "mask"})  # every score modifier
 HEAD_DIM_V = True  # v's head_dim may differ from q's and k's
+DROPOUT = True  # dropout_p (README, Semantics: the keep mask of flashcupy/_dropout.py)
 
 
 def grid_axes(p, backward):

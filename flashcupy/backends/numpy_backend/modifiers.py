@@ -107,3 +107,26 @@ class Modifiers:
             for kv in range(h1 - h0):
                 for h in range(g):
                     t[self.heads.index[h0 + kv, h], rows, cols] += x[kv, :, h]
+
+
+class Dropout:
+    """Dropout's weights Z / (1 - p) of a call (flashcupy/_dropout.py, the rule's home), a tile of a
+    stack at a time: (kv heads, rows x group, keys) as stacks.HeadMap stacks the query heads, in the
+    accumulation dtype. The forward multiplies P by it before P V (its row sum stays undropped), the
+    backward P before dV and dP before dS."""
+
+    def __init__(self, p, heads: stacks.HeadMap):
+        self.p, self.heads = p, heads
+        self.kept = p.acc_dtype.type(p.dropout_scale)
+
+    def tile(self, out, b: int, h0: int, h1: int, rows: slice, cols: slice):
+        """out (kv heads h0..h1, rows x group, keys) = the weights of batch b, query rows `rows` and
+        keys `cols`."""
+        from ... import _dropout
+        p = self.p
+        index = self.heads.index[h0:h1]  # (kv heads, group): the query heads
+        keep = _dropout.block(p.dropout_seed, p.dropout_p, p.dropout_origin, b, index[:, :, None, None],
+                              rows.start, rows.stop, cols.start, cols.stop)  # (kv heads, group, rows, keys)
+        stacked = out.reshape(h1 - h0, rows.stop - rows.start, self.heads.group, cols.stop - cols.start)
+        np.multiply(keep.transpose(0, 2, 1, 3), self.kept, out=stacked)
+        return out

@@ -72,9 +72,9 @@ def decoding(p) -> bool:
 
 def narrow_band(p, backward=False) -> int | None:
     """The band's width when p takes the narrow-band path (band_forward, band_backward: a window
-    alone, at most NARROW_BAND keys wide, and not decoding in the forward), else None."""
+    alone, at most NARROW_BAND keys wide, and not decoding in the forward; no dropout), else None."""
     width = p.band.width
-    if width is None or width > NARROW_BAND or p.modifiers != {"window"}:
+    if width is None or width > NARROW_BAND or p.modifiers != {"window"} or p.dropout:
         return None
     return width if backward or not decoding(p) else None
 

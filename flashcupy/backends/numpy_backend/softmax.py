@@ -140,11 +140,15 @@ class ForwardBlock:
 
     The first tile a row meets writes its [P V_j | rowsum P] straight into [O | l] (nothing came
     before it to add to).
+
+    dropout(out, rows, keys) (modifiers.Dropout.tile, partial; None without dropout) gives a tile's
+    weights Z / (1 - p): P V_j takes P times them, and l its own row sum, undropped (the eager path
+    is not taken with dropout: tiled_forward).
     """
 
-    def __init__(self, p, Q, Kt, V1, i0, l_max, scratch, modify=None):
+    def __init__(self, p, Q, Kt, V1, i0, l_max, scratch, modify=None, dropout=None):
         self.p, self.Q, self.Kt, self.V1, self.i0, self.l_max = p, Q, Kt, V1, i0, l_max
-        self.scratch, self.modify = scratch, modify
+        self.scratch, self.modify, self.dropout = scratch, modify, dropout
         heads, M, _ = Q.shape
         D = p.head_dim_v  # O's width (v's head dim; Q's may differ)
         self.acc, self.g, self.heads, self.D = p.acc_dtype, p.group, heads, D  # read per tile
@@ -222,7 +226,7 @@ class ForwardBlock:
         fresh = s0 >= self.fresh_from  # these rows' [O | l] is still 0: the tile writes it, not adds to it
         self.fresh_from = max(self.fresh_from, s1)
         O1_j = O1[:, s0:s1] if fresh else scratch.take("O1_j", (heads, s1 - s0, D + 1), acc)
-        np.matmul(P, self.V1[:, j0:j1], out=O1_j)
+        self.pv(P, s0, s1, j0, j1, O1_j)
         l_j_max = float(np.maximum.reduce(O1_j[:, :, D], axis=None))
         # every row's l stays at least L_MIN if it was, or if this tile alone brings that much
         # (staircase and band tiles are the first a row meets, so the block's l never is)
@@ -243,6 +247,19 @@ class ForwardBlock:
         self.l_bound = float(np.maximum.reduce(l_all, axis=None))
         self.above_min = float(np.minimum.reduce(l_all, axis=None)) >= L_MIN
 
+    def pv(self, P, s0, s1, j0, j1, O1_j) -> None:
+        """O1_j = [P V_j | rowsum P] of stack rows [s0, s1) and keys [j0, j1); with dropout P V_j of the
+        dropped P, the row sum of P itself."""
+        if self.dropout is None:
+            np.matmul(P, self.V1[:, j0:j1], out=O1_j)
+            return
+        D, g = self.D, self.g
+        Z = self.dropout(self.scratch.take("Z", P.shape, self.acc), rows=slice(self.i0 + s0 // g, self.i0 + s1 // g),
+                         cols=slice(j0, j1))
+        np.add.reduce(P, axis=2, out=O1_j[:, :, D])
+        np.multiply(P, Z, out=Z)
+        np.matmul(Z, self.V1[:, j0:j1, :D], out=O1_j[:, :, :D])
+
     def redo(self, where, s0, s1, j0, j1, hidden, S, O1_j, fresh) -> None:
         """Redo the rows `where` (kv heads, stack rows within the tile) of the tile in S (whose
         scores exp2() overwrote) with a new reference (redo_rows): their O1_j anew, what came
@@ -255,9 +272,16 @@ class ForwardBlock:
         S_r[...] = self.scores(s0, s1, j0, j1, hidden, S)[kk, rr]  # this is rare
         # fresh rows have nothing before: their [O | l] holds this tile's overflowed sums
         d = redo_rows(S_r, None if fresh else np.log2(O1[kk, s0 + rr, D]))
+        if self.dropout is not None:  # rather than redo the mask for these rows, the tile's, cut to them
+            Z = self.dropout(self.scratch.take("Z", (self.heads, s1 - s0, j1 - j0), acc), rows=slice(
+                self.i0 + s0 // self.g, self.i0 + s1 // self.g), cols=slice(j0, j1))[kk, rr]
         for kv in np.unique(kk):
             this = kk == kv
-            O1_j[kv, rr[this]] = S_r[this] @ self.V1[kv, j0:j1]
+            if self.dropout is None:
+                O1_j[kv, rr[this]] = S_r[this] @ self.V1[kv, j0:j1]
+            else:
+                O1_j[kv, rr[this], :D] = (S_r[this] * Z[this]) @ self.V1[kv, j0:j1, :D]
+                O1_j[kv, rr[this], D] = S_r[this].sum(axis=1)
         if not fresh:
             # rescale what came before (nothing where l was 0: 0 * inf would be NaN); in
             # float64, where exp2(-d) cannot overflow while the product still fits

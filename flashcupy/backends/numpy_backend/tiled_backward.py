@@ -25,7 +25,7 @@ def delta_into(dO, O, out, L, dlse=None) -> None:
         out += np.where(L == -np.inf, 0, dlse)
 
 
-def item(p, block_j0, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None, clamp=False) -> tuple:
+def item(p, block_j0, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None, clamp=False, dropout=None) -> tuple:
     """The key block from block_j0 on of a stack of kv heads (K: (kv heads, keys, head_dim), V:
     (kv heads, keys, head_dim_v)) against
     their query heads: returns (dK_j, dV_j) and adds into dQ. Everything is stacked as in
@@ -40,6 +40,9 @@ def item(p, block_j0, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None
     matmul as above and is modified (ALiBi, bias and mask only add), or with a softcap S comes
     from Q_i K_jᵀ, is modified, then has lse subtracted; dbias(dS, rows, keys) takes dS, the
     gradient of the final score; a softcap then multiplies dS by 1 - tanh² before dQ and dK.
+
+    dropout(out, rows, keys) (modifiers.Dropout.tile, partial), or None: dV takes P times its
+    weights Z / (1 - p), and dP (then apart from -D, one more matmul's worth of passes) times them.
     """
     acc = p.acc_dtype
     heads, w, D = K.shape
@@ -82,8 +85,17 @@ def item(p, block_j0, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None
         tiling.mask_scores(P, p, i0, j0, 0, group=g, hidden=hidden)
         kd = scratch.take("kd", (heads, x1 - x0, D), acc)
         kdv = kd if Dv == D else scratch.take("kdv", (heads, x1 - x0, Dv), acc)
-        dV_j[:, x0:x1] += np.matmul(P.transpose(0, 2, 1), dO1_i[:, :, :Dv], out=kdv)
-        dS = np.matmul(dO1_i, V1t[:, :, x0:x1], out=scratch.take("dS", (heads, s1 - s0, x1 - x0), acc))
+        dS = scratch.take("dS", (heads, s1 - s0, x1 - x0), acc)
+        if dropout is None:
+            dV_j[:, x0:x1] += np.matmul(P.transpose(0, 2, 1), dO1_i[:, :, :Dv], out=kdv)
+            np.matmul(dO1_i, V1t[:, :, x0:x1], out=dS)
+        else:
+            Z = dropout(scratch.take("Z", P.shape, acc), rows=slice(i0, i1), cols=slice(j0, j1))
+            np.matmul(dO1_i[:, :, :Dv], V1t[:, :Dv, x0:x1], out=dS)
+            np.multiply(dS, Z, out=dS)
+            np.add(dS, dO1_i[:, :, Dv:], out=dS)  # - D
+            np.multiply(P, Z, out=Z)
+            dV_j[:, x0:x1] += np.matmul(Z.transpose(0, 2, 1), dO1_i[:, :, :Dv], out=kdv)
         np.multiply(P, dS, out=dS)
         if dbias is not None:
             dbias(dS, slice(i0, i1), slice(j0, j1))
@@ -183,6 +195,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, dB=None, dlse=None):
     bplan = plan_backward(p)
     heads = stacks.HeadMap(p)
     mods = modifiers.Modifiers(p, heads) if p.modifiers - {"window"} else None
+    drop = modifiers.Dropout(p, heads) if p.dropout else None
     if p.bias is None:
         dB = None
     elif dB is None:
@@ -209,8 +222,9 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, dB=None, dlse=None):
                         modify = functools.partial(mods.apply, b=b, h0=h0, h1=h1, scratch=scratch)
                     if dB is not None:
                         dbias = functools.partial(mods.add_dbias, dB_own, b=b, h0=h0, h1=h1)
+                    dropout = None if drop is None else functools.partial(drop.tile, b=b, h0=h0, h1=h1)
                     dK_j, dV_j = item(p, j0, bplan.tiles[j0, j1], K, V, Q1, dO1, dQ[h0:h1], scratch, modify, dbias,
-                                      clamp)
+                                      clamp, dropout)
                     dk[b, j0:j1, h0:h1, :] = dK_j.transpose(1, 0, 2)
                     dv[b, j0:j1, h0:h1, :] = dV_j.transpose(1, 0, 2)
                 return dQ if not bplan.per_partition else (dQ, dB_own)

@@ -38,7 +38,7 @@ def plan_forward(p, k, v) -> ForwardPlan:
     tiles = {(i0, i1): tiling.forward_tiles(p, i0, i1, step, masks) for i0, i1 in blocks}
     kv_groups = tiling.blocks(0, p.heads_kv, stacked)
     end = p.band.key_range(0, p.seqlen_q)[1]  # every key some query sees lies below this
-    in_place = plan.decoding(p) and k.dtype == acc and v.dtype == acc
+    in_place = plan.decoding(p) and k.dtype == acc and v.dtype == acc and not p.dropout  # eager_tile: no dropout
     return ForwardPlan(blocks, tiles, kv_groups, end, in_place)
 
 
@@ -87,6 +87,7 @@ def forward(p, q, k, v, out, lse):
     fplan = plan_forward(p, k, v)
     heads = stacks.HeadMap(p)
     mods = modifiers.Modifiers(p, heads) if p.modifiers - {"window"} else None
+    drop = modifiers.Dropout(p, heads) if p.dropout else None
     shared = {(b, h0): pool.Shared(functools.partial(kv_operands, p, k, v, b, h0, h1, fplan), len(fplan.blocks))
               for b in range(p.batch) for h0, h1 in fplan.kv_groups}
 
@@ -96,7 +97,8 @@ def forward(p, q, k, v, out, lse):
             try:
                 Q = query_stack(p, q, heads, b, i0, i1, h0, h1, fplan.in_place, scratch)
                 modify = None if mods is None else functools.partial(mods.apply, b=b, h0=h0, h1=h1, scratch=scratch)
-                block = softmax.ForwardBlock(p, Q, Kt, V1, i0, l_max, scratch, modify)
+                dropout = None if drop is None else functools.partial(drop.tile, b=b, h0=h0, h1=h1)
+                block = softmax.ForwardBlock(p, Q, Kt, V1, i0, l_max, scratch, modify, dropout)
                 if out.dtype == p.acc_dtype:  # O / l written straight into out, a view
                     _, L = block.run(fplan.tiles[i0, i1], heads.read(out[b, i0:i1], h0, h1))
                 else:
