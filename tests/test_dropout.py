@@ -148,5 +148,109 @@ def test_a_backend_without_dropout_is_refused_naming_those_with_it(rng, monkeypa
     from flashcupy.backends import numpy_backend
     monkeypatch.setattr(numpy_backend, "DROPOUT", False)
     q, k, v = make_qkv(rng, 1, 4, 4, 1, 1, 8, np.float32)
-    with pytest.raises(ValueError, match="dropout is not yet supported by backend 'numpy'"):
+    with pytest.raises(ValueError, match="dropout is not yet supported by backend .numpy. \\(backend .cupy."):
         flashcupy.attention(q, k, v, backend="numpy", dropout_p=0.5, dropout_seed=1)
+
+
+# The cupy backend on emulated devices: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype,
+# compute capability, keywords of the case made of the rng). float32 runs the SIMT kernels, float16
+# the mma.sync ones (forward and backward, on sm_90 too: the Hopper kernels take no dropout); a bias
+# broadcast over rows takes flash_pairs.cu's dbias kernel; the tensor-core dQ kernel runs only when
+# deterministic.
+CUPY_CASES = (
+    (1, 33, 47, 4, 2, 32, np.float32, 80, lambda rng: {"causal": True}),
+    (1, 33, 47, 4, 2, 32, np.float16, 80, lambda rng: {"causal": True}),
+    (2, 20, 70, 2, 1, 64, np.float16, 80, lambda rng: {"bias": rng.standard_normal((1, 1, 20, 70)).astype(np.float16)}),
+    (2, 20, 40, 2, 2, 32, np.float32, 80, lambda rng: {"bias": rng.standard_normal((2, 1, 1, 40)).astype(np.float32)}),
+    (1, 24, 24, 2, 2, 64, np.float16, 90, lambda rng: {}),
+    (1, 40, 40, 2, 1, 32, np.float16, 80, lambda rng: {"deterministic": True}),
+)
+
+
+def run_cupy(rng, case, compile=None):
+    """A CUPY_CASES case on its emulated device: (results, inputs, keywords)."""
+    from flashcupy.tools.emulator.cupy import emulated
+    B, Sq, Sk, Hq, Hkv, D, dtype, cc, keywords = case
+    kw = keywords(rng) | dict(dropout_p=0.3, dropout_seed=SEED)
+    deterministic = kw.pop("deterministic", False)
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    with emulated(compute_capability=cc, **({} if compile is None else {"compile": compile})):
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+        grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", deterministic=deterministic, **kw)
+    return (out, lse, *grads), (q, k, v, dout), kw
+
+
+@pytest.mark.parametrize("case", CUPY_CASES, ids=lambda c: f"{np.dtype(c[6]).name}-sm{c[7]}-{c[1]}x{c[2]}")
+def test_cupy_matches_the_oracle(rng, case):
+    got, inputs, kw = run_cupy(rng, case)
+    assert_matches_oracle(got, *inputs, backend="cupy", **kw)
+
+
+# Deliberate slips in the kernels' dropout, each of which the cases above must catch
+DROPOUT_MUTATIONS = {
+    "SIMT forward keeps every weight": ("S[r] = drop(S[r], row0 + r, j0 + key);", ""),
+    "SIMT dV of the undropped P": ("S[r] = drop.times(S[r], z);", ""),
+    "SIMT dQ of the undropped dP": ("ds(score, P, drop(dP[r], i, j0 + key),", "ds(score, P, dP[r],"),
+    "tensor-core forward keeps every weight": ("tc_dropout<MODS>(S[mt], drop, row_w + 16 * mt, j0);", ""),
+    "tensor-core dK of the undropped dP": ("ds(score, P_, drop.times(dp, z_), D, t_)", "ds(score, P_, dp, D, t_)"),
+    "tensor-core dQ of the undropped dP": ("ds(score, P, drop(dp, row_w + r, j0 + c),", "ds(score, P, dp,"),
+    "dbias of the undropped dP": ("drop(dP[r], i, j),", "dP[r],"),
+    "Philox's word of the next key": ("key & 3u) >= threshold", "(key + 1) & 3u) >= threshold"),
+}
+
+
+def _mutated(old, new):
+    from flashcupy.tools.emulator.cupy import compile_module
+
+    def compile(source, names, options, *rest):
+        if old in source:
+            assert source.count(old) == 1, f"{old!r} occurs {source.count(old)} times"
+            source = source.replace(old, new)
+        return compile_module(source, names, options, *rest)
+    return compile
+
+
+@pytest.mark.parametrize("name", list(DROPOUT_MUTATIONS))
+def test_a_dropout_slip_in_the_kernels_is_caught(name):
+    rng = np.random.default_rng(3)
+    compile = _mutated(*DROPOUT_MUTATIONS[name])
+    for case in CUPY_CASES:
+        got, inputs, kw = run_cupy(rng, case, compile)
+        try:
+            assert_matches_oracle(got, *inputs, backend="cupy", **kw)
+        except AssertionError:
+            return
+    pytest.fail(f"no case caught: {name}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_cupy_split_kv_drops_each_splits_keys(rng, dtype):
+    from flashcupy import _api
+    from flashcupy.backends import cupy_backend
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k, v = make_qkv(rng, 1, 5, 300, 4, 2, 32, dtype)
+    drop = dict(dropout_p=0.3, dropout_seed=SEED)
+    with emulated(compute_capability=80):
+        p = flashcupy._checks.problem(q, k, v, False, None, None, "numpy", **drop)
+        assert cupy_backend.split_plan(p, q, k, v, 3)[0] > 1  # the call below does split
+        out, lse = _api.forward(q, k, v, backend="cupy", num_splits=3, **drop)
+    assert_matches_oracle((out, lse), q, k, v, backend="cupy", **drop)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_cupy_packed_batch_in_one_launch_draws_sequence_b_as_batch_b(rng, dtype):
+    from flashcupy.tools.emulator.cupy import emulated
+    cu_q, cu_k = np.array([0, 5, 5, 24], np.int32), np.array([0, 7, 11, 44], np.int32)
+    q = rng.standard_normal((24, 2, 32)).astype(dtype)
+    k, v = (rng.standard_normal((44, 1, 32)).astype(dtype) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    drop = dict(dropout_p=0.3, dropout_seed=SEED, causal=True)
+    with emulated(compute_capability=80):
+        out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend="cupy", **drop)
+        grads = flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, backend="cupy", **drop)
+    for b in (0, 2):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        got = (out[rows], lse[:, rows], grads[0][rows], grads[1][keys], grads[2][keys])
+        assert_matches_oracle(tuple(x[None] for x in got), q[None, rows], k[None, keys], v[None, keys],
+                              dout[None, rows], backend="cupy", dropout_origin=(b, 0, 0, 0), **drop)

@@ -462,6 +462,16 @@ def test_ftz_takes_true_or_false():
         EmulatedModule(source("numerics.cu"), ["subnormal"], ("-ftz=yes",))
 
 
+def test_umulhi_and_the_low_product_are_the_halves_of_the_64_bit_product(rng):
+    n = 300
+    a, b = (np.concatenate([[0, 1, 0xFFFFFFFF], rng.integers(0, 2**32, n - 3)]).astype(np.uint32) for _ in range(2))
+    hi, lo = garbage((n,), np.uint32), garbage((n,), np.uint32)
+    kernel("numerics.cu", "mulhi")((3,), (128,), (a, b, hi, lo, np.int32(n)))
+    product = a.astype(np.uint64) * b.astype(np.uint64)
+    np.testing.assert_array_equal(hi, (product >> np.uint64(32)).astype(np.uint32))
+    np.testing.assert_array_equal(lo, (product & np.uint64(0xFFFFFFFF)).astype(np.uint32))
+
+
 def test_maths_functions(rng):
     n = 500
     x = np.concatenate([[0.0, -1.0, np.inf, -np.inf, np.nan], rng.standard_normal(n - 5) * 10]).astype(np.float32)

@@ -3,6 +3,7 @@
 //   maths       one column per function, out is (n, COLUMNS)
 //   coords      every thread writes its (threadIdx, blockIdx, blockDim, gridDim) into out
 //   subnormal   float32 products and sums with a subnormal operand or result, which -ftz=true flushes
+//   mulhi       __umulhi(a, b) and a * b, the two halves of a 32 x 32-bit product (mask.cuh's Philox)
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -87,4 +88,12 @@ extern "C" __global__ void stack_hog(float* out) {
     float big[100000];
     for (int k = 0; k < 100000; ++k) big[k] = out[0] * k;
     out[threadIdx.x] = big[99999 - threadIdx.x];
+}
+
+extern "C" __global__ void mulhi(const unsigned* __restrict__ a, const unsigned* __restrict__ b, unsigned* hi,
+                                 unsigned* lo, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    hi[i] = __umulhi(a[i], b[i]);
+    lo[i] = a[i] * b[i];
 }

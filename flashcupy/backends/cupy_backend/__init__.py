@@ -49,7 +49,7 @@ import functools
 
 import numpy as np
 
-from ... import backends
+from ... import _dropout, backends
 from ..._problem import LOG2E
 from . import launch, sources, specs, tensor_maps
 from .runtime import Runtime, cupy_runtime
@@ -156,6 +156,7 @@ def _cdiv(a: int, b: int) -> int:
 
 MAX_HEAD_DIM = specs.MAX_HEAD_DIM
 MODIFIERS = frozenset(specs.MOD_BITS)  # the score modifiers the kernels compute; _api refuses the others
+DROPOUT = True  # dropout_p: the SIMT and mma.sync kernels (specs.sm90_eligible: not the Hopper ones)
 HEAD_DIM_V = True  # v's head_dim may differ from q's and k's (_tc_takes, _same_head_dims: which kernels)
 
 
@@ -368,7 +369,7 @@ def _modifier_args(p, unused, tensor_cores: bool) -> tuple:
     kernels' scores are natural and scaled, the tensor-core ones' unscaled and then base 2),
     the ALiBi slopes as a (batch, heads_q) array of the accumulation type and its element
     strides (batch stride 0 for per-head slopes), then the bias (_pair_tensor), whether it is
-    float32, and the bool mask (_pair_tensor). `unused`, an array of the accumulation type,
+    float32, the bool mask (_pair_tensor), and dropout's (_dropout_args). `unused`, an array of the accumulation type,
     stands in for absent arrays: a kernel not specialised for a modifier never reads its pointer."""
     acc = p.acc_dtype.type
     window = _window_args(p) if "window" in p.modifiers else (np.int32(0), np.int32(0))
@@ -378,11 +379,19 @@ def _modifier_args(p, unused, tensor_cores: bool) -> tuple:
     mask = _pair_tensor(p.mask, unused)
     slopes = p.alibi_slopes
     if slopes is None:
-        return (*window, *softcap, unused, np.int64(0), np.int64(0), *bias, *mask)
+        return (*window, *softcap, unused, np.int64(0), np.int64(0), *bias, *mask, *_dropout_args(p))
     slopes = _runtime().xp.asarray(slopes, dtype=p.acc_dtype)  # a copy only for float32 slopes in float64
     strides = [s // slopes.itemsize for s in slopes.strides]
     return (*window, *softcap, slopes, np.int64(0 if slopes.ndim == 1 else strides[0]), np.int64(strides[-1]),
-            *bias, *mask)
+            *bias, *mask, *_dropout_args(p))
+
+
+def _dropout_args(p) -> tuple:
+    """PROBLEM_PARAMS' last (mask.cuh's Dropout): the threshold, the seed's low and high words, the
+    origin (batch, head, query, key) as uint32, then 1 / (1 - p) in the accumulation type."""
+    words = (_dropout.threshold(p.dropout_p), p.dropout_seed & 0xFFFFFFFF, p.dropout_seed >> 32,
+             *(x & 0xFFFFFFFF for x in p.dropout_origin))
+    return (*map(np.uint32, words), p.acc_dtype.type(p.dropout_scale))
 
 
 def _pair_tensor(x, unused) -> tuple:
@@ -395,7 +404,8 @@ def _pair_tensor(x, unused) -> tuple:
 
 
 def _mods(p) -> int:
-    return specs.mods_of(p.modifiers)
+    """The MODS template argument of p: its score modifiers' bits, and dropout's."""
+    return specs.mods_of(p.modifiers) | (specs.MOD_DROPOUT if p.dropout else 0)
 
 
 def split_plan(p, q, k, v, num_splits=None) -> tuple:

@@ -301,6 +301,11 @@ SM90_VARLEN_BACKWARD_MODS = _VARLEN_MODS
 SM90_BACKWARD_SPILLS = {128: (MOD_BITS["window"], MOD_PAIRS)}  # bucket: (every bit of one, any bit of the other)
 
 
+# Dropout's bit of MODS (mask.cuh's MOD_DROPOUT): no score modifier (so not in MOD_BITS, ALL_MODS, nor the
+# catalog's sets), set per call from Problem.dropout by cupy_backend._mods; the Hopper kernels take none
+MOD_DROPOUT = 32
+
+
 def mods_of(modifiers) -> int:
     """The MODS template argument for a set of modifier keywords (all of them in MOD_BITS)."""
     return sum(MOD_BITS[name] for name in modifiers)
@@ -345,7 +350,7 @@ class Kernel:
     @property
     def modifiers(self) -> str:
         """The modifiers' keywords joined by '+', or '' for none."""
-        return "+".join(name for name, bit in MOD_BITS.items() if self.mods & bit)
+        return "+".join(name for name, bit in {**MOD_BITS, "dropout": MOD_DROPOUT}.items() if self.mods & bit)
 
     @property
     def tensor_cores(self) -> bool:
@@ -692,6 +697,8 @@ def sm90_eligible(dtype, head_dim: int, mods: int, backward: bool = False, varle
     SM90_BACKWARD_MODS (SM90_VARLEN_BACKWARD_MODS) but the sets of SM90_BACKWARD_SPILLS. The device's
     compute capability and the arrays' strides are checked apart."""
     buckets = SM90_BACKWARD_TILES if backward else SM90_FORWARD_TILES
+    if mods & MOD_DROPOUT:  # not written for the Hopper kernels: the mma.sync ones take it
+        return False
     if not (_name(dtype) in TC_DTYPES and head_dim % 8 == 0 and 0 < head_dim <= max(buckets)):
         return False
     if backward:

@@ -71,6 +71,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv(
         const Rows<const T> dO = HEAD_ROWS(dout, blk.b, h);
         const Stats<const Acc> lse_row = LSE_ROW(lse, blk.b, h), D_row = D.row(blk.b, h);
         const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, h, Acc(1), Acc(1));
+        const auto drop = MAKE_DROPOUT(Acc, MODS, blk.b, h);
         for (int i0 = mask.query_start(blk.j0), i_end = mask.query_end(blk.j0); i0 < i_end; i0 += BLOCK_M) {
             load_tile<BLOCK_M, HEAD_DIM>(Q_s, Q, i0, seqlen_q, head_dim, scale);
             if constexpr ((MODS & MOD_MASK) != 0) {
@@ -101,7 +102,9 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv(
                 Acc t = Acc(0);
                 const Acc s = final_score(score, S[r], i, key0 + r, t);
                 S[r] = PAIR_SEEN(i, key0 + r) ? prob(s - lse_i) : Acc(0);
-                dP[r] = ds(score, S[r], dP[r], D_i, t);
+                const Acc z = drop.factor(i, key0 + r);  // dropout: dP and, for dV, P of the dropped weights
+                dP[r] = ds(score, S[r], drop.times(dP[r], z), D_i, t);
+                S[r] = drop.times(S[r], z);
             }
             accumulate<R, BLOCK_M, HEAD_DIM>(dV, S, dO_s);
             accumulate<R, BLOCK_M, HEAD_DIM>(dK, dP, Q_s);
@@ -137,6 +140,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq(
 
     const Stats<const Acc> lse_row = LSE_ROW(lse, blk.b, blk.h), D_row = D.row(blk.b, blk.h);
     const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, blk.h, Acc(1), Acc(1));
+    const auto drop = MAKE_DROPOUT(Acc, MODS, blk.b, blk.h);
     Acc dQ[R][HEAD_DIM / WARP_SIZE];
     zero(dQ);
 
@@ -158,7 +162,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq(
             Acc t = Acc(0);
             S[r] = final_score(score, S[r], i, j0 + key, t);
             const Acc P = pair_seen ? prob(S[r] - lse_for_p(lse_row, i, seqlen_q)) : Acc(0);
-            dP[r] = pair_seen ? ds(score, P, dP[r], i < seqlen_q ? D_row[i] : Acc(0), t) : Acc(0);
+            dP[r] = pair_seen ? ds(score, P, drop(dP[r], i, j0 + key), i < seqlen_q ? D_row[i] : Acc(0), t) : Acc(0);
         }
         accumulate<R, BLOCK_N, HEAD_DIM>(dQ, dP, K_s);
         __syncthreads();  // every warp is done reading K_j, V_j before the next pass overwrites them

@@ -452,6 +452,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
             {
                 const bool partial = TILE_MASKED(MODS, i0, blk.j0);
                 const auto score = MAKE_SCORE(T, float, MODS, VARLEN ? seq_index : blk.b, h, scale_log2, LOG2E);
+                const Dropout<float, false> drop{};  // read by TC_P_DS: no dropout here (specs.sm90_eligible)
                 for_each_element_cols<PAIRED_STATS>([&](int r, int col, float lse, float D, float& x, float& dp) {
                     TC_P_DS(TC_PAIR_HIDDEN(partial, i0 + q_c + col, key_w + r), false, i0 + q_c + col, key_w + r, x,
                             dp, lse, D, scale_log2);
@@ -559,6 +560,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
             wgmma_fence_operand<BLOCK_M / 2>(&dP[0][0]);
             const bool partial = TILE_MASKED(MODS, i0, blk.j0);
             const auto score = MAKE_SCORE(T, float, MODS, VARLEN ? seq_index : blk.b, h, scale_log2, LOG2E);
+            const Dropout<float, false> drop{};  // read by TC_P_DS: no dropout here (specs.sm90_eligible)
             for_each_element_cols<PAIRED_STATS>([&](int r, int col, float lse, float D, float& x, float& dp) {
                 TC_P_DS(TC_PAIR_HIDDEN(partial, i0 + col, key_w + r), false, i0 + col, key_w + r, x, dp, lse, D,
                         scale_log2);

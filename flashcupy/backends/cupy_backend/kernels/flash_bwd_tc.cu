@@ -246,6 +246,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
         const bool partial = TILE_MASKED(MODS, i0, blk.j0);
         const int h = blk.kv_head * group + p / q_blocks;
         const auto score = MAKE_SCORE(T, float, MODS, blk.b, h, scale_log2, LOG2E);
+        const auto drop = MAKE_DROPOUT(float, MODS, blk.b, h);  // read by TC_P_DS
         for_each_element([&](int r, int c, float& s, float& dp) {  // a hidden row's dS 0 with the bool mask: see seen_row
             TC_P_DS(TC_PAIR_HIDDEN(partial, i0 + c, key_w + r), (MODS & MOD_MASK) != 0, i0 + c, key_w + r, s, dp,
                     lse_i[c], D_i[c], scale_log2);
@@ -334,6 +335,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
     }
     const float scale_log2 = scale * LOG2E;
     const auto score = MAKE_SCORE(T, float, MODS, blk.b, blk.h, scale_log2, LOG2E);
+    const auto drop = MAKE_DROPOUT(float, MODS, blk.b, blk.h);
     float dQ[D_TILES][4];
     zero(dQ);
 
@@ -355,7 +357,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
             const float x = tc_final_score(score, s, row_w + r, j0 + c, t, scale_log2);
             const float P = hidden ? 0.0f : tc_prob(x - lse_r[r / 8]);
             // selected: a NaN in an unseen row's dO stays out of dQ
-            dp = hidden ? 0.0f : ds(score, P, dp, D_r[r / 8], t);
+            dp = hidden ? 0.0f : ds(score, P, drop(dp, row_w + r, j0 + c), D_r[r / 8], t);
         }, S, dP);
 
         mma_ab<T, HEAD_DIM, BLOCK_N, COLS>(dQ, dP, kv.K_j(jb), c0 / 8);

@@ -27,6 +27,8 @@
 // units, as the scale is already in Q_s) before the mask, which MOD_MASK extends by the caller's bool
 // mask; with MOD_WINDOW the Mask is the band, so key_start and key_end skip the key blocks outside it.
 //
+// Dropout (MOD_DROPOUT, mask.cuh's Dropout): P times Z / (1 - p) after l took its row sum, before P V_j.
+//
 // Split-KV (SPLIT, mask.cuh's Split): the grid is one copy per split of keys, each CTA attends to its
 // split's keys only, and out is a partial one in Acc (split s at out + s out_split, its lse at lse +
 // s lse_split), which flash_merge.cu merges.
@@ -84,6 +86,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_fwd(
     }
     const auto mask = MAKE_MASK(MODS);
     const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, blk.h, Acc(1), Acc(1));
+    const auto drop = MAKE_DROPOUT(Acc, MODS, blk.b, blk.h);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int row0 = blk.i0 + warp * R, key = lane % BLOCK_N;  // this warp's first query row, this lane's key in K_j
 
@@ -116,6 +119,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_fwd(
             S[r] = final_score(score, S[r], row0 + r, j0 + key, t);
             if (PAIR_HIDDEN(row0 + r, j0 + key)) S[r] = -INFINITY;
             online_softmax<BLOCK_N>(S[r], m[r], l[r], O[r]);
+            S[r] = drop(S[r], row0 + r, j0 + key);  // after l took it: l sums the undropped P
         }
         accumulate<R, BLOCK_N, HEAD_DIM>(O, S, V_s);
         __syncthreads();  // every warp is done reading K_j, V_j before the next pass overwrites them

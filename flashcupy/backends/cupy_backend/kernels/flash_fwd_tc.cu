@@ -147,6 +147,7 @@ __device__ __forceinline__ void flash_fwd_tc_cta(
 
     const float scale_log2 = scale * LOG2E;
     const auto score = MAKE_SCORE(T, float, MODS, blk.b, blk.h, scale_log2, LOG2E);
+    const auto drop = MAKE_DROPOUT(float, MODS, blk.b, blk.h);
     float m[M_TILES][2], l[M_TILES][2];
     float O[M_TILES][D_TILES][4];
 #pragma unroll
@@ -191,6 +192,7 @@ __device__ __forceinline__ void flash_fwd_tc_cta(
         for (int mt = 0; mt < M_TILES; ++mt) {
             tc_final_scores<MODS>(S[mt], mask, score, blk.i0, row_w + 16 * mt, j0, scale_log2);
             online_softmax(S[mt], m[mt], l[mt], O[mt], tc_softmax_scale(score, scale_log2));
+            tc_dropout<MODS>(S[mt], drop, row_w + 16 * mt, j0);  // after l took the row sums
         }
         mma_ab<T, HEAD_DIM, BLOCK_N, M_TILES>(O, S, kv.V_j(jb));
         __syncthreads();  // every warp is done with this stage before the next pass's prefetch overwrites it

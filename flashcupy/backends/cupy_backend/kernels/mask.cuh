@@ -35,6 +35,7 @@ constexpr int MOD_BIAS = 8;     // s -> s + bias[b, h, i, j]
 constexpr int MOD_MASK = 16;    // the pair is hidden where mask[b, h, i, j] is false (the caller's bool mask)
 constexpr int MOD_SCORE = MOD_SOFTCAP | MOD_ALIBI | MOD_BIAS;  // the modifiers that change a score's value
 constexpr int MOD_PAIRS = MOD_BIAS | MOD_MASK;  // they read a rank-4 array per (query, key) pair
+constexpr int MOD_DROPOUT = 32;  // no score modifier: P is dropped (Dropout below) before P V, dP before dS
 
 template <int BLOCK_M, int BLOCK_N, bool WINDOW = false>  // query rows and keys of the kernel's tile
 struct Mask {
@@ -162,6 +163,63 @@ struct Score {
         return ds;
     }
 };
+
+// Dropout (MOD_DROPOUT; README, Semantics, "dropout"; flashcupy/_dropout.py is the rule's Python home):
+// pair (i, j) of (batch b, query head h) keeps its weight iff word j mod 4 of Philox4x32-10 of the
+// counter (j / 4, i, h, b) under the key (seed_lo, seed_hi) is at least threshold = floor(p 2^32), the
+// four indices those of the whole call (the launcher's origin added: a chunk's, a view's, a sequence's
+// batch). A kept weight is times scale = 1 / (1 - p). The forward drops P after its row sum (l stays
+// undropped) and before P V; the backward drops P before dV and dP before dS = P (dP - D).
+// One Philox call per pair: the four words of a call serve four keys, which a thread does not hold
+// together in every kernel (GPU speed unmeasured).
+__device__ __forceinline__ unsigned philox_word(unsigned c0, unsigned c1, unsigned c2, unsigned c3, unsigned k0,
+                                                unsigned k1, unsigned word) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {  // the key schedule's Weyl increments
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const unsigned hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        const unsigned hi2 = __umulhi(0xCD9E8D57u, c2), lo2 = 0xCD9E8D57u * c2;
+        const unsigned x0 = hi2 ^ c1 ^ k0, x2 = hi0 ^ c3 ^ k1;
+        c0 = x0;
+        c1 = lo2;
+        c2 = x2;
+        c3 = lo0;
+    }
+    // selected, not indexed: an array indexed at run time would live in local memory
+    return (word & 2) ? ((word & 1) ? c3 : c2) : ((word & 1) ? c1 : c0);
+}
+
+template <typename Acc, bool ON>
+struct Dropout {
+    unsigned threshold, seed_lo, seed_hi, b, h, i0, j0;  // b, h with the origin added; i0, j0 the origin's
+    Acc scale;
+
+    // The factor of pair (i, j) (the kernel's own indices): scale or 0; 1 without MOD_DROPOUT
+    __device__ __forceinline__ Acc factor(int i, int j) const {
+        if constexpr (ON) {
+            const unsigned key = unsigned(j) + j0;
+            return philox_word(key >> 2, unsigned(i) + i0, h, b, seed_lo, seed_hi, key & 3u) >= threshold ? scale
+                                                                                                          : Acc(0);
+        }
+        return Acc(1);
+    }
+    // x times a factor; x itself without MOD_DROPOUT (no multiplication by 1 left to the compiler)
+    __device__ __forceinline__ Acc times(Acc x, Acc z) const {
+        if constexpr (ON) return x * z;
+        return x;
+    }
+    __device__ __forceinline__ Acc operator()(Acc x, int i, int j) const { return times(x, factor(i, j)); }
+};
+
+// The Dropout of (batch b, query head h) for a kernel specialised for MODS, of its PROBLEM_PARAMS
+#define MAKE_DROPOUT(Acc, MODS, b, h)                                                                         \
+    Dropout<Acc, ((MODS) & MOD_DROPOUT) != 0> {                                                                \
+        drop_threshold, drop_seed_lo, drop_seed_hi, unsigned(b) + drop_b, unsigned(h) + drop_h, drop_i, drop_j, \
+            Acc(drop_scale)                                                                                    \
+    }
 
 // s - lse of a score the backward (or attention_probs) recomputes, clamped to at most 0 as it is by
 // definition (P at most 1): where scores are so large that their rounding passes 1 (about 2^22 /

@@ -66,6 +66,14 @@ __device__ __forceinline__ void tc_final_scores(float (&S)[TILES][4], const Mask
     }
 }
 
+// The forward's P of one row tile (C fragments as tc_final_scores'), after the online softmax took its
+// row sums, times dropout's factors (mask.cuh's Dropout); nothing without MOD_DROPOUT
+template <int MODS, typename DropoutT, int TILES>
+__device__ __forceinline__ void tc_dropout(float (&P)[TILES][4], const DropoutT& drop, int row0, int j0) {
+    if constexpr ((MODS & MOD_DROPOUT) != 0)
+        for_each_element([&](int r, int c, float& p) { p = drop(p, row0 + r, j0 + c); }, P);
+}
+
 // The forward's online softmax takes s as the modifiers leave it (modified in place where they change
 // scores: tc_final_score) and exponentiates s times this, folded into its exponent
 template <typename ScoreT>
@@ -94,13 +102,16 @@ constexpr int WIDE_WARPS = 8;
 // with zero_hidden_ds its dS is 0 whatever dp holds (a NaN in a hidden row's dout: flash_bwd_tc.cu).
 // A macro of the kernel's score: as a function it took flash_bwd_tc.cu's deterministic dK/dV kernel at
 // head_dim 128 from 244 to 249 registers under NVRTC 12.9 (tests/test_nvrtc.py's limit is 247).
+// With dropout (the kernel's drop, mask.cuh's Dropout), s becomes P of the dropped weights (dV's) and
+// dS is of dP times the same factor.
 #define TC_P_DS(hidden, zero_hidden_ds, i, j, s, dp, lse_log2, D, scale_log2)                                    \
     do {                                                                                                      \
         const bool hidden_ = (hidden);                                                                        \
         float t_ = 0.0f;                                                                                      \
         const float P_ = hidden_ ? 0.0f : tc_prob(tc_final_score(score, s, i, j, t_, scale_log2) - (lse_log2)); \
-        s = P_;                                                                                               \
-        dp = (zero_hidden_ds) && hidden_ ? 0.0f : ds(score, P_, dp, D, t_);                                   \
+        const float z_ = drop.factor(i, j);                                                                   \
+        s = drop.times(P_, z_);                                                                               \
+        dp = (zero_hidden_ds) && hidden_ ? 0.0f : ds(score, P_, drop.times(dp, z_), D, t_);                   \
     } while (0)
 
 // TC_P_DS in two steps, for a kernel that has Sᵀ before dPᵀ (flash_bwd_sm90.cu's P_UNDER_DP): s becomes P,

@@ -245,6 +245,11 @@ inline unsigned int __float_as_uint(float f) { return emu_bits<unsigned int>(f);
 inline double __longlong_as_double(long long i) { return emu_bits<double>(i); }
 inline long long __double_as_longlong(double d) { return emu_bits<long long>(d); }
 
+// The high 32 bits of the 64-bit product of two 32-bit unsigned ints (mul.hi.u32; mask.cuh's Philox).
+inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+    return static_cast<unsigned int>((static_cast<unsigned long long>(a) * b) >> 32);
+}
+
 // CUDA's integer and floating max/min overloads (std::max is not in scope on a GPU either).
 #define EMU_MINMAX(T)                                   \
     inline T max(T a, T b) { return a > b ? a : b; }    \
