@@ -896,3 +896,27 @@ def test_a_value_head_dim_of_its_own_with_every_modifier_and_in_a_packed_batch(r
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="numba", dlse=dlse, **kw)
     packed_batch_matches_the_oracle(rng, "numba", lengths=([3, 0, 5], [4, 2, 1]), head_dim=3, head_dim_v=10,
                                     backward=True)
+
+
+def test_dropout_with_a_broadcast_bias_and_in_a_packed_batch(rng):
+    """Dropout (tests/test_dropout.py has the other backends' and the rule's own tests): causal, GQA
+    and a bias broadcast over rows (its dbias from the kernel of a thread per element), then a packed
+    batch in one launch, sequence b drawn as batch b."""
+    q, k, v = make_qkv(rng, 1, 9, 13, 2, 1, 8, np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    kw = dict(causal=True, bias=rng.standard_normal((1, 1, 1, 13)).astype(np.float32), dropout_p=0.3,
+              dropout_seed=2**40 + 5)
+    out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numba", **kw)
+    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numba", **kw)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="numba", **kw)
+    cu_q, cu_k = np.array([0, 3, 3, 8], np.int32), np.array([0, 4, 6, 11], np.int32)
+    q, k, v = (rng.standard_normal((n, 2, 4)).astype(np.float32) for n in (8, 11, 11))
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    drop = dict(dropout_p=0.4, dropout_seed=7)
+    out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend="numba", **drop)
+    grads = flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, backend="numba", **drop)
+    for b in (0, 2):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        got = (out[rows], lse[:, rows], grads[0][rows], grads[1][keys], grads[2][keys])
+        assert_matches_oracle(tuple(x[None] for x in got), q[None, rows], k[None, keys], v[None, keys],
+                              dout[None, rows], backend="numba", dropout_origin=(b, 0, 0, 0), **drop)

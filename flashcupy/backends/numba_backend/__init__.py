@@ -60,12 +60,15 @@ import functools
 
 import numpy as np
 
+from ... import _dropout
+
 NAME = "numba"
 ARRAY_LIBRARIES = ("numpy", "cupy", "numba")
 DTYPES = ("float16", "float32", "float64")  # numba has no bfloat16 arithmetic type
 MAX_HEAD_DIM = 256  # kernels.HEAD_DIM_MAX: the register accumulators are sized for it
 MODIFIERS = frozenset({"window", "softcap", "alibi_slopes", "bias", "mask"})  # every score modifier
 HEAD_DIM_V = True  # v's head_dim may differ from q's and k's
+DROPOUT = True  # dropout_p (kernels._dropout_factor)
 
 
 @functools.cache
@@ -312,8 +315,10 @@ def _common(p, place, spare):
         bias, bias_st = _broadcast(place, p.bias)
     if p.mask is not None:
         allow, allow_st = _broadcast(place, p.mask)
+    drop = (int(p.dropout), _dropout.threshold(p.dropout_p), p.dropout_seed & 0xFFFFFFFF, p.dropout_seed >> 32,
+            *p.dropout_origin)  # kernels._dropout_factor
     mods = (acc(p.softcap or 0), int(p.alibi_slopes is not None), slopes_st,
-            int(p.bias is not None), bias_st, int(p.mask is not None), allow_st)
+            int(p.bias is not None), bias_st, int(p.mask is not None), allow_st, drop, acc(p.dropout_scale))
     return p.group, (p.head_dim, p.head_dim_v), acc(p.scale), mask, mods, slopes, bias, allow
 
 

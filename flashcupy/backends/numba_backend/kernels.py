@@ -72,7 +72,7 @@ import os
 import sys
 import threading
 
-from numba import cuda
+from numba import cuda, uint64
 
 SIMULATOR = cuda.jit.__module__.startswith("numba.cuda.simulator")
 
@@ -346,7 +346,45 @@ def _visible(mask, i, j, seqlen_q, seqlen_k):
             and (right < 0 or j <= i + diagonal + right))
 
 
-# `mods` is the host's (softcap, alibi, slopes_st, biased, bias_st, masked, allow_st): softcap 0
+# dropout (README, Semantics; flashcupy/_dropout.py is the rule's Python home, mask.cuh's Dropout the
+# CUDA one): `drop` is the host's (on, threshold, seed_lo, seed_hi, b0, h0, i0, j0), on 0 for none, the
+# origin added to (b, h, i, j); `drop_scale` 1 / (1 - p) in ACC. Everything in uint64, whose 32 x 32-bit
+# products are exact (int64 ones overflow, and numba makes mixed int64 and uint64 float64).
+
+
+@cuda.jit(device=True)
+def _philox_word(c0, c1, c2, c3, k0, k1, word):
+    """Word `word` of Philox4x32-10 of the counter (c0, c1, c2, c3) under the key (k0, k1), all uint64
+    holding 32-bit values."""
+    low = uint64(0xFFFFFFFF)
+    for rnd in range(10):
+        if rnd > 0:
+            k0 = (k0 + uint64(0x9E3779B9)) & low
+            k1 = (k1 + uint64(0xBB67AE85)) & low
+        p0 = uint64(0xD2511F53) * c0
+        p2 = uint64(0xCD9E8D57) * c2
+        c0, c1, c2, c3 = (p2 >> uint64(32)) ^ c1 ^ k0, p2 & low, (p0 >> uint64(32)) ^ c3 ^ k1, p0 & low
+    if word == uint64(0):
+        return c0
+    if word == uint64(1):
+        return c1
+    return c2 if word == uint64(2) else c3
+
+
+@cuda.jit(device=True)
+def _dropout_factor(drop, drop_scale, b, h, i, j, acc):
+    """What pair (i, j) of batch b, query head h multiplies its weight by: 1 / (1 - p) where kept, 0
+    where dropped; 1 without dropout."""
+    on, threshold, seed_lo, seed_hi, b0, h0, i0, j0 = drop
+    if on == 0:
+        return acc(1)
+    key = uint64(j + j0)
+    word = _philox_word(key >> uint64(2), uint64(i + i0), uint64(h + h0), uint64(b + b0), uint64(seed_lo),
+                        uint64(seed_hi), key & uint64(3))
+    return drop_scale if word >= uint64(threshold) else acc(0)
+
+
+# `mods` is the host's (softcap, alibi, slopes_st, biased, bias_st, masked, allow_st, drop, drop_scale): softcap 0
 # for none; alibi 0 for none, else slopes[slopes_st[0] + b slopes_st[1] + h slopes_st[2]] is query
 # head h's slope (batch stride 0 for slopes shared by the batch); biased (masked) 0 for none, else
 # bias[_at(bias_st, b, h, i, j)] is the pair's bias (allow[...] whether it may attend), the rank-4
@@ -361,7 +399,7 @@ def _modify(s, mods, slopes, bias, allow, mask, b, h, i, j, seqlen_q, seqlen_k, 
     where the band or the mask hides the pair (seen False then); t = tanh(s / c) for the
     backward's dS *= 1 - tanh² (0 without a softcap). Visibility first, so a pair outside the
     arrays reads no bias or mask element."""
-    softcap, alibi, slopes_st, biased, bias_st, masked, allow_st = mods
+    softcap, alibi, slopes_st, biased, bias_st, masked, allow_st, _, _ = mods
     t = acc(0)
     if not _visible(mask, i, j, seqlen_q, seqlen_k):
         return acc(-math.inf), t, False
@@ -437,13 +475,17 @@ def _flash_fwd(q, qst, k, kst, v, vst, out, ost, lse, lst,
             m_new = max(m_new, S[r, cc])
         m_ref = acc(0) if m_new == -math.inf else m_new  # no key seen yet: exp(-inf) = 0, not NaN
         alpha = math.exp(m - m_ref)
-        P[r, c] = math.exp(s - m_ref)
+        p = math.exp(s - m_ref)
+        P[r, c] = p
         cuda.syncthreads()  # the whole row of P is written
 
         rowsum = acc(0)
         for cc in range(BLOCK_N):
             rowsum += P[r, cc]
         l = alpha * l + rowsum
+        if mods[7][0] != 0:  # dropout: P V_j of the dropped weights, once every thread has its row sum
+            cuda.syncthreads()  # every row sum read P before it changes (the next read waits at a barrier)
+            P[r, c] = p * _dropout_factor(mods[7], mods[8], b, h, i, j0 + c, acc)
         m = m_new
         for t in range(O_PER_THREAD):
             O[t] *= alpha
@@ -569,7 +611,9 @@ def _flash_bwd_dkdv(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dk, dk
             s, t, seen = _modify(s * scale, mods, slopes, bias, allow, mask, b, h, i, j, seqlen_q, seqlen_k, acc)
             if seen:
                 p = _recomputed_p(s - _row_lse(lse, lst, b, h, i, seqlen_q), acc)
-                ds = p * (dp - D[_at3(Dst, b, h, i)]) * (acc(1) - t * t) * scale
+                z = _dropout_factor(mods[7], mods[8], b, h, i, j, acc)  # dV and dP take the dropped weights
+                ds = p * (dp * z - D[_at3(Dst, b, h, i)]) * (acc(1) - t * t) * scale
+                p *= z
             P[r, c] = p
             dS[r, c] = ds
             cuda.syncthreads()  # P and dS complete: every column c is read by BLOCK_M threads
@@ -639,7 +683,8 @@ def _flash_bwd_dq(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dq, dqst
         ds = acc(0)  # selected, not multiplied by P = 0: a row that sees no key gets dq 0 whatever its dout
         s, t, seen = _modify(s * scale, mods, slopes, bias, allow, mask, b, h, i, j0 + c, seqlen_q, seqlen_k, acc)
         if seen:
-            ds = _recomputed_p(s - lse_r, acc) * (dp - D_r) * (acc(1) - t * t) * scale
+            z = _dropout_factor(mods[7], mods[8], b, h, i, j0 + c, acc)
+            ds = _recomputed_p(s - lse_r, acc) * (dp * z - D_r) * (acc(1) - t * t) * scale
         dS[r, c] = ds
         cuda.syncthreads()  # the whole row of dS is written
 
@@ -718,7 +763,8 @@ def _flash_bwd_dbias(q, qst, k, kst, v, vst, dout, dost, lse, lst, D, Dst, dbias
                         s, _, seen = _modify(s * scale, mods, slopes, bias, allow, mask, b, h, i, j,
                                              seqlen_q, seqlen_k, acc)
                         if seen:
-                            total += _recomputed_p(s - lse_r, acc) * (dp - D_r)
+                            z = _dropout_factor(mods[7], mods[8], b, h, i, j, acc)
+                            total += _recomputed_p(s - lse_r, acc) * (dp * z - D_r)
         dbias[e] = total
 
 

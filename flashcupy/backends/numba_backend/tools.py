@@ -43,8 +43,9 @@ def signatures():
     for dtype in (types.float16, types.float32, types.float64):
         acc = numpy_support.from_dtype(accumulation_dtype(numpy_support.as_dtype(dtype).name))  # p.acc_dtype
         x, a, f32 = dtype[::1], acc[::1], types.float32[::1]
-        # softcap, alibi, slopes' (offset, batch, head) strides, biased, bias_st, masked, allow_st
-        mods = types.Tuple((acc, i64, types.UniTuple(i64, 3), i64, st4, i64, st4))
+        # softcap, alibi, slopes' (offset, batch, head) strides, biased, bias_st, masked, allow_st, dropout's
+        # (on, threshold, seed_lo, seed_hi, origin), 1 / (1 - p)
+        mods = types.Tuple((acc, i64, types.UniTuple(i64, 3), i64, st4, i64, st4, types.UniTuple(i64, 8), acc))
         # group, (head_dim, head_dim_v), scale, mask, mods; then slopes, bias, allow
         head = (i64, types.UniTuple(i64, 2), acc, mask, mods)
         fwd = (x, st4, x, st4, x, st4, x, st4, a, st3, i64, i64)
