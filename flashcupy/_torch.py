@@ -94,6 +94,12 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def _dropout(rate: float, seed_lo: int, seed_hi: int) -> dict:
+    """flashcupy's dropout keywords from the ops' own arguments (torch's ints are int64: the seed's two
+    32-bit halves)."""
+    return dict(dropout_p=rate, dropout_seed=seed_lo | seed_hi << 32) if rate > 0 else {}
+
+
 def _contiguous(xs):
     # the fake implementations promise contiguous results (what the backends allocate)
     return [x.contiguous() for x in xs]
@@ -107,14 +113,15 @@ if _CUSTOM_OP:
     def _attention_op(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
                       alibi_slopes: Optional[Tensor], causal: bool, window_left: Optional[int],
                       window_right: Optional[int], softcap: Optional[float], scale: Optional[float], backend: str,
-                      dtype: Optional[str]) -> tuple[Tensor, Tensor]:
+                      dtype: Optional[str], dropout_p: float, seed_lo: int, seed_hi: int) -> tuple[Tensor, Tensor]:
         kw = dict(causal=causal, window=_window(window_left, window_right), softcap=softcap,
                   alibi_slopes=alibi_slopes, bias=bias, mask=mask, scale=scale, return_lse=True, backend=backend,
-                  dtype=dtype)
+                  dtype=dtype, **_dropout(dropout_p, seed_lo, seed_hi))
         return tuple(_contiguous(_interop.through_views(_api.attention.__wrapped__, (q, k, v), kw)))
 
     @_attention_op.register_fake
-    def _(q, k, v, bias, mask, alibi_slopes, causal, window_left, window_right, softcap, scale, backend, dtype):
+    def _(q, k, v, bias, mask, alibi_slopes, causal, window_left, window_right, softcap, scale, backend, dtype,
+          *dropout):
         return (q.new_empty(out_shape(q.shape, v.shape)),
                 q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q)))
 
@@ -123,10 +130,11 @@ if _CUSTOM_OP:
                                dlse: Optional[Tensor], bias: Optional[Tensor], mask: Optional[Tensor],
                                alibi_slopes: Optional[Tensor], causal: bool, window_left: Optional[int],
                                window_right: Optional[int], softcap: Optional[float], scale: Optional[float],
-                               backend: str, dtype: Optional[str], deterministic: bool) -> list[Tensor]:
+                               backend: str, dtype: Optional[str], dropout_p: float, seed_lo: int, seed_hi: int,
+                               deterministic: bool) -> list[Tensor]:
         kw = dict(causal=causal, window=_window(window_left, window_right), softcap=softcap,
                   alibi_slopes=alibi_slopes, bias=bias, mask=mask, scale=scale, backend=backend, dtype=dtype,
-                  deterministic=deterministic, dlse=dlse)
+                  deterministic=deterministic, dlse=dlse, **_dropout(dropout_p, seed_lo, seed_hi))
         return _contiguous(_interop.through_views(_api.attention_backward.__wrapped__, (dout, q, k, v, out, lse), kw))
 
     @_attention_backward_op.register_fake
@@ -152,8 +160,10 @@ if _CUSTOM_OP:
 
 
 def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
-              scale=None, return_lse=False, backend="auto", dtype=None):
-    """flashcupy.attention recorded by autograd (the module docstring); the same arguments."""
+              scale=None, return_lse=False, backend="auto", dtype=None, dropout_p=0.0, dropout_seed=None):
+    """flashcupy.attention recorded by autograd (the module docstring); the same arguments (the
+    backward redraws dropout's mask from dropout_seed, checked here as flashcupy.attention does)."""
+    rate, seed = _checks.check_dropout(dropout_p, dropout_seed)
     _check_tensors(dict(q=q, k=k, v=v, bias=bias, mask=mask, alibi_slopes=alibi_slopes))
     _no_gradient("alibi_slopes", alibi_slopes)
     return_lse = _checks.check_bool("return_lse", return_lse)
@@ -161,7 +171,8 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
     _checks.check_dtype_name(dtype)
     out, lse = torch.ops.flashcupy.attention(q, k, v, bias, mask, alibi_slopes, _checks.check_bool("causal", causal),
                                              left, right, _number("softcap", softcap), _number("scale", scale),
-                                             _checks.check_backend_name(backend), dtype)
+                                             _checks.check_backend_name(backend), dtype, rate, seed & 0xFFFFFFFF,
+                                             seed >> 32)
     return (out, lse) if return_lse else out
 
 

@@ -57,7 +57,8 @@ class _Plan:
     """The validated call: the Problem of the whole arrays, the chunk grids, and which pairs of a
     query chunk and a key chunk some query sees."""
 
-    def __init__(self, q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias=None, mask=None):
+    def __init__(self, q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias=None, mask=None,
+                 dropout_p=0.0, dropout_seed=None):
         da, _, _ = _dask()
         for name, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, da.Array):
@@ -82,8 +83,17 @@ class _Plan:
         if slopes is not None and slopes.ndim > 1:
             slopes = slopes.reshape(math.prod(slopes.shape[:-1]), slopes.shape[-1])
         self.p = _checks.problem(folded["q"], folded["k"], folded["v"], causal, scale, dtype, self.lib,
-                                 window, softcap, slopes)
+                                 window, softcap, slopes, dropout_p=dropout_p, dropout_seed=dropout_seed)
         _checks.select_backend(backend, self.lib, self.p)
+        # dropout: a pair's calls number their batches from the block's first (_batch folds them in
+        # row-major order), which is the whole call's numbering only where no leading dimension but the
+        # first is cut into several chunks
+        self.dropout = (self.p.dropout_p, self.p.dropout_seed) if self.p.dropout else None
+        cut = [d for d in range(1, L) if len(q.chunks[d]) > 1]
+        if self.dropout and cut:
+            raise ValueError(f"with dropout, q's leading dimensions but the first must each be one chunk (the keep "
+                             f"mask numbers the batches of the whole call), got chunks {q.chunks[:L]} "
+                             f"(q.rechunk({{{cut[0]}: -1}}))")
         if k.chunks[:-1] != v.chunks[:-1]:
             raise ValueError(f"k and v must have the same chunks, got k {k.chunks} and v {v.chunks} "
                              f"(v.rechunk(k.chunks))")
@@ -168,6 +178,17 @@ class _Plan:
         """The pair's own diagonal: query r of chunk i is global query q_off[i] + r, key c of chunk
         j global key k_off[j] + c, and j_global <= i_global + diagonal becomes c <= r + this."""
         return self.q_off[i] + self.p.diagonal - self.k_off[j]
+
+    def pair_keywords(self, kw: dict, b: tuple, h: int, i: int, j: int) -> dict:
+        """keywords(b, h) of the pair of query chunk i and key chunk j: with dropout, the pair's origin in
+        the whole call's keep mask (its first batch, head, query and key)."""
+        if self.dropout is None:
+            return kw
+        first = 0
+        for off, n, size in zip(self.b_off, b, self.batch):
+            first = first * size + off[n]
+        return dict(kw, dropout_p=self.dropout[0], dropout_seed=self.dropout[1],
+                    dropout_origin=(first, self.h_off[h], self.q_off[i], self.k_off[j]))
 
     def keywords(self, b: tuple, h: int) -> dict:
         """attention's keywords for the chunks of batch block b (a chunk index per leading dimension)
@@ -320,7 +341,7 @@ def _forward_graph(plan: _Plan, q, k, v, token: str):
                 key = (part_name, *b, i, h, j)
                 graph[key] = (_pair_forward, qk, (k.name, *b, j, h, 0), (v.name, *b, j, h, 0),
                               plan.block(plan.bias, b, h, i, j), plan.block(plan.mask, b, h, i, j),
-                              plan.diagonal(i, j), kw)
+                              plan.diagonal(i, j), plan.pair_keywords(kw, b, h, i, j))
                 parts.append(key)
             merged = _tree(graph, merged_name, (*b, i, h), parts, _merge_parts)
         else:
@@ -343,7 +364,7 @@ def _lse_chunks(q):
 
 def _forward(plan: _Plan, q, k, v):
     da, tokenize, HighLevelGraph = _dask()
-    token = tokenize(q, k, v, plan.causal, plan.window, plan.softcap, plan.alibi, plan.bias, plan.mask, plan.scale,
+    token = tokenize(q, k, v, plan.dropout, plan.causal, plan.window, plan.softcap, plan.alibi, plan.bias, plan.mask, plan.scale,
                      plan.backend, plan.dtype)
     graph, lse_graph, out_name, lse_name = _forward_graph(plan, q, k, v, token)
     # one layer per output array, as dask wants; lse's layer reads the merged parts in out's
@@ -356,23 +377,26 @@ def _forward(plan: _Plan, q, k, v):
 
 
 def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
-              scale=None, return_lse=False, backend="auto", dtype=None):
+              scale=None, return_lse=False, backend="auto", dtype=None, dropout_p=0.0, dropout_seed=None):
     """flashcupy.attention on dask arrays (BSHD, chunked along batch, sequence and heads; head_dim
     in one chunk; q's head chunks the kv head chunks times the group size; v's head_dim may differ
     from q's and k's). Returns lazy out (q's chunks but v's head_dim), and lse (batch, heads_q,
     seqlen_q) with return_lse=True. alibi_slopes is an array of
     the chunks' library, not a dask array. bias and mask (as attention's, broadcastable to
     (*batch, heads_q, seqlen_q, seqlen_k)) are dask arrays, rechunked to q's and k's chunks
-    (one chunk along a dimension they broadcast), or arrays of the chunks' library."""
+    (one chunk along a dimension they broadcast), or arrays of the chunks' library. dropout_p,
+    dropout_seed: as attention's, the keep mask that of the whole arrays (the leading dimensions
+    but the first then in one chunk each)."""
     return_lse = _checks.check_bool("return_lse", return_lse)
-    plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias, mask)
+    plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias, mask, dropout_p,
+                 dropout_seed)
     out, lse = _forward(plan, q, k, v)
     return (out, lse) if return_lse else out
 
 
 def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse, deterministic):
     da, tokenize, HighLevelGraph = _dask()
-    token = tokenize(dout, q, k, v, out, lse, dlse, plan.causal, plan.window, plan.softcap, plan.alibi, plan.bias,
+    token = tokenize(dout, q, k, v, out, lse, dlse, plan.dropout, plan.causal, plan.window, plan.softcap, plan.alibi, plan.bias,
                      plan.mask, plan.scale, plan.backend, plan.dtype, deterministic)
     outputs = ("dq", "dk", "dv") + (() if plan.bias is None else ("dbias",))
     graph = {g: {} for g in outputs}  # one layer per output; dk's, dv's and dbias's read dq's pairs
@@ -393,7 +417,8 @@ def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse, deterministic):
                 graph["dq"][key] = (_pair_backward, (dout.name, *b, i, h, 0), qk, (k.name, *b, j, h, 0),
                                     (v.name, *b, j, h, 0), (out.name, *b, i, h, 0), (lse.name, *b, h, i),
                                     None if dlse is None else (dlse.name, *b, h, i), bias,
-                                    plan.block(plan.mask, b, h, i, j), plan.diagonal(i, j), kw, deterministic)
+                                    plan.block(plan.mask, b, h, i, j), plan.diagonal(i, j),
+                                    plan.pair_keywords(kw, b, h, i, j), deterministic)
                 part = {}  # each gradient of the pair a task of its own (_gradient)
                 for which, g in enumerate(outputs):
                     part[g] = (f"{part_name}-{g}", *b, i, h, j)
@@ -453,15 +478,17 @@ def _check_like(name, x, shape, dtype):
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None,
-                       bias=None, mask=None, scale=None, backend="auto", dtype=None, deterministic=False, dlse=None):
+                       bias=None, mask=None, scale=None, backend="auto", dtype=None, deterministic=False, dlse=None,
+                       dropout_p=0.0, dropout_seed=None):
     """flashcupy.attention_backward on dask arrays: lazy (dq, dk, dv), chunked like q, k and v, and
     with a bias dbias, of the bias's shape and dtype (and chunks, for a dask bias), from the
     forward's out and lse (dask arrays; dout, out, lse and dlse, the gradient of lse or None, are
     rechunked to q's chunks if they differ). deterministic: each pair's, as attention_backward's
     (CuPy chunks' tensor-core kernels add dq with atomics unless it is True); the sums over pairs
-    are of fixed order either way."""
+    are of fixed order either way. dropout_p, dropout_seed: the forward's."""
     deterministic = _checks.check_bool("deterministic", deterministic)
-    plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias, mask)
+    plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias, mask, dropout_p,
+                 dropout_seed)
     _check_like("dout", dout, plan.out_shape, plan.p.carrier)
     _check_like("out", out, plan.out_shape, plan.p.carrier)
     _check_like("lse", lse, plan.batch + (q.shape[-2], q.shape[-3]), plan.p.lse_dtype)
@@ -473,13 +500,15 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, so
 
 
 def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
-                  scale=None, backend="auto", dtype=None, deterministic=False):
+                  scale=None, backend="auto", dtype=None, deterministic=False, dropout_p=0.0, dropout_seed=None):
     """Lazy forward plus its backward: returns (out, vjp), vjp(dout, dlse=None) -> lazy (dq, dk, dv),
     or (dq, dk, dv, dbias) with a bias, chunked like q, k, v and the bias. dout (and dlse, the
     gradient of lse) is rechunked to q's chunks if it differs. Computing out and the gradients in
-    one dask.compute shares the forward. deterministic: as attention_backward's."""
+    one dask.compute shares the forward. deterministic: as attention_backward's; dropout_p, dropout_seed:
+    as attention's."""
     deterministic = _checks.check_bool("deterministic", deterministic)
-    plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias, mask)
+    plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias, mask, dropout_p,
+                 dropout_seed)
     out, lse = _forward(plan, q, k, v)
 
     def vjp(dout, dlse=None):

@@ -354,3 +354,21 @@ def test_a_value_head_dim_of_its_own(rng, head_dim_v):
         assert_matches_oracle(got, q, k, v, dout, backend=MERGED, **kw)
         with pytest.raises(ValueError, match="dout must have shape"):
             fdask.attention_backward(da.from_array(dout[..., :1]), Q, K, V, out, lse, **kw)
+
+
+def test_dropout_draws_the_whole_arrays_mask_in_every_pair_of_chunks(rng):
+    """Dropout over chunks of batch, heads, queries and keys (leading dimensions too, the first cut):
+    each pair's calls draw its part of the whole call's mask (dropout_origin), so the merged out and the
+    summed gradients are the oracle's on the whole arrays; a second leading dimension in chunks is
+    refused, naming the rechunk."""
+    q, k, v = (x.reshape(4, 2, *x.shape[1:]) for x in make_qkv(rng, 8, 13, 17, 4, 2, 8, np.float32))
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    Q = da.from_array(q, chunks=(2, -1, 5, 2, -1))
+    K, V = (da.from_array(x, chunks=(2, -1, 6, 1, -1)) for x in (k, v))
+    kw = dict(causal=True, dropout_p=0.3, dropout_seed=2**40 + 5)
+    out, vjp = fdask.attention_vjp(Q, K, V, **kw)
+    lse = fdask.attention(Q, K, V, return_lse=True, **kw)[1]
+    got = dask.compute(out, lse, *vjp(da.from_array(dout, chunks=(2, -1, 3, 1, -1))), scheduler="sync")
+    assert_matches_oracle(got, q, k, v, dout, backend=MERGED, **kw)
+    with pytest.raises(ValueError, match=r"with dropout, q's leading dimensions but the first must each be one chunk"):
+        fdask.attention(Q.rechunk({1: 1}), K, V, **kw)

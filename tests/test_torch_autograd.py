@@ -16,6 +16,7 @@ import pytest
 from conftest import assert_matches_oracle, make_qkv
 
 import flashcupy
+import reference
 
 torch = pytest.importorskip("torch", reason="torch CPU is installed by the README's test command")
 F = torch.nn.functional
@@ -264,12 +265,13 @@ def test_custom_ops_pass_torch_opcheck(rng):
     q, k, v = (_t(x, True) for x in make_qkv(rng, 1, 5, 6, 2, 1, 8, np.float64))
     bias = _t(rng.standard_normal((1, 2, 5, 6)), True)
     torch.library.opcheck(torch.ops.flashcupy.attention.default,
-                          (q, k, v, bias, None, None, True, None, None, None, None, "auto", None))
-    out, lse = torch.ops.flashcupy.attention(q, k, v, bias, None, None, True, None, None, None, None, "auto", None)
+                          (q, k, v, bias, None, None, True, None, None, None, None, "auto", None, 0.25, 7, 1))
+    out, lse = torch.ops.flashcupy.attention(q, k, v, bias, None, None, True, None, None, None, None, "auto", None,
+                                             0.0, 0, 0)
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.flashcupy.attention_backward.default,
                           tuple(x.detach() for x in (dout, q, k, v, out, lse, torch.randn_like(lse), bias))
-                          + (None, None, True, None, None, None, None, "auto", None, False))
+                          + (None, None, True, None, None, None, None, "auto", None, 0.0, 0, 0, False))
     cu = _t(np.array([0, 2, 5], np.int32))
     pq, pk, pv = (x.detach()[0].requires_grad_(True) for x in (q, k[:, :5], v[:, :5]))
     torch.library.opcheck(torch.ops.flashcupy.attention_varlen.default,
@@ -496,8 +498,27 @@ def test_a_value_head_dim_of_its_own(rng):
     assert f(q, k, v, bias)[0].shape == (1, 5, 2, 3)
     assert torch.autograd.gradcheck(f, (q, k, v, bias))
     torch.library.opcheck(torch.ops.flashcupy.attention.default,
-                          (q, k, v, bias, None, None, True, None, None, None, None, "auto", None))
+                          (q, k, v, bias, None, None, True, None, None, None, None, "auto", None, 0.0, 0, 0))
     cu = _t(np.array([0, 2, 5], np.int32))
     pq, pk, pv = (x.detach()[0].requires_grad_(True) for x in (q, k[:, :5], v[:, :5]))
     torch.library.opcheck(torch.ops.flashcupy.attention_varlen.default,
                           (pq, pk, pv, cu, cu, None, None, None, True, None, None, None, None, "auto", None, True))
+
+
+def test_dropout_gradients_are_of_the_dropped_attention(rng):
+    """gradcheck through out and lse with dropout and a bias (the backward redraws the forward's mask:
+    a fixed function of q, k, v, bias), out against the oracle, and a seed above 2**63, which torch's
+    int64 arguments carry as two halves."""
+    q, k, v = (_t(x, True) for x in make_qkv(rng, 1, 5, 6, 2, 1, 8, np.float64))
+    bias = _t(rng.standard_normal((1, 2, 5, 6)), True)
+    seed = 2**63 + 12345
+
+    def f(q, k, v, bias):
+        return flashcupy.attention(q, k, v, bias=bias, causal=True, return_lse=True, dropout_p=0.3, dropout_seed=seed)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, bias))
+    want = reference.attention(*(x.detach().numpy() for x in (q, k, v)), bias=bias.detach().numpy(), causal=True,
+                               dropout_p=0.3, dropout_seed=seed)
+    np.testing.assert_allclose(f(q, k, v, bias)[0].detach().numpy(), want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="dropout_seed must be given"):
+        flashcupy.attention(q, k, v, dropout_p=0.3)
