@@ -76,8 +76,8 @@ def cmd_info(args) -> int:
           "  caches) the window, softcap and ALiBi but the last two at 256, the backward up to head_dim\n"
           "  256 (136 to 256 in its 256 kernel; deterministic=True too: dQ added in key-block order)\n"
           "  every one but the window with a bias or mask at 128, packed batches' the window, softcap\n"
-          "  and ALiBi; other modifiers, split-KV, paged KV caches and a forward whose v has a head_dim\n"
-          "  of its own stay on mma.sync\n"
+          "  and ALiBi; other modifiers, split-KV, paged KV caches, dropout and a forward whose v has a\n"
+          "  head_dim of its own stay on mma.sync\n"
           "  (cupy_backend.forward_path / backward_path say which kernel a call takes)")
     print(_hopper_tiles())
     try:

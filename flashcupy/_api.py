@@ -12,6 +12,7 @@ only the package turns (a chunk's diagonal for flashcupy.dask and the KV cache, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -23,13 +24,14 @@ from ._checks import (check_arrays, check_backend_name, check_bool, check_leadin
 
 def forward(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
             scale=None, backend="auto", dtype=None, dropout_p=0.0, dropout_seed=None, dropout_origin=(0, 0, 0, 0),
-            diagonal=None, num_splits=1, into=None) -> tuple:
+            dropout_seed_words=None, diagonal=None, num_splits=1, into=None) -> tuple:
     """attention's (out, lse) on NumPy or CuPy arrays, with knobs of the package's own:
     diagonal, that of a chunk of a larger problem, its queries' and keys' global positions folded
     in (None: seqlen_k - seqlen_q); num_splits, split-KV inside the backend for backends that have
     it (split_plan): 1 none, None by the backend's heuristic, an int at most that many; into, None
     or (out, lse) arrays of the results' shapes and dtypes (carriers), written and returned;
-    dropout_origin, where this call's pairs start in dropout's keep mask (Problem.dropout_origin)."""
+    dropout_origin, where this call's pairs start in dropout's keep mask (Problem.dropout_origin);
+    dropout_seed_words, the seed in device memory instead (Problem.dropout_seed_words; flashcupy.jax's)."""
     drop = dict(dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_origin=dropout_origin)
     backend = check_backend_name(backend)
     lib = check_arrays({"q": q, "k": k, "v": v})
@@ -37,9 +39,11 @@ def forward(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=No
         # dtypes, scale, dropout: before any work
         p = problem(*map(_batch.stand_in, (q, k, v)), causal, scale, dtype, lib, **drop)
         kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
-                  scale=scale, backend=backend, dtype=dtype, diagonal=diagonal, num_splits=num_splits, **drop)
+                  scale=scale, backend=backend, dtype=dtype, diagonal=diagonal, num_splits=num_splits,
+                  dropout_seed_words=dropout_seed_words, **drop)
         return _batch.forward(forward, q, k, v, kw, p.carrier, p.lse_dtype, into)
-    p = problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal, **drop)
+    p = _seed_words(problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal,
+                            **drop), dropout_seed_words)
     mod = select_backend(backend, lib, p)
 
     if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
@@ -53,9 +57,11 @@ def forward(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=No
 
 def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None,
              mask=None, scale=None, backend="auto", dtype=None, deterministic=False, dlse=None, dropout_p=0.0,
-             dropout_seed=None, dropout_origin=(0, 0, 0, 0), diagonal=None, into=None) -> tuple:
-    """attention_backward on NumPy or CuPy arrays, with forward's diagonal and dropout_origin, and into:
-    None or (dq, dk, dv), and dbias with a bias, arrays of the gradients' shapes and dtypes."""
+             dropout_seed=None, dropout_origin=(0, 0, 0, 0), dropout_seed_words=None, diagonal=None,
+             into=None) -> tuple:
+    """attention_backward on NumPy or CuPy arrays, with forward's diagonal, dropout_origin and
+    dropout_seed_words, and into: None or (dq, dk, dv), and dbias with a bias, arrays of the gradients'
+    shapes and dtypes."""
     drop = dict(dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_origin=dropout_origin)
     backend = check_backend_name(backend)
     deterministic = check_bool("deterministic", deterministic)
@@ -70,9 +76,10 @@ def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None
                 check_lse(p, x, batch + (q.shape[-2], q.shape[-3]), name)
         kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                   scale=scale, backend=backend, dtype=dtype, deterministic=deterministic, dlse=dlse, diagonal=diagonal,
-                  **drop)
+                  dropout_seed_words=dropout_seed_words, **drop)
         return _batch.backward(backward, dout, q, k, v, out, lse, kw, p.carrier, p.acc_dtype, into)
-    p = problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal, **drop)
+    p = _seed_words(problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal,
+                            **drop), dropout_seed_words)
     check_like_q(p, q, {"dout": dout, "out": out})
     check_lse(p, lse)
     if dlse is not None:
@@ -93,6 +100,15 @@ def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None
     if bias is not None and bias.ndim != 4:
         return (*grads[:3], grads[3].reshape(bias.shape))
     return grads
+
+
+def _seed_words(p, words):
+    """p with dropout's seed read from the device array `words` (two uint32: low, high) rather than
+    p.dropout_seed, where given (flashcupy.jax on a GPU: only to backends that declare
+    DROPOUT_SEED_ON_DEVICE, which select_backend checks)."""
+    if words is None or not p.dropout:
+        return p
+    return dataclasses.replace(p, dropout_seed_words=words)
 
 
 def _filled(into, values) -> tuple:

@@ -415,6 +415,9 @@ def select_backend(backend: str, lib: str, p: Problem, backward: bool = False):
         raise ValueError(f"v's head_dim {p.head_dim_v}, unlike q's and k's {p.head_dim}, is not yet supported by "
                          f"backend {name!r}" + (f" (backend {' or '.join(map(repr, others))} supports it)"
                                                 if others else ""))
+    if p.dropout_seed_words is not None and not _declares(name, "DROPOUT_SEED_ON_DEVICE"):
+        raise ValueError(f"backend {name!r} cannot read dropout's seed from device memory (flashcupy.jax's "
+                         f"traced seeds on a GPU): pass a Python int seed, or backend='cupy'")
     if p.dropout and not _declares(name, "DROPOUT"):
         others = [n for n in backends.NAMES if n != name and _declares(n, "DROPOUT")]
         raise ValueError(f"dropout is not yet supported by backend {name!r}"

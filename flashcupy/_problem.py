@@ -199,6 +199,10 @@ class Problem:
     dropout_p: float = 0.0
     dropout_seed: int = 0
     dropout_origin: tuple = (0, 0, 0, 0)
+    # the seed as a device array of two uint32 words (low, high) that the kernels read themselves, in
+    # place of dropout_seed: flashcupy.jax's traced seeds on a GPU, never copied to the host (backends
+    # that declare DROPOUT_SEED_ON_DEVICE); None: dropout_seed
+    dropout_seed_words: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.head_dim_v is None:

@@ -185,10 +185,11 @@ if _CUSTOM_OP:
                    max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], alibi_slopes: Optional[Tensor],
                    causal: bool, window_left: Optional[int], window_right: Optional[int], softcap: Optional[float],
                    scale: Optional[float], backend: str, dtype: Optional[str],
-                   check_offsets: bool) -> tuple[Tensor, Tensor]:
+                   check_offsets: bool, dropout_p: float, seed_lo: int, seed_hi: int) -> tuple[Tensor, Tensor]:
         kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
                   window=_window(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
-                  return_lse=True, backend=backend, dtype=dtype, check_offsets=check_offsets)
+                  return_lse=True, backend=backend, dtype=dtype, check_offsets=check_offsets,
+                  **_dropout(dropout_p, seed_lo, seed_hi))
         args = (q, k, v, cu_seqlens_q, cu_seqlens_k)
         return tuple(_contiguous(_interop.through_views(_varlen.attention_varlen.__wrapped__, args, kw)))
 
@@ -203,10 +204,11 @@ if _CUSTOM_OP:
                             causal: bool,
                             window_left: Optional[int], window_right: Optional[int], softcap: Optional[float],
                             scale: Optional[float], backend: str, dtype: Optional[str],
-                            check_offsets: bool) -> list[Tensor]:
+                            check_offsets: bool, dropout_p: float, seed_lo: int, seed_hi: int) -> list[Tensor]:
         kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
                   window=_window(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
-                  backend=backend, dtype=dtype, check_offsets=check_offsets, dlse=dlse)
+                  backend=backend, dtype=dtype, check_offsets=check_offsets, dlse=dlse,
+                  **_dropout(dropout_p, seed_lo, seed_hi))
         args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         return _contiguous(_interop.through_views(_varlen.attention_varlen_backward.__wrapped__, args, kw))
 
@@ -234,8 +236,9 @@ if _CUSTOM_OP:
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      window=None, softcap=None, alibi_slopes=None, scale=None, return_lse=False, backend="auto",
-                     dtype=None, check_offsets=True):
+                     dtype=None, check_offsets=True, dropout_p=0.0, dropout_seed=None):
     """flashcupy.attention_varlen recorded by autograd (the module docstring); the same arguments."""
+    rate, seed = _checks.check_dropout(dropout_p, dropout_seed)
     _check_tensors(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                         alibi_slopes=alibi_slopes))
     _no_gradient("alibi_slopes", alibi_slopes)
@@ -251,7 +254,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                                                     _checks.check_bool("causal", causal), left, right,
                                                     _number("softcap", softcap), _number("scale", scale),
                                                     _checks.check_backend_name(backend), dtype,
-                                                    _checks.check_bool("check_offsets", check_offsets))
+                                                    _checks.check_bool("check_offsets", check_offsets), rate,
+                                                    seed & 0xFFFFFFFF, seed >> 32)
     return (out, lse) if return_lse else out
 
 

@@ -184,9 +184,11 @@ def _packed_backend(q, k, v, batch: int, alibi_slopes, keywords: dict, backward:
     backward_packed take)."""
     kw = dict(keywords)
     kw.pop("deterministic", None)
+    words = kw.pop("dropout_seed_words", None)  # flashcupy.jax's seed in device memory (cupy)
     backend, causal, scale, dtype = (kw.pop(name, None) for name in ("backend", "causal", "scale", "dtype"))
-    return _packed_problem(q, k, v, batch, bool(causal), scale, dtype, backends.array_library(q),
-                           dict(kw, alibi_slopes=alibi_slopes), backend or "auto", backward)
+    p, mod = _packed_problem(q, k, v, batch, bool(causal), scale, dtype, backends.array_library(q),
+                             dict(kw, alibi_slopes=alibi_slopes), backend or "auto", backward)
+    return _api._seed_words(p, words), mod
 
 
 def forward_packed(q, k, v, cu_q, cu_k, out, lse, *, alibi_slopes=None, device_offsets=None, **keywords) -> None:

@@ -110,16 +110,34 @@ class _Call:
     bits: bool = False       # q, k, v are JAX uint16/int16 arrays of bfloat16 bits (dtype="bfloat16")
     cu_q: tuple | None = None  # varlen: the host offsets
     cu_k: tuple | None = None
+    dropout_p: float = 0.0
+    seed: int | None = None  # dropout's seed where a Python int (static); None: an operand, a uint32 (2,) array
 
     @classmethod
-    def of(cls, p, window, softcap, scale, backend, **varlen) -> _Call:
-        """The options of a checked call, p its Problem (made from stand-ins of JAX's dtypes)."""
+    def of(cls, p, window, softcap, scale, backend, seed=None, **varlen) -> _Call:
+        """The options of a checked call, p its Problem (made from stand-ins of JAX's dtypes); seed: a
+        static dropout seed."""
         return cls(p.causal, None if window is None else tuple(window), softcap, scale, backend,
-                   "bfloat16" if p.dtype == "bfloat16" else None, bits=p.carrier.kind in "iu", **varlen)
+                   "bfloat16" if p.dtype == "bfloat16" else None, bits=p.carrier.kind in "iu", **varlen,
+                   dropout_p=p.dropout_p, seed=seed)
 
-    def keywords(self) -> dict:
-        return dict(causal=self.causal, window=self.window, softcap=self.softcap, scale=self.scale,
-                    backend=self.backend, dtype=self.dtype)
+    def keywords(self, seed=None) -> dict:
+        """The package's keywords; seed: the view of the seed operand (None for a static seed)."""
+        kw = dict(causal=self.causal, window=self.window, softcap=self.softcap, scale=self.scale,
+                  backend=self.backend, dtype=self.dtype)
+        if not self.dropout_p:
+            return kw
+        kw["dropout_p"] = self.dropout_p
+        if seed is None:
+            kw["dropout_seed"] = self.seed
+        elif isinstance(seed, np.ndarray):  # a CPU's: read where it lies
+            kw["dropout_seed"] = int(seed[0]) | int(seed[1]) << 32
+        elif self.backend in ("auto", "cupy"):  # the kernels read it on the device: no copy, no sync
+            kw.update(dropout_seed=0, dropout_seed_words=seed)
+        else:  # a backend that takes host ints only: a copy that waits for XLA's stream
+            words = seed.get()
+            kw["dropout_seed"] = int(words[0]) | int(words[1]) << 32
+        return kw
 
 
 def _rank4(q, k, v, alibi_slopes=None, bias=None, mask=None):
@@ -137,13 +155,35 @@ def _rank4(q, k, v, alibi_slopes=None, bias=None, mask=None):
     return folded + [slopes] + [None if x is None else x[(0,) * (x.ndim - 3)][None] for x in (bias, mask)]
 
 
-def _plan(q, k, v, causal, window, softcap, alibi_slopes, bias, mask, scale, backend, dtype):
-    """(the Problem, _Call) of a call, every argument checked on stand-ins."""
+def _seed(dropout_p, dropout_seed) -> tuple:
+    """(static seed, seed operand) of dropout: a Python int is static (each new one traces anew); a JAX
+    PRNG key, or a uint32 array of shape (2,) (low word, high word), is an operand, traced or not (a
+    key's data: jax.random.key_data, whose two words make the seed). Either is None where unused."""
+    if not isinstance(dropout_seed, jax.Array):
+        _checks.check_dropout(dropout_p, dropout_seed)
+        return dropout_seed, None
+    if jax.dtypes.issubdtype(dropout_seed.dtype, jax.dtypes.prng_key):
+        words = jax.random.key_data(dropout_seed)
+        if words.shape != (2,) or words.dtype != jnp.uint32:
+            raise ValueError(f"dropout_seed: a PRNG key whose data is uint32 of shape (2,) (threefry2x32's), got "
+                             f"data {words.dtype} of shape {tuple(words.shape)}: pass jax.random.bits(key, (2,), "
+                             f"jnp.uint32)")
+        return None, words
+    if dropout_seed.shape != (2,) or dropout_seed.dtype != jnp.uint32:
+        raise ValueError(f"dropout_seed must be an int, a PRNG key or a uint32 array of shape (2,), got a "
+                         f"{dropout_seed.dtype} array of shape {tuple(dropout_seed.shape)}")
+    return None, dropout_seed
+
+
+def _plan(q, k, v, causal, window, softcap, alibi_slopes, bias, mask, scale, backend, dtype, dropout_p=0.0, seed=None):
+    """(the Problem, _Call) of a call, every argument checked on stand-ins; seed: dropout's static seed
+    (0 stands in for an operand's)."""
     backend = _checks.check_backend_name(backend)
     q4, k4, v4, slopes, bias4, mask4 = _rank4(q, k, v, alibi_slopes, bias, mask)
-    p = _checks.problem(q4, k4, v4, causal, scale, dtype, "numpy", window, softcap, slopes, bias4, mask4)
+    p = _checks.problem(q4, k4, v4, causal, scale, dtype, "numpy", window, softcap, slopes, bias4, mask4,
+                        dropout_p=dropout_p, dropout_seed=0 if seed is None else seed)
     _checks.select_backend(backend, _platform_library(), p)
-    return p, _Call.of(p, window, softcap, scale, backend)
+    return p, _Call.of(p, window, softcap, scale, backend, seed)
 
 
 def _aval(shape, dtype):
@@ -171,6 +211,11 @@ def _fold(x, batched: bool, n: int, batch: int, kind: str):
     they broadcast over the folded batch too ('pair_each': every element its own, for dbias)."""
     if x is None:
         return None
+    if kind == "seed":  # one seed for the folded call: its batches draw their own parts of the mask
+        if batched:
+            raise ValueError("under jax.vmap, dropout_seed must not be mapped (the mapped axis is folded into "
+                             "the batch, whose elements draw different parts of one seed's mask)")
+        return x
     if kind == "slopes" and not batched and x.ndim == 1:
         return x
     if kind == "pair" and not batched and x.shape[0] == 1:
@@ -219,31 +264,32 @@ def _folded(fn, kinds: tuple, dbias_of=None):
 
 @functools.lru_cache(maxsize=None)
 def _forward_call(call: _Call):
-    def callback(ctx, outs, q, k, v, alibi_slopes, bias, mask):
+    def callback(ctx, outs, q, k, v, alibi_slopes, bias, mask, seed):
         with _stream(ctx, q):
             _api.forward(*map(_view, (q, k, v)), alibi_slopes=_view(alibi_slopes), bias=_view(bias),
-                         mask=_view(mask), into=tuple(map(_view, outs)), **call.keywords())
+                         mask=_view(mask), into=tuple(map(_view, outs)), **call.keywords(_view(seed)))
 
-    def run(q, k, v, alibi_slopes, bias, mask):
+    def run(q, k, v, alibi_slopes, bias, mask, seed):
         Sq, Hq = q.shape[-3:-1]
         avals = (_aval(out_shape(q.shape, v.shape), q.dtype), _aval(q.shape[:-3] + (Hq, Sq), _lse_dtype(q)))
-        return tuple(buffer_callback(callback, avals)(q, k, v, alibi_slopes, bias, mask))
+        return tuple(buffer_callback(callback, avals)(q, k, v, alibi_slopes, bias, mask, seed))
 
-    return _folded(run, ("bshd",) * 3 + ("slopes", "pair", "pair"))
+    return _folded(run, ("bshd",) * 3 + ("slopes", "pair", "pair", "seed"))
 
 
 @functools.lru_cache(maxsize=None)
 def _backward_call(call: _Call):
-    def callback(ctx, grads, dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask):
+    def callback(ctx, grads, dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask, seed):
         with _stream(ctx, q):
             _api.backward(*map(_view, (dout, q, k, v, out, lse)), dlse=_view(dlse), alibi_slopes=_view(alibi_slopes),
-                          bias=_view(bias), mask=_view(mask), into=tuple(map(_view, grads)), **call.keywords())
+                          bias=_view(bias), mask=_view(mask), into=tuple(map(_view, grads)),
+                          **call.keywords(_view(seed)))
 
-    def run(dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask):
+    def run(dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask, seed):
         avals = tuple(_aval(x.shape, x.dtype) for x in (q, k, v) + (() if bias is None else (bias,)))
-        return tuple(buffer_callback(callback, avals)(dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask))
+        return tuple(buffer_callback(callback, avals)(dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask, seed))
 
-    return _folded(run, ("bshd",) * 5 + ("bshd", "bshd", "slopes", "pair_each", "pair"), dbias_of=8)
+    return _folded(run, ("bshd",) * 5 + ("bshd", "bshd", "slopes", "pair_each", "pair", "seed"), dbias_of=8)
 
 
 def _zeros_if_symbolic(x, like):
@@ -260,29 +306,29 @@ def _differentiable(call: _Call):
     forward = _forward_call(call)
 
     @jax.custom_vjp
-    def attend(q, k, v, alibi_slopes, bias, mask):
-        return forward(q, k, v, alibi_slopes, bias, mask)
+    def attend(q, k, v, alibi_slopes, bias, mask, seed):
+        return forward(q, k, v, alibi_slopes, bias, mask, seed)
 
     def attend_fwd(*primals):
-        q, k, v, alibi_slopes, bias, mask = (None if x is None else x.value for x in primals)
-        out, lse = forward(q, k, v, alibi_slopes, bias, mask)
-        return (out, lse), (q, k, v, alibi_slopes, bias, mask, out, lse)
+        q, k, v, alibi_slopes, bias, mask, seed = (None if x is None else x.value for x in primals)
+        out, lse = forward(q, k, v, alibi_slopes, bias, mask, seed)
+        return (out, lse), (q, k, v, alibi_slopes, bias, mask, seed, out, lse)
 
     def attend_bwd(residuals, cotangents):
-        q, k, v, alibi_slopes, bias, mask, out, lse = residuals
+        q, k, v, alibi_slopes, bias, mask, seed, out, lse = residuals
         dout, dlse = cotangents
         _check_backward(call, q, k, v)
         grads = _backward_call(call)(_zeros_if_symbolic(dout, out), q, k, v, out, lse, _none_if_symbolic(dlse),
-                                     alibi_slopes, bias, mask)
+                                     alibi_slopes, bias, mask, seed)
         dq, dk, dv = (None, None, None) if call.bits else grads[:3]  # integer bits have no gradient
-        return dq, dk, dv, None, grads[3] if bias is not None else None, None
+        return dq, dk, dv, None, grads[3] if bias is not None else None, None, None
 
     attend.defvjp(attend_fwd, attend_bwd, symbolic_zeros=True)
     return attend
 
 
 def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
-              scale=None, return_lse=False, backend="auto", dtype=None):
+              scale=None, return_lse=False, backend="auto", dtype=None, dropout_p=0.0, dropout_seed=None):
     """flashcupy.attention on jax.Arrays, inside or outside jax.jit, differentiable (jax.grad,
     jax.vjp) and batchable (jax.vmap): the same keywords, shapes and semantics (README,
     "Semantics"). q (*batch, seqlen_q, heads_q, head_dim), k (*batch, seqlen_k, heads_kv, head_dim),
@@ -291,15 +337,21 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
     jax_enable_x64) and bfloat16 (jnp.bfloat16 arrays, passed as their bits without a copy).
 
     Gradients: dq, dk, dv, and dbias for a bias, through out and lse; none for mask and alibi_slopes
-    (zero cotangents). Options (causal, window, softcap, scale, backend) are static: Python values.
+    (zero cotangents). Options (causal, window, softcap, scale, backend, dropout_p) are static: Python
+    values. dropout_seed: a Python int (static: each new seed traces anew), or a JAX PRNG key or
+    uint32 array of shape (2,) (low and high words of the seed), traced or not: on a GPU the kernels
+    read it from device memory, no copy to the host. Under jax.vmap one seed serves the folded batch.
     """
     return_lse = _checks.check_bool("return_lse", return_lse)
     _check_jax({"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes, "bias": bias, "mask": mask})
-    _, call = _plan(q, k, v, causal, window, softcap, alibi_slopes, bias, mask, scale, backend, dtype)
+    static, seed = _seed(dropout_p, dropout_seed)
+    _, call = _plan(q, k, v, causal, window, softcap, alibi_slopes, bias, mask, scale, backend, dtype, dropout_p,
+                    static)
+    seed = seed if call.dropout_p else None
     # a bias or mask with fewer leading dimensions than q, given all of them (size 1), so that the
     # vmap rule lines up its first one with q's
     bias, mask = (None if x is None else x.reshape((1,) * (q.ndim - x.ndim) + x.shape) for x in (bias, mask))
-    out, lse = _differentiable(call)(q, k, v, alibi_slopes, bias, mask)
+    out, lse = _differentiable(call)(q, k, v, alibi_slopes, bias, mask, seed)
     return (out, lse) if return_lse else out
 
 
@@ -326,6 +378,8 @@ def _fold_packed(x, batched: bool, n: int, kind: str):
     shared and (batch, heads) ones repeated."""
     if x is None or (kind == "slopes" and not batched and x.ndim == 1):
         return x
+    if kind == "seed":
+        return _fold(x, batched, n, 0, kind)
     if not batched:
         x = jnp.broadcast_to(x, (n,) + x.shape)
     if kind == "lse":  # (n, heads, total) -> (heads, n x total): a small transposed copy
@@ -367,15 +421,15 @@ def _offset_constants(cu_q, cu_k) -> tuple:
 def _packed_forward(call: _Call):
     cu_q, cu_k = np.asarray(call.cu_q, np.int64), np.asarray(call.cu_k, np.int64)
 
-    def callback(ctx, outs, q, k, v, alibi_slopes, device_q, device_k):
+    def callback(ctx, outs, q, k, v, alibi_slopes, seed, device_q, device_k):
         with _stream(ctx, q):
             _varlen.forward_packed(*map(_view, (q, k, v)), cu_q, cu_k, *map(_view, outs),
                                    alibi_slopes=_view(alibi_slopes), device_offsets=(_view(device_q), _view(device_k)),
-                                   **call.keywords())
+                                   **call.keywords(_view(seed)))
 
-    def run(q, k, v, alibi_slopes):
+    def run(q, k, v, alibi_slopes, seed):
         avals = (_aval(out_shape(q.shape, v.shape), q.dtype), _aval((q.shape[1], q.shape[0]), _lse_dtype(q)))
-        return tuple(buffer_callback(callback, avals)(q, k, v, alibi_slopes, *_offset_constants(cu_q, cu_k)))
+        return tuple(buffer_callback(callback, avals)(q, k, v, alibi_slopes, seed, *_offset_constants(cu_q, cu_k)))
 
     return run
 
@@ -383,15 +437,15 @@ def _packed_forward(call: _Call):
 def _packed_backward(call: _Call):
     cu_q, cu_k = np.asarray(call.cu_q, np.int64), np.asarray(call.cu_k, np.int64)
 
-    def callback(ctx, grads, dout, q, k, v, out, lse, dlse, alibi_slopes, device_q, device_k):
+    def callback(ctx, grads, dout, q, k, v, out, lse, dlse, alibi_slopes, seed, device_q, device_k):
         with _stream(ctx, q):
             _varlen.backward_packed(*map(_view, (dout, q, k, v, out, lse)), cu_q, cu_k, *map(_view, grads),
                                     alibi_slopes=_view(alibi_slopes), device_offsets=(_view(device_q), _view(device_k)),
-                                    dlse=_view(dlse), **call.keywords())
+                                    dlse=_view(dlse), **call.keywords(_view(seed)))
 
-    def run(dout, q, k, v, out, lse, dlse, alibi_slopes):
+    def run(dout, q, k, v, out, lse, dlse, alibi_slopes, seed):
         avals = tuple(_aval(x.shape, x.dtype) for x in (q, k, v))
-        return tuple(buffer_callback(callback, avals)(dout, q, k, v, out, lse, dlse, alibi_slopes,
+        return tuple(buffer_callback(callback, avals)(dout, q, k, v, out, lse, dlse, alibi_slopes, seed,
                                                       *_offset_constants(cu_q, cu_k)))
 
     return run
@@ -399,24 +453,26 @@ def _packed_backward(call: _Call):
 
 @functools.lru_cache(maxsize=None)
 def _differentiable_packed(call: _Call):
-    forward = _folded_packed(_packed_forward, call, ("packed",) * 3 + ("slopes",), ("packed", "lse"))
-    backward = _folded_packed(_packed_backward, call, ("packed",) * 5 + ("lse", "lse", "slopes"), ("packed",) * 3)
+    forward = _folded_packed(_packed_forward, call, ("packed",) * 3 + ("slopes", "seed"), ("packed", "lse"))
+    backward = _folded_packed(_packed_backward, call, ("packed",) * 5 + ("lse", "lse", "slopes", "seed"),
+                              ("packed",) * 3)
 
     @jax.custom_vjp
-    def attend(q, k, v, alibi_slopes):
-        return forward(q, k, v, alibi_slopes)
+    def attend(q, k, v, alibi_slopes, seed):
+        return forward(q, k, v, alibi_slopes, seed)
 
     def attend_fwd(*primals):
-        q, k, v, alibi_slopes = (None if x is None else x.value for x in primals)
-        out, lse = forward(q, k, v, alibi_slopes)
-        return (out, lse), (q, k, v, alibi_slopes, out, lse)
+        q, k, v, alibi_slopes, seed = (None if x is None else x.value for x in primals)
+        out, lse = forward(q, k, v, alibi_slopes, seed)
+        return (out, lse), (q, k, v, alibi_slopes, seed, out, lse)
 
     def attend_bwd(residuals, cotangents):
-        q, k, v, alibi_slopes, out, lse = residuals
+        q, k, v, alibi_slopes, seed, out, lse = residuals
         dout, dlse = cotangents
         _check_backward(call, q[None], k[None], v[None])
-        grads = backward(_zeros_if_symbolic(dout, out), q, k, v, out, lse, _none_if_symbolic(dlse), alibi_slopes)
-        return (*((None,) * 3 if call.bits else grads), None)
+        grads = backward(_zeros_if_symbolic(dout, out), q, k, v, out, lse, _none_if_symbolic(dlse), alibi_slopes,
+                         seed)
+        return (*((None,) * 3 if call.bits else grads), None, None)
 
     attend.defvjp(attend_fwd, attend_bwd, symbolic_zeros=True)
     return attend
@@ -424,21 +480,25 @@ def _differentiable_packed(call: _Call):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      window=None, softcap=None, alibi_slopes=None, scale=None, return_lse=False, backend="auto",
-                     dtype=None):
+                     dtype=None, dropout_p=0.0, dropout_seed=None):
     """flashcupy.attention_varlen on jax.Arrays (jit, grad, vmap as attention): q (total_q,
     heads_q, head_dim), k, v (total_k, heads_kv, head_dim); cu_seqlens_q, cu_seqlens_k int32
     (batch + 1,) known when JAX traces (NumPy arrays or concrete jax.Arrays: each new set of
-    offsets traces anew). Returns out, or (out, lse (heads_q, total_q)) with return_lse=True."""
+    offsets traces anew). dropout_p, dropout_seed: as attention's (sequence b drawn as batch b; under
+    vmap, the n packings concatenated draw their sequences as the folded one's). Returns out, or (out,
+    lse (heads_q, total_q)) with return_lse=True."""
     return_lse = _checks.check_bool("return_lse", return_lse)
     _check_jax({"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes})
     cu_q, cu_k = _host_offsets("cu_seqlens_q", cu_seqlens_q), _host_offsets("cu_seqlens_k", cu_seqlens_k)
     backend = _checks.check_backend_name(backend)
-    mods = dict(window=window, softcap=softcap, alibi_slopes=_stand_in(alibi_slopes))
+    static, seed = _seed(dropout_p, dropout_seed)
+    mods = dict(window=window, softcap=softcap, alibi_slopes=_stand_in(alibi_slopes), dropout_p=dropout_p,
+                dropout_seed=0 if static is None else static)
     # the checks of NumPy's attention_varlen on stand-ins (the NumPy backend takes every option),
     # then the limits of the backend that will run
     p, cu_q, cu_k, _ = _varlen._varlen_plan(*map(_stand_in, (q, k, v)), cu_q, cu_k, max_seqlen_q, max_seqlen_k,
                                             causal, scale, dtype, mods, "numpy")
     _checks.select_backend(backend, _platform_library(), p)
-    call = _Call.of(p, window, softcap, scale, backend, cu_q=tuple(cu_q.tolist()), cu_k=tuple(cu_k.tolist()))
-    out, lse = _differentiable_packed(call)(q, k, v, alibi_slopes)
+    call = _Call.of(p, window, softcap, scale, backend, static, cu_q=tuple(cu_q.tolist()), cu_k=tuple(cu_k.tolist()))
+    out, lse = _differentiable_packed(call)(q, k, v, alibi_slopes, seed if call.dropout_p else None)
     return (out, lse) if return_lse else out

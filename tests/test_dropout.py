@@ -254,3 +254,22 @@ def test_cupy_packed_batch_in_one_launch_draws_sequence_b_as_batch_b(rng, dtype)
         got = (out[rows], lse[:, rows], grads[0][rows], grads[1][keys], grads[2][keys])
         assert_matches_oracle(tuple(x[None] for x in got), q[None, rows], k[None, keys], v[None, keys],
                               dout[None, rows], backend="cupy", dropout_origin=(b, 0, 0, 0), **drop)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_cupy_reads_a_seed_held_in_device_memory(rng, dtype):
+    # flashcupy.jax's traced seeds on a GPU reach the kernels as a device array of two uint32 words
+    # (dropout_seed_words), which they read themselves: the int seed the call carries (0) is not read
+    from flashcupy import _api
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k, v = make_qkv(rng, 2, 21, 30, 2, 1, 32, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    words = np.array([SEED & 0xFFFFFFFF, SEED >> 32], np.uint32)
+    drop = dict(dropout_p=0.3, dropout_seed=0, dropout_seed_words=words)
+    with emulated(compute_capability=80):
+        out, lse = _api.forward(q, k, v, backend="cupy", causal=True, **drop)
+        grads = _api.backward(dout, q, k, v, out, lse, backend="cupy", causal=True, **drop)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", causal=True, dropout_p=0.3,
+                          dropout_seed=SEED)
+    with pytest.raises(ValueError, match="backend 'numpy' cannot read dropout's seed from device memory"):
+        _api.forward(q, k, v, backend="numpy", **drop)

@@ -483,3 +483,58 @@ def test_a_value_head_dim_of_its_own(rng, head_dim_v):
     out = np.asarray(jax.jit(lambda q, k, v: fj.attention_varlen(q, k, v, cu, cu, causal=True))(*map(to_jax, packed)))
     for a, b in ((0, 3), (3, 7)):
         assert_matches_oracle((out[None, a:b],), *(x[None, a:b] for x in packed), backend="numpy", causal=True)
+
+
+def _seed_of(words) -> int:
+    words = np.asarray(words)
+    return int(words[0]) | int(words[1]) << 32
+
+
+def test_dropout_with_a_traced_key_under_jit_grad_and_vmap(rng):
+    """dropout_seed as a PRNG key passed through jax.jit (an operand: a new key, no new trace), the
+    gradients through out and lse with a bias; as a static int; under vmap one seed serves the folded
+    batch, whose elements draw their own parts of the mask (the oracle's batch of the fold); a mapped
+    seed is refused; and a packed batch draws sequence b as batch b."""
+    B, Sq, Sk, Hq, Hkv, D = 2, 7, 11, 2, 1, 8
+    q, k, v, dout = arrays(rng, B, Sq, Sk, Hq, Hkv, D, np.float32)
+    bias = rng.standard_normal((1, Hq, Sq, Sk)).astype(np.float32)
+    dlse = rng.standard_normal((B, Hq, Sq)).astype(np.float32)
+    traces = []
+
+    @jax.jit
+    def run(q, k, v, dout, bias, dlse, key):
+        traces.append(1)
+        kw = dict(causal=True, dropout_p=0.3, dropout_seed=key)
+
+        def loss(q, k, v, bias):
+            o, lse = fj.attention(q, k, v, bias=bias, return_lse=True, **kw)
+            return _dot(o, dout) + _dot(lse, dlse)
+        return fj.attention(q, k, v, bias=bias, return_lse=True, **kw) + jax.grad(loss, argnums=(0, 1, 2, 3))(
+            q, k, v, bias)
+
+    for n in (0, 1):
+        key = jax.random.key(n)
+        got = [np.asarray(x) for x in run(*map(to_jax, (q, k, v, dout, bias, dlse)), key)]
+        assert_matches_oracle(got, q, k, v, dout, backend="numpy", dlse=dlse, causal=True, bias=bias, dropout_p=0.3,
+                              dropout_seed=_seed_of(jax.random.key_data(key)))
+    assert len(traces) == 1
+    static = np.asarray(fj.attention(*map(to_jax, (q, k, v)), dropout_p=0.5, dropout_seed=2**63 + 1))
+    assert_matches_oracle((static,), q, k, v, backend="numpy", dropout_p=0.5, dropout_seed=2**63 + 1)
+    words = jnp.array([5, 6], jnp.uint32)
+    mapped = jax.jit(jax.vmap(lambda q: fj.attention(q, to_jax(k), to_jax(v), dropout_p=0.5, dropout_seed=words)))(
+        to_jax(np.stack([q, -q])))
+    folded = np.concatenate([q, -q])
+    assert_matches_oracle((np.asarray(mapped).reshape(folded.shape),), folded, np.concatenate([k, k]),
+                          np.concatenate([v, v]), backend="numpy", dropout_p=0.5, dropout_seed=5 | 6 << 32)
+    with pytest.raises(ValueError, match="under jax.vmap, dropout_seed must not be mapped"):
+        jax.vmap(lambda w: fj.attention(*map(to_jax, (q, k, v)), dropout_p=0.5, dropout_seed=w))(
+            jnp.ones((2, 2), jnp.uint32))
+    with pytest.raises(ValueError, match="dropout_seed must be an int, a PRNG key or a uint32 array of shape"):
+        fj.attention(*map(to_jax, (q, k, v)), dropout_p=0.5, dropout_seed=jnp.ones(3, jnp.uint32))
+    cu = np.array([0, 3, 7], np.int32)
+    packed = [np.ascontiguousarray(x[0, :7]) for x in (q, k, v)]
+    out = np.asarray(jax.jit(lambda q, k, v, w: fj.attention_varlen(q, k, v, cu, cu, causal=True, dropout_p=0.4,
+                                                                    dropout_seed=w))(*map(to_jax, packed), words))
+    for b, (a, e) in enumerate(((0, 3), (3, 7))):
+        assert_matches_oracle((out[None, a:e],), *(x[None, a:e] for x in packed), backend="numpy", causal=True,
+                              dropout_p=0.4, dropout_seed=5 | 6 << 32, dropout_origin=(b, 0, 0, 0))

@@ -275,7 +275,8 @@ def test_custom_ops_pass_torch_opcheck(rng):
     cu = _t(np.array([0, 2, 5], np.int32))
     pq, pk, pv = (x.detach()[0].requires_grad_(True) for x in (q, k[:, :5], v[:, :5]))
     torch.library.opcheck(torch.ops.flashcupy.attention_varlen.default,
-                          (pq, pk, pv, cu, cu, None, None, None, True, None, None, None, None, "auto", None, True))
+                          (pq, pk, pv, cu, cu, None, None, None, True, None, None, None, None, "auto", None, True,
+                           0.0, 0, 0))
     assert set(_torch.ENTRY_POINTS) == {"attention", "attention_varlen"}
 
 
@@ -502,7 +503,8 @@ def test_a_value_head_dim_of_its_own(rng):
     cu = _t(np.array([0, 2, 5], np.int32))
     pq, pk, pv = (x.detach()[0].requires_grad_(True) for x in (q, k[:, :5], v[:, :5]))
     torch.library.opcheck(torch.ops.flashcupy.attention_varlen.default,
-                          (pq, pk, pv, cu, cu, None, None, None, True, None, None, None, None, "auto", None, True))
+                          (pq, pk, pv, cu, cu, None, None, None, True, None, None, None, None, "auto", None, True,
+                           0.0, 0, 0))
 
 
 def test_dropout_gradients_are_of_the_dropped_attention(rng):
@@ -522,3 +524,24 @@ def test_dropout_gradients_are_of_the_dropped_attention(rng):
     np.testing.assert_allclose(f(q, k, v, bias)[0].detach().numpy(), want, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="dropout_seed must be given"):
         flashcupy.attention(q, k, v, dropout_p=0.3)
+
+
+def test_dropout_in_a_packed_batch(rng):
+    """attention_varlen with dropout: gradcheck through out and lse (sequence b drawn as batch b), and
+    torch.library.opcheck of the ops with dropout's arguments."""
+    cu = _t(np.array([0, 2, 5], np.int32))
+    q, k, v = (_t(rng.standard_normal((5, 2, 4)), True) for _ in range(3))
+
+    def f(q, k, v):
+        return flashcupy.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True, dropout_p=0.4,
+                                          dropout_seed=3)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+    out = f(q, k, v)[0].detach().numpy()
+    for b, (a, e) in enumerate(((0, 2), (2, 5))):
+        want = reference.attention(*(x.detach().numpy()[None, a:e] for x in (q, k, v)), causal=True, dropout_p=0.4,
+                                   dropout_seed=3, dropout_origin=(b, 0, 0, 0))
+        np.testing.assert_allclose(out[a:e], want[0], rtol=1e-12, atol=1e-12)
+    torch.library.opcheck(torch.ops.flashcupy.attention_varlen.default,
+                          (q, k, v, cu, cu, None, None, None, True, None, None, None, None, "auto", None, True,
+                           0.4, 3, 0))

@@ -157,6 +157,7 @@ def _cdiv(a: int, b: int) -> int:
 MAX_HEAD_DIM = specs.MAX_HEAD_DIM
 MODIFIERS = frozenset(specs.MOD_BITS)  # the score modifiers the kernels compute; _api refuses the others
 DROPOUT = True  # dropout_p: the SIMT and mma.sync kernels (specs.sm90_eligible: not the Hopper ones)
+DROPOUT_SEED_ON_DEVICE = True  # the kernels read the seed from device memory where given (_dropout_args)
 HEAD_DIM_V = True  # v's head_dim may differ from q's and k's (_tc_takes, _same_head_dims: which kernels)
 
 
@@ -358,7 +359,7 @@ def _problem_args(rt, p, like, tensor_cores: bool) -> tuple:
     def make():
         return (*_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
                 *_modifier_args(p, _stand_in(rt, like, p.acc_dtype), tensor_cores))
-    if p.alibi_slopes is None and p.bias is None and p.mask is None:
+    if p.alibi_slopes is None and p.bias is None and p.mask is None and p.dropout_seed_words is None:
         return _remember(rt.plans, ("problem", p, tensor_cores, rt.device_id(like)), make)
     return make()
 
@@ -379,19 +380,22 @@ def _modifier_args(p, unused, tensor_cores: bool) -> tuple:
     mask = _pair_tensor(p.mask, unused)
     slopes = p.alibi_slopes
     if slopes is None:
-        return (*window, *softcap, unused, np.int64(0), np.int64(0), *bias, *mask, *_dropout_args(p))
+        return (*window, *softcap, unused, np.int64(0), np.int64(0), *bias, *mask, *_dropout_args(p, unused))
     slopes = _runtime().xp.asarray(slopes, dtype=p.acc_dtype)  # a copy only for float32 slopes in float64
     strides = [s // slopes.itemsize for s in slopes.strides]
     return (*window, *softcap, slopes, np.int64(0 if slopes.ndim == 1 else strides[0]), np.int64(strides[-1]),
-            *bias, *mask, *_dropout_args(p))
+            *bias, *mask, *_dropout_args(p, unused))
 
 
-def _dropout_args(p) -> tuple:
+def _dropout_args(p, unused) -> tuple:
     """PROBLEM_PARAMS' last (mask.cuh's Dropout): the threshold, the seed's low and high words, the
-    origin (batch, head, query, key) as uint32, then 1 / (1 - p) in the accumulation type."""
-    words = (_dropout.threshold(p.dropout_p), p.dropout_seed & 0xFFFFFFFF, p.dropout_seed >> 32,
-             *(x & 0xFFFFFFFF for x in p.dropout_origin))
-    return (*map(np.uint32, words), p.acc_dtype.type(p.dropout_scale))
+    device array that holds them instead (p.dropout_seed_words; `unused` where there is none) and whether
+    it does, the origin (batch, head, query, key) as uint32, then 1 / (1 - p) in the accumulation type."""
+    words = p.dropout_seed_words
+    seed = (p.dropout_seed & 0xFFFFFFFF, p.dropout_seed >> 32)
+    origin = (x & 0xFFFFFFFF for x in p.dropout_origin)
+    return (np.uint32(_dropout.threshold(p.dropout_p)), *map(np.uint32, seed), unused if words is None else words,
+            np.int32(words is not None), *map(np.uint32, origin), p.acc_dtype.type(p.dropout_scale))
 
 
 def _pair_tensor(x, unused) -> tuple:

@@ -192,8 +192,9 @@ __device__ __forceinline__ Stats<Acc> d_row(Acc* D, int heads_q, int seqlen_q, i
 // slopes), alibi_sh; the bias (of the kernel's T, or of float where bias_f32) and the bool mask
 // (keep), each a rank-4 array broadcastable to (batch, heads_q, seqlen_q, seqlen_k) with its element
 // strides (0 along a broadcast dimension). Dropout's last (mask.cuh's Dropout): the threshold, the seed's
-// two words, the origin (batch, head, query, key) of the kernel's pairs in the whole call's mask, and
-// 1 / (1 - p) in Acc.
+// two words, or where drop_seed_read is 1 the device memory that holds them (flashcupy.jax's seeds, which
+// live on the device), the origin (batch, head, query, key) of the kernel's pairs in the whole call's
+// mask, and 1 / (1 - p) in Acc.
 // Every kernel takes them all; a kernel not specialised for a modifier never reads its arguments.
 #define PROBLEM_PARAMS(Acc) \
     int seqlen_q, int seqlen_k, int heads_q, int group, int head_dim, int head_dim_v, Acc scale, int causal, \
@@ -201,7 +202,8 @@ __device__ __forceinline__ Stats<Acc> d_row(Acc* D, int heads_q, int seqlen_q, i
     index_t alibi_sb, index_t alibi_sh, const void* __restrict__ bias, index_t bias_sb, index_t bias_sh, \
     index_t bias_sq, index_t bias_sk, int bias_f32, const bool* __restrict__ keep, index_t keep_sb, \
     index_t keep_sh, index_t keep_sq, index_t keep_sk, unsigned drop_threshold, unsigned drop_seed_lo, \
-    unsigned drop_seed_hi, unsigned drop_b, unsigned drop_h, unsigned drop_i, unsigned drop_j, Acc drop_scale
+    unsigned drop_seed_hi, const unsigned* __restrict__ drop_seed, int drop_seed_read, unsigned drop_b, \
+    unsigned drop_h, unsigned drop_i, unsigned drop_j, Acc drop_scale
 
 // The forward kernels' last arguments, split-KV (mask.cuh's Split): keys per split, and the element
 // offsets between the splits' partial outs and lses; read only by kernels specialised for SPLIT.
@@ -228,7 +230,8 @@ __device__ __forceinline__ Stats<Acc> d_row(Acc* D, int heads_q, int seqlen_q, i
 #define PROBLEM_ARGS                                                                                        \
     seqlen_q, seqlen_k, heads_q, group, head_dim, head_dim_v, scale, causal, diagonal, window_left, window_right, \
         cap_in, cap_out, alibi, alibi_sb, alibi_sh, bias, bias_sb, bias_sh, bias_sq, bias_sk, bias_f32, keep, keep_sb, \
-        keep_sh, keep_sq, keep_sk, drop_threshold, drop_seed_lo, drop_seed_hi, drop_b, drop_h, drop_i, drop_j, drop_scale
+        keep_sh, keep_sq, keep_sk, drop_threshold, drop_seed_lo, drop_seed_hi, drop_seed, drop_seed_read, drop_b, \
+        drop_h, drop_i, drop_j, drop_scale
 #define SPLIT_ARGS key_split, out_split, lse_split
 #define VARLEN_ARGS cu_seqlens_q, cu_seqlens_k, num_seqs, seqused_k, has_seqused, seqused_add
 #define PAGED_ARGS block_table, table_sb, table_sn, page_size, num_pages

@@ -215,10 +215,12 @@ struct Dropout {
 };
 
 // The Dropout of (batch b, query head h) for a kernel specialised for MODS, of its PROBLEM_PARAMS
-#define MAKE_DROPOUT(Acc, MODS, b, h)                                                                         \
-    Dropout<Acc, ((MODS) & MOD_DROPOUT) != 0> {                                                                \
-        drop_threshold, drop_seed_lo, drop_seed_hi, unsigned(b) + drop_b, unsigned(h) + drop_h, drop_i, drop_j, \
-            Acc(drop_scale)                                                                                    \
+// (the seed's words read from device memory where drop_seed_read says so: only in kernels specialised for it)
+#define MAKE_DROPOUT(Acc, MODS, b, h)                                                                            \
+    Dropout<Acc, ((MODS) & MOD_DROPOUT) != 0> {                                                                   \
+        drop_threshold, ((MODS) & MOD_DROPOUT) != 0 && drop_seed_read ? drop_seed[0] : drop_seed_lo,              \
+            ((MODS) & MOD_DROPOUT) != 0 && drop_seed_read ? drop_seed[1] : drop_seed_hi, unsigned(b) + drop_b,    \
+            unsigned(h) + drop_h, drop_i, drop_j, Acc(drop_scale)                                                 \
     }
 
 // s - lse of a score the backward (or attention_probs) recomputes, clamped to at most 0 as it is by
