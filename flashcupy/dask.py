@@ -364,8 +364,8 @@ def _lse_chunks(q):
 
 def _forward(plan: _Plan, q, k, v):
     da, tokenize, HighLevelGraph = _dask()
-    token = tokenize(q, k, v, plan.dropout, plan.causal, plan.window, plan.softcap, plan.alibi, plan.bias, plan.mask, plan.scale,
-                     plan.backend, plan.dtype)
+    token = tokenize(q, k, v, plan.dropout, plan.causal, plan.window, plan.softcap, plan.alibi, plan.bias, plan.mask,
+                     plan.scale, plan.backend, plan.dtype)
     graph, lse_graph, out_name, lse_name = _forward_graph(plan, q, k, v, token)
     # one layer per output array, as dask wants; lse's layer reads the merged parts in out's
     inputs = [q, k, v] + plan.modifiers()
@@ -396,8 +396,8 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
 
 def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse, deterministic):
     da, tokenize, HighLevelGraph = _dask()
-    token = tokenize(dout, q, k, v, out, lse, dlse, plan.dropout, plan.causal, plan.window, plan.softcap, plan.alibi, plan.bias,
-                     plan.mask, plan.scale, plan.backend, plan.dtype, deterministic)
+    token = tokenize(dout, q, k, v, out, lse, dlse, plan.dropout, plan.causal, plan.window, plan.softcap, plan.alibi,
+                     plan.bias, plan.mask, plan.scale, plan.backend, plan.dtype, deterministic)
     outputs = ("dq", "dk", "dv") + (() if plan.bias is None else ("dbias",))
     graph = {g: {} for g in outputs}  # one layer per output; dk's, dv's and dbias's read dq's pairs
     pair_name, part_name = f"flashcupy-pair-grad-{token}", f"flashcupy-grad-part-{token}"

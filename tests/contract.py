@@ -61,6 +61,12 @@ SIMULATOR_HEAD_DIM_V_CASES = (
 )
 
 
+# Dropout (README, Semantics): its rows run MODIFIED_CASE with dropout_p and a seed of two words, alone
+# ("dropout") and with every modifier ("dropout+all-causal"), on the paths and dtypes of Backend.dropout;
+# tests/test_dropout.py has the rule's own tests, the kernels' slips, split-KV and packed batches.
+DROPOUT = dict(dropout_p=0.25, dropout_seed=2**33 + 17)
+
+
 @dataclass(frozen=True)
 class Backend:
     """One backend's columns: its kernel paths ({name: dtypes}), shapes, and the context a path runs in."""
@@ -71,6 +77,7 @@ class Backend:
     modified: tuple = ("all-causal",)  # modifier_cases' combinations run on MODIFIED_CASE
     head_dim_v: tuple = ()  # the paths that run value_cases, with the first order alone
     value_cases: tuple = HEAD_DIM_V_CASES
+    dropout: tuple = ()  # (path, dtype, rows: names of check's dropout rows), with the first order alone
 
 
 @contextlib.contextmanager
@@ -117,12 +124,22 @@ CONTEXTS = {
 BACKENDS = {
     "numpy": Backend({"copied": ("float16", "bfloat16", "bfloat16-bits", "float32", "float64"),
                       "in-place": ("float16", "float32", "float64")}, CASES, modified=("all", "all-causal"),
-                     head_dim_v=("copied", "in-place")),
+                     head_dim_v=("copied", "in-place"),
+                     dropout=tuple((path, dtype, ("dropout", "dropout+all-causal")) for path, dtype in (
+                         ("copied", "float16"), ("copied", "bfloat16-bits"), ("copied", "float32"),
+                         ("copied", "float64"), ("in-place", "float32")))),
+    # cupy's dropout rows are plain ones (each modifier set is a specialisation the emulator builds: see
+    # MODIFIED_CASE); an sm_90 device sends them to the mma.sync kernels
     "cupy": Backend({"hopper": ("float16", "bfloat16-bits"), "tensor-core": ("float16", "bfloat16-bits"),
                      "simt": ("float16", "bfloat16-bits", "float32", "float64")}, CASES,
-                    orders=("ascending", "descending"), modified=(), head_dim_v=("tensor-core", "simt")),
+                    orders=("ascending", "descending"), modified=(), head_dim_v=("tensor-core", "simt"),
+                    dropout=tuple((path, dtype, ("dropout",)) for path, dtype in (
+                        ("hopper", "float16"), ("tensor-core", "bfloat16-bits"), ("simt", "float32"),
+                        ("simt", "float64")))),
     "numba": Backend({"simt": ("float16", "float32", "float64")}, SIMULATOR_CASES, head_dim_v=("simt",),
-                     value_cases=SIMULATOR_HEAD_DIM_V_CASES),
+                     value_cases=SIMULATOR_HEAD_DIM_V_CASES,
+                     dropout=(("simt", "float32", ("dropout", "dropout+all-causal")),
+                              ("simt", "float64", ("dropout",)))),
 }
 
 
@@ -152,6 +169,8 @@ def table(backend: str, cases=None, modified=True, marks=(), prefix="") -> list:
              for name in (b.modified if modified else ())]
     rows += [Row(backend, path, b.orders[0], dtype, case, None) for path in b.head_dim_v for dtype in b.paths[path]
              for case in (b.value_cases if cases is None else ())]
+    rows += [Row(backend, path, b.orders[0], dtype, MODIFIED_CASE, name) for path, dtype, names in b.dropout
+             for name in (names if modified and cases is None else ())]
     return [pytest.param(row, id=prefix + str(row), marks=marks) for row in rows]
 
 
@@ -164,8 +183,12 @@ def check(row: Row, rng) -> None:
     q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, values, head_dim_v=Dv)
     dout = rng.standard_normal((B, Sq, Hq, Dv)).astype(values)
     kw = dict(causal=causal)
-    if row.modifiers is not None:
-        kw.update(modifier_cases(rng, (B, Sq, Sk, Hq, Hkv, D), values)[row.modifiers])
+    name = row.modifiers
+    if name is not None and name.startswith("dropout"):  # "dropout", or "dropout+" modifier_cases' name
+        kw.update(DROPOUT)
+        name = name.partition("+")[2] or None
+    if name is not None:
+        kw.update(modifier_cases(rng, (B, Sq, Sk, Hq, Hkv, D), values)[name])
     ref = dict(kw)
     args = q, k, v, dout
     if bits:

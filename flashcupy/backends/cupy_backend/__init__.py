@@ -394,7 +394,8 @@ def _dropout_args(p, unused) -> tuple:
     words = p.dropout_seed_words
     seed = (p.dropout_seed & 0xFFFFFFFF, p.dropout_seed >> 32)
     origin = (x & 0xFFFFFFFF for x in p.dropout_origin)
-    return (np.uint32(_dropout.threshold(p.dropout_p)), *map(np.uint32, seed), unused if words is None else words,
+    return (np.uint32(_dropout.threshold(p.dropout_p)), *map(np.uint32, seed),
+            unused.view(np.uint32) if words is None else words,  # a pointer to 4-byte words either way
             np.int32(words is not None), *map(np.uint32, origin), p.acc_dtype.type(p.dropout_scale))
 
 
