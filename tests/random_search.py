@@ -66,6 +66,13 @@ def _modifiers(rng, B, Sq, Sk, Hq, dtype):
     return kw
 
 
+def _dropout(rng) -> dict:
+    """Dropout's keywords in a quarter of the draws: any p, a seed of any 64 bits."""
+    if rng.random() >= 0.25:
+        return {}
+    return {"dropout_p": float(rng.uniform(0.05, 0.9)), "dropout_seed": int(rng.integers(0, 2**64, dtype=np.uint64))}
+
+
 def _describe(**fields) -> str:
     return " ".join(f"{name}={getattr(x, 'shape', x)}" for name, x in fields.items())
 
@@ -79,6 +86,7 @@ def attention_case(rng, args):
     Dv = int(rng.choice(args.head_dims)) if rng.random() < 0.3 else D  # v's head_dim of its own in 30 %
     layout = str(rng.choice(LAYOUTS))
     kw = _modifiers(rng, B, Sq, Sk, Hq, dtype) if args.modifiers else {"causal": bool(rng.random() < 0.4)}
+    kw.update(_dropout(rng))
     q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, _values(dtype), layout=layout, head_dim_v=Dv)
     dout = rng.standard_normal((B, Sq, Hq, Dv)).astype(_values(dtype))
     call, ref, given = dict(kw), dict(kw), (q, k, v, dout)
@@ -205,10 +213,15 @@ def jax_case(rng, args):
                      for shape in ((Sq, Hq, D), (Sk, Hkv, D), (Sk, Hkv, D), (Sq, Hq, D)))
     acc = np.float64 if dtype == "float64" else np.float32
     dlse = rng.standard_normal(lead + (Hq, Sq)).astype(acc)
+    kw.update(_dropout(rng))
     yield _describe(lead=lead, Sq=Sq, Sk=Sk, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, bias=bias, **kw)
+    call = dict(kw)
+    if kw.get("dropout_p") and rng.random() < 0.5:  # the seed as an operand: two uint32 words
+        seed = kw["dropout_seed"]
+        call["dropout_seed"] = jnp.array([seed & 0xFFFFFFFF, seed >> 32], jnp.uint32)
 
     def loss(q, k, v, b):
-        out, lse = fj.attention(q, k, v, bias=b, return_lse=True, **kw)
+        out, lse = fj.attention(q, k, v, bias=b, return_lse=True, **call)
         return jnp.sum(out.astype(acc) * jnp.asarray(dout).astype(acc)) + jnp.sum(lse * dlse), (out, lse)
 
     wrt = (0, 1, 2) if bias is None else (0, 1, 2, 3)
@@ -238,6 +251,7 @@ def torch_case(rng, args):
         t = t.detach()
         return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
+    kw.update(_dropout(rng))
     yield _describe(lead=lead, Sq=Sq, Sk=Sk, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, bias=bias, **kw)
     inputs = [tensor(x).requires_grad_() for x in arrays[:3] + ([] if bias is None else [bias])]
     out, lse = flashcupy.attention(*inputs[:3], bias=inputs[3] if bias is not None else None, return_lse=True, **kw)
@@ -275,6 +289,7 @@ def dask_case(rng, args):
         kw["bias"] = rng.standard_normal(shape).astype(np.float32 if rng.random() < 0.3 else dtype)
     if rng.random() < 0.3:
         kw["mask"] = rng.random(_broadcast_shape(rng, (B, Hkv * group, Sq, Sk))) < 0.7
+    kw.update(_dropout(rng))
     rows, keys = (int(rng.integers(1, n + 1)) if n else 1 for n in (Sq, Sk))
     heads = int(rng.choice([h for h in range(1, Hkv + 1) if Hkv % h == 0]))
     yield _describe(B=B, Sq=Sq, Sk=Sk, Hq=Hkv * group, Hkv=Hkv, D=D, Dv=Dv, dtype=dtype.name,

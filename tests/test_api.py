@@ -303,15 +303,18 @@ def test_cupy_problem_arguments_kept_between_calls_are_the_arguments_made_again(
     q = rng.standard_normal((2, 40, 4, 64)).astype(np.float16)
     k = rng.standard_normal((2, 50, 2, 64)).astype(np.float16)
     variants = [dict(), dict(causal=True), dict(scale=0.3), dict(window=(5, 3)), dict(window=(None, 0)),
-                dict(softcap=5.0), dict(softcap=5.0, scale=0.3), dict(diagonal=7), dict(causal=True, diagonal=-3)]
+                dict(softcap=5.0), dict(softcap=5.0, scale=0.3), dict(diagonal=7), dict(causal=True, diagonal=-3),
+                dict(dropout_p=0.3, dropout_seed=5), dict(dropout_p=0.3, dropout_seed=2**40 + 5),
+                dict(dropout_p=0.5, dropout_seed=5), dict(dropout_p=0.3, dropout_seed=5, dropout_origin=(1, 0, 2, 3))]
 
     def same(a, b):
         return len(a) == len(b) and all(x is y if isinstance(x, np.ndarray) else (type(x) is type(y) and x == y)
                                         for x, y in zip(a, b))
     with emulated() as rt:
         for kw in [*variants, *reversed(variants)]:
+            drop = {name: kw[name] for name in ("dropout_p", "dropout_seed", "dropout_origin") if name in kw}
             p = flashcupy._checks.problem(q, k, k, kw.get("causal", False), kw.get("scale"), None, "numpy",
-                                          kw.get("window"), kw.get("softcap"), diagonal=kw.get("diagonal"))
+                                          kw.get("window"), kw.get("softcap"), diagonal=kw.get("diagonal"), **drop)
             for tensor_cores in (True, False):
                 kept = cupy_backend._problem_args(rt, p, q, tensor_cores)
                 with mock.patch.object(cupy_backend, "CACHE_HOST_WORK", False):

@@ -394,7 +394,8 @@ def test_scores_whose_rounding_exceeds_one_keep_the_gradients_finite(dtype, scal
 SIMT_MUTATIONS = {
     **MASK_CUH_MUTATIONS,
     "scale ignored": ("blk.i0, seqlen_q, head_dim, scale);", "blk.i0, seqlen_q, head_dim, Acc(1) / sqrt(Acc(head_dim)));"),
-    "D not subtracted": ("dP[r] = ds(score, S[r], dP[r], D_i, t);", "dP[r] = ds(score, S[r], dP[r], Acc(0), t);"),
+    "D not subtracted": ("dP[r] = ds(score, S[r], drop.times(dP[r], z), D_i, t);",
+                         "dP[r] = ds(score, S[r], drop.times(dP[r], z), Acc(0), t);"),
     "lse base": ("m[r] + acc_log(l[r]);", "m[r] + acc_log(l[r]) / acc_log(Acc(2));"),
 }
 

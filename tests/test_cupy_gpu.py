@@ -160,6 +160,29 @@ def test_a_value_head_dim_of_its_own(rng):
                           backend="cupy")
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_dropout_on_the_device(rng, dtype):
+    # dropout's keep mask drawn by the device's own __umulhi (the mma.sync kernels for float16, also on
+    # Hopper, which takes none; the SIMT ones for float32), with a bias broadcast over rows (dbias from
+    # flash_pairs.cu on SIMT), and the seed read from device memory (flashcupy.jax's way), against the
+    # oracle's Philox
+    import cupy
+    from flashcupy import _api
+    q, k, v = make_qkv(rng, 2, 200, 260, 4, 2, 64, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    bias = rng.standard_normal((2, 4, 1, 260)).astype(dtype)
+    seed = 2**40 + 12345
+    drop = dict(causal=True, dropout_p=0.2, dropout_seed=seed)
+    dq_, dk_, dv_, ddout, dbias_ = on_device(q, k, v, dout, bias)
+    out, lse = flashcupy.attention(dq_, dk_, dv_, bias=dbias_, return_lse=True, **drop)
+    grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, bias=dbias_, **drop)
+    assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout, bias=bias, backend="cupy", **drop)
+    words = cupy.asarray(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32))
+    out2, _ = _api.forward(dq_, dk_, dv_, bias=dbias_, causal=True, dropout_p=0.2, dropout_seed=0,
+                           dropout_seed_words=words)
+    np.testing.assert_array_equal(out2.get(), out.get())
+
+
 def test_dask_with_cupy_chunks_and_a_pair_bias(rng):
     # flashcupy.dask with CuPy chunks (each pair on the cupy backend), a pair bias shared by the batch
     # as a dask array of CuPy blocks, a key-padding mask as a CuPy array, and dbias; against the oracle

@@ -327,8 +327,9 @@ PAIR_MUTATIONS = {
     "dbias row sum misses a warp": ("for (int w = 0; w < NUM_WARPS; ++w)", "for (int w = 1; w < NUM_WARPS; ++w)"),
     "probs subtract the lse of the asked index": ("prob(s - lse_for_p(lse_row, i,",
                                                   "prob(s - lse_for_p(lse_row, n,"),
-    "tensor-core dQ drops the softcap's derivative": ("dp = hidden ? 0.0f : ds(score, P, dp, D_r[r / 8], t);",
-                                                      "dp = hidden ? 0.0f : P * (dp - D_r[r / 8]);"),
+    "tensor-core dQ drops the softcap's derivative": (
+        "dp = hidden ? 0.0f : ds(score, P, drop(dp, row_w + r, j0 + c), D_r[r / 8], t);",
+        "dp = hidden ? 0.0f : P * (drop(dp, row_w + r, j0 + c) - D_r[r / 8]);"),
 }
 
 # (path, case of modifier_checks.modifier_cases): a full bias, one summed over rows, one over keys, masks;

@@ -843,7 +843,7 @@ NUMBA_MUTATIONS = {
                       "s, _, _ = _modify(s / math.sqrt(head_dim), mods, slopes, bias, allow, mask, b, h, i, j0 + c,"),
     "GQA head mapping": ("for h in range(kv_head * group, (kv_head + 1) * group):",
                          "for h in range(kv_head, kv_head + group):"),
-    "D not subtracted": ("ds = p * (dp - D[_at3(Dst, b, h, i)]) *", "ds = p * dp *"),
+    "D not subtracted": ("ds = p * (dp * z - D[_at3(Dst, b, h, i)]) *", "ds = p * dp * z *"),
     "key_end off by one": ("min(seqlen_k, i_end + diagonal + right))", "min(seqlen_k, i_end + diagonal + right - 1))"),
     "lse base": ("m + math.log(l) if seen", "m + math.log2(l) if seen"),
     "dbias not summed over heads": ("h_end = hb + 1 if nh > 1 else heads_q", "h_end = hb + 1"),

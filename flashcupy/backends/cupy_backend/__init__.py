@@ -358,7 +358,8 @@ def _problem_args(rt, p, like, tensor_cores: bool) -> tuple:
     absent arrays one stand-in a device. Call with like's device current."""
     def make():
         return (*_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
-                *_modifier_args(p, _stand_in(rt, like, p.acc_dtype), tensor_cores))
+                *_modifier_args(p, _stand_in(rt, like, p.acc_dtype), tensor_cores),
+                *_dropout_args(p, _stand_in(rt, like, _UINT32)))
     if p.alibi_slopes is None and p.bias is None and p.mask is None and p.dropout_seed_words is None:
         return _remember(rt.plans, ("problem", p, tensor_cores, rt.device_id(like)), make)
     return make()
@@ -370,7 +371,7 @@ def _modifier_args(p, unused, tensor_cores: bool) -> tuple:
     kernels' scores are natural and scaled, the tensor-core ones' unscaled and then base 2),
     the ALiBi slopes as a (batch, heads_q) array of the accumulation type and its element
     strides (batch stride 0 for per-head slopes), then the bias (_pair_tensor), whether it is
-    float32, the bool mask (_pair_tensor), and dropout's (_dropout_args). `unused`, an array of the accumulation type,
+    float32, and the bool mask (_pair_tensor); dropout's follow (_dropout_args). `unused`, an array of the accumulation type,
     stands in for absent arrays: a kernel not specialised for a modifier never reads its pointer."""
     acc = p.acc_dtype.type
     window = _window_args(p) if "window" in p.modifiers else (np.int32(0), np.int32(0))
@@ -380,22 +381,23 @@ def _modifier_args(p, unused, tensor_cores: bool) -> tuple:
     mask = _pair_tensor(p.mask, unused)
     slopes = p.alibi_slopes
     if slopes is None:
-        return (*window, *softcap, unused, np.int64(0), np.int64(0), *bias, *mask, *_dropout_args(p, unused))
+        return (*window, *softcap, unused, np.int64(0), np.int64(0), *bias, *mask)
     slopes = _runtime().xp.asarray(slopes, dtype=p.acc_dtype)  # a copy only for float32 slopes in float64
     strides = [s // slopes.itemsize for s in slopes.strides]
     return (*window, *softcap, slopes, np.int64(0 if slopes.ndim == 1 else strides[0]), np.int64(strides[-1]),
-            *bias, *mask, *_dropout_args(p, unused))
+            *bias, *mask)
 
 
 def _dropout_args(p, unused) -> tuple:
     """PROBLEM_PARAMS' last (mask.cuh's Dropout): the threshold, the seed's low and high words, the
-    device array that holds them instead (p.dropout_seed_words; `unused` where there is none) and whether
-    it does, the origin (batch, head, query, key) as uint32, then 1 / (1 - p) in the accumulation type."""
+    device array that holds them instead (p.dropout_seed_words; `unused`, a uint32 stand-in, where there
+    is none) and whether it does, the origin (batch, head, query, key) as uint32, then 1 / (1 - p) in the
+    accumulation type."""
     words = p.dropout_seed_words
     seed = (p.dropout_seed & 0xFFFFFFFF, p.dropout_seed >> 32)
     origin = (x & 0xFFFFFFFF for x in p.dropout_origin)
     return (np.uint32(_dropout.threshold(p.dropout_p)), *map(np.uint32, seed),
-            unused.view(np.uint32) if words is None else words,  # a pointer to 4-byte words either way
+            unused if words is None else words,
             np.int32(words is not None), *map(np.uint32, origin), p.acc_dtype.type(p.dropout_scale))
 
 
@@ -601,6 +603,7 @@ def _int32_stand_in(rt, like):
 
 
 _INT32 = np.dtype(np.int32)
+_UINT32 = np.dtype(np.uint32)  # dropout's seed pointer (_dropout_args)
 
 
 def _no_varlen(rt, like) -> tuple:
