@@ -164,6 +164,10 @@ CUPY_CASES = (
     (2, 20, 40, 2, 2, 32, np.float32, 80, lambda rng: {"bias": rng.standard_normal((2, 1, 1, 40)).astype(np.float32)}),
     (1, 24, 24, 2, 2, 64, np.float16, 90, lambda rng: {}),
     (1, 40, 40, 2, 1, 32, np.float16, 80, lambda rng: {"deterministic": True}),
+    # the tiles dropout changes (specs.DROPOUT_TILES, the tensor-core forward's at 128: tc_tile)
+    (1, 21, 37, 2, 1, 128, np.float16, 80, lambda rng: {}),
+    (1, 21, 37, 2, 1, 100, np.float32, 80, lambda rng: {"causal": True}),
+    (1, 21, 37, 2, 1, 64, np.float64, 80, lambda rng: {"bias": rng.standard_normal((1, 2, 1, 37))}),
 )
 
 

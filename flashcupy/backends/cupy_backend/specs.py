@@ -80,6 +80,12 @@ PAIR_TILES = {("flash_fwd", 4, 32): (32, 32), ("flash_fwd", 8, 64): (16, 32),
 # A packed batch's dK/dV kernel (VARLEN: the sequence's offsets and lengths besides), over
 # MODIFIED_TILES, where tests/test_nvrtc.py saw spills: fewer keys a pass
 VARLEN_TILES = {("flash_bwd_dkdv", 4, 64): (32, 32), ("flash_bwd_dkdv", 4, 256): (8, 8)}
+# With dropout (MOD_DROPOUT: a Philox call per pair), over all of those, where NVRTC 12.9 or 13 for sm_80
+# or sm_90 saw spills (benchmarks/results/dropout_registers.md): fewer rows (forward) or keys a warp
+DROPOUT_TILES = {("flash_fwd", 8, 32): (16, 32), ("flash_fwd", 8, 64): (16, 32), ("flash_bwd_dq", 4, 32): (32, 32),
+                 ("flash_bwd_dkdv", 4, 64): (32, 16), ("flash_bwd_dkdv", 4, 128): (16, 8),
+                 ("flash_bwd_dkdv", 8, 64): (16, 16), ("flash_bwd_dbias", 8, 32): (16, 32),
+                 ("flash_bwd_dbias", 8, 64): (16, 16)}
 
 
 # The register figures behind every tile table below: benchmarks/results/tile_choices.md.
@@ -125,6 +131,8 @@ TC_TILES = {
     ("forward", "plain"): {64: (128, 64), 128: (256, 32), 192: (64, 32), 256: (64, 16)},
     # With softcap or ALiBi the forward at head_dim 128 keeps 64 x 64 tiles in the 4-warp kernel: the
     # score's extra work per element of S took the two-row-tile kernels past 255 registers, into spills.
+    # So does dropout's (a Philox call per two keys: the wide kernel spilled 48 to 80 bytes under its cap,
+    # benchmarks/results/dropout_registers.md).
     ("forward", "score"): {64: (128, 64), 128: (64, 64), 192: (64, 32), 256: (64, 16)},
     # With a bias or a bool mask the forward takes 64 rows and 32 keys a pass, and asks ptxas for two
     # CTAs an SM (Bounds): larger tiles, or ptxas' own register heuristic, spilled with some of the 24
@@ -509,11 +517,13 @@ def _pairs_module(template: str, dtype, head_dim: int, mods: int) -> ModuleSpec:
 
 
 def _tile(template: str, tile: tuple, acc_size: int, bucket: int, mods: int, varlen: bool = False) -> tuple:
-    """The SIMT kernel's tile: PAIR_TILES' for a kernel with a bias or mask, else VARLEN_TILES' for one
-    for a packed batch, else MODIFIED_TILES' for one with modifiers or for a packed batch (the float
-    forward at 64, whose plain tile spilled with the sequence's lengths and offsets too), where they
-    list one."""
+    """The SIMT kernel's tile: DROPOUT_TILES' for a kernel with dropout, else PAIR_TILES' for one with a
+    bias or mask, else VARLEN_TILES' for one for a packed batch, else MODIFIED_TILES' for one with
+    modifiers or for a packed batch (the float forward at 64, whose plain tile spilled with the
+    sequence's lengths and offsets too), where they list one."""
     key = (template, acc_size, bucket)
+    if mods & MOD_DROPOUT and key in DROPOUT_TILES:
+        return DROPOUT_TILES[key]
     if mods & MOD_PAIRS and key in PAIR_TILES:
         return PAIR_TILES[key]
     if varlen and key in VARLEN_TILES:
@@ -549,8 +559,8 @@ def tc_tile_row(head_dim: int) -> int:
 def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_atomic: bool = False,
             varlen: bool = False, turing: bool = False) -> tuple:
     """(BLOCK_M, BLOCK_N) of a tensor-core kernel, from TC_TILES: the forward's variant is a packed
-    batch's, else split-KV's (with or without a bias or mask), else the bias or mask's, else softcap or
-    ALiBi's (MOD_SCORE), else the plain one; the backward's MOD_SCORE's or the plain one, and with
+    batch's, else split-KV's (with or without a bias or mask), else the bias or mask's, else softcap,
+    ALiBi or dropout's (MOD_SCORE, MOD_DROPOUT), else the plain one; the backward's MOD_SCORE's or the plain one, and with
     dQ by atomics dK/dV takes the fewer query rows of that tile and the dq_atomic one.
 
     A packed batch's forward takes its own (TC_TILES' varlen rows), whatever its modifiers
@@ -559,6 +569,7 @@ def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_at
     bucket = _tc_bucket(head_dim)
     pairs, score = mods & MOD_PAIRS, mods & MOD_SCORE
     if pass_ == "forward":
+        score |= mods & MOD_DROPOUT  # the score variant's tiles: see TC_TILES
         variant = ("varlen" if varlen else ("split+pairs" if pairs else "split") if split else "pairs" if pairs
                    else "score" if score else "plain")
     else:

@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv(
         const Rows<const T> dO = HEAD_ROWS(dout, blk.b, h);
         const Stats<const Acc> lse_row = LSE_ROW(lse, blk.b, h), D_row = D.row(blk.b, h);
         const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, h, Acc(1), Acc(1));
-        const auto drop = MAKE_DROPOUT(Acc, MODS, blk.b, h);
+        const auto drop = MAKE_DROPOUT(Acc, MODS, true, blk.b, h);
         for (int i0 = mask.query_start(blk.j0), i_end = mask.query_end(blk.j0); i0 < i_end; i0 += BLOCK_M) {
             load_tile<BLOCK_M, HEAD_DIM>(Q_s, Q, i0, seqlen_q, head_dim, scale);
             if constexpr ((MODS & MOD_MASK) != 0) {
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq(
 
     const Stats<const Acc> lse_row = LSE_ROW(lse, blk.b, blk.h), D_row = D.row(blk.b, blk.h);
     const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, blk.h, Acc(1), Acc(1));
-    const auto drop = MAKE_DROPOUT(Acc, MODS, blk.b, blk.h);
+    const auto drop = MAKE_DROPOUT(Acc, MODS, true, blk.b, blk.h);
     Acc dQ[R][HEAD_DIM / WARP_SIZE];
     zero(dQ);
 

@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
         const bool partial = TILE_MASKED(MODS, i0, blk.j0);
         const int h = blk.kv_head * group + p / q_blocks;
         const auto score = MAKE_SCORE(T, float, MODS, blk.b, h, scale_log2, LOG2E);
-        const auto drop = MAKE_DROPOUT(float, MODS, blk.b, h);  // read by TC_P_DS
+        const auto drop = MAKE_DROPOUT(float, MODS, false, blk.b, h);  // read by TC_P_DS
         for_each_element([&](int r, int c, float& s, float& dp) {  // a hidden row's dS 0 with the bool mask: see seen_row
             TC_P_DS(TC_PAIR_HIDDEN(partial, i0 + c, key_w + r), (MODS & MOD_MASK) != 0, i0 + c, key_w + r, s, dp,
                     lse_i[c], D_i[c], scale_log2);
@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
     }
     const float scale_log2 = scale * LOG2E;
     const auto score = MAKE_SCORE(T, float, MODS, blk.b, blk.h, scale_log2, LOG2E);
-    const auto drop = MAKE_DROPOUT(float, MODS, blk.b, blk.h);
+    const auto drop = MAKE_DROPOUT(float, MODS, false, blk.b, blk.h);
     float dQ[D_TILES][4];
     zero(dQ);
 

@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_fwd(
     }
     const auto mask = MAKE_MASK(MODS);
     const auto score = MAKE_SCORE(T, Acc, MODS, blk.b, blk.h, Acc(1), Acc(1));
-    const auto drop = MAKE_DROPOUT(Acc, MODS, blk.b, blk.h);
+    const auto drop = MAKE_DROPOUT(Acc, MODS, true, blk.b, blk.h);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int row0 = blk.i0 + warp * R, key = lane % BLOCK_N;  // this warp's first query row, this lane's key in K_j
 

@@ -147,7 +147,7 @@ __device__ __forceinline__ void flash_fwd_tc_cta(
 
     const float scale_log2 = scale * LOG2E;
     const auto score = MAKE_SCORE(T, float, MODS, blk.b, blk.h, scale_log2, LOG2E);
-    const auto drop = MAKE_DROPOUT(float, MODS, blk.b, blk.h);
+    const auto drop = MAKE_DROPOUT(float, MODS, false, blk.b, blk.h);
     float m[M_TILES][2], l[M_TILES][2];
     float O[M_TILES][D_TILES][4];
 #pragma unroll

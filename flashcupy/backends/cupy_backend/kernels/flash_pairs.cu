@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dbias(
     for (int b = b_first; b < b_last; ++b) {
         for (int h = h_first; h < h_last; ++h) {
             const auto score = MAKE_SCORE(T, Acc, MODS, b, h, Acc(1), Acc(1));
-            const auto drop = MAKE_DROPOUT(Acc, MODS, b, h);  // dS of the dropped weights' dP
+            const auto drop = MAKE_DROPOUT(Acc, MODS, true, b, h);  // dS of the dropped weights' dP
             const Stats<const Acc> lse_row = LSE_ROW(lse, b, h), D_row = d_row(Dvec, heads_q, seqlen_q, b, h);
             for (int i0 = i_first; i0 < i_last; i0 += BLOCK_M) {
                 const int j_start = max(j_first, mask.key_start(i0) / BLOCK_N * BLOCK_N);

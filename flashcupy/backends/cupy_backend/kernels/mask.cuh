@@ -170,11 +170,15 @@ struct Score {
 // four indices those of the whole call (the launcher's origin added: a chunk's, a view's, a sequence's
 // batch). A kept weight is times scale = 1 / (1 - p). The forward drops P after its row sum (l stays
 // undropped) and before P V; the backward drops P before dV and dP before dS = P (dP - D).
-// One Philox call per pair: the four words of a call serve four keys, which a thread does not hold
-// together in every kernel (GPU speed unmeasured).
-__device__ __forceinline__ unsigned philox_word(unsigned c0, unsigned c1, unsigned c2, unsigned c3, unsigned k0,
-                                                unsigned k1, unsigned word) {
-#pragma unroll
+// One Philox call per pair, or per two adjacent keys (Dropout::pair: the mma.sync forward); the four words
+// of a call serve four keys, which no thread holds together (GPU speed unmeasured). ROLLED keeps the ten rounds a loop: the SIMT kernels,
+// whose unrolled loops over a thread's pairs otherwise interleave several calls and spill under their
+// register cap; unrolled, the mma.sync kernels stay below theirs (rolled, the wide forward spilled). The
+// figures: benchmarks/results/dropout_registers.md.
+template <bool ROLLED>
+__device__ __forceinline__ void philox(unsigned& c0, unsigned& c1, unsigned& c2, unsigned& c3, unsigned k0,
+                                       unsigned k1) {
+#pragma unroll(ROLLED ? 1 : 10)
     for (int round = 0; round < 10; ++round) {
         if (round > 0) {  // the key schedule's Weyl increments
             k0 += 0x9E3779B9u;
@@ -188,11 +192,18 @@ __device__ __forceinline__ unsigned philox_word(unsigned c0, unsigned c1, unsign
         c2 = x2;
         c3 = lo0;
     }
-    // selected, not indexed: an array indexed at run time would live in local memory
+}
+
+// Word `word` of Philox4x32-10 of the counter (c0, c1, c2, c3) under the key (k0, k1); selected, not
+// indexed: an array indexed at run time would live in local memory
+template <bool ROLLED>
+__device__ __forceinline__ unsigned philox_word(unsigned c0, unsigned c1, unsigned c2, unsigned c3, unsigned k0,
+                                                unsigned k1, unsigned word) {
+    philox<ROLLED>(c0, c1, c2, c3, k0, k1);
     return (word & 2) ? ((word & 1) ? c3 : c2) : ((word & 1) ? c1 : c0);
 }
 
-template <typename Acc, bool ON>
+template <typename Acc, bool ON, bool ROLLED = false>
 struct Dropout {
     unsigned threshold, seed_lo, seed_hi, b, h, i0, j0;  // b, h with the origin added; i0, j0 the origin's
     Acc scale;
@@ -201,10 +212,28 @@ struct Dropout {
     __device__ __forceinline__ Acc factor(int i, int j) const {
         if constexpr (ON) {
             const unsigned key = unsigned(j) + j0;
-            return philox_word(key >> 2, unsigned(i) + i0, h, b, seed_lo, seed_hi, key & 3u) >= threshold ? scale
-                                                                                                          : Acc(0);
+            return philox_word<ROLLED>(key >> 2, unsigned(i) + i0, h, b, seed_lo, seed_hi, key & 3u) >= threshold
+                       ? scale
+                       : Acc(0);
         }
         return Acc(1);
+    }
+    // x and y, the weights of pairs (i, j) and (i, j + 1), times their factors: one Philox call where the
+    // two keys share one (the key of j even: the mma.sync forward's fragments hold such pairs)
+    __device__ __forceinline__ void pair(Acc& x, Acc& y, int i, int j) const {
+        if constexpr (ON) {
+            const unsigned key = unsigned(j) + j0;
+            if ((key & 1u) != 0) {  // an odd origin: the two keys may lie in two calls
+                x = (*this)(x, i, j);
+                y = (*this)(y, i, j + 1);
+                return;
+            }
+            unsigned c0 = key >> 2, c1 = unsigned(i) + i0, c2 = h, c3 = b;
+            philox<ROLLED>(c0, c1, c2, c3, seed_lo, seed_hi);
+            const bool high = (key & 2u) != 0;
+            x = (high ? c2 : c0) >= threshold ? x * scale : Acc(0);
+            y = (high ? c3 : c1) >= threshold ? y * scale : Acc(0);
+        }
     }
     // x times a factor; x itself without MOD_DROPOUT (no multiplication by 1 left to the compiler)
     __device__ __forceinline__ Acc times(Acc x, Acc z) const {
@@ -215,9 +244,10 @@ struct Dropout {
 };
 
 // The Dropout of (batch b, query head h) for a kernel specialised for MODS, of its PROBLEM_PARAMS
-// (the seed's words read from device memory where drop_seed_read says so: only in kernels specialised for it)
-#define MAKE_DROPOUT(Acc, MODS, b, h)                                                                            \
-    Dropout<Acc, ((MODS) & MOD_DROPOUT) != 0> {                                                                   \
+// (the seed's words read from device memory where drop_seed_read says so: only in kernels specialised for
+// it); ROLLED as philox_word's
+#define MAKE_DROPOUT(Acc, MODS, ROLLED, b, h)                                                                    \
+    Dropout<Acc, ((MODS) & MOD_DROPOUT) != 0, ROLLED> {                                                           \
         drop_threshold, ((MODS) & MOD_DROPOUT) != 0 && drop_seed_read ? drop_seed[0] : drop_seed_lo,              \
             ((MODS) & MOD_DROPOUT) != 0 && drop_seed_read ? drop_seed[1] : drop_seed_hi, unsigned(b) + drop_b,    \
             unsigned(h) + drop_h, drop_i, drop_j, Acc(drop_scale)                                                 \

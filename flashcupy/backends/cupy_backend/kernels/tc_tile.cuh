@@ -66,14 +66,6 @@ __device__ __forceinline__ void tc_final_scores(float (&S)[TILES][4], const Mask
     }
 }
 
-// The forward's P of one row tile (C fragments as tc_final_scores'), after the online softmax took its
-// row sums, times dropout's factors (mask.cuh's Dropout); nothing without MOD_DROPOUT
-template <int MODS, typename DropoutT, int TILES>
-__device__ __forceinline__ void tc_dropout(float (&P)[TILES][4], const DropoutT& drop, int row0, int j0) {
-    if constexpr ((MODS & MOD_DROPOUT) != 0)
-        for_each_element([&](int r, int c, float& p) { p = drop(p, row0 + r, j0 + c); }, P);
-}
-
 // The forward's online softmax takes s as the modifiers leave it (modified in place where they change
 // scores: tc_final_score) and exponentiates s times this, folded into its exponent
 template <typename ScoreT>
@@ -241,6 +233,20 @@ __device__ __forceinline__ void for_each_element(F f, float (&X)[TILES][4], Ys&.
     for (int nt = 0; nt < TILES; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) f(c_row(i), 8 * nt + c_col(i), X[nt][i], Y[nt][i]...);
+}
+
+// The forward's P of one row tile (C fragments as tc_final_scores'), after the online softmax took its
+// row sums, times dropout's factors (mask.cuh's Dropout); nothing without MOD_DROPOUT. Elements 0, 1 (and
+// 2, 3) of a fragment are one row's keys c_col(0) and c_col(0) + 1 (even, then odd): one Philox call each.
+template <int MODS, typename DropoutT, int TILES>
+__device__ __forceinline__ void tc_dropout(float (&P)[TILES][4], const DropoutT& drop, int row0, int j0) {
+    if constexpr ((MODS & MOD_DROPOUT) != 0) {
+#pragma unroll
+        for (int nt = 0; nt < TILES; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; i += 2)
+                drop.pair(P[nt][i], P[nt][i + 1], row0 + c_row(i), j0 + 8 * nt + c_col(i));
+    }
 }
 
 // for_each_element, f also given u[col] and v[col], two per-column vectors in shared memory (the backward's

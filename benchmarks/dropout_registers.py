@@ -1,0 +1,80 @@
+"""Registers and spills of the cupy kernels specialised for dropout (MOD_DROPOUT), under NVRTC 12 and 13
+for sm_80 and sm_90, beside the same kernels without it: the figures behind specs.DROPOUT_TILES, the
+forward's tile variant with dropout (specs.tc_tile) and philox_word's ROLLED (mask.cuh). No GPU needed.
+
+    python benchmarks/dropout_registers.py > benchmarks/results/dropout_registers.md   # a few minutes
+
+The catalog (tests/test_nvrtc.py's kernels) has no dropout specialisation: this script is their check.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from flashcupy.backends.cupy_backend import specs
+from flashcupy.tools import nvrtc
+
+BIAS = specs.MOD_BITS["bias"]
+
+
+def modules(dropout: bool) -> list:
+    """Every kind of kernel a dropout call takes, alone and with every score modifier: the SIMT forward,
+    backward and dbias (each dtype and bucket), the tensor-core forward and both backwards (float16 and
+    bfloat16, every bucket), split-KV and packed batches' forwards and backwards."""
+    extra = specs.MOD_DROPOUT if dropout else 0
+    out = []
+    for base in (0, specs.ALL_MODS):
+        m = base | extra
+        for dtype in ("float16", "float32", "float64"):
+            for bucket in specs.HEAD_DIM_BUCKETS:
+                out += [specs.forward_module(dtype, bucket, m), specs.backward_module(dtype, bucket, m),
+                        specs.dbias_module(dtype, bucket, m | BIAS), specs.forward_module(dtype, bucket, m, split=True)]
+        for dtype in specs.TC_DTYPES:
+            for bucket in specs.TC_HEAD_DIM_BUCKETS:  # those the backend takes to tensor cores
+                out.append(specs.tc_forward_module(dtype, bucket, m))
+                if specs.tensor_core_eligible(dtype, bucket, m, backward=True):
+                    out += [specs.tc_backward_module(dtype, bucket, m),
+                            specs.deterministic_tc_backward_module(dtype, bucket, m)]
+                if specs.tensor_core_eligible(dtype, bucket, m, split=True):
+                    out.append(specs.tc_forward_module(dtype, bucket, m, split=True))
+    varlen = specs.MOD_BITS["window"] | specs.MOD_BITS["softcap"] | specs.MOD_BITS["alibi_slopes"] | extra
+    for m in (extra, varlen):
+        out += [specs.forward_module("float32", b, m, varlen=True) for b in specs.HEAD_DIM_BUCKETS]
+        out += [specs.backward_module("float32", b, m, varlen=True) for b in specs.HEAD_DIM_BUCKETS]
+        out += [specs.tc_forward_module("float16", b, m, varlen=True) for b in specs.TC_HEAD_DIM_BUCKETS]
+        out += [specs.tc_backward_module("float16", b, m, varlen=True) for b in specs.TC_HEAD_DIM_BUCKETS]
+    return list(dict.fromkeys(out))
+
+
+def main() -> int:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"# Registers and spills of the kernels specialised for dropout ({time.strftime('%Y-%m-%d')}, commit "
+          f"{commit})\n\n`python benchmarks/dropout_registers.py`: every kind of kernel a dropout call takes "
+          f"(modules()), compiled with CuPy's options; a row for each kernel that spills or takes more than "
+          f"247 registers (the catalog's margin, tests/test_nvrtc.py), with or without dropout.\n")
+    for major in ("12", "13"):
+        toolkit = next((t for t in nvrtc.toolkits() if t.version.startswith(major)), None)
+        if toolkit is None:
+            print(f"NVRTC {major}: not installed\n")
+            continue
+        for arch in ("sm_80", "sm_90"):
+            for dropout in (False, True):
+                rows = nvrtc.kernel_report(arch, toolkit=toolkit, modules=modules(dropout))
+                rows = [r for r in rows if ("dropout" in (r["mods"] or "")) == dropout
+                        or r["kernel"] in ("flash_bwd_preprocess", "flash_bwd_dq_convert", "flash_merge")]
+                near = [r for r in rows if r["spill_bytes"] or r["registers"] > 247]
+                spills = sum(1 for r in rows if r["spill_bytes"])
+                print(f"NVRTC {toolkit.version} {arch}, {'with' if dropout else 'without'} dropout: {len(rows)} "
+                      f"kernels, {spills} spill, {len(near) - spills} more above 247 registers")
+                for r in near:
+                    print(f"    {r['kernel']} {r['dtype']} {r['head_dim']} {r['mods'] or ''} {r.get('tile') or ''}: "
+                          f"{r['registers']} registers, {r['spill_bytes']} spill bytes")
+                print()
+                sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
