@@ -51,17 +51,28 @@ def keep(seed: int, p: float, b, h, i, j) -> np.ndarray:
     return np.take_along_axis(words, (j & 3)[..., None], axis=-1)[..., 0] >= np.uint32(threshold(p))
 
 
+# Pairs (of four keys each) per Philox call of block(): its uint64 temporaries stay in a core's L2 cache
+# (whole 512 x 512 tiles of eight heads ran four times slower: benchmarks/results/dropout_numpy.md)
+CHUNK = 32768
+
+
 def block(seed: int, p: float, origin: tuple, b, h, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
     """The keep mask of query rows [i0, i1) and keys [j0, j1) of batches b and heads h (ints, or
     int arrays of shape (B, H, 1, 1) or that broadcast to it), origin (b0, h0, i0, j0) added:
-    (..., i1 - i0, j1 - j0) bool. One Philox call for each group of four keys, cut to [j0, j1)."""
+    (..., i1 - i0, j1 - j0) bool. One Philox call for each group of four keys, cut to [j0, j1); the
+    rows in chunks of at most CHUNK groups."""
     b0, h0, r0, c0 = origin
     g0, g1 = (j0 + c0) // 4, -(-(j1 + c0) // 4)  # the groups of four keys that [j0, j1) touches
-    words = philox((np.arange(g0, g1), np.arange(i0, i1)[:, None] + r0, np.asarray(h) + h0, np.asarray(b) + b0),
-                   _key(seed))
-    mask = np.stack(words, axis=-1) >= np.uint32(threshold(p))
-    mask = mask.reshape(mask.shape[:-2] + (-1,))  # (..., rows, 4 (g1 - g0)): key 4 g0 + n at n
-    return mask[..., j0 + c0 - 4 * g0:j1 + c0 - 4 * g0]
+    b, h = np.asarray(b) + b0, np.asarray(h) + h0
+    lead = np.broadcast_shapes(b.shape, h.shape)[:-2]  # the batch and head axes
+    limit, key = np.uint32(threshold(p)), _key(seed)
+    mask = np.empty(lead + (i1 - i0, g1 - g0, 4), dtype=bool)  # word n of group g: key 4 (g0 + g) + n
+    step = max(1, CHUNK // max(1, (g1 - g0) * int(np.prod(lead, dtype=np.int64))))
+    for r in range(i0, i1, step):
+        rows = np.arange(r, min(i1, r + step))[:, None] + r0
+        for n, word in enumerate(philox((np.arange(g0, g1), rows, h, b), key)):
+            np.greater_equal(word, limit, out=mask[..., r - i0:r - i0 + rows.shape[0], :, n])
+    return mask.reshape(lead + (i1 - i0, 4 * (g1 - g0)))[..., j0 + c0 - 4 * g0:j1 + c0 - 4 * g0]
 
 
 def _key(seed: int) -> tuple:
