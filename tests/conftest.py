@@ -176,6 +176,20 @@ def mutated_module(module, old: str, new: str):
     return copy
 
 
+def mutated_compile(old: str, new: str):
+    """A compile function for the emulator's emulated(compile=...): each module's source with `old`
+    (exactly once, where it occurs at all) replaced by `new`. A slip in a kernel or header that no
+    module's source holds leaves every module as it is: the test that expects it caught then fails."""
+    from flashcupy.tools.emulator.cupy import compile_module
+
+    def compile(source, names, options, *rest):
+        if old in source:
+            assert source.count(old) == 1, f"{old!r} occurs {source.count(old)} times"
+            source = source.replace(old, new)
+        return compile_module(source, names, options, *rest)
+    return compile
+
+
 def mutated_package(package, old: str, new: str):
     """A fresh import of a package, its __init__ and every submodule beside it, with `old` (exactly
     once in all their source) replaced by `new` in the file that holds it. The copy's modules

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import flashcupy
 from conftest import (BF16, DTYPES, LAYOUTS, MASK_CUH_MUTATIONS, MUTATION_BATTERY, TILE_EDGE_CASE, assert_matches_oracle, bf16_bits, make_qkv,
-                      mutation_tests, reference, strided_empty)
+                      mutated_compile, mutation_tests, reference, strided_empty)
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import catalog, sources, specs
 
@@ -186,16 +186,6 @@ def test_every_specialization_is_in_the_tables():
 # the emulator bites on these kernels
 
 
-def _mutated(old: str, new: str):
-    """A compile function for emulated() that replaces `old` (which must occur once) by `new`."""
-    def compile(source, names, options, thread_order, seed, cp_async):
-        if old in source:
-            assert source.count(old) == 1, f"{old!r} occurs {source.count(old)} times"
-            source = source.replace(old, new)
-        return compile_module(source, names, options, thread_order, seed, cp_async)
-    return compile
-
-
 # Every barrier and cp.async wait in the kernels and their headers, found in the source: each removed
 # in turn must make some test below give a wrong answer or an emulator error. The Hopper forward's
 # (flash_*_sm90.cu, with their mbarriers, wgmma waits and fences) are test_hopper_kernels.py's.
@@ -317,7 +307,7 @@ def test_each_barrier_and_wait_is_needed(rng, monkeypatch, name, lineno):
 ])
 def test_off_by_one_is_out_of_bounds(rng, old, new, argument):
     q, k, v = make_qkv(rng, 1, 17, 17, 1, 1, 32, np.float32)
-    with emulated(compile=_mutated(old, new)), pytest.raises(emulator.OutOfBoundsError) as info:
+    with emulated(compile=mutated_compile(old, new)), pytest.raises(emulator.OutOfBoundsError) as info:
         flashcupy.attention(q, k, v, backend="cupy")
     assert info.value.access == argument
 
@@ -401,5 +391,5 @@ SIMT_MUTATIONS = {
 
 
 test_the_mutation_battery_passes_unmutated, test_a_mutation_is_caught = mutation_tests(
-    SIMT_MUTATIONS, "cupy", lambda old, new: emulated(compile=_mutated(old, new)), plain=emulated,
+    SIMT_MUTATIONS, "cupy", lambda old, new: emulated(compile=mutated_compile(old, new)), plain=emulated,
     cases=MUTATION_BATTERY + (TILE_EDGE_CASE,))

@@ -16,7 +16,7 @@ import functools
 
 import numpy as np
 import pytest
-from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv
+from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv, mutated_compile
 from modifier_checks import check, modifier_cases, rows_that_see_no_key_ignore_dlse
 
 import flashcupy
@@ -239,15 +239,6 @@ WINDOW_MUTATIONS = {
 }
 
 
-def _mutated(old, new):
-    def compile(source, names, options, *rest):
-        if old in source:
-            assert source.count(old) == 1, f"{old!r} occurs {source.count(old)} times"
-            source = source.replace(old, new)
-        return compile_module(source, names, options, *rest)
-    return compile
-
-
 # (path, dtype, shape, window): the band's edges fall inside tiles, one key or row into a tile, and
 # across tile edges, for every bound; the tensor-core kernels mask only the tiles partial() names.
 # A key range off by one at its end shows only where the range ends one key into a tile, in a query
@@ -302,7 +293,7 @@ def battery_tests(fails, mutations):
 
     @pytest.mark.parametrize("name", list(mutations))
     def catches(name, monkeypatch):
-        assert fails(_mutated(*mutations[name]), monkeypatch), f"missed: {name}"
+        assert fails(mutated_compile(*mutations[name]), monkeypatch), f"missed: {name}"
 
     return passes_unmutated, catches
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle, make_qkv
+from conftest import assert_matches_oracle, make_qkv, mutated_compile
+from varlen_checks import dropped_sequences_match_the_oracle
 
 import flashcupy
 import reference
@@ -102,11 +103,7 @@ def test_a_packed_batch_draws_sequence_b_as_batch_b(rng):
     out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True, backend="numpy", **drop)
     grads = flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True, backend="numpy",
                                                 **drop)
-    for b in (0, 2):
-        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        got = (out[rows], lse[:, rows], grads[0][rows], grads[1][keys], grads[2][keys])
-        assert_matches_oracle(tuple(x[None] for x in got), q[None, rows], k[None, keys], v[None, keys],
-                              dout[None, rows], backend="numpy", causal=True, dropout_origin=(b, 0, 0, 0), **drop)
+    dropped_sequences_match_the_oracle((out, lse, *grads), q, k, v, dout, cu_q, cu_k, "numpy", causal=True, **drop)
 
 
 def test_the_seed_fixes_the_mask_and_p_zero_is_no_dropout(rng):
@@ -204,21 +201,10 @@ DROPOUT_MUTATIONS = {
 }
 
 
-def _mutated(old, new):
-    from flashcupy.tools.emulator.cupy import compile_module
-
-    def compile(source, names, options, *rest):
-        if old in source:
-            assert source.count(old) == 1, f"{old!r} occurs {source.count(old)} times"
-            source = source.replace(old, new)
-        return compile_module(source, names, options, *rest)
-    return compile
-
-
 @pytest.mark.parametrize("name", list(DROPOUT_MUTATIONS))
 def test_a_dropout_slip_in_the_kernels_is_caught(name):
     rng = np.random.default_rng(3)
-    compile = _mutated(*DROPOUT_MUTATIONS[name])
+    compile = mutated_compile(*DROPOUT_MUTATIONS[name])
     for case in CUPY_CASES:
         got, inputs, kw = run_cupy(rng, case, compile)
         try:
@@ -253,11 +239,7 @@ def test_cupy_packed_batch_in_one_launch_draws_sequence_b_as_batch_b(rng, dtype)
     with emulated(compute_capability=80):
         out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend="cupy", **drop)
         grads = flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, backend="cupy", **drop)
-    for b in (0, 2):
-        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        got = (out[rows], lse[:, rows], grads[0][rows], grads[1][keys], grads[2][keys])
-        assert_matches_oracle(tuple(x[None] for x in got), q[None, rows], k[None, keys], v[None, keys],
-                              dout[None, rows], backend="cupy", dropout_origin=(b, 0, 0, 0), **drop)
+    dropped_sequences_match_the_oracle((out, lse, *grads), q, k, v, dout, cu_q, cu_k, "cupy", **drop)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])

@@ -65,6 +65,19 @@ def packed_batch_matches_the_oracle(rng, backend, lengths=([3, 6], [7, 2]), dtyp
                               backend=backend, **one)
 
 
+def dropped_sequences_match_the_oracle(got, q, k, v, dout, cu_q, cu_k, backend, **keywords) -> None:
+    """A packed batch's (out, lse, dq, dk, dv) with dropout against the oracle, each sequence b on its own
+    with the keep mask's origin (b, 0, 0, 0): a packed batch draws sequence b as batch b."""
+    out, lse, dq, dk, dv = got
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rows.start == rows.stop:
+            continue
+        parts = (out[rows], lse[:, rows], dq[rows], dk[keys], dv[keys])
+        assert_matches_oracle(tuple(x[None] for x in parts), q[None, rows], k[None, keys], v[None, keys],
+                              dout[None, rows], backend=backend, dropout_origin=(b, 0, 0, 0), **keywords)
+
+
 def cache_inputs(rng, batch, capacity, Hkv, D, dtype=np.float32):
     """A random (k_cache, v_cache), each (batch, capacity, Hkv, D)."""
     return (rng.standard_normal((batch, capacity, Hkv, D)).astype(dtype) for _ in range(2))
