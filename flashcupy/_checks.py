@@ -410,8 +410,8 @@ def select_backend(backend: str, lib: str, p: Problem, backward: bool = False):
         if blocks > backends.MAX_GRID[axis]:
             raise ValueError(f"too large for the {name} backend: {what} needs {blocks} thread blocks along "
                              f"CUDA grid {'xyz'[axis]}, which holds at most {backends.MAX_GRID[axis]}")
-    if p.head_dim_v != p.head_dim and not _takes_head_dim_v(name):
-        others = [n for n in backends.NAMES if n != name and _takes_head_dim_v(n)]
+    if p.head_dim_v != p.head_dim and not _declares(name, "HEAD_DIM_V"):
+        others = [n for n in backends.NAMES if n != name and _declares(n, "HEAD_DIM_V")]
         raise ValueError(f"v's head_dim {p.head_dim_v}, unlike q's and k's {p.head_dim}, is not yet supported by "
                          f"backend {name!r}" + (f" (backend {' or '.join(map(repr, others))} supports it)"
                                                 if others else ""))
@@ -439,14 +439,9 @@ def _declared_modifiers(name: str) -> frozenset:
         return frozenset()
 
 
-def _takes_head_dim_v(name: str) -> bool:
-    """Whether backend `name` declares HEAD_DIM_V: v's head_dim may differ from q's and k's."""
-    return _declares(name, "HEAD_DIM_V")
-
-
 def _declares(name: str, flag: str) -> bool:
-    """Whether backend `name` declares `flag` true (HEAD_DIM_V, DROPOUT); False where its module cannot
-    even be imported."""
+    """Whether backend `name` declares `flag` true (HEAD_DIM_V: v's head_dim may differ from q's and k's;
+    DROPOUT; DROPOUT_SEED_ON_DEVICE); False where its module cannot even be imported."""
     try:
         return bool(getattr(backends.module(name), flag, False))
     except ImportError:
@@ -461,7 +456,7 @@ def _backend_for_modifiers(lib: str, p: Problem, default: str) -> str:
     for name in (default, *backends.NAMES):
         if not p.modifiers <= _declared_modifiers(name):
             continue
-        if p.head_dim_v != p.head_dim and not _takes_head_dim_v(name):
+        if p.head_dim_v != p.head_dim and not _declares(name, "HEAD_DIM_V"):
             continue
         if p.dropout and not _declares(name, "DROPOUT"):
             continue

@@ -44,13 +44,6 @@ def philox(counter: tuple, key: tuple) -> tuple:
     return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
 
 
-def keep(seed: int, p: float, b, h, i, j) -> np.ndarray:
-    """The bool keep mask of pairs (b, h, i, j), index arrays (or ints) that broadcast."""
-    b, h, i, j = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (b, h, i, j)))
-    words = np.stack(philox((j >> 2, i, h, b), _key(seed)), axis=-1)
-    return np.take_along_axis(words, (j & 3)[..., None], axis=-1)[..., 0] >= np.uint32(threshold(p))
-
-
 # Pairs (of four keys each) per Philox call of block(): its uint64 temporaries stay in a core's L2 cache
 # (whole 512 x 512 tiles of eight heads ran four times slower: benchmarks/results/dropout_numpy.md)
 CHUNK = 32768

@@ -229,6 +229,21 @@ def test_cupy_split_kv_drops_each_splits_keys(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_cupy_draws_from_a_chunks_origin(rng, dtype):
+    # a part of a larger call (a Dask chunk, a view of leading dimensions) draws from its origin in the whole
+    # call's mask; an odd key origin splits the mma.sync forward's pairs of adjacent keys (Dropout::pair)
+    from flashcupy import _api
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k, v = make_qkv(rng, 1, 19, 45, 2, 1, 32, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    drop = dict(dropout_p=0.3, dropout_seed=SEED, dropout_origin=(3, 2, 7, 5))
+    with emulated(compute_capability=80):
+        out, lse = _api.forward(q, k, v, backend="cupy", **drop)
+        grads = _api.backward(dout, q, k, v, out, lse, backend="cupy", **drop)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", **drop)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_cupy_packed_batch_in_one_launch_draws_sequence_b_as_batch_b(rng, dtype):
     from flashcupy.tools.emulator.cupy import emulated
     cu_q, cu_k = np.array([0, 5, 5, 24], np.int32), np.array([0, 7, 11, 44], np.int32)

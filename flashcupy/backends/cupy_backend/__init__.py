@@ -353,8 +353,9 @@ def _window_args(p) -> tuple:
 def _problem_args(rt, p, like, tensor_cores: bool) -> tuple:
     """The arguments every kernel takes after its tensors (PROBLEM_PARAMS): the sizes (_shape_args), the
     scale in the accumulation type, causal and the diagonal as int32, then the score modifiers'
-    (_modifier_args; tensor_cores: in the units of the tensor-core and Hopper kernels). Kept in the
-    Runtime's plans where p holds no array (alibi_slopes, bias, mask): a function of p alone then, its
+    (_modifier_args; tensor_cores: in the units of the tensor-core and Hopper kernels), then dropout's
+    (_dropout_args). Kept in the Runtime's plans where p holds no array (alibi_slopes, bias, mask,
+    dropout_seed_words): a function of p alone then, its
     absent arrays one stand-in a device. Call with like's device current."""
     def make():
         return (*_shape_args(p), p.acc_dtype.type(p.scale), np.int32(p.causal), np.int32(p.diagonal),
@@ -371,7 +372,7 @@ def _modifier_args(p, unused, tensor_cores: bool) -> tuple:
     kernels' scores are natural and scaled, the tensor-core ones' unscaled and then base 2),
     the ALiBi slopes as a (batch, heads_q) array of the accumulation type and its element
     strides (batch stride 0 for per-head slopes), then the bias (_pair_tensor), whether it is
-    float32, and the bool mask (_pair_tensor); dropout's follow (_dropout_args). `unused`, an array of the accumulation type,
+    float32, and the bool mask (_pair_tensor). `unused`, an array of the accumulation type,
     stands in for absent arrays: a kernel not specialised for a modifier never reads its pointer."""
     acc = p.acc_dtype.type
     window = _window_args(p) if "window" in p.modifiers else (np.int32(0), np.int32(0))
