@@ -1,6 +1,7 @@
 """Registers and spills of the cupy kernels specialised for dropout (MOD_DROPOUT), under NVRTC 12 and 13
-for sm_80 and sm_90, beside the same kernels without it: the figures behind specs.DROPOUT_TILES, the
-forward's tile variant with dropout (specs.tc_tile) and philox_word's ROLLED (mask.cuh). No GPU needed.
+for sm_80 and sm_90 (the Hopper ones for sm_90a), beside the same kernels without it: the figures behind
+specs.DROPOUT_TILES, the forward's tile variant with dropout (specs.tc_tile), philox_word's ROLLED
+(mask.cuh) and the Hopper kernels' dropout (specs.sm90_eligible). No GPU needed.
 
     python benchmarks/dropout_registers.py > benchmarks/results/dropout_registers.md   # a few minutes
 
@@ -48,31 +49,64 @@ def modules(dropout: bool) -> list:
     return list(dict.fromkeys(out))
 
 
-def main() -> int:
+def hopper_modules(dropout: bool) -> list:
+    """The Hopper forward and both backwards (float16; sm_90a), one batch's and a packed batch's, at every
+    bucket, plain, with every modifier each takes, and with all but the softcap (the forward), the window
+    or a bias and the mask (the backward), of those sets the ones sm90_eligible takes (SM90_BACKWARD_SPILLS,
+    SM90_DROPOUT_SPILLS), at the tiles sm90_forward_tile and sm90_backward_tile give such calls."""
+    extra = specs.MOD_DROPOUT if dropout else 0
+    out = []
+    for varlen in (False, True):
+        for bucket in specs.SM90_FORWARD_TILES:
+            allowed = (specs.SM90_VARLEN_FORWARD_MODS if varlen else specs.SM90_FORWARD_MODS)[bucket]
+            for m in dict.fromkeys((extra, allowed | extra, (allowed & ~specs.MOD_BITS["softcap"]) | extra)):
+                if specs.sm90_eligible("float16", bucket, m, varlen=varlen):
+                    out.append(specs.sm90_forward_module("float16", bucket, m, varlen,
+                                                         specs.sm90_forward_tile(bucket, m, varlen=varlen)))
+        for bucket in specs.SM90_BACKWARD_TILES:
+            allowed = specs.SM90_VARLEN_BACKWARD_MODS if varlen else specs.SM90_BACKWARD_MODS
+            for m in dict.fromkeys((extra, allowed | extra, (allowed & ~specs.MOD_BITS["window"]) | extra,
+                                    (allowed & ~specs.MOD_PAIRS) | extra)):
+                if specs.sm90_eligible("float16", bucket, m, backward=True, varlen=varlen):
+                    out += [specs.sm90_backward_module("float16", bucket, m, varlen, deterministic,
+                                                       specs.sm90_backward_tile(bucket, m))
+                            for deterministic in (False, True)]
+    return list(dict.fromkeys(out))
+
+
+def report(modules, name: str, title: str, hopper=None) -> None:
+    """For NVRTC 12 and 13, sm_80 and sm_90: the kernels of modules(False) and modules(True) (those with
+    the `name` bit in their modifiers, and the helpers both share), a line of counts each and a row for
+    each kernel that spills or takes more than 247 registers; then hopper's likewise, for sm_90a. Prints
+    markdown, title first."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"# Registers and spills of the kernels specialised for dropout ({time.strftime('%Y-%m-%d')}, commit "
-          f"{commit})\n\n`python benchmarks/dropout_registers.py`: every kind of kernel a dropout call takes "
-          f"(modules()), compiled with CuPy's options; a row for each kernel that spills or takes more than "
-          f"247 registers (the catalog's margin, tests/test_nvrtc.py), with or without dropout.\n")
+    print(f"# {title} ({time.strftime('%Y-%m-%d')}, commit {commit})\n\n`python {sys.argv[0]}`: every kind of "
+          f"kernel (modules()), compiled with CuPy's options; a row for each kernel that spills or takes more than "
+          f"247 registers (the catalog's margin, tests/test_nvrtc.py), with or without {name}.\n")
     for major in ("12", "13"):
         toolkit = next((t for t in nvrtc.toolkits() if t.version.startswith(major)), None)
         if toolkit is None:
             print(f"NVRTC {major}: not installed\n")
             continue
-        for arch in ("sm_80", "sm_90"):
-            for dropout in (False, True):
-                rows = nvrtc.kernel_report(arch, toolkit=toolkit, modules=modules(dropout))
-                rows = [r for r in rows if ("dropout" in (r["mods"] or "")) == dropout
-                        or r["kernel"] in ("flash_bwd_preprocess", "flash_bwd_dq_convert", "flash_merge")]
+        for arch, build in (("sm_80", modules), ("sm_90", modules), ("sm_90a", hopper)):
+            for on in (False, True) if build is not None else ():
+                rows = nvrtc.kernel_report(arch, toolkit=toolkit, modules=build(on))
+                rows = [r for r in rows if (name in (r["mods"] or "")) == on
+                        or r["kernel"] in ("flash_bwd_preprocess", "flash_bwd_dq_convert", "flash_merge",
+                                           "flash_bwd_dq_convert_sm90", "flash_bwd_dq_convert_sm90_varlen")]
                 near = [r for r in rows if r["spill_bytes"] or r["registers"] > 247]
                 spills = sum(1 for r in rows if r["spill_bytes"])
-                print(f"NVRTC {toolkit.version} {arch}, {'with' if dropout else 'without'} dropout: {len(rows)} "
+                print(f"NVRTC {toolkit.version} {arch}, {'with' if on else 'without'} {name}: {len(rows)} "
                       f"kernels, {spills} spill, {len(near) - spills} more above 247 registers")
                 for r in near:
                     print(f"    {r['kernel']} {r['dtype']} {r['head_dim']} {r['mods'] or ''} {r.get('tile') or ''}: "
                           f"{r['registers']} registers, {r['spill_bytes']} spill bytes")
                 print()
                 sys.stdout.flush()
+
+
+def main() -> int:
+    report(modules, "dropout", "Registers and spills of the kernels specialised for dropout", hopper_modules)
     return 0
 
 

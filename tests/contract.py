@@ -129,7 +129,7 @@ BACKENDS = {
                          ("copied", "float16"), ("copied", "bfloat16-bits"), ("copied", "float32"),
                          ("copied", "float64"), ("in-place", "float32")))),
     # cupy's dropout rows are plain ones (each modifier set is a specialisation the emulator builds: see
-    # MODIFIED_CASE); an sm_90 device sends them to the mma.sync kernels
+    # MODIFIED_CASE); an sm_90 device sends them to the Hopper kernels
     "cupy": Backend({"hopper": ("float16", "bfloat16-bits"), "tensor-core": ("float16", "bfloat16-bits"),
                      "simt": ("float16", "bfloat16-bits", "float32", "float64")}, CASES,
                     orders=("ascending", "descending"), modified=(), head_dim_v=("tensor-core", "simt"),

@@ -194,6 +194,8 @@ DROPOUT_MUTATIONS = {
     "SIMT dV of the undropped P": ("S[r] = drop.times(S[r], z);", ""),
     "SIMT dQ of the undropped dP": ("ds(score, P, drop(dP[r], i, j0 + key),", "ds(score, P, dP[r],"),
     "tensor-core forward keeps every weight": ("tc_dropout<MODS>(S[mt], drop, row_w + 16 * mt, j0);", ""),
+    "Hopper forward keeps every weight": ("tc_dropout<MODS>(S, drop, row_w, j0);", ""),
+    "tensor-core and Hopper dV of the undropped P": ("s = drop.times(P_, z_);", "s = P_;"),
     "tensor-core dK of the undropped dP": ("ds(score, P_, drop.times(dp, z_), D, t_)", "ds(score, P_, dp, D, t_)"),
     "tensor-core dQ of the undropped dP": ("ds(score, P, drop(dp, row_w + r, j0 + c),", "ds(score, P, dp,"),
     "dbias of the undropped dP": ("drop(dP[r], i, j),", "dP[r],"),
@@ -252,6 +254,47 @@ def test_cupy_packed_batch_in_one_launch_draws_sequence_b_as_batch_b(rng, dtype)
     dout = rng.standard_normal(q.shape).astype(dtype)
     drop = dict(dropout_p=0.3, dropout_seed=SEED, causal=True)
     with emulated(compute_capability=80):
+        out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend="cupy", **drop)
+        grads = flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, backend="cupy", **drop)
+    dropped_sequences_match_the_oracle((out, lse, *grads), q, k, v, dout, cu_q, cu_k, "cupy", **drop)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_hopper_kernels_draw_the_same_mask(rng, deterministic):
+    # on an sm_90 the Hopper forward (tc_dropout on the wgmma accumulators) and backward (TC_P_DS), with a
+    # bias broadcast over rows, causal rows that see no key, an odd key origin (Dropout::pair's two calls)
+    # and the seed read from device memory; dQ by reduce-adds, or in key-block order
+    from flashcupy import _api
+    from flashcupy.backends import cupy_backend
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k, v = make_qkv(rng, 2, 70, 45, 4, 2, 64, np.float16)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    kw = dict(causal=True, bias=rng.standard_normal((1, 4, 1, 45)).astype(np.float16))
+    words = np.array([SEED & 0xFFFFFFFF, SEED >> 32], np.uint32)
+    drop = dict(dropout_p=0.3, dropout_origin=(1, 0, 4, 3))
+    with emulated(compute_capability=90):
+        p = flashcupy._checks.problem(q, k, v, True, None, None, "numpy", dropout_p=0.3, dropout_seed=SEED)
+        assert cupy_backend.forward_path(p, q, k, v) == "hopper"
+        assert cupy_backend.backward_path(p, dout, q, k, v, dout, deterministic) == "hopper"
+        out, lse = _api.forward(q, k, v, backend="cupy", dropout_seed=0, dropout_seed_words=words, **kw, **drop)
+        grads = _api.backward(dout, q, k, v, out, lse, backend="cupy", deterministic=deterministic,
+                              dropout_seed=0, dropout_seed_words=words, **kw, **drop)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", dropout_seed=SEED, **kw, **drop)
+
+
+def test_a_packed_batch_on_the_hopper_kernels(rng):
+    # a packed batch's Hopper forward and backward draw sequence b as batch b (their seq_index)
+    from flashcupy.backends import cupy_backend
+    from flashcupy.tools.emulator.cupy import emulated
+    cu_q, cu_k = np.array([0, 5, 5, 84], np.int32), np.array([0, 7, 11, 74], np.int32)
+    q = rng.standard_normal((84, 2, 64)).astype(np.float16)
+    k, v = (rng.standard_normal((74, 1, 64)).astype(np.float16) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    drop = dict(dropout_p=0.3, dropout_seed=SEED, causal=True)
+    with emulated(compute_capability=90):
+        p = flashcupy._checks.problem(q[None], k[None], v[None], True, None, None, "numpy", dropout_p=0.3,
+                                      dropout_seed=SEED)
+        assert cupy_backend.forward_path(p, q[None], k[None], v[None], varlen=True) == "hopper"
         out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend="cupy", **drop)
         grads = flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, backend="cupy", **drop)
     dropped_sequences_match_the_oracle((out, lse, *grads), q, k, v, dout, cu_q, cu_k, "cupy", **drop)

@@ -156,7 +156,7 @@ def _cdiv(a: int, b: int) -> int:
 
 MAX_HEAD_DIM = specs.MAX_HEAD_DIM
 MODIFIERS = frozenset(specs.MOD_BITS)  # the score modifiers the kernels compute; _api refuses the others
-DROPOUT = True  # dropout_p: the SIMT and mma.sync kernels (specs.sm90_eligible: not the Hopper ones)
+DROPOUT = True  # dropout_p: every kernel (the SIMT, mma.sync and Hopper ones)
 DROPOUT_SEED_ON_DEVICE = True  # the kernels read the seed from device memory where given (_dropout_args)
 HEAD_DIM_V = True  # v's head_dim may differ from q's and k's (_tc_takes, _same_head_dims: which kernels)
 

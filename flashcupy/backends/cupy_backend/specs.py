@@ -310,8 +310,17 @@ SM90_BACKWARD_SPILLS = {128: (MOD_BITS["window"], MOD_PAIRS)}  # bucket: (every 
 
 
 # Dropout's bit of MODS (mask.cuh's MOD_DROPOUT): no score modifier (so not in MOD_BITS, ALL_MODS, nor the
-# catalog's sets), set per call from Problem.dropout by cupy_backend._mods; the Hopper kernels take none
+# catalog's sets), set per call from Problem.dropout by cupy_backend._mods; every kernel takes it
 MOD_DROPOUT = 32
+# The Hopper kernels take dropout (a rolled Philox call per two keys in the forward, per pair in the
+# backward: unrolled, the backward at 128 and the forward at 256 and in packed batches spilled 24-156
+# bytes) with every set of modifiers they take but these, which spilled all the same (NVRTC 12.9 and
+# 13.5; benchmarks/results/dropout_registers.md); such calls take the mma.sync kernels.
+# (backward, varlen, bucket): (every bit of one, any bit of the other), as SM90_BACKWARD_SPILLS
+SM90_DROPOUT_SPILLS = {
+    (True, False, 128): (MOD_DROPOUT, MOD_PAIRS),  # a bias or the mask: 12-528 bytes
+    (False, True, 64): (MOD_DROPOUT | MOD_BITS["window"], MOD_BITS["alibi_slopes"]),  # 64 bytes
+}
 
 
 def mods_of(modifiers) -> int:
@@ -705,21 +714,22 @@ def sm90_eligible(dtype, head_dim: int, mods: int, backward: bool = False, varle
     """Whether the Hopper forward (backward: the Hopper backward) covers this dtype, head_dim and set of
     modifiers (varlen: a packed batch's): the head_dim buckets of SM90_FORWARD_TILES with the modifiers of
     SM90_FORWARD_MODS (SM90_VARLEN_FORWARD_MODS), or the buckets of SM90_BACKWARD_TILES with those of
-    SM90_BACKWARD_MODS (SM90_VARLEN_BACKWARD_MODS) but the sets of SM90_BACKWARD_SPILLS. The device's
-    compute capability and the arrays' strides are checked apart."""
+    SM90_BACKWARD_MODS (SM90_VARLEN_BACKWARD_MODS) but the sets of SM90_BACKWARD_SPILLS; dropout with any
+    of them but SM90_DROPOUT_SPILLS'. The device's compute capability and the arrays' strides are checked
+    apart."""
     buckets = SM90_BACKWARD_TILES if backward else SM90_FORWARD_TILES
-    if mods & MOD_DROPOUT:  # not written for the Hopper kernels: the mma.sync ones take it
-        return False
     if not (_name(dtype) in TC_DTYPES and head_dim % 8 == 0 and 0 < head_dim <= max(buckets)):
         return False
+    bucket = sm90_backward_bucket(head_dim) if backward else tc_tile_row(head_dim)
+    spills = [SM90_DROPOUT_SPILLS.get((backward, varlen, bucket), (0, 0))]
     if backward:
         allowed = SM90_VARLEN_BACKWARD_MODS if varlen else SM90_BACKWARD_MODS
-        every, some = SM90_BACKWARD_SPILLS.get(sm90_backward_bucket(head_dim), (0, 0))
-        if mods & every == every and mods & some:
-            return False
+        spills.append(SM90_BACKWARD_SPILLS.get(bucket, (0, 0)))
     else:
-        allowed = (SM90_VARLEN_FORWARD_MODS if varlen else SM90_FORWARD_MODS)[tc_tile_row(head_dim)]
-    return mods & ~allowed == 0
+        allowed = (SM90_VARLEN_FORWARD_MODS if varlen else SM90_FORWARD_MODS)[bucket]
+    if any(mods & every == every and mods & some for every, some in spills):
+        return False
+    return mods & ~allowed & ~MOD_DROPOUT == 0  # dropout with any set of modifiers it takes
 
 
 def tensor_core_eligible(dtype, head_dim: int, mods: int = 0, split: bool = False, backward: bool = False,

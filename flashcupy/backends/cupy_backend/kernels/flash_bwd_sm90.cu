@@ -141,7 +141,8 @@
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64, 128 or 256: head_dim rounded up to 64),
 // BLOCK_M (query rows a pass: 64 or 128, specs.sm90_backward_tile), BLOCK_N (64 CONSUMERS keys; SPLIT_D: 64),
 // MODS (the score modifiers, mask.cuh: Score makes each score of Sᵀ final, the bool mask masks every tile, and dS
-// takes the softcap's derivative, as in flash_bwd_tc.cu; a packed batch takes no bias or mask), VARLEN (a
+// takes the softcap's derivative, as in flash_bwd_tc.cu; a packed batch takes no bias or mask; dropout
+// (MOD_DROPOUT) drops Pᵀ before dV and dPᵀ before dSᵀ, through TC_P_DS as there), VARLEN (a
 // packed batch: the tensor maps over its (1, total, heads, head_dim) tensors, dk, dv, lse with batch
 // strides 0), DETERMINISTIC (the dQ tiles' adds in key-block order through dq_turns; otherwise dq_turns
 // is not read).
@@ -452,7 +453,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
             {
                 const bool partial = TILE_MASKED(MODS, i0, blk.j0);
                 const auto score = MAKE_SCORE(T, float, MODS, VARLEN ? seq_index : blk.b, h, scale_log2, LOG2E);
-                const Dropout<float, false> drop{};  // read by TC_P_DS: no dropout here (specs.sm90_eligible)
+                const auto drop = MAKE_DROPOUT(float, MODS, true, VARLEN ? seq_index : blk.b, h);  // read by TC_P_DS
                 for_each_element_cols<PAIRED_STATS>([&](int r, int col, float lse, float D, float& x, float& dp) {
                     TC_P_DS(TC_PAIR_HIDDEN(partial, i0 + q_c + col, key_w + r), false, i0 + q_c + col, key_w + r, x,
                             dp, lse, D, scale_log2);
@@ -560,7 +561,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
             wgmma_fence_operand<BLOCK_M / 2>(&dP[0][0]);
             const bool partial = TILE_MASKED(MODS, i0, blk.j0);
             const auto score = MAKE_SCORE(T, float, MODS, VARLEN ? seq_index : blk.b, h, scale_log2, LOG2E);
-            const Dropout<float, false> drop{};  // read by TC_P_DS: no dropout here (specs.sm90_eligible)
+            const auto drop = MAKE_DROPOUT(float, MODS, true, VARLEN ? seq_index : blk.b, h);  // read by TC_P_DS
             for_each_element_cols<PAIRED_STATS>([&](int r, int col, float lse, float D, float& x, float& dp) {
                 TC_P_DS(TC_PAIR_HIDDEN(partial, i0 + col, key_w + r), false, i0 + col, key_w + r, x, dp, lse, D,
                         scale_log2);

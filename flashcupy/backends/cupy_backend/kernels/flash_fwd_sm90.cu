@@ -99,7 +99,10 @@
 // 128; in a packed batch the window, softcap and ALiBi): as flash_fwd_tc.cu applies them, softcap, ALiBi
 // and the bias make each score of S final (mask.cuh's Score, in base 2) before the mask, and the bool
 // mask masks every tile element by element; with a bias or mask the key block is 64, and where the
-// registers asked for it (specs.sm90_forward_tile).
+// registers asked for it (specs.sm90_forward_tile). Dropout (MOD_DROPOUT, mask.cuh's Dropout) drops P
+// after l took its row sums and before P V_j is packed, as flash_fwd_tc.cu does (tc_dropout: S's
+// accumulators are laid out as the mma.sync C fragments, 16 rows a warp), its batch index a packed
+// batch's sequence's.
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64, 128 or 256: head_dim rounded up to 64),
 // BLOCK_M (64 CONSUMERS: 128, or 192 at head_dim 64, specs.sm90_forward_tile), BLOCK_N (a key block: 64,
@@ -246,6 +249,7 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
         const int row_c = blk.i0 + 64 * c, row_w = row_c + 16 * (threadIdx.x / WARP_SIZE % 4);
         // a packed batch's blk.b is 0 (the tensor maps' batch); its slopes are the sequence's
         const auto score = MAKE_SCORE(T, float, MODS, VARLEN ? seq_index : blk.b, blk.h, scale_log2, LOG2E);
+        const auto drop = MAKE_DROPOUT(float, MODS, true, VARLEN ? seq_index : blk.b, blk.h);
 
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
         float O[D_TILES][4];
@@ -279,6 +283,7 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
             tc_final_scores<MODS>(S, mask, score, blk.i0, row_w, j0, scale_log2);
 #pragma unroll
             for (int r = 0; r < 2; ++r) alpha[r] = online_softmax_row(S, m, l, r, tc_softmax_scale(score, scale_log2));
+            tc_dropout<MODS>(S, drop, row_w, j0);  // after l took the row sums
         };
         // O rescaled, key block jb's P packed as A fragments, its V_j landed: O += P V_j can be issued
         const auto ready_pv = [&](int jb) {
