@@ -142,9 +142,9 @@ def test_packed_batch_keeps_each_sequence_to_itself(rng):
 
 
 def test_a_value_head_dim_of_its_own(rng):
-    # MLA's head dims (192 for q and k, 128 for v) on the device: the mma.sync forward with its tiles
-    # padded to 192, the SIMT backward at its 256 bucket, with a bias (dbias from flash_pairs.cu),
-    # against the oracle
+    # MLA's head dims (192 for q and k, 128 for v) on the device: the mma.sync forward and backward with
+    # their tiles padded to 192 (the backward in two column parts, v's second partly past its head dim),
+    # dQ by atomics and deterministic, with a bias (dbias from flash_pairs.cu), against the oracle
     from flashcupy import _checks
     from flashcupy.backends import cupy_backend
     q, k, v = make_qkv(rng, 2, 200, 260, 4, 2, 192, np.float16, head_dim_v=128)
@@ -153,11 +153,13 @@ def test_a_value_head_dim_of_its_own(rng):
     dq_, dk_, dv_, ddout, dbias_ = on_device(q, k, v, dout, bias)
     p = _checks.problem(dq_, dk_, dv_, True, None, None, "cupy")
     assert cupy_backend.forward_path(p, dq_, dk_, dv_) == "tensor-core"
-    assert cupy_backend.backward_path(p, ddout, dq_, dk_, dv_, ddout) == "simt"
+    assert cupy_backend.backward_path(p, ddout, dq_, dk_, dv_, ddout) == "tensor-core"
     out, lse = flashcupy.attention(dq_, dk_, dv_, causal=True, bias=dbias_, return_lse=True)
-    grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=True, bias=dbias_)
-    assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout, causal=True, bias=bias,
-                          backend="cupy")
+    for deterministic in (False, True):
+        grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=True, bias=dbias_,
+                                             deterministic=deterministic)
+        assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout, causal=True, bias=bias,
+                              backend="cupy")
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])

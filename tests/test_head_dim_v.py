@@ -110,17 +110,16 @@ def test_bad_shapes_are_refused(rng):
 
 
 # ----------------------------------------------------------------------------
-# cupy, on the CPU emulator: the SIMT kernels pad their tiles to the larger head dim; the tensor-core
-# and Hopper kernels assume one, so such calls run on the SIMT kernels
+# cupy, on the CPU emulator: the SIMT and mma.sync kernels pad their tiles to the larger head dim; the
+# Hopper kernels assume one, so such calls run on the mma.sync kernels on an sm_90 too
 
 
 @pytest.mark.parametrize("compute_capability", [80, 90])
-def test_cupy_tensor_core_forward_and_simt_backward(rng, compute_capability):
+def test_cupy_tensor_core_forward_and_backward(rng, compute_capability):
     """float16 at head dims the tensor-core and Hopper kernels take (64 for q and k, 32 for v), on an
-    sm_80 and an sm_90 device: the mma.sync forward (its tiles padded to the larger head dim, as the
-    SIMT kernels'), the SIMT backward (the tensor-core and Hopper backwards, and the Hopper forward,
-    assume one head dim), with a bias (dbias from flash_pairs.cu) and a mask; split-KV's mma.sync
-    forward too."""
+    sm_80 and an sm_90 device: the mma.sync forward and backward (their tiles padded to the larger head
+    dim, as the SIMT kernels'; the Hopper kernels assume one head dim), dQ by atomics and deterministic,
+    with a bias (dbias from flash_pairs.cu) and a mask; split-KV's mma.sync forward too."""
     from flashcupy import _api
     from flashcupy.backends import cupy_backend
     from flashcupy.tools.emulator.cupy import emulated
@@ -131,12 +130,14 @@ def test_cupy_tensor_core_forward_and_simt_backward(rng, compute_capability):
     with emulated(compute_capability=compute_capability):
         p = _checks.problem(q, k, v, True, None, None, "numpy")
         assert cupy_backend.forward_path(p, q, k, v) == "tensor-core"
-        assert cupy_backend.backward_path(p, dout, q, k, v, dout) == "simt"
+        assert cupy_backend.backward_path(p, dout, q, k, v, dout) == "tensor-core"
         # the same arrays with one head dim take the Hopper kernels on an sm_90
         same = _checks.problem(q, k, k, True, None, None, "numpy")
         assert cupy_backend.forward_path(same, q, k, k) == ("hopper" if compute_capability == 90 else "tensor-core")
         dlse, got = run(q, k, v, dout, backend="cupy", **kw)
         assert_matches_oracle(got, q, k, v, dout, backend="cupy", dlse=dlse, **kw)
+        exact = flashcupy.attention_backward(dout, q, k, v, got[0], got[1], backend="cupy", deterministic=True, **kw)
+        assert_matches_oracle((*got[:2], *exact), q, k, v, dout, backend="cupy", **kw)
         # split-KV (decoding): each split's partial out of v's width, merged
         q1, k, v = make_qkv(rng, 1, 1, 300, 2, 1, 64, np.float16, head_dim_v=32)
         p = _checks.problem(q1, k, v, False, None, None, "numpy")
@@ -144,6 +145,27 @@ def test_cupy_tensor_core_forward_and_simt_backward(rng, compute_capability):
         assert cupy_backend.split_plan(p, q1, k, v, 2)[0] == 2
         out, lse = _api.forward(q1, k, v, backend="cupy", num_splits=2)
     assert_matches_oracle((out, lse), q1, k, v, backend="cupy")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (64, 256)])
+def test_cupy_tensor_core_backward_in_column_parts(rng, head_dim, head_dim_v, deterministic):
+    """Above a tile head dim of 128 two CTAs share each block's columns of dK, dV and dQ (flash_bwd_tc.cu,
+    TC_COLUMN_PARTS): MLA's 192 and 128 (v's second part partly past its head dim), and 64 and 256 (q's
+    and k's second part wholly past theirs: it writes no dK or dQ, nor adds to dQ's atomics), with GQA
+    and causal rows that see no key."""
+    from flashcupy.backends import cupy_backend
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k, v = make_qkv(rng, 1, 21, 17, 2, 1, head_dim, np.float16, head_dim_v=head_dim_v)
+    dout = rng.standard_normal((1, 21, 2, head_dim_v)).astype(np.float16)
+    with emulated(compute_capability=80):
+        p = _checks.problem(q, k, v, True, None, None, "numpy")
+        assert cupy_backend.backward_path(p, dout, q, k, v, dout, deterministic) == "tensor-core"
+        out, lse = flashcupy.attention(q, k, v, causal=True, backend="cupy", return_lse=True)
+        grads = flashcupy.attention_backward(dout, q, k, v, out, lse, causal=True, backend="cupy",
+                                             deterministic=deterministic)
+    assert np.all(grads[0][:, :4] == 0)  # rows that see no key
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, causal=True, backend="cupy")
 
 
 def test_cupy_head_dims_not_multiples_of_8_stay_on_the_simt_kernels(rng):

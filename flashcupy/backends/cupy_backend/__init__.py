@@ -145,7 +145,7 @@ def _shape_args(p) -> tuple:
 
 
 def _tile_head_dim(p) -> int:
-    """The head dim the SIMT kernels' and the tensor-core forward's tiles are built for: the larger of
+    """The head dim the SIMT and tensor-core (mma.sync) kernels' tiles are built for: the larger of
     q's and v's (each tile zero past its own tensor's, so the padding adds nothing)."""
     return max(p.head_dim, p.head_dim_v)
 
@@ -201,26 +201,27 @@ def _grid_axes(p, backward) -> tuple:
         builds.append((specs.dbias_module, tiles))
     if _tc_takes(p) and specs.tensor_core_eligible(p.dtype, tiles):
         builds += [(specs.tc_forward_module, tiles)]
-    if backward and _tc_takes(p, True) and specs.tensor_core_eligible(p.dtype, p.head_dim, mods, backward=True):
-        builds += [(specs.tc_backward_module, p.head_dim), (specs.deterministic_tc_backward_module, p.head_dim)]
+    if backward and _tc_takes(p) and specs.tensor_core_eligible(p.dtype, tiles, _tc_backward_mods(p), backward=True):
+        builds += [(specs.tc_backward_module, tiles, _tc_backward_mods(p)),
+                   (specs.deterministic_tc_backward_module, tiles, _tc_backward_mods(p))]
     if _same_head_dims(p) and specs.sm90_eligible(p.dtype, p.head_dim, mods):
         builds += [(specs.sm90_forward_module, p.head_dim)]
     if backward and _same_head_dims(p) and specs.sm90_eligible(p.dtype, p.head_dim, mods, backward=True):
         builds += [(specs.sm90_backward_module, p.head_dim)]
-    return tuple((*kernel.grid(p), 0) for build, dim in builds for kernel in build(p.dtype, dim, mods).kernels)
+    return tuple((*kernel.grid(p), 0) for build, dim, *own in builds
+                 for kernel in build(p.dtype, dim, *(own or [mods])).kernels)
 
 
 def _same_head_dims(p) -> bool:
-    """Whether v's head_dim is q's and k's: the tensor-core backward's and the Hopper kernels' tiles
-    assume it (a call with another runs on the SIMT kernels, or the tensor-core forward: _tc_takes)."""
+    """Whether v's head_dim is q's and k's: the Hopper kernels' tiles assume it (a call with another runs
+    on the mma.sync or SIMT kernels: _tc_takes)."""
     return p.head_dim_v == p.head_dim
 
 
-def _tc_takes(p, backward: bool = False) -> bool:
-    """Whether the tensor-core forward (backward) takes p's head dims: the forward's tiles are padded
-    to the larger (_tile_head_dim; each a multiple of 8, as the 16-byte rows ask), the backward's need
-    one."""
-    return _same_head_dims(p) or (not backward and p.head_dim % 8 == 0 and p.head_dim_v % 8 == 0)
+def _tc_takes(p) -> bool:
+    """Whether the tensor-core (mma.sync) kernels, forward and backward, take p's head dims: their tiles
+    are padded to the larger (_tile_head_dim), each a multiple of 8, as the 16-byte rows ask."""
+    return _same_head_dims(p) or (p.head_dim % 8 == 0 and p.head_dim_v % 8 == 0)
 
 
 # ----------------------------------------------------------------------------
@@ -259,8 +260,9 @@ def _path(p, *tensors, split: bool = False, backward: bool = False) -> str:
     """'tensor-core' when the tensor-core forward (split: split-KV's; backward: the backward) takes the
     call (specs.tensor_core_eligible) and `tensors` (all read or written through 16-byte rows), else
     'simt'."""
-    eligible = USE_TENSOR_CORES and _tc_takes(p, backward) and specs.tensor_core_eligible(
-        p.dtype, _tile_head_dim(p), _mods(p), split, backward, _turing(tensors[0]))
+    eligible = USE_TENSOR_CORES and _tc_takes(p) and specs.tensor_core_eligible(
+        p.dtype, _tile_head_dim(p), _tc_backward_mods(p) if backward else _mods(p), split, backward,
+        _turing(tensors[0]))
     return "tensor-core" if eligible and _rows_16_bytes(_runtime(), p.dtype, *tensors) else "simt"
 
 
@@ -416,6 +418,13 @@ def _mods(p) -> int:
     return specs.mods_of(p.modifiers) | (specs.MOD_DROPOUT if p.dropout else 0)
 
 
+def _tc_backward_mods(p) -> int:
+    """The mma.sync backward's MODS: _mods', and MOD_HEAD_DIM_V where v has a head dim of its own (its
+    kernels bound v's and dout's tiles by head_dim, the same bound as q's and k's, unless specialised so:
+    flash_bwd_tc.cu's V_HEAD_DIM says why)."""
+    return _mods(p) | (0 if _same_head_dims(p) else specs.MOD_HEAD_DIM_V)
+
+
 def split_plan(p, q, k, v, num_splits=None) -> tuple:
     """(splits, keys per split) of split-KV for this forward: (1, 0) for none.
 
@@ -466,7 +475,8 @@ def _tc_forward_module(p, q, split: bool, varlen: bool) -> specs.ModuleSpec:
 
 def _tc_backward_module(p, q, deterministic: bool, varlen: bool) -> specs.ModuleSpec:
     """The tensor-core backward's ModuleSpec for this call, with the tiles of q's device (specs.tc_turing)."""
-    return specs.tc_backward_module(p.dtype, p.head_dim, _mods(p), deterministic, varlen, _turing(q))
+    return specs.tc_backward_module(p.dtype, _tile_head_dim(p), _tc_backward_mods(p), deterministic, varlen,
+                                    _turing(q))
 
 
 def _turing(x) -> bool:

@@ -160,6 +160,9 @@ TC_TILES = {
     # tiles past the register limit of tests/test_nvrtc.py; a window alone keeps the full tiles.
     ("dkdv", "score"): {64: (32, 64), 128: (16, 64), 192: (16, 64), 256: (16, 64)},
     ("dq", "score"): {64: (64, 32), 128: (64, 32), 192: (64, 32), 256: (64, 16)},  # every modifier at 256, 32 keys: 250
+    # With v of a head dim of its own (MOD_HEAD_DIM_V), without softcap or ALiBi: dQ at 256 half the keys
+    # (32 spilled 88 bytes under NVRTC 12.9 and 13.5 on sm_80: benchmarks/results/head_dim_v_registers.md)
+    ("dq", "head_dim_v"): {64: (64, 64), 128: (64, 32), 192: (64, 32), 256: (64, 16)},
     # The dK/dV kernel that also adds dQ (five GEMMs, not deterministic) takes at most these query rows
     # a pass (16 at head_dim 128: with 32 it went past the register limit tests/test_nvrtc.py keeps)
     ("dkdv", "dq_atomic"): {64: (64, 64), 128: (16, 64), 192: (16, 64), 256: (16, 64)},
@@ -321,6 +324,10 @@ SM90_DROPOUT_SPILLS = {
     (True, False, 128): (MOD_DROPOUT, MOD_PAIRS),  # a bias or the mask: 12-528 bytes
     (False, True, 64): (MOD_DROPOUT | MOD_BITS["window"], MOD_BITS["alibi_slopes"]),  # 64 bytes
 }
+# v (and dout) of a head dim of their own (mask.cuh's MOD_HEAD_DIM_V): the mma.sync backward alone is
+# specialised for it (flash_bwd_tc.cu's V_HEAD_DIM), set by cupy_backend._tc_backward_mods; the other
+# kernels bound v's tiles by head_dim_v in every specialisation
+MOD_HEAD_DIM_V = 64
 
 
 def mods_of(modifiers) -> int:
@@ -367,7 +374,8 @@ class Kernel:
     @property
     def modifiers(self) -> str:
         """The modifiers' keywords joined by '+', or '' for none."""
-        return "+".join(name for name, bit in {**MOD_BITS, "dropout": MOD_DROPOUT}.items() if self.mods & bit)
+        return "+".join(name for name, bit in {**MOD_BITS, "dropout": MOD_DROPOUT, "head_dim_v": MOD_HEAD_DIM_V}.items()
+                        if self.mods & bit)
 
     @property
     def tensor_cores(self) -> bool:
@@ -569,7 +577,8 @@ def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_at
             varlen: bool = False, turing: bool = False) -> tuple:
     """(BLOCK_M, BLOCK_N) of a tensor-core kernel, from TC_TILES: the forward's variant is a packed
     batch's, else split-KV's (with or without a bias or mask), else the bias or mask's, else softcap,
-    ALiBi or dropout's (MOD_SCORE, MOD_DROPOUT), else the plain one; the backward's MOD_SCORE's or the plain one, and with
+    ALiBi or dropout's (MOD_SCORE, MOD_DROPOUT), else the plain one; the backward's MOD_SCORE's, else dQ's
+    head_dim_v one (MOD_HEAD_DIM_V), else the plain one, and with
     dQ by atomics dK/dV takes the fewer query rows of that tile and the dq_atomic one.
 
     A packed batch's forward takes its own (TC_TILES' varlen rows), whatever its modifiers
@@ -582,7 +591,7 @@ def tc_tile(pass_: str, head_dim: int, mods: int = 0, split: bool = False, dq_at
         variant = ("varlen" if varlen else ("split+pairs" if pairs else "split") if split else "pairs" if pairs
                    else "score" if score else "plain")
     else:
-        variant = "score" if score else "plain"
+        variant = "score" if score else "head_dim_v" if pass_ == "dq" and mods & MOD_HEAD_DIM_V else "plain"
     tile = TC_TILES[pass_, variant][bucket]
     if varlen and pass_ == "dkdv":
         tile = min(tile, TC_TILES["dkdv", "varlen"][bucket])

@@ -90,9 +90,11 @@
 // the kernels of two column parts, whose plain dK/dV and dQ at 256 took the report's last registers
 // unrolled (benchmarks/results/tile_choices.md); the plain kernels up to 128 keep the unrolled loop.
 //
-// Requirements on the arguments, checked by the launcher (as for flash_fwd_tc): head_dim a multiple
-// of 8 and at most HEAD_DIM (columns past head_dim are zero-filled), and v's the same (head_dim_v is
-// never read: cupy_backend._tc_takes sends other calls to the SIMT backward); q, k, v, dout and the outputs
+// Requirements on the arguments, checked by the launcher (as for flash_fwd_tc): head_dim (q's and k's)
+// and, in a kernel specialised for it (MOD_HEAD_DIM_V, V_HEAD_DIM below), head_dim_v (v's, dout's)
+// multiples of 8 and at most HEAD_DIM, the larger rounded up: each tile is zero-filled past its own
+// tensor's head dim, so the padding adds nothing to S, dP, dV, dK or dQ, and each output is written up
+// to its own (a column part past it writes nothing); q, k, v, dout and the outputs
 // contiguous in head_dim, every row 16-byte aligned (pointers and the other strides multiples of 8
 // elements). lse may have any strides. Rows past seqlen are zero-filled and never written.
 //
@@ -102,14 +104,22 @@
 // with a window the Mask is the band, so the passes and KVStream take only its blocks. dbias is
 // computed after these kernels, by flash_pairs.cu's SIMT kernel.
 //
-// Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (head_dim rounded up to 16, at most 256; above
-// 128 to 32, so that each part is whole k-steps: specs.tc_head_dim),
+// Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (the larger head dim rounded up to 16, at most
+// 256; above 128 to 32, so that each part is whole k-steps: specs.tc_head_dim),
 // BLOCK_M, BLOCK_N: dK/dV BLOCK_N = 16 NUM_WARPS = 64 and BLOCK_M a multiple of 16 (at most 64);
-// dQ BLOCK_M = 64 and BLOCK_N a multiple of 16; MODS the score modifiers (0: none).
+// dQ BLOCK_M = 64 and BLOCK_N a multiple of 16; MODS the score modifiers (0: none), dropout and
+// MOD_HEAD_DIM_V (any bit rolls the k-steps of S and dP).
 
 #include "flash_bwd_common.cuh"
 #include "mask.cuh"
 #include "tc_tile.cuh"
+
+// v's (and dout's) head dim as a kernel bounds its tiles' columns: head_dim_v in one specialised for a v
+// of a head dim of its own (MOD_HEAD_DIM_V: cupy_backend._tc_backward_mods sets it for such calls alone),
+// else head_dim, so that the kernels of one head dim keep one column bound for all their tiles: two took
+// ptxas up to 4 more registers in the plain dK/dV kernels and spilled dQ's at 256 under NVRTC 12.9
+// (benchmarks/results/head_dim_v_registers.md has the figures of the specialised ones)
+#define V_HEAD_DIM(MODS) (((MODS) & MOD_HEAD_DIM_V) != 0 ? head_dim_v : head_dim)
 
 // dQ_i += dS K_j for one pass of the dK/dV kernel with DQ_ATOMIC: dS (BLOCK_M queries x BLOCK_N keys,
 // T, swizzled rows of BLOCK_N) in dS_s, K_j in K_s. The BLOCK_M / 16 x HEAD_DIM / 16 output tiles of 16
@@ -171,6 +181,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
     // its first (TC_COLUMN_PARTS: blockIdx.y the part); a constant 0 in the kernels of one part, whose
     // addresses then stay what they were before parts existed
     const int c0 = COLS < HEAD_DIM ? int(blockIdx.y) * COLS : 0;
+    const int dim_v = V_HEAD_DIM(MODS);  // v's and dout's head dim
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* K_s = reinterpret_cast<T*>(smem);
@@ -204,7 +215,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
         const Stats<const float> lse_h = LSE_ROW(lse, blk.b, h);
         const auto seen_row = [=](int i) { return (MODS & MOD_MASK) == 0 || lse_h[i] != -INFINITY; };
         load_stage_async<BLOCK_M, HEAD_DIM>(Q_s, dO_s, p & 1, HEAD_ROWS(q, blk.b, h), HEAD_ROWS(dout, blk.b, h), i0,
-                                            seqlen_q, head_dim, head_dim, seen_row);
+                                            seqlen_q, head_dim, dim_v, seen_row);
         const int i = i0 + threadIdx.x % BLOCK_M;
         if (threadIdx.x < BLOCK_M) return lse_for_p(LSE_ROW(lse, blk.b, h), i, seqlen_q) * LOG2E;
         return i < seqlen_q ? D.template row<true>(blk.b, h)[i] : 0.0f;
@@ -216,7 +227,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
     // group 0: K_j, V_j and pass 0
     if (passes > 0) {
         load_tile_async<BLOCK_N, HEAD_DIM>(K_s, HEAD_ROWS(k, blk.b, blk.kv_head), blk.j0, seqlen_k, head_dim);
-        load_tile_async<BLOCK_N, HEAD_DIM>(V_s, HEAD_ROWS(v, blk.b, blk.kv_head), blk.j0, seqlen_k, head_dim);
+        load_tile_async<BLOCK_N, HEAD_DIM>(V_s, HEAD_ROWS(v, blk.b, blk.kv_head), blk.j0, seqlen_k, dim_v);
         store_stat(0, prefetch(0));
         cp_async_commit();
     }
@@ -262,27 +273,34 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dkdv_tc(
         if constexpr (DQ_ATOMIC) {
             __syncthreads();  // every warp's dS is in dS_s
             const int h = blk.kv_head * group + p / q_blocks;
-            atomic_dq<T, HEAD_DIM, BLOCK_M, BLOCK_N, COLS>(HEAD_ROWS(dqa, blk.b, h), dS_s, K_s, dQ_stage, i0, seqlen_q,
-                                                           head_dim, c0);
+            if (c0 < head_dim)  // a part past q's head dim (v's is larger) has no dQ to add
+                atomic_dq<T, HEAD_DIM, BLOCK_M, BLOCK_N, COLS>(HEAD_ROWS(dqa, blk.b, h), dS_s, K_s, dQ_stage, i0,
+                                                               seqlen_q, head_dim, c0);
         }
         if (p + 1 < passes) store_stat(p + 1, next_stat);  // into the stage no warp reads in this pass
         __syncthreads();  // every warp is done with this Q_i, dO_i, lse_i, D_i (and dS): the next pass overwrites them
     }
 
+    // a part whose columns all lie past a tensor's own head dim (the other tensor's is larger: the tiles
+    // pad to it) writes none of it, nor forms a pointer past its rows
     if constexpr (DQ_ATOMIC) {
         // staged through the warp's own rows of K_s and V_s: the last pass ended with a barrier, after
         // which no warp reads them (atomic_dq reads all of K_s, but within a pass)
-        store_fragments_staged<COLS>(HEAD_ROWS(dk, blk.b, blk.kv_head).from_column(c0), dK, {scale, scale},
-                                     K_s + 16 * warp * ROW, key_w, seqlen_k, head_dim - c0);
-        store_fragments_staged<COLS>(HEAD_ROWS(dv, blk.b, blk.kv_head).from_column(c0), dV, {1.0f, 1.0f},
-                                     V_s + 16 * warp * ROW, key_w, seqlen_k, head_dim - c0);
+        if (c0 < head_dim)
+            store_fragments_staged<COLS>(HEAD_ROWS(dk, blk.b, blk.kv_head).from_column(c0), dK, {scale, scale},
+                                         K_s + 16 * warp * ROW, key_w, seqlen_k, head_dim - c0);
+        if (c0 < dim_v)
+            store_fragments_staged<COLS>(HEAD_ROWS(dv, blk.b, blk.kv_head).from_column(c0), dV, {1.0f, 1.0f},
+                                         V_s + 16 * warp * ROW, key_w, seqlen_k, dim_v - c0);
     } else {
         // straight from the fragments: staged, the deterministic kernel with every modifier at head_dim 64
         // spilled (benchmarks/results/tile_choices.md)
-        store_fragments<COLS>(HEAD_ROWS(dk, blk.b, blk.kv_head).from_column(c0), dK, {scale, scale}, key_g, seqlen_k,
-                              head_dim - c0);
-        store_fragments<COLS>(HEAD_ROWS(dv, blk.b, blk.kv_head).from_column(c0), dV, {1.0f, 1.0f}, key_g, seqlen_k,
-                              head_dim - c0);
+        if (c0 < head_dim)
+            store_fragments<COLS>(HEAD_ROWS(dk, blk.b, blk.kv_head).from_column(c0), dK, {scale, scale}, key_g,
+                                  seqlen_k, head_dim - c0);
+        if (c0 < dim_v)
+            store_fragments<COLS>(HEAD_ROWS(dv, blk.b, blk.kv_head).from_column(c0), dV, {1.0f, 1.0f}, key_g,
+                                  seqlen_k, dim_v - c0);
     }
 }
 
@@ -299,6 +317,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
     constexpr int D_TILES = COLS / 8;
     constexpr int N_TILES = BLOCK_N / 8;  // 8-key column tiles of S
     const int c0 = COLS < HEAD_DIM ? int(blockIdx.y) * COLS : 0;  // its first, as in flash_bwd_dkdv_tc
+    const int dim_v = V_HEAD_DIM(MODS);  // v's and dout's head dim
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem);
@@ -315,12 +334,12 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
 
     const Rows<T> dQ_rows = HEAD_ROWS(dq, blk.b, blk.h);
     const KVStream<BLOCK_N, HEAD_DIM, T> kv(K_s, V_s, HEAD_ROWS(k, blk.b, blk.kv_head),
-                                            HEAD_ROWS(v, blk.b, blk.kv_head), mask, blk.i0, head_dim, head_dim);
+                                            HEAD_ROWS(v, blk.b, blk.kv_head), mask, blk.i0, head_dim, dim_v);
 
     // group 0: Q_i, dO_i and the first key block
     if (kv.blocks > 0) {
         load_tile_async<BLOCK_M, HEAD_DIM>(Q_s, HEAD_ROWS(q, blk.b, blk.h), blk.i0, seqlen_q, head_dim);
-        load_tile_async<BLOCK_M, HEAD_DIM>(dO_s, HEAD_ROWS(dout, blk.b, blk.h), blk.i0, seqlen_q, head_dim);
+        load_tile_async<BLOCK_M, HEAD_DIM>(dO_s, HEAD_ROWS(dout, blk.b, blk.h), blk.i0, seqlen_q, dim_v);
         kv.load(0);
         cp_async_commit();
     }
@@ -366,5 +385,6 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS) flash_bwd_dq_tc(
 
     // straight from the fragments (twice the sectors of store_fragments_staged, which took this kernel, with
     // every modifier at head_dim 128, past the register limit of tests/test_nvrtc.py)
-    store_fragments<COLS>(dQ_rows.from_column(c0), dQ, {scale, scale}, row_g, seqlen_q, head_dim - c0);
+    if (c0 < head_dim)  // as in flash_bwd_dkdv_tc
+        store_fragments<COLS>(dQ_rows.from_column(c0), dQ, {scale, scale}, row_g, seqlen_q, head_dim - c0);
 }

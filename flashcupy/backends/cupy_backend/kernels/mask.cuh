@@ -36,6 +36,7 @@ constexpr int MOD_MASK = 16;    // the pair is hidden where mask[b, h, i, j] is 
 constexpr int MOD_SCORE = MOD_SOFTCAP | MOD_ALIBI | MOD_BIAS;  // the modifiers that change a score's value
 constexpr int MOD_PAIRS = MOD_BIAS | MOD_MASK;  // they read a rank-4 array per (query, key) pair
 constexpr int MOD_DROPOUT = 32;  // no score modifier: P is dropped (Dropout below) before P V, dP before dS
+constexpr int MOD_HEAD_DIM_V = 64;  // no score modifier: v and dout have a head dim of their own (flash_bwd_tc.cu)
 
 template <int BLOCK_M, int BLOCK_N, bool WINDOW = false>  // query rows and keys of the kernel's tile
 struct Mask {
