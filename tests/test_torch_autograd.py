@@ -445,8 +445,19 @@ def test_readme_transformers_recipe_matches_torch_sdpa(rng, monkeypatch):
         torch.testing.assert_close(out, want, msg=lambda m, what=what: f"{what}: {m}")
         for g, w in zip(got_grads, want_grads):
             torch.testing.assert_close(g, w, msg=lambda m, what=what: f"{what}: {m}")
-    with pytest.raises(ValueError, match="dropout"):
-        fn(module, q, k, v, None, dropout=0.1)
+    # in training the recipe drops weights under a seed from torch's generator (torch.manual_seed fixes
+    # it), against the oracle's mask of that seed; in evaluation it drops none (SDPA's out, as above)
+    torch.manual_seed(11)
+    out, _ = fn(module, q, k, v, None, dropout=0.25, scaling=0.4)
+    torch.manual_seed(11)
+    seed = int(torch.randint(2**62, ()))
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    args = [np.ascontiguousarray(_np(x).transpose(0, 2, 1, 3)) for x in (q, k, v)]
+    lse = flashcupy.attention(*args, causal=True, scale=0.4, return_lse=True)[1]  # undropped: not the recipe's
+    assert_matches_oracle([_np(out), lse, *(_np(g).transpose(0, 2, 1, 3) for g in grads)], *args, _np(dout),
+                          causal=True, scale=0.4, dropout_p=0.25, dropout_seed=seed, backend="numpy")
+    module.training = False
+    torch.testing.assert_close(fn(module, q, k, v, None, dropout=0.25, scaling=0.4)[0], want)
 
 
 def test_varlen_autograd_is_per_sequence_attention(rng):
