@@ -194,22 +194,21 @@ def grid_axes(p, backward):
 
 
 def _grid_axes(p, backward) -> tuple:
-    mods, tiles = _mods(p), _tile_head_dim(p)
-    builds = [(specs.forward_module, tiles), (specs.probs_module, p.head_dim)]
-    builds += [(specs.backward_module, tiles)] * backward
+    mods, tiles, tc_backward = _mods(p), _tile_head_dim(p), _tc_backward_mods(p)
+    builds = [(specs.forward_module, tiles, mods), (specs.probs_module, p.head_dim, mods)]
+    builds += [(specs.backward_module, tiles, mods)] * backward
     if backward and p.bias is not None:
-        builds.append((specs.dbias_module, tiles))
+        builds.append((specs.dbias_module, tiles, mods))
     if _tc_takes(p) and specs.tensor_core_eligible(p.dtype, tiles):
-        builds += [(specs.tc_forward_module, tiles)]
-    if backward and _tc_takes(p) and specs.tensor_core_eligible(p.dtype, tiles, _tc_backward_mods(p), backward=True):
-        builds += [(specs.tc_backward_module, tiles, _tc_backward_mods(p)),
-                   (specs.deterministic_tc_backward_module, tiles, _tc_backward_mods(p))]
+        builds += [(specs.tc_forward_module, tiles, mods)]
+    if backward and _tc_takes(p) and specs.tensor_core_eligible(p.dtype, tiles, tc_backward, backward=True):
+        builds += [(specs.tc_backward_module, tiles, tc_backward),
+                   (specs.deterministic_tc_backward_module, tiles, tc_backward)]
     if _same_head_dims(p) and specs.sm90_eligible(p.dtype, p.head_dim, mods):
-        builds += [(specs.sm90_forward_module, p.head_dim)]
+        builds += [(specs.sm90_forward_module, p.head_dim, mods)]
     if backward and _same_head_dims(p) and specs.sm90_eligible(p.dtype, p.head_dim, mods, backward=True):
-        builds += [(specs.sm90_backward_module, p.head_dim)]
-    return tuple((*kernel.grid(p), 0) for build, dim, *own in builds
-                 for kernel in build(p.dtype, dim, *(own or [mods])).kernels)
+        builds += [(specs.sm90_backward_module, p.head_dim, mods)]
+    return tuple((*kernel.grid(p), 0) for build, dim, m in builds for kernel in build(p.dtype, dim, m).kernels)
 
 
 def _same_head_dims(p) -> bool:
