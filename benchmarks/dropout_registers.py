@@ -4,6 +4,7 @@ specs.DROPOUT_TILES, the forward's tile variant with dropout (specs.tc_tile), ph
 (mask.cuh) and the Hopper kernels' dropout (specs.sm90_eligible). No GPU needed.
 
     python benchmarks/dropout_registers.py > benchmarks/results/dropout_registers.md   # a few minutes
+    python benchmarks/dropout_registers.py --every-hopper-set   # every set of modifiers: 15 minutes
 
 The catalog (tests/test_nvrtc.py's kernels) has no dropout specialisation: this script is their check.
 """
@@ -105,7 +106,37 @@ def report(modules, name: str, title: str, hopper=None) -> None:
                 sys.stdout.flush()
 
 
+def every_hopper_set() -> list:
+    """The Hopper kernels with dropout (float16) in every set of modifiers sm90_eligible lets them take with
+    it, each bucket, one batch and a packed one, both backwards: where SM90_DROPOUT_SPILLS comes from."""
+    out = []
+    for varlen in (False, True):
+        for bucket in specs.SM90_FORWARD_TILES:
+            allowed = (specs.SM90_VARLEN_FORWARD_MODS if varlen else specs.SM90_FORWARD_MODS)[bucket]
+            out += [specs.sm90_forward_module("float16", bucket, m | specs.MOD_DROPOUT, varlen,
+                                              specs.sm90_forward_tile(bucket, m | specs.MOD_DROPOUT, varlen=varlen))
+                    for m in range(specs.ALL_MODS + 1) if m & ~allowed == 0
+                    and specs.sm90_eligible("float16", bucket, m | specs.MOD_DROPOUT, varlen=varlen)]
+        for bucket in specs.SM90_BACKWARD_TILES:
+            out += [specs.sm90_backward_module("float16", bucket, m | specs.MOD_DROPOUT, varlen, deterministic,
+                                               specs.sm90_backward_tile(bucket, m | specs.MOD_DROPOUT))
+                    for m in range(specs.ALL_MODS + 1) for deterministic in (False, True)
+                    if specs.sm90_eligible("float16", bucket, m | specs.MOD_DROPOUT, backward=True, varlen=varlen)]
+    return out
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--every-hopper-set"]:  # python benchmarks/dropout_registers.py --every-hopper-set
+        for major in ("12", "13"):
+            toolkit = next(t for t in nvrtc.toolkits() if t.version.startswith(major))
+            rows = [r for r in nvrtc.kernel_report("sm_90a", toolkit=toolkit, modules=every_hopper_set())
+                    if "dropout" in (r["mods"] or "")]
+            spills = [r for r in rows if r["spill_bytes"]]
+            print(f"NVRTC {toolkit.version} sm_90a, every set the Hopper kernels take with dropout: {len(rows)} "
+                  f"kernels, {len(spills)} spill")
+            for r in spills:
+                print(f"    {r['kernel']} {r['head_dim']} {r['mods']} {r.get('tile') or ''}: {r['spill_bytes']} bytes")
+        return 0
     report(modules, "dropout", "Registers and spills of the kernels specialised for dropout", hopper_modules)
     return 0
 

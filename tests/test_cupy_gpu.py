@@ -164,8 +164,8 @@ def test_a_value_head_dim_of_its_own(rng):
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_dropout_on_the_device(rng, dtype):
-    # dropout's keep mask drawn by the device's own __umulhi (the mma.sync kernels for float16, also on
-    # Hopper, which takes none; the SIMT ones for float32), with a bias broadcast over rows (dbias from
+    # dropout's keep mask drawn by the device's own __umulhi (float16: the Hopper kernels on an sm_90, else
+    # the mma.sync ones; float32: the SIMT ones), with a bias broadcast over rows (dbias from
     # flash_pairs.cu on SIMT), and the seed read from device memory (flashcupy.jax's way), against the
     # oracle's Philox
     import cupy

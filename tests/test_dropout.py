@@ -151,7 +151,7 @@ def test_a_backend_without_dropout_is_refused_naming_those_with_it(rng, monkeypa
 
 # The cupy backend on emulated devices: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype,
 # compute capability, keywords of the case made of the rng). float32 runs the SIMT kernels, float16
-# the mma.sync ones (forward and backward, on sm_90 too: the Hopper kernels take no dropout); a bias
+# the mma.sync ones, or on sm_90 the Hopper ones (more of them below); a bias
 # broadcast over rows takes flash_pairs.cu's dbias kernel; the tensor-core dQ kernel runs only when
 # deterministic.
 CUPY_CASES = (
@@ -280,6 +280,21 @@ def test_the_hopper_kernels_draw_the_same_mask(rng, deterministic):
         grads = _api.backward(dout, q, k, v, out, lse, backend="cupy", deterministic=deterministic,
                               dropout_seed=0, dropout_seed_words=words, **kw, **drop)
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", dropout_seed=SEED, **kw, **drop)
+
+
+def test_the_hopper_sets_that_spilled_take_the_mma_sync_kernels(rng):
+    # specs.SM90_DROPOUT_SPILLS: with dropout, the Hopper backward at head_dim 128 takes no bias (its forward
+    # does); without dropout the same call's backward is the Hopper one
+    from flashcupy.backends import cupy_backend
+    from flashcupy.tools.emulator.cupy import emulated
+    q, k, v = make_qkv(rng, 1, 70, 70, 2, 1, 128, np.float16)
+    bias = rng.standard_normal((1, 2, 70, 70)).astype(np.float16)
+    with emulated(compute_capability=90):
+        for p, backward in ((0.3, "tensor-core"), (0.0, "hopper")):
+            problem = flashcupy._checks.problem(q, k, v, False, None, None, "numpy", bias=bias, dropout_p=p,
+                                                dropout_seed=SEED)
+            assert cupy_backend.forward_path(problem, q, k, v) == "hopper"
+            assert cupy_backend.backward_path(problem, q, q, k, v, q) == backward
 
 
 def test_a_packed_batch_on_the_hopper_kernels(rng):

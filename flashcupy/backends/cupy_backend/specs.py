@@ -317,12 +317,16 @@ SM90_BACKWARD_SPILLS = {128: (MOD_BITS["window"], MOD_PAIRS)}  # bucket: (every 
 MOD_DROPOUT = 32
 # The Hopper kernels take dropout (a rolled Philox call per two keys in the forward, per pair in the
 # backward: unrolled, the backward at 128 and the forward at 256 and in packed batches spilled 24-156
-# bytes) with every set of modifiers they take but these, which spilled all the same (NVRTC 12.9 and
-# 13.5; benchmarks/results/dropout_registers.md); such calls take the mma.sync kernels.
-# (backward, varlen, bucket): (every bit of one, any bit of the other), as SM90_BACKWARD_SPILLS
+# bytes) with every set of modifiers they take but these, which spilled all the same (NVRTC 12.9 or
+# 13.5, every set compiled: `python benchmarks/dropout_registers.py --every-hopper-set`, and
+# benchmarks/results/dropout_registers.md); such calls take the mma.sync kernels.
+# (backward, varlen, bucket): pairs of (every bit of one, any bit of the other), as SM90_BACKWARD_SPILLS'
 SM90_DROPOUT_SPILLS = {
-    (True, False, 128): (MOD_DROPOUT, MOD_PAIRS),  # a bias or the mask: 12-528 bytes
-    (False, True, 64): (MOD_DROPOUT | MOD_BITS["window"], MOD_BITS["alibi_slopes"]),  # 64 bytes
+    (True, False, 128): ((MOD_DROPOUT, MOD_PAIRS),  # a bias or the mask: 12-528 bytes
+                         (MOD_DROPOUT | MOD_BITS["window"], MOD_BITS["alibi_slopes"])),  # 16-40 bytes
+    # the deterministic kernel with the three, 20 bytes under NVRTC 13.5
+    (True, False, 256): ((MOD_DROPOUT | MOD_BITS["window"] | MOD_BITS["softcap"], MOD_BITS["mask"]),),
+    (False, True, 64): ((MOD_DROPOUT | MOD_BITS["window"], MOD_BITS["alibi_slopes"]),),  # 64 bytes
 }
 # v (and dout) of a head dim of their own (mask.cuh's MOD_HEAD_DIM_V): the mma.sync backward alone is
 # specialised for it (flash_bwd_tc.cu's V_HEAD_DIM), set by cupy_backend._tc_backward_mods; the other
@@ -730,7 +734,7 @@ def sm90_eligible(dtype, head_dim: int, mods: int, backward: bool = False, varle
     if not (_name(dtype) in TC_DTYPES and head_dim % 8 == 0 and 0 < head_dim <= max(buckets)):
         return False
     bucket = sm90_backward_bucket(head_dim) if backward else tc_tile_row(head_dim)
-    spills = [SM90_DROPOUT_SPILLS.get((backward, varlen, bucket), (0, 0))]
+    spills = list(SM90_DROPOUT_SPILLS.get((backward, varlen, bucket), ()))
     if backward:
         allowed = SM90_VARLEN_BACKWARD_MODS if varlen else SM90_BACKWARD_MODS
         spills.append(SM90_BACKWARD_SPILLS.get(bucket, (0, 0)))
