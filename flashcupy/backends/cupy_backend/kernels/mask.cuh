@@ -171,12 +171,13 @@ struct Score {
 // four indices those of the whole call (the launcher's origin added: a chunk's, a view's, a sequence's
 // batch). A kept weight is times scale = 1 / (1 - p). The forward drops P after its row sum (l stays
 // undropped) and before P V; the backward drops P before dV and dP before dS = P (dP - D).
-// One Philox call per pair, or per two adjacent keys (Dropout::pair: the mma.sync forward); the four
-// words of a call serve four keys, which no thread holds together (GPU speed unmeasured). ROLLED keeps
-// the ten rounds a loop: the SIMT kernels, whose unrolled loops over a thread's pairs otherwise
-// interleave several calls and spill under their register cap, and the Hopper kernels, whose consumers'
-// accumulators left too few registers (unrolled, 24-156 bytes of spills); unrolled, the mma.sync kernels
-// stay below theirs (rolled, the wide forward spilled). The figures: benchmarks/results/dropout_registers.md.
+// One Philox call per pair, or per two adjacent keys (Dropout::pair: the mma.sync and Hopper forwards);
+// the four words of a call serve four keys, which no thread holds together (GPU speed unmeasured).
+// ROLLED keeps the ten rounds a loop: the SIMT kernels, whose unrolled loops over a thread's pairs
+// otherwise interleave several calls and spill under their register cap, and the Hopper kernels, whose
+// consumers' accumulators left too few registers (unrolled, 24-156 bytes of spills); unrolled, the
+// mma.sync kernels stay below theirs (rolled, the wide forward spilled). The figures:
+// benchmarks/results/dropout_registers.md.
 template <bool ROLLED>
 __device__ __forceinline__ void philox(unsigned& c0, unsigned& c1, unsigned& c2, unsigned& c3, unsigned k0,
                                        unsigned k1) {
