@@ -600,7 +600,8 @@ def plot_items(args):
         import matplotlib.pyplot as plt
         configs = sorted({(r["head_dim"], r["causal"]) for r in timings}, key=lambda c: (-c[0], not c[1]))
         impls = sorted({r["impl"] for r in timings}, key=lambda i: (i.startswith("torch"), i))
-        colors = dict(zip(impls, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+        # tab20's 20 colours: the default cycle's 10 are fewer than the implementations a GPU session times
+        colors = {impl: plt.get_cmap("tab20")(n % 20) for n, impl in enumerate(impls)}
         rows = ("forward", "backward", "memory")
         fig, axes = plt.subplots(len(rows), len(configs), figsize=(4.2 * len(configs), 9.5), squeeze=False)
         for col, (D, causal) in enumerate(configs):

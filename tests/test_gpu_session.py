@@ -256,3 +256,20 @@ def test_the_report_says_which_issue_targets_are_met(monkeypatch):
            "not met |" in report
     short = gpu_session.short_table(records)
     assert "26 forward D=64 cupy/torch-cudnn not met" in short and "27 backward D=128 cupy-det/cupy not met" in short
+
+
+def test_the_plot_draws_every_implementation_the_sweep_can_time(monkeypatch, tmp_path):
+    # a GPU session can time every one of SWEEP_IMPLS (eleven, and the precise dtypes' peers among them),
+    # more than matplotlib's default colour cycle holds: each gets a line, none is lost to a KeyError
+    import argparse
+    gpu_session = _gpu_session_module(monkeypatch)
+    results = gpu_session.Results(str(tmp_path))
+    for impl in gpu_session.SWEEP_IMPLS:
+        for dtype, pass_, S in ((d, p, s) for d in ("bfloat16", "float32") for p in ("forward", "backward")
+                                for s in (1024, 4096)):
+            results.add(**{"type": "timing", "impl": impl, "dtype": dtype, "pass": pass_, "head_dim": 128,
+                           "causal": True, "seqlen": S, "tflops": 100.0, "batch": 4, "heads": 16,
+                           "peak_bytes": 2**20})
+    (key, draw), = gpu_session.plot_items(argparse.Namespace(out=str(tmp_path)))
+    assert draw() == [{"type": "plot", "file": "speed.png"}]
+    assert os.path.getsize(tmp_path / "speed.png") > 0
