@@ -107,6 +107,9 @@ class Sizes:
     # memory-efficient and math backends, the peers that take these dtypes) at precise_seqlens
     precise_configs: tuple = ((128, False), (64, True))
     precise_seqlens: tuple = (1024, 4096)
+    # (head_dim, causal) timed very last with dropout (DROPOUT_IMPLS, dropout_p DROPOUT_P), the first dtype and
+    # the two longest seqlens: the Hopper kernels' dropout beside the mma.sync kernels' and torch's flash
+    dropout_configs: tuple = ((128, True), (128, False))
 
 
 GPU = Sizes(seqlens=(512, 1024, 2048, 4096, 8192, 16384), configs=((128, True), (128, False), (64, True), (64, False)),
@@ -125,7 +128,8 @@ DRY = Sizes(seqlens=(16, 32), configs=((64, True),), dtypes=("bfloat16", "float1
             # "cupy-wide" at its one config, where the switch changes no kernel: the code path runs
             wide_configs=((64, True),), tall_configs=((64, True),), tall_forward_configs=((64, True),),
             # float32 and float64 at the check battery's head_dim 40: the SIMT modules the check stage built
-            wide_head_configs=((64, False),), precise_configs=((40, True),), precise_seqlens=(16,))
+            wide_head_configs=((64, False),), precise_configs=((40, True),), precise_seqlens=(16,),
+            dropout_configs=((64, True),))
 MIN_REPEAT = 3
 
 # (stage, time limit in seconds); the sweep takes what the budget leaves after reserving the plot's
@@ -151,6 +155,10 @@ WIDE_HEAD_IMPLS = ("cupy", "cupy-mma", "torch-flash", "torch-cudnn")
 # torch SDPA's memory-efficient backend (float32; it has no float64) and its math one (the whole score matrix);
 # torch's flash and cuDNN backends take 16-bit dtypes only. Timed in no other cell ("torch-efficient")
 PRECISE_IMPLS = {"float32": ("cupy", "torch-efficient", "torch-math"), "float64": ("cupy", "torch-math")}
+# Dropout (Sizes.dropout_configs): flashcupy's on the Hopper kernels ("cupy" on an sm_90) and the mma.sync ones,
+# beside torch's flash backend with its own; recorded as "<impl>+dropout". Timed in no other cell
+DROPOUT_IMPLS = ("cupy", "cupy-mma", "torch-flash")
+DROPOUT_P = 0.1
 # "cupy-mma" beside "cupy": on compute capability 9.0 "cupy" runs the Hopper forward and backward
 # (flash_fwd_sm90.cu, flash_bwd_sm90.cu), "cupy-mma" the mma.sync ones they replace (flash_fwd_tc.cu,
 # flash_bwd_tc.cu: USE_WGMMA off), in the same run; below 9.0 they are the same kernels.
@@ -505,7 +513,7 @@ def sweep_items(args):
             missing.append((impl, reason))
     inputs = {}  # the current shape's inputs, shared by every implementation
 
-    def measure(impl, dtype, D, causal, S):
+    def measure(impl, dtype, D, causal, S, dropout_p=0.0):
         B, H = sizes.tokens // S, sizes.hidden // D
         shape = (dtype, B, S, H, D)
         if shape not in inputs:
@@ -515,7 +523,7 @@ def sweep_items(args):
         q, k, v, dout = inputs[shape]
         forward, backward = bench.closures(impl.split("-")[0] if impl.startswith("cupy") else impl, q, k, v, dout,
                                            causal, default_scale(D), device, bf16_bits=dtype == "bfloat16",
-                                           deterministic=impl == "cupy-det")
+                                           deterministic=impl == "cupy-det", dropout_p=dropout_p)
         if impl == "cupy-mma":
             forward, backward = on_mma(forward), on_mma(backward)
         # cupy-det, cupy-tall: the backward alone (their forward is cupy's); cupy-wide, cupy-tallfwd: the forward
@@ -530,7 +538,8 @@ def sweep_items(args):
             host, b2b = _host_and_back_to_back(fn, args.dry_run) if impl in BACK_TO_BACK_IMPLS else (None, None)
             peak = None if args.dry_run else bench.gpu_peak(fn, impl)
             flops = bench.flops(B, H, S, D, causal, pass_)
-            records.append({"type": "timing", "impl": impl, "pass": pass_, "dtype": dtype, "head_dim": D,
+            records.append({"type": "timing", "impl": f"{impl}+dropout" if dropout_p else impl, "pass": pass_,
+                            "dtype": dtype, "head_dim": D,
                             "causal": causal, "seqlen": S, "batch": B, "heads": H, "seconds": seconds,
                             "tflops": flops / seconds / 1e12, "peak_bytes": peak, "host_seconds": host,
                             "b2b_tflops": None if b2b is None else flops / b2b / 1e12})
@@ -568,6 +577,13 @@ def sweep_items(args):
                     if impl in names and not (impl == "torch-math" and S > sizes.math_max_seqlen):
                         key = f"{impl}/{dtype}/D{D}/{'causal' if causal else 'full'}/S{S}"
                         yield key, functools.partial(measure, impl, dtype, D, causal, S)
+    for D, causal in sizes.dropout_configs:
+        for S in sorted(sizes.seqlens)[-2:]:
+            for impl in impls:
+                # torch's flash backend takes dropout on a GPU only (on a CPU: "No available kernel")
+                if impl in DROPOUT_IMPLS and not (impl.startswith("torch") and args.dry_run):
+                    key = f"{impl}+dropout/{sizes.dtypes[0]}/D{D}/{'causal' if causal else 'full'}/S{S}"
+                    yield key, functools.partial(measure, impl, sizes.dtypes[0], D, causal, S, DROPOUT_P)
     for impl, reason in missing:
         yield "numba/unavailable" if impl == "numba" else f"unavailable/{impl}", lambda impl=impl, reason=reason: [
             {"type": "unavailable", "impl": impl, "reason": reason}]
@@ -914,8 +930,8 @@ def _speed_tables(timings) -> list:
             lines += [f"### {dtype} {pass_}", "", "| D | causal | S | B x H | " + " | ".join(impls)
                       + " | cupy / torch-flash | cupy / torch-cudnn | cupy / torch-efficient | cupy / cupy-mma"
                       + " | cupy-det / cupy | cupy-wide / cupy | cupy-tallfwd / cupy | cupy-tall / cupy"
-                      + " | numba / cupy |",
-                      "|---" * (len(impls) + 13) + "|"]
+                      + " | numba / cupy | cupy+dropout / cupy | cupy+dropout / torch-flash+dropout |",
+                      "|---" * (len(impls) + 15) + "|"]
             for D, causal, S in sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in rows},
                                        key=lambda k: (-k[0], not k[1], k[2])):
                 cell = {r["impl"]: r for r in rows if (r["head_dim"], r["causal"], r["seqlen"]) == (D, causal, S)}
@@ -939,7 +955,8 @@ def _speed_tables(timings) -> list:
                              + f" {ratio('cupy-mma')} |"
                              + f" {ratio('cupy', 'cupy-det')} | {ratio('cupy', 'cupy-wide')} |"
                              + f" {ratio('cupy', 'cupy-tallfwd')} | {ratio('cupy', 'cupy-tall')} |"
-                             + f" {ratio('cupy', 'numba')} |")
+                             + f" {ratio('cupy', 'numba')} | {ratio('cupy', 'cupy+dropout')} |"
+                             + f" {ratio('torch-flash+dropout', 'cupy+dropout')} |")
             lines.append("")
     return lines + _host_table(timings)
 

@@ -148,7 +148,15 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert "0 of 8 targets met." in report and report.count("| not measured |") == 8
     section = report.split("### float16 backward")[1].split("###")[0]
     (row,) = [line for line in section.splitlines() if line.startswith("| 64 | True | 16 |")]
-    assert row.endswith("x |") and "numba" in done.stdout  # the numba / cupy ratio, and the closing lines
+    assert row.split("|")[-4].strip().endswith("x") and "numba" in done.stdout  # numba / cupy, the closing lines
+    # dropout, timed last (dropout_configs): flashcupy's on the Hopper and the mma.sync kernels, the first dtype
+    # (torch's flash backend has no dropout on a CPU: not timed in the dry run)
+    dropped = {(r["impl"], r["pass"], r["dtype"], r["seqlen"]) for r in timings if r["impl"].endswith("+dropout")}
+    assert dropped == {(f"{impl}+dropout", pass_, "bfloat16", S) for impl in ("cupy", "cupy-mma") for S in (16, 32)
+                       for pass_ in ("forward", "backward")}
+    section = report.split("### bfloat16 backward")[1].split("###")[0]
+    (row,) = [line for line in section.splitlines() if line.startswith("| 64 | True | 32 |")]
+    assert row.split("|")[-3].strip().endswith("x")  # cupy+dropout / cupy
 
 
 def test_a_stage_that_raises_leaves_the_stages_before_and_after(tmp_path):

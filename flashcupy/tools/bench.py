@@ -161,9 +161,10 @@ TORCH_KERNELS = {"torch-sdpa": None, "torch-flash": "FLASH_ATTENTION", "torch-cu
                  "torch-efficient": "EFFICIENT_ATTENTION", "torch-math": "MATH"}
 
 
-def _torch_sdpa(q, k, v, dout, causal, scale, device, kernel=None, bf16_bits=False):
+def _torch_sdpa(q, k, v, dout, causal, scale, device, kernel=None, bf16_bits=False, dropout_p=0.0):
     """torch's scaled_dot_product_attention; `kernel` pins one of its backends (SDPBackend name).
-    With bf16_bits the arrays hold bfloat16 bit patterns (uint16), viewed as torch.bfloat16."""
+    With bf16_bits the arrays hold bfloat16 bit patterns (uint16), viewed as torch.bfloat16. dropout_p:
+    torch's own dropout (its generator's mask, not flashcupy's)."""
     import contextlib
 
     import torch
@@ -186,7 +187,8 @@ def _torch_sdpa(q, k, v, dout, causal, scale, device, kernel=None, bf16_bits=Fal
     def forward():
         # torch's is_causal is top-left aligned; our benchmarks use Sq == Sk, where both agree
         with pinned():
-            return torch.nn.functional.scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale)
+            return torch.nn.functional.scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale,
+                                                                    dropout_p=dropout_p)
 
     out = forward()
 
@@ -197,8 +199,14 @@ def _torch_sdpa(q, k, v, dout, causal, scale, device, kernel=None, bf16_bits=Fal
     return forward, backward
 
 
-def _flashcupy(name, q, k, v, dout, causal, scale, dtype=None, window=None, bias=None, deterministic=False):
+DROPOUT_SEED = 0x5EED  # closures' flashcupy calls with dropout: any fixed seed (the mask's cost is the same)
+
+
+def _flashcupy(name, q, k, v, dout, causal, scale, dtype=None, window=None, bias=None, deterministic=False,
+               dropout_p=0.0):
     kw = dict(causal=causal, scale=scale, backend=name, dtype=dtype, window=window, bias=bias)
+    if dropout_p:
+        kw.update(dropout_p=dropout_p, dropout_seed=DROPOUT_SEED)
     out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
 
     def forward():
@@ -330,19 +338,22 @@ def supports(impl, window=None, bias=False) -> bool:
 
 
 def closures(impl, q, k, v, dout, causal, scale, device, bf16_bits=False, *, window=None, bias=None,
-             deterministic=False):
+             deterministic=False, dropout_p=0.0):
     """(forward, backward) callables of one implementation over fixed inputs; bf16_bits says the
     arrays hold bfloat16 bit patterns (uint16), as flashcupy's CuPy users pass them. window and
     bias (an array, or None) as flashcupy.attention takes them (see supports); deterministic as
-    flashcupy.attention_backward takes it (flashcupy's backends only)."""
+    flashcupy.attention_backward takes it (flashcupy's backends only); dropout_p: flashcupy's dropout
+    (seed DROPOUT_SEED) or torch's (naive-numpy has none)."""
     if not supports(impl, window, bias is not None):
         raise ValueError(f"{impl} is timed without score modifiers (window, bias)")
     if impl == "naive-numpy":
+        if dropout_p:
+            raise ValueError("naive-numpy is timed without dropout")
         return naive_numpy(q, k, v, dout, causal, scale, window, bias)
     if impl in TORCH_KERNELS:
-        return _torch_sdpa(q, k, v, dout, causal, scale, device, TORCH_KERNELS[impl], bf16_bits)
+        return _torch_sdpa(q, k, v, dout, causal, scale, device, TORCH_KERNELS[impl], bf16_bits, dropout_p)
     return _flashcupy(impl, q, k, v, dout, causal, scale, "bfloat16" if bf16_bits else None, window, bias,
-                      deterministic)
+                      deterministic, dropout_p)
 
 
 def gpu_peak(fn, impl):
