@@ -535,7 +535,9 @@ def sweep_items(args):
         records = []
         for pass_, fn in passes:
             seconds = _median_seconds(fn, args.dry_run, sizes)
-            host, b2b = _host_and_back_to_back(fn, args.dry_run) if impl in BACK_TO_BACK_IMPLS else (None, None)
+            # (the host table shows the plain calls': none with dropout, so none measured)
+            host, b2b = (_host_and_back_to_back(fn, args.dry_run) if impl in BACK_TO_BACK_IMPLS and not dropout_p
+                         else (None, None))
             peak = None if args.dry_run else bench.gpu_peak(fn, impl)
             flops = bench.flops(B, H, S, D, causal, pass_)
             records.append({"type": "timing", "impl": f"{impl}+dropout" if dropout_p else impl, "pass": pass_,

@@ -154,6 +154,7 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     dropped = {(r["impl"], r["pass"], r["dtype"], r["seqlen"]) for r in timings if r["impl"].endswith("+dropout")}
     assert dropped == {(f"{impl}+dropout", pass_, "bfloat16", S) for impl in ("cupy", "cupy-mma") for S in (16, 32)
                        for pass_ in ("forward", "backward")}
+    assert all(r["host_seconds"] is None for r in timings if r["impl"].endswith("+dropout"))
     section = report.split("### bfloat16 backward")[1].split("###")[0]
     (row,) = [line for line in section.splitlines() if line.startswith("| 64 | True | 32 |")]
     assert row.split("|")[-3].strip().endswith("x")  # cupy+dropout / cupy

@@ -309,7 +309,8 @@ SM90_VARLEN_FORWARD_MODS = {64: _VARLEN_MODS, 128: _VARLEN_MODS, 192: _VARLEN_MO
 # runs on mma.sync
 SM90_BACKWARD_MODS = ALL_MODS
 SM90_VARLEN_BACKWARD_MODS = _VARLEN_MODS
-SM90_BACKWARD_SPILLS = {128: (MOD_BITS["window"], MOD_PAIRS)}  # bucket: (every bit of one, any bit of the other)
+# bucket: pairs of (every bit of one, any bit of the other)
+SM90_BACKWARD_SPILLS = {128: ((MOD_BITS["window"], MOD_PAIRS),)}
 
 
 # Dropout's bit of MODS (mask.cuh's MOD_DROPOUT): no score modifier (so not in MOD_BITS, ALL_MODS, nor the
@@ -737,7 +738,7 @@ def sm90_eligible(dtype, head_dim: int, mods: int, backward: bool = False, varle
     spills = list(SM90_DROPOUT_SPILLS.get((backward, varlen, bucket), ()))
     if backward:
         allowed = SM90_VARLEN_BACKWARD_MODS if varlen else SM90_BACKWARD_MODS
-        spills.append(SM90_BACKWARD_SPILLS.get(bucket, (0, 0)))
+        spills += SM90_BACKWARD_SPILLS.get(bucket, ())
     else:
         allowed = (SM90_VARLEN_FORWARD_MODS if varlen else SM90_FORWARD_MODS)[bucket]
     if any(mods & every == every and mods & some for every, some in spills):
