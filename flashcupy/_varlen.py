@@ -328,9 +328,10 @@ def _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_split
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.ndim != 4:
             raise ValueError(f"{name} must have rank 4, got shape {tuple(x.shape)}")
-    if tuple(k_cache.shape) != tuple(v_cache.shape):
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
+    # v's head dim may differ from k's (MLA; v_cache may even be a view of k_cache's first columns)
+    if tuple(k_cache.shape[:3]) != tuple(v_cache.shape[:3]):
+        raise ValueError(f"k_cache and v_cache must have the same shape but for the last dimension (head_dim, "
+                         f"head_dim_v), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     batch = q.shape[0]
     paged = block_table is not None
     if paged:
@@ -355,10 +356,10 @@ def _cache_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_split
     new = 0
     if k is not None:
         _checks.check_arrays({"q": q, "k": k, "v": v})
-        want = (batch, k.shape[1], k_cache.shape[2], k_cache.shape[3]) if k.ndim == 4 else None
-        for name, x in (("k", k), ("v", v)):
+        for name, x, cache, dim in (("k", k, k_cache, "head_dim"), ("v", v, v_cache, "head_dim_v")):
+            want = (batch, k.shape[1], cache.shape[2], cache.shape[3]) if k.ndim == 4 else None
             if x.ndim != 4 or tuple(x.shape) != want:
-                raise ValueError(f"{name} must have shape (batch, seqlen_new, heads_kv, head_dim) = {want}, "
+                raise ValueError(f"{name} must have shape (batch, seqlen_new, heads_kv, {dim}) = {want}, "
                                  f"got {tuple(x.shape)}")
             if np.dtype(x.dtype) != np.dtype(k_cache.dtype):
                 raise TypeError(f"{name} must have k_cache's dtype {np.dtype(k_cache.dtype)}, got {np.dtype(x.dtype)}")
@@ -427,9 +428,9 @@ def _pieces(k_cache, v_cache, b, table, block_size, n, splits) -> list:
         mergeable = all(x.strides[0] == x.shape[1] * x.strides[1] for x in (k_cache, v_cache))
         runs = []
         for n0, n1 in _runs(table[b, :-(-n // block_size)], mergeable):
-            p0, shape = int(table[b, n0]), (1, (n1 - n0) * block_size) + tuple(k_cache.shape[2:])
+            p0, rows = int(table[b, n0]), (1, (n1 - n0) * block_size)
             runs.append((n0 * block_size, min(n1 * block_size, n),
-                         *(x[p0:p0 + n1 - n0].reshape(shape) for x in (k_cache, v_cache))))
+                         *(x[p0:p0 + n1 - n0].reshape(rows + tuple(x.shape[2:])) for x in (k_cache, v_cache))))
     step = max(1, -(-n // splits))
     cuts = list(range(0, n, step)) + [n]
     pieces = []
@@ -447,15 +448,18 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
                            return_lse=False, num_splits=None, backend="auto", dtype=None, check_offsets=True):
     """Attention of q over a KV cache (forward only, as flash-attn's flash_attn_with_kvcache).
 
-    q (batch, seqlen_q, heads_q, head_dim). A contiguous cache: k_cache, v_cache (batch,
-    seqlen_cache, heads_kv, head_dim); a paged one: (num_blocks, block_size, heads_kv, head_dim)
-    with block_table int32 (batch, max_blocks_per_seq) mapping sequence b's logical block n to a
-    physical block. cache_seqlens: None (the whole cache), an int, or int32 (batch,): the tokens
-    cached per sequence. k, v (batch, seqlen_new, heads_kv, head_dim), optional: written into the
-    cache in place at cache_seqlens[b] ..., then attention runs over cache_seqlens[b] + seqlen_new
-    keys, causal aligned bottom-right per sequence; the caller advances cache_seqlens. A paged cache's
-    blocks may be shared between sequences (a common prefix) for reading; two sequences that append
-    into the same physical block in one call are refused (ValueError), as the write order between
+    q (batch, seqlen_q, heads_q, head_dim). A contiguous cache: k_cache (batch, seqlen_cache, heads_kv,
+    head_dim) and v_cache (..., head_dim_v); a paged one: (num_blocks, block_size, heads_kv, head_dim) and
+    (..., head_dim_v) with block_table int32 (batch, max_blocks_per_seq) mapping sequence b's logical
+    block n to a physical block. head_dim_v may differ from head_dim (README, "head_dim_v"), and v_cache
+    may be a view of k_cache's first head_dim_v columns (MLA's shared latent; where the two share memory,
+    v's appended values are the ones that land, so pass v as the same view of k). cache_seqlens: None (the
+    whole cache), an int, or int32 (batch,): the tokens cached per sequence. k (batch, seqlen_new,
+    heads_kv, head_dim) and v (..., head_dim_v), optional: written into the cache in place at
+    cache_seqlens[b] ..., then attention runs over cache_seqlens[b] + seqlen_new keys, causal aligned
+    bottom-right per sequence; the caller advances cache_seqlens. A paged cache's blocks may be shared
+    between sequences (a common prefix) for reading; two sequences that append into the same physical
+    block in one call are refused (ValueError), as the write order between
     them is not defined. num_splits
     splits each sequence's keys into (at most) that many parts, merged by the lse rule: the result
     depends on it only through rounding. None: the cupy backend splits inside one launch when the
@@ -518,7 +522,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
                                     lib, window, softcap, alibi_slopes, num_splits)
         if done is not None:
             return done if return_lse else done[0]
-    out = mod.allocate(q, q.shape, p.carrier, 0)
+    out = mod.allocate(q, out_shape(q.shape, v_cache.shape), p.carrier, 0)
     lse = mod.allocate(q, (batch,) + p.lse_shape[1:], p.lse_dtype, -np.inf)  # p is of one sequence
     Sq = q.shape[1]
     # a backend that splits the keys inside one launch (cupy: split_plan) gets the splits, None
@@ -583,8 +587,8 @@ def _cache_in_one_launch(mod, q, k_cache, v_cache, lengths, new, block_table, ca
     # the offsets of equal parts (a paged sequence's keys start at its table's first block: offsets 0),
     # kept by the backend between calls
     cu_q, cu_k = mod.even_offsets(q, batch, Sq), mod.even_offsets(q, batch, 0 if paged else capacity)
-    out = mod.allocate(q, pq.shape, p.carrier, 0)
+    out = mod.allocate(q, out_shape(pq.shape, v_cache.shape), p.carrier, 0)
     lse = mod.allocate(q, (heads_q, batch * Sq), p.lse_dtype, -np.inf)
     mod.forward_varlen(p, pq, pk, pv, cu_q, cu_k, out, lse, alibi_slopes=alibi_slopes, seqused_k=lengths,
                        split=split, seqused_add=new, block_table=block_table)
-    return out.reshape(q.shape), lse.reshape(heads_q, batch, Sq).transpose(1, 0, 2)
+    return out.reshape(out_shape(q.shape, v_cache.shape)), lse.reshape(heads_q, batch, Sq).transpose(1, 0, 2)

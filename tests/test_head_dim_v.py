@@ -203,10 +203,37 @@ def test_a_packed_batch(rng, backend, dtype):
                                         head_dim_v=24, backward=True)
 
 
-def test_a_kv_cache_still_needs_one_head_dim(rng):
+@pytest.mark.parametrize("shared", [False, True], ids=["own-v", "v-a-view-of-k"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("backend, dtype", [("numpy", F32), ("cupy", F32), ("cupy", np.float16)])
+def test_a_kv_cache(rng, backend, dtype, paged, shared):
+    """attention_with_kvcache with v of its own head dim (varlen_checks.kv_cache_with_its_own_value_head_dim;
+    Numba's in test_numba_backend.py's VARLEN_CHECKS). On cupy: the append (flash_kv_append, a thread an
+    element of the wider of k and v), then one attention launch over the cache (float16 on the mma.sync
+    kernels) split in two, and the merge of the splits."""
+    import contextlib
+
+    from flashcupy.tools.emulator.cupy import emulated, launch_records
+    from varlen_checks import kv_cache_with_its_own_value_head_dim
+    launches = []
+    with emulated(compile=launch_records(launches)) if backend == "cupy" else contextlib.nullcontext():
+        kv_cache_with_its_own_value_head_dim(rng, backend, dtype, paged, shared)
+    if backend == "cupy":
+        want = ["flash_kv_append", "flash_fwd_tc" if dtype == np.float16 else "flash_fwd", "flash_split_merge"]
+        assert [name.split("<")[0] for name, _ in launches] == want
+
+
+def test_a_kv_cache_refuses_caches_and_new_tokens_that_disagree(rng):
     q = np.ones((1, 1, 2, 8), F32)
-    with pytest.raises(ValueError, match="k_cache and v_cache must have the same shape"):
-        flashcupy.attention_with_kvcache(q, np.ones((1, 5, 1, 8), F32), np.ones((1, 5, 1, 4), F32))
+    with pytest.raises(ValueError, match=r"k_cache and v_cache must have the same shape but for the last dimension "
+                                         r"\(head_dim, head_dim_v\), got \(1, 5, 1, 8\) and \(1, 5, 2, 4\)"):
+        flashcupy.attention_with_kvcache(q, np.ones((1, 5, 1, 8), F32), np.ones((1, 5, 2, 4), F32))
+    k_cache, v_cache = np.zeros((1, 5, 1, 8), F32), np.zeros((1, 5, 1, 4), F32)
+    with pytest.raises(ValueError, match=r"v must have shape \(batch, seqlen_new, heads_kv, head_dim_v\) = "
+                                         r"\(1, 2, 1, 4\), got \(1, 2, 1, 8\)"):
+        flashcupy.attention_with_kvcache(q, k_cache, v_cache, k=np.ones((1, 2, 1, 8), F32), v=np.ones((1, 2, 1, 8), F32),
+                                         cache_seqlens=0)
+    assert not k_cache.any() and not v_cache.any()  # refused before anything was written
 
 
 def test_a_backend_without_it_refuses(rng, monkeypatch):

@@ -33,8 +33,8 @@ from flashcupy.backends.numba_backend import kernels  # noqa: E402
 from modifier_checks import (LARGE_SCALES, check, large_scores_check, modifier_cases,  # noqa: E402
                              rows_that_see_no_key_ignore_dlse)
 from varlen_checks import (appends_across_a_block_boundary, dropped_sequences_match_the_oracle,  # noqa: E402
-                           packed_batch_matches_the_oracle, packed_inputs, per_sequence_alibi_in_a_kvcache,
-                           split_cache_parts_round_once)
+                           kv_cache_with_its_own_value_head_dim, packed_batch_matches_the_oracle, packed_inputs,
+                           per_sequence_alibi_in_a_kvcache, split_cache_parts_round_once)
 
 
 def _forward_and_backward(q, k, v, dtype, causal, rng, to_device=lambda x: x, to_host=np.asarray):
@@ -157,7 +157,8 @@ def test_rows_that_see_no_key_ignore_their_dlse(rng, device):
 VARLEN_CHECKS = {"packed-batches": functools.partial(packed_batch_matches_the_oracle, backward=True),
                  "kvcache-appends-across-a-block-boundary": appends_across_a_block_boundary,
                  "kvcache-per-sequence-alibi-slopes": per_sequence_alibi_in_a_kvcache,
-                 "kvcache-in-parts-rounds-once": split_cache_parts_round_once}
+                 "kvcache-in-parts-rounds-once": split_cache_parts_round_once,
+                 "kvcache-value-head-dim": functools.partial(kv_cache_with_its_own_value_head_dim, capacity=24)}
 
 
 @pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])

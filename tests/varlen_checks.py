@@ -122,6 +122,42 @@ def appends_across_a_block_boundary(rng, backend):
         assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], keys, values, causal=True, backend=backend)
 
 
+def kv_cache_with_its_own_value_head_dim(rng, backend, dtype=np.float32, paged=True, shared=False, capacity=144):
+    """attention_with_kvcache with v of head dim 8 and q, k of 16: 3 sequences (one with no cached token),
+    2 new tokens each, GQA, causal, num_splits 2; paged: blocks of 8 in shuffled order through a table;
+    shared: v_cache the view of k_cache's first 8 columns and v_new of k_new's (MLA's latent), read and
+    appended through the one memory. The append writes each of k and v at its own width (the cache
+    after it against one written on the host) and out (head dim 8) and lse match the oracle over each
+    sequence's keys."""
+    B, Hq, Hkv, D, Dv, new, bs = 3, 4, 2, 16, 8, 2, 8
+    blocks = B * capacity // bs + 2 if paged else B
+    k_cache = rng.standard_normal((blocks, bs if paged else capacity, Hkv, D)).astype(dtype)
+    v_cache = (k_cache[..., :Dv] if shared
+               else rng.standard_normal(k_cache.shape[:3] + (Dv,)).astype(dtype))
+    table = (rng.permutation(blocks)[:B * capacity // bs].reshape(B, capacity // bs).astype(np.int32) if paged
+             else None)
+    lengths = np.array([5, 0, capacity - new], np.int32)
+    q = rng.standard_normal((B, 3, Hq, D)).astype(dtype)
+    k_new = rng.standard_normal((B, new, Hkv, D)).astype(dtype)
+    v_new = k_new[..., :Dv] if shared else rng.standard_normal((B, new, Hkv, Dv)).astype(dtype)
+    want_k, want_v = k_cache.copy(), v_cache.copy()
+    for b in range(B):
+        for j in range(new):
+            n = lengths[b] + j
+            at = (table[b, n // bs], n % bs) if paged else (b, n)
+            want_k[at], want_v[at] = k_new[b, j], v_new[b, j]
+    out, lse = flashcupy.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                block_table=table, causal=True, num_splits=2, return_lse=True,
+                                                backend=backend)
+    np.testing.assert_array_equal(k_cache, want_k)
+    np.testing.assert_array_equal(v_cache, want_v)
+    assert out.shape == (B, 3, Hq, Dv)
+    for b in range(B):
+        keys, values = ((x[table[b]] if paged else x[b]).reshape(1, capacity, Hkv, -1)[:, :lengths[b] + new]
+                        for x in (want_k, want_v))
+        assert_matches_oracle((out[b:b + 1], lse[b:b + 1]), q[b:b + 1], keys, values, causal=True, backend=backend)
+
+
 def per_sequence_alibi_in_a_kvcache(rng, backend):
     """ALiBi slopes of shape (batch, heads_q) over a cache: each sequence uses its own row, as
     `attention` on that sequence alone does (the same bits) and as the oracle says."""

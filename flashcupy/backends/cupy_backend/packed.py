@@ -150,8 +150,8 @@ def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, 
 
 
 def append_kv(dtype, k_cache, v_cache, k, v, cache_seqlens, block_table=None) -> None:
-    """attention_with_kvcache's append in one launch (flash_kv_append, flash_append.cu): k, v (batch,
-    seqlen_new, heads_kv, head_dim) written into k_cache, v_cache (contiguous, or paged through
+    """attention_with_kvcache's append in one launch (flash_kv_append, flash_append.cu): k (batch,
+    seqlen_new, heads_kv, head_dim) and v (..., head_dim_v) written into k_cache, v_cache (contiguous, or paged through
     block_table) from position cache_seqlens[b] of each sequence on. cache_seqlens int32 (batch,) and
     block_table int32 (batch, max_blocks) or None: device arrays the kernel reads and clamps into the
     cache itself; dtype the values' (a key of specs.CUDA_TYPES; bfloat16 as uint16 bits). The shapes are
@@ -160,13 +160,14 @@ def append_kv(dtype, k_cache, v_cache, k, v, cache_seqlens, block_table=None) ->
     if k.size == 0:
         return
     batch, new, heads_kv, head_dim = k.shape
+    width = max(head_dim, v.shape[3])  # a thread an element of the wider
     module = specs.append_module(dtype)
     (kernel,) = module.kernels
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    blocks = backend._cdiv(k.size, specs.NUM_THREADS)
+    blocks = backend._cdiv(batch * new * heads_kv * width, specs.NUM_THREADS)
     if blocks > MAX_GRID[0]:
-        raise ValueError(f"appending {k.size} elements needs {blocks} thread blocks, more than CUDA's grid holds "
+        raise ValueError(f"appending {batch * new * heads_kv * width} elements needs {blocks} thread blocks, more than CUDA's grid holds "
                          f"({MAX_GRID[0]})")
     with rt.device_of(k_cache):
         (fn,) = backend._functions(rt, module, k_cache)
@@ -175,4 +176,4 @@ def append_kv(dtype, k_cache, v_cache, k, v, cache_seqlens, block_table=None) ->
         fn((blocks,), (kernel.threads,),
            (*backend._tensor(k), *backend._tensor(v), *backend._tensor(k_cache), *backend._tensor(v_cache), cache_seqlens, table, *table_strides,
             np.int32(paged), np.int32(batch), np.int32(new), np.int32(heads_kv), np.int32(head_dim),
-            np.int32(capacity), np.int32(k_cache.shape[1] if paged else 0), np.int32(k_cache.shape[0])))
+            np.int32(v.shape[3]), np.int32(capacity), np.int32(k_cache.shape[1] if paged else 0), np.int32(k_cache.shape[0])))
