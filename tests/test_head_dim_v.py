@@ -231,8 +231,8 @@ def test_a_kv_cache_refuses_caches_and_new_tokens_that_disagree(rng):
     k_cache, v_cache = np.zeros((1, 5, 1, 8), F32), np.zeros((1, 5, 1, 4), F32)
     with pytest.raises(ValueError, match=r"v must have shape \(batch, seqlen_new, heads_kv, head_dim_v\) = "
                                          r"\(1, 2, 1, 4\), got \(1, 2, 1, 8\)"):
-        flashcupy.attention_with_kvcache(q, k_cache, v_cache, k=np.ones((1, 2, 1, 8), F32), v=np.ones((1, 2, 1, 8), F32),
-                                         cache_seqlens=0)
+        flashcupy.attention_with_kvcache(q, k_cache, v_cache, k=np.ones((1, 2, 1, 8), F32),
+                                         v=np.ones((1, 2, 1, 8), F32), cache_seqlens=0)
     assert not k_cache.any() and not v_cache.any()  # refused before anything was written
 
 

@@ -165,9 +165,10 @@ def append_kv(dtype, k_cache, v_cache, k, v, cache_seqlens, block_table=None) ->
     (kernel,) = module.kernels
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    blocks = backend._cdiv(batch * new * heads_kv * width, specs.NUM_THREADS)
+    threads = batch * new * heads_kv * width
+    blocks = backend._cdiv(threads, specs.NUM_THREADS)
     if blocks > MAX_GRID[0]:
-        raise ValueError(f"appending {batch * new * heads_kv * width} elements needs {blocks} thread blocks, more than CUDA's grid holds "
+        raise ValueError(f"appending {threads} elements needs {blocks} thread blocks, more than CUDA's grid holds "
                          f"({MAX_GRID[0]})")
     with rt.device_of(k_cache):
         (fn,) = backend._functions(rt, module, k_cache)
@@ -176,4 +177,5 @@ def append_kv(dtype, k_cache, v_cache, k, v, cache_seqlens, block_table=None) ->
         fn((blocks,), (kernel.threads,),
            (*backend._tensor(k), *backend._tensor(v), *backend._tensor(k_cache), *backend._tensor(v_cache), cache_seqlens, table, *table_strides,
             np.int32(paged), np.int32(batch), np.int32(new), np.int32(heads_kv), np.int32(head_dim),
-            np.int32(v.shape[3]), np.int32(capacity), np.int32(k_cache.shape[1] if paged else 0), np.int32(k_cache.shape[0])))
+            np.int32(v.shape[3]), np.int32(capacity), np.int32(k_cache.shape[1] if paged else 0),
+            np.int32(k_cache.shape[0])))
