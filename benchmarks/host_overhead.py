@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flashcupy  # noqa: E402
 from flashcupy.backends import cupy_backend  # noqa: E402
-from flashcupy.tools import bench  # noqa: E402
 from compare_cpu import sgemm_rate  # noqa: E402
 
 runtime_module = importlib.import_module("flashcupy.backends.cupy_backend.runtime")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .specs import (Kernel, MOD_BITS, MOD_PAIRS, MOD_SCORE, NUM_THREADS, SM90_CONSUMER_ROWS, SM90_DQ_ROW_PAD,
+from .specs import (Kernel, MOD_BITS, MOD_PAIRS, NUM_THREADS, SM90_CONSUMER_ROWS, SM90_DQ_ROW_PAD,
                     SM90_SMEM_OPTIN, SM90_THREADS, WIDE_WARPS)
 
 
