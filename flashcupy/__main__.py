@@ -60,7 +60,7 @@ def cmd_info(args) -> int:
     print("cupy kernel paths: forward and backward on tensor cores (mma.sync) for float16/bfloat16 with\n"
           f"  head_dim a multiple of 8 up to 256, on sm_{oldest['bfloat16']}+, q/k/v (and dout/out) "
           "contiguous along head_dim\n"
-          "  with 16-byte aligned rows (the backward with v's head_dim q's); on Turing (sm_75) float16\n"
+          "  with 16-byte aligned rows (v's head_dim a multiple of 8 too); on Turing (sm_75) float16\n"
           "  alone, up to head_dim "
           f"{specs.TC_TURING_HEAD_DIM_BUCKETS[-1]},\n"
           "  with smaller tiles and two m16n8k8 an mma (the default backward with softcap or ALiBi at 128\n"
@@ -76,8 +76,8 @@ def cmd_info(args) -> int:
           "  caches) the window, softcap and ALiBi but the last two at 256, the backward up to head_dim\n"
           "  256 (136 to 256 in its 256 kernel; deterministic=True too: dQ added in key-block order)\n"
           "  every one but the window with a bias or mask at 128, packed batches' the window, softcap\n"
-          "  and ALiBi; other modifiers, split-KV, paged KV caches, dropout and a forward whose v has a\n"
-          "  head_dim of its own stay on mma.sync\n"
+          "  and ALiBi; other modifiers, split-KV, paged KV caches, the dropout sets that spilled\n"
+          "  (specs.SM90_DROPOUT_SPILLS) stay on mma.sync\n"
           "  (cupy_backend.forward_path / backward_path say which kernel a call takes)")
     print(_hopper_tiles())
     try:

@@ -142,24 +142,31 @@ def test_packed_batch_keeps_each_sequence_to_itself(rng):
 
 
 def test_a_value_head_dim_of_its_own(rng):
-    # MLA's head dims (192 for q and k, 128 for v) on the device: the mma.sync forward and backward with
-    # their tiles padded to 192 (the backward in two column parts, v's second partly past its head dim),
-    # dQ by atomics and deterministic, with a bias (dbias from flash_pairs.cu), against the oracle
+    # MLA's head dims (192 for q and k, 128 for v) on the device, their tiles padded to 192 (256 in the
+    # Hopper backward), against the oracle, dQ by atomics (Hopper: bulk reduce-adds) and deterministic:
+    # with a bias (dbias from flash_pairs.cu) the mma.sync forward (the Hopper one takes no bias above head
+    # dim 128) and, on an sm_90, the Hopper backward (its 256 kernel: V's and dO's fourth atoms zeroed,
+    # never loaded), elsewhere the mma.sync one (two column parts, v's second partly past its head dim);
+    # without it, on an sm_90, the Hopper forward too (V_j's third atom a box wholly past v's head dim,
+    # which lands as the copy engine's zeros)
+    import cupy
     from flashcupy import _checks
     from flashcupy.backends import cupy_backend
+    hopper = cupy.cuda.Device().compute_capability == "90"
     q, k, v = make_qkv(rng, 2, 200, 260, 4, 2, 192, np.float16, head_dim_v=128)
     dout = rng.standard_normal((2, 200, 4, 128)).astype(np.float16)
     bias = rng.standard_normal((1, 4, 200, 260)).astype(np.float16)
     dq_, dk_, dv_, ddout, dbias_ = on_device(q, k, v, dout, bias)
-    p = _checks.problem(dq_, dk_, dv_, True, None, None, "cupy")
-    assert cupy_backend.forward_path(p, dq_, dk_, dv_) == "tensor-core"
-    assert cupy_backend.backward_path(p, ddout, dq_, dk_, dv_, ddout) == "tensor-core"
-    out, lse = flashcupy.attention(dq_, dk_, dv_, causal=True, bias=dbias_, return_lse=True)
-    for deterministic in (False, True):
-        grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=True, bias=dbias_,
-                                             deterministic=deterministic)
-        assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout, causal=True, bias=bias,
-                              backend="cupy")
+    for b, b_ in ((bias, dbias_), (None, None)):
+        p = _checks.problem(dq_, dk_, dv_, True, None, None, "cupy", bias=b_)
+        assert cupy_backend.forward_path(p, dq_, dk_, dv_) == ("hopper" if hopper and b is None else "tensor-core")
+        assert cupy_backend.backward_path(p, ddout, dq_, dk_, dv_, ddout) == ("hopper" if hopper else "tensor-core")
+        out, lse = flashcupy.attention(dq_, dk_, dv_, causal=True, bias=b_, return_lse=True)
+        for deterministic in (False, True):
+            grads = flashcupy.attention_backward(ddout, dq_, dk_, dv_, out, lse, causal=True, bias=b_,
+                                                 deterministic=deterministic)
+            assert_matches_oracle([x.get() for x in (out, lse, *grads)], q, k, v, dout, causal=True, bias=b,
+                                  backend="cupy")
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])

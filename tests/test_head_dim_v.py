@@ -117,9 +117,10 @@ def test_bad_shapes_are_refused(rng):
 @pytest.mark.parametrize("compute_capability", [80, 90])
 def test_cupy_tensor_core_forward_and_backward(rng, compute_capability):
     """float16 at head dims the tensor-core and Hopper kernels take (64 for q and k, 32 for v), on an
-    sm_80 and an sm_90 device: the mma.sync forward and backward (their tiles padded to the larger head
-    dim, as the SIMT kernels'; the Hopper kernels assume one head dim), dQ by atomics and deterministic,
-    with a bias (dbias from flash_pairs.cu) and a mask; split-KV's mma.sync forward too."""
+    sm_80 and an sm_90 device: the mma.sync forward and backward (the Hopper ones on the sm_90; their
+    tiles padded to the larger head dim, as the SIMT kernels'), dQ by atomics (Hopper: bulk reduce-adds)
+    and deterministic, with a bias (dbias from flash_pairs.cu) and a mask; split-KV's mma.sync forward
+    too."""
     from flashcupy import _api
     from flashcupy.backends import cupy_backend
     from flashcupy.tools.emulator.cupy import emulated
@@ -129,11 +130,9 @@ def test_cupy_tensor_core_forward_and_backward(rng, compute_capability):
               causal=True)
     with emulated(compute_capability=compute_capability):
         p = _checks.problem(q, k, v, True, None, None, "numpy")
-        assert cupy_backend.forward_path(p, q, k, v) == "tensor-core"
-        assert cupy_backend.backward_path(p, dout, q, k, v, dout) == "tensor-core"
-        # the same arrays with one head dim take the Hopper kernels on an sm_90
-        same = _checks.problem(q, k, k, True, None, None, "numpy")
-        assert cupy_backend.forward_path(same, q, k, k) == ("hopper" if compute_capability == 90 else "tensor-core")
+        path = "hopper" if compute_capability == 90 else "tensor-core"
+        assert cupy_backend.forward_path(p, q, k, v) == path
+        assert cupy_backend.backward_path(p, dout, q, k, v, dout) == path
         dlse, got = run(q, k, v, dout, backend="cupy", **kw)
         assert_matches_oracle(got, q, k, v, dout, backend="cupy", dlse=dlse, **kw)
         exact = flashcupy.attention_backward(dout, q, k, v, got[0], got[1], backend="cupy", deterministic=True, **kw)
@@ -145,6 +144,34 @@ def test_cupy_tensor_core_forward_and_backward(rng, compute_capability):
         assert cupy_backend.split_plan(p, q1, k, v, 2)[0] == 2
         out, lse = _api.forward(q1, k, v, backend="cupy", num_splits=2)
     assert_matches_oracle((out, lse), q1, k, v, backend="cupy")
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (64, 128), (128, 64)])
+def test_the_hopper_kernels(rng, head_dim, head_dim_v):
+    """The Hopper forward and backward (flash_fwd_sm90.cu, flash_bwd_sm90.cu) with v of its own head dim,
+    their tiles at the larger: MLA's 192 and 128 (the backward's SPLIT_D kernel, V_j's and dO_i's third
+    atom zeroed, not loaded), 64 and 128 (Q_i's and K_j's second atom zero), 128 and 64; one batch (out
+    by TMA store) with GQA, causal rows that see no key and ALiBi, dQ by bulk reduce-adds and
+    deterministic, and a packed batch (out row by row), each against the oracle."""
+    from flashcupy.backends import cupy_backend
+    from flashcupy.tools.emulator.cupy import emulated, launch_records
+    from varlen_checks import packed_batch_matches_the_oracle
+    q, k, v = make_qkv(rng, 2, 70, 50, 2, 1, head_dim, np.float16, head_dim_v=head_dim_v)
+    dout = rng.standard_normal((2, 70, 2, head_dim_v)).astype(np.float16)
+    kw = dict(causal=True, alibi_slopes=np.array([0.5, 0.25], np.float32))
+    launches = []
+    with emulated(compute_capability=90, compile=launch_records(launches)):
+        p = _checks.problem(q, k, v, True, None, None, "numpy")
+        assert cupy_backend.forward_path(p, q, k, v) == "hopper"
+        assert cupy_backend.backward_path(p, dout, q, k, v, dout) == "hopper"
+        dlse, got = run(q, k, v, dout, backend="cupy", **kw)
+        exact = flashcupy.attention_backward(dout, q, k, v, got[0], got[1], backend="cupy", deterministic=True, **kw)
+        packed_batch_matches_the_oracle(rng, "cupy", lengths=([70, 0, 9], [30, 4, 80]), dtype=np.float16,
+                                        head_dim=head_dim, head_dim_v=head_dim_v, backward=True)
+    assert_matches_oracle(got, q, k, v, dout, backend="cupy", dlse=dlse, **kw)
+    assert_matches_oracle((*got[:2], *exact), q, k, v, dout, backend="cupy", **kw)
+    kernels = {name.split("<")[0] for name, _ in launches}
+    assert {"flash_fwd_sm90", "flash_bwd_dkdv_sm90"} <= kernels and not {"flash_fwd_tc", "flash_bwd_dkdv_tc"} & kernels
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -158,7 +158,7 @@ MAX_HEAD_DIM = specs.MAX_HEAD_DIM
 MODIFIERS = frozenset(specs.MOD_BITS)  # the score modifiers the kernels compute; _api refuses the others
 DROPOUT = True  # dropout_p: every kernel (the SIMT, mma.sync and Hopper ones)
 DROPOUT_SEED_ON_DEVICE = True  # the kernels read the seed from device memory where given (_dropout_args)
-HEAD_DIM_V = True  # v's head_dim may differ from q's and k's (_tc_takes, _same_head_dims: which kernels)
+HEAD_DIM_V = True  # v's head_dim may differ from q's and k's (_tc_takes: which kernels)
 
 
 # The host's own work of a call, kept between calls where its inputs are the same: every launch's grid
@@ -204,22 +204,23 @@ def _grid_axes(p, backward) -> tuple:
     if backward and _tc_takes(p) and specs.tensor_core_eligible(p.dtype, tiles, tc_backward, backward=True):
         builds += [(specs.tc_backward_module, tiles, tc_backward),
                    (specs.deterministic_tc_backward_module, tiles, tc_backward)]
-    if _same_head_dims(p) and specs.sm90_eligible(p.dtype, p.head_dim, mods):
-        builds += [(specs.sm90_forward_module, p.head_dim, mods)]
-    if backward and _same_head_dims(p) and specs.sm90_eligible(p.dtype, p.head_dim, mods, backward=True):
-        builds += [(specs.sm90_backward_module, p.head_dim, mods)]
+    if _tc_takes(p) and specs.sm90_eligible(p.dtype, tiles, mods):
+        builds += [(specs.sm90_forward_module, tiles, mods)]
+    if backward and _tc_takes(p) and specs.sm90_eligible(p.dtype, tiles, mods, backward=True):
+        builds += [(specs.sm90_backward_module, tiles, mods)]
     return tuple((*kernel.grid(p), 0) for build, dim, m in builds for kernel in build(p.dtype, dim, m).kernels)
 
 
 def _same_head_dims(p) -> bool:
-    """Whether v's head_dim is q's and k's: the Hopper kernels' tiles assume it (a call with another runs
-    on the mma.sync or SIMT kernels: _tc_takes)."""
+    """Whether v's head_dim is q's and k's (a call with another takes the mma.sync backward's kernels
+    specialised for it, _tc_backward_mods)."""
     return p.head_dim_v == p.head_dim
 
 
 def _tc_takes(p) -> bool:
-    """Whether the tensor-core (mma.sync) kernels, forward and backward, take p's head dims: their tiles
-    are padded to the larger (_tile_head_dim), each a multiple of 8, as the 16-byte rows ask."""
+    """Whether the tensor-core kernels (mma.sync, forward and backward; the Hopper forward) take p's head
+    dims: their tiles are padded to the larger (_tile_head_dim), each a multiple of 8, as the 16-byte rows
+    ask."""
     return _same_head_dims(p) or (p.head_dim % 8 == 0 and p.head_dim_v % 8 == 0)
 
 
@@ -277,12 +278,13 @@ def _hopper(p, backward: bool, rows, *tensors, varlen: bool = False) -> bool:
     """Whether the Hopper forward (backward) takes a call (varlen: a packed batch's): USE_TENSOR_CORES and
     USE_WGMMA, compute capability 9.0, a dtype, head_dim and modifiers it covers (specs.sm90_eligible:
     head_dim up to 256 in the forward and the backward; every modifier in one
-    batch's forward and backward), `rows` read through 16-byte rows (_rows_16_bytes: what the mma.sync
+    batch's forward and backward; v of its own head dim as the mma.sync kernels take it, _tc_takes, the
+    tiles padded to the larger), `rows` read through 16-byte rows (_rows_16_bytes: what the mma.sync
     kernels ask of the same arrays), and `tensors`, read or written through tensor maps, describable by
     one (_tma_describable)."""
     rt = _runtime()
-    return (USE_TENSOR_CORES and USE_WGMMA and _same_head_dims(p)
-            and specs.sm90_eligible(p.dtype, p.head_dim, _mods(p), backward, varlen)
+    return (USE_TENSOR_CORES and USE_WGMMA and _tc_takes(p)
+            and specs.sm90_eligible(p.dtype, _tile_head_dim(p), _mods(p), backward, varlen)
             and rt.compute_capability(tensors[0]) == specs.SM90_COMPUTE_CAPABILITY
             and _rows_16_bytes(rt, p.dtype, *rows) and all(_tma_describable(rt, x) for x in tensors))
 
@@ -460,8 +462,9 @@ def _forward_module(p, q, k, v, split: bool, out=None, varlen: bool = False, pag
     (forward_varlen), paged: its keys a paged KV cache's."""
     path = forward_path(p, q, k, v, out, split, paged, varlen)
     if path == "hopper":
-        tile = specs.sm90_forward_tile(p.head_dim, _mods(p), p.causal, varlen, SM90_WIDE, SM90_TALL_FORWARD)
-        return path, specs.sm90_forward_module(p.dtype, p.head_dim, _mods(p), varlen, tile)
+        dim = _tile_head_dim(p)
+        tile = specs.sm90_forward_tile(dim, _mods(p), p.causal, varlen, SM90_WIDE, SM90_TALL_FORWARD)
+        return path, specs.sm90_forward_module(p.dtype, dim, _mods(p), varlen, tile)
     if path == "tensor-core":
         return path, _tc_forward_module(p, q, split, varlen)
     return path, specs.forward_module(p.dtype, _tile_head_dim(p), _mods(p), split, varlen)

@@ -21,8 +21,9 @@ def _backward_module(p, path: str, deterministic: bool, like, varlen: bool = Fal
     """The backward's ModuleSpec on `path` (backward_path's) for this call, its tiles those of like's device."""
     if path == "hopper":
         mods = backend._mods(p)
-        tile = specs.sm90_backward_tile(p.head_dim, mods, backend.SM90_TALL_BACKWARD)
-        return specs.sm90_backward_module(p.dtype, p.head_dim, mods, varlen, deterministic, tile)
+        dim = backend._tile_head_dim(p)
+        tile = specs.sm90_backward_tile(dim, mods, backend.SM90_TALL_BACKWARD)
+        return specs.sm90_backward_module(p.dtype, dim, mods, varlen, deterministic, tile)
     if path == "tensor-core":
         return backend._tc_backward_module(p, like, deterministic, varlen)
     return specs.backward_module(p.dtype, backend._tile_head_dim(p), backend._mods(p), varlen)

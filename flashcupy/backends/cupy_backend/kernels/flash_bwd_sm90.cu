@@ -129,14 +129,18 @@
 //                first wgmma that reads it: dO_i's rows that see no key (dead_rows), and VARLEN, the rows
 //                of a box past its sequence: K_j, V_j's once, Q_i, dO_i's in each pass whose block ends
 //                past seqlen_q. Those rows are the next sequence's (a box past the tensor's end lands
-//                zeros): P = 0 times a NaN there would be NaN. SPLIT_D at head_dim 136..192: once, the
-//                atoms the TMA leaves out.
+//                zeros): P = 0 times a NaN there would be NaN. SPLIT_D at head_dim 136..192, and a
+//                head_dim_v of its own: once, the atoms the TMA leaves out.
 // A consumer runs at most a pass ahead of the other: each owner's DS_READY sync waits for the other's
 // arrival of the same pass, so that the barrier never holds two passes' arrivals.
 //
 // Requirements on the arguments, checked by the launcher (cupy_backend.backward_path): q, k, v, dout
 // as for flash_fwd_sm90.cu (strides a tensor map describes); lse any strides; dk, dv contiguous along
-// head_dim; the dQ workspace contiguous, q's shape.
+// head_dim; the dQ workspace contiguous, q's shape. v's (and dout's, dv's) head_dim_v may differ from q's
+// and k's head_dim (MLA), HEAD_DIM the larger's bucket: each map has its own tensor's width, so a tile is
+// zero past its tensor's head dim (SPLIT_D: the atoms wholly past it not loaded but zeroed once, ZEROED),
+// and dV is stored up to head_dim_v; the padded columns cost their wgmma work (192 and 128: those of
+// dPᵀ = V_j dOᵀ and dV, as the mma.sync backward's).
 //
 // Template parameters: T (__half or __nv_bfloat16), HEAD_DIM (64, 128 or 256: head_dim rounded up to 64),
 // BLOCK_M (query rows a pass: 64 or 128, specs.sm90_backward_tile), BLOCK_N (64 CONSUMERS keys; SPLIT_D: 64),
@@ -279,26 +283,31 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     }
     __syncthreads();  // the barriers are initialised, and plan written, before any thread uses them
 
-    // the atoms of head_dim the TMA loads: SPLIT_D at head_dim 136..192 leaves the fourth out (wholly past
-    // head_dim: the consumers zero it once, below), so that no box relies on the copy engine's fill of a box
-    // with no element inside the tensor
-    const int atoms = SPLIT_D ? min(HEAD_DIM / ATOM, num_blocks(head_dim, ATOM)) : HEAD_DIM / ATOM;
+    // the atoms of each tile the TMA loads. SPLIT_D: those that hold some of its tensor's head dim (Q_i,
+    // K_j: head_dim; V_j, dO_i: head_dim_v, which may differ), leaving out the fourth at head_dim 136..192
+    // and those wholly past a head dim of v's own (MLA's 192 and 128), which the consumers zero once
+    // (below), so that no box there relies on the copy engine's fill of a box with no element inside the
+    // tensor. Otherwise every atom, as the forward loads them: where q's and v's head dims differ
+    // (64 and 128), a box wholly past one lands as the copy engine's zeros (zeroing them here too pushed
+    // the default kernel with softcap, ALiBi and dropout at 128 to a 16-byte spill under NVRTC 12.9)
+    const int atoms_qk = SPLIT_D ? min(HEAD_DIM / ATOM, num_blocks(head_dim, ATOM)) : HEAD_DIM / ATOM;
+    const int atoms_v = SPLIT_D ? min(HEAD_DIM / ATOM, num_blocks(head_dim_v, ATOM)) : HEAD_DIM / ATOM;
 
     if (warpgroup == 0) {  // the producer
         setmaxnreg_dec<PRODUCER_REGISTERS<SM90_CONSUMERS>>();
         if (warp == 0 && elect_one_sync() && passes > 0) {
-            mbarrier_arrive_expect_tx(&kv_full, 2 * atoms * ATOM_BYTES<BLOCK_N>);
-            load_box<BLOCK_N, HEAD_DIM>(K_s, map_k, blk.kv_head, k_row0 + blk.j0, blk.b, &kv_full, atoms);
-            load_box<BLOCK_N, HEAD_DIM>(V_s, map_v, blk.kv_head, k_row0 + blk.j0, blk.b, &kv_full, atoms);
+            mbarrier_arrive_expect_tx(&kv_full, (atoms_qk + atoms_v) * ATOM_BYTES<BLOCK_N>);
+            load_box<BLOCK_N, HEAD_DIM>(K_s, map_k, blk.kv_head, k_row0 + blk.j0, blk.b, &kv_full, atoms_qk);
+            load_box<BLOCK_N, HEAD_DIM>(V_s, map_v, blk.kv_head, k_row0 + blk.j0, blk.b, &kv_full, atoms_v);
             for (int p = 0; p < passes; ++p) {
                 const int s = p % STAGES;
                 // the consumers are done with the pass this stage held (the first round passes at once)
                 mbarrier_wait_parity(&empty[s], (p / STAGES + 1) & 1);
-                mbarrier_arrive_expect_tx(&full[s], 2 * atoms * ATOM_BYTES<BLOCK_M>);
+                mbarrier_arrive_expect_tx(&full[s], (atoms_qk + atoms_v) * ATOM_BYTES<BLOCK_M>);
                 load_box<BLOCK_M, HEAD_DIM>(Q_s + s * QO_BYTES, map_q, head_of(p), q_row0 + row_of(p), blk.b, &full[s],
-                                            atoms);
+                                            atoms_qk);
                 load_box<BLOCK_M, HEAD_DIM>(dO_s + s * QO_BYTES, map_dout, head_of(p), q_row0 + row_of(p), blk.b,
-                                            &full[s], atoms);
+                                            &full[s], atoms_v);
             }
         } else if (warp == 1) {
             for (int p = 0; p < passes; ++p) {
@@ -355,12 +364,12 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     float dK[D_TILES][4], dV[D_TILES][4];
     zero(dK);
     zero(dV);
-    if (SPLIT_D && atoms < HEAD_DIM / ATOM) {  // the atoms the TMA leaves out, zeros for every wgmma that reads them
-        zero_atoms<BLOCK_N, HEAD_DIM>(K_s, atoms, zeroer, 128 * SM90_CONSUMERS);
-        zero_atoms<BLOCK_N, HEAD_DIM>(V_s, atoms, zeroer, 128 * SM90_CONSUMERS);
+    if (SPLIT_D && min(atoms_qk, atoms_v) < HEAD_DIM / ATOM) {  // the atoms the TMA leaves out: zeros
+        zero_atoms<BLOCK_N, HEAD_DIM>(K_s, atoms_qk, zeroer, 128 * SM90_CONSUMERS);
+        zero_atoms<BLOCK_N, HEAD_DIM>(V_s, atoms_v, zeroer, 128 * SM90_CONSUMERS);
         for (int s = 0; s < STAGES; ++s) {
-            zero_atoms<BLOCK_M, HEAD_DIM>(Q_s + s * QO_BYTES, atoms, zeroer, 128 * SM90_CONSUMERS);
-            zero_atoms<BLOCK_M, HEAD_DIM>(dO_s + s * QO_BYTES, atoms, zeroer, 128 * SM90_CONSUMERS);
+            zero_atoms<BLOCK_M, HEAD_DIM>(Q_s + s * QO_BYTES, atoms_qk, zeroer, 128 * SM90_CONSUMERS);
+            zero_atoms<BLOCK_M, HEAD_DIM>(dO_s + s * QO_BYTES, atoms_v, zeroer, 128 * SM90_CONSUMERS);
         }
         fence_proxy_async();                                  // this thread's zeros, before any wgmma reads them
         named_barrier_sync(ZEROED, 128 * SM90_CONSUMERS);     // every consumer thread's
@@ -657,7 +666,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) flash_bwd_dkdv_sm90(
     store_fragments<COLS>(HEAD_ROWS(dk, blk.b, blk.kv_head).from_column(col_c), dK, {scale, scale}, key_g, seqlen_k,
                           head_dim - col_c);
     store_fragments<COLS>(HEAD_ROWS(dv, blk.b, blk.kv_head).from_column(col_c), dV, {1.0f, 1.0f}, key_g, seqlen_k,
-                          head_dim - col_c);
+                          head_dim_v - col_c);
 }
 
 // flash_bwd_dq_convert_sm90: dq = scale * the dQ workspace, rounded to T; a thread an element of dq

@@ -95,10 +95,17 @@
 // cupy_backend.forward_path): q, k, v, out contiguous along head_dim, 16-byte aligned, the other
 // strides positive multiples of 16 bytes (what a tensor map can describe); head_dim a multiple of 8 up
 // to HEAD_DIM: a box reads the columns past head_dim, and the rows past seqlen, as zeros, and the TMA
-// store writes neither. Modifiers (MODS, specs.sm90_eligible: any in one batch but a bias above head_dim
-// 128; in a packed batch the window, softcap and ALiBi): as flash_fwd_tc.cu applies them, softcap, ALiBi
-// and the bias make each score of S final (mask.cuh's Score, in base 2) before the mask, and the bool
-// mask masks every tile element by element; with a bias or mask the key block is 64, and where the
+// store writes neither. v's head_dim_v may differ from q's and k's head_dim (MLA), HEAD_DIM the larger
+// rounded up: each map has its own tensor's width, so Q_i and K_j are zero past head_dim and V_j past
+// head_dim_v, and out (O's columns up to head_dim_v) is stored up to head_dim_v; the padded columns of
+// the smaller cost their wgmma work (192 and 128: a third of P V_j). An atom wholly past its tensor's
+// head dim (V_j's third at 192 and 128) is a box with no element inside the tensor, all of it the copy
+// engine's zeros, its bytes counted as any box's (unlike the backward, which never issues one: the GPU
+// session's MLA test, tests/test_cupy_gpu.py, checks it on silicon). Modifiers (MODS, specs.sm90_eligible:
+// any in one batch but a bias above head_dim 128; in a packed batch the window, softcap and ALiBi): as
+// flash_fwd_tc.cu applies them, softcap, ALiBi and the bias make each score of S final (mask.cuh's
+// Score, in base 2) before the mask, and the bool mask masks every tile element by element; with a bias
+// or mask the key block is 64, and where the
 // registers asked for it (specs.sm90_forward_tile). Dropout (MOD_DROPOUT, mask.cuh's Dropout) drops P
 // after l took its row sums and before P V_j is packed, as flash_fwd_tc.cu does (tc_dropout: S's
 // accumulators are laid out as the mma.sync C fragments, 16 rows a warp), its batch index a packed
@@ -398,14 +405,15 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1) flash_fwd_sm90(
 #pragma unroll 1
             for (int e = threadIdx.x % 128; e < rows * (HEAD_DIM / 8); e += 128) {
                 const int row = e / (HEAD_DIM / 8), col = 8 * (e % (HEAD_DIM / 8));
-                if (col < head_dim)
+                if (col < head_dim_v)
                     *reinterpret_cast<int4*>(&out_h.at(row_c + row, col)) =
                         *reinterpret_cast<const int4*>(O_c + swizzled_byte<BLOCK_M>(row, col));
             }
         } else if (lead) {
 #pragma unroll
             for (int a = 0; a < HEAD_DIM / ATOM; ++a)
-                tma_store_4d(map_out, a * ATOM, blk.h, row_c, blk.b, O_c + a * ATOM_BYTES<BLOCK_M>);
+                if (a * ATOM < head_dim_v)  // an atom wholly past out's head_dim_v: nothing to store
+                    tma_store_4d(map_out, a * ATOM, blk.h, row_c, blk.b, O_c + a * ATOM_BYTES<BLOCK_M>);
             tma_store_commit_group();
         }
         if constexpr (O_IN_Q) {
