@@ -110,6 +110,9 @@ class Sizes:
     # (head_dim, causal) timed very last with dropout (DROPOUT_IMPLS, dropout_p DROPOUT_P), the first dtype and
     # the two longest seqlens: the Hopper kernels' dropout beside the mma.sync kernels' and torch's flash
     dropout_configs: tuple = ((128, True), (128, False))
+    # (head_dim, head_dim_v, causal) timed after the dropout cells (MLA_IMPLS), the first dtype and the two
+    # longest seqlens: DeepSeek's MLA, v of its own head dim, on the Hopper kernels beside the mma.sync ones
+    mla_configs: tuple = ((192, 128, True),)
 
 
 GPU = Sizes(seqlens=(512, 1024, 2048, 4096, 8192, 16384), configs=((128, True), (128, False), (64, True), (64, False)),
@@ -129,7 +132,7 @@ DRY = Sizes(seqlens=(16, 32), configs=((64, True),), dtypes=("bfloat16", "float1
             wide_configs=((64, True),), tall_configs=((64, True),), tall_forward_configs=((64, True),),
             # float32 and float64 at the check battery's head_dim 40: the SIMT modules the check stage built
             wide_head_configs=((64, False),), precise_configs=((40, True),), precise_seqlens=(16,),
-            dropout_configs=((64, True),))
+            dropout_configs=((64, True),), mla_configs=((64, 32, True),))
 MIN_REPEAT = 3
 
 # (stage, time limit in seconds); the sweep takes what the budget leaves after reserving the plot's
@@ -159,6 +162,10 @@ PRECISE_IMPLS = {"float32": ("cupy", "torch-efficient", "torch-math"), "float64"
 # beside torch's flash backend with its own; recorded as "<impl>+dropout". Timed in no other cell
 DROPOUT_IMPLS = ("cupy", "cupy-mma", "torch-flash")
 DROPOUT_P = 0.1
+# MLA (Sizes.mla_configs): flashcupy's Hopper kernels ("cupy" on an sm_90, their tiles at the larger head dim)
+# and the mma.sync ones, beside cuDNN's (torch's flash backend asks for one head dim); recorded as
+# "<impl>+mla", with head_dim_v. Timed in no other cell
+MLA_IMPLS = ("cupy", "cupy-mma", "torch-cudnn")
 # "cupy-mma" beside "cupy": on compute capability 9.0 "cupy" runs the Hopper forward and backward
 # (flash_fwd_sm90.cu, flash_bwd_sm90.cu), "cupy-mma" the mma.sync ones they replace (flash_fwd_tc.cu,
 # flash_bwd_tc.cu: USE_WGMMA off), in the same run; below 9.0 they are the same kernels.
@@ -407,9 +414,9 @@ def check_items(args):
                 yield key, run
 
 
-def _device_inputs(shape_kv, shape_q, dtype, seed, dry):
+def _device_inputs(shape_kv, shape_q, dtype, seed, dry, head_dim_v=None):
     """q, k, v, dout, random normal, made where the kernels run: bfloat16 as uint16 bit patterns
-    (rounded to nearest even), which is how CuPy holds it."""
+    (rounded to nearest even), which is how CuPy holds it; v and dout of head_dim_v where given."""
     if dry:
         import numpy as xp
         rng = xp.random.default_rng(seed)
@@ -419,7 +426,8 @@ def _device_inputs(shape_kv, shape_q, dtype, seed, dry):
         rng = xp.random.default_rng(seed)
         normal = lambda shape: rng.standard_normal(shape, dtype=xp.float32)  # noqa: E731
     arrays = []
-    for shape in (shape_q, shape_kv, shape_kv, shape_q):
+    v_dim = (lambda shape: shape) if head_dim_v is None else (lambda shape: tuple(shape[:-1]) + (head_dim_v,))
+    for shape in (shape_q, shape_kv, v_dim(shape_kv), v_dim(shape_q)):
         x = normal(shape)
         if dtype == "bfloat16":
             bits = x.view(xp.uint32)
@@ -513,13 +521,13 @@ def sweep_items(args):
             missing.append((impl, reason))
     inputs = {}  # the current shape's inputs, shared by every implementation
 
-    def measure(impl, dtype, D, causal, S, dropout_p=0.0):
+    def measure(impl, dtype, D, causal, S, dropout_p=0.0, Dv=None):
         B, H = sizes.tokens // S, sizes.hidden // D
-        shape = (dtype, B, S, H, D)
+        shape = (dtype, B, S, H, D) + (() if Dv is None else (Dv,))
         if shape not in inputs:
             inputs.clear()
             inputs[shape] = _device_inputs((B, S, H, D), (B, S, H, D), dtype, zlib.crc32(repr(shape).encode()),
-                                           args.dry_run)
+                                           args.dry_run, head_dim_v=Dv)
         q, k, v, dout = inputs[shape]
         forward, backward = bench.closures(impl.split("-")[0] if impl.startswith("cupy") else impl, q, k, v, dout,
                                            causal, default_scale(D), device, bf16_bits=dtype == "bfloat16",
@@ -535,13 +543,14 @@ def sweep_items(args):
         records = []
         for pass_, fn in passes:
             seconds = _median_seconds(fn, args.dry_run, sizes)
-            # (the host table shows the plain calls': none with dropout, so none measured)
-            host, b2b = (_host_and_back_to_back(fn, args.dry_run) if impl in BACK_TO_BACK_IMPLS and not dropout_p
-                         else (None, None))
+            # (the host table shows the plain calls': none with dropout or MLA's head dims, so none measured)
+            host, b2b = (_host_and_back_to_back(fn, args.dry_run)
+                         if impl in BACK_TO_BACK_IMPLS and not dropout_p and Dv is None else (None, None))
             peak = None if args.dry_run else bench.gpu_peak(fn, impl)
-            flops = bench.flops(B, H, S, D, causal, pass_)
-            records.append({"type": "timing", "impl": f"{impl}+dropout" if dropout_p else impl, "pass": pass_,
-                            "dtype": dtype, "head_dim": D,
+            flops = bench.flops(B, H, S, D, causal, pass_, head_dim_v=Dv)
+            name = f"{impl}+dropout" if dropout_p else f"{impl}+mla" if Dv is not None else impl
+            records.append({"type": "timing", "impl": name, "pass": pass_, "dtype": dtype, "head_dim": D,
+                            "head_dim_v": Dv,
                             "causal": causal, "seqlen": S, "batch": B, "heads": H, "seconds": seconds,
                             "tflops": flops / seconds / 1e12, "peak_bytes": peak, "host_seconds": host,
                             "b2b_tflops": None if b2b is None else flops / b2b / 1e12})
@@ -586,6 +595,12 @@ def sweep_items(args):
                 if impl in DROPOUT_IMPLS and not (impl.startswith("torch") and args.dry_run):
                     key = f"{impl}+dropout/{sizes.dtypes[0]}/D{D}/{'causal' if causal else 'full'}/S{S}"
                     yield key, functools.partial(measure, impl, sizes.dtypes[0], D, causal, S, DROPOUT_P)
+    for D, Dv, causal in sizes.mla_configs:
+        for S in sorted(sizes.seqlens)[-2:]:
+            for impl in impls:
+                if impl in MLA_IMPLS:
+                    key = f"{impl}+mla/{sizes.dtypes[0]}/D{D}v{Dv}/{'causal' if causal else 'full'}/S{S}"
+                    yield key, functools.partial(measure, impl, sizes.dtypes[0], D, causal, S, 0.0, Dv)
     for impl, reason in missing:
         yield "numba/unavailable" if impl == "numba" else f"unavailable/{impl}", lambda impl=impl, reason=reason: [
             {"type": "unavailable", "impl": impl, "reason": reason}]
@@ -616,20 +631,22 @@ def plot_items(args):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        configs = sorted({(r["head_dim"], r["causal"]) for r in timings}, key=lambda c: (-c[0], not c[1]))
+        configs = sorted({(r["head_dim"], r.get("head_dim_v"), r["causal"]) for r in timings},
+                         key=lambda c: (-c[0], c[1] is not None, not c[2]))
         impls = sorted({r["impl"] for r in timings}, key=lambda i: (i.startswith("torch"), i))
         # tab20's 20 colours: the default cycle's 10 are fewer than the implementations a GPU session times
         colors = {impl: plt.get_cmap("tab20")(n % 20) for n, impl in enumerate(impls)}
         rows = ("forward", "backward", "memory")
         fig, axes = plt.subplots(len(rows), len(configs), figsize=(4.2 * len(configs), 9.5), squeeze=False)
-        for col, (D, causal) in enumerate(configs):
+        for col, (D, Dv, causal) in enumerate(configs):
             for row, what in enumerate(rows):
                 ax = axes[row][col]
                 for impl in impls:
                     for dtype, style in (("bfloat16", "-o"), ("float16", "--s")):
                         pass_ = "backward" if what == "memory" else what
-                        rs = sorted((r for r in timings if (r["impl"], r["dtype"], r["head_dim"], r["causal"],
-                                                            r["pass"]) == (impl, dtype, D, causal, pass_)),
+                        rs = sorted((r for r in timings if (r["impl"], r["dtype"], r["head_dim"], r.get("head_dim_v"),
+                                                            r["causal"], r["pass"]) == (impl, dtype, D, Dv, causal,
+                                                                                        pass_)),
                                     key=lambda r: r["seqlen"])
                         points = [(r["seqlen"], r["peak_bytes"] / 2**20 if what == "memory" else r["tflops"])
                                   for r in rs if what != "memory" or r["peak_bytes"]]
@@ -638,7 +655,8 @@ def plot_items(args):
                                     label=f"{'flashcupy ' if not impl.startswith('torch') else ''}{impl} {dtype}")
                 ax.set_xscale("log", base=2)
                 ax.grid(True, alpha=0.3)
-                ax.set_title(f"{what}, D={D}{' causal' if causal else ''}", fontsize=9)
+                ax.set_title(f"{what}, D={D}{'' if Dv is None else f', Dv={Dv}'}{' causal' if causal else ''}",
+                             fontsize=9)
                 ax.set_ylabel("backward peak extra MiB" if what == "memory" else "TFLOP/s")
                 if what == "memory":
                     ax.set_yscale("log")
@@ -922,7 +940,8 @@ def _speed_tables(timings) -> list:
              "TFLOP/s (forward 4·B·H·S²·D, halved when causal; backward 2.5x), median of timed calls after a "
              "warm-up; in brackets the peak extra memory in MiB. 16k tokens per batch (B = tokens / S), "
              "hidden size 2048 (H = 2048 / D) on a GPU. numba / cupy: how far the Numba kernels (CUDA cores, "
-             "float16 only) are from the CuPy ones.", ""]
+             "float16 only) are from the CuPy ones. D/Dv: MLA's cells, v of head dim Dv (FLOPs 2·(D + Dv) a pair "
+             "where 4·D counts one).", ""]
     impls = sorted({r["impl"] for r in timings}, key=lambda i: (i.startswith("torch"), i))
     for dtype in sorted({r["dtype"] for r in timings}):
         for pass_ in ("forward", "backward"):
@@ -932,11 +951,13 @@ def _speed_tables(timings) -> list:
             lines += [f"### {dtype} {pass_}", "", "| D | causal | S | B x H | " + " | ".join(impls)
                       + " | cupy / torch-flash | cupy / torch-cudnn | cupy / torch-efficient | cupy / cupy-mma"
                       + " | cupy-det / cupy | cupy-wide / cupy | cupy-tallfwd / cupy | cupy-tall / cupy"
-                      + " | numba / cupy | cupy+dropout / cupy | cupy+dropout / torch-flash+dropout |",
-                      "|---" * (len(impls) + 15) + "|"]
-            for D, causal, S in sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in rows},
-                                       key=lambda k: (-k[0], not k[1], k[2])):
-                cell = {r["impl"]: r for r in rows if (r["head_dim"], r["causal"], r["seqlen"]) == (D, causal, S)}
+                      + " | numba / cupy | cupy+dropout / cupy | cupy+dropout / torch-flash+dropout"
+                      + " | cupy+mla / cupy-mma+mla | cupy+mla / torch-cudnn+mla |",
+                      "|---" * (len(impls) + 17) + "|"]
+            for D, Dv, causal, S in sorted({(r["head_dim"], r.get("head_dim_v"), r["causal"], r["seqlen"])
+                                            for r in rows}, key=lambda k: (-k[0], k[1] is not None, not k[2], k[3])):
+                cell = {r["impl"]: r for r in rows
+                        if (r["head_dim"], r.get("head_dim_v"), r["causal"], r["seqlen"]) == (D, Dv, causal, S)}
                 any_row = next(iter(cell.values()))
 
                 def show(impl):
@@ -951,14 +972,16 @@ def _speed_tables(timings) -> list:
                         return f"{cell[impl]['tflops'] / cell[other]['tflops']:.2f}x"
                     return ""
 
-                lines.append(f"| {D} | {causal} | {S} | {any_row['batch']} x {any_row['heads']} | "
+                lines.append(f"| {D if Dv is None else f'{D}/{Dv}'} | {causal} | {S} | "
+                             f"{any_row['batch']} x {any_row['heads']} | "
                              + " | ".join(show(i) for i in impls)
                              + f" | {ratio('torch-flash')} | {ratio('torch-cudnn')} | {ratio('torch-efficient')} |"
                              + f" {ratio('cupy-mma')} |"
                              + f" {ratio('cupy', 'cupy-det')} | {ratio('cupy', 'cupy-wide')} |"
                              + f" {ratio('cupy', 'cupy-tallfwd')} | {ratio('cupy', 'cupy-tall')} |"
                              + f" {ratio('cupy', 'numba')} | {ratio('cupy', 'cupy+dropout')} |"
-                             + f" {ratio('torch-flash+dropout', 'cupy+dropout')} |")
+                             + f" {ratio('torch-flash+dropout', 'cupy+dropout')} |"
+                             + f" {ratio('cupy-mma+mla', 'cupy+mla')} | {ratio('torch-cudnn+mla', 'cupy+mla')} |")
             lines.append("")
     return lines + _host_table(timings)
 

@@ -148,7 +148,7 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert "0 of 8 targets met." in report and report.count("| not measured |") == 8
     section = report.split("### float16 backward")[1].split("###")[0]
     (row,) = [line for line in section.splitlines() if line.startswith("| 64 | True | 16 |")]
-    assert row.split("|")[-4].strip().endswith("x") and "numba" in done.stdout  # numba / cupy, the closing lines
+    assert row.split("|")[-6].strip().endswith("x") and "numba" in done.stdout  # numba / cupy, the closing lines
     # dropout, timed last (dropout_configs): flashcupy's on the Hopper and the mma.sync kernels, the first dtype
     # (torch's flash backend has no dropout on a CPU: not timed in the dry run)
     dropped = {(r["impl"], r["pass"], r["dtype"], r["seqlen"]) for r in timings if r["impl"].endswith("+dropout")}
@@ -157,7 +157,16 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert all(r["host_seconds"] is None for r in timings if r["impl"].endswith("+dropout"))
     section = report.split("### bfloat16 backward")[1].split("###")[0]
     (row,) = [line for line in section.splitlines() if line.startswith("| 64 | True | 32 |")]
-    assert row.split("|")[-3].strip().endswith("x")  # cupy+dropout / cupy
+    assert row.split("|")[-5].strip().endswith("x")  # cupy+dropout / cupy
+    # MLA (mla_configs: head dims 64 and 32 here), timed after the dropout cells: flashcupy's Hopper and mma.sync
+    # kernels (torch's cuDNN needs a GPU), the first dtype, each record with v's head dim, its row D/Dv
+    mla = {(r["impl"], r["pass"], r["dtype"], r["seqlen"], r["head_dim_v"]) for r in timings
+           if r["impl"].endswith("+mla")}
+    assert mla == {(f"{impl}+mla", pass_, "bfloat16", S, 32) for impl in ("cupy", "cupy-mma") for S in (16, 32)
+                   for pass_ in ("forward", "backward")}
+    assert all(r["host_seconds"] is None for r in timings if r["impl"].endswith("+mla"))
+    (row,) = [line for line in section.splitlines() if line.startswith("| 64/32 | True | 32 |")]
+    assert row.split("|")[-3].strip().endswith("x")  # cupy+mla / cupy-mma+mla
 
 
 def test_a_stage_that_raises_leaves_the_stages_before_and_after(tmp_path):
@@ -269,14 +278,19 @@ def test_the_report_says_which_issue_targets_are_met(monkeypatch):
 
 def test_the_plot_draws_every_implementation_the_sweep_can_time(monkeypatch, tmp_path):
     # a GPU session can time every one of SWEEP_IMPLS (eleven, and the precise dtypes' peers among them),
-    # more than matplotlib's default colour cycle holds: each gets a line, none is lost to a KeyError
+    # the dropout cells' and MLA's (v of head dim 128 beside 192: a panel of their own), more than
+    # matplotlib's default colour cycle holds: each gets a line, none is lost to a KeyError
     import argparse
     gpu_session = _gpu_session_module(monkeypatch)
     results = gpu_session.Results(str(tmp_path))
-    for impl in gpu_session.SWEEP_IMPLS:
+    names = ([(impl, None) for impl in gpu_session.SWEEP_IMPLS]
+             + [(f"{impl}+dropout", None) for impl in gpu_session.DROPOUT_IMPLS]
+             + [(f"{impl}+mla", 128) for impl in gpu_session.MLA_IMPLS])
+    for impl, head_dim_v in names:
         for dtype, pass_, S in ((d, p, s) for d in ("bfloat16", "float32") for p in ("forward", "backward")
                                 for s in (1024, 4096)):
-            results.add(**{"type": "timing", "impl": impl, "dtype": dtype, "pass": pass_, "head_dim": 128,
+            results.add(**{"type": "timing", "impl": impl, "dtype": dtype, "pass": pass_,
+                           "head_dim": 128 if head_dim_v is None else 192, "head_dim_v": head_dim_v,
                            "causal": True, "seqlen": S, "tflops": 100.0, "batch": 4, "heads": 16,
                            "peak_bytes": 2**20})
     (key, draw), = gpu_session.plot_items(argparse.Namespace(out=str(tmp_path)))

@@ -54,11 +54,13 @@ class Result:
         return asdict(self)
 
 
-def flops(batch, heads, seqlen, head_dim, causal, pass_, window=None) -> float:
-    """The standard FLOP count (flashcupy._problem.attention_flops) of seqlen queries and keys."""
+def flops(batch, heads, seqlen, head_dim, causal, pass_, window=None, head_dim_v=None) -> float:
+    """The standard FLOP count (flashcupy._problem.attention_flops) of seqlen queries and keys (v of
+    head_dim_v where given)."""
     windowed = window is not None and window != (None, None)
     band = Band.of(seqlen, seqlen, causal, window if windowed else None)
-    return attention_flops(batch, heads, head_dim, band, windowed=windowed, backward=pass_ == "backward")
+    return attention_flops(batch, heads, head_dim, band, windowed=windowed, backward=pass_ == "backward",
+                           head_dim_v=head_dim_v)
 
 
 def describe_modifiers(window=None, bias=False) -> str:
