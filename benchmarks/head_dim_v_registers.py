@@ -3,15 +3,23 @@
 kernels without it: the figures behind specs.TC_HEAD_DIM_V_BACKWARD_BUCKETS. No GPU needed.
 
     python benchmarks/head_dim_v_registers.py > benchmarks/results/head_dim_v_registers.md   # a few minutes
+    python benchmarks/head_dim_v_registers.py --hopper   # every Hopper set (sm_90a), spills: 20 minutes
+
+The Hopper kernels take such calls with no specialisation of their own (their tiles at the larger head
+dim): --hopper compiles every set they take, with and without dropout (benchmarks/results/sm90_head_dim_v.md).
 
 The catalog (tests/test_nvrtc.py's kernels) has no such specialisation: this script is their check.
 """
 
 from __future__ import annotations
 
-from dropout_registers import report
+import sys
+import time
 
-from flashcupy.backends.cupy_backend import specs
+from dropout_registers import every_hopper_set, report
+
+from flashcupy.backends.cupy_backend import catalog, specs
+from flashcupy.tools import nvrtc
 
 VARLEN_MODS = specs.MOD_BITS["window"] | specs.MOD_BITS["softcap"] | specs.MOD_BITS["alibi_slopes"]
 
@@ -33,7 +41,30 @@ def modules(own: bool) -> list:
     return list(dict.fromkeys(out))
 
 
+def hopper() -> int:
+    """Every Hopper module (float16): `python -m flashcupy kernels --arch sm_90 --every-modifier-set`'s and
+    the dropout sets' (dropout_registers.every_hopper_set), under NVRTC 12 and 13: kernels, spills, the most
+    registers. Returns the kernels that spill."""
+    mods = list(dict.fromkeys(catalog.sm90_modules(dtypes=("float16",), every_modifier_set=True)
+                              + every_hopper_set()))
+    print(f"{len(mods)} Hopper modules (float16, sm_90a)", flush=True)
+    spilled = 0
+    for major in ("12", "13"):
+        start = time.time()
+        toolkit = next(t for t in nvrtc.toolkits() if t.version.startswith(major))
+        rows = nvrtc.kernel_report("sm_90a", toolkit=toolkit, modules=mods)
+        spills = [r for r in rows if r["spill_bytes"]]
+        spilled += len(spills)
+        print(f"NVRTC {toolkit.version}: {len(rows)} kernels, {len(spills)} spill, max registers "
+              f"{max(r['registers'] for r in rows)}, {time.time() - start:.0f} s", flush=True)
+        for r in spills:
+            print(f"    {r['kernel']} {r['head_dim']} {r['mods']} {r['tile']}: {r['spill_bytes']} spill bytes")
+    return spilled
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--hopper"]:
+        return min(hopper(), 100)
     report(modules, "head_dim_v", "Registers and spills of the mma.sync backward specialised for head_dim_v")
     return 0
 
