@@ -545,7 +545,8 @@ def _split_lines():
     with open(f"{sources.KERNEL_DIR}/flash_bwd_sm90.cu", encoding="utf-8") as f:
         lines = f.read().splitlines()
     first = lines.index("    if constexpr (SPLIT_D)") + 1
-    (zeros,) = [n for n, line in enumerate(lines, 1) if line.startswith("    if (SPLIT_D && atoms < HEAD_DIM / ATOM)")]
+    (zeros,) = [n for n, line in enumerate(lines, 1)
+                if line.startswith("    if (SPLIT_D && min(atoms_qk, atoms_v) < HEAD_DIM / ATOM)")]
     last = lines.index("    if constexpr (!SPLIT_D)") + 1
     return [*range(zeros, lines.index("    }", zeros) + 1), *range(first, last)]
 
