@@ -125,17 +125,28 @@ def every_hopper_set() -> list:
     return out
 
 
+def sm90_spills(modules, title: str, keep=lambda row: True) -> int:
+    """`modules` compiled for sm_90a under NVRTC 12 and 13: per toolkit the kernels (those `keep` takes),
+    how many spill, the most registers and the seconds, then each kernel that spills. Returns how many
+    spilled, over both toolkits."""
+    spilled = 0
+    for major in ("12", "13"):
+        start = time.time()
+        toolkit = next(t for t in nvrtc.toolkits() if t.version.startswith(major))
+        rows = [r for r in nvrtc.kernel_report("sm_90a", toolkit=toolkit, modules=modules) if keep(r)]
+        spills = [r for r in rows if r["spill_bytes"]]
+        spilled += len(spills)
+        print(f"NVRTC {toolkit.version} sm_90a, {title}: {len(rows)} kernels, {len(spills)} spill, max registers "
+              f"{max(r['registers'] for r in rows)}, {time.time() - start:.0f} s", flush=True)
+        for r in spills:
+            print(f"    {r['kernel']} {r['head_dim']} {r['mods']} {r.get('tile') or ''}: {r['spill_bytes']} bytes")
+    return spilled
+
+
 def main() -> int:
     if sys.argv[1:] == ["--every-hopper-set"]:  # python benchmarks/dropout_registers.py --every-hopper-set
-        for major in ("12", "13"):
-            toolkit = next(t for t in nvrtc.toolkits() if t.version.startswith(major))
-            rows = [r for r in nvrtc.kernel_report("sm_90a", toolkit=toolkit, modules=every_hopper_set())
-                    if "dropout" in (r["mods"] or "")]
-            spills = [r for r in rows if r["spill_bytes"]]
-            print(f"NVRTC {toolkit.version} sm_90a, every set the Hopper kernels take with dropout: {len(rows)} "
-                  f"kernels, {len(spills)} spill")
-            for r in spills:
-                print(f"    {r['kernel']} {r['head_dim']} {r['mods']} {r.get('tile') or ''}: {r['spill_bytes']} bytes")
+        sm90_spills(every_hopper_set(), "every set the Hopper kernels take with dropout",
+                    lambda r: "dropout" in (r["mods"] or ""))
         return 0
     report(modules, "dropout", "Registers and spills of the kernels specialised for dropout", hopper_modules)
     return 0

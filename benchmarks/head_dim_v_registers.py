@@ -14,12 +14,10 @@ The catalog (tests/test_nvrtc.py's kernels) has no such specialisation: this scr
 from __future__ import annotations
 
 import sys
-import time
 
-from dropout_registers import every_hopper_set, report
+from dropout_registers import every_hopper_set, report, sm90_spills
 
 from flashcupy.backends.cupy_backend import catalog, specs
-from flashcupy.tools import nvrtc
 
 VARLEN_MODS = specs.MOD_BITS["window"] | specs.MOD_BITS["softcap"] | specs.MOD_BITS["alibi_slopes"]
 
@@ -48,18 +46,7 @@ def hopper() -> int:
     mods = list(dict.fromkeys(catalog.sm90_modules(dtypes=("float16",), every_modifier_set=True)
                               + every_hopper_set()))
     print(f"{len(mods)} Hopper modules (float16, sm_90a)", flush=True)
-    spilled = 0
-    for major in ("12", "13"):
-        start = time.time()
-        toolkit = next(t for t in nvrtc.toolkits() if t.version.startswith(major))
-        rows = nvrtc.kernel_report("sm_90a", toolkit=toolkit, modules=mods)
-        spills = [r for r in rows if r["spill_bytes"]]
-        spilled += len(spills)
-        print(f"NVRTC {toolkit.version}: {len(rows)} kernels, {len(spills)} spill, max registers "
-              f"{max(r['registers'] for r in rows)}, {time.time() - start:.0f} s", flush=True)
-        for r in spills:
-            print(f"    {r['kernel']} {r['head_dim']} {r['mods']} {r['tile']}: {r['spill_bytes']} spill bytes")
-    return spilled
+    return sm90_spills(mods, "every Hopper set")
 
 
 def main() -> int:
