@@ -9,7 +9,9 @@
    - forward: jax.jit(flashcupy.jax.attention) vs flashcupy.attention on the same NumPy data vs
      jax.jit(jax.nn.dot_product_attention(implementation="xla"));
    - value and grad: jax.jit(jax.value_and_grad(<attention(q, k, v), dout>)) with respect to q, k, v
-     through flashcupy.jax vs flashcupy.attention + attention_backward vs XLA's.
+     through flashcupy.jax vs flashcupy.attention + attention_backward vs XLA's;
+   - forward mode: jax.jit(jax.jvp(attention, (q, k, v), tangents)) through flashcupy.jax vs XLA's (the
+     package has no forward mode of its own to call directly).
    Targets: flashcupy.jax within 1.2x of the direct NumPy calls, and at least as fast as XLA's; the
    ratios are the medians of each round's ratio (the candidates of a round run back to back, so a
    change in the machine's load between rounds cancels).
@@ -40,7 +42,7 @@ import numpy as np
 import flashcupy
 import flashcupy.jax as fj
 from flashcupy._problem import Band, attention_flops
-from flashcupy.backends import numpy_backend
+from flashcupy.backends.numpy_backend import pool
 
 
 PAUSE = 0.1  # seconds before each timed call
@@ -51,15 +53,27 @@ def inputs(seqlen, heads, head_dim, seed=0):
     return [rng.standard_normal((1, seqlen, heads, head_dim), dtype=np.float32) for _ in range(4)]
 
 
+PASSES = ("forward", "value_and_grad", "jvp")
+
+
+def jitted_passes(attend) -> tuple:
+    """attend's jitted forward, value_and_grad (<out, dout> in q, k, v) and jvp (in q, k, v, the
+    tangents (dout, dout, dout): q, k, v share a shape here)."""
+    vg = jax.value_and_grad(lambda q, k, v, dout: jnp.vdot(attend(q, k, v), dout), argnums=(0, 1, 2))
+    return (jax.jit(attend), jax.jit(vg),
+            jax.jit(lambda q, k, v, dout: jax.jvp(attend, (q, k, v), (dout, dout, dout))))
+
+
 def candidates(q, k, v, dout):
-    """{name: (forward, value_and_grad)}, each a no-argument function that blocks until done."""
+    """{name: (forward, value_and_grad, jvp)}, each a no-argument function that blocks until done (None
+    where the candidate has no such pass)."""
     jq, jk, jv, jdout = map(jnp.asarray, (q, k, v, dout))
 
     def jitted(attend):
-        fwd = jax.jit(attend)
-        vg = jax.jit(jax.value_and_grad(lambda q, k, v, dout: jnp.vdot(attend(q, k, v), dout), argnums=(0, 1, 2)))
+        fwd, vg, jvp = jitted_passes(attend)
         return (lambda: fwd(jq, jk, jv).block_until_ready(),
-                lambda: jax.block_until_ready(vg(jq, jk, jv, jdout)))
+                lambda: jax.block_until_ready(vg(jq, jk, jv, jdout)),
+                lambda: jax.block_until_ready(jvp(jq, jk, jv, jdout)))
 
     def numpy_vg():
         out, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True)
@@ -68,7 +82,7 @@ def candidates(q, k, v, dout):
 
     return {
         "flashcupy.jax": jitted(lambda q, k, v: fj.attention(q, k, v, causal=True)),
-        "NumPy direct": (lambda: flashcupy.attention(q, k, v, causal=True), numpy_vg),
+        "NumPy direct": (lambda: flashcupy.attention(q, k, v, causal=True), numpy_vg, None),
         "XLA": jitted(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")),
     }
 
@@ -84,11 +98,11 @@ def timing(seqlen, heads, head_dim, rounds) -> dict:
     q, k, v, dout = inputs(seqlen, heads, head_dim)
     cands = candidates(q, k, v, dout)
     names = list(cands)
-    times = {(n, w): [] for n in names for w in (0, 1)}
-    cpu = {(n, w): [] for n in names for w in (0, 1)}  # the process's CPU time, every thread's
-    for n in names:  # warm-up: compiles and first-call buffers
-        cands[n][0]()
-        cands[n][1]()
+    passes = [(n, w) for n in names for w in range(len(PASSES)) if cands[n][w] is not None]
+    times = {key: [] for key in passes}
+    cpu = {key: [] for key in passes}  # the process's CPU time, every thread's
+    for n, w in passes:  # warm-up: compiles and first-call buffers
+        cands[n][w]()
     rates = []
     # every order of the candidates in turn (a rotation would keep each one's predecessor), and a
     # pause before each call: XLA's CPU thread pool spins on for a while after its own work, which
@@ -96,15 +110,17 @@ def timing(seqlen, heads, head_dim, rounds) -> dict:
     orders = list(itertools.permutations(names))
     for r in range(rounds):
         rates.append(sgemm_rate())
-        for which in (0, 1):
+        for which in range(len(PASSES)):
             for n in orders[r % len(orders)]:
+                if cands[n][which] is None:
+                    continue
                 time.sleep(PAUSE)
                 t0, c0 = time.perf_counter(), time.process_time()
                 cands[n][which]()
                 times[n, which].append(time.perf_counter() - t0)
                 cpu[n, which].append(time.process_time() - c0)
     flops = attention_flops(1, heads, head_dim, Band.of(seqlen, seqlen, causal=True), windowed=False)
-    return dict(times=times, cpu=cpu, rates=rates, names=names, flops=(flops, flops * 3.5))
+    return dict(times=times, cpu=cpu, rates=rates, names=names, flops=(flops, flops * 3.5, None))
 
 
 def after_xla(seqlen, heads, head_dim, rounds) -> dict:
@@ -128,23 +144,22 @@ def after_xla(seqlen, heads, head_dim, rounds) -> dict:
 
 
 def memory(seqlen, heads, head_dim) -> dict:
-    """Bytes: XLA's temporaries for the jitted forward and value-and-grad of each JAX candidate,
+    """Bytes: XLA's temporaries for the jitted forward, value-and-grad and jvp of each JAX candidate,
     and the NumPy backend's traced peak inside flashcupy.jax's calls."""
     q, k, v, dout = map(jnp.asarray, inputs(seqlen, heads, head_dim))
     found = {}
     for name, attend in (("flashcupy.jax", lambda q, k, v: fj.attention(q, k, v, causal=True)),
                          ("XLA", lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                               implementation="xla"))):
-        fwd = jax.jit(attend)
-        vg = jax.jit(jax.value_and_grad(lambda q, k, v, dout: jnp.vdot(attend(q, k, v), dout), argnums=(0, 1, 2)))
         row = {}
-        for which, fn, args in (("forward", fwd, (q, k, v)), ("value_and_grad", vg, (q, k, v, dout))):
+        for which, fn in zip(PASSES, jitted_passes(attend)):
+            args = (q, k, v) if which == "forward" else (q, k, v, dout)
             row[which] = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
             if name == "flashcupy.jax":
                 jax.block_until_ready(fn(*args))  # compiled and warm: the peak below is one call's
-                # the backend keeps scratch buffers between calls (numpy_backend.SCRATCH_KEEP_BYTES):
-                # dropped first, so that the peak counts them
-                for scratch in (numpy_backend._call_scratch, *list(numpy_backend._scratches)):
+                # the backend keeps scratch buffers between calls (pool.SCRATCH_KEEP_BYTES): dropped
+                # first, so that the peak counts them
+                for scratch in (pool.call_scratch, *list(pool.scratches)):
                     scratch.trim(0)
                 tracemalloc.start()
                 jax.block_until_ready(fn(*args))
@@ -179,24 +194,32 @@ def report(args, t, mem) -> str:
         "(target <= 1.2) | flashcupy.jax / XLA (target <= 1) |",
         "|---|" + "---|" * (len(t["names"]) + 2),
     ]
-    for which, label in ((0, "jitted forward"), (1, "jitted value_and_grad")):
+    def cell(n, which):
+        if (n, which) not in med:
+            return "-"
         flops = t["flops"][which]
-        cells = [f"{med[n, which] * 1e3:.0f} ms ({best[n, which] * 1e3:.0f}), "
-                 f"{flops / med[n, which] / 1e9:.0f} GFLOP/s; CPU {statistics.median(t['cpu'][n, which]) * 1e3:.0f} ms"
-                 for n in t["names"]]
-        ratio_np, ratio_xla = (statistics.median(a / b for a, b in zip(t["times"]["flashcupy.jax", which],
-                                                                       t["times"][other, which]))
-                               for other in ("NumPy direct", "XLA"))
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {ratio_np:.2f} | {ratio_xla:.2f} |")
+        rate = "" if flops is None else f", {flops / med[n, which] / 1e9:.0f} GFLOP/s"
+        return (f"{med[n, which] * 1e3:.0f} ms ({best[n, which] * 1e3:.0f}){rate}; "
+                f"CPU {statistics.median(t['cpu'][n, which]) * 1e3:.0f} ms")
+
+    def ratio(which, other):
+        if (other, which) not in med:
+            return "-"
+        return f"{statistics.median(a / b for a, b in zip(t['times']['flashcupy.jax', which], t['times'][other, which])):.2f}"
+
+    for which, label in enumerate(("jitted forward", "jitted value_and_grad", "jitted jvp")):
+        lines.append(f"| {label} | " + " | ".join(cell(n, which) for n in t["names"])
+                     + f" | {ratio(which, 'NumPy direct')} | {ratio(which, 'XLA')} |")
     lines += ["", "FLOPs: the FlashAttention papers' count (causal S^2 / 2); value_and_grad is forward + backward "
-              "(3.5x the forward's). CPU: the median CPU time of the process (every thread) per call: the work "
-              "done, which the machine's other load does not change.", "",
+              "(3.5x the forward's); the jvp has no such count (flashcupy.jax's is a forward, a backward with k "
+              "widened by v's columns and one, and a forward on v's tangent). CPU: the median CPU time of the "
+              "process (every thread) per call: the work done, which the machine's other load does not change.", "",
               "## Memory (XLA's temporary buffers of the compiled function; flashcupy.jax also the NumPy "
               "backend's own traced peak during one call)", "",
               "| S | pass | flashcupy.jax: XLA temporaries | flashcupy.jax: NumPy backend peak | XLA: temporaries |",
               "|---|---|---|---|---|"]
     for S, m in mem.items():
-        for which in ("forward", "value_and_grad"):
+        for which in PASSES:
             lines.append(f"| {S} | {which} | {m['flashcupy.jax'][which] / 2**20:.1f} MiB | "
                          f"{m['flashcupy.jax'][which + ' (NumPy backend)'] / 2**20:.1f} MiB | "
                          f"{m['XLA'][which] / 2**20:.1f} MiB |")

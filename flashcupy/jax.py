@@ -34,9 +34,11 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.custom_derivatives import SymbolicZero
 from jax.experimental.buffer_callback import buffer_callback
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from . import _api, _checks, _varlen
-from ._problem import accumulation_dtype, out_shape
+from ._problem import accumulation_dtype, default_scale, out_shape
 
 __all__ = ["attention", "attention_varlen"]
 
@@ -194,10 +196,13 @@ def _lse_dtype(q) -> np.dtype:
     return accumulation_dtype(np.dtype(q.dtype).name)  # bfloat16 bits (uint16): float32
 
 
-def _check_backward(call: _Call, q, k, v) -> None:
-    """The backend's limits for the backward (checked when JAX traces the gradient)."""
+def _check_backward(call: _Call, q, k, v):
+    """The backend's limits for the backward (checked when JAX traces the gradient); returns the
+    backend's module. q, k, v: a packed batch's (total, heads, head_dim) where call is varlen's."""
+    if call.cu_q is not None:
+        q, k, v = q[None], k[None], v[None]
     p = _checks.problem(*_rank4(q, k, v)[:3], call.causal, call.scale, "bfloat16" if call.bits else None)
-    _checks.select_backend(call.backend, _platform_library(), p, backward=True)
+    return _checks.select_backend(call.backend, _platform_library(), p, backward=True)
 
 
 # ----------------------------------------------------------------------------
@@ -292,38 +297,16 @@ def _backward_call(call: _Call):
     return _folded(run, ("bshd",) * 5 + ("bshd", "bshd", "slopes", "pair_each", "pair", "seed"), dbias_of=8)
 
 
-def _zeros_if_symbolic(x, like):
-    return jnp.zeros(like.shape, like.dtype) if isinstance(x, SymbolicZero) else x
-
-
-def _none_if_symbolic(x):
-    """lse's cotangent: None where the loss does not read lse (no work for it in the backward)."""
-    return None if isinstance(x, SymbolicZero) else x
-
-
 @functools.lru_cache(maxsize=None)
 def _differentiable(call: _Call):
+    """attention's forward under jax.custom_jvp (_jvp_rule): forward and reverse mode."""
     forward = _forward_call(call)
 
-    @jax.custom_vjp
+    @jax.custom_jvp
     def attend(q, k, v, alibi_slopes, bias, mask, seed):
         return forward(q, k, v, alibi_slopes, bias, mask, seed)
 
-    def attend_fwd(*primals):
-        q, k, v, alibi_slopes, bias, mask, seed = (None if x is None else x.value for x in primals)
-        out, lse = forward(q, k, v, alibi_slopes, bias, mask, seed)
-        return (out, lse), (q, k, v, alibi_slopes, bias, mask, seed, out, lse)
-
-    def attend_bwd(residuals, cotangents):
-        q, k, v, alibi_slopes, bias, mask, seed, out, lse = residuals
-        dout, dlse = cotangents
-        _check_backward(call, q, k, v)
-        grads = _backward_call(call)(_zeros_if_symbolic(dout, out), q, k, v, out, lse, _none_if_symbolic(dlse),
-                                     alibi_slopes, bias, mask, seed)
-        dq, dk, dv = (None, None, None) if call.bits else grads[:3]  # integer bits have no gradient
-        return dq, dk, dv, None, grads[3] if bias is not None else None, None, None
-
-    attend.defvjp(attend_fwd, attend_bwd, symbolic_zeros=True)
+    attend.defjvp(_jvp_rule(call, forward), symbolic_zeros=True)
     return attend
 
 
@@ -397,18 +380,28 @@ def _folded_packed(make, call: _Call, kinds: tuple, out_kinds: tuple):
 
     @fn.def_vmap
     def rule(n, in_batched, *args):
-        cu_q, cu_k = np.asarray(call.cu_q), np.asarray(call.cu_k)
-        total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
-        shifted = dataclasses.replace(
-            call, cu_q=tuple(np.concatenate([cu_q[:1]] + [cu_q[1:] + i * total_q for i in range(n)]).tolist()),
-            cu_k=tuple(np.concatenate([cu_k[:1]] + [cu_k[1:] + i * total_k for i in range(n)]).tolist()))
         folded = [_fold_packed(x, b, n, kind) for x, b, kind in zip(args, in_batched, kinds)]
-        results = _folded_packed(make, shifted, kinds, out_kinds)(*folded)
-        unfolded = [jnp.moveaxis(y.reshape(y.shape[0], n, -1), 1, 0) if kind == "lse"
-                    else y.reshape((n, -1) + y.shape[1:]) for y, kind in zip(results, out_kinds)]
+        results = _folded_packed(make, _shifted(call, n), kinds, out_kinds)(*folded)
+        unfolded = [_unfold_packed(y, n, kind) for y, kind in zip(results, out_kinds)]
         return tuple(unfolded), tuple(True for _ in unfolded)
 
     return fn
+
+
+def _shifted(call: _Call, n: int) -> _Call:
+    """A varlen call over its packing n times over: the same sequences, their offsets shifted."""
+    cu_q, cu_k = np.asarray(call.cu_q), np.asarray(call.cu_k)
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    return dataclasses.replace(
+        call, cu_q=tuple(np.concatenate([cu_q[:1]] + [cu_q[1:] + i * total_q for i in range(n)]).tolist()),
+        cu_k=tuple(np.concatenate([cu_k[:1]] + [cu_k[1:] + i * total_k for i in range(n)]).tolist()))
+
+
+def _unfold_packed(y, n: int, kind: str):
+    """A result of the call over n packings as n results: 'lse' (heads, n x total), else (n x total, ...)."""
+    if kind == "lse":
+        return jnp.moveaxis(y.reshape(y.shape[0], n, -1), 1, 0)
+    return y.reshape((n, -1) + y.shape[1:])
 
 
 def _offset_constants(cu_q, cu_k) -> tuple:
@@ -452,29 +445,23 @@ def _packed_backward(call: _Call):
 
 
 @functools.lru_cache(maxsize=None)
-def _differentiable_packed(call: _Call):
-    forward = _folded_packed(_packed_forward, call, ("packed",) * 3 + ("slopes", "seed"), ("packed", "lse"))
-    backward = _folded_packed(_packed_backward, call, ("packed",) * 5 + ("lse", "lse", "slopes", "seed"),
-                              ("packed",) * 3)
+def _packed_ops(call: _Call) -> tuple:
+    """(forward, backward) of a packed batch, each under its vmap rule."""
+    return (_folded_packed(_packed_forward, call, ("packed",) * 3 + ("slopes", "seed"), ("packed", "lse")),
+            _folded_packed(_packed_backward, call, ("packed",) * 5 + ("lse", "lse", "slopes", "seed"),
+                           ("packed",) * 3))
 
-    @jax.custom_vjp
+
+@functools.lru_cache(maxsize=None)
+def _differentiable_packed(call: _Call):
+    """attention_varlen's forward under jax.custom_jvp (_jvp_rule): forward and reverse mode."""
+    forward = _packed_ops(call)[0]
+
+    @jax.custom_jvp
     def attend(q, k, v, alibi_slopes, seed):
         return forward(q, k, v, alibi_slopes, seed)
 
-    def attend_fwd(*primals):
-        q, k, v, alibi_slopes, seed = (None if x is None else x.value for x in primals)
-        out, lse = forward(q, k, v, alibi_slopes, seed)
-        return (out, lse), (q, k, v, alibi_slopes, seed, out, lse)
-
-    def attend_bwd(residuals, cotangents):
-        q, k, v, alibi_slopes, seed, out, lse = residuals
-        dout, dlse = cotangents
-        _check_backward(call, q[None], k[None], v[None])
-        grads = backward(_zeros_if_symbolic(dout, out), q, k, v, out, lse, _none_if_symbolic(dlse), alibi_slopes,
-                         seed)
-        return (*((None,) * 3 if call.bits else grads), None, None)
-
-    attend.defvjp(attend_fwd, attend_bwd, symbolic_zeros=True)
+    attend.defjvp(_jvp_rule(call, forward), symbolic_zeros=True)
     return attend
 
 
@@ -502,3 +489,175 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     call = _Call.of(p, window, softcap, scale, backend, static, cu_q=tuple(cu_q.tolist()), cu_k=tuple(cu_k.tolist()))
     out, lse = _differentiable_packed(call)(q, k, v, alibi_slopes, seed if call.dropout_p else None)
     return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------
+# differentiation: a custom_jvp whose tangent is one primitive, linear in the tangents. Reverse mode
+# transposes it, which is the package's backward on the saved out and lse (no recomputation of the
+# forward); forward mode evaluates it, which is a forward and one or two backwards of the package
+# on widened operands (_tangent): no new kernel, and the score matrix is never in memory.
+
+_EXTRAS = {False: ("alibi_slopes", "bias", "mask", "seed"), True: ("alibi_slopes", "seed")}  # varlen: True
+
+
+def _jvp_rule(call: _Call, forward):
+    """The custom_jvp rule of attend(q, k, v, *extras) (extras: _EXTRAS): the primal forward, and
+    the tangent as _tangent_p of the tangents that are not symbolic zeros (those of q, k, v and of
+    attention's bias; ALiBi slopes and mask have none, as they get no gradient)."""
+    varlen = call.cu_q is not None
+    forward = _once(forward)  # what reverse mode of a rule traced by an outer forward mode meets
+
+    def rule(primals, tangents):
+        q, k, v, *extras = primals
+        out, lse = forward(q, k, v, *extras)
+        given = [None if isinstance(t, SymbolicZero) else t for t in tangents[:3]]
+        given.append(None if varlen or isinstance(tangents[4], SymbolicZero) else tangents[4])
+        if call.bits or all(t is None for t in given):  # integer bits have no tangent
+            zero = np.zeros(out.shape, jax.dtypes.float0) if call.bits else jnp.zeros(out.shape, out.dtype)
+            return (out, lse), (zero, jnp.zeros(lse.shape, lse.dtype))
+        operands = [t for t in given if t is not None] + [q, k, v, out, lse] + [x for x in extras if x is not None]
+        out_t, lse_t = _tangent_p.bind(*operands, call=call, tangents=tuple(t is not None for t in given),
+                                       extras=tuple(x is not None for x in extras))
+        return (out, lse), (out_t, lse_t)
+
+    return rule
+
+
+def _unpack(operands, tangents: tuple, extras: tuple):
+    """_tangent_p's operands as ([q_t, k_t, v_t, bias_t], (q, k, v, out, lse), extras), None where absent."""
+    it = iter(operands)
+    given = [next(it) if present else None for present in tangents]
+    primals = tuple(next(it) for _ in range(5))
+    return given, primals, [next(it) if present else None for present in extras]
+
+
+def _ops(call: _Call) -> tuple:
+    """(forward, backward) of the call: attention's or a packed batch's."""
+    return _packed_ops(call) if call.cu_q is not None else (_forward_call(call), _backward_call(call))
+
+
+def _tangent(*operands, call: _Call, tangents: tuple, extras: tuple):
+    """(out_t, lse_t), the derivatives of out and lse along the tangents (README, "JAX"). With St_ij
+    the score's derivative (scale (q_t.k + q.k_t), times 1 - t^2 under the softcap), P's is
+    P (St - mu) with mu_i = sum_j p_ij St_ij, which is lse's, so out_t = A - mu out + E:
+    A = sum_j p_ij z_ij St_ij v_j and mu are _score_tangent_sums, E = (P Z) v_t a forward on v_t."""
+    (q_t, k_t, v_t, bias_t), (q, k, v, out, lse), extras = _unpack(operands, tangents, extras)
+    if bias_t is not None:
+        raise ValueError("bias: flashcupy.jax has no forward mode (jax.jvp, jax.jacfwd, jax.linearize) through the "
+                         "bias (its term would need the attention weights in memory); hold the bias constant "
+                         "(close over it or wrap it in jax.lax.stop_gradient) to go forward through q, k and v")
+    acc = _lse_dtype(q)
+    scale = call.scale if call.scale is not None else default_scale(q.shape[-1])
+    scaled = dataclasses.replace(call, scale=scale)  # the widened operands' head dim is not q's
+    plain = dataclasses.replace(scaled, dropout_p=0.0, seed=None)  # mu and lse are of the undropped P
+    plain_extras = extras[:-1] + [None]
+    mu = jnp.zeros(out.shape[:-1], acc)
+    out_t = jnp.zeros(out.shape, acc)
+    parts = [(a, b) for a, b in ((q_t, k), (q, k_t)) if a is not None and b is not None]
+    if parts:
+        ones = jnp.ones(k.shape[:-1] + (1,), k.dtype)
+        if call.dropout_p:
+            A = _score_tangent_sums(scaled, parts, q, k, v, lse, extras)
+            mu = _score_tangent_sums(plain, parts, q, k, ones, lse, plain_extras)[..., 0]
+        else:
+            sums = _score_tangent_sums(plain, parts, q, k, jnp.concatenate([v, ones], axis=-1), lse, plain_extras)
+            A, mu = sums[..., :-1], sums[..., -1]
+        out_t = A - mu[..., None] * out.astype(acc)
+    if v_t is not None:
+        out_t = out_t + _ops(call)[0](q, k, v_t, *extras)[0].astype(acc)
+    return out_t.astype(out.dtype), jnp.swapaxes(mu, -1, -2).astype(lse.dtype)  # lse: heads before rows
+
+
+def _score_tangent_sums(call: _Call, parts, q, k, cols, lse, extras):
+    """sum_j p_ij z_ij St_ij cols_j (accumulation dtype) for every query row, as the dq of the package's
+    backward on widened operands: q' = (q, 0), k' = (k, cols), v' and dO' the parts side by side
+    (dO' = (q_t, q), v' = (k, k_t): dP = dO' v'^T = St / scale, before the softcap) and out' = 0, so
+    that D = rowsum(dO' out') = 0 and dS = P Z dP (times 1 - t^2 under the softcap): dq' = scale
+    sum_j dS_ij k'_j, whose columns past q's are the sums. The lse given makes P the call's own. Where
+    the backend's head dim limit is too small, cols go in slices, and the parts one at a time."""
+    D = q.shape[-1]
+    limit = _check_backward(call, q, k, k).MAX_HEAD_DIM or math.inf
+    if D >= limit:
+        raise ValueError(f"head_dim {D}: flashcupy.jax's forward mode runs the backward with k widened by at least "
+                         f"one column, past the {call.backend} backend's head_dim limit of {limit}")
+    room = int(min(limit - D, cols.shape[-1]))
+    groups = [parts] if sum(a.shape[-1] for a, _ in parts) <= limit else [[part] for part in parts]
+    backward, sums = _ops(call)[1], []
+    for start in range(0, cols.shape[-1], room):
+        piece = cols[..., start:start + room]
+        width = D + piece.shape[-1]
+        padded = int(min(-(-width // 8) * 8, limit))  # a multiple of 8, the tensor-core kernels' head dims
+        k_wide = jnp.concatenate([k, piece, jnp.zeros(k.shape[:-1] + (padded - width,), k.dtype)], axis=-1)
+        q_wide = jnp.concatenate([q, jnp.zeros(q.shape[:-1] + (padded - D,), q.dtype)], axis=-1)
+        total = 0.0
+        for group in groups:
+            dout = jnp.concatenate([a for a, _ in group], axis=-1)
+            v_wide = jnp.concatenate([b for _, b in group], axis=-1)
+            _check_backward(call, q_wide, k_wide, v_wide)
+            dq = backward(dout, q_wide, k_wide, v_wide, jnp.zeros_like(dout), lse, None, *extras)[0]
+            total = total + dq[..., D:width].astype(_lse_dtype(q))
+        sums.append(total)
+    return jnp.concatenate(sums, axis=-1)
+
+
+def _abstract_tangent(*operands, call: _Call, tangents: tuple, extras: tuple):
+    _, (q, k, v, out, lse), _ = _unpack(operands, tangents, extras)
+    return [out, lse]  # out_t and lse_t: out's and lse's shapes and dtypes
+
+
+def _transpose_tangent(cotangents, *operands, call: _Call, tangents: tuple, extras: tuple):
+    """The tangent's transpose, reverse mode: the package's backward (dbias where the bias has a tangent);
+    a symbolic-zero cotangent of lse is no dlse (no work for it), of out a zero dout."""
+    dout, dlse = cotangents
+    _, (q, k, v, out, lse), given_extras = _unpack(operands, tangents, extras)
+    _check_backward(call, q, k, v)
+    dout = jnp.zeros(out.shape, out.dtype) if isinstance(dout, ad.Zero) else dout
+    dlse = None if isinstance(dlse, ad.Zero) else dlse
+    grads = _once(_ops(call)[1])(dout, q, k, v, out, lse, dlse, *given_extras)
+    wanted = tuple(grads[:3]) + (grads[3] if len(grads) > 3 else None,)
+    return [g for g, present in zip(wanted, tangents) if present] + [None] * (len(operands) - sum(tangents))
+
+
+def _batch_tangent(operands, dims, *, call: _Call, tangents: tuple, extras: tuple):
+    """vmap of the tangent: the mapped axis folded into the batch (varlen: the packing) of one
+    _tangent_p, as the forward's and backward's vmap rules fold theirs, so that it stays one
+    primitive that reverse mode can transpose."""
+    n = next(x.shape[d] for x, d in zip(operands, dims) if d is not None)
+    operands = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(operands, dims)]
+    mapped = [d is not None for d in dims]
+    varlen = call.cu_q is not None
+    names = [name for name, present in zip(("q", "k", "v", "bias"), tangents) if present]
+    names += ["q", "k", "v", "out", "lse"] + [name for name, present in zip(_EXTRAS[varlen], extras) if present]
+    if varlen:
+        kinds = {"lse": "lse", "alibi_slopes": "slopes", "seed": "seed"}
+        folded = [_fold_packed(x, b, n, kinds.get(name, "packed")) for x, b, name in zip(operands, mapped, names)]
+        out_t, lse_t = _tangent_p.bind(*folded, call=_shifted(call, n), tangents=tangents, extras=extras)
+        return (_unfold_packed(out_t, n, "packed"), _unfold_packed(lse_t, n, "lse")), (0, 0)
+    kinds = {"bias": "pair", "mask": "pair", "alibi_slopes": "slopes", "seed": "seed"}
+    main = names.index("q", sum(tangents))  # q itself, after the tangents
+    batch = operands[main].shape[1 if mapped[main] else 0]
+    folded = [_fold(x, b, n, batch, kinds.get(name, "bshd")) for x, b, name in zip(operands, mapped, names)]
+    out_t, lse_t = _tangent_p.bind(*folded, call=call, tangents=tangents, extras=extras)
+    return (_unfold(out_t, n), _unfold(lse_t, n)), (0, 0)
+
+
+def _no_second_derivative(*_, **__):
+    raise NotImplementedError("flashcupy.jax differentiates once (jax.grad, jax.vjp, jax.jvp, jax.jacfwd, "
+                              "jax.jacrev, jax.linearize), not twice (jax.hessian, a jvp or grad of a gradient)")
+
+
+def _once(backward):
+    """The backward, which has no derivative of its own, saying so where something asks for one."""
+    once = jax.custom_jvp(lambda *args: backward(*args))
+    once.defjvp(_no_second_derivative)
+    return once
+
+
+_tangent_p = Primitive("flashcupy_attention_tangent")
+_tangent_p.multiple_results = True
+_tangent_p.def_impl(_tangent)
+_tangent_p.def_abstract_eval(_abstract_tangent)
+mlir.register_lowering(_tangent_p, mlir.lower_fun(_tangent, multiple_results=True))
+ad.primitive_transposes[_tangent_p] = _transpose_tangent
+ad.primitive_jvps[_tangent_p] = _no_second_derivative
+batching.primitive_batchers[_tangent_p] = _batch_tangent

@@ -25,8 +25,8 @@ import math
 
 import numpy as np
 
-__all__ = ["attention", "attention_backward", "attention_probs", "attention_vjp", "dropout_keep", "philox", "values",
-           "visible"]
+__all__ = ["attention", "attention_backward", "attention_jvp", "attention_probs", "attention_vjp", "dropout_keep",
+           "philox", "values", "visible"]
 
 
 def values(x, dtype=None):
@@ -238,6 +238,40 @@ def _gradients(t):
     dK = _per_kv_head(np.einsum("bhqk,bhqd->bhkd", t["dSs"], t["Q"]) * t["scale"], t["group"])
     dV = _per_kv_head(np.einsum("bhqk,bhqd->bhkd", t["Pd"], t["dO"]), t["group"])
     return dQ, dK, dV
+
+
+def _tangent_terms(f, q_t, k_t, dtype):
+    """St (B, H, Sq, Sk): the derivative of the final score along (q_t, k_t) (None: zero), which is
+    scale (q_t.k + q.k_t) times 1 - T^2 under the softcap; 0 where the pair is hidden."""
+    St = np.zeros(f["P"].shape)
+    if q_t is not None:
+        St = St + np.einsum("bhqd,bhkd->bhqk", _heads_first(values(q_t, dtype), 1), f["K"])
+    if k_t is not None:
+        St = St + np.einsum("bhqd,bhkd->bhqk", f["Q"], _heads_first(values(k_t, dtype), f["group"]))
+    St = f["scale"] * St
+    if f["T"] is not None:
+        St = St * (1 - f["T"] ** 2)
+    return np.where(f["seen"], St, 0.0)
+
+
+def attention_jvp(q, k, v, q_t=None, k_t=None, v_t=None, *, causal=False, window=None, softcap=None,
+                  alibi_slopes=None, bias=None, mask=None, scale=None, backend=None, dtype=None, dropout_p=0.0,
+                  dropout_seed=None, dropout_origin=(0, 0, 0, 0)):
+    """(out_t, lse_t) in float64: the derivatives of out and lse along the tangent (q_t, k_t, v_t),
+    any of them None (zero); the modifiers' arrays held constant. With St the score's derivative,
+    P's is P (St - mu), mu = rowsum(P St), which is lse's: out_t = (P (St - mu) Z) V + (P Z) v_t,
+    Z the dropout's Z / (1 - p) (lse is of the undropped P). A row that sees no key: 0 and 0."""
+    mods = _modifiers(window, softcap, alibi_slopes, bias, mask)
+    q, k, v = (values(x, dtype) for x in (q, k, v))
+    f = _forward_terms(q, k, causal, scale, mods, dtype)
+    P, group = f["P"], f["group"]
+    St = _tangent_terms(f, q_t, k_t, dtype)
+    mu = np.sum(P * St, axis=-1)
+    Z = _dropped(np.ones_like(P), _dropout(dropout_p, dropout_seed, dropout_origin))
+    out_t = np.einsum("bhqk,bhkd->bhqd", P * (St - mu[..., None]) * Z, _heads_first(v, group))
+    if v_t is not None:
+        out_t = out_t + np.einsum("bhqk,bhkd->bhqd", P * Z, _heads_first(values(v_t, dtype), group))
+    return out_t.transpose(0, 2, 1, 3), mu
 
 
 def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,

@@ -102,7 +102,7 @@ class Expected:
 
 def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window=None, softcap=None,
              alibi_slopes=None, bias=None, mask=None, probs=False, family=None, dlse=None, dropout_p=0.0,
-             dropout_seed=None, dropout_origin=(0, 0, 0, 0), _dbias_shape=None) -> Expected:
+             dropout_seed=None, dropout_origin=(0, 0, 0, 0), tangents=None, _dbias_shape=None) -> Expected:
     """Oracle results and tolerances for these inputs (dout None: forward only), with the score
     modifiers of the README (dbias too when bias and dout are given; P, the attention weights of
     attention_probs, too with probs=True).
@@ -142,6 +142,16 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
     With dropout, out, dv and dP read the dropped weights p_ij z_ij, z_ij = Z_ij / (1 - p): their
     terms in p_ij and p_floor, and dP's bound, are times z_ij, and eps_i grows by 2 u_a there (the
     rounding of 1 / (1 - p) to the accumulation dtype and of the product); P itself is undropped.
+    Forward mode, tangents=(q_t, k_t, v_t) (any None: zero): out_t and lse_t (reference.attention_jvp)
+    as flashcupy.jax computes them, out_t = A - mu out + E in the accumulation dtype (u_a (|A| +
+    |mu||out| + |E|), twice, then stored: u_s |out_t|), each term the package's own result:
+    - A = sum_j p_ij z_ij St_ij v_j and mu = sum_j p_ij St_ij (lse_t) are a backward's dq (out 0, so
+      D = 0) with dO = (q_t, q) and v = (k, k_t) side by side, so dP = St / scale, of W = 2 D terms:
+      dS's bound with dP's gamma(W) |q_t|.|k| + |q|.|k_t| and D's 0 (the softcap's terms as for dq),
+      then dq's sum over Sk keys, and u_s twice (stored, and two parts added where the backend's head
+      dim takes them apart);
+    - E = sum_j p_ij z_ij v_t_j is a forward's out with v_t: out's bound on |v_t|; |out|'s own bound
+      enters through mu out.
     The tolerance is SAFETY times the bound.
 
     family: the kernel family that computed the results (FAMILIES, from kernel_family): only its
@@ -156,7 +166,7 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
         return _expected_leading(q, k, v, dout, causal=causal, scale=scale, dtype=dtype, window=window,
                                  softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, probs=probs,
                                  family=family, dlse=dlse, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                 dropout_origin=dropout_origin)
+                                 dropout_origin=dropout_origin, tangents=tangents)
     if family not in FAMILIES + (None,):
         raise ValueError(f"family must be one of {FAMILIES} or None, got {family!r}")
     lazy = family in ("numpy", None)
@@ -202,6 +212,9 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
                "out": (np.einsum("bhqk,bhkd->bhqd", (P * (eps + eps_z + gamma(Sk)) + p_floor * seen) * z, abs(V))
                        + u_s * abs(out) + store_floor)}
     want = {"out": out, "lse": lse}
+    if tangents is not None:
+        _tangent_tolerance(want, tol, f, V, z, eps, eps_z, ds, p_floor, round16, store_floor, seen, tangents,
+                           softcap, dtype, u_s, gamma)
     if dout is not None:
         t = _backward_terms(values(dout, dtype), q, k, v, causal, scale, mods, dtype, dlse, dropout)
         dO, dP, Di, dS = t["dO"], t["dP"], t["D"], t["dS"]
@@ -247,13 +260,57 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
         want["P"] = P
         with np.errstate(invalid="ignore"):
             tol["P"] = P * (eps + tol["lse"][..., None]) + p_floor * seen
-    for name in ("out", "dq", "dk", "dv"):
+    for name in ("out", "out_t", "dq", "dk", "dv"):
         if name in want:
             want[name], tol[name] = (x.transpose(0, 2, 1, 3) for x in (want[name], tol[name]))
     return Expected(want, {name: SAFETY * t for name, t in tol.items()}, dtype)
 
 
-def _expected_leading(q, k, v, dout, *, bias, mask, alibi_slopes, dlse=None, **keywords) -> Expected:
+def _tangent_tolerance(want, tol, f, V, z, eps, eps_z, ds, p_floor, round16, store_floor, seen, tangents, softcap,
+                       dtype, u_s, gamma):
+    """want and tol (before SAFETY, heads first) of out_t and lse_t: expected()'s forward-mode terms."""
+    q_t, k_t, v_t = tangents
+    P, Q, K, T, scale, group = f["P"], f["Q"], f["K"], f["T"], f["scale"], f["group"]
+    D, Sk = Q.shape[-1], K.shape[2]
+    dP, dP_abs = np.zeros(P.shape), np.zeros(P.shape)  # q_t.k + q.k_t, and |q_t|.|k| + |q|.|k_t|: W = 2 D products
+    for x, y in ((None if q_t is None else _heads_first(values(q_t, dtype), 1), K),
+                 (Q, None if k_t is None else _heads_first(values(k_t, dtype), group))):
+        if x is not None and y is not None:
+            dP = dP + np.einsum("bhqd,bhkd->bhqk", x, y)
+            dP_abs = dP_abs + np.einsum("bhqd,bhkd->bhqk", abs(x), abs(y))
+    dP = np.where(seen, dP, 0.0)
+    squeeze = 1.0 if T is None else 1 - T**2
+    St = scale * dP * squeeze  # the score's derivative
+    def sum_bound(zz, cols):
+        """A's (zz = z) or mu's (zz = 1, cols 1) bound: dS = P zz dP's, through the softcap, summed."""
+        dS = P * zz * dP
+        bound = abs(dS) * eps + P * (gamma(2 * D) + (eps_z if zz is z else 0.0)) * zz * dP_abs \
+            + (p_floor * abs(dP) + round16) * seen
+        if T is not None:
+            bound = bound * squeeze + abs(dS) * (2 * squeeze * ds[..., None] / softcap + gamma(8))
+        dS = dS * squeeze
+        return scale * np.einsum("bhqk,bhkd->bhqd", bound + gamma(Sk) * abs(dS), cols)
+
+    mu = np.sum(P * St, axis=-1)
+    A = np.einsum("bhqk,bhkd->bhqd", P * z * St, V)
+    mu_bound = sum_bound(1.0, np.ones(V.shape[:-1] + (1,)))[..., 0] + 2 * u_s * abs(mu) + store_floor
+    A_bound = sum_bound(z, abs(V)) + 2 * u_s * abs(A) + store_floor
+    out, out_bound = want["out"], tol["out"]
+    E, E_bound = 0.0, 0.0
+    if v_t is not None:
+        Vt = _heads_first(values(v_t, dtype), group)
+        E = np.einsum("bhqk,bhkd->bhqd", P * z, Vt)
+        E_bound = (np.einsum("bhqk,bhkd->bhqd", (P * (eps + eps_z + gamma(Sk)) + p_floor * seen) * z, abs(Vt))
+                   + u_s * abs(E) + store_floor)
+    out_t = A - mu[..., None] * out + E
+    terms = abs(A) + abs(mu[..., None]) * (abs(out) + out_bound) + abs(E)
+    want.update(out_t=out_t, lse_t=mu)
+    tol.update(lse_t=mu_bound,
+               out_t=(A_bound + abs(mu[..., None]) * out_bound + (abs(out) + out_bound) * mu_bound[..., None]
+                      + E_bound + 2 * gamma(1) * terms + u_s * abs(out_t) + store_floor))
+
+
+def _expected_leading(q, k, v, dout, *, bias, mask, alibi_slopes, dlse=None, tangents=None, **keywords) -> Expected:
     """expected() of a call with leading dimensions: q, k, v, dout with them folded into one (copies:
     this is the oracle), the bias and mask expanded over them only (their last three dimensions as
     given), per-batch slopes flattened; the results unfolded again, dbias of the bias's own shape."""
@@ -275,7 +332,7 @@ def _expected_leading(q, k, v, dout, *, bias, mask, alibi_slopes, dlse=None, **k
     padded = None if bias is None else (1,) * (rank - np.ndim(bias)) + tuple(np.shape(bias))
     dlse = None if dlse is None else np.asarray(dlse).reshape((calls,) + np.shape(dlse)[-2:])
     e = expected(fold(q), fold(k), fold(v), fold(dout), bias=expand(bias), mask=expand(mask), alibi_slopes=slopes,
-                 dlse=dlse,
+                 dlse=dlse, tangents=None if tangents is None else tuple(map(fold, tangents)),
                  _dbias_shape=None if bias is None else (batch, padded), **keywords)
     for name, x in list(e.want.items()):
         shape = np.shape(bias) if name == "dbias" else batch + x.shape[1:]

@@ -13,7 +13,7 @@ jnp = pytest.importorskip("jax.numpy")
 import flashcupy.jax as fj  # noqa: E402
 from flashcupy.backends import numpy_backend  # noqa: E402
 from conftest import BF16, assert_matches_oracle, expected  # noqa: E402
-from reference.compare import error_ratio  # noqa: E402
+from reference.compare import error_ratio, kernel_family  # noqa: E402
 
 
 def to_jax(x):
@@ -538,3 +538,204 @@ def test_dropout_with_a_traced_key_under_jit_grad_and_vmap(rng):
     for b, (a, e) in enumerate(((0, 3), (3, 7))):
         assert_matches_oracle((out[None, a:e],), *(x[None, a:e] for x in packed), backend="numpy", causal=True,
                               dropout_p=0.4, dropout_seed=5 | 6 << 32, dropout_origin=(b, 0, 0, 0))
+
+
+# ----------------------------------------------------------------------------
+# forward mode: jax.jvp, jax.jacfwd, jax.linearize
+
+
+def tangents_of(rng, *arrays_):
+    return [rng.standard_normal(x.shape).astype(x.dtype) for x in arrays_]
+
+
+def assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, *, backend, **keywords):
+    """out_t and lse_t against the oracle's derivatives along tangents (q_t, k_t, v_t, any None), with
+    reference/compare.py's tolerance (its forward-mode terms); backend None charges every family."""
+    family = None if backend is None else kernel_family(backend, keywords.get("dtype") or q.dtype, q.shape[-1])
+    want = expected(q, k, v, family=family, tangents=tangents, **keywords)
+    for name, x in (("out_t", out_t), ("lse_t", lse_t)):
+        ratio = error_ratio(np.asarray(x), want, name)
+        assert ratio <= 1, f"{name}: error {ratio:.3g} times the tolerance ({want.dtype})"
+
+
+def jitted_jvp(**keywords):
+    """jit(jvp) of (out, lse) of flashcupy.jax.attention in q, k and v; the modifiers' arrays held constant."""
+    def run(q, k, v, q_t, k_t, v_t, bias=None, mask=None, slopes=None):
+        def f(q, k, v):
+            return fj.attention(q, k, v, bias=bias, mask=mask, alibi_slopes=slopes, return_lse=True, **keywords)
+        return jax.jvp(f, (q, k, v), (q_t, k_t, v_t))
+    return jax.jit(run)
+
+
+def check_tangent_case(rng, case, dtype):
+    B, Sq, Sk, Hq, Hkv, D, kw, shapes = CASES[case]
+    q, k, v, _ = arrays(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
+    tangents = tangents_of(rng, q, k, v)
+    mods = modifier_arrays(rng, shapes, dtype)
+    (out, lse), (out_t, lse_t) = jitted_jvp(**kw)(*map(to_jax, (q, k, v, *tangents)), *(
+        None if mods.get(n) is None else to_jax(mods[n]) for n in ("bias", "mask", "alibi_slopes")))
+    assert out_t.dtype == q.dtype and lse_t.dtype == lse.dtype
+    assert_matches_oracle([np.asarray(out), np.asarray(lse)], q, k, v, backend="numpy", **kw, **mods)
+    assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, backend="numpy", **kw, **mods)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_jvp_matches_the_oracle_float32(rng, case):
+    # causal with rows that see no key (their tangents 0), GQA and MQA, a window, a constant bias,
+    # a mask, ALiBi and the softcap, through out and lse
+    check_tangent_case(rng, case, np.float32)
+
+
+def test_jvp_float64_bfloat16_and_float16(rng):
+    with jax.enable_x64(True):
+        check_tangent_case(rng, "causal_gqa", np.float64)
+    check_tangent_case(rng, "mask_alibi_softcap", BF16)
+    check_tangent_case(rng, "causal_sq_gt_sk_mqa", np.float16)
+
+
+def test_jvp_of_some_operands_linearize_and_a_head_dim_of_its_own(rng):
+    # tangents of q alone, k alone, v alone (the others symbolic zeros: their work skipped), v's head
+    # dim 5 against q's 8, and jax.linearize's linear function, evaluated twice
+    q, k, v, _ = arrays(rng, 2, 6, 9, 2, 1, 8, np.float32)
+    v = rng.standard_normal((2, 9, 1, 5)).astype(np.float32)
+    q_t, k_t, v_t = tangents_of(rng, q, k, v)
+    kw = dict(causal=True, window=(3, None))
+
+    def f(q, k, v):
+        return fj.attention(q, k, v, return_lse=True, **kw)
+    Q, K, V = map(to_jax, (q, k, v))
+    for which, tangents in (("q", (q_t, None, None)), ("k", (None, k_t, None)), ("v", (None, None, v_t))):
+        index = "qkv".index(which)
+        _, (out_t, lse_t) = jax.jvp(lambda x: f(*(x if i == index else y for i, y in enumerate((Q, K, V)))),
+                                    ((Q, K, V)[index],), (to_jax(tangents[index]),))
+        assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, backend="numpy", **kw)
+    _, linear = jax.linearize(f, Q, K, V)
+    for scale in (1.0, -2.0):
+        out_t, lse_t = linear(*(to_jax(scale * x) for x in (q_t, k_t, v_t)))
+        assert_tangent_matches_oracle(out_t, lse_t, q, k, v, [scale * x for x in (q_t, k_t, v_t)], backend="numpy",
+                                      **kw)
+
+
+def test_jacfwd_jacrev_and_xla_agree(rng):
+    # the whole Jacobian, forward (jacfwd: vmap of jvp, the basis folded into the batch) and reverse,
+    # against XLA's attention's, within twice the oracle's tolerance of the jvp along each basis vector
+    # (Sq = Sk: XLA's is_causal is top-left aligned, ours bottom-right)
+    q, k, v, _ = arrays(rng, 1, 4, 4, 2, 1, 4, np.float32)
+    Q, K, V = map(to_jax, (q, k, v))
+    for index in range(3):
+        def ours(x):
+            return fj.attention(*(x if i == index else y for i, y in enumerate((Q, K, V))), causal=True)
+
+        def xla(x):
+            return jax.nn.dot_product_attention(*(x if i == index else y for i, y in enumerate((Q, K, V))),
+                                                is_causal=True, implementation="xla")
+        forward, reverse, theirs = (np.asarray(jax.jit(how(fn))((Q, K, V)[index]))
+                                    for how, fn in ((jax.jacfwd, ours), (jax.jacrev, ours), (jax.jacfwd, xla)))
+        x = (q, k, v)[index]
+        for e in range(x.size):
+            basis = np.zeros(x.size, np.float32)
+            basis[e] = 1
+            tangents = [basis.reshape(x.shape) if i == index else None for i in range(3)]
+            tol = 2 * expected(q, k, v, family="numpy", causal=True, tangents=tangents).tol["out_t"]
+            column = (Ellipsis,) + np.unravel_index(e, x.shape)
+            for got in (forward[column], reverse[column]):
+                assert np.all(np.abs(got - theirs[column]) <= tol), (index, e)
+
+
+def test_jvp_under_vmap_and_vmap_under_jvp(rng):
+    # vmap(jvp): tangents mapped, primals shared (broadcast in the fold); jvp(vmap): everything mapped;
+    # both one folded call each, checked element by element
+    N, B, S, Hq, Hkv, D = 3, 1, 7, 2, 1, 8
+    q, k, v, _ = arrays(rng, B, S, S, Hq, Hkv, D, np.float32)
+    q_t, k_t, v_t = (rng.standard_normal((N,) + x.shape).astype(np.float32) for x in (q, k, v))
+
+    def f(q, k, v):
+        return fj.attention(q, k, v, causal=True, return_lse=True)
+    _, (out_t, lse_t) = jax.jit(jax.vmap(lambda a, b, c: jax.jvp(f, tuple(map(to_jax, (q, k, v))), (a, b, c))))(
+        *map(to_jax, (q_t, k_t, v_t)))
+    for n in range(N):
+        assert_tangent_matches_oracle(out_t[n], lse_t[n], q, k, v, (q_t[n], k_t[n], v_t[n]), backend="numpy",
+                                      causal=True)
+    Q, K, V = (np.stack([x, 0.5 * x, -x]) for x in (q, k, v))
+    _, (out_t, lse_t) = jax.jit(lambda *a: jax.jvp(jax.vmap(f), a[:3], a[3:]))(*map(to_jax, (Q, K, V, q_t, k_t, v_t)))
+    for n in range(N):
+        assert_tangent_matches_oracle(out_t[n], lse_t[n], Q[n], K[n], V[n], (q_t[n], k_t[n], v_t[n]),
+                                      backend="numpy", causal=True)
+
+
+def test_jvp_with_dropout_and_of_a_packed_batch(rng):
+    # dropout: A and E from the dropped weights, mu (lse's tangent) from the undropped ones; a packed
+    # batch (an empty sequence among them) through jit and through vmap (tangents mapped)
+    q, k, v, _ = arrays(rng, 2, 7, 11, 2, 1, 8, np.float32)
+    tangents = tangents_of(rng, q, k, v)
+    kw = dict(causal=True, dropout_p=0.3, dropout_seed=11)
+    _, (out_t, lse_t) = jitted_jvp(**kw)(*map(to_jax, (q, k, v, *tangents)))
+    assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, backend="numpy", **kw)
+
+    lengths_q, lengths_k = [5, 0, 9], [7, 4, 6]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+    q = rng.standard_normal((cu_q[-1], 4, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((cu_k[-1], 2, 8)).astype(np.float32) for _ in range(2))
+    tangents = tangents_of(rng, q, k, v)
+
+    def f(q, k, v):
+        return fj.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+    _, (out_t, lse_t) = jax.jit(lambda *a: jax.jvp(f, a[:3], a[3:]))(*map(to_jax, (q, k, v, *tangents)))
+    twice = jax.jit(jax.vmap(lambda *t: jax.jvp(f, tuple(map(to_jax, (q, k, v))), t)[1]))(
+        *(to_jax(np.stack([x, -2 * x])) for x in tangents))
+    for b in range(len(lengths_q)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        part = [None if x is None else x[None] for x in (q[rows], k[keys], v[keys])]
+        part_t = [x[None] for x in (tangents[0][rows], tangents[1][keys], tangents[2][keys])]
+        for scale, (o, lse) in ((1, (out_t, lse_t)), (-2, (twice[0][1], twice[1][1]))):
+            assert_tangent_matches_oracle(np.asarray(o)[None, rows] / scale, np.asarray(lse)[None, :, rows] / scale,
+                                          *part, part_t, backend="numpy", causal=True)
+
+
+def test_reverse_mode_through_jvp_of_grad_and_forward_mode_refusals(rng):
+    # grad still runs the package's backward (the tangent's transpose); a bias's tangent, a second
+    # derivative and a head dim the widened backward cannot take are refused when JAX traces
+    q, k, v, _ = map(to_jax, arrays(rng, 1, 6, 6, 2, 1, 8, np.float32))
+    bias = to_jax(rng.standard_normal((1, 2, 6, 6)).astype(np.float32))
+    with pytest.raises(ValueError, match="bias: flashcupy.jax has no forward mode"):
+        jax.jit(lambda b, t: jax.jvp(lambda b: fj.attention(q, k, v, bias=b), (b,), (t,))).lower(bias, bias)
+    with pytest.raises(NotImplementedError, match="differentiates once"):
+        jax.hessian(lambda q: jnp.sum(fj.attention(q, k, v)))(q)
+    with pytest.raises(NotImplementedError, match="differentiates once"):
+        jax.jacfwd(jax.grad(lambda q: jnp.sum(fj.attention(q, k, v))))(q)
+    dbias = jax.grad(lambda b: jnp.sum(fj.attention(q, k, v, bias=b) ** 2))(bias)  # reverse mode takes it
+    assert dbias.shape == bias.shape and np.all(np.isfinite(np.asarray(dbias)))
+
+
+def test_cupy_jvp_on_the_emulator(rng):
+    # the GPU path's forward mode on the CPU CUDA emulator: float16 at head dim 192, whose widened
+    # backward (k with v's 192 columns and the ones) goes in four slices of 64 columns under the 256
+    # limit, each twice (dO = (q_t, q) would be 384 wide: the two parts one at a time), on the
+    # tensor-core kernels; float32 with dropout on the SIMT kernels (A's call and mu's); 256 is
+    # refused at trace time
+    from flashcupy.tools.emulator.cupy import emulated, launch_records
+
+    for D, dtype, kw, calls in ((192, np.float16, dict(causal=True), 8),
+                                (24, np.float32, dict(dropout_p=0.25, dropout_seed=3), 2)):
+        q, k, v, _ = arrays(rng, 1, 9, 13, 2, 1, D, dtype)
+        tangents = tangents_of(rng, q, k, v)
+        launches = []
+        with emulated(compile=launch_records(launches)):
+            _, (out_t, lse_t) = jitted_jvp(backend="cupy", **kw)(*map(to_jax, (q, k, v, *tangents)))
+        assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, backend=None, **kw)
+        preprocesses = sum("flash_bwd_preprocess" in str(r) for r in launches)
+        assert preprocesses == calls
+    q = to_jax(rng.standard_normal((1, 4, 1, 256)).astype(np.float16))
+    with emulated(), pytest.raises(ValueError, match="head_dim 256: flashcupy.jax's forward mode"):
+        jax.jit(lambda q, t: jax.jvp(lambda q: fj.attention(q, q, q, backend="cupy"), (q,), (t,))).lower(q, q)
+
+
+def test_jvp_with_leading_batch_dimensions(rng):
+    # q (2, 3, S, H, D): the package's leading dimensions, a bias (S, S) broadcast over all of them
+    # and held constant
+    q, k, v = (rng.standard_normal((2, 3, 5, 2, 4)).astype(np.float32) for _ in range(3))
+    bias = rng.standard_normal((5, 5)).astype(np.float32)
+    tangents = tangents_of(rng, q, k, v)
+    (out, lse), (out_t, lse_t) = jitted_jvp(causal=True)(*map(to_jax, (q, k, v, *tangents)), to_jax(bias))
+    assert out_t.shape == q.shape and lse_t.shape == (2, 3, 2, 5)
+    assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, backend="numpy", causal=True, bias=bias)

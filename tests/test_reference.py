@@ -124,6 +124,26 @@ def test_oracle_backward_with_modifiers_matches_finite_differences(rng, name):
         np.testing.assert_allclose(g, numeric_gradient(loss, x), rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("name", MODIFIER_NAMES + ["dropout"])
+def test_oracle_jvp_matches_central_differences(rng, name):
+    # forward mode: (out, lse) along a tangent of q, k and v (v's head dim its own), against the central
+    # difference of the forward along it; a row that sees no key has lse -inf and tangents 0
+    B, Sq, Sk, Hq, Hkv, D = 2, 3, 5, 2, 1, 3
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float64)
+    v = rng.standard_normal((B, Sk, Hkv, 4))
+    kw = dict(dropout_p=0.4, dropout_seed=9, causal=True) if name == "dropout" else \
+        modifier_cases(rng, B, Sq, Sk, Hq)[name]
+    tangents = [rng.standard_normal(x.shape) for x in (q, k, v)]
+    out_t, lse_t = reference.attention_jvp(q, k, v, *tangents, **kw)
+    h = 1e-6
+    up, down = (reference.attention(*(x + sign * h * t for x, t in zip((q, k, v), tangents)), return_lse=True, **kw)
+                for sign in (1, -1))
+    np.testing.assert_allclose(out_t, (up[0] - down[0]) / (2 * h), rtol=1e-6, atol=1e-8)
+    seen = np.isfinite(up[1])
+    np.testing.assert_allclose(lse_t[seen], (up[1][seen] - down[1][seen]) / (2 * h), rtol=1e-6, atol=1e-8)
+    assert np.all(lse_t[~seen] == 0) and np.all(out_t.transpose(0, 2, 1, 3)[~seen] == 0)
+
+
 def test_oracle_modifiers_are_applied_in_the_readmes_order(rng):
     # s = scale q.k -> softcap -> + alibi -> + bias -> hidden -inf -> softmax, written out for one head
     q, k, v = make_qkv(rng, 1, 4, 6, 1, 1, 3, np.float64)
