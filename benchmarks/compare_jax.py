@@ -205,7 +205,8 @@ def report(args, t, mem) -> str:
     def ratio(which, other):
         if (other, which) not in med:
             return "-"
-        return f"{statistics.median(a / b for a, b in zip(t['times']['flashcupy.jax', which], t['times'][other, which])):.2f}"
+        pairs = zip(t["times"]["flashcupy.jax", which], t["times"][other, which])
+        return f"{statistics.median(a / b for a, b in pairs):.2f}"
 
     for which, label in enumerate(("jitted forward", "jitted value_and_grad", "jitted jvp")):
         lines.append(f"| {label} | " + " | ".join(cell(n, which) for n in t["names"])
