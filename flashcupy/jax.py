@@ -1,4 +1,4 @@
-"""flashcupy inside JAX: attention and attention_varlen on jax.Arrays, under jit, grad and vmap.
+"""flashcupy inside JAX: attention and attention_varlen on jax.Arrays, under jit, grad, jvp and vmap.
 
 Each call is a `jax.experimental.buffer_callback`: XLA hands the callback its own buffers, which
 are viewed without a copy (NumPy views on a CPU, CuPy views on a GPU; bfloat16 as its uint16 bits,
@@ -6,11 +6,13 @@ dtype="bfloat16"), and the package's entry points (flashcupy._api.forward and ba
 their results straight into XLA's output buffers (into=). On a GPU the kernels run on XLA's stream
 (cupy.cuda.ExternalStream(ctx.stream)): no host round trip, no synchronisation.
 
-Gradients: a jax.custom_vjp whose forward saves out and lse and whose backward is the package's
-backward on them (no recomputation of the forward); dbias when a bias is given; mask, ALiBi
-slopes and offsets get none (their cotangents are zero, as flash-attn's). Gradients flow through
-out and through the lse of return_lse=True (the backward's dlse; none is passed where the loss does
-not read lse).
+Derivatives: a jax.custom_jvp whose tangent is one primitive (_tangent_p), linear in the tangents
+of q, k, v and a bias. Reverse mode (grad, vjp, jacrev) transposes it: the package's backward on
+the saved out and lse (no recomputation of the forward), dbias when a bias is given; mask, ALiBi
+slopes and offsets get none (zero, as flash-attn's). Forward mode (jvp, jacfwd, linearize)
+evaluates it with a forward and a backward of the package on widened operands (_tangent; the README
+has the algebra), refusing a bias's tangent. Both flow through out and through the lse of
+return_lse=True (the backward's dlse; none is passed where the loss does not read lse).
 
 vmap: the mapped axis is folded into the batch axis (varlen: into the packing) of one call, by
 jax.custom_batching.custom_vmap; operands that are not mapped are broadcast to the mapped size
@@ -313,15 +315,16 @@ def _differentiable(call: _Call):
 def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
               scale=None, return_lse=False, backend="auto", dtype=None, dropout_p=0.0, dropout_seed=None):
     """flashcupy.attention on jax.Arrays, inside or outside jax.jit, differentiable (jax.grad,
-    jax.vjp) and batchable (jax.vmap): the same keywords, shapes and semantics (README,
-    "Semantics"). q (*batch, seqlen_q, heads_q, head_dim), k (*batch, seqlen_k, heads_kv, head_dim),
-    v (*batch, seqlen_k, heads_kv, head_dim_v); returns out (q's shape with head_dim_v), or (out,
-    lse) with return_lse=True. float16, float32, float64 (under
+    jax.vjp, jax.jvp, jax.jacfwd) and batchable (jax.vmap): the same keywords, shapes and
+    semantics (README, "Semantics"). q (*batch, seqlen_q, heads_q, head_dim), k (*batch,
+    seqlen_k, heads_kv, head_dim), v (*batch, seqlen_k, heads_kv, head_dim_v); returns out (q's
+    shape with head_dim_v), or (out, lse) with return_lse=True. float16, float32, float64 (under
     jax_enable_x64) and bfloat16 (jnp.bfloat16 arrays, passed as their bits without a copy).
 
     Gradients: dq, dk, dv, and dbias for a bias, through out and lse; none for mask and alibi_slopes
-    (zero cotangents). Options (causal, window, softcap, scale, backend, dropout_p) are static: Python
-    values. dropout_seed: a Python int (static: each new seed traces anew), or a JAX PRNG key or
+    (zero cotangents). Forward mode: tangents of q, k and v (a bias's is a ValueError); once only.
+    Options (causal, window, softcap, scale, backend, dropout_p) are static: Python values.
+    dropout_seed: a Python int (static: each new seed traces anew), or a JAX PRNG key or
     uint32 array of shape (2,) (low and high words of the seed), traced or not: on a GPU the kernels
     read it from device memory, no copy to the host. Under jax.vmap one seed serves the folded batch.
     """
@@ -468,7 +471,7 @@ def _differentiable_packed(call: _Call):
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      window=None, softcap=None, alibi_slopes=None, scale=None, return_lse=False, backend="auto",
                      dtype=None, dropout_p=0.0, dropout_seed=None):
-    """flashcupy.attention_varlen on jax.Arrays (jit, grad, vmap as attention): q (total_q,
+    """flashcupy.attention_varlen on jax.Arrays (jit, grad, jvp, vmap as attention): q (total_q,
     heads_q, head_dim), k, v (total_k, heads_kv, head_dim); cu_seqlens_q, cu_seqlens_k int32
     (batch + 1,) known when JAX traces (NumPy arrays or concrete jax.Arrays: each new set of
     offsets traces anew). dropout_p, dropout_seed: as attention's (sequence b drawn as batch b; under
