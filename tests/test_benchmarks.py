@@ -46,3 +46,27 @@ def test_overhead_fit_recovers_a_fixed_cost_and_a_rate(tmp_path):
     for c, (h, r) in enumerate(truth.values()):
         got_h, got_r, worst = overhead_fit.fit([r[3] for r in group], gflops, [row[4][c] for row in group])
         assert abs(got_h - h * 1e6) < 1e-3 * h * 1e6 and abs(got_r - r / 1e12) < 1e-6 * r / 1e12 and worst < 1e-9
+
+
+def test_compare_jax_runs_every_pass(tmp_path, monkeypatch):
+    # the script at a toy size (its report, not its timings): a jitted forward, value_and_grad and
+    # jvp for flashcupy.jax and XLA, the direct NumPy calls but the jvp, and the memory of each pass;
+    # it had broken unseen once when the NumPy backend's scratch pools moved
+    pytest.importorskip("jax", reason="jax[cpu] is in the test extra")
+    sys.path.insert(0, BENCH_DIR)
+    try:
+        import compare_jax
+    finally:
+        sys.path.remove(BENCH_DIR)
+    monkeypatch.setattr(compare_jax, "PAUSE", 0.0)
+    path = tmp_path / "jax.md"
+    compare_jax.main(["--seqlen", "64", "--heads", "2", "--head-dim", "8", "--rounds", "1", "--memory-seqlens", "64",
+                      "--markdown", str(path)])
+    text = path.read_text()
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in text.splitlines()
+            if line.startswith("| jitted")}
+    assert set(rows) == {"jitted forward", "jitted value_and_grad", "jitted jvp"}
+    assert all(" ms (" in cell for cells in rows.values() for cell in (cells[0], cells[2]))
+    assert rows["jitted jvp"][1] == "-" and " ms (" in rows["jitted value_and_grad"][1]
+    assert [line.split(" | ")[1] for line in text.splitlines() if line.startswith("| 64 |")] == \
+        ["forward", "value_and_grad", "jvp"]
