@@ -11,8 +11,15 @@ from flashcupy.backends import cupy_backend, numpy_backend
 
 
 def test_check_passes_on_the_numpy_backend(capsys):
+    # the battery's first three cases, then the feature cases: v's own head dim, dropout, a window
+    # with the softcap and ALiBi, each row saying which
     assert main(["check", "--backend", "numpy", "--cases", "3"]) == 0
-    assert "all passed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "all passed" in out
+    rows = [line for line in out.splitlines() if line.startswith("numpy ")]
+    assert len(rows) == 4 * (3 + 3)
+    for shown in ("Dv=32", "dropout_p=0.2", "window=(5, 3) softcap=4.0 alibi"):
+        assert sum(line.endswith(shown) for line in rows) == 4, shown
 
 
 def test_check_fails_loudly_on_a_wrong_backend(capsys, monkeypatch):
@@ -133,3 +140,15 @@ def test_the_core_install_brings_threadpoolctl():
     import importlib.metadata
     core = [r for r in importlib.metadata.requires("flashcupy") if "extra ==" not in r]
     assert any(r.startswith("threadpoolctl") for r in core), core
+
+
+def test_check_feature_cases_pass_on_the_cupy_backend_on_the_emulator():
+    # what `check` runs on a GPU past the battery, here on the CPU CUDA emulator: the tensor-core
+    # kernels for float16 (v's head dim padded, the keep mask drawn in the kernels), SIMT for float32
+    from flashcupy.tools import check
+    from flashcupy.tools.emulator.cupy import emulated
+
+    with emulated():
+        rows = list(check.check_rows(check.oracle(), ["cupy"], ("float16", "float32"), battery=()))
+    assert len(rows) == 2 * len(check.FEATURE_CASES)
+    assert all(row["ok"] for row in rows), [check.format_check_row(row) for row in rows]
