@@ -614,6 +614,12 @@ def test_jvp_of_some_operands_linearize_and_a_head_dim_of_its_own(rng):
         out_t, lse_t = linear(*(to_jax(scale * x) for x in (q_t, k_t, v_t)))
         assert_tangent_matches_oracle(out_t, lse_t, q, k, v, [scale * x for x in (q_t, k_t, v_t)], backend="numpy",
                                       **kw)
+    # its transpose (NetKet's J^T J v: linearize, then linear_transpose) is the package's backward
+    dout = rng.standard_normal(out_t.shape).astype(np.float32)
+    dlse = rng.standard_normal(lse_t.shape).astype(np.float32)
+    grads = jax.linear_transpose(linear, Q, K, V)((to_jax(dout), to_jax(dlse)))
+    assert_matches_oracle([np.asarray(f(Q, K, V)[0]), np.asarray(f(Q, K, V)[1]), *map(np.asarray, grads)], q, k, v,
+                          dout, backend="numpy", dlse=dlse, **kw)
 
 
 def test_jacfwd_jacrev_and_xla_agree(rng):
@@ -711,8 +717,8 @@ def test_cupy_jvp_on_the_emulator(rng):
     # the GPU path's forward mode on the CPU CUDA emulator: float16 at head dim 192, whose widened
     # backward (k with v's 192 columns and the ones) goes in four slices of 64 columns under the 256
     # limit, each twice (dO = (q_t, q) would be 384 wide: the two parts one at a time), on the
-    # tensor-core kernels; float32 with dropout on the SIMT kernels (A's call and mu's); 256 is
-    # refused at trace time
+    # tensor-core kernels; float32 with dropout on the SIMT kernels (A's call and mu's); a packed
+    # batch (the packed kernels, their offsets on the device); 256 is refused at trace time
     from flashcupy.tools.emulator.cupy import emulated, launch_records
 
     for D, dtype, kw, calls in ((192, np.float16, dict(causal=True), 8),
@@ -725,6 +731,20 @@ def test_cupy_jvp_on_the_emulator(rng):
         assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, backend=None, **kw)
         preprocesses = sum("flash_bwd_preprocess" in str(r) for r in launches)
         assert preprocesses == calls
+    cu_q, cu_k = np.array([0, 5, 5, 12], np.int32), np.array([0, 9, 13, 20], np.int32)  # an empty sequence
+    q = rng.standard_normal((12, 4, 64)).astype(np.float16)
+    k, v = (rng.standard_normal((20, 2, 64)).astype(np.float16) for _ in range(2))
+    tangents = tangents_of(rng, q, k, v)
+    with emulated():
+        _, (out_t, lse_t) = jax.jit(lambda *a: jax.jvp(
+            lambda q, k, v: fj.attention_varlen(q, k, v, cu_q, cu_k, causal=True, backend="cupy", return_lse=True),
+            a[:3], a[3:]))(*map(to_jax, (q, k, v, *tangents)))
+    for b in range(3):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        assert_tangent_matches_oracle(np.asarray(out_t)[None, rows], np.asarray(lse_t)[None, :, rows], q[None, rows],
+                                      k[None, keys], v[None, keys],
+                                      (tangents[0][None, rows], tangents[1][None, keys], tangents[2][None, keys]),
+                                      backend=None, causal=True)
     q = to_jax(rng.standard_normal((1, 4, 1, 256)).astype(np.float16))
     with emulated(), pytest.raises(ValueError, match="head_dim 256: flashcupy.jax's forward mode"):
         jax.jit(lambda q, t: jax.jvp(lambda q: fj.attention(q, q, q, backend="cupy"), (q,), (t,))).lower(q, q)
