@@ -99,6 +99,19 @@ def assert_matches_oracle(got, q, k, v, dout=None, *, backend, causal=False, sca
     return ratios
 
 
+def assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, *, backend, **keywords):
+    """out_t and lse_t (forward mode: flashcupy.jax's jvp) against the oracle's derivatives along
+    tangents (q_t, k_t, v_t, any None), with reference/compare.py's tolerance (its forward-mode terms);
+    backend None charges every family's liberties. Returns {output: err/tol}."""
+    family = None if backend is None else kernel_family(backend, keywords.get("dtype") or q.dtype, np.shape(q)[-1])
+    want = expected(q, k, v, family=family, tangents=tangents, **keywords)
+    ratios = {}
+    for name, x in (("out_t", out_t), ("lse_t", lse_t)):
+        ratios[name] = error_ratio(np.asarray(x), want, name)
+        assert ratios[name] <= 1, f"{name}: error {ratios[name]:.3g} times the tolerance ({want.dtype})"
+    return ratios
+
+
 # Deliberate bugs: each kernel family's tests apply one-line mutations of the kind a kernel change
 # introduces (the scale ignored, the wrong kv head, D not subtracted, the causal key range off by
 # one, lse in base 2) to its own source, and this fast battery, the same oracle check as every

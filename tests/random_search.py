@@ -5,6 +5,7 @@
     python tests/random_search.py varlen --backend cupy --path hopper -n 100 --dtypes float16,bfloat16
     python tests/random_search.py cache --backend numpy -n 300
     python tests/random_search.py jax -n 80        # flashcupy.jax under jit and grad (NumPy backend)
+    python tests/random_search.py jvp -n 80        # flashcupy.jax's forward mode under jit (NumPy backend)
     python tests/random_search.py torch -n 80      # torch autograd (NumPy backend)
     python tests/random_search.py dask -n 100      # flashcupy.dask over random chunkings
 
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import contract  # noqa: E402
-from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv  # noqa: E402
+from conftest import BF16, assert_matches_oracle, assert_tangent_matches_oracle, bf16_bits, make_qkv  # noqa: E402
 
 import flashcupy  # noqa: E402
 
@@ -233,6 +234,47 @@ def jax_case(rng, args):
                                 dlse=dlse, **ref)
 
 
+def jvp_case(rng, args):
+    """flashcupy.jax.attention's forward mode under jit: tangents of a random subset of q, k and v (v of its
+    own head dim at times), through out and lse, with leading dimensions, a constant bias and dropout; on
+    args.backend (numpy, or cupy on the emulator: its calls on several kernel families, so the tolerance
+    charges every family's liberties)."""
+    import jax
+    import jax.numpy as jnp
+
+    import flashcupy.jax as fj
+
+    dtype = str(rng.choice(["float16", "float32", "float64", "bfloat16"]))
+    lead, Hq, Hkv, D, Sq, Sk, bias, kw = _leading_and_bias(rng, dtype)
+    Dv = D if rng.random() < 0.7 else int(rng.choice([1, 8, 40]))
+    values = _values(dtype)
+    q, k, v = (rng.standard_normal(lead + shape).astype(values) for shape in ((Sq, Hq, D), (Sk, Hkv, D),
+                                                                                  (Sk, Hkv, Dv)))
+    given = [bool(x) for x in rng.random(3) < 0.7]
+    if not any(given):
+        given[int(rng.integers(0, 3))] = True
+    tangents = [rng.standard_normal(x.shape).astype(values) if g else None for x, g in zip((q, k, v), given)]
+    kw.update(_dropout(rng))
+    yield _describe(lead=lead, Sq=Sq, Sk=Sk, Hq=Hq, Hkv=Hkv, D=D, Dv=Dv, dtype=dtype, bias=bias,
+                    tangents="".join(n for n, g in zip("qkv", given) if g), **kw)
+    wrt = [i for i, g in enumerate(given) if g]
+
+    def f(*wrt_values):
+        arrays = [jnp.asarray(x) for x in (q, k, v)]
+        for i, x in zip(wrt, wrt_values):
+            arrays[i] = x
+        return fj.attention(*arrays, bias=None if bias is None else jnp.asarray(bias), return_lse=True,
+                            backend=args.backend, **kw)
+
+    with jax.enable_x64(dtype == "float64"), contract.CONTEXTS[args.backend](args.path, args.order):
+        (out, lse), (out_t, lse_t) = jax.jit(lambda p, t: jax.jvp(f, p, t))(
+            tuple(jnp.asarray((q, k, v)[i]) for i in wrt), tuple(jnp.asarray(tangents[i]) for i in wrt))
+    ref = dict(kw) | ({} if bias is None else {"bias": bias})
+    family = "numpy" if args.backend == "numpy" else None
+    ratios = assert_matches_oracle([np.asarray(out), np.asarray(lse)], q, k, v, backend=family, **ref)
+    yield ratios | assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, backend=family, **ref)
+
+
 def torch_case(rng, args):
     """flashcupy.attention on torch tensors under autograd, through out and lse."""
     import torch
@@ -311,7 +353,7 @@ def dask_case(rng, args):
 
 
 SURFACES = {"attention": attention_case, "varlen": varlen_case, "cache": cache_case, "jax": jax_case,
-            "torch": torch_case, "dask": dask_case}
+            "jvp": jvp_case, "torch": torch_case, "dask": dask_case}
 
 
 def search(args) -> int:

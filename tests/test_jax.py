@@ -12,8 +12,8 @@ jnp = pytest.importorskip("jax.numpy")
 
 import flashcupy.jax as fj  # noqa: E402
 from flashcupy.backends import numpy_backend  # noqa: E402
-from conftest import BF16, assert_matches_oracle, expected  # noqa: E402
-from reference.compare import error_ratio, kernel_family  # noqa: E402
+from conftest import BF16, assert_matches_oracle, assert_tangent_matches_oracle, expected  # noqa: E402
+from reference.compare import error_ratio  # noqa: E402
 
 
 def to_jax(x):
@@ -546,16 +546,6 @@ def test_dropout_with_a_traced_key_under_jit_grad_and_vmap(rng):
 
 def tangents_of(rng, *arrays_):
     return [rng.standard_normal(x.shape).astype(x.dtype) for x in arrays_]
-
-
-def assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, *, backend, **keywords):
-    """out_t and lse_t against the oracle's derivatives along tangents (q_t, k_t, v_t, any None), with
-    reference/compare.py's tolerance (its forward-mode terms); backend None charges every family."""
-    family = None if backend is None else kernel_family(backend, keywords.get("dtype") or q.dtype, q.shape[-1])
-    want = expected(q, k, v, family=family, tangents=tangents, **keywords)
-    for name, x in (("out_t", out_t), ("lse_t", lse_t)):
-        ratio = error_ratio(np.asarray(x), want, name)
-        assert ratio <= 1, f"{name}: error {ratio:.3g} times the tolerance ({want.dtype})"
 
 
 def jitted_jvp(**keywords):
