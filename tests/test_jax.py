@@ -749,3 +749,33 @@ def test_jvp_with_leading_batch_dimensions(rng):
     (out, lse), (out_t, lse_t) = jitted_jvp(causal=True)(*map(to_jax, (q, k, v, *tangents)), to_jax(bias))
     assert out_t.shape == q.shape and lse_t.shape == (2, 3, 2, 5)
     assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, backend="numpy", causal=True, bias=bias)
+
+
+def test_grad_and_jvp_under_checkpoint_and_scan(rng):
+    # what model code wraps layers in: jax.checkpoint (remat: the forward again in the backward) and
+    # jax.lax.scan over layers; both give bit for bit what the unrolled loop gives, in reverse and
+    # forward mode, and the loop's one layer is the oracle's
+    x, t, dout = (to_jax(rng.standard_normal((2, 8, 2, 8)).astype(np.float32)) for _ in range(3))
+
+    def layer(x):
+        return fj.attention(x, x, x, causal=True)
+
+    def unrolled(x):
+        for _ in range(3):
+            x = layer(x)
+        return x
+
+    def scanned(x):
+        return jax.lax.scan(lambda c, _: (jax.checkpoint(layer)(c), None), x, None, length=3)[0]
+
+    for fn in (unrolled, scanned):
+        got = jax.jit(lambda x: (jax.grad(lambda y: _dot(fn(y), dout))(x), jax.jvp(fn, (x,), (t,))[1]))(x)
+        if fn is unrolled:
+            want = got
+        else:
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    x1, t1 = np.asarray(x), np.asarray(t)
+    _, out_t = jax.jvp(layer, (x,), (t,))
+    assert_tangent_matches_oracle(out_t, jax.jvp(lambda y: fj.attention(y, y, y, causal=True, return_lse=True)[1],
+                                                 (x,), (t,))[1], x1, x1, x1, (t1, t1, t1), backend="numpy", causal=True)
