@@ -18,6 +18,10 @@ vmap: the mapped axis is folded into the batch axis (varlen: into the packing) o
 jax.custom_batching.custom_vmap; operands that are not mapped are broadcast to the mapped size
 first (an XLA copy) where the fold needs them whole.
 
+jax.shard_map: each device calls the package on its shard; the results are typed as varying along the
+mesh axes their operands vary along, and an operand the same on every device (a shared bias) is cast to
+varying first, so that its gradient is summed over the devices (_vary_together).
+
 Every argument check runs when JAX traces the call, on stand-ins of the arrays' shapes and
 dtypes that hold no memory (flashcupy/_checks.py, as flashcupy.dask does), so a bad call raises
 its TypeError or ValueError at trace time; the callback runs the same checks on the real views.
@@ -194,6 +198,31 @@ def _aval(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
 
 
+def _varying(x) -> frozenset:
+    """The mesh axes along which x varies inside jax.shard_map (empty outside)."""
+    kind = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset() if kind is None else frozenset(kind.varying)
+
+
+def _callback(callback, avals, *operands) -> tuple:
+    """buffer_callback(callback, avals)(*operands), its results typed as varying along every mesh axis
+    that an operand varies along (inside jax.shard_map, whose type check would otherwise take them as
+    the same on every device, and refuse them as the cotangents of operands that vary)."""
+    results = buffer_callback(callback, avals)(*operands)
+    return _vary_together(*results, axes=frozenset().union(*(_varying(x) for x in operands if x is not None)))
+
+
+def _vary_together(*arrays, axes=None) -> tuple:
+    """The arrays typed as varying along `axes` (default: every mesh axis one of them varies along), as
+    jax.shard_map's own operations make their operands: the transpose of that cast sums an operand
+    the same on every device (a bias shared by the shards of q, say) over the devices, as its
+    cotangent must be."""
+    if axes is None:
+        axes = frozenset().union(*(_varying(x) for x in arrays if x is not None))
+    return tuple(x if x is None or axes <= _varying(x) else
+                 jax.lax.pcast(x, tuple(sorted(axes - _varying(x))), to="varying") for x in arrays)
+
+
 def _lse_dtype(q) -> np.dtype:
     return accumulation_dtype(np.dtype(q.dtype).name)  # bfloat16 bits (uint16): float32
 
@@ -279,7 +308,7 @@ def _forward_call(call: _Call):
     def run(q, k, v, alibi_slopes, bias, mask, seed):
         Sq, Hq = q.shape[-3:-1]
         avals = (_aval(out_shape(q.shape, v.shape), q.dtype), _aval(q.shape[:-3] + (Hq, Sq), _lse_dtype(q)))
-        return tuple(buffer_callback(callback, avals)(q, k, v, alibi_slopes, bias, mask, seed))
+        return _callback(callback, avals, q, k, v, alibi_slopes, bias, mask, seed)
 
     return _folded(run, ("bshd",) * 3 + ("slopes", "pair", "pair", "seed"))
 
@@ -294,7 +323,7 @@ def _backward_call(call: _Call):
 
     def run(dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask, seed):
         avals = tuple(_aval(x.shape, x.dtype) for x in (q, k, v) + (() if bias is None else (bias,)))
-        return tuple(buffer_callback(callback, avals)(dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask, seed))
+        return _callback(callback, avals, dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask, seed)
 
     return _folded(run, ("bshd",) * 5 + ("bshd", "bshd", "slopes", "pair_each", "pair", "seed"), dbias_of=8)
 
@@ -337,7 +366,7 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
     # a bias or mask with fewer leading dimensions than q, given all of them (size 1), so that the
     # vmap rule lines up its first one with q's
     bias, mask = (None if x is None else x.reshape((1,) * (q.ndim - x.ndim) + x.shape) for x in (bias, mask))
-    out, lse = _differentiable(call)(q, k, v, alibi_slopes, bias, mask, seed)
+    out, lse = _differentiable(call)(*_vary_together(q, k, v, alibi_slopes, bias, mask, seed))
     return (out, lse) if return_lse else out
 
 
@@ -425,7 +454,7 @@ def _packed_forward(call: _Call):
 
     def run(q, k, v, alibi_slopes, seed):
         avals = (_aval(out_shape(q.shape, v.shape), q.dtype), _aval((q.shape[1], q.shape[0]), _lse_dtype(q)))
-        return tuple(buffer_callback(callback, avals)(q, k, v, alibi_slopes, seed, *_offset_constants(cu_q, cu_k)))
+        return _callback(callback, avals, q, k, v, alibi_slopes, seed, *_offset_constants(cu_q, cu_k))
 
     return run
 
@@ -441,8 +470,8 @@ def _packed_backward(call: _Call):
 
     def run(dout, q, k, v, out, lse, dlse, alibi_slopes, seed):
         avals = tuple(_aval(x.shape, x.dtype) for x in (q, k, v))
-        return tuple(buffer_callback(callback, avals)(dout, q, k, v, out, lse, dlse, alibi_slopes, seed,
-                                                      *_offset_constants(cu_q, cu_k)))
+        return _callback(callback, avals, dout, q, k, v, out, lse, dlse, alibi_slopes, seed,
+                         *_offset_constants(cu_q, cu_k))
 
     return run
 
@@ -490,7 +519,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                                             causal, scale, dtype, mods, "numpy")
     _checks.select_backend(backend, _platform_library(), p)
     call = _Call.of(p, window, softcap, scale, backend, static, cu_q=tuple(cu_q.tolist()), cu_k=tuple(cu_k.tolist()))
-    out, lse = _differentiable_packed(call)(q, k, v, alibi_slopes, seed if call.dropout_p else None)
+    out, lse = _differentiable_packed(call)(*_vary_together(q, k, v, alibi_slopes, seed if call.dropout_p else None))
     return (out, lse) if return_lse else out
 
 

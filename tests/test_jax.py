@@ -779,3 +779,40 @@ def test_grad_and_jvp_under_checkpoint_and_scan(rng):
     _, out_t = jax.jvp(layer, (x,), (t,))
     assert_tangent_matches_oracle(out_t, jax.jvp(lambda y: fj.attention(y, y, y, causal=True, return_lse=True)[1],
                                                  (x,), (t,))[1], x1, x1, x1, (t1, t1, t1), backend="numpy", causal=True)
+
+
+SHARDED = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+import flashcupy.jax as fj
+q, k, v, dout, t, bias = (jnp.asarray(x) for x in np.load(sys.argv[1]).values())
+mesh = Mesh(np.array(jax.devices()), ("b",))
+f = jax.shard_map(lambda q, k, v, b: fj.attention(q, k, v, bias=b, causal=True, return_lse=True), mesh=mesh,
+                  in_specs=(P("b"),) * 3 + (P(),), out_specs=(P("b"), P("b")))
+out, lse = jax.jit(f)(q, k, v, bias)
+grads = jax.jit(jax.grad(lambda *a: jnp.vdot(f(*a)[0], dout), argnums=(0, 1, 2, 3)))(q, k, v, bias)
+_, (out_t, lse_t) = jax.jit(lambda q, t: jax.jvp(lambda q: f(q, k, v, bias), (q,), (t,)))(q, t)
+np.savez(sys.argv[2], *(np.asarray(x) for x in (out, lse, *grads, out_t, lse_t)))
+"""
+
+
+def test_under_shard_map_with_a_shared_bias(rng, tmp_path):
+    # jax.shard_map over the batch on two (CPU) devices, its type check on: q, k, v sharded, the bias
+    # shared by every shard, whose gradient is the sum of the devices' parts (the transpose of the cast
+    # to varying); forward, grad and jvp against the oracle. A process of its own: the devices are
+    # set before JAX starts.
+    import subprocess
+    import sys
+
+    q, k, v, dout = arrays(rng, 4, 8, 8, 2, 2, 8, np.float32)
+    t = rng.standard_normal(q.shape).astype(np.float32)
+    bias = rng.standard_normal((1, 2, 8, 8)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", q, k, v, dout, t, bias)
+    run = subprocess.run([sys.executable, "-c", SHARDED, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = list(np.load(tmp_path / "out.npz").values())
+    assert_matches_oracle(got[:6], q, k, v, dout, backend="numpy", causal=True, bias=bias)
+    assert_tangent_matches_oracle(got[6], got[7], q, k, v, (t, None, None), backend="numpy", causal=True, bias=bias)
