@@ -244,7 +244,7 @@ def jvp_case(rng, args):
 
     import flashcupy.jax as fj
 
-    dtype = str(rng.choice(["float16", "float32", "float64", "bfloat16"]))
+    dtype = str(rng.choice([d.replace("-bits", "") for d in args.dtypes]))  # JAX's bfloat16 is its own dtype
     lead, Hq, Hkv, D, Sq, Sk, bias, kw = _leading_and_bias(rng, dtype)
     Dv = D if rng.random() < 0.7 else int(rng.choice([1, 8, 40]))
     values = _values(dtype)
