@@ -205,6 +205,7 @@ def accepts_foreign_arrays(fn):
             return fn(*args, **kwargs)
         if _root(next(iter(named.values()))) == "torch":
             from . import _torch
+            _torch.refuse_transforms(fn.__name__, named)
             if _torch.records_autograd(fn.__name__, named):
                 return _torch.ENTRY_POINTS[fn.__name__](*args, **kwargs)
         return through_views(fn, args, kwargs, arrays)

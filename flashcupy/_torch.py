@@ -68,6 +68,28 @@ def records_autograd(name: str, named: dict) -> bool:
     return True
 
 
+def refuse_transforms(name: str, named: dict) -> None:
+    """A TypeError for a tensor of torch.func's transforms (vmap, grad, jvp, jacrev, jacfwd: functorch's
+    wrapped tensors, which have no storage to view) or a forward-mode dual tensor (torch.autograd.forward_ad,
+    whose tangent a view would drop: out would come back with none, as if it were a constant). flashcupy's
+    torch path records reverse-mode autograd only (torch's custom ops take no forward-mode rule)."""
+    from torch.autograd import forward_ad
+
+    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", lambda x: False)
+    for arg, x in named.items():
+        if not isinstance(x, Tensor):
+            continue
+        if wrapped(x):
+            raise TypeError(f"{arg} is a tensor of a torch.func transform (vmap, grad, jvp, jacrev or jacfwd), which "
+                            f"flashcupy.{name} does not support: for gradients use torch.autograd (loss.backward(), "
+                            f"torch.autograd.grad), for a batch a leading dimension (README: Leading batch "
+                            f"dimensions), for forward mode flashcupy.jax")
+        if forward_ad.unpack_dual(x).tangent is not None:
+            raise TypeError(f"{arg} is a forward-mode dual tensor (torch.autograd.forward_ad), which flashcupy.{name} "
+                            f"does not support: its tangent would be dropped. Reverse mode works through torch.autograd; "
+                            f"forward mode through flashcupy.jax")
+
+
 def _check_tensors(named: dict) -> None:
     """The one-library rule (flashcupy._interop) where torch.compile traces the call: every array
     argument a torch tensor."""

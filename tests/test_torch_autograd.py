@@ -556,3 +556,29 @@ def test_dropout_in_a_packed_batch(rng):
     torch.library.opcheck(torch.ops.flashcupy.attention_varlen.default,
                           (q, k, v, cu, cu, None, None, None, True, None, None, None, None, "auto", None, True,
                            0.4, 3, 0))
+
+
+def test_torch_func_transforms_and_forward_ad_are_refused(rng):
+    # torch's custom ops take no forward-mode rule and no functorch transform: each is a TypeError naming
+    # the argument before any work (they had failed inside on a tensor with no storage, and a forward-mode
+    # dual tensor came back as an out with no tangent, as if constant); a plain call inside a dual level
+    # still runs, and matches the oracle
+    from torch.autograd import forward_ad
+
+    q, k, v = (_t(x) for x in make_qkv(rng, 1, 5, 5, 2, 2, 8, np.float64))
+    batched = torch.stack([q, q])
+    transforms = {
+        "vmap": lambda: torch.func.vmap(lambda q: flashcupy.attention(q, k[0], v[0]))(batched[:, 0]),
+        "grad": lambda: torch.func.grad(lambda q: flashcupy.attention(q, k, v).sum())(q),
+        "jvp": lambda: torch.func.jvp(lambda k: flashcupy.attention(q, k, v), (k,), (k,)),
+        "jacrev": lambda: torch.func.jacrev(lambda v: flashcupy.attention(q, k, v))(v),
+    }
+    for name, call in transforms.items():
+        with pytest.raises(TypeError, match=r"is a tensor of a torch.func transform .* flashcupy.attention does not"):
+            call()
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(v, torch.ones_like(v))
+        with pytest.raises(TypeError, match=r"v is a forward-mode dual tensor \(torch.autograd.forward_ad\)"):
+            flashcupy.attention(q, k, dual)
+        out = flashcupy.attention(q, k, v, causal=True)
+    assert_matches_oracle([out.numpy()], *(x.numpy() for x in (q, k, v)), backend="numpy", causal=True)
