@@ -86,8 +86,8 @@ def refuse_transforms(name: str, named: dict) -> None:
                             f"dimensions), for forward mode flashcupy.jax")
         if forward_ad.unpack_dual(x).tangent is not None:
             raise TypeError(f"{arg} is a forward-mode dual tensor (torch.autograd.forward_ad), which flashcupy.{name} "
-                            f"does not support: its tangent would be dropped. Reverse mode works through torch.autograd; "
-                            f"forward mode through flashcupy.jax")
+                            f"does not support: its tangent would be dropped. Reverse mode works through "
+                            f"torch.autograd; forward mode through flashcupy.jax")
 
 
 def _check_tensors(named: dict) -> None:
