@@ -200,6 +200,7 @@ def accepts_foreign_arrays(fn):
             return fn(*args, **kwargs)
         arrays = array_arguments(fn, args, kwargs)
         named = _named(fn, arrays)
+        _refuse_jax_tracers(fn.__name__, named)
         check_one_library(named)
         if not any(is_foreign(x) for x in named.values()):
             return fn(*args, **kwargs)
@@ -211,6 +212,20 @@ def accepts_foreign_arrays(fn):
         return through_views(fn, args, kwargs, arrays)
 
     return wrapper
+
+
+def _refuse_jax_tracers(name: str, named: dict) -> None:
+    """A TypeError for a JAX tracer (an argument inside jax.jit, grad or vmap), which holds no memory to
+    view: flashcupy.jax's entry points are the ones that run inside JAX's transformations."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return
+    for arg, x in named.items():
+        if isinstance(x, jax.core.Tracer):
+            inside = (f"call flashcupy.jax.{name} there" if name in ("attention", "attention_varlen") else
+                      "flashcupy.jax's attention and attention_varlen run there")
+            raise TypeError(f"{arg} is a JAX tracer (inside jax.jit, grad, vmap or another transformation), which "
+                            f"flashcupy.{name} cannot read: {inside}")
 
 
 def through_views(fn, args, kwargs, arrays=None):

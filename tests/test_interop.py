@@ -109,3 +109,19 @@ def test_jax_arrays_in_and_out(rng):
         flashcupy.attention(*(jnp.asarray(x, dtype=jnp.bfloat16) for x in (q, k, v)))
     with pytest.raises(TypeError, match="one array library: q is jax, k is torch, v is torch"):
         flashcupy.attention(jnp.asarray(q), _torch(k), _torch(v))
+
+
+def test_a_jax_tracer_is_a_type_error_pointing_to_flashcupy_jax(rng):
+    # the core entry points read memory, which a JAX tracer (inside jit, grad, vmap) has none of: a
+    # TypeError naming the argument and flashcupy.jax, rather than an AttributeError from DLPack; outside
+    # a transformation the same jax.Array is read through a view, and matches the oracle
+    jax = pytest.importorskip("jax", reason="jax[cpu] is in the test extra")
+    import flashcupy.jax  # noqa: F401
+
+    q, k, v = (jax.numpy.asarray(x) for x in make_qkv(rng, 1, 4, 6, 2, 1, 8, np.float32))
+    with pytest.raises(TypeError, match=r"q is a JAX tracer .* call flashcupy.jax.attention there"):
+        jax.jit(lambda q: flashcupy.attention(q, k, v))(q)
+    with pytest.raises(TypeError, match=r"k is a JAX tracer .* flashcupy.jax's attention and attention_varlen run"):
+        jax.grad(lambda k: flashcupy.attention_probs(q, k, None).sum())(k)
+    out = flashcupy.attention(q, k, v, causal=True)
+    assert_matches_oracle([np.asarray(out)], *(np.asarray(x) for x in (q, k, v)), backend="numpy", causal=True)
