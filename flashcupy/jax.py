@@ -569,7 +569,7 @@ def _ops(call: _Call) -> tuple:
 
 
 def _tangent(*operands, call: _Call, tangents: tuple, extras: tuple):
-    """(out_t, lse_t), the derivatives of out and lse along the tangents (README, "JAX"). With St_ij
+    """(out_t, lse_t), the derivatives of out and lse along the tangents (README, "Inside JAX"). With St_ij
     the score's derivative (scale (q_t.k + q.k_t), times 1 - t^2 under the softcap), P's is
     P (St - mu) with mu_i = sum_j p_ij St_ij, which is lse's, so out_t = A - mu out + E:
     A = sum_j p_ij z_ij St_ij v_j and mu are _score_tangent_sums, E = (P Z) v_t a forward on v_t."""
@@ -608,10 +608,11 @@ def _score_tangent_sums(call: _Call, parts, q, k, cols, lse, extras):
     sum_j dS_ij k'_j, whose columns past q's are the sums. The lse given makes P the call's own. Where
     the backend's head dim limit is too small, cols go in slices, and the parts one at a time."""
     D = q.shape[-1]
-    limit = _check_backward(call, q, k, k).MAX_HEAD_DIM or math.inf
+    backend = _check_backward(call, q, k, k)
+    limit = backend.MAX_HEAD_DIM or math.inf
     if D >= limit:
         raise ValueError(f"head_dim {D}: flashcupy.jax's forward mode runs the backward with k widened by at least "
-                         f"one column, past the {call.backend} backend's head_dim limit of {limit}")
+                         f"one column, past the {backend.NAME} backend's head_dim limit of {limit}")
     room = int(min(limit - D, cols.shape[-1]))
     groups = [parts] if sum(a.shape[-1] for a, _ in parts) <= limit else [[part] for part in parts]
     backward, sums = _ops(call)[1], []
