@@ -281,11 +281,11 @@ def _tangent_tolerance(want, tol, f, V, z, eps, eps_z, ds, p_floor, round16, sto
     dP = np.where(seen, dP, 0.0)
     squeeze = 1.0 if T is None else 1 - T**2
     St = scale * dP * squeeze  # the score's derivative
-    def sum_bound(zz, cols):
-        """A's (zz = z) or mu's (zz = 1, cols 1) bound: dS = P zz dP's, through the softcap, summed."""
+    def sum_bound(zz, eps_zz, cols):
+        """A's (zz = z, eps_zz = eps_z) or mu's (the undropped: 1, 0; cols 1) bound: dS = P zz dP's,
+        through the softcap, summed."""
         dS = P * zz * dP
-        bound = abs(dS) * eps + P * (gamma(2 * D) + (eps_z if zz is z else 0.0)) * zz * dP_abs \
-            + (p_floor * abs(dP) + round16) * seen
+        bound = abs(dS) * eps + P * (gamma(2 * D) + eps_zz) * zz * dP_abs + (p_floor * abs(dP) + round16) * seen
         if T is not None:
             bound = bound * squeeze + abs(dS) * (2 * squeeze * ds[..., None] / softcap + gamma(8))
         dS = dS * squeeze
@@ -293,8 +293,8 @@ def _tangent_tolerance(want, tol, f, V, z, eps, eps_z, ds, p_floor, round16, sto
 
     mu = np.sum(P * St, axis=-1)
     A = np.einsum("bhqk,bhkd->bhqd", P * z * St, V)
-    mu_bound = sum_bound(1.0, np.ones(V.shape[:-1] + (1,)))[..., 0] + 2 * u_s * abs(mu) + store_floor
-    A_bound = sum_bound(z, abs(V)) + 2 * u_s * abs(A) + store_floor
+    mu_bound = sum_bound(1.0, 0.0, np.ones(V.shape[:-1] + (1,)))[..., 0] + 2 * u_s * abs(mu) + store_floor
+    A_bound = sum_bound(z, eps_z, abs(V)) + 2 * u_s * abs(A) + store_floor
     out, out_bound = want["out"], tol["out"]
     E, E_bound = 0.0, 0.0
     if v_t is not None:

@@ -151,8 +151,8 @@ def backward_varlen(p, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, 
 
 def append_kv(dtype, k_cache, v_cache, k, v, cache_seqlens, block_table=None) -> None:
     """attention_with_kvcache's append in one launch (flash_kv_append, flash_append.cu): k (batch,
-    seqlen_new, heads_kv, head_dim) and v (..., head_dim_v) written into k_cache, v_cache (contiguous, or paged through
-    block_table) from position cache_seqlens[b] of each sequence on. cache_seqlens int32 (batch,) and
+    seqlen_new, heads_kv, head_dim) and v (..., head_dim_v) written into k_cache, v_cache (contiguous, or
+    paged through block_table) from position cache_seqlens[b] of each sequence on. cache_seqlens int32 (batch,) and
     block_table int32 (batch, max_blocks) or None: device arrays the kernel reads and clamps into the
     cache itself; dtype the values' (a key of specs.CUDA_TYPES; bfloat16 as uint16 bits). The shapes are
     the interface's to check (capacity at least seqlen_new)."""

@@ -100,8 +100,8 @@
 // head_dim_v, and out (O's columns up to head_dim_v) is stored up to head_dim_v; the padded columns of
 // the smaller cost their wgmma work (192 and 128: a third of P V_j). An atom wholly past its tensor's
 // head dim (V_j's third at 192 and 128) is a box with no element inside the tensor, all of it the copy
-// engine's zeros, its bytes counted as any box's (unlike the backward, which never issues one: the GPU
-// session's MLA test, tests/test_cupy_gpu.py, checks it on silicon). Modifiers (MODS, specs.sm90_eligible:
+// engine's zeros, its bytes counted as any box's (as in the backward's kernels but SPLIT_D, which zeroes
+// those atoms itself: the GPU session's MLA test, tests/test_cupy_gpu.py, checks the fill on silicon). Modifiers (MODS, specs.sm90_eligible:
 // any in one batch but a bias above head_dim 128; in a packed batch the window, softcap and ALiBi): as
 // flash_fwd_tc.cu applies them, softcap, ALiBi and the bias make each score of S final (mask.cuh's
 // Score, in base 2) before the mask, and the bool mask masks every tile element by element; with a bias
