@@ -201,24 +201,20 @@ def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slo
     return out, vjp
 
 
-@_interop.accepts_foreign_arrays
-def attention_probs(q, k, lse, *, rows=None, causal=False, window=None, softcap=None, alibi_slopes=None,
-                    bias=None, mask=None, scale=None, backend="auto", dtype=None):
-    """The attention weights P = exp(s - lse) of the query rows asked for, recomputed from q, k and
-    the forward's lse with the forward's modifiers: (batch, heads_q, len(rows), seqlen_k), in lse's
-    dtype. rows: None (all: O(seqlen_q x seqlen_k) memory), a slice or a 1-D array of ints (negative
-    ones count from the end). A row sums to 1, or is 0 where it sees no key.
-    """
+def probs(q, k, lse, *, rows=None, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None,
+          mask=None, scale=None, backend="auto", dtype=None, into=None):
+    """attention_probs on NumPy or CuPy arrays, with into: None or the array P is written into (its
+    shape and dtype, any strides; flashcupy.jax's XLA buffer), returned."""
     backend = check_backend_name(backend)
     lib = check_arrays({"q": q, "k": k, "lse": lse})
     batch = check_leading(lib, q, k, k, alibi_slopes, bias, mask)
+    kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
+              scale=scale, backend=backend, dtype=dtype)
     if len(batch) > 1:  # rank-4 calls on views (flashcupy/_batch.py)
         p = problem(*map(_batch.stand_in, (q, k, k)), causal, scale, dtype, lib)
         check_lse(p, lse, batch + (q.shape[-2], q.shape[-3]))
         index = check_rows(rows, q.shape[-3])
-        kw = dict(rows=index, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
-                  mask=mask, scale=scale, backend=backend, dtype=dtype)
-        return _batch.probs(attention_probs.__wrapped__, q, k, lse, index.size, kw, p.lse_dtype)
+        return _batch.probs(probs, q, k, lse, index, kw, p.lse_dtype, into)
     p = problem(q, k, k, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask)
     check_lse(p, lse)
     index = check_rows(rows, p.seqlen_q)
@@ -227,5 +223,22 @@ def attention_probs(q, k, lse, *, rows=None, causal=False, window=None, softcap=
         raise ValueError(f"attention_probs is not yet supported by backend {mod.NAME!r}")
     shape = (p.batch, p.heads_q, index.size, p.seqlen_k)
     if math.prod(shape) == 0:
-        return mod.allocate(q, shape, p.lse_dtype, 0)
-    return mod.probs(p, q, k, lse, index)
+        return into if into is not None else mod.allocate(q, shape, p.lse_dtype, 0)
+    if into is None:
+        return mod.probs(p, q, k, lse, index)
+    if getattr(mod, "WRITES_INTO", False):
+        return mod.probs(p, q, k, lse, index, into=into)
+    into[...] = mod.probs(p, q, k, lse, index)
+    return into
+
+
+@_interop.accepts_foreign_arrays
+def attention_probs(q, k, lse, *, rows=None, causal=False, window=None, softcap=None, alibi_slopes=None,
+                    bias=None, mask=None, scale=None, backend="auto", dtype=None):
+    """The attention weights P = exp(s - lse) of the query rows asked for, recomputed from q, k and
+    the forward's lse with the forward's modifiers: (batch, heads_q, len(rows), seqlen_k), in lse's
+    dtype. rows: None (all: O(seqlen_q x seqlen_k) memory), a slice or a 1-D array of ints (negative
+    ones count from the end). A row sums to 1, or is 0 where it sees no key.
+    """
+    return probs(q, k, lse, rows=rows, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                 bias=bias, mask=mask, scale=scale, backend=backend, dtype=dtype)

@@ -261,14 +261,15 @@ def backward(fn, dout, q, k, v, out, lse, kw: dict, carrier, acc, into=None) -> 
     return tuple(whole)
 
 
-def probs(fn, q, k, lse, rows: int, kw: dict, lse_dtype):
-    """fn (the rank-4 attention_probs) over the folded views: (*batch, heads_q, rows, seqlen_k), each
-    call's result written into its view of the whole."""
+def probs(fn, q, k, lse, rows, kw: dict, lse_dtype, into=None):
+    """fn (the rank-4 probs) over the folded views: (*batch, heads_q, len(rows), seqlen_k), each call
+    writing its view of the whole (`into`, or a new one)."""
     batch = tuple(q.shape[:-3])
     full, broadcast = _inputs(batch, {"q": q, "k": k, "lse": lse}, kw)
     fold = plan(batch, full, broadcast, kw)
-    P = _empty(q, batch + (q.shape[-2], rows, k.shape[-3]), lse_dtype, math.prod(batch[d] for d in fold.looped))
+    shape = batch + (q.shape[-2], rows.size, k.shape[-3])
+    P = into if into is not None else _empty(q, shape, lse_dtype, math.prod(batch[d] for d in fold.looped))
     for index, views in _calls(fold, full, broadcast, kw):
         q4, k4, lse4 = views.pop("q"), views.pop("k"), views.pop("lse")
-        fold.view(P, index)[...] = fn(q4, k4, lse4, **(kw | views))
+        fn(q4, k4, lse4, rows=rows, into=fold.view(P, index), **(kw | views))
     return P

@@ -11,6 +11,7 @@ roundoff (issue 31), for the numpy, cupy, tensor-core and numba test files.
 import numpy as np
 
 import flashcupy
+from flashcupy import _api
 from conftest import BF16, assert_matches_oracle, bf16_bits
 from reference.compare import error_ratio, expected, kernel_family
 
@@ -127,6 +128,12 @@ def check(q, k, v, dout, rng=None, bits=False, rows=None, backend="numpy", **kw)
     want = expected(q, k, v, probs=True, family=kernel_family(backend, ref.get("dtype", q.dtype), q.shape[-1]), **ref)
     ratios["P"] = error_ratio(P, want, "P", rows=rows)
     assert ratios["P"] <= 1, f"P: error {ratios['P']:.3g} times the tolerance"
+    # into= (flashcupy.jax's XLA buffer): written in place, a strided view, the same numbers
+    wide = np.full(P.shape[:-1] + (2 * P.shape[-1],), np.nan, P.dtype)
+    into = wide[..., ::2]
+    assert _api.probs(q, k, lse, rows=rows, backend=backend, into=into, **call) is into
+    np.testing.assert_array_equal(into, P)
+    assert np.isnan(wide[..., 1::2]).all()
     sums = P.sum(axis=-1)
     seen = np.isfinite(lse if rows is None else lse[:, :, rows])
     np.testing.assert_allclose(sums[seen], 1, rtol=1e-3 if q.dtype != np.float64 else 1e-12)

@@ -17,7 +17,8 @@ A backend is a module with:
     ATOMIC_BACKWARD: bool              # optional: backward takes deterministic= (False may use atomics)
     split_plan(p, q, k, v, num_splits) # optional: forward takes num_splits= (split-KV in one launch)
     WRITES_INTO: bool                  # optional: forward and backward take into=, the arrays to
-                                       # write their results into (else the interface copies them there)
+                                       # write their results into, probs into=, the array P (else the
+                                       # interface copies them there)
 
 The interface checks every limit a backend declares before it runs (backends never re-validate);
 `p` is a validated `flashcupy._problem.Problem`. Arrays hold p.dtype values in

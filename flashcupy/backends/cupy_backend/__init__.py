@@ -510,7 +510,7 @@ def _sm90_maps(rt, p, *boxes) -> tuple:
     return tuple(remembered(x, rows) for x, rows in boxes)
 
 
-WRITES_INTO = True  # forward and backward write into given arrays (into=): XLA's buffers for flashcupy.jax
+WRITES_INTO = True  # forward, backward and probs write into given arrays (into=): XLA's buffers for flashcupy.jax
 
 
 def forward(p, q, k, v, num_splits=1, into=None):
@@ -632,16 +632,17 @@ def _no_pages(rt, like) -> tuple:
     return _int32_stand_in(rt, like), np.int64(0), np.int64(0), np.int32(0), np.int32(0)
 
 
-def probs(p, q, k, lse, rows):
+def probs(p, q, k, lse, rows, into=None):
     """attention_probs: P of the query rows `rows` (a host index array, checked by the interface),
-    (batch, heads_q, len(rows), seqlen_k) in lse's dtype, by flash_probs (flash_pairs.cu)."""
+    (batch, heads_q, len(rows), seqlen_k) in lse's dtype, by flash_probs (flash_pairs.cu); into: None
+    or the array to write (P's shape and dtype, any strides)."""
     rt = _runtime()
     module = specs.probs_module(p.dtype, p.head_dim, _mods(p))
     (kernel,) = module.kernels
     with rt.device_of(q):
         (fn,) = _functions(rt, module, q)
         index = rt.xp.asarray(np.asarray(rows, dtype=np.int64))
-        P = rt.xp.empty((p.batch, p.heads_q, len(rows), p.seqlen_k), dtype=p.lse_dtype)
+        P = rt.xp.empty((p.batch, p.heads_q, len(rows), p.seqlen_k), dtype=p.lse_dtype) if into is None else into
         fn(
             (kernel.blocks(p, len(rows)),), (specs.NUM_THREADS,),
             (*_tensor(q), *_tensor(k), *_tensor(lse), index, np.int32(len(rows)),

@@ -108,7 +108,7 @@ def allocate(like, shape, dtype, fill):
     return np.full(shape, fill, dtype=dtype)
 
 
-WRITES_INTO = True  # forward and backward write into given arrays (into=): XLA's buffers for flashcupy.jax
+WRITES_INTO = True  # forward, backward and probs write into given arrays (into=): XLA's buffers for flashcupy.jax
 
 
 @pool.one_call
@@ -155,8 +155,8 @@ def backward(p, dout, q, k, v, out, lse, into=None, dlse=None):
 
 
 @pool.one_call
-def probs(p, q, k, lse, rows):
+def probs(p, q, k, lse, rows, into=None):
     """P = exp(s - lse) (batch, heads_q, len(rows), seqlen_k) in the accumulation dtype, for the
-    query rows `rows` (an index array); see weights.probs."""
+    query rows `rows` (an index array), written into `into` where given; see weights.probs."""
     q, k = stacks.values(p, q, k)
-    return weights.probs(p, q, k, lse, rows)
+    return weights.probs(p, q, k, lse, rows, into)

@@ -9,15 +9,15 @@ from ..._problem import LOG2E
 from . import modifiers, plan, pool, softmax, stacks, tiling
 
 
-def probs(p, q, k, lse, rows):
+def probs(p, q, k, lse, rows, into=None):
     """P = exp(s - lse) (batch, heads_q, len(rows), seqlen_k) in the accumulation dtype, for the
     query rows `rows` (an index array) of q, k (views in the value dtype): the forward's scores,
     band and modifiers, in base 2 as there, with the saved lse subtracted. A row that sees no key
-    (lse -inf) gets 0."""
+    (lse -inf) gets 0. into: None or the array (of P's shape and dtype, any strides) to write."""
     acc = p.acc_dtype
     heads = stacks.HeadMap(p)
     mods = modifiers.Modifiers(p, heads) if p.modifiers - {"window"} else None
-    P = np.empty((p.batch, p.heads_q, rows.size, p.seqlen_k), dtype=acc)
+    P = np.empty((p.batch, p.heads_q, rows.size, p.seqlen_k), dtype=acc) if into is None else into
     row_blocks = tiling.blocks(0, rows.size, plan.tile_sizes(p)[0])
     keys = np.arange(p.seqlen_k)
     clamp = softmax.recomputed_p_may_pass_one(p, q, k)
