@@ -25,8 +25,8 @@ import math
 
 import numpy as np
 
-__all__ = ["attention", "attention_backward", "attention_jvp", "attention_probs", "attention_vjp", "dropout_keep",
-           "philox", "values", "visible"]
+__all__ = ["attention", "attention_backward", "attention_jvp", "attention_probs", "attention_probs_jvp",
+           "attention_vjp", "dropout_keep", "philox", "values", "visible"]
 
 
 def values(x, dtype=None):
@@ -272,6 +272,23 @@ def attention_jvp(q, k, v, q_t=None, k_t=None, v_t=None, *, causal=False, window
     if v_t is not None:
         out_t = out_t + np.einsum("bhqk,bhkd->bhqd", P * Z, _heads_first(values(v_t, dtype), group))
     return out_t.transpose(0, 2, 1, 3), mu
+
+
+def attention_probs_jvp(q, k, q_t=None, k_t=None, bias_t=None, *, rows=None, causal=False, window=None,
+                        softcap=None, alibi_slopes=None, bias=None, mask=None, scale=None, backend=None, dtype=None):
+    """P_t (B, Hq, len(rows), Sk) float64: the derivative of attention_probs(q, k, lse) with lse the
+    forward's own, along the tangent (q_t, k_t, bias_t), any of them None (zero); ALiBi slopes and mask
+    held constant. With St the final score's derivative (_tangent_terms, plus bias_t), lse's is mu =
+    rowsum(P St), so P_t = P (St - mu): 0 where a pair is hidden and in a row that sees no key."""
+    mods = _modifiers(window, softcap, alibi_slopes, bias, mask)
+    q, k = (values(x, dtype) for x in (q, k))
+    f = _forward_terms(q, k, causal, scale, mods, dtype)
+    St = _tangent_terms(f, q_t, k_t, dtype)
+    if bias_t is not None:
+        St = St + np.where(f["seen"], values(bias_t, dtype), 0.0)
+    P = f["P"]
+    P_t = P * (St - np.sum(P * St, axis=-1, keepdims=True))
+    return P_t if rows is None else P_t[:, :, rows]
 
 
 def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,

@@ -152,6 +152,12 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
       dim takes them apart);
     - E = sum_j p_ij z_ij v_t_j is a forward's out with v_t: out's bound on |v_t|; |out|'s own bound
       enters through mu out.
+    With probs=True too, P_t = P (St - mu) (reference.attention_probs_jvp; tangents may hold a fourth,
+    bias_t) as flashcupy.jax's attention_probs computes it: St by XLA in the accumulation dtype,
+    gamma(D) scale (|q_t|.|k| + |q|.|k_t|) (under the softcap, times 1 - t^2, with t's error from the
+    score's, gamma(D) scale |q|.|k|, and gamma(8) for the roundings of t), plus u_a |St| where bias_t is
+    added; mu as lse_t above (its bias_t part a sum of P's bound times |bias_t|, plus gamma(Sk)); P's
+    bound on |St - mu| and both bounds on P; the subtraction and product, 2 u_a P (|St| + |mu|).
     The tolerance is SAFETY times the bound.
 
     family: the kernel family that computed the results (FAMILIES, from kernel_family): only its
@@ -213,7 +219,7 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
                        + u_s * abs(out) + store_floor)}
     want = {"out": out, "lse": lse}
     if tangents is not None:
-        _tangent_tolerance(want, tol, f, V, z, eps, eps_z, ds, p_floor, round16, store_floor, seen, tangents,
+        _tangent_tolerance(want, tol, f, V, z, eps, eps_z, ds, p_floor, round16, store_floor, seen, tangents[:3],
                            softcap, dtype, u_s, gamma)
     if dout is not None:
         t = _backward_terms(values(dout, dtype), q, k, v, causal, scale, mods, dtype, dlse, dropout)
@@ -260,10 +266,53 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
         want["P"] = P
         with np.errstate(invalid="ignore"):
             tol["P"] = P * (eps + tol["lse"][..., None]) + p_floor * seen
+        if tangents is not None:
+            _probs_tangent_tolerance(want, tol, f, tangents, dtype, softcap, gamma)
     for name in ("out", "out_t", "dq", "dk", "dv"):
         if name in want:
             want[name], tol[name] = (x.transpose(0, 2, 1, 3) for x in (want[name], tol[name]))
     return Expected(want, {name: SAFETY * t for name, t in tol.items()}, dtype)
+
+
+def _score_products(f, q_t, k_t, dtype) -> tuple:
+    """(q_t.k + q.k_t, |q_t|.|k| + |q|.|k_t|), heads first, 0 where a pair is hidden: the score's
+    derivative before the scale and softcap, and the sum of its 2 D products' sizes."""
+    P, Q, K, group = f["P"], f["Q"], f["K"], f["group"]
+    dP, dP_abs = np.zeros(P.shape), np.zeros(P.shape)
+    for x, y in ((None if q_t is None else _heads_first(values(q_t, dtype), 1), K),
+                 (Q, None if k_t is None else _heads_first(values(k_t, dtype), group))):
+        if x is not None and y is not None:
+            dP = dP + np.einsum("bhqd,bhkd->bhqk", x, y)
+            dP_abs = dP_abs + np.einsum("bhqd,bhkd->bhqk", abs(x), abs(y))
+    return np.where(f["seen"], dP, 0.0), dP_abs
+
+
+def _probs_tangent_tolerance(want, tol, f, tangents, dtype, softcap, gamma):
+    """want and tol (before SAFETY) of P_t: expected()'s attention_probs terms in forward mode, after
+    _tangent_tolerance's lse_t (mu's q and k part)."""
+    q_t, k_t = tangents[:2]
+    bias_t = tangents[3] if len(tangents) > 3 else None
+    P, Q, K, T, scale, seen = f["P"], f["Q"], f["K"], f["T"], f["scale"], f["seen"]
+    D, Sk = Q.shape[-1], K.shape[2]
+    u_a = gamma(1)
+    dP, dP_abs = _score_products(f, q_t, k_t, dtype)
+    squeeze = 1.0 if T is None else 1 - T**2
+    St = scale * dP * squeeze
+    St_bound = scale * gamma(D) * dP_abs * squeeze
+    if T is not None:
+        Sabs = scale * np.einsum("bhqd,bhkd->bhqk", abs(Q), abs(K))
+        St_bound = St_bound + abs(St) * (2 * squeeze * gamma(D) * Sabs / softcap + gamma(8))
+    mu, mu_bound = want["lse_t"], tol["lse_t"]
+    if bias_t is not None:
+        b = np.where(seen, values(bias_t, dtype), 0.0)
+        St = St + b
+        St_bound = St_bound + u_a * abs(St)
+        mu = mu + np.sum(P * b, axis=-1)
+        mu_bound = mu_bound + np.sum(tol["P"] * abs(b), axis=-1) + gamma(Sk) * np.sum(P * abs(b), axis=-1)
+    mu, mu_bound = mu[..., None], mu_bound[..., None]
+    want["P_t"] = P * (St - mu)
+    tol["P_t"] = (tol["P"] * (abs(St - mu) + St_bound + mu_bound) + P * (St_bound + mu_bound)
+                  + 2 * u_a * P * (abs(St) + abs(mu)) + u_a * abs(want["P_t"]))
 
 
 def _tangent_tolerance(want, tol, f, V, z, eps, eps_z, ds, p_floor, round16, store_floor, seen, tangents, softcap,
@@ -272,13 +321,7 @@ def _tangent_tolerance(want, tol, f, V, z, eps, eps_z, ds, p_floor, round16, sto
     q_t, k_t, v_t = tangents
     P, Q, K, T, scale, group = f["P"], f["Q"], f["K"], f["T"], f["scale"], f["group"]
     D, Sk = Q.shape[-1], K.shape[2]
-    dP, dP_abs = np.zeros(P.shape), np.zeros(P.shape)  # q_t.k + q.k_t, and |q_t|.|k| + |q|.|k_t|: W = 2 D products
-    for x, y in ((None if q_t is None else _heads_first(values(q_t, dtype), 1), K),
-                 (Q, None if k_t is None else _heads_first(values(k_t, dtype), group))):
-        if x is not None and y is not None:
-            dP = dP + np.einsum("bhqd,bhkd->bhqk", x, y)
-            dP_abs = dP_abs + np.einsum("bhqd,bhkd->bhqk", abs(x), abs(y))
-    dP = np.where(seen, dP, 0.0)
+    dP, dP_abs = _score_products(f, q_t, k_t, dtype)  # W = 2 D products
     squeeze = 1.0 if T is None else 1 - T**2
     St = scale * dP * squeeze  # the score's derivative
     def sum_bound(zz, eps_zz, cols):
@@ -332,7 +375,8 @@ def _expected_leading(q, k, v, dout, *, bias, mask, alibi_slopes, dlse=None, tan
     padded = None if bias is None else (1,) * (rank - np.ndim(bias)) + tuple(np.shape(bias))
     dlse = None if dlse is None else np.asarray(dlse).reshape((calls,) + np.shape(dlse)[-2:])
     e = expected(fold(q), fold(k), fold(v), fold(dout), bias=expand(bias), mask=expand(mask), alibi_slopes=slopes,
-                 dlse=dlse, tangents=None if tangents is None else tuple(map(fold, tangents)),
+                 dlse=dlse, tangents=None if tangents is None else tuple(map(fold, tangents[:3])) + tuple(
+                     map(expand, tangents[3:])),
                  _dbias_shape=None if bias is None else (batch, padded), **keywords)
     for name, x in list(e.want.items()):
         shape = np.shape(bias) if name == "dbias" else batch + x.shape[1:]

@@ -144,6 +144,26 @@ def test_oracle_jvp_matches_central_differences(rng, name):
     assert np.all(lse_t[~seen] == 0) and np.all(out_t.transpose(0, 2, 1, 3)[~seen] == 0)
 
 
+@pytest.mark.parametrize("name", MODIFIER_NAMES)
+def test_oracle_probs_jvp_matches_central_differences(rng, name):
+    # attention_probs along a tangent of q, k (and the bias's, where there is one), lse the forward's own:
+    # against the central difference of the recomputed P along it, some rows; hidden pairs get 0
+    B, Sq, Sk, Hq, Hkv, D = 2, 3, 5, 2, 1, 3
+    q, k, _ = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float64)
+    kw = modifier_cases(rng, B, Sq, Sk, Hq)[name]
+    tangents = [rng.standard_normal(x.shape) for x in (q, k)]
+    bias_t = rng.standard_normal(np.shape(kw["bias"])) if "bias" in kw else None
+    rows = [2, 0]
+    P_t = reference.attention_probs_jvp(q, k, *tangents, bias_t, rows=rows, **kw)
+    h = 1e-6
+
+    def moved(sign):
+        given = dict(kw, bias=kw["bias"] + sign * h * bias_t) if bias_t is not None else kw
+        return reference.attention_probs(*(x + sign * h * t for x, t in zip((q, k), tangents)), rows=rows, **given)
+    np.testing.assert_allclose(P_t, (moved(1) - moved(-1)) / (2 * h), rtol=1e-6, atol=1e-8)
+    assert np.all(P_t[reference.attention_probs(q, k, rows=rows, **kw) == 0] == 0)
+
+
 def test_oracle_modifiers_are_applied_in_the_readmes_order(rng):
     # s = scale q.k -> softcap -> + alibi -> + bias -> hidden -inf -> softmax, written out for one head
     q, k, v = make_qkv(rng, 1, 4, 6, 1, 1, 3, np.float64)
