@@ -1,4 +1,5 @@
-"""flashcupy inside JAX: attention and attention_varlen on jax.Arrays, under jit, grad, jvp and vmap.
+"""flashcupy inside JAX: attention, attention_varlen and attention_probs on jax.Arrays, under jit, grad, jvp
+and vmap.
 
 Each call is a `jax.experimental.buffer_callback`: XLA hands the callback its own buffers, which
 are viewed without a copy (NumPy views on a CPU, CuPy views on a GPU; bfloat16 as its uint16 bits,
@@ -13,6 +14,7 @@ slopes and offsets get none (zero, as flash-attn's). Forward mode (jvp, jacfwd, 
 evaluates it with a forward and a backward of the package on widened operands (_tangent; the README
 has the algebra), refusing a bias's tangent. Both flow through out and through the lse of
 return_lse=True (the backward's dlse; none is passed where the loss does not read lse).
+attention_probs's derivative is JAX's own operations on P (_probs_tangent), which JAX transposes.
 
 vmap: the mapped axis is folded into the batch axis (varlen: into the packing) of one call, by
 jax.custom_batching.custom_vmap; operands that are not mapped are broadcast to the mapped size
@@ -46,7 +48,7 @@ from jax.interpreters import ad, batching, mlir
 from . import _api, _checks, _varlen
 from ._problem import accumulation_dtype, default_scale, out_shape
 
-__all__ = ["attention", "attention_varlen"]
+__all__ = ["attention", "attention_probs", "attention_varlen"]
 
 _CPU = 1  # kDLCPU, the DLPack device type of XLA's host buffers
 
@@ -95,7 +97,7 @@ def _platform_library() -> str:
 def _check_jax(named: dict) -> None:
     for name, x in named.items():
         if x is not None and not isinstance(x, jax.Array):
-            raise TypeError(f"{name} must be a jax.Array{'' if name in ('q', 'k', 'v') else ' or None'}, "
+            raise TypeError(f"{name} must be a jax.Array{'' if name in ('q', 'k', 'v', 'lse') else ' or None'}, "
                             f"got {_checks.describe(x)}")
 
 
@@ -368,6 +370,100 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
     bias, mask = (None if x is None else x.reshape((1,) * (q.ndim - x.ndim) + x.shape) for x in (bias, mask))
     out, lse = _differentiable(call)(*_vary_together(q, k, v, alibi_slopes, bias, mask, seed))
     return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------
+# attention_probs
+
+
+@functools.lru_cache(maxsize=None)
+def _probs_call(call: _Call, rows: tuple | None):
+    """P of the query rows `rows` (None: all) into XLA's buffer, under the vmap rule."""
+    index = None if rows is None else np.asarray(rows, np.intp)
+
+    def callback(ctx, outs, q, k, lse, alibi_slopes, bias, mask):
+        with _stream(ctx, q):
+            _api.probs(*map(_view, (q, k, lse)), rows=index, alibi_slopes=_view(alibi_slopes), bias=_view(bias),
+                       mask=_view(mask), into=_view(outs[0]), **call.keywords())
+
+    def run(q, k, lse, alibi_slopes, bias, mask):
+        R = q.shape[-3] if rows is None else len(rows)
+        avals = (_aval(q.shape[:-3] + (q.shape[-2], R, k.shape[-3]), lse.dtype),)
+        return _callback(callback, avals, q, k, lse, alibi_slopes, bias, mask)
+
+    return _folded(run, ("bshd",) * 3 + ("slopes", "pair", "pair"))
+
+
+@functools.lru_cache(maxsize=None)
+def _differentiable_probs(call: _Call, rows: tuple | None):
+    """attention_probs under jax.custom_jvp: P's tangent in JAX's own operations (_probs_tangent), which
+    JAX also transposes for reverse mode; P, a result already in memory, is all the rule keeps."""
+    probs = _probs_call(call, rows)
+
+    @jax.custom_jvp
+    def weights(q, k, lse, alibi_slopes, bias, mask):
+        return probs(q, k, lse, alibi_slopes, bias, mask)[0]
+
+    def rule(primals, tangents):
+        q, k, lse, _, bias, _ = primals
+        P = weights(*primals)
+        q_t, k_t, lse_t, _, bias_t, _ = (None if isinstance(t, SymbolicZero) else t for t in tangents)
+        if call.bits:  # integer bits have no tangent
+            q_t = k_t = None
+        return P, _probs_tangent(call, rows, P, q, k, q_t, k_t, lse_t, bias_t)
+
+    weights.defjvp(rule, symbolic_zeros=True)
+    return weights
+
+
+def _probs_tangent(call: _Call, rows, P, q, k, q_t, k_t, lse_t, bias_t):
+    """P_t = P (St - lse_t), P = exp(s - lse) with St the score's derivative along (q_t, k_t, bias_t):
+    scale (q_t.k + q.k_t), times 1 - t^2 under the softcap (t = tanh(scale q.k / softcap)), plus bias_t
+    (ALiBi slopes and mask have none, as in attention). In the accumulation dtype (XLA's einsums at
+    HIGHEST precision: no TF32); O(rows x seqlen_k) memory, as P's. A pair that is hidden has P = 0."""
+    acc = P.dtype
+    select = (lambda x, axis: x) if rows is None else (lambda x, axis: jnp.take(x, np.asarray(rows), axis=axis))
+    St = jnp.zeros((), acc)
+    if q_t is not None or k_t is not None:
+        group = q.shape[-2] // k.shape[-2]
+        scale = call.scale if call.scale is not None else default_scale(q.shape[-1])
+
+        def scores(a, b):  # (*batch, R, Hq, D) . (*batch, Sk, Hkv, D) -> (*batch, Hq, R, Sk)
+            a = select(a, -3).astype(acc)
+            a = a.reshape(a.shape[:-2] + (k.shape[-2], group, a.shape[-1]))
+            s = jnp.einsum("...rhgd,...khd->...hgrk", a, b.astype(acc), precision=jax.lax.Precision.HIGHEST)
+            return s.reshape(s.shape[:-4] + (q.shape[-2],) + s.shape[-2:])
+
+        St = scale * sum(scores(a, b) for a, b in ((q_t, k), (q, k_t)) if a is not None and b is not None)
+        if call.softcap is not None:
+            St = St * (1 - jnp.tanh(scale * scores(q, k) / call.softcap) ** 2)
+    if bias_t is not None:
+        St = St + (bias_t if bias_t.shape[-2] == 1 else select(bias_t, -2)).astype(acc)
+    if lse_t is not None:
+        St = St - select(lse_t, -1).astype(acc)[..., None]
+    return (P * St).astype(acc)
+
+
+def attention_probs(q, k, lse, *, rows=None, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None,
+                    mask=None, scale=None, backend="auto", dtype=None):
+    """flashcupy.attention_probs on jax.Arrays, inside or outside jax.jit, differentiable (forward and
+    reverse mode, through q, k, lse and a bias) and batchable (jax.vmap): P = exp(s - lse) of the query
+    rows asked for, (*batch, heads_q, len(rows), seqlen_k) in lse's dtype, recomputed from q, k and the
+    lse of attention(..., return_lse=True) with the same keywords. rows: None (all), a slice or a 1-D
+    array of ints, known when JAX traces (static: each new set traces anew). Its derivative P (St - lse_t)
+    (St the score's) is computed by XLA from P, q and k: O(rows x seqlen_k) memory, as P itself.
+    """
+    _check_jax({"q": q, "k": k, "lse": lse, "alibi_slopes": alibi_slopes, "bias": bias, "mask": mask})
+    if isinstance(rows, jax.core.Tracer):
+        raise TypeError(f"rows must be known when JAX traces the call (None, a slice, or a NumPy array or concrete "
+                        f"jax.Array of ints, closed over rather than passed through jax.jit), got a traced "
+                        f"{rows.dtype} array: the rows decide P's shape")
+    p, call = _plan(q, k, k, causal, window, softcap, alibi_slopes, bias, mask, scale, backend, dtype)
+    _checks.check_lse(p, _stand_in(lse), q.shape[:-3] + (q.shape[-2], q.shape[-3]))
+    index = _checks.check_rows(rows, q.shape[-3])
+    rows = None if rows is None else tuple(index.tolist())
+    bias, mask = (None if x is None else x.reshape((1,) * (q.ndim - x.ndim) + x.shape) for x in (bias, mask))
+    return _differentiable_probs(call, rows)(*_vary_together(q, k, lse, alibi_slopes, bias, mask))
 
 
 # ----------------------------------------------------------------------------

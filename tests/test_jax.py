@@ -13,7 +13,7 @@ jnp = pytest.importorskip("jax.numpy")
 import flashcupy.jax as fj  # noqa: E402
 from flashcupy.backends import numpy_backend  # noqa: E402
 from conftest import BF16, assert_matches_oracle, assert_tangent_matches_oracle, expected  # noqa: E402
-from reference.compare import error_ratio  # noqa: E402
+from reference.compare import error_ratio, kernel_family  # noqa: E402
 
 
 def to_jax(x):
@@ -816,3 +816,155 @@ def test_under_shard_map_with_a_shared_bias(rng, tmp_path):
     got = list(np.load(tmp_path / "out.npz").values())
     assert_matches_oracle(got[:6], q, k, v, dout, backend="numpy", causal=True, bias=bias)
     assert_tangent_matches_oracle(got[6], got[7], q, k, v, (t, None, None), backend="numpy", causal=True, bias=bias)
+
+
+# ----------------------------------------------------------------------------
+# attention_probs: P from the package, its derivative P (St - lse_t) in JAX's own operations
+
+
+def assert_probs_match_oracle(P, P_t, q, k, tangents, rows, *, backend, **keywords):
+    """P and P_t (flashcupy.jax.attention_probs and its jvp, lse the forward's) of the query rows `rows`
+    against the oracle (reference.attention_probs_jvp), with reference/compare.py's tolerance; tangents
+    (q_t, k_t, v_t[, bias_t]). Returns {output: err/tol}."""
+    family = None if backend is None else kernel_family(backend, keywords.get("dtype") or q.dtype, np.shape(q)[-1])
+    want = expected(q, k, k, family=family, probs=True, tangents=tangents, **keywords)
+    ratios = {}
+    for name, x in (("P", P), ("P_t", P_t)):
+        ratios[name] = error_ratio(np.asarray(x), want, name, rows)
+        assert ratios[name] <= 1, f"{name}: error {ratios[name]:.3g} times the tolerance ({want.dtype})"
+    return ratios
+
+
+def jitted_probs_jvp(rows, **keywords):
+    """jit(jvp) of flashcupy.jax.attention_probs in q and k, lse from flashcupy.jax.attention (so its
+    tangent is lse's own); the modifiers' arrays held constant."""
+    def run(q, k, q_t, k_t, bias=None, mask=None, slopes=None):
+        def f(q, k):
+            mods = dict(bias=bias, mask=mask, alibi_slopes=slopes, **keywords)
+            _, lse = fj.attention(q, k, k, return_lse=True, **mods)
+            return fj.attention_probs(q, k, lse, rows=rows, **mods)
+        return jax.jvp(f, (q, k), (q_t, k_t))
+    return jax.jit(run)
+
+
+def check_probs_case(rng, case, dtype, rows):
+    B, Sq, Sk, Hq, Hkv, D, kw, shapes = CASES[case]
+    q, k, _, _ = arrays(rng, B, Sq, Sk, Hq, Hkv, D, dtype)
+    tangents = tangents_of(rng, q, k)
+    mods = modifier_arrays(rng, shapes, dtype)
+    P, P_t = jitted_probs_jvp(rows, **kw)(*map(to_jax, (q, k, *tangents)), *(
+        None if mods.get(n) is None else to_jax(mods[n]) for n in ("bias", "mask", "alibi_slopes")))
+    index = np.arange(Sq)[slice(None) if rows is None else rows]
+    assert P.shape == P_t.shape == (B, Hq, index.size, Sk) and P.dtype == P_t.dtype == np.dtype(_lse_dtype(dtype))
+    return assert_probs_match_oracle(P, P_t, q, k, (*tangents, None), index, backend="numpy", **kw, **mods)
+
+
+def _lse_dtype(dtype):
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_probs_and_their_jvp_match_the_oracle(rng, case):
+    # every case: GQA and MQA, rows that see no key (P 0, P_t 0), a window, a constant bias, a mask,
+    # ALiBi and the softcap (P_t through 1 - t^2); all rows, and some rows with a negative one
+    check_probs_case(rng, case, np.float32, None)
+    check_probs_case(rng, case, np.float32, [-1, 0, 3])
+
+
+def test_probs_jvp_float64_bfloat16_and_float16(rng):
+    with jax.enable_x64(True):
+        check_probs_case(rng, "causal_gqa", np.float64, slice(1, None, 2))
+    check_probs_case(rng, "mask_alibi_softcap", BF16, None)
+    check_probs_case(rng, "causal_sq_gt_sk_mqa", np.float16, [2, 12])
+
+
+def test_probs_reverse_mode_vmap_and_leading_dimensions(rng):
+    # the Jacobian of P (two rows) in q, k and the bias by jacrev (JAX transposes P_t; lse's part is the
+    # package's backward with dlse) and by jacfwd, each column within twice the oracle's tolerance of the
+    # jvp along that basis vector; then vmap over a mapped q and a bias broadcast over leading dimensions
+    B, S, Hq, Hkv, D = 1, 4, 2, 1, 4
+    q, k, _, _ = arrays(rng, B, S, S, Hq, Hkv, D, np.float32)
+    bias = rng.standard_normal((1, Hq, S, S)).astype(np.float32)
+    rows, kw = [3, 1], dict(causal=True, softcap=2.0)
+    primals = tuple(map(to_jax, (q, k, bias)))
+
+    def probs(q, k, bias):
+        _, lse = fj.attention(q, k, k, bias=bias, return_lse=True, **kw)
+        return fj.attention_probs(q, k, lse, bias=bias, rows=rows, **kw)
+    for index, x in enumerate((q, k, bias)):
+        def of(x):
+            return probs(*(x if i == index else y for i, y in enumerate(primals)))
+        ways = (jax.jacrev, jax.jacfwd) if index < 2 else (jax.jacrev,)
+        jacobians = [np.asarray(jax.jit(how(of))(primals[index])) for how in ways]
+        for e in range(x.size if index < 2 else 0):  # forward mode refuses the bias (attention's lse)
+            basis = np.zeros(x.size, np.float32)
+            basis[e] = 1
+            tangents = [basis.reshape(x.shape) if i == index else None for i in range(3)]
+            tangents.insert(2, None)  # (q_t, k_t, v_t, bias_t)
+            want = expected(q, k, k, family="numpy", probs=True, tangents=tangents, bias=bias, **kw)
+            column = (Ellipsis,) + np.unravel_index(e, x.shape)
+            for got in jacobians:
+                assert error_ratio(got[column], want, "P_t", rows) <= 2, (index, e)
+        if index == 2:
+            with pytest.raises(ValueError, match="bias: flashcupy.jax has no forward mode"):
+                jax.jit(jax.jacfwd(of)).lower(primals[2])
+            for e in range(x.size):
+                basis = np.zeros(x.size, np.float32)
+                basis[e] = 1
+                want = expected(q, k, k, family="numpy", probs=True, bias=bias, **kw,
+                                tangents=(None, None, None, basis.reshape(x.shape)))
+                column = (Ellipsis,) + np.unravel_index(e, x.shape)
+                assert error_ratio(jacobians[0][column], want, "P_t", rows) <= 2, e
+
+    # vmap: q mapped (the fold), k shared, a (S, S) bias broadcast over the leading dimensions (2, 3)
+    q = rng.standard_normal((2, 3, S, Hq, D)).astype(np.float32)
+    k = rng.standard_normal((2, 3, S, Hkv, D)).astype(np.float32)
+    q_t, k_t = tangents_of(rng, q, k)
+    bias = rng.standard_normal((S, S)).astype(np.float32)
+    Q = np.stack([q, -0.5 * q])
+    run = jax.jit(jax.vmap(lambda q, k, q_t, k_t: jax.jvp(lambda q, k: probs(q, k, to_jax(bias)), (q, k), (q_t, k_t)),
+                           in_axes=(0, None, 0, None)))
+    P, P_t = run(*map(to_jax, (Q, k, np.stack([q_t, q_t]), k_t)))
+    assert P.shape == (2, 2, 3, Hq, 2, S)
+    for n in range(2):
+        assert_probs_match_oracle(P[n], P_t[n], Q[n], k, (q_t, k_t, None), np.array(rows), backend="numpy",
+                                  bias=bias, **kw)
+
+
+def test_probs_errors_at_trace_time_and_the_buffer_written_in_place(rng, monkeypatch):
+    q, k, _, _ = map(to_jax, arrays(rng, 1, 8, 8, 2, 2, 8, np.float32))
+    lse = jnp.zeros((1, 2, 8), jnp.float32)
+    with pytest.raises(TypeError, match="rows must be known when JAX traces"):
+        jax.jit(lambda q, r: fj.attention_probs(q, k, lse, rows=r)).lower(q, jnp.arange(3))
+    with pytest.raises(ValueError, match=r"rows must lie in \[-seqlen_q, seqlen_q\)"):
+        traced(lambda q: fj.attention_probs(q, k, lse, rows=[8]), q)
+    with pytest.raises(ValueError, match=r"lse must have shape \(\*batch, heads_q, seqlen_q\) = \(1, 2, 8\)"):
+        traced(lambda q: fj.attention_probs(q, k, lse[..., :7]), q)
+    with pytest.raises(TypeError, match="lse must have dtype float32"):
+        traced(lambda q: fj.attention_probs(q, k, lse.astype(jnp.float16)), q)
+    with pytest.raises(TypeError, match="lse must be a jax.Array, got numpy.ndarray"):
+        fj.attention_probs(q, k, np.asarray(lse))
+    # the backend writes P straight into XLA's output buffer
+    seen = {}
+    probs = numpy_backend.probs
+
+    def spy(p, q, k, lse, rows, into=None):
+        seen["into"] = into
+        return probs(p, q, k, lse, rows, into=into)
+    monkeypatch.setattr(numpy_backend, "probs", spy)
+    P = jax.jit(lambda q, lse: fj.attention_probs(q, k, lse, rows=slice(2, 5)))(q, lse)
+    assert seen["into"].__array_interface__["data"][0] == P.unsafe_buffer_pointer() and P.shape == (1, 2, 3, 8)
+
+
+def test_cupy_probs_and_their_jvp_on_the_emulator(rng):
+    # the GPU path on the CPU CUDA emulator: flash_probs writes into XLA's buffer (float16, GQA, causal,
+    # a bias and some rows), the lse and its tangent from the cupy forward and forward mode
+    from flashcupy.tools.emulator.cupy import emulated
+
+    q, k, _, _ = arrays(rng, 1, 9, 12, 4, 2, 16, np.float16)
+    tangents = tangents_of(rng, q, k)
+    bias = rng.standard_normal((1, 1, 9, 12)).astype(np.float16)
+    rows, kw = [8, 0, 5], dict(causal=True, backend="cupy")
+    with emulated():
+        P, P_t = jitted_probs_jvp(rows, **kw)(*map(to_jax, (q, k, *tangents)), to_jax(bias))
+    assert_probs_match_oracle(P, P_t, q, k, (*tangents, None), np.array(rows), backend=None, causal=True, bias=bias)
