@@ -112,6 +112,19 @@ def assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, *, backend, *
     return ratios
 
 
+def assert_probs_match_oracle(P, P_t, q, k, tangents, rows, *, backend, **keywords):
+    """P and P_t (flashcupy.jax.attention_probs and its jvp, lse the forward's) of the query rows `rows`
+    against the oracle (reference.attention_probs_jvp), with reference/compare.py's tolerance; tangents
+    (q_t, k_t, v_t[, bias_t]). Returns {output: err/tol}."""
+    family = None if backend is None else kernel_family(backend, keywords.get("dtype") or q.dtype, np.shape(q)[-1])
+    want = expected(q, k, k, family=family, probs=True, tangents=tangents, **keywords)
+    ratios = {}
+    for name, x in (("P", P), ("P_t", P_t)):
+        ratios[name] = error_ratio(np.asarray(x), want, name, rows)
+        assert ratios[name] <= 1, f"{name}: error {ratios[name]:.3g} times the tolerance ({want.dtype})"
+    return ratios
+
+
 # Deliberate bugs: each kernel family's tests apply one-line mutations of the kind a kernel change
 # introduces (the scale ignored, the wrong kv head, D not subtracted, the causal key range off by
 # one, lse in base 2) to its own source, and this fast battery, the same oracle check as every

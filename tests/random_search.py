@@ -6,6 +6,7 @@
     python tests/random_search.py cache --backend numpy -n 300
     python tests/random_search.py jax -n 80        # flashcupy.jax under jit and grad (NumPy backend)
     python tests/random_search.py jvp -n 80        # flashcupy.jax's forward mode under jit (NumPy backend)
+    python tests/random_search.py probs -n 80      # flashcupy.jax.attention_probs and its jvp (NumPy backend)
     python tests/random_search.py torch -n 80      # torch autograd (NumPy backend)
     python tests/random_search.py dask -n 100      # flashcupy.dask over random chunkings
 
@@ -32,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import contract  # noqa: E402
-from conftest import BF16, assert_matches_oracle, assert_tangent_matches_oracle, bf16_bits, make_qkv  # noqa: E402
+from conftest import (BF16, assert_matches_oracle, assert_probs_match_oracle, assert_tangent_matches_oracle,  # noqa: E402
+                      bf16_bits, make_qkv)
 
 import flashcupy  # noqa: E402
 
@@ -275,6 +277,51 @@ def jvp_case(rng, args):
     yield ratios | assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, backend=family, **ref)
 
 
+def probs_case(rng, args):
+    """flashcupy.jax.attention_probs under jit and jvp: random rows (None, a slice, indices with negative
+    ones), tangents of q, k or both, lse from flashcupy.jax.attention (its tangent the jvp's), leading
+    dimensions, a constant bias, the window and softcap; on args.backend as jvp_case."""
+    import jax
+    import jax.numpy as jnp
+
+    import flashcupy.jax as fj
+
+    dtype = str(rng.choice([d.replace("-bits", "") for d in args.dtypes]))
+    lead, Hq, Hkv, D, Sq, Sk, bias, kw = _leading_and_bias(rng, dtype)
+    values = _values(dtype)
+    q, k = (rng.standard_normal(lead + shape).astype(values) for shape in ((Sq, Hq, D), (Sk, Hkv, D)))
+    given = [bool(x) for x in rng.random(2) < 0.7]
+    if not any(given):
+        given[int(rng.integers(0, 2))] = True
+    tangents = [rng.standard_normal(x.shape).astype(values) if g else None for x, g in zip((q, k), given)]
+    draw = rng.random()
+    if draw < 0.3:
+        rows = None
+    elif draw < 0.6:
+        rows = slice(int(rng.integers(0, Sq)), None, int(rng.integers(1, 4)))
+    else:
+        rows = [int(x) for x in rng.integers(-Sq, Sq, int(rng.integers(1, 5)))]
+    yield _describe(lead=lead, Sq=Sq, Sk=Sk, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, bias=bias, rows=rows,
+                    tangents="".join(n for n, g in zip("qk", given) if g), **kw)
+    wrt = [i for i, g in enumerate(given) if g]
+    mods = dict(kw, bias=None if bias is None else jnp.asarray(bias), backend=args.backend)
+
+    def f(*wrt_values):
+        arrays = [jnp.asarray(x) for x in (q, k)]
+        for i, x in zip(wrt, wrt_values):
+            arrays[i] = x
+        _, lse = fj.attention(*arrays, arrays[1], return_lse=True, **mods)
+        return fj.attention_probs(*arrays, lse, rows=rows, **mods)
+
+    with jax.enable_x64(dtype == "float64"), contract.CONTEXTS[args.backend](args.path, args.order):
+        P, P_t = jax.jit(lambda p, t: jax.jvp(f, p, t))(tuple(jnp.asarray((q, k)[i]) for i in wrt),
+                                                         tuple(jnp.asarray(tangents[i]) for i in wrt))
+    ref = dict(kw) | ({} if bias is None else {"bias": bias})
+    index = np.arange(Sq)[slice(None) if rows is None else rows]
+    yield assert_probs_match_oracle(P, P_t, q, k, (*tangents, None), index,
+                                    backend="numpy" if args.backend == "numpy" else None, **ref)
+
+
 def torch_case(rng, args):
     """flashcupy.attention on torch tensors under autograd, through out and lse."""
     import torch
@@ -353,7 +400,7 @@ def dask_case(rng, args):
 
 
 SURFACES = {"attention": attention_case, "varlen": varlen_case, "cache": cache_case, "jax": jax_case,
-            "jvp": jvp_case, "torch": torch_case, "dask": dask_case}
+            "jvp": jvp_case, "probs": probs_case, "torch": torch_case, "dask": dask_case}
 
 
 def search(args) -> int:

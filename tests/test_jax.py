@@ -12,8 +12,9 @@ jnp = pytest.importorskip("jax.numpy")
 
 import flashcupy.jax as fj  # noqa: E402
 from flashcupy.backends import numpy_backend  # noqa: E402
-from conftest import BF16, assert_matches_oracle, assert_tangent_matches_oracle, expected  # noqa: E402
-from reference.compare import error_ratio, kernel_family  # noqa: E402
+from conftest import (BF16, assert_matches_oracle, bf16_bits, assert_probs_match_oracle, assert_tangent_matches_oracle,  # noqa: E402
+                      expected)
+from reference.compare import error_ratio  # noqa: E402
 
 
 def to_jax(x):
@@ -794,15 +795,19 @@ f = jax.shard_map(lambda q, k, v, b: fj.attention(q, k, v, bias=b, causal=True, 
 out, lse = jax.jit(f)(q, k, v, bias)
 grads = jax.jit(jax.grad(lambda *a: jnp.vdot(f(*a)[0], dout), argnums=(0, 1, 2, 3)))(q, k, v, bias)
 _, (out_t, lse_t) = jax.jit(lambda q, t: jax.jvp(lambda q: f(q, k, v, bias), (q,), (t,)))(q, t)
-np.savez(sys.argv[2], *(np.asarray(x) for x in (out, lse, *grads, out_t, lse_t)))
+lse_of = lambda q, k, b: fj.attention(q, k, k, bias=b, causal=True, return_lse=True)[1]
+g = jax.shard_map(lambda q, k, b: fj.attention_probs(q, k, lse_of(q, k, b), bias=b, causal=True, rows=[7, 2]),
+                  mesh=mesh, in_specs=(P("b"),) * 2 + (P(),), out_specs=P("b"))
+probs, probs_t = jax.jit(lambda q, t: jax.jvp(lambda q: g(q, k, bias), (q,), (t,)))(q, t)
+np.savez(sys.argv[2], *(np.asarray(x) for x in (out, lse, *grads, out_t, lse_t, probs, probs_t)))
 """
 
 
 def test_under_shard_map_with_a_shared_bias(rng, tmp_path):
     # jax.shard_map over the batch on two (CPU) devices, its type check on: q, k, v sharded, the bias
     # shared by every shard, whose gradient is the sum of the devices' parts (the transpose of the cast
-    # to varying); forward, grad and jvp against the oracle. A process of its own: the devices are
-    # set before JAX starts.
+    # to varying); forward, grad and jvp against the oracle, and attention_probs with its jvp. A process
+    # of its own: the devices are set before JAX starts.
     import subprocess
     import sys
 
@@ -816,23 +821,12 @@ def test_under_shard_map_with_a_shared_bias(rng, tmp_path):
     got = list(np.load(tmp_path / "out.npz").values())
     assert_matches_oracle(got[:6], q, k, v, dout, backend="numpy", causal=True, bias=bias)
     assert_tangent_matches_oracle(got[6], got[7], q, k, v, (t, None, None), backend="numpy", causal=True, bias=bias)
+    assert_probs_match_oracle(got[8], got[9], q, k, (t, None, None), np.array([7, 2]), backend="numpy", causal=True,
+                              bias=bias)
 
 
 # ----------------------------------------------------------------------------
 # attention_probs: P from the package, its derivative P (St - lse_t) in JAX's own operations
-
-
-def assert_probs_match_oracle(P, P_t, q, k, tangents, rows, *, backend, **keywords):
-    """P and P_t (flashcupy.jax.attention_probs and its jvp, lse the forward's) of the query rows `rows`
-    against the oracle (reference.attention_probs_jvp), with reference/compare.py's tolerance; tangents
-    (q_t, k_t, v_t[, bias_t]). Returns {output: err/tol}."""
-    family = None if backend is None else kernel_family(backend, keywords.get("dtype") or q.dtype, np.shape(q)[-1])
-    want = expected(q, k, k, family=family, probs=True, tangents=tangents, **keywords)
-    ratios = {}
-    for name, x in (("P", P), ("P_t", P_t)):
-        ratios[name] = error_ratio(np.asarray(x), want, name, rows)
-        assert ratios[name] <= 1, f"{name}: error {ratios[name]:.3g} times the tolerance ({want.dtype})"
-    return ratios
 
 
 def jitted_probs_jvp(rows, **keywords):
@@ -876,6 +870,19 @@ def test_probs_jvp_float64_bfloat16_and_float16(rng):
         check_probs_case(rng, "causal_gqa", np.float64, slice(1, None, 2))
     check_probs_case(rng, "mask_alibi_softcap", BF16, None)
     check_probs_case(rng, "causal_sq_gt_sk_mqa", np.float16, [2, 12])
+
+
+def test_probs_of_bfloat16_bits(rng):
+    # uint16 bits with dtype="bfloat16", as on NumPy and CuPy: P in float32, and the bits have no tangent
+    q, k, _, _ = arrays(rng, 1, 6, 9, 2, 1, 8, BF16)
+    bits = [to_jax(bf16_bits(x)) for x in (q, k)]
+    _, lse = fj.attention(*bits, bits[1], return_lse=True, dtype="bfloat16", causal=True)
+    P = jax.jit(lambda q, k, lse: fj.attention_probs(q, k, lse, dtype="bfloat16", causal=True, rows=[5, 1]))(*bits, lse)
+    assert P.dtype == np.float32
+    assert error_ratio(np.asarray(P), expected(q, k, k, family="numpy", probs=True, causal=True), "P", [5, 1]) <= 1
+    P_t = jax.jvp(lambda lse: fj.attention_probs(*bits, lse, dtype="bfloat16", causal=True), (lse,), (lse,))[1]
+    np.testing.assert_array_equal(np.asarray(P_t), -np.asarray(lse)[..., None] * fj.attention_probs(
+        *bits, lse, dtype="bfloat16", causal=True))  # P (0 - lse_t), lse_t = lse here
 
 
 def test_probs_reverse_mode_vmap_and_leading_dimensions(rng):
