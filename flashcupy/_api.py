@@ -202,20 +202,21 @@ def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slo
 
 
 def probs(q, k, lse, *, rows=None, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None,
-          mask=None, scale=None, backend="auto", dtype=None, into=None):
-    """attention_probs on NumPy or CuPy arrays, with into: None or the array P is written into (its
-    shape and dtype, any strides; flashcupy.jax's XLA buffer), returned."""
+          mask=None, scale=None, backend="auto", dtype=None, diagonal=None, into=None):
+    """attention_probs on NumPy or CuPy arrays, with forward's diagonal (flashcupy.dask's pairs of
+    chunks) and into: None or the array P is written into (its shape and dtype, any strides;
+    flashcupy.jax's XLA buffer), returned."""
     backend = check_backend_name(backend)
     lib = check_arrays({"q": q, "k": k, "lse": lse})
     batch = check_leading(lib, q, k, k, alibi_slopes, bias, mask)
     kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
-              scale=scale, backend=backend, dtype=dtype)
+              scale=scale, backend=backend, dtype=dtype, diagonal=diagonal)
     if len(batch) > 1:  # rank-4 calls on views (flashcupy/_batch.py)
         p = problem(*map(_batch.stand_in, (q, k, k)), causal, scale, dtype, lib)
         check_lse(p, lse, batch + (q.shape[-2], q.shape[-3]))
         index = check_rows(rows, q.shape[-3])
         return _batch.probs(probs, q, k, lse, index, kw, p.lse_dtype, into)
-    p = problem(q, k, k, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask)
+    p = problem(q, k, k, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal)
     check_lse(p, lse)
     index = check_rows(rows, p.seqlen_q)
     mod = select_backend(backend, lib, p)

@@ -6,6 +6,7 @@
     out, vjp = flashcupy.dask.attention_vjp(q, k, v, causal=True)
     dq, dk, dv = vjp(dout)                                    # lazy too
     dask.compute(out, dq, dk, dv)                             # any scheduler, any cluster
+    P = flashcupy.dask.attention_probs(q, k, lse, causal=True)    # the weights, a block per pair
 
 The graph (extra `dask`): for each (batch chunk, head chunk, query chunk), one task per key chunk
 that some of its queries see under causal and window; pairs outside the band are not in the graph.
@@ -20,6 +21,11 @@ D = rowsum(dout ∘ out) are then exactly the whole call's), and sums dq over ke
 over query chunks, and dbias over the pairs that share a bias block (every chunk along a dimension
 the bias broadcasts), each in a tree of fixed shape: the bits do not depend on the scheduler (nor,
 with deterministic=True, on the CuPy tensor-core kernels' atomics).
+
+attention_probs: P (*batch, heads_q, seqlen_q, seqlen_k) in blocks of q's and k's chunks, each block
+one attention_probs call on its pair with the whole row's lse (so exactly the whole call's P), and
+zeros for a pair outside the band; rows asked for are Dask's own indexing of that array, which
+computes only the query chunks it keeps.
 """
 
 from __future__ import annotations
@@ -519,3 +525,57 @@ def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slo
         return _backward(plan, dout.rechunk(plan.out_chunks), q, k, v, out, lse, dlse, deterministic)
 
     return out, vjp
+
+
+# ----------------------------------------------------------------------------
+# attention_probs
+
+
+def _pair_probs(q, k, lse, bias, mask, diagonal, kw):
+    return _api.probs(q, k, lse, bias=bias, mask=mask, diagonal=diagonal, **kw)
+
+
+def _hidden_block(q, shape, dtype):
+    """The block of a pair that no query sees: P = 0."""
+    return _merge.library(q).zeros(shape, dtype)
+
+
+def attention_probs(q, k, lse, *, rows=None, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None,
+                    mask=None, scale=None, backend="auto", dtype=None):
+    """flashcupy.attention_probs on dask arrays: lazy P = exp(s - lse) (*batch, heads_q, len(rows),
+    seqlen_k) in lse's dtype, chunked as q along the batch, heads and (all rows) the sequence and as k
+    along the keys, from q, k (chunked as attention takes them) and the forward's lse (rechunked to q's
+    chunks if it differs). One attention_probs call per pair of a query and a key chunk, with the whole
+    row's lse, so each block is exactly the whole call's; a pair outside the band is zeros, no call.
+    rows: None (all; P holds seqlen_q x seqlen_k per head: compute it in parts, or store it with
+    dask.array.to_zarr), a slice or a 1-D array of ints, Dask's indexing of P (only the query chunks
+    holding them are computed)."""
+    da, tokenize, HighLevelGraph = _dask()
+    plan = _Plan(q, k, k, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias, mask)
+    L = plan.lead
+    _check_like("lse", lse, plan.batch + (q.shape[-2], q.shape[-3]), plan.p.lse_dtype)
+    index = _checks.check_rows(rows, q.shape[-3])
+    lse = lse.rechunk(_lse_chunks(q))
+    token = tokenize(q, k, lse, plan.causal, plan.window, plan.softcap, plan.alibi, plan.bias, plan.mask, plan.scale,
+                     plan.backend, plan.dtype)
+    name = f"flashcupy-attention-probs-{token}"
+    chunks = q.chunks[:L] + (q.chunks[L + 1], q.chunks[L], k.chunks[L])
+    graph = {}
+    for b, h in itertools.product(list(plan.batch_blocks()), range(len(plan.q_chunks[1]))):
+        kw = plan.keywords(b, h)
+        for i, j in itertools.product(range(len(plan.q_chunks[0])), range(len(plan.k_chunks[0]))):
+            qk = (q.name, *b, i, h, 0)
+            if plan.sees(i, j):
+                graph[(name, *b, h, i, j)] = (_pair_probs, qk, (k.name, *b, j, h, 0), (lse.name, *b, h, i),
+                                              plan.block(plan.bias, b, h, i, j), plan.block(plan.mask, b, h, i, j),
+                                              plan.diagonal(i, j), kw)
+            else:
+                shape = tuple(c[n] for c, n in zip(chunks, (*b, h, i, j)))
+                graph[(name, *b, h, i, j)] = (_hidden_block, qk, shape, plan.p.lse_dtype)
+    P = da.Array(HighLevelGraph.from_collections(name, graph, dependencies=[q, k, lse] + plan.modifiers()), name,
+                 chunks, meta=_meta(q, q.ndim + 1, plan.p.lse_dtype))
+    if rows is None:
+        return P
+    if isinstance(rows, slice):
+        return P[..., rows, :]
+    return P[..., index, :]

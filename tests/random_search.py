@@ -37,6 +37,7 @@ from conftest import (BF16, assert_matches_oracle, assert_probs_match_oracle, as
                       bf16_bits, make_qkv)
 
 import flashcupy  # noqa: E402
+from reference.compare import error_ratio, expected  # noqa: E402
 
 LAYOUTS = ("bshd", "bhsd", "sliced", "reversed")
 
@@ -354,7 +355,7 @@ def torch_case(rng, args):
 
 
 def dask_case(rng, args):
-    """flashcupy.dask forward and backward (with dlse) over random chunkings of every axis."""
+    """flashcupy.dask forward, backward (with dlse) and attention_probs over random chunkings of every axis."""
     import dask
     import dask.array as da
 
@@ -395,8 +396,14 @@ def dask_case(rng, args):
         out, lse = fdask.attention(Q, K, V, return_lse=True, **kw)
         grads = fdask.attention_backward(da.from_array(dout, chunks=out.chunks), Q, K, V, out, lse,
                                          dlse=da.from_array(dlse), **kw)
-        got = dask.compute(out, lse, *grads)
-    yield assert_matches_oracle(got, q, k, v, dout, backend=None, dlse=dlse, **ref)
+        no_dropout = {n: x for n, x in kw.items() if not n.startswith("dropout")}  # lse is of the undropped P
+        P = fdask.attention_probs(Q, K, lse, **no_dropout)
+        got = dask.compute(out, lse, *grads, P)
+    ratios = assert_matches_oracle(got[:-1], q, k, v, dout, backend=None, dlse=dlse, **ref)
+    want = expected(q, k, v, probs=True, **{n: x for n, x in ref.items() if not n.startswith("dropout")})
+    ratios["P"] = error_ratio(got[-1], want, "P")
+    assert ratios["P"] <= 1, f"P: error {ratios['P']:.3g} times the tolerance"
+    yield ratios
 
 
 SURFACES = {"attention": attention_case, "varlen": varlen_case, "cache": cache_case, "jax": jax_case,

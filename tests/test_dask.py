@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import BF16, DTYPES, assert_matches_oracle, bf16_bits, bf16_ties, make_qkv
+from reference.compare import error_ratio, expected
 
 import flashcupy
 import flashcupy.dask as fdask
@@ -372,3 +373,94 @@ def test_dropout_draws_the_whole_arrays_mask_in_every_pair_of_chunks(rng):
     assert_matches_oracle(got, q, k, v, dout, backend=MERGED, **kw)
     with pytest.raises(ValueError, match=r"with dropout, q's leading dimensions but the first must each be one chunk"):
         fdask.attention(Q.rechunk({1: 1}), K, V, **kw)
+
+
+# ----------------------------------------------------------------------------
+# attention_probs: one block per pair of chunks, with the whole row's lse
+
+
+def _probs_ratio(P, q, k, rows=None, **keywords):
+    want = expected(q, k, k, probs=True, family="numpy", **keywords)
+    index = None if rows is None else np.arange(q.shape[-3])[rows]
+    return error_ratio(P, want, "P", index)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[1]}x{c[2]}{'-causal' if c[6] else ''}-{c[7]}-{c[8]}")
+def test_probs_in_every_chunking_match_the_oracle(rng, case):
+    # query chunks that see no key chunk (zeros blocks), GQA head chunks, uneven chunks; all rows, a
+    # slice, and indices out of order across chunks
+    B, Sq, Sk, Hq, Hkv, D, causal, q_seq, k_seq = case
+    q, k, _ = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float32)
+    Q, K, _ = _chunked(q, k, k, q_seq, k_seq)
+    lse = fdask.attention(Q, K, K, causal=causal, return_lse=True)[1]
+    for rows in (None, slice(1, None, 3), [Sq - 1, 0, Sq // 2]):
+        P = fdask.attention_probs(Q, K, lse, rows=rows, causal=causal)
+        if rows is None:
+            assert P.chunks == (Q.chunks[0], Q.chunks[2], Q.chunks[1], K.chunks[1])
+        got = P.compute(scheduler="sync")
+        assert got.dtype == np.float32 and _probs_ratio(got, q, k, rows, causal=causal) <= 1
+
+
+@pytest.mark.parametrize("mods", MODIFIED, ids=lambda m: "-".join(sorted(m)))
+def test_probs_with_modifiers_match_the_oracle(rng, mods):
+    # windows, the softcap and ALiBi mean in a pair what they mean on the whole arrays (its diagonal);
+    # a dask bias in chunks of its own and a mask that hides a key chunk and two rows' every key
+    mods = dict(mods)
+    q, k, _ = make_qkv(rng, 2, 23, 29, 4, 2, 8, np.float32)
+    if "alibi_slopes" in mods:
+        mods["alibi_slopes"] = rng.uniform(0.1, 1, mods["alibi_slopes"]).astype(np.float32)
+    bias = rng.standard_normal((1, 4, 23, 29)).astype(np.float32)
+    mask = rng.random((2, 1, 23, 29)) < 0.8
+    mask[0, :, :, 16:] = False
+    mask[..., -2:, :] = False
+    Q, K, _ = _chunked(q, k, k, (6, 1, 16), (8, 8, 13), heads_kv=2)
+    Bias = da.from_array(bias, chunks=(1, 2, 5, 7))
+    lse = fdask.attention(Q, K, K, bias=Bias, mask=mask, return_lse=True, **mods)[1]
+    P = fdask.attention_probs(Q, K, lse.rechunk((1, 2, 23)), rows=[22, 3, -2], bias=Bias, mask=mask, **mods)
+    assert _probs_ratio(P.compute(), q, k, [22, 3, -2], bias=bias, mask=mask, **mods) <= 1
+
+
+def test_probs_with_leading_dimensions_and_bfloat16_bits(rng):
+    # q (2, 3, S, H, D) chunked along both leading dimensions with per-element ALiBi slopes; bfloat16
+    # as uint16 bits; pairs outside the causal band are zeros blocks, not calls
+    q, k = (rng.standard_normal((2, 3, S, H, 8)).astype(BF16) for S, H in ((19, 4), (23, 2)))
+    slopes = rng.uniform(0.05, 0.5, (2, 3, 4)).astype(np.float32)
+    Q = da.from_array(bf16_bits(q), chunks=(1, (2, 1), 7, 2, -1))
+    K = da.from_array(bf16_bits(k), chunks=(1, (2, 1), 10, 1, -1))
+    kw = dict(causal=True, alibi_slopes=slopes, dtype="bfloat16")
+    lse = fdask.attention(Q, K, K, return_lse=True, **kw)[1]
+    P = fdask.attention_probs(Q, K, lse, **kw)
+    assert P.shape == (2, 3, 4, 19, 23) and P.dtype == np.float32
+    assert _probs_ratio(P.compute(scheduler="threads"), bf16_bits(q), bf16_bits(k), **kw) <= 1
+    q, k, _ = make_qkv(rng, 1, 64, 64, 1, 1, 8, np.float32)
+    Q, K, _ = _chunked(q, k, k, 16, 16)
+    P = fdask.attention_probs(Q, K, fdask.attention(Q, K, K, causal=True, return_lse=True)[1], causal=True)
+    graph = dict(P.__dask_graph__())
+    calls = [key for key, task in graph.items()
+             if isinstance(key, tuple) and key[0].startswith("flashcupy-attention-probs") and "_pair_probs" in str(task)]
+    assert len(calls) == 10  # the lower triangle of 4 x 4
+    np.testing.assert_array_equal(P[..., :16, 16:].compute(), 0)
+
+
+@pytest.mark.parametrize("B, Sq, Sk", [(1, 0, 5), (1, 5, 0), (0, 4, 4)])
+def test_probs_of_empty_inputs(rng, B, Sq, Sk):
+    q, k, _ = make_qkv(rng, B, Sq, Sk, 2, 1, 8, np.float32)
+    Q, K = da.from_array(q), da.from_array(k)
+    P = fdask.attention_probs(Q, K, fdask.attention(Q, K, K, return_lse=True)[1]).compute()
+    assert P.shape == (B, 2, Sq, Sk) and _probs_ratio(P, q, k) <= 1
+
+
+def test_bad_probs_input_is_refused_before_any_work(rng):
+    q, k, _ = make_qkv(rng, 2, 8, 8, 2, 1, 8, np.float32)
+    Q, K, _ = _chunked(q, k, k, 4, 4)
+    lse = da.zeros((2, 2, 8), dtype=np.float32)
+    with pytest.raises(TypeError, match="lse must be a dask.array.Array"):
+        fdask.attention_probs(Q, K, np.zeros((2, 2, 8), np.float32))
+    with pytest.raises(ValueError, match=r"lse must have shape \(2, 2, 8\), got \(2, 2, 7\)"):
+        fdask.attention_probs(Q, K, lse[..., :7])
+    with pytest.raises(TypeError, match="lse must have dtype float32, got float64"):
+        fdask.attention_probs(Q, K, lse.astype(np.float64))
+    with pytest.raises(ValueError, match=r"rows must lie in \[-seqlen_q, seqlen_q\)"):
+        fdask.attention_probs(Q, K, lse, rows=[8])
+    with pytest.raises(ValueError, match="head_dim in one chunk"):
+        fdask.attention_probs(Q.rechunk({3: 4}), K, lse)
