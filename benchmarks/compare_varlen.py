@@ -4,6 +4,7 @@
     python benchmarks/compare_varlen.py --quick      # smaller shapes
     python benchmarks/compare_varlen.py --launches   # the cupy backend's launches, on the emulator (issue 28)
     python benchmarks/compare_varlen.py --gpu        # issue 28's GPU timings (benchmarks/gpu_session.sh runs them)
+    python benchmarks/compare_varlen.py --short      # many short sequences, grouped against a call each
 
 1. Varlen: 64 sequences of random length 1..2048 (float32, H=8, D=64, causal), packed, against
    padding every sequence to the longest and masking the padded keys (a bool key-padding mask)
@@ -13,6 +14,11 @@
    attention_with_kvcache, against the time to read K and V once (a NumPy sum over both, the
    machine's memory bandwidth as this process sees it) and torch's CPU SDPA on the same call.
    Targets: >= 50 % of that bandwidth; faster than torch.
+3. --short: 2,000 sequences of random length 16..128 (graphs, point-cloud patches; float32, H=8,
+   D=32, not causal), forward and forward + backward: the NumPy backend's groups of short sequences
+   (numpy_backend/packed.py, the default), the same backend with one call per sequence
+   (configure(short=0)), and torch's CPU SDPA on the batch padded to the longest with a key-padding
+   mask (its autograd for the backward); NumPy's sgemm rate beside them.
 Each contender keeps its best of several calls, taken in alternating blocks.
 
 --launches (a checkout: it needs the emulator, flashcupy/tools/emulator): the kernel launches of a
@@ -61,6 +67,56 @@ def varlen(n_seq, max_len, heads, head_dim, seed=0) -> dict:
     }, repeat=3)
     return dict(sequences=n_seq, max_len=max_len, total=total, longest=longest, heads=heads, head_dim=head_dim,
                 times=times)
+
+
+def short_sequences(n_seq=2000, shortest=16, longest=128, heads=8, head_dim=32, seed=0) -> dict:
+    """Section 3's times: {contender: best seconds}, and the problem's figures."""
+    from flashcupy.backends import numpy_backend
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(shortest, longest + 1, n_seq)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v, dout = (rng.standard_normal((int(cu[-1]), heads, head_dim), dtype=np.float32) for _ in range(4))
+
+    def ours(short, backward):
+        saved = numpy_backend.config.SHORT
+        numpy_backend.configure(short=short)
+        try:
+            if not backward:
+                return flashcupy.attention_varlen(q, k, v, cu, cu, backend="numpy")
+            o, l = flashcupy.attention_varlen(q, k, v, cu, cu, return_lse=True, backend="numpy")
+            return flashcupy.attention_varlen_backward(dout, q, k, v, o, l, cu, cu, backend="numpy")
+        finally:
+            numpy_backend.config.SHORT = saved
+
+    default = numpy_backend.packed.SHORT
+    fns = {"grouped forward": lambda: ours(default, False), "a call each forward": lambda: ours(0, False),
+           "grouped forward + backward": lambda: ours(default, True),
+           "a call each forward + backward": lambda: ours(0, True)}
+    try:
+        import torch
+        L = int(lengths.max())
+        padded = [np.zeros((n_seq, L, heads, head_dim), np.float32) for _ in range(3)]
+        for b in range(n_seq):
+            for x, packed in zip(padded, (q, k, v)):
+                x[b, :lengths[b]] = packed[cu[b]:cu[b + 1]]
+        mask = torch.from_numpy(np.arange(L)[None, None, None, :] < lengths[:, None, None, None])
+        tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).requires_grad_() for x in padded)
+        tdout = torch.zeros(n_seq, heads, L, head_dim)
+
+        def sdpa(backward):
+            if not backward:
+                with torch.no_grad():
+                    return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask)
+            torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask).backward(tdout)
+
+        fns["torch SDPA padded forward"] = lambda: sdpa(False)
+        fns["torch SDPA padded forward + backward"] = lambda: sdpa(True)
+    except ImportError:
+        pass
+    times = bench.best_alternating(fns, repeat=3)
+    flops = 4.0 * heads * head_dim * float(np.sum(lengths.astype(float) ** 2))  # the forward's, no padding
+    return dict(sequences=n_seq, shortest=shortest, longest=longest, total=int(cu[-1]), heads=heads,
+                head_dim=head_dim, times=times, flops=flops)
 
 
 def bandwidth_seconds(k, v, repeat=5) -> float:
@@ -284,7 +340,30 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--launches", action="store_true", help="the cupy backend's launches (emulated), only")
     ap.add_argument("--gpu", action="store_true", help="issue 28's GPU timings (cupy on a GPU), only")
+    ap.add_argument("--short", action="store_true", help="many short sequences (section 3), only")
     args = ap.parse_args(argv)
+    if args.short:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from compare_cpu import sgemm_rate
+        before = sgemm_rate()
+        r = short_sequences()
+        after = sgemm_rate()
+        t = r["times"]
+        print(f"# NumPy backend: {r['sequences']} sequences of {r['shortest']}..{r['longest']} tokens ({r['total']} in "
+              f"all), float32, H={r['heads']}, D={r['head_dim']}, not causal ({time.strftime('%Y-%m-%d %H:%M')}, "
+              f"{os.cpu_count()} cores, numpy {np.__version__}, load average {os.getloadavg()[0]:.2f}; NumPy sgemm "
+              f"4096^3 {before:.0f} GFLOP/s before, {after:.0f} after)\n")
+        print("| pass | grouped | a call each | torch SDPA, padded + key-padding mask | a call each / grouped | "
+              "torch / grouped |")
+        print("|---|---|---|---|---|---|")
+        for pass_ in ("forward", "forward + backward"):
+            ours, each = t[f"grouped {pass_}"], t[f"a call each {pass_}"]
+            theirs = t.get(f"torch SDPA padded {pass_}")
+            rate = r["flops"] * (1 if pass_ == "forward" else 3.5) / ours / 1e9
+            print(f"| {pass_} | {ours * 1e3:.0f} ms ({rate:.0f} GFLOP/s) | {each * 1e3:.0f} ms | "
+                  f"{'n/a' if theirs is None else f'{theirs * 1e3:.0f} ms'} | {each / ours:.2f}x | "
+                  f"{'n/a' if theirs is None else f'{theirs / ours:.2f}x'} |")
+        return 0
     if args.gpu:
         import cupy
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -17,9 +17,10 @@ arrays, so that no offset can make them touch memory outside them. The offsets a
 the host and checked first unless check_offsets=False, which skips that copy (for serving loops and
 CUDA graphs: unchecked offsets give garbage, in bounds, never an access outside the arrays); for
 valid offsets the result is the same bits either way. The Numba backend's kernels read them on the
-device as well (numba_backend.forward_varlen, backward_varlen). The NumPy backend loops over the
-sequences on the host and needs the offsets there, so it reads and checks them whatever check_offsets
-says. A KV cache's new tokens are appended in one launch on the cupy backend (cupy_backend.append_kv),
+device as well (numba_backend.forward_varlen, backward_varlen). The NumPy backend works on the
+host and needs the offsets there, so it reads and checks them whatever check_offsets says: its short
+sequences in groups of similar lengths, a call for all of them (numpy_backend/packed.py; a call
+each costs more than a hundred-token sequence's arithmetic), each longer one a call of its own. A KV cache's new tokens are appended in one launch on the cupy backend (cupy_backend.append_kv),
 and attention over the cache is one more launch (the cache as a packed batch whose sequences use their
 cache_seqlens + seqlen_new first positions: forward_varlen's seqused_k; a paged cache's read through
 block_table by the kernel), split-KV inside it as cupy_backend.cache_plan says. Where q (or a contiguous
@@ -213,13 +214,29 @@ def _sequence(keywords: dict, b: int) -> dict:
     return keywords | {"dropout_origin": (b, 0, 0, 0)} if keywords.get("dropout_p") else keywords
 
 
+def _together(q, k, v, cu_q, cu_k, alibi_slopes, keywords: dict, backward=False) -> tuple:
+    """(backend module, Problem of the packed arrays, the sequences it takes together) where the
+    backend runs several sequences of a packed batch at once on the host (the NumPy backend's short
+    ones: numpy_backend/packed.py), else (None, None, no sequences)."""
+    keywords = {name: x for name, x in keywords.items() if name != "dlse"}
+    p, mod = _packed_backend(q, k, v, cu_q.size - 1, alibi_slopes, keywords, backward)
+    if not hasattr(mod, "sequences_together"):
+        return None, None, np.zeros(0, np.intp)
+    return mod, p, mod.sequences_together(cu_q, cu_k)
+
+
 def _forward_loop(q, k, v, cu_q, cu_k, out, lse, *, alibi_slopes=None, **keywords) -> None:
     """forward_packed's, and attention_varlen's on a backend that loops on the host: each sequence's
-    (out, lse) written into out and lse."""
+    (out, lse) written into out and lse; the sequences the backend takes together first, in one call."""
     batch = cu_q.size - 1
+    mod, p, together = _together(q, k, v, cu_q, cu_k, alibi_slopes, keywords)
+    if together.size:
+        mod.forward_sequences(p, q, k, v, cu_q, cu_k, together, out, lse, alibi_slopes=alibi_slopes)
+    done = np.zeros(batch, bool)
+    done[together] = True
     for b in range(batch):
         (qa, qb), (ka, kb) = cu_q[b:b + 2], cu_k[b:b + 2]
-        if qa == qb:
+        if qa == qb or done[b]:
             continue
         o, l = _api.forward(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb],
                             alibi_slopes=_slopes_for(alibi_slopes, b, batch), **_sequence(keywords, b))
@@ -287,10 +304,19 @@ def backward_packed(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, *, alibi_sl
 
 def _backward_loop(dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, *, alibi_slopes=None, dlse=None,
                    **keywords) -> None:
-    """backward_packed's, and attention_varlen_backward's on a backend that loops on the host."""
+    """backward_packed's, and attention_varlen_backward's on a backend that loops on the host (the
+    sequences it takes together first, in one call)."""
     batch = cu_q.size - 1
+    mod, p, together = _together(q, k, v, cu_q, cu_k, alibi_slopes, keywords, backward=True)
+    if together.size:
+        mod.backward_sequences(p, dout, q, k, v, out, lse, cu_q, cu_k, together, dq, dk, dv, alibi_slopes=alibi_slopes,
+                               dlse=dlse)
+    done = np.zeros(batch, bool)
+    done[together] = True
     for b in range(batch):
         (qa, qb), (ka, kb) = cu_q[b:b + 2], cu_k[b:b + 2]
+        if done[b]:
+            continue
         if qa == qb or ka == kb:  # no query, or no key: zero gradients
             dq[qa:qb], dk[ka:kb], dv[ka:kb] = 0, 0, 0
             continue

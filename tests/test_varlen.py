@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from conftest import BF16, assert_matches_oracle, bf16_ties
+from conftest import BF16, assert_matches_oracle, bf16_bits, bf16_ties
+from modifier_checks import LARGE_SCALES
 from varlen_checks import (appended_rows, appends_across_a_block_boundary, cache_inputs,
                            packed_batch_matches_the_oracle, packed_inputs, per_sequence_alibi_in_a_kvcache,
                            split_cache_parts_round_once)
@@ -27,10 +28,20 @@ MODS = {"plain": dict(), "causal": dict(causal=True),
         "window-softcap": dict(window=(2, 1), softcap=3.0)}
 
 
+@pytest.fixture(params=[None, 6, 0], ids=["grouped", "grouped-and-one-call-each", "one-call-each"])
+def short(request):
+    """The NumPy backend's packed.SHORT for the test: the default (every sequence here in a group), 6
+    (the longer ones a call each) and 0 (no groups)."""
+    from flashcupy.backends.numpy_backend import config
+    saved, config.SHORT = config.SHORT, request.param
+    yield request.param
+    config.SHORT = saved
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("mods", MODS.values(), ids=MODS.keys())
 @pytest.mark.parametrize("lengths", LENGTHS, ids=["mixed", "decode-like"])
-def test_each_sequence_is_attention_on_it_alone(rng, lengths, mods, dtype):
+def test_each_sequence_is_attention_on_it_alone(rng, lengths, mods, dtype, short):
     lengths_q, lengths_k = lengths
     q, k, v, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, 4, 2, 8, dtype)
     mods = dict(mods)
@@ -49,6 +60,66 @@ def test_each_sequence_is_attention_on_it_alone(rng, lengths, mods, dtype):
             one["alibi_slopes"] = one["alibi_slopes"][b]
         got = (out[None, sq], lse[None, :, sq], dq[None, sq], dk[None, sk], dv[None, sk])
         assert_matches_oracle(got, q[None, sq], k[None, sk], v[None, sk], dout[None, sq], backend="numpy", **one)
+
+
+def test_short_sequences_run_in_groups_not_calls(rng, monkeypatch):
+    # many short sequences (empty ones too) on the NumPy backend: no call of their own, forward or
+    # backward (packed.py's groups), each against the oracle with GQA, a window, the softcap, ALiBi
+    # per sequence, dropout drawn as batch b's, bfloat16 bits, and a gradient of lse that is NaN in the
+    # rows that see no key (their dout too); the groups' padded scores within WASTE and GROUP_SCORES
+    from flashcupy import _api
+    from flashcupy.backends.numpy_backend import packed
+    lengths_q, lengths_k = (rng.integers(0, 24, 60) for _ in range(2))
+    q, k, v, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, 4, 2, 8, BF16)
+    q, k, v = map(bf16_bits, (q, k, v))
+    kw = dict(causal=True, window=(5, None), softcap=2.5, alibi_slopes=rng.uniform(0.1, 1, (60, 4)).astype(np.float32),
+              dropout_p=0.2, dropout_seed=11, dtype="bfloat16")
+    calls = []
+    for name in ("forward", "backward"):
+        monkeypatch.setattr(_api, name, lambda *a, _fn=getattr(_api, name), **k: calls.append(1) or _fn(*a, **k))
+    out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend="numpy", **kw)
+    dout = bf16_bits(rng.standard_normal(out.shape).astype(BF16))
+    dout[np.isneginf(lse).T] = bf16_bits(np.array(np.nan, BF16))  # rows that see no key: NaN dout and dlse
+    dlse = np.where(np.isneginf(lse), np.nan, rng.standard_normal(lse.shape)).astype(np.float32)
+    grads = flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, backend="numpy", dlse=dlse, **kw)
+    together = packed.together(cu_q, cu_k)
+    # a sequence without keys: the forward's call (out 0, lse -inf, no backend work); the backward's zeros
+    assert len(calls) == int(np.sum((lengths_q > 0) & (lengths_k == 0)))
+    assert set(together.tolist()) == set(np.flatnonzero((lengths_q > 0) & (lengths_k > 0)).tolist())
+    for group in packed.groups(together, cu_q, cu_k, 4):
+        Sq, Sk = lengths_q[group], lengths_k[group]
+        padded = len(group) * Sq.max() * Sk.max()
+        assert len(group) == 1 or (padded <= packed.WASTE * np.sum(Sq * Sk) and padded * 4 <= packed.GROUP_SCORES)
+    for b in range(60):
+        one = dict(kw, alibi_slopes=kw["alibi_slopes"][b])
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rows.start == rows.stop:
+            continue
+        got = (out[rows], lse[:, rows], grads[0][rows], grads[1][keys], grads[2][keys])
+        assert_matches_oracle(tuple(x[None] for x in got), q[None, rows], k[None, keys], v[None, keys],
+                              dout[None, rows], backend="numpy", dlse=dlse[None, :, rows], dropout_origin=(b, 0, 0, 0),
+                              **{n: x for n, x in one.items() if n != "dropout_origin"})
+
+
+@pytest.mark.parametrize("dtype, scale", LARGE_SCALES, ids=[f"{np.dtype(d).name}-{s:g}" for d, s in LARGE_SCALES])
+def test_large_scores_in_a_packed_batch(dtype, scale):
+    # issue 31's shapes (inputs of 0.5, a scale that puts the scores' rounding past 1) as three sequences of
+    # a packed batch, which the NumPy backend runs in a group: P recomputed from lse clamped to at most 1,
+    # so the gradients stay finite and within the tolerance, as on every other path
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        lengths_q, lengths_k = [6, 3, 6], [7, 7, 2]
+        q, k, v, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, 1, 1, 4, dtype)
+        q, k, v = (0.5 * x for x in (q, k, v))
+        dout = (0.5 * rng.standard_normal(q.shape)).astype(dtype)
+        out, lse = flashcupy.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend="numpy", scale=scale)
+        grads = flashcupy.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, backend="numpy",
+                                                    scale=scale)
+        for b in range(3):
+            rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            got = (out[rows], lse[:, rows], grads[0][rows], grads[1][keys], grads[2][keys])
+            assert_matches_oracle(tuple(x[None] for x in got), q[None, rows], k[None, keys], v[None, keys],
+                                  dout[None, rows], backend="numpy", scale=scale)
 
 
 def test_the_emulated_cupy_backend_takes_packed_batches_too(rng):

@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import band_backward, band_forward, plan, pool, stacks, tiled_backward, tiled_forward, weights
+from . import band_backward, band_forward, packed, plan, pool, stacks, tiled_backward, tiled_forward, weights
 from .plan import describe_tiles, tile_sizes  # noqa: F401
 from .pool import worker_count  # noqa: F401
 from .pool import blas_controller as _blas_controller  # noqa: F401  (python -m flashcupy info)
@@ -152,6 +152,12 @@ def backward(p, dout, q, k, v, out, lse, into=None, dlse=None):
         into[3][...] = dbias  # rounded from the accumulation dtype: a copy of dbias's size
         dbias = into[3]
     return grads + (dbias,)
+
+
+# a packed batch's short sequences in groups (packed.py), the rest one call each (flashcupy/_varlen.py)
+sequences_together = packed.together
+forward_sequences = packed.forward
+backward_sequences = packed.backward
 
 
 @pool.one_call

@@ -1,0 +1,250 @@
+"""A packed batch's short sequences together (attention_varlen on the NumPy backend).
+
+Looping over the sequences costs one whole call each (the interface's checks, the plan, the pool,
+a few dozen small NumPy calls): a few hundred microseconds, far more than the arithmetic of a
+sequence of a hundred tokens. So the sequences at most SHORT long on both sides are taken in
+groups of similar lengths instead: each group's rows and keys gathered (copies, padded to the
+group's longest by repeating a sequence's last row, so every value read is one of its own) into
+dense arrays, and the group's scores computed whole, in the base-2 units of the tiled path, with
+the same modifiers in the same order (softcap, then ALiBi), each sequence's band (causal
+bottom-right, the window) its own and the padding hidden, so that each sequence's results are
+exactly attention on it alone. With the whole row in hand the softmax is the textbook one (the
+row's max, no rescaling). Longer sequences take the tiled path, one call each. Every array of a
+group is a scratch buffer of the worker (pool.Scratch): fresh pages cost more than these groups'
+arithmetic, and an aligned buffer keeps exp2's bits the same whatever ran before.
+
+The groups: sequences sorted by length (keys, then queries), cut where padding would take more
+than WASTE of a group's scores or the group's scores pass GROUP_SCORES elements; groups run on
+the pool's workers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..._problem import LN2, LOG2E, Band
+from . import pool, softmax, stacks
+from .settings import config
+
+SHORT = 128  # the longest sequence (queries or keys) taken in a group; a longer one is a call of its own
+GROUP_SCORES = 1 << 18  # a group's padded scores (sequences x heads_q x rows x keys), at most
+WASTE = 1.3  # a group's padded scores over its sequences' own, at most
+
+
+def together(cu_q, cu_k) -> np.ndarray:
+    """The sequences this module takes (both lengths at most SHORT, or config.SHORT where set; neither
+    0), longest keys last."""
+    limit = SHORT if config.SHORT is None else config.SHORT
+    Sq, Sk = np.diff(cu_q), np.diff(cu_k)
+    short = np.flatnonzero((Sq > 0) & (Sk > 0) & (Sq <= limit) & (Sk <= limit))
+    return short[np.lexsort((Sq[short], Sk[short]))]
+
+
+def groups(sequences, cu_q, cu_k, heads_q: int) -> list:
+    """sequences (as together() orders them) cut into groups: lists of sequence indices."""
+    Sq, Sk = np.diff(cu_q), np.diff(cu_k)
+    cut, current, own, rows, keys = [], [], 0, 0, 0
+    for b in sequences.tolist():
+        r, c = max(rows, int(Sq[b])), max(keys, int(Sk[b]))
+        padded = (len(current) + 1) * r * c
+        if current and (padded > WASTE * (own + Sq[b] * Sk[b]) or padded * heads_q > GROUP_SCORES):
+            cut.append(current)
+            current, own, r, c = [], 0, int(Sq[b]), int(Sk[b])
+        current.append(b)
+        own, rows, keys = own + int(Sq[b] * Sk[b]), r, c
+    if current:
+        cut.append(current)
+    return cut
+
+
+class _Group:
+    """One group's sequences: where their rows and keys lie in the packed arrays (clamped into each
+    sequence: every value read is one of its own), which are padding, and what each row sees."""
+
+    def __init__(self, p, seqs, cu_q, cu_k):
+        self.p, self.seqs = p, np.asarray(seqs)
+        start_q, start_k = cu_q[self.seqs], cu_k[self.seqs]
+        Sq, Sk = cu_q[self.seqs + 1] - start_q, cu_k[self.seqs + 1] - start_k
+        self.n, self.rows, self.keys = len(self.seqs), int(Sq.max()), int(Sk.max())
+        i, j = np.arange(self.rows), np.arange(self.keys)
+        self.row_index = start_q[:, None] + np.minimum(i, Sq[:, None] - 1)  # (n, rows)
+        self.key_index = start_k[:, None] + np.minimum(j, Sk[:, None] - 1)  # (n, keys)
+        self.real_rows = np.flatnonzero(i < Sq[:, None])  # in the flattened (n x rows)
+        self.real_keys = np.flatnonzero(j < Sk[:, None])
+        # each sequence's own band (diagonal Sk - Sq) with p.band's sides (the packed call's options);
+        # padding rows see nothing
+        band = Band(self.rows, self.keys, (Sk - Sq)[:, None, None], p.band.left, p.band.right)
+        seen = band.visible(i[None, :, None], j[None, None, :]) & (j < Sk[:, None])[:, None, :]
+        self.hidden = ~(seen & (i < Sq[:, None])[:, :, None])[:, None]  # (n, 1, rows, keys)
+        self.diagonal = Sk - Sq
+
+    def gather(self, scratch, name, x, side: str, scale=None, ones=False):
+        """x's rows (packed, heads, D) of the group (side "q": its query rows, "k": its keys) as (n, L,
+        heads, D) in the accumulation dtype, times scale where given; ones: a column of ones after D
+        (the row sums of a matmul by it). The packed layout, so no transposing copy: heads() views it."""
+        index = self.row_index if side == "q" else self.key_index
+        n, L = index.shape
+        H, D = x.shape[1], x.shape[2]
+        acc = self.p.acc_dtype
+        direct = x.dtype == acc and not ones
+        raw = scratch.take(name if direct else f"{name}_raw", (n, L, H, D), x.dtype)
+        np.take(x, index, axis=0, out=raw, mode="clip")  # (in range; "raise" would buffer out)
+        if direct:
+            return raw if scale is None else np.multiply(raw, scale, out=raw)
+        dst = scratch.take(name, (n, L, H, D + ones), acc)
+        if scale is None:
+            np.copyto(dst[..., :D], raw)
+        else:
+            np.multiply(raw, scale, out=dst[..., :D], dtype=acc)
+        if ones:
+            dst[..., D] = 1
+        return dst
+
+    def heads(self, x):
+        """x (n, L, heads, D) as (n, heads_kv, group, L, D) (a kv head's query heads; group 1 on the
+        key side): a view, whose matrices (L, D) BLAS reads with their row stride."""
+        n, L, H, D = x.shape
+        return x.reshape(n, L, self.p.heads_kv, H // self.p.heads_kv, D).transpose(0, 2, 3, 1, 4)
+
+    def empty(self, scratch, name, side: str, H: int, D: int):
+        """A scratch buffer (n, L, H, D) in the accumulation dtype, for results gathered as heads() views."""
+        return scratch.take(name, (self.n, self.rows if side == "q" else self.keys, H, D), self.p.acc_dtype)
+
+    def scatter(self, scratch, name, dst, x, side: str):
+        """dst (packed, heads, D) takes x's (n, L, heads, D or more) real rows."""
+        index, real = (self.row_index, self.real_rows) if side == "q" else (self.key_index, self.real_keys)
+        n, L = index.shape
+        H, D = dst.shape[1], dst.shape[2]
+        picked = scratch.take(f"{name}_picked", (real.size, H, D), x.dtype)
+        np.take(x[..., :D].reshape(n * L, H, D) if x.shape[-1] == D else x.reshape(n * L, H, -1)[..., :D], real,
+                axis=0, out=picked, mode="clip")
+        dst[index.ravel()[real]] = picked
+
+    def rows_of(self, x):
+        """x (heads_q, packed) at the group's rows: (n, heads_q, rows)."""
+        return x[:, self.row_index].transpose(1, 0, 2)
+
+
+def _scores(p, g: _Group, scratch, Qs, K, alibi_slopes, batch: int):
+    """(S, T): the group's base-2 scores (Qs: q times softmax.base2_scale; both gather()'s) as (n,
+    heads_kv, group, rows, keys), -inf where hidden, and tanh(s / c) under the softcap (else None), in
+    the order of modifiers.Modifiers (softcap, then ALiBi), in scratch buffers."""
+    acc = p.acc_dtype
+    S = scratch.take("S", (g.n, p.heads_kv, p.group, g.rows, g.keys), acc)
+    np.matmul(g.heads(Qs), g.heads(K).swapaxes(-1, -2), out=S)
+    S4 = S.reshape(g.n, p.heads_q, g.rows, g.keys)
+    T = None
+    if p.softcap is not None:
+        cap = acc.type(p.softcap * LOG2E)
+        T = np.divide(S, cap, out=scratch.take("T", S.shape, acc))
+        np.multiply(np.tanh(T, out=T), cap, out=S)
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes, dtype=np.float64) * LOG2E  # rounded once, as Modifiers
+        slopes = np.broadcast_to(slopes.astype(acc), (batch, p.heads_q))[g.seqs]  # (n, heads_q)
+        i, j = np.arange(g.rows), np.arange(g.keys)
+        distance = np.abs(i[None, :, None] + g.diagonal[:, None, None] - j[None, None, :]).astype(acc)
+        S4 -= np.multiply(distance[:, None], slopes[:, :, None, None], out=scratch.take("alibi", S4.shape, acc))
+    np.copyto(S4, -np.inf, where=g.hidden)
+    return S, T
+
+
+def _dropout_weights(p, g: _Group):
+    """Dropout's Z / (1 - p) of the group's pairs (sequence b's drawn as batch b's), or None without it."""
+    if not p.dropout:
+        return None
+    from ... import _dropout
+    keep = _dropout.block(p.dropout_seed, p.dropout_p, p.dropout_origin, g.seqs[:, None, None, None],
+                          np.arange(p.heads_q)[None, :, None, None], 0, g.rows, 0, g.keys)
+    acc = p.acc_dtype
+    return np.where(keep, acc.type(p.dropout_scale), acc.type(0))
+
+
+@pool.one_call
+def forward(p, q, k, v, cu_q, cu_k, sequences, out, lse, alibi_slopes=None) -> None:
+    """out and lse (the packed call's: (total_q, heads_q, head_dim_v) and (heads_q, total_q)) of the
+    sequences `sequences` (together()'s), written at their rows."""
+    q, k, v, out_values = stacks.values(p, q, k, v, out)
+    batch, Dv = cu_q.size - 1, v.shape[-1]
+
+    def task(seqs):
+        @np.errstate(over="ignore", invalid="ignore")  # scores past the range: as the tiled path
+        def run(scratch):
+            g = _Group(p, seqs, cu_q, cu_k)
+            S, _ = _scores(p, g, scratch, g.gather(scratch, "Q", q, "q", softmax.base2_scale(p)),
+                           g.gather(scratch, "K", k, "k"), alibi_slopes, batch)
+            m = np.maximum.reduce(S, axis=-1)
+            m[m == -np.inf] = 0  # no key seen: -inf - -inf would be NaN
+            P = np.exp2(np.subtract(S, m[..., None], out=S), out=S)
+            Z = _dropout_weights(p, g)
+            # [O | l] = P [V | 1] (the row sum from the same matmul, as the tiled path's V1) without
+            # dropout; with it, O of the dropped P and l of P
+            V1 = g.gather(scratch, "V", v, "k", ones=Z is None)
+            O1 = g.empty(scratch, "O1", "q", p.heads_q, V1.shape[-1])
+            np.matmul(P if Z is None else P * Z.reshape(P.shape), g.heads(V1), out=g.heads(O1))
+            O, l = (O1[..., :Dv], O1[..., Dv]) if Z is None else (O1, P.sum(axis=-1).reshape(g.n, p.heads_q, g.rows)
+                                                                   .transpose(0, 2, 1))
+            O, L = softmax.normalised(O, l, m.reshape(g.n, p.heads_q, g.rows).transpose(0, 2, 1))
+            g.scatter(scratch, "out", out_values, O, "q")
+            lse[:, g.row_index.ravel()[g.real_rows]] = L.reshape(-1, p.heads_q)[g.real_rows].T
+        return run
+
+    pool.run([task(seqs) for seqs in groups(sequences, cu_q, cu_k, p.heads_q)])
+
+
+def _summed_over_group(p, g: _Group, scratch, name, product, width: int):
+    """product (n, heads_kv, group, keys, width), a kv head's terms from each of its query heads, summed
+    into a scratch (n, keys, heads_kv, width) buffer (gather()'s layout)."""
+    total = g.empty(scratch, name, "k", p.heads_kv, width)
+    np.sum(product, axis=2, out=g.heads(total)[:, :, 0])
+    return total
+
+
+@pool.one_call
+def backward(p, dout, q, k, v, out, lse, cu_q, cu_k, sequences, dq, dk, dv, alibi_slopes=None, dlse=None) -> None:
+    """dq, dk, dv of the sequences `sequences` (together()'s), written at their rows: P recomputed from
+    lse (s - lse clamped to at most 0, as every backward), rows that see no key adding nothing
+    whatever their dout and dlse hold."""
+    dout, q, k, v, out, dq, dk, dv = stacks.values(p, dout, q, k, v, out, dq, dk, dv)
+    acc, batch = p.acc_dtype, cu_q.size - 1
+    D, Dv = q.shape[-1], v.shape[-1]
+
+    def task(seqs):
+        @np.errstate(over="ignore", invalid="ignore")  # scores past the range: as the tiled path
+        def run(scratch):
+            g = _Group(p, seqs, cu_q, cu_k)
+            Qs, K = g.gather(scratch, "Q", q, "q", softmax.base2_scale(p)), g.gather(scratch, "K", k, "k")
+            S, T = _scores(p, g, scratch, Qs, K, alibi_slopes, batch)
+            shape = S.shape[:-1]  # (n, heads_kv, group, rows)
+            L = g.rows_of(lse).astype(acc).reshape(shape)
+            seen = L > -np.inf  # (padding rows see no key: g.hidden)
+            np.subtract(S, np.where(seen, L * acc.type(LOG2E), 0)[..., None], out=S)
+            P = np.exp2(np.minimum(S, 0, out=S), out=S)  # NaN stays NaN
+            dO = g.heads(g.gather(scratch, "dO", dout, "q"))
+            np.copyto(dO, 0, where=~seen[..., None])
+            Dsum = np.einsum("...d,...d->...", dO, g.heads(g.gather(scratch, "O", out, "q")))
+            if dlse is not None:
+                Dsum -= np.where(seen, g.rows_of(dlse).reshape(shape), 0)
+            Z = _dropout_weights(p, g)
+            V = g.heads(g.gather(scratch, "V", v, "k"))
+            dS = np.matmul(dO, V.swapaxes(-1, -2), out=scratch.take("dS", S.shape, acc))  # dP
+            if Z is not None:  # out read P Z / (1 - p)
+                dS *= Z.reshape(S.shape)
+            dS -= Dsum[..., None]
+            dS *= P
+            if T is not None:
+                np.subtract(1, np.multiply(T, T, out=T), out=T)
+                dS *= T
+            grads = g.empty(scratch, "dQ", "q", p.heads_q, D)
+            np.multiply(np.matmul(dS, g.heads(K), out=g.heads(grads)), acc.type(p.scale), out=g.heads(grads))
+            g.scatter(scratch, "dq", dq, grads, "q")
+            dSt = dS.swapaxes(-1, -2)
+            product = scratch.take("dK_g", S.shape[:3] + (g.keys, D), acc)  # Qs is q scale log2(e): times ln 2
+            np.matmul(dSt, g.heads(Qs), out=product)
+            grads = _summed_over_group(p, g, scratch, "dK", product, D)
+            g.scatter(scratch, "dk", dk, np.multiply(grads, acc.type(LN2), out=grads), "k")
+            product = scratch.take("dV_g", S.shape[:3] + (g.keys, Dv), acc)
+            np.matmul((P if Z is None else P * Z.reshape(S.shape)).swapaxes(-1, -2), dO, out=product)
+            g.scatter(scratch, "dv", dv, _summed_over_group(p, g, scratch, "dV", product, Dv), "k")
+        return run
+
+    pool.run([task(seqs) for seqs in groups(sequences, cu_q, cu_k, p.heads_q)])
