@@ -25,8 +25,8 @@ Each contender keeps its best of several calls, taken in alternating blocks.
 packed forward and backward on the cupy backend, counted by the emulator's runtime with the kernels
 recorded, not run (launch_records), for batches of 1 to 1,000 sequences of 17-300 tokens: the
 per-sequence path (_varlen.forward_packed and backward_packed without device offsets: the cupy
-backend's, and JAX's, before issue 28, the NumPy backend's still) and attention_varlen, attention_varlen_backward (one launch per
-kernel), with the share of the CTAs of each kernel that reads the offsets that find no work (past
+backend's, and JAX's, before issue 28; the NumPy backend's still for sequences longer than
+numpy_backend.packed.SHORT) and attention_varlen, attention_varlen_backward (one launch per kernel), with the share of the CTAs of each kernel that reads the offsets that find no work (past
 their sequence's blocks: mask.cuh's Sequence); and the launches of a decode step over a KV cache,
 contiguous or paged (the append and attention_with_kvcache's attention).
 """
