@@ -26,8 +26,9 @@ packed forward and backward on the cupy backend, counted by the emulator's runti
 recorded, not run (launch_records), for batches of 1 to 1,000 sequences of 17-300 tokens: the
 per-sequence path (_varlen.forward_packed and backward_packed without device offsets: the cupy
 backend's, and JAX's, before issue 28; the NumPy backend's still for sequences longer than
-numpy_backend.packed.SHORT) and attention_varlen, attention_varlen_backward (one launch per kernel), with the share of the CTAs of each kernel that reads the offsets that find no work (past
-their sequence's blocks: mask.cuh's Sequence); and the launches of a decode step over a KV cache,
+numpy_backend.packed.SHORT) and attention_varlen, attention_varlen_backward (one launch per kernel),
+with the share of the CTAs of each kernel that reads the offsets that find no work (past their
+sequence's blocks: mask.cuh's Sequence); and the launches of a decode step over a KV cache,
 contiguous or paged (the append and attention_with_kvcache's attention).
 """
 
