@@ -116,8 +116,7 @@ class _Group:
         n, L = index.shape
         H, D = dst.shape[1], dst.shape[2]
         picked = scratch.take(f"{name}_picked", (real.size, H, D), x.dtype)
-        np.take(x[..., :D].reshape(n * L, H, D) if x.shape[-1] == D else x.reshape(n * L, H, -1)[..., :D], real,
-                axis=0, out=picked, mode="clip")
+        np.take(x.reshape(n * L, H, x.shape[-1])[..., :D], real, axis=0, out=picked, mode="clip")
         dst[index.ravel()[real]] = picked
 
     def rows_of(self, x):
