@@ -18,7 +18,9 @@
    D=32, not causal), forward and forward + backward: the NumPy backend's groups of short sequences
    (numpy_backend/packed.py, the default), the same backend with one call per sequence
    (configure(short=0)), and torch's CPU SDPA on the batch padded to the longest with a key-padding
-   mask (its autograd for the backward); NumPy's sgemm rate beside them.
+   mask (its autograd for the backward); then rank-4 batches of short sequences (DENSE_SHORT) through
+   flashcupy.attention, the groups against the tiled path and torch's SDPA; NumPy's sgemm rate beside
+   them.
 Each contender keeps its best of several calls, taken in alternating blocks.
 
 --launches (a checkout: it needs the emulator, flashcupy/tools/emulator): the kernel launches of a
@@ -118,6 +120,52 @@ def short_sequences(n_seq=2000, shortest=16, longest=128, heads=8, head_dim=32, 
     flops = 4.0 * heads * head_dim * float(np.sum(lengths.astype(float) ** 2))  # the forward's, no padding
     return dict(sequences=n_seq, shortest=shortest, longest=longest, total=int(cu[-1]), heads=heads,
                 head_dim=head_dim, times=times, flops=flops)
+
+
+# rank-4 batches of short sequences (numpy_backend/packed.py's dense groups): (batch, seqlen, heads,
+# head_dim, dtype), a graph or point-cloud batch in float32 and neural-quantum-state sizes in float64
+DENSE_SHORT = [(4000, 32, 4, 16, "float32"), (1000, 64, 8, 32, "float32"), (2000, 16, 4, 32, "float64"),
+               (1000, 64, 2, 64, "float64"), (200, 128, 8, 64, "float32")]
+
+
+def dense_short(shape, seed=0) -> dict:
+    """{contender: best seconds} of flashcupy.attention on a rank-4 batch, forward and forward + backward:
+    groups (the default), the tiled path (configure(short=0)), torch's CPU SDPA."""
+    from flashcupy.backends import numpy_backend
+    B, S, H, D, dtype = shape
+    rng = np.random.default_rng(seed)
+    q, k, v, dout = (rng.standard_normal((B, S, H, D)).astype(dtype) for _ in range(4))
+
+    def ours(short, backward):
+        saved = numpy_backend.config.SHORT
+        numpy_backend.configure(short=short)
+        try:
+            if not backward:
+                return flashcupy.attention(q, k, v, backend="numpy")
+            out, vjp = flashcupy.attention_vjp(q, k, v, backend="numpy")
+            return vjp(dout)
+        finally:
+            numpy_backend.config.SHORT = saved
+
+    default = numpy_backend.packed.SHORT
+    fns = {"grouped forward": lambda: ours(default, False), "tiled forward": lambda: ours(0, False),
+           "grouped forward + backward": lambda: ours(default, True), "tiled forward + backward": lambda: ours(0, True)}
+    try:
+        import torch
+        tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).requires_grad_() for x in (q, k, v))
+        tdout = torch.from_numpy(dout).transpose(1, 2)
+
+        def sdpa(backward):
+            if not backward:
+                with torch.no_grad():
+                    return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+            torch.nn.functional.scaled_dot_product_attention(tq, tk, tv).backward(tdout)
+
+        fns["torch forward"] = lambda: sdpa(False)
+        fns["torch forward + backward"] = lambda: sdpa(True)
+    except ImportError:
+        pass
+    return bench.best_alternating(fns, repeat=3)
 
 
 def bandwidth_seconds(k, v, repeat=5) -> float:
@@ -364,6 +412,18 @@ def main(argv=None) -> int:
             print(f"| {pass_} | {ours * 1e3:.0f} ms ({rate:.0f} GFLOP/s) | {each * 1e3:.0f} ms | "
                   f"{'n/a' if theirs is None else f'{theirs * 1e3:.0f} ms'} | {each / ours:.2f}x | "
                   f"{'n/a' if theirs is None else f'{theirs / ours:.2f}x'} |")
+        print("\n## Rank-4 batches of short sequences (not causal): flashcupy.attention, the groups against the tiled "
+              "path (configure(short=0)) and torch's CPU SDPA\n")
+        print("| batch | S | H | D | dtype | pass | grouped | tiled | torch SDPA | tiled / grouped | torch / grouped |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for shape in DENSE_SHORT:
+            t = dense_short(shape)
+            for pass_ in ("forward", "forward + backward"):
+                ours, tiled, theirs = t[f"grouped {pass_}"], t[f"tiled {pass_}"], t.get(f"torch {pass_}")
+                print(f"| {' | '.join(map(str, shape))} | {pass_} | {ours * 1e3:.0f} ms | {tiled * 1e3:.0f} ms | "
+                      f"{'n/a' if theirs is None else f'{theirs * 1e3:.0f} ms'} | {tiled / ours:.2f}x | "
+                      f"{'n/a' if theirs is None else f'{theirs / ours:.2f}x'} |")
+        print(f"\nNumPy sgemm 4096^3 after: {sgemm_rate():.0f} GFLOP/s")
         return 0
     if args.gpu:
         import cupy

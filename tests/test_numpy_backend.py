@@ -440,3 +440,68 @@ def test_the_recomputed_p_is_clamped_only_where_scores_can_round_past_one(rng):
     x = q.astype(np.float16)
     x[1, 2, 3, 4] = -60000.0  # the largest magnitude is a negative one
     assert decide(x, k.astype(np.float16), scale=1.0)
+
+
+# A batch of short sequences (numpy_backend/packed.py's dense groups): at least DENSE_BATCH elements,
+# both lengths at most SHORT, no bias or mask. (batch, Sq, Sk, heads_q, heads_kv, D, Dv, keywords):
+# causal with Sq > Sk (rows that see no key), GQA, v's own head dim, a window, the softcap and per-element
+# ALiBi, dropout (with an origin, as a Dask pair's), and lengths that take several groups (GROUP_SCORES)
+SHORT_BATCHES = {
+    "causal-gqa": (12, 9, 6, 4, 2, 8, 8, dict(causal=True)),
+    "window-softcap-alibi": (9, 97, 103, 8, 2, 16, 5, dict(window=(4, 2), softcap=2.0, alibi_slopes="per-element")),
+    "dropout": (10, 90, 90, 4, 2, 8, 8, dict(causal=True, dropout_p=0.3, dropout_seed=5,
+                                            dropout_origin=(3, 1, 2, 8))),
+    "longest": (8, 128, 120, 8, 8, 4, 4, dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16, np.float64], ids=["float32", "float16", "bfloat16",
+                                                                                "float64"])
+@pytest.mark.parametrize("case", SHORT_BATCHES, ids=SHORT_BATCHES.keys())
+def test_a_batch_of_short_sequences_runs_in_groups(rng, monkeypatch, case, dtype):
+    # forward and backward (with a gradient of lse, NaN with dout in the rows that see no key) against
+    # the oracle, on the groups and not on the tiled path (spied); leading dimensions folding into the batch
+    from flashcupy import _api
+    from flashcupy.backends.numpy_backend import packed
+    B, Sq, Sk, Hq, Hkv, D, Dv, kw = SHORT_BATCHES[case]
+    q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, dtype, head_dim_v=Dv)
+    kw = dict(kw)
+    if kw.get("alibi_slopes") == "per-element":
+        kw["alibi_slopes"] = rng.uniform(0.1, 1, (B, Hq)).astype(np.float32)
+    ran = []
+    for name in ("forward_dense", "backward_dense"):
+        monkeypatch.setattr(packed, name,
+                            lambda *a, _n=name, _f=getattr(packed, name), **k: ran.append(_n) or _f(*a, **k))
+    monkeypatch.setattr(numpy_backend.tiled_forward, "forward", lambda *a, **k: pytest.fail("the tiled forward ran"))
+    out, lse = _api.forward(q, k, v, backend="numpy", **kw)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    unseen = np.isneginf(lse).transpose(0, 2, 1)  # (batch, rows, heads)
+    dout[unseen] = np.nan
+    dlse = np.where(np.isneginf(lse), np.nan, rng.standard_normal(lse.shape)).astype(lse.dtype)
+    grads = _api.backward(dout, q, k, v, out, lse, backend="numpy", dlse=dlse, **kw)
+    assert ran == ["forward_dense", "backward_dense"]
+    assert unseen.any() == (kw.get("causal", False) and Sq > Sk)
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="numpy", dlse=dlse, **kw)
+    # leading dimensions (3, B/3 ...) fold into the one batch of a rank-4 call: the same bits
+    if B % 3 == 0 and not kw.get("dropout_p") and np.ndim(kw.get("alibi_slopes", 0)) < 2:
+        lead = [x.reshape((3, B // 3) + x.shape[1:]) for x in (q, k, v)]
+        np.testing.assert_array_equal(flashcupy.attention(*lead, backend="numpy", **kw).reshape(out.shape), out)
+
+
+def test_the_groups_take_big_batches_of_short_sequences_only():
+    from flashcupy.backends.numpy_backend import packed
+
+    def problem(B, Sq, Sk, **kw):
+        arrays = (np.broadcast_to(np.empty((), np.float32), (B, S, 2, 8)) for S in (Sq, Sk, Sk))
+        return flashcupy._checks.problem(*arrays, False, None, None, "numpy", **kw)
+    assert packed.dense(problem(8, 128, 128)) and packed.dense(problem(100, 1, 17))
+    assert not packed.dense(problem(7, 16, 16))  # a small batch: the tiled path
+    assert not packed.dense(problem(8, 129, 16)) and not packed.dense(problem(8, 16, 129))
+    assert not packed.dense(problem(8, 16, 16, bias=np.zeros((1, 1, 16, 16), np.float32)))
+    assert not packed.dense(problem(8, 16, 16, mask=np.ones((1, 1, 16, 16), bool)))
+    saved = numpy_backend.config.SHORT
+    try:
+        numpy_backend.configure(short=0)
+        assert not packed.dense(problem(8, 16, 16))
+    finally:
+        numpy_backend.config.SHORT = saved

@@ -119,7 +119,9 @@ def forward(p, q, k, v, into=None):
     else:
         out, lse = stacks.values(p, into[0])[0], into[1]
     width = plan.narrow_band(p)
-    if width is not None:
+    if packed.dense(p):  # short sequences: the batch in groups (packed.py)
+        packed.forward_dense(p, q, k, v, out, lse)
+    elif width is not None:
         band_forward.forward(p, q, k, v, out, lse, width)
     else:
         tiled_forward.forward(p, q, k, v, out, lse)
@@ -134,7 +136,10 @@ def backward(p, dout, q, k, v, out, lse, into=None, dlse=None):
     else:
         dq, dk, dv = stacks.values(p, *into[:3])
     width = plan.narrow_band(p, backward=True)
-    if width is not None:
+    if packed.dense(p):  # short sequences, no bias: the batch in groups (packed.py)
+        packed.backward_dense(p, dout, q, k, v, out, lse, dq, dk, dv, dlse)
+        dB = None
+    elif width is not None:
         band_backward.backward(p, dout, q, k, v, out, lse, dq, dk, dv, width, dlse)
         dB = None
     else:  # dbias summed straight into `into` where it is given in the accumulation dtype

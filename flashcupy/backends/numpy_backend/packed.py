@@ -29,6 +29,7 @@ from .settings import config
 SHORT = 128  # the longest sequence (queries or keys) taken in a group; a longer one is a call of its own
 GROUP_SCORES = 1 << 18  # a group's padded scores (sequences x heads_q x rows x keys), at most
 WASTE = 1.3  # a group's padded scores over its sequences' own, at most
+DENSE_BATCH = 8  # the smallest batch of a rank-4 call run in groups (dense())
 
 
 def together(cu_q, cu_k) -> np.ndarray:
@@ -58,8 +59,44 @@ def groups(sequences, cu_q, cu_k, heads_q: int) -> list:
 
 
 class _Group:
-    """One group's sequences: where their rows and keys lie in the packed arrays (clamped into each
-    sequence: every value read is one of its own), which are padding, and what each row sees."""
+    """Sequences computed together: n of them, each of at most `rows` queries and `keys` keys, their
+    indices `seqs` in the call's batch (ALiBi's slopes and dropout's draws are batch b's), `hidden`
+    (broadcasting to (n, 1, rows, keys): pairs outside a sequence's band, or padding) and each one's
+    `diagonal`. Subclasses say where the rows lie: _Packed (a packed batch), _Dense (a batch)."""
+
+    p: object
+    seqs: np.ndarray
+    n: int
+    rows: int
+    keys: int
+
+    def heads(self, x):
+        """x (n, L, heads, D) as (n, heads_kv, group, L, D) (a kv head's query heads; group 1 on the
+        key side): a view, whose matrices (L, D) BLAS reads with their row stride."""
+        n, L, H, D = x.shape
+        return x.reshape(n, L, self.p.heads_kv, H // self.p.heads_kv, D).transpose(0, 2, 3, 1, 4)
+
+    def empty(self, scratch, name, side: str, H: int, D: int):
+        """A scratch buffer (n, L, H, D) in the accumulation dtype, for results gathered as heads() views."""
+        return scratch.take(name, (self.n, self.rows if side == "q" else self.keys, H, D), self.p.acc_dtype)
+
+    def _into(self, scratch, name, src, H: int, D: int, L: int, scale, ones: bool):
+        """src (n, L, H, D) copied into a scratch buffer in the accumulation dtype (times scale; ones: a
+        column of ones after D)."""
+        acc = self.p.acc_dtype
+        dst = scratch.take(name, (self.n, L, H, D + ones), acc)
+        if scale is None:
+            np.copyto(dst[..., :D], src)
+        else:
+            np.multiply(src, scale, out=dst[..., :D], dtype=acc)
+        if ones:
+            dst[..., D] = 1
+        return dst
+
+
+class _Packed(_Group):
+    """Sequences of a packed batch: where their rows and keys lie in the packed arrays (clamped into
+    each sequence: every value read is one of its own), and which are padding."""
 
     def __init__(self, p, seqs, cu_q, cu_k):
         self.p, self.seqs = p, np.asarray(seqs)
@@ -85,30 +122,12 @@ class _Group:
         index = self.row_index if side == "q" else self.key_index
         n, L = index.shape
         H, D = x.shape[1], x.shape[2]
-        acc = self.p.acc_dtype
-        direct = x.dtype == acc and not ones
+        direct = x.dtype == self.p.acc_dtype and not ones
         raw = scratch.take(name if direct else f"{name}_raw", (n, L, H, D), x.dtype)
         np.take(x, index, axis=0, out=raw, mode="clip")  # (in range; "raise" would buffer out)
-        if direct:
+        if direct:  # raw is ours: scaled in place
             return raw if scale is None else np.multiply(raw, scale, out=raw)
-        dst = scratch.take(name, (n, L, H, D + ones), acc)
-        if scale is None:
-            np.copyto(dst[..., :D], raw)
-        else:
-            np.multiply(raw, scale, out=dst[..., :D], dtype=acc)
-        if ones:
-            dst[..., D] = 1
-        return dst
-
-    def heads(self, x):
-        """x (n, L, heads, D) as (n, heads_kv, group, L, D) (a kv head's query heads; group 1 on the
-        key side): a view, whose matrices (L, D) BLAS reads with their row stride."""
-        n, L, H, D = x.shape
-        return x.reshape(n, L, self.p.heads_kv, H // self.p.heads_kv, D).transpose(0, 2, 3, 1, 4)
-
-    def empty(self, scratch, name, side: str, H: int, D: int):
-        """A scratch buffer (n, L, H, D) in the accumulation dtype, for results gathered as heads() views."""
-        return scratch.take(name, (self.n, self.rows if side == "q" else self.keys, H, D), self.p.acc_dtype)
+        return self._into(scratch, name, raw, H, D, L, scale, ones)
 
     def scatter(self, scratch, name, dst, x, side: str):
         """dst (packed, heads, D) takes x's (n, L, heads, D or more) real rows."""
@@ -122,6 +141,36 @@ class _Group:
     def rows_of(self, x):
         """x (heads_q, packed) at the group's rows: (n, heads_q, rows)."""
         return x[:, self.row_index].transpose(1, 0, 2)
+
+    def write_rows(self, dst, values):
+        """dst (heads_q, packed) takes values (n, rows, heads_q) at the group's real rows."""
+        dst[:, self.row_index.ravel()[self.real_rows]] = values.reshape(-1, values.shape[-1])[self.real_rows].T
+
+
+class _Dense(_Group):
+    """Batch elements b0 .. b1 - 1 of a rank-4 call: all of its lengths, p.band's band, no padding."""
+
+    def __init__(self, p, b0: int, b1: int):
+        self.p, self.b = p, slice(b0, b1)
+        self.seqs, self.n, self.rows, self.keys = np.arange(b0, b1), b1 - b0, p.seqlen_q, p.seqlen_k
+        i, j = np.arange(self.rows), np.arange(self.keys)
+        self.hidden = ~p.band.visible(i[:, None], j[None, :])  # (rows, keys)
+        self.diagonal = np.array([p.band.diagonal])
+
+    def gather(self, scratch, name, x, side: str, scale=None, ones=False):
+        """gather()'s of _Packed: x (batch, L, heads, D), any strides, copied (never written)."""
+        src = x[self.b]
+        return self._into(scratch, name, src, x.shape[2], x.shape[3], x.shape[1], scale, ones)
+
+    def scatter(self, scratch, name, dst, x, side: str):
+        dst[self.b] = x[..., :dst.shape[-1]]
+
+    def rows_of(self, x):
+        """x (batch, heads_q, seqlen_q) at the group's batch elements."""
+        return x[self.b]
+
+    def write_rows(self, dst, values):
+        dst[self.b] = values.transpose(0, 2, 1)
 
 
 def _scores(p, g: _Group, scratch, Qs, K, alibi_slopes, batch: int):
@@ -158,36 +207,26 @@ def _dropout_weights(p, g: _Group):
     return np.where(keep, acc.type(p.dropout_scale), acc.type(0))
 
 
-@pool.one_call
-def forward(p, q, k, v, cu_q, cu_k, sequences, out, lse, alibi_slopes=None) -> None:
-    """out and lse (the packed call's: (total_q, heads_q, head_dim_v) and (heads_q, total_q)) of the
-    sequences `sequences` (together()'s), written at their rows."""
-    q, k, v, out_values = stacks.values(p, q, k, v, out)
-    batch, Dv = cu_q.size - 1, v.shape[-1]
-
-    def task(seqs):
-        @np.errstate(over="ignore", invalid="ignore")  # scores past the range: as the tiled path
-        def run(scratch):
-            g = _Group(p, seqs, cu_q, cu_k)
-            S, _ = _scores(p, g, scratch, g.gather(scratch, "Q", q, "q", softmax.base2_scale(p)),
-                           g.gather(scratch, "K", k, "k"), alibi_slopes, batch)
-            m = np.maximum.reduce(S, axis=-1)
-            m[m == -np.inf] = 0  # no key seen: -inf - -inf would be NaN
-            P = np.exp2(np.subtract(S, m[..., None], out=S), out=S)
-            Z = _dropout_weights(p, g)
-            # [O | l] = P [V | 1] (the row sum from the same matmul, as the tiled path's V1) without
-            # dropout; with it, O of the dropped P and l of P
-            V1 = g.gather(scratch, "V", v, "k", ones=Z is None)
-            O1 = g.empty(scratch, "O1", "q", p.heads_q, V1.shape[-1])
-            np.matmul(P if Z is None else P * Z.reshape(P.shape), g.heads(V1), out=g.heads(O1))
-            O, l = (O1[..., :Dv], O1[..., Dv]) if Z is None else (O1, P.sum(axis=-1).reshape(g.n, p.heads_q, g.rows)
-                                                                   .transpose(0, 2, 1))
-            O, L = softmax.normalised(O, l, m.reshape(g.n, p.heads_q, g.rows).transpose(0, 2, 1))
-            g.scatter(scratch, "out", out_values, O, "q")
-            lse[:, g.row_index.ravel()[g.real_rows]] = L.reshape(-1, p.heads_q)[g.real_rows].T
-        return run
-
-    pool.run([task(seqs) for seqs in groups(sequences, cu_q, cu_k, p.heads_q)])
+@np.errstate(over="ignore", invalid="ignore")  # scores past the range: as the tiled path
+def _forward_group(p, g: _Group, scratch, q, k, v, out, lse, alibi_slopes, batch: int) -> None:
+    """out and lse (values views) of the group's rows."""
+    Dv = v.shape[-1]
+    S, _ = _scores(p, g, scratch, g.gather(scratch, "Q", q, "q", softmax.base2_scale(p)),
+                   g.gather(scratch, "K", k, "k"), alibi_slopes, batch)
+    m = np.maximum.reduce(S, axis=-1)
+    m[m == -np.inf] = 0  # no key seen: -inf - -inf would be NaN
+    P = np.exp2(np.subtract(S, m[..., None], out=S), out=S)
+    Z = _dropout_weights(p, g)
+    # [O | l] = P [V | 1] (the row sum from the same matmul, as the tiled path's V1) without dropout;
+    # with it, O of the dropped P and l of P
+    V1 = g.gather(scratch, "V", v, "k", ones=Z is None)
+    O1 = g.empty(scratch, "O1", "q", p.heads_q, V1.shape[-1])
+    np.matmul(P if Z is None else P * Z.reshape(P.shape), g.heads(V1), out=g.heads(O1))
+    by_row = (g.n, p.heads_q, g.rows)
+    l = O1[..., Dv] if Z is None else P.sum(axis=-1).reshape(by_row).transpose(0, 2, 1)
+    O, L = softmax.normalised(O1[..., :Dv], l, m.reshape(by_row).transpose(0, 2, 1))
+    g.scatter(scratch, "out", out, O, "q")
+    g.write_rows(lse, L)
 
 
 def _summed_over_group(p, g: _Group, scratch, name, product, width: int):
@@ -198,52 +237,94 @@ def _summed_over_group(p, g: _Group, scratch, name, product, width: int):
     return total
 
 
+@np.errstate(over="ignore", invalid="ignore")
+def _backward_group(p, g: _Group, scratch, dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, batch: int,
+                    dlse) -> None:
+    """dq, dk, dv (values views) of the group's rows and keys: P recomputed from lse (s - lse clamped to
+    at most 0, as every backward), rows that see no key adding nothing whatever their dout and dlse hold."""
+    acc = p.acc_dtype
+    D, Dv = q.shape[-1], v.shape[-1]
+    Qs, K = g.gather(scratch, "Q", q, "q", softmax.base2_scale(p)), g.gather(scratch, "K", k, "k")
+    S, T = _scores(p, g, scratch, Qs, K, alibi_slopes, batch)
+    shape = S.shape[:-1]  # (n, heads_kv, group, rows)
+    L = g.rows_of(lse).astype(acc).reshape(shape)
+    seen = L > -np.inf  # (padding rows see no key: g.hidden)
+    np.subtract(S, np.where(seen, L * acc.type(LOG2E), 0)[..., None], out=S)
+    P = np.exp2(np.minimum(S, 0, out=S), out=S)  # NaN stays NaN
+    dO = g.heads(g.gather(scratch, "dO", dout, "q"))
+    np.copyto(dO, 0, where=~seen[..., None])
+    Dsum = np.einsum("...d,...d->...", dO, g.heads(g.gather(scratch, "O", out, "q")))
+    if dlse is not None:
+        Dsum -= np.where(seen, g.rows_of(dlse).reshape(shape), 0)
+    Z = _dropout_weights(p, g)
+    V = g.heads(g.gather(scratch, "V", v, "k"))
+    dS = np.matmul(dO, V.swapaxes(-1, -2), out=scratch.take("dS", S.shape, acc))  # dP
+    if Z is not None:  # out read P Z / (1 - p)
+        dS *= Z.reshape(S.shape)
+    dS -= Dsum[..., None]
+    dS *= P
+    if T is not None:
+        np.subtract(1, np.multiply(T, T, out=T), out=T)
+        dS *= T
+    grads = g.empty(scratch, "dQ", "q", p.heads_q, D)
+    np.multiply(np.matmul(dS, g.heads(K), out=g.heads(grads)), acc.type(p.scale), out=g.heads(grads))
+    g.scatter(scratch, "dq", dq, grads, "q")
+    product = scratch.take("dK_g", S.shape[:3] + (g.keys, D), acc)  # Qs is q scale log2(e): times ln 2
+    np.matmul(dS.swapaxes(-1, -2), g.heads(Qs), out=product)
+    grads = _summed_over_group(p, g, scratch, "dK", product, D)
+    g.scatter(scratch, "dk", dk, np.multiply(grads, acc.type(LN2), out=grads), "k")
+    product = scratch.take("dV_g", S.shape[:3] + (g.keys, Dv), acc)
+    np.matmul((P if Z is None else P * Z.reshape(S.shape)).swapaxes(-1, -2), dO, out=product)
+    g.scatter(scratch, "dv", dv, _summed_over_group(p, g, scratch, "dV", product, Dv), "k")
+
+
+def _task(fn, make_group, *args):
+    return lambda scratch: fn(args[0], make_group(), scratch, *args[1:])
+
+
+@pool.one_call
+def forward(p, q, k, v, cu_q, cu_k, sequences, out, lse, alibi_slopes=None) -> None:
+    """out and lse (the packed call's: (total_q, heads_q, head_dim_v) and (heads_q, total_q)) of the
+    sequences `sequences` (together()'s), written at their rows."""
+    q, k, v, out = stacks.values(p, q, k, v, out)
+    pool.run([_task(_forward_group, lambda seqs=seqs: _Packed(p, seqs, cu_q, cu_k), p, q, k, v, out, lse,
+                    alibi_slopes, cu_q.size - 1) for seqs in groups(sequences, cu_q, cu_k, p.heads_q)])
+
+
 @pool.one_call
 def backward(p, dout, q, k, v, out, lse, cu_q, cu_k, sequences, dq, dk, dv, alibi_slopes=None, dlse=None) -> None:
-    """dq, dk, dv of the sequences `sequences` (together()'s), written at their rows: P recomputed from
-    lse (s - lse clamped to at most 0, as every backward), rows that see no key adding nothing
-    whatever their dout and dlse hold."""
+    """dq, dk, dv of the sequences `sequences` (together()'s), written at their rows and keys."""
     dout, q, k, v, out, dq, dk, dv = stacks.values(p, dout, q, k, v, out, dq, dk, dv)
-    acc, batch = p.acc_dtype, cu_q.size - 1
-    D, Dv = q.shape[-1], v.shape[-1]
+    pool.run([_task(_backward_group, lambda seqs=seqs: _Packed(p, seqs, cu_q, cu_k), p, dout, q, k, v, out, lse, dq,
+                    dk, dv, alibi_slopes, cu_q.size - 1, dlse) for seqs in groups(sequences, cu_q, cu_k, p.heads_q)])
 
-    def task(seqs):
-        @np.errstate(over="ignore", invalid="ignore")  # scores past the range: as the tiled path
-        def run(scratch):
-            g = _Group(p, seqs, cu_q, cu_k)
-            Qs, K = g.gather(scratch, "Q", q, "q", softmax.base2_scale(p)), g.gather(scratch, "K", k, "k")
-            S, T = _scores(p, g, scratch, Qs, K, alibi_slopes, batch)
-            shape = S.shape[:-1]  # (n, heads_kv, group, rows)
-            L = g.rows_of(lse).astype(acc).reshape(shape)
-            seen = L > -np.inf  # (padding rows see no key: g.hidden)
-            np.subtract(S, np.where(seen, L * acc.type(LOG2E), 0)[..., None], out=S)
-            P = np.exp2(np.minimum(S, 0, out=S), out=S)  # NaN stays NaN
-            dO = g.heads(g.gather(scratch, "dO", dout, "q"))
-            np.copyto(dO, 0, where=~seen[..., None])
-            Dsum = np.einsum("...d,...d->...", dO, g.heads(g.gather(scratch, "O", out, "q")))
-            if dlse is not None:
-                Dsum -= np.where(seen, g.rows_of(dlse).reshape(shape), 0)
-            Z = _dropout_weights(p, g)
-            V = g.heads(g.gather(scratch, "V", v, "k"))
-            dS = np.matmul(dO, V.swapaxes(-1, -2), out=scratch.take("dS", S.shape, acc))  # dP
-            if Z is not None:  # out read P Z / (1 - p)
-                dS *= Z.reshape(S.shape)
-            dS -= Dsum[..., None]
-            dS *= P
-            if T is not None:
-                np.subtract(1, np.multiply(T, T, out=T), out=T)
-                dS *= T
-            grads = g.empty(scratch, "dQ", "q", p.heads_q, D)
-            np.multiply(np.matmul(dS, g.heads(K), out=g.heads(grads)), acc.type(p.scale), out=g.heads(grads))
-            g.scatter(scratch, "dq", dq, grads, "q")
-            dSt = dS.swapaxes(-1, -2)
-            product = scratch.take("dK_g", S.shape[:3] + (g.keys, D), acc)  # Qs is q scale log2(e): times ln 2
-            np.matmul(dSt, g.heads(Qs), out=product)
-            grads = _summed_over_group(p, g, scratch, "dK", product, D)
-            g.scatter(scratch, "dk", dk, np.multiply(grads, acc.type(LN2), out=grads), "k")
-            product = scratch.take("dV_g", S.shape[:3] + (g.keys, Dv), acc)
-            np.matmul((P if Z is None else P * Z.reshape(S.shape)).swapaxes(-1, -2), dO, out=product)
-            g.scatter(scratch, "dv", dv, _summed_over_group(p, g, scratch, "dV", product, Dv), "k")
-        return run
 
-    pool.run([task(seqs) for seqs in groups(sequences, cu_q, cu_k, p.heads_q)])
+# ----------------------------------------------------------------------------
+# a batch of short sequences (rank-4 calls: the backend's forward and backward ask dense())
+
+
+def dense(p) -> bool:
+    """Whether a rank-4 call runs as groups of its batch elements: a batch of at least DENSE_BATCH, both
+    lengths at most SHORT (or config.SHORT where set), neither 0, and no bias or mask (which the groups
+    do not read). A smaller batch takes the tiled path's few tasks, whose fixed costs are then small."""
+    limit = SHORT if config.SHORT is None else config.SHORT
+    return (p.batch >= DENSE_BATCH and p.bias is None and p.mask is None and 0 < p.seqlen_q <= limit
+            and 0 < p.seqlen_k <= limit)
+
+
+def _batch_ranges(p) -> list:
+    """The batch cut into ranges of whole elements whose scores stay within GROUP_SCORES."""
+    per = max(1, GROUP_SCORES // (p.heads_q * p.seqlen_q * p.seqlen_k))
+    return [(b, min(p.batch, b + per)) for b in range(0, p.batch, per)]
+
+
+def forward_dense(p, q, k, v, out, lse) -> None:
+    """out and lse of a rank-4 call that dense() takes (values views, the backend's forward's)."""
+    pool.run([_task(_forward_group, lambda r=r: _Dense(p, *r), p, q, k, v, out, lse, p.alibi_slopes, p.batch)
+              for r in _batch_ranges(p)])
+
+
+def backward_dense(p, dout, q, k, v, out, lse, dq, dk, dv, dlse=None) -> None:
+    """dq, dk, dv of a rank-4 call that dense() takes (values views, the backend's backward's)."""
+    pool.run([_task(_backward_group, lambda r=r: _Dense(p, *r), p, dout, q, k, v, out, lse, dq, dk, dv,
+                    p.alibi_slopes, p.batch, dlse) for r in _batch_ranges(p)])
