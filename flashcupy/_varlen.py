@@ -20,8 +20,9 @@ valid offsets the result is the same bits either way. The Numba backend's kernel
 device as well (numba_backend.forward_varlen, backward_varlen). The NumPy backend works on the
 host and needs the offsets there, so it reads and checks them whatever check_offsets says: its short
 sequences in groups of similar lengths, a call for all of them (numpy_backend/packed.py; a call
-each costs more than a hundred-token sequence's arithmetic), each longer one a call of its own. A KV cache's new tokens are appended in one launch on the cupy backend (cupy_backend.append_kv),
-and attention over the cache is one more launch (the cache as a packed batch whose sequences use their
+each costs more than a hundred-token sequence's arithmetic), each longer one a call of its own. A KV
+cache's new tokens are appended in one launch on the cupy backend (cupy_backend.append_kv), and
+attention over the cache is one more launch (the cache as a packed batch whose sequences use their
 cache_seqlens + seqlen_new first positions: forward_varlen's seqused_k; a paged cache's read through
 block_table by the kernel), split-KV inside it as cupy_backend.cache_plan says. Where q (or a contiguous
 cache) is no view of packed rows, the cache's attention runs one launch per sequence (per run of a
@@ -218,7 +219,6 @@ def _together(q, k, v, cu_q, cu_k, alibi_slopes, keywords: dict, backward=False)
     """(backend module, Problem of the packed arrays, the sequences it takes together) where the
     backend runs several sequences of a packed batch at once on the host (the NumPy backend's short
     ones: numpy_backend/packed.py), else (None, None, no sequences)."""
-    keywords = {name: x for name, x in keywords.items() if name != "dlse"}
     p, mod = _packed_backend(q, k, v, cu_q.size - 1, alibi_slopes, keywords, backward)
     if not hasattr(mod, "sequences_together"):
         return None, None, np.zeros(0, np.intp)
