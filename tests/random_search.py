@@ -2,6 +2,7 @@
 
     python tests/random_search.py attention --backend numpy --path copied -n 1500
     python tests/random_search.py attention --backend cupy --path tensor-core -n 300 --max-seqlen 140
+    python tests/random_search.py attention --max-batch 24 --max-seqlen 130 -n 300  # NumPy's dense groups
     python tests/random_search.py varlen --backend cupy --path hopper -n 100 --dtypes float16,bfloat16
     python tests/random_search.py cache --backend numpy -n 300
     python tests/random_search.py jax -n 80        # flashcupy.jax under jit and grad (NumPy backend)
@@ -83,7 +84,7 @@ def _describe(**fields) -> str:
 
 def attention_case(rng, args):
     """attention and attention_backward (with dlse) of one random call on args.backend / args.path."""
-    B, Hkv = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    B, Hkv = int(rng.integers(1, args.max_batch + 1)), int(rng.integers(1, 3))
     Hq = Hkv * int(rng.integers(1, 4))
     Sq, Sk = (int(rng.integers(1, args.max_seqlen)) for _ in range(2))
     D, dtype = int(rng.choice(args.head_dims)), str(rng.choice(args.dtypes))
@@ -440,6 +441,7 @@ def parse(argv=None):
     parser.add_argument("-n", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--max-seqlen", type=int, default=150)
+    parser.add_argument("--max-batch", type=int, default=2, help="attention's batch, 1 to this")
     parser.add_argument("--head-dims", default="1,3,8,16,24,40,64,72,96,128")
     parser.add_argument("--dtypes", default="float16,bfloat16-bits,float32,float64")
     parser.add_argument("--no-modifiers", dest="modifiers", action="store_false")
