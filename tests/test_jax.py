@@ -975,3 +975,14 @@ def test_cupy_probs_and_their_jvp_on_the_emulator(rng):
     with emulated():
         P, P_t = jitted_probs_jvp(rows, **kw)(*map(to_jax, (q, k, *tangents)), to_jax(bias))
     assert_probs_match_oracle(P, P_t, q, k, (*tangents, None), np.array(rows), backend=None, causal=True, bias=bias)
+
+
+def test_a_big_batch_of_short_sequences_with_a_pair_bias_writes_dbias_into_xla(rng):
+    # a batch the NumPy backend runs in groups (numpy_backend/packed.py: at least 8 short sequences), a
+    # float32 pair bias shared by the batch: its dbias summed over the groups straight into XLA's buffer
+    q, k, v, dout = arrays(rng, 10, 12, 12, 2, 1, 8, np.float32)
+    bias = rng.standard_normal((1, 2, 12, 12)).astype(np.float32)
+    run = _jitted(causal=True)
+    got = [np.asarray(x) for x in run(*map(to_jax, (q, k, v, dout, bias)), None, None)]
+    assert got[-1].shape == bias.shape
+    assert_matches_oracle(got, q, k, v, dout, causal=True, bias=bias, backend="numpy")

@@ -443,7 +443,7 @@ def test_the_recomputed_p_is_clamped_only_where_scores_can_round_past_one(rng):
 
 
 # A batch of short sequences (numpy_backend/packed.py's dense groups): at least DENSE_BATCH elements,
-# both lengths at most SHORT, no bias or mask. (batch, Sq, Sk, heads_q, heads_kv, D, Dv, keywords):
+# both lengths at most SHORT. (batch, Sq, Sk, heads_q, heads_kv, D, Dv, keywords):
 # causal with Sq > Sk (rows that see no key), GQA, v's own head dim, a window, the softcap and per-element
 # ALiBi, dropout (with an origin, as a Dask pair's), and lengths that take several groups (GROUP_SCORES)
 SHORT_BATCHES = {
@@ -452,6 +452,10 @@ SHORT_BATCHES = {
     "dropout": (10, 90, 90, 4, 2, 8, 8, dict(causal=True, dropout_p=0.3, dropout_seed=5,
                                             dropout_origin=(3, 1, 2, 8))),
     "longest": (8, 128, 120, 8, 8, 4, 4, dict(causal=True)),
+    # Graphormer: a bias of every element and head, a key-padding mask; AlphaFold's MSA rows: a pair
+    # bias shared by the batch (its dbias summed over the groups), in float32 under 16-bit inputs
+    "bias-mask": (10, 20, 20, 4, 4, 8, 8, dict(bias="full", mask="key-padding")),
+    "pair-bias": (40, 60, 60, 4, 2, 8, 8, dict(causal=True, bias="pair")),
 }
 
 
@@ -468,6 +472,13 @@ def test_a_batch_of_short_sequences_runs_in_groups(rng, monkeypatch, case, dtype
     kw = dict(kw)
     if kw.get("alibi_slopes") == "per-element":
         kw["alibi_slopes"] = rng.uniform(0.1, 1, (B, Hq)).astype(np.float32)
+    if kw.get("bias") is not None:
+        shape = (B, Hq, Sq, Sk) if kw["bias"] == "full" else (1, Hq, Sq, Sk)
+        kw["bias"] = rng.standard_normal(shape).astype(np.float32 if kw["bias"] == "pair" else dtype)
+    if kw.get("mask") == "key-padding":
+        keys = rng.integers(1, Sk + 1, (B, 1, 1, 1))
+        keys[3] = 0  # an element whose rows see no key
+        kw["mask"] = np.arange(Sk)[None, None, None, :] < keys
     ran = []
     for name in ("forward_dense", "backward_dense"):
         monkeypatch.setattr(packed, name,
@@ -480,10 +491,10 @@ def test_a_batch_of_short_sequences_runs_in_groups(rng, monkeypatch, case, dtype
     dlse = np.where(np.isneginf(lse), np.nan, rng.standard_normal(lse.shape)).astype(lse.dtype)
     grads = _api.backward(dout, q, k, v, out, lse, backend="numpy", dlse=dlse, **kw)
     assert ran == ["forward_dense", "backward_dense"]
-    assert unseen.any() == (kw.get("causal", False) and Sq > Sk)
+    assert unseen.any() == ((kw.get("causal", False) and Sq > Sk) or kw.get("mask") is not None)
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="numpy", dlse=dlse, **kw)
     # leading dimensions (3, B/3 ...) fold into the one batch of a rank-4 call: the same bits
-    if B % 3 == 0 and not kw.get("dropout_p") and np.ndim(kw.get("alibi_slopes", 0)) < 2:
+    if B % 3 == 0 and not kw.get("dropout_p") and np.ndim(kw.get("alibi_slopes", 0)) < 2 and "bias" not in kw:
         lead = [x.reshape((3, B // 3) + x.shape[1:]) for x in (q, k, v)]
         np.testing.assert_array_equal(flashcupy.attention(*lead, backend="numpy", **kw).reshape(out.shape), out)
 
@@ -497,8 +508,8 @@ def test_the_groups_take_big_batches_of_short_sequences_only():
     assert packed.dense(problem(8, 128, 128)) and packed.dense(problem(100, 1, 17))
     assert not packed.dense(problem(7, 16, 16))  # a small batch: the tiled path
     assert not packed.dense(problem(8, 129, 16)) and not packed.dense(problem(8, 16, 129))
-    assert not packed.dense(problem(8, 16, 16, bias=np.zeros((1, 1, 16, 16), np.float32)))
-    assert not packed.dense(problem(8, 16, 16, mask=np.ones((1, 1, 16, 16), bool)))
+    assert packed.dense(problem(8, 16, 16, bias=np.zeros((1, 1, 16, 16), np.float32)))
+    assert packed.dense(problem(8, 16, 16, mask=np.ones((1, 1, 16, 16), bool)))
     saved = numpy_backend.config.SHORT
     try:
         numpy_backend.configure(short=0)

@@ -136,14 +136,15 @@ def backward(p, dout, q, k, v, out, lse, into=None, dlse=None):
     else:
         dq, dk, dv = stacks.values(p, *into[:3])
     width = plan.narrow_band(p, backward=True)
-    if packed.dense(p):  # short sequences, no bias: the batch in groups (packed.py)
-        packed.backward_dense(p, dout, q, k, v, out, lse, dq, dk, dv, dlse)
-        dB = None
+    # dbias summed straight into `into` where it is given in the accumulation dtype
+    given = into[3] if into is not None and len(into) > 3 and into[3].dtype == p.acc_dtype else None
+    if packed.dense(p):  # short sequences: the batch in groups (packed.py)
+        dB = None if p.bias is None else given if given is not None else np.empty(p.bias.shape, p.acc_dtype)
+        packed.backward_dense(p, dout, q, k, v, out, lse, dq, dk, dv, dlse, dB)
     elif width is not None:
         band_backward.backward(p, dout, q, k, v, out, lse, dq, dk, dv, width, dlse)
         dB = None
-    else:  # dbias summed straight into `into` where it is given in the accumulation dtype
-        given = into[3] if into is not None and len(into) > 3 and into[3].dtype == p.acc_dtype else None
+    else:
         dB = tiled_backward.backward(p, dout, q, k, v, out, lse, dq, dk, dv, dB=given, dlse=dlse)
     grads = dq.view(p.carrier), dk.view(p.carrier), dv.view(p.carrier)
     if dB is None:

@@ -70,6 +70,11 @@ class _Group:
     rows: int
     keys: int
 
+    def pair_arrays(self):
+        """(bias, mask) of the group's batch elements, each broadcasting to (n, heads_q, rows, keys) (a
+        bias in the values it holds), or None: a packed batch has neither."""
+        return None, None
+
     def heads(self, x):
         """x (n, L, heads, D) as (n, heads_kv, group, L, D) (a kv head's query heads; group 1 on the
         key side): a view, whose matrices (L, D) BLAS reads with their row stride."""
@@ -157,6 +162,14 @@ class _Dense(_Group):
         self.hidden = ~p.band.visible(i[:, None], j[None, :])  # (rows, keys)
         self.diagonal = np.array([p.band.diagonal])
 
+    def pair_arrays(self):
+        p = self.p
+
+        def rows(x):
+            return None if x is None else x[self.b] if x.shape[0] > 1 else x
+        bias = None if p.bias is None else stacks.values(p, p.bias)[0] if p.bias.dtype == p.carrier else p.bias
+        return rows(bias), rows(p.mask)
+
     def gather(self, scratch, name, x, side: str, scale=None, ones=False):
         """gather()'s of _Packed: x (batch, L, heads, D), any strides, copied (never written)."""
         src = x[self.b]
@@ -176,7 +189,7 @@ class _Dense(_Group):
 def _scores(p, g: _Group, scratch, Qs, K, alibi_slopes, batch: int):
     """(S, T): the group's base-2 scores (Qs: q times softmax.base2_scale; both gather()'s) as (n,
     heads_kv, group, rows, keys), -inf where hidden, and tanh(s / c) under the softcap (else None), in
-    the order of modifiers.Modifiers (softcap, then ALiBi), in scratch buffers."""
+    the order of modifiers.Modifiers (softcap, ALiBi, bias, then the band and mask), in scratch buffers."""
     acc = p.acc_dtype
     S = scratch.take("S", (g.n, p.heads_kv, p.group, g.rows, g.keys), acc)
     np.matmul(g.heads(Qs), g.heads(K).swapaxes(-1, -2), out=S)
@@ -192,7 +205,12 @@ def _scores(p, g: _Group, scratch, Qs, K, alibi_slopes, batch: int):
         i, j = np.arange(g.rows), np.arange(g.keys)
         distance = np.abs(i[None, :, None] + g.diagonal[:, None, None] - j[None, None, :]).astype(acc)
         S4 -= np.multiply(distance[:, None], slopes[:, :, None, None], out=scratch.take("alibi", S4.shape, acc))
+    bias, mask = g.pair_arrays()
+    if bias is not None:  # times log2(e), rounded once, as Modifiers
+        S4 += np.multiply(bias, acc.type(LOG2E), out=scratch.take("bias", bias.shape, acc), dtype=acc)
     np.copyto(S4, -np.inf, where=g.hidden)
+    if mask is not None:
+        np.copyto(S4, -np.inf, where=~mask)
     return S, T
 
 
@@ -263,6 +281,11 @@ def _backward_group(p, g: _Group, scratch, dout, q, k, v, out, lse, dq, dk, dv, 
         dS *= Z.reshape(S.shape)
     dS -= Dsum[..., None]
     dS *= P
+    bias = g.pair_arrays()[0]
+    dbias = None
+    if bias is not None:  # dS summed over what the bias broadcasts within the group (the caller sums groups)
+        axes = tuple(a for a, n in enumerate(bias.shape) if n == 1)
+        dbias = dS.reshape(g.n, p.heads_q, g.rows, g.keys).sum(axis=axes, keepdims=True)
     if T is not None:
         np.subtract(1, np.multiply(T, T, out=T), out=T)
         dS *= T
@@ -276,6 +299,7 @@ def _backward_group(p, g: _Group, scratch, dout, q, k, v, out, lse, dq, dk, dv, 
     product = scratch.take("dV_g", S.shape[:3] + (g.keys, Dv), acc)
     np.matmul((P if Z is None else P * Z.reshape(S.shape)).swapaxes(-1, -2), dO, out=product)
     g.scatter(scratch, "dv", dv, _summed_over_group(p, g, scratch, "dV", product, Dv), "k")
+    return dbias
 
 
 def _task(fn, make_group, *args):
@@ -305,11 +329,10 @@ def backward(p, dout, q, k, v, out, lse, cu_q, cu_k, sequences, dq, dk, dv, alib
 
 def dense(p) -> bool:
     """Whether a rank-4 call runs as groups of its batch elements: a batch of at least DENSE_BATCH, both
-    lengths at most SHORT (or config.SHORT where set), neither 0, and no bias or mask (which the groups
-    do not read). A smaller batch takes the tiled path's few tasks, whose fixed costs are then small."""
+    lengths at most SHORT (or config.SHORT where set), neither 0. A smaller batch takes the tiled path's
+    few tasks, whose fixed costs are then small."""
     limit = SHORT if config.SHORT is None else config.SHORT
-    return (p.batch >= DENSE_BATCH and p.bias is None and p.mask is None and 0 < p.seqlen_q <= limit
-            and 0 < p.seqlen_k <= limit)
+    return p.batch >= DENSE_BATCH and 0 < p.seqlen_q <= limit and 0 < p.seqlen_k <= limit
 
 
 def _batch_ranges(p) -> list:
@@ -324,7 +347,18 @@ def forward_dense(p, q, k, v, out, lse) -> None:
               for r in _batch_ranges(p)])
 
 
-def backward_dense(p, dout, q, k, v, out, lse, dq, dk, dv, dlse=None) -> None:
-    """dq, dk, dv of a rank-4 call that dense() takes (values views, the backend's backward's)."""
-    pool.run([_task(_backward_group, lambda r=r: _Dense(p, *r), p, dout, q, k, v, out, lse, dq, dk, dv,
-                    p.alibi_slopes, p.batch, dlse) for r in _batch_ranges(p)])
+def backward_dense(p, dout, q, k, v, out, lse, dq, dk, dv, dlse=None, dB=None) -> None:
+    """dq, dk, dv of a rank-4 call that dense() takes (values views, the backend's backward's); with a
+    bias, dB (its shape, the accumulation dtype) becomes dbias: the groups' parts summed in their order,
+    so the bits do not depend on which worker ran which group."""
+    ranges = _batch_ranges(p)
+    parts = pool.run([_task(_backward_group, lambda r=r: _Dense(p, *r), p, dout, q, k, v, out, lse, dq, dk, dv,
+                            p.alibi_slopes, p.batch, dlse) for r in ranges])
+    if dB is None:
+        return
+    dB.fill(0)
+    for (b0, b1), part in zip(ranges, parts):
+        if dB.shape[0] > 1:
+            dB[b0:b1] += part
+        else:
+            dB += part
