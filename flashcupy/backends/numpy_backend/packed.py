@@ -1,21 +1,25 @@
-"""A packed batch's short sequences together (attention_varlen on the NumPy backend).
+"""Short sequences computed in groups: a packed batch's (attention_varlen on the NumPy backend) and a
+big rank-4 batch's (dense()).
 
 Looping over the sequences costs one whole call each (the interface's checks, the plan, the pool,
 a few dozen small NumPy calls): a few hundred microseconds, far more than the arithmetic of a
-sequence of a hundred tokens. So the sequences at most SHORT long on both sides are taken in
-groups of similar lengths instead: each group's rows and keys gathered (copies, padded to the
-group's longest by repeating a sequence's last row, so every value read is one of its own) into
-dense arrays, and the group's scores computed whole, in the base-2 units of the tiled path, with
-the same modifiers in the same order (softcap, then ALiBi), each sequence's band (causal
-bottom-right, the window) its own and the padding hidden, so that each sequence's results are
-exactly attention on it alone. With the whole row in hand the softmax is the textbook one (the
-row's max, no rescaling). Longer sequences take the tiled path, one call each. Every array of a
-group is a scratch buffer of the worker (pool.Scratch): fresh pages cost more than these groups'
-arithmetic, and an aligned buffer keeps exp2's bits the same whatever ran before.
+sequence of a hundred tokens; the tiled path's tasks per batch element and kv head cost alike. So
+sequences at most SHORT long on both sides are taken in groups instead: a packed batch's of similar
+lengths (_Packed: rows and keys gathered, padded to the group's longest by repeating a sequence's
+last row, so every value read is one of its own), or whole elements of a batch of at least
+DENSE_BATCH (_Dense: slices, the call's own band, bias and mask). Each group's scores are computed
+whole, in the base-2 units of the tiled path, with the same modifiers in the same order (softcap,
+ALiBi, bias, then the band and mask), each sequence's band (causal bottom-right, the window) its own
+and the padding hidden, so that each sequence's results are exactly attention on it alone. With the
+whole row in hand the softmax is the textbook one (the row's max, no rescaling); dbias is each
+group's dS summed over what the bias broadcasts, the groups' parts then summed in their order. Longer
+sequences, and smaller batches, take the tiled path. Every array of a group is a scratch buffer of
+the worker (pool.Scratch): fresh pages cost more than these groups' arithmetic, and an aligned
+buffer keeps exp2's bits the same whatever ran before.
 
-The groups: sequences sorted by length (keys, then queries), cut where padding would take more
-than WASTE of a group's scores or the group's scores pass GROUP_SCORES elements; groups run on
-the pool's workers.
+The groups of a packed batch: sequences sorted by length (keys, then queries), cut where padding
+would take more than WASTE of a group's scores or the group's scores pass GROUP_SCORES elements; a
+batch's: runs of whole elements within GROUP_SCORES. Groups run on the pool's workers.
 """
 
 from __future__ import annotations
