@@ -37,6 +37,7 @@ contiguous or paged (the append and attention_with_kvcache's attention).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -72,6 +73,18 @@ def varlen(n_seq, max_len, heads, head_dim, seed=0) -> dict:
                 times=times)
 
 
+@contextlib.contextmanager
+def _grouping(short: int):
+    """The NumPy backend's config.SHORT set to `short` (0: no groups) for the block, restored after."""
+    from flashcupy.backends import numpy_backend
+    saved = numpy_backend.config.SHORT
+    numpy_backend.configure(short=short)
+    try:
+        yield
+    finally:
+        numpy_backend.config.SHORT = saved
+
+
 def short_sequences(n_seq=2000, shortest=16, longest=128, heads=8, head_dim=32, seed=0) -> dict:
     """Section 3's times: {contender: best seconds}, and the problem's figures."""
     from flashcupy.backends import numpy_backend
@@ -81,15 +94,11 @@ def short_sequences(n_seq=2000, shortest=16, longest=128, heads=8, head_dim=32, 
     q, k, v, dout = (rng.standard_normal((int(cu[-1]), heads, head_dim), dtype=np.float32) for _ in range(4))
 
     def ours(short, backward):
-        saved = numpy_backend.config.SHORT
-        numpy_backend.configure(short=short)
-        try:
+        with _grouping(short):
             if not backward:
                 return flashcupy.attention_varlen(q, k, v, cu, cu, backend="numpy")
             o, l = flashcupy.attention_varlen(q, k, v, cu, cu, return_lse=True, backend="numpy")
             return flashcupy.attention_varlen_backward(dout, q, k, v, o, l, cu, cu, backend="numpy")
-        finally:
-            numpy_backend.config.SHORT = saved
 
     default = numpy_backend.packed.SHORT
     fns = {"grouped forward": lambda: ours(default, False), "a call each forward": lambda: ours(0, False),
@@ -137,15 +146,11 @@ def dense_short(shape, seed=0) -> dict:
     q, k, v, dout = (rng.standard_normal((B, S, H, D)).astype(dtype) for _ in range(4))
 
     def ours(short, backward):
-        saved = numpy_backend.config.SHORT
-        numpy_backend.configure(short=short)
-        try:
+        with _grouping(short):
             if not backward:
                 return flashcupy.attention(q, k, v, backend="numpy")
             out, vjp = flashcupy.attention_vjp(q, k, v, backend="numpy")
             return vjp(dout)
-        finally:
-            numpy_backend.config.SHORT = saved
 
     default = numpy_backend.packed.SHORT
     fns = {"grouped forward": lambda: ours(default, False), "tiled forward": lambda: ours(0, False),

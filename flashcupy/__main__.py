@@ -53,10 +53,10 @@ def cmd_info(args) -> int:
     from flashcupy.backends import numpy_backend
     blas = "pinned to 1 thread per worker (threadpoolctl)" if numpy_backend._blas_controller() \
         else "threadpoolctl not installed: 1 worker, BLAS threads its own calls"
-    short = numpy_backend.packed.SHORT if numpy_backend.config.SHORT is None else numpy_backend.config.SHORT
+    short = numpy_backend.packed.short_limit()
     print(f"numpy backend: {numpy_backend.worker_count()} worker thread(s), "
-          f"tiles {numpy_backend.describe_tiles()}; BLAS {blas}; packed batches: sequences of at most "
-          f"{short} tokens in groups, longer ones a call each")
+          f"tiles {numpy_backend.describe_tiles()}; BLAS {blas}; sequences of at most {short} tokens in "
+          f"groups (a packed batch's, a batch of at least {numpy_backend.packed.DENSE_BATCH}'s)")
     from flashcupy.backends.cupy_backend import specs
     oldest = specs.TC_COMPUTE_CAPABILITY
     print("cupy kernel paths: forward and backward on tensor cores (mma.sync) for float16/bfloat16 with\n"

@@ -36,10 +36,15 @@ WASTE = 1.3  # a group's padded scores over its sequences' own, at most
 DENSE_BATCH = 8  # the smallest batch of a rank-4 call run in groups (dense())
 
 
+def short_limit() -> int:
+    """The longest sequence taken in a group: config.SHORT where set, else SHORT."""
+    return SHORT if config.SHORT is None else config.SHORT
+
+
 def together(cu_q, cu_k) -> np.ndarray:
-    """The sequences this module takes (both lengths at most SHORT, or config.SHORT where set; neither
-    0), longest keys last."""
-    limit = SHORT if config.SHORT is None else config.SHORT
+    """The sequences this module takes (both lengths at most short_limit(), neither 0), longest keys
+    last."""
+    limit = short_limit()
     Sq, Sk = np.diff(cu_q), np.diff(cu_k)
     short = np.flatnonzero((Sq > 0) & (Sk > 0) & (Sq <= limit) & (Sk <= limit))
     return short[np.lexsort((Sq[short], Sk[short]))]
@@ -164,7 +169,7 @@ class _Dense(_Group):
         self.seqs, self.n, self.rows, self.keys = np.arange(b0, b1), b1 - b0, p.seqlen_q, p.seqlen_k
         i, j = np.arange(self.rows), np.arange(self.keys)
         self.hidden = ~p.band.visible(i[:, None], j[None, :])  # (rows, keys)
-        self.diagonal = np.array([p.band.diagonal])
+        self.diagonal = np.array([p.diagonal])  # as Modifiers
 
     def pair_arrays(self):
         p = self.p
@@ -333,9 +338,9 @@ def backward(p, dout, q, k, v, out, lse, cu_q, cu_k, sequences, dq, dk, dv, alib
 
 def dense(p) -> bool:
     """Whether a rank-4 call runs as groups of its batch elements: a batch of at least DENSE_BATCH, both
-    lengths at most SHORT (or config.SHORT where set), neither 0. A smaller batch takes the tiled path's
-    few tasks, whose fixed costs are then small."""
-    limit = SHORT if config.SHORT is None else config.SHORT
+    lengths at most short_limit(), neither 0. A smaller batch takes the tiled path's few tasks, whose
+    fixed costs are then small."""
+    limit = short_limit()
     return p.batch >= DENSE_BATCH and 0 < p.seqlen_q <= limit and 0 < p.seqlen_k <= limit
 
 

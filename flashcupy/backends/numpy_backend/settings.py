@@ -10,8 +10,8 @@ from dataclasses import dataclass
 class Config:
     """Tunables. BLOCK_M x BLOCK_N is the tile (None: chosen per call by tile_sizes); NUM_THREADS
     the worker count (None: the environment's FLASHCUPY_NUM_THREADS, else one per core); SHORT the
-    longest sequence of a packed batch run in a group with others (None: packed.SHORT; 0: none, every
-    sequence a call of its own)."""
+    longest sequence run in a group with others, of a packed batch or of a rank-4 batch of at least
+    packed.DENSE_BATCH (None: packed.SHORT; 0: no groups, the tiled path)."""
 
     BLOCK_M: int | None = None
     BLOCK_N: int | None = None
@@ -23,7 +23,7 @@ config = Config()
 
 
 def configure(*, block_m=None, block_n=None, num_threads=None, short=None) -> Config:
-    """Change tile sizes, the thread count or the packed batches' grouping (short: 0 turns it off) for
+    """Change tile sizes, the thread count or the short sequences' grouping (short: 0 turns it off) for
     later calls (an argument left out, or None, keeps its value; set config.BLOCK_M = None to give the
     choice back to tile_sizes); returns the config."""
     for name, value in (("block_m", block_m), ("block_n", block_n), ("num_threads", num_threads), ("short", short)):
