@@ -12,7 +12,8 @@ of q, k, v and a bias. Reverse mode (grad, vjp, jacrev) transposes it: the packa
 the saved out and lse (no recomputation of the forward), dbias when a bias is given; mask, ALiBi
 slopes and offsets get none (zero, as flash-attn's). Forward mode (jvp, jacfwd, linearize)
 evaluates it with a forward and a backward of the package on widened operands (_tangent; the README
-has the algebra), refusing a bias's tangent. Both flow through out and through the lse of
+has the algebra), and a bias's tangent with XLA's sums over P, which the package's attention_probs
+writes a slice of query rows at a time (_bias_tangent_sums). Both flow through out and through the lse of
 return_lse=True (the backward's dlse; none is passed where the loss does not read lse).
 attention_probs's derivative is JAX's own operations on P (_probs_tangent), which JAX transposes.
 
@@ -353,7 +354,8 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
     jax_enable_x64) and bfloat16 (jnp.bfloat16 arrays, passed as their bits without a copy).
 
     Gradients: dq, dk, dv, and dbias for a bias, through out and lse; none for mask and alibi_slopes
-    (zero cotangents). Forward mode: tangents of q, k and v (a bias's is a ValueError); once only.
+    (zero cotangents). Forward mode: tangents of q, k, v and a bias (a bias's with dropout is a
+    ValueError); once only.
     Options (causal, window, softcap, scale, backend, dropout_p) are static: Python values.
     dropout_seed: a Python int (static: each new seed traces anew), or a JAX PRNG key or
     uint32 array of shape (2,) (low and high words of the seed), traced or not: on a GPU the kernels
@@ -623,7 +625,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
 # differentiation: a custom_jvp whose tangent is one primitive, linear in the tangents. Reverse mode
 # transposes it, which is the package's backward on the saved out and lse (no recomputation of the
 # forward); forward mode evaluates it, which is a forward and one or two backwards of the package
-# on widened operands (_tangent): no new kernel, and the score matrix is never in memory.
+# on widened operands (_tangent): no new kernel, and the score matrix is never in memory (but for a
+# bias's tangent, whose sums XLA takes from P, a slice of query rows at a time).
 
 _EXTRAS = {False: ("alibi_slopes", "bias", "mask", "seed"), True: ("alibi_slopes", "seed")}  # varlen: True
 
@@ -668,12 +671,13 @@ def _tangent(*operands, call: _Call, tangents: tuple, extras: tuple):
     """(out_t, lse_t), the derivatives of out and lse along the tangents (README, "Inside JAX"). With St_ij
     the score's derivative (scale (q_t.k + q.k_t), times 1 - t^2 under the softcap), P's is
     P (St - mu) with mu_i = sum_j p_ij St_ij, which is lse's, so out_t = A - mu out + E:
-    A = sum_j p_ij z_ij St_ij v_j and mu are _score_tangent_sums, E = (P Z) v_t a forward on v_t."""
+    A = sum_j p_ij z_ij St_ij v_j and mu are _score_tangent_sums, E = (P Z) v_t a forward on v_t; a
+    bias's tangent b adds sum_j p_ij b_ij v_j to A and sum_j p_ij b_ij to mu (_bias_tangent_sums)."""
     (q_t, k_t, v_t, bias_t), (q, k, v, out, lse), extras = _unpack(operands, tangents, extras)
-    if bias_t is not None:
+    if bias_t is not None and call.dropout_p:
         raise ValueError("bias: flashcupy.jax has no forward mode (jax.jvp, jax.jacfwd, jax.linearize) through the "
-                         "bias (its term would need the attention weights in memory); hold the bias constant "
-                         "(close over it or wrap it in jax.lax.stop_gradient) to go forward through q, k and v")
+                         "bias with dropout_p > 0 (its term would need the dropout's keep mask in JAX); hold the "
+                         "bias constant (close over it or wrap it in jax.lax.stop_gradient), or use reverse mode")
     acc = _lse_dtype(q)
     scale = call.scale if call.scale is not None else default_scale(q.shape[-1])
     scaled = dataclasses.replace(call, scale=scale)  # the widened operands' head dim is not q's
@@ -691,6 +695,10 @@ def _tangent(*operands, call: _Call, tangents: tuple, extras: tuple):
             sums = _score_tangent_sums(plain, parts, q, k, jnp.concatenate([v, ones], axis=-1), lse, plain_extras)
             A, mu = sums[..., :-1], sums[..., -1]
         out_t = A - mu[..., None] * out.astype(acc)
+    if bias_t is not None:
+        A, mu_b = _bias_tangent_sums(plain, q, k, v, lse, bias_t, extras)
+        out_t = out_t + A - mu_b[..., None] * out.astype(acc)
+        mu = mu + mu_b
     if v_t is not None:
         out_t = out_t + _ops(call)[0](q, k, v_t, *extras)[0].astype(acc)
     return out_t.astype(out.dtype), jnp.swapaxes(mu, -1, -2).astype(lse.dtype)  # lse: heads before rows
@@ -727,6 +735,36 @@ def _score_tangent_sums(call: _Call, parts, q, k, cols, lse, extras):
             total = total + dq[..., D:width].astype(_lse_dtype(q))
         sums.append(total)
     return jnp.concatenate(sums, axis=-1)
+
+
+# rows of P that _bias_tangent_sums holds at once: those of about this many elements, or of the bias
+# tangent's own size where that is more (16 MiB of float32)
+_BIAS_TANGENT_ELEMENTS = 1 << 22
+
+
+def _bias_tangent_sums(call: _Call, q, k, v, lse, bias_t, extras):
+    """(A, mu) of a bias's tangent b in the accumulation dtype: A_i = sum_j p_ij b_ij v_j (*batch, Sq,
+    Hq, Dv) and mu_i = sum_j p_ij b_ij (*batch, Sq, Hq), lse's tangent. b is any matrix, not a product
+    of two thin ones as St is, so no backward computes these sums: XLA does, from P (the package's
+    attention_probs, from the forward's lse) in slices of query rows, each of about
+    _BIAS_TANGENT_ELEMENTS elements or b's size, the larger (b itself is in memory already)."""
+    acc = _lse_dtype(q)
+    *batch, Sq, Hq, _ = q.shape
+    Sk, Hkv = k.shape[-3], k.shape[-2]
+    alibi_slopes, bias, mask = extras[:3]
+    per_row = max(1, math.prod(batch) * Hq * Sk)
+    step = max(1, max(_BIAS_TANGENT_ELEMENTS, math.prod(bias_t.shape)) // per_row)
+    b = bias_t.astype(acc)
+    A, mu = [], []
+    for start in range(0, Sq, step):
+        rows = tuple(range(start, min(Sq, start + step)))
+        P = _probs_call(call, None if len(rows) == Sq else rows)(q, k, lse, alibi_slopes, bias, mask)[0]
+        Pb = P * (b if b.shape[-2] == 1 else b[..., rows[0]:rows[-1] + 1, :])  # (*batch, Hq, R, Sk)
+        mu.append(jnp.swapaxes(jnp.sum(Pb, axis=-1), -1, -2))
+        Pb = Pb.reshape(Pb.shape[:-3] + (Hkv, Hq // Hkv) + Pb.shape[-2:])
+        a = jnp.einsum("...hgrk,...khd->...rhgd", Pb, v.astype(acc), precision=jax.lax.Precision.HIGHEST)
+        A.append(a.reshape(a.shape[:-3] + (Hq, a.shape[-1])))
+    return jnp.concatenate(A, axis=-3), jnp.concatenate(mu, axis=-2)
 
 
 def _abstract_tangent(*operands, call: _Call, tangents: tuple, extras: tuple):

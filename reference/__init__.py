@@ -254,18 +254,21 @@ def _tangent_terms(f, q_t, k_t, dtype):
     return np.where(f["seen"], St, 0.0)
 
 
-def attention_jvp(q, k, v, q_t=None, k_t=None, v_t=None, *, causal=False, window=None, softcap=None,
+def attention_jvp(q, k, v, q_t=None, k_t=None, v_t=None, bias_t=None, *, causal=False, window=None, softcap=None,
                   alibi_slopes=None, bias=None, mask=None, scale=None, backend=None, dtype=None, dropout_p=0.0,
                   dropout_seed=None, dropout_origin=(0, 0, 0, 0)):
-    """(out_t, lse_t) in float64: the derivatives of out and lse along the tangent (q_t, k_t, v_t),
-    any of them None (zero); the modifiers' arrays held constant. With St the score's derivative,
-    P's is P (St - mu), mu = rowsum(P St), which is lse's: out_t = (P (St - mu) Z) V + (P Z) v_t,
-    Z the dropout's Z / (1 - p) (lse is of the undropped P). A row that sees no key: 0 and 0."""
+    """(out_t, lse_t) in float64: the derivatives of out and lse along the tangent (q_t, k_t, v_t,
+    bias_t), any of them None (zero); ALiBi slopes and mask held constant. With St the final score's
+    derivative (_tangent_terms, plus bias_t), P's is P (St - mu), mu = rowsum(P St), which is lse's:
+    out_t = (P (St - mu) Z) V + (P Z) v_t, Z the dropout's Z / (1 - p) (lse is of the undropped P).
+    A row that sees no key: 0 and 0."""
     mods = _modifiers(window, softcap, alibi_slopes, bias, mask)
     q, k, v = (values(x, dtype) for x in (q, k, v))
     f = _forward_terms(q, k, causal, scale, mods, dtype)
     P, group = f["P"], f["group"]
     St = _tangent_terms(f, q_t, k_t, dtype)
+    if bias_t is not None:
+        St = St + np.where(f["seen"], values(bias_t, dtype), 0.0)
     mu = np.sum(P * St, axis=-1)
     Z = _dropped(np.ones_like(P), _dropout(dropout_p, dropout_seed, dropout_origin))
     out_t = np.einsum("bhqk,bhkd->bhqd", P * (St - mu[..., None]) * Z, _heads_first(v, group))

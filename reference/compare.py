@@ -142,7 +142,7 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
     With dropout, out, dv and dP read the dropped weights p_ij z_ij, z_ij = Z_ij / (1 - p): their
     terms in p_ij and p_floor, and dP's bound, are times z_ij, and eps_i grows by 2 u_a there (the
     rounding of 1 / (1 - p) to the accumulation dtype and of the product); P itself is undropped.
-    Forward mode, tangents=(q_t, k_t, v_t) (any None: zero): out_t and lse_t (reference.attention_jvp)
+    Forward mode, tangents=(q_t, k_t, v_t[, bias_t]) (any None: zero): out_t and lse_t (reference.attention_jvp)
     as flashcupy.jax computes them, out_t = A - mu out + E in the accumulation dtype (u_a (|A| +
     |mu||out| + |E|), twice, then stored: u_s |out_t|), each term the package's own result:
     - A = sum_j p_ij z_ij St_ij v_j and mu = sum_j p_ij St_ij (lse_t) are a backward's dq (out 0, so
@@ -151,13 +151,15 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
       then dq's sum over Sk keys, and u_s twice (stored, and two parts added where the backend's head
       dim takes them apart);
     - E = sum_j p_ij z_ij v_t_j is a forward's out with v_t: out's bound on |v_t|; |out|'s own bound
-      enters through mu out.
-    With probs=True too, P_t = P (St - mu) (reference.attention_probs_jvp; tangents may hold a fourth,
-    bias_t) as flashcupy.jax's attention_probs computes it: St by XLA in the accumulation dtype,
-    gamma(D) scale (|q_t|.|k| + |q|.|k_t|) (under the softcap, times 1 - t^2, with t's error from the
-    score's, gamma(D) scale |q|.|k|, and gamma(8) for the roundings of t), plus u_a |St| where bias_t is
-    added; mu as lse_t above (its bias_t part a sum of P's bound times |bias_t|, plus gamma(Sk)); P's
-    bound on |St - mu| and both bounds on P; the subtraction and product, 2 u_a P (|St| + |mu|).
+      enters through mu out;
+    - a fourth tangent, bias_t, adds sum_j p_ij b_ij (z_ij v_j) to mu (and A), b = bias_t, summed by XLA
+      from the package's P (attention_probs, its bound below) in the accumulation dtype: P's bound times
+      |b|, plus gamma(Sk + 1) p_ij |b_ij|, summed alike.
+    With probs=True too, P_t = P (St - mu) (reference.attention_probs_jvp) as flashcupy.jax's
+    attention_probs computes it: St by XLA in the accumulation dtype, gamma(D) scale (|q_t|.|k| +
+    |q|.|k_t|) (under the softcap, times 1 - t^2, with t's error from the score's, gamma(D) scale
+    |q|.|k|, and gamma(8) for the roundings of t), plus u_a |St| where bias_t is added; mu as lse_t
+    above; P's bound on |St - mu| and both bounds on P; the subtraction and product, 2 u_a P (|St| + |mu|).
     The tolerance is SAFETY times the bound.
 
     family: the kernel family that computed the results (FAMILIES, from kernel_family): only its
@@ -219,7 +221,7 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
                        + u_s * abs(out) + store_floor)}
     want = {"out": out, "lse": lse}
     if tangents is not None:
-        _tangent_tolerance(want, tol, f, V, z, eps, eps_z, ds, p_floor, round16, store_floor, seen, tangents[:3],
+        _tangent_tolerance(want, tol, f, V, z, eps, eps_z, ds, p_floor, round16, store_floor, seen, tangents,
                            softcap, dtype, u_s, gamma)
     if dout is not None:
         t = _backward_terms(values(dout, dtype), q, k, v, causal, scale, mods, dtype, dlse, dropout)
@@ -302,14 +304,10 @@ def _probs_tangent_tolerance(want, tol, f, tangents, dtype, softcap, gamma):
     if T is not None:
         Sabs = scale * np.einsum("bhqd,bhkd->bhqk", abs(Q), abs(K))
         St_bound = St_bound + abs(St) * (2 * squeeze * gamma(D) * Sabs / softcap + gamma(8))
-    mu, mu_bound = want["lse_t"], tol["lse_t"]
-    if bias_t is not None:
-        b = np.where(seen, values(bias_t, dtype), 0.0)
-        St = St + b
+    if bias_t is not None:  # lse_t (mu) has its part already (_tangent_tolerance)
+        St = St + np.where(seen, values(bias_t, dtype), 0.0)
         St_bound = St_bound + u_a * abs(St)
-        mu = mu + np.sum(P * b, axis=-1)
-        mu_bound = mu_bound + np.sum(tol["P"] * abs(b), axis=-1) + gamma(Sk) * np.sum(P * abs(b), axis=-1)
-    mu, mu_bound = mu[..., None], mu_bound[..., None]
+    mu, mu_bound = want["lse_t"][..., None], tol["lse_t"][..., None]
     want["P_t"] = P * (St - mu)
     tol["P_t"] = (tol["P"] * (abs(St - mu) + St_bound + mu_bound) + P * (St_bound + mu_bound)
                   + 2 * u_a * P * (abs(St) + abs(mu)) + u_a * abs(want["P_t"]))
@@ -318,7 +316,8 @@ def _probs_tangent_tolerance(want, tol, f, tangents, dtype, softcap, gamma):
 def _tangent_tolerance(want, tol, f, V, z, eps, eps_z, ds, p_floor, round16, store_floor, seen, tangents, softcap,
                        dtype, u_s, gamma):
     """want and tol (before SAFETY, heads first) of out_t and lse_t: expected()'s forward-mode terms."""
-    q_t, k_t, v_t = tangents
+    q_t, k_t, v_t = tangents[:3]
+    bias_t = tangents[3] if len(tangents) > 3 else None
     P, Q, K, T, scale, group = f["P"], f["Q"], f["K"], f["T"], f["scale"], f["group"]
     D, Sk = Q.shape[-1], K.shape[2]
     dP, dP_abs = _score_products(f, q_t, k_t, dtype)  # W = 2 D products
@@ -345,6 +344,16 @@ def _tangent_tolerance(want, tol, f, V, z, eps, eps_z, ds, p_floor, round16, sto
         E = np.einsum("bhqk,bhkd->bhqd", P * z, Vt)
         E_bound = (np.einsum("bhqk,bhkd->bhqd", (P * (eps + eps_z + gamma(Sk)) + p_floor * seen) * z, abs(Vt))
                    + u_s * abs(E) + store_floor)
+    if bias_t is not None:
+        # mu and A have bias_t's part too, which XLA sums from P in the accumulation dtype: P from the
+        # package's attention_probs (its bound as expected()'s P), times b (u_a), summed over Sk keys
+        b = np.where(seen, values(bias_t, dtype), 0.0)
+        P_bound = P * (eps + tol["lse"][..., None]) + p_floor * seen
+        Pb, Pb_bound = P * b, P_bound * abs(b) + gamma(Sk + 1) * P * abs(b)
+        mu = mu + np.sum(Pb, axis=-1)
+        mu_bound = mu_bound + np.sum(Pb_bound, axis=-1)
+        A = A + np.einsum("bhqk,bhkd->bhqd", Pb * z, V)
+        A_bound = A_bound + np.einsum("bhqk,bhkd->bhqd", Pb_bound * z, abs(V))
     out_t = A - mu[..., None] * out + E
     terms = abs(A) + abs(mu[..., None]) * (abs(out) + out_bound) + abs(E)
     want.update(out_t=out_t, lse_t=mu)

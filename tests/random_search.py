@@ -240,9 +240,9 @@ def jax_case(rng, args):
 
 def jvp_case(rng, args):
     """flashcupy.jax.attention's forward mode under jit: tangents of a random subset of q, k and v (v of its
-    own head dim at times), through out and lse, with leading dimensions, a constant bias and dropout; on
-    args.backend (numpy, or cupy on the emulator: its calls on several kernel families, so the tolerance
-    charges every family's liberties)."""
+    own head dim at times) and, half the time, of the bias where there is one and no dropout, through out
+    and lse, with leading dimensions and dropout; on args.backend (numpy, or cupy on the emulator: its
+    calls on several kernel families, so the tolerance charges every family's liberties)."""
     import jax
     import jax.numpy as jnp
 
@@ -259,20 +259,22 @@ def jvp_case(rng, args):
         given[int(rng.integers(0, 3))] = True
     tangents = [rng.standard_normal(x.shape).astype(values) if g else None for x, g in zip((q, k, v), given)]
     kw.update(_dropout(rng))
+    if bias is not None and not kw.get("dropout_p") and rng.random() < 0.5:
+        tangents.append(rng.standard_normal(bias.shape).astype(bias.dtype))
+        given.append(True)
     yield _describe(lead=lead, Sq=Sq, Sk=Sk, Hq=Hq, Hkv=Hkv, D=D, Dv=Dv, dtype=dtype, bias=bias,
-                    tangents="".join(n for n, g in zip("qkv", given) if g), **kw)
+                    tangents="".join(n for n, g in zip("qkvb", given) if g), **kw)
     wrt = [i for i, g in enumerate(given) if g]
 
     def f(*wrt_values):
-        arrays = [jnp.asarray(x) for x in (q, k, v)]
+        arrays = [None if x is None else jnp.asarray(x) for x in (q, k, v, bias)]
         for i, x in zip(wrt, wrt_values):
             arrays[i] = x
-        return fj.attention(*arrays, bias=None if bias is None else jnp.asarray(bias), return_lse=True,
-                            backend=args.backend, **kw)
+        return fj.attention(*arrays[:3], bias=arrays[3], return_lse=True, backend=args.backend, **kw)
 
     with jax.enable_x64(dtype == "float64"), contract.CONTEXTS[args.backend](args.path, args.order):
         (out, lse), (out_t, lse_t) = jax.jit(lambda p, t: jax.jvp(f, p, t))(
-            tuple(jnp.asarray((q, k, v)[i]) for i in wrt), tuple(jnp.asarray(tangents[i]) for i in wrt))
+            tuple(jnp.asarray((q, k, v, bias)[i]) for i in wrt), tuple(jnp.asarray(tangents[i]) for i in wrt))
     ref = dict(kw) | ({} if bias is None else {"bias": bias})
     family = "numpy" if args.backend == "numpy" else None
     ratios = assert_matches_oracle([np.asarray(out), np.asarray(lse)], q, k, v, backend=family, **ref)
@@ -281,8 +283,9 @@ def jvp_case(rng, args):
 
 def probs_case(rng, args):
     """flashcupy.jax.attention_probs under jit and jvp: random rows (None, a slice, indices with negative
-    ones), tangents of q, k or both, lse from flashcupy.jax.attention (its tangent the jvp's), leading
-    dimensions, a constant bias, the window and softcap; on args.backend as jvp_case."""
+    ones), tangents of q, k or both (and, half the time, of the bias where there is one), lse from
+    flashcupy.jax.attention (its tangent the jvp's), leading dimensions, the window and softcap; on
+    args.backend as jvp_case."""
     import jax
     import jax.numpy as jnp
 
@@ -303,24 +306,30 @@ def probs_case(rng, args):
         rows = slice(int(rng.integers(0, Sq)), None, int(rng.integers(1, 4)))
     else:
         rows = [int(x) for x in rng.integers(-Sq, Sq, int(rng.integers(1, 5)))]
+    tangents.append(None)  # v's: attention_probs reads no v
+    given.append(False)
+    if bias is not None and rng.random() < 0.5:
+        tangents.append(rng.standard_normal(bias.shape).astype(bias.dtype))
+        given.append(True)
     yield _describe(lead=lead, Sq=Sq, Sk=Sk, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, bias=bias, rows=rows,
-                    tangents="".join(n for n, g in zip("qk", given) if g), **kw)
+                    tangents="".join(n for n, g in zip("qkvb", given) if g), **kw)
     wrt = [i for i, g in enumerate(given) if g]
-    mods = dict(kw, bias=None if bias is None else jnp.asarray(bias), backend=args.backend)
+    mods = dict(kw, backend=args.backend)
 
     def f(*wrt_values):
-        arrays = [jnp.asarray(x) for x in (q, k)]
+        arrays = [None if x is None else jnp.asarray(x) for x in (q, k, None, bias)]
         for i, x in zip(wrt, wrt_values):
             arrays[i] = x
-        _, lse = fj.attention(*arrays, arrays[1], return_lse=True, **mods)
-        return fj.attention_probs(*arrays, lse, rows=rows, **mods)
+        q_, k_, _, b = arrays
+        _, lse = fj.attention(q_, k_, k_, bias=b, return_lse=True, **mods)
+        return fj.attention_probs(q_, k_, lse, rows=rows, bias=b, **mods)
 
     with jax.enable_x64(dtype == "float64"), contract.CONTEXTS[args.backend](args.path, args.order):
-        P, P_t = jax.jit(lambda p, t: jax.jvp(f, p, t))(tuple(jnp.asarray((q, k)[i]) for i in wrt),
+        P, P_t = jax.jit(lambda p, t: jax.jvp(f, p, t))(tuple(jnp.asarray((q, k, None, bias)[i]) for i in wrt),
                                                          tuple(jnp.asarray(tangents[i]) for i in wrt))
     ref = dict(kw) | ({} if bias is None else {"bias": bias})
     index = np.arange(Sq)[slice(None) if rows is None else rows]
-    yield assert_probs_match_oracle(P, P_t, q, k, (*tangents, None), index,
+    yield assert_probs_match_oracle(P, P_t, q, k, tangents, index,
                                     backend="numpy" if args.backend == "numpy" else None, **ref)
 
 

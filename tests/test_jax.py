@@ -690,12 +690,13 @@ def test_jvp_with_dropout_and_of_a_packed_batch(rng):
 
 
 def test_reverse_mode_through_jvp_of_grad_and_forward_mode_refusals(rng):
-    # grad still runs the package's backward (the tangent's transpose); a bias's tangent, a second
-    # derivative and a head dim the widened backward cannot take are refused when JAX traces
+    # grad still runs the package's backward (the tangent's transpose); a bias's tangent with dropout, a
+    # second derivative and a head dim the widened backward cannot take are refused when JAX traces
     q, k, v, _ = map(to_jax, arrays(rng, 1, 6, 6, 2, 1, 8, np.float32))
     bias = to_jax(rng.standard_normal((1, 2, 6, 6)).astype(np.float32))
-    with pytest.raises(ValueError, match="bias: flashcupy.jax has no forward mode"):
-        jax.jit(lambda b, t: jax.jvp(lambda b: fj.attention(q, k, v, bias=b), (b,), (t,))).lower(bias, bias)
+    with pytest.raises(ValueError, match="bias: flashcupy.jax has no forward mode .* with dropout_p > 0"):
+        jax.jit(lambda b, t: jax.jvp(lambda b: fj.attention(q, k, v, bias=b, dropout_p=0.1, dropout_seed=1),
+                                     (b,), (t,))).lower(bias, bias)
     with pytest.raises(NotImplementedError, match="differentiates once"):
         jax.hessian(lambda q: jnp.sum(fj.attention(q, k, v)))(q)
     with pytest.raises(NotImplementedError, match="differentiates once"):
@@ -736,6 +737,16 @@ def test_cupy_jvp_on_the_emulator(rng):
                                       k[None, keys], v[None, keys],
                                       (tangents[0][None, rows], tangents[1][None, keys], tangents[2][None, keys]),
                                       backend=None, causal=True)
+    # through a bias alone: its sums from flash_probs's P (float16, GQA, a (1, 1, Sq, Sk) bias)
+    q, k, v, _ = arrays(rng, 1, 6, 10, 4, 2, 16, np.float16)
+    bias, b_t = (rng.standard_normal((1, 1, 6, 10)).astype(np.float16) for _ in range(2))
+    launches = []
+    with emulated(compile=launch_records(launches)):
+        _, (out_t, lse_t) = jitted_bias_jvp(causal=True, backend="cupy")(*map(to_jax, (q, k, v, bias)),
+                                                                         [None, None, None, to_jax(b_t)])
+    assert any("flash_probs" in str(r) for r in launches)
+    assert_tangent_matches_oracle(out_t, lse_t, q, k, v, (None, None, None, b_t), backend=None, causal=True,
+                                  bias=bias)
     q = to_jax(rng.standard_normal((1, 4, 1, 256)).astype(np.float16))
     with emulated(), pytest.raises(ValueError, match="head_dim 256: flashcupy.jax's forward mode"):
         jax.jit(lambda q, t: jax.jvp(lambda q: fj.attention(q, q, q, backend="cupy"), (q,), (t,))).lower(q, q)
@@ -750,6 +761,95 @@ def test_jvp_with_leading_batch_dimensions(rng):
     (out, lse), (out_t, lse_t) = jitted_jvp(causal=True)(*map(to_jax, (q, k, v, *tangents)), to_jax(bias))
     assert out_t.shape == q.shape and lse_t.shape == (2, 3, 2, 5)
     assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, backend="numpy", causal=True, bias=bias)
+
+
+def jitted_bias_jvp(**keywords):
+    """jit(jvp) of (out, lse) of flashcupy.jax.attention in q, k, v and the bias (tangents None: zeros
+    that JAX knows as such, so that their work is skipped); mask and slopes held constant."""
+    def run(q, k, v, bias, tangents, mask=None, slopes=None):
+        def f(*x):
+            given = iter(x)
+            q_, k_, v_, b = (y if t is None else next(given) for y, t in zip((q, k, v, bias), tangents))
+            return fj.attention(q_, k_, v_, bias=b, mask=mask, alibi_slopes=slopes, return_lse=True, **keywords)
+        primals = tuple(y for y, t in zip((q, k, v, bias), tangents) if t is not None)
+        return jax.jvp(f, primals, tuple(t for t in tangents if t is not None))
+    return jax.jit(run)
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 6, 9, 13), (2, 1, 1, 13), (9, 13)])
+def test_jvp_through_a_bias(rng, bias_shape):
+    # forward mode through the bias (its sums taken by XLA from the package's P): a pair bias broadcast
+    # over the batch, a key bias (B, 1, 1, Sk) and a (Sq, Sk) bias lined up from the right, with GQA (3
+    # query heads a kv head), causal Sq < Sk, a mask that leaves a row no key, ALiBi and the softcap;
+    # along (q, k, v, bias) and along the bias alone
+    q, k, v, _ = arrays(rng, 2, 9, 13, 6, 2, 8, np.float32)
+    v = rng.standard_normal((2, 13, 2, 5)).astype(np.float32)  # v's head dim its own
+    bias = rng.standard_normal(bias_shape).astype(np.float32)
+    mask = rng.random((2, 1, 9, 13)) < 0.8
+    mask[1, 0, 4] = False
+    slopes = rng.random(6).astype(np.float32)
+    kw = dict(causal=True, softcap=2.5)
+    mods = dict(bias=bias, mask=mask, alibi_slopes=slopes)
+    run = jitted_bias_jvp(**kw)
+    for tangents in (tangents_of(rng, q, k, v, bias), [None, None, None, rng.standard_normal(bias.shape)]):
+        tangents = [None if t is None else t.astype(np.float32) for t in tangents]
+        (out, lse), (out_t, lse_t) = run(*map(to_jax, (q, k, v, bias)), [None if t is None else to_jax(t)
+                                                                           for t in tangents],
+                                         to_jax(mask), to_jax(slopes))
+        assert np.all(np.asarray(lse_t)[1, :, 4] == 0) and np.all(np.asarray(out_t)[1, 4] == 0)  # no key
+        assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, backend="numpy", **kw, **mods)
+
+
+def test_jvp_through_a_bias_in_slices_of_rows_dtypes_vmap_and_jacfwd(rng, monkeypatch):
+    # P in slices of 4 rows of 9 (the last one short; each as big as the bias, which the batch of 2
+    # shares): several attention_probs calls, the same result; float64, bfloat16 and float16 (a float32
+    # bias beside them); vmap of the jvp with the bias's tangent mapped; jacfwd in the bias against
+    # jacrev (the package's dbias) column by column
+    q, k, v, _ = arrays(rng, 2, 9, 9, 2, 1, 8, np.float32)
+    bias = rng.standard_normal((1, 2, 9, 9)).astype(np.float32)
+    tangents = tangents_of(rng, q, k, v, bias)
+    calls = []
+    probs = numpy_backend.probs
+
+    def spy(p, q, k, lse, rows, into=None):
+        calls.append(None if rows is None else len(rows))
+        return probs(p, q, k, lse, rows, into=into)
+    monkeypatch.setattr(numpy_backend, "probs", spy)
+    monkeypatch.setattr(fj, "_BIAS_TANGENT_ELEMENTS", 1)
+    _, (out_t, lse_t) = jitted_bias_jvp(causal=True)(*map(to_jax, (q, k, v, bias)), list(map(to_jax, tangents)))
+    assert sorted(calls) == [1, 4, 4]  # in the order XLA runs them
+    assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, backend="numpy", causal=True, bias=bias)
+    monkeypatch.undo()
+
+    for dtype, bias_dtype in ((np.float64, np.float64), (BF16, np.float32), (np.float16, np.float16)):
+        with jax.enable_x64(dtype == np.float64):
+            q, k, v, _ = arrays(rng, 2, 6, 9, 2, 2, 8, dtype)
+            bias = rng.standard_normal((2, 2, 6, 9)).astype(bias_dtype)
+            tangents = tangents_of(rng, q, k, v, bias)
+            _, (out_t, lse_t) = jitted_bias_jvp(window=(2, 3))(*map(to_jax, (q, k, v, bias)),
+                                                               list(map(to_jax, tangents)))
+            assert out_t.dtype == q.dtype
+            assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, backend="numpy", window=(2, 3), bias=bias)
+
+    q, k, v, _ = arrays(rng, 1, 5, 5, 2, 1, 4, np.float32)
+    bias = rng.standard_normal((1, 2, 5, 5)).astype(np.float32)
+    b_t = rng.standard_normal((3,) + bias.shape).astype(np.float32)
+
+    def f(b):
+        return fj.attention(*map(to_jax, (q, k, v)), bias=b, causal=True, return_lse=True)
+    _, (out_t, lse_t) = jax.jit(jax.vmap(lambda t: jax.jvp(f, (to_jax(bias),), (t,))))(to_jax(b_t))
+    for n in range(3):
+        assert_tangent_matches_oracle(out_t[n], lse_t[n], q, k, v, (None, None, None, b_t[n]), backend="numpy",
+                                      causal=True, bias=bias)
+    forward, reverse = (np.asarray(jax.jit(how(lambda b: f(b)[0]))(to_jax(bias))) for how in (jax.jacfwd, jax.jacrev))
+    for e in range(bias.size):
+        basis = np.zeros(bias.size, np.float32)
+        basis[e] = 1
+        want = expected(q, k, v, family="numpy", causal=True, bias=bias,
+                        tangents=(None, None, None, basis.reshape(bias.shape)))
+        column = (Ellipsis,) + np.unravel_index(e, bias.shape)
+        for got in (forward, reverse):
+            assert error_ratio(got[column], want, "out_t") <= 2, e
 
 
 def test_grad_and_jvp_under_checkpoint_and_scan(rng):
@@ -901,9 +1001,8 @@ def test_probs_reverse_mode_vmap_and_leading_dimensions(rng):
     for index, x in enumerate((q, k, bias)):
         def of(x):
             return probs(*(x if i == index else y for i, y in enumerate(primals)))
-        ways = (jax.jacrev, jax.jacfwd) if index < 2 else (jax.jacrev,)
-        jacobians = [np.asarray(jax.jit(how(of))(primals[index])) for how in ways]
-        for e in range(x.size if index < 2 else 0):  # forward mode refuses the bias (attention's lse)
+        jacobians = [np.asarray(jax.jit(how(of))(primals[index])) for how in (jax.jacrev, jax.jacfwd)]
+        for e in range(x.size):
             basis = np.zeros(x.size, np.float32)
             basis[e] = 1
             tangents = [basis.reshape(x.shape) if i == index else None for i in range(3)]
@@ -912,16 +1011,6 @@ def test_probs_reverse_mode_vmap_and_leading_dimensions(rng):
             column = (Ellipsis,) + np.unravel_index(e, x.shape)
             for got in jacobians:
                 assert error_ratio(got[column], want, "P_t", rows) <= 2, (index, e)
-        if index == 2:
-            with pytest.raises(ValueError, match="bias: flashcupy.jax has no forward mode"):
-                jax.jit(jax.jacfwd(of)).lower(primals[2])
-            for e in range(x.size):
-                basis = np.zeros(x.size, np.float32)
-                basis[e] = 1
-                want = expected(q, k, k, family="numpy", probs=True, bias=bias, **kw,
-                                tangents=(None, None, None, basis.reshape(x.shape)))
-                column = (Ellipsis,) + np.unravel_index(e, x.shape)
-                assert error_ratio(jacobians[0][column], want, "P_t", rows) <= 2, e
 
     # vmap: q mapped (the fold), k shared, a (S, S) bias broadcast over the leading dimensions (2, 3)
     q = rng.standard_normal((2, 3, S, Hq, D)).astype(np.float32)

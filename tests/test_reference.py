@@ -126,18 +126,24 @@ def test_oracle_backward_with_modifiers_matches_finite_differences(rng, name):
 
 @pytest.mark.parametrize("name", MODIFIER_NAMES + ["dropout"])
 def test_oracle_jvp_matches_central_differences(rng, name):
-    # forward mode: (out, lse) along a tangent of q, k and v (v's head dim its own), against the central
-    # difference of the forward along it; a row that sees no key has lse -inf and tangents 0
+    # forward mode: (out, lse) along a tangent of q, k and v (v's head dim its own) and of the bias where
+    # there is one, against the central difference of the forward along it; a row that sees no key has
+    # lse -inf and tangents 0
     B, Sq, Sk, Hq, Hkv, D = 2, 3, 5, 2, 1, 3
     q, k, v = make_qkv(rng, B, Sq, Sk, Hq, Hkv, D, np.float64)
     v = rng.standard_normal((B, Sk, Hkv, 4))
     kw = dict(dropout_p=0.4, dropout_seed=9, causal=True) if name == "dropout" else \
         modifier_cases(rng, B, Sq, Sk, Hq)[name]
     tangents = [rng.standard_normal(x.shape) for x in (q, k, v)]
-    out_t, lse_t = reference.attention_jvp(q, k, v, *tangents, **kw)
+    bias_t = rng.standard_normal(np.shape(kw["bias"])) if "bias" in kw else None
+    out_t, lse_t = reference.attention_jvp(q, k, v, *tangents, bias_t, **kw)
     h = 1e-6
-    up, down = (reference.attention(*(x + sign * h * t for x, t in zip((q, k, v), tangents)), return_lse=True, **kw)
-                for sign in (1, -1))
+
+    def moved(sign):
+        given = dict(kw, bias=kw["bias"] + sign * h * bias_t) if bias_t is not None else kw
+        return reference.attention(*(x + sign * h * t for x, t in zip((q, k, v), tangents)), return_lse=True,
+                                   **given)
+    up, down = moved(1), moved(-1)
     np.testing.assert_allclose(out_t, (up[0] - down[0]) / (2 * h), rtol=1e-6, atol=1e-8)
     seen = np.isfinite(up[1])
     np.testing.assert_allclose(lse_t[seen], (up[1][seen] - down[1][seen]) / (2 * h), rtol=1e-6, atol=1e-8)
