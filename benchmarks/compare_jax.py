@@ -2,6 +2,7 @@
 
     python benchmarks/compare_jax.py                 # issue 29's case: float32, B=1, H=8, D=64, S=2048, causal
     python benchmarks/compare_jax.py --rounds 9 --markdown benchmarks/results/jax.md
+    python benchmarks/compare_jax.py --bias-jvp      # forward mode through a bias (section 3)
 
 1. Time, in alternated rounds (each round runs every candidate once, the rounds going through every
    order of them, each call after a pause of PAUSE seconds, all after a warm-up call of each; the
@@ -21,6 +22,9 @@
    (Compiled.memory_analysis()), and for flashcupy.jax also the NumPy backend's own peak during a
    call (tracemalloc: NumPy reports its buffers to it), against XLA's attention, whose temporaries
    hold the score matrix.
+3. --bias-jvp: forward mode through a bias, jax.jit(jax.jvp) in (q, k, v, bias) and in the bias alone,
+   beside the jvp in (q, k, v) with the bias held constant, flashcupy.jax vs XLA's attention, timed
+   as in 1, with XLA's temporaries: BIAS_CASES, a (1, H, S, S) bias shared by the batch.
 """
 
 from __future__ import annotations
@@ -233,6 +237,70 @@ def report(args, t, mem) -> str:
     return "\n".join(lines) + "\n"
 
 
+# (name, B, S, H, D, causal): a long sequence; a NetKet-like batch of many short ones (a ViT's
+# positional bias shared by the samples)
+BIAS_CASES = (("B=1 S=2048 H=8 D=64 causal", 1, 2048, 8, 64, True),
+              ("B=256 S=64 H=4 D=16", 256, 64, 4, 16, False))
+BIAS_TANGENTS = ("q, k, v (bias constant)", "q, k, v, bias", "bias alone")
+
+
+def bias_jvp_candidates(B, S, H, D, causal):
+    """{(name, tangents): (no-argument function that blocks, its jitted function and arguments)}."""
+    rng = np.random.default_rng(0)
+    q, k, v, t = (jnp.asarray(rng.standard_normal((B, S, H, D), dtype=np.float32)) for _ in range(4))
+    bias, b_t = (jnp.asarray(rng.standard_normal((1, H, S, S), dtype=np.float32)) for _ in range(2))
+    found = {}
+    for name, attend in (("flashcupy.jax", lambda q, k, v, b: fj.attention(q, k, v, bias=b, causal=causal)),
+                         ("XLA", lambda q, k, v, b: jax.nn.dot_product_attention(
+                             q, k, v, bias=b, is_causal=causal, implementation="xla"))):
+        jitted = (jax.jit(lambda q, k, v, b, t, b_t, f=attend: jax.jvp(lambda *x: f(*x, b), (q, k, v), (t, t, t))),
+                  jax.jit(lambda q, k, v, b, t, b_t, f=attend: jax.jvp(f, (q, k, v, b), (t, t, t, b_t))),
+                  jax.jit(lambda q, k, v, b, t, b_t, f=attend: jax.jvp(lambda b: f(q, k, v, b), (b,), (b_t,))))
+        for which, fn in zip(BIAS_TANGENTS, jitted):
+            args = (q, k, v, bias, t, b_t)
+            found[name, which] = ((lambda fn=fn, args=args: jax.block_until_ready(fn(*args))), fn, args)
+    return found
+
+
+def bias_jvp(rounds) -> str:
+    """Section 3's report."""
+    lines = ["# flashcupy.jax: forward mode through a bias, on JAX's CPU, vs XLA's attention", "",
+             f"`python benchmarks/compare_jax.py {' '.join(sys.argv[1:])}`".replace(" `", "`"),
+             f"({time.strftime('%Y-%m-%d %H:%M')}; {platform.machine()}, {os.cpu_count()} cores; numpy "
+             f"{np.__version__}, jax {jax.__version__}; flashcupy {commit()}). float32, a (1, H, S, S) bias; "
+             f"jax.jit(jax.jvp) along the tangents named; {rounds} alternated rounds (every order of the two, a "
+             f"pause of {PAUSE} s before each call), median (best) time, and the median of the rounds' ratios; "
+             f"XLA's temporaries of the compiled function.", ""]
+    for label, B, S, H, D, causal in BIAS_CASES:
+        cands = bias_jvp_candidates(B, S, H, D, causal)
+        times = {key: [] for key in cands}
+        for run, _, _ in cands.values():
+            run()
+        rates = []
+        for r in range(rounds):
+            rates.append(sgemm_rate())
+            for which in BIAS_TANGENTS:
+                for name in (("flashcupy.jax", "XLA"), ("XLA", "flashcupy.jax"))[r % 2]:
+                    time.sleep(PAUSE)
+                    t0 = time.perf_counter()
+                    cands[name, which][0]()
+                    times[name, which].append(time.perf_counter() - t0)
+        lines += [f"## {label}", "", f"sgemm (1024^3) per round: {', '.join(f'{x:.0f}' for x in rates)} GFLOP/s.",
+                  "", "| tangents | flashcupy.jax | XLA | flashcupy.jax / XLA | temporaries: flashcupy.jax | XLA |",
+                  "|---|---|---|---|---|---|"]
+        for which in BIAS_TANGENTS:
+            cells, temps = [], []
+            for name in ("flashcupy.jax", "XLA"):
+                t = times[name, which]
+                cells.append(f"{statistics.median(t) * 1e3:.1f} ms ({min(t) * 1e3:.1f})")
+                _, fn, args = cands[name, which]
+                temps.append(f"{fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20:.1f} MiB")
+            ratio = statistics.median(a / b for a, b in zip(times["flashcupy.jax", which], times["XLA", which]))
+            lines.append(f"| {which} | {cells[0]} | {cells[1]} | {ratio:.2f} | {temps[0]} | {temps[1]} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqlen", type=int, default=2048)
@@ -241,9 +309,17 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--memory-seqlens", type=int, nargs="*", default=[1024, 2048, 4096])
     parser.add_argument("--markdown", help="write the report here too")
+    parser.add_argument("--bias-jvp", action="store_true", help="section 3 only: forward mode through a bias")
     args = parser.parse_args(argv)
     if jax.default_backend() != "cpu":
         sys.exit("compare_jax.py times JAX's CPU backend (JAX_PLATFORMS=cpu)")
+    if args.bias_jvp:
+        text = bias_jvp(args.rounds)
+        print(text)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(text)
+        return
     t = timing(args.seqlen, args.heads, args.head_dim, args.rounds)
     t["after"] = after_xla(args.seqlen, args.heads, args.head_dim, args.rounds)
     mem = {S: memory(S, args.heads, args.head_dim) for S in args.memory_seqlens}

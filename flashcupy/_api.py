@@ -58,13 +58,14 @@ def forward(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=No
 def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None,
              mask=None, scale=None, backend="auto", dtype=None, deterministic=False, dlse=None, dropout_p=0.0,
              dropout_seed=None, dropout_origin=(0, 0, 0, 0), dropout_seed_words=None, diagonal=None,
-             into=None) -> tuple:
+             return_dbias=True, into=None) -> tuple:
     """attention_backward on NumPy or CuPy arrays, with forward's diagonal, dropout_origin and
-    dropout_seed_words, and into: None or (dq, dk, dv), and dbias with a bias, arrays of the gradients'
-    shapes and dtypes."""
+    dropout_seed_words, and into: None or (dq, dk, dv), and dbias with a bias (unless return_dbias is
+    False), arrays of the gradients' shapes and dtypes."""
     drop = dict(dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_origin=dropout_origin)
     backend = check_backend_name(backend)
     deterministic = check_bool("deterministic", deterministic)
+    return_dbias = check_bool("return_dbias", return_dbias)
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     lib = check_arrays(given if dlse is None else given | {"dlse": dlse})
     batch = check_leading(lib, q, k, v, alibi_slopes, bias, mask)
@@ -76,10 +77,12 @@ def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None
                 check_lse(p, x, batch + (q.shape[-2], q.shape[-3]), name)
         kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                   scale=scale, backend=backend, dtype=dtype, deterministic=deterministic, dlse=dlse, diagonal=diagonal,
-                  dropout_seed_words=dropout_seed_words, **drop)
+                  dropout_seed_words=dropout_seed_words, return_dbias=return_dbias, **drop)
         return _batch.backward(backward, dout, q, k, v, out, lse, kw, p.carrier, p.acc_dtype, into)
     p = _seed_words(problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal,
                             **drop), dropout_seed_words)
+    if bias is not None and not return_dbias:
+        p, bias = dataclasses.replace(p, return_dbias=False), None  # bias: from here on, dbias's
     check_like_q(p, q, {"dout": dout, "out": out})
     check_lse(p, lse)
     if dlse is not None:
@@ -158,10 +161,11 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
 @_interop.accepts_foreign_arrays
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None,
                        bias=None, mask=None, scale=None, backend="auto", dtype=None, deterministic=False, dlse=None,
-                       dropout_p=0.0, dropout_seed=None):
+                       dropout_p=0.0, dropout_seed=None, return_dbias=True):
     """Gradients (dq, dk, dv) of attention, given dout and the forward's out and lse; with bias,
     (dq, dk, dv, dbias), dbias of the bias's own shape and dtype (summed over its broadcast
-    dimensions).
+    dimensions). return_dbias=False: (dq, dk, dv) alone with a bias too, and no work spent on dbias
+    (a bias held constant, such as an additive mask).
 
     dlse: the gradient of lse too (lse's shape and dtype), or None (0): d lse_i / d s_ij is
     P_ij, so it adds P_ij dlse_i to each score's gradient (the backward's D_i becomes
@@ -179,7 +183,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, so
     """
     return backward(dout, q, k, v, out, lse, causal=causal, window=window, softcap=softcap,
                     alibi_slopes=alibi_slopes, bias=bias, mask=mask, scale=scale, backend=backend, dtype=dtype,
-                    deterministic=deterministic, dlse=dlse, dropout_p=dropout_p, dropout_seed=dropout_seed)
+                    deterministic=deterministic, dlse=dlse, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                    return_dbias=return_dbias)
 
 
 @_interop.accepts_foreign_arrays

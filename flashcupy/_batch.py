@@ -239,7 +239,7 @@ def backward(fn, dout, q, k, v, out, lse, kw: dict, carrier, acc, into=None) -> 
     full, broadcast = _inputs(batch, named, kw)
     fold = plan(batch, full, broadcast, kw)
     calls = math.prod(batch[d] for d in fold.looped)
-    bias = broadcast["bias"]
+    bias = broadcast["bias"] if kw.get("return_dbias", True) else None  # None: no dbias
     whole = list(into or [_empty(q, x.shape, carrier, calls) for x in (q, k, v)])
     if bias is not None and len(whole) == 3:
         whole.append(_empty(bias, kw["bias"].shape, bias.dtype, calls))

@@ -203,10 +203,18 @@ class Problem:
     # place of dropout_seed: flashcupy.jax's traced seeds on a GPU, never copied to the host (backends
     # that declare DROPOUT_SEED_ON_DEVICE); None: dropout_seed
     dropout_seed_words: object = field(default=None, compare=False, repr=False)
+    # False where the caller wants no dbias (attention_backward's return_dbias): the bias still shapes
+    # the scores, but the backward spends nothing on its gradient
+    return_dbias: bool = True
 
     def __post_init__(self):
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
+
+    @property
+    def dbias(self) -> bool:
+        """Whether the backward computes dbias: a bias was given, and its gradient is wanted."""
+        return self.bias is not None and self.return_dbias
 
     @functools.cached_property
     def band(self) -> Band:

@@ -153,15 +153,17 @@ if _CUSTOM_OP:
                                alibi_slopes: Optional[Tensor], causal: bool, window_left: Optional[int],
                                window_right: Optional[int], softcap: Optional[float], scale: Optional[float],
                                backend: str, dtype: Optional[str], dropout_p: float, seed_lo: int, seed_hi: int,
-                               deterministic: bool) -> list[Tensor]:
+                               deterministic: bool, return_dbias: bool) -> list[Tensor]:
         kw = dict(causal=causal, window=_window(window_left, window_right), softcap=softcap,
                   alibi_slopes=alibi_slopes, bias=bias, mask=mask, scale=scale, backend=backend, dtype=dtype,
-                  deterministic=deterministic, dlse=dlse, **_dropout(dropout_p, seed_lo, seed_hi))
+                  deterministic=deterministic, dlse=dlse, return_dbias=return_dbias,
+                  **_dropout(dropout_p, seed_lo, seed_hi))
         return _contiguous(_interop.through_views(_api.attention_backward.__wrapped__, (dout, q, k, v, out, lse), kw))
 
     @_attention_backward_op.register_fake
     def _(dout, q, k, v, out, lse, dlse, bias, mask, alibi_slopes, *options):
-        return [x.new_empty(x.shape) for x in (q, k, v) + (() if bias is None else (bias,))]
+        return_dbias = options[-1]
+        return [x.new_empty(x.shape) for x in (q, k, v) + ((bias,) if bias is not None and return_dbias else ())]
 
     def _attention_setup(ctx, inputs, output):
         q, k, v, bias, mask, alibi_slopes, *options = inputs
@@ -173,9 +175,12 @@ if _CUSTOM_OP:
     def _attention_backward(ctx, dout, dlse):
         q, k, v, out, lse, bias, mask, alibi_slopes = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout  # a loss of lse alone
+        # dbias only where the bias wants a gradient: the backward spends nothing on it otherwise
+        return_dbias = bias is not None and ctx.needs_input_grad[3]
         grads = torch.ops.flashcupy.attention_backward(dout, q, k, v, out, lse, dlse, bias, mask, alibi_slopes,
-                                                       *ctx.options, torch.are_deterministic_algorithms_enabled())
-        dbias = grads[3] if bias is not None and ctx.needs_input_grad[3] else None
+                                                       *ctx.options, torch.are_deterministic_algorithms_enabled(),
+                                                       return_dbias)
+        dbias = grads[3] if return_dbias else None
         return (grads[0], grads[1], grads[2], dbias) + (None,) * (len(ctx.needs_input_grad) - 4)
 
     _attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)

@@ -262,19 +262,19 @@ def _lse(part):
     return part[1]
 
 
-def _pair_backward(dout, q, k, v, out, lse, dlse, bias, mask, diagonal, kw, deterministic):
-    """One pair's (dq, dk, dv), and dbias with a bias, in the accumulation dtype, ready to sum (dlse,
-    the gradient of lse, or None: each pair adds P dlse over its own keys, P from the whole row's
-    lse)."""
+def _pair_backward(dout, q, k, v, out, lse, dlse, bias, mask, diagonal, kw, deterministic, dbias=True):
+    """One pair's (dq, dk, dv), and dbias with a bias (where dbias), in the accumulation dtype, ready
+    to sum (dlse, the gradient of lse, or None: each pair adds P dlse over its own keys, P from the
+    whole row's lse)."""
     value, _ = _checks.check_dtypes({"q": q}, kw["dtype"])
     acc = accumulation_dtype(value)
     xp = _merge.library(q)
-    if bias is not None and bias.dtype != acc:
+    if bias is not None and dbias and bias.dtype != acc:
         # the same values (widened exactly: a dtype bias may hold), so the pair's dbias comes in the
         # accumulation dtype and is rounded once, after the sum over pairs
         bias = _merge.widen(xp, bias, value, acc)
     grads = _api.backward(dout, q, k, v, out, lse, bias=bias, mask=mask, dlse=dlse, diagonal=diagonal,
-                          deterministic=deterministic, **kw)
+                          deterministic=deterministic, return_dbias=dbias, **kw)
     return tuple(_merge.widen(xp, g, value, acc) for g in grads[:3]) + grads[3:]
 
 
@@ -400,11 +400,13 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
     return (out, lse) if return_lse else out
 
 
-def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse, deterministic):
+def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse, deterministic, dbias=True):
+    """(dq, dk, dv), and dbias with a bias where dbias is True (False: no pair spends work on it)."""
     da, tokenize, HighLevelGraph = _dask()
     token = tokenize(dout, q, k, v, out, lse, dlse, plan.dropout, plan.causal, plan.window, plan.softcap, plan.alibi,
-                     plan.bias, plan.mask, plan.scale, plan.backend, plan.dtype, deterministic)
-    outputs = ("dq", "dk", "dv") + (() if plan.bias is None else ("dbias",))
+                     plan.bias, plan.mask, plan.scale, plan.backend, plan.dtype, deterministic, dbias)
+    dbias = dbias and plan.bias is not None
+    outputs = ("dq", "dk", "dv") + (("dbias",) if dbias else ())
     graph = {g: {} for g in outputs}  # one layer per output; dk's, dv's and dbias's read dq's pairs
     pair_name, part_name = f"flashcupy-pair-grad-{token}", f"flashcupy-grad-part-{token}"
     names = {g: f"flashcupy-attention-{g}-{token}" for g in outputs}
@@ -424,14 +426,14 @@ def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse, deterministic):
                                     (v.name, *b, j, h, 0), (out.name, *b, i, h, 0), (lse.name, *b, h, i),
                                     None if dlse is None else (dlse.name, *b, h, i), bias,
                                     plan.block(plan.mask, b, h, i, j), plan.diagonal(i, j),
-                                    plan.pair_keywords(kw, b, h, i, j), deterministic)
+                                    plan.pair_keywords(kw, b, h, i, j), deterministic, dbias)
                 part = {}  # each gradient of the pair a task of its own (_gradient)
                 for which, g in enumerate(outputs):
                     part[g] = (f"{part_name}-{g}", *b, i, h, j)
                     graph["dq"][part[g]] = (_gradient, which, key)
                 parts.append(part["dq"])
                 by_key[j].append(part)
-                if bias is not None:
+                if dbias and bias is not None:
                     by_bias.setdefault(bias, []).append(part["dbias"])
             graph["dq"][(names["dq"], *b, i, h, 0)] = _summed(graph["dq"], f"{names['dq']}-sum", (*b, i, h), parts,
                                                               qk, kw)
@@ -439,7 +441,7 @@ def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse, deterministic):
             for g, x in (("dk", k), ("dv", v)):  # (x's block: the zeros of a key chunk no query sees)
                 graph[g][(names[g], *b, j, h, 0)] = _summed(graph[g], f"{names[g]}-sum", (*b, j, h),
                                                             [part[g] for part in parts], (x.name, *b, j, h, 0), kw)
-    if plan.bias is not None:
+    if dbias:
         # every block of the bias on the grid: the sum of its pairs' dbias (a bias broadcast along a
         # dimension sums the pairs of every chunk along it), or zeros where no pair sees its keys
         carrier = np.dtype(plan.bias.dtype)
@@ -457,7 +459,7 @@ def _backward(plan: _Plan, dout, q, k, v, out, lse, dlse, deterministic):
                   names["dq"], q.chunks, meta=meta)
     dk, dv = (da.Array(HighLevelGraph.from_collections(names[g], graph[g], dependencies=[dq, x]), names[g],
                        x.chunks, meta=meta) for g, x in (("dk", k), ("dv", v)))
-    if plan.bias is None:
+    if not dbias:
         return dq, dk, dv
     dbias = da.Array(HighLevelGraph.from_collections(names["dbias"], graph["dbias"], dependencies=[dq, plan.bias]),
                      names["dbias"], plan.bias.chunks, meta=_meta(q, plan.bias.ndim, plan.bias.dtype))
@@ -485,14 +487,16 @@ def _check_like(name, x, shape, dtype):
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None,
                        bias=None, mask=None, scale=None, backend="auto", dtype=None, deterministic=False, dlse=None,
-                       dropout_p=0.0, dropout_seed=None):
+                       dropout_p=0.0, dropout_seed=None, return_dbias=True):
     """flashcupy.attention_backward on dask arrays: lazy (dq, dk, dv), chunked like q, k and v, and
-    with a bias dbias, of the bias's shape and dtype (and chunks, for a dask bias), from the
+    with a bias dbias (unless return_dbias is False: then no task spends work on it), of the bias's
+    shape and dtype (and chunks, for a dask bias), from the
     forward's out and lse (dask arrays; dout, out, lse and dlse, the gradient of lse or None, are
     rechunked to q's chunks if they differ). deterministic: each pair's, as attention_backward's
     (CuPy chunks' tensor-core kernels add dq with atomics unless it is True); the sums over pairs
     are of fixed order either way. dropout_p, dropout_seed: the forward's."""
     deterministic = _checks.check_bool("deterministic", deterministic)
+    return_dbias = _checks.check_bool("return_dbias", return_dbias)
     plan = _Plan(q, k, v, causal, window, softcap, alibi_slopes, scale, backend, dtype, bias, mask, dropout_p,
                  dropout_seed)
     _check_like("dout", dout, plan.out_shape, plan.p.carrier)
@@ -502,7 +506,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, so
         _check_like("dlse", dlse, plan.batch + (q.shape[-2], q.shape[-3]), plan.p.lse_dtype)
         dlse = dlse.rechunk(_lse_chunks(q))
     return _backward(plan, dout.rechunk(plan.out_chunks), q, k, v, out.rechunk(plan.out_chunks),
-                     lse.rechunk(_lse_chunks(q)), dlse, deterministic)
+                     lse.rechunk(_lse_chunks(q)), dlse, deterministic, return_dbias)
 
 
 def attention_vjp(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,

@@ -317,18 +317,21 @@ def _forward_call(call: _Call):
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_call(call: _Call):
+def _backward_call(call: _Call, dbias: bool = True):
+    """(dq, dk, dv), and dbias with a bias where dbias is True; False: the bias only shapes the scores,
+    and no work goes into its gradient (a bias without a tangent, or forward mode's widened backward)."""
     def callback(ctx, grads, dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask, seed):
         with _stream(ctx, q):
             _api.backward(*map(_view, (dout, q, k, v, out, lse)), dlse=_view(dlse), alibi_slopes=_view(alibi_slopes),
-                          bias=_view(bias), mask=_view(mask), into=tuple(map(_view, grads)),
+                          bias=_view(bias), mask=_view(mask), into=tuple(map(_view, grads)), return_dbias=dbias,
                           **call.keywords(_view(seed)))
 
     def run(dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask, seed):
-        avals = tuple(_aval(x.shape, x.dtype) for x in (q, k, v) + (() if bias is None else (bias,)))
+        avals = tuple(_aval(x.shape, x.dtype) for x in (q, k, v) + ((bias,) if dbias and bias is not None else ()))
         return _callback(callback, avals, dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask, seed)
 
-    return _folded(run, ("bshd",) * 5 + ("bshd", "bshd", "slopes", "pair_each", "pair", "seed"), dbias_of=8)
+    kinds = ("bshd",) * 5 + ("bshd", "bshd", "slopes", "pair_each" if dbias else "pair", "pair", "seed")
+    return _folded(run, kinds, dbias_of=8 if dbias else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -662,9 +665,9 @@ def _unpack(operands, tangents: tuple, extras: tuple):
     return given, primals, [next(it) if present else None for present in extras]
 
 
-def _ops(call: _Call) -> tuple:
-    """(forward, backward) of the call: attention's or a packed batch's."""
-    return _packed_ops(call) if call.cu_q is not None else (_forward_call(call), _backward_call(call))
+def _ops(call: _Call, dbias: bool = True) -> tuple:
+    """(forward, backward) of the call: attention's or a packed batch's (dbias: _backward_call's)."""
+    return _packed_ops(call) if call.cu_q is not None else (_forward_call(call), _backward_call(call, dbias))
 
 
 def _tangent(*operands, call: _Call, tangents: tuple, extras: tuple):
@@ -719,7 +722,7 @@ def _score_tangent_sums(call: _Call, parts, q, k, cols, lse, extras):
                          f"one column, past the {backend.NAME} backend's head_dim limit of {limit}")
     room = int(min(limit - D, cols.shape[-1]))
     groups = [parts] if sum(a.shape[-1] for a, _ in parts) <= limit else [[part] for part in parts]
-    backward, sums = _ops(call)[1], []
+    backward, sums = _ops(call, dbias=False)[1], []
     for start in range(0, cols.shape[-1], room):
         piece = cols[..., start:start + room]
         width = D + piece.shape[-1]
@@ -737,8 +740,8 @@ def _score_tangent_sums(call: _Call, parts, q, k, cols, lse, extras):
     return jnp.concatenate(sums, axis=-1)
 
 
-# rows of P that _bias_tangent_sums holds at once: those of about this many elements, or of the bias
-# tangent's own size where that is more (16 MiB of float32)
+# rows of P that _bias_tangent_sums holds at once: those of about this many elements (16 MiB of float32;
+# P's slice and its product with the bias's tangent are XLA's temporaries, two at a time)
 _BIAS_TANGENT_ELEMENTS = 1 << 22
 
 
@@ -746,14 +749,14 @@ def _bias_tangent_sums(call: _Call, q, k, v, lse, bias_t, extras):
     """(A, mu) of a bias's tangent b in the accumulation dtype: A_i = sum_j p_ij b_ij v_j (*batch, Sq,
     Hq, Dv) and mu_i = sum_j p_ij b_ij (*batch, Sq, Hq), lse's tangent. b is any matrix, not a product
     of two thin ones as St is, so no backward computes these sums: XLA does, from P (the package's
-    attention_probs, from the forward's lse) in slices of query rows, each of about
-    _BIAS_TANGENT_ELEMENTS elements or b's size, the larger (b itself is in memory already)."""
+    attention_probs, from the forward's lse) in slices of query rows of about _BIAS_TANGENT_ELEMENTS
+    elements each (one row at least)."""
     acc = _lse_dtype(q)
     *batch, Sq, Hq, _ = q.shape
     Sk, Hkv = k.shape[-3], k.shape[-2]
     alibi_slopes, bias, mask = extras[:3]
     per_row = max(1, math.prod(batch) * Hq * Sk)
-    step = max(1, max(_BIAS_TANGENT_ELEMENTS, math.prod(bias_t.shape)) // per_row)
+    step = max(1, _BIAS_TANGENT_ELEMENTS // per_row)
     b = bias_t.astype(acc)
     A, mu = [], []
     for start in range(0, Sq, step):
@@ -780,7 +783,7 @@ def _transpose_tangent(cotangents, *operands, call: _Call, tangents: tuple, extr
     _check_backward(call, q, k, v)
     dout = jnp.zeros(out.shape, out.dtype) if isinstance(dout, ad.Zero) else dout
     dlse = None if isinstance(dlse, ad.Zero) else dlse
-    grads = _once(_ops(call)[1])(dout, q, k, v, out, lse, dlse, *given_extras)
+    grads = _once(_ops(call, dbias=tangents[3])[1])(dout, q, k, v, out, lse, dlse, *given_extras)
     wanted = tuple(grads[:3]) + (grads[3] if len(grads) > 3 else None,)
     return [g for g, present in zip(wanted, tangents) if present] + [None] * (len(operands) - sum(tangents))
 

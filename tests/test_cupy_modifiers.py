@@ -23,7 +23,7 @@ import flashcupy
 from flashcupy._problem import MODIFIERS
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import specs
-from flashcupy.tools.emulator.cupy import compile_module, emulated, recording
+from flashcupy.tools.emulator.cupy import compile_module, emulated, launch_records, recording
 from flashcupy.tools.emulator.driver import CompileError
 
 ORDERS = ("ascending", "descending")
@@ -108,6 +108,24 @@ def test_modifiers_in_bfloat16_bits(rng, path, name, order):
     q, k, v = make_qkv(rng, *shape, BF16)
     dout = rng.standard_normal(q.shape).astype(BF16)
     check_cupy(q, k, v, dout, path, order, bits=True, **cases(rng, shape, BF16)[name])
+
+
+def test_return_dbias_false_launches_no_dbias_kernel(rng, path):
+    # a bias held constant (attention_backward(..., return_dbias=False), what torch autograd and
+    # flashcupy.jax ask for where the bias has no gradient): dq, dk, dv as the oracle's, and no
+    # flash_bwd_dbias launch, which would compute S and dP once more
+    shape, dtype = (TC_SHAPE, np.float16) if path != "simt" else (SIMT_SHAPE, np.float32)
+    q, k, v = make_qkv(rng, *shape, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    kw = cases(rng, shape, dtype)["all-causal"]
+    launches = []
+    with emulated(compute_capability=DEVICE[path], compile=launch_records(launches)):
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="cupy", **kw)
+        launches.clear()
+        grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="cupy", return_dbias=False, **kw)
+    names = [name for name, _ in launches]
+    assert len(grads) == 3 and names and not any("dbias" in name for name in names), names
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", **kw)
 
 
 def test_rows_that_see_no_key_ignore_their_dlse(rng, path):

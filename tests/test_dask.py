@@ -285,6 +285,12 @@ def test_bias_and_mask_match_the_oracle(rng, name, dtype, bias_spec, mask_shape,
         assert grads[3].chunks == Bias.chunks
     got = dask.compute(out, lse, *grads, scheduler="threads")
     assert_matches_oracle(got, q, k, v, dout, bias=bias, mask=mask, dtype=kind, backend=MERGED, **mods)
+    # the bias held constant: (dq, dk, dv) alone, and no task in the graph for dbias
+    held = fdask.attention_backward(da.from_array(dout, chunks=Q.chunks), Q, K, V, out, lse, bias=Bias, mask=mask,
+                                    dtype=kind, return_dbias=False, **mods)
+    assert len(held) == 3 and not any("dbias" in str(key) for x in held for key in dict(x.dask))
+    assert_matches_oracle(got[:2] + dask.compute(*held, scheduler="threads"), q, k, v, dout, bias=bias, mask=mask,
+                          dtype=kind, backend=MERGED, **mods)
 
 
 def test_a_bias_broadcast_over_leading_dimensions(rng):

@@ -800,11 +800,42 @@ def test_jvp_through_a_bias(rng, bias_shape):
         assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, backend="numpy", **kw, **mods)
 
 
+def test_dbias_only_where_the_bias_has_a_gradient(rng, monkeypatch):
+    # the backward spends nothing on dbias (Problem.dbias False, no dbias buffer in XLA) where the bias
+    # has no tangent: grad in q alone, jvp in q (its widened backward); grad in the bias does
+    q, k, v, dout = arrays(rng, 1, 16, 16, 2, 1, 8, np.float32)
+    bias = rng.standard_normal((1, 2, 16, 16)).astype(np.float32)
+    seen = []
+    backward = numpy_backend.backward
+
+    def spy(p, *args, **kw):
+        seen.append(p.dbias)
+        return backward(p, *args, **kw)
+    monkeypatch.setattr(numpy_backend, "backward", spy)
+    Q, K, V, B, dO = map(to_jax, (q, k, v, bias, dout))
+
+    def loss(q, b):
+        return _dot(fj.attention(q, K, V, bias=b, causal=True), dO)
+    for argnums, want in ((0, [False]), ((0, 1), [True])):
+        seen.clear()
+        grads = jax.jit(jax.grad(loss, argnums=argnums))(Q, B)
+        assert seen == want
+        dq = grads if argnums == 0 else grads[0]
+        got = [np.asarray(x) for x in fj.attention(Q, K, V, bias=B, causal=True, return_lse=True)]
+        assert_matches_oracle(got + [np.asarray(dq)], q, k, v, dout, backend="numpy", causal=True, bias=bias)
+    seen.clear()
+    temporaries = []
+    for b in (B, None):  # XLA's temporaries: no dbias among them, as many as without a bias
+        jvp = jax.jit(lambda q, t: jax.jvp(lambda q: fj.attention(q, K, V, bias=b, causal=True), (q,), (t,)))
+        temporaries.append(jvp.lower(Q, Q).compile().memory_analysis().temp_size_in_bytes)
+        jvp(Q, Q)
+    assert seen == [False, False] and temporaries[0] == temporaries[1], (seen, temporaries)
+
+
 def test_jvp_through_a_bias_in_slices_of_rows_dtypes_vmap_and_jacfwd(rng, monkeypatch):
-    # P in slices of 4 rows of 9 (the last one short; each as big as the bias, which the batch of 2
-    # shares): several attention_probs calls, the same result; float64, bfloat16 and float16 (a float32
-    # bias beside them); vmap of the jvp with the bias's tangent mapped; jacfwd in the bias against
-    # jacrev (the package's dbias) column by column
+    # P in slices of 4 rows of 9 (the last one short): several attention_probs calls, the same result;
+    # float64, bfloat16 and float16 (a float32 bias beside them); vmap of the jvp with the bias's tangent
+    # mapped; jacfwd in the bias against jacrev (the package's dbias) column by column
     q, k, v, _ = arrays(rng, 2, 9, 9, 2, 1, 8, np.float32)
     bias = rng.standard_normal((1, 2, 9, 9)).astype(np.float32)
     tangents = tangents_of(rng, q, k, v, bias)
@@ -815,7 +846,7 @@ def test_jvp_through_a_bias_in_slices_of_rows_dtypes_vmap_and_jacfwd(rng, monkey
         calls.append(None if rows is None else len(rows))
         return probs(p, q, k, lse, rows, into=into)
     monkeypatch.setattr(numpy_backend, "probs", spy)
-    monkeypatch.setattr(fj, "_BIAS_TANGENT_ELEMENTS", 1)
+    monkeypatch.setattr(fj, "_BIAS_TANGENT_ELEMENTS", 4 * 2 * 2 * 9)  # 4 rows of (B, Hq, Sk) = (2, 2, 9)
     _, (out_t, lse_t) = jitted_bias_jvp(causal=True)(*map(to_jax, (q, k, v, bias)), list(map(to_jax, tangents)))
     assert sorted(calls) == [1, 4, 4]  # in the order XLA runs them
     assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, backend="numpy", causal=True, bias=bias)

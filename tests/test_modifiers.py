@@ -5,6 +5,7 @@ float64 oracle, through the one tolerance rule (tests/modifier_checks.py's check
 refusals; the band the window adds to the tile plans; deliberate bugs the battery must catch.
 """
 
+import math
 import sys
 
 import numpy as np
@@ -210,6 +211,56 @@ def test_backward_and_vjp_return_dbias_only_with_a_bias(rng):
     assert len(vjp(np.ones_like(out))) == 3
 
 
+@pytest.mark.parametrize("name", [n for n in CASE_NAMES if "bias" in n or n.startswith("all")])
+def test_return_dbias_false_gives_the_same_dq_dk_dv_and_no_dbias(rng, small_tiles, monkeypatch, name):
+    """attention_backward(..., return_dbias=False): (dq, dk, dv) bit for bit those of the call that
+    returns dbias, and the backend told to spend nothing on it (Problem.dbias); on every bias shape,
+    with leading dimensions, and on the groups of short sequences (numpy_backend/packed.py)."""
+    seen = []
+    backward = numpy_backend.backward
+
+    def spy(p, *args, **kw):
+        seen.append(p.dbias)
+        return backward(p, *args, **kw)
+    monkeypatch.setattr(numpy_backend, "backward", spy)
+    kw = modifier_cases(rng, SHAPE, np.float32)[name]
+    for batch in ((2,), (9,), (3, 3)):  # the tiled path; the groups; leading dimensions
+        q, k, v = (x.reshape(batch + x.shape[1:]) for x in make_qkv(rng, math.prod(batch), *SHAPE[1:], np.float32))
+        dout = rng.standard_normal(q.shape).astype(np.float32)
+        # the cases' per-batch bias and mask (batch 2) as one that the batch shares
+        call = {n: x[:1] if np.ndim(x) == 4 and batch != (2,) else x for n, x in kw.items()}
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, **call)
+        seen.clear()
+        whole = flashcupy.attention_backward(dout, q, k, v, out, lse, **call)
+        without = flashcupy.attention_backward(dout, q, k, v, out, lse, return_dbias=False, **call)
+        assert len(whole) == 4 and len(without) == 3
+        assert seen and all(seen[:len(seen) // 2]) and not any(seen[len(seen) // 2:]), seen
+        for a, b in zip(whole, without):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(TypeError, match="return_dbias must be a bool, got int"):
+        flashcupy.attention_backward(dout, q, k, v, out, lse, return_dbias=0, **call)
+
+
+def test_the_backward_without_dbias_needs_no_memory_for_it(rng):
+    """return_dbias=False on a (1, H, S, S) bias: the backward's peak is the unbiased one's, within a
+    tile per worker, not a dbias's size more."""
+    import tracemalloc
+    S, H = 1024, 4
+    q, k, v = make_qkv(rng, 1, S, S, H, H, 16, np.float32)
+    bias = rng.standard_normal((1, H, S, S)).astype(np.float32)
+    out, lse = flashcupy.attention(q, k, v, return_lse=True, bias=bias)
+    peaks = []
+    for kw in ({}, dict(bias=bias, return_dbias=False), dict(bias=bias)):
+        flashcupy.attention_backward(out, q, k, v, out, lse, **kw)  # the workers' scratch, made once
+        tracemalloc.start()
+        tracemalloc.reset_peak()
+        flashcupy.attention_backward(out, q, k, v, out, lse, **kw)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    scratch = numpy_backend.worker_count() * numpy_backend.plan.TILE_VOLUME[4] * 4  # bytes of one tile per worker
+    assert peaks[1] - peaks[0] < scratch < bias.nbytes <= peaks[2] - peaks[0], (peaks, scratch, bias.nbytes)
+
+
 @pytest.mark.parametrize("Sq, Sk", [(0, 5), (5, 0)])
 def test_empty_sequences_with_a_bias(Sq, Sk):
     q, k, v = (np.zeros((1, S, 2, 8), np.float32) for S in (Sq, Sk, Sk))
@@ -217,6 +268,7 @@ def test_empty_sequences_with_a_bias(Sq, Sk):
     out, lse = flashcupy.attention(q, k, v, bias=bias, window=(1, 1), return_lse=True)
     dq, dk, dv, dbias = flashcupy.attention_backward(out, q, k, v, out, lse, bias=bias)
     assert dbias.shape == bias.shape and dbias.dtype == bias.dtype and not dbias.any()
+    assert len(flashcupy.attention_backward(out, q, k, v, out, lse, bias=bias, return_dbias=False)) == 3
     assert flashcupy.attention_probs(q, k, lse, bias=bias).shape == (1, 2, Sq, Sk)
 
 

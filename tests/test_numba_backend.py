@@ -136,6 +136,21 @@ def test_bias_mask_and_probs_match_the_oracle(rng, device, name, dtype):
 
 
 @pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_return_dbias_false_runs_no_dbias_kernel(rng, device, monkeypatch):
+    """A bias held constant (return_dbias=False): dq, dk, dv as the oracle's, _flash_bwd_dbias never run."""
+    require(device)
+    q, k, v = make_qkv(rng, *ARRAY_SHAPE, np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    kw = modifier_cases(rng, ARRAY_SHAPE, np.float32)["all-causal"]
+    out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numba", **kw)
+    # a launch would fail: None is not subscriptable
+    monkeypatch.setattr(numba_backend._kernels(), "_flash_bwd_dbias", None)
+    grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numba", return_dbias=False, **kw)
+    assert len(grads) == 3
+    assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="numba", **kw)
+
+
+@pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_bias_and_mask_views_are_read_in_place(rng, device):
     """Zero strides (a broadcast view of the full shape), reversed and transposed views."""
     require(device)

@@ -149,23 +149,32 @@ def test_a_loss_of_lse_alone(rng, monkeypatch):
     assert given[0] is None
 
 
-def test_bias_gradients(rng):
+def test_bias_gradients(rng, monkeypatch):
     """dbias has the bias's shape and dtype, summed over its broadcast dimensions; a bias that does not
-    require grad gets none, and q, k, v's gradients do not depend on whether it does."""
+    require grad gets none (and the backward spends nothing on it: Problem.dbias False), and q, k, v's
+    gradients do not depend on whether it does."""
+    from flashcupy.backends import numpy_backend
+
+    seen = []
+    backward = numpy_backend.backward
+    monkeypatch.setattr(numpy_backend, "backward", lambda p, *a, **kw: seen.append(p.dbias) or backward(p, *a, **kw))
     q, k, v = make_qkv(rng, 2, 6, 5, 2, 1, 8, np.float32)
     dout = rng.standard_normal(q.shape).astype(np.float32)
     for shape in ((2, 2, 6, 5), (1, 2, 1, 5), (2, 1, 6, 1), (1, 1, 1, 1)):
         bias = rng.standard_normal(shape).astype(np.float32)
         tq, tk, tv = (_t(x, True) for x in (q, k, v))
         tb = _t(bias, True)
+        seen.clear()
         flashcupy.attention(tq, tk, tv, bias=tb).backward(_t(dout))
+        assert seen == [True]
         assert tb.grad.shape == shape
         assert_matches_oracle([_np(flashcupy.attention(tq, tk, tv, bias=tb)),
                                _np(flashcupy.attention(tq, tk, tv, bias=tb, return_lse=True)[1]),
                                *(_np(x.grad) for x in (tq, tk, tv, tb))], q, k, v, dout, bias=bias, backend="numpy")
         fixed = _t(bias)
+        seen.clear()
         grads = torch.autograd.grad(flashcupy.attention(tq, tk, tv, bias=fixed), (tq, tk, tv), _t(dout))
-        assert fixed.grad is None
+        assert fixed.grad is None and seen == [False]
         for a, b in zip(grads, (tq, tk, tv)):
             assert torch.equal(a, b.grad)
     # the bias alone requires grad: q, k, v are constants
@@ -269,9 +278,11 @@ def test_custom_ops_pass_torch_opcheck(rng):
     out, lse = torch.ops.flashcupy.attention(q, k, v, bias, None, None, True, None, None, None, None, "auto", None,
                                              0.0, 0, 0)
     dout = torch.randn_like(out)
-    torch.library.opcheck(torch.ops.flashcupy.attention_backward.default,
-                          tuple(x.detach() for x in (dout, q, k, v, out, lse, torch.randn_like(lse), bias))
-                          + (None, None, True, None, None, None, None, "auto", None, 0.0, 0, 0, False))
+    for return_dbias in (True, False):  # (dq, dk, dv, dbias), or no work on dbias
+        torch.library.opcheck(torch.ops.flashcupy.attention_backward.default,
+                              tuple(x.detach() for x in (dout, q, k, v, out, lse, torch.randn_like(lse), bias))
+                              + (None, None, True, None, None, None, None, "auto", None, 0.0, 0, 0, False,
+                                 return_dbias))
     cu = _t(np.array([0, 2, 5], np.int32))
     pq, pk, pv = (x.detach()[0].requires_grad_(True) for x in (q, k[:, :5], v[:, :5]))
     torch.library.opcheck(torch.ops.flashcupy.attention_varlen.default,

@@ -197,7 +197,7 @@ def _grid_axes(p, backward) -> tuple:
     mods, tiles, tc_backward = _mods(p), _tile_head_dim(p), _tc_backward_mods(p)
     builds = [(specs.forward_module, tiles, mods), (specs.probs_module, p.head_dim, mods)]
     builds += [(specs.backward_module, tiles, mods)] * backward
-    if backward and p.bias is not None:
+    if backward and p.dbias:
         builds.append((specs.dbias_module, tiles, mods))
     if _tc_takes(p) and specs.tensor_core_eligible(p.dtype, tiles):
         builds += [(specs.tc_forward_module, tiles, mods)]

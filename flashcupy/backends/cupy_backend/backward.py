@@ -45,7 +45,7 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None, dlse=No
             dq, dk, dv = into[:3]
         D = _backward_launches(rt, p, path, _backward_module(p, path, deterministic, q), dout, q, k, v, out, lse,
                                dq, dk, dv, dlse=dlse)
-        if p.bias is None:
+        if not p.dbias:
             return dq, dk, dv
         # dbias (flash_pairs.cu, SIMT whichever path ran above): its own arguments are natural-unit ones
         module = specs.dbias_module(p.dtype, backend._tile_head_dim(p), backend._mods(p))

@@ -275,7 +275,7 @@ def grid_axes(p, backward):
     if not backward:
         return axes
     axes.append((f"seqlen_k ({K.BLOCK_N} keys a block)", keys, 0))
-    if p.bias is not None:
+    if p.dbias:
         axes.append((f"dbias ({K.PREP_THREADS} elements a block)", _dbias_blocks(p.bias.shape), 0))
     return axes
 
@@ -388,7 +388,7 @@ def backward(p, dout, q, k, v, out, lse, _packed=None, dlse=None):
         qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dq.flat, dq.st,
         p.seqlen_q, p.seqlen_k, *common, *offsets)
     grads = dq.result(), dk.result(), dv.result()
-    if p.bias is None:
+    if not p.dbias:
         return grads
     # dbias in the bias's shape and dtype, one thread per element summing in registers (ACC): the
     # backward's extra memory is dbias itself

@@ -139,7 +139,7 @@ def backward(p, dout, q, k, v, out, lse, into=None, dlse=None):
     # dbias summed straight into `into` where it is given in the accumulation dtype
     given = into[3] if into is not None and len(into) > 3 and into[3].dtype == p.acc_dtype else None
     if packed.dense(p):  # short sequences: the batch in groups (packed.py)
-        dB = None if p.bias is None else given if given is not None else np.empty(p.bias.shape, p.acc_dtype)
+        dB = None if not p.dbias else given if given is not None else np.empty(p.bias.shape, p.acc_dtype)
         packed.backward_dense(p, dout, q, k, v, out, lse, dq, dk, dv, dlse, dB)
     elif width is not None:
         band_backward.backward(p, dout, q, k, v, out, lse, dq, dk, dv, width, dlse)

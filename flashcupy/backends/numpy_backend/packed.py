@@ -290,7 +290,7 @@ def _backward_group(p, g: _Group, scratch, dout, q, k, v, out, lse, dq, dk, dv, 
         dS *= Z.reshape(S.shape)
     dS -= Dsum[..., None]
     dS *= P
-    bias = g.pair_arrays()[0]
+    bias = g.pair_arrays()[0] if p.dbias else None
     dbias = None
     if bias is not None:  # dS summed over what the bias broadcasts within the group (the caller sums groups)
         axes = tuple(a for a, n in enumerate(bias.shape) if n == 1)

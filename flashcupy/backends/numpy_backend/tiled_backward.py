@@ -147,9 +147,9 @@ def plan_backward(p) -> BackwardPlan:
     # broadcasts over keys (then each partition sums into its own copy, at most batch x heads_q x
     # seqlen_q, added in a fixed order) or over heads (then the items of one key block, which share
     # elements, run in one partition, in order)
-    per_partition = p.bias is not None and p.bias.shape[3] == 1
+    per_partition = p.dbias and p.bias.shape[3] == 1
     together = None
-    if p.bias is not None and not per_partition and p.bias.shape[1] == 1 and len(kv_groups) > 1:
+    if p.dbias and not per_partition and p.bias.shape[1] == 1 and len(kv_groups) > 1:
         together = [j0 for h0, h1, j0, j1 in work]
     parts = plan.balanced_parts(costs, max(1, min(pool.worker_count(), len(work))), together)
     return BackwardPlan(key_blocks, tiles, kv_groups, work, parts, per_partition)
@@ -196,7 +196,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, dB=None, dlse=None):
     heads = stacks.HeadMap(p)
     mods = modifiers.Modifiers(p, heads) if p.modifiers - {"window"} else None
     drop = modifiers.Dropout(p, heads) if p.dropout else None
-    if p.bias is None:
+    if not p.dbias:
         dB = None
     elif dB is None:
         dB = np.zeros(p.bias.shape, dtype=acc)  # in the accumulation dtype
