@@ -248,8 +248,8 @@ def _fold(x, batched: bool, n: int, batch: int, kind: str):
     dout) and lse have the batch axis first; 'slopes' are (heads,) or (batch, heads); 'pair' (bias,
     mask) are (1 or batch, ...), and unmapped ones with a batch of 1 are left as they are, since
     they broadcast over the folded batch too ('pair_each': every element its own, for dbias)."""
-    if x is None:
-        return None
+    if x is None or kind == "after":  # "after": an operand read for its order alone (_probs_call)
+        return x
     if kind == "seed":  # one seed for the folded call: its batches draw their own parts of the mask
         if batched:
             raise ValueError("under jax.vmap, dropout_seed must not be mapped (the mapped axis is folded into "
@@ -383,20 +383,21 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
 
 @functools.lru_cache(maxsize=None)
 def _probs_call(call: _Call, rows: tuple | None):
-    """P of the query rows `rows` (None: all) into XLA's buffer, under the vmap rule."""
+    """P of the query rows `rows` (None: all) into XLA's buffer, under the vmap rule. after: arrays the
+    call is not to start before (read by no one: XLA runs it after the operations that make them)."""
     index = None if rows is None else np.asarray(rows, np.intp)
 
-    def callback(ctx, outs, q, k, lse, alibi_slopes, bias, mask):
+    def callback(ctx, outs, q, k, lse, alibi_slopes, bias, mask, *after):
         with _stream(ctx, q):
             _api.probs(*map(_view, (q, k, lse)), rows=index, alibi_slopes=_view(alibi_slopes), bias=_view(bias),
                        mask=_view(mask), into=_view(outs[0]), **call.keywords())
 
-    def run(q, k, lse, alibi_slopes, bias, mask):
+    def run(q, k, lse, alibi_slopes, bias, mask, *after):
         R = q.shape[-3] if rows is None else len(rows)
         avals = (_aval(q.shape[:-3] + (q.shape[-2], R, k.shape[-3]), lse.dtype),)
-        return _callback(callback, avals, q, k, lse, alibi_slopes, bias, mask)
+        return _callback(callback, avals, q, k, lse, alibi_slopes, bias, mask, *after)
 
-    return _folded(run, ("bshd",) * 3 + ("slopes", "pair", "pair"))
+    return _folded(run, ("bshd",) * 3 + ("slopes", "pair", "pair", "after", "after"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -761,7 +762,10 @@ def _bias_tangent_sums(call: _Call, q, k, v, lse, bias_t, extras):
     A, mu = [], []
     for start in range(0, Sq, step):
         rows = tuple(range(start, min(Sq, start + step)))
-        P = _probs_call(call, None if len(rows) == Sq else rows)(q, k, lse, alibi_slopes, bias, mask)[0]
+        # after the last slice's sums: one slice of P alive at a time (left to itself, XLA writes every
+        # slice before it sums any)
+        P = _probs_call(call, None if len(rows) == Sq else rows)(q, k, lse, alibi_slopes, bias, mask,
+                                                                 *(A[-1:] + mu[-1:]))[0]
         Pb = P * (b if b.shape[-2] == 1 else b[..., rows[0]:rows[-1] + 1, :])  # (*batch, Hq, R, Sk)
         mu.append(jnp.swapaxes(jnp.sum(Pb, axis=-1), -1, -2))
         Pb = Pb.reshape(Pb.shape[:-3] + (Hkv, Hq // Hkv) + Pb.shape[-2:])

@@ -850,6 +850,14 @@ def test_jvp_through_a_bias_in_slices_of_rows_dtypes_vmap_and_jacfwd(rng, monkey
     _, (out_t, lse_t) = jitted_bias_jvp(causal=True)(*map(to_jax, (q, k, v, bias)), list(map(to_jax, tangents)))
     assert sorted(calls) == [1, 4, 4]  # in the order XLA runs them
     assert_tangent_matches_oracle(out_t, lse_t, q, k, v, tangents, backend="numpy", causal=True, bias=bias)
+    # XLA's temporaries hold about two slices of P (P's and its product with b), not every slice: each
+    # call waits for the last slice's sums (S = 256 in 8 slices of 32 rows)
+    Q, K, V, b, b_t = (to_jax(rng.standard_normal(shape).astype(np.float32))
+                       for shape in [(1, 256, 2, 8)] * 3 + [(1, 2, 256, 256)] * 2)
+    monkeypatch.setattr(fj, "_BIAS_TANGENT_ELEMENTS", 32 * 2 * 256)
+    run = jax.jit(lambda b, t: jax.jvp(lambda b: fj.attention(Q, K, V, bias=b, causal=True), (b,), (t,)))
+    piece = 32 * 2 * 256 * 4  # bytes of a slice of P
+    assert run.lower(b, b_t).compile().memory_analysis().temp_size_in_bytes < 3 * piece
     monkeypatch.undo()
 
     for dtype, bias_dtype in ((np.float64, np.float64), (BF16, np.float32), (np.float16, np.float16)):
