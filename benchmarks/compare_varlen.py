@@ -18,7 +18,8 @@
    D=32, not causal), forward and forward + backward: the NumPy backend's groups of short sequences
    (numpy_backend/packed.py, the default), the same backend with one call per sequence
    (configure(short=0)), and torch's CPU SDPA on the batch padded to the longest with a key-padding
-   mask (its autograd for the backward); then rank-4 batches of short sequences (DENSE_SHORT) through
+   mask (its autograd for the backward); then rank-4 batches of short sequences (DENSE_SHORT), and their
+   attention weights (attention_probs; torch: softmax(scale q k^T)), through
    flashcupy.attention, the groups against the tiled path and torch's SDPA; NumPy's sgemm rate beside
    them.
 Each contender keeps its best of several calls, taken in alternating blocks.
@@ -138,15 +139,20 @@ DENSE_SHORT = [(4000, 32, 4, 16, "float32"), (1000, 64, 8, 32, "float32"), (2000
 
 
 def dense_short(shape, seed=0) -> dict:
-    """{contender: best seconds} of flashcupy.attention on a rank-4 batch, forward and forward + backward:
-    groups (the default), the tiled path (configure(short=0)), torch's CPU SDPA."""
+    """{contender: best seconds} of flashcupy.attention on a rank-4 batch, forward and forward + backward,
+    and attention_probs (every row, from the forward's lse): groups (the default), the tiled path
+    (configure(short=0)), torch's CPU SDPA (for the weights, softmax(scale q k^T) in torch)."""
     from flashcupy.backends import numpy_backend
     B, S, H, D, dtype = shape
     rng = np.random.default_rng(seed)
     q, k, v, dout = (rng.standard_normal((B, S, H, D)).astype(dtype) for _ in range(4))
 
+    lse = flashcupy.attention(q, k, v, backend="numpy", return_lse=True)[1]
+
     def ours(short, backward):
         with _grouping(short):
+            if backward == "probs":
+                return flashcupy.attention_probs(q, k, lse, backend="numpy")
             if not backward:
                 return flashcupy.attention(q, k, v, backend="numpy")
             out, vjp = flashcupy.attention_vjp(q, k, v, backend="numpy")
@@ -154,7 +160,8 @@ def dense_short(shape, seed=0) -> dict:
 
     default = numpy_backend.packed.SHORT
     fns = {"grouped forward": lambda: ours(default, False), "tiled forward": lambda: ours(0, False),
-           "grouped forward + backward": lambda: ours(default, True), "tiled forward + backward": lambda: ours(0, True)}
+           "grouped forward + backward": lambda: ours(default, True), "tiled forward + backward": lambda: ours(0, True),
+           "grouped attention_probs": lambda: ours(default, "probs"), "tiled attention_probs": lambda: ours(0, "probs")}
     try:
         import torch
         tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).requires_grad_() for x in (q, k, v))
@@ -166,8 +173,13 @@ def dense_short(shape, seed=0) -> dict:
                     return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
             torch.nn.functional.scaled_dot_product_attention(tq, tk, tv).backward(tdout)
 
+        def weights():
+            with torch.no_grad():
+                return torch.softmax(tq @ tk.transpose(-1, -2) * D**-0.5, dim=-1)
+
         fns["torch forward"] = lambda: sdpa(False)
         fns["torch forward + backward"] = lambda: sdpa(True)
+        fns["torch attention_probs"] = weights
     except ImportError:
         pass
     return bench.best_alternating(fns, repeat=3)
@@ -423,7 +435,7 @@ def main(argv=None) -> int:
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for shape in DENSE_SHORT:
             t = dense_short(shape)
-            for pass_ in ("forward", "forward + backward"):
+            for pass_ in ("forward", "forward + backward", "attention_probs"):
                 ours, tiled, theirs = t[f"grouped {pass_}"], t[f"tiled {pass_}"], t.get(f"torch {pass_}")
                 print(f"| {' | '.join(map(str, shape))} | {pass_} | {ours * 1e3:.0f} ms | {tiled * 1e3:.0f} ms | "
                       f"{'n/a' if theirs is None else f'{theirs * 1e3:.0f} ms'} | {tiled / ours:.2f}x | "

@@ -82,16 +82,17 @@ LARGE_SCALES = [(np.float32, 1e11), (np.float32, 1e30), (np.float32, 1e38), (np.
                 (np.float64, 1e300)]
 
 
-def large_scores_check(backend, dtype, scale, head_dim=4, seeds=range(4), bits=False, **kw):
-    """The shapes issue 31 found it with, q (1, 6, 1, D) against k, v (1, 7, 1, D), inputs of magnitude
+def large_scores_check(backend, dtype, scale, head_dim=4, seeds=range(4), bits=False, batch=1, **kw):
+    """The shapes issue 31 found it with, q (1, 6, 1, D) against k, v (1, 7, 1, D) (batch: a batch of
+    them, such as the NumPy backend runs in groups from 8 on), inputs of magnitude
     0.5, a few seeds (which way each score's rounding goes depends on the data): out, lse, dq, dk, dv
     (and dbias with kw's bias=True) against the oracle, whose gradients are finite there, and
     attention_probs against it and within [0, 1]. (Its rows need not sum to 1: a P of 1 can come out 0.)
     bits: bfloat16 (dtype BF16) passed as uint16 bit patterns, as CuPy holds it."""
     for seed in seeds:
         rng = np.random.default_rng(seed)
-        q, dout = ((0.5 * rng.standard_normal((1, 6, 1, head_dim))).astype(dtype) for _ in range(2))
-        k, v = ((0.5 * rng.standard_normal((1, 7, 1, head_dim))).astype(dtype) for _ in range(2))
+        q, dout = ((0.5 * rng.standard_normal((batch, 6, 1, head_dim))).astype(dtype) for _ in range(2))
+        k, v = ((0.5 * rng.standard_normal((batch, 7, 1, head_dim))).astype(dtype) for _ in range(2))
         call = dict(kw, scale=scale)
         if call.get("bias") is True:
             call["bias"] = (0.5 * rng.standard_normal((1, 1, 6, 7))).astype(dtype)

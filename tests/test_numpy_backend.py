@@ -14,11 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashcupy
-from conftest import (BANDS, BF16, DTYPES, LAYOUTS, assert_matches_oracle, band_problem, battery_fails, make_qkv,
-                      mutate_band, mutated_package, reference)
+from conftest import (BANDS, BF16, DTYPES, LAYOUTS, assert_matches_oracle, band_problem, battery_fails, expected,
+                      make_qkv, mutate_band, mutated_package, reference)
 from flashcupy._problem import Problem
 from flashcupy.backends import numpy_backend
 from modifier_checks import LARGE_SCALES, large_scores_check
+from reference.compare import error_ratio
 
 
 def check_against_oracle(q, k, v, dtype, causal, scale=None, rng=None):
@@ -411,8 +412,9 @@ def test_scores_whose_rounding_exceeds_one_keep_the_gradients_finite(dtype, scal
     """A scale inside float32's range, 1e30 say, with inputs of magnitude 0.5: the forward is right,
     and the backward, which recomputes P = exp(s - lse) from scores whose rounding is far above 1, must
     not turn it into inf (the NaN and -inf gradients of issue 31). A narrow window takes the band
-    backward, the others the tiled one."""
+    backward, the others the tiled one; a batch of 8, the groups of short sequences (packed.py)."""
     large_scores_check("numpy", dtype, scale, **kw)
+    large_scores_check("numpy", dtype, scale, seeds=range(1), batch=8, **kw)
 
 
 def test_the_recomputed_p_is_clamped_only_where_scores_can_round_past_one(rng):
@@ -463,8 +465,9 @@ SHORT_BATCHES = {
                                                                                 "float64"])
 @pytest.mark.parametrize("case", SHORT_BATCHES, ids=SHORT_BATCHES.keys())
 def test_a_batch_of_short_sequences_runs_in_groups(rng, monkeypatch, case, dtype):
-    # forward and backward (with a gradient of lse, NaN with dout in the rows that see no key) against
-    # the oracle, on the groups and not on the tiled path (spied); leading dimensions folding into the batch
+    # forward and backward (with a gradient of lse, NaN with dout in the rows that see no key) and
+    # attention_probs of some rows (into a strided view) against the oracle, on the groups and not on
+    # the tiled path (spied); leading dimensions folding into the batch
     from flashcupy import _api
     from flashcupy.backends.numpy_backend import packed
     B, Sq, Sk, Hq, Hkv, D, Dv, kw = SHORT_BATCHES[case]
@@ -480,7 +483,7 @@ def test_a_batch_of_short_sequences_runs_in_groups(rng, monkeypatch, case, dtype
         keys[3] = 0  # an element whose rows see no key
         kw["mask"] = np.arange(Sk)[None, None, None, :] < keys
     ran = []
-    for name in ("forward_dense", "backward_dense"):
+    for name in ("forward_dense", "backward_dense", "probs_dense"):
         monkeypatch.setattr(packed, name,
                             lambda *a, _n=name, _f=getattr(packed, name), **k: ran.append(_n) or _f(*a, **k))
     monkeypatch.setattr(numpy_backend.tiled_forward, "forward", lambda *a, **k: pytest.fail("the tiled forward ran"))
@@ -490,9 +493,15 @@ def test_a_batch_of_short_sequences_runs_in_groups(rng, monkeypatch, case, dtype
     dout[unseen] = np.nan
     dlse = np.where(np.isneginf(lse), np.nan, rng.standard_normal(lse.shape)).astype(lse.dtype)
     grads = _api.backward(dout, q, k, v, out, lse, backend="numpy", dlse=dlse, **kw)
-    assert ran == ["forward_dense", "backward_dense"]
+    probs_kw = {name: x for name, x in kw.items() if not name.startswith("dropout")}
+    rows = np.array([Sq - 1, 0, 2, -2, 2])
+    wide = np.full((B, Hq, rows.size, 2 * Sk), np.nan, lse.dtype)
+    P = _api.probs(q, k, lse, rows=rows, backend="numpy", into=wide[..., ::2], **probs_kw)
+    assert ran == ["forward_dense", "backward_dense", "probs_dense"]
     assert unseen.any() == ((kw.get("causal", False) and Sq > Sk) or kw.get("mask") is not None)
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="numpy", dlse=dlse, **kw)
+    assert error_ratio(P, expected(q, k, v, probs=True, family="numpy", **probs_kw), "P", rows=rows) <= 1
+    assert np.isnan(wide[..., 1::2]).all()
     # leading dimensions (3, B/3 ...) fold into the one batch of a rank-4 call: the same bits
     if B % 3 == 0 and not kw.get("dropout_p") and np.ndim(kw.get("alibi_slopes", 0)) < 2 and "bias" not in kw:
         lead = [x.reshape((3, B // 3) + x.shape[1:]) for x in (q, k, v)]

@@ -171,4 +171,8 @@ def probs(p, q, k, lse, rows, into=None):
     """P = exp(s - lse) (batch, heads_q, len(rows), seqlen_k) in the accumulation dtype, for the
     query rows `rows` (an index array), written into `into` where given; see weights.probs."""
     q, k = stacks.values(p, q, k)
+    if packed.dense(p):  # short sequences: the batch in groups (packed.py)
+        P = np.empty((p.batch, p.heads_q, rows.size, p.seqlen_k), dtype=p.acc_dtype) if into is None else into
+        packed.probs_dense(p, q, k, lse, rows, P)
+        return P
     return weights.probs(p, q, k, lse, rows, into)

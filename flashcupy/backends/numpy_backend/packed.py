@@ -256,6 +256,20 @@ def _forward_group(p, g: _Group, scratch, q, k, v, out, lse, alibi_slopes, batch
     g.write_rows(lse, L)
 
 
+@np.errstate(over="ignore", invalid="ignore")  # scores past the range: as the tiled path
+def _probs_group(p, g: _Group, scratch, q, k, lse, rows, P, alibi_slopes, batch: int) -> None:
+    """P (attention_probs: the group's elements, the query rows `rows`) recomputed from lse, s - lse
+    clamped to at most 0 as the backward's; a row that sees no key gets 0."""
+    acc = p.acc_dtype
+    S, _ = _scores(p, g, scratch, g.gather(scratch, "Q", q, "q", softmax.base2_scale(p)),
+                   g.gather(scratch, "K", k, "k"), alibi_slopes, batch)
+    S4 = S.reshape(g.n, p.heads_q, g.rows, g.keys)
+    L = g.rows_of(lse).astype(acc)
+    np.subtract(S4, np.where(L > -np.inf, L * acc.type(LOG2E), 0)[..., None], out=S4)  # unseen rows: all -inf
+    np.exp2(np.minimum(S4, 0, out=S4), out=S4)
+    P[g.b] = S4[:, :, rows]
+
+
 def _summed_over_group(p, g: _Group, scratch, name, product, width: int):
     """product (n, heads_kv, group, keys, width), a kv head's terms from each of its query heads, summed
     into a scratch (n, keys, heads_kv, width) buffer (gather()'s layout)."""
@@ -353,6 +367,13 @@ def _batch_ranges(p) -> list:
 def forward_dense(p, q, k, v, out, lse) -> None:
     """out and lse of a rank-4 call that dense() takes (values views, the backend's forward's)."""
     pool.run([_task(_forward_group, lambda r=r: _Dense(p, *r), p, q, k, v, out, lse, p.alibi_slopes, p.batch)
+              for r in _batch_ranges(p)])
+
+
+def probs_dense(p, q, k, lse, rows, P) -> None:
+    """P (batch, heads_q, len(rows), seqlen_k) of a rank-4 call that dense() takes (q, k values views;
+    rows an index array)."""
+    pool.run([_task(_probs_group, lambda r=r: _Dense(p, *r), p, q, k, lse, rows, P, p.alibi_slopes, p.batch)
               for r in _batch_ranges(p)])
 
 
