@@ -58,14 +58,16 @@ def forward(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=No
 def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None, alibi_slopes=None, bias=None,
              mask=None, scale=None, backend="auto", dtype=None, deterministic=False, dlse=None, dropout_p=0.0,
              dropout_seed=None, dropout_origin=(0, 0, 0, 0), dropout_seed_words=None, diagonal=None,
-             return_dbias=True, into=None) -> tuple:
+             return_dbias=True, dq_only=False, into=None) -> tuple:
     """attention_backward on NumPy or CuPy arrays, with forward's diagonal, dropout_origin and
     dropout_seed_words, and into: None or (dq, dk, dv), and dbias with a bias (unless return_dbias is
-    False), arrays of the gradients' shapes and dtypes."""
+    False), arrays of the gradients' shapes and dtypes. dq_only: (dq,) alone (into: (dq,)), no dbias,
+    and no work on dk and dv where the backend declares DQ_ONLY (flashcupy.jax's forward mode)."""
     drop = dict(dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_origin=dropout_origin)
     backend = check_backend_name(backend)
     deterministic = check_bool("deterministic", deterministic)
-    return_dbias = check_bool("return_dbias", return_dbias)
+    return_dbias = check_bool("return_dbias", return_dbias) and not dq_only
+    given_bias = bias
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     lib = check_arrays(given if dlse is None else given | {"dlse": dlse})
     batch = check_leading(lib, q, k, v, alibi_slopes, bias, mask)
@@ -77,7 +79,7 @@ def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None
                 check_lse(p, x, batch + (q.shape[-2], q.shape[-3]), name)
         kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                   scale=scale, backend=backend, dtype=dtype, deterministic=deterministic, dlse=dlse, diagonal=diagonal,
-                  dropout_seed_words=dropout_seed_words, return_dbias=return_dbias, **drop)
+                  dropout_seed_words=dropout_seed_words, return_dbias=return_dbias, dq_only=dq_only, **drop)
         return _batch.backward(backward, dout, q, k, v, out, lse, kw, p.carrier, p.acc_dtype, into)
     p = _seed_words(problem(q, k, v, causal, scale, dtype, lib, window, softcap, alibi_slopes, bias, mask, diagonal,
                             **drop), dropout_seed_words)
@@ -88,11 +90,19 @@ def backward(dout, q, k, v, out, lse, *, causal=False, window=None, softcap=None
     if dlse is not None:
         check_lse(p, dlse, name="dlse")
     mod = select_backend(backend, lib, p, backward=True)
+    if dq_only and not getattr(mod, "DQ_ONLY", False):  # the backend makes them all: dq is the first
+        return backward(dout, q, k, v, out, lse, causal=causal, window=window, softcap=softcap,
+                        alibi_slopes=alibi_slopes, bias=given_bias, mask=mask, scale=scale,
+                        backend=backend, dtype=dtype, deterministic=deterministic, dlse=dlse, diagonal=diagonal,
+                        dropout_seed_words=dropout_seed_words, return_dbias=False, into=None if into is None else
+                        (into[0], *(mod.allocate(q, x.shape, p.carrier, 0) for x in (k, v))), **drop)[:1]
+    if dq_only:
+        p = dataclasses.replace(p, dq_only=True)
 
     if p.batch * p.seqlen_q * p.heads_q == 0 or p.seqlen_k == 0:
         if into is not None:
             return _filled(into, (0,) * len(into))
-        grads = tuple(mod.allocate(q, x.shape, p.carrier, 0) for x in (q, k, v))
+        grads = tuple(mod.allocate(q, x.shape, p.carrier, 0) for x in ((q,) if dq_only else (q, k, v)))
         return grads if bias is None else grads + (mod.allocate(q, bias.shape, bias.dtype, 0),)
     if bias is not None and bias.ndim != 4:  # the backend's dbias is of the bias padded to rank 4
         into = None if into is None else (*into[:3], *(_batch.padded(x, 4) for x in into[3:]))

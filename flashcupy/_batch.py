@@ -239,8 +239,9 @@ def backward(fn, dout, q, k, v, out, lse, kw: dict, carrier, acc, into=None) -> 
     full, broadcast = _inputs(batch, named, kw)
     fold = plan(batch, full, broadcast, kw)
     calls = math.prod(batch[d] for d in fold.looped)
-    bias = broadcast["bias"] if kw.get("return_dbias", True) else None  # None: no dbias
-    whole = list(into or [_empty(q, x.shape, carrier, calls) for x in (q, k, v)])
+    bias = broadcast["bias"] if kw.get("return_dbias", True) and not kw.get("dq_only") else None  # None: no dbias
+    wanted = (q,) if kw.get("dq_only") else (q, k, v)
+    whole = list(into or [_empty(q, x.shape, carrier, calls) for x in wanted])
     if bias is not None and len(whole) == 3:
         whole.append(_empty(bias, kw["bias"].shape, bias.dtype, calls))
     dbias = None if bias is None else padded(whole[3], len(batch) + 3)
@@ -250,7 +251,7 @@ def backward(fn, dout, q, k, v, out, lse, kw: dict, carrier, acc, into=None) -> 
         summed = Sum(fold, bias, value, acc)
     for index, views in _calls(fold, full, broadcast, kw):
         args = [views.pop(n) for n in ("dout", "q", "k", "v", "out", "lse")]
-        places = [fold.view(x, index) for x in whole[:3]]
+        places = [fold.view(x, index) for x in whole[:len(wanted)]]
         if dbias is not None and summed is None:
             places.append(fold.view(dbias, index))
         grads = fn(*args, into=tuple(places), **(kw | views))

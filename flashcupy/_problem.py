@@ -206,6 +206,9 @@ class Problem:
     # False where the caller wants no dbias (attention_backward's return_dbias): the bias still shapes
     # the scores, but the backward spends nothing on its gradient
     return_dbias: bool = True
+    # True where the caller wants dq alone (flashcupy.jax's forward mode, whose widened backward reads
+    # only dq): a backend that declares DQ_ONLY then skips dk and dv, and returns (dq,)
+    dq_only: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:

@@ -317,17 +317,21 @@ def _forward_call(call: _Call):
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_call(call: _Call, dbias: bool = True):
+def _backward_call(call: _Call, dbias: bool = True, dq_only: bool = False):
     """(dq, dk, dv), and dbias with a bias where dbias is True; False: the bias only shapes the scores,
-    and no work goes into its gradient (a bias without a tangent, or forward mode's widened backward)."""
+    and no work goes into its gradient (a bias without a tangent). dq_only: (dq,) alone, no work on dk,
+    dv or dbias where the backend takes it (forward mode's widened backward, _score_tangent_sums)."""
+    dbias = dbias and not dq_only
+
     def callback(ctx, grads, dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask, seed):
         with _stream(ctx, q):
             _api.backward(*map(_view, (dout, q, k, v, out, lse)), dlse=_view(dlse), alibi_slopes=_view(alibi_slopes),
                           bias=_view(bias), mask=_view(mask), into=tuple(map(_view, grads)), return_dbias=dbias,
-                          **call.keywords(_view(seed)))
+                          dq_only=dq_only, **call.keywords(_view(seed)))
 
     def run(dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask, seed):
-        avals = tuple(_aval(x.shape, x.dtype) for x in (q, k, v) + ((bias,) if dbias and bias is not None else ()))
+        wanted = (q,) if dq_only else (q, k, v) + ((bias,) if dbias and bias is not None else ())
+        avals = tuple(_aval(x.shape, x.dtype) for x in wanted)
         return _callback(callback, avals, dout, q, k, v, out, lse, dlse, alibi_slopes, bias, mask, seed)
 
     kinds = ("bshd",) * 5 + ("bshd", "bshd", "slopes", "pair_each" if dbias else "pair", "pair", "seed")
@@ -666,9 +670,11 @@ def _unpack(operands, tangents: tuple, extras: tuple):
     return given, primals, [next(it) if present else None for present in extras]
 
 
-def _ops(call: _Call, dbias: bool = True) -> tuple:
-    """(forward, backward) of the call: attention's or a packed batch's (dbias: _backward_call's)."""
-    return _packed_ops(call) if call.cu_q is not None else (_forward_call(call), _backward_call(call, dbias))
+def _ops(call: _Call, dbias: bool = True, dq_only: bool = False) -> tuple:
+    """(forward, backward) of the call: attention's or a packed batch's (dbias, dq_only: _backward_call's)."""
+    if call.cu_q is not None:
+        return _packed_ops(call)
+    return _forward_call(call), _backward_call(call, dbias, dq_only)
 
 
 def _tangent(*operands, call: _Call, tangents: tuple, extras: tuple):
@@ -723,7 +729,7 @@ def _score_tangent_sums(call: _Call, parts, q, k, cols, lse, extras):
                          f"one column, past the {backend.NAME} backend's head_dim limit of {limit}")
     room = int(min(limit - D, cols.shape[-1]))
     groups = [parts] if sum(a.shape[-1] for a, _ in parts) <= limit else [[part] for part in parts]
-    backward, sums = _ops(call, dbias=False)[1], []
+    backward, sums = _ops(call, dq_only=True)[1], []
     for start in range(0, cols.shape[-1], room):
         piece = cols[..., start:start + room]
         width = D + piece.shape[-1]

@@ -20,6 +20,7 @@ from conftest import BF16, assert_matches_oracle, bf16_bits, make_qkv, mutated_c
 from modifier_checks import check, modifier_cases, rows_that_see_no_key_ignore_dlse
 
 import flashcupy
+from flashcupy import _api
 from flashcupy._problem import MODIFIERS
 from flashcupy.backends import cupy_backend
 from flashcupy.backends.cupy_backend import specs
@@ -126,6 +127,11 @@ def test_return_dbias_false_launches_no_dbias_kernel(rng, path):
     names = [name for name, _ in launches]
     assert len(grads) == 3 and names and not any("dbias" in name for name in names), names
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", **kw)
+    # dq alone (flashcupy.jax's forward mode): the cupy backend does not declare DQ_ONLY, so the
+    # interface runs the whole backward and returns its dq
+    with emulated(compute_capability=DEVICE[path]):
+        (dq,) = _api.backward(dout, q, k, v, out, lse, backend="cupy", dq_only=True, **kw)
+    assert_matches_oracle((out, lse, dq), q, k, v, dout, backend="cupy", **kw)
 
 
 def test_rows_that_see_no_key_ignore_their_dlse(rng, path):

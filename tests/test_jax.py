@@ -802,7 +802,8 @@ def test_jvp_through_a_bias(rng, bias_shape):
 
 def test_dbias_only_where_the_bias_has_a_gradient(rng, monkeypatch):
     # the backward spends nothing on dbias (Problem.dbias False, no dbias buffer in XLA) where the bias
-    # has no tangent: grad in q alone, jvp in q (its widened backward); grad in the bias does
+    # has no tangent: grad in q alone, jvp in q (its widened backward, which wants dq alone:
+    # Problem.dq_only, no dk or dv buffers either); grad in the bias does
     q, k, v, dout = arrays(rng, 1, 16, 16, 2, 1, 8, np.float32)
     bias = rng.standard_normal((1, 2, 16, 16)).astype(np.float32)
     seen = []
@@ -810,6 +811,7 @@ def test_dbias_only_where_the_bias_has_a_gradient(rng, monkeypatch):
 
     def spy(p, *args, **kw):
         seen.append(p.dbias)
+        assert p.dq_only == (len(kw["into"]) == 1)
         return backward(p, *args, **kw)
     monkeypatch.setattr(numpy_backend, "backward", spy)
     Q, K, V, B, dO = map(to_jax, (q, k, v, bias, dout))
@@ -828,7 +830,11 @@ def test_dbias_only_where_the_bias_has_a_gradient(rng, monkeypatch):
     for b in (B, None):  # XLA's temporaries: no dbias among them, as many as without a bias
         jvp = jax.jit(lambda q, t: jax.jvp(lambda q: fj.attention(q, K, V, bias=b, causal=True), (q,), (t,)))
         temporaries.append(jvp.lower(Q, Q).compile().memory_analysis().temp_size_in_bytes)
+        dq_only = []
+        monkeypatch.setattr(numpy_backend, "backward",
+                            lambda p, *a, **kw: dq_only.append(p.dq_only) or spy(p, *a, **kw))
         jvp(Q, Q)
+        assert dq_only == [True]
     assert seen == [False, False] and temporaries[0] == temporaries[1], (seen, temporaries)
 
 

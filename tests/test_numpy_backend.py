@@ -508,6 +508,42 @@ def test_a_batch_of_short_sequences_runs_in_groups(rng, monkeypatch, case, dtype
         np.testing.assert_array_equal(flashcupy.attention(*lead, backend="numpy", **kw).reshape(out.shape), out)
 
 
+@pytest.mark.parametrize("shape, kw", [
+    ((2, 40, 50, 4, 2, 16), dict(causal=True, softcap=2.0)),  # the tiled path
+    ((9, 20, 20, 4, 2, 8), dict(bias="pair", dropout_p=0.2, dropout_seed=3)),  # the groups, a bias
+    ((1, 300, 300, 2, 2, 8), dict(window=(3, 2))),  # the band path (it makes dk and dv, then drops them)
+    ((6, 20, 20, 2, 1, 8), dict(causal=True, lead=(2, 3))),  # leading dimensions
+    ((2, 0, 5, 2, 1, 8), {}),  # empty
+], ids=["tiled", "groups-bias-dropout", "band", "leading", "empty"])
+def test_a_dq_only_backward_gives_the_same_dq(rng, monkeypatch, shape, kw):
+    """_api.backward(..., dq_only=True), flashcupy.jax's forward mode's widened backward: (dq,) alone, bit
+    for bit the full backward's dq, the backend told to skip dk, dv and dbias (Problem.dq_only), into=
+    taking dq alone."""
+    from flashcupy import _api
+    kw = dict(kw)
+    lead = kw.pop("lead", None)
+    q, k, v = make_qkv(rng, *shape, np.float32)
+    if lead is not None:
+        q, k, v = (x.reshape(lead + x.shape[1:]) for x in (q, k, v))
+    if kw.get("bias") == "pair":
+        kw["bias"] = rng.standard_normal((1, shape[3], shape[1], shape[2])).astype(np.float32)
+    out, lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    seen = []
+    backward = numpy_backend.backward
+    monkeypatch.setattr(numpy_backend, "backward", lambda p, *a, **k: seen.append(p.dq_only) or backward(p, *a, **k))
+    full = _api.backward(dout, q, k, v, out, lse, **kw)
+    assert all(x is False for x in seen)
+    seen.clear()
+    (dq,) = _api.backward(dout, q, k, v, out, lse, dq_only=True, **kw)
+    into = np.full_like(q, np.nan)
+    got = _api.backward(dout, q, k, v, out, lse, dq_only=True, into=(into,), **kw)
+    assert len(got) == 1 and (q.size == 0 or np.shares_memory(got[0], into))
+    assert seen == ([True, True] if shape[1] else [])
+    np.testing.assert_array_equal(dq, full[0])
+    np.testing.assert_array_equal(into, full[0])
+
+
 def test_the_groups_take_big_batches_of_short_sequences_only():
     from flashcupy.backends.numpy_backend import packed
 

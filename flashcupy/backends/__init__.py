@@ -19,6 +19,8 @@ A backend is a module with:
     WRITES_INTO: bool                  # optional: forward and backward take into=, the arrays to
                                        # write their results into, probs into=, the array P (else the
                                        # interface copies them there)
+    DQ_ONLY: bool                      # optional: backward returns (dq,) alone, spending nothing on
+                                       # dk and dv, where p.dq_only (else the interface drops them)
 
 The interface checks every limit a backend declares before it runs (backends never re-validate);
 `p` is a validated `flashcupy._problem.Problem`. Arrays hold p.dtype values in

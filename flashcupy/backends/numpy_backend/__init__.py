@@ -109,6 +109,7 @@ def allocate(like, shape, dtype, fill):
 
 
 WRITES_INTO = True  # forward, backward and probs write into given arrays (into=): XLA's buffers for flashcupy.jax
+DQ_ONLY = True  # backward skips dk and dv where p.dq_only (the tiled and grouped paths; the band's drops them)
 
 
 @pool.one_call
@@ -132,10 +133,18 @@ def forward(p, q, k, v, into=None):
 def backward(p, dout, q, k, v, out, lse, into=None, dlse=None):
     dout, q, k, v, out = stacks.values(p, dout, q, k, v, out)
     if into is None:
-        dq, dk, dv = (np.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        dq = np.empty(q.shape, dtype=q.dtype)
     else:
-        dq, dk, dv = stacks.values(p, *into[:3])
+        (dq,) = stacks.values(p, into[0])
     width = plan.narrow_band(p, backward=True)
+    if p.dq_only and width is not None:  # the band backward makes them all: dk and dv in scratch
+        dk, dv = (pool.call_scratch.take(name, x.shape, x.dtype) for name, x in (("dk", k), ("dv", v)))
+    elif p.dq_only:
+        dk = dv = None
+    elif into is None:
+        dk, dv = (np.empty(x.shape, dtype=x.dtype) for x in (k, v))
+    else:
+        dk, dv = stacks.values(p, *into[1:3])
     # dbias summed straight into `into` where it is given in the accumulation dtype
     given = into[3] if into is not None and len(into) > 3 and into[3].dtype == p.acc_dtype else None
     if packed.dense(p):  # short sequences: the batch in groups (packed.py)
@@ -146,6 +155,8 @@ def backward(p, dout, q, k, v, out, lse, into=None, dlse=None):
         dB = None
     else:
         dB = tiled_backward.backward(p, dout, q, k, v, out, lse, dq, dk, dv, dB=given, dlse=dlse)
+    if p.dq_only:
+        return (dq.view(p.carrier),)
     grads = dq.view(p.carrier), dk.view(p.carrier), dv.view(p.carrier)
     if dB is None:
         return grads

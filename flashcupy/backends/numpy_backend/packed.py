@@ -315,6 +315,8 @@ def _backward_group(p, g: _Group, scratch, dout, q, k, v, out, lse, dq, dk, dv, 
     grads = g.empty(scratch, "dQ", "q", p.heads_q, D)
     np.multiply(np.matmul(dS, g.heads(K), out=g.heads(grads)), acc.type(p.scale), out=g.heads(grads))
     g.scatter(scratch, "dq", dq, grads, "q")
+    if p.dq_only:
+        return dbias
     product = scratch.take("dK_g", S.shape[:3] + (g.keys, D), acc)  # Qs is q scale log2(e): times ln 2
     np.matmul(dS.swapaxes(-1, -2), g.heads(Qs), out=product)
     grads = _summed_over_group(p, g, scratch, "dK", product, D)

@@ -59,8 +59,9 @@ def item(p, block_j0, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None
     V1t[:, :Dv] = V.transpose(0, 2, 1)
     V1t[:, Dv] = 1
     K_scaled = np.multiply(K, scale, out=scratch.take("K_scaled", K.shape, acc))
-    dK_j = scratch.take("dK_j", (heads, w, D), acc, fill=0)
-    dV_j = scratch.take("dV_j", (heads, w, Dv), acc, fill=0)
+    kv = not p.dq_only  # dK_j and dV_j wanted
+    dK_j = scratch.take("dK_j", (heads, w, D), acc, fill=0) if kv else None
+    dV_j = scratch.take("dV_j", (heads, w, Dv), acc, fill=0) if kv else None
     for i0, i1, j0, j1, hidden in tiles:
         s0, s1 = i0 * g, i1 * g  # the tile's rows within the stacks
         x0, x1 = j0 - block_j0, j1 - block_j0  # its keys within the block
@@ -87,15 +88,17 @@ def item(p, block_j0, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None
         kdv = kd if Dv == D else scratch.take("kdv", (heads, x1 - x0, Dv), acc)
         dS = scratch.take("dS", (heads, s1 - s0, x1 - x0), acc)
         if dropout is None:
-            dV_j[:, x0:x1] += np.matmul(P.transpose(0, 2, 1), dO1_i[:, :, :Dv], out=kdv)
+            if kv:
+                dV_j[:, x0:x1] += np.matmul(P.transpose(0, 2, 1), dO1_i[:, :, :Dv], out=kdv)
             np.matmul(dO1_i, V1t[:, :, x0:x1], out=dS)
         else:
             Z = dropout(scratch.take("Z", P.shape, acc), rows=slice(i0, i1), cols=slice(j0, j1))
             np.matmul(dO1_i[:, :, :Dv], V1t[:, :Dv, x0:x1], out=dS)
             np.multiply(dS, Z, out=dS)
             np.add(dS, dO1_i[:, :, Dv:], out=dS)  # - D
-            np.multiply(P, Z, out=Z)
-            dV_j[:, x0:x1] += np.matmul(Z.transpose(0, 2, 1), dO1_i[:, :, :Dv], out=kdv)
+            if kv:
+                np.multiply(P, Z, out=Z)
+                dV_j[:, x0:x1] += np.matmul(Z.transpose(0, 2, 1), dO1_i[:, :, :Dv], out=kdv)
         np.multiply(P, dS, out=dS)
         if dbias is not None:
             dbias(dS, slice(i0, i1), slice(j0, j1))
@@ -104,8 +107,10 @@ def item(p, block_j0, tiles, K, V, Q1, dO1, dQ, scratch, modify=None, dbias=None
             np.subtract(1, T, out=T)
             np.multiply(dS, T, out=dS)
         dQ[:, s0:s1] += np.matmul(dS, K_scaled[:, x0:x1], out=scratch.take("qd", (heads, s1 - s0, D), acc))
-        dK_j[:, x0:x1] += np.matmul(dS.transpose(0, 2, 1), Q1_i[:, :, :D], out=kd)
-    dK_j *= acc.type(LN2)  # Q1 holds scale log2(e) Q
+        if kv:
+            dK_j[:, x0:x1] += np.matmul(dS.transpose(0, 2, 1), Q1_i[:, :, :D], out=kd)
+    if kv:
+        dK_j *= acc.type(LN2)  # Q1 holds scale log2(e) Q
     return dK_j, dV_j
 
 
@@ -225,8 +230,9 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, dB=None, dlse=None):
                     dropout = None if drop is None else functools.partial(drop.tile, b=b, h0=h0, h1=h1)
                     dK_j, dV_j = item(p, j0, bplan.tiles[j0, j1], K, V, Q1, dO1, dQ[h0:h1], scratch, modify, dbias,
                                       clamp, dropout)
-                    dk[b, j0:j1, h0:h1, :] = dK_j.transpose(1, 0, 2)
-                    dv[b, j0:j1, h0:h1, :] = dV_j.transpose(1, 0, 2)
+                    if not p.dq_only:
+                        dk[b, j0:j1, h0:h1, :] = dK_j.transpose(1, 0, 2)
+                        dv[b, j0:j1, h0:h1, :] = dV_j.transpose(1, 0, 2)
                 return dQ if not bplan.per_partition else (dQ, dB_own)
             return run
 
