@@ -127,10 +127,13 @@ def test_return_dbias_false_launches_no_dbias_kernel(rng, path):
     names = [name for name, _ in launches]
     assert len(grads) == 3 and names and not any("dbias" in name for name in names), names
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="cupy", **kw)
-    # dq alone (flashcupy.jax's forward mode): the cupy backend does not declare DQ_ONLY, so the
-    # interface runs the whole backward and returns its dq
-    with emulated(compute_capability=DEVICE[path]):
+    # dq alone (flashcupy.jax's forward mode): the D pre-pass and the deterministic dQ kernel of the
+    # mma.sync or SIMT kernels (on Hopper too), no dK/dV kernel
+    launches.clear()
+    with emulated(compute_capability=DEVICE[path], compile=launch_records(launches)):
         (dq,) = _api.backward(dout, q, k, v, out, lse, backend="cupy", dq_only=True, **kw)
+    names = [name for name, _ in launches]
+    assert len(names) == 2 and "preprocess" in names[0] and "dq" in names[1] and "sm90" not in names[1], names
     assert_matches_oracle((out, lse, dq), q, k, v, dout, backend="cupy", **kw)
 
 

@@ -27,6 +27,7 @@ from conftest import (BANDS, CASES, DTYPES, LAYOUTS, MUTATION_BATTERY, assert_ma
 from numba_device import GPU, SIMULATOR, cuda, gpu_present, quick_thread_switches, require  # noqa: F401 (autouse)
 
 import flashcupy  # noqa: E402
+from flashcupy import _api  # noqa: E402
 from contract import SIMULATOR_CASES  # noqa: E402
 from flashcupy.backends import MAX_GRID, numba_backend  # noqa: E402
 from flashcupy.backends.numba_backend import kernels  # noqa: E402
@@ -148,6 +149,11 @@ def test_return_dbias_false_runs_no_dbias_kernel(rng, device, monkeypatch):
     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numba", return_dbias=False, **kw)
     assert len(grads) == 3
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="numba", **kw)
+    # dq alone (flashcupy.jax's forward mode): numba declares no DQ_ONLY, so the interface runs the
+    # whole backward (without dbias) and keeps its dq
+    dq = _api.backward(dout, q, k, v, out, lse, backend="numba", dq_only=True, **kw)
+    assert len(dq) == 1
+    np.testing.assert_array_equal(dq[0], grads[0])
 
 
 @pytest.mark.parametrize("device", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])

@@ -325,7 +325,8 @@ def _fits(module: specs.ModuleSpec, x) -> bool:
     return max(kernel.dynamic_smem for kernel in module.kernels) <= _runtime().smem_optin(x)
 
 
-def backward_path(p, dout, q, k, v, out, deterministic: bool = False, varlen: bool = False) -> str:
+def backward_path(p, dout, q, k, v, out, deterministic: bool = False, varlen: bool = False,
+                  dq_only: bool = False) -> str:
     """'hopper', 'tensor-core' or 'simt': which backward kernels (dK/dV and dQ) serve this call.
 
     The forward's conditions, on dout and out as well as q, k, v (lse may have any strides;
@@ -335,17 +336,19 @@ def backward_path(p, dout, q, k, v, out, deterministic: bool = False, varlen: bo
     any modifier (varlen, a packed batch: the window, softcap and ALiBi; specs.sm90_eligible)
     (q, k, v and dout through tensor maps), deterministic or not: its CTAs add dQ into one workspace
     by bulk reduce-adds, in an order that varies from run to run, or (deterministic) in key-block
-    order, each CTA waiting for its turn at a tile (flash_bwd_sm90.cu's DETERMINISTIC).
+    order, each CTA waiting for its turn at a tile (flash_bwd_sm90.cu's DETERMINISTIC). dq_only: never
+    the Hopper kernels, whose dQ comes out of the dK/dV kernel (the others' deterministic dQ kernel runs
+    alone then).
     """
     def choose():
-        if _hopper(p, True, (q, k, v, dout, out), q, k, v, dout, varlen=varlen):
+        if not dq_only and _hopper(p, True, (q, k, v, dout, out), q, k, v, dout, varlen=varlen):
             return "hopper"
         path = _path(p, q, k, v, dout, out, backward=True)
         if path == "tensor-core":  # above head_dim 192 its tiles ask for up to 129 KiB (launch.LAUNCH)
             if not _fits(_tc_backward_module(p, q, deterministic, varlen), q):
                 return "simt"
         return path
-    return _path_remembered("backward", p, (q, k, v, dout, out), (varlen, deterministic), choose)
+    return _path_remembered("backward", p, (q, k, v, dout, out), (varlen, deterministic, dq_only), choose)
 
 
 def _window_args(p) -> tuple:
@@ -511,6 +514,7 @@ def _sm90_maps(rt, p, *boxes) -> tuple:
 
 
 WRITES_INTO = True  # forward, backward and probs write into given arrays (into=): XLA's buffers for flashcupy.jax
+DQ_ONLY = True  # backward launches the D pre-pass and the (deterministic) dQ kernel alone where p.dq_only
 
 
 def forward(p, q, k, v, num_splits=1, into=None):

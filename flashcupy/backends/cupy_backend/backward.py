@@ -35,16 +35,21 @@ def backward(p, dout, q, k, v, out, lse, deterministic=False, into=None, dlse=No
     deterministic, the dK/dV kernel also adds dQ into an fp32 workspace with atomics (five GEMMs,
     not seven; the sums' order, so the rounding, varies from run to run); the Hopper dK/dV kernel adds
     it by bulk reduce-adds, deterministic or not (deterministic: in key-block order); the SIMT kernels
-    are deterministic either way."""
+    are deterministic either way. p.dq_only: (dq,) alone, from the D pre-pass and the deterministic dQ
+    kernel of the mma.sync or SIMT kernels (no dK/dV launch)."""
     rt = backend._runtime()
-    path = backend.backward_path(p, dout, q, k, v, out, deterministic)
+    deterministic = deterministic or p.dq_only  # the kernels with a dQ kernel of its own
+    path = backend.backward_path(p, dout, q, k, v, out, deterministic, dq_only=p.dq_only)
     with rt.device_of(q):
         if into is None:
-            dq, dk, dv = (rt.xp.empty(x.shape, dtype=p.carrier) for x in (q, k, v))
+            dq = rt.xp.empty(q.shape, dtype=p.carrier)
+            dk, dv = (None, None) if p.dq_only else (rt.xp.empty(x.shape, dtype=p.carrier) for x in (k, v))
         else:
-            dq, dk, dv = into[:3]
+            dq, dk, dv = into[0], *((None, None) if p.dq_only else into[1:3])
         D = _backward_launches(rt, p, path, _backward_module(p, path, deterministic, q), dout, q, k, v, out, lse,
                                dq, dk, dv, dlse=dlse)
+        if p.dq_only:
+            return (dq,)
         if not p.dbias:
             return dq, dk, dv
         # dbias (flash_pairs.cu, SIMT whichever path ran above): its own arguments are natural-unit ones
@@ -103,9 +108,11 @@ def _backward_launches(rt, p, path: str, module, dout, q, k, v, out, lse, dq, dk
     if path == "hopper":  # q, dO_i: a pass's BLOCK_M rows; k, v: the key block's BLOCK_N
         maps = backend._sm90_maps(rt, p, (q, dkdv.block_m), (k, dkdv.block_n), (v, dkdv.block_n), (dout, dkdv.block_m))
         shared = (*maps, *arg(lse), D)
-    bwd_dkdv(  # a second grid dimension where CTAs share a key block's columns (tensor cores above head_dim 128)
-        (blocks(dkdv), dkdv.column_parts), (dkdv.threads,),
-        (*shared, *arg(dk), *arg(dv), *flags, *atomic, *tail), shared_mem=dkdv.dynamic_smem)
+    assert dk is not None or dqa is None, "dq_only needs a module with a dQ kernel of its own"
+    if dk is not None:  # None: p.dq_only, the dQ kernel alone (dqa is None: a module with one)
+        bwd_dkdv(  # a second grid dimension where CTAs share a key block's columns (tensor cores above head_dim 128)
+            (blocks(dkdv), dkdv.column_parts), (dkdv.threads,),
+            (*shared, *arg(dk), *arg(dv), *flags, *atomic, *tail), shared_mem=dkdv.dynamic_smem)
     if dqa is None:
         bwd_dq(
             (blocks(dq_kernel), dq_kernel.column_parts), block,
