@@ -149,8 +149,8 @@ def test_return_dbias_false_runs_no_dbias_kernel(rng, device, monkeypatch):
     grads = flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numba", return_dbias=False, **kw)
     assert len(grads) == 3
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, backend="numba", **kw)
-    # dq alone (flashcupy.jax's forward mode): numba declares no DQ_ONLY, so the interface runs the
-    # whole backward (without dbias) and keeps its dq
+    # dq alone (flashcupy.jax's forward mode): the D pre-pass and the dQ kernel, no dK/dV launch
+    monkeypatch.setattr(numba_backend._kernels(), "_flash_bwd_dkdv", None)
     dq = _api.backward(dout, q, k, v, out, lse, backend="numba", dq_only=True, **kw)
     assert len(dq) == 1
     np.testing.assert_array_equal(dq[0], grads[0])

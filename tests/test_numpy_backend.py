@@ -518,7 +518,7 @@ def test_a_batch_of_short_sequences_runs_in_groups(rng, monkeypatch, case, dtype
 def test_a_dq_only_backward_gives_the_same_dq(rng, monkeypatch, shape, kw):
     """_api.backward(..., dq_only=True), flashcupy.jax's forward mode's widened backward: (dq,) alone, bit
     for bit the full backward's dq, the backend told to skip dk, dv and dbias (Problem.dq_only), into=
-    taking dq alone."""
+    taking dq alone; and the same from a backend that declares no DQ_ONLY."""
     from flashcupy import _api
     kw = dict(kw)
     lead = kw.pop("lead", None)
@@ -541,6 +541,13 @@ def test_a_dq_only_backward_gives_the_same_dq(rng, monkeypatch, shape, kw):
     assert len(got) == 1 and (q.size == 0 or np.shares_memory(got[0], into))
     assert seen == ([True, True] if shape[1] else [])
     np.testing.assert_array_equal(dq, full[0])
+    np.testing.assert_array_equal(into, full[0])
+    # a backend that declares no DQ_ONLY: the interface runs its whole backward and keeps dq
+    monkeypatch.setattr(numpy_backend, "DQ_ONLY", False)
+    seen.clear()
+    into = np.full_like(q, np.nan)
+    got = _api.backward(dout, q, k, v, out, lse, dq_only=True, into=(into,), **kw)
+    assert len(got) == 1 and not any(seen) and len(seen) == (1 if shape[1] else 0)
     np.testing.assert_array_equal(into, full[0])
 
 

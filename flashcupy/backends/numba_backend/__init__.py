@@ -66,6 +66,7 @@ NAME = "numba"
 ARRAY_LIBRARIES = ("numpy", "cupy", "numba")
 DTYPES = ("float16", "float32", "float64")  # numba has no bfloat16 arithmetic type
 MAX_HEAD_DIM = 256  # kernels.HEAD_DIM_MAX: the register accumulators are sized for it
+DQ_ONLY = True  # backward launches the D pre-pass and the dQ kernel alone where p.dq_only
 MODIFIERS = frozenset({"window", "softcap", "alibi_slopes", "bias", "mask"})  # every score modifier
 HEAD_DIM_V = True  # v's head_dim may differ from q's and k's
 DROPOUT = True  # dropout_p (kernels._dropout_factor)
@@ -356,9 +357,9 @@ def forward(p, q, k, v, _packed=None):
 
 
 def backward(p, dout, q, k, v, out, lse, _packed=None, dlse=None):
-    """dq, dk, dv (and dbias with a bias). _packed: backward_varlen's (given dq, dk, dv, the offsets'
-    arguments, the query and the key slots). dlse: the gradient of lse, or None (the pre-pass
-    subtracts it from D)."""
+    """dq, dk, dv (and dbias with a bias); (dq,) alone where p.dq_only (no dK/dV launch). _packed:
+    backward_varlen's (given dq, dk, dv, the offsets' arguments, the query and the key slots). dlse:
+    the gradient of lse, or None (the pre-pass subtracts it from D)."""
     K = _kernels()
     dq_grid, dkdv_grid = _grids(p)
     prep_grid = (_cdiv(p.seqlen_q, K.PREP_THREADS),) + dq_grid[1:]
@@ -366,7 +367,8 @@ def backward(p, dout, q, k, v, out, lse, _packed=None, dlse=None):
     (qf, qst), (kf, kst), (vf, vst), (dof, dost), (of, ost), (lf, lst) = (
         place.read(x) for x in (q, k, v, dout, out, lse))
     if _packed is None:
-        dq, dk, dv = (_Buffer(place, x.shape, p.carrier) for x in (q, k, v))
+        dq = _Buffer(place, q.shape, p.carrier)
+        dk, dv = (None, None) if p.dq_only else (_Buffer(place, x.shape, p.carrier) for x in (k, v))
     else:
         dq, dk, dv, offsets, (query_slots, key_slots) = _packed
         dq_grid, dkdv_grid = (query_slots, p.heads_q, 1), (key_slots, p.heads_kv, 1)
@@ -380,13 +382,16 @@ def backward(p, dout, q, k, v, out, lse, _packed=None, dlse=None):
     K._flash_bwd_preprocess[prep_grid, K.PREP_THREADS, place.stream](
         dof, dost, of, ost, dlf, dlst, D.flat, D.st, p.seqlen_q, p.head_dim_v)
     # dK, dV: one block per (key block, kv head, batch), over the query heads of its group
-    K._flash_bwd_dkdv[dkdv_grid, (K.BLOCK_M, K.BLOCK_N), place.stream](
-        qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dk.flat, dk.st, dv.flat, dv.st,
-        p.seqlen_q, p.seqlen_k, *common, *offsets)
+    if not p.dq_only:
+        K._flash_bwd_dkdv[dkdv_grid, (K.BLOCK_M, K.BLOCK_N), place.stream](
+            qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dk.flat, dk.st, dv.flat, dv.st,
+            p.seqlen_q, p.seqlen_k, *common, *offsets)
     # dQ: one block per (query block, query head, batch)
     K._flash_bwd_dq[dq_grid, (K.BLOCK_N, K.BLOCK_M), place.stream](
         qf, qst, kf, kst, vf, vst, dof, dost, lf, lst, D.flat, D.st, dq.flat, dq.st,
         p.seqlen_q, p.seqlen_k, *common, *offsets)
+    if p.dq_only:
+        return (dq.result(),)
     grads = dq.result(), dk.result(), dv.result()
     if not p.dbias:
         return grads
