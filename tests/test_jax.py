@@ -705,7 +705,7 @@ def test_reverse_mode_through_jvp_of_grad_and_forward_mode_refusals(rng):
     assert dbias.shape == bias.shape and np.all(np.isfinite(np.asarray(dbias)))
 
 
-def test_cupy_jvp_on_the_emulator(rng):
+def test_cupy_jvp_on_the_emulator(rng, monkeypatch):
     # the GPU path's forward mode on the CPU CUDA emulator: float16 at head dim 192, whose widened
     # backward (k with v's 192 columns and the ones) goes in four slices of 64 columns under the 256
     # limit, each twice (dO = (q_t, q) would be 384 wide: the two parts one at a time), on the
@@ -737,14 +737,16 @@ def test_cupy_jvp_on_the_emulator(rng):
                                       k[None, keys], v[None, keys],
                                       (tangents[0][None, rows], tangents[1][None, keys], tangents[2][None, keys]),
                                       backend=None, causal=True)
-    # through a bias alone: its sums from flash_probs's P (float16, GQA, a (1, 1, Sq, Sk) bias)
+    # through a bias alone: its sums from flash_probs's P (float16, GQA, a (1, 1, Sq, Sk) bias), in
+    # slices of 2 rows, each call after the last slice's sums (operands the callback does not read)
     q, k, v, _ = arrays(rng, 1, 6, 10, 4, 2, 16, np.float16)
     bias, b_t = (rng.standard_normal((1, 1, 6, 10)).astype(np.float16) for _ in range(2))
+    monkeypatch.setattr(fj, "_BIAS_TANGENT_ELEMENTS", 2 * 4 * 10)
     launches = []
     with emulated(compile=launch_records(launches)):
         _, (out_t, lse_t) = jitted_bias_jvp(causal=True, backend="cupy")(*map(to_jax, (q, k, v, bias)),
                                                                          [None, None, None, to_jax(b_t)])
-    assert any("flash_probs" in str(r) for r in launches)
+    assert sum("flash_probs" in str(r) for r in launches) == 3
     assert_tangent_matches_oracle(out_t, lse_t, q, k, v, (None, None, None, b_t), backend=None, causal=True,
                                   bias=bias)
     q = to_jax(rng.standard_normal((1, 4, 1, 256)).astype(np.float16))
