@@ -458,6 +458,11 @@ def test_leading_batch_dimensions_with_an_empty_sequence(rng, Sq, Sk):
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*map(jnp.asarray, (q, k, v, bias)))
     assert [x.shape for x in grads] == [q.shape, k.shape, v.shape, bias.shape]
     assert_matches_oracle((out, lse, *grads), q, k, v, dout, bias=bias, causal=True, backend="numpy")
+    # forward mode through q, k, v and the bias: zeros of out's and lse's shapes
+    tangents = tangents_of(rng, q, k, v, bias)
+    _, (out_t, lse_t) = jitted_bias_jvp(causal=True)(*map(to_jax, (q, k, v, bias)), list(map(to_jax, tangents)))
+    assert out_t.shape == out.shape and lse_t.shape == lse.shape
+    assert not np.asarray(out_t).any() and not np.asarray(lse_t).any()
 
 
 @pytest.mark.parametrize("head_dim_v", [3, 20])
