@@ -126,10 +126,11 @@ class SmallAndCausal(_Attention):
 
 class Modifiers:
     """The NumPy backend with a score modifier beside the same call without one (issue 13): a
-    causal sliding window (cost should grow with seqlen x window, not seqlen^2) and an additive
-    bias of shape (1, H, S, S) (target: at most 1.5x the plain call)."""
+    causal sliding window (cost should grow with seqlen x window, not seqlen^2), an additive
+    bias of shape (1, H, S, S) (target: at most 1.5x the plain call), and the same bias held constant
+    (the backward with return_dbias=False: no work on dbias)."""
 
-    params = ([1024, 4096], ["none", "causal", "causal-window-255", "bias"])
+    params = ([1024, 4096], ["none", "causal", "causal-window-255", "bias", "bias-held"])
     param_names = ["seqlen", "modifier"]
     heads, head_dim = 8, 64
     timeout = 300
@@ -139,17 +140,49 @@ class Modifiers:
         rng = np.random.default_rng(0)
         q, k, v, dout = (rng.standard_normal((1, seqlen, self.heads, self.head_dim), dtype=np.float32)
                          for _ in range(4))
+        bias = (rng.standard_normal((1, self.heads, seqlen, seqlen), dtype=np.float32) if modifier.startswith("bias")
+                else None)
         kw = {"none": {}, "causal": dict(causal=True), "causal-window-255": dict(causal=True, window=(255, None)),
-              "bias": dict(bias=rng.standard_normal((1, self.heads, seqlen, seqlen), dtype=np.float32))}[modifier]
+              "bias": dict(bias=bias), "bias-held": dict(bias=bias)}[modifier]
+        held = {"return_dbias": False} if modifier == "bias-held" else {}
         out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numpy", **kw)
         self.forward = lambda: flashcupy.attention(q, k, v, backend="numpy", **kw)
-        self.backward = lambda: flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numpy", **kw)
+        self.backward = lambda: flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numpy", **kw, **held)
 
     def time_forward(self, seqlen, modifier):
         self.forward()
 
     def time_backward(self, seqlen, modifier):
         self.backward()
+
+
+class ShortSequences:
+    """A batch of many short sequences on the NumPy backend, which runs it in groups of whole batch
+    elements (numpy_backend/packed.py): forward, backward and attention_probs (graph and
+    neural-quantum-state sizes)."""
+
+    params = ([(1000, 64, 8, 32), (2000, 16, 4, 32)], ["float32", "float64"])
+    param_names = ["batch_seqlen_heads_head_dim", "dtype"]
+    timeout = 120
+
+    def setup(self, shape, dtype):
+        import flashcupy
+        B, S, H, D = shape
+        rng = np.random.default_rng(0)
+        q, k, v, dout = (rng.standard_normal((B, S, H, D)).astype(dtype) for _ in range(4))
+        out, lse = flashcupy.attention(q, k, v, return_lse=True, backend="numpy")
+        self.forward = lambda: flashcupy.attention(q, k, v, backend="numpy")
+        self.backward = lambda: flashcupy.attention_backward(dout, q, k, v, out, lse, backend="numpy")
+        self.probs = lambda: flashcupy.attention_probs(q, k, lse, backend="numpy")
+
+    def time_forward(self, *args):
+        self.forward()
+
+    def time_backward(self, *args):
+        self.backward()
+
+    def time_attention_probs(self, *args):
+        self.probs()
 
 
 class MemoryGrowth:
