@@ -760,12 +760,11 @@ def _bias_tangent_sums(call: _Call, q, k, v, lse, bias_t, extras):
     elements each (one row at least)."""
     acc = _lse_dtype(q)
     *batch, Sq, Hq, _ = q.shape
-    Sk, Hkv = k.shape[-3], k.shape[-2]
-    alibi_slopes, bias, mask = extras[:3]
-    per_row = max(1, math.prod(batch) * Hq * Sk)
-    step = max(1, _BIAS_TANGENT_ELEMENTS // per_row)
     if Sq == 0:  # no row, no slice
         return jnp.zeros(q.shape[:-1] + (v.shape[-1],), acc), jnp.zeros(q.shape[:-1], acc)
+    Sk, Hkv = k.shape[-3], k.shape[-2]
+    alibi_slopes, bias, mask = extras[:3]
+    step = max(1, _BIAS_TANGENT_ELEMENTS // max(1, math.prod(batch) * Hq * Sk))  # rows a slice
     b = bias_t.astype(acc)
     A, mu = [], []
     for start in range(0, Sq, step):

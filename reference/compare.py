@@ -219,10 +219,11 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
         tol = {"lse": ds + gamma(Sk) + u_a * np.where(np.isfinite(lse), abs(lse), 0.0),
                "out": (np.einsum("bhqk,bhkd->bhqd", (P * (eps + eps_z + gamma(Sk)) + p_floor * seen) * z, abs(V))
                        + u_s * abs(out) + store_floor)}
+        P_bound = P * (eps + tol["lse"][..., None]) + p_floor * seen  # P recomputed from the backend's lse
     want = {"out": out, "lse": lse}
     if tangents is not None:
         _tangent_tolerance(want, tol, f, V, z, eps, eps_z, ds, p_floor, round16, store_floor, seen, tangents,
-                           softcap, dtype, u_s, gamma)
+                           softcap, dtype, u_s, gamma, P_bound)
     if dout is not None:
         t = _backward_terms(values(dout, dtype), q, k, v, causal, scale, mods, dtype, dlse, dropout)
         dO, dP, Di, dS = t["dO"], t["dP"], t["D"], t["dS"]
@@ -266,8 +267,7 @@ def expected(q, k, v, dout=None, *, causal=False, scale=None, dtype=None, window
             tol[name] = tol[name] + u_s * abs(want[name]) + store_floor
     if probs:
         want["P"] = P
-        with np.errstate(invalid="ignore"):
-            tol["P"] = P * (eps + tol["lse"][..., None]) + p_floor * seen
+        tol["P"] = P_bound
         if tangents is not None:
             _probs_tangent_tolerance(want, tol, f, tangents, dtype, softcap, gamma)
     for name in ("out", "out_t", "dq", "dk", "dv"):
@@ -291,11 +291,11 @@ def _score_products(f, q_t, k_t, dtype) -> tuple:
 
 def _probs_tangent_tolerance(want, tol, f, tangents, dtype, softcap, gamma):
     """want and tol (before SAFETY) of P_t: expected()'s attention_probs terms in forward mode, after
-    _tangent_tolerance's lse_t (mu's q and k part)."""
+    _tangent_tolerance's lse_t (mu, bias_t's part included)."""
     q_t, k_t = tangents[:2]
     bias_t = tangents[3] if len(tangents) > 3 else None
     P, Q, K, T, scale, seen = f["P"], f["Q"], f["K"], f["T"], f["scale"], f["seen"]
-    D, Sk = Q.shape[-1], K.shape[2]
+    D = Q.shape[-1]
     u_a = gamma(1)
     dP, dP_abs = _score_products(f, q_t, k_t, dtype)
     squeeze = 1.0 if T is None else 1 - T**2
@@ -314,8 +314,9 @@ def _probs_tangent_tolerance(want, tol, f, tangents, dtype, softcap, gamma):
 
 
 def _tangent_tolerance(want, tol, f, V, z, eps, eps_z, ds, p_floor, round16, store_floor, seen, tangents, softcap,
-                       dtype, u_s, gamma):
-    """want and tol (before SAFETY, heads first) of out_t and lse_t: expected()'s forward-mode terms."""
+                       dtype, u_s, gamma, P_bound):
+    """want and tol (before SAFETY, heads first) of out_t and lse_t: expected()'s forward-mode terms
+    (P_bound: that of P recomputed from the backend's lse, as expected()'s probs)."""
     q_t, k_t, v_t = tangents[:3]
     bias_t = tangents[3] if len(tangents) > 3 else None
     P, Q, K, T, scale, group = f["P"], f["Q"], f["K"], f["T"], f["scale"], f["group"]
@@ -348,7 +349,6 @@ def _tangent_tolerance(want, tol, f, V, z, eps, eps_z, ds, p_floor, round16, sto
         # mu and A have bias_t's part too, which XLA sums from P in the accumulation dtype: P from the
         # package's attention_probs (its bound as expected()'s P), times b (u_a), summed over Sk keys
         b = np.where(seen, values(bias_t, dtype), 0.0)
-        P_bound = P * (eps + tol["lse"][..., None]) + p_floor * seen
         Pb, Pb_bound = P * b, P_bound * abs(b) + gamma(Sk + 1) * P * abs(b)
         mu = mu + np.sum(Pb, axis=-1)
         mu_bound = mu_bound + np.sum(Pb_bound, axis=-1)
